@@ -1,0 +1,108 @@
+"""``python -m engine --backend vllm --model PATH``: run one engine worker.
+
+``--model default`` prepares and serves the bundled SmolLM2 (engine/model.py). Redis comes
+from ``REDIS_URL``; the key prefix from ``TOKENSPOUT_KEY_PREFIX`` (as for the gateway).
+SIGTERM or Ctrl-C drains: running generations may finish for ``--drain-s`` seconds, the rest
+end as ``cancelled`` (reason ``shutdown``), and the queue is left to other workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import time
+
+import redis.asyncio as aioredis
+
+from engine.backends.base import Backend
+from engine.contract import DEFAULT_PREFIX, Keys
+from engine.metrics import WorkerMetrics
+from engine.worker import Worker
+
+log = logging.getLogger("tokenspout.engine")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
+    parser.add_argument("--backend", choices=["vllm", "synthetic"], default="vllm")
+    parser.add_argument("--model", default="default", help="a model folder, or 'default'")
+    parser.add_argument("--served-name", default=None, help="model name shown to clients")
+    parser.add_argument("--capacity", type=int, default=None, help="concurrent generations")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--dtype", default=None, help="vLLM dtype (float32 on a CPU)")
+    parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--tokens-per-s", type=float, default=50.0, help="synthetic speed")
+    parser.add_argument("--metrics-port", type=int, default=0, help="0: no /metrics server")
+    parser.add_argument("--drain-s", type=float, default=30.0)
+    parser.add_argument("--worker-id", default=None)
+    return parser.parse_args(argv)
+
+
+def on_cpu() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def make_backend(args: argparse.Namespace) -> Backend:
+    if args.backend == "synthetic":
+        from engine.backends.synthetic import SyntheticBackend
+
+        return SyntheticBackend(args.tokens_per_s, capacity=args.capacity or 256)
+    from engine.backends.vllm_backend import VllmBackend
+    from engine.model import MODEL_NAME, prepare_default_model
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    model, served = args.model, args.served_name
+    if model == "default":
+        model, served = str(prepare_default_model()), served or MODEL_NAME
+    cpu = on_cpu()
+    return VllmBackend(
+        model,
+        served_name=served,
+        max_model_len=args.max_model_len,
+        capacity=args.capacity or (8 if cpu else 64),
+        dtype=args.dtype or ("float32" if cpu else "auto"),
+        enforce_eager=args.enforce_eager if args.enforce_eager is not None else cpu,
+    )
+
+
+async def serve(args: argparse.Namespace) -> None:
+    backend = make_backend(args)
+    began = time.monotonic()
+    log.info("starting backend %s (%s)", backend.name, backend.model)
+    await backend.start()
+    log.info("backend started in %.1f s", time.monotonic() - began)
+    metrics = WorkerMetrics()
+    if args.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port, registry=metrics.registry)
+    redis = aioredis.Redis.from_url(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    keys = Keys(os.environ.get("TOKENSPOUT_KEY_PREFIX", DEFAULT_PREFIX))
+    worker = Worker(redis, backend, keys=keys, worker_id=args.worker_id, metrics=metrics)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await worker.run(stop, drain_s=args.drain_s)
+    finally:
+        await backend.stop()
+        await redis.aclose()
+        log.info("worker stopped")
+
+
+def main(argv: list[str] | None = None) -> None:
+    from gateway.logs import configure_logging
+
+    configure_logging(os.environ.get("TOKENSPOUT_LOG_LEVEL", "INFO"), "engine")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    asyncio.run(serve(parse_args(argv)))
+
+
+if __name__ == "__main__":  # vLLM starts its engine process with spawn: keep this guard
+    main()

@@ -1,0 +1,71 @@
+"""What the worker needs from an inference engine, and nothing more.
+
+Modelled on vLLM's ``EngineClient``: ``generate`` streams deltas for one request and
+``abort`` stops it. Every backend passes the same test suite (tests/test_backends.py).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from engine.contract import GenerationRequest, SamplingParams
+
+
+class BackendError(Exception):
+    """A request the backend cannot run; ``code`` goes into the ``error`` event."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request turned into engine input: the prompt's tokens are known before it runs."""
+
+    generation_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class Delta:
+    """New output of one engine step for one request."""
+
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    finish_reason: str | None = None
+    """Set on the last delta: ``stop``, ``length`` or ``abort``."""
+
+
+class Backend(abc.ABC):
+    name: str
+    model: str
+    capacity: int
+    """How many requests it runs at once; the worker takes no more than this."""
+
+    async def start(self) -> None:  # noqa: B027 - optional hook
+        """Load the model; called once before the first request."""
+
+    async def stop(self) -> None:  # noqa: B027 - optional hook
+        """Release the model; called once at shutdown."""
+
+    @abc.abstractmethod
+    async def prepare(self, request: GenerationRequest) -> Prepared:
+        """Tokenize (chat template applied); raises ``BackendError`` for an unusable prompt."""
+
+    @abc.abstractmethod
+    def generate(self, prepared: Prepared) -> AsyncIterator[Delta]:
+        """Deltas until one carries a ``finish_reason``."""
+
+    @abc.abstractmethod
+    async def abort(self, generation_id: str) -> None:
+        """Stop a running request: its stream ends soon with ``finish_reason="abort"``."""
+
+    @abc.abstractmethod
+    def running(self) -> int:
+        """Requests the engine itself holds unfinished (not the worker's bookkeeping)."""

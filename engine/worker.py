@@ -1,0 +1,360 @@
+"""The engine worker: Redis in, backend in the middle, Redis out.
+
+- takes requests from the ``requests`` stream through the consumer group, never more than
+  the backend's capacity; acknowledges each when its generation has ended (a dead worker's
+  unacknowledged requests are taken over by the gateway's reaper);
+- publishes events through ``Publisher`` (one pipeline per engine step);
+- reads the ``cancels`` stream and aborts what it runs: the ``cancelled`` event is written at
+  once (no token of that generation reaches a client after it) and the engine aborts;
+- aborts generations nobody has read for the grace period (``abandoned``);
+- heartbeats, so gateways know it is alive (``/ready``) and what model it serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError, ResponseError
+
+from engine import contract
+from engine.backends.base import Backend, BackendError, Prepared
+from engine.contract import (
+    Cancelled,
+    CancelReason,
+    ChatMessage,
+    Done,
+    Error,
+    GenerationRequest,
+    Keys,
+    Started,
+    Token,
+    Usage,
+    WorkerInfo,
+)
+from engine.metrics import WorkerMetrics
+from engine.publisher import Publisher
+
+log = logging.getLogger("tokenspout.worker")
+_request_decoder = msgspec.json.Decoder(GenerationRequest)
+_cancel_decoder = msgspec.json.Decoder(contract.CancelSignal)
+
+HEARTBEAT_S = 1.0
+HEARTBEAT_TTL_S = 5
+ABANDON_CHECK_S = 1.0
+
+
+@dataclass
+class Job:
+    request: GenerationRequest
+    entry_id: bytes
+    started_at: float = field(default_factory=time.monotonic)
+    prompt_tokens: int = 0
+    emitted_tokens: int = 0
+    text: list[str] = field(default_factory=list)
+    cancel_reason: CancelReason | None = None
+    cancelled_at: float | None = None
+    ended: bool = False
+
+    @property
+    def generation_id(self) -> str:
+        return self.request.generation_id
+
+    @property
+    def session_id(self) -> str:
+        return self.request.session_id
+
+    def usage(self) -> Usage:
+        return Usage(self.prompt_tokens, self.emitted_tokens)
+
+
+class Worker:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        backend: Backend,
+        *,
+        keys: Keys | None = None,
+        worker_id: str | None = None,
+        events_maxlen: int = 20_000,
+        metrics: WorkerMetrics | None = None,
+    ) -> None:
+        self.redis = redis
+        self.backend = backend
+        self.keys = keys or Keys()
+        self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.metrics = metrics or WorkerMetrics()
+        self.jobs: dict[str, Job] = {}
+        self.publisher = Publisher(
+            redis, self.keys, events_maxlen=events_maxlen, on_rejected=self._on_rejected
+        )
+        self._slot_freed = asyncio.Event()
+        self._accepting = True
+        self._started_at = time.time()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event, drain_s: float = 30.0) -> None:
+        """Serve until ``stop`` is set, then drain: finish what runs (up to ``drain_s``)."""
+        await self._ensure_group()
+        await self._heartbeat_once()
+        loops = [
+            asyncio.create_task(self.publisher.run_forever(), name="publisher"),
+            asyncio.create_task(self._consume_forever(), name="consume"),
+            asyncio.create_task(self._cancels_forever(), name="cancels"),
+            asyncio.create_task(self._heartbeat_forever(), name="heartbeat"),
+            asyncio.create_task(self._abandon_forever(), name="abandon"),
+        ]
+        log.info(
+            "worker %s ready: backend=%s model=%s",
+            self.worker_id,
+            self.backend.name,
+            self.backend.model,
+        )
+        try:
+            await stop.wait()
+            await self.drain(drain_s)
+        finally:
+            for task in loops:
+                task.cancel()
+            await asyncio.gather(*loops, return_exceptions=True)
+            with contextlib.suppress(RedisError, OSError):
+                await self.redis.zrem(self.keys.workers, self.worker_id)
+                await self.redis.delete(self.keys.worker(self.worker_id))
+
+    async def drain(self, timeout_s: float) -> None:
+        """Take no new work; let running generations finish, then cancel the rest."""
+        self._accepting = False
+        log.info("draining %d running generations (up to %.0f s)", len(self.jobs), timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while self.jobs and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for job in list(self.jobs.values()):
+            await self.cancel(job.generation_id, "shutdown")
+        while self._tasks:
+            await asyncio.sleep(0.02)
+
+    async def _ensure_group(self) -> None:
+        try:
+            await self.redis.xgroup_create(
+                self.keys.requests, contract.CONSUMER_GROUP, id="0", mkstream=True
+            )
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    # --- intake --------------------------------------------------------------------------
+
+    async def _consume_forever(self) -> None:
+        while True:
+            free = self.backend.capacity - len(self.jobs)
+            if free <= 0 or not self._accepting:
+                self._slot_freed.clear()
+                await self._slot_freed.wait()
+                continue
+            try:
+                reply = await self.redis.xreadgroup(
+                    contract.CONSUMER_GROUP,
+                    self.worker_id,
+                    {self.keys.requests: ">"},
+                    count=free,
+                    block=1000,
+                )
+            except (RedisError, OSError) as exc:
+                log.warning("reading requests failed (%s); retrying", exc)
+                await asyncio.sleep(0.5)
+                continue
+            for _stream, entries in reply or []:
+                for entry_id, fields in entries:
+                    self._start(entry_id, fields)
+
+    def _start(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
+        try:
+            request = _request_decoder.decode(fields[b"r"])
+        except (KeyError, msgspec.DecodeError) as exc:
+            log.error("dropping an unreadable request %s: %s", entry_id, exc)
+            task = asyncio.create_task(self._ack(entry_id))
+        else:
+            job = Job(request, entry_id)
+            self.jobs[request.generation_id] = job
+            task = asyncio.create_task(self._run_job(job), name=request.generation_id)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _ack(self, entry_id: bytes) -> None:
+        await self.redis.xack(self.keys.requests, contract.CONSUMER_GROUP, entry_id)
+
+    # --- one generation ------------------------------------------------------------------
+
+    async def _run_job(self, job: Job) -> None:
+        gid, sid, ttl = job.generation_id, job.session_id, job.request.session_ttl_s
+        try:
+            try:
+                prepared = await self.backend.prepare(job.request)
+            except BackendError as exc:
+                await self._finish(job, Error(gid, exc.code, exc.message))
+                return
+            job.prompt_tokens = len(prepared.prompt_token_ids)
+            started = Started(gid, self.backend.model, job.prompt_tokens)
+            if await self.publisher.emit(sid, started, worker=self.worker_id, ttl_s=ttl) is None:
+                log.info("skipping %s: it ended before it started", gid)
+                return
+            self.metrics.queue_wait.observe(max(0.0, time.time() - job.request.enqueued_at))
+            if job.cancel_reason is None:
+                await self._stream(job, prepared)
+        except BackendError as exc:
+            await self._finish(job, Error(gid, exc.code, exc.message))
+        except Exception as exc:
+            log.exception("generation %s failed", gid)
+            await self._finish(job, Error(gid, "engine_error", f"{type(exc).__name__}: {exc}"))
+        finally:
+            if not job.ended and job.cancel_reason is not None:
+                await self._finish(job, Cancelled(gid, job.cancel_reason, job.usage()))
+            self.jobs.pop(gid, None)
+            self._slot_freed.set()
+            with contextlib.suppress(RedisError, OSError):
+                await self._ack(job.entry_id)
+
+    async def _stream(self, job: Job, prepared: Prepared) -> None:
+        gid, sid, ttl = job.generation_id, job.session_id, job.request.session_ttl_s
+        first = True
+        async for delta in self.backend.generate(prepared):
+            if job.cancel_reason is not None:
+                # Cancelled: the final event is out; what the engine still makes is waste.
+                self.metrics.tokens_after_cancel.inc(len(delta.token_ids))
+                continue
+            if delta.text or delta.token_ids:
+                job.emitted_tokens += len(delta.token_ids)
+                job.text.append(delta.text)
+                token = Token(gid, delta.text, job.emitted_tokens, delta.token_ids, delta.logprobs)
+                self.publisher.emit(sid, token, ttl_s=ttl)
+                if first:
+                    self.metrics.first_token(time.time() - job.request.enqueued_at)
+                    first = False
+                self.metrics.tokens.inc(len(delta.token_ids))
+            if delta.finish_reason is not None:
+                if delta.finish_reason == "abort":
+                    job.cancel_reason = job.cancel_reason or "shutdown"
+                    return
+                await self._finish(job, Done(gid, delta.finish_reason, job.usage()))
+                return
+
+    async def _finish(self, job: Job, event: contract.FinalEvent) -> None:
+        if job.ended:
+            return
+        job.ended = True
+        assistant = None
+        if not isinstance(event, Error):
+            assistant = ChatMessage("assistant", "".join(job.text))
+        await self.publisher.emit(
+            job.session_id,
+            event,
+            final=True,
+            assistant=assistant if job.request.prompt is None else None,
+            ttl_s=job.request.session_ttl_s,
+        )
+        self.metrics.generations.labels(contract.final_state(event)).inc()
+
+    # --- cancel --------------------------------------------------------------------------
+
+    async def cancel(self, generation_id: str, reason: CancelReason) -> bool:
+        """End a generation this worker runs: final event now, engine abort right after."""
+        job = self.jobs.get(generation_id)
+        if job is None or job.cancel_reason is not None:
+            return False
+        job.cancel_reason = reason
+        job.cancelled_at = time.monotonic()
+        await self._finish(job, Cancelled(generation_id, reason, job.usage()))
+        self.metrics.cancel_to_final.observe(time.monotonic() - job.cancelled_at)
+        await self.backend.abort(generation_id)
+        self.metrics.cancels.labels(reason).inc()
+        return True
+
+    def _on_rejected(self, generation_id: str) -> None:
+        # Redis refused an event: the generation was ended elsewhere (or expired). Stop it.
+        job = self.jobs.get(generation_id)
+        if job is not None and job.cancel_reason is None:
+            job.cancel_reason = "user"
+            job.ended = True
+            task = asyncio.create_task(self.backend.abort(generation_id))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _cancels_forever(self) -> None:
+        last = await self._last_cancel_id()
+        while True:
+            try:
+                reply = await self.redis.xread({self.keys.cancels: last}, count=256, block=1000)
+            except (RedisError, OSError) as exc:
+                log.warning("reading cancels failed (%s); retrying", exc)
+                await asyncio.sleep(0.5)
+                continue
+            for _stream, entries in reply or []:
+                for entry_id, fields in entries:
+                    last = entry_id.decode()
+                    signal = _cancel_decoder.decode(fields[b"c"])
+                    if signal.generation_id in self.jobs:
+                        await self.cancel(signal.generation_id, signal.reason)
+
+    async def _last_cancel_id(self) -> str:
+        while True:
+            try:
+                entries = await self.redis.xrevrange(self.keys.cancels, count=1)
+                return entries[0][0].decode() if entries else "0-0"
+            except (RedisError, OSError) as exc:
+                log.warning("reading cancels failed (%s); retrying", exc)
+                await asyncio.sleep(0.5)
+
+    async def _abandon_forever(self) -> None:
+        while True:
+            await asyncio.sleep(ABANDON_CHECK_S)
+            jobs = [job for job in self.jobs.values() if job.cancel_reason is None]
+            if not jobs:
+                continue
+            try:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for job in jobs:
+                        pipe.exists(self.keys.watch(job.session_id))
+                    watched = await pipe.execute()
+            except (RedisError, OSError) as exc:
+                log.warning("checking readers failed (%s)", exc)
+                continue
+            for job, is_watched in zip(jobs, watched, strict=True):
+                if not is_watched:
+                    log.info("aborting %s: nobody is reading it", job.generation_id)
+                    await self.cancel(job.generation_id, "abandoned")
+
+    # --- heartbeat -----------------------------------------------------------------------
+
+    async def _heartbeat_forever(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            try:
+                await self._heartbeat_once()
+            except (RedisError, OSError) as exc:
+                log.warning("heartbeat failed (%s)", exc)
+
+    async def _heartbeat_once(self) -> None:
+        info = WorkerInfo(
+            worker_id=self.worker_id,
+            backend=self.backend.name,
+            model=self.backend.model,
+            capacity=self.backend.capacity,
+            running=self.backend.running(),
+            started_at=self._started_at,
+        )
+        self.metrics.engine_running.set(self.backend.running())
+        now = time.time()
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(self.keys.worker(self.worker_id), contract.encode(info), ex=HEARTBEAT_TTL_S)
+            pipe.zadd(self.keys.workers, {self.worker_id: now})
+            pipe.zremrangebyscore(self.keys.workers, "-inf", now - 3600)
+            await pipe.execute()

@@ -1,0 +1,1 @@
+"""tokenspout's gateway: a stateless Litestar app that relays LLM tokens through Redis."""

@@ -1,0 +1,145 @@
+"""The Litestar application: resources in one lifespan, routes, and the error table."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import redis.asyncio as aioredis
+from litestar import Litestar, Request, Response
+from litestar.config.cors import CORSConfig
+from litestar.di import Provide
+from litestar.exceptions import HTTPException, ValidationException
+from litestar.openapi import OpenAPIConfig
+from litestar.static_files import create_static_files_router
+from litestar.types import ControllerRouterHandler
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from engine.contract import Keys
+from gateway.errors import BadRequest, ErrorBody, ErrorEnvelope, GatewayError, Unavailable
+from gateway.relay import RelayHub
+from gateway.routes import ROUTES
+from gateway.sessions import SessionStore
+from gateway.settings import Settings
+from gateway.watchdog import Reaper, refresh_watches
+
+log = logging.getLogger("tokenspout.gateway")
+
+REDIS_POOL_SIZE = 64
+"""Connections per gateway process for commands (the relay adds one pub/sub connection)."""
+
+
+class Services:
+    """What the lifespan opens; handed to handlers through dependency injection."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.redis = aioredis.Redis(
+            connection_pool=aioredis.BlockingConnectionPool.from_url(
+                settings.redis_url,
+                max_connections=REDIS_POOL_SIZE,
+                timeout=5,
+                socket_keepalive=True,
+                health_check_interval=10,
+            ),
+            retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=3),
+            retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        )
+        self.keys = Keys(settings.key_prefix)
+        self.store = SessionStore(self.redis, settings)
+        self.hub = RelayHub(self.redis, self.keys, settings.stream_buffer_events)
+        self.reaper = Reaper(
+            self.redis,
+            self.keys,
+            settings.worker_timeout_s,
+            settings.events_maxlen,
+            settings.session_ttl_s,
+        )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, _: Litestar) -> AsyncIterator[None]:
+        await self.hub.start()
+        tasks = [
+            asyncio.create_task(
+                refresh_watches(self.store, self.hub, self.settings.abandon_grace_s / 3)
+            ),
+            asyncio.create_task(self.reaper.run_forever()),
+        ]
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.hub.stop()
+            await self.redis.aclose()
+
+
+def _error_response(error: GatewayError) -> Response[ErrorEnvelope]:
+    return Response(error.body(), status_code=error.status, headers=error.headers())
+
+
+def handle_gateway_error(_: Request, exc: GatewayError) -> Response[ErrorEnvelope]:
+    return _error_response(exc)
+
+
+def handle_validation_error(_: Request, exc: ValidationException) -> Response[ErrorEnvelope]:
+    details = exc.extra if isinstance(exc.extra, list) else []
+    first = details[0] if details and isinstance(details[0], dict) else {}
+    field = first.get("key") or None
+    message = first.get("message") or exc.detail
+    return _error_response(BadRequest(f"{message}", field=field))
+
+
+def handle_http_error(_: Request, exc: HTTPException) -> Response[ErrorEnvelope]:
+    status = 422 if exc.status_code == 400 else exc.status_code
+    code = {413: "too_large", 404: "not_found", 405: "method_not_allowed"}.get(
+        status, "invalid_request" if status == 422 else "http_error"
+    )
+    body = ErrorEnvelope(ErrorBody(code=code, message=str(exc.detail)))
+    return Response(body, status_code=status, headers=exc.headers)
+
+
+def handle_redis_error(_: Request, exc: RedisError) -> Response[ErrorEnvelope]:
+    log.warning("redis error while handling a request: %s", exc)
+    return _error_response(Unavailable("Redis is unavailable; try again", retry_after_s=1))
+
+
+def create_app(settings: Settings | None = None) -> Litestar:
+    settings = settings or Settings.from_env()
+    services = Services(settings)
+    handlers: list[ControllerRouterHandler] = list(ROUTES)
+    web_dir = Path(settings.web_dir)
+    if web_dir.is_dir():
+        handlers.append(
+            create_static_files_router(
+                path="/", directories=[web_dir], html_mode=True, include_in_schema=False
+            )
+        )
+    origins = settings.cors_origin_list()
+    return Litestar(
+        route_handlers=handlers,
+        lifespan=[services.lifespan],
+        dependencies={
+            "settings": Provide(lambda: services.settings, sync_to_thread=False),
+            "store": Provide(lambda: services.store, sync_to_thread=False),
+            "hub": Provide(lambda: services.hub, sync_to_thread=False),
+        },
+        exception_handlers={
+            GatewayError: handle_gateway_error,
+            ValidationException: handle_validation_error,
+            HTTPException: handle_http_error,
+            RedisError: handle_redis_error,
+        },
+        request_max_body_size=settings.max_body_bytes,
+        cors_config=CORSConfig(allow_origins=origins) if origins else None,
+        openapi_config=OpenAPIConfig(title="tokenspout", version="0.1.0", path="/schema"),
+        logging_config=None,
+    )

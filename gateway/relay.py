@@ -1,0 +1,307 @@
+"""One Redis reader per gateway process, fanned out to every open stream in it.
+
+Engines append each event to the session's stream and publish the same event on the
+session's live channel in one script (engine/contract.py). The hub holds one pub/sub
+connection for the whole process; each ``Feed`` (one per open SSE stream, WebSocket
+subscription or API request) gets live events pushed into a small bounded buffer.
+
+Redis is the source of truth, the live channel only a shortcut: a feed that opens, resumes,
+falls behind (its buffer overflows because the client reads slowly) or loses the pub/sub
+connection simply re-reads the stream from its last delivered id. That gives ordered,
+gap-free, duplicate-free delivery with bounded memory per reader and a constant number of
+Redis connections per process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import NamedTuple
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.asyncio.client import PubSub
+from redis.exceptions import RedisError
+
+from engine.contract import TERMINAL_EVENTS, FinalEvent, Keys
+from gateway.errors import GatewayError
+
+log = logging.getLogger("tokenspout.relay")
+
+CATCH_UP_PAGE = 256
+LIVE_ONLY = "$"
+_final_decoder = msgspec.json.Decoder(FinalEvent)
+
+
+class EventsExpired(GatewayError):
+    status = 410
+    ws_close_code = 4410
+    default_code = "events_expired"
+
+
+class RelayEvent(NamedTuple):
+    id: str
+    type: str
+    generation_id: str
+    data: bytes
+
+    @property
+    def is_final(self) -> bool:
+        return self.type in TERMINAL_EVENTS
+
+
+def _id_key(event_id: str) -> tuple[int, int]:
+    ms, _, seq = event_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+class Feed:
+    """Events of one session after a given id, delivered in order, each exactly once."""
+
+    def __init__(self, hub: RelayHub, session_id: str, after_id: str | None) -> None:
+        self.hub = hub
+        self.session_id = session_id
+        self.last_id = after_id
+        self._last_key = _id_key(after_id) if after_id and after_id != LIVE_ONLY else (0, 0)
+        self._buffer: deque[RelayEvent] = deque()
+        self._lagging = True
+        self._ready = False
+        self._wakeup = asyncio.Event()
+
+    # called by the hub, in the reader task
+
+    def _push(self, event: RelayEvent) -> None:
+        if self._lagging:
+            return  # the next catch-up read gets it from the stream
+        self._buffer.append(event)
+        if len(self._buffer) > self.hub.buffer_limit:
+            self._fall_behind()
+        self._wakeup.set()
+
+    def _fall_behind(self) -> None:
+        self._lagging = True
+        self._buffer.clear()
+        self._wakeup.set()
+
+    def _set_ready(self, ready: bool) -> None:
+        self._ready = ready
+        self._fall_behind()
+
+    # called by the transport
+
+    async def next_batch(self, timeout: float) -> list[RelayEvent]:
+        """The next events in order; an empty list when ``timeout`` passes with none."""
+        while True:
+            if self._lagging and self._ready:
+                resolving_live = self.last_id == LIVE_ONLY
+                events = await self._catch_up()
+                if events or resolving_live:
+                    return events
+                continue
+            if self._buffer and not self._lagging:
+                events = [event for event in self._buffer if _id_key(event.id) > self._last_key]
+                self._buffer.clear()
+                if events:
+                    self._advance(events[-1].id)
+                    return events
+                continue
+            self._wakeup.clear()
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), timeout)
+            except TimeoutError:
+                return []
+
+    async def _catch_up(self) -> list[RelayEvent]:
+        # Live events that arrive while the stream is read land in the buffer; any that
+        # overlap with the read are dropped by id, so nothing is lost or repeated.
+        self._lagging = False
+        self._buffer.clear()
+        if self.last_id == LIVE_ONLY:
+            self._advance(await self.hub.last_event_id(self.session_id) or "0-0")
+            return []
+        page = await self.hub.read_after(self.session_id, self.last_id)
+        if len(page) >= CATCH_UP_PAGE:
+            self._lagging = True
+        if page:
+            self._advance(page[-1].id)
+        return page
+
+    def _advance(self, event_id: str) -> None:
+        self.last_id = event_id
+        self._last_key = _id_key(event_id)
+
+    async def events(self, heartbeat_s: float) -> AsyncIterator[list[RelayEvent]]:
+        """Batches forever; an empty batch every ``heartbeat_s`` while nothing happens."""
+        while True:
+            yield await self.next_batch(heartbeat_s)
+
+
+class RelayHub:
+    """The process-wide reader: one pub/sub connection, any number of feeds."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, buffer_limit: int) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.buffer_limit = buffer_limit
+        self._pubsub: PubSub = redis.pubsub()
+        self._feeds: dict[str, set[Feed]] = {}
+        self._confirmed: set[str] = set()
+        self._reader: asyncio.Task[None] | None = None
+        self._subscribed = asyncio.Event()
+
+    @property
+    def open_feeds(self) -> int:
+        return sum(len(feeds) for feeds in self._feeds.values())
+
+    def watched_sessions(self) -> list[str]:
+        return [self.keys.session_id_of_channel(channel) for channel in self._feeds]
+
+    async def start(self) -> None:
+        self._reader = asyncio.create_task(self._read_forever(), name="relay-reader")
+
+    async def stop(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+        await self._pubsub.aclose()
+
+    @contextlib.asynccontextmanager
+    async def open(self, session_id: str, after_id: str | None = None) -> AsyncIterator[Feed]:
+        """A feed of the session's events after ``after_id`` (None: from the first kept,
+        ``"$"``: only new ones)."""
+        feed = Feed(self, session_id, after_id)
+        channel = self.keys.live_channel(session_id)
+        feeds = self._feeds.setdefault(channel, set())
+        feeds.add(feed)
+        try:
+            if channel in self._confirmed:
+                feed._set_ready(True)
+            elif len(feeds) == 1:
+                await self._pubsub.subscribe(channel)
+                self._subscribed.set()
+            yield feed
+        finally:
+            feeds.discard(feed)
+            if not feeds:
+                del self._feeds[channel]
+                self._confirmed.discard(channel)
+                with contextlib.suppress(RedisError, OSError):
+                    await self._pubsub.unsubscribe(channel)
+
+    async def read_after(self, session_id: str, after_id: str | None) -> list[RelayEvent]:
+        start = "-" if after_id is None else f"({after_id}"
+        entries = await self.redis.xrange(
+            self.keys.events(session_id), min=start, count=CATCH_UP_PAGE
+        )
+        return [
+            RelayEvent(
+                entry_id.decode(),
+                fields[b"t"].decode(),
+                fields[b"g"].decode(),
+                fields[b"d"],
+            )
+            for entry_id, fields in entries
+        ]
+
+    async def last_event_id(self, session_id: str) -> str | None:
+        entries = await self.redis.xrevrange(self.keys.events(session_id), count=1)
+        return entries[0][0].decode() if entries else None
+
+    async def wait_final(
+        self, session_id: str, generation_id: str, timeout: float
+    ) -> FinalEvent | None:
+        """The generation's final event, waiting up to ``timeout`` for it to happen."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        async with self.open(session_id, LIVE_ONLY) as feed:
+            looked_up = False
+            while (remaining := deadline - loop.time()) > 0:
+                for event in await feed.next_batch(remaining):
+                    if event.generation_id == generation_id and event.is_final:
+                        return _final_decoder.decode(event.data)
+                if not looked_up and feed.last_id != LIVE_ONLY:
+                    # Subscribed: a final event from now on reaches the feed, and one
+                    # from before is in the generation's hash.
+                    looked_up = True
+                    key = self.keys.generation(session_id, generation_id)
+                    stored = await self.redis.hget(key, "final")
+                    if stored is not None:
+                        return _final_decoder.decode(stored)
+        return None
+
+    async def check_resumable(self, session_id: str, after_id: str | None) -> None:
+        """Raise ``EventsExpired`` when events after ``after_id`` are no longer kept."""
+        if after_id not in (None, LIVE_ONLY):
+            await self._check_not_trimmed(session_id, after_id)
+
+    async def _check_not_trimmed(self, session_id: str, after_id: str) -> None:
+        try:
+            _id_key(after_id)
+        except ValueError:
+            raise EventsExpired(f"{after_id!r} is not an event id", code="bad_event_id") from None
+        try:
+            info = await self.redis.xinfo_stream(self.keys.events(session_id))
+        except RedisError as exc:
+            if "no such key" in str(exc).lower():
+                return
+            raise
+        deleted = info.get("max-deleted-entry-id")
+        if deleted is not None:
+            deleted_id = deleted.decode() if isinstance(deleted, bytes) else str(deleted)
+            if _id_key(deleted_id) > _id_key(after_id):
+                raise EventsExpired(
+                    f"events after {after_id} were trimmed; reload the session history"
+                )
+
+    async def _read_forever(self) -> None:
+        backoff = 0.05
+        while True:
+            try:
+                if not self._pubsub.subscribed:
+                    if self._feeds:
+                        await self._resubscribe()
+                    else:
+                        await self._subscribed.wait()
+                        self._subscribed.clear()
+                    continue
+                message = await self._pubsub.get_message(timeout=1.0)
+                backoff = 0.05
+                if message is not None:
+                    self._dispatch(message)
+            except (RedisError, OSError) as exc:
+                # Pub/sub lost: every feed re-reads the stream once resubscribed.
+                log.warning("relay pub/sub connection lost (%s); reconnecting", exc)
+                self._confirmed.clear()
+                for feeds in self._feeds.values():
+                    for feed in feeds:
+                        feed._set_ready(False)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                with contextlib.suppress(RedisError, OSError):
+                    await self._pubsub.aclose()
+                self._pubsub = self.redis.pubsub()
+
+    async def _resubscribe(self) -> None:
+        await self._pubsub.subscribe(*self._feeds)
+
+    def _dispatch(self, message: dict[str, object]) -> None:
+        kind = message["type"]
+        channel = message["channel"]
+        channel = channel.decode() if isinstance(channel, bytes) else str(channel)
+        if kind == "message":
+            data = message["data"]
+            assert isinstance(data, bytes)
+            event_id, event_type, generation_id, payload = data.split(b" ", 3)
+            event = RelayEvent(
+                event_id.decode(), event_type.decode(), generation_id.decode(), payload
+            )
+            for feed in self._feeds.get(channel, ()):
+                feed._push(event)
+        elif kind == "subscribe" and channel in self._feeds:
+            self._confirmed.add(channel)
+            for feed in self._feeds[channel]:
+                feed._set_ready(True)

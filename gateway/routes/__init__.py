@@ -1,0 +1,10 @@
+"""Every transport's routes; each module owns one transport."""
+
+from __future__ import annotations
+
+from litestar.types import ControllerRouterHandler
+
+from gateway.routes.health import health, ready
+from gateway.routes.sessions import SessionController
+
+ROUTES: list[ControllerRouterHandler] = [health, ready, SessionController]

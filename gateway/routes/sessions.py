@@ -1,0 +1,177 @@
+"""The session API: create a session, post messages, read its event stream over SSE, cancel.
+
+EventSource can only GET and cannot send headers, so the session token is also accepted as
+``?token=`` and the resume point as ``?last_event_id=`` (besides the ``Last-Event-ID`` header).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+import msgspec
+from litestar import Controller, Request, get, post
+from litestar.params import Parameter
+from litestar.response import Stream
+
+from engine.contract import ChatMessage, FinalEvent, final_state
+from gateway import sse
+from gateway.relay import RelayHub
+from gateway.sessions import SessionStore
+from gateway.settings import Settings
+
+
+class MessageIn(msgspec.Struct, forbid_unknown_fields=True):
+    content: str
+    max_tokens: int | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None
+    stop: Annotated[list[str], msgspec.Meta(max_length=8)] | None = None
+    seed: int | None = None
+
+
+class SessionCreated(msgspec.Struct):
+    session_id: str
+    token: str
+    events_url: str
+
+
+class GenerationAccepted(msgspec.Struct):
+    generation_id: str
+    session_id: str
+    events_url: str
+    cancel_url: str
+    duplicate: bool = False
+
+
+class SessionView(msgspec.Struct):
+    session_id: str
+    messages: list[ChatMessage]
+
+
+class CancelResult(msgspec.Struct):
+    generation_id: str
+    state: str
+    final: FinalEvent | None = None
+
+
+TokenQuery = Annotated[str | None, Parameter(query="token", required=False)]
+TokenHeader = Annotated[str | None, Parameter(header="X-Session-Token", required=False)]
+
+
+def session_token(request: Request, query: str | None, header: str | None) -> str | None:
+    if header:
+        return header
+    authorization = request.headers.get("authorization", "")
+    if authorization.lower().startswith("bearer "):
+        return authorization[7:].strip()
+    return query
+
+
+class SessionController(Controller):
+    path = "/v1/sessions"
+    tags = ["sessions"]
+
+    @post("/", status_code=201, summary="Create a session")
+    async def create(self, store: SessionStore) -> SessionCreated:
+        created = await store.create_session()
+        return SessionCreated(
+            created.session_id, created.token, f"/v1/sessions/{created.session_id}/events"
+        )
+
+    @get("/{session_id:str}", summary="The session's messages")
+    async def read(
+        self,
+        request: Request,
+        store: SessionStore,
+        session_id: str,
+        token: TokenQuery,
+        x_session_token: TokenHeader,
+    ) -> SessionView:
+        await store.authorise(session_id, session_token(request, token, x_session_token))
+        return SessionView(session_id, await store.history(session_id))
+
+    @post("/{session_id:str}/messages", status_code=202, summary="Send a message")
+    async def send(
+        self,
+        request: Request,
+        store: SessionStore,
+        session_id: str,
+        data: MessageIn,
+        token: TokenQuery,
+        x_session_token: TokenHeader,
+        idempotency_key: Annotated[
+            str | None, Parameter(header="Idempotency-Key", required=False, max_length=128)
+        ],
+    ) -> GenerationAccepted:
+        await store.authorise(session_id, session_token(request, token, x_session_token))
+        params = store.sampling(
+            max_tokens=data.max_tokens,
+            temperature=data.temperature,
+            top_p=data.top_p,
+            top_k=data.top_k,
+            stop=data.stop,
+            seed=data.seed,
+        )
+        submitted = await store.submit_message(session_id, data.content, params, idempotency_key)
+        gid = submitted.generation_id
+        return GenerationAccepted(
+            generation_id=gid,
+            session_id=session_id,
+            events_url=f"/v1/sessions/{session_id}/events",
+            cancel_url=f"/v1/sessions/{session_id}/generations/{gid}/cancel",
+            duplicate=submitted.queued_event_id is None,
+        )
+
+    @get("/{session_id:str}/events", summary="The session's events (text/event-stream)")
+    async def events(
+        self,
+        request: Request,
+        store: SessionStore,
+        hub: RelayHub,
+        settings: Settings,
+        session_id: str,
+        token: TokenQuery,
+        x_session_token: TokenHeader,
+        last_event_id: Annotated[str | None, Parameter(query="last_event_id", required=False)],
+        last_event_id_header: Annotated[
+            str | None, Parameter(header="Last-Event-ID", required=False)
+        ],
+    ) -> Stream:
+        await store.authorise(session_id, session_token(request, token, x_session_token))
+        after = last_event_id_header or last_event_id or None
+        await hub.check_resumable(session_id, after)
+
+        async def chunks() -> AsyncIterator[bytes]:
+            yield sse.retry(settings.sse_retry_ms)
+            async with hub.open(session_id, after) as feed:
+                async for batch in feed.events(settings.sse_heartbeat_s):
+                    yield sse.session_frames(batch) if batch else sse.HEARTBEAT
+
+        return sse.response(chunks())
+
+    @post(
+        "/{session_id:str}/generations/{generation_id:str}/cancel",
+        status_code=200,
+        summary="Stop a generation (idempotent)",
+    )
+    async def cancel(
+        self,
+        request: Request,
+        store: SessionStore,
+        hub: RelayHub,
+        settings: Settings,
+        session_id: str,
+        generation_id: str,
+        token: TokenQuery,
+        x_session_token: TokenHeader,
+    ) -> CancelResult:
+        await store.authorise(session_id, session_token(request, token, x_session_token))
+        outcome = await store.cancel(session_id, generation_id)
+        final = outcome.final
+        if final is None:
+            final = await hub.wait_final(session_id, generation_id, settings.cancel_wait_s)
+        if final is None:
+            return CancelResult(generation_id, outcome.state)
+        return CancelResult(generation_id, final_state(final), final)

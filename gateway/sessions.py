@@ -1,0 +1,312 @@
+"""Sessions and generations in Redis: create, authorise, submit, cancel.
+
+With ``relay.py`` this is the only gateway code that talks to Redis. Every transport (SSE,
+WebSocket, OpenAI, TGI, OIP) goes through ``SessionStore``, so they all share one set of
+limits, one queue and one cancel path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import time
+from typing import Any
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from engine import contract
+from engine.contract import (
+    Cancelled,
+    CancelReason,
+    CancelSignal,
+    ChatMessage,
+    FinalEvent,
+    GenerationRequest,
+    Keys,
+    Queued,
+    SamplingParams,
+    Usage,
+)
+from gateway.errors import BadRequest, Conflict, Forbidden, NotFound, Overloaded, Unavailable
+from gateway.settings import Settings
+
+_final_decoder = msgspec.json.Decoder(contract.FinalEvent)
+_message_decoder = msgspec.json.Decoder(ChatMessage)
+
+STATELESS_TTL_S = 600
+"""Lifetime of the throwaway session behind one stateless API request."""
+
+
+class CreatedSession(msgspec.Struct, frozen=True):
+    session_id: str
+    token: str
+
+
+class Submitted(msgspec.Struct, frozen=True):
+    generation_id: str
+    session_id: str
+    queued_event_id: str | None
+    """None when an Idempotency-Key matched an earlier submission."""
+
+
+class CancelOutcome(msgspec.Struct, frozen=True):
+    generation_id: str
+    state: str
+    """``cancelled``, ``done`` or ``error`` when final; ``cancelling`` while the worker aborts."""
+    final: FinalEvent | None = None
+
+
+def _digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def new_id(kind: str) -> str:
+    return f"{kind}_{secrets.token_urlsafe(16)}"
+
+
+class SessionStore:
+    def __init__(self, redis: aioredis.Redis, settings: Settings) -> None:
+        self.redis = redis
+        self.settings = settings
+        self.keys = Keys(settings.key_prefix)
+        self._submit = redis.register_script(contract.SUBMIT_SCRIPT)
+        self._cancel = redis.register_script(contract.CANCEL_SCRIPT)
+
+    # --- sessions ------------------------------------------------------------------------
+
+    async def create_session(self) -> CreatedSession:
+        session_id, token = new_id("s"), secrets.token_urlsafe(32)
+        meta = self.keys.meta(session_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(meta, mapping={"token": _digest(token), "created": time.time()})
+            pipe.expire(meta, self.settings.session_ttl_s)
+            await pipe.execute()
+        return CreatedSession(session_id, token)
+
+    async def authorise(self, session_id: str, token: str | None) -> None:
+        """404 for an unknown session, 403 for a missing or wrong token."""
+        stored = await self.redis.hget(self.keys.meta(session_id), "token")
+        if stored is None:
+            raise NotFound(f"no session {session_id!r}", code="unknown_session")
+        expected = stored.decode() if isinstance(stored, bytes) else str(stored)
+        if token is None or not hmac.compare_digest(expected, _digest(token)):
+            raise Forbidden("a valid session token is required", code="bad_session_token")
+
+    async def history(self, session_id: str) -> list[ChatMessage]:
+        raw = await self.redis.lrange(self.keys.history(session_id), 0, -1)
+        return [_message_decoder.decode(item) for item in raw]
+
+    # --- generations ---------------------------------------------------------------------
+
+    def sampling(self, **given: Any) -> SamplingParams:
+        """Sampling parameters with the gateway's defaults and limits applied."""
+        params = {key: value for key, value in given.items() if value is not None}
+        max_tokens = params.setdefault("max_tokens", self.settings.default_max_tokens)
+        if not 1 <= max_tokens <= self.settings.max_tokens_limit:
+            raise BadRequest(
+                f"max_tokens must be between 1 and {self.settings.max_tokens_limit}",
+                field="max_tokens",
+            )
+        try:
+            return msgspec.convert(params, SamplingParams)
+        except msgspec.ValidationError as exc:
+            raise BadRequest(str(exc)) from exc
+
+    async def submit_message(
+        self,
+        session_id: str,
+        content: str,
+        params: SamplingParams,
+        idempotency_key: str | None = None,
+    ) -> Submitted:
+        """Append a user message to the session and queue the reply."""
+        self._check_content(content)
+        message = contract.encode(ChatMessage("user", content)).decode()
+        return await self._submit_to_session(session_id, message, params, idempotency_key)
+
+    async def submit_stateless(
+        self,
+        params: SamplingParams,
+        messages: list[ChatMessage] | None = None,
+        prompt: str | None = None,
+    ) -> Submitted:
+        """Queue one generation in a throwaway session (the OpenAI/TGI/OIP adapters)."""
+        for message in messages or []:
+            self._check_content(message.content, allow_empty=True)
+        if prompt is not None:
+            self._check_content(prompt)
+        session_id = new_id("s")
+        meta = self.keys.meta(session_id)
+        await self.redis.hset(meta, mapping={"stateless": 1, "created": time.time()})
+        await self.redis.expire(meta, STATELESS_TTL_S)
+        return await self._submit_to_session(
+            session_id, "", params, None, messages=messages, prompt=prompt, ttl=STATELESS_TTL_S
+        )
+
+    async def _submit_to_session(
+        self,
+        session_id: str,
+        user_message: str,
+        params: SamplingParams,
+        idempotency_key: str | None,
+        *,
+        messages: list[ChatMessage] | None = None,
+        prompt: str | None = None,
+        ttl: int | None = None,
+    ) -> Submitted:
+        await self._guard_capacity()
+        keys, generation_id = self.keys, new_id("g")
+        idem_key = keys.idempotency(session_id, idempotency_key) if idempotency_key else ""
+        reply = await self._submit(
+            keys=[
+                keys.meta(session_id),
+                keys.history(session_id),
+                keys.active(session_id),
+                keys.generation(session_id, generation_id),
+                keys.events(session_id),
+                keys.watch(session_id),
+                idem_key,
+            ],
+            args=[
+                keys.live_channel(session_id),
+                self.settings.events_maxlen,
+                ttl or self.settings.session_ttl_s,
+                generation_id,
+                user_message,
+                time.time(),
+                self.settings.max_history_messages,
+                max(1, int(self.settings.abandon_grace_s)),
+                contract.encode(Queued(generation_id)),
+            ],
+        )
+        outcome = reply[0].decode()
+        if outcome == "missing":
+            raise NotFound(f"no session {session_id!r}", code="unknown_session")
+        if outcome == "duplicate":
+            return Submitted(reply[1].decode(), session_id, None)
+        if outcome == "busy":
+            raise Conflict(
+                f"generation {reply[1].decode()} is still running in this session",
+                code="generation_running",
+            )
+        if outcome == "history_full":
+            raise BadRequest(
+                f"the session holds {self.settings.max_history_messages} messages; "
+                "start a new session",
+                code="history_full",
+            )
+        history = [_message_decoder.decode(item) for item in reply[2:]]
+        request = GenerationRequest(
+            generation_id=generation_id,
+            session_id=session_id,
+            params=params,
+            messages=messages if messages is not None else history,
+            prompt=prompt,
+            enqueued_at=time.time(),
+            session_ttl_s=ttl or self.settings.session_ttl_s,
+        )
+        await self.redis.xadd(
+            keys.requests,
+            {"r": contract.encode(request)},
+            maxlen=self.settings.max_inflight * 20,
+            approximate=True,
+        )
+        return Submitted(generation_id, session_id, reply[1].decode())
+
+    def _check_content(self, content: str, *, allow_empty: bool = False) -> None:
+        if not content.strip() and not allow_empty:
+            raise BadRequest("content must not be empty", field="content")
+        if len(content) > self.settings.max_message_chars:
+            raise BadRequest(
+                f"content is longer than {self.settings.max_message_chars} characters",
+                code="message_too_long",
+                field="content",
+            )
+
+    async def _guard_capacity(self) -> None:
+        """429 past the global in-flight limit, 503 when no worker is alive."""
+        inflight = await self.inflight()
+        if inflight >= self.settings.max_inflight:
+            raise Overloaded(
+                f"{inflight} generations are in flight (limit {self.settings.max_inflight})",
+                retry_after_s=1,
+            )
+
+    async def inflight(self) -> int:
+        """Queued (not yet delivered) plus running (delivered, not acknowledged) requests."""
+        try:
+            groups = await self.redis.xinfo_groups(self.keys.requests)
+        except RedisError as exc:
+            if "no such key" in str(exc).lower():
+                return 0
+            raise
+        for group in groups:
+            name = group["name"]
+            if (name.decode() if isinstance(name, bytes) else name) == contract.CONSUMER_GROUP:
+                return int(group.get("lag") or 0) + int(group["pending"])
+        return int(await self.redis.xlen(self.keys.requests))
+
+    async def cancel(
+        self, session_id: str, generation_id: str, reason: CancelReason = "user"
+    ) -> CancelOutcome:
+        """Stop a generation wherever it runs; idempotent (a final one reports its end)."""
+        keys = self.keys
+        cancelled = Cancelled(generation_id, reason, Usage(0, 0))
+        reply = await self._cancel(
+            keys=[
+                keys.generation(session_id, generation_id),
+                keys.events(session_id),
+                keys.active(session_id),
+            ],
+            args=[
+                keys.live_channel(session_id),
+                self.settings.events_maxlen,
+                self.settings.session_ttl_s,
+                generation_id,
+                reason,
+                contract.encode(cancelled),
+            ],
+        )
+        outcome = reply[0].decode()
+        if outcome == "unknown":
+            raise NotFound(f"no generation {generation_id!r}", code="unknown_generation")
+        if outcome == "final":
+            final = _final_decoder.decode(reply[2])
+            return CancelOutcome(generation_id, contract.final_state(final), final)
+        if outcome == "cancelled":
+            return CancelOutcome(generation_id, "cancelled", cancelled)
+        signal = CancelSignal(generation_id, session_id, reason)
+        await self.redis.xadd(
+            keys.cancels, {"c": contract.encode(signal)}, maxlen=10_000, approximate=True
+        )
+        return CancelOutcome(generation_id, "cancelling")
+
+    async def generation_final(self, session_id: str, generation_id: str) -> FinalEvent | None:
+        raw = await self.redis.hget(self.keys.generation(session_id, generation_id), "final")
+        return None if raw is None else _final_decoder.decode(raw)
+
+    async def mark_watched(self, session_ids: list[str]) -> None:
+        """Tell workers these sessions have a reader (see abandonment in engine/worker.py)."""
+        ttl = max(1, int(self.settings.abandon_grace_s))
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for session_id in session_ids:
+                pipe.set(self.keys.watch(session_id), 1, ex=ttl)
+            await pipe.execute()
+
+    async def live_workers(self) -> list[contract.WorkerInfo]:
+        since = time.time() - self.settings.worker_timeout_s
+        worker_ids = await self.redis.zrangebyscore(self.keys.workers, since, "+inf")
+        if not worker_ids:
+            return []
+        raw = await self.redis.mget([self.keys.worker(w.decode()) for w in worker_ids])
+        decoder = msgspec.json.Decoder(contract.WorkerInfo)
+        return [decoder.decode(item) for item in raw if item is not None]
+
+    async def ping(self) -> None:
+        try:
+            await self.redis.ping()
+        except (RedisError, OSError) as exc:
+            raise Unavailable(f"Redis is unreachable: {exc}", code="redis_unavailable") from exc

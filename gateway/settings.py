@@ -1,0 +1,127 @@
+"""The gateway's configuration: one object, read from the environment once at start-up.
+
+Every field is ``TOKENSPOUT_<NAME>`` in the environment (``REDIS_URL`` has no prefix).
+``python -m gateway.settings`` prints the table that docs/configuration.md holds; a test keeps
+the two in step.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+
+ENV_PREFIX = "TOKENSPOUT_"
+UNPREFIXED = frozenset({"redis_url"})
+_D = msgspec.Meta
+
+
+class Settings(msgspec.Struct, frozen=True, kw_only=True):
+    redis_url: Annotated[str, _D(description="Redis to keep sessions in.")] = (
+        "redis://127.0.0.1:6379/0"
+    )
+    key_prefix: Annotated[str, _D(description="Prefix of every Redis key.")] = "ts1"
+    session_ttl_s: Annotated[
+        int, _D(ge=60, description="Idle lifetime of a session's keys (refreshed on use).")
+    ] = 86_400
+    events_maxlen: Annotated[
+        int, _D(ge=100, description="Events kept per session stream (older ones trimmed).")
+    ] = 20_000
+    max_history_messages: Annotated[
+        int, _D(ge=2, description="Messages one session may hold; past it, 422.")
+    ] = 200
+    max_message_chars: Annotated[
+        int, _D(ge=1, description="Longest accepted message content, in characters.")
+    ] = 32_000
+    max_body_bytes: Annotated[
+        int, _D(ge=1024, description="Largest accepted request body; past it, 413.")
+    ] = 262_144
+    max_tokens_limit: Annotated[
+        int, _D(ge=1, description="Highest max_tokens a request may ask for.")
+    ] = 4_096
+    default_max_tokens: Annotated[
+        int, _D(ge=1, description="max_tokens when a request names none.")
+    ] = 256
+    max_inflight: Annotated[
+        int,
+        _D(ge=1, description="Queued plus running generations, all workers; past it, 429."),
+    ] = 256
+    abandon_grace_s: Annotated[
+        float, _D(gt=0, description="A generation nobody reads for this long is aborted.")
+    ] = 30.0
+    sse_heartbeat_s: Annotated[
+        float, _D(gt=0, description="Seconds between SSE heartbeat comments when idle.")
+    ] = 15.0
+    sse_retry_ms: Annotated[
+        int, _D(ge=0, description="Reconnect delay suggested to EventSource clients.")
+    ] = 1_000
+    stream_buffer_events: Annotated[
+        int,
+        _D(ge=8, description="Events buffered per slow reader before it re-reads Redis."),
+    ] = 512
+    worker_timeout_s: Annotated[
+        float, _D(gt=0, description="A worker silent this long is dead; its work ends.")
+    ] = 5.0
+    cancel_wait_s: Annotated[
+        float, _D(ge=0, description="How long a cancel request waits for the final event.")
+    ] = 5.0
+    api_keys: Annotated[
+        str, _D(description="Comma-separated Bearer keys for the API endpoints; empty: open.")
+    ] = ""
+    api_keys_file: Annotated[
+        str, _D(description="A file with one Bearer key per line (added to api_keys).")
+    ] = ""
+    cors_origins: Annotated[
+        str, _D(description="Comma-separated origins allowed by CORS; empty: same origin only.")
+    ] = ""
+    web_dir: Annotated[str, _D(description="Folder of the static web chat served at /.")] = str(
+        Path(__file__).resolve().parent.parent / "web"
+    )
+    log_level: Annotated[str, _D(description="DEBUG, INFO, WARNING or ERROR.")] = "INFO"
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> Settings:
+        env = os.environ if environ is None else environ
+        raw: dict[str, Any] = {}
+        for name in cls.__struct_fields__:
+            key = name.upper() if name in UNPREFIXED else ENV_PREFIX + name.upper()
+            if key in env:
+                raw[name] = env[key]
+        return msgspec.convert(raw, cls, strict=False)
+
+    def api_key_set(self) -> frozenset[str]:
+        keys = {key.strip() for key in self.api_keys.split(",") if key.strip()}
+        if self.api_keys_file:
+            lines = Path(self.api_keys_file).read_text().splitlines()
+            keys.update(line.strip() for line in lines if line.strip())
+        return frozenset(keys)
+
+    def cors_origin_list(self) -> list[str]:
+        return [origin.strip() for origin in self.cors_origins.split(",") if origin.strip()]
+
+
+def env_name(field: str) -> str:
+    return field.upper() if field in UNPREFIXED else ENV_PREFIX + field.upper()
+
+
+def markdown_table() -> str:
+    """The configuration table, as docs/configuration.md shows it."""
+    info = msgspec.inspect.type_info(Settings)
+    assert isinstance(info, msgspec.inspect.StructType)
+    rows = ["| variable | default | meaning |", "| --- | --- | --- |"]
+    defaults = Settings()
+    for field in info.fields:
+        description = getattr(field.type, "extra", None) or {}
+        meaning = getattr(field.type, "description", None) or description.get("description", "")
+        default = getattr(defaults, field.name)
+        if field.name == "web_dir":
+            default = "<repo>/web"
+        rows.append(f"| `{env_name(field.name)}` | `{default!s}` | {meaning} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(markdown_table())

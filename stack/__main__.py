@@ -1,0 +1,98 @@
+"""``python -m stack`` (``make run``): the whole product on this machine.
+
+Starts an embedded Redis (unless ``REDIS_URL`` is set), one engine worker (vLLM on the
+bundled SmolLM2 by default), and the gateway, which also serves the web chat. Ctrl-C stops
+everything; the embedded Redis keeps no data (nothing is written to disk) unless
+``--persist DIR`` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from stack import processes
+from stack.redis_server import EmbeddedRedis
+
+
+def say(message: str) -> None:
+    print(f"[tokenspout] {message}", file=sys.stderr, flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m stack", description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
+    parser.add_argument("--backend", choices=["vllm", "synthetic"], default="vllm")
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--persist", type=Path, default=None, help="keep Redis data here")
+    args = parser.parse_args()
+
+    redis: EmbeddedRedis | None = None
+    children: list[subprocess.Popen[bytes]] = []
+    stopping = False
+
+    def request_stop(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+    try:
+        url = os.environ.get("REDIS_URL")
+        if url is None:
+            redis = EmbeddedRedis(data_dir=args.persist, persist=args.persist is not None)
+            redis.start()
+            url = redis.url
+            say(f"embedded Redis (valkey) on {url}")
+        env = {"REDIS_URL": url}
+        began = time.monotonic()
+        say(f"starting the engine worker ({args.backend}, model {args.model})")
+        engine = processes.engine(["--backend", args.backend, "--model", args.model], env)
+        children.append(engine)
+        say(f"starting the gateway on http://{args.host}:{args.port}")
+        gateway = processes.spawn(
+            ["-m", "gateway", "--host", args.host, "--port", str(args.port)], env
+        )
+        children.append(gateway)
+        base = f"http://{args.host}:{args.port}"
+        processes.wait_http(f"{base}/health", gateway, 60)
+        say("waiting for the engine to load the model (vLLM on a CPU: about a minute)")
+        deadline = time.monotonic() + 900
+        while not stopping and time.monotonic() < deadline:
+            try:
+                processes.wait_http(f"{base}/ready", engine, 5)
+                break
+            except TimeoutError:
+                say(f"  still loading ({time.monotonic() - began:.0f} s)")
+        if not stopping:
+            say(f"ready in {time.monotonic() - began:.0f} s")
+            print(f"\n  tokenspout is running: {base}\n", flush=True)
+            print(
+                f"  try:  curl -N {base}/v1/chat/completions -H 'content-type: application/json'"
+                ' -d \'{"model":"any","stream":true,"messages":[{"role":"user",'
+                '"content":"Hi"}]}\'',
+                flush=True,
+            )
+            print("  stop: Ctrl-C\n", flush=True)
+        while not stopping and all(child.poll() is None for child in children):
+            time.sleep(0.2)
+        for child in children:
+            if child.poll() is not None and not stopping:
+                say(f"{child.args[1:3]} exited with {child.returncode}; stopping")
+    finally:
+        say("stopping")
+        for child in reversed(children):
+            processes.stop(child)
+        if redis is not None:
+            redis.cleanup()
+        say("stopped")
+
+
+if __name__ == "__main__":
+    main()

