@@ -26,7 +26,7 @@ below touches one slot only.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, cast
 
 import msgspec
 
@@ -160,7 +160,28 @@ def encode(obj: msgspec.Struct) -> bytes:
 
 
 def decode_event(data: bytes | str) -> SessionEvent:
-    return _event_decoder.decode(data)
+    event: SessionEvent = _event_decoder.decode(data)
+    return event
+
+
+# --- Redis replies (redis-py types them loosely; both sides read them through these) ---
+
+StreamEntry = tuple[bytes, dict[bytes, bytes]]
+
+
+def text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def entries_of(reply: object) -> list[StreamEntry]:
+    """Entries of an XRANGE/XREVRANGE/XCLAIM reply."""
+    return cast(list[StreamEntry], reply or [])
+
+
+def read_entries(reply: object) -> list[StreamEntry]:
+    """Entries of an XREAD/XREADGROUP reply, all streams together."""
+    streams = cast(list[tuple[bytes, list[StreamEntry]]], reply or [])
+    return [entry for _stream, entries in streams for entry in entries]
 
 
 def final_state(event: FinalEvent) -> GenerationState:

@@ -172,9 +172,8 @@ class Worker:
                 log.warning("reading requests failed (%s); retrying", exc)
                 await asyncio.sleep(0.5)
                 continue
-            for _stream, entries in reply or []:
-                for entry_id, fields in entries:
-                    self._start(entry_id, fields)
+            for entry_id, fields in contract.read_entries(reply):
+                self._start(entry_id, fields)
 
     def _start(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
         try:
@@ -297,17 +296,18 @@ class Worker:
                 log.warning("reading cancels failed (%s); retrying", exc)
                 await asyncio.sleep(0.5)
                 continue
-            for _stream, entries in reply or []:
-                for entry_id, fields in entries:
-                    last = entry_id.decode()
-                    signal = _cancel_decoder.decode(fields[b"c"])
-                    if signal.generation_id in self.jobs:
-                        await self.cancel(signal.generation_id, signal.reason)
+            for entry_id, fields in contract.read_entries(reply):
+                last = entry_id.decode()
+                signal = _cancel_decoder.decode(fields[b"c"])
+                if signal.generation_id in self.jobs:
+                    await self.cancel(signal.generation_id, signal.reason)
 
     async def _last_cancel_id(self) -> str:
         while True:
             try:
-                entries = await self.redis.xrevrange(self.keys.cancels, count=1)
+                entries = contract.entries_of(
+                    await self.redis.xrevrange(self.keys.cancels, count=1)
+                )
                 return entries[0][0].decode() if entries else "0-0"
             except (RedisError, OSError) as exc:
                 log.warning("reading cancels failed (%s); retrying", exc)

@@ -7,6 +7,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import redis.asyncio as aioredis
 from litestar import Litestar, Request, Response
@@ -31,6 +32,7 @@ from gateway.settings import Settings
 from gateway.watchdog import Reaper, refresh_watches
 
 log = logging.getLogger("tokenspout.gateway")
+AnyRequest = Request[Any, Any, Any]
 
 REDIS_POOL_SIZE = 64
 """Connections per gateway process for commands (the relay adds one pub/sub connection)."""
@@ -86,11 +88,11 @@ def _error_response(error: GatewayError) -> Response[ErrorEnvelope]:
     return Response(error.body(), status_code=error.status, headers=error.headers())
 
 
-def handle_gateway_error(_: Request, exc: GatewayError) -> Response[ErrorEnvelope]:
+def handle_gateway_error(_: AnyRequest, exc: GatewayError) -> Response[ErrorEnvelope]:
     return _error_response(exc)
 
 
-def handle_validation_error(_: Request, exc: ValidationException) -> Response[ErrorEnvelope]:
+def handle_validation_error(_: AnyRequest, exc: ValidationException) -> Response[ErrorEnvelope]:
     details = exc.extra if isinstance(exc.extra, list) else []
     first = details[0] if details and isinstance(details[0], dict) else {}
     field = first.get("key") or None
@@ -98,7 +100,7 @@ def handle_validation_error(_: Request, exc: ValidationException) -> Response[Er
     return _error_response(BadRequest(f"{message}", field=field))
 
 
-def handle_http_error(_: Request, exc: HTTPException) -> Response[ErrorEnvelope]:
+def handle_http_error(_: AnyRequest, exc: HTTPException) -> Response[ErrorEnvelope]:
     status = 422 if exc.status_code == 400 else exc.status_code
     code = {413: "too_large", 404: "not_found", 405: "method_not_allowed"}.get(
         status, "invalid_request" if status == 422 else "http_error"
@@ -107,7 +109,7 @@ def handle_http_error(_: Request, exc: HTTPException) -> Response[ErrorEnvelope]
     return Response(body, status_code=status, headers=exc.headers)
 
 
-def handle_redis_error(_: Request, exc: RedisError) -> Response[ErrorEnvelope]:
+def handle_redis_error(_: AnyRequest, exc: RedisError) -> Response[ErrorEnvelope]:
     log.warning("redis error while handling a request: %s", exc)
     return _error_response(Unavailable("Redis is unavailable; try again", retry_after_s=1))
 

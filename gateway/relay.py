@@ -26,6 +26,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.client import PubSub
 from redis.exceptions import RedisError
 
+from engine import contract
 from engine.contract import TERMINAL_EVENTS, FinalEvent, Keys
 from gateway.errors import GatewayError
 
@@ -34,6 +35,11 @@ log = logging.getLogger("tokenspout.relay")
 CATCH_UP_PAGE = 256
 LIVE_ONLY = "$"
 _final_decoder = msgspec.json.Decoder(FinalEvent)
+
+
+def decode_final(data: bytes | str) -> FinalEvent:
+    final: FinalEvent = _final_decoder.decode(data)
+    return final
 
 
 class EventsExpired(GatewayError):
@@ -167,7 +173,7 @@ class RelayHub:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
-        await self._pubsub.aclose()
+        await self._pubsub.aclose()  # type: ignore[no-untyped-call]
 
     @contextlib.asynccontextmanager
     async def open(self, session_id: str, after_id: str | None = None) -> AsyncIterator[Feed]:
@@ -194,8 +200,8 @@ class RelayHub:
 
     async def read_after(self, session_id: str, after_id: str | None) -> list[RelayEvent]:
         start = "-" if after_id is None else f"({after_id}"
-        entries = await self.redis.xrange(
-            self.keys.events(session_id), min=start, count=CATCH_UP_PAGE
+        entries = contract.entries_of(
+            await self.redis.xrange(self.keys.events(session_id), min=start, count=CATCH_UP_PAGE)
         )
         return [
             RelayEvent(
@@ -208,7 +214,9 @@ class RelayHub:
         ]
 
     async def last_event_id(self, session_id: str) -> str | None:
-        entries = await self.redis.xrevrange(self.keys.events(session_id), count=1)
+        entries = contract.entries_of(
+            await self.redis.xrevrange(self.keys.events(session_id), count=1)
+        )
         return entries[0][0].decode() if entries else None
 
     async def wait_final(
@@ -222,7 +230,7 @@ class RelayHub:
             while (remaining := deadline - loop.time()) > 0:
                 for event in await feed.next_batch(remaining):
                     if event.generation_id == generation_id and event.is_final:
-                        return _final_decoder.decode(event.data)
+                        return decode_final(event.data)
                 if not looked_up and feed.last_id != LIVE_ONLY:
                     # Subscribed: a final event from now on reaches the feed, and one
                     # from before is in the generation's hash.
@@ -230,7 +238,7 @@ class RelayHub:
                     key = self.keys.generation(session_id, generation_id)
                     stored = await self.redis.hget(key, "final")
                     if stored is not None:
-                        return _final_decoder.decode(stored)
+                        return decode_final(stored)
         return None
 
     async def check_resumable(self, session_id: str, after_id: str | None) -> None:
@@ -282,7 +290,7 @@ class RelayHub:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
                 with contextlib.suppress(RedisError, OSError):
-                    await self._pubsub.aclose()
+                    await self._pubsub.aclose()  # type: ignore[no-untyped-call]
                 self._pubsub = self.redis.pubsub()
 
     async def _resubscribe(self) -> None:

@@ -31,9 +31,9 @@ from engine.contract import (
     Usage,
 )
 from gateway.errors import BadRequest, Conflict, Forbidden, NotFound, Overloaded, Unavailable
+from gateway.relay import decode_final
 from gateway.settings import Settings
 
-_final_decoder = msgspec.json.Decoder(contract.FinalEvent)
 _message_decoder = msgspec.json.Decoder(ChatMessage)
 
 STATELESS_TTL_S = 600
@@ -182,14 +182,15 @@ class SessionStore:
                 contract.encode(Queued(generation_id)),
             ],
         )
-        outcome = reply[0].decode()
+        reply = [contract.text(item) for item in reply]
+        outcome = reply[0]
         if outcome == "missing":
             raise NotFound(f"no session {session_id!r}", code="unknown_session")
         if outcome == "duplicate":
-            return Submitted(reply[1].decode(), session_id, None)
+            return Submitted(reply[1], session_id, None)
         if outcome == "busy":
             raise Conflict(
-                f"generation {reply[1].decode()} is still running in this session",
+                f"generation {reply[1]} is still running in this session",
                 code="generation_running",
             )
         if outcome == "history_full":
@@ -214,7 +215,7 @@ class SessionStore:
             maxlen=self.settings.max_inflight * 20,
             approximate=True,
         )
-        return Submitted(generation_id, session_id, reply[1].decode())
+        return Submitted(generation_id, session_id, reply[1])
 
     def _check_content(self, content: str, *, allow_empty: bool = False) -> None:
         if not content.strip() and not allow_empty:
@@ -270,11 +271,11 @@ class SessionStore:
                 contract.encode(cancelled),
             ],
         )
-        outcome = reply[0].decode()
+        outcome = contract.text(reply[0])
         if outcome == "unknown":
             raise NotFound(f"no generation {generation_id!r}", code="unknown_generation")
         if outcome == "final":
-            final = _final_decoder.decode(reply[2])
+            final = decode_final(reply[2])
             return CancelOutcome(generation_id, contract.final_state(final), final)
         if outcome == "cancelled":
             return CancelOutcome(generation_id, "cancelled", cancelled)
@@ -286,7 +287,7 @@ class SessionStore:
 
     async def generation_final(self, session_id: str, generation_id: str) -> FinalEvent | None:
         raw = await self.redis.hget(self.keys.generation(session_id, generation_id), "final")
-        return None if raw is None else _final_decoder.decode(raw)
+        return None if raw is None else decode_final(raw)
 
     async def mark_watched(self, session_ids: list[str]) -> None:
         """Tell workers these sessions have a reader (see abandonment in engine/worker.py)."""
@@ -301,7 +302,7 @@ class SessionStore:
         worker_ids = await self.redis.zrangebyscore(self.keys.workers, since, "+inf")
         if not worker_ids:
             return []
-        raw = await self.redis.mget([self.keys.worker(w.decode()) for w in worker_ids])
+        raw = await self.redis.mget([self.keys.worker(contract.text(w)) for w in worker_ids])
         decoder = msgspec.json.Decoder(contract.WorkerInfo)
         return [decoder.decode(item) for item in raw if item is not None]
 

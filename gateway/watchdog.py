@@ -69,7 +69,7 @@ class Reaper:
         if await self.redis.set(self.keys.reaper_lock, self._owner, nx=True, px=lock_ms):
             return True
         holder = await self.redis.get(self.keys.reaper_lock)
-        if holder is not None and holder.decode() == self._owner:
+        if holder is not None and contract.text(holder) == self._owner:
             await self.redis.pexpire(self.keys.reaper_lock, lock_ms)
             return True
         return False
@@ -87,21 +87,21 @@ class Reaper:
         if not pending:
             return 0
         alive = await self._live_worker_ids()
-        dead = [entry for entry in pending if entry["consumer"].decode() not in alive]
+        dead = [entry for entry in pending if contract.text(entry["consumer"]) not in alive]
         for entry in dead:
-            await self._take_over(entry["message_id"])
+            await self._take_over(contract.text(entry["message_id"]))
         return len(dead)
 
     async def _live_worker_ids(self) -> set[str]:
         since = time.time() - self.worker_timeout_s
         ids = await self.redis.zrangebyscore(self.keys.workers, since, "+inf")
-        return {worker_id.decode() for worker_id in ids}
+        return {contract.text(worker_id) for worker_id in ids}
 
-    async def _take_over(self, message_id: bytes) -> None:
+    async def _take_over(self, message_id: bytes | str) -> None:
         claimed = await self.redis.xclaim(
             self.keys.requests, contract.CONSUMER_GROUP, self._owner, 0, [message_id]
         )
-        for entry_id, fields in claimed:
+        for entry_id, fields in contract.entries_of(claimed):
             if not fields:
                 continue  # trimmed away meanwhile
             request = _request_decoder.decode(fields[b"r"])

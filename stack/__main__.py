@@ -84,7 +84,7 @@ def main() -> None:
             time.sleep(0.2)
         for child in children:
             if child.poll() is not None and not stopping:
-                say(f"{child.args[1:3]} exited with {child.returncode}; stopping")
+                say(f"{child.args!r} exited with {child.returncode}; stopping")
     finally:
         say("stopping")
         for child in reversed(children):

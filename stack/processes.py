@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -52,7 +53,7 @@ def wait_http(
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"{process.args} exited with {process.returncode}")
+            raise RuntimeError(f"{process.args!r} exited with {process.returncode}")
         try:
             with urllib.request.urlopen(url, timeout=1) as response:
                 if response.status == expect:
@@ -82,8 +83,6 @@ def stop(process: subprocess.Popen[bytes], timeout_s: float = 15.0) -> None:
 
 def kill(process: subprocess.Popen[bytes]) -> None:
     """SIGKILL at once, as a crash would."""
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     process.wait()

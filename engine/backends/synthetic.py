@@ -20,7 +20,37 @@ from collections.abc import AsyncIterator
 from engine.backends.base import Backend, BackendError, Delta, Prepared
 from engine.contract import GenerationRequest
 
-FILLER = ["The", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "while", "streams", "of", "tokens", "flow", "through", "Redis", "to", "every", "reader", "in", "order,", "and", "nothing", "is", "lost", "when", "a", "network", "drops."]
+FILLER = [
+    "The",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "the",
+    "lazy",
+    "dog",
+    "while",
+    "streams",
+    "of",
+    "tokens",
+    "flow",
+    "through",
+    "Redis",
+    "to",
+    "every",
+    "reader",
+    "in",
+    "order,",
+    "and",
+    "nothing",
+    "is",
+    "lost",
+    "when",
+    "a",
+    "network",
+    "drops.",
+]
 _FAULT = re.compile(r"\[\[(fail|stall|crash)(?::(\d+))?\]\]")
 
 

@@ -7,10 +7,11 @@ EventSource can only GET and cannot send headers, so the session token is also a
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
-from litestar import Controller, Request, get, post
+from litestar import Controller, get, post
+from litestar.connection import Request
 from litestar.params import Parameter
 from litestar.response import Stream
 
@@ -19,6 +20,8 @@ from gateway import sse
 from gateway.relay import RelayHub
 from gateway.sessions import SessionStore
 from gateway.settings import Settings
+
+AnyRequest = Request[Any, Any, Any]
 
 
 class MessageIn(msgspec.Struct, forbid_unknown_fields=True):
@@ -60,7 +63,7 @@ TokenQuery = Annotated[str | None, Parameter(query="token", required=False)]
 TokenHeader = Annotated[str | None, Parameter(header="X-Session-Token", required=False)]
 
 
-def session_token(request: Request, query: str | None, header: str | None) -> str | None:
+def session_token(request: AnyRequest, query: str | None, header: str | None) -> str | None:
     if header:
         return header
     authorization = request.headers.get("authorization", "")
@@ -83,7 +86,7 @@ class SessionController(Controller):
     @get("/{session_id:str}", summary="The session's messages")
     async def read(
         self,
-        request: Request,
+        request: AnyRequest,
         store: SessionStore,
         session_id: str,
         token: TokenQuery,
@@ -95,7 +98,7 @@ class SessionController(Controller):
     @post("/{session_id:str}/messages", status_code=202, summary="Send a message")
     async def send(
         self,
-        request: Request,
+        request: AnyRequest,
         store: SessionStore,
         session_id: str,
         data: MessageIn,
@@ -127,7 +130,7 @@ class SessionController(Controller):
     @get("/{session_id:str}/events", summary="The session's events (text/event-stream)")
     async def events(
         self,
-        request: Request,
+        request: AnyRequest,
         store: SessionStore,
         hub: RelayHub,
         settings: Settings,
@@ -158,7 +161,7 @@ class SessionController(Controller):
     )
     async def cancel(
         self,
-        request: Request,
+        request: AnyRequest,
         store: SessionStore,
         hub: RelayHub,
         settings: Settings,
