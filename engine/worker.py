@@ -119,10 +119,15 @@ class Worker:
             self.backend.name,
             self.backend.model,
         )
+        stopping = asyncio.create_task(stop.wait(), name="stop")
         try:
-            await stop.wait()
+            done, _ = await asyncio.wait([stopping, *loops], return_when=asyncio.FIRST_COMPLETED)
+            for task in done - {stopping}:
+                # A loop that ends on its own is a bug: fail loudly rather than idle on.
+                raise RuntimeError(f"worker loop {task.get_name()} ended") from task.exception()
             await self.drain(drain_s)
         finally:
+            stopping.cancel()
             for task in loops:
                 task.cancel()
             await asyncio.gather(*loops, return_exceptions=True)
@@ -168,6 +173,13 @@ class Worker:
                     count=free,
                     block=1000,
                 )
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                log.warning("the consumer group is gone (Redis lost its data?); recreating it")
+                with contextlib.suppress(RedisError, OSError):
+                    await self._ensure_group()
+                continue
             except (RedisError, OSError) as exc:
                 log.warning("reading requests failed (%s); retrying", exc)
                 await asyncio.sleep(0.5)

@@ -33,6 +33,7 @@ from gateway.errors import GatewayError
 log = logging.getLogger("tokenspout.relay")
 
 CATCH_UP_PAGE = 256
+RETRY_S = 0.25
 LIVE_ONLY = "$"
 _final_decoder = msgspec.json.Decoder(FinalEvent)
 
@@ -46,6 +47,14 @@ class EventsExpired(GatewayError):
     status = 410
     ws_close_code = 4410
     default_code = "events_expired"
+
+
+class SessionLost(GatewayError):
+    """The session's keys vanished while a reader was attached (Redis lost its data)."""
+
+    status = 410
+    ws_close_code = 4410
+    default_code = "session_lost"
 
 
 class RelayEvent(NamedTuple):
@@ -76,6 +85,7 @@ class Feed:
         self._lagging = True
         self._ready = False
         self._wakeup = asyncio.Event()
+        self._recovering = False
 
     # called by the hub, in the reader task
 
@@ -93,6 +103,8 @@ class Feed:
         self._wakeup.set()
 
     def _set_ready(self, ready: bool) -> None:
+        if not ready:
+            self._recovering = True
         self._ready = ready
         self._fall_behind()
 
@@ -103,7 +115,14 @@ class Feed:
         while True:
             if self._lagging and self._ready:
                 resolving_live = self.last_id == LIVE_ONLY
-                events = await self._catch_up()
+                try:
+                    events = await self._catch_up()
+                except (RedisError, OSError) as exc:
+                    # Redis is away: keep the client (heartbeats) and try again shortly.
+                    log.warning("catch-up read for %s failed: %s", self.session_id, exc)
+                    self._lagging = True
+                    await asyncio.sleep(min(timeout, RETRY_S))
+                    return []
                 if events or resolving_live:
                     return events
                 continue
@@ -129,6 +148,12 @@ class Feed:
             self._advance(await self.hub.last_event_id(self.session_id) or "0-0")
             return []
         page = await self.hub.read_after(self.session_id, self.last_id)
+        if self._recovering:
+            # Back from a lost connection: if Redis lost the session, say so instead of
+            # waiting for events that will never come.
+            self._recovering = False
+            if not page and not await self.hub.session_exists(self.session_id):
+                raise SessionLost("the session's data was lost (Redis restarted without it)")
         if len(page) >= CATCH_UP_PAGE:
             self._lagging = True
         if page:
@@ -212,6 +237,9 @@ class RelayHub:
             )
             for entry_id, fields in entries
         ]
+
+    async def session_exists(self, session_id: str) -> bool:
+        return bool(await self.redis.exists(self.keys.meta(session_id)))
 
     async def last_event_id(self, session_id: str) -> str | None:
         entries = contract.entries_of(

@@ -88,6 +88,16 @@ class EmbeddedRedis:
                 self.process.wait()
         self.process = None
 
+    def kill(self, wipe: bool = False) -> None:
+        """SIGKILL, as a crash would; ``wipe`` also deletes what it had on disk."""
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+            self.process = None
+        if wipe:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+            self.data_dir.mkdir(parents=True)
+
     def cleanup(self) -> None:
         self.stop()
         if self._own_dir:

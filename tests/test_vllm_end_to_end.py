@@ -21,8 +21,9 @@ async def test_vllm_streams_a_coherent_answer_and_the_second_turn_sees_the_first
         assert ready.json()["workers"][0]["model"] == "SmolLM2-135M-Instruct"
 
         session = await create_session(client, base)
-        first = await send(client, session, "What is the capital of France?",
-                           max_tokens=24, temperature=0)
+        first = await send(
+            client, session, "What is the capital of France?", max_tokens=24, temperature=0
+        )
         reading = await read_events(client, session, until_final_of=first, timeout_s=300)
         tokens = [e for e in reading.of(first) if e.event == "token"]
         answer = reading.text(first)
@@ -34,10 +35,16 @@ async def test_vllm_streams_a_coherent_answer_and_the_second_turn_sees_the_first
         assert done["usage"]["completion_tokens"] == tokens[-1].json()["count"]
         first_prompt = next(e.json() for e in reading.of(first) if e.event == "started")
 
-        second = await send(client, session, "And of Italy? Answer with one word.",
-                            max_tokens=12, temperature=0)
-        more = await read_events(client, session, until_final_of=second,
-                                 last_event_id=reading.events[-1].id, timeout_s=300)
+        second = await send(
+            client, session, "And of Italy? Answer with one word.", max_tokens=12, temperature=0
+        )
+        more = await read_events(
+            client,
+            session,
+            until_final_of=second,
+            last_event_id=reading.events[-1].id,
+            timeout_s=300,
+        )
         started = next(e.json() for e in more.of(second) if e.event == "started")
         # The second prompt holds the first question and its answer.
         grown = started["prompt_tokens"] - first_prompt["prompt_tokens"]
@@ -45,7 +52,8 @@ async def test_vllm_streams_a_coherent_answer_and_the_second_turn_sees_the_first
         assert more.final(second).event == "done"
         assert more.text(second).strip()
 
-        history = (await client.get(f"{base}/v1/sessions/{session.session_id}",
-                                    headers=session.headers)).json()["messages"]
+        history = (
+            await client.get(f"{base}/v1/sessions/{session.session_id}", headers=session.headers)
+        ).json()["messages"]
         assert [m["role"] for m in history] == ["user", "assistant", "user", "assistant"]
         assert history[1]["content"] == answer
