@@ -109,6 +109,11 @@ def handle_http_error(_: AnyRequest, exc: HTTPException) -> Response[ErrorEnvelo
     return Response(body, status_code=status, headers=exc.headers)
 
 
+def handle_nesting_error(_: AnyRequest, exc: RecursionError) -> Response[ErrorEnvelope]:
+    # Litestar decodes JSON bodies before validating them; absurd nesting ends up here.
+    return _error_response(BadRequest("the JSON body is nested too deeply", code="too_deep"))
+
+
 def handle_redis_error(_: AnyRequest, exc: RedisError) -> Response[ErrorEnvelope]:
     log.warning("redis error while handling a request: %s", exc)
     return _error_response(Unavailable("Redis is unavailable; try again", retry_after_s=1))
@@ -139,6 +144,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
             ValidationException: handle_validation_error,
             HTTPException: handle_http_error,
             RedisError: handle_redis_error,
+            RecursionError: handle_nesting_error,
         },
         request_max_body_size=settings.max_body_bytes,
         cors_config=CORSConfig(allow_origins=origins) if origins else None,
