@@ -74,6 +74,8 @@ class GenerationRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     enqueued_at: float = 0.0
     session_ttl_s: int = 86_400
     """Lifetime the session's keys get when the generation ends (set by the gateway)."""
+    events_maxlen: int = 20_000
+    """Cap of the session's event stream (the gateway's TOKENSPOUT_EVENTS_MAXLEN)."""
     v: int = WIRE_VERSION
 
 

@@ -32,6 +32,8 @@ class _Pending:
     worker: str
     assistant: bytes
     ttl_s: int
+    maxlen: int
+    ack: bytes | None
     done: asyncio.Future[str | None]
 
 
@@ -41,12 +43,10 @@ class Publisher:
         redis: aioredis.Redis,
         keys: Keys,
         *,
-        events_maxlen: int,
         on_rejected: Callable[[str], None],
     ) -> None:
         self.redis = redis
         self.keys = keys
-        self.events_maxlen = events_maxlen
         self.on_rejected = on_rejected
         """Called with a generation id whose event Redis refused (it already ended)."""
         self._script = redis.register_script(contract.EMIT_SCRIPT)
@@ -61,11 +61,17 @@ class Publisher:
         event: SessionEvent,
         *,
         ttl_s: int,
+        maxlen: int,
         final: bool = False,
         worker: str = "",
         assistant: contract.ChatMessage | None = None,
+        ack: bytes | None = None,
     ) -> asyncio.Future[str | None]:
-        """Queue an event; the future resolves to its stream id, or None if refused."""
+        """Queue an event; the future resolves to its stream id, or None if refused.
+
+        ``ack``: the request's entry id, acknowledged right after the final event in the
+        same round trip, so "in flight" (gateway/sessions.py) drops the moment it ends.
+        """
         future: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
         self._queue.append(
             _Pending(
@@ -77,6 +83,8 @@ class Publisher:
                 worker,
                 contract.encode(assistant) if assistant is not None else b"",
                 ttl_s,
+                maxlen,
+                ack,
                 future,
             )
         )
@@ -121,7 +129,7 @@ class Publisher:
                     ],
                     args=[
                         keys.live_channel(sid),
-                        self.events_maxlen,
+                        p.maxlen,
                         p.ttl_s,
                         p.event_type,
                         gid,
@@ -132,7 +140,13 @@ class Publisher:
                     ],
                     client=pipe,
                 )
-            results: list[object] = await pipe.execute()
+                if p.ack is not None:
+                    pipe.xack(keys.requests, contract.CONSUMER_GROUP, p.ack)
+            replies: list[object] = await pipe.execute()
         self.pipelines += 1
         self.events += len(batch)
+        results, position = [], 0
+        for p in batch:  # one reply per event; skip the acknowledgements
+            results.append(replies[position])
+            position += 2 if p.ack is not None else 1
         return results

@@ -62,6 +62,7 @@ class Job:
     cancel_reason: CancelReason | None = None
     cancelled_at: float | None = None
     ended: bool = False
+    acked: bool = False
 
     @property
     def generation_id(self) -> str:
@@ -83,7 +84,6 @@ class Worker:
         *,
         keys: Keys | None = None,
         worker_id: str | None = None,
-        events_maxlen: int = 20_000,
         metrics: WorkerMetrics | None = None,
     ) -> None:
         self.redis = redis
@@ -92,9 +92,7 @@ class Worker:
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.metrics = metrics or WorkerMetrics()
         self.jobs: dict[str, Job] = {}
-        self.publisher = Publisher(
-            redis, self.keys, events_maxlen=events_maxlen, on_rejected=self._on_rejected
-        )
+        self.publisher = Publisher(redis, self.keys, on_rejected=self._on_rejected)
         self._slot_freed = asyncio.Event()
         self._accepting = True
         self._started_at = time.time()
@@ -206,7 +204,7 @@ class Worker:
     # --- one generation ------------------------------------------------------------------
 
     async def _run_job(self, job: Job) -> None:
-        gid, sid, ttl = job.generation_id, job.session_id, job.request.session_ttl_s
+        gid = job.generation_id
         try:
             try:
                 prepared = await self.backend.prepare(job.request)
@@ -215,7 +213,7 @@ class Worker:
                 return
             job.prompt_tokens = len(prepared.prompt_token_ids)
             started = Started(gid, self.backend.model, job.prompt_tokens)
-            if await self.publisher.emit(sid, started, worker=self.worker_id, ttl_s=ttl) is None:
+            if await self._emit(job, started, worker=self.worker_id) is None:
                 log.info("skipping %s: it ended before it started", gid)
                 return
             self.metrics.queue_wait.observe(max(0.0, time.time() - job.request.enqueued_at))
@@ -231,11 +229,12 @@ class Worker:
                 await self._finish(job, Cancelled(gid, job.cancel_reason, job.usage()))
             self.jobs.pop(gid, None)
             self._slot_freed.set()
-            with contextlib.suppress(RedisError, OSError):
-                await self._ack(job.entry_id)
+            if not job.acked:
+                with contextlib.suppress(RedisError, OSError):
+                    await self._ack(job.entry_id)
 
     async def _stream(self, job: Job, prepared: Prepared) -> None:
-        gid, sid, ttl = job.generation_id, job.session_id, job.request.session_ttl_s
+        gid = job.generation_id
         first = True
         async for delta in self.backend.generate(prepared):
             if job.cancel_reason is not None:
@@ -246,7 +245,7 @@ class Worker:
                 job.emitted_tokens += len(delta.token_ids)
                 job.text.append(delta.text)
                 token = Token(gid, delta.text, job.emitted_tokens, delta.token_ids, delta.logprobs)
-                self.publisher.emit(sid, token, ttl_s=ttl)
+                self._emit(job, token)
                 if first:
                     self.metrics.first_token(time.time() - job.request.enqueued_at)
                     first = False
@@ -265,14 +264,37 @@ class Worker:
         assistant = None
         if not isinstance(event, Error):
             assistant = ChatMessage("assistant", "".join(job.text))
-        await self.publisher.emit(
-            job.session_id,
+        await self._emit(
+            job,
             event,
             final=True,
             assistant=assistant if job.request.prompt is None else None,
-            ttl_s=job.request.session_ttl_s,
+            ack=job.entry_id,
         )
+        job.acked = True
         self.metrics.generations.labels(contract.final_state(event)).inc()
+
+    def _emit(
+        self,
+        job: Job,
+        event: contract.SessionEvent,
+        *,
+        final: bool = False,
+        worker: str = "",
+        assistant: ChatMessage | None = None,
+        ack: bytes | None = None,
+    ) -> asyncio.Future[str | None]:
+        request = job.request
+        return self.publisher.emit(
+            request.session_id,
+            event,
+            ttl_s=request.session_ttl_s,
+            maxlen=request.events_maxlen,
+            final=final,
+            worker=worker,
+            assistant=assistant,
+            ack=ack,
+        )
 
     # --- cancel --------------------------------------------------------------------------
 

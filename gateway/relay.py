@@ -19,7 +19,7 @@ import contextlib
 import logging
 from collections import deque
 from collections.abc import AsyncIterator
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import msgspec
 import redis.asyncio as aioredis
@@ -71,6 +71,20 @@ class RelayEvent(NamedTuple):
 def _id_key(event_id: str) -> tuple[int, int]:
     ms, _, seq = event_id.partition("-")
     return int(ms), int(seq or 0)
+
+
+def _raise_if_trimmed(stream_info: dict[str, object], after_id: str) -> None:
+    """Events after ``after_id`` are gone when it lies before the oldest entry kept and the
+    stream has been trimmed (an id at the exact trim boundary counts as gone too: a
+    needless reload is better than a silent gap)."""
+    first = stream_info.get("first-entry")
+    if not isinstance(first, (tuple, list)) or not first:
+        return
+    trimmed = int(cast(int, stream_info.get("entries-added", 1 << 62))) > int(
+        cast(int, stream_info.get("length", 0))
+    )
+    if trimmed and _id_key(after_id) < _id_key(contract.text(first[0])):
+        raise EventsExpired(f"events after {after_id} were trimmed; reload the session history")
 
 
 class Feed:
@@ -224,10 +238,24 @@ class RelayHub:
                     await self._pubsub.unsubscribe(channel)
 
     async def read_after(self, session_id: str, after_id: str | None) -> list[RelayEvent]:
-        start = "-" if after_id is None else f"({after_id}"
-        entries = contract.entries_of(
-            await self.redis.xrange(self.keys.events(session_id), min=start, count=CATCH_UP_PAGE)
-        )
+        """The next page of the stream after ``after_id``; ``EventsExpired`` if some of what
+        follows it was trimmed (a reader slower than ``TOKENSPOUT_EVENTS_MAXLEN`` allows)."""
+        key = self.keys.events(session_id)
+        if after_id is None:
+            entries = contract.entries_of(await self.redis.xrange(key, count=CATCH_UP_PAGE))
+        else:
+            # One transaction: the page and the trim mark describe the same moment.
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.xrange(key, min=f"({after_id}", count=CATCH_UP_PAGE)
+                pipe.xinfo_stream(key)
+                try:
+                    page, info = await pipe.execute()
+                except RedisError as exc:
+                    if "no such key" not in str(exc).lower():
+                        raise
+                    return []
+            _raise_if_trimmed(info, after_id)
+            entries = contract.entries_of(page)
         return [
             RelayEvent(
                 entry_id.decode(),
@@ -285,13 +313,7 @@ class RelayHub:
             if "no such key" in str(exc).lower():
                 return
             raise
-        deleted = info.get("max-deleted-entry-id")
-        if deleted is not None:
-            deleted_id = deleted.decode() if isinstance(deleted, bytes) else str(deleted)
-            if _id_key(deleted_id) > _id_key(after_id):
-                raise EventsExpired(
-                    f"events after {after_id} were trimmed; reload the session history"
-                )
+        _raise_if_trimmed(info, after_id)
 
     async def _read_forever(self) -> None:
         backoff = 0.05

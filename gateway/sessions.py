@@ -208,6 +208,7 @@ class SessionStore:
             prompt=prompt,
             enqueued_at=time.time(),
             session_ttl_s=ttl or self.settings.session_ttl_s,
+            events_maxlen=self.settings.events_maxlen,
         )
         await self.redis.xadd(
             keys.requests,

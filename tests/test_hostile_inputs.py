@@ -49,10 +49,23 @@ def schemathesis_run(url: str, examples: int, report: Path) -> dict[str, object]
     import subprocess
 
     command = [
-        sys.executable, "-m", "schemathesis.cli", "run", f"{url}/schema/openapi.json",
-        "-n", str(examples), "--seed", "1", "--checks", "not_a_server_error",
-        "--exclude-path-regex", "events",  # an endless stream: read by the tests instead
-        "--report", "json", "--report-json-path", str(report),
+        sys.executable,
+        "-m",
+        "schemathesis.cli",
+        "run",
+        f"{url}/schema/openapi.json",
+        "-n",
+        str(examples),
+        "--seed",
+        "1",
+        "--checks",
+        "not_a_server_error",
+        "--exclude-path-regex",
+        "events",  # an endless stream: read by the tests instead
+        "--report",
+        "json",
+        "--report-json-path",
+        str(report),
     ]
     finished = subprocess.run(command, capture_output=True, text=True, timeout=240)
     assert finished.returncode == 0, finished.stdout[-3000:]
@@ -69,14 +82,17 @@ async def test_fuzzed_requests_get_no_server_error_and_disturb_no_stream(
         bystander = await create_session(client, gateway.url)
         generation = await send(client, bystander, "undisturbed", max_tokens=200)
         watching = asyncio.create_task(
-            read_events(client, bystander, until_final_of=generation, timeout_s=200))
+            read_events(client, bystander, until_final_of=generation, timeout_s=200)
+        )
         report = await asyncio.to_thread(schemathesis_run, gateway.url, 70, tmp_path / "st.json")
         cases = report["test_cases"]
         assert isinstance(cases, dict)
         assert cases["generated"] >= 700 and cases["with_failures"] == 0
         bodies = await asyncio.to_thread(hostile_bodies, gateway.url, bystander)
-        print(f"\nhostile inputs: {cases['generated']} schema-driven + {bodies} hypothesis bodies,"
-              " 0 server errors")
+        print(
+            f"\nhostile inputs: {cases['generated']} schema-driven + {bodies} hypothesis bodies,"
+            " 0 server errors"
+        )
         reading = await watching
         assert reading.text(generation) == expected_reply("undisturbed", 200)
         assert gateway.process.poll() is None
@@ -90,8 +106,9 @@ def hostile_bodies(base: str, bystander: Session) -> int:
         url = f"{base}/v1/sessions/{victim['session_id']}/messages"
         headers = {"X-Session-Token": victim["token"], "content-type": "application/json"}
 
-        @settings(max_examples=400, deadline=None, database=None,
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=400, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+        )
         @given(body=message_bodies)
         def post(body: bytes) -> None:
             nonlocal sent
@@ -103,14 +120,18 @@ def hostile_bodies(base: str, bystander: Session) -> int:
                 generation = response.json()["generation_id"]
                 cancel = client.post(
                     f"{base}/v1/sessions/{victim['session_id']}/generations/{generation}/cancel",
-                    headers=headers)
+                    headers=headers,
+                )
                 assert cancel.status_code == 200
 
         post()
         for last_event_id in ("", "0", "abc", "1-", "-1-1", "99999999999999999999-0", "1-2-3"):
-            with client.stream("GET", bystander.events_url, params={
-                    "token": bystander.token, "last_event_id": last_event_id, "x": "1"},
-                    headers={"Last-Event-ID": last_event_id}) as response:
+            with client.stream(
+                "GET",
+                bystander.events_url,
+                params={"token": bystander.token, "last_event_id": last_event_id, "x": "1"},
+                headers={"Last-Event-ID": last_event_id},
+            ) as response:
                 sent += 1
                 assert response.status_code < 500
     return sent

@@ -17,7 +17,7 @@ from litestar.response import Stream
 
 from engine.contract import ChatMessage, FinalEvent, final_state
 from gateway import sse
-from gateway.relay import RelayHub, SessionLost
+from gateway.relay import EventsExpired, RelayHub, SessionLost
 from gateway.sessions import SessionStore
 from gateway.settings import Settings
 
@@ -152,7 +152,7 @@ class SessionController(Controller):
                 async with hub.open(session_id, after) as feed:
                     async for batch in feed.events(settings.sse_heartbeat_s):
                         yield sse.session_frames(batch) if batch else sse.HEARTBEAT
-            except SessionLost as exc:
+            except (SessionLost, EventsExpired) as exc:
                 # Not a generation's error event: the stream itself ends, with no id.
                 yield sse.frame(msgspec.json.encode(exc.body()), event="error")
 

@@ -1,0 +1,158 @@
+"""Limits and backpressure: every bound answers with a clear error, and memory stays bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+
+from tests.client import create_session, read_events, send
+from tests.conftest import Stack
+from tests.sse import SSEParser
+from tests.test_sessions import expected_reply
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def test_past_the_inflight_limit_a_request_gets_429_with_retry_after(stack: Stack) -> None:
+    stack.synthetic(5, "--capacity", "1")
+    gateway = stack.gateway(TOKENSPOUT_MAX_INFLIGHT="3")
+    async with httpx.AsyncClient(timeout=30) as client:
+        sessions = [await create_session(client, gateway.url) for _ in range(4)]
+        accepted = [
+            await send(client, s, f"slow {i}", max_tokens=100) for i, s in enumerate(sessions[:3])
+        ]
+        url = f"{gateway.url}/v1/sessions/{sessions[3].session_id}/messages"
+        refused = await client.post(
+            url, json={"content": "one too many"}, headers=sessions[3].headers
+        )
+        assert refused.status_code == 429
+        assert refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "overloaded"
+        cancel = await client.post(
+            f"{gateway.url}/v1/sessions/{sessions[0].session_id}/generations/{accepted[0]}/cancel",
+            headers=sessions[0].headers,
+        )
+        assert cancel.json()["state"] == "cancelled"
+        again = await client.post(
+            url, json={"content": "now there is room"}, headers=sessions[3].headers
+        )
+        assert again.status_code == 202
+
+
+async def test_a_session_holds_a_bounded_history(stack: Stack) -> None:
+    stack.synthetic(500)
+    gateway = stack.gateway(TOKENSPOUT_MAX_HISTORY_MESSAGES="4")
+    async with httpx.AsyncClient(timeout=30) as client:
+        session = await create_session(client, gateway.url)
+        for turn in range(2):
+            generation = await send(client, session, f"turn {turn}", max_tokens=2)
+            await read_events(client, session, until_final_of=generation)
+        full = await client.post(
+            f"{gateway.url}/v1/sessions/{session.session_id}/messages",
+            json={"content": "turn 3"},
+            headers=session.headers,
+        )
+        assert full.status_code == 422
+        assert full.json()["error"]["code"] == "history_full"
+
+
+async def test_a_stalled_reader_is_not_buffered_and_still_gets_every_event(
+    stack: Stack,
+) -> None:
+    """With an 8-event buffer, a reader that stops reading falls back to Redis: the
+    gateway holds at most 8 events for it, and it still gets all of them, in order."""
+    stack.synthetic(2000)
+    gateway = stack.gateway(TOKENSPOUT_STREAM_BUFFER_EVENTS="8")
+    async with httpx.AsyncClient(timeout=30) as client:
+        session = await create_session(client, gateway.url)
+        stalled = socket.socket()
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stalled.connect(("127.0.0.1", gateway.port))
+        stalled.sendall(
+            f"GET /v1/sessions/{session.session_id}/events?token={session.token} HTTP/1.1\r\n"
+            f"Host: 127.0.0.1\r\nAccept: text/event-stream\r\n\r\n".encode()
+        )
+        await send(client, session, "flood", max_tokens=3000)
+        # Everyone else is served while that reader sleeps.
+        other = await create_session(client, gateway.url)
+        quick = await send(client, other, "meanwhile", max_tokens=5)
+        assert (await read_events(client, other, until_final_of=quick)).final(quick)
+        await asyncio.sleep(2)
+        text = await asyncio.to_thread(read_raw_until_done, stalled)
+        assert text == expected_reply("flood", 3000)
+
+
+def read_raw_until_done(sock: socket.socket) -> str:
+    parser, pieces, buffer = SSEParser(), [], b""
+    sock.settimeout(30)
+    with sock:
+        head, _, buffer = sock.recv(65536).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200")
+        while True:
+            chunk = sock.recv(65536)
+            assert chunk, "the stream ended early"
+            buffer += chunk
+            *lines, buffer = buffer.split(b"\n")
+            for raw in lines:
+                line = raw.decode().rstrip("\r")
+                if all(c in "0123456789abcdef" for c in line) and line:
+                    continue  # a chunked-encoding size line
+                event = parser.line(line)
+                if event is None:
+                    continue
+                if event.event == "token":
+                    pieces.append(event.json()["text"])
+                if event.event == "done":
+                    return "".join(pieces)
+
+
+async def test_every_session_key_expires_and_every_stream_is_capped(stack: Stack) -> None:
+    stack.synthetic(3000)
+    gateway = stack.gateway(TOKENSPOUT_EVENTS_MAXLEN="100")
+    async with httpx.AsyncClient(timeout=30) as client:
+        session = await create_session(client, gateway.url)
+        generation = await send(client, session, "many events", max_tokens=1000)
+        full = await read_events(client, session, until_final_of=generation)
+        assert full.final(generation).event == "done"
+        gone = await client.get(
+            session.events_url, headers={**session.headers, "Last-Event-ID": "1-0"}
+        )
+        assert gone.status_code == 410
+        assert gone.json()["error"]["code"] == "events_expired"
+
+    redis = aioredis.Redis.from_url(stack.redis_url)
+    try:
+        keys = [key.decode() async for key in redis.scan_iter(f"{stack.prefix}:*")]
+        assert any(":events" in key for key in keys)
+        global_keys = {f"{stack.prefix}:{name}" for name in ("requests", "cancels", "workers")}
+        for key in keys:
+            ttl = await redis.ttl(key)
+            if key in global_keys:
+                continue
+            assert ttl > 0, f"{key} never expires"
+        events = next(key for key in keys if key.endswith(":events"))
+        assert await redis.xlen(events) < 400  # ~100, trimmed in whole nodes
+        # The shared streams are capped instead of expiring; the worker set trims itself.
+        assert await redis.xlen(f"{stack.prefix}:requests") <= 256 * 20 + 100
+    finally:
+        await redis.aclose()
+
+
+async def test_cors_is_closed_by_default_and_opens_for_configured_origins(
+    stack: Stack,
+) -> None:
+    closed, open_ = stack.gateway(), stack.gateway(TOKENSPOUT_CORS_ORIGINS="https://chat.example")
+    preflight = {"Origin": "https://chat.example", "Access-Control-Request-Method": "POST"}
+    async with httpx.AsyncClient(timeout=10) as client:
+        refused = await client.options(f"{closed.url}/v1/sessions", headers=preflight)
+        assert "access-control-allow-origin" not in refused.headers
+        allowed = await client.options(f"{open_.url}/v1/sessions", headers=preflight)
+        assert allowed.headers["access-control-allow-origin"] == "https://chat.example"
+        other = await client.options(
+            f"{open_.url}/v1/sessions", headers={**preflight, "Origin": "https://evil.example"}
+        )
+        assert other.headers.get("access-control-allow-origin") != "https://evil.example"
