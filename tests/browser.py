@@ -69,9 +69,7 @@ class ChatPage:
         return chat
 
     async def wait_connected(self, timeout_s: float = 30) -> None:
-        await self.page.wait_for_selector(
-            '#conn[data-state="connected"]', timeout=timeout_s * 1000
-        )
+        await self.page.wait_for_selector('#conn[data-state="connected"]', timeout=timeout_s * 1000)
 
     async def send(self, text: str) -> None:
         await self.page.fill("#input", text)

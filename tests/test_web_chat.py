@@ -69,9 +69,7 @@ async def test_a_reply_grows_token_by_token_then_completes_with_its_stats(
     assert chat.errors == []
 
 
-async def test_shift_enter_makes_a_new_line_and_enter_sends(
-    stack: Stack, browser: Browser
-) -> None:
+async def test_shift_enter_makes_a_new_line_and_enter_sends(stack: Stack, browser: Browser) -> None:
     stack.synthetic(tokens_per_s=200)
     gateway = stack.gateway()
     chat = await ChatPage.open(browser, gateway.url, max_tokens=6)
