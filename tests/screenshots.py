@@ -1,0 +1,58 @@
+"""Take the README's screenshots of the web chat: mid-reply and after Stop.
+
+    python -m tests.screenshots [--out docs/screenshots]
+
+Runs its own Redis, gateway and synthetic engine (the same real parts the tests use) and
+drives Debian's headless Chromium; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import secrets
+import tempfile
+from pathlib import Path
+
+from stack.redis_server import EmbeddedRedis
+from tests.browser import ChatPage, chromium
+from tests.conftest import Stack
+
+FIRST = "What makes **tokenspout** different from other gateways?"
+SECOND = "Explain how Stop works, in a few words."
+VIEWPORT = {"width": 900, "height": 640}
+
+
+async def take(stack: Stack, out: Path) -> None:
+    stack.synthetic(tokens_per_s=14)
+    gateway = stack.gateway()
+    async with chromium() as browser:
+        chat = await ChatPage.open(browser, gateway.url, max_tokens=34, viewport=VIEWPORT)
+        await chat.send(FIRST)
+        await chat.wait_reply_state("done")
+        await chat.send(SECOND)
+        await chat.wait_words(14)
+        await chat.page.screenshot(path=str(out / "chat-streaming.png"))
+        await chat.wait_words(20)
+        await chat.page.click("#stop")
+        await chat.wait_reply_state("cancelled")
+        await chat.page.focus("#input")
+        await chat.page.screenshot(path=str(out / "chat-stopped.png"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, default=Path("docs/screenshots"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    with EmbeddedRedis() as server, tempfile.TemporaryDirectory() as logs:
+        stack = Stack(server.url, f"shot-{secrets.token_hex(4)}", Path(logs))
+        try:
+            asyncio.run(take(stack, args.out))
+        finally:
+            stack.stop()
+    print(f"wrote {args.out}/chat-streaming.png and {args.out}/chat-stopped.png")
+
+
+if __name__ == "__main__":
+    main()

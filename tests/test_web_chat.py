@@ -1,0 +1,220 @@
+"""The web chat (web/) in headless Chromium against a real gateway, Redis and engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+from playwright.async_api import Browser
+
+from engine.contract import Keys
+from stack import processes
+from tests.browser import ChatPage, chromium
+from tests.conftest import Stack, VllmStack
+from tests.test_sessions import expected_reply
+
+pytestmark = [pytest.mark.browser, pytest.mark.timeout(180)]
+
+
+@pytest.fixture
+async def browser() -> AsyncIterator[Browser]:
+    async with chromium() as browser:
+        yield browser
+
+
+async def session_events(stack: Stack, session_id: str) -> list[tuple[str, dict[str, object]]]:
+    """The session's events as Redis holds them: (type, data)."""
+    client = aioredis.Redis.from_url(stack.redis_url)
+    try:
+        entries = await client.xrange(Keys(stack.prefix).events(session_id))
+    finally:
+        await client.aclose()
+    return [(fields[b"t"].decode(), json.loads(fields[b"d"])) for _id, fields in entries]
+
+
+async def test_a_reply_grows_token_by_token_then_completes_with_its_stats(
+    stack: Stack, browser: Browser
+) -> None:
+    stack.synthetic(tokens_per_s=12)
+    gateway = stack.gateway()
+    chat = await ChatPage.open(browser, gateway.url, max_tokens=24)
+    await chat.send("hello browser")
+    assert await chat.page.is_visible("#stop")
+    seen: list[str] = []
+    while await chat.reply_state() not in ("done", "cancelled", "error"):
+        text = await chat.reply_text()
+        if text and (not seen or text != seen[-1]):
+            seen.append(text)
+        await asyncio.sleep(0.03)
+    final = await chat.reply_text()
+    assert final == expected_reply("hello browser", 24)
+    assert len(seen) >= 3, seen
+    assert all(final.startswith(step) for step in seen), seen
+    assert [len(step) for step in seen] == sorted({len(step) for step in seen})
+    assert await chat.user_texts() == ["hello browser"]
+    stats = await chat.stats()
+    assert stats["model"] == "synthetic"
+    assert stats["ttft_ms"] is not None and stats["tokens_per_s"] is not None
+    assert "s to first token" in (stats["text"] or "")
+    assert "24 tokens" in (stats["text"] or "")
+    # The reply is over: Send is back and Enter sends the next turn.
+    assert await chat.page.is_visible("#send") and not await chat.page.is_visible("#stop")
+    await chat.send("second turn")
+    await chat.wait_reply_state("done")
+    assert await chat.reply_text() == expected_reply("second turn", 24)
+    assert await chat.user_texts() == ["hello browser", "second turn"]
+    assert chat.errors == []
+
+
+async def test_shift_enter_makes_a_new_line_and_enter_sends(stack: Stack, browser: Browser) -> None:
+    stack.synthetic(tokens_per_s=200)
+    gateway = stack.gateway()
+    chat = await ChatPage.open(browser, gateway.url, max_tokens=6)
+    await chat.page.focus("#input")
+    await chat.page.keyboard.type("first line")
+    await chat.page.keyboard.press("Shift+Enter")
+    await chat.page.keyboard.type("second line")
+    assert await chat.page.input_value("#input") == "first line\nsecond line"
+    assert await chat.replies.count() == 0
+    await chat.page.keyboard.press("Enter")
+    await chat.wait_reply_state("done")
+    assert await chat.user_texts() == ["first line\nsecond line"]
+    assert await chat.page.input_value("#input") == ""
+
+
+async def test_stop_ends_the_reply_in_the_page_and_in_the_engine(
+    stack: Stack, browser: Browser
+) -> None:
+    stack.synthetic(tokens_per_s=10)
+    gateway = stack.gateway()
+    chat = await ChatPage.open(browser, gateway.url, max_tokens=200)
+    await chat.send("please stop me")
+    await chat.wait_words(4)
+    await chat.page.click("#stop")
+    await chat.wait_reply_state("cancelled", timeout_s=15)
+    badge = await chat.last_reply.locator(".badge").text_content()
+    assert badge == "Stopped"
+    stopped = await chat.reply_text()
+    # No more text appears (the engine made 10 tokens a second before the stop).
+    await asyncio.sleep(1.5)
+    assert await chat.reply_text() == stopped
+    assert await chat.page.is_visible("#send")
+
+    events = await session_events(stack, (await chat.saved())["id"])
+    kinds = [kind for kind, _ in events]
+    assert kinds[-1] == "cancelled" and kinds.count("cancelled") == 1
+    cancelled = events[-1][1]
+    assert cancelled["reason"] == "user"
+    tokens = [data["text"] for kind, data in events if kind == "token"]
+    usage = cancelled["usage"]
+    assert isinstance(usage, dict)
+    # The worker ended it (it reports the tokens it made), long before max_tokens.
+    assert usage["completion_tokens"] == len(tokens) < 200
+    assert "".join(str(t) for t in tokens) == stopped
+
+
+async def test_a_gateway_restart_mid_reply_loses_and_repeats_no_token(
+    stack: Stack, browser: Browser
+) -> None:
+    stack.synthetic(tokens_per_s=8)
+    gateway = stack.gateway()
+    chat = await ChatPage.open(browser, gateway.url, max_tokens=40)
+    await chat.send("survive a restart")
+    await chat.wait_words(4)
+    processes.kill(gateway.process)
+    await chat.page.wait_for_selector('#conn:not([data-state="connected"])', timeout=10_000)
+    assert await chat.conn_state() in ("reconnecting", "offline")
+    await asyncio.sleep(1.0)  # the engine goes on writing into Redis meanwhile
+    stack.gateway(port=gateway.port)
+    await chat.wait_connected(timeout_s=30)
+    await chat.wait_reply_state("done", timeout_s=30)
+    assert await chat.reply_text() == expected_reply("survive a restart", 40)
+    assert "40 tokens" in ((await chat.stats())["text"] or "")
+    assert chat.errors == []
+
+
+async def test_a_reload_mid_conversation_brings_back_history_and_the_running_reply(
+    stack: Stack, browser: Browser
+) -> None:
+    stack.synthetic(tokens_per_s=15)
+    gateway = stack.gateway()
+    chat = await ChatPage.open(browser, gateway.url, max_tokens=30)
+    await chat.send("first question")
+    await chat.wait_reply_state("done")
+    await chat.send("second question")
+    await chat.wait_words(4)
+    await chat.page.reload()
+    await chat.wait_connected()
+    assert await chat.user_texts() == ["first question", "second question"]
+    assert await chat.reply_text(0) == expected_reply("first question", 30)
+    await chat.wait_reply_state("done")
+    assert await chat.replies.count() == 2
+    assert await chat.reply_text(1) == expected_reply("second question", 30)
+
+    await chat.page.reload()  # and once more with nothing running
+    await chat.wait_connected()
+    assert await chat.user_texts() == ["first question", "second question"]
+    assert [await chat.reply_text(i) for i in range(await chat.replies.count())] == [
+        expected_reply("first question", 30),
+        expected_reply("second question", 30),
+    ]
+    assert await chat.page.is_enabled("#input")
+
+
+async def test_html_in_a_message_or_reply_is_shown_as_text_and_never_runs(
+    stack: Stack, browser: Browser
+) -> None:
+    stack.synthetic(tokens_per_s=100)
+    gateway = stack.gateway()
+    chat = await ChatPage.open(browser, gateway.url, max_tokens=12)
+    attack = '<img src=x onerror="window.__pwned=1"> <script>window.__pwned=2</script> **bold**'
+    await chat.send(attack)
+    await chat.wait_reply_state("done")
+    assert await chat.page.evaluate("typeof window.__pwned") == "undefined"
+    assert await chat.page.locator("#messages img, #messages script").count() == 0
+    assert await chat.user_texts() == [attack]
+    # The model "replies" with the same markup: shown literally, **bold** rendered as bold.
+    expected = expected_reply(attack, 12).replace("**bold**", "bold")
+    assert await chat.reply_text() == expected
+    assert '<img src=x onerror="window.__pwned=1">' in await chat.reply_text()
+    assert await chat.last_reply.locator(".content strong").all_text_contents() == ["bold"]
+
+
+async def test_an_engine_error_is_shown_in_words_with_a_retry(
+    stack: Stack, browser: Browser
+) -> None:
+    stack.synthetic(tokens_per_s=50)
+    gateway = stack.gateway()
+    chat = await ChatPage.open(browser, gateway.url, max_tokens=20)
+    await chat.send("break [[fail:3]] now")
+    await chat.wait_reply_state("error")
+    error = await chat.last_reply.locator(".error-text").text_content()
+    assert error and error.startswith("The engine could not finish this reply:")
+    retry = chat.last_reply.get_by_role("button", name="Retry")
+    await retry.click()
+    await chat.wait_reply_state("error")
+    assert await chat.replies.count() == 2
+    assert await chat.user_texts() == ["break [[fail:3]] now"] * 2
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+async def test_a_vllm_reply_completes_in_the_page_with_ttft_and_rate(
+    vllm_stack: VllmStack, browser: Browser
+) -> None:
+    chat = await ChatPage.open(browser, vllm_stack.gateway.url, max_tokens=48)
+    await chat.send("Name three colours of the rainbow.")
+    await chat.wait_words(1, timeout_s=120)
+    state = await chat.wait_reply_state("done", "error", timeout_s=300)
+    assert state == "done"
+    text = await chat.reply_text()
+    stats = await chat.stats()
+    print(f"\nvLLM reply in the page: {text!r}\npage stats: {stats}")
+    assert text.strip()
+    assert stats["model"] and "SmolLM2" in stats["model"]
+    assert stats["ttft_ms"] is not None and float(stats["ttft_ms"]) > 0
+    assert stats["tokens_per_s"] is not None and float(stats["tokens_per_s"]) > 0
+    assert chat.errors == []
