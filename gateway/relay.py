@@ -182,6 +182,9 @@ class RelayHub:
         self._confirmed: set[str] = set()
         self._reader: asyncio.Task[None] | None = None
         self._subscribed = asyncio.Event()
+        self._commands = asyncio.Lock()
+        """One (un)subscribe at a time: redis-py's PubSub opens its connection on first use,
+        and concurrent first calls would each open one, stranding their channels."""
 
     @property
     def open_feeds(self) -> int:
@@ -212,7 +215,8 @@ class RelayHub:
             if channel in self._confirmed:
                 feed._set_ready(True)
             elif len(feeds) == 1:
-                await self._pubsub.subscribe(channel)
+                async with self._commands:
+                    await self._pubsub.subscribe(channel)
                 self._subscribed.set()
             yield feed
         finally:
@@ -221,7 +225,8 @@ class RelayHub:
                 del self._feeds[channel]
                 self._confirmed.discard(channel)
                 with contextlib.suppress(RedisError, OSError):
-                    await self._pubsub.unsubscribe(channel)
+                    async with self._commands:
+                        await self._pubsub.unsubscribe(channel)
 
     async def read_after(self, session_id: str, after_id: str | None) -> list[RelayEvent]:
         start = "-" if after_id is None else f"({after_id}"
@@ -322,7 +327,8 @@ class RelayHub:
                 self._pubsub = self.redis.pubsub()
 
     async def _resubscribe(self) -> None:
-        await self._pubsub.subscribe(*self._feeds)
+        async with self._commands:
+            await self._pubsub.subscribe(*self._feeds)
 
     def _dispatch(self, message: dict[str, object]) -> None:
         kind = message["type"]
