@@ -35,7 +35,9 @@ async def test_generations_share_a_socket_by_id_and_a_cancel_stops_only_its_own(
             assert a["type"] == b["type"] == "ack" and a["state"] == "queued"
             assert a["session_id"] != b["session_id"] and a["token"] and b["token"]
 
-            await ws.until(lambda f: f.get("id") == "a" and f["type"] == "token" and f["count"] >= 3)
+            await ws.until(
+                lambda f: f.get("id") == "a" and f["type"] == "token" and f["count"] >= 3
+            )
             await ws.send(type="cancel", id="a")
             ack = await ws.until(lambda f: f["type"] == "ack" and f["op"] == "cancel")
             assert ack["id"] == "a" and ack["generation_id"] == a["generation_id"]

@@ -232,10 +232,12 @@ class Connection:
             await self.socket.send_data(encode_frame(frame))
 
     async def _close(self, error: GatewayError) -> None:
+        """Send what replies wait (the error that explains the close), then the close."""
         try:
-            await asyncio.wait_for(
-                self.socket.close(error.ws_close_code, error.code), CLOSE_TIMEOUT_S
-            )
+            async with asyncio.timeout(CLOSE_TIMEOUT_S):
+                while not self._replies.empty():
+                    await self._send(self._replies.get_nowait())
+                await self.socket.close(error.ws_close_code, error.code)
         except TimeoutError:
             log.info("a WebSocket that reads nothing was dropped without a close frame")
 
