@@ -207,6 +207,8 @@ class Connection:
                         await self._send(frame)
                     if any(event.is_final for event in mine):
                         return
+        except GatewayError as exc:  # SessionLost: Redis lost the session's data
+            await self._replies.put(ErrorFrame(exc.code, exc.message, client_id))
         except RedisError as exc:
             log.warning("relay failed for %s: %s", gid, exc)
             error = ErrorFrame("unavailable", "lost the event stream; resume over SSE", client_id)
