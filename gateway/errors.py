@@ -1,6 +1,7 @@
 """The gateway's errors, and the one table that maps them to HTTP and WebSocket.
 
 GatewayError
+ ├── ProtocolViolation     400  a WebSocket client broke the protocol past a limit (4400)
  ├── BadRequest            422  a field is wrong (names the field)
  ├── PayloadTooLarge       413  body or message over its limit
  ├── Unauthorized          401  API key missing or wrong
@@ -57,6 +58,12 @@ class GatewayError(Exception):
         if self.retry_after_s is None:
             return {}
         return {"Retry-After": str(self.retry_after_s)}
+
+
+class ProtocolViolation(GatewayError):
+    status = 400
+    ws_close_code = 4400
+    default_code = "protocol_violation"
 
 
 class BadRequest(GatewayError):

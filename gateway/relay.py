@@ -196,6 +196,9 @@ class RelayHub:
         self._confirmed: set[str] = set()
         self._reader: asyncio.Task[None] | None = None
         self._subscribed = asyncio.Event()
+        self._commands = asyncio.Lock()
+        """One (un)subscribe at a time: redis-py's PubSub opens its connection on first use,
+        and concurrent first calls would each open one, stranding their channels."""
 
     @property
     def open_feeds(self) -> int:
@@ -226,7 +229,8 @@ class RelayHub:
             if channel in self._confirmed:
                 feed._set_ready(True)
             elif len(feeds) == 1:
-                await self._pubsub.subscribe(channel)
+                async with self._commands:
+                    await self._pubsub.subscribe(channel)
                 self._subscribed.set()
             yield feed
         finally:
@@ -235,7 +239,8 @@ class RelayHub:
                 del self._feeds[channel]
                 self._confirmed.discard(channel)
                 with contextlib.suppress(RedisError, OSError):
-                    await self._pubsub.unsubscribe(channel)
+                    async with self._commands:
+                        await self._pubsub.unsubscribe(channel)
 
     async def read_after(self, session_id: str, after_id: str | None) -> list[RelayEvent]:
         """The next page of the stream after ``after_id``; ``EventsExpired`` if some of what
@@ -344,7 +349,8 @@ class RelayHub:
                 self._pubsub = self.redis.pubsub()
 
     async def _resubscribe(self) -> None:
-        await self._pubsub.subscribe(*self._feeds)
+        async with self._commands:
+            await self._pubsub.subscribe(*self._feeds)
 
     def _dispatch(self, message: dict[str, object]) -> None:
         kind = message["type"]

@@ -6,5 +6,6 @@ from litestar.types import ControllerRouterHandler
 
 from gateway.routes.health import health, ready
 from gateway.routes.sessions import SessionController
+from gateway.routes.ws import ws_endpoint
 
-ROUTES: list[ControllerRouterHandler] = [health, ready, SessionController]
+ROUTES: list[ControllerRouterHandler] = [health, ready, SessionController, ws_endpoint]

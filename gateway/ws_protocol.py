@@ -1,0 +1,201 @@
+"""The WebSocket protocol's frames: typed JSON both ways, decoded in one place.
+
+Every frame is a JSON object with a ``type``. Client frames: ``generate``, ``cancel``,
+``ping``. Server frames: ``ack``, ``queued``, ``started``, ``token``, ``done``,
+``cancelled``, ``error``, ``pong``. Each frame about a generation carries the client's own
+``id`` for it, so several generations can share one socket. docs/api.md shows examples.
+
+New fields go at the end with defaults, as in engine/contract.py.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+import msgspec
+
+from engine import contract
+from engine.contract import CancelReason, Usage
+from gateway.errors import BadRequest, PayloadTooLarge
+
+ClientId = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+
+
+# --- client -> gateway -------------------------------------------------------------------
+
+
+class Generate(msgspec.Struct, frozen=True, tag="generate", forbid_unknown_fields=True):
+    """Send ``content`` as the next user message of a session and stream the reply."""
+
+    id: ClientId
+    content: str
+    session_id: str | None = None
+    """None: a new session (its id and token come back in the ``ack``)."""
+    token: str | None = None
+    """The session's token; defaults to the socket's ``?token=``."""
+    max_tokens: int | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None
+    stop: Annotated[list[str], msgspec.Meta(max_length=8)] | None = None
+    seed: int | None = None
+
+
+class Cancel(msgspec.Struct, frozen=True, tag="cancel", forbid_unknown_fields=True):
+    """Stop the generation this socket started as ``id``; or, with ``session_id`` and
+    ``generation_id``, any generation of a session (one started over HTTP, say)."""
+
+    id: ClientId
+    session_id: str | None = None
+    generation_id: str | None = None
+    token: str | None = None
+
+
+class Ping(msgspec.Struct, frozen=True, tag="ping", forbid_unknown_fields=True):
+    id: str | None = None
+
+
+ClientFrame = Generate | Cancel | Ping
+
+
+# --- gateway -> client -------------------------------------------------------------------
+
+
+class Ack(msgspec.Struct, frozen=True, tag="ack", omit_defaults=True):
+    """A ``generate`` was queued (``state`` "queued"), or a ``cancel`` was taken
+    (``state``: "cancelling" while the worker aborts, else the final state)."""
+
+    id: str
+    op: Literal["generate", "cancel"]
+    generation_id: str
+    session_id: str
+    state: str
+    token: str | None = None
+    """The new session's token (only when ``generate`` created the session)."""
+
+
+class QueuedFrame(msgspec.Struct, frozen=True, tag="queued"):
+    id: str
+    generation_id: str
+    event_id: str
+
+
+class StartedFrame(msgspec.Struct, frozen=True, tag="started"):
+    id: str
+    generation_id: str
+    model: str
+    prompt_tokens: int
+    event_id: str
+
+
+class TokenFrame(msgspec.Struct, frozen=True, tag="token"):
+    """One or more token events of the generation, coalesced (a slow reader gets fewer,
+    larger frames). ``count``: completion tokens so far; ``event_id``: the last event's
+    id on the session stream (resume point for SSE)."""
+
+    id: str
+    text: str
+    count: int
+    event_id: str
+
+
+class DoneFrame(msgspec.Struct, frozen=True, tag="done"):
+    id: str
+    finish_reason: str
+    usage: Usage
+    event_id: str
+
+
+class CancelledFrame(msgspec.Struct, frozen=True, tag="cancelled"):
+    id: str
+    reason: CancelReason
+    usage: Usage
+    event_id: str
+
+
+class ErrorFrame(msgspec.Struct, frozen=True, tag="error", omit_defaults=True):
+    """A bad frame (``id`` when it could be read), a refused request, or a generation that
+    ended with an engine error (final)."""
+
+    code: str
+    message: str
+    id: str | None = None
+    field: str | None = None
+    event_id: str | None = None
+
+
+class Pong(msgspec.Struct, frozen=True, tag="pong", omit_defaults=True):
+    id: str | None = None
+
+
+ServerFrame = (
+    Ack | QueuedFrame | StartedFrame | TokenFrame | DoneFrame | CancelledFrame | ErrorFrame | Pong
+)
+
+_decoder = msgspec.json.Decoder(ClientFrame)
+_encoder = msgspec.json.Encoder()
+_loose = msgspec.json.Decoder()
+_AT_FIELD = re.compile(r"at `\$\.([^`]+)`")
+_NAMED_FIELD = re.compile(r"field `([^`]+)`")
+
+
+def decode_client_frame(data: str | bytes, max_bytes: int) -> ClientFrame:
+    """The frame, or ``BadRequest`` / ``PayloadTooLarge`` naming what is wrong."""
+    if len(data) > max_bytes:
+        raise PayloadTooLarge(f"a frame may hold at most {max_bytes} bytes", code="frame_too_large")
+    try:
+        frame: ClientFrame = _decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        if message.endswith("at `$.type`") or "missing required field `type`" in message:
+            raise BadRequest(message, code="unknown_type", field="type") from None
+        raise BadRequest(message, code="invalid_frame", field=_field_of(message)) from None
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"not a JSON object: {exc}", code="invalid_json") from None
+    return frame
+
+
+def client_id_of(data: str | bytes) -> str | None:
+    """The ``id`` of a frame that failed to decode, if it has a readable one."""
+    try:
+        raw = _loose.decode(data)
+    except msgspec.DecodeError:
+        return None
+    value = raw.get("id") if isinstance(raw, dict) else None
+    return value if isinstance(value, str) and 0 < len(value) <= 64 else None
+
+
+def _field_of(message: str) -> str | None:
+    at = _AT_FIELD.search(message) or _NAMED_FIELD.search(message)
+    return at.group(1) if at else None
+
+
+def encode_frame(frame: ServerFrame) -> str:
+    return _encoder.encode(frame).decode()
+
+
+def event_frames(
+    client_id: str, events: list[tuple[str, contract.SessionEvent]]
+) -> list[ServerFrame]:
+    """Session events of one generation as frames, runs of tokens coalesced into one."""
+    frames: list[ServerFrame] = []
+    for event_id, event in events:
+        match event:
+            case contract.Token(text=text, count=count):
+                last = frames[-1] if frames else None
+                if isinstance(last, TokenFrame):
+                    frames[-1] = TokenFrame(client_id, last.text + text, count, event_id)
+                else:
+                    frames.append(TokenFrame(client_id, text, count, event_id))
+            case contract.Queued(generation_id=gid):
+                frames.append(QueuedFrame(client_id, gid, event_id))
+            case contract.Started(generation_id=gid, model=model, prompt_tokens=prompt):
+                frames.append(StartedFrame(client_id, gid, model, prompt, event_id))
+            case contract.Done(finish_reason=reason, usage=usage):
+                frames.append(DoneFrame(client_id, reason, usage, event_id))
+            case contract.Cancelled(reason=reason, usage=usage):
+                frames.append(CancelledFrame(client_id, reason, usage, event_id))
+            case contract.Error(code=code, message=message):
+                frames.append(ErrorFrame(code, message, id=client_id, event_id=event_id))
+    return frames

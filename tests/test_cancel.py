@@ -1,0 +1,209 @@
+"""Cancel semantics (gateway/sessions.py cancel, engine/worker.py) on every path, over real
+gateway processes, real Redis and the synthetic engine."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from typing import Any
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+
+from engine.contract import CONSUMER_GROUP, Keys
+from tests.client import Session, create_session, read_events, send
+from tests.conftest import Stack
+from tests.ws_client import WsClient, open_ws
+
+pytestmark = pytest.mark.timeout(240)
+
+
+async def cancel(client: httpx.AsyncClient, session: Session, gid: str) -> dict[str, Any]:
+    response = await client.post(
+        f"{session.base}/v1/sessions/{session.session_id}/generations/{gid}/cancel",
+        headers=session.headers,
+    )
+    assert response.status_code == 200, response.text
+    body: dict[str, Any] = response.json()
+    return body
+
+
+async def stream_events(redis_url: str, prefix: str, session_id: str) -> list[dict[bytes, bytes]]:
+    """Every event the session's stream holds, straight from Redis."""
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        entries = await client.xrange(Keys(prefix).events(session_id))
+    finally:
+        await client.aclose()
+    return [fields for _id, fields in entries]
+
+
+def after_final(events: list[dict[bytes, bytes]], gid: str) -> list[bytes]:
+    """Types of the generation's events that follow its first final event."""
+    types = [e[b"t"] for e in events if e[b"g"].decode() == gid]
+    finals = [n for n, t in enumerate(types) if t in (b"done", b"cancelled", b"error")]
+    assert finals, types
+    return types[finals[0] + 1 :]
+
+
+async def test_cancel_through_gateway_b_ends_the_stream_read_through_gateway_a(
+    stack: Stack,
+) -> None:
+    """Also: cancelling twice and cancelling after done answer the final state."""
+    stack.synthetic(tokens_per_s=30)
+    gateway_a, gateway_b = stack.gateway(), stack.gateway()
+    async with httpx.AsyncClient(timeout=30) as client:
+        session = await create_session(client, gateway_a.url)
+        via_b = Session(gateway_b.url, session.session_id, session.token)
+        gid = await send(client, session, "stop me soon", max_tokens=300)
+        reading = await read_events(client, session, limit=5)  # queued, started, 3 tokens
+        assert [e.event for e in reading.events][-1] == "token"
+
+        first = await cancel(client, via_b, gid)
+        assert first["state"] == "cancelled" and first["final"]["reason"] == "user"
+        await read_events(client, session, until_final_of=gid, reading=reading)
+        final = reading.final(gid).json()
+        assert reading.events[-1].event == "cancelled" and final == first["final"]
+        assert final["usage"]["completion_tokens"] == reading.of(gid)[-2].json()["count"]
+
+        second = await cancel(client, session, gid)
+        assert second == first
+
+        await asyncio.sleep(0.5)  # anything the engine still made would be in Redis by now
+        events = await stream_events(stack.redis_url, stack.prefix, session.session_id)
+        assert after_final(events, gid) == []
+
+        done_gid = await send(client, session, "finish this", max_tokens=4)
+        await read_events(client, session, until_final_of=done_gid)
+        late = await cancel(client, via_b, done_gid)
+        assert late["state"] == "done" and late["final"]["finish_reason"] == "length"
+        assert late["final"]["usage"]["completion_tokens"] == 4
+
+
+async def test_a_generation_cancelled_while_queued_never_reaches_the_engine(stack: Stack) -> None:
+    gateway = stack.gateway()
+    async with httpx.AsyncClient(timeout=30) as client:
+        session = await create_session(client, gateway.url)
+        http_gid = await send(client, session, "nobody runs me", max_tokens=5)
+        outcome = await cancel(client, session, http_gid)
+        assert outcome["state"] == "cancelled"
+        assert outcome["final"]["usage"] == {"prompt_tokens": 0, "completion_tokens": 0}
+
+        ws = await open_ws(gateway.url)
+        try:
+            ack = await ws.generate("q", "me neither", max_tokens=5)
+            await ws.send(type="cancel", id="q")
+            cancel_ack = await ws.until(lambda f: f["type"] == "ack" and f["op"] == "cancel")
+            assert cancel_ack["state"] == "cancelled"
+            assert (await ws.final_of("q"))["type"] == "cancelled"
+            await ws.send(type="cancel", id="q")  # twice: the final state again
+            again = await ws.until(lambda f: f["type"] == "ack" and f["op"] == "cancel")
+            assert again["state"] == "cancelled"
+        finally:
+            await ws.conn.close()
+
+        # Now a worker comes: it takes both requests off the queue and runs neither.
+        stack.synthetic(tokens_per_s=200)
+        redis = aioredis.Redis.from_url(stack.redis_url)
+        try:
+            async with asyncio.timeout(30):
+                while True:
+                    groups = await redis.xinfo_groups(Keys(stack.prefix).requests)
+                    group = next(g for g in groups if g["name"].decode() == CONSUMER_GROUP)
+                    if group["lag"] == 0 and group["pending"] == 0:
+                        break
+                    await asyncio.sleep(0.1)
+        finally:
+            await redis.aclose()
+        for sid, gid in ((session.session_id, http_gid), (ack["session_id"], ack["generation_id"])):
+            events = await stream_events(stack.redis_url, stack.prefix, sid)
+            assert [e[b"t"] for e in events if e[b"g"].decode() == gid] == [b"queued", b"cancelled"]
+
+        # The session is not left busy: the next message runs.
+        next_gid = await send(client, session, "now run", max_tokens=3)
+        reading = await read_events(client, session, until_final_of=next_gid)
+        assert reading.final(next_gid).event == "done"
+
+
+async def test_a_generation_nobody_watches_is_abandoned_after_the_grace(stack: Stack) -> None:
+    stack.synthetic(tokens_per_s=20)
+    gateway = stack.gateway(TOKENSPOUT_ABANDON_GRACE_S="2")
+    async with httpx.AsyncClient(timeout=30) as client:
+        ws = await open_ws(gateway.url)
+        ack = await ws.generate("left", "talk to nobody", max_tokens=1000)
+        seen = await ws.until(lambda f: f.get("id") == "left" and f["type"] == "token")
+        await ws.conn.close()  # a session stream does not end its generation on disconnect
+        session = Session(gateway.url, ack["session_id"], ack["token"])
+        async with asyncio.timeout(60):
+            while True:  # the session's history gets the partial reply when it ends
+                url = f"{gateway.url}/v1/sessions/{session.session_id}"
+                view = await client.get(url, headers=session.headers)
+                if len(view.json()["messages"]) == 2:
+                    break
+                await asyncio.sleep(0.25)
+        reading = await read_events(client, session, until_final_of=ack["generation_id"])
+        final = reading.final(ack["generation_id"]).json()
+        assert reading.final(ack["generation_id"]).event == "cancelled"
+        assert final["reason"] == "abandoned"
+        # It ran on after the client left, until the grace period was over.
+        assert final["usage"]["completion_tokens"] > seen["count"]
+        assert final["usage"]["completion_tokens"] < 1000
+
+
+async def test_200_generations_cancelled_at_random_points_emit_no_token_after_cancelled(
+    stack: Stack,
+) -> None:
+    engine = stack.synthetic(tokens_per_s=5)
+    gateway = stack.gateway()
+    rng = random.Random(20261122)
+    sockets, per_socket = 8, 25
+
+    async def run_socket(n: int) -> tuple[WsClient, list[str]]:
+        ws = await open_ws(gateway.url)
+        ids = [f"g{n}-{k}" for k in range(per_socket)]
+        # Cancel on the ack (often still queued), after 1 to 13 tokens, or never (done).
+        plan = {i: rng.choice([0, 0, 1, 2, 3, 5, 8, 13, 40]) for i in ids}
+        for i in ids:
+            await ws.send(type="generate", id=i, content=f"random stop {i}", max_tokens=30)
+        pending, finished = set(ids), set()
+        async with asyncio.timeout(120):
+            while finished != set(ids):
+                frame = await ws.recv()
+                i = frame.get("id")
+                assert frame["type"] != "error", frame
+                count = frame["count"] if frame["type"] == "token" else 0
+                if i in pending and frame["type"] != "done" and count >= plan[i]:
+                    pending.discard(i)
+                    await ws.send(type="cancel", id=i)
+                if frame["type"] in ("done", "cancelled"):
+                    finished.add(i)
+        await asyncio.sleep(1.0)  # frames that would follow a final one would come by now
+        with contextlib.suppress(TimeoutError):
+            while True:
+                await ws.recv(timeout_s=0.2)
+        await ws.conn.close()
+        return ws, ids
+
+    results = await asyncio.gather(*(run_socket(n) for n in range(sockets)))
+    assert engine.poll() is None
+    cancelled = 0
+    for ws, ids in results:
+        for i in ids:
+            frames = ws.frames[i]
+            finals = [f for f in frames if f["type"] in ("done", "cancelled", "error")]
+            assert len(finals) == 1, frames
+            end = frames.index(finals[0])
+            assert all(f["type"] == "ack" for f in frames[end + 1 :]), frames
+            if finals[0]["type"] == "cancelled":
+                cancelled += 1
+                tokens = ws.tokens(i)
+                got = tokens[-1]["count"] if tokens else 0
+                assert finals[0]["usage"]["completion_tokens"] == got
+            else:
+                assert finals[0]["type"] == "done", finals
+            ack = next(f for f in frames if f["type"] == "ack" and f["op"] == "generate")
+            events = await stream_events(stack.redis_url, stack.prefix, ack["session_id"])
+            assert after_final(events, ack["generation_id"]) == []
+    assert cancelled >= 100, cancelled
