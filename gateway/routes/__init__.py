@@ -5,6 +5,7 @@ from __future__ import annotations
 from litestar.types import ControllerRouterHandler
 
 from gateway.routes.health import health, ready
+from gateway.routes.metrics import metrics_endpoint
 from gateway.routes.sessions import SessionController
 
-ROUTES: list[ControllerRouterHandler] = [health, ready, SessionController]
+ROUTES: list[ControllerRouterHandler] = [health, ready, metrics_endpoint, SessionController]
