@@ -75,6 +75,17 @@ class Job:
         return Usage(self.prompt_tokens, self.emitted_tokens)
 
 
+def _reason(event: contract.FinalEvent) -> str:
+    match event:
+        case Done():
+            return event.finish_reason
+        case Cancelled():
+            return event.reason
+        case Error():
+            return event.code
+    return ""
+
+
 class Worker:
     def __init__(
         self,
@@ -99,6 +110,8 @@ class Worker:
         self._accepting = True
         self._started_at = time.time()
         self._tasks: set[asyncio.Task[None]] = set()
+        self.metrics.generations_running.set_function(lambda: len(self.jobs))
+        self.metrics.capacity.set_function(lambda: self.backend.capacity)
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -138,7 +151,9 @@ class Worker:
     async def drain(self, timeout_s: float) -> None:
         """Take no new work; let running generations finish, then cancel the rest."""
         self._accepting = False
-        log.info("draining %d running generations (up to %.0f s)", len(self.jobs), timeout_s)
+        self._slot_freed.set()
+        self.metrics.draining.set(1)
+        log.info("draining", extra={"running": len(self.jobs), "drain_s": timeout_s})
         deadline = time.monotonic() + timeout_s
         while self.jobs and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -182,6 +197,7 @@ class Worker:
                 continue
             except (RedisError, OSError) as exc:
                 log.warning("reading requests failed (%s); retrying", exc)
+                self.metrics.redis_errors.labels("requests").inc()
                 await asyncio.sleep(0.5)
                 continue
             for entry_id, fields in contract.read_entries(reply):
@@ -219,6 +235,10 @@ class Worker:
                 log.info("skipping %s: it ended before it started", gid)
                 return
             self.metrics.queue_wait.observe(max(0.0, time.time() - job.request.enqueued_at))
+            log.info(
+                "generation started",
+                extra={"session_id": sid, "generation_id": gid, "prompt_tokens": job.prompt_tokens},
+            )
             if job.cancel_reason is None:
                 await self._stream(job, prepared)
         except BackendError as exc:
@@ -272,7 +292,18 @@ class Worker:
             assistant=assistant if job.request.prompt is None else None,
             ttl_s=job.request.session_ttl_s,
         )
-        self.metrics.generations.labels(contract.final_state(event)).inc()
+        state = contract.final_state(event)
+        self.metrics.generations.labels(state).inc()
+        log.info(
+            "generation ended",
+            extra={
+                "session_id": job.session_id,
+                "generation_id": job.generation_id,
+                "state": state,
+                "reason": _reason(event),
+                "completion_tokens": job.emitted_tokens,
+            },
+        )
 
     # --- cancel --------------------------------------------------------------------------
 
@@ -306,6 +337,7 @@ class Worker:
                 reply = await self.redis.xread({self.keys.cancels: last}, count=256, block=1000)
             except (RedisError, OSError) as exc:
                 log.warning("reading cancels failed (%s); retrying", exc)
+                self.metrics.redis_errors.labels("cancels").inc()
                 await asyncio.sleep(0.5)
                 continue
             for entry_id, fields in contract.read_entries(reply):
@@ -338,6 +370,7 @@ class Worker:
                     watched = await pipe.execute()
             except (RedisError, OSError) as exc:
                 log.warning("checking readers failed (%s)", exc)
+                self.metrics.redis_errors.labels("abandon").inc()
                 continue
             for job, is_watched in zip(jobs, watched, strict=True):
                 if not is_watched:
@@ -353,6 +386,7 @@ class Worker:
                 await self._heartbeat_once()
             except (RedisError, OSError) as exc:
                 log.warning("heartbeat failed (%s)", exc)
+                self.metrics.redis_errors.labels("heartbeat").inc()
 
     async def _heartbeat_once(self) -> None:
         info = WorkerInfo(

@@ -16,7 +16,6 @@ from types import FrameType
 
 import uvicorn
 
-from gateway.app import create_asgi_app
 from gateway.logs import configure_logging
 from gateway.relay import RelayHub
 from gateway.settings import Settings
@@ -52,6 +51,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
+    from gateway.app import create_asgi_app  # here: the parser alone stays cheap to import
+
     settings = Settings.from_env()
     configure_logging(settings.log_level, "gateway")
     app, services = create_asgi_app(settings)

@@ -122,12 +122,13 @@ def markdown_table() -> str:
     rows = ["| variable | default | meaning |", "| --- | --- | --- |"]
     defaults = Settings()
     for field in info.fields:
-        description = getattr(field.type, "extra", None) or {}
-        meaning = getattr(field.type, "description", None) or description.get("description", "")
+        schema = getattr(field.type, "extra_json_schema", None) or {}
+        meaning = schema.get("description", "")
         default = getattr(defaults, field.name)
         if field.name == "web_dir":
             default = "<repo>/web"
-        rows.append(f"| `{env_name(field.name)}` | `{default!s}` | {meaning} |")
+        shown = f"`{default!s}`" if str(default) else "(empty)"
+        rows.append(f"| `{env_name(field.name)}` | {shown} | {meaning} |")
     return "\n".join(rows) + "\n"
 
 
