@@ -1,7 +1,7 @@
 """The outermost ASGI layer: a request id, one log line and one metric count per request.
 
 It wraps the whole Litestar app, so requests that match no route (404, 405) are counted
-too. Routes are labelled by their template (``/v1/sessions/{session_id:str}/events``), never
+too. Routes are labelled by their template (``/v1/sessions/{session_id}/events``), never
 by the raw path, so the metric's label set stays small. The log line carries the ids in the
 path (session, generation) and no body: message text never reaches the logs.
 """
