@@ -71,9 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM, how long running generations may finish before they are "
         "cancelled (reason shutdown)",
     )
-    parser.add_argument(
-        "--worker-id", default=None, help="name in Redis (default: hostname-pid)"
-    )
+    parser.add_argument("--worker-id", default=None, help="name in Redis (default: hostname-pid)")
     return parser
 
 

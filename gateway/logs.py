@@ -13,7 +13,8 @@ import sys
 import time
 
 _STANDARD = frozenset(
-    logging.LogRecord("", 0, "", 0, "", (), None).__dict__.keys() | {"message", "asctime"}
+    logging.LogRecord("", 0, "", 0, "", (), None).__dict__.keys()
+    | {"message", "asctime", "color_message"}  # uvicorn's coloured copy of msg
 )
 
 

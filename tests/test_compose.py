@@ -142,9 +142,10 @@ def test_every_engine_command_and_environment_is_one_the_engine_accepts() -> Non
         assert set(environment) <= set(ENGINE_ENVIRONMENT), set(environment) - set(
             ENGINE_ENVIRONMENT
         )
-        assert environment["TOKENSPOUT_KEY_PREFIX"] == environment_of(services()["gateway"])[
-            "TOKENSPOUT_KEY_PREFIX"
-        ]
+        assert (
+            environment["TOKENSPOUT_KEY_PREFIX"]
+            == environment_of(services()["gateway"])["TOKENSPOUT_KEY_PREFIX"]
+        )
         drain = int(args.drain_s)
         assert int(engine["stop_grace_period"].rstrip("s")) > drain, name
         probe = " ".join(engine["healthcheck"]["test"])
