@@ -140,10 +140,6 @@ class GatewayMetrics:
                     del self._by_session[live.session_id]
         return live
 
-    @property
-    def tracked(self) -> int:
-        return len(self._live)
-
     # --- SessionStore hooks --------------------------------------------------------------
 
     def submitted(self, session_id: str, generation_id: str, queued_event_id: str) -> None:
