@@ -3,8 +3,10 @@ the ids that tie a request to its generation, and never a message's or a reply's
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
+import time
 from pathlib import Path
 
 import httpx
@@ -105,7 +107,16 @@ async def test_with_vllm_the_logs_hold_neither_the_prompt_nor_the_models_reply(
     assert reading.final(generation).event == "done"
     reply = reading.text(generation)
     words = {word for word in re.findall(r"[A-Za-z]{6,}", reply)}
-    lines = log_lines(vllm_stack.stack.logs, "gateway") + log_lines(vllm_stack.stack.logs, "engine")
+    logs = vllm_stack.stack.logs
+    # the engine logs the end right after it publishes the final event: wait for the line
+    deadline = time.monotonic() + 30
+    while not any(
+        "msg='generation ended'" in line and generation in line
+        for line in log_lines(logs, "engine")
+    ):
+        assert time.monotonic() < deadline, "the engine never logged the generation's end"
+        await asyncio.sleep(0.1)
+    lines = log_lines(logs, "gateway") + log_lines(logs, "engine")
     for line in lines:
         assert "periwinkle" not in line and "octopus" not in line, line
         if "tokenspout." in line:  # our loggers (vLLM's own log model and config, not text)
