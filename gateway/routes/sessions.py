@@ -148,10 +148,21 @@ class SessionController(Controller):
 
         async def chunks() -> AsyncIterator[bytes]:
             yield sse.retry(settings.sse_retry_ms)
+            unfinished: set[str] = set()
             try:
                 async with hub.open(session_id, after) as feed:
                     async for batch in feed.events(settings.sse_heartbeat_s):
-                        yield sse.session_frames(batch) if batch else sse.HEARTBEAT
+                        if batch:
+                            yield sse.session_frames(batch)
+                        elif not hub.draining:
+                            yield sse.HEARTBEAT
+                        for event in batch:
+                            if event.is_final:
+                                unfinished.discard(event.generation_id)
+                            else:
+                                unfinished.add(event.generation_id)
+                        if hub.draining and not unfinished:
+                            return  # shutting down: end after the last final event
             except (SessionLost, EventsExpired) as exc:
                 # Not a generation's error event: the stream itself ends, with no id.
                 yield sse.frame(msgspec.json.encode(exc.body()), event="error")

@@ -1,0 +1,23 @@
+# The gateway: Litestar + Redis client only. No torch, no vllm (the project's base
+# dependencies; the engine extras are never installed here).
+FROM python:3.11-slim-bookworm
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /app
+COPY pyproject.toml ./
+COPY gateway ./gateway
+COPY engine ./engine
+COPY stack ./stack
+RUN pip install . \
+    && useradd --system --uid 10001 tokenspout
+
+USER tokenspout
+EXPOSE 8000
+STOPSIGNAL SIGTERM
+HEALTHCHECK --interval=10s --timeout=3s --retries=3 \
+    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2)"]
+CMD ["python", "-m", "gateway", "--host", "0.0.0.0", "--port", "8000"]

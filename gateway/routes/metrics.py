@@ -1,0 +1,29 @@
+"""``/metrics``: the gateway process's Prometheus metrics (gateway/metrics.py)."""
+
+from __future__ import annotations
+
+import logging
+
+from litestar import get
+from litestar.response import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from redis.exceptions import RedisError
+
+from gateway.metrics import GatewayMetrics
+from gateway.sessions import SessionStore
+
+log = logging.getLogger("tokenspout.metrics")
+
+
+@get("/metrics", tags=["operations"], summary="Prometheus metrics", include_in_schema=False)
+async def metrics_endpoint(store: SessionStore, metrics: GatewayMetrics) -> Response[bytes]:
+    try:
+        queued, running = await store.queue_counts()
+    except (RedisError, OSError) as exc:
+        # A scrape still answers while Redis is down; the queue gauges keep their last value.
+        log.warning("could not read queue depths: %s", exc)
+        metrics.redis_error("metrics")
+    else:
+        metrics.queued.set(queued)
+        metrics.running.set(running)
+    return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
