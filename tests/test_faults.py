@@ -149,7 +149,12 @@ async def test_redis_restart_with_persistence_resumes_every_stream(
             outage = await client.get(f"{gateway.url}/ready")
             assert outage.status_code == 503 and outage.json()["ready"] is False
             await asyncio.sleep(1.5)
+            seen = len(reading.events)
             restartable_redis.start()
+            back = time.monotonic()
+            while len(reading.events) == seen and not reader.done():
+                await asyncio.sleep(0.01)
+            print(f"\nRedis back -> next event after {time.monotonic() - back:.2f} s")
             await reader  # the same SSE connection carries on
             assert reading.text(generation) == expected_reply("through a restart", 100)
             ids = [event_key(e.id or "") for e in reading.events]
