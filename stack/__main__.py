@@ -79,6 +79,17 @@ def main() -> None:
                 '"content":"Hi"}]}\'',
                 flush=True,
             )
+            if os.environ.get("TOKENSPOUT_API_KEYS") or os.environ.get("TOKENSPOUT_API_KEYS_FILE"):
+                print(
+                    "  API keys are on: add  -H 'Authorization: Bearer <key>'  to API calls",
+                    flush=True,
+                )
+            else:
+                print(
+                    "  API endpoints are open: TOKENSPOUT_API_KEYS=key1,key2 make run"
+                    " requires Bearer keys",
+                    flush=True,
+                )
             print("  stop: Ctrl-C\n", flush=True)
         while not stopping and all(child.poll() is None for child in children):
             time.sleep(0.2)

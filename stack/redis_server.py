@@ -64,6 +64,9 @@ class EmbeddedRedis:
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.STDOUT,
+            # Not in the terminal's process group: Ctrl-C reaches the launcher, which stops
+            # the gateway and the engine before Redis.
+            start_new_session=True,
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
