@@ -103,6 +103,7 @@ async def test_metrics_count_a_finished_and_a_cancelled_generation_on_gateway_an
         await task
         assert cancel_reading.final(cancelled).json()["reason"] == "user"
         assert (await client.get(f"{gateway.url}/no-such-page")).status_code == 404
+        assert (await client.delete(f"{gateway.url}/v1/no/such/route")).status_code in (404, 405)
 
         tokens = {
             gid: sum(e.event == "token" for e in reading.of(gid))
@@ -141,10 +142,23 @@ async def test_metrics_count_a_finished_and_a_cancelled_generation_on_gateway_an
         )
         == 2
     )
+    # a miss under the web chat's static route is labelled with that route, not the URL
     assert (
-        value(g, "tokenspout_gateway_requests_total", method="GET", route="unmatched", status="404")
+        value(
+            g, "tokenspout_gateway_requests_total", method="GET", route="/{file_path}", status="404"
+        )
         == 1
     )
+    unmatched = [
+        labels
+        for (name, labels) in g
+        if name == "tokenspout_gateway_requests_total" and ("method", "DELETE") in labels
+    ]
+    assert unmatched == [
+        frozenset(
+            {("method", "DELETE"), ("route", "unmatched"), ("status", dict(unmatched[0])["status"])}
+        )
+    ]
     # gateway: generations, latencies as seen by the gateway
     assert value(g, "tokenspout_gateway_generations_submitted_total") == 2
     assert value(g, "tokenspout_gateway_generations_ended_total", type="done") == 1
