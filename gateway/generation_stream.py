@@ -44,17 +44,6 @@ class Heartbeat(msgspec.Struct, frozen=True):
 GenerationItem = Started | Token | Heartbeat | Done | Cancelled | Error
 
 
-class Collected(msgspec.Struct):
-    """A whole generation, for the non-streaming answers."""
-
-    model: str
-    prompt_tokens: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[float] | None
-    final: Done
-
-
 class TokenPiece(NamedTuple):
     id: int
     text: str
@@ -71,6 +60,17 @@ def per_token(token: Token) -> list[TokenPiece]:
         TokenPiece(token_id, token.text if index == 0 else "", logprobs[index])
         for index, token_id in enumerate(token.token_ids)
     ]
+
+
+class Collected(msgspec.Struct):
+    """A whole generation, for the non-streaming answers."""
+
+    model: str
+    prompt_tokens: int
+    text: str
+    pieces: list[TokenPiece]
+    """The tokens, with their text as the engine's steps delivered it (see ``per_token``)."""
+    final: Done
 
 
 ENGINE_ERROR_STATUS = {"prompt_too_long": 422}
@@ -137,21 +137,16 @@ class GenerationStream:
     async def collect(self) -> Collected:
         """Wait for the whole generation; raise the adapter's error if it did not finish."""
         model, prompt_tokens, text = "", 0, []
-        token_ids: list[int] = []
-        logprobs: list[float] | None = []
+        pieces: list[TokenPiece] = []
         try:
             async for item in self.events():
                 if isinstance(item, Started):
                     model, prompt_tokens = item.model, item.prompt_tokens
                 elif isinstance(item, Token):
                     text.append(item.text)
-                    token_ids.extend(item.token_ids)
-                    if item.logprobs is None or logprobs is None:
-                        logprobs = None
-                    else:
-                        logprobs.extend(item.logprobs)
+                    pieces.extend(per_token(item))
                 elif isinstance(item, Done):
-                    return Collected(model, prompt_tokens, "".join(text), token_ids, logprobs, item)
+                    return Collected(model, prompt_tokens, "".join(text), pieces, item)
                 elif isinstance(item, Cancelled | Error):
                     raise final_error(item)
         finally:

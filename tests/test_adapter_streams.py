@@ -97,18 +97,20 @@ async def test_a_client_that_disconnects_aborts_its_generation(
     env = {"TOKENSPOUT_ABANDON_GRACE_S": "600"}
     stack.synthetic(50, **env)
     gateway = stack.gateway(**env)
-    async with httpx.AsyncClient(timeout=30) as client:
-        async with client.stream(
+    async with (
+        httpx.AsyncClient(timeout=30) as client,
+        client.stream(
             "POST",
             gateway.url + endpoint.path,
             json=endpoint.body("keep going [[stall:3]]", 500),
-        ) as response:
-            assert response.status_code == 200
-            lines = response.aiter_lines()
-            while not (await asyncio.wait_for(anext(lines), 30)).startswith("data:"):
-                pass
-            only_generation(stack.redis_url, stack.prefix)
-            await until_running(stack, 1)
+        ) as response,
+    ):
+        assert response.status_code == 200
+        lines = response.aiter_lines()
+        while not (await asyncio.wait_for(anext(lines), 30)).startswith("data:"):
+            pass
+        only_generation(stack.redis_url, stack.prefix)
+        await until_running(stack, 1)
         # The client is gone (the response is closed, the connection dropped).
     final = wait_final(stack.redis_url, stack.prefix)
     assert final["type"] == "cancelled"

@@ -56,7 +56,9 @@ def test_sync_client_answers_whole_with_details_stop_and_full_text(stack: Stack)
     assert whole.details is not None
     assert whole.details.finish_reason == "stop_sequence"
     assert whole.details.generated_tokens == 8
-    assert [t.logprob for t in whole.details.tokens] == [t.logprob for t in synthetic_tokens("hi", 8)]
+    assert [t.logprob for t in whole.details.tokens] == [
+        t.logprob for t in synthetic_tokens("hi", 8)
+    ]
     assert [t.id for t in whole.details.tokens] == [t.id for t in synthetic_tokens("hi", 8)]
 
     text = client.text_generation("hi", max_new_tokens=4, return_full_text=True)
@@ -93,28 +95,30 @@ async def test_async_client_streams_and_generate_stream_route_matches(stack: Sta
 async def test_overload_answers_429_overloaded_which_the_client_raises(stack: Stack) -> None:
     stack.synthetic(tokens_per_s=200)
     gateway = stack.gateway(TOKENSPOUT_MAX_INFLIGHT="1")
-    async with httpx.AsyncClient(timeout=30) as raw:
-        # One generation that never ends holds the only in-flight slot (TGI writes a token
-        # when the next one comes, so the stall comes after two).
-        async with raw.stream(
+    # One generation that never ends holds the only in-flight slot (TGI writes a token
+    # when the next one comes, so the stall comes after two).
+    async with (
+        httpx.AsyncClient(timeout=30) as raw,
+        raw.stream(
             "POST",
             f"{gateway.url}/generate_stream",
             json={"inputs": "hold [[stall:2]]", "parameters": {"max_new_tokens": 50}},
-        ) as held:
-            assert held.status_code == 200
-            lines = held.aiter_lines()
-            while not (await asyncio.wait_for(anext(lines), 30)).startswith("data:"):
-                pass
-            refused = await raw.post(f"{gateway.url}/generate", json={"inputs": "hi"})
-            assert refused.status_code == 429
-            assert refused.json()["error_type"] == "overloaded"
-            assert refused.headers["retry-after"]
-            client = AsyncInferenceClient(model=f"{gateway.url}/generate")
-            try:
-                with pytest.raises(OverloadedError):
-                    await client.text_generation("hi", max_new_tokens=2)
-            finally:
-                await client.close()
+        ) as held,
+    ):
+        assert held.status_code == 200
+        lines = held.aiter_lines()
+        while not (await asyncio.wait_for(anext(lines), 30)).startswith("data:"):
+            pass
+        refused = await raw.post(f"{gateway.url}/generate", json={"inputs": "hi"})
+        assert refused.status_code == 429
+        assert refused.json()["error_type"] == "overloaded"
+        assert refused.headers["retry-after"]
+        client = AsyncInferenceClient(model=f"{gateway.url}/generate")
+        try:
+            with pytest.raises(OverloadedError):
+                await client.text_generation("hi", max_new_tokens=2)
+        finally:
+            await client.close()
     # The held stream closed: its generation is aborted and the slot frees up.
     client = AsyncInferenceClient(model=f"{gateway.url}/generate")
     try:

@@ -234,7 +234,7 @@ async def chat_completions(
         whole = await generation.collect()
         logprobs = None
         if want_logprobs:
-            logprobs = _chat_logprobs(_whole_pieces(whole.text, whole.token_ids, whole.logprobs))
+            logprobs = _chat_logprobs(whole.pieces)
         choice = ChatChoice(
             0, AssistantMessage("assistant", whole.text), logprobs, whole.final.finish_reason
         )
@@ -278,19 +278,6 @@ async def chat_completions(
     return sse.response(chunks, background=generation.on_response_end())
 
 
-def _whole_pieces(
-    text: str, token_ids: list[int], logprobs: list[float] | None
-) -> list[TokenPiece]:
-    """Token pieces of a collected generation: without per-token text the whole text goes
-    with the first token (see ``per_token``)."""
-    values: list[float | None] = list(logprobs or [])
-    values += [None] * (len(token_ids) - len(values))
-    return [
-        TokenPiece(token_id, text if index == 0 else "", values[index])
-        for index, token_id in enumerate(token_ids)
-    ]
-
-
 @post("/completions", summary="OpenAI (legacy) completions")
 async def completions(
     request: AnyRequest,
@@ -310,8 +297,7 @@ async def completions(
         whole = await generation.collect()
         logprobs = None
         if want_logprobs:
-            pieces = _whole_pieces(whole.text, whole.token_ids, whole.logprobs)
-            logprobs = _completion_logprobs(pieces, 0)
+            logprobs = _completion_logprobs(whole.pieces, 0)
         choice = CompletionChoice(0, whole.text, logprobs, whole.final.finish_reason)
         body = Completion(
             completion_id,

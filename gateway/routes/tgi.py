@@ -178,12 +178,7 @@ async def _generate(generation: GenerationStream, data: GenerateRequest) -> Gene
     prefix = data.inputs if data.parameters.return_full_text else ""
     if not data.parameters.details:
         return Generated(prefix + whole.text)
-    values: list[float | None] = list(whole.logprobs or [])
-    values += [None] * (len(whole.token_ids) - len(values))
-    tokens = [
-        _token(TokenPiece(token_id, whole.text if index == 0 else "", values[index]))
-        for index, token_id in enumerate(whole.token_ids)
-    ]
+    tokens = [_token(piece) for piece in whole.pieces]
     details = Details(
         _finish_reason(whole.final.finish_reason, data.parameters.stop),
         whole.final.usage.completion_tokens,
