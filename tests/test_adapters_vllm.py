@@ -72,11 +72,8 @@ async def test_huggingface_client_streams_real_token_ids_and_logprobs(
 ) -> None:
     url = f"{vllm_stack.gateway.url}/generate"
     prompt = "Once upon a time"
-    events = list(
-        InferenceClient(model=url).text_generation(
-            prompt, max_new_tokens=8, stream=True, details=True
-        )
-    )
+    sync = InferenceClient(model=url)  # keep it: its stream closes with it
+    events = list(sync.text_generation(prompt, max_new_tokens=8, stream=True, details=True))
     assert 1 <= len(events) <= 8
     assert all(0 <= e.token.id < VOCAB_SIZE for e in events)
     assert all(e.token.logprob <= 0 for e in events)

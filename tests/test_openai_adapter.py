@@ -210,3 +210,32 @@ async def test_api_keys_refuse_a_wrong_or_missing_key_with_401_and_list_models(
     finally:
         await wrong.close()
         await right.close()
+
+
+def test_an_engine_failure_reaches_the_sdk_as_an_error_in_and_out_of_streams(
+    stack: Stack,
+) -> None:
+    stack.synthetic(tokens_per_s=200)
+    gateway = stack.gateway()
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "break [[fail:2]]"}]
+
+    received = []
+    with pytest.raises(openai.APIError, match="synthetic failure") as caught:
+        for chunk in client.chat.completions.create(
+            model="synthetic",
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=10,
+            stream=True,
+        ):
+            received.append(chunk.choices[0].delta.content)
+    assert received == ["You", " said:"]
+    assert isinstance(caught.value.body, dict) and caught.value.body["code"] == "engine_error"
+
+    with pytest.raises(openai.InternalServerError) as whole:
+        client.chat.completions.create(
+            model="synthetic",
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=10,
+        )
+    assert whole.value.status_code == 503

@@ -9,7 +9,7 @@ import asyncio
 import httpx
 import pytest
 from huggingface_hub import AsyncInferenceClient, InferenceClient
-from huggingface_hub.errors import OverloadedError, ValidationError
+from huggingface_hub.errors import GenerationError, OverloadedError, ValidationError
 
 from tests.adapter_support import synthetic_text, synthetic_tokens
 from tests.conftest import Stack
@@ -131,3 +131,15 @@ async def test_overload_answers_429_overloaded_which_the_client_raises(stack: St
         assert text == synthetic_text("hi", 2)
     finally:
         await client.close()
+
+
+def test_an_engine_failure_mid_stream_raises_generation_error(stack: Stack) -> None:
+    stack.synthetic(tokens_per_s=200)
+    gateway = stack.gateway()
+    client = InferenceClient(model=f"{gateway.url}/generate_stream")
+    texts = []
+    with pytest.raises(GenerationError, match="synthetic failure"):
+        for text in client.text_generation("break [[fail:3]]", max_new_tokens=10, stream=True):
+            texts.append(text)
+    # Every token the engine made arrives before the error.
+    assert texts == ["You", " said:", " break"]

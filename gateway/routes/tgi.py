@@ -215,8 +215,9 @@ async def _events(generation: GenerationStream, data: GenerateRequest) -> AsyncI
         elif isinstance(item, Done):
             yield _frame(TgiError("the engine produced no tokens", "incomplete_generation"))
         else:
-            error = final_error(item)
-            yield _frame(TgiError(error.message, "generation"))
+            if held is not None:  # what the engine made before it failed still counts
+                yield _frame(StreamEvent(index + 1, _token(held), None, None))
+            yield _frame(TgiError(final_error(item).message, "generation"))
 
 
 def _frame(event: msgspec.Struct) -> bytes:
