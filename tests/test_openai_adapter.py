@@ -200,6 +200,13 @@ async def test_api_keys_refuse_a_wrong_or_missing_key_with_401_and_list_models(
             missing = await raw.post(f"{gateway.url}/generate", json={"inputs": "hi"})
             assert missing.status_code == 401
             assert missing.json()["error"]
+            answered = await raw.post(
+                f"{gateway.url}/v1/completions",
+                json={"model": "any", "prompt": "hi", "max_tokens": 2},
+                headers={"Authorization": "Bearer key-one"},
+            )
+            assert answered.status_code == 200, answered.text
+            assert answered.json()["choices"][0]["text"] == synthetic_text("hi", 2)
 
         models = await right.models.list()
         assert [m.id for m in models.data] == ["synthetic"]

@@ -215,7 +215,7 @@ async def _stream(
     yield DONE_FRAME
 
 
-@post("/chat/completions", summary="OpenAI chat completions")
+@post("/chat/completions", summary="OpenAI chat completions", status_code=200)
 async def chat_completions(
     request: AnyRequest,
     store: SessionStore,
@@ -278,7 +278,7 @@ async def chat_completions(
     return sse.response(chunks, background=generation.on_response_end())
 
 
-@post("/completions", summary="OpenAI (legacy) completions")
+@post("/completions", summary="OpenAI (legacy) completions", status_code=200)
 async def completions(
     request: AnyRequest,
     store: SessionStore,

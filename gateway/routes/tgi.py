@@ -224,7 +224,9 @@ def _frame(event: msgspec.Struct) -> bytes:
     return sse.frame(msgspec.json.encode(event))
 
 
-@post("/generate", summary="TGI generate (streams when the body says `stream: true`)")
+@post(
+    "/generate", summary="TGI generate (streams when the body says `stream: true`)", status_code=200
+)
 async def generate(
     request: AnyRequest,
     store: SessionStore,
