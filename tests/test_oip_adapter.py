@@ -39,7 +39,9 @@ async def test_generate_and_generate_stream_return_the_engine_text(stack: Stack)
         assert all("finish_reason" not in e for e in events[:-1])
 
 
-async def test_ready_says_whether_a_live_worker_serves_the_model(stack: Stack) -> None:
+async def test_ready_says_whether_a_live_worker_serves_the_model_and_404s_others(
+    stack: Stack,
+) -> None:
     gateway = stack.gateway()
     async with httpx.AsyncClient(timeout=30) as client:
         before = await client.get(f"{gateway.url}/v2/models/synthetic/ready")
@@ -48,7 +50,7 @@ async def test_ready_says_whether_a_live_worker_serves_the_model(stack: Stack) -
         ready = await client.get(f"{gateway.url}/v2/models/synthetic/ready")
         assert ready.status_code == 200 and ready.json() == {"name": "synthetic", "ready": True}
         other = await client.get(f"{gateway.url}/v2/models/llama/ready")
-        assert other.status_code == 503
+        assert other.status_code == 404 and "synthetic" in other.json()["error"]
 
 
 async def test_bad_requests_answer_the_protocol_error_shape(stack: Stack) -> None:

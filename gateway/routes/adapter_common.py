@@ -61,6 +61,9 @@ def as_gateway_error(exc: Exception) -> GatewayError:
         if exc.status_code < 500:
             return BadRequest(str(exc.detail))
         return Unavailable(str(exc.detail))
+    if isinstance(exc, RecursionError):
+        # Litestar decodes JSON bodies before validating them; absurd nesting ends up here.
+        return BadRequest("the JSON body is nested too deeply", code="too_deep")
     if isinstance(exc, RedisError):
         log.warning("redis error while handling an API request: %s", exc)
         return Unavailable("Redis is unavailable; try again", retry_after_s=1)
@@ -68,5 +71,5 @@ def as_gateway_error(exc: Exception) -> GatewayError:
     return GatewayError(f"internal error: {type(exc).__name__}")
 
 
-HANDLED = (GatewayError, ValidationException, HTTPException, RedisError)
+HANDLED = (GatewayError, ValidationException, HTTPException, RedisError, RecursionError)
 """The exception types each adapter router maps to its own error format."""

@@ -17,7 +17,7 @@ from litestar.response import Stream
 
 from engine.contract import Done, SamplingParams, Started, Token
 from gateway import sse
-from gateway.errors import BadRequest
+from gateway.errors import BadRequest, NotFound
 from gateway.generation_stream import GenerationStream, Heartbeat, final_error
 from gateway.relay import RelayHub
 from gateway.routes.adapter_common import HANDLED, AnyRequest, as_gateway_error, require_api_key
@@ -140,10 +140,15 @@ async def generate_stream(
 async def model_ready(
     request: AnyRequest, store: SessionStore, settings: Settings, model: str
 ) -> Response[Ready]:
+    """200 when a live worker serves ``model``; 503 while no worker is alive at all; 404
+    when workers are alive and none serves it."""
     require_api_key(request, settings)
     served = {worker.model for worker in await store.live_workers()}
-    ready = model in served
-    return Response(Ready(model, ready), status_code=200 if ready else 503)
+    if model in served:
+        return Response(Ready(model, True), status_code=200)
+    if served:
+        raise NotFound(f"no live worker serves {model!r} (served: {', '.join(sorted(served))})")
+    return Response(Ready(model, False), status_code=503)
 
 
 oip_router = Router(
