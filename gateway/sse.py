@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterable, Iterable
 
+from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
 from gateway.relay import RelayEvent
@@ -47,7 +48,16 @@ def comment(text: str) -> bytes:
     return b": " + text.replace("\n", " ").encode() + b"\n\n"
 
 
-def response(chunks: AsyncIterable[bytes], status_code: int = 200) -> Stream:
+def response(
+    chunks: AsyncIterable[bytes],
+    status_code: int = 200,
+    background: BackgroundTask | None = None,
+) -> Stream:
+    """``background`` runs when the response ends, also when the client disconnected."""
     return Stream(
-        chunks, media_type="text/event-stream", headers=dict(HEADERS), status_code=status_code
+        chunks,
+        media_type="text/event-stream",
+        headers=dict(HEADERS),
+        status_code=status_code,
+        background=background,
     )

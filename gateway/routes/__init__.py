@@ -6,7 +6,10 @@ from litestar.types import ControllerRouterHandler
 
 from gateway.routes.health import health, ready
 from gateway.routes.metrics import metrics_endpoint
+from gateway.routes.oip import oip_router
+from gateway.routes.openai import openai_router
 from gateway.routes.sessions import SessionController
+from gateway.routes.tgi import tgi_router
 from gateway.routes.ws import ws_endpoint
 
 ROUTES: list[ControllerRouterHandler] = [
@@ -15,4 +18,7 @@ ROUTES: list[ControllerRouterHandler] = [
     metrics_endpoint,
     SessionController,
     ws_endpoint,
+    openai_router,
+    tgi_router,
+    oip_router,
 ]

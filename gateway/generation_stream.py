@@ -1,0 +1,169 @@
+"""One stateless generation as a stream of typed events: what every API adapter builds on.
+
+The OpenAI, TGI and Open Inference Protocol adapters differ only in how they spell a token,
+an ending and an error. Submitting the generation, following its session's feed, keeping
+the connection alive while it waits, and aborting it when the client goes away happen here
+once, for all of them.
+
+    generation = await GenerationStream.submit(store, hub, settings, params, prompt="Hi")
+    async for item in generation.events():     # Started | Token | Heartbeat | final event
+        ...
+    # generation.close() (a background task of the response) cancels it if it did not end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import NamedTuple
+
+import anyio
+import msgspec
+from litestar.background_tasks import BackgroundTask
+
+from engine.contract import (
+    Cancelled,
+    ChatMessage,
+    Done,
+    Error,
+    FinalEvent,
+    SamplingParams,
+    Started,
+    Token,
+    decode_event,
+)
+from gateway.errors import BadRequest, GatewayError, Unavailable
+from gateway.relay import RelayHub
+from gateway.sessions import SessionStore, Submitted
+from gateway.settings import Settings
+
+
+class Heartbeat(msgspec.Struct, frozen=True):
+    """Nothing happened for ``heartbeat_s``: write a keep-alive so proxies keep the stream."""
+
+
+GenerationItem = Started | Token | Heartbeat | Done | Cancelled | Error
+
+
+class TokenPiece(NamedTuple):
+    id: int
+    text: str
+    logprob: float | None
+
+
+def per_token(token: Token) -> list[TokenPiece]:
+    """A token event as one piece per token id. An engine step can hold several tokens in
+    one text delta; its whole text goes with the first of them, so the texts still add up
+    to exactly what the engine produced."""
+    logprobs: list[float | None] = list(token.logprobs or [])
+    logprobs += [None] * (len(token.token_ids) - len(logprobs))
+    return [
+        TokenPiece(token_id, token.text if index == 0 else "", logprobs[index])
+        for index, token_id in enumerate(token.token_ids)
+    ]
+
+
+class Collected(msgspec.Struct):
+    """A whole generation, for the non-streaming answers."""
+
+    model: str
+    prompt_tokens: int
+    text: str
+    pieces: list[TokenPiece]
+    """The tokens, with their text as the engine's steps delivered it (see ``per_token``)."""
+    final: Done
+
+
+ENGINE_ERROR_STATUS = {"prompt_too_long": 422}
+"""Engine error codes that are the client's fault; every other one is a 503."""
+
+
+def final_error(final: Error | Cancelled) -> GatewayError:
+    """A generation that did not finish, as the error a non-streaming answer raises."""
+    if isinstance(final, Cancelled):
+        return Unavailable(f"the generation was cancelled ({final.reason})", code="cancelled")
+    if ENGINE_ERROR_STATUS.get(final.code) == 422:
+        return BadRequest(final.message, code=final.code)
+    return Unavailable(final.message, code=final.code)
+
+
+class GenerationStream:
+    """The events of one submitted generation, in order, ending with its final event."""
+
+    def __init__(
+        self, store: SessionStore, hub: RelayHub, submitted: Submitted, heartbeat_s: float
+    ) -> None:
+        self.store = store
+        self.hub = hub
+        self.submitted = submitted
+        self.heartbeat_s = heartbeat_s
+        self.final: FinalEvent | None = None
+
+    @classmethod
+    async def submit(
+        cls,
+        store: SessionStore,
+        hub: RelayHub,
+        settings: Settings,
+        params: SamplingParams,
+        *,
+        messages: list[ChatMessage] | None = None,
+        prompt: str | None = None,
+    ) -> GenerationStream:
+        submitted = await store.submit_stateless(params, messages=messages, prompt=prompt)
+        return cls(store, hub, submitted, settings.sse_heartbeat_s)
+
+    @property
+    def generation_id(self) -> str:
+        return self.submitted.generation_id
+
+    async def events(self) -> AsyncIterator[GenerationItem]:
+        """Started, tokens and heartbeats, then exactly one final event (and nothing after)."""
+        async with self.hub.open(self.submitted.session_id, None) as feed:
+            while self.final is None:
+                batch = await feed.next_batch(self.heartbeat_s)
+                if not batch:
+                    yield Heartbeat()
+                for relayed in batch:
+                    if relayed.generation_id != self.generation_id:
+                        continue
+                    event = decode_event(relayed.data)
+                    if isinstance(event, Done | Cancelled | Error):
+                        self.final = event
+                        yield event
+                        return
+                    if isinstance(event, Started | Token):
+                        yield event
+
+    async def collect(self) -> Collected:
+        """Wait for the whole generation; raise the adapter's error if it did not finish."""
+        model, prompt_tokens, text = "", 0, []
+        pieces: list[TokenPiece] = []
+        try:
+            async for item in self.events():
+                if isinstance(item, Started):
+                    model, prompt_tokens = item.model, item.prompt_tokens
+                elif isinstance(item, Token):
+                    text.append(item.text)
+                    pieces.extend(per_token(item))
+                elif isinstance(item, Done):
+                    return Collected(model, prompt_tokens, "".join(text), pieces, item)
+                elif isinstance(item, Cancelled | Error):
+                    raise final_error(item)
+        finally:
+            await self.close()
+        raise AssertionError("a generation's events end with a final event")  # pragma: no cover
+
+    async def close(self) -> None:
+        """Abort the generation in the engine unless it already ended (client gone)."""
+        if self.final is not None:
+            return
+        with anyio.CancelScope(shield=True):
+            outcome = await self.store.cancel(
+                self.submitted.session_id, self.generation_id, reason="disconnected"
+            )
+        if outcome.final is not None:
+            self.final = outcome.final
+
+    def on_response_end(self) -> BackgroundTask:
+        """Runs after the streamed response ends, however it ends (done or disconnected)."""
+        return BackgroundTask(self.close)

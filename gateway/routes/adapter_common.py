@@ -1,0 +1,75 @@
+"""What the OpenAI, TGI and OIP adapters share besides the generation stream: the API key
+check, and every error of a request reduced to one ``GatewayError`` that each adapter then
+spells in its own clients' error format."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import re
+from typing import Any
+
+from litestar.connection import Request
+from litestar.exceptions import HTTPException, ValidationException
+from redis.exceptions import RedisError
+
+from gateway.errors import (
+    BadRequest,
+    GatewayError,
+    NotFound,
+    PayloadTooLarge,
+    Unauthorized,
+    Unavailable,
+)
+from gateway.settings import Settings
+
+log = logging.getLogger("tokenspout.adapters")
+AnyRequest = Request[Any, Any, Any]
+UNKNOWN_FIELD = re.compile(r"unknown field `([^`]+)`")
+
+
+def require_api_key(request: AnyRequest, settings: Settings) -> None:
+    """401 unless ``Authorization: Bearer <key>`` names a configured key (none configured:
+    open)."""
+    keys = settings.api_key_set()
+    if not keys:
+        return
+    authorization = request.headers.get("authorization", "")
+    given = authorization[7:].strip() if authorization.lower().startswith("bearer ") else ""
+    if not any(hmac.compare_digest(given.encode(), key.encode()) for key in keys):
+        raise Unauthorized(
+            "a valid API key is required (Authorization: Bearer <key>)", code="invalid_api_key"
+        )
+
+
+def as_gateway_error(exc: Exception) -> GatewayError:
+    """Any exception a request can end with, as one of the gateway's own errors."""
+    if isinstance(exc, GatewayError):
+        return exc
+    if isinstance(exc, ValidationException):
+        details = exc.extra if isinstance(exc.extra, list) else []
+        first = details[0] if details and isinstance(details[0], dict) else {}
+        message = str(first.get("message") or exc.detail)
+        unknown = UNKNOWN_FIELD.search(message)
+        field = unknown.group(1) if unknown else first.get("key") or None
+        return BadRequest(message, field=field)
+    if isinstance(exc, HTTPException):
+        if exc.status_code == 413:
+            return PayloadTooLarge(str(exc.detail))
+        if exc.status_code == 404:
+            return NotFound(str(exc.detail))
+        if exc.status_code < 500:
+            return BadRequest(str(exc.detail))
+        return Unavailable(str(exc.detail))
+    if isinstance(exc, RecursionError):
+        # Litestar decodes JSON bodies before validating them; absurd nesting ends up here.
+        return BadRequest("the JSON body is nested too deeply", code="too_deep")
+    if isinstance(exc, RedisError):
+        log.warning("redis error while handling an API request: %s", exc)
+        return Unavailable("Redis is unavailable; try again", retry_after_s=1)
+    log.exception("unexpected error in an API adapter", exc_info=exc)
+    return GatewayError(f"internal error: {type(exc).__name__}")
+
+
+HANDLED = (GatewayError, ValidationException, HTTPException, RedisError, RecursionError)
+"""The exception types each adapter router maps to its own error format."""

@@ -1,0 +1,159 @@
+"""Open Inference Protocol (KServe v2 / Triton) generate extension:
+``POST /v2/models/{model}/generate``, ``POST /v2/models/{model}/generate_stream`` and
+``GET /v2/models/{model}/ready``.
+
+A thin adapter over ``GenerationStream``: ``text_input`` in, ``text_output`` out (the whole
+text, or one SSE event per engine step). Errors are the protocol's ``{"error": "..."}``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+import msgspec
+from litestar import Response, Router, get, post
+from litestar.response import Stream
+
+from engine.contract import Done, SamplingParams, Started, Token
+from gateway import sse
+from gateway.errors import BadRequest, NotFound
+from gateway.generation_stream import GenerationStream, Heartbeat, final_error
+from gateway.relay import RelayHub
+from gateway.routes.adapter_common import HANDLED, AnyRequest, as_gateway_error, require_api_key
+from gateway.sessions import SessionStore
+from gateway.settings import Settings
+
+
+class Parameters(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    max_tokens: int | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None
+    stop: str | Annotated[list[str], msgspec.Meta(max_length=8)] | None = None
+    seed: int | None = None
+    stream: bool | None = None
+    """Triton clients send it; the path decides whether the answer streams."""
+
+
+class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
+    text_input: str
+    parameters: Parameters = msgspec.field(default_factory=Parameters)
+    id: str | None = None
+
+
+class GenerateResponse(msgspec.Struct, omit_defaults=True):
+    model_name: str
+    text_output: str
+    finish_reason: str | None = None
+    id: str | None = None
+
+
+class Ready(msgspec.Struct):
+    name: str
+    ready: bool
+
+
+class OipError(msgspec.Struct):
+    error: str
+
+
+def oip_error(_: AnyRequest, exc: Exception) -> Response[OipError]:
+    error = as_gateway_error(exc)
+    return Response(OipError(error.message), status_code=error.status, headers=error.headers())
+
+
+def _params(store: SessionStore, given: Parameters) -> SamplingParams:
+    return store.sampling(
+        max_tokens=given.max_tokens,
+        temperature=given.temperature,
+        top_p=given.top_p,
+        top_k=given.top_k,
+        stop=[given.stop] if isinstance(given.stop, str) else given.stop,
+        seed=given.seed,
+    )
+
+
+async def _start(
+    request: AnyRequest,
+    store: SessionStore,
+    hub: RelayHub,
+    settings: Settings,
+    data: GenerateRequest,
+) -> GenerationStream:
+    require_api_key(request, settings)
+    if not data.text_input.strip():
+        raise BadRequest("`text_input` must not be empty", field="text_input")
+    params = _params(store, data.parameters)
+    return await GenerationStream.submit(store, hub, settings, params, prompt=data.text_input)
+
+
+@post("/{model:str}/generate", summary="OIP generate", status_code=200)
+async def generate(
+    request: AnyRequest,
+    store: SessionStore,
+    hub: RelayHub,
+    settings: Settings,
+    model: str,
+    data: GenerateRequest,
+) -> GenerateResponse:
+    generation = await _start(request, store, hub, settings, data)
+    whole = await generation.collect()
+    return GenerateResponse(whole.model or model, whole.text, whole.final.finish_reason, data.id)
+
+
+async def _events(
+    generation: GenerationStream, model: str, request_id: str | None
+) -> AsyncIterator[bytes]:
+    async for item in generation.events():
+        if isinstance(item, Heartbeat):
+            yield sse.HEARTBEAT
+        elif isinstance(item, Started):
+            model = item.model
+        elif isinstance(item, Token):
+            event = GenerateResponse(model, item.text, None, request_id)
+            yield sse.frame(msgspec.json.encode(event))
+        elif isinstance(item, Done):
+            event = GenerateResponse(model, "", item.finish_reason, request_id)
+            yield sse.frame(msgspec.json.encode(event))
+        else:
+            error = OipError(final_error(item).message)
+            yield sse.frame(msgspec.json.encode(error))
+
+
+@post("/{model:str}/generate_stream", summary="OIP generate_stream", status_code=200)
+async def generate_stream(
+    request: AnyRequest,
+    store: SessionStore,
+    hub: RelayHub,
+    settings: Settings,
+    model: str,
+    data: GenerateRequest,
+) -> Stream:
+    generation = await _start(request, store, hub, settings, data)
+    return sse.response(
+        _events(generation, model, data.id), background=generation.on_response_end()
+    )
+
+
+@get("/{model:str}/ready", summary="OIP model readiness: a live worker serves the model")
+async def model_ready(
+    request: AnyRequest, store: SessionStore, settings: Settings, model: str
+) -> Response[Ready]:
+    """200 when a live worker serves ``model``; 503 while no worker is alive at all; 404
+    when workers are alive and none serves it."""
+    require_api_key(request, settings)
+    served = {worker.model for worker in await store.live_workers()}
+    if model in served:
+        return Response(Ready(model, True), status_code=200)
+    if served:
+        raise NotFound(f"no live worker serves {model!r} (served: {', '.join(sorted(served))})")
+    return Response(Ready(model, False), status_code=503)
+
+
+oip_router = Router(
+    path="/v2/models",
+    route_handlers=[generate, generate_stream, model_ready],
+    tags=["open-inference-protocol"],
+    exception_handlers={kind: oip_error for kind in HANDLED},
+)

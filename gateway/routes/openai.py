@@ -1,0 +1,348 @@
+"""OpenAI-compatible API: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``.
+
+A thin adapter: each request becomes one stateless generation (``GenerationStream``); this
+module only translates parameters in and events out, and spells errors the way the
+``openai`` SDK expects (``{"error": {"message", "type", "param", "code"}}``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+from litestar import Response, Router, get, post
+from litestar.response import Stream
+
+from engine.contract import (
+    Cancelled,
+    ChatMessage,
+    Done,
+    Error,
+    Role,
+    SamplingParams,
+    Started,
+    Token,
+    Usage,
+)
+from gateway import sse
+from gateway.errors import BadRequest
+from gateway.generation_stream import (
+    GenerationStream,
+    Heartbeat,
+    TokenPiece,
+    final_error,
+    per_token,
+)
+from gateway.relay import RelayHub
+from gateway.routes.adapter_common import HANDLED, AnyRequest, as_gateway_error, require_api_key
+from gateway.routes.openai_schema import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatDelta,
+    ChatLogprobs,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    ErrorDetail,
+    ErrorOut,
+    ModelCard,
+    ModelList,
+    TokenLogprob,
+    UsageOut,
+    _Sampling,
+)
+from gateway.sessions import SessionStore
+from gateway.settings import Settings
+
+DONE_FRAME = sse.frame(b"[DONE]")
+ROLES: dict[str, Role] = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+}
+ERROR_TYPES = {401: "invalid_request_error", 429: "rate_limit_error"}
+
+
+def _refuse(field: str, message: str) -> BadRequest:
+    return BadRequest(message, code="unsupported_parameter", field=field)
+
+
+def _sampling(body: _Sampling, max_tokens: int | None) -> dict[str, Any]:
+    """The parameters every OpenAI endpoint shares, checked; refuses what is not supported."""
+    if body.n not in (None, 1):
+        raise _refuse("n", "n must be 1: tokenspout generates one choice per request")
+    if body.logit_bias:
+        raise _refuse("logit_bias", "logit_bias is not supported")
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop
+    return {
+        "max_tokens": max_tokens,
+        "temperature": 1.0 if body.temperature is None else body.temperature,
+        "top_p": body.top_p,
+        "top_k": body.top_k,
+        "stop": stop,
+        "seed": body.seed,
+        "frequency_penalty": body.frequency_penalty,
+        "presence_penalty": body.presence_penalty,
+    }
+
+
+def _chat_messages(body: ChatCompletionRequest) -> list[ChatMessage]:
+    if not body.messages:
+        raise BadRequest("messages must not be empty", field="messages")
+    messages = []
+    for index, message in enumerate(body.messages):
+        role = ROLES.get(message.role)
+        if role is None:
+            raise _refuse(f"messages[{index}].role", f"role {message.role!r} is not supported")
+        content = message.content
+        if isinstance(content, list):
+            if any(part.type != "text" or part.text is None for part in content):
+                raise _refuse(f"messages[{index}].content", "only text content is supported")
+            content = "".join(part.text or "" for part in content)
+        messages.append(ChatMessage(role, content or ""))
+    return messages
+
+
+def _chat_params(store: SessionStore, body: ChatCompletionRequest) -> SamplingParams:
+    if body.top_logprobs:
+        raise _refuse("top_logprobs", "top_logprobs must be 0: only sampled tokens' logprobs")
+    if body.tools:
+        raise _refuse("tools", "tools are not supported")
+    if body.tool_choice not in (None, "none"):
+        raise _refuse("tool_choice", "tool_choice is not supported")
+    if body.response_format and body.response_format.get("type") != "text":
+        raise _refuse("response_format", "only response_format {'type': 'text'} is supported")
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    shared = _sampling(body, max_tokens)
+    return store.sampling(**shared, logprobs=bool(body.logprobs))
+
+
+def _completion_params(store: SessionStore, body: CompletionRequest) -> SamplingParams:
+    if body.echo:
+        raise _refuse("echo", "echo is not supported")
+    if body.best_of not in (None, 1):
+        raise _refuse("best_of", "best_of must be 1")
+    if body.suffix:
+        raise _refuse("suffix", "suffix is not supported")
+    if body.logprobs:
+        raise _refuse("logprobs", "logprobs must be 0 or null: only sampled tokens' logprobs")
+    shared = _sampling(body, body.max_tokens)
+    return store.sampling(**shared, logprobs=body.logprobs == 0)
+
+
+def _completion_prompt(body: CompletionRequest) -> str:
+    if isinstance(body.prompt, str):
+        return body.prompt
+    if len(body.prompt) != 1:
+        raise _refuse("prompt", "prompt must be one string (batches are not supported)")
+    return body.prompt[0]
+
+
+def _usage(usage: Usage) -> UsageOut:
+    return UsageOut(usage.prompt_tokens, usage.completion_tokens, usage.total_tokens)
+
+
+def _logprob(piece: TokenPiece) -> float:
+    if piece.logprob is None:
+        raise AssertionError("logprobs were requested from the engine but it sent none")
+    return piece.logprob
+
+
+def _chat_logprobs(pieces: list[TokenPiece]) -> ChatLogprobs:
+    return ChatLogprobs(
+        [TokenLogprob(p.text, _logprob(p), list(p.text.encode()), []) for p in pieces]
+    )
+
+
+def _completion_logprobs(pieces: list[TokenPiece], offset: int) -> CompletionLogprobs:
+    offsets = []
+    for piece in pieces:
+        offsets.append(offset)
+        offset += len(piece.text)
+    return CompletionLogprobs(
+        [p.text for p in pieces],
+        [_logprob(p) for p in pieces],
+        None,
+        offsets,
+    )
+
+
+def _error_frame(final: Cancelled | Error) -> bytes:
+    return sse.frame(msgspec.json.encode(_error_body(final_error(final))))
+
+
+def _error_body(exc: Exception) -> ErrorOut:
+    error = as_gateway_error(exc)
+    status = 400 if error.status == 422 else error.status
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return ErrorOut(ErrorDetail(error.message, kind, error.field, error.code))
+
+
+def openai_error(_: AnyRequest, exc: Exception) -> Response[ErrorOut]:
+    error = as_gateway_error(exc)
+    status = 400 if error.status == 422 else error.status
+    return Response(_error_body(error), status_code=status, headers=error.headers())
+
+
+async def _stream(
+    generation: GenerationStream,
+    chunk: Callable[[str, list[TokenPiece] | None, str | None, Token | None], msgspec.Struct],
+    usage_chunk: Callable[[str, Usage], msgspec.Struct] | None,
+    model: str,
+) -> AsyncIterator[bytes]:
+    """Chunks of one generation; ``chunk(model, pieces, finish_reason, token)``."""
+    async for item in generation.events():
+        if isinstance(item, Heartbeat):
+            yield sse.HEARTBEAT
+        elif isinstance(item, Started):
+            model = item.model
+        elif isinstance(item, Token):
+            yield sse.frame(msgspec.json.encode(chunk(model, per_token(item), None, item)))
+        elif isinstance(item, Done):
+            yield sse.frame(msgspec.json.encode(chunk(model, None, item.finish_reason, None)))
+            if usage_chunk is not None:
+                yield sse.frame(msgspec.json.encode(usage_chunk(model, item.usage)))
+        else:
+            yield _error_frame(item)
+    yield DONE_FRAME
+
+
+@post("/chat/completions", summary="OpenAI chat completions", status_code=200)
+async def chat_completions(
+    request: AnyRequest,
+    store: SessionStore,
+    hub: RelayHub,
+    settings: Settings,
+    data: ChatCompletionRequest,
+) -> Response[ChatCompletion] | Stream:
+    require_api_key(request, settings)
+    params = _chat_params(store, data)
+    messages = _chat_messages(data)
+    generation = await GenerationStream.submit(store, hub, settings, params, messages=messages)
+    completion_id, created = f"chatcmpl-{generation.generation_id}", int(time.time())
+    want_logprobs = bool(data.logprobs)
+
+    if not data.stream:
+        whole = await generation.collect()
+        logprobs = None
+        if want_logprobs:
+            logprobs = _chat_logprobs(whole.pieces)
+        choice = ChatChoice(
+            0, AssistantMessage("assistant", whole.text), logprobs, whole.final.finish_reason
+        )
+        body = ChatCompletion(
+            completion_id,
+            "chat.completion",
+            created,
+            whole.model or data.model,
+            [choice],
+            _usage(whole.final.usage),
+        )
+        return Response(body)
+
+    sent_role = False
+
+    def chunk(
+        model: str, pieces: list[TokenPiece] | None, finish: str | None, token: Token | None
+    ) -> ChatCompletionChunk:
+        nonlocal sent_role
+        delta = ChatDelta(content=token.text if token is not None else None)
+        if not sent_role:
+            sent_role, delta.role = True, "assistant"
+            delta.content = delta.content or ""
+        logprobs = _chat_logprobs(pieces) if want_logprobs and pieces else None
+        return ChatCompletionChunk(
+            completion_id,
+            "chat.completion.chunk",
+            created,
+            model,
+            [ChatChunkChoice(0, delta, logprobs, finish)],
+            None,
+        )
+
+    def usage_chunk(model: str, usage: Usage) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            completion_id, "chat.completion.chunk", created, model, [], _usage(usage)
+        )
+
+    include_usage = data.stream_options is not None and data.stream_options.include_usage
+    chunks = _stream(generation, chunk, usage_chunk if include_usage else None, data.model)
+    return sse.response(chunks, background=generation.on_response_end())
+
+
+@post("/completions", summary="OpenAI (legacy) completions", status_code=200)
+async def completions(
+    request: AnyRequest,
+    store: SessionStore,
+    hub: RelayHub,
+    settings: Settings,
+    data: CompletionRequest,
+) -> Response[Completion] | Stream:
+    require_api_key(request, settings)
+    params = _completion_params(store, data)
+    prompt = _completion_prompt(data)
+    generation = await GenerationStream.submit(store, hub, settings, params, prompt=prompt)
+    completion_id, created = f"cmpl-{generation.generation_id}", int(time.time())
+    want_logprobs = data.logprobs == 0
+
+    if not data.stream:
+        whole = await generation.collect()
+        logprobs = None
+        if want_logprobs:
+            logprobs = _completion_logprobs(whole.pieces, 0)
+        choice = CompletionChoice(0, whole.text, logprobs, whole.final.finish_reason)
+        body = Completion(
+            completion_id,
+            "text_completion",
+            created,
+            whole.model or data.model,
+            [choice],
+            _usage(whole.final.usage),
+        )
+        return Response(body)
+
+    offset = 0
+
+    def chunk(
+        model: str, pieces: list[TokenPiece] | None, finish: str | None, token: Token | None
+    ) -> Completion:
+        nonlocal offset
+        text = token.text if token is not None else ""
+        logprobs = _completion_logprobs(pieces, offset) if want_logprobs and pieces else None
+        offset += len(text)
+        choice = CompletionChoice(0, text, logprobs, finish)
+        return Completion(completion_id, "text_completion", created, model, [choice], None)
+
+    def usage_chunk(model: str, usage: Usage) -> Completion:
+        return Completion(completion_id, "text_completion", created, model, [], _usage(usage))
+
+    include_usage = data.stream_options is not None and data.stream_options.include_usage
+    chunks = _stream(generation, chunk, usage_chunk if include_usage else None, data.model)
+    return sse.response(chunks, background=generation.on_response_end())
+
+
+@get("/models", summary="The models the live engine workers serve")
+async def models(request: AnyRequest, store: SessionStore, settings: Settings) -> ModelList:
+    require_api_key(request, settings)
+    cards: dict[str, ModelCard] = {}
+    for worker in await store.live_workers():
+        created = int(worker.started_at)
+        if worker.model not in cards or cards[worker.model].created > created:
+            cards[worker.model] = ModelCard(worker.model, "model", created, "tokenspout")
+    return ModelList("list", sorted(cards.values(), key=lambda card: card.id))
+
+
+openai_router = Router(
+    path="/v1",
+    route_handlers=[chat_completions, completions, models],
+    tags=["openai"],
+    exception_handlers={kind: openai_error for kind in HANDLED},
+)

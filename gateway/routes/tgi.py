@@ -1,0 +1,263 @@
+"""Text Generation Inference (TGI) compatible API: ``/generate`` and ``/generate_stream``.
+
+A thin adapter over ``GenerationStream``. TGI's last stream event is a token event that also
+carries ``generated_text`` and ``details``, so each token is written when the next event
+shows whether it was the last. Logprobs are always asked of the engine: TGI's token has one.
+Errors are TGI's ``{"error": ..., "error_type": ...}`` (``huggingface_hub`` raises
+``ValidationError``, ``OverloadedError``, ``GenerationError`` from them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+import msgspec
+from litestar import Response, Router, post
+from litestar.response import Stream
+
+from engine.contract import Done, SamplingParams, Started, Token
+from gateway import sse
+from gateway.errors import BadRequest
+from gateway.generation_stream import (
+    GenerationStream,
+    Heartbeat,
+    TokenPiece,
+    final_error,
+    per_token,
+)
+from gateway.relay import RelayHub
+from gateway.routes.adapter_common import HANDLED, AnyRequest, as_gateway_error, require_api_key
+from gateway.sessions import SessionStore
+from gateway.settings import Settings
+
+
+class Parameters(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    max_new_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    temperature: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    top_k: Annotated[int, msgspec.Meta(gt=0)] | None = None
+    stop: Annotated[list[str], msgspec.Meta(max_length=8)] | None = None
+    seed: int | None = None
+    details: bool = False
+    return_full_text: bool | None = False
+    do_sample: bool = False
+    frequency_penalty: Annotated[float, msgspec.Meta(ge=-2, le=2)] | None = None
+    repetition_penalty: float | None = None
+    decoder_input_details: bool = False
+    best_of: int | None = None
+    watermark: bool = False
+    grammar: Any | None = None
+    top_n_tokens: int | None = None
+    truncate: int | None = None
+    typical_p: float | None = None
+    adapter_id: str | None = None
+
+
+class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
+    inputs: str
+    parameters: Parameters = msgspec.field(default_factory=Parameters)
+    stream: bool = False
+
+
+class TokenOut(msgspec.Struct):
+    id: int
+    text: str
+    logprob: float
+    special: bool
+
+
+class StreamDetails(msgspec.Struct):
+    finish_reason: str
+    generated_tokens: int
+    input_length: int
+    seed: int | None
+
+
+class StreamEvent(msgspec.Struct):
+    index: int
+    token: TokenOut
+    generated_text: str | None
+    details: StreamDetails | None
+    top_tokens: None = None
+
+
+class Details(msgspec.Struct):
+    finish_reason: str
+    generated_tokens: int
+    seed: int | None
+    prefill: list[TokenOut]
+    tokens: list[TokenOut]
+
+
+class Generated(msgspec.Struct, omit_defaults=True):
+    generated_text: str
+    details: Details | None = None
+
+
+class TgiError(msgspec.Struct):
+    error: str
+    error_type: str
+
+
+UNSUPPORTED: dict[str, object] = {
+    "repetition_penalty": 1.0,
+    "decoder_input_details": False,
+    "best_of": 1,
+    "watermark": False,
+    "grammar": None,
+    "top_n_tokens": 0,
+    "truncate": None,
+    "typical_p": None,
+    "adapter_id": None,
+}
+"""Parameters accepted only at their neutral value (or left out); others answer 422."""
+
+ERROR_TYPES = {422: "validation", 413: "validation", 429: "overloaded"}
+
+
+def tgi_error(_: AnyRequest, exc: Exception) -> Response[TgiError]:
+    error = as_gateway_error(exc)
+    kind = ERROR_TYPES.get(error.status, "generation" if error.status >= 500 else error.code)
+    return Response(
+        TgiError(error.message, kind), status_code=error.status, headers=error.headers()
+    )
+
+
+def _params(store: SessionStore, given: Parameters) -> SamplingParams:
+    for name, neutral in UNSUPPORTED.items():
+        value = getattr(given, name)
+        if value is not None and value != neutral:
+            raise BadRequest(f"`{name}` is not supported", code="unsupported_parameter", field=name)
+    sampling = given.do_sample or any(
+        value is not None for value in (given.temperature, given.top_p, given.top_k)
+    )
+    # TGI decodes greedily unless asked to sample (do_sample, or a sampling parameter).
+    temperature = (given.temperature or 1.0) if sampling else 0.0
+    return store.sampling(
+        max_tokens=given.max_new_tokens,
+        temperature=temperature,
+        top_p=given.top_p,
+        top_k=given.top_k,
+        stop=given.stop,
+        seed=given.seed,
+        frequency_penalty=given.frequency_penalty,
+        logprobs=True,
+    )
+
+
+def _finish_reason(engine_reason: str, stop: list[str] | None) -> str:
+    """TGI names three endings; the engine says ``stop`` for both EOS and a stop string."""
+    if engine_reason == "length":
+        return "length"
+    return "stop_sequence" if stop else "eos_token"
+
+
+def _token(piece: TokenPiece) -> TokenOut:
+    if piece.logprob is None:
+        raise AssertionError("logprobs were requested from the engine but it sent none")
+    return TokenOut(piece.id, piece.text, piece.logprob, special=False)
+
+
+async def _start(
+    request: AnyRequest,
+    store: SessionStore,
+    hub: RelayHub,
+    settings: Settings,
+    data: GenerateRequest,
+) -> GenerationStream:
+    require_api_key(request, settings)
+    if not data.inputs.strip():
+        raise BadRequest("`inputs` must not be empty", field="inputs")
+    params = _params(store, data.parameters)
+    return await GenerationStream.submit(store, hub, settings, params, prompt=data.inputs)
+
+
+async def _generate(generation: GenerationStream, data: GenerateRequest) -> Generated:
+    whole = await generation.collect()
+    prefix = data.inputs if data.parameters.return_full_text else ""
+    if not data.parameters.details:
+        return Generated(prefix + whole.text)
+    tokens = [_token(piece) for piece in whole.pieces]
+    details = Details(
+        _finish_reason(whole.final.finish_reason, data.parameters.stop),
+        whole.final.usage.completion_tokens,
+        data.parameters.seed,
+        [],
+        tokens,
+    )
+    return Generated(prefix + whole.text, details)
+
+
+async def _events(generation: GenerationStream, data: GenerateRequest) -> AsyncIterator[bytes]:
+    held: TokenPiece | None = None
+    index, text, input_length = 0, [data.inputs] if data.parameters.return_full_text else [], 0
+    async for item in generation.events():
+        if isinstance(item, Heartbeat):
+            yield sse.HEARTBEAT
+        elif isinstance(item, Started):
+            input_length = item.prompt_tokens
+        elif isinstance(item, Token):
+            text.append(item.text)
+            for piece in per_token(item):
+                if held is not None:
+                    index += 1
+                    yield _frame(StreamEvent(index, _token(held), None, None))
+                held = piece
+        elif isinstance(item, Done) and held is not None:
+            details = StreamDetails(
+                _finish_reason(item.finish_reason, data.parameters.stop),
+                item.usage.completion_tokens,
+                input_length,
+                data.parameters.seed,
+            )
+            yield _frame(StreamEvent(index + 1, _token(held), "".join(text), details))
+        elif isinstance(item, Done):
+            yield _frame(TgiError("the engine produced no tokens", "incomplete_generation"))
+        else:
+            if held is not None:  # what the engine made before it failed still counts
+                yield _frame(StreamEvent(index + 1, _token(held), None, None))
+            yield _frame(TgiError(final_error(item).message, "generation"))
+
+
+def _frame(event: msgspec.Struct) -> bytes:
+    return sse.frame(msgspec.json.encode(event))
+
+
+@post(
+    "/generate", summary="TGI generate (streams when the body says `stream: true`)", status_code=200
+)
+async def generate(
+    request: AnyRequest,
+    store: SessionStore,
+    hub: RelayHub,
+    settings: Settings,
+    data: GenerateRequest,
+) -> Response[Generated] | Stream:
+    """``stream: true`` makes it ``generate_stream``, as TGI's ``POST /`` does: so
+    ``InferenceClient("http://host:port/generate")`` streams and answers whole alike (``POST /``
+    itself serves the web chat here)."""
+    generation = await _start(request, store, hub, settings, data)
+    if data.stream:
+        return sse.response(_events(generation, data), background=generation.on_response_end())
+    return Response(await _generate(generation, data), status_code=200)
+
+
+@post("/generate_stream", summary="TGI generate_stream (text/event-stream)", status_code=200)
+async def generate_stream(
+    request: AnyRequest,
+    store: SessionStore,
+    hub: RelayHub,
+    settings: Settings,
+    data: GenerateRequest,
+) -> Stream:
+    generation = await _start(request, store, hub, settings, data)
+    return sse.response(_events(generation, data), background=generation.on_response_end())
+
+
+tgi_router = Router(
+    path="/",
+    route_handlers=[generate, generate_stream],
+    tags=["tgi"],
+    exception_handlers={kind: tgi_error for kind in HANDLED},
+)

@@ -1,0 +1,127 @@
+"""Every API adapter's stream (OpenAI, TGI, OIP) read raw: valid, uncompressed SSE framed
+the way its clients expect, and a client that disconnects aborts its generation in the
+engine (gateway/generation_stream.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.adapter_support import only_generation, wait_final, workers_running
+from tests.conftest import Stack
+from tests.sse import SSEParser, parse
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    name: str
+    path: str
+    ends_with_done: bool
+
+    def body(self, text: str, max_tokens: int) -> dict[str, Any]:
+        if self.name == "openai-chat":
+            return {
+                "model": "synthetic",
+                "messages": [{"role": "user", "content": text}],
+                "max_tokens": max_tokens,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+        if self.name == "openai-completions":
+            return {"model": "synthetic", "prompt": text, "max_tokens": max_tokens, "stream": True}
+        if self.name == "tgi":
+            return {"inputs": text, "parameters": {"max_new_tokens": max_tokens, "details": True}}
+        return {"text_input": text, "parameters": {"max_tokens": max_tokens}}
+
+
+ENDPOINTS = [
+    Endpoint("openai-chat", "/v1/chat/completions", True),
+    Endpoint("openai-completions", "/v1/completions", True),
+    Endpoint("tgi", "/generate_stream", False),
+    Endpoint("oip", "/v2/models/synthetic/generate_stream", False),
+]
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS, ids=lambda e: e.name)
+async def test_stream_is_strict_uncompressed_sse_with_done_only_where_expected(
+    stack: Stack, endpoint: Endpoint
+) -> None:
+    stack.synthetic(tokens_per_s=200)
+    gateway = stack.gateway(TOKENSPOUT_SSE_HEARTBEAT_S="0.05")
+    parser = SSEParser()
+    async with (
+        httpx.AsyncClient(timeout=30) as client,
+        client.stream(
+            "POST",
+            gateway.url + endpoint.path,
+            json=endpoint.body("check the framing", 5),
+            headers={"Accept-Encoding": "gzip, br"},
+        ) as response,
+    ):
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        assert "content-encoding" not in response.headers
+        assert response.headers["cache-control"] == "no-cache"
+        assert response.headers["x-accel-buffering"] == "no"
+        raw = b"".join([chunk async for chunk in response.aiter_raw()])
+    lines = raw.decode().split("\n")
+    assert raw.endswith(b"\n\n")
+
+    async def iterate() -> Any:
+        for line in lines:
+            yield line
+
+    events = [event async for event in parse(iterate(), parser)]
+    assert all(event.event == "message" for event in events)
+    data = [event.data for event in events]
+    if endpoint.ends_with_done:
+        assert data[-1] == "[DONE]" and data.count("[DONE]") == 1
+        data = data[:-1]
+    else:
+        assert "[DONE]" not in data
+    assert len(data) >= 5
+    assert all(event.json() for event in events if event.data != "[DONE]")
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS, ids=lambda e: e.name)
+async def test_a_client_that_disconnects_aborts_its_generation(
+    stack: Stack, endpoint: Endpoint
+) -> None:
+    # A long abandon grace: only the disconnect can have stopped the generation.
+    env = {"TOKENSPOUT_ABANDON_GRACE_S": "600"}
+    stack.synthetic(50, **env)
+    gateway = stack.gateway(**env)
+    async with (
+        httpx.AsyncClient(timeout=30) as client,
+        client.stream(
+            "POST",
+            gateway.url + endpoint.path,
+            json=endpoint.body("keep going [[stall:3]]", 500),
+        ) as response,
+    ):
+        assert response.status_code == 200
+        lines = response.aiter_lines()
+        while not (await asyncio.wait_for(anext(lines), 30)).startswith("data:"):
+            pass
+        only_generation(stack.redis_url, stack.prefix)
+        await until_running(stack, 1)
+        # The client is gone (the response is closed, the connection dropped).
+    final = wait_final(stack.redis_url, stack.prefix)
+    assert final["type"] == "cancelled"
+    assert final["reason"] == "disconnected"
+    await until_running(stack, 0)
+
+
+async def until_running(stack: Stack, count: int) -> None:
+    """Wait until the worker's heartbeat reports ``count`` running generations."""
+    for _ in range(300):
+        if workers_running(stack.redis_url, stack.prefix) == count:
+            return
+        await asyncio.sleep(0.1)
+    assert workers_running(stack.redis_url, stack.prefix) == count

@@ -1,0 +1,111 @@
+"""Each API adapter's own client against the real vLLM engine (SmolLM2 on the CPU): token
+ids, logprobs and usage come from the engine; a few short generations, several checks each."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from huggingface_hub import AsyncInferenceClient, InferenceClient
+
+from tests.conftest import VllmStack
+from tests.sse import parse
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+MODEL = "SmolLM2-135M-Instruct"
+VOCAB_SIZE = 49_152
+
+
+async def test_openai_sdk_streams_and_answers_with_real_usage_and_logprobs(
+    vllm_stack: VllmStack,
+) -> None:
+    base = f"{vllm_stack.gateway.url}/v1"
+    sync = openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
+    assert MODEL in [m.id for m in sync.models.list().data]
+
+    chunks = list(
+        sync.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Name three colours."}],
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            logprobs=True,
+        )
+    )
+    assert {c.model for c in chunks} == {MODEL}
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.strip()
+    logprobs = [
+        entry.logprob
+        for c in chunks
+        if c.choices and c.choices[0].logprobs and c.choices[0].logprobs.content
+        for entry in c.choices[0].logprobs.content
+    ]
+    usage = chunks[-1].usage
+    assert usage is not None and usage.prompt_tokens > 5
+    assert len(logprobs) == usage.completion_tokens <= 8
+    assert all(lp <= 0 for lp in logprobs) and any(lp < 0 for lp in logprobs)
+
+    client = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0)
+    try:
+        prompt = "The capital of France is"
+        whole = await client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=6, temperature=0
+        )
+        stream = await client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=6, temperature=0, stream=True
+        )
+        streamed = "".join([c.choices[0].text async for c in stream if c.choices])
+        # Greedy decoding: the stream and the whole answer are the same text.
+        assert whole.choices[0].text == streamed and streamed.strip()
+        assert whole.usage is not None and whole.usage.completion_tokens <= 6
+        assert whole.choices[0].finish_reason in ("length", "stop")
+    finally:
+        await client.close()
+
+
+async def test_huggingface_client_streams_real_token_ids_and_logprobs(
+    vllm_stack: VllmStack,
+) -> None:
+    url = f"{vllm_stack.gateway.url}/generate"
+    prompt = "Once upon a time"
+    sync = InferenceClient(model=url)  # keep it: its stream closes with it
+    events = list(sync.text_generation(prompt, max_new_tokens=8, stream=True, details=True))
+    assert 1 <= len(events) <= 8
+    assert all(0 <= e.token.id < VOCAB_SIZE for e in events)
+    assert all(e.token.logprob <= 0 for e in events)
+    last = events[-1]
+    assert last.details is not None
+    assert last.details.generated_tokens == len(events)
+    assert last.details.input_length > 0
+    assert last.generated_text == "".join(e.token.text for e in events)
+
+    client = AsyncInferenceClient(model=url)
+    try:
+        whole = await client.text_generation(prompt, max_new_tokens=8, details=True)
+    finally:
+        await client.close()
+    # TGI decodes greedily by default: the same tokens, whole or streamed.
+    assert whole.generated_text == last.generated_text
+    assert whole.details is not None
+    assert [t.id for t in whole.details.tokens] == [e.token.id for e in events]
+
+
+async def test_open_inference_protocol_streams_the_same_text_it_answers_whole(
+    vllm_stack: VllmStack,
+) -> None:
+    base = f"{vllm_stack.gateway.url}/v2/models/{MODEL}"
+    body = {"text_input": "One, two, three,", "parameters": {"max_tokens": 6, "temperature": 0}}
+    async with httpx.AsyncClient(timeout=120) as client:
+        ready = await client.get(f"{base}/ready")
+        assert ready.status_code == 200 and ready.json()["ready"] is True
+        whole = await client.post(f"{base}/generate", json=body)
+        assert whole.status_code == 200 and whole.json()["model_name"] == MODEL
+        async with client.stream("POST", f"{base}/generate_stream", json=body) as response:
+            assert "content-encoding" not in response.headers
+            events = [event.json() async for event in parse(response.aiter_lines())]
+    assert "".join(e["text_output"] for e in events) == whole.json()["text_output"]
+    assert events[-1]["finish_reason"] == whole.json()["finish_reason"]

@@ -1,0 +1,248 @@
+"""The OpenAI-compatible API (gateway/routes/openai.py) driven by the official ``openai`` SDK,
+sync and async, against a real gateway process, real Redis and the synthetic engine."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.adapter_support import synthetic_text, synthetic_tokens
+from tests.conftest import Stack
+
+pytestmark = pytest.mark.timeout(120)
+
+MESSAGES: list[dict[str, str]] = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "hello there"},
+]
+
+
+def test_sync_chat_streams_deltas_a_usage_chunk_and_answers_whole_alike(stack: Stack) -> None:
+    stack.synthetic(tokens_per_s=200)
+    gateway = stack.gateway()
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
+
+    chunks = list(
+        client.chat.completions.create(
+            model="synthetic",
+            messages=MESSAGES,  # type: ignore[arg-type]
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert {c.object for c in chunks} == {"chat.completion.chunk"}
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
+    assert {c.model for c in chunks} == {"synthetic"}
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == synthetic_text("hello there", 6)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and set(finishes[:-1]) == {None}
+    # include_usage: one last chunk with no choices and the usage; the others carry none.
+    assert chunks[-1].choices == [] and all(c.usage is None for c in chunks[:-1])
+    usage = chunks[-1].usage
+    assert usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (4, 6)
+    assert usage.total_tokens == 10
+
+    whole = client.chat.completions.create(
+        model="synthetic",
+        messages=MESSAGES,  # type: ignore[arg-type]
+        max_completion_tokens=6,
+    )
+    assert whole.object == "chat.completion"
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == text
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage is not None and whole.usage.completion_tokens == 6
+
+
+def test_sync_chat_stops_at_a_stop_sequence_and_returns_engine_logprobs(stack: Stack) -> None:
+    stack.synthetic(tokens_per_s=200)
+    gateway = stack.gateway()
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
+    full = synthetic_text("hi", 20)
+
+    stream = client.chat.completions.create(
+        model="synthetic",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=20,
+        stop="lazy",
+        stream=True,
+        logprobs=True,
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == full[: full.index("lazy")]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    logprobs = [
+        entry.logprob
+        for c in chunks
+        if c.choices[0].logprobs and c.choices[0].logprobs.content
+        for entry in c.choices[0].logprobs.content
+    ]
+    # The synthetic engine's own logprobs, one per token it produced (the stop one too).
+    assert logprobs == [t.logprob for t in synthetic_tokens("hi", 8)]
+
+    whole = client.chat.completions.create(
+        model="synthetic",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=20,
+        stop=["dog", "streams"],
+        logprobs=True,
+    )
+    assert whole.choices[0].message.content == full[: full.index("dog")]
+    assert whole.choices[0].finish_reason == "stop"
+    assert whole.choices[0].logprobs is not None
+    content = whole.choices[0].logprobs.content or []
+    assert [entry.logprob for entry in content] == [t.logprob for t in synthetic_tokens("hi", 9)]
+
+
+async def test_async_completions_stream_and_whole_match_the_engine(stack: Stack) -> None:
+    stack.synthetic(tokens_per_s=200)
+    gateway = stack.gateway()
+    client = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
+    expected = synthetic_tokens("tell me a story", 7)
+    try:
+        stream = await client.completions.create(
+            model="synthetic",
+            prompt="tell me a story",
+            max_tokens=7,
+            stream=True,
+            stream_options={"include_usage": True},
+            logprobs=0,
+            seed=3,
+            temperature=0.2,
+            top_p=0.9,
+            frequency_penalty=0.5,
+            presence_penalty=0.5,
+            user="tester",
+            extra_body={"top_k": 20},
+        )
+        chunks = [chunk async for chunk in stream]
+        assert {c.object for c in chunks} == {"text_completion"}
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == "".join(
+            t.text for t in expected
+        )
+        token_logprobs = [
+            lp
+            for c in chunks
+            if c.choices and c.choices[0].logprobs
+            for lp in c.choices[0].logprobs.token_logprobs or []
+        ]
+        assert token_logprobs == [t.logprob for t in expected]
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 7
+        assert chunks[-1].usage.prompt_tokens == 4
+
+        whole = await client.completions.create(
+            model="synthetic", prompt=["tell me a story"], max_tokens=7
+        )
+        assert whole.object == "text_completion"
+        assert whole.choices[0].text == "".join(t.text for t in expected)
+        assert whole.choices[0].finish_reason == "length"
+        assert whole.model == "synthetic"
+    finally:
+        await client.close()
+
+
+async def test_async_client_sees_unsupported_and_invalid_parameters_as_400(stack: Stack) -> None:
+    stack.synthetic(tokens_per_s=200)
+    gateway = stack.gateway()
+    client = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
+    chat = {"model": "synthetic", "messages": [{"role": "user", "content": "hi"}]}
+    try:
+        cases: list[tuple[dict[str, object], str]] = [
+            ({"n": 2}, "n"),
+            ({"temperature": 5}, "temperature"),
+            ({"top_logprobs": 3, "logprobs": True}, "top_logprobs"),
+            ({"max_tokens": 10**6}, "max_tokens"),
+            ({"extra_body": {"guided_json": {}}}, "guided_json"),
+            ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ]
+        for extra, param in cases:
+            with pytest.raises(openai.BadRequestError) as caught:
+                await client.chat.completions.create(**chat, **extra)  # type: ignore[call-overload]
+            assert caught.value.status_code == 400
+            body = caught.value.body
+            assert isinstance(body, dict)
+            assert body["type"] == "invalid_request_error" and body["param"] == param, body
+            assert body["message"]
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.completions.create(model="synthetic", prompt="hi", echo=True)
+        assert isinstance(caught.value.body, dict) and caught.value.body["param"] == "echo"
+        # A refused request started nothing; a valid one still works.
+        ok = await client.chat.completions.create(**chat, max_tokens=2)  # type: ignore[call-overload]
+        assert ok.choices[0].message.content == synthetic_text("hi", 2)
+    finally:
+        await client.close()
+
+
+async def test_api_keys_refuse_a_wrong_or_missing_key_with_401_and_list_models(
+    stack: Stack,
+) -> None:
+    stack.synthetic(tokens_per_s=200)
+    gateway = stack.gateway(TOKENSPOUT_API_KEYS="key-one,key-two")
+    wrong = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="nope", max_retries=0)
+    right = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="key-two", max_retries=0)
+    try:
+        with pytest.raises(openai.AuthenticationError) as caught:
+            await wrong.chat.completions.create(
+                model="synthetic", messages=[{"role": "user", "content": "hi"}]
+            )
+        assert caught.value.status_code == 401
+        assert isinstance(caught.value.body, dict)
+        assert caught.value.body["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            await wrong.models.list()
+        async with httpx.AsyncClient() as raw:
+            missing = await raw.post(f"{gateway.url}/generate", json={"inputs": "hi"})
+            assert missing.status_code == 401
+            assert missing.json()["error"]
+            answered = await raw.post(
+                f"{gateway.url}/v1/completions",
+                json={"model": "any", "prompt": "hi", "max_tokens": 2},
+                headers={"Authorization": "Bearer key-one"},
+            )
+            assert answered.status_code == 200, answered.text
+            assert answered.json()["choices"][0]["text"] == synthetic_text("hi", 2)
+
+        models = await right.models.list()
+        assert [m.id for m in models.data] == ["synthetic"]
+        reply = await right.chat.completions.create(
+            model="synthetic", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+        )
+        assert reply.choices[0].message.content == synthetic_text("hi", 3)
+    finally:
+        await wrong.close()
+        await right.close()
+
+
+def test_an_engine_failure_reaches_the_sdk_as_an_error_in_and_out_of_streams(
+    stack: Stack,
+) -> None:
+    stack.synthetic(tokens_per_s=200)
+    gateway = stack.gateway()
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "break [[fail:2]]"}]
+
+    received = []
+    with pytest.raises(openai.APIError, match="synthetic failure") as caught:
+        for chunk in client.chat.completions.create(
+            model="synthetic",
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=10,
+            stream=True,
+        ):
+            received.append(chunk.choices[0].delta.content)
+    assert received == ["You", " said:"]
+    assert isinstance(caught.value.body, dict) and caught.value.body["code"] == "engine_error"
+
+    with pytest.raises(openai.InternalServerError) as whole:
+        client.chat.completions.create(
+            model="synthetic",
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=10,
+        )
+    assert whole.value.status_code == 503

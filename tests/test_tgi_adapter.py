@@ -1,0 +1,145 @@
+"""The TGI-compatible API (gateway/routes/tgi.py) driven by ``huggingface_hub``'s
+``InferenceClient`` and ``AsyncInferenceClient``, against a real gateway, real Redis and the
+synthetic engine."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from huggingface_hub import AsyncInferenceClient, InferenceClient
+from huggingface_hub.errors import GenerationError, OverloadedError, ValidationError
+
+from tests.adapter_support import synthetic_text, synthetic_tokens
+from tests.conftest import Stack
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_sync_client_streams_tokens_with_ids_logprobs_and_final_details(stack: Stack) -> None:
+    stack.synthetic(tokens_per_s=200)
+    gateway = stack.gateway()
+    client = InferenceClient(model=f"{gateway.url}/generate")
+    expected = synthetic_tokens("hello there", 6)
+
+    events = list(
+        client.text_generation("hello there", max_new_tokens=6, stream=True, details=True, seed=7)
+    )
+    assert [e.token.text for e in events] == [t.text for t in expected]
+    assert [e.token.id for e in events] == [t.id for t in expected]
+    assert [e.token.logprob for e in events] == [t.logprob for t in expected]
+    assert [e.index for e in events] == list(range(1, 7))
+    assert not any(e.token.special for e in events)
+    # Only the last event carries the whole text and the details.
+    assert all(e.generated_text is None and e.details is None for e in events[:-1])
+    last = events[-1]
+    assert last.generated_text == synthetic_text("hello there", 6)
+    assert last.details is not None
+    assert last.details.finish_reason == "length"
+    assert last.details.generated_tokens == 6
+    assert last.details.input_length == 2
+    assert last.details.seed == 7
+
+    plain = list(client.text_generation("hello there", max_new_tokens=3, stream=True))
+    assert plain == [t.text for t in expected[:3]]
+
+
+def test_sync_client_answers_whole_with_details_stop_and_full_text(stack: Stack) -> None:
+    stack.synthetic(tokens_per_s=200)
+    gateway = stack.gateway()
+    client = InferenceClient(model=f"{gateway.url}/generate")
+    full = synthetic_text("hi", 20)
+
+    whole = client.text_generation("hi", max_new_tokens=20, stop=["lazy"], details=True)
+    assert whole.generated_text == full[: full.index("lazy")]
+    assert whole.details is not None
+    assert whole.details.finish_reason == "stop_sequence"
+    assert whole.details.generated_tokens == 8
+    assert [t.logprob for t in whole.details.tokens] == [
+        t.logprob for t in synthetic_tokens("hi", 8)
+    ]
+    assert [t.id for t in whole.details.tokens] == [t.id for t in synthetic_tokens("hi", 8)]
+
+    text = client.text_generation("hi", max_new_tokens=4, return_full_text=True)
+    assert text == "hi" + synthetic_text("hi", 4)
+    assert client.text_generation("hi", max_new_tokens=2, do_sample=True, top_k=5) == (
+        synthetic_text("hi", 2)
+    )
+
+    with pytest.raises(ValidationError, match="watermark"):
+        client.text_generation("hi", max_new_tokens=2, watermark=True)
+    with pytest.raises(ValidationError, match="repetition_penalty"):
+        client.text_generation("hi", max_new_tokens=2, repetition_penalty=1.3, stream=True)
+
+
+async def test_async_client_streams_and_generate_stream_route_matches(stack: Stack) -> None:
+    stack.synthetic(tokens_per_s=200)
+    gateway = stack.gateway()
+    expected = synthetic_tokens("async please", 5)
+    for url in (f"{gateway.url}/generate", f"{gateway.url}/generate_stream"):
+        client = AsyncInferenceClient(model=url)
+        try:
+            stream = await client.text_generation(
+                "async please", max_new_tokens=5, stream=True, details=True
+            )
+            events = [event async for event in stream]
+        finally:
+            await client.close()
+        assert [e.token.text for e in events] == [t.text for t in expected]
+        assert [e.token.logprob for e in events] == [t.logprob for t in expected]
+        assert events[-1].details is not None and events[-1].details.finish_reason == "length"
+        assert events[-1].generated_text == "".join(t.text for t in expected)
+
+
+async def test_overload_answers_429_overloaded_which_the_client_raises(stack: Stack) -> None:
+    stack.synthetic(tokens_per_s=200)
+    gateway = stack.gateway(TOKENSPOUT_MAX_INFLIGHT="1")
+    # One generation that never ends holds the only in-flight slot (TGI writes a token
+    # when the next one comes, so the stall comes after two).
+    async with (
+        httpx.AsyncClient(timeout=30) as raw,
+        raw.stream(
+            "POST",
+            f"{gateway.url}/generate_stream",
+            json={"inputs": "hold [[stall:2]]", "parameters": {"max_new_tokens": 50}},
+        ) as held,
+    ):
+        assert held.status_code == 200
+        lines = held.aiter_lines()
+        while not (await asyncio.wait_for(anext(lines), 30)).startswith("data:"):
+            pass
+        refused = await raw.post(f"{gateway.url}/generate", json={"inputs": "hi"})
+        assert refused.status_code == 429
+        assert refused.json()["error_type"] == "overloaded"
+        assert refused.headers["retry-after"]
+        client = AsyncInferenceClient(model=f"{gateway.url}/generate")
+        try:
+            with pytest.raises(OverloadedError):
+                await client.text_generation("hi", max_new_tokens=2)
+        finally:
+            await client.close()
+    # The held stream closed: its generation is aborted and the slot frees up.
+    client = AsyncInferenceClient(model=f"{gateway.url}/generate")
+    try:
+        for _ in range(100):
+            try:
+                text = await client.text_generation("hi", max_new_tokens=2)
+                break
+            except OverloadedError:
+                await asyncio.sleep(0.1)
+        assert text == synthetic_text("hi", 2)
+    finally:
+        await client.close()
+
+
+def test_an_engine_failure_mid_stream_raises_generation_error(stack: Stack) -> None:
+    stack.synthetic(tokens_per_s=200)
+    gateway = stack.gateway()
+    client = InferenceClient(model=f"{gateway.url}/generate_stream")
+    texts = []
+    with pytest.raises(GenerationError, match="synthetic failure"):
+        for text in client.text_generation("break [[fail:3]]", max_new_tokens=10, stream=True):
+            texts.append(text)
+    # Every token the engine made arrives before the error.
+    assert texts == ["You", " said:", " break"]
