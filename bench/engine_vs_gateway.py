@@ -150,6 +150,10 @@ async def _one(client: httpx.AsyncClient, prompt: str) -> dict[str, float]:
 
 
 async def main() -> None:
+    # As engine/__main__.py does on a CPU: a fixed KV cache, so vLLM does not insist on
+    # reserving 92% of the machine's memory (it refuses to start when others use more).
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     OUT.mkdir(parents=True, exist_ok=True)
     logs = OUT / "logs"
     logs.mkdir(exist_ok=True)
