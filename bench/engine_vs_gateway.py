@@ -22,6 +22,7 @@ import platform
 import secrets
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -155,8 +156,8 @@ async def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     OUT.mkdir(parents=True, exist_ok=True)
-    logs = OUT / "logs"
-    logs.mkdir(exist_ok=True)
+    logs = Path(tempfile.mkdtemp(prefix="tokenspout-bench-"))
+    say(f"process logs in {logs}")
     model = str(prepare_default_model())
     with LOCK.open("w") as lock:  # noqa: ASYNC230 - once, before any work
         say("waiting for the vLLM lock")
