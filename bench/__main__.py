@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bench import measure, report
 from bench.hold import hold_sweep
-from bench.runner import MODES, SWEEP_MODES, rig, run_point
+from bench.runner import MODES, SWEEP_MODES, rig, run_point, single_stream_ttft
 
 ROOT = Path(__file__).resolve().parent.parent
 SATURATION_RATE = 100.0
@@ -72,6 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--profile", type=Path, default=None, help="py-spy the gateway into")
     parser.add_argument("--server", default="uvicorn", help="gateway server: uvicorn, granian")
+    parser.add_argument("--ttft-rounds", type=int, default=None, help="single-stream TTFTs")
     parser.add_argument("--no-plots", action="store_true")
     return parser.parse_args(argv)
 
@@ -85,6 +86,7 @@ async def suite(args: argparse.Namespace) -> dict[str, object]:
     concurrency = args.concurrency or ([1, 10, 100] if quick else [1, 10, 100, 1000])
     rates = args.rates or ([100.0] if quick else [10.0, 100.0])
     duration = args.duration or (3.0 if quick else 6.0)
+    args.ttft_rounds = args.ttft_rounds if args.ttft_rounds is not None else (5 if quick else 15)
     hold = args.hold if args.hold is not None else ([500, 1000] if quick else [1000, 5000, 10000])
     results: dict[str, object] = {
         "machine": measure.machine(),
@@ -104,8 +106,18 @@ async def suite(args: argparse.Namespace) -> dict[str, object]:
     for rate in rates:
         async with rig(rate, args.out / "logs", args.server) as the_rig:
             results["pinned"] = the_rig.pinned
+            profiler = None
+            if args.profile is not None:
+                profiler = start_profile(
+                    the_rig.gateway.pid, args.profile.with_suffix(f".{rate:g}.json")
+                )
+            sweep_modes = [m for m in args.sweep_modes if m in args.modes]
+            if args.ttft_rounds:
+                single = await single_stream_ttft(the_rig, sweep_modes, args.ttft_rounds, rate)
+                results.setdefault("single_stream_ttft", {})[f"{rate:g}"] = single  # type: ignore[index]
+                say(f"single-stream TTFT at {rate:g} tok/s: {single}")
             for streams in concurrency:
-                for mode in [m for m in args.sweep_modes if m in args.modes]:
+                for mode in sweep_modes:
                     point = await run_point(the_rig, mode, streams, rate, duration)
                     points.append(point)
                     say(
@@ -117,6 +129,8 @@ async def suite(args: argparse.Namespace) -> dict[str, object]:
                     )
             if hold and rate == min(rates) and "gateway" in args.modes:
                 results["hold"] = await hold_sweep(the_rig, hold, rate, min(duration, 5.0))
+            if profiler is not None:
+                stop_profile(profiler)
     sessions, readers = args.saturation or ((10, 20) if quick else (20, 25))
     if sessions and readers:
         saturation: list[dict[str, object]] = []

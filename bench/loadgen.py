@@ -30,6 +30,8 @@ class StreamRecord:
 
     opened_at: float = 0.0
     submitted_at: float = 0.0
+    accepted_at: float = 0.0
+    """When the submit call returned (the gateway's 202, or the Redis script's reply)."""
     arrivals: list[float] = field(default_factory=list)
     final: str | None = None
     failure: str | None = None

@@ -145,7 +145,11 @@ async def rig(tokens_per_s: float, logs: Path, server: str = "uvicorn") -> Async
             processes.wait_http(f"http://{HOST}:{gateway_port}/health", gateway, 60)
             processes.wait_http(f"http://{HOST}:{reference_port}/health", reference, 60)
             processes.wait_http(f"http://{HOST}:{spin_port}/health", spin, 60)
-            client = aioredis.Redis.from_url(embedded.url, max_connections=64)
+            client = aioredis.Redis(
+                connection_pool=aioredis.BlockingConnectionPool.from_url(
+                    embedded.url, max_connections=128, timeout=60
+                )
+            )
             settings = Settings(
                 redis_url=embedded.url, key_prefix=prefix, max_inflight=MAX_STREAMS * 2
             )
@@ -330,6 +334,9 @@ async def run_point(
             for record in stream.records:
                 record.submitted_at = submitted_at
             await submit(rig, mode, stream, max_tokens)
+            accepted_at = time.perf_counter()
+            for record in stream.records:
+                record.accepted_at = accepted_at
             for record in stream.records:
                 assert record.finished is not None
                 await record.finished
@@ -366,6 +373,7 @@ async def run_point(
     tokens = sum(len(r.arrivals) for r in records)
     generated = sum(max((len(r.arrivals) for r in s.records), default=0) for s in streams)
     ttft = [r.arrivals[0] - r.submitted_at for r in records if r.arrivals]
+    submit_s = [r.accepted_at - r.submitted_at for r in records if r.accepted_at]
     gaps = [b - a for r in records for a, b in zip(r.arrivals, r.arrivals[1:], strict=False)]
     arrivals = [t for r in records for t in r.arrivals]
     starts = [r.submitted_at for r in records if r.submitted_at]
@@ -398,6 +406,7 @@ async def run_point(
             "p99": ms(pct(ttft, 99)),
             "max": ms(max(ttft, default=None)),
         },
+        "submit_ms": {"p50": ms(pct(submit_s, 50)), "p99": ms(pct(submit_s, 99))},
         "itl_ms": {
             "p50": ms(pct(gaps, 50)),
             "p99": ms(pct(gaps, 99)),
@@ -418,4 +427,27 @@ async def run_point(
         "redis_calls": total_calls,
         "redis_calls_per_token": round(total_calls / tokens, 2) if tokens else None,
         "redis_top_commands": dict(top),
+    }
+
+
+async def single_stream_ttft(
+    rig: Rig, modes: list[str], rounds: int, tokens_per_s: float
+) -> dict[str, dict[str, float | None]]:
+    """TTFT of one stream at a time, ``rounds`` times per mode, the modes interleaved so a
+    busy moment on a shared machine hits all of them alike."""
+    samples: dict[str, list[float]] = {mode: [] for mode in modes}
+    for _ in range(rounds):
+        for mode in modes:
+            point = await run_point(rig, mode, 1, tokens_per_s, 3 / tokens_per_s)
+            value = point["ttft_ms"]["p50"]  # type: ignore[index]
+            if value is not None:
+                samples[mode].append(value / 1000)
+    return {
+        mode: {
+            "rounds": len(values),
+            "p50": ms(pct(values, 50)),
+            "p90": ms(pct(values, 90)),
+            "min": ms(min(values, default=None)),
+        }
+        for mode, values in samples.items()
     }
