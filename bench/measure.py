@@ -11,24 +11,45 @@ import redis.asyncio as aioredis
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def cpu_seconds(pid: int) -> float:
-    """User plus system CPU time of a process (``/proc/PID/stat`` utime + stime)."""
+def tree(pid: int) -> list[int]:
+    """The process and its descendants (a server that forks its worker counts as one)."""
+    pids, index = [pid], 0
+    while index < len(pids):
+        for task in Path(f"/proc/{pids[index]}/task").iterdir():
+            children = (task / "children").read_text().split()
+            pids += [int(child) for child in children]
+        index += 1
+    return pids
+
+
+def _cpu_one(pid: int) -> float:
     stat = Path(f"/proc/{pid}/stat").read_text()
     fields = stat[stat.rindex(")") + 2 :].split()
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
-def rss_bytes(pid: int) -> int:
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time (``/proc/PID/stat`` utime + stime) of a process tree."""
+    return sum(_cpu_one(p) for p in tree(pid))
+
+
+def _rss_one(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a process tree."""
+    return sum(_rss_one(p) for p in tree(pid))
+
+
 def tcp_connections_to(pid: int, port: int) -> int:
     """Open TCP connections of ``pid`` whose remote end is 127.0.0.1:``port``."""
     inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
+    fds = [fd for p in tree(pid) for fd in Path(f"/proc/{p}/fd").iterdir()]
+    for fd in fds:
         try:
             target = os.readlink(fd)
         except OSError:
@@ -46,11 +67,13 @@ def tcp_connections_to(pid: int, port: int) -> int:
 
 
 def pin(pid: int, cpu: int) -> bool:
-    """Pin a process to one CPU; False where the machine has a single CPU or refuses."""
+    """Pin a process tree to one CPU; False where the machine has one CPU or refuses."""
     if not hasattr(os, "sched_setaffinity") or cpu >= (os.cpu_count() or 1):
         return False
     try:
-        os.sched_setaffinity(pid, {cpu})
+        for p in tree(pid):
+            for task in Path(f"/proc/{p}/task").iterdir():
+                os.sched_setaffinity(int(task.name), {cpu})
     except OSError:
         return False
     return True

@@ -29,8 +29,10 @@ HOST = "127.0.0.1"
 MODES = ("direct", "reference", "reference-spin", "gateway")
 SWEEP_MODES = ("direct", "reference", "gateway")
 GATEWAY_CPU, LOADGEN_CPU = 1, 0
-START_RATE = 400.0
-"""Streams started per second at most (the schedule spreads N starts over N / START_RATE s)."""
+START_RATE = 200.0
+"""Streams started per second at most: the schedule spreads N starts over N / START_RATE s
+(at least one token interval), and each stream lasts at least twice that spread, so all N
+are open together for a while. The same schedule for every mode."""
 MAX_STREAMS = 12_000
 
 
@@ -153,7 +155,9 @@ async def rig(tokens_per_s: float, logs: Path, server: str = "uvicorn") -> Async
             settings = Settings(
                 redis_url=embedded.url, key_prefix=prefix, max_inflight=MAX_STREAMS * 2
             )
-            limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+            limits = httpx.Limits(
+                max_connections=64, max_keepalive_connections=64, keepalive_expiry=2.0
+            )
             async with httpx.AsyncClient(timeout=60, limits=limits) as http:
                 yield Rig(
                     embedded.port,
@@ -307,15 +311,15 @@ async def run_point(
     With ``fanout`` > 1 each session has that many readers (SSE modes only): the engine
     makes N streams of tokens and the relay delivers N * fanout.
     """
-    max_tokens = max(2, round(tokens_per_s * duration_s))
     readers = fanout if mode != "direct" else 1
+    spread = max(1.0 / tokens_per_s, streams_n * readers / START_RATE)
+    max_tokens = max(2, round(tokens_per_s * max(duration_s, 2 * spread if streams_n > 1 else 0)))
     streams = await create_sessions(rig, mode, streams_n)
     pubsub = await open_pubsub(HOST, rig.redis_port) if mode == "direct" else None
     pid = rig.pid_of(mode)
     pids = {"engine": rig.engine.pid, "redis": rig.redis_pid, "loadgen": os.getpid()}
     if pid:
         pids["relay"] = pid
-    spread = max(1.0 / tokens_per_s, streams_n * readers / START_RATE)
     await measure.reset_command_stats(rig.redis)
     cpu_before = cpu_of(pids)
     rss_before = measure.rss_bytes(pid) if pid else 0
@@ -355,7 +359,7 @@ async def run_point(
     wall_began = time.perf_counter()
     runs = asyncio.gather(*(run_stream(i, s) for i, s in enumerate(streams)))
     try:
-        await asyncio.wait_for(runs, duration_s + spread + 20)
+        await asyncio.wait_for(runs, max_tokens / tokens_per_s + spread + 20)
         timed_out = False
     except TimeoutError:
         timed_out = True
