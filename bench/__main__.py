@@ -86,7 +86,7 @@ async def suite(args: argparse.Namespace) -> dict[str, object]:
     concurrency = args.concurrency or ([1, 10, 100] if quick else [1, 10, 100, 1000])
     rates = args.rates or ([100.0] if quick else [10.0, 100.0])
     duration = args.duration or (3.0 if quick else 6.0)
-    args.ttft_rounds = args.ttft_rounds if args.ttft_rounds is not None else (5 if quick else 15)
+    args.ttft_rounds = args.ttft_rounds if args.ttft_rounds is not None else (5 if quick else 10)
     hold = args.hold if args.hold is not None else ([500, 1000] if quick else [1000, 5000, 10000])
     results: dict[str, object] = {
         "machine": measure.machine(),

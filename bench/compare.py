@@ -50,10 +50,12 @@ def spawn_gateway(root: Path, the_rig: Rig, logs: Path) -> tuple[subprocess.Pope
     return process, port
 
 
-async def compare(other: Path, rounds: int, points: list[tuple[int, int, float]]) -> None:
+async def compare(
+    other: Path, rounds: int, points: list[tuple[int, int, float]], server: str
+) -> None:
     logs = ROOT / "docs" / "bench" / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    async with rig(100.0, logs) as the_rig:
+    async with rig(100.0, logs, server) as the_rig:
         process, port = spawn_gateway(other, the_rig, logs)
         try:
             contenders = {
@@ -93,9 +95,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__)
     parser.add_argument("other", type=Path, help="another checkout's root (e.g. /work/main)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--server", default="uvicorn", help="this checkout's server")
     args = parser.parse_args()
     points = [(20, 25, 3.0), (200, 1, 4.0)]
-    asyncio.run(compare(args.other.resolve(), args.rounds, points))
+    asyncio.run(compare(args.other.resolve(), args.rounds, points, args.server))
 
 
 if __name__ == "__main__":
