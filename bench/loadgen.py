@@ -240,3 +240,56 @@ async def open_pubsub(host: str, port: int) -> PubSubReader:
     loop = asyncio.get_running_loop()
     _, protocol = await loop.create_connection(PubSubReader, host, port)
     return protocol
+
+
+class HTTPPool:
+    """Keep-alive HTTP/1.1 connections for the load generator's POSTs (no client library:
+    httpx costs the load-generator core about a millisecond per request)."""
+
+    def __init__(self, host: str, port: int, size: int = 64) -> None:
+        self.host, self.port = host, port
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self._gate = asyncio.Semaphore(size)
+
+    async def post(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+        lines = [f"POST {path} HTTP/1.1", f"Host: {self.host}:{self.port}"]
+        lines += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
+        lines += [f"{name}: {value}" for name, value in headers.items()]
+        request = ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+        async with self._gate:
+            for attempt in range(2):
+                reader, writer = await self._connection()
+                try:
+                    writer.write(request)
+                    status, reply = await self._read(reader)
+                except (ConnectionError, asyncio.IncompleteReadError):
+                    writer.close()
+                    if attempt:
+                        raise
+                    continue  # a kept-alive connection the server had closed: once more
+                self._idle.append((reader, writer))
+                return status, reply
+        raise AssertionError("unreachable")
+
+    async def _connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        while self._idle:
+            reader, writer = self._idle.pop()
+            if not reader.at_eof() and not writer.is_closing():
+                return reader, writer
+            writer.close()
+        return await asyncio.open_connection(self.host, self.port)
+
+    @staticmethod
+    async def _read(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+        head = await reader.readuntil(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        length = 0
+        for line in head.lower().split(b"\r\n"):
+            if line.startswith(b"content-length:"):
+                length = int(line.split(b":", 1)[1])
+        return status, await reader.readexactly(length)
+
+    def close(self) -> None:
+        for _reader, writer in self._idle:
+            writer.close()
+        self._idle.clear()

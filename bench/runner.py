@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import secrets
 import statistics
@@ -18,7 +19,7 @@ import redis
 import redis.asyncio as aioredis
 
 from bench import measure
-from bench.loadgen import PubSubReader, SSEStream, StreamRecord, open_pubsub, open_sse
+from bench.loadgen import HTTPPool, PubSubReader, SSEStream, StreamRecord, open_pubsub, open_sse
 from engine.contract import Keys
 from gateway.sessions import SessionStore
 from gateway.settings import Settings
@@ -52,10 +53,12 @@ class Rig:
     store: SessionStore
     http: httpx.AsyncClient
     pinned: bool
+    posts: HTTPPool = field(init=False)
     keys: Keys = field(init=False)
 
     def __post_init__(self) -> None:
         self.keys = Keys(self.prefix)
+        self.posts = HTTPPool(HOST, self.gateway_port)
 
     def pid_of(self, mode: str) -> int | None:
         processes = {
@@ -225,14 +228,14 @@ async def create_sessions(rig: Rig, mode: str, count: int) -> list[Stream]:
 
 async def submit(rig: Rig, mode: str, stream: Stream, max_tokens: int) -> None:
     if mode == "gateway":
-        response = await rig.http.post(
-            f"http://{HOST}:{rig.gateway_port}/v1/sessions/{stream.session_id}/messages",
-            json={"content": "bench", "max_tokens": max_tokens},
-            headers={"X-Session-Token": stream.token},
+        status, body = await rig.posts.post(
+            f"/v1/sessions/{stream.session_id}/messages",
+            b'{"content": "bench", "max_tokens": %d}' % max_tokens,
+            {"X-Session-Token": stream.token},
         )
-        if response.status_code != 202:
-            raise RuntimeError(f"POST messages answered {response.status_code}: {response.text}")
-        stream.generation_id = response.json()["generation_id"]
+        if status != 202:
+            raise RuntimeError(f"POST messages answered {status}: {body[:200]!r}")
+        stream.generation_id = json.loads(body)["generation_id"]
     else:
         params = rig.store.sampling(max_tokens=max_tokens)
         submitted = await rig.store.submit_message(stream.session_id, "bench", params)
