@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 from pathlib import Path
@@ -15,11 +16,21 @@ def tree(pid: int) -> list[int]:
     """The process and its descendants (a server that forks its worker counts as one)."""
     pids, index = [pid], 0
     while index < len(pids):
-        for task in Path(f"/proc/{pids[index]}/task").iterdir():
-            children = (task / "children").read_text().split()
+        for task in _tasks(pids[index]):
+            try:
+                children = (task / "children").read_text().split()
+            except OSError:  # the thread ended while we looked
+                continue
             pids += [int(child) for child in children]
         index += 1
     return pids
+
+
+def _tasks(pid: int) -> list[Path]:
+    try:
+        return list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return []
 
 
 def _cpu_one(pid: int) -> float:
@@ -30,7 +41,11 @@ def _cpu_one(pid: int) -> float:
 
 def cpu_seconds(pid: int) -> float:
     """User plus system CPU time (``/proc/PID/stat`` utime + stime) of a process tree."""
-    return sum(_cpu_one(p) for p in tree(pid))
+    total = 0.0
+    for p in tree(pid):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            total += _cpu_one(p)
+    return total
 
 
 def _rss_one(pid: int) -> int:
@@ -42,13 +57,20 @@ def _rss_one(pid: int) -> int:
 
 def rss_bytes(pid: int) -> int:
     """Resident memory of a process tree."""
-    return sum(_rss_one(p) for p in tree(pid))
+    total = 0
+    for p in tree(pid):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            total += _rss_one(p)
+    return total
 
 
 def tcp_connections_to(pid: int, port: int) -> int:
     """Open TCP connections of ``pid`` whose remote end is 127.0.0.1:``port``."""
     inodes = set()
-    fds = [fd for p in tree(pid) for fd in Path(f"/proc/{p}/fd").iterdir()]
+    fds: list[Path] = []
+    for p in tree(pid):
+        with contextlib.suppress(OSError):
+            fds += Path(f"/proc/{p}/fd").iterdir()
     for fd in fds:
         try:
             target = os.readlink(fd)
@@ -72,8 +94,9 @@ def pin(pid: int, cpu: int) -> bool:
         return False
     try:
         for p in tree(pid):
-            for task in Path(f"/proc/{p}/task").iterdir():
-                os.sched_setaffinity(int(task.name), {cpu})
+            for task in _tasks(p):
+                with contextlib.suppress(ProcessLookupError):
+                    os.sched_setaffinity(int(task.name), {cpu})
     except OSError:
         return False
     return True
