@@ -136,7 +136,7 @@ async def suite(args: argparse.Namespace) -> dict[str, object]:
         saturation: list[dict[str, object]] = []
         results["saturation"] = saturation
         async with rig(SATURATION_RATE, args.out / "logs", args.server) as the_rig:
-            for mode in [m for m in args.modes if m != "direct"]:
+            for mode in [m for m in args.modes if m in ("reference", "reference-spin", "gateway")]:
                 profiler = None
                 if args.profile is not None and mode == "gateway":
                     profiler = start_profile(the_rig.gateway.pid, args.profile)

@@ -8,7 +8,9 @@ Three readers, one per mode, all on the same engine and the same token schedule:
   pub/sub connection for all streams (what the gateway's relay itself reads), the message
   submitted with ``SessionStore`` (the same Redis scripts the gateway runs);
 - ``reference``: the reference relay (bench/reference_relay.py) over SSE, the message
-  submitted with ``SessionStore``.
+  submitted with ``SessionStore``;
+- ``ws``: tokenspout's WebSocket (``WS /v1/ws``), one socket per stream, one ``generate``
+  frame (which also makes the session) per stream.
 
 The clients are plain asyncio protocols (HTTP/1.1 with chunked decoding, RESP2 pub/sub), so
 one load-generator core can read thousands of streams; a token's arrival time is the
@@ -18,8 +20,10 @@ one load-generator core can read thousands of streams; a token's arrival time is
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 TERMINAL = (b"done", b"cancelled", b"error")
 
@@ -293,3 +297,27 @@ class HTTPPool:
         for _reader, writer in self._idle:
             writer.close()
         self._idle.clear()
+
+
+async def read_ws(conn: Any, record: StreamRecord, ack: asyncio.Future[dict[str, Any]]) -> None:
+    """Frames of one WebSocket generation: the ack, then tokens (``count`` says how many a
+    coalesced frame holds), until the final frame."""
+    seen = 0
+    async for raw in conn:
+        now = time.perf_counter()
+        frame = json.loads(raw)
+        kind = frame["type"]
+        if kind == "token":
+            record.arrivals.extend([now] * max(1, frame["count"] - seen))
+            seen = frame["count"]
+        elif kind == "ack" and not ack.done():
+            ack.set_result(frame)
+        elif kind == "error" and "event_id" not in frame:
+            record.end(failure=f"refused: {frame.get('message')}")
+            if not ack.done():
+                ack.set_exception(RuntimeError(f"generate refused: {frame}"))
+            return
+        elif kind.encode() in TERMINAL:
+            record.end(final=kind)
+            return
+    record.end(failure="WebSocket closed")

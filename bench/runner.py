@@ -13,13 +13,24 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import redis
 import redis.asyncio as aioredis
+from websockets.asyncio.client import connect as ws_connect
+from websockets.exceptions import WebSocketException
 
 from bench import measure
-from bench.loadgen import HTTPPool, PubSubReader, SSEStream, StreamRecord, open_pubsub, open_sse
+from bench.loadgen import (
+    HTTPPool,
+    PubSubReader,
+    SSEStream,
+    StreamRecord,
+    open_pubsub,
+    open_sse,
+    read_ws,
+)
 from engine.contract import Keys
 from gateway.sessions import SessionStore
 from gateway.settings import Settings
@@ -27,8 +38,8 @@ from stack import processes
 from stack.redis_server import EmbeddedRedis, free_port
 
 HOST = "127.0.0.1"
-MODES = ("direct", "reference", "reference-spin", "gateway")
-SWEEP_MODES = ("direct", "reference", "gateway")
+MODES = ("direct", "reference", "reference-spin", "gateway", "ws")
+SWEEP_MODES = ("direct", "reference", "gateway", "ws")
 GATEWAY_CPU, LOADGEN_CPU = 1, 0
 START_RATE = 200.0
 """Streams started per second at most: the schedule spreads N starts over N / START_RATE s
@@ -193,10 +204,16 @@ class Stream:
     generation_id: str = ""
     records: list[StreamRecord] = field(default_factory=list)
     readers: list[SSEStream] = field(default_factory=list)
+    socket: Any = None
+    socket_reader: asyncio.Task[None] | None = None
 
     def close(self) -> None:
         for reader in self.readers:
             reader.close()
+        if self.socket_reader is not None:
+            self.socket_reader.cancel()
+        if self.socket is not None:
+            self.socket.transport.abort()
 
 
 async def gather_limited(jobs: list[Callable[[], Awaitable[None]]], limit: int = 32) -> None:
@@ -210,6 +227,8 @@ async def gather_limited(jobs: list[Callable[[], Awaitable[None]]], limit: int =
 
 
 async def create_sessions(rig: Rig, mode: str, count: int) -> list[Stream]:
+    if mode == "ws":  # the generate frame makes the session
+        return [Stream("") for _ in range(count)]
     streams: list[Stream] = []
 
     async def create() -> None:
@@ -227,6 +246,17 @@ async def create_sessions(rig: Rig, mode: str, count: int) -> list[Stream]:
 
 
 async def submit(rig: Rig, mode: str, stream: Stream, max_tokens: int) -> None:
+    if mode == "ws":
+        ack: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        stream.socket_reader = asyncio.create_task(read_ws(stream.socket, stream.records[0], ack))
+        await stream.socket.send(
+            json.dumps(
+                {"type": "generate", "id": "b", "content": "bench", "max_tokens": max_tokens}
+            )
+        )
+        acked = await ack
+        stream.session_id, stream.generation_id = acked["session_id"], acked["generation_id"]
+        return
     if mode == "gateway":
         status, body = await rig.posts.post(
             f"/v1/sessions/{stream.session_id}/messages",
@@ -249,6 +279,12 @@ async def open_reader(rig: Rig, mode: str, stream: Stream, pubsub: PubSubReader 
         assert pubsub is not None
         await pubsub.subscribe(rig.keys.live_channel(stream.session_id), record)
         return
+    if mode == "ws":
+        loop = asyncio.get_running_loop()
+        record.finished = loop.create_future()
+        record.opened_at = time.perf_counter()
+        stream.socket = await ws_connect(f"ws://{HOST}:{rig.gateway_port}/v1/ws")
+        return
     if mode == "gateway":
         port, path = rig.gateway_port, f"/v1/sessions/{stream.session_id}/events"
         headers = {"X-Session-Token": stream.token}
@@ -264,6 +300,8 @@ async def forget(rig: Rig, streams: list[Stream]) -> None:
     keys = rig.keys
     async with rig.redis.pipeline(transaction=False) as pipe:
         for s in streams:
+            if not s.session_id:
+                continue
             names = [keys.meta(s.session_id), keys.history(s.session_id)]
             names += [keys.events(s.session_id), keys.active(s.session_id)]
             names += [keys.watch(s.session_id)]
@@ -347,7 +385,7 @@ async def run_point(
             for record in stream.records:
                 assert record.finished is not None
                 await record.finished
-        except (OSError, RuntimeError, httpx.HTTPError) as exc:
+        except (OSError, RuntimeError, httpx.HTTPError, WebSocketException) as exc:
             failures.append(f"{type(exc).__name__}: {exc}")
             for record in stream.records:
                 record.end(failure=str(exc))
