@@ -209,7 +209,9 @@ def markdown(results: dict[str, Any]) -> str:
         "the synthetic engine; all modes of a row see the same token schedule. `direct` reads "
         "the engine's tokens straight from Redis (no gateway); `reference` is "
         "bench/reference_relay.py (FastAPI, thread + queue.Queue per request); `gateway` is "
-        "tokenspout over SSE. Added latency = gateway minus direct for the same row.",
+        "tokenspout over SSE, `ws` tokenspout over its WebSocket (one socket per stream). "
+        "Added latency = that mode minus direct for the same row. Targets are read from the "
+        "SSE (`gateway`) rows.",
         "",
         "## Targets (issue 8)",
         "",
@@ -304,8 +306,14 @@ def plots(results: dict[str, Any], out: Path) -> None:
 
     points: list[Point] = results["points"]
     rates = sorted({p["tokens_per_s_per_stream"] for p in points})
-    modes = [m for m in ("direct", "reference", "gateway") if any(p["mode"] == m for p in points)]
-    colours = {"direct": "tab:gray", "reference": "tab:orange", "gateway": "tab:blue"}
+    order = ("direct", "reference", "gateway", "ws")
+    modes = [m for m in order if any(p["mode"] == m for p in points)]
+    colours = {
+        "direct": "tab:gray",
+        "reference": "tab:orange",
+        "gateway": "tab:blue",
+        "ws": "tab:green",
+    }
 
     fig, axes = plt.subplots(1, len(rates), figsize=(6 * len(rates), 4.5), squeeze=False)
     for ax, rate in zip(axes[0], rates, strict=True):
