@@ -74,6 +74,7 @@ class Rig:
     def pid_of(self, mode: str) -> int | None:
         processes = {
             "gateway": self.gateway,
+            "ws": self.gateway,
             "reference": self.reference,
             "reference-spin": self.spin,
         }
