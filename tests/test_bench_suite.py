@@ -1,9 +1,9 @@
 """The benchmark suite (bench/) end to end, tiny: real Redis, engine, gateway, reference relay.
 
-It proves the load generator counts every token of every stream in each mode (SSE through
-the gateway, SSE through the reference relay, RESP pub/sub straight from Redis), that the
-open-stream sweep holds its streams, and that the report and plots are written. It asserts
-nothing about speed.
+It proves the load generator counts every token of every stream in each mode (SSE and
+WebSocket through the gateway, SSE through the reference relay, RESP pub/sub straight from
+Redis), that the open-stream sweep holds its streams, and that the report and plots are
+written. It asserts nothing about speed.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def test_every_mode_delivers_every_token_and_the_report_and_plots_are_written(
     points = results["points"]
     assert isinstance(points, list)
     assert sorted((p["mode"], p["streams"]) for p in points) == sorted(
-        (mode, n) for mode in ("direct", "reference", "gateway") for n in (1, 3)
+        (mode, n) for mode in ("direct", "reference", "gateway", "ws") for n in (1, 3)
     )
     for point in points:
         assert point["failures"] == [], point
