@@ -14,6 +14,7 @@ import json
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -104,7 +105,7 @@ async def suite(args: argparse.Namespace) -> dict[str, object]:
     points: list[dict[str, object]] = results["points"]  # type: ignore[assignment]
     began = time.monotonic()
     for rate in rates:
-        async with rig(rate, args.out / "logs", args.server) as the_rig:
+        async with rig(rate, args.logs, args.server) as the_rig:
             results["pinned"] = the_rig.pinned
             profiler = None
             if args.profile is not None:
@@ -135,7 +136,7 @@ async def suite(args: argparse.Namespace) -> dict[str, object]:
     if sessions and readers:
         saturation: list[dict[str, object]] = []
         results["saturation"] = saturation
-        async with rig(SATURATION_RATE, args.out / "logs", args.server) as the_rig:
+        async with rig(SATURATION_RATE, args.logs, args.server) as the_rig:
             for mode in [m for m in args.modes if m in ("reference", "reference-spin", "gateway")]:
                 profiler = None
                 if args.profile is not None and mode == "gateway":
@@ -159,7 +160,8 @@ async def suite(args: argparse.Namespace) -> dict[str, object]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    (args.out / "logs").mkdir(parents=True, exist_ok=True)
+    args.logs = Path(tempfile.mkdtemp(prefix="tokenspout-bench-"))
+    say(f"process logs in {args.logs}")
     results = asyncio.run(suite(args))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")

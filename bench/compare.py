@@ -14,14 +14,13 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from bench import measure
 from bench.runner import GATEWAY_CPU, HOST, Rig, rig, run_point
 from stack import processes
 from stack.redis_server import free_port
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def spawn_gateway(root: Path, the_rig: Rig, logs: Path) -> tuple[subprocess.Popen[bytes], int]:
@@ -53,8 +52,7 @@ def spawn_gateway(root: Path, the_rig: Rig, logs: Path) -> tuple[subprocess.Pope
 async def compare(
     other: Path, rounds: int, points: list[tuple[int, int, float]], server: str
 ) -> None:
-    logs = ROOT / "docs" / "bench" / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    logs = Path(tempfile.mkdtemp(prefix="tokenspout-bench-"))
     async with rig(100.0, logs, server) as the_rig:
         process, port = spawn_gateway(other, the_rig, logs)
         try:

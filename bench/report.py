@@ -45,6 +45,15 @@ def _fmt(value: object, digits: int = 1) -> str:
     return str(value)
 
 
+def marginal_kib(hold: list[dict[str, Any]]) -> float | None:
+    """Gateway RSS growth per open stream between the first and the last hold step."""
+    if len(hold) < 2:
+        return hold[0]["kib_per_stream"] if hold else None
+    first, last = hold[0], hold[-1]
+    streams = last["open_streams"] - first["open_streams"]
+    return round((last["rss_mib"] - first["rss_mib"]) * 1024 / streams, 1) if streams else None
+
+
 def targets(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     """(figure, target, measured, verdict) for each target of issue 8."""
     points: list[Point] = results["points"]
@@ -110,8 +119,9 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                 ">= 40,000",
                 f"{_fmt(g['tokens_per_s'], 0)} measured (gateway at "
                 f"{_fmt(g['relay_cpu_utilisation'], 2)} of a core); "
-                f"{_fmt(per_core, 0)} per fully used core (1 s / CPU per token)",
-                verdict(per_core >= 40_000 if per_core else None),
+                f"{_fmt(per_core, 0)} per fully used core if CPU per token held (1 s / CPU "
+                "per token: a projection, not a measurement)",
+                verdict((g["tokens_per_s"] or 0) >= 40_000),
             )
         )
         refs = [sat[m] for m in ("reference", "reference-spin") if m in sat]
@@ -169,12 +179,14 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                 verdict(last["alive"] >= 10_000),
             )
         )
-        kib = last["kib_per_stream"]
+        kib = marginal_kib(hold)
         rows.append(
             (
                 "gateway memory per open stream",
                 "<= 20 KiB",
-                f"{_fmt(kib, 1)} KiB (RSS delta / streams at {_fmt(last['open_streams'])})",
+                f"{_fmt(kib, 1)} KiB (RSS growth from {_fmt(hold[0]['open_streams'])} to "
+                f"{_fmt(last['open_streams'])} open streams; "
+                f"{_fmt(last['kib_per_stream'], 1)} KiB counting from before the first)",
                 verdict(kib <= 20 if kib is not None else None),
             )
         )
