@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -359,10 +360,10 @@ def plots(results: dict[str, Any], out: Path) -> None:
                 key=lambda p: p["streams"],
             )
             xs = [p["streams"] for p in series]
-            left.plot(xs, [p["tokens_per_s"] or 0 for p in series], style,
+            left.plot(xs, [p["tokens_per_s"] or float("nan") for p in series], style,
                       color=colours[mode], label=f"{mode}, {rate:.0f} tok/s/stream")  # fmt: skip
             if mode != "direct":
-                cpu = [p["relay_cpu_us_per_token"] or 0 for p in series]
+                cpu = [p["relay_cpu_us_per_token"] or float("nan") for p in series]
                 right.plot(xs, cpu, style, color=colours[mode],
                            label=f"{mode}, {rate:.0f} tok/s/stream")  # fmt: skip
     for ax in (left, right):
@@ -382,12 +383,14 @@ def plots(results: dict[str, Any], out: Path) -> None:
     hold: list[dict[str, Any]] = results.get("hold", [])
     if hold:
         fig, ax = plt.subplots(figsize=(6, 4.5))
-        xs = [0] + [h["open_streams"] for h in hold]
-        rss0 = hold[0]["rss_mib"] - (hold[0]["kib_per_stream"] or 0) * xs[1] / 1024
-        ax.plot(xs, [rss0] + [h["rss_mib"] for h in hold], "-o", color="tab:blue")
-        for h in hold:
-            ax.annotate(f"{h['kib_per_stream']:.1f} KiB/stream", (h["open_streams"], h["rss_mib"]),
-                        textcoords="offset points", xytext=(-40, 8), fontsize=8)  # fmt: skip
+        xs = [h["open_streams"] for h in hold]
+        ax.plot(xs, [h["rss_mib"] for h in hold], "-o", color="tab:blue")
+        for before, after in itertools.pairwise(hold):
+            kib = marginal_kib([before, after])
+            middle = ((before["open_streams"] + after["open_streams"]) / 2,
+                      (before["rss_mib"] + after["rss_mib"]) / 2)  # fmt: skip
+            ax.annotate(f"+{kib:.1f} KiB/stream", middle, textcoords="offset points",
+                        xytext=(-70, 10), fontsize=8)  # fmt: skip
         ax.set_xlabel("open SSE streams")
         ax.set_ylabel("gateway RSS (MiB)")
         ax.set_title("gateway memory vs open streams")
