@@ -23,6 +23,7 @@ from typing import NamedTuple, Protocol, cast
 
 import msgspec
 import redis.asyncio as aioredis
+from redis._parsers.hiredis import NOT_ENOUGH_DATA
 from redis.asyncio.client import PubSub
 from redis.exceptions import RedisError
 
@@ -156,7 +157,7 @@ class Feed:
                     return events
                 continue
             if self._buffer and not self._lagging:
-                events = [event for event in self._buffer if _id_key(event.id) > self._last_key]
+                events = self._fresh(list(self._buffer))
                 self._buffer.clear()
                 if events:
                     self._advance(events[-1].id)
@@ -166,11 +167,20 @@ class Feed:
                 timeout = min(timeout, DRAIN_POLL_S)
             self._wakeup.clear()
             try:
-                await asyncio.wait_for(self._wakeup.wait(), timeout)
+                async with asyncio.timeout(timeout):  # no task per wait, unlike wait_for
+                    await self._wakeup.wait()
             except TimeoutError:
                 return []
             if self.hub.draining and not self._buffer and not self._lagging:
                 return []  # woken by begin_drain: let the transport decide to close
+
+    def _fresh(self, events: list[RelayEvent]) -> list[RelayEvent]:
+        # Live events arrive in stream order, so only a prefix can repeat what a catch-up
+        # read already delivered: compare ids until the first new one, not for every event.
+        start = 0
+        while start < len(events) and _id_key(events[start].id) <= self._last_key:
+            start += 1
+        return events[start:] if start else events
 
     async def _catch_up(self) -> list[RelayEvent]:
         # Live events that arrive while the stream is read land in the buffer; any that
@@ -371,6 +381,7 @@ class RelayHub:
                 backoff = 0.05
                 if message is not None:
                     self._dispatch(message)
+                    await self._drain_parsed()
             except (RedisError, OSError) as exc:
                 # Pub/sub lost: every feed re-reads the stream once resubscribed.
                 log.warning("relay pub/sub connection lost (%s); reconnecting", exc)
@@ -386,26 +397,54 @@ class RelayHub:
                     await self._pubsub.aclose()  # type: ignore[no-untyped-call]
                 self._pubsub = self.redis.pubsub()
 
+    async def _drain_parsed(self) -> None:
+        """Dispatch the replies already read and parsed, without redis-py's per-message path.
+
+        One socket read brings many live messages at load; ``get_message`` costs tens of
+        microseconds each (timeouts, retry wrapper, a dict per message), the hiredis reader
+        a microsecond. Live messages go straight to the feeds; anything else (subscribe
+        confirmations) still goes through redis-py's ``handle_message`` bookkeeping.
+        This reads redis-py's parser internals (``_parser._reader``, ``NOT_ENOUGH_DATA``):
+        redis is pinned in pyproject.toml, and tests/test_sessions.py covers the path.
+        """
+        parser = getattr(self._pubsub.connection, "_parser", None)
+        reader = getattr(parser, "_reader", None)
+        if reader is None:  # not the hiredis parser: get_message does it all
+            return
+        pubsub = self._pubsub
+        while (reply := reader.gets()) is not NOT_ENOUGH_DATA:
+            if isinstance(reply, list) and len(reply) == 3 and reply[0] == b"message":
+                self._deliver(reply[1], reply[2])
+            elif isinstance(reply, Exception):
+                raise reply
+            elif reply not in pubsub.health_check_response:
+                message = await pubsub.handle_message(reply)  # type: ignore[no-untyped-call]
+                if message is not None:
+                    self._dispatch(message)
+
     async def _resubscribe(self) -> None:
         async with self._commands:
             await self._pubsub.subscribe(*self._feeds)
 
+    def _deliver(self, raw_channel: bytes, data: bytes) -> None:
+        channel = raw_channel.decode()
+        event_id, event_type, generation_id, payload = data.split(b" ", 3)
+        event = RelayEvent(event_id.decode(), event_type.decode(), generation_id.decode(), payload)
+        if self.observer is not None:
+            self.observer.event(self.keys.session_id_of_channel(channel), event)
+        for feed in self._feeds.get(channel, ()):
+            feed._push(event)
+
     def _dispatch(self, message: dict[str, object]) -> None:
         kind = message["type"]
         channel = message["channel"]
-        channel = channel.decode() if isinstance(channel, bytes) else str(channel)
         if kind == "message":
             data = message["data"]
-            assert isinstance(data, bytes)
-            event_id, event_type, generation_id, payload = data.split(b" ", 3)
-            event = RelayEvent(
-                event_id.decode(), event_type.decode(), generation_id.decode(), payload
-            )
-            if self.observer is not None:
-                self.observer.event(self.keys.session_id_of_channel(channel), event)
-            for feed in self._feeds.get(channel, ()):
-                feed._push(event)
-        elif kind == "subscribe" and channel in self._feeds:
+            assert isinstance(channel, bytes) and isinstance(data, bytes)
+            self._deliver(channel, data)
+            return
+        channel = channel.decode() if isinstance(channel, bytes) else str(channel)
+        if kind == "subscribe" and channel in self._feeds:
             self._confirmed.add(channel)
             for feed in self._feeds[channel]:
                 feed._set_ready(True)

@@ -27,12 +27,17 @@ log = logging.getLogger("tokenspout.watchdog")
 _request_decoder = msgspec.json.Decoder(GenerationRequest)
 
 
+WATCH_BATCH = 256
+"""Sessions marked per pipeline: one pipeline for 10,000 open streams would hold the event
+loop (packing and parsing every reply) long enough to stall every stream of the process."""
+
+
 async def refresh_watches(store: SessionStore, hub: RelayHub, interval_s: float) -> None:
     while True:
         try:
             sessions = hub.watched_sessions()
-            if sessions:
-                await store.mark_watched(sessions)
+            for start in range(0, len(sessions), WATCH_BATCH):
+                await store.mark_watched(sessions[start : start + WATCH_BATCH])
         except (RedisError, OSError) as exc:
             log.warning("could not refresh session watches: %s", exc)
         await asyncio.sleep(interval_s)

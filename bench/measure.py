@@ -1,0 +1,136 @@
+"""What the suite reads from the OS and from Redis: CPU time, RSS, sockets, command counts."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+from pathlib import Path
+
+import redis.asyncio as aioredis
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def tree(pid: int) -> list[int]:
+    """The process and its descendants (a server that forks its worker counts as one)."""
+    pids, index = [pid], 0
+    while index < len(pids):
+        for task in _tasks(pids[index]):
+            try:
+                children = (task / "children").read_text().split()
+            except OSError:  # the thread ended while we looked
+                continue
+            pids += [int(child) for child in children]
+        index += 1
+    return pids
+
+
+def _tasks(pid: int) -> list[Path]:
+    try:
+        return list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return []
+
+
+def _cpu_one(pid: int) -> float:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time (``/proc/PID/stat`` utime + stime) of a process tree."""
+    total = 0.0
+    for p in tree(pid):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            total += _cpu_one(p)
+    return total
+
+
+def _rss_one(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a process tree."""
+    total = 0
+    for p in tree(pid):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            total += _rss_one(p)
+    return total
+
+
+def tcp_connections_to(pid: int, port: int) -> int:
+    """Open TCP connections of ``pid`` whose remote end is 127.0.0.1:``port``."""
+    inodes = set()
+    fds: list[Path] = []
+    for p in tree(pid):
+        with contextlib.suppress(OSError):
+            fds += Path(f"/proc/{p}/fd").iterdir()
+    for fd in fds:
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    remote = f"0100007F:{port:04X}"
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            parts = line.split()
+            if parts[2] == remote and parts[9] in inodes:
+                count += 1
+    return count
+
+
+def pin(pid: int, cpu: int) -> bool:
+    """Pin a process tree to one CPU; False where the machine has one CPU or refuses."""
+    if not hasattr(os, "sched_setaffinity") or cpu >= (os.cpu_count() or 1):
+        return False
+    try:
+        for p in tree(pid):
+            for task in _tasks(p):
+                with contextlib.suppress(ProcessLookupError):
+                    os.sched_setaffinity(int(task.name), {cpu})
+    except OSError:
+        return False
+    return True
+
+
+def machine() -> dict[str, object]:
+    model = ""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            model = line.split(":", 1)[1].strip()
+            break
+    mem_kib = 0
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            mem_kib = int(line.split()[1])
+    return {
+        "nproc": os.cpu_count(),
+        "cpu_model": model,
+        "memory_gib": round(mem_kib / 1024 / 1024, 1),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+async def reset_command_stats(client: aioredis.Redis) -> None:
+    await client.config_resetstat()
+
+
+async def command_calls(client: aioredis.Redis) -> dict[str, int]:
+    """Calls per command since the last reset (scripts' inner commands included)."""
+    stats = await client.info("commandstats")
+    return {
+        name.removeprefix("cmdstat_"): int(value["calls"])
+        for name, value in stats.items()
+        if isinstance(value, dict)
+    }
