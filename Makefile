@@ -45,8 +45,12 @@ typecheck: setup
 pytest: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-bench: setup
-	$(PY) -m bench
+# The gateway suite (synthetic engine), then vLLM on the CPU: alone vs behind the gateway,
+# and cancel latency. Not part of `make test`; results land in docs/bench/.
+bench: model
+	$(PY) -m bench $(BENCH_ARGS)
+	$(PY) -m bench.engine_vs_gateway
+	$(PY) -m bench.cancel_latency
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache

@@ -153,6 +153,9 @@ def decode_client_frame(data: str | bytes, max_bytes: int) -> ClientFrame:
         raise BadRequest(message, code="invalid_frame", field=_field_of(message)) from None
     except msgspec.DecodeError as exc:
         raise BadRequest(f"not a JSON object: {exc}", code="invalid_json") from None
+    except RecursionError:
+        # msgspec recurses even to skip a value: a frame nested past Python's limit.
+        raise BadRequest("the frame is nested too deeply", code="too_deep") from None
     return frame
 
 
@@ -160,7 +163,7 @@ def client_id_of(data: str | bytes) -> str | None:
     """The ``id`` of a frame that failed to decode, if it has a readable one."""
     try:
         raw = _loose.decode(data)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return None
     value = raw.get("id") if isinstance(raw, dict) else None
     return value if isinstance(value, str) and 0 < len(value) <= 64 else None

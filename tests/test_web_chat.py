@@ -186,7 +186,7 @@ async def test_html_in_a_message_or_reply_is_shown_as_text_and_never_runs(
 async def test_an_engine_error_is_shown_in_words_with_a_retry(
     stack: Stack, browser: Browser
 ) -> None:
-    stack.synthetic(tokens_per_s=50)
+    stack.synthetic(tokens_per_s=2000)  # the error lands in the frame of the last token
     gateway = stack.gateway()
     chat = await ChatPage.open(browser, gateway.url, max_tokens=20)
     await chat.send("break [[fail:3]] now")

@@ -340,12 +340,14 @@ class Turn {
     if (this.renderQueued) return;
     this.renderQueued = true;
     requestAnimationFrame(() => {
-      this.renderQueued = false;
-      this.render();
+      // A render since (the final event's) already drew this text, and maybe a note after
+      // it that drawing again would wipe.
+      if (this.renderQueued) this.render();
     });
   }
 
   render() {
+    this.renderQueued = false;
     renderRich(this.content, this.text);
     this.renderStats();
     scrollToEnd();

@@ -101,6 +101,10 @@ class Connection:
         except ProtocolViolation as exc:
             log.info("closing a WebSocket: %s", exc.message)
             await self._close(exc)
+        except Exception:
+            # A bug, not the client's fault: say so in the log, close with 4500.
+            log.exception("WebSocket connection failed")
+            await self._close(GatewayError("internal error"))
         finally:
             for task in self._tasks:
                 task.cancel()
