@@ -84,7 +84,7 @@ def say(message: str) -> None:
 
 async def suite(args: argparse.Namespace) -> dict[str, object]:
     quick = args.quick
-    concurrency = args.concurrency or ([1, 10, 100] if quick else [1, 10, 100, 1000])
+    concurrency = args.concurrency or ([1, 10, 100] if quick else [1, 10, 100, 500, 1000])
     rates = args.rates or ([100.0] if quick else [10.0, 100.0])
     duration = args.duration or (3.0 if quick else 6.0)
     args.ttft_rounds = args.ttft_rounds if args.ttft_rounds is not None else (5 if quick else 10)

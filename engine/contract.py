@@ -288,10 +288,15 @@ SUBMIT_SCRIPT = (
     + """
 -- KEYS: meta, history, active, gen, events, watch, idempotency ('' for none)
 -- ARGV: channel, maxlen, session_ttl, gid, user message JSON ('' for none), now,
---       max_history, watch_ttl, queued event JSON
--- Returns {'ok', queued id, history...} | {'missing'} | {'duplicate', gid} | {'busy', gid}
---         | {'history_full'}
+--       max_history, watch_ttl, queued event JSON, token digest ('' for no check)
+-- Returns {'ok', queued id, history...} | {'missing'} | {'forbidden'} | {'duplicate', gid}
+--         | {'busy', gid} | {'history_full'}
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'missing'} end
+-- The token is checked here, not in a separate round trip. Comparing digests (never the
+-- token itself) leaks nothing useful through timing.
+if ARGV[10] ~= '' and redis.call('HGET', KEYS[1], 'token') ~= ARGV[10] then
+  return {'forbidden'}
+end
 if KEYS[7] ~= '' then
   local existing = redis.call('GET', KEYS[7])
   if existing then return {'duplicate', existing} end

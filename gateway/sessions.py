@@ -73,6 +73,10 @@ def _digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+def _bad_token() -> Forbidden:
+    return Forbidden("a valid session token is required", code="bad_session_token")
+
+
 def new_id(kind: str) -> str:
     return f"{kind}_{secrets.token_urlsafe(16)}"
 
@@ -106,7 +110,7 @@ class SessionStore:
             raise NotFound(f"no session {session_id!r}", code="unknown_session")
         expected = stored.decode() if isinstance(stored, bytes) else str(stored)
         if token is None or not hmac.compare_digest(expected, _digest(token)):
-            raise Forbidden("a valid session token is required", code="bad_session_token")
+            raise _bad_token()
 
     async def history(self, session_id: str) -> list[ChatMessage]:
         raw = await self.redis.lrange(self.keys.history(session_id), 0, -1)
@@ -131,14 +135,20 @@ class SessionStore:
     async def submit_message(
         self,
         session_id: str,
+        token: str | None,
         content: str,
         params: SamplingParams,
         idempotency_key: str | None = None,
     ) -> Submitted:
-        """Append a user message to the session and queue the reply."""
+        """Append a user message to the session and queue the reply.
+
+        Authorises like ``authorise`` (404, then 403), in the same round trip as the submit.
+        """
         self._check_content(content)
         message = contract.encode(ChatMessage("user", content)).decode()
-        return await self._submit_to_session(session_id, message, params, idempotency_key)
+        # No token never matches: a digest is never "-".
+        digest = _digest(token) if token is not None else "-"
+        return await self._submit_to_session(session_id, message, params, idempotency_key, digest)
 
     async def submit_stateless(
         self,
@@ -156,7 +166,7 @@ class SessionStore:
         await self.redis.hset(meta, mapping={"stateless": 1, "created": time.time()})
         await self.redis.expire(meta, STATELESS_TTL_S)
         return await self._submit_to_session(
-            session_id, "", params, None, messages=messages, prompt=prompt, ttl=STATELESS_TTL_S
+            session_id, "", params, None, "", messages=messages, prompt=prompt, ttl=STATELESS_TTL_S
         )
 
     async def _submit_to_session(
@@ -165,6 +175,7 @@ class SessionStore:
         user_message: str,
         params: SamplingParams,
         idempotency_key: str | None,
+        token_digest: str,
         *,
         messages: list[ChatMessage] | None = None,
         prompt: str | None = None,
@@ -193,12 +204,15 @@ class SessionStore:
                 self.settings.max_history_messages,
                 max(1, int(self.settings.abandon_grace_s)),
                 contract.encode(Queued(generation_id)),
+                token_digest,
             ],
         )
         reply = [contract.text(item) for item in reply]
         outcome = reply[0]
         if outcome == "missing":
             raise NotFound(f"no session {session_id!r}", code="unknown_session")
+        if outcome == "forbidden":
+            raise _bad_token()
         if outcome == "duplicate":
             return Submitted(reply[1], session_id, None)
         if outcome == "busy":

@@ -47,6 +47,13 @@ async def test_bad_requests_get_clear_errors_while_another_stream_keeps_going(
             url, json={"content": "x"}, headers={"X-Session-Token": "not-the-token"}
         )
         assert wrong.status_code == 403
+        assert wrong.json()["error"]["code"] == "bad_session_token"
+        tokenless = await client.post(url, json={"content": "x"})
+        assert tokenless.status_code == 403
+        history = await client.get(
+            f"{base}/v1/sessions/{session.session_id}", headers=session.headers
+        )
+        assert history.json()["messages"] == []  # a refused message is not kept
         missing = await client.get(f"{base}/v1/sessions/{session.session_id}")
         assert missing.status_code == 403
         events = await client.get(

@@ -108,7 +108,6 @@ class SessionController(Controller):
             str | None, Parameter(header="Idempotency-Key", required=False, max_length=128)
         ],
     ) -> GenerationAccepted:
-        await store.authorise(session_id, session_token(request, token, x_session_token))
         params = store.sampling(
             max_tokens=data.max_tokens,
             temperature=data.temperature,
@@ -117,7 +116,13 @@ class SessionController(Controller):
             stop=data.stop,
             seed=data.seed,
         )
-        submitted = await store.submit_message(session_id, data.content, params, idempotency_key)
+        submitted = await store.submit_message(
+            session_id,
+            session_token(request, token, x_session_token),
+            data.content,
+            params,
+            idempotency_key,
+        )
         gid = submitted.generation_id
         return GenerationAccepted(
             generation_id=gid,

@@ -152,15 +152,16 @@ class Connection:
             seed=frame.seed,
         )
         new_token: str | None = None
+        token: str | None
         if frame.session_id is None:
             created = await self.store.create_session()
-            session_id, new_token = created.session_id, created.token
+            session_id, token = created.session_id, created.token
+            new_token = token
             _remember(self._tokens, session_id, created.token)
         else:
             session_id = frame.session_id
             token = frame.token or self._tokens.get(session_id) or self.token
-            await self.store.authorise(session_id, token)
-        submitted = await self.store.submit_message(session_id, frame.content, params)
+        submitted = await self.store.submit_message(session_id, token, frame.content, params)
         gid = submitted.generation_id
         _remember(self._known, frame.id, (session_id, gid))
         self._reply(Ack(frame.id, "generate", gid, session_id, "queued", new_token))
