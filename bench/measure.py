@@ -88,12 +88,13 @@ def tcp_connections_to(pid: int, port: int) -> int:
     return count
 
 
-def pin(pid: int, cpu: int) -> bool:
-    """Pin a process tree to one CPU; False where the machine has one CPU or refuses."""
+def pin(pid: int, cpu: int, *, children: bool = True) -> bool:
+    """Pin a process (and its tree, unless ``children`` is False) to one CPU; False where
+    the machine has one CPU or refuses."""
     if not hasattr(os, "sched_setaffinity") or cpu >= (os.cpu_count() or 1):
         return False
     try:
-        for p in tree(pid):
+        for p in tree(pid) if children else [pid]:
             for task in _tasks(p):
                 with contextlib.suppress(ProcessLookupError):
                     os.sched_setaffinity(int(task.name), {cpu})

@@ -158,7 +158,8 @@ async def rig(tokens_per_s: float, logs: Path, server: str = "uvicorn") -> Async
             children.append(spin)
             pinned = all(measure.pin(p.pid, GATEWAY_CPU) for p in (gateway, reference, spin))
             if pinned:
-                measure.pin(os.getpid(), LOADGEN_CPU)
+                # Only the load generator itself: its tree holds every process of the rig.
+                measure.pin(os.getpid(), LOADGEN_CPU, children=False)
             processes.wait_http(f"http://{HOST}:{gateway_port}/health", gateway, 60)
             processes.wait_http(f"http://{HOST}:{reference_port}/health", reference, 60)
             processes.wait_http(f"http://{HOST}:{spin_port}/health", spin, 60)
