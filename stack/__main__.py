@@ -19,6 +19,10 @@ from pathlib import Path
 from stack import processes
 from stack.redis_server import EmbeddedRedis
 
+DRAIN_S = 5.0
+"""Ctrl-C lets running replies finish this long; below ``processes.stop``'s 15 s, so the
+engine drains and exits by itself instead of being killed."""
+
 
 def say(message: str) -> None:
     print(f"[tokenspout] {message}", file=sys.stderr, flush=True)
@@ -49,11 +53,14 @@ def main() -> None:
             redis = EmbeddedRedis(data_dir=args.persist, persist=args.persist is not None)
             redis.start()
             url = redis.url
-            say(f"embedded Redis (valkey) on {url}")
+            kept = f"kept in {args.persist}" if args.persist else "removed at exit"
+            say(f"embedded Redis (valkey) on {url}, data in {redis.data_dir} ({kept})")
         env = {"REDIS_URL": url}
         began = time.monotonic()
         say(f"starting the engine worker ({args.backend}, model {args.model})")
-        engine = processes.engine(["--backend", args.backend, "--model", args.model], env)
+        engine = processes.engine(
+            ["--backend", args.backend, "--model", args.model, "--drain-s", str(DRAIN_S)], env
+        )
         children.append(engine)
         say(f"starting the gateway on http://{args.host}:{args.port}")
         gateway = processes.spawn(

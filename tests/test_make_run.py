@@ -1,0 +1,108 @@
+"""``make run`` (``python -m stack``): the whole product starts, serves, and Ctrl-C leaves
+nothing behind: no process of the stack, no embedded Redis, no Redis data folder.
+
+The synthetic engine stands in for vLLM here only to keep the test short; the same launcher
+starts vLLM (``--backend vllm`` is its default), which tests/test_vllm_end_to_end.py covers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from stack.processes import ROOT
+from stack.redis_server import free_port
+from tests.client import create_session, read_events, send
+
+
+def sessions_of(leaders: set[int]) -> set[int]:
+    """Live processes whose session id is one of ``leaders`` (the stack starts each child in
+    its own session, so this finds their children too)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # it ended while we looked
+        fields = stat.rsplit(")", 1)[1].split()
+        state, session = fields[0], int(fields[3])
+        if session in leaders and state != "Z":
+            found.add(int(entry.name))
+    return found
+
+
+def children_of(pid: int) -> set[int]:
+    tasks = Path(f"/proc/{pid}/task")
+    return {
+        int(child) for task in tasks.iterdir() for child in (task / "children").read_text().split()
+    }
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+async def talk_to(base: str) -> None:
+    async with httpx.AsyncClient(timeout=30) as client:
+        page = await client.get(f"{base}/")
+        assert page.status_code == 200 and "<html" in page.text.lower()
+        session = await create_session(client, base)
+        generation = await send(client, session, "hello", max_tokens=5)
+        reading = await read_events(client, session, until_final_of=generation)
+        assert reading.final(generation).event == "done"
+        assert len([e for e in reading.of(generation) if e.event == "token"]) == 5
+
+
+def test_make_run_serves_and_ctrl_c_leaves_nothing_behind(tmp_path: Path) -> None:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    env["PYTHONPATH"] = str(ROOT)
+    log = tmp_path / "stack.log"
+    with log.open("wb") as out:
+        stack = subprocess.Popen(
+            [sys.executable, "-m", "stack", "--backend", "synthetic", "--port", str(port)],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while "tokenspout is running" not in log.read_text():
+            assert stack.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        text = log.read_text()
+        assert f"http://127.0.0.1:{port}" in text
+        found = re.search(r"redis://127\.0\.0\.1:(\d+)/0, data in (\S+) \(removed at exit\)", text)
+        assert found, text
+        redis_port, redis_dir = int(found[1]), Path(found[2])
+        assert redis_dir.is_dir()
+        leaders = children_of(stack.pid)
+        assert len(leaders) == 3, leaders  # Redis, the engine worker, the gateway
+        assert sessions_of(leaders) >= leaders
+
+        asyncio.run(talk_to(f"http://127.0.0.1:{port}"))
+
+        stack.send_signal(signal.SIGINT)  # what Ctrl-C sends to the foreground process
+        assert stack.wait(timeout=60) == 0, log.read_text()
+    finally:
+        if stack.poll() is None:
+            stack.kill()
+            stack.wait()
+    assert sessions_of(leaders) == set(), "processes outlived make run"
+    assert not port_open(port) and not port_open(redis_port)
+    assert not redis_dir.exists(), "the embedded Redis left its folder behind"
+    assert "[tokenspout] stopped" in log.read_text()
