@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import deque
 from collections.abc import AsyncIterator
 from typing import NamedTuple, Protocol, cast
 
@@ -102,18 +101,40 @@ def _raise_if_trimmed(stream_info: dict[str, object], after_id: str) -> None:
 
 
 class Feed:
-    """Events of one session after a given id, delivered in order, each exactly once."""
+    """Events of one session after a given id, delivered in order, each exactly once.
+
+    A process holds one per open stream, 10,000 of them or more: slots, a list for the
+    buffer and a future only while waiting (an ``asyncio.Event`` and a ``deque`` each carry
+    a deque of over 600 bytes).
+    """
+
+    __slots__ = (
+        "_buffer",
+        "_lagging",
+        "_last_key",
+        "_ready",
+        "_recovering",
+        "_waiter",
+        "hub",
+        "last_id",
+        "session_id",
+    )
 
     def __init__(self, hub: RelayHub, session_id: str, after_id: str | None) -> None:
         self.hub = hub
         self.session_id = session_id
         self.last_id = after_id
         self._last_key = _id_key(after_id) if after_id and after_id != LIVE_ONLY else (0, 0)
-        self._buffer: deque[RelayEvent] = deque()
+        self._buffer: list[RelayEvent] = []
         self._lagging = True
         self._ready = False
-        self._wakeup = asyncio.Event()
+        self._waiter: asyncio.Future[None] | None = None
         self._recovering = False
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     # called by the hub, in the reader task
 
@@ -123,12 +144,12 @@ class Feed:
         self._buffer.append(event)
         if len(self._buffer) > self.hub.buffer_limit:
             self._fall_behind()
-        self._wakeup.set()
+        self._wake()
 
     def _fall_behind(self) -> None:
         self._lagging = True
         self._buffer.clear()
-        self._wakeup.set()
+        self._wake()
 
     def _set_ready(self, ready: bool) -> None:
         if not ready:
@@ -157,20 +178,24 @@ class Feed:
                     return events
                 continue
             if self._buffer and not self._lagging:
-                events = self._fresh(list(self._buffer))
-                self._buffer.clear()
+                events = self._fresh(self._buffer)
+                self._buffer = []
                 if events:
                     self._advance(events[-1].id)
                     return events
                 continue
             if self.hub.draining:
                 timeout = min(timeout, DRAIN_POLL_S)
-            self._wakeup.clear()
+            # Nothing else runs between the checks above and this wait, so no wake-up is
+            # lost: the hub can only push once this task awaits.
+            self._waiter = asyncio.get_running_loop().create_future()
             try:
                 async with asyncio.timeout(timeout):  # no task per wait, unlike wait_for
-                    await self._wakeup.wait()
+                    await self._waiter
             except TimeoutError:
                 return []
+            finally:
+                self._waiter = None
             if self.hub.draining and not self._buffer and not self._lagging:
                 return []  # woken by begin_drain: let the transport decide to close
 
@@ -249,7 +274,7 @@ class RelayHub:
         self.draining = True
         for feeds in self._feeds.values():
             for feed in feeds:
-                feed._wakeup.set()
+                feed._wake()
 
     async def start(self) -> None:
         self._reader = asyncio.create_task(self._read_forever(), name="relay-reader")
