@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import logging
 import socket
+import sys
 from types import FrameType
 
 import uvicorn
@@ -52,10 +53,14 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     from gateway.app import create_asgi_app  # here: the parser alone stays cheap to import
+    from gateway.auth import ConfigError
 
     settings = Settings.from_env()
     configure_logging(settings.log_level, "gateway")
-    app, services = create_asgi_app(settings)
+    try:
+        app, services = create_asgi_app(settings)
+    except ConfigError as exc:
+        sys.exit(f"tokenspout gateway: cannot start: {exc}")
     config = uvicorn.Config(
         app,
         host=args.host,

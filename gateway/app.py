@@ -24,6 +24,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from engine.contract import Keys
+from gateway.auth import ApiKeys
 from gateway.errors import BadRequest, ErrorBody, ErrorEnvelope, GatewayError, Unavailable
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestMetrics
@@ -45,6 +46,8 @@ class Services:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        # Read once, here: a missing key file stops the start (ConfigError), not each request.
+        self.api_keys = ApiKeys.from_settings(settings)
         self.redis = aioredis.Redis(
             connection_pool=aioredis.BlockingConnectionPool.from_url(
                 settings.redis_url,
@@ -147,6 +150,7 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
             "store": Provide(lambda: services.store, sync_to_thread=False),
             "hub": Provide(lambda: services.hub, sync_to_thread=False),
             "metrics": Provide(lambda: services.metrics, sync_to_thread=False),
+            "api_keys": Provide(lambda: services.api_keys, sync_to_thread=False),
         },
         exception_handlers={
             GatewayError: handle_gateway_error,

@@ -69,10 +69,18 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         float, _D(ge=0, description="How long a cancel request waits for the final event.")
     ] = 5.0
     api_keys: Annotated[
-        str, _D(description="Comma-separated Bearer keys for the API endpoints; empty: open.")
+        str,
+        _D(
+            description="Comma-separated Bearer keys for the API endpoints and for creating "
+            "sessions; empty: open."
+        ),
     ] = ""
     api_keys_file: Annotated[
-        str, _D(description="A file with one Bearer key per line (added to api_keys).")
+        str,
+        _D(
+            description="A file with one Bearer key per line (added to api_keys), read at "
+            "start-up; missing or empty: the gateway does not start."
+        ),
     ] = ""
     cors_origins: Annotated[
         str, _D(description="Comma-separated origins allowed by CORS; empty: same origin only.")
@@ -99,13 +107,6 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             if key in env:
                 raw[name] = env[key]
         return msgspec.convert(raw, cls, strict=False)
-
-    def api_key_set(self) -> frozenset[str]:
-        keys = {key.strip() for key in self.api_keys.split(",") if key.strip()}
-        if self.api_keys_file:
-            lines = Path(self.api_keys_file).read_text().splitlines()
-            keys.update(line.strip() for line in lines if line.strip())
-        return frozenset(keys)
 
     def cors_origin_list(self) -> list[str]:
         return [origin.strip() for origin in self.cors_origins.split(",") if origin.strip()]

@@ -40,6 +40,10 @@ class Generate(msgspec.Struct, frozen=True, tag="generate", forbid_unknown_field
     top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None
     stop: Annotated[list[str], msgspec.Meta(max_length=8)] | None = None
     seed: int | None = None
+    api_key: str | None = None
+    """With API keys configured, what a ``generate`` without ``session_id`` needs unless the
+    socket's connect request carried ``Authorization: Bearer <key>`` or an earlier frame
+    gave a valid key (browsers cannot set headers on a WebSocket)."""
 
 
 class Cancel(msgspec.Struct, frozen=True, tag="cancel", forbid_unknown_fields=True):

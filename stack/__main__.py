@@ -88,7 +88,8 @@ def main() -> None:
             )
             if os.environ.get("TOKENSPOUT_API_KEYS") or os.environ.get("TOKENSPOUT_API_KEYS_FILE"):
                 print(
-                    "  API keys are on: add  -H 'Authorization: Bearer <key>'  to API calls",
+                    "  API keys are on: add  -H 'Authorization: Bearer <key>'  to API calls"
+                    " and session creation; the web chat asks for a key",
                     flush=True,
                 )
             else:

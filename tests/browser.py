@@ -57,7 +57,9 @@ class ChatPage:
         url: str,
         max_tokens: int | None = None,
         viewport: dict[str, int] | None = None,
+        connected: bool = True,
     ) -> ChatPage:
+        """The page at ``url``; with ``connected``, once its event stream is open."""
         context = await browser.new_context(viewport=viewport or {"width": 1000, "height": 760})
         page = await context.new_page()
         errors: list[str] = []
@@ -65,7 +67,8 @@ class ChatPage:
         query = f"?max_tokens={max_tokens}" if max_tokens else ""
         await page.goto(f"{url}/{query}")
         chat = cls(page, errors)
-        await chat.wait_connected()
+        if connected:
+            await chat.wait_connected()
         return chat
 
     async def wait_connected(self, timeout_s: float = 30) -> None:

@@ -6,6 +6,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 
+import httpx
 import pytest
 import redis.asyncio as aioredis
 from playwright.async_api import Browser
@@ -13,6 +14,7 @@ from playwright.async_api import Browser
 from engine.contract import Keys
 from stack import processes
 from tests.browser import ChatPage, chromium
+from tests.client import create_session, send
 from tests.conftest import Stack, VllmStack
 from tests.test_sessions import expected_reply
 
@@ -217,4 +219,70 @@ async def test_a_vllm_reply_completes_in_the_page_with_ttft_and_rate(
     assert stats["model"] and "SmolLM2" in stats["model"]
     assert stats["ttft_ms"] is not None and float(stats["ttft_ms"]) > 0
     assert stats["tokens_per_s"] is not None and float(stats["tokens_per_s"]) > 0
+    assert chat.errors == []
+
+
+async def test_with_api_keys_the_page_asks_for_one_and_says_when_it_is_wrong(
+    stack: Stack, browser: Browser
+) -> None:
+    stack.synthetic(tokens_per_s=500)
+    gateway = stack.gateway(TOKENSPOUT_API_KEYS="web-key-41c7e2")
+    chat = await ChatPage.open(browser, gateway.url, max_tokens=4, connected=False)
+    page = chat.page
+    await page.wait_for_selector("#key-form", state="visible", timeout=15_000)
+    assert await page.get_attribute("#api-key", "type") == "password"
+    assert await page.is_hidden("#key-error")
+    assert await chat.conn_state() == "locked"
+    assert await page.is_disabled("#send") or await page.is_hidden("#send")
+
+    await page.fill("#api-key", "not-the-key")
+    await page.press("#api-key", "Enter")
+    await page.wait_for_selector("#key-error", state="visible", timeout=15_000)
+    assert "not accepted" in (await page.text_content("#key-error") or "")
+    assert await page.is_visible("#key-form")
+    assert await page.evaluate("sessionStorage.getItem('tokenspout.apiKey.v1')") is None
+
+    await page.fill("#api-key", "web-key-41c7e2")
+    await page.click("#key-submit")
+    await chat.wait_connected()
+    assert await page.is_hidden("#key-form")
+    assert await page.input_value("#api-key") == ""
+    stored = await page.evaluate("sessionStorage.getItem('tokenspout.apiKey.v1')")
+    assert stored == "web-key-41c7e2"
+    await chat.send("keyed page")
+    await chat.wait_reply_state("done")
+    assert await chat.reply_text() == expected_reply("keyed page", 4)
+    # The key stays with the tab: a new chat starts without asking again.
+    await page.click("#new-chat")
+    await chat.wait_connected()
+    assert await page.is_hidden("#key-form")
+    await chat.send("second chat")
+    await chat.wait_reply_state("done")
+    assert await chat.user_texts() == ["second chat"]
+    assert chat.errors == []
+
+
+async def test_a_busy_gateway_is_shown_in_words_and_retry_sends_once_there_is_room(
+    stack: Stack, browser: Browser
+) -> None:
+    stack.synthetic(5, "--capacity", "1")
+    gateway = stack.gateway(TOKENSPOUT_MAX_INFLIGHT="1")
+    chat = await ChatPage.open(browser, gateway.url, max_tokens=3)
+    async with httpx.AsyncClient(timeout=30) as client:
+        other = await create_session(client, gateway.url)
+        running = await send(client, other, "hold the only slot", max_tokens=200)
+        await chat.send("are you busy?")
+        await chat.wait_reply_state("error")
+        badge = await chat.last_reply.locator(".badge").text_content()
+        assert badge == "Not sent"
+        note = await chat.last_reply.locator(".error-text").text_content()
+        assert note == "The gateway is busy with other replies right now. Try again in 1 s."
+        cancel = await client.post(
+            f"{gateway.url}/v1/sessions/{other.session_id}/generations/{running}/cancel",
+            headers=other.headers,
+        )
+        assert cancel.json()["state"] == "cancelled"
+    await chat.last_reply.get_by_role("button", name="Retry").click()
+    await chat.wait_reply_state("done")
+    assert await chat.reply_text() == expected_reply("are you busy?", 3)
     assert chat.errors == []

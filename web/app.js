@@ -6,9 +6,15 @@
 // The session (id, token), the id of the last event applied and the reply in progress are kept
 // in sessionStorage together, in one write per event, so a reload can show the history (GET),
 // put the partial reply back and resume the stream right after the last event it applied.
+//
+// A gateway with API keys answers 401 to creating a session without one: the page then asks
+// for the key (a password field), keeps it in sessionStorage (this tab only) and sends it as
+// `Authorization: Bearer` when it creates a session. The session's own requests need only
+// its token.
 "use strict";
 
 const STORE_KEY = "tokenspout.chat.v1";
+const API_KEY_STORE = "tokenspout.apiKey.v1";
 const EVENT_TYPES = ["queued", "started", "token", "done", "cancelled", "error"];
 const FINAL_TYPES = new Set(["done", "cancelled", "error"]);
 const RECONNECT_MAX_MS = 8000;
@@ -33,6 +39,9 @@ const ui = {
   bannerRetry: byId("banner-retry"),
   bannerClose: byId("banner-close"),
   newChat: byId("new-chat"),
+  keyForm: byId("key-form"),
+  keyInput: byId("api-key"),
+  keyError: byId("key-error"),
 };
 
 const chat = {
@@ -176,6 +185,7 @@ const CONN_LABELS = {
   connected: "Connected",
   reconnecting: "Reconnecting…",
   offline: "Offline",
+  locked: "API key needed",
 };
 
 function setConn(state) {
@@ -640,17 +650,56 @@ async function startNewSession() {
   sessionStorage.removeItem(STORE_KEY);
   updateComposer();
   setConn("connecting");
+  const key = sessionStorage.getItem(API_KEY_STORE);
   try {
-    const created = await api("POST", "/v1/sessions", {});
+    const created = await api(
+      "POST",
+      "/v1/sessions",
+      {},
+      key ? { Authorization: `Bearer ${key}` } : {},
+    );
+    hideKeyForm();
     chat.session = { id: created.session_id, token: created.token };
     persist();
     openEvents(null); // a new session: its stream starts at its first event
   } catch (err) {
-    setConn(err.status === 0 ? "offline" : "reconnecting");
-    showBanner(`Could not start a conversation. ${describeError(err)}`, () => startNewSession());
+    if (err.status === 401) {
+      if (key) sessionStorage.removeItem(API_KEY_STORE);
+      askForKey(key ? "That API key was not accepted. Check it and try again." : "");
+    } else {
+      setConn(err.status === 0 ? "offline" : "reconnecting");
+      showBanner(`Could not start a conversation. ${describeError(err)}`, () => startNewSession());
+    }
   }
   updateComposer();
 }
+
+// ---- API key --------------------------------------------------------------------------------
+
+function askForKey(problem) {
+  setConn("locked");
+  ui.keyError.textContent = problem;
+  ui.keyError.hidden = !problem;
+  ui.keyForm.hidden = false;
+  ui.keyInput.focus();
+}
+
+function hideKeyForm() {
+  ui.keyForm.hidden = true;
+  ui.keyError.hidden = true;
+  ui.keyInput.value = "";
+}
+
+ui.keyForm.addEventListener("submit", (event) => {
+  event.preventDefault();
+  const key = ui.keyInput.value.trim();
+  if (!key) return;
+  sessionStorage.setItem(API_KEY_STORE, key);
+  ui.keyInput.value = "";
+  ui.keyError.hidden = true;
+  hideBanner();
+  startNewSession();
+});
 
 // Show the stored conversation. `partial` is the reply that was streaming when the page went
 // away ({gid, text, count, model, state}); its remaining events follow on the stream.

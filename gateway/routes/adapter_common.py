@@ -4,7 +4,6 @@ spells in its own clients' error format."""
 
 from __future__ import annotations
 
-import hmac
 import logging
 import re
 from typing import Any
@@ -13,33 +12,24 @@ from litestar.connection import Request
 from litestar.exceptions import HTTPException, ValidationException
 from redis.exceptions import RedisError
 
+from gateway.auth import ApiKeys, bearer
 from gateway.errors import (
     BadRequest,
     GatewayError,
     NotFound,
     PayloadTooLarge,
-    Unauthorized,
     Unavailable,
 )
-from gateway.settings import Settings
 
 log = logging.getLogger("tokenspout.adapters")
 AnyRequest = Request[Any, Any, Any]
 UNKNOWN_FIELD = re.compile(r"unknown field `([^`]+)`")
 
 
-def require_api_key(request: AnyRequest, settings: Settings) -> None:
+def require_api_key(request: AnyRequest, api_keys: ApiKeys) -> None:
     """401 unless ``Authorization: Bearer <key>`` names a configured key (none configured:
     open)."""
-    keys = settings.api_key_set()
-    if not keys:
-        return
-    authorization = request.headers.get("authorization", "")
-    given = authorization[7:].strip() if authorization.lower().startswith("bearer ") else ""
-    if not any(hmac.compare_digest(given.encode(), key.encode()) for key in keys):
-        raise Unauthorized(
-            "a valid API key is required (Authorization: Bearer <key>)", code="invalid_api_key"
-        )
+    api_keys.require(bearer(request.headers.get("authorization")))
 
 
 def as_gateway_error(exc: Exception) -> GatewayError:

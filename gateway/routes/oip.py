@@ -17,6 +17,7 @@ from litestar.response import Stream
 
 from engine.contract import Done, SamplingParams, Started, Token
 from gateway import sse
+from gateway.auth import ApiKeys
 from gateway.errors import BadRequest, NotFound
 from gateway.generation_stream import GenerationStream, Heartbeat, final_error
 from gateway.relay import RelayHub
@@ -79,9 +80,10 @@ async def _start(
     store: SessionStore,
     hub: RelayHub,
     settings: Settings,
+    api_keys: ApiKeys,
     data: GenerateRequest,
 ) -> GenerationStream:
-    require_api_key(request, settings)
+    require_api_key(request, api_keys)
     if not data.text_input.strip():
         raise BadRequest("`text_input` must not be empty", field="text_input")
     params = _params(store, data.parameters)
@@ -94,10 +96,11 @@ async def generate(
     store: SessionStore,
     hub: RelayHub,
     settings: Settings,
+    api_keys: ApiKeys,
     model: str,
     data: GenerateRequest,
 ) -> GenerateResponse:
-    generation = await _start(request, store, hub, settings, data)
+    generation = await _start(request, store, hub, settings, api_keys, data)
     whole = await generation.collect()
     return GenerateResponse(whole.model or model, whole.text, whole.final.finish_reason, data.id)
 
@@ -127,10 +130,11 @@ async def generate_stream(
     store: SessionStore,
     hub: RelayHub,
     settings: Settings,
+    api_keys: ApiKeys,
     model: str,
     data: GenerateRequest,
 ) -> Stream:
-    generation = await _start(request, store, hub, settings, data)
+    generation = await _start(request, store, hub, settings, api_keys, data)
     return sse.response(
         _events(generation, model, data.id), background=generation.on_response_end()
     )
@@ -138,11 +142,11 @@ async def generate_stream(
 
 @get("/{model:str}/ready", summary="OIP model readiness: a live worker serves the model")
 async def model_ready(
-    request: AnyRequest, store: SessionStore, settings: Settings, model: str
+    request: AnyRequest, store: SessionStore, api_keys: ApiKeys, model: str
 ) -> Response[Ready]:
     """200 when a live worker serves ``model``; 503 while no worker is alive at all; 404
     when workers are alive and none serves it."""
-    require_api_key(request, settings)
+    require_api_key(request, api_keys)
     served = {worker.model for worker in await store.live_workers()}
     if model in served:
         return Response(Ready(model, True), status_code=200)

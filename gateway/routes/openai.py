@@ -27,6 +27,7 @@ from engine.contract import (
     Usage,
 )
 from gateway import sse
+from gateway.auth import ApiKeys
 from gateway.errors import BadRequest
 from gateway.generation_stream import (
     GenerationStream,
@@ -221,9 +222,10 @@ async def chat_completions(
     store: SessionStore,
     hub: RelayHub,
     settings: Settings,
+    api_keys: ApiKeys,
     data: ChatCompletionRequest,
 ) -> Response[ChatCompletion] | Stream:
-    require_api_key(request, settings)
+    require_api_key(request, api_keys)
     params = _chat_params(store, data)
     messages = _chat_messages(data)
     generation = await GenerationStream.submit(store, hub, settings, params, messages=messages)
@@ -284,9 +286,10 @@ async def completions(
     store: SessionStore,
     hub: RelayHub,
     settings: Settings,
+    api_keys: ApiKeys,
     data: CompletionRequest,
 ) -> Response[Completion] | Stream:
-    require_api_key(request, settings)
+    require_api_key(request, api_keys)
     params = _completion_params(store, data)
     prompt = _completion_prompt(data)
     generation = await GenerationStream.submit(store, hub, settings, params, prompt=prompt)
@@ -330,8 +333,8 @@ async def completions(
 
 
 @get("/models", summary="The models the live engine workers serve")
-async def models(request: AnyRequest, store: SessionStore, settings: Settings) -> ModelList:
-    require_api_key(request, settings)
+async def models(request: AnyRequest, store: SessionStore, api_keys: ApiKeys) -> ModelList:
+    require_api_key(request, api_keys)
     cards: dict[str, ModelCard] = {}
     for worker in await store.live_workers():
         created = int(worker.started_at)

@@ -18,6 +18,7 @@ from litestar.response import Stream
 
 from engine.contract import Done, SamplingParams, Started, Token
 from gateway import sse
+from gateway.auth import ApiKeys
 from gateway.errors import BadRequest
 from gateway.generation_stream import (
     GenerationStream,
@@ -164,9 +165,10 @@ async def _start(
     store: SessionStore,
     hub: RelayHub,
     settings: Settings,
+    api_keys: ApiKeys,
     data: GenerateRequest,
 ) -> GenerationStream:
-    require_api_key(request, settings)
+    require_api_key(request, api_keys)
     if not data.inputs.strip():
         raise BadRequest("`inputs` must not be empty", field="inputs")
     params = _params(store, data.parameters)
@@ -232,12 +234,13 @@ async def generate(
     store: SessionStore,
     hub: RelayHub,
     settings: Settings,
+    api_keys: ApiKeys,
     data: GenerateRequest,
 ) -> Response[Generated] | Stream:
     """``stream: true`` makes it ``generate_stream``, as TGI's ``POST /`` does: so
     ``InferenceClient("http://host:port/generate")`` streams and answers whole alike (``POST /``
     itself serves the web chat here)."""
-    generation = await _start(request, store, hub, settings, data)
+    generation = await _start(request, store, hub, settings, api_keys, data)
     if data.stream:
         return sse.response(_events(generation, data), background=generation.on_response_end())
     return Response(await _generate(generation, data), status_code=200)
@@ -249,9 +252,10 @@ async def generate_stream(
     store: SessionStore,
     hub: RelayHub,
     settings: Settings,
+    api_keys: ApiKeys,
     data: GenerateRequest,
 ) -> Stream:
-    generation = await _start(request, store, hub, settings, data)
+    generation = await _start(request, store, hub, settings, api_keys, data)
     return sse.response(_events(generation, data), background=generation.on_response_end())
 
 

@@ -5,6 +5,10 @@ and opens a relay feed on that session; the feed's events of that generation go 
 client as frames tagged with the client's ``id``. ``cancel`` goes through the same
 ``SessionStore.cancel`` as the REST route, so it reaches whichever worker runs it.
 
+With API keys configured, a ``generate`` that creates a session needs one: the connect
+request's ``Authorization: Bearer <key>`` or the frame's ``api_key`` (all a browser can
+send); else an ``invalid_api_key`` error frame. A named session needs its token only.
+
 Sending never buffers without bound: a generation's frames are sent one at a time and the
 next batch is taken from its feed only when the last send went through. While a client
 does not read, its feeds stop draining; a feed that falls behind drops its buffer and later
@@ -26,6 +30,7 @@ from litestar.exceptions import WebSocketDisconnect
 from redis.exceptions import RedisError
 
 from engine import contract
+from gateway.auth import ApiKeys, bearer
 from gateway.errors import BadRequest, GatewayError, NotFound, Overloaded, ProtocolViolation
 from gateway.relay import RelayHub
 from gateway.routes.sessions import TokenQuery
@@ -71,12 +76,16 @@ class Connection:
         hub: RelayHub,
         settings: Settings,
         token: str | None,
+        api_keys: ApiKeys,
     ) -> None:
         self.socket = socket
         self.store = store
         self.hub = hub
         self.settings = settings
         self.token = token
+        self.api_keys = api_keys
+        # A socket shows a valid key once (connect header or a frame) for all its sessions.
+        self._key_shown = api_keys.valid(bearer(socket.headers.get("authorization")))
         self._send_lock = asyncio.Lock()
         self._replies: asyncio.Queue[ServerFrame] = asyncio.Queue(MAX_PENDING_REPLIES)
         self._running: dict[str, asyncio.Task[None]] = {}
@@ -154,6 +163,9 @@ class Connection:
         new_token: str | None = None
         token: str | None
         if frame.session_id is None:
+            if not self._key_shown:
+                self.api_keys.require(frame.api_key)
+                self._key_shown = True
             created = await self.store.create_session()
             session_id, token = created.session_id, created.token
             new_token = token
@@ -284,6 +296,7 @@ async def ws_endpoint(
     hub: RelayHub,
     settings: Settings,
     token: TokenQuery,
+    api_keys: ApiKeys,
 ) -> None:
     """Typed JSON frames both ways; see docs/api.md, "WebSocket"."""
-    await Connection(socket, store, hub, settings, token).serve()
+    await Connection(socket, store, hub, settings, token, api_keys).serve()
