@@ -18,7 +18,7 @@ from litestar.response import Stream
 
 from engine.contract import Done, SamplingParams, Started, Token
 from gateway import sse
-from gateway.errors import BadRequest
+from gateway.errors import BadEngineOutput, BadRequest, GatewayError
 from gateway.generation_stream import (
     GenerationStream,
     Heartbeat,
@@ -27,7 +27,13 @@ from gateway.generation_stream import (
     per_token,
 )
 from gateway.relay import RelayHub
-from gateway.routes.adapter_common import HANDLED, AnyRequest, as_gateway_error, require_api_key
+from gateway.routes.adapter_common import (
+    HANDLED,
+    AnyRequest,
+    as_gateway_error,
+    ending_with_error,
+    require_api_key,
+)
 from gateway.sessions import SessionStore
 from gateway.settings import Settings
 
@@ -116,12 +122,14 @@ UNSUPPORTED: dict[str, object] = {
 ERROR_TYPES = {422: "validation", 413: "validation", 429: "overloaded"}
 
 
+def _tgi_error_body(error: GatewayError) -> TgiError:
+    kind = ERROR_TYPES.get(error.status, "generation" if error.status >= 500 else error.code)
+    return TgiError(error.message, kind)
+
+
 def tgi_error(_: AnyRequest, exc: Exception) -> Response[TgiError]:
     error = as_gateway_error(exc)
-    kind = ERROR_TYPES.get(error.status, "generation" if error.status >= 500 else error.code)
-    return Response(
-        TgiError(error.message, kind), status_code=error.status, headers=error.headers()
-    )
+    return Response(_tgi_error_body(error), status_code=error.status, headers=error.headers())
 
 
 def _params(store: SessionStore, given: Parameters) -> SamplingParams:
@@ -155,7 +163,7 @@ def _finish_reason(engine_reason: str, stop: list[str] | None) -> str:
 
 def _token(piece: TokenPiece) -> TokenOut:
     if piece.logprob is None:
-        raise AssertionError("logprobs were requested from the engine but it sent none")
+        raise BadEngineOutput("logprobs were requested from the engine but it sent none")
     return TokenOut(piece.id, piece.text, piece.logprob, special=False)
 
 
@@ -224,6 +232,13 @@ def _frame(event: msgspec.Struct) -> bytes:
     return sse.frame(msgspec.json.encode(event))
 
 
+def _stream_response(generation: GenerationStream, data: GenerateRequest) -> Stream:
+    chunks = ending_with_error(
+        _events(generation, data), lambda error: _frame(_tgi_error_body(error))
+    )
+    return sse.response(chunks, background=generation.on_response_end())
+
+
 @post(
     "/generate", summary="TGI generate (streams when the body says `stream: true`)", status_code=200
 )
@@ -239,7 +254,7 @@ async def generate(
     itself serves the web chat here)."""
     generation = await _start(request, store, hub, settings, data)
     if data.stream:
-        return sse.response(_events(generation, data), background=generation.on_response_end())
+        return _stream_response(generation, data)
     return Response(await _generate(generation, data), status_code=200)
 
 
@@ -252,7 +267,7 @@ async def generate_stream(
     data: GenerateRequest,
 ) -> Stream:
     generation = await _start(request, store, hub, settings, data)
-    return sse.response(_events(generation, data), background=generation.on_response_end())
+    return _stream_response(generation, data)
 
 
 tgi_router = Router(
