@@ -264,7 +264,7 @@ async def test_api_streams_that_lose_their_session_end_in_their_own_error_format
         assert json.loads(error)["error"]["code"] == "session_lost"
         assert json.loads(error)["error"]["type"] == "invalid_request_error"
         tgi = json.loads(data["tgi"][-1])
-        assert tgi["error_type"] == "session_lost" and "lost" in tgi["error"]
+        assert tgi["error_type"] == "generation" and "lost" in tgi["error"]
         assert "lost" in json.loads(data["oip"][-1])["error"]
         for name in ("tgi", "oip"):
             assert all("error" not in json.loads(item) for item in data[name][:-1])

@@ -18,7 +18,7 @@ from litestar.response import Stream
 
 from engine.contract import Done, SamplingParams, Started, Token
 from gateway import sse
-from gateway.errors import BadEngineOutput, BadRequest, GatewayError
+from gateway.errors import BadEngineOutput, BadRequest
 from gateway.generation_stream import (
     GenerationStream,
     Heartbeat,
@@ -122,14 +122,12 @@ UNSUPPORTED: dict[str, object] = {
 ERROR_TYPES = {422: "validation", 413: "validation", 429: "overloaded"}
 
 
-def _tgi_error_body(error: GatewayError) -> TgiError:
-    kind = ERROR_TYPES.get(error.status, "generation" if error.status >= 500 else error.code)
-    return TgiError(error.message, kind)
-
-
 def tgi_error(_: AnyRequest, exc: Exception) -> Response[TgiError]:
     error = as_gateway_error(exc)
-    return Response(_tgi_error_body(error), status_code=error.status, headers=error.headers())
+    kind = ERROR_TYPES.get(error.status, "generation" if error.status >= 500 else error.code)
+    return Response(
+        TgiError(error.message, kind), status_code=error.status, headers=error.headers()
+    )
 
 
 def _params(store: SessionStore, given: Parameters) -> SamplingParams:
@@ -233,8 +231,9 @@ def _frame(event: msgspec.Struct) -> bytes:
 
 
 def _stream_response(generation: GenerationStream, data: GenerateRequest) -> Stream:
+    # Inside a stream every failure is a `generation` error, as the engine's own are.
     chunks = ending_with_error(
-        _events(generation, data), lambda error: _frame(_tgi_error_body(error))
+        _events(generation, data), lambda error: _frame(TgiError(error.message, "generation"))
     )
     return sse.response(chunks, background=generation.on_response_end())
 
