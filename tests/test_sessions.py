@@ -145,7 +145,7 @@ async def test_a_retried_post_with_the_same_idempotency_key_returns_the_same_gen
     stack: Stack,
 ) -> None:
     """Also when the gateway is full: a retry takes no new capacity, so it is no 429."""
-    stack.synthetic(tokens_per_s=20)
+    stack.synthetic(tokens_per_s=10)  # 10 s: it runs through every POST below
     gateway = stack.gateway(TOKENSPOUT_MAX_INFLIGHT="2")
     async with httpx.AsyncClient(timeout=30) as client:
         session = await create_session(client, gateway.url)
@@ -154,7 +154,7 @@ async def test_a_retried_post_with_the_same_idempotency_key_returns_the_same_gen
         async def post(key: str, content: str = "only once", **headers: str) -> httpx.Response:
             return await client.post(
                 url,
-                json={"content": content, "max_tokens": 40},
+                json={"content": content, "max_tokens": 100},
                 headers={**session.headers, "Idempotency-Key": key, **headers},
             )
 
@@ -174,7 +174,7 @@ async def test_a_retried_post_with_the_same_idempotency_key_returns_the_same_gen
 
         # Fill the gateway (2 in flight): a new generation gets 429, the retry still 202.
         bystander = await create_session(client, gateway.url)
-        await send(client, bystander, "filling the last slot", max_tokens=40)
+        await send(client, bystander, "filling the last slot", max_tokens=100)
         third = await create_session(client, gateway.url)
         full = await client.post(
             f"{gateway.url}/v1/sessions/{third.session_id}/messages",
@@ -189,7 +189,7 @@ async def test_a_retried_post_with_the_same_idempotency_key_returns_the_same_gen
         reading = await read_events(client, session, until_final_of=generation)
         assert {e.json()["generation_id"] for e in reading.events} == {generation}
         assert [e.event for e in reading.events].count("queued") == 1
-        assert reading.text(generation) == expected_reply("only once", 40)
+        assert reading.text(generation) == expected_reply("only once", 100)
         history = await client.get(url.removesuffix("/messages"), headers=session.headers)
         assert [m["role"] for m in history.json()["messages"]] == ["user", "assistant"]
 
