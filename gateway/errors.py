@@ -9,6 +9,7 @@ GatewayError
  ├── NotFound              404  unknown session or generation
  ├── Conflict              409  the session is already generating
  ├── Overloaded            429  too many generations in flight (Retry-After)
+ ├── BadEngineOutput       502  the engine sent what it must not (no logprobs when asked)
  └── Unavailable           503  Redis unreachable or no engine can take work
 
 Every error body is ``{"error": {"code": ..., "message": ..., "field": ...}}``; the
@@ -106,6 +107,11 @@ class Overloaded(GatewayError):
     status = 429
     ws_close_code = 4429
     default_code = "overloaded"
+
+
+class BadEngineOutput(GatewayError):
+    status = 502
+    default_code = "bad_engine_output"
 
 
 class Unavailable(GatewayError):

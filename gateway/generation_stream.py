@@ -13,6 +13,7 @@ once, for all of them.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from typing import NamedTuple
 
@@ -31,10 +32,12 @@ from engine.contract import (
     Token,
     decode_event,
 )
-from gateway.errors import BadRequest, GatewayError, Unavailable
+from gateway.errors import BadRequest, GatewayError, NotFound, Unavailable
 from gateway.relay import RelayHub
 from gateway.sessions import SessionStore, Submitted
 from gateway.settings import Settings
+
+log = logging.getLogger("tokenspout.generations")
 
 
 class Heartbeat(msgspec.Struct, frozen=True):
@@ -158,9 +161,15 @@ class GenerationStream:
         if self.final is not None:
             return
         with anyio.CancelScope(shield=True):
-            outcome = await self.store.cancel(
-                self.submitted.session_id, self.generation_id, reason="disconnected"
-            )
+            try:
+                outcome = await self.store.cancel(
+                    self.submitted.session_id, self.generation_id, reason="disconnected"
+                )
+            except NotFound:
+                # Its keys are gone (Redis lost them): a worker that still runs it is
+                # stopped by Redis refusing its next event (engine/worker.py _on_rejected).
+                log.info("no generation %s left to abort", self.generation_id)
+                return
         if outcome.final is not None:
             self.final = outcome.final
 

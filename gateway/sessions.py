@@ -181,9 +181,12 @@ class SessionStore:
         prompt: str | None = None,
         ttl: int | None = None,
     ) -> Submitted:
-        await self._guard_capacity()
         keys, generation_id = self.keys, new_id("g")
         idem_key = keys.idempotency(session_id, idempotency_key) if idempotency_key else ""
+        # A retried POST whose generation exists takes no new capacity: it must get that
+        # generation back (from the script, after the token check), not a 429.
+        if not (idem_key and await self.redis.exists(idem_key)):
+            await self._guard_capacity()
         reply = await self._submit(
             keys=[
                 keys.meta(session_id),

@@ -109,3 +109,34 @@ async def test_open_inference_protocol_streams_the_same_text_it_answers_whole(
             events = [event.json() async for event in parse(response.aiter_lines())]
     assert "".join(e["text_output"] for e in events) == whole.json()["text_output"]
     assert events[-1]["finish_reason"] == whole.json()["finish_reason"]
+
+
+async def test_sampling_parameters_reach_the_engine(vllm_stack: VllmStack) -> None:
+    """vLLM's seeded sampling is deterministic, so each comparison below is too: a seed
+    repeats its text, top_k=1 or a tiny top_p turn sampling greedy, and the text changes
+    with the temperature and with the seed (for this prompt and these seeds)."""
+    client = openai.AsyncOpenAI(
+        base_url=f"{vllm_stack.gateway.url}/v1", api_key="unused", max_retries=0
+    )
+
+    async def text(**params: object) -> str:
+        extra = {"top_k": params.pop("top_k")} if "top_k" in params else None
+        answer = await client.completions.create(
+            model=MODEL,
+            prompt="My favourite animal is",
+            max_tokens=32,
+            extra_body=extra,
+            **params,  # type: ignore[arg-type]
+        )
+        return answer.choices[0].text
+
+    try:
+        greedy = await text(temperature=0)
+        sampled = await text(temperature=1.0, seed=1234)
+        assert await text(temperature=1.0, seed=1234) == sampled
+        assert sampled != greedy  # the temperature (and seed) reached the engine
+        assert await text(temperature=1.0, seed=1234, top_k=1) == greedy
+        assert await text(temperature=1.0, seed=1234, top_p=1e-6) == greedy
+        assert await text(temperature=1.0, seed=4321) != sampled
+    finally:
+        await client.close()

@@ -6,6 +6,7 @@ Each test states the guarantee of docs/reliability.md that it checks.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from stack import processes
 from stack.redis_server import EmbeddedRedis
 from tests.client import Reading, Session, create_session, read_events, send
 from tests.conftest import Stack
+from tests.sse import parse
 from tests.test_sessions import expected_reply
 
 pytestmark = pytest.mark.timeout(180)
@@ -208,3 +210,63 @@ async def _a_new_session_works(client: httpx.AsyncClient, base: str) -> None:
     generation = await send(client, session, "after the storm", max_tokens=4)
     reading = await read_events(client, session, until_final_of=generation)
     assert reading.text(generation) == expected_reply("after the storm", 4)
+
+
+async def test_api_streams_that_lose_their_session_end_in_their_own_error_format(
+    restartable_redis: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """Once the headers are out, a failure (here: Redis comes back empty, `session_lost`)
+    ends each adapter's stream with its error frame instead of cutting it off."""
+    stack = Stack(restartable_redis.url, "adapters", tmp_path)
+    try:
+        stack.synthetic(tokens_per_s=25)
+        gateway = stack.gateway()
+        streams = {
+            "openai": (
+                "/v1/chat/completions",
+                {
+                    "model": "m",
+                    "messages": [{"role": "user", "content": "into the void"}],
+                    "max_tokens": 200,
+                    "stream": True,
+                },
+            ),
+            "tgi": (
+                "/generate_stream",
+                {"inputs": "into the void", "parameters": {"max_new_tokens": 200}},
+            ),
+            "oip": (
+                "/v2/models/m/generate_stream",
+                {"text_input": "into the void", "parameters": {"max_tokens": 200}},
+            ),
+        }
+        data: dict[str, list[str]] = {name: [] for name in streams}
+        async with httpx.AsyncClient(timeout=30) as client:
+
+            async def read(name: str) -> None:
+                path, body = streams[name]
+                async with client.stream("POST", gateway.url + path, json=body) as response:
+                    assert response.status_code == 200
+                    async for event in parse(response.aiter_lines()):
+                        data[name].append(event.data)
+
+            readers = [asyncio.create_task(read(name)) for name in streams]
+            async with asyncio.timeout(30):
+                while not all(len(events) >= 3 for events in data.values()):
+                    await asyncio.sleep(0.05)
+            restartable_redis.kill(wipe=True)
+            restartable_redis.start()
+            await asyncio.wait_for(asyncio.gather(*readers), 30)  # each ends by itself
+            await _a_new_session_works(client, gateway.url)
+
+        *_, error, done = data["openai"]
+        assert done == "[DONE]"
+        assert json.loads(error)["error"]["code"] == "session_lost"
+        assert json.loads(error)["error"]["type"] == "invalid_request_error"
+        tgi = json.loads(data["tgi"][-1])
+        assert tgi["error_type"] == "generation" and "lost" in tgi["error"]
+        assert "lost" in json.loads(data["oip"][-1])["error"]
+        for name in ("tgi", "oip"):
+            assert all("error" not in json.loads(item) for item in data[name][:-1])
+    finally:
+        stack.stop()

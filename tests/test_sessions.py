@@ -9,6 +9,7 @@ import pytest
 
 from tests.client import create_session, read_events, send
 from tests.conftest import Stack
+from tests.sse import SSEParser, parse
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -138,3 +139,96 @@ async def test_with_no_worker_a_message_waits_queued_and_is_served_when_one_come
         reading = await read_events(client, session, until_final_of=generation)
         assert reading.final(generation).event == "done"
         assert (await client.get(f"{gateway.url}/ready")).status_code == 200
+
+
+async def test_a_retried_post_with_the_same_idempotency_key_returns_the_same_generation(
+    stack: Stack,
+) -> None:
+    """Also when the gateway is full: a retry takes no new capacity, so it is no 429."""
+    stack.synthetic(tokens_per_s=10)  # 10 s: it runs through every POST below
+    gateway = stack.gateway(TOKENSPOUT_MAX_INFLIGHT="2")
+    async with httpx.AsyncClient(timeout=30) as client:
+        session = await create_session(client, gateway.url)
+        url = f"{gateway.url}/v1/sessions/{session.session_id}/messages"
+
+        async def post(key: str, content: str = "only once", **headers: str) -> httpx.Response:
+            return await client.post(
+                url,
+                json={"content": content, "max_tokens": 100},
+                headers={**session.headers, "Idempotency-Key": key, **headers},
+            )
+
+        first = await post("key-1")
+        assert first.status_code == 202, first.text
+        assert first.json()["duplicate"] is False
+        generation = first.json()["generation_id"]
+        again = await post("key-1", content="the retry's body does not matter")
+        assert again.status_code == 202, again.text
+        assert again.json()["generation_id"] == generation
+        assert again.json()["duplicate"] is True
+        other = await post("key-2", content="a different message")
+        assert other.status_code == 409, other.text
+        assert other.json()["error"]["code"] == "generation_running"
+        stranger = await post("key-1", **{"X-Session-Token": "wrong"})
+        assert stranger.status_code == 403
+
+        # Fill the gateway (2 in flight): a new generation gets 429, the retry still 202.
+        bystander = await create_session(client, gateway.url)
+        await send(client, bystander, "filling the last slot", max_tokens=100)
+        third = await create_session(client, gateway.url)
+        full = await client.post(
+            f"{gateway.url}/v1/sessions/{third.session_id}/messages",
+            json={"content": "no room"},
+            headers=third.headers,
+        )
+        assert full.status_code == 429, full.text
+        retried = await post("key-1")
+        assert retried.status_code == 202, retried.text
+        assert retried.json() == again.json()
+
+        reading = await read_events(client, session, until_final_of=generation)
+        assert {e.json()["generation_id"] for e in reading.events} == {generation}
+        assert [e.event for e in reading.events].count("queued") == 1
+        assert reading.text(generation) == expected_reply("only once", 100)
+        history = await client.get(url.removesuffix("/messages"), headers=session.headers)
+        assert [m["role"] for m in history.json()["messages"]] == ["user", "assistant"]
+
+
+async def test_an_idle_session_stream_carries_heartbeats_and_a_queued_event_uncompressed(
+    stack: Stack,
+) -> None:
+    """No worker runs: the stream says the message is queued and keeps itself alive."""
+    gateway = stack.gateway(TOKENSPOUT_SSE_HEARTBEAT_S="0.2")
+    async with httpx.AsyncClient(timeout=30) as client:
+        session = await create_session(client, gateway.url)
+        parser, events = SSEParser(), []
+
+        async def consume(response: httpx.Response) -> None:
+            async for event in parse(response.aiter_lines(), parser):
+                events.append(event)
+
+        headers = {**session.headers, "Accept-Encoding": "gzip, deflate, br"}
+        async with client.stream("GET", session.events_url, headers=headers) as response:
+            assert response.status_code == 200
+            assert response.headers["content-type"].startswith("text/event-stream")
+            assert response.headers["x-accel-buffering"] == "no"
+            assert response.headers["cache-control"] == "no-cache"
+            assert "content-encoding" not in response.headers
+            reader = asyncio.create_task(consume(response))
+            try:
+                await asyncio.sleep(1.5)
+                idle_heartbeats = parser.comments
+                assert events == []
+                generation = await send(client, session, "is anyone there", max_tokens=4)
+                async with asyncio.timeout(10):
+                    while not events:
+                        await asyncio.sleep(0.05)
+                before = parser.comments
+                await asyncio.sleep(1.0)
+            finally:
+                reader.cancel()
+        # 0.2 s apart: about 7 in 1.5 s and 5 in 1 s; a loaded CPU may delay a few.
+        assert idle_heartbeats >= 3
+        assert parser.comments - before >= 2
+        assert [(e.event, e.json()["generation_id"]) for e in events] == [("queued", generation)]
+        assert events[0].id is not None

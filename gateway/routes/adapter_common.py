@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from litestar.connection import Request
@@ -59,6 +60,23 @@ def as_gateway_error(exc: Exception) -> GatewayError:
         return Unavailable("Redis is unavailable; try again", retry_after_s=1)
     log.exception("unexpected error in an API adapter", exc_info=exc)
     return GatewayError(f"internal error: {type(exc).__name__}")
+
+
+async def ending_with_error(
+    chunks: AsyncIterator[bytes], error_frames: Callable[[GatewayError], bytes]
+) -> AsyncIterator[bytes]:
+    """A streamed answer whose failures end it in the adapter's own error format.
+
+    Once the headers are out, an exception can no longer become an error response: left
+    alone it would cut the stream off with no error and no end marker, which clients read
+    as a network fault. A cancelled task (client gone) is no ``Exception`` and passes."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except Exception as exc:
+        error = as_gateway_error(exc)
+        log.warning("a streamed answer ended early: %s (%s)", error.message, error.code)
+        yield error_frames(error)
 
 
 HANDLED = (GatewayError, ValidationException, HTTPException, RedisError, RecursionError)

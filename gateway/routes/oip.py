@@ -21,7 +21,13 @@ from gateway.auth import ApiKeys
 from gateway.errors import BadRequest, NotFound
 from gateway.generation_stream import GenerationStream, Heartbeat, final_error
 from gateway.relay import RelayHub
-from gateway.routes.adapter_common import HANDLED, AnyRequest, as_gateway_error, require_api_key
+from gateway.routes.adapter_common import (
+    HANDLED,
+    AnyRequest,
+    as_gateway_error,
+    ending_with_error,
+    require_api_key,
+)
 from gateway.sessions import SessionStore
 from gateway.settings import Settings
 
@@ -135,9 +141,11 @@ async def generate_stream(
     data: GenerateRequest,
 ) -> Stream:
     generation = await _start(request, store, hub, settings, api_keys, data)
-    return sse.response(
-        _events(generation, model, data.id), background=generation.on_response_end()
+    chunks = ending_with_error(
+        _events(generation, model, data.id),
+        lambda error: sse.frame(msgspec.json.encode(OipError(error.message))),
     )
+    return sse.response(chunks, background=generation.on_response_end())
 
 
 @get("/{model:str}/ready", summary="OIP model readiness: a live worker serves the model")

@@ -28,7 +28,7 @@ from engine.contract import (
 )
 from gateway import sse
 from gateway.auth import ApiKeys
-from gateway.errors import BadRequest
+from gateway.errors import BadEngineOutput, BadRequest, GatewayError
 from gateway.generation_stream import (
     GenerationStream,
     Heartbeat,
@@ -37,7 +37,13 @@ from gateway.generation_stream import (
     per_token,
 )
 from gateway.relay import RelayHub
-from gateway.routes.adapter_common import HANDLED, AnyRequest, as_gateway_error, require_api_key
+from gateway.routes.adapter_common import (
+    HANDLED,
+    AnyRequest,
+    as_gateway_error,
+    ending_with_error,
+    require_api_key,
+)
 from gateway.routes.openai_schema import (
     AssistantMessage,
     ChatChoice,
@@ -153,7 +159,7 @@ def _usage(usage: Usage) -> UsageOut:
 
 def _logprob(piece: TokenPiece) -> float:
     if piece.logprob is None:
-        raise AssertionError("logprobs were requested from the engine but it sent none")
+        raise BadEngineOutput("logprobs were requested from the engine but it sent none")
     return piece.logprob
 
 
@@ -178,6 +184,11 @@ def _completion_logprobs(pieces: list[TokenPiece], offset: int) -> CompletionLog
 
 def _error_frame(final: Cancelled | Error) -> bytes:
     return sse.frame(msgspec.json.encode(_error_body(final_error(final))))
+
+
+def _failure_frames(error: GatewayError) -> bytes:
+    """A stream that failed after its headers: the error object, then the end marker."""
+    return sse.frame(msgspec.json.encode(_error_body(error))) + DONE_FRAME
 
 
 def _error_body(exc: Exception) -> ErrorOut:
@@ -277,7 +288,9 @@ async def chat_completions(
 
     include_usage = data.stream_options is not None and data.stream_options.include_usage
     chunks = _stream(generation, chunk, usage_chunk if include_usage else None, data.model)
-    return sse.response(chunks, background=generation.on_response_end())
+    return sse.response(
+        ending_with_error(chunks, _failure_frames), background=generation.on_response_end()
+    )
 
 
 @post("/completions", summary="OpenAI (legacy) completions", status_code=200)
@@ -329,7 +342,9 @@ async def completions(
 
     include_usage = data.stream_options is not None and data.stream_options.include_usage
     chunks = _stream(generation, chunk, usage_chunk if include_usage else None, data.model)
-    return sse.response(chunks, background=generation.on_response_end())
+    return sse.response(
+        ending_with_error(chunks, _failure_frames), background=generation.on_response_end()
+    )
 
 
 @get("/models", summary="The models the live engine workers serve")

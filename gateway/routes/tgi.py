@@ -19,7 +19,7 @@ from litestar.response import Stream
 from engine.contract import Done, SamplingParams, Started, Token
 from gateway import sse
 from gateway.auth import ApiKeys
-from gateway.errors import BadRequest
+from gateway.errors import BadEngineOutput, BadRequest
 from gateway.generation_stream import (
     GenerationStream,
     Heartbeat,
@@ -28,7 +28,13 @@ from gateway.generation_stream import (
     per_token,
 )
 from gateway.relay import RelayHub
-from gateway.routes.adapter_common import HANDLED, AnyRequest, as_gateway_error, require_api_key
+from gateway.routes.adapter_common import (
+    HANDLED,
+    AnyRequest,
+    as_gateway_error,
+    ending_with_error,
+    require_api_key,
+)
 from gateway.sessions import SessionStore
 from gateway.settings import Settings
 
@@ -156,7 +162,7 @@ def _finish_reason(engine_reason: str, stop: list[str] | None) -> str:
 
 def _token(piece: TokenPiece) -> TokenOut:
     if piece.logprob is None:
-        raise AssertionError("logprobs were requested from the engine but it sent none")
+        raise BadEngineOutput("logprobs were requested from the engine but it sent none")
     return TokenOut(piece.id, piece.text, piece.logprob, special=False)
 
 
@@ -226,6 +232,14 @@ def _frame(event: msgspec.Struct) -> bytes:
     return sse.frame(msgspec.json.encode(event))
 
 
+def _stream_response(generation: GenerationStream, data: GenerateRequest) -> Stream:
+    # Inside a stream every failure is a `generation` error, as the engine's own are.
+    chunks = ending_with_error(
+        _events(generation, data), lambda error: _frame(TgiError(error.message, "generation"))
+    )
+    return sse.response(chunks, background=generation.on_response_end())
+
+
 @post(
     "/generate", summary="TGI generate (streams when the body says `stream: true`)", status_code=200
 )
@@ -242,7 +256,7 @@ async def generate(
     itself serves the web chat here)."""
     generation = await _start(request, store, hub, settings, api_keys, data)
     if data.stream:
-        return sse.response(_events(generation, data), background=generation.on_response_end())
+        return _stream_response(generation, data)
     return Response(await _generate(generation, data), status_code=200)
 
 
@@ -256,7 +270,7 @@ async def generate_stream(
     data: GenerateRequest,
 ) -> Stream:
     generation = await _start(request, store, hub, settings, api_keys, data)
-    return sse.response(_events(generation, data), background=generation.on_response_end())
+    return _stream_response(generation, data)
 
 
 tgi_router = Router(
