@@ -63,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="no CUDA graphs (default: on a CPU only)",
     )
     parser.add_argument("--tokens-per-s", type=float, default=50.0, help="synthetic speed")
+    parser.add_argument(
+        "--prepare-delay-s",
+        type=float,
+        default=0.0,
+        help="synthetic: seconds each request waits before it starts (fault tests)",
+    )
     parser.add_argument("--metrics-port", type=int, default=0, help="0: no /metrics server")
     parser.add_argument(
         "--drain-s",
@@ -106,7 +112,9 @@ def make_backend(args: argparse.Namespace) -> Backend:
     if args.backend == "synthetic":
         from engine.backends.synthetic import SyntheticBackend
 
-        return SyntheticBackend(args.tokens_per_s, capacity=args.capacity or 256)
+        return SyntheticBackend(
+            args.tokens_per_s, capacity=args.capacity or 256, prepare_delay_s=args.prepare_delay_s
+        )
     from engine.backends.vllm_backend import VllmBackend
     from engine.model import MODEL_NAME, prepare_default_model
 

@@ -9,13 +9,17 @@ ignore bumps ``WIRE_VERSION`` and the key prefix, so two versions never share ke
 Redis layout (every key from ``Keys``, every one with a TTL, every stream capped):
 
     {prefix}:requests                 stream, consumer group "engines": generation requests
-    {prefix}:cancels                  stream read by every worker: cancel signals
+                                      (TTL SHARED_KEY_TTL_S, refreshed by submits and workers)
+    {prefix}:cancels                  stream read by every worker: cancel signals (same TTL)
     {prefix}:workers                  sorted set worker id -> last heartbeat (unix seconds)
+                                      (same TTL, refreshed by every heartbeat)
+    {prefix}:reaper-lock              string, PX: the gateway whose reaper runs now
     {prefix}:worker:{id}              hash, EX: a live worker's description
     {prefix}:{<sid>}:meta             hash: token digest, created, kind (chat | stateless)
     {prefix}:{<sid>}:history          list of ChatMessage JSON
     {prefix}:{<sid>}:events           stream of session events (the SSE ``id:`` is its entry id)
-    {prefix}:{<sid>}:gen:{gid}        hash: generation state, worker, final event
+    {prefix}:{<sid>}:gen:{gid}        hash: generation state, worker, final event, seq of
+                                      the writer's last event (EMIT is idempotent per seq)
     {prefix}:{<sid>}:active           string: the generation that is running now
     {prefix}:{<sid>}:idem:{key}       string: Idempotency-Key -> generation id
     {prefix}:{<sid>}:watch            string, EX grace: someone is reading the session
@@ -33,6 +37,10 @@ import msgspec
 WIRE_VERSION = 1
 DEFAULT_PREFIX = f"ts{WIRE_VERSION}"
 CONSUMER_GROUP = "engines"
+SHARED_KEY_TTL_S = 7 * 86_400
+"""Lifetime of the shared keys (``requests``, ``cancels``, ``workers``), refreshed on every
+write: submits, cancels, worker heartbeats. They only expire once nothing has used them for
+that long; a worker recreates a lost consumer group by itself."""
 
 Role = Literal["system", "user", "assistant"]
 GenerationState = Literal["queued", "running", "done", "cancelled", "error"]
@@ -262,12 +270,21 @@ EMIT_SCRIPT = (
     + """
 -- KEYS: events, gen, active, history
 -- ARGV: channel, maxlen, ttl, type, gid, data, final_state ('' if not final),
---       worker ('' unless type is 'started'), assistant message JSON ('' for none)
+--       worker ('' unless type is 'started'), assistant message JSON ('' for none),
+--       seq (the writer's 1, 2, 3... for this generation; '' or absent: no check)
 -- Returns the entry id, or false when the generation already ended (or expired):
 -- this is what makes "no event after the final one" hold whatever a writer does.
+-- A seq at or below the generation's last written one is a retried write (a pipeline sent
+-- again after a lost connection): nothing is written, and the reply is the id of the
+-- latest event written, so a retry never shows a client an event twice.
+local seq = tonumber(ARGV[10] or '')
+if seq and seq <= tonumber(redis.call('HGET', KEYS[2], 'seq') or '0') then
+  return redis.call('HGET', KEYS[2], 'seq_id')
+end
 local state = redis.call('HGET', KEYS[2], 'state')
 if (not state) or redis.call('HEXISTS', KEYS[2], 'final_id') == 1 then return false end
 local id = emit(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6])
+if seq then redis.call('HSET', KEYS[2], 'seq', seq, 'seq_id', id) end
 if ARGV[4] == 'started' then
   redis.call('HSET', KEYS[2], 'state', 'running', 'worker', ARGV[8])
 end
@@ -340,5 +357,21 @@ if state == 'queued' then
   return {'cancelled', id, ARGV[6]}
 end
 return {'signal', redis.call('HGET', KEYS[1], 'worker') or ''}
+"""
+)
+
+END_QUEUED_SCRIPT = (
+    _EMIT_CORE
+    + """
+-- KEYS: gen, events, active
+-- ARGV: channel, maxlen, ttl, gid, final state, final event JSON
+-- Ends a generation that no worker has started (the gateway's queue deadline), the way a
+-- queued cancel does: a worker that dequeues it later finds it final and skips it.
+-- Returns the entry id, or false when it started or ended meanwhile (or expired).
+if redis.call('HGET', KEYS[1], 'state') ~= 'queued' then return false end
+if redis.call('HEXISTS', KEYS[1], 'final_id') == 1 then return false end
+local id = emit(KEYS[2], KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[5], ARGV[4], ARGV[6])
+finish(KEYS[1], KEYS[3], ARGV[4], ARGV[5], id, ARGV[6], ARGV[3])
+return id
 """
 )

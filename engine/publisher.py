@@ -3,7 +3,8 @@
 Each event goes through the contract's EMIT script (append to the session stream, publish
 on the live channel, refuse anything after a generation's final event). Events are written
 in the order they were emitted; while Redis is unreachable they wait and are retried, so a
-short Redis restart delays tokens instead of losing them.
+short Redis restart delays tokens instead of losing them. Each event carries its number
+within its generation, so a retried pipeline never writes an event twice.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class _Pending:
     ttl_s: int
     maxlen: int
     ack: bytes | None
+    seq: int
     done: asyncio.Future[str | None]
 
 
@@ -66,8 +68,13 @@ class Publisher:
         worker: str = "",
         assistant: contract.ChatMessage | None = None,
         ack: bytes | None = None,
+        seq: int = 0,
     ) -> asyncio.Future[str | None]:
         """Queue an event; the future resolves to its stream id, or None if refused.
+
+        ``seq``: this event's number within its generation (1, 2, 3...; 0: none). Redis
+        writes an event once whatever the retries: a pipeline resent after a connection
+        loss mid-way finds the events it already wrote and skips them.
 
         ``ack``: the request's entry id, acknowledged right after the final event in the
         same round trip, so "in flight" (gateway/sessions.py) drops the moment it ends.
@@ -85,6 +92,7 @@ class Publisher:
                 ttl_s,
                 maxlen,
                 ack,
+                seq,
                 future,
             )
         )
@@ -137,6 +145,7 @@ class Publisher:
                         p.final_state,
                         p.worker,
                         p.assistant,
+                        p.seq or "",
                     ],
                     client=pipe,
                 )

@@ -63,6 +63,8 @@ class Job:
     cancelled_at: float | None = None
     ended: bool = False
     acked: bool = False
+    events: int = 0
+    """Events emitted so far: each one's number makes its write idempotent (EMIT's seq)."""
 
     @property
     def generation_id(self) -> str:
@@ -108,6 +110,9 @@ class Worker:
         self._accepting = True
         self._started_at = time.time()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._unacked: set[bytes] = set()
+        """Requests whose acknowledgement failed; retried with each heartbeat (a request
+        left pending under a live worker would count as in flight forever)."""
         self.metrics.generations_running.set_function(lambda: len(self.jobs))
         self.metrics.capacity.set_function(lambda: self.backend.capacity)
 
@@ -168,6 +173,8 @@ class Worker:
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
+        # MKSTREAM made a key without a TTL; the heartbeat refreshes it from now on.
+        await self.redis.expire(self.keys.requests, contract.SHARED_KEY_TTL_S)
 
     # --- intake --------------------------------------------------------------------------
 
@@ -206,7 +213,7 @@ class Worker:
             request = _request_decoder.decode(fields[b"r"])
         except (KeyError, msgspec.DecodeError) as exc:
             log.error("dropping an unreadable request %s: %s", entry_id, exc)
-            task = asyncio.create_task(self._ack(entry_id))
+            task = asyncio.create_task(self._ack_or_retry_later(entry_id))
         else:
             job = Job(request, entry_id)
             self.jobs[request.generation_id] = job
@@ -216,6 +223,26 @@ class Worker:
 
     async def _ack(self, entry_id: bytes) -> None:
         await self.redis.xack(self.keys.requests, contract.CONSUMER_GROUP, entry_id)
+
+    async def _ack_or_retry_later(self, entry_id: bytes) -> None:
+        try:
+            await self._ack(entry_id)
+        except (RedisError, OSError) as exc:
+            log.warning(
+                "acknowledging request %s failed (%s); retrying with the next heartbeat",
+                entry_id.decode(),
+                exc,
+            )
+            self.metrics.redis_errors.labels("ack").inc()
+            self._unacked.add(entry_id)
+
+    async def _retry_acks(self) -> None:
+        if not self._unacked:
+            return
+        entry_ids = list(self._unacked)
+        await self.redis.xack(self.keys.requests, contract.CONSUMER_GROUP, *entry_ids)
+        self._unacked.difference_update(entry_ids)
+        log.info("acknowledged %d requests on a retry", len(entry_ids))
 
     # --- one generation ------------------------------------------------------------------
 
@@ -254,8 +281,7 @@ class Worker:
             self.jobs.pop(gid, None)
             self._slot_freed.set()
             if not job.acked:
-                with contextlib.suppress(RedisError, OSError):
-                    await self._ack(job.entry_id)
+                await self._ack_or_retry_later(job.entry_id)
 
     async def _stream(self, job: Job, prepared: Prepared) -> None:
         gid = job.generation_id
@@ -320,6 +346,7 @@ class Worker:
         ack: bytes | None = None,
     ) -> asyncio.Future[str | None]:
         request = job.request
+        job.events += 1
         return self.publisher.emit(
             request.session_id,
             event,
@@ -329,6 +356,7 @@ class Worker:
             worker=worker,
             assistant=assistant,
             ack=ack,
+            seq=job.events,
         )
 
     # --- cancel --------------------------------------------------------------------------
@@ -410,6 +438,7 @@ class Worker:
             await asyncio.sleep(HEARTBEAT_S)
             try:
                 await self._heartbeat_once()
+                await self._retry_acks()
             except (RedisError, OSError) as exc:
                 log.warning("heartbeat failed (%s)", exc)
                 self.metrics.redis_errors.labels("heartbeat").inc()
@@ -429,4 +458,7 @@ class Worker:
             pipe.set(self.keys.worker(self.worker_id), contract.encode(info), ex=HEARTBEAT_TTL_S)
             pipe.zadd(self.keys.workers, {self.worker_id: now})
             pipe.zremrangebyscore(self.keys.workers, "-inf", now - 3600)
+            pipe.expire(self.keys.workers, contract.SHARED_KEY_TTL_S)
+            # Keeps the consumer group alive while workers idle (EXPIRE on no key: no-op).
+            pipe.expire(self.keys.requests, contract.SHARED_KEY_TTL_S)
             await pipe.execute()

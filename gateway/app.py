@@ -72,6 +72,8 @@ class Services:
             settings.worker_timeout_s,
             settings.events_maxlen,
             settings.session_ttl_s,
+            queue_timeout_s=settings.queue_timeout_s,
+            requests_maxlen=self.store.requests_maxlen,
         )
 
     @contextlib.asynccontextmanager

@@ -309,9 +309,15 @@ class RelayHub:
                 self._confirmed.discard(channel)
                 if self.observer is not None:
                     self.observer.unwatched(session_id)
-                with contextlib.suppress(RedisError, OSError):
+                try:
                     async with self._commands:
                         await self._pubsub.unsubscribe(channel)
+                except (RedisError, OSError) as exc:
+                    # Harmless: messages of an unwatched channel are dropped, and a lost
+                    # pub/sub connection resubscribes only the channels still watched.
+                    log.warning("unsubscribing %s failed: %s", channel, exc)
+                    if self.observer is not None:
+                        self.observer.redis_error("relay")
 
     async def read_after(self, session_id: str, after_id: str | None) -> list[RelayEvent]:
         """The next page of the stream after ``after_id``; ``EventsExpired`` if some of what

@@ -91,6 +91,8 @@ class SessionStore:
         self.keys = Keys(settings.key_prefix)
         self._submit = redis.register_script(contract.SUBMIT_SCRIPT)
         self._cancel = redis.register_script(contract.CANCEL_SCRIPT)
+        self.requests_maxlen = settings.max_inflight * 20
+        """Cap of the shared requests stream (approximate, whole nodes)."""
 
     # --- sessions ------------------------------------------------------------------------
 
@@ -240,12 +242,15 @@ class SessionStore:
             session_ttl_s=ttl or self.settings.session_ttl_s,
             events_maxlen=self.settings.events_maxlen,
         )
-        await self.redis.xadd(
-            keys.requests,
-            {"r": contract.encode(request)},
-            maxlen=self.settings.max_inflight * 20,
-            approximate=True,
-        )
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xadd(
+                keys.requests,
+                {"r": contract.encode(request)},
+                maxlen=self.requests_maxlen,
+                approximate=True,
+            )
+            pipe.expire(keys.requests, contract.SHARED_KEY_TTL_S)
+            await pipe.execute()
         if self.observer is not None:
             self.observer.submitted(session_id, generation_id, reply[1])
         return Submitted(generation_id, session_id, reply[1])
@@ -322,9 +327,10 @@ class SessionStore:
         if self.observer is not None:
             self.observer.cancel_sent(session_id, generation_id, began)
         signal = CancelSignal(generation_id, session_id, reason)
-        await self.redis.xadd(
-            keys.cancels, {"c": contract.encode(signal)}, maxlen=10_000, approximate=True
-        )
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xadd(keys.cancels, {"c": contract.encode(signal)}, maxlen=10_000, approximate=True)
+            pipe.expire(keys.cancels, contract.SHARED_KEY_TTL_S)
+            await pipe.execute()
         return CancelOutcome(generation_id, "cancelling")
 
     async def generation_final(self, session_id: str, generation_id: str) -> FinalEvent | None:

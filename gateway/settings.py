@@ -65,6 +65,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     worker_timeout_s: Annotated[
         float, _D(gt=0, description="A worker silent this long is dead; its work ends.")
     ] = 5.0
+    queue_timeout_s: Annotated[
+        float,
+        _D(
+            gt=0,
+            description="A generation no worker takes within this many seconds ends with "
+            "an `error` event (`queue_timeout`).",
+        ),
+    ] = 120.0
     cancel_wait_s: Annotated[
         float, _D(ge=0, description="How long a cancel request waits for the final event.")
     ] = 5.0

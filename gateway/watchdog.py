@@ -2,10 +2,15 @@
 
 - ``refresh_watches``: tells workers which sessions this process has readers for, so a
   generation nobody reads is aborted after the grace period (engine/worker.py checks).
-- ``reap_dead_workers``: a worker that stops heartbeating leaves requests in the consumer
-  group's pending list. One gateway at a time (a Redis lock) takes them: a request that
-  never started goes back on the queue for a surviving worker; one that was running ends
-  with an ``error`` event (``worker_lost``), so no client waits forever.
+- ``Reaper``: one gateway at a time (a Redis lock) makes sure no client waits forever.
+  - A worker that stops heartbeating leaves requests in the consumer group's pending list:
+    a request that never started goes back on the queue for a surviving worker; one that
+    was running ends with an ``error`` event (``worker_lost``).
+  - A request no worker takes within ``TOKENSPOUT_QUEUE_TIMEOUT_S`` (none alive, or all
+    busy) ends with an ``error`` event (``queue_timeout``); a worker that dequeues it later
+    finds it final and skips it.
+  Each duty survives any failure of one pass (logged): a bad entry in the requests stream
+  must not stop the reaper for the life of the process.
 """
 
 from __future__ import annotations
@@ -13,10 +18,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 import msgspec
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from engine import contract
 from engine.contract import Error, GenerationRequest, Keys
@@ -31,6 +37,10 @@ WATCH_BATCH = 256
 """Sessions marked per pipeline: one pipeline for 10,000 open streams would hold the event
 loop (packing and parsing every reply) long enough to stall every stream of the process."""
 
+QUEUE_SCAN_PAGE = 200
+QUEUE_SCAN_MAX = 2_000
+"""Queued requests the queue deadline looks at per pass (the oldest first)."""
+
 
 async def refresh_watches(store: SessionStore, hub: RelayHub, interval_s: float) -> None:
     while True:
@@ -40,7 +50,23 @@ async def refresh_watches(store: SessionStore, hub: RelayHub, interval_s: float)
                 await store.mark_watched(sessions[start : start + WATCH_BATCH])
         except (RedisError, OSError) as exc:
             log.warning("could not refresh session watches: %s", exc)
+        except Exception:
+            log.exception("refreshing session watches failed; retrying in %.1f s", interval_s)
         await asyncio.sleep(interval_s)
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def decode_request(entry_id: bytes | str, fields: dict[bytes, bytes]) -> GenerationRequest | None:
+    """The request of a ``requests`` entry, or None (logged) for one nobody can read."""
+    try:
+        return _request_decoder.decode(fields[b"r"])
+    except (KeyError, msgspec.DecodeError) as exc:
+        log.error("unreadable entry %s in the requests stream: %r", contract.text(entry_id), exc)
+        return None
 
 
 class Reaper:
@@ -51,23 +77,39 @@ class Reaper:
         worker_timeout_s: float,
         events_maxlen: int,
         ttl_s: int,
+        queue_timeout_s: float = 120.0,
+        requests_maxlen: int = 5_120,
     ) -> None:
         self.redis = redis
         self.keys = keys
         self.worker_timeout_s = worker_timeout_s
         self.events_maxlen = events_maxlen
         self.ttl_s = ttl_s
+        self.queue_timeout_s = queue_timeout_s
+        self.requests_maxlen = requests_maxlen
         self._emit = redis.register_script(contract.EMIT_SCRIPT)
+        self._end_queued = redis.register_script(contract.END_QUEUED_SCRIPT)
         self._owner = f"reaper-{time.monotonic_ns()}"
+        self._expired_through: str | None = None
+        """Every queued entry up to this id has been looked at by the queue deadline."""
 
     async def run_forever(self, interval_s: float = 1.0) -> None:
+        duties: list[Callable[[], Awaitable[int]]] = [self.reap_once, self.expire_queued]
         while True:
-            try:
-                if await self._acquire():
-                    await self.reap_once()
-            except (RedisError, OSError) as exc:
-                log.warning("reaper pass failed: %s", exc)
+            if await self._guarded("acquiring the reaper lock", self._acquire):
+                for duty in duties:
+                    await self._guarded(duty.__name__, duty)
             await asyncio.sleep(interval_s)
+
+    async def _guarded(self, what: str, duty: Callable[[], Awaitable[object]]) -> object:
+        """Run one duty; log whatever it raises (the next pass tries again)."""
+        try:
+            return await duty()
+        except (RedisError, OSError) as exc:
+            log.warning("reaper: %s failed: %s", what, exc)
+        except Exception:
+            log.exception("reaper: %s failed; the next pass tries again", what)
+        return None
 
     async def _acquire(self) -> bool:
         lock_ms = int(max(2.0, self.worker_timeout_s) * 1000)
@@ -78,6 +120,8 @@ class Reaper:
             await self.redis.pexpire(self.keys.reaper_lock, lock_ms)
             return True
         return False
+
+    # --- dead workers --------------------------------------------------------------------
 
     async def reap_once(self) -> int:
         """Handle the pending requests of dead workers; returns how many."""
@@ -107,21 +151,31 @@ class Reaper:
             self.keys.requests, contract.CONSUMER_GROUP, self._owner, 0, [message_id]
         )
         for entry_id, fields in contract.entries_of(claimed):
-            if not fields:
-                continue  # trimmed away meanwhile
-            request = _request_decoder.decode(fields[b"r"])
-            gen_key = self.keys.generation(request.session_id, request.generation_id)
-            state = await self.redis.hget(gen_key, "state")
-            if state == b"queued":
-                log.info("requeueing %s from a dead worker", request.generation_id)
-                await self.redis.xadd(self.keys.requests, {"r": fields[b"r"]})
-            else:
-                log.warning("worker lost while running %s", request.generation_id)
-                await self._end_with_error(request)
+            request = decode_request(entry_id, fields) if fields else None
+            if request is not None:  # else trimmed away meanwhile, or unreadable: drop it
+                await self._take_over_request(request, fields[b"r"])
             await self.redis.xack(self.keys.requests, contract.CONSUMER_GROUP, entry_id)
         await self.redis.xgroup_delconsumer(
             self.keys.requests, contract.CONSUMER_GROUP, self._owner
         )
+
+    async def _take_over_request(self, request: GenerationRequest, raw: bytes) -> None:
+        gen_key = self.keys.generation(request.session_id, request.generation_id)
+        state = await self.redis.hget(gen_key, "state")
+        if state == b"queued":
+            log.info("requeueing %s from a dead worker", request.generation_id)
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.xadd(
+                    self.keys.requests,
+                    {"r": raw},
+                    maxlen=self.requests_maxlen,
+                    approximate=True,
+                )
+                pipe.expire(self.keys.requests, contract.SHARED_KEY_TTL_S)
+                await pipe.execute()
+        else:
+            log.warning("worker lost while running %s", request.generation_id)
+            await self._end_with_error(request)
 
     async def _end_with_error(self, request: GenerationRequest) -> None:
         sid, gid = request.session_id, request.generation_id
@@ -145,3 +199,87 @@ class Reaper:
                 "",
             ],
         )
+
+    # --- the queue deadline --------------------------------------------------------------
+
+    async def expire_queued(self) -> int:
+        """End the requests no worker took within the queue deadline; returns how many.
+
+        Looks at the entries after the consumer group's last-delivered id (none delivered:
+        the whole stream), oldest first, and stops at the first one still in time.
+        """
+        start = await self._undelivered_after()
+        if start is None:
+            return 0
+        if self._expired_through is not None and (
+            start == "" or _id_key(self._expired_through) > _id_key(start)
+        ):
+            start = self._expired_through
+        deadline = time.time() - self.queue_timeout_s
+        ended = scanned = 0
+        in_time = False
+        while not in_time and scanned < QUEUE_SCAN_MAX:
+            page = contract.entries_of(
+                await self.redis.xrange(
+                    self.keys.requests, min=f"({start}" if start else "-", count=QUEUE_SCAN_PAGE
+                )
+            )
+            expired: list[GenerationRequest] = []
+            for entry_id, fields in page:
+                request = decode_request(entry_id, fields)
+                added_s = _id_key(contract.text(entry_id))[0] / 1000
+                if added_s > deadline or (request is not None and request.enqueued_at > deadline):
+                    in_time = True
+                    break
+                if request is not None:
+                    expired.append(request)
+                start = contract.text(entry_id)
+            ended += await self._end_expired(expired)
+            self._expired_through = start or None
+            scanned += len(page)
+            if len(page) < QUEUE_SCAN_PAGE:
+                break
+        return ended
+
+    async def _undelivered_after(self) -> str | None:
+        """The consumer group's last-delivered id; "" if there is no group; None if no stream."""
+        try:
+            groups = await self.redis.xinfo_groups(self.keys.requests)
+        except ResponseError as exc:
+            if "no such key" in str(exc).lower():
+                return None
+            raise
+        for group in groups:
+            if contract.text(group["name"]) == contract.CONSUMER_GROUP:
+                return contract.text(group["last-delivered-id"])
+        return ""
+
+    async def _end_expired(self, requests: list[GenerationRequest]) -> int:
+        if not requests:
+            return 0
+        keys = self.keys
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for request in requests:
+                sid, gid = request.session_id, request.generation_id
+                error = Error(
+                    gid,
+                    "queue_timeout",
+                    f"no engine worker took this generation within {self.queue_timeout_s:g} s",
+                )
+                await self._end_queued(
+                    keys=[keys.generation(sid, gid), keys.events(sid), keys.active(sid)],
+                    args=[
+                        keys.live_channel(sid),
+                        self.events_maxlen,
+                        self.ttl_s,
+                        gid,
+                        "error",
+                        contract.encode(error),
+                    ],
+                    client=pipe,
+                )
+            replies: list[object] = await pipe.execute()
+        ended = sum(1 for reply in replies if reply)
+        if ended:
+            log.warning("%d queued generations timed out: no engine worker took them", ended)
+        return ended

@@ -71,10 +71,15 @@ def reply_words(request: GenerationRequest) -> list[str]:
 class SyntheticBackend(Backend):
     name = "synthetic"
 
-    def __init__(self, tokens_per_s: float = 50.0, capacity: int = 256) -> None:
+    def __init__(
+        self, tokens_per_s: float = 50.0, capacity: int = 256, prepare_delay_s: float = 0.0
+    ) -> None:
         self.model = "synthetic"
         self.tokens_per_s = tokens_per_s
         self.capacity = capacity
+        self.prepare_delay_s = prepare_delay_s
+        """Time each request spends taken but not started (fault tests: a worker that dies
+        holding requests it never started)."""
         self._aborted: set[str] = set()
         self._running: set[str] = set()
         self._requests: dict[str, GenerationRequest] = {}
@@ -82,6 +87,8 @@ class SyntheticBackend(Backend):
     async def prepare(self, request: GenerationRequest) -> Prepared:
         words = [m.content for m in request.messages] if request.messages else [request.prompt]
         prompt_ids = [_word_id(word) for text in words for word in (text or "").split()]
+        if self.prepare_delay_s:
+            await asyncio.sleep(self.prepare_delay_s)
         self._requests[request.generation_id] = request
         return Prepared(request.generation_id, prompt_ids, request.params)
 

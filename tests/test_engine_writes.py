@@ -1,0 +1,130 @@
+"""The engine's writes survive retries, against the real Redis server.
+
+- EMIT is idempotent per generation: an event whose sequence number is already written is
+  not written again, so a pipeline resent after a connection loss duplicates nothing.
+- A failed acknowledgement is counted, logged and retried, so the request does not stay
+  "in flight" (gateway/sessions.py counts pending requests) for the life of the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from engine import contract
+from engine.backends.synthetic import SyntheticBackend
+from engine.contract import Keys, Started, Token
+from engine.publisher import Publisher
+from engine.worker import Worker
+from stack.redis_server import EmbeddedRedis
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+async def redis(redis_server: EmbeddedRedis) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(redis_server.url)
+    yield client
+    await client.aclose()
+
+
+async def queued_generation(redis: aioredis.Redis, keys: Keys) -> tuple[str, str]:
+    """A generation as the gateway's submit leaves it: its hash in state ``queued``."""
+    sid, gid = f"s_{secrets.token_hex(4)}", f"g_{secrets.token_hex(4)}"
+    await redis.hset(keys.generation(sid, gid), mapping={"state": "queued"})
+    await redis.expire(keys.generation(sid, gid), 600)
+    return sid, gid
+
+
+async def test_emit_writes_each_sequence_number_once(redis: aioredis.Redis) -> None:
+    keys = Keys(f"t-{secrets.token_hex(4)}")
+    sid, gid = await queued_generation(redis, keys)
+    emit = redis.register_script(contract.EMIT_SCRIPT)
+    events = [Started(gid, "m", 3), Token(gid, "a", 1), Token(gid, "b", 2)]
+
+    async def write_all() -> list[Any]:
+        replies = []
+        for seq, event in enumerate(events, start=1):
+            args = [keys.live_channel(sid), 100, 600, contract.event_type(event), gid]
+            args += [contract.encode(event), "", "", "", seq]
+            keys_ = [keys.events(sid), keys.generation(sid, gid), keys.active(sid)]
+            replies.append(await emit(keys=[*keys_, keys.history(sid)], args=args))
+        return replies
+
+    first = await write_all()
+    again = await write_all()
+    assert all(first) and all(again), "a repeated write is not a refusal"
+    assert await redis.xlen(keys.events(sid)) == 3
+    assert again[-1] == first[-1]  # a repeat answers with the latest id written
+
+
+async def test_a_pipeline_resent_after_a_connection_loss_writes_nothing_twice(
+    redis: aioredis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first pipeline runs in Redis, then its reply is lost: the publisher sends it
+    again. Events with sequence numbers land once; the control generation (no sequence
+    numbers, as before this guarantee) shows the fault does duplicate otherwise."""
+    keys = Keys(f"t-{secrets.token_hex(4)}")
+    sid, gid = await queued_generation(redis, keys)
+    control_sid, control_gid = await queued_generation(redis, keys)
+    executions = 0
+    execute = Pipeline.execute
+
+    async def execute_then_lose_the_reply(self: Pipeline, raise_on_error: bool = True) -> Any:
+        nonlocal executions
+        result = await execute(self, raise_on_error)
+        executions += 1
+        if executions == 1:
+            raise RedisConnectionError("connection lost after the pipeline ran")
+        return result
+
+    monkeypatch.setattr(Pipeline, "execute", execute_then_lose_the_reply)
+    publisher = Publisher(redis, keys, on_rejected=lambda gid: None)
+    running = asyncio.create_task(publisher.run_forever())
+    try:
+        futures = []
+        for seq, text in enumerate(["", "a", "b", "c"], start=1):
+            event = Started(gid, "m", 1) if seq == 1 else Token(gid, text, seq - 1)
+            futures.append(publisher.emit(sid, event, ttl_s=600, maxlen=100, seq=seq))
+            control = Started(control_gid, "m", 1) if seq == 1 else Token(control_gid, text, 1)
+            futures.append(publisher.emit(control_sid, control, ttl_s=600, maxlen=100))
+        ids = await asyncio.wait_for(asyncio.gather(*futures), 10)
+    finally:
+        running.cancel()
+    assert executions == 2, "the fault was not injected"
+    assert all(ids)
+    assert await redis.xlen(keys.events(sid)) == 4
+    assert await redis.xlen(keys.events(control_sid)) == 8
+
+
+async def test_a_failed_ack_is_counted_and_retried(
+    redis: aioredis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    keys = Keys(f"t-{secrets.token_hex(4)}")
+    worker = Worker(redis, SyntheticBackend(), keys=keys, worker_id="w-ack")
+    await redis.xgroup_create(keys.requests, contract.CONSUMER_GROUP, id="0", mkstream=True)
+    entry_id = await redis.xadd(keys.requests, {"r": b"{}"})
+    await redis.xreadgroup(contract.CONSUMER_GROUP, "w-ack", {keys.requests: ">"})
+    xack = redis.xack
+
+    async def lost(*args: Any) -> int:
+        raise RedisConnectionError("connection lost")
+
+    monkeypatch.setattr(redis, "xack", lost)
+    await worker._ack_or_retry_later(entry_id)
+    assert (await redis.xpending(keys.requests, contract.CONSUMER_GROUP))["pending"] == 1
+    errors = worker.metrics.registry.get_sample_value(
+        "tokenspout_engine_redis_errors_total", {"where": "ack"}
+    )
+    assert errors == 1
+    monkeypatch.setattr(redis, "xack", xack)
+    await worker._retry_acks()  # what the next heartbeat does
+    assert (await redis.xpending(keys.requests, contract.CONSUMER_GROUP))["pending"] == 0
+    assert not worker._unacked
