@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +75,32 @@ class Services:
             queue_timeout_s=settings.queue_timeout_s,
             requests_maxlen=self.store.requests_maxlen,
         )
+
+    def dependencies(self) -> dict[str, Provide]:
+        """The services by name, for handlers to ask for.
+
+        Litestar resolves the dependencies of one level concurrently, in an anyio task group
+        with a task for each, on every request. Chained (each takes the one before it), every
+        level holds one and resolves inline: no task group on the way to a handler.
+        """
+
+        def settings() -> Settings:
+            return self.settings
+
+        def store(settings: Settings) -> SessionStore:
+            return self.store
+
+        def hub(store: SessionStore) -> RelayHub:
+            return self.hub
+
+        def metrics(hub: RelayHub) -> GatewayMetrics:
+            return self.metrics
+
+        def api_keys(metrics: GatewayMetrics) -> ApiKeys:
+            return self.api_keys
+
+        providers: list[Callable[..., object]] = [settings, store, hub, metrics, api_keys]
+        return {p.__name__: Provide(p, sync_to_thread=False) for p in providers}
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _: Litestar) -> AsyncIterator[None]:
@@ -147,13 +173,7 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
     return Litestar(
         route_handlers=handlers,
         lifespan=[services.lifespan],
-        dependencies={
-            "settings": Provide(lambda: services.settings, sync_to_thread=False),
-            "store": Provide(lambda: services.store, sync_to_thread=False),
-            "hub": Provide(lambda: services.hub, sync_to_thread=False),
-            "metrics": Provide(lambda: services.metrics, sync_to_thread=False),
-            "api_keys": Provide(lambda: services.api_keys, sync_to_thread=False),
-        },
+        dependencies=services.dependencies(),
         exception_handlers={
             GatewayError: handle_gateway_error,
             ValidationException: handle_validation_error,
