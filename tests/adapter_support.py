@@ -6,12 +6,16 @@ from __future__ import annotations
 import json
 import time
 import zlib
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import redis
 
 from engine.backends.synthetic import FILLER
+from tests.client import create_session, send
 
 
 @dataclass(frozen=True)
@@ -83,3 +87,20 @@ def workers_running(redis_url: str, prefix: str) -> int:
         return sum(json.loads(raw)["running"] for raw in client.mget(keys) if raw is not None)
     finally:
         client.close()
+
+
+@asynccontextmanager
+async def slot_held(base: str) -> AsyncIterator[None]:
+    """A session generation that never ends (``[[stall]]``) holds one in-flight slot until
+    the block ends; it is then cancelled and its slot freed."""
+    async with httpx.AsyncClient(timeout=30) as client:
+        session = await create_session(client, base)
+        generation_id = await send(client, session, "hold [[stall]]", max_tokens=50)
+        try:
+            yield
+        finally:
+            cancel = await client.post(
+                f"{base}/v1/sessions/{session.session_id}/generations/{generation_id}/cancel",
+                headers=session.headers,
+            )
+            assert cancel.status_code == 200, cancel.text

@@ -58,12 +58,20 @@ class ChatPage:
         max_tokens: int | None = None,
         viewport: dict[str, int] | None = None,
         connected: bool = True,
+        requests: list[str] | None = None,
+        init_script: str | None = None,
     ) -> ChatPage:
-        """The page at ``url``; with ``connected``, once its event stream is open."""
+        """The page at ``url``; with ``connected``, once its event stream is open. Every URL
+        the page requests is appended to ``requests``; ``init_script`` runs before the
+        page's own scripts."""
         context = await browser.new_context(viewport=viewport or {"width": 1000, "height": 760})
         page = await context.new_page()
         errors: list[str] = []
         page.on("pageerror", lambda exc: errors.append(str(exc)))
+        if requests is not None:
+            page.on("request", lambda request: requests.append(request.url))
+        if init_script is not None:
+            await page.add_init_script(init_script)
         query = f"?max_tokens={max_tokens}" if max_tokens else ""
         await page.goto(f"{url}/{query}")
         chat = cls(page, errors)
@@ -114,6 +122,12 @@ class ChatPage:
                     return text
             await asyncio.sleep(0.03)
         raise TimeoutError(f"the reply never showed {words} words")
+
+    async def banner(self) -> str | None:
+        """The banner's text while it is shown, else None."""
+        if not await self.page.is_visible("#banner"):
+            return None
+        return await self.page.text_content("#banner-text")
 
     async def user_texts(self) -> list[str]:
         return await self.page.locator("li.msg.user .bubble").all_text_contents()

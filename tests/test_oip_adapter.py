@@ -3,10 +3,12 @@ a real gateway, real Redis and the synthetic engine."""
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 
-from tests.adapter_support import synthetic_text
+from tests.adapter_support import slot_held, synthetic_text
 from tests.conftest import Stack
 from tests.sse import parse
 
@@ -72,3 +74,47 @@ async def test_bad_requests_answer_the_protocol_error_shape(stack: Stack) -> Non
             f"{base}/generate", json={"text_input": "hi", "parameters": {"beam_width": 4}}
         )
         assert "beam_width" in unknown.json()["error"]
+
+
+async def test_with_api_keys_a_missing_or_wrong_key_answers_401(stack: Stack) -> None:
+    stack.synthetic(tokens_per_s=200)
+    gateway = stack.gateway(TOKENSPOUT_API_KEYS="oip-key")
+    base = f"{gateway.url}/v2/models/synthetic"
+    body = {"text_input": "hi", "parameters": {"max_tokens": 2}}
+    async with httpx.AsyncClient(timeout=30) as client:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            for path in ("generate", "generate_stream"):
+                refused = await client.post(f"{base}/{path}", json=body, headers=headers)
+                assert refused.status_code == 401, (path, headers)
+                error = refused.json()
+                assert list(error) == ["error"] and "API key" in error["error"]
+            ready = await client.get(f"{base}/ready", headers=headers)
+            assert ready.status_code == 401
+        keyed = {"Authorization": "Bearer oip-key"}
+        answered = await client.post(f"{base}/generate", json=body, headers=keyed)
+        assert answered.status_code == 200, answered.text
+        assert answered.json()["text_output"] == synthetic_text("hi", 2)
+        assert (await client.get(f"{base}/ready", headers=keyed)).status_code == 200
+
+
+async def test_too_many_generations_in_flight_answer_429_with_retry_after(stack: Stack) -> None:
+    stack.synthetic(tokens_per_s=200)
+    gateway = stack.gateway(TOKENSPOUT_MAX_INFLIGHT="1")
+    base = f"{gateway.url}/v2/models/synthetic"
+    body = {"text_input": "hi", "parameters": {"max_tokens": 2}}
+    async with httpx.AsyncClient(timeout=30) as client:
+        async with slot_held(gateway.url):
+            for path in ("generate", "generate_stream"):
+                refused = await client.post(f"{base}/{path}", json=body)
+                assert refused.status_code == 429, path
+                assert refused.headers["retry-after"] == "1"
+                error = refused.json()
+                assert list(error) == ["error"] and "in flight" in error["error"]
+        # The held generation was cancelled; its slot frees up once its worker lets it go.
+        for _ in range(100):
+            answered = await client.post(f"{base}/generate", json=body)
+            if answered.status_code != 429:
+                break
+            await asyncio.sleep(0.1)
+        assert answered.status_code == 200, answered.text
+        assert answered.json()["text_output"] == synthetic_text("hi", 2)

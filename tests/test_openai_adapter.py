@@ -3,11 +3,14 @@ sync and async, against a real gateway process, real Redis and the synthetic eng
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 import httpx
 import openai
 import pytest
 
-from tests.adapter_support import synthetic_text, synthetic_tokens
+from tests.adapter_support import slot_held, synthetic_text, synthetic_tokens
 from tests.conftest import Stack
 
 pytestmark = pytest.mark.timeout(120)
@@ -246,3 +249,105 @@ def test_an_engine_failure_reaches_the_sdk_as_an_error_in_and_out_of_streams(
             max_tokens=10,
         )
     assert whole.value.status_code == 503
+
+
+def test_sync_completions_stream_and_whole_end_at_a_stop_sequence(stack: Stack) -> None:
+    stack.synthetic(tokens_per_s=200)
+    gateway = stack.gateway()
+    with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0) as client:
+        full = synthetic_text("hi", 20)
+        assert "lazy" in full and full.index("dog") < full.index("streams")
+
+        chunks = list(
+            client.completions.create(
+                model="synthetic",
+                prompt="hi",
+                max_tokens=20,
+                stop="lazy",
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        assert {c.object for c in chunks} == {"text_completion"}
+        assert len({c.id for c in chunks}) == 1
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert text == full[: full.index("lazy")]
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+        assert finishes[-1] == "stop" and set(finishes[:-1]) == {None}
+        assert chunks[-1].choices == [] and chunks[-1].usage is not None
+        # The engine made the stop sequence's token too (8 in all); none of its text is sent.
+        assert chunks[-1].usage.completion_tokens == 8
+
+        whole = client.completions.create(
+            model="synthetic", prompt="hi", max_tokens=20, stop=["streams", "dog"]
+        )
+        assert whole.object == "text_completion"
+        assert whole.choices[0].text == full[: full.index("dog")]
+        assert whole.choices[0].finish_reason == "stop"
+        assert whole.usage is not None and whole.usage.prompt_tokens == 1
+
+        # Without a stop sequence it runs to max_tokens.
+        plain = client.completions.create(model="synthetic", prompt="hi", max_tokens=5)
+        assert plain.choices[0].text == synthetic_text("hi", 5)
+        assert plain.choices[0].finish_reason == "length"
+
+
+async def test_async_chat_streams_deltas_and_a_usage_chunk(stack: Stack) -> None:
+    stack.synthetic(tokens_per_s=200)
+    gateway = stack.gateway()
+    client = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
+    try:
+        stream = await client.chat.completions.create(
+            model="synthetic",
+            messages=MESSAGES,  # type: ignore[arg-type]
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [chunk async for chunk in stream]
+    finally:
+        await client.close()
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert {c.object for c in chunks} == {"chat.completion.chunk"}
+    assert len({c.id for c in chunks}) == 1
+    deltas = [c.choices[0].delta.content for c in chunks if c.choices]
+    # One delta per token (the synthetic engine makes one per step), then the finish chunk.
+    assert deltas[:-1] == [t.text for t in synthetic_tokens("hello there", 5)]
+    assert not deltas[-1]
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (4, 5)
+
+
+async def test_too_many_generations_in_flight_raise_rate_limit_error(stack: Stack) -> None:
+    stack.synthetic(tokens_per_s=200)
+    gateway = stack.gateway(TOKENSPOUT_MAX_INFLIGHT="1")
+    chat: dict[str, Any] = {
+        "model": "synthetic",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+    }
+    with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0) as client:
+        async with slot_held(gateway.url):
+            for stream in (False, True):
+                with pytest.raises(openai.RateLimitError) as caught:
+                    await asyncio.to_thread(client.chat.completions.create, **chat, stream=stream)
+                assert caught.value.status_code == 429
+                assert caught.value.response.headers["retry-after"] == "1"
+                body = caught.value.body
+                assert isinstance(body, dict), body
+                assert body["type"] == "rate_limit_error" and body["code"] == "overloaded"
+                assert "in flight" in body["message"]
+            with pytest.raises(openai.RateLimitError):
+                await asyncio.to_thread(
+                    client.completions.create, model="synthetic", prompt="hi", max_tokens=2
+                )
+        # The held generation was cancelled: its slot frees up once its worker acknowledges
+        # the request (just after the final event the cancel waited for).
+        for _ in range(100):
+            try:
+                reply = await asyncio.to_thread(client.chat.completions.create, **chat)
+                break
+            except openai.RateLimitError:
+                await asyncio.sleep(0.1)
+        assert reply.choices[0].message.content == synthetic_text("hi", 2)

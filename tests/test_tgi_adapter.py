@@ -9,7 +9,13 @@ import asyncio
 import httpx
 import pytest
 from huggingface_hub import AsyncInferenceClient, InferenceClient
-from huggingface_hub.errors import GenerationError, OverloadedError, ValidationError
+from huggingface_hub.errors import (
+    GenerationError,
+    HfHubHTTPError,
+    OverloadedError,
+    UnknownError,
+    ValidationError,
+)
 
 from tests.adapter_support import synthetic_text, synthetic_tokens
 from tests.conftest import Stack
@@ -143,3 +149,20 @@ def test_an_engine_failure_mid_stream_raises_generation_error(stack: Stack) -> N
             texts.append(text)
     # Every token the engine made arrives before the error.
     assert texts == ["You", " said:", " break"]
+
+
+def test_a_wrong_api_key_raises_unknown_error_from_a_401(stack: Stack) -> None:
+    stack.synthetic(tokens_per_s=200)
+    gateway = stack.gateway(TOKENSPOUT_API_KEYS="tgi-key")
+    wrong = InferenceClient(model=f"{gateway.url}/generate", token="wrong")
+    # TGI has no 401 error type: huggingface_hub raises UnknownError for the gateway's
+    # `invalid_api_key`, chained to the HTTP error that holds the status.
+    for stream in (False, True):
+        with pytest.raises(UnknownError, match="API key") as caught:
+            wrong.text_generation("hi", max_new_tokens=2, stream=stream)
+        cause = caught.value.__cause__
+        assert isinstance(cause, HfHubHTTPError) and cause.response is not None
+        assert cause.response.status_code == 401
+        assert cause.response.json()["error_type"] == "invalid_api_key"
+    right = InferenceClient(model=f"{gateway.url}/generate", token="tgi-key")
+    assert right.text_generation("hi", max_new_tokens=2) == synthetic_text("hi", 2)

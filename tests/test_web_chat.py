@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -148,16 +149,28 @@ async def test_a_reload_mid_conversation_brings_back_history_and_the_running_rep
     await chat.wait_reply_state("done")
     await chat.send("second question")
     await chat.wait_words(4)
+    ttft_before = (await chat.stats())["ttft_ms"]
+    assert ttft_before is not None
     await chat.page.reload()
     await chat.wait_connected()
+    # The model is named at once, before any new event of the reply.
+    assert await chat.page.text_content("#model-name") == "synthetic"
     assert await chat.user_texts() == ["first question", "second question"]
     assert await chat.reply_text(0) == expected_reply("first question", 30)
     await chat.wait_reply_state("done")
     assert await chat.replies.count() == 2
     assert await chat.reply_text(1) == expected_reply("second question", 30)
+    # The resumed reply keeps the time to first token measured before the reload, and its
+    # rate comes from the events' server times, not from how fast a replay arrived (the
+    # engine makes 15 tokens a second; a replay comes in thousands).
+    stats = await chat.stats()
+    assert stats["ttft_ms"] == ttft_before
+    assert "resumed after a reload" in (stats["text"] or "")
+    assert stats["tokens_per_s"] is not None and 0 < float(stats["tokens_per_s"]) < 60, stats
 
     await chat.page.reload()  # and once more with nothing running
     await chat.wait_connected()
+    assert await chat.page.text_content("#model-name") == "synthetic"
     assert await chat.user_texts() == ["first question", "second question"]
     assert [await chat.reply_text(i) for i in range(await chat.replies.count())] == [
         expected_reply("first question", 30),
@@ -285,4 +298,173 @@ async def test_a_busy_gateway_is_shown_in_words_and_retry_sends_once_there_is_ro
     await chat.last_reply.get_by_role("button", name="Retry").click()
     await chat.wait_reply_state("done")
     assert await chat.reply_text() == expected_reply("are you busy?", 3)
+    assert chat.errors == []
+
+
+async def test_a_message_typed_while_a_reply_runs_is_kept_and_sent_after_it(
+    stack: Stack, browser: Browser
+) -> None:
+    stack.synthetic(tokens_per_s=12)
+    gateway = stack.gateway()
+    chat = await ChatPage.open(browser, gateway.url, max_tokens=24)
+    await chat.send("first one")
+    await chat.wait_words(3)
+    # The box stays editable; Enter (or a submit) while the reply runs starts nothing.
+    await chat.send("typed while busy")
+    await chat.page.evaluate("document.getElementById('composer').requestSubmit()")
+    assert await chat.page.is_hidden("#send") and await chat.page.is_visible("#stop")
+    assert await chat.page.input_value("#input") == "typed while busy"
+    assert await chat.user_texts() == ["first one"] and await chat.replies.count() == 1
+    await chat.wait_reply_state("done")
+    assert await chat.page.input_value("#input") == "typed while busy"
+    assert await chat.page.is_enabled("#send")
+    await chat.page.press("#input", "Enter")
+    await chat.wait_reply_state("done")
+    assert await chat.user_texts() == ["first one", "typed while busy"]
+    assert await chat.reply_text() == expected_reply("typed while busy", 24)
+    assert await chat.page.input_value("#input") == ""
+    events = await session_events(stack, (await chat.saved())["id"])
+    assert [kind for kind, _ in events].count("queued") == 2
+    assert chat.errors == []
+
+
+async def test_on_a_phone_screen_nothing_scrolls_sideways_and_the_controls_work(
+    stack: Stack, browser: Browser
+) -> None:
+    stack.synthetic(tokens_per_s=10)
+    gateway = stack.gateway()
+    width, height = 375, 740
+    chat = await ChatPage.open(
+        browser, gateway.url, max_tokens=200, viewport={"width": width, "height": height}
+    )
+    page = chat.page
+
+    async def on_screen(selector: str) -> None:
+        assert await page.is_visible(selector), selector
+        box = await page.locator(selector).bounding_box()
+        assert box is not None, selector
+        assert box["x"] >= 0 and box["x"] + box["width"] <= width, (selector, box)
+        assert box["y"] >= 0 and box["y"] + box["height"] <= height, (selector, box)
+
+    async def no_sideways_scroll() -> None:
+        sideways = await page.evaluate(
+            """() => [document.documentElement, document.body, document.getElementById("log")]
+                .filter((el) => el.scrollWidth > el.clientWidth)
+                .map((el) => el.id || el.tagName)"""
+        )
+        assert sideways == [], sideways
+
+    await page.fill("#input", "a phone")
+    await on_screen("#input")
+    await on_screen("#send")
+    # A long unbroken word, in the message and in the reply that repeats it.
+    await chat.send("phone " + "x" * 160 + " `" + "y" * 120 + "`")
+    await chat.wait_words(6)
+    await on_screen("#stop")
+    await on_screen("#input")
+    await no_sideways_scroll()
+    await page.click("#stop")
+    await chat.wait_reply_state("cancelled", timeout_s=15)
+    await page.fill("#input", "next")
+    await on_screen("#send")
+    assert await page.is_enabled("#send")
+    await page.click("#send")
+    await chat.wait_words(3)
+    await no_sideways_scroll()
+    assert await chat.user_texts() == ["phone " + "x" * 160 + " `" + "y" * 120 + "`", "next"]
+    assert chat.errors == []
+
+
+async def test_keyboard_only_tab_reaches_the_controls_enter_sends_escape_stops(
+    stack: Stack, browser: Browser
+) -> None:
+    stack.synthetic(tokens_per_s=10)
+    gateway = stack.gateway()
+    chat = await ChatPage.open(browser, gateway.url, max_tokens=200)
+    page = chat.page
+    keyboard = page.keyboard
+
+    async def focused() -> str:
+        return str(await page.evaluate("document.activeElement?.id ?? ''"))
+
+    assert await focused() == "input"  # the page opens ready to type
+    await page.evaluate("document.activeElement.blur()")
+    reached = []
+    for _ in range(8):
+        await keyboard.press("Tab")
+        reached.append(await focused())
+    assert {"new-chat", "input"} <= set(reached), reached
+    await page.focus("#input")
+    await keyboard.type("only keys")
+    await keyboard.press("Tab")
+    assert await focused() == "send"
+    await keyboard.press("Shift+Tab")
+    assert await focused() == "input"
+    await keyboard.press("Enter")
+    await chat.wait_words(4)
+    await keyboard.press("Tab")
+    assert await focused() == "stop"
+    await keyboard.press("Escape")
+    await chat.wait_reply_state("cancelled", timeout_s=15)
+    # Stop went away with the reply: the focus is back in the box, ready for the next one.
+    assert await focused() == "input"
+    assert await chat.user_texts() == ["only keys"]
+    assert chat.errors == []
+
+
+async def test_the_page_requests_nothing_but_the_gateway(stack: Stack, browser: Browser) -> None:
+    stack.synthetic(tokens_per_s=100)
+    gateway = stack.gateway()
+    requests: list[str] = []
+    chat = await ChatPage.open(browser, gateway.url, max_tokens=12, requests=requests)
+    # Before any reply the top bar names the model the workers serve (GET /v1/models).
+    await chat.page.wait_for_function(
+        "document.getElementById('model-name').textContent === 'synthetic'", timeout=15_000
+    )
+    await chat.send("where do you go?")
+    await chat.wait_reply_state("done")
+    assert await chat.reply_text() == expected_reply("where do you go?", 12)
+    elsewhere = [
+        url
+        for url in requests
+        if not url.startswith(f"{gateway.url}/") and urlsplit(url).scheme != "data"
+    ]
+    assert elsewhere == [], elsewhere
+    paths = {urlsplit(url).path for url in requests if url.startswith(gateway.url)}
+    session_id = (await chat.saved())["id"]
+    assert {
+        "/",
+        "/app.js",
+        "/style.css",
+        "/v1/sessions",
+        "/v1/models",
+        f"/v1/sessions/{session_id}/events",
+        f"/v1/sessions/{session_id}/messages",
+    } <= paths, paths
+    assert chat.errors == []
+
+
+async def test_storage_refusals_and_unreadable_events_are_shown_not_fatal(
+    stack: Stack, browser: Browser
+) -> None:
+    stack.synthetic(tokens_per_s=200)
+    gateway = stack.gateway()
+    full = """Storage.prototype.setItem = function () {
+        throw new DOMException("the quota has been exceeded", "QuotaExceededError");
+    };"""
+    chat = await ChatPage.open(browser, gateway.url, max_tokens=6, init_script=full)
+    banner = await chat.banner()
+    assert banner and "cannot save the conversation" in banner
+    await chat.send("no storage")
+    await chat.wait_reply_state("done")
+    assert await chat.reply_text() == expected_reply("no storage", 6)
+
+    # An event whose data is not JSON (as a broken proxy might deliver it): a visible note.
+    await chat.page.evaluate(
+        """chat.source.dispatchEvent(
+            new MessageEvent("token", { data: "{not json", lastEventId: "" }))"""
+    )
+    banner = await chat.banner()
+    assert banner and "could not read" in banner and "token" in banner
+    assert await chat.replies.count() == 1
     assert chat.errors == []

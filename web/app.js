@@ -7,6 +7,11 @@
 // in sessionStorage together, in one write per event, so a reload can show the history (GET),
 // put the partial reply back and resume the stream right after the last event it applied.
 //
+// A reply resumed after a reload cannot time its first token again, and its remaining events
+// may arrive as one fast replay: its time to first token is the one measured before the
+// reload (if a token had come), and its rate is taken from the event ids, which are the
+// Redis server's clock in ms, so a replay does not inflate it.
+//
 // A gateway with API keys answers 401 to creating a session without one: the page then asks
 // for the key (a password field), keeps it in sessionStorage (this tab only) and sends it as
 // `Authorization: Bearer` when it creates a session. The session's own requests need only
@@ -54,6 +59,9 @@ const chat = {
   waiting: [], // turns sent whose generation id is not known yet
   active: null, // the turn whose reply runs (queued or streaming)
   sending: false,
+  model: "", // the model that served the last reply (or the one the workers serve)
+  storageWarned: false, // a failed sessionStorage write was shown once already
+  apiKey: null, // the API key given in this page (also in sessionStorage when it takes it)
 };
 
 function byId(id) {
@@ -74,6 +82,12 @@ function idAfter(a, b) {
   return am > bm || (am === bm && as > bs);
 }
 
+// The Redis server's time (ms) an event was written, from its id; null without one.
+function idMs(id) {
+  const ms = Number.parseInt((id ?? "").split("-")[0], 10);
+  return Number.isFinite(ms) ? ms : null;
+}
+
 // ---- storage --------------------------------------------------------------------------------
 
 function loadSaved() {
@@ -89,14 +103,30 @@ function loadSaved() {
 function persist() {
   if (!chat.session) return;
   const turn = chat.active;
-  const active =
-    turn && turn.gid
-      ? { gid: turn.gid, text: turn.text, count: turn.count, model: turn.model, state: turn.state }
-      : null;
-  sessionStorage.setItem(
+  const active = turn && turn.gid ? turn.saved() : null;
+  store(
     STORE_KEY,
-    JSON.stringify({ ...chat.session, lastEventId: chat.lastEventId, active }),
+    JSON.stringify({ ...chat.session, lastEventId: chat.lastEventId, model: chat.model, active }),
   );
+}
+
+// sessionStorage refuses writes when it is full or blocked (private modes, policies): the
+// page goes on, and says once that a reload will not bring the conversation back.
+function store(key, value) {
+  try {
+    sessionStorage.setItem(key, value);
+    return true;
+  } catch (err) {
+    console.warn("sessionStorage refused a write", key, err);
+    if (!chat.storageWarned) {
+      chat.storageWarned = true;
+      showBanner(
+        "This tab cannot save the conversation (browser storage is full or blocked): " +
+          "it goes on, but a reload will not bring it back.",
+      );
+    }
+    return false;
+  }
 }
 
 // ---- HTTP -----------------------------------------------------------------------------------
@@ -188,6 +218,29 @@ const CONN_LABELS = {
   locked: "API key needed",
 };
 
+// The model in the top bar: the one that served the last reply, or before any reply in this
+// tab, what the live workers serve (GET /v1/models).
+function showModel(model) {
+  chat.model = model;
+  ui.model.textContent = model;
+}
+
+async function showServedModel() {
+  if (chat.model) return;
+  const key = apiKey();
+  try {
+    const auth = key ? { Authorization: `Bearer ${key}` } : {};
+    const list = await api("GET", "/v1/models", undefined, auth);
+    const ids = (list?.data ?? []).map((card) => card.id).filter(Boolean);
+    if (!chat.model && ids.length) {
+      ui.model.textContent = ids.join(", ");
+    }
+  } catch (err) {
+    // Only a label: without it the page works the same; the next reply names its model.
+    console.warn("could not list the served models", err);
+  }
+}
+
 function setConn(state) {
   if (ui.conn.dataset.state === state) return;
   ui.conn.dataset.state = state;
@@ -273,6 +326,11 @@ class Turn {
     this.firstAt = null;
     this.firstCount = 0;
     this.lastAt = null;
+    this.ttftMs = null; // time to first token as measured live (kept across a reload)
+    this.resumed = false; // put back after a reload: rate from the event ids' clock
+    this.firstMs = null; // server time (ms) and count of the first token event
+    this.firstMsCount = 0;
+    this.lastMs = null;
     this.renderQueued = false;
 
     ui.empty.hidden = true;
@@ -329,15 +387,49 @@ class Turn {
 
   setModel(model) {
     this.model = model;
-    if (model) ui.model.textContent = model;
+    if (model) showModel(model);
     this.renderStats();
   }
 
-  addToken(text, count, at) {
+  // What sessionStorage keeps of the reply in progress, for a reload to put it back.
+  saved() {
+    return {
+      gid: this.gid,
+      text: this.text,
+      count: this.count,
+      model: this.model,
+      state: this.state,
+      ttftMs: this.ttftMs,
+      firstMs: this.firstMs,
+      firstMsCount: this.firstMsCount,
+    };
+  }
+
+  restore(partial) {
+    this.resumed = true;
+    this.text = partial.text;
+    this.count = partial.count;
+    this.firstCount = partial.count;
+    this.ttftMs = partial.ttftMs ?? null;
+    this.firstMs = partial.firstMs ?? null;
+    this.firstMsCount = partial.firstMsCount ?? 0;
+    this.lastMs = this.firstMs;
+    this.setModel(partial.model ?? "");
+  }
+
+  addToken(text, count, at, serverMs) {
     if (count <= this.count) return; // already shown (a replayed event)
     if (this.firstAt === null) {
       this.firstAt = at;
       this.firstCount = count;
+      if (this.sentAt !== null && this.ttftMs === null) this.ttftMs = at - this.sentAt;
+    }
+    if (serverMs !== null) {
+      if (this.firstMs === null) {
+        this.firstMs = serverMs;
+        this.firstMsCount = count;
+      }
+      this.lastMs = serverMs;
     }
     this.lastAt = at;
     this.text += text;
@@ -366,18 +458,34 @@ class Turn {
   renderStats() {
     const parts = [];
     if (this.model) parts.push(this.model);
-    if (this.sentAt !== null && this.firstAt !== null) {
-      const ttft = this.firstAt - this.sentAt;
-      this.stats.dataset.ttftMs = ttft.toFixed(0);
-      parts.push(`${(ttft / 1000).toFixed(2)} s to first token`);
+    if (this.ttftMs !== null) {
+      this.stats.dataset.ttftMs = this.ttftMs.toFixed(0);
+      parts.push(`${(this.ttftMs / 1000).toFixed(2)} s to first token`);
     }
-    if (this.count > this.firstCount && this.lastAt > this.firstAt) {
-      const rate = (this.count - this.firstCount) / ((this.lastAt - this.firstAt) / 1000);
+    const rate = this.rate();
+    if (rate !== null) {
       this.stats.dataset.tokensPerS = rate.toFixed(1);
       parts.push(`${rate.toFixed(1)} tokens/s`);
     }
     if (this.count) parts.push(`${this.count} token${this.count === 1 ? "" : "s"}`);
+    if (this.resumed) {
+      this.stats.dataset.resumed = "true";
+      parts.push("resumed after a reload");
+    }
     this.stats.textContent = parts.join(" · ");
+  }
+
+  // Tokens per second after the first token. Live: the page's clock. Resumed: the event ids'
+  // clock, since what arrives after a reload may be a replay of tokens made long before.
+  rate() {
+    if (this.resumed) {
+      if (this.firstMs === null || !(this.lastMs > this.firstMs)) return null;
+      return (this.count - this.firstMsCount) / ((this.lastMs - this.firstMs) / 1000);
+    }
+    if (this.count > this.firstCount && this.lastAt > this.firstAt) {
+      return (this.count - this.firstCount) / ((this.lastAt - this.firstAt) / 1000);
+    }
+    return null;
   }
 
   addRetry(label = "Retry") {
@@ -507,11 +615,15 @@ function onStreamEvent(event) {
     data = JSON.parse(event.data);
   } catch (err) {
     console.error("unreadable event", event.type, event.data, err);
+    showBanner(
+      `The gateway sent a ${event.type} event this page could not read; ` +
+        "the reply shown may be incomplete. Reloading the page shows the saved conversation.",
+    );
     return;
   }
   if (id) chat.lastEventId = id;
   const turn = turnFor(data.generation_id);
-  if (!turn.final) applyEvent(turn, event.type, data);
+  if (!turn.final) applyEvent(turn, event.type, data, id);
   persist();
 }
 
@@ -525,7 +637,7 @@ function turnFor(gid) {
   return turn;
 }
 
-function applyEvent(turn, type, data) {
+function applyEvent(turn, type, data, id = null) {
   switch (type) {
     case "queued":
       if (turn.state === "waiting") turn.setState("queued");
@@ -538,7 +650,7 @@ function applyEvent(turn, type, data) {
       break;
     case "token":
       markActive(turn);
-      turn.addToken(data.text, data.count, performance.now());
+      turn.addToken(data.text, data.count, performance.now(), idMs(id));
       break;
     default:
       turn.finish(type, data);
@@ -615,6 +727,8 @@ async function sendMessage(text) {
 async function stopReply() {
   const turn = chat.active;
   if (!turn || !turn.gid) return;
+  // A disabled button drops the focus to the page: keep a keyboard user in the box.
+  if (document.activeElement === ui.stop) ui.input.focus();
   ui.stop.disabled = true;
   turn.setState(turn.state, "Stopping…");
   const path =
@@ -646,11 +760,11 @@ async function startNewSession() {
   chat.active = null;
   ui.messages.replaceChildren();
   ui.empty.hidden = false;
-  ui.model.textContent = "";
+  showModel("");
   sessionStorage.removeItem(STORE_KEY);
   updateComposer();
   setConn("connecting");
-  const key = sessionStorage.getItem(API_KEY_STORE);
+  const key = apiKey();
   try {
     const created = await api(
       "POST",
@@ -662,9 +776,10 @@ async function startNewSession() {
     chat.session = { id: created.session_id, token: created.token };
     persist();
     openEvents(null); // a new session: its stream starts at its first event
+    showServedModel();
   } catch (err) {
     if (err.status === 401) {
-      if (key) sessionStorage.removeItem(API_KEY_STORE);
+      if (key) forgetApiKey();
       askForKey(key ? "That API key was not accepted. Check it and try again." : "");
     } else {
       setConn(err.status === 0 ? "offline" : "reconnecting");
@@ -675,6 +790,16 @@ async function startNewSession() {
 }
 
 // ---- API key --------------------------------------------------------------------------------
+
+// The key is kept in memory too, in case sessionStorage refuses it.
+function apiKey() {
+  return chat.apiKey ?? sessionStorage.getItem(API_KEY_STORE);
+}
+
+function forgetApiKey() {
+  chat.apiKey = null;
+  sessionStorage.removeItem(API_KEY_STORE);
+}
 
 function askForKey(problem) {
   setConn("locked");
@@ -694,7 +819,8 @@ ui.keyForm.addEventListener("submit", (event) => {
   event.preventDefault();
   const key = ui.keyInput.value.trim();
   if (!key) return;
-  sessionStorage.setItem(API_KEY_STORE, key);
+  chat.apiKey = key;
+  store(API_KEY_STORE, key);
   ui.keyInput.value = "";
   ui.keyError.hidden = true;
   hideBanner();
@@ -729,10 +855,7 @@ async function loadHistory({ partial }) {
   if (partial) {
     const turn = new Turn(prompt);
     turn.bind(partial.gid);
-    turn.text = partial.text;
-    turn.count = partial.count;
-    turn.firstCount = partial.count;
-    turn.setModel(partial.model);
+    turn.restore(partial);
     turn.setState(partial.state === "waiting" ? "queued" : partial.state);
     turn.render();
     chat.active = turn;
@@ -744,6 +867,7 @@ async function loadHistory({ partial }) {
 async function resume(saved) {
   chat.session = { id: saved.id, token: saved.token };
   chat.lastEventId = saved.lastEventId ?? null;
+  if (saved.model) showModel(saved.model);
   setConn("connecting");
   try {
     await loadHistory({ partial: saved.active ?? null });
@@ -759,6 +883,7 @@ async function resume(saved) {
   }
   updateComposer();
   openEvents(chat.lastEventId);
+  showServedModel();
 }
 
 // ---- wiring ---------------------------------------------------------------------------------
