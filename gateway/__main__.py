@@ -23,6 +23,15 @@ from gateway.settings import Settings
 
 log = logging.getLogger("tokenspout.gateway")
 
+WS_HARD_LIMIT_FACTOR = 4
+"""uvicorn refuses a WebSocket frame over this many times ``TOKENSPOUT_MAX_BODY_BYTES``
+(close 1009) before the gateway sees it; frames between the two limits get the typed
+``frame_too_large`` error and the socket stays open."""
+
+
+def ws_max_size(settings: Settings) -> int:
+    return WS_HARD_LIMIT_FACTOR * settings.max_body_bytes
+
 
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, telling the relay hub when a shutdown signal arrives."""
@@ -68,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=settings.shutdown_grace_s,
+        ws_max_size=ws_max_size(settings),
     )
     DrainingServer(config, services.hub).run()
 

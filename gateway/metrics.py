@@ -3,8 +3,8 @@
 Each process has its own ``CollectorRegistry`` (no module-level state). Most numbers come
 from hooks that cost a dict look-up per event:
 
-- ``RelayHub`` reports every live event once per process (not once per reader), and when the
-  last reader of a session in this process leaves;
+- ``RelayHub`` reports every live event once per process (not once per reader), when the
+  last reader of a session in this process leaves, and when a slow reader's feed overflows;
 - ``SessionStore`` reports each queued generation (with its ``queued`` event id, whose first
   part is Redis' clock in milliseconds) and each cancel it sends;
 - ``RequestMetrics`` (gateway/middleware.py) counts requests by route and status.
@@ -106,6 +106,12 @@ class GatewayMetrics:
             ["where"],
             registry=r,
         )
+        self.fell_behind_feeds = Counter(
+            "tokenspout_gateway_relay_fell_behind",
+            "Times a feed's buffer (TOKENSPOUT_STREAM_BUFFER_EVENTS) overflowed because its "
+            "reader was slow: the buffer is dropped and the feed re-reads Redis.",
+            registry=r,
+        )
         self.queued = Gauge(
             "tokenspout_gateway_generations_queued",
             "Generations waiting for a worker, all workers (read from Redis at scrape).",
@@ -197,3 +203,6 @@ class GatewayMetrics:
 
     def redis_error(self, where: str) -> None:
         self.redis_errors.labels(where).inc()
+
+    def fell_behind(self) -> None:
+        self.fell_behind_feeds.inc()

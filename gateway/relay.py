@@ -80,6 +80,9 @@ class RelayObserver(Protocol):
 
     def redis_error(self, where: str) -> None: ...
 
+    def fell_behind(self) -> None:
+        """A feed's buffer overflowed (its reader is slow): dropped, re-read from Redis."""
+
 
 def _id_key(event_id: str) -> tuple[int, int]:
     ms, _, seq = event_id.partition("-")
@@ -144,6 +147,8 @@ class Feed:
         self._buffer.append(event)
         if len(self._buffer) > self.hub.buffer_limit:
             self._fall_behind()
+            if self.hub.observer is not None:
+                self.hub.observer.fell_behind()
         self._wake()
 
     def _fall_behind(self) -> None:

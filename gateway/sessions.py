@@ -38,6 +38,9 @@ _message_decoder = msgspec.json.Decoder(ChatMessage)
 
 STATELESS_TTL_S = 600
 """Lifetime of the throwaway session behind one stateless API request."""
+BUSY_RETRY_AFTER_S = 1
+"""``Retry-After`` of a 409 ``generation_running``: a hint only (a reply may run for minutes;
+a client that follows the session's stream knows exactly when it ends)."""
 
 
 class CreatedSession(msgspec.Struct, frozen=True):
@@ -224,6 +227,7 @@ class SessionStore:
             raise Conflict(
                 f"generation {reply[1]} is still running in this session",
                 code="generation_running",
+                retry_after_s=BUSY_RETRY_AFTER_S,
             )
         if outcome == "history_full":
             raise BadRequest(

@@ -37,7 +37,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         int, _D(ge=1, description="Longest accepted message content, in characters.")
     ] = 32_000
     max_body_bytes: Annotated[
-        int, _D(ge=1024, description="Largest accepted request body; past it, 413.")
+        int,
+        _D(
+            ge=1024,
+            description="Largest accepted request body or WebSocket frame; past it, 413 (a "
+            "`frame_too_large` error frame); a frame over 4 times it closes the socket (1009).",
+        ),
     ] = 262_144
     max_tokens_limit: Annotated[
         int, _D(ge=1, description="Highest max_tokens a request may ask for.")

@@ -127,6 +127,9 @@ class ErrorFrame(msgspec.Struct, frozen=True, tag="error", omit_defaults=True):
     id: str | None = None
     field: str | None = None
     event_id: str | None = None
+    retry_after_s: int | None = None
+    """A refusal that may succeed later (``overloaded``, ``generation_running``): the HTTP
+    ``Retry-After`` hint, in seconds."""
 
 
 class Pong(msgspec.Struct, frozen=True, tag="pong", omit_defaults=True):

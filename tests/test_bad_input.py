@@ -91,6 +91,26 @@ async def test_bad_requests_get_clear_errors_while_another_stream_keeps_going(
         busy = await post(json={"content": "and another"})
         assert busy.status_code == 409
         assert busy.json()["error"]["code"] == "generation_running"
+        assert busy.headers["retry-after"] == "1"
+
+        # Cancel: the session's token or nothing; an unknown generation is 404.
+        cancel_url = f"{base}/v1/sessions/{session.session_id}/generations"
+        running_id = first.json()["generation_id"]
+        no_token = await client.post(f"{cancel_url}/{running_id}/cancel")
+        assert no_token.status_code == 403
+        assert no_token.json()["error"]["code"] == "bad_session_token"
+        bad_token = await client.post(
+            f"{cancel_url}/{running_id}/cancel", headers={"X-Session-Token": bystander.token}
+        )
+        assert bad_token.status_code == 403
+        unknown_generation = await client.post(
+            f"{cancel_url}/g_no-such-generation/cancel", headers=session.headers
+        )
+        assert unknown_generation.status_code == 404
+        assert unknown_generation.json()["error"]["code"] == "unknown_generation"
+        # The refused cancels stopped nothing.
+        ended = await read_events(client, session, until_final_of=running_id)
+        assert ended.final(running_id).event == "done"
 
         bad_resume = await client.get(
             f"{base}/v1/sessions/{session.session_id}/events",

@@ -19,10 +19,11 @@ import redis.asyncio as aioredis
 from engine import contract
 from engine.contract import CONSUMER_GROUP, Keys
 from stack import processes
-from stack.redis_server import EmbeddedRedis
+from stack.redis_server import EmbeddedRedis, free_port
 from tests.client import Reading, Session, create_session, read_events, send
 from tests.conftest import Stack
 from tests.sse import parse
+from tests.test_metrics import scrape
 from tests.test_sessions import expected_reply
 
 pytestmark = pytest.mark.timeout(180)
@@ -267,11 +268,14 @@ async def test_redis_restart_with_persistence_resumes_every_stream(
     """Guarantee 4a: Redis restarts with its data (AOF): streams pause, then resume whole."""
     stack = Stack(restartable_redis.url, "restart", tmp_path)
     try:
-        stack.synthetic(tokens_per_s=25)
+        engine_port = free_port()
+        stack.synthetic(25, "--metrics-port", str(engine_port))
         gateway = stack.gateway()
+        metrics_urls = (f"{gateway.url}/metrics", f"http://127.0.0.1:{engine_port}/metrics")
         async with httpx.AsyncClient(timeout=30) as client:
             session = await create_session(client, gateway.url)
             generation = await send(client, session, "through a restart", max_tokens=100)
+            errors_before = [await redis_errors(client, url) for url in metrics_urls]
             reading = Reading()
             reader = asyncio.create_task(
                 read_events(
@@ -294,9 +298,23 @@ async def test_redis_restart_with_persistence_resumes_every_stream(
             assert reading.text(generation) == expected_reply("through a restart", 100)
             ids = [event_key(e.id or "") for e in reading.events]
             assert ids == sorted(set(ids))
+            # Both sides saw the outage and counted it.
+            errors_after = [await redis_errors(client, url) for url in metrics_urls]
+            for before, after, url in zip(errors_before, errors_after, metrics_urls, strict=True):
+                assert after > before, f"{url}: Redis errors {before} -> {after}"
             await _a_new_session_works(client, gateway.url)
     finally:
         stack.stop()
+
+
+async def redis_errors(client: httpx.AsyncClient, metrics_url: str) -> float:
+    """``tokenspout_{gateway,engine}_redis_errors_total``, summed over ``where``."""
+    samples = await scrape(client, metrics_url)
+    return sum(
+        count
+        for (name, _), count in samples.items()
+        if name in ("tokenspout_gateway_redis_errors_total", "tokenspout_engine_redis_errors_total")
+    )
 
 
 async def test_redis_restart_without_its_data_ends_streams_clearly(

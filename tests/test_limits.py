@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from pathlib import Path
 
 import httpx
 import pytest
 import redis.asyncio as aioredis
 
+from engine.contract import Keys
 from tests.client import create_session, read_events, send
 from tests.conftest import Stack
 from tests.sse import SSEParser
+from tests.test_metrics import scrape, value
 from tests.test_sessions import expected_reply
 
 pytestmark = pytest.mark.timeout(120)
@@ -60,15 +63,35 @@ async def test_a_session_holds_a_bounded_history(stack: Stack) -> None:
         assert full.json()["error"]["code"] == "history_full"
 
 
-async def test_a_stalled_reader_is_not_buffered_and_still_gets_every_event(
+STALL_TOKENS = 20_000
+STALL_WORD = 400
+"""Characters per token of the stalled reader's generation: 20,000 events of ~650 bytes."""
+STALL_RSS_BOUND_KIB = 4 * 1024
+"""Measured: +0.6 MiB with the 8-event buffer; +12.6 MiB when the buffer is unbounded (the
+gateway keeping every event for the stalled reader), three times this bound."""
+
+
+async def test_a_stalled_reader_costs_bounded_memory_and_still_gets_every_event(
     stack: Stack,
 ) -> None:
-    """With an 8-event buffer, a reader that stops reading falls back to Redis: the
-    gateway holds at most 8 events for it, and it still gets all of them, in order."""
-    stack.synthetic(2000)
-    gateway = stack.gateway(TOKENSPOUT_STREAM_BUFFER_EVENTS="8")
-    async with httpx.AsyncClient(timeout=30) as client:
-        session = await create_session(client, gateway.url)
+    """With an 8-event buffer, a reader that stops reading during a 20,000-token generation
+    falls back to Redis: its feed overflows (counted), the gateway's RSS stays within a
+    bound that keeping every event would exceed, and the reader still gets every byte."""
+    stack.synthetic(10_000)
+    big = str(STALL_TOKENS * (STALL_WORD + 1) + 10_000)
+    limits = {
+        "TOKENSPOUT_MAX_TOKENS_LIMIT": str(STALL_TOKENS),
+        "TOKENSPOUT_EVENTS_MAXLEN": str(2 * STALL_TOKENS),
+        "TOKENSPOUT_MAX_MESSAGE_CHARS": big,
+        "TOKENSPOUT_MAX_BODY_BYTES": big,
+    }
+    # The multi-megabyte message goes in through another gateway: the one measured only
+    # relays the reply, so its RSS shows what the reader costs, not the request's garbage.
+    entry = stack.gateway(**limits)
+    gateway = stack.gateway(TOKENSPOUT_STREAM_BUFFER_EVENTS="8", **limits)
+    content = " ".join(f"{n:06d}" + "w" * (STALL_WORD - 6) for n in range(STALL_TOKENS))
+    async with httpx.AsyncClient(timeout=60) as client:
+        session = await create_session(client, entry.url)
         stalled = socket.socket()
         stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         stalled.connect(("127.0.0.1", gateway.port))
@@ -76,14 +99,58 @@ async def test_a_stalled_reader_is_not_buffered_and_still_gets_every_event(
             f"GET /v1/sessions/{session.session_id}/events?token={session.token} HTTP/1.1\r\n"
             f"Host: 127.0.0.1\r\nAccept: text/event-stream\r\n\r\n".encode()
         )
-        await send(client, session, "flood", max_tokens=3000)
+        await wait_for_streams(client, gateway.url, 1)
+        await asyncio.sleep(0.3)  # let Redis confirm the SUBSCRIBE: events arrive live
+        baseline = rss_kib(gateway.process.pid)
+        generation = await send(client, session, content, max_tokens=STALL_TOKENS)
         # Everyone else is served while that reader sleeps.
         other = await create_session(client, gateway.url)
         quick = await send(client, other, "meanwhile", max_tokens=5)
         assert (await read_events(client, other, until_final_of=quick)).final(quick)
-        await asyncio.sleep(2)
+        peak = await peak_rss_until_final(
+            stack, gateway.process.pid, session.session_id, generation
+        )
+        growth = peak - baseline
+        samples = await scrape(client, f"{gateway.url}/metrics")
+        fell_behind = value(samples, "tokenspout_gateway_relay_fell_behind_total")
+        print(
+            f"\nstalled reader: {STALL_TOKENS} events, RSS {baseline} KiB -> peak {peak} KiB "
+            f"(+{growth} KiB), feeds fell behind {fell_behind:.0f} times"
+        )
+        assert fell_behind >= 1, "the stalled reader's buffer never overflowed"
+        assert growth < STALL_RSS_BOUND_KIB
         text = await asyncio.to_thread(read_raw_until_done, stalled)
-        assert text == expected_reply("flood", 3000)
+        assert text == expected_reply(content, STALL_TOKENS)
+
+
+def rss_kib(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1])
+
+
+async def wait_for_streams(client: httpx.AsyncClient, gateway_url: str, streams: int) -> None:
+    async with asyncio.timeout(20):
+        while True:
+            samples = await scrape(client, f"{gateway_url}/metrics")
+            if value(samples, "tokenspout_gateway_active_streams") == streams:
+                return
+            await asyncio.sleep(0.1)
+
+
+async def peak_rss_until_final(stack: Stack, pid: int, session_id: str, generation: str) -> int:
+    """The gateway's highest RSS, sampled until the generation's final event is in Redis."""
+    redis = aioredis.Redis.from_url(stack.redis_url)
+    key = Keys(stack.prefix).generation(session_id, generation)
+    peak = 0
+    try:
+        async with asyncio.timeout(100):
+            while True:
+                peak = max(peak, rss_kib(pid))
+                if await redis.hexists(key, "final"):
+                    return max(peak, rss_kib(pid))
+                await asyncio.sleep(0.1)
+    finally:
+        await redis.aclose()
 
 
 def read_raw_until_done(sock: socket.socket) -> str:

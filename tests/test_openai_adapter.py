@@ -351,3 +351,30 @@ async def test_too_many_generations_in_flight_raise_rate_limit_error(stack: Stac
             except openai.RateLimitError:
                 await asyncio.sleep(0.1)
         assert reply.choices[0].message.content == synthetic_text("hi", 2)
+
+
+async def test_a_chat_with_more_messages_than_a_session_may_hold_is_refused(stack: Stack) -> None:
+    """``messages`` is capped like a session's history (TOKENSPOUT_MAX_HISTORY_MESSAGES)."""
+    stack.synthetic(tokens_per_s=200)
+    gateway = stack.gateway(TOKENSPOUT_MAX_HISTORY_MESSAGES="4")
+    client = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"} for i in range(5)]
+    try:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(model="synthetic", messages=turns)  # type: ignore[arg-type]
+        assert caught.value.status_code == 400
+        body = caught.value.body
+        assert isinstance(body, dict)
+        assert (body["type"], body["param"], body["code"]) == (
+            "invalid_request_error",
+            "messages",
+            "too_many_messages",
+        )
+        ok = await client.chat.completions.create(
+            model="synthetic",
+            messages=turns[:4],  # type: ignore[arg-type]
+            max_tokens=2,
+        )
+        assert ok.choices[0].finish_reason == "length"
+    finally:
+        await client.close()

@@ -193,3 +193,80 @@ async def test_a_client_that_stops_reading_gets_coalesced_tokens_and_loses_none(
             assert frames < len(ids) * max_tokens, "no token frame was coalesced"
         finally:
             await ws.conn.close()
+
+
+async def test_a_frame_over_the_cap_gets_an_error_and_one_past_the_hard_bound_closes_1009(
+    stack: Stack,
+) -> None:
+    """Up to 4 x TOKENSPOUT_MAX_BODY_BYTES a frame is read and refused with a typed error;
+    past that uvicorn refuses it while reading (close 1009), and only that socket closes."""
+    stack.synthetic(tokens_per_s=100)
+    gateway = stack.gateway(TOKENSPOUT_MAX_BODY_BYTES="4096")
+    bystander, ws = await open_ws(gateway.url), await open_ws(gateway.url)
+    try:
+        assert (await bystander.generate("b", "keep going", max_tokens=60))["type"] == "ack"
+
+        await ws.send(type="generate", id="big", content="x" * 5000)
+        error = await ws.recv()
+        assert (error["type"], error["code"]) == ("error", "frame_too_large")
+        await ws.send(type="generate", id="bigger", content="x" * (4 * 4096 - 100))
+        assert (await ws.recv())["code"] == "frame_too_large"
+        await ws.send(type="ping", id="still open")
+        assert await ws.recv() == {"type": "pong", "id": "still open"}
+
+        await ws.send(type="generate", id="huge", content="x" * (4 * 4096 + 1))
+        with pytest.raises(ConnectionClosedError) as closed:
+            await ws.recv()
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009
+
+        # The gateway goes on serving everyone else.
+        done = await bystander.final_of("b")
+        assert done["type"] == "done" and bystander.text("b") == expected_reply("keep going", 60)
+        fresh = await open_ws(gateway.url)
+        try:
+            assert (await fresh.generate("f", "after that", max_tokens=3))["type"] == "ack"
+            assert (await fresh.final_of("f"))["type"] == "done"
+        finally:
+            await fresh.conn.close()
+    finally:
+        await ws.conn.close()
+        await bystander.conn.close()
+
+
+async def test_refusals_past_the_session_and_global_limits_carry_a_retry_hint(
+    stack: Stack,
+) -> None:
+    """A second generate in a busy session: ``generation_running``; past
+    TOKENSPOUT_MAX_INFLIGHT: ``overloaded``; both with ``retry_after_s`` and the socket
+    stays usable."""
+    stack.synthetic(20, "--capacity", "1")
+    gateway = stack.gateway(TOKENSPOUT_MAX_INFLIGHT="2")
+    ws = await open_ws(gateway.url)
+    try:
+        first = await ws.generate("a", "a long one", max_tokens=400)
+        assert first["type"] == "ack"
+        busy = await ws.generate(
+            "a2", "and another", session_id=first["session_id"], token=first["token"]
+        )
+        assert (busy["type"], busy["code"], busy["retry_after_s"]) == (
+            "error",
+            "generation_running",
+            1,
+        )
+        assert (await ws.generate("b", "queued behind", max_tokens=5))["type"] == "ack"
+        refused = await ws.generate("c", "one too many", max_tokens=5)
+        assert (refused["type"], refused["code"], refused["retry_after_s"]) == (
+            "error",
+            "overloaded",
+            1,
+        )
+        assert "event_id" not in refused  # a refusal, not the end of a generation
+
+        await ws.send(type="cancel", id="a")
+        assert (await ws.final_of("a"))["type"] == "cancelled"
+        assert (await ws.final_of("b"))["type"] == "done"
+        again = await ws.generate("c2", "now there is room", max_tokens=5)
+        assert again["type"] == "ack"
+        assert (await ws.final_of("c2"))["type"] == "done"
+    finally:
+        await ws.conn.close()

@@ -101,9 +101,16 @@ def _sampling(body: _Sampling, max_tokens: int | None) -> dict[str, Any]:
     }
 
 
-def _chat_messages(body: ChatCompletionRequest) -> list[ChatMessage]:
+def _chat_messages(body: ChatCompletionRequest, max_messages: int) -> list[ChatMessage]:
     if not body.messages:
         raise BadRequest("messages must not be empty", field="messages")
+    if len(body.messages) > max_messages:
+        # The same bound as a session's history (TOKENSPOUT_MAX_HISTORY_MESSAGES).
+        raise BadRequest(
+            f"messages may hold at most {max_messages} entries",
+            code="too_many_messages",
+            field="messages",
+        )
     messages = []
     for index, message in enumerate(body.messages):
         role = ROLES.get(message.role)
@@ -238,7 +245,7 @@ async def chat_completions(
 ) -> Response[ChatCompletion] | Stream:
     require_api_key(request, api_keys)
     params = _chat_params(store, data)
-    messages = _chat_messages(data)
+    messages = _chat_messages(data, settings.max_history_messages)
     generation = await GenerationStream.submit(store, hub, settings, params, messages=messages)
     completion_id, created = f"chatcmpl-{generation.generation_id}", int(time.time())
     want_logprobs = bool(data.logprobs)

@@ -142,7 +142,15 @@ class Connection:
                 case Cancel():
                     await self._cancel(frame)
         except GatewayError as exc:
-            self._reply(ErrorFrame(exc.code, exc.message, id=frame.id, field=exc.field))
+            self._reply(
+                ErrorFrame(
+                    exc.code,
+                    exc.message,
+                    id=frame.id,
+                    field=exc.field,
+                    retry_after_s=exc.retry_after_s,
+                )
+            )
         except RedisError as exc:
             log.warning("redis error on a WebSocket frame: %s", exc)
             self._reply(ErrorFrame("unavailable", "Redis is unavailable; try again", id=frame.id))
@@ -151,7 +159,9 @@ class Connection:
         if frame.id in self._running:
             raise BadRequest(f"generation {frame.id!r} is still running", code="duplicate_id")
         if len(self._running) >= MAX_GENERATIONS:
-            raise Overloaded(f"at most {MAX_GENERATIONS} generations per socket at once")
+            raise Overloaded(
+                f"at most {MAX_GENERATIONS} generations per socket at once", retry_after_s=1
+            )
         params = self.store.sampling(
             max_tokens=frame.max_tokens,
             temperature=frame.temperature,
