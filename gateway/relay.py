@@ -109,14 +109,21 @@ class Feed:
     A process holds one per open stream, 10,000 of them or more: slots, a list for the
     buffer and a future only while waiting (an ``asyncio.Event`` and a ``deque`` each carry
     a deque of over 600 bytes).
+
+    The heartbeat timeout is a timer that is moved lazily: a feed that gets events every
+    few milliseconds only pushes its deadline forward (a float), and the timer, when it
+    fires before that deadline, re-arms itself once. An ``asyncio.timeout`` per wait cost a
+    timer, a cancel and an uncancel for every batch: a tenth of the relay's CPU at load.
     """
 
     __slots__ = (
         "_buffer",
+        "_deadline",
         "_lagging",
         "_last_key",
         "_ready",
         "_recovering",
+        "_timer",
         "_waiter",
         "hub",
         "last_id",
@@ -131,13 +138,32 @@ class Feed:
         self._buffer: list[RelayEvent] = []
         self._lagging = True
         self._ready = False
-        self._waiter: asyncio.Future[None] | None = None
+        self._waiter: asyncio.Future[bool] | None = None
+        """Resolved with True when the deadline passed, False when there is news."""
+        self._deadline = 0.0
+        self._timer: asyncio.TimerHandle | None = None
         self._recovering = False
 
     def _wake(self) -> None:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+            waiter.set_result(False)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return  # not waiting: the next wait arms a timer again
+        loop = waiter.get_loop()
+        if loop.time() >= self._deadline:
+            waiter.set_result(True)
+        else:  # the deadline moved on since this timer was set
+            self._timer = loop.call_at(self._deadline, self._on_timer)
+
+    def _close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     # called by the hub, in the reader task
 
@@ -193,14 +219,20 @@ class Feed:
                 timeout = min(timeout, DRAIN_POLL_S)
             # Nothing else runs between the checks above and this wait, so no wake-up is
             # lost: the hub can only push once this task awaits.
-            self._waiter = asyncio.get_running_loop().create_future()
+            loop = asyncio.get_running_loop()
+            self._deadline = deadline = loop.time() + timeout
+            timer = self._timer
+            if timer is None or timer.when() > deadline:
+                if timer is not None:
+                    timer.cancel()
+                self._timer = loop.call_at(deadline, self._on_timer)
+            self._waiter = loop.create_future()
             try:
-                async with asyncio.timeout(timeout):  # no task per wait, unlike wait_for
-                    await self._waiter
-            except TimeoutError:
-                return []
+                timed_out = await self._waiter
             finally:
                 self._waiter = None
+            if timed_out:
+                return []
             if self.hub.draining and not self._buffer and not self._lagging:
                 return []  # woken by begin_drain: let the transport decide to close
 
@@ -308,6 +340,7 @@ class RelayHub:
                 self._subscribed.set()
             yield feed
         finally:
+            feed._close()
             feeds.discard(feed)
             if not feeds:
                 del self._feeds[channel]
