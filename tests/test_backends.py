@@ -110,8 +110,8 @@ class EngineUnderTest:
         return self._gateways[name]
 
 
-_vllm_gateways: dict[str, Gateway] = {}
-"""Extra gateways of the session's vLLM stack, kept for the whole session as the stack is."""
+_vllm_gateways: dict[str, dict[str, Gateway]] = {}
+"""Extra gateways of the session's vLLM stack (by key prefix), kept as long as the stack is."""
 
 
 @pytest.fixture(
@@ -138,7 +138,7 @@ def engine(request: pytest.FixtureRequest) -> Iterator[EngineUnderTest]:
         vllm.engine,
         short_max_tokens=20,
         sampling={"temperature": 0},
-        _gateways=_vllm_gateways,
+        _gateways=_vllm_gateways.setdefault(vllm.stack.prefix, {}),
     )
     # A test that failed half-way may have left requests in the shared engine.
     deadline = time.monotonic() + 60
@@ -237,6 +237,7 @@ async def test_a_rest_cancel_after_the_third_token_stops_the_engine(
 
         sent = time.monotonic()
         answer = await rest_cancel(client, session, gid)
+        print(f"\n{engine.backend} REST cancel answered in {time.monotonic() - sent:.3f} s")
         assert answer["state"] == "cancelled", answer
         await read_events(
             client,
@@ -276,6 +277,7 @@ async def test_a_websocket_cancel_after_the_third_token_stops_the_engine(
         cancel_ack = await ws.until(lambda f: f["type"] == "ack" and f.get("op") == "cancel")
         assert cancel_ack["state"] in ("cancelling", "cancelled"), cancel_ack
         final = await ws.final_of("story", timeout_s=60)
+        print(f"\n{engine.backend} WebSocket cancelled frame {time.monotonic() - sent:.3f} s on")
         await engine.stops(sent, "WebSocket cancel")
         check_partial_usage(final, ws.tokens("story"))
 
@@ -326,6 +328,7 @@ async def test_a_cancel_through_gateway_b_ends_the_stream_read_through_gateway_a
         )
         answer = await rest_cancel(client, via_b, gid)
         await reader
+        print(f"\n{engine.backend} cancelled on gateway A {time.monotonic() - sent:.3f} s on")
         await engine.stops(sent, "cancel through gateway B")
         assert answer["state"] == "cancelled", answer
         final = reading.final(gid)
