@@ -278,11 +278,10 @@ EMIT_SCRIPT = (
 -- again after a lost connection): nothing is written, and the reply is the id of the
 -- latest event written, so a retry never shows a client an event twice.
 local seq = tonumber(ARGV[10] or '')
-if seq and seq <= tonumber(redis.call('HGET', KEYS[2], 'seq') or '0') then
-  return redis.call('HGET', KEYS[2], 'seq_id')
-end
-local state = redis.call('HGET', KEYS[2], 'state')
-if (not state) or redis.call('HEXISTS', KEYS[2], 'final_id') == 1 then return false end
+-- One read for the retry check and the state check: this runs for every token.
+local seen = redis.call('HMGET', KEYS[2], 'seq', 'seq_id', 'state', 'final_id')
+if seq and seq <= tonumber(seen[1] or '0') then return seen[2] end
+if (not seen[3]) or seen[4] then return false end
 local id = emit(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6])
 if seq then redis.call('HSET', KEYS[2], 'seq', seq, 'seq_id', id) end
 if ARGV[4] == 'started' then

@@ -28,7 +28,7 @@ from redis.exceptions import RedisError
 
 from engine import contract
 from engine.contract import TERMINAL_EVENTS, FinalEvent, Keys
-from gateway.errors import GatewayError
+from gateway.errors import BadRequest, GatewayError
 
 log = logging.getLogger("tokenspout.relay")
 
@@ -426,7 +426,9 @@ class RelayHub:
         try:
             _id_key(after_id)
         except ValueError:
-            raise EventsExpired(f"{after_id!r} is not an event id", code="bad_event_id") from None
+            raise BadRequest(
+                f"{after_id!r} is not an event id", code="bad_event_id", field="last_event_id"
+            ) from None
         try:
             info = await self.redis.xinfo_stream(self.keys.events(session_id))
         except RedisError as exc:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import secrets
 import time
 from typing import Any, Protocol
@@ -210,7 +211,7 @@ class SessionStore:
                 user_message,
                 time.time(),
                 self.settings.max_history_messages,
-                max(1, int(self.settings.abandon_grace_s)),
+                self.watch_ttl_s,
                 contract.encode(Queued(generation_id)),
                 token_digest,
             ],
@@ -341,9 +342,16 @@ class SessionStore:
         raw = await self.redis.hget(self.keys.generation(session_id, generation_id), "final")
         return None if raw is None else decode_final(raw)
 
+    @property
+    def watch_ttl_s(self) -> int:
+        """Lifetime of a session's watch mark: the grace plus the refresh interval (a third
+        of it), so a generation is abandoned no sooner than the grace after its last reader
+        left, and no later than 4/3 of it (plus a worker's 1 s check)."""
+        return math.ceil(self.settings.abandon_grace_s * 4 / 3)
+
     async def mark_watched(self, session_ids: list[str]) -> None:
         """Tell workers these sessions have a reader (see abandonment in engine/worker.py)."""
-        ttl = max(1, int(self.settings.abandon_grace_s))
+        ttl = self.watch_ttl_s
         async with self.redis.pipeline(transaction=False) as pipe:
             for session_id in session_ids:
                 pipe.set(self.keys.watch(session_id), 1, ex=ttl)

@@ -14,6 +14,8 @@ from typing import Annotated, Any
 
 import msgspec
 
+from engine.contract import DEFAULT_PREFIX
+
 ENV_PREFIX = "TOKENSPOUT_"
 UNPREFIXED = frozenset({"redis_url"})
 _D = msgspec.Meta
@@ -23,9 +25,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     redis_url: Annotated[str, _D(description="Redis to keep sessions in.")] = (
         "redis://127.0.0.1:6379/0"
     )
-    key_prefix: Annotated[str, _D(description="Prefix of every Redis key.")] = "ts1"
+    key_prefix: Annotated[str, _D(description="Prefix of every Redis key.")] = DEFAULT_PREFIX
     session_ttl_s: Annotated[
-        int, _D(ge=60, description="Idle lifetime of a session's keys (refreshed on use).")
+        int,
+        _D(ge=60, description="Lifetime of a session's keys, renewed by every message."),
     ] = 86_400
     events_maxlen: Annotated[
         int, _D(ge=100, description="Events kept per session stream (older ones trimmed).")

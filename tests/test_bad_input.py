@@ -116,7 +116,9 @@ async def test_bad_requests_get_clear_errors_while_another_stream_keeps_going(
             f"{base}/v1/sessions/{session.session_id}/events",
             params={"token": session.token, "last_event_id": "x"},
         )
-        assert bad_resume.status_code == 410
+        assert bad_resume.status_code == 422
+        assert bad_resume.json()["error"]["code"] == "bad_event_id"
+        assert bad_resume.json()["error"]["field"] == "last_event_id"
 
         reading = await read_events(client, bystander, until_final_of=running)
         assert reading.final(running).event == "done"

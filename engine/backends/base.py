@@ -29,6 +29,9 @@ class Prepared:
     generation_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    source: GenerationRequest | None = None
+    """The request it was made from, for a backend that needs more than the tokens (the
+    synthetic engine scripts its reply from the messages)."""
 
 
 @dataclass

@@ -82,20 +82,18 @@ class SyntheticBackend(Backend):
         holding requests it never started)."""
         self._aborted: set[str] = set()
         self._running: set[str] = set()
-        self._requests: dict[str, GenerationRequest] = {}
 
     async def prepare(self, request: GenerationRequest) -> Prepared:
         words = [m.content for m in request.messages] if request.messages else [request.prompt]
         prompt_ids = [_word_id(word) for text in words for word in (text or "").split()]
         if self.prepare_delay_s:
             await asyncio.sleep(self.prepare_delay_s)
-        self._requests[request.generation_id] = request
-        return Prepared(request.generation_id, prompt_ids, request.params)
+        return Prepared(request.generation_id, prompt_ids, request.params, source=request)
 
     async def generate(self, prepared: Prepared) -> AsyncIterator[Delta]:
         gid = prepared.generation_id
-        request = self._requests.pop(gid)
-        script = reply_words(request)
+        assert prepared.source is not None, "prepared by another backend"
+        script = reply_words(prepared.source)
         fault = _FAULT.search(" ".join(script))
         params = prepared.params
         loop = asyncio.get_running_loop()
