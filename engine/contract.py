@@ -183,6 +183,12 @@ def text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def entry_id_key(entry_id: str) -> tuple[int, int]:
+    """A stream entry id (``<ms>-<seq>``) as a sortable pair; ValueError if it is none."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
 def entries_of(reply: object) -> list[StreamEntry]:
     """Entries of an XRANGE/XREVRANGE/XCLAIM reply."""
     return cast(list[StreamEntry], reply or [])

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import hmac
 from pathlib import Path
+from typing import Any
+
+from litestar.connection import ASGIConnection
 
 from gateway.errors import Unauthorized
 from gateway.settings import Settings, env_name
@@ -54,6 +57,12 @@ class ApiKeys:
                 "a valid API key is required (Authorization: Bearer <key>)",
                 code="invalid_api_key",
             )
+
+
+def require_api_key(connection: ASGIConnection[Any, Any, Any, Any], api_keys: ApiKeys) -> None:
+    """401 unless ``Authorization: Bearer <key>`` names a configured key (none configured:
+    open)."""
+    api_keys.require(bearer(connection.headers.get("authorization")))
 
 
 def bearer(authorization: str | None) -> str | None:

@@ -27,7 +27,7 @@ from redis.asyncio.client import PubSub
 from redis.exceptions import RedisError
 
 from engine import contract
-from engine.contract import TERMINAL_EVENTS, FinalEvent, Keys
+from engine.contract import TERMINAL_EVENTS, FinalEvent, Keys, entry_id_key
 from gateway.errors import BadRequest, GatewayError
 
 log = logging.getLogger("tokenspout.relay")
@@ -84,11 +84,6 @@ class RelayObserver(Protocol):
         """A feed's buffer overflowed (its reader is slow): dropped, re-read from Redis."""
 
 
-def _id_key(event_id: str) -> tuple[int, int]:
-    ms, _, seq = event_id.partition("-")
-    return int(ms), int(seq or 0)
-
-
 def _raise_if_trimmed(stream_info: dict[str, object], after_id: str) -> None:
     """Events after ``after_id`` are gone when it lies before the oldest entry kept and the
     stream has been trimmed (an id at the exact trim boundary counts as gone too: a
@@ -99,7 +94,7 @@ def _raise_if_trimmed(stream_info: dict[str, object], after_id: str) -> None:
     trimmed = int(cast(int, stream_info.get("entries-added", 1 << 62))) > int(
         cast(int, stream_info.get("length", 0))
     )
-    if trimmed and _id_key(after_id) < _id_key(contract.text(first[0])):
+    if trimmed and entry_id_key(after_id) < entry_id_key(contract.text(first[0])):
         raise EventsExpired(f"events after {after_id} were trimmed; reload the session history")
 
 
@@ -134,7 +129,7 @@ class Feed:
         self.hub = hub
         self.session_id = session_id
         self.last_id = after_id
-        self._last_key = _id_key(after_id) if after_id and after_id != LIVE_ONLY else (0, 0)
+        self._last_key = entry_id_key(after_id) if after_id and after_id != LIVE_ONLY else (0, 0)
         self._buffer: list[RelayEvent] = []
         self._lagging = True
         self._ready = False
@@ -240,7 +235,7 @@ class Feed:
         # Live events arrive in stream order, so only a prefix can repeat what a catch-up
         # read already delivered: compare ids until the first new one, not for every event.
         start = 0
-        while start < len(events) and _id_key(events[start].id) <= self._last_key:
+        while start < len(events) and entry_id_key(events[start].id) <= self._last_key:
             start += 1
         return events[start:] if start else events
 
@@ -267,7 +262,7 @@ class Feed:
 
     def _advance(self, event_id: str) -> None:
         self.last_id = event_id
-        self._last_key = _id_key(event_id)
+        self._last_key = entry_id_key(event_id)
 
     async def events(self, heartbeat_s: float) -> AsyncIterator[list[RelayEvent]]:
         """Batches forever; an empty batch every ``heartbeat_s`` while nothing happens."""
@@ -424,7 +419,7 @@ class RelayHub:
 
     async def _check_not_trimmed(self, session_id: str, after_id: str) -> None:
         try:
-            _id_key(after_id)
+            entry_id_key(after_id)
         except ValueError:
             raise BadRequest(
                 f"{after_id!r} is not an event id", code="bad_event_id", field="last_event_id"

@@ -37,6 +37,7 @@ from gateway.settings import Settings
 
 _message_decoder = msgspec.json.Decoder(ChatMessage)
 
+CANCELS_MAXLEN = 10_000
 STATELESS_TTL_S = 600
 """Lifetime of the throwaway session behind one stateless API request."""
 BUSY_RETRY_AFTER_S = 1
@@ -79,6 +80,17 @@ def _digest(token: str) -> str:
 
 def _bad_token() -> Forbidden:
     return Forbidden("a valid session token is required", code="bad_session_token")
+
+
+async def append_to_shared_stream(
+    redis: aioredis.Redis, key: str, fields: dict[str, bytes], maxlen: int
+) -> None:
+    """XADD to one of the shared streams (requests, cancels), capped, renewing its TTL in
+    the same round trip (contract.SHARED_KEY_TTL_S)."""
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.xadd(key, fields, maxlen=maxlen, approximate=True)  # type: ignore[arg-type]
+        pipe.expire(key, contract.SHARED_KEY_TTL_S)
+        await pipe.execute()
 
 
 def new_id(kind: str) -> str:
@@ -189,10 +201,13 @@ class SessionStore:
     ) -> Submitted:
         keys, generation_id = self.keys, new_id("g")
         idem_key = keys.idempotency(session_id, idempotency_key) if idempotency_key else ""
-        # A retried POST whose generation exists takes no new capacity: it must get that
-        # generation back (from the script, after the token check), not a 429.
-        if not (idem_key and await self.redis.exists(idem_key)):
+        try:
             await self._guard_capacity()
+        except Overloaded:
+            # A retried POST whose generation exists takes no new capacity: it must get
+            # that generation back (from the script, after the token check), not a 429.
+            if not (idem_key and await self.redis.exists(idem_key)):
+                raise
         reply = await self._submit(
             keys=[
                 keys.meta(session_id),
@@ -247,15 +262,9 @@ class SessionStore:
             session_ttl_s=ttl or self.settings.session_ttl_s,
             events_maxlen=self.settings.events_maxlen,
         )
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xadd(
-                keys.requests,
-                {"r": contract.encode(request)},
-                maxlen=self.requests_maxlen,
-                approximate=True,
-            )
-            pipe.expire(keys.requests, contract.SHARED_KEY_TTL_S)
-            await pipe.execute()
+        await append_to_shared_stream(
+            self.redis, keys.requests, {"r": contract.encode(request)}, self.requests_maxlen
+        )
         if self.observer is not None:
             self.observer.submitted(session_id, generation_id, reply[1])
         return Submitted(generation_id, session_id, reply[1])
@@ -332,10 +341,9 @@ class SessionStore:
         if self.observer is not None:
             self.observer.cancel_sent(session_id, generation_id, began)
         signal = CancelSignal(generation_id, session_id, reason)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xadd(keys.cancels, {"c": contract.encode(signal)}, maxlen=10_000, approximate=True)
-            pipe.expire(keys.cancels, contract.SHARED_KEY_TTL_S)
-            await pipe.execute()
+        await append_to_shared_stream(
+            self.redis, keys.cancels, {"c": contract.encode(signal)}, CANCELS_MAXLEN
+        )
         return CancelOutcome(generation_id, "cancelling")
 
     async def generation_final(self, session_id: str, generation_id: str) -> FinalEvent | None:

@@ -25,9 +25,9 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from engine import contract
-from engine.contract import Error, GenerationRequest, Keys
+from engine.contract import Error, GenerationRequest, Keys, entry_id_key
 from gateway.relay import RelayHub
-from gateway.sessions import SessionStore
+from gateway.sessions import SessionStore, append_to_shared_stream
 
 log = logging.getLogger("tokenspout.watchdog")
 _request_decoder = msgspec.json.Decoder(GenerationRequest)
@@ -53,11 +53,6 @@ async def refresh_watches(store: SessionStore, hub: RelayHub, interval_s: float)
         except Exception:
             log.exception("refreshing session watches failed; retrying in %.1f s", interval_s)
         await asyncio.sleep(interval_s)
-
-
-def _id_key(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
 
 
 def decode_request(entry_id: bytes | str, fields: dict[bytes, bytes]) -> GenerationRequest | None:
@@ -164,15 +159,9 @@ class Reaper:
         state = await self.redis.hget(gen_key, "state")
         if state == b"queued":
             log.info("requeueing %s from a dead worker", request.generation_id)
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.xadd(
-                    self.keys.requests,
-                    {"r": raw},
-                    maxlen=self.requests_maxlen,
-                    approximate=True,
-                )
-                pipe.expire(self.keys.requests, contract.SHARED_KEY_TTL_S)
-                await pipe.execute()
+            await append_to_shared_stream(
+                self.redis, self.keys.requests, {"r": raw}, self.requests_maxlen
+            )
         else:
             log.warning("worker lost while running %s", request.generation_id)
             await self._end_with_error(request)
@@ -212,7 +201,7 @@ class Reaper:
         if start is None:
             return 0
         if self._expired_through is not None and (
-            start == "" or _id_key(self._expired_through) > _id_key(start)
+            start == "" or entry_id_key(self._expired_through) > entry_id_key(start)
         ):
             start = self._expired_through
         deadline = time.time() - self.queue_timeout_s
@@ -227,7 +216,7 @@ class Reaper:
             expired: list[GenerationRequest] = []
             for entry_id, fields in page:
                 request = decode_request(entry_id, fields)
-                added_s = _id_key(contract.text(entry_id))[0] / 1000
+                added_s = entry_id_key(contract.text(entry_id))[0] / 1000
                 if added_s > deadline or (request is not None and request.enqueued_at > deadline):
                     in_time = True
                     break

@@ -45,6 +45,17 @@ async def send(client: httpx.AsyncClient, session: Session, content: str, **para
     return str(response.json()["generation_id"])
 
 
+async def cancel(client: httpx.AsyncClient, session: Session, gid: str) -> dict[str, Any]:
+    """``POST .../cancel``; its answer (the final state, or ``cancelling``)."""
+    response = await client.post(
+        f"{session.base}/v1/sessions/{session.session_id}/generations/{gid}/cancel",
+        headers=session.headers,
+    )
+    assert response.status_code == 200, response.text
+    body: dict[str, Any] = response.json()
+    return body
+
+
 @dataclass
 class Reading:
     events: list[Event] = field(default_factory=list)

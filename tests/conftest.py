@@ -7,12 +7,13 @@ import os
 import secrets
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import redis
+import redis.asyncio as aioredis
 
 from stack import processes
 from stack.redis_server import EmbeddedRedis, free_port
@@ -25,6 +26,14 @@ VLLM_LOCK = Path("/tmp/tokenspout-vllm.lock")
 def redis_server() -> Iterator[EmbeddedRedis]:
     with EmbeddedRedis() as server:
         yield server
+
+
+@pytest.fixture(name="redis")
+async def async_redis(redis_server: EmbeddedRedis) -> AsyncIterator[aioredis.Redis]:
+    """An asyncio client of the session's Redis server (the fixture is named ``redis``)."""
+    client = aioredis.Redis.from_url(redis_server.url)
+    yield client
+    await client.aclose()
 
 
 @dataclass

@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 
 from engine.contract import CONSUMER_GROUP, Keys
 from stack.redis_server import free_port
-from tests.client import Session, create_session, read_events, send
+from tests.client import Session, cancel, create_session, read_events, send
 from tests.conftest import Gateway, Stack, VllmStack
 from tests.sse import parse
 from tests.test_cancel import after_final, stream_events
@@ -149,12 +149,7 @@ def engine(request: pytest.FixtureRequest) -> Iterator[EngineUnderTest]:
 
 
 async def rest_cancel(client: httpx.AsyncClient, session: Session, gid: str) -> dict[str, Any]:
-    response = await client.post(
-        f"{session.base}/v1/sessions/{session.session_id}/generations/{gid}/cancel",
-        headers=session.headers,
-    )
-    assert response.status_code == 200, response.text
-    body: dict[str, Any] = response.json()
+    body = await cancel(client, session, gid)
     assert body["generation_id"] == gid
     return body
 

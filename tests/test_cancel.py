@@ -8,28 +8,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from typing import Any
 
 import httpx
 import pytest
 import redis.asyncio as aioredis
 
 from engine.contract import CONSUMER_GROUP, Keys
-from tests.client import Session, create_session, read_events, send
+from tests.client import cancel, create_session, read_events, send
 from tests.conftest import Stack
 from tests.ws_client import WsClient, open_ws
 
 pytestmark = pytest.mark.timeout(240)
-
-
-async def cancel(client: httpx.AsyncClient, session: Session, gid: str) -> dict[str, Any]:
-    response = await client.post(
-        f"{session.base}/v1/sessions/{session.session_id}/generations/{gid}/cancel",
-        headers=session.headers,
-    )
-    assert response.status_code == 200, response.text
-    body: dict[str, Any] = response.json()
-    return body
 
 
 async def stream_events(redis_url: str, prefix: str, session_id: str) -> list[dict[bytes, bytes]]:

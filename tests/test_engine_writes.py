@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -23,16 +22,8 @@ from engine.backends.synthetic import SyntheticBackend
 from engine.contract import Keys, Started, Token
 from engine.publisher import Publisher
 from engine.worker import Worker
-from stack.redis_server import EmbeddedRedis
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-async def redis(redis_server: EmbeddedRedis) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.Redis.from_url(redis_server.url)
-    yield client
-    await client.aclose()
 
 
 async def queued_generation(redis: aioredis.Redis, keys: Keys) -> tuple[str, str]:

@@ -5,23 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
 
 from engine.contract import Keys
 from gateway.watchdog import Reaper
-from stack.redis_server import EmbeddedRedis
 
 pytestmark = pytest.mark.timeout(30)
-
-
-@pytest.fixture
-async def redis(redis_server: EmbeddedRedis) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.Redis.from_url(redis_server.url)
-    yield client
-    await client.aclose()
 
 
 async def test_a_reaper_pass_that_raises_is_logged_and_the_reaper_goes_on(

@@ -13,7 +13,6 @@ from litestar.connection import Request
 from litestar.exceptions import HTTPException, ValidationException
 from redis.exceptions import RedisError
 
-from gateway.auth import ApiKeys, bearer
 from gateway.errors import (
     BadRequest,
     GatewayError,
@@ -25,12 +24,6 @@ from gateway.errors import (
 log = logging.getLogger("tokenspout.adapters")
 AnyRequest = Request[Any, Any, Any]
 UNKNOWN_FIELD = re.compile(r"unknown field `([^`]+)`")
-
-
-def require_api_key(request: AnyRequest, api_keys: ApiKeys) -> None:
-    """401 unless ``Authorization: Bearer <key>`` names a configured key (none configured:
-    open)."""
-    api_keys.require(bearer(request.headers.get("authorization")))
 
 
 def as_gateway_error(exc: Exception) -> GatewayError:

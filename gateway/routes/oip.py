@@ -17,7 +17,7 @@ from litestar.response import Stream
 
 from engine.contract import Done, SamplingParams, Started, Token
 from gateway import sse
-from gateway.auth import ApiKeys
+from gateway.auth import ApiKeys, require_api_key
 from gateway.errors import BadRequest, NotFound
 from gateway.generation_stream import GenerationStream, Heartbeat, final_error
 from gateway.relay import RelayHub
@@ -26,7 +26,6 @@ from gateway.routes.adapter_common import (
     AnyRequest,
     as_gateway_error,
     ending_with_error,
-    require_api_key,
 )
 from gateway.sessions import SessionStore
 from gateway.settings import Settings

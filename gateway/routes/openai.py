@@ -27,7 +27,7 @@ from engine.contract import (
     Usage,
 )
 from gateway import sse
-from gateway.auth import ApiKeys
+from gateway.auth import ApiKeys, require_api_key
 from gateway.errors import BadEngineOutput, BadRequest, GatewayError
 from gateway.generation_stream import (
     GenerationStream,
@@ -42,7 +42,6 @@ from gateway.routes.adapter_common import (
     AnyRequest,
     as_gateway_error,
     ending_with_error,
-    require_api_key,
 )
 from gateway.routes.openai_schema import (
     AssistantMessage,

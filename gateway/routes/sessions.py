@@ -17,7 +17,7 @@ from litestar.response import Stream
 
 from engine.contract import ChatMessage, FinalEvent, final_state
 from gateway import sse
-from gateway.auth import ApiKeys, bearer
+from gateway.auth import ApiKeys, require_api_key
 from gateway.relay import EventsExpired, RelayHub, SessionLost
 from gateway.sessions import SessionStore
 from gateway.settings import Settings
@@ -82,7 +82,7 @@ class SessionController(Controller):
         self, request: AnyRequest, store: SessionStore, api_keys: ApiKeys
     ) -> SessionCreated:
         """With API keys configured, wants ``Authorization: Bearer <key>`` (else 401)."""
-        api_keys.require(bearer(request.headers.get("authorization")))
+        require_api_key(request, api_keys)
         created = await store.create_session()
         return SessionCreated(
             created.session_id, created.token, f"/v1/sessions/{created.session_id}/events"
