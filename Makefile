@@ -32,7 +32,8 @@ model: setup
 
 browser:
 	@command -v chromium >/dev/null || { echo "[setup] installing Debian's chromium"; \
-	  (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || \
+	  (apt-get -o DPkg::Lock::Timeout=600 update -qq && \
+	   apt-get -o DPkg::Lock::Timeout=600 install -y -qq chromium >/dev/null) || \
 	  echo "[setup] could not install chromium: browser tests will fail"; }
 
 lint: setup

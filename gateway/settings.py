@@ -105,6 +105,15 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         Path(__file__).resolve().parent.parent / "web"
     )
     log_level: Annotated[str, _D(description="DEBUG, INFO, WARNING or ERROR.")] = "INFO"
+    keepalive_s: Annotated[
+        int,
+        _D(
+            ge=1,
+            description="How long an idle HTTP keep-alive connection stays open. Longer than "
+            "the idle timeout of common proxies and client pools (60 s), so a client never "
+            "sends a request on a connection the gateway is closing.",
+        ),
+    ] = 75
     shutdown_grace_s: Annotated[
         int,
         _D(

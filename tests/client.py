@@ -3,14 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
 from tests.sse import Event, SSEParser, parse
 
 TERMINAL = {"done", "cancelled", "error"}
+T = TypeVar("T")
+
+
+async def all_of(*coroutines: Coroutine[Any, Any, T]) -> list[T]:
+    """Run concurrently and return every result; the first failure cancels the others.
+
+    ``asyncio.gather`` would leave them running past the test, using a closed client.
+    """
+    async with asyncio.TaskGroup() as group:
+        tasks = [group.create_task(coroutine) for coroutine in coroutines]
+    return [task.result() for task in tasks]
 
 
 @dataclass

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
+import gc
 import os
 import secrets
 import subprocess
@@ -20,6 +22,24 @@ from stack.redis_server import EmbeddedRedis, free_port
 
 VLLM_LOCK = Path("/tmp/tokenspout-vllm.lock")
 """Held while a test session runs vLLM: two engines at once would starve these 2 cores."""
+
+
+@pytest.fixture(autouse=True)
+async def no_task_outlives_its_test() -> AsyncIterator[None]:
+    """A test ends with every task it started ended, and its garbage collected.
+
+    A task left running is destroyed when the test's event loop closes; what it held (a
+    half-open connection, a coroutine it never started) then warns from the garbage
+    collector, in whichever later test that happens to run, and fails that one instead.
+    """
+    yield
+    current = asyncio.current_task()
+    leaked = [task for task in asyncio.all_tasks() if task is not current and not task.done()]
+    for task in leaked:
+        task.cancel()
+    await asyncio.gather(*leaked, return_exceptions=True)
+    gc.collect()  # what the test dropped warns here, in this test
+    assert not leaked, f"tasks outlived the test: {leaked}"
 
 
 @pytest.fixture(scope="session")

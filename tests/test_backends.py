@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 
 from engine.contract import CONSUMER_GROUP, Keys
 from stack.redis_server import free_port
-from tests.client import Session, cancel, create_session, read_events, send
+from tests.client import Session, all_of, cancel, create_session, read_events, send
 from tests.conftest import Gateway, Stack, VllmStack
 from tests.sse import parse
 from tests.test_cancel import after_final, stream_events
@@ -421,7 +421,7 @@ async def test_a_generation_cancelled_while_queued_never_reaches_the_engine(
                 assert [e.event for e in reading.events] == ["queued", "started", "token"]
                 return session, gid
 
-            running = await asyncio.gather(*(long_one(i) for i in range(capacity)))
+            running = await all_of(*(long_one(i) for i in range(capacity)))
             await engine.wait_running(capacity)
 
             queued = await create_session(client, engine.url)
@@ -443,7 +443,7 @@ async def test_a_generation_cancelled_while_queued_never_reaches_the_engine(
             assert reading.events[1].json() == answer["final"]
 
             sent = time.monotonic()
-            answers = await asyncio.gather(*(rest_cancel(client, s, g) for s, g in running))
+            answers = await all_of(*(rest_cancel(client, s, g) for s, g in running))
             assert {a["state"] for a in answers} <= {"cancelled", "cancelling"}, answers
             await engine.stops(sent, f"{capacity} cancels at once", within_s=30)
         finally:

@@ -14,7 +14,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from engine.contract import CONSUMER_GROUP, Keys
-from tests.client import cancel, create_session, read_events, send
+from tests.client import all_of, cancel, create_session, read_events, send
 from tests.conftest import Stack
 from tests.ws_client import WsClient, open_ws
 
@@ -118,7 +118,7 @@ async def test_200_generations_cancelled_at_random_points_emit_no_token_after_ca
         await ws.conn.close()
         return ws, ids
 
-    results = await asyncio.gather(*(run_socket(n) for n in range(sockets)))
+    results = await all_of(*(run_socket(n) for n in range(sockets)))
     assert engine.poll() is None
     cancelled = 0
     for ws, ids in results:

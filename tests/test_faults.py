@@ -20,7 +20,7 @@ from engine import contract
 from engine.contract import CONSUMER_GROUP, Keys
 from stack import processes
 from stack.redis_server import EmbeddedRedis, free_port
-from tests.client import Reading, Session, create_session, read_events, send
+from tests.client import Reading, Session, all_of, create_session, read_events, send
 from tests.conftest import Stack
 from tests.sse import parse
 from tests.test_metrics import scrape
@@ -63,7 +63,7 @@ async def test_random_reconnects_lose_and_repeat_nothing(stack: Stack) -> None:
         return len(reading.events)
 
     async with httpx.AsyncClient(timeout=30) as client:
-        checked = sum(await asyncio.gather(*(one(client, i) for i in range(10))))
+        checked = sum(await all_of(*(one(client, i) for i in range(10))))
     assert checked >= 10 * 153
     print(f"\nreconnects: {checked} events checked over 10 sessions, 0 lost, 0 repeated")
 

@@ -7,7 +7,7 @@ import asyncio
 import httpx
 import pytest
 
-from tests.client import create_session, read_events, send
+from tests.client import all_of, create_session, read_events, send
 from tests.conftest import Stack
 from tests.sse import SSEParser, parse
 
@@ -121,7 +121,7 @@ async def test_a_hundred_concurrent_sessions_each_get_exactly_their_own_tokens(
             assert {e.json()["generation_id"] for e in reading.events} == {generation}
             assert reading.text(generation) == expected_reply(content, 12)
 
-        await asyncio.gather(*(one(i) for i in range(100)))
+        await all_of(*(one(i) for i in range(100)))
 
 
 async def test_with_no_worker_a_message_waits_queued_and_is_served_when_one_comes(
