@@ -46,7 +46,7 @@ class VllmBackend(Backend):
         args = AsyncEngineArgs(
             model=self.model_path,
             served_model_name=[self.model],
-            dtype=self.dtype,  # type: ignore[arg-type]
+            dtype=self.dtype,
             max_model_len=self.max_model_len,
             max_num_seqs=self.capacity,
             enforce_eager=self.enforce_eager,
