@@ -17,6 +17,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from engine.contract import Keys
 from stack import processes
 from stack.redis_server import EmbeddedRedis, free_port
 
@@ -106,6 +107,18 @@ class Stack:
         return self.engine(
             "--backend", "synthetic", "--tokens-per-s", str(tokens_per_s), *args, **env
         )
+
+    async def wait_live_readers(self, session_id: str, count: int = 1) -> None:
+        """Until Redis confirms ``count`` gateways' subscriptions to the session's live
+        channel: from then on its events reach those gateways' readers live."""
+        channel = Keys(self.prefix).live_channel(session_id)
+        client = aioredis.Redis.from_url(self.redis_url)
+        try:
+            async with asyncio.timeout(30):
+                while (await client.pubsub_numsub(channel))[0][1] < count:
+                    await asyncio.sleep(0.01)
+        finally:
+            await client.aclose()
 
     def stop(self) -> None:
         for child in reversed(self.children):

@@ -340,7 +340,7 @@ async def test_redis_restart_without_its_data_ends_streams_clearly(
                         frames.append(line)
 
             reader = asyncio.create_task(read_raw())
-            await asyncio.sleep(0.5)
+            await stack.wait_live_readers(session.session_id)
             restartable_redis.kill(wipe=True)
             restartable_redis.start()
             await asyncio.wait_for(reader, 30)  # the stream ends by itself

@@ -100,7 +100,7 @@ async def test_a_stalled_reader_costs_bounded_memory_and_still_gets_every_event(
             f"Host: 127.0.0.1\r\nAccept: text/event-stream\r\n\r\n".encode()
         )
         await wait_for_streams(client, gateway.url, 1)
-        await asyncio.sleep(0.3)  # let Redis confirm the SUBSCRIBE: events arrive live
+        await stack.wait_live_readers(session.session_id)  # events arrive live from here
         baseline = rss_kib(gateway.process.pid)
         generation = await send(client, session, content, max_tokens=STALL_TOKENS)
         # Everyone else is served while that reader sleeps.

@@ -58,18 +58,12 @@ async def follow(client: httpx.AsyncClient, session: Session, reading: Reading) 
 
 
 async def open_stream(
-    client: httpx.AsyncClient, session: Session, gateway_url: str, streams: int
+    client: httpx.AsyncClient, session: Session, stack: Stack
 ) -> tuple[asyncio.Task[None], Reading]:
     """A reader whose feed is open before anything is sent (so every event is live)."""
     reading = Reading()
     task = asyncio.create_task(follow(client, session, reading))
-
-    async def subscribed() -> bool:
-        samples = await scrape(client, f"{gateway_url}/metrics")
-        return value(samples, "tokenspout_gateway_active_streams") == streams
-
-    await eventually(subscribed)
-    await asyncio.sleep(0.2)  # the SUBSCRIBE is sent; let Redis confirm it
+    await stack.wait_live_readers(session.session_id)
     return task, reading
 
 
@@ -82,13 +76,13 @@ async def test_metrics_count_a_finished_and_a_cancelled_generation_on_gateway_an
     engine_url = f"http://127.0.0.1:{engine_port}/metrics"
     async with httpx.AsyncClient(timeout=30) as client:
         first = await create_session(client, gateway.url)
-        task, done_reading = await open_stream(client, first, gateway.url, 1)
+        task, done_reading = await open_stream(client, first, stack)
         finished = await send(client, first, "count me", max_tokens=10)
         await task
         assert done_reading.final(finished).event == "done"
 
         second = await create_session(client, gateway.url)
-        task, cancel_reading = await open_stream(client, second, gateway.url, 1)
+        task, cancel_reading = await open_stream(client, second, stack)
         cancelled = await send(client, second, "stop me", max_tokens=400)
 
         async def three_tokens() -> bool:
@@ -251,7 +245,7 @@ async def test_a_reader_leaving_mid_generation_counts_as_abandoned_and_the_engin
             return value(g, "tokenspout_gateway_active_streams") == 1
 
         await eventually(subscribed)
-        await asyncio.sleep(0.2)
+        await stack.wait_live_readers(session.session_id)
         await send(client, session, "nobody will read this", max_tokens=400)
         await reader
 

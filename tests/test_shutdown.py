@@ -135,7 +135,8 @@ async def test_gateway_sigterm_closes_idle_streams_at_once(stack: Stack) -> None
         async with asyncio.timeout(10):
             while not all(reading.parser.retry is not None for reading in readings):
                 await asyncio.sleep(0.02)
-        await asyncio.sleep(0.3)  # each handler has opened its feed
+        for session in sessions:  # each handler has opened its feed
+            await stack.wait_live_readers(session.session_id)
         gateway.process.send_signal(signal.SIGTERM)
         took = await asyncio.to_thread(wait_exit, gateway.process, 30 + 10)
         assert all(await asyncio.gather(*readers)), "a stream was cut instead of ended"
