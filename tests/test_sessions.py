@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -215,20 +216,21 @@ async def test_an_idle_session_stream_carries_heartbeats_and_a_queued_event_unco
             assert response.headers["cache-control"] == "no-cache"
             assert "content-encoding" not in response.headers
             reader = asyncio.create_task(consume(response))
-            try:
-                await asyncio.sleep(1.5)
-                idle_heartbeats = parser.comments
-                assert events == []
-                generation = await send(client, session, "is anyone there", max_tokens=4)
+
+            async def until(condition: Callable[[], bool]) -> None:
                 async with asyncio.timeout(10):
-                    while not events:
-                        await asyncio.sleep(0.05)
+                    while not condition():
+                        await asyncio.sleep(0.02)
+
+            try:
+                await until(lambda: parser.comments >= 3)  # heartbeats, 0.2 s apart, and
+                assert events == []  # nothing else while nothing happens
+                generation = await send(client, session, "is anyone there", max_tokens=4)
+                await until(lambda: bool(events))
                 before = parser.comments
-                await asyncio.sleep(1.0)
+                await until(lambda: parser.comments >= before + 2)  # and on after an event
             finally:
                 reader.cancel()
-        # 0.2 s apart: about 7 in 1.5 s and 5 in 1 s; a loaded CPU may delay a few.
-        assert idle_heartbeats >= 3
-        assert parser.comments - before >= 2
+                await asyncio.wait({reader})
         assert [(e.event, e.json()["generation_id"]) for e in events] == [("queued", generation)]
         assert events[0].id is not None
