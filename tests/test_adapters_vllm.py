@@ -21,50 +21,50 @@ async def test_openai_sdk_streams_and_answers_with_real_usage_and_logprobs(
     vllm_stack: VllmStack,
 ) -> None:
     base = f"{vllm_stack.gateway.url}/v1"
-    sync = openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
-    assert MODEL in [m.id for m in sync.models.list().data]
+    with openai.OpenAI(base_url=base, api_key="unused", max_retries=0) as sync:
+        assert MODEL in [m.id for m in sync.models.list().data]
 
-    chunks = list(
-        sync.chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": "Name three colours."}],
-            max_tokens=8,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-            logprobs=True,
+        chunks = list(
+            sync.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "Name three colours."}],
+                max_tokens=8,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                logprobs=True,
+            )
         )
-    )
-    assert {c.model for c in chunks} == {MODEL}
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text.strip()
-    logprobs = [
-        entry.logprob
-        for c in chunks
-        if c.choices and c.choices[0].logprobs and c.choices[0].logprobs.content
-        for entry in c.choices[0].logprobs.content
-    ]
-    usage = chunks[-1].usage
-    assert usage is not None and usage.prompt_tokens > 5
-    assert len(logprobs) == usage.completion_tokens <= 8
-    assert all(lp <= 0 for lp in logprobs) and any(lp < 0 for lp in logprobs)
+        assert {c.model for c in chunks} == {MODEL}
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text.strip()
+        logprobs = [
+            entry.logprob
+            for c in chunks
+            if c.choices and c.choices[0].logprobs and c.choices[0].logprobs.content
+            for entry in c.choices[0].logprobs.content
+        ]
+        usage = chunks[-1].usage
+        assert usage is not None and usage.prompt_tokens > 5
+        assert len(logprobs) == usage.completion_tokens <= 8
+        assert all(lp <= 0 for lp in logprobs) and any(lp < 0 for lp in logprobs)
 
-    client = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0)
-    try:
-        prompt = "The capital of France is"
-        whole = await client.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=6, temperature=0
-        )
-        stream = await client.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=6, temperature=0, stream=True
-        )
-        streamed = "".join([c.choices[0].text async for c in stream if c.choices])
-        # Greedy decoding: the stream and the whole answer are the same text.
-        assert whole.choices[0].text == streamed and streamed.strip()
-        assert whole.usage is not None and whole.usage.completion_tokens <= 6
-        assert whole.choices[0].finish_reason in ("length", "stop")
-    finally:
-        await client.close()
+        client = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0)
+        try:
+            prompt = "The capital of France is"
+            whole = await client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=6, temperature=0
+            )
+            stream = await client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=6, temperature=0, stream=True
+            )
+            streamed = "".join([c.choices[0].text async for c in stream if c.choices])
+            # Greedy decoding: the stream and the whole answer are the same text.
+            assert whole.choices[0].text == streamed and streamed.strip()
+            assert whole.usage is not None and whole.usage.completion_tokens <= 6
+            assert whole.choices[0].finish_reason in ("length", "stop")
+        finally:
+            await client.close()
 
 
 async def test_huggingface_client_streams_real_token_ids_and_logprobs(
