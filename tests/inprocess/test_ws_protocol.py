@@ -79,7 +79,7 @@ def test_an_unknown_or_missing_type_is_unknown_type(data: str) -> None:
         ('{"type":"generate","id":"a","content":"x","temperature":3}', "temperature"),
         ('{"type":"generate","id":"a","content":"x","top_p":0}', "top_p"),
         (
-            '{"type":"generate","id":"a","content":"x","stop":[%s]}' % ",".join(['"s"'] * 9),
+            '{"type":"generate","id":"a","content":"x","stop":' + '["s"' + ',"s"' * 8 + "]}",
             "stop",
         ),
         ('{"type":"generate","id":"a","content":"x","max_tokens":"many"}', "max_tokens"),
