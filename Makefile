@@ -1,4 +1,5 @@
-# tokenspout: `make run` runs the product, `make test` runs every check. Both set up first.
+# tokenspout: `make run` runs the product, `make test` runs every check, `make check` the fast
+# ones (the inner loop). All set up first.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
@@ -12,6 +13,11 @@ run: setup
 	$(PY) -m stack --port $(PORT)
 
 test: setup model browser lint typecheck pytest
+
+# Lint, types and the in-process tests (tests/inprocess: no gateway or engine process, no
+# vLLM, the embedded Redis only), in well under a minute. `make test` runs these tests too.
+check: setup lint typecheck
+	$(PY) -m pytest tests/inprocess -q
 
 setup: $(STAMP)
 

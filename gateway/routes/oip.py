@@ -8,7 +8,7 @@ text, or one SSE event per engine step). Errors are the protocol's ``{"error": "
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator
 from typing import Annotated
 
 import msgspec
@@ -19,7 +19,7 @@ from engine.contract import Done, SamplingParams, Started, Token
 from gateway import sse
 from gateway.auth import ApiKeys, require_api_key
 from gateway.errors import BadRequest, NotFound
-from gateway.generation_stream import GenerationStream, Heartbeat, final_error
+from gateway.generation_stream import GenerationItem, GenerationStream, Heartbeat, final_error
 from gateway.relay import RelayHub
 from gateway.routes.adapter_common import (
     HANDLED,
@@ -111,9 +111,9 @@ async def generate(
 
 
 async def _events(
-    generation: GenerationStream, model: str, request_id: str | None
+    items: AsyncIterable[GenerationItem], model: str, request_id: str | None
 ) -> AsyncIterator[bytes]:
-    async for item in generation.events():
+    async for item in items:
         if isinstance(item, Heartbeat):
             yield sse.HEARTBEAT
         elif isinstance(item, Started):
@@ -141,7 +141,7 @@ async def generate_stream(
 ) -> Stream:
     generation = await _start(request, store, hub, settings, api_keys, data)
     chunks = ending_with_error(
-        _events(generation, model, data.id),
+        _events(generation.events(), model, data.id),
         lambda error: sse.frame(msgspec.json.encode(OipError(error.message))),
     )
     return sse.response(chunks, background=generation.on_response_end())

@@ -8,7 +8,7 @@ module only translates parameters in and events out, and spells errors the way t
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -30,6 +30,8 @@ from gateway import sse
 from gateway.auth import ApiKeys, require_api_key
 from gateway.errors import BadEngineOutput, BadRequest, GatewayError
 from gateway.generation_stream import (
+    Collected,
+    GenerationItem,
     GenerationStream,
     Heartbeat,
     TokenPiece,
@@ -211,13 +213,13 @@ def openai_error(_: AnyRequest, exc: Exception) -> Response[ErrorOut]:
 
 
 async def _stream(
-    generation: GenerationStream,
+    items: AsyncIterable[GenerationItem],
     chunk: Callable[[str, list[TokenPiece] | None, str | None, Token | None], msgspec.Struct],
     usage_chunk: Callable[[str, Usage], msgspec.Struct] | None,
     model: str,
 ) -> AsyncIterator[bytes]:
     """Chunks of one generation; ``chunk(model, pieces, finish_reason, token)``."""
-    async for item in generation.events():
+    async for item in items:
         if isinstance(item, Heartbeat):
             yield sse.HEARTBEAT
         elif isinstance(item, Started):
@@ -231,6 +233,100 @@ async def _stream(
         else:
             yield _error_frame(item)
     yield DONE_FRAME
+
+
+class ChatChunks:
+    """The chunks of one streamed chat completion: the first delta carries the role."""
+
+    def __init__(self, completion_id: str, created: int, want_logprobs: bool) -> None:
+        self.completion_id = completion_id
+        self.created = created
+        self.want_logprobs = want_logprobs
+        self.sent_role = False
+
+    def chunk(
+        self, model: str, pieces: list[TokenPiece] | None, finish: str | None, token: Token | None
+    ) -> ChatCompletionChunk:
+        delta = ChatDelta(content=token.text if token is not None else None)
+        if not self.sent_role:
+            self.sent_role, delta.role = True, "assistant"
+            delta.content = delta.content or ""
+        logprobs = _chat_logprobs(pieces) if self.want_logprobs and pieces else None
+        return ChatCompletionChunk(
+            self.completion_id,
+            "chat.completion.chunk",
+            self.created,
+            model,
+            [ChatChunkChoice(0, delta, logprobs, finish)],
+            None,
+        )
+
+    def usage(self, model: str, usage: Usage) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            self.completion_id, "chat.completion.chunk", self.created, model, [], _usage(usage)
+        )
+
+
+class CompletionChunks:
+    """The chunks of one streamed (legacy) completion: logprob offsets run on across them."""
+
+    def __init__(self, completion_id: str, created: int, want_logprobs: bool) -> None:
+        self.completion_id = completion_id
+        self.created = created
+        self.want_logprobs = want_logprobs
+        self.offset = 0
+
+    def chunk(
+        self, model: str, pieces: list[TokenPiece] | None, finish: str | None, token: Token | None
+    ) -> Completion:
+        text = token.text if token is not None else ""
+        logprobs = (
+            _completion_logprobs(pieces, self.offset) if self.want_logprobs and pieces else None
+        )
+        self.offset += len(text)
+        choice = CompletionChoice(0, text, logprobs, finish)
+        return Completion(
+            self.completion_id, "text_completion", self.created, model, [choice], None
+        )
+
+    def usage(self, model: str, usage: Usage) -> Completion:
+        return Completion(
+            self.completion_id, "text_completion", self.created, model, [], _usage(usage)
+        )
+
+
+def chat_completion_body(
+    completion_id: str, created: int, model: str, whole: Collected, want_logprobs: bool
+) -> ChatCompletion:
+    """The answer of a chat completion that does not stream."""
+    logprobs = _chat_logprobs(whole.pieces) if want_logprobs else None
+    choice = ChatChoice(
+        0, AssistantMessage("assistant", whole.text), logprobs, whole.final.finish_reason
+    )
+    return ChatCompletion(
+        completion_id,
+        "chat.completion",
+        created,
+        whole.model or model,
+        [choice],
+        _usage(whole.final.usage),
+    )
+
+
+def completion_body(
+    completion_id: str, created: int, model: str, whole: Collected, want_logprobs: bool
+) -> Completion:
+    """The answer of a (legacy) completion that does not stream."""
+    logprobs = _completion_logprobs(whole.pieces, 0) if want_logprobs else None
+    choice = CompletionChoice(0, whole.text, logprobs, whole.final.finish_reason)
+    return Completion(
+        completion_id,
+        "text_completion",
+        created,
+        whole.model or model,
+        [choice],
+        _usage(whole.final.usage),
+    )
 
 
 @post("/chat/completions", summary="OpenAI chat completions", status_code=200)
@@ -251,51 +347,17 @@ async def chat_completions(
 
     if not data.stream:
         whole = await generation.collect()
-        logprobs = None
-        if want_logprobs:
-            logprobs = _chat_logprobs(whole.pieces)
-        choice = ChatChoice(
-            0, AssistantMessage("assistant", whole.text), logprobs, whole.final.finish_reason
-        )
-        body = ChatCompletion(
-            completion_id,
-            "chat.completion",
-            created,
-            whole.model or data.model,
-            [choice],
-            _usage(whole.final.usage),
-        )
-        return Response(body)
-
-    sent_role = False
-
-    def chunk(
-        model: str, pieces: list[TokenPiece] | None, finish: str | None, token: Token | None
-    ) -> ChatCompletionChunk:
-        nonlocal sent_role
-        delta = ChatDelta(content=token.text if token is not None else None)
-        if not sent_role:
-            sent_role, delta.role = True, "assistant"
-            delta.content = delta.content or ""
-        logprobs = _chat_logprobs(pieces) if want_logprobs and pieces else None
-        return ChatCompletionChunk(
-            completion_id,
-            "chat.completion.chunk",
-            created,
-            model,
-            [ChatChunkChoice(0, delta, logprobs, finish)],
-            None,
+        return Response(
+            chat_completion_body(completion_id, created, data.model, whole, want_logprobs)
         )
 
-    def usage_chunk(model: str, usage: Usage) -> ChatCompletionChunk:
-        return ChatCompletionChunk(
-            completion_id, "chat.completion.chunk", created, model, [], _usage(usage)
-        )
-
+    chunks = ChatChunks(completion_id, created, want_logprobs)
     include_usage = data.stream_options is not None and data.stream_options.include_usage
-    chunks = _stream(generation, chunk, usage_chunk if include_usage else None, data.model)
+    stream = _stream(
+        generation.events(), chunks.chunk, chunks.usage if include_usage else None, data.model
+    )
     return sse.response(
-        ending_with_error(chunks, _failure_frames), background=generation.on_response_end()
+        ending_with_error(stream, _failure_frames), background=generation.on_response_end()
     )
 
 
@@ -317,39 +379,15 @@ async def completions(
 
     if not data.stream:
         whole = await generation.collect()
-        logprobs = None
-        if want_logprobs:
-            logprobs = _completion_logprobs(whole.pieces, 0)
-        choice = CompletionChoice(0, whole.text, logprobs, whole.final.finish_reason)
-        body = Completion(
-            completion_id,
-            "text_completion",
-            created,
-            whole.model or data.model,
-            [choice],
-            _usage(whole.final.usage),
-        )
-        return Response(body)
+        return Response(completion_body(completion_id, created, data.model, whole, want_logprobs))
 
-    offset = 0
-
-    def chunk(
-        model: str, pieces: list[TokenPiece] | None, finish: str | None, token: Token | None
-    ) -> Completion:
-        nonlocal offset
-        text = token.text if token is not None else ""
-        logprobs = _completion_logprobs(pieces, offset) if want_logprobs and pieces else None
-        offset += len(text)
-        choice = CompletionChoice(0, text, logprobs, finish)
-        return Completion(completion_id, "text_completion", created, model, [choice], None)
-
-    def usage_chunk(model: str, usage: Usage) -> Completion:
-        return Completion(completion_id, "text_completion", created, model, [], _usage(usage))
-
+    chunks = CompletionChunks(completion_id, created, want_logprobs)
     include_usage = data.stream_options is not None and data.stream_options.include_usage
-    chunks = _stream(generation, chunk, usage_chunk if include_usage else None, data.model)
+    stream = _stream(
+        generation.events(), chunks.chunk, chunks.usage if include_usage else None, data.model
+    )
     return sse.response(
-        ending_with_error(chunks, _failure_frames), background=generation.on_response_end()
+        ending_with_error(stream, _failure_frames), background=generation.on_response_end()
     )
 
 

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 import msgspec
 from litestar import Controller, get, post
 from litestar.connection import Request
-from litestar.params import Parameter
+from litestar.params import HeaderParameter, QueryParameter
 from litestar.response import Stream
 
 from engine.contract import ChatMessage, FinalEvent, final_state
@@ -60,8 +60,8 @@ class CancelResult(msgspec.Struct):
     final: FinalEvent | None = None
 
 
-TokenQuery = Annotated[str | None, Parameter(query="token", required=False)]
-TokenHeader = Annotated[str | None, Parameter(header="X-Session-Token", required=False)]
+TokenQuery = Annotated[str | None, QueryParameter(name="token", required=False)]
+TokenHeader = Annotated[str | None, HeaderParameter(name="X-Session-Token", required=False)]
 
 
 def session_token(request: AnyRequest, query: str | None, header: str | None) -> str | None:
@@ -110,7 +110,7 @@ class SessionController(Controller):
         token: TokenQuery,
         x_session_token: TokenHeader,
         idempotency_key: Annotated[
-            str | None, Parameter(header="Idempotency-Key", required=False, max_length=128)
+            str | None, HeaderParameter(name="Idempotency-Key", required=False, max_length=128)
         ],
     ) -> GenerationAccepted:
         params = store.sampling(
@@ -147,9 +147,9 @@ class SessionController(Controller):
         session_id: str,
         token: TokenQuery,
         x_session_token: TokenHeader,
-        last_event_id: Annotated[str | None, Parameter(query="last_event_id", required=False)],
+        last_event_id: Annotated[str | None, QueryParameter(name="last_event_id", required=False)],
         last_event_id_header: Annotated[
-            str | None, Parameter(header="Last-Event-ID", required=False)
+            str | None, HeaderParameter(name="Last-Event-ID", required=False)
         ],
     ) -> Stream:
         await store.authorise(session_id, session_token(request, token, x_session_token))

@@ -9,7 +9,7 @@ Errors are TGI's ``{"error": ..., "error_type": ...}`` (``huggingface_hub`` rais
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator
 from typing import Annotated, Any
 
 import msgspec
@@ -21,6 +21,8 @@ from gateway import sse
 from gateway.auth import ApiKeys, require_api_key
 from gateway.errors import BadEngineOutput, BadRequest
 from gateway.generation_stream import (
+    Collected,
+    GenerationItem,
     GenerationStream,
     Heartbeat,
     TokenPiece,
@@ -180,8 +182,8 @@ async def _start(
     return await GenerationStream.submit(store, hub, settings, params, prompt=data.inputs)
 
 
-async def _generate(generation: GenerationStream, data: GenerateRequest) -> Generated:
-    whole = await generation.collect()
+def _generated(whole: Collected, data: GenerateRequest) -> Generated:
+    """The answer of a ``/generate`` that does not stream."""
     prefix = data.inputs if data.parameters.return_full_text else ""
     if not data.parameters.details:
         return Generated(prefix + whole.text)
@@ -196,10 +198,12 @@ async def _generate(generation: GenerationStream, data: GenerateRequest) -> Gene
     return Generated(prefix + whole.text, details)
 
 
-async def _events(generation: GenerationStream, data: GenerateRequest) -> AsyncIterator[bytes]:
+async def _events(
+    items: AsyncIterable[GenerationItem], data: GenerateRequest
+) -> AsyncIterator[bytes]:
     held: TokenPiece | None = None
     index, text, input_length = 0, [data.inputs] if data.parameters.return_full_text else [], 0
-    async for item in generation.events():
+    async for item in items:
         if isinstance(item, Heartbeat):
             yield sse.HEARTBEAT
         elif isinstance(item, Started):
@@ -234,7 +238,8 @@ def _frame(event: msgspec.Struct) -> bytes:
 def _stream_response(generation: GenerationStream, data: GenerateRequest) -> Stream:
     # Inside a stream every failure is a `generation` error, as the engine's own are.
     chunks = ending_with_error(
-        _events(generation, data), lambda error: _frame(TgiError(error.message, "generation"))
+        _events(generation.events(), data),
+        lambda error: _frame(TgiError(error.message, "generation")),
     )
     return sse.response(chunks, background=generation.on_response_end())
 
@@ -256,7 +261,7 @@ async def generate(
     generation = await _start(request, store, hub, settings, api_keys, data)
     if data.stream:
         return _stream_response(generation, data)
-    return Response(await _generate(generation, data), status_code=200)
+    return Response(_generated(await generation.collect(), data), status_code=200)
 
 
 @post("/generate_stream", summary="TGI generate_stream (text/event-stream)", status_code=200)
