@@ -205,7 +205,7 @@ async def test_api_keys_refuse_a_wrong_or_missing_key_with_401_and_list_models(
             assert missing.json()["error"]
             answered = await raw.post(
                 f"{gateway.url}/v1/completions",
-                json={"model": "any", "prompt": "hi", "max_tokens": 2},
+                json={"model": "synthetic", "prompt": "hi", "max_tokens": 2},
                 headers={"Authorization": "Bearer key-one"},
             )
             assert answered.status_code == 200, answered.text
