@@ -353,7 +353,9 @@ class SessionStore:
         """Model -> (queued, running): requests no worker took yet, and taken but not
         finished, for every registered model (and ``also``), in one round trip."""
         snapshot = await self.models.snapshot()
-        models = sorted(set(snapshot.models) | set(also or []))
+        # The default model may be queued for before any worker of it registered.
+        default = [self.settings.default_model] if self.settings.default_model else []
+        models = sorted(set(snapshot.models) | set(also or []) | set(default))
         async with self.redis.pipeline(transaction=False) as pipe:
             for model in models:
                 pipe.xinfo_groups(self.keys.requests(model))
