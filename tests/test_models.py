@@ -15,6 +15,7 @@ from stack import processes
 from tests.adapter_support import synthetic_text
 from tests.client import Session, create_session, read_events, send
 from tests.conftest import Stack
+from tests.ws_client import open_ws
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -192,3 +193,22 @@ async def test_a_model_whose_last_worker_left_ends_its_queue_and_refuses_new_req
         gid = queued.json()["generation_id"]
         reading = await read_events(http, session, until_final_of=gid, timeout_s=20)
         assert reading.final(gid).json()["code"] == "queue_timeout"
+
+
+async def test_a_websocket_generate_names_the_model_of_the_session_it_creates(
+    stack: Stack,
+) -> None:
+    base = _two_models(stack)
+    ws = await open_ws(base)
+    try:
+        ack = await ws.generate("q", "over a socket", max_tokens=3, model="bee")
+        assert ack["type"] == "ack"
+        await ws.final_of("q")
+        (started,) = [f for f in ws.frames["q"] if f["type"] == "started"]
+        assert started["model"] == "beta"
+        refused = await ws.generate("r", "nobody", model="gpt-4")
+        assert refused["type"] == "error" and refused["code"] == "model_not_found"
+        unnamed = await ws.generate("s", "which one")
+        assert unnamed["type"] == "error" and unnamed["code"] == "model_required"
+    finally:
+        await ws.conn.close()
