@@ -18,7 +18,7 @@ import time
 import redis.asyncio as aioredis
 
 from engine.backends.base import Backend
-from engine.contract import DEFAULT_PREFIX, Keys
+from engine.contract import DEFAULT_PREFIX, Keys, check_model_name
 from engine.metrics import WorkerMetrics
 from engine.worker import Worker
 
@@ -50,7 +50,17 @@ def build_parser() -> argparse.ArgumentParser:
         default="default",
         help="a model folder, a hub name (with HF_HUB_OFFLINE=0), or 'default' (bundled)",
     )
-    parser.add_argument("--served-name", default=None, help="model name shown to clients")
+    parser.add_argument(
+        "--served-model-name",
+        "--served-name",
+        dest="served_model_name",
+        action="extend",
+        nargs="+",
+        default=None,
+        help="the name clients ask for (requests route to this model's queue by it); more "
+        "names after it (repeated, space- or comma-separated) are aliases. Default: the "
+        "model folder's name, SmolLM2-135M-Instruct for 'default', synthetic for synthetic",
+    )
     parser.add_argument("--capacity", type=int, default=None, help="concurrent generations")
     parser.add_argument(
         "--max-model-len", type=int, default=2048, help="longest prompt plus reply, in tokens"
@@ -108,18 +118,35 @@ def on_cpu() -> bool:
     return not torch.cuda.is_available()
 
 
+def served_names(args: argparse.Namespace) -> list[str]:
+    """``--served-model-name a b --served-model-name c,d`` as ``[a, b, c, d]`` (first: the
+    model's name; the rest: aliases), each checked (SystemExit naming the bad one)."""
+    names = [name.strip() for given in args.served_model_name or [] for name in given.split(",")]
+    names = list(dict.fromkeys(name for name in names if name))
+    for name in names:
+        try:
+            check_model_name(name)
+        except ValueError as exc:
+            raise SystemExit(f"--served-model-name: {exc}") from None
+    return names
+
+
 def make_backend(args: argparse.Namespace) -> Backend:
+    names = served_names(args)
     if args.backend == "synthetic":
         from engine.backends.synthetic import SyntheticBackend
 
         return SyntheticBackend(
-            args.tokens_per_s, capacity=args.capacity or 256, prepare_delay_s=args.prepare_delay_s
+            args.tokens_per_s,
+            capacity=args.capacity or 256,
+            prepare_delay_s=args.prepare_delay_s,
+            model=names[0] if names else "synthetic",
         )
     from engine.backends.vllm_backend import VllmBackend
     from engine.model import MODEL_NAME, prepare_default_model
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    model, served = args.model, args.served_name
+    model, served = args.model, names[0] if names else None
     if model == "default":
         model, served = str(prepare_default_model()), served or MODEL_NAME
     cpu = on_cpu()
@@ -146,7 +173,14 @@ async def serve(args: argparse.Namespace) -> None:
         start_http_server(args.metrics_port, registry=metrics.registry)
     redis = aioredis.Redis.from_url(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
     keys = Keys(os.environ.get("TOKENSPOUT_KEY_PREFIX", DEFAULT_PREFIX))
-    worker = Worker(redis, backend, keys=keys, worker_id=args.worker_id, metrics=metrics)
+    worker = Worker(
+        redis,
+        backend,
+        keys=keys,
+        worker_id=args.worker_id,
+        metrics=metrics,
+        aliases=served_names(args)[1:],
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

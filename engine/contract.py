@@ -8,8 +8,13 @@ ignore bumps ``WIRE_VERSION`` and the key prefix, so two versions never share ke
 
 Redis layout (every key from ``Keys``, every one with a TTL, every stream capped):
 
-    {prefix}:requests                 stream, consumer group "engines": generation requests
-                                      (TTL SHARED_KEY_TTL_S, refreshed by submits and workers)
+    {prefix}:requests:{model}         stream, consumer group "engines": generation requests
+                                      for one model (its served name; the workers of that
+                                      model read it), TTL SHARED_KEY_TTL_S, refreshed by
+                                      submits and workers
+    {prefix}:models                   hash served name (or alias) -> model (its queue's name),
+                                      written by every worker heartbeat (same TTL): the names
+                                      a gateway knows, live or not
     {prefix}:cancels                  stream read by every worker: cancel signals (same TTL)
     {prefix}:workers                  sorted set worker id -> last heartbeat (unix seconds)
                                       (same TTL, refreshed by every heartbeat)
@@ -30,6 +35,7 @@ below touches one slot only.
 
 from __future__ import annotations
 
+import re
 from typing import Literal, cast
 
 import msgspec
@@ -67,6 +73,16 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     presence_penalty: float = 0.0
     logprobs: bool = False
     """Ask the engine for the logprob of each sampled token (TGI and OpenAI adapters)."""
+    # vLLM's extra sampling fields (its OpenAI server takes them; clients send them through
+    # the SDK's ``extra_body``). Neutral defaults: an old writer's request means what it did.
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] = []
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
 
 class GenerationRequest(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -102,6 +118,14 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     capacity: int
     running: int
     started_at: float
+    aliases: list[str] = []
+    """More names the model answers to (``--served-model-name a,b``: ``b``)."""
+    max_model_len: int | None = None
+    """Longest prompt plus reply in tokens; None: no fixed context (synthetic)."""
+
+    @property
+    def names(self) -> list[str]:
+        return [self.model, *self.aliases]
 
 
 # --- session events (the stream entry ``d`` field, and the SSE ``data:``) ---------------
@@ -204,6 +228,16 @@ def final_state(event: FinalEvent) -> GenerationState:
     return "done" if isinstance(event, Done) else event_type(event)  # type: ignore[return-value]
 
 
+MODEL_NAME = re.compile(r"[^\s{}]{1,128}")
+"""A served model name: it becomes part of a key, so no hash-tag braces and no spaces."""
+
+
+def check_model_name(name: str) -> str:
+    if not MODEL_NAME.fullmatch(name):
+        raise ValueError(f"model name {name!r}: 1 to 128 characters, no spaces or braces")
+    return name
+
+
 # --- keys ------------------------------------------------------------------------------
 
 
@@ -212,10 +246,14 @@ class Keys:
 
     def __init__(self, prefix: str = DEFAULT_PREFIX) -> None:
         self.prefix = prefix
-        self.requests = f"{prefix}:requests"
+        self.models = f"{prefix}:models"
         self.cancels = f"{prefix}:cancels"
         self.workers = f"{prefix}:workers"
         self.reaper_lock = f"{prefix}:reaper-lock"
+
+    def requests(self, model: str) -> str:
+        """The queue of one model (a model's workers read only their own)."""
+        return f"{self.prefix}:requests:{model}"
 
     def worker(self, worker_id: str) -> str:
         return f"{self.prefix}:worker:{worker_id}"

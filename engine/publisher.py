@@ -45,10 +45,13 @@ class Publisher:
         redis: aioredis.Redis,
         keys: Keys,
         *,
+        requests_key: str,
         on_rejected: Callable[[str], None],
     ) -> None:
         self.redis = redis
         self.keys = keys
+        self.requests_key = requests_key
+        """The queue final events acknowledge their request in (the worker's model's)."""
         self.on_rejected = on_rejected
         """Called with a generation id whose event Redis refused (it already ended)."""
         self._script = redis.register_script(contract.EMIT_SCRIPT)
@@ -150,7 +153,7 @@ class Publisher:
                     client=pipe,
                 )
                 if p.ack is not None:
-                    pipe.xack(keys.requests, contract.CONSUMER_GROUP, p.ack)
+                    pipe.xack(self.requests_key, contract.CONSUMER_GROUP, p.ack)
             replies: list[object] = await pipe.execute()
         self.pipelines += 1
         self.events += len(batch)

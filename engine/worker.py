@@ -8,6 +8,9 @@
   once (no token of that generation reaches a client after it) and the engine aborts;
 - aborts generations nobody has read for the grace period (``abandoned``);
 - heartbeats, so gateways know it is alive (``/ready``) and what model it serves.
+
+A worker serves one model: it reads that model's queue only (``Keys.requests(model)``), so
+a slow model never holds up another, and registers the model's names (``Keys.models``).
 """
 
 from __future__ import annotations
@@ -98,14 +101,22 @@ class Worker:
         keys: Keys | None = None,
         worker_id: str | None = None,
         metrics: WorkerMetrics | None = None,
+        aliases: list[str] | None = None,
     ) -> None:
         self.redis = redis
         self.backend = backend
         self.keys = keys or Keys()
+        self.aliases = [name for name in aliases or [] if name != backend.model]
+        for name in [backend.model, *self.aliases]:
+            contract.check_model_name(name)
+        self.requests_key = self.keys.requests(backend.model)
+        """This worker's model's queue: it never sees another model's requests."""
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.metrics = metrics or WorkerMetrics()
         self.jobs: dict[str, Job] = {}
-        self.publisher = Publisher(redis, self.keys, on_rejected=self._on_rejected)
+        self.publisher = Publisher(
+            redis, self.keys, requests_key=self.requests_key, on_rejected=self._on_rejected
+        )
         self._slot_freed = asyncio.Event()
         self._accepting = True
         self._started_at = time.time()
@@ -130,10 +141,11 @@ class Worker:
             asyncio.create_task(self._abandon_forever(), name="abandon"),
         ]
         log.info(
-            "worker %s ready: backend=%s model=%s",
+            "worker %s ready: backend=%s model=%s aliases=%s",
             self.worker_id,
             self.backend.name,
             self.backend.model,
+            ",".join(self.aliases) or "-",
         )
         stopping = asyncio.create_task(stop.wait(), name="stop")
         try:
@@ -168,13 +180,13 @@ class Worker:
     async def _ensure_group(self) -> None:
         try:
             await self.redis.xgroup_create(
-                self.keys.requests, contract.CONSUMER_GROUP, id="0", mkstream=True
+                self.requests_key, contract.CONSUMER_GROUP, id="0", mkstream=True
             )
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
         # MKSTREAM made a key without a TTL; the heartbeat refreshes it from now on.
-        await self.redis.expire(self.keys.requests, contract.SHARED_KEY_TTL_S)
+        await self.redis.expire(self.requests_key, contract.SHARED_KEY_TTL_S)
 
     # --- intake --------------------------------------------------------------------------
 
@@ -189,7 +201,7 @@ class Worker:
                 reply = await self.redis.xreadgroup(
                     contract.CONSUMER_GROUP,
                     self.worker_id,
-                    {self.keys.requests: ">"},
+                    {self.requests_key: ">"},
                     count=free,
                     block=1000,
                 )
@@ -222,7 +234,7 @@ class Worker:
         task.add_done_callback(self._tasks.discard)
 
     async def _ack(self, entry_id: bytes) -> None:
-        await self.redis.xack(self.keys.requests, contract.CONSUMER_GROUP, entry_id)
+        await self.redis.xack(self.requests_key, contract.CONSUMER_GROUP, entry_id)
 
     async def _ack_or_retry_later(self, entry_id: bytes) -> None:
         try:
@@ -240,7 +252,7 @@ class Worker:
         if not self._unacked:
             return
         entry_ids = list(self._unacked)
-        await self.redis.xack(self.keys.requests, contract.CONSUMER_GROUP, *entry_ids)
+        await self.redis.xack(self.requests_key, contract.CONSUMER_GROUP, *entry_ids)
         self._unacked.difference_update(entry_ids)
         log.info("acknowledged %d requests on a retry", len(entry_ids))
 
@@ -451,6 +463,8 @@ class Worker:
             capacity=self.backend.capacity,
             running=self.backend.running(),
             started_at=self._started_at,
+            aliases=self.aliases,
+            max_model_len=self.backend.max_model_len,
         )
         self.metrics.engine_running.set(self.backend.running())
         now = time.time()
@@ -459,6 +473,10 @@ class Worker:
             pipe.zadd(self.keys.workers, {self.worker_id: now})
             pipe.zremrangebyscore(self.keys.workers, "-inf", now - 3600)
             pipe.expire(self.keys.workers, contract.SHARED_KEY_TTL_S)
+            # The names gateways route by; they outlive this worker, so a request for a
+            # model whose workers all left gets "no live worker" (503), not "unknown" (404).
+            pipe.hset(self.keys.models, mapping=dict.fromkeys(info.names, info.model))
+            pipe.expire(self.keys.models, contract.SHARED_KEY_TTL_S)
             # Keeps the consumer group alive while workers idle (EXPIRE on no key: no-op).
-            pipe.expire(self.keys.requests, contract.SHARED_KEY_TTL_S)
+            pipe.expire(self.requests_key, contract.SHARED_KEY_TTL_S)
             await pipe.execute()

@@ -24,12 +24,14 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from engine.contract import Keys
+from gateway import __version__
 from gateway.auth import ApiKeys
 from gateway.errors import BadRequest, ErrorBody, ErrorEnvelope, GatewayError, Unavailable
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestMetrics
 from gateway.relay import RelayHub
 from gateway.routes import ROUTES
+from gateway.routes.tgi import compat_generate
 from gateway.sessions import SessionStore
 from gateway.settings import Settings
 from gateway.watchdog import Reaper, refresh_watches
@@ -169,6 +171,7 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
                 path="/", directories=[web_dir], html_mode=True, include_in_schema=False
             )
         )
+    handlers.append(compat_generate)  # after the web chat's router: see its docstring
     origins = settings.cors_origin_list()
     return Litestar(
         route_handlers=handlers,
@@ -183,7 +186,7 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
         },
         request_max_body_size=settings.max_body_bytes,
         cors_config=CORSConfig(allow_origins=origins) if origins else None,
-        openapi_config=OpenAPIConfig(title="tokenspout", version="0.1.0", path="/schema"),
+        openapi_config=OpenAPIConfig(title="tokenspout", version=__version__, path="/schema"),
         logging_config=None,
     )
 

@@ -109,10 +109,14 @@ class GenerationStream:
         settings: Settings,
         params: SamplingParams,
         *,
+        model: str | None = None,
         messages: list[ChatMessage] | None = None,
         prompt: str | None = None,
     ) -> GenerationStream:
-        submitted = await store.submit_stateless(params, messages=messages, prompt=prompt)
+        """Queue it for ``model`` (a name or alias; None: the default model)."""
+        submitted = await store.submit_stateless(
+            params, model=model, messages=messages, prompt=prompt
+        )
         return cls(store, hub, submitted, settings.sse_heartbeat_s)
 
     @property

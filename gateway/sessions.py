@@ -12,7 +12,7 @@ import hmac
 import math
 import secrets
 import time
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import msgspec
 import redis.asyncio as aioredis
@@ -32,6 +32,7 @@ from engine.contract import (
     Usage,
 )
 from gateway.errors import BadRequest, Conflict, Forbidden, NotFound, Overloaded, Unavailable
+from gateway.models import ModelDirectory
 from gateway.relay import decode_final
 from gateway.settings import Settings
 
@@ -48,6 +49,8 @@ a client that follows the session's stream knows exactly when it ends)."""
 class CreatedSession(msgspec.Struct, frozen=True):
     session_id: str
     token: str
+    model: str | None = None
+    """None: no worker was alive to pick the default model; the first message picks it."""
 
 
 class Submitted(msgspec.Struct, frozen=True):
@@ -67,7 +70,9 @@ class CancelOutcome(msgspec.Struct, frozen=True):
 class StoreObserver(Protocol):
     """Told when a generation is queued or a cancel is sent (gateway/metrics.py)."""
 
-    def submitted(self, session_id: str, generation_id: str, queued_event_id: str) -> None: ...
+    def submitted(
+        self, session_id: str, generation_id: str, queued_event_id: str, model: str
+    ) -> None: ...
 
     def cancel_sent(self, session_id: str, generation_id: str, began: float) -> None: ...
 
@@ -105,21 +110,49 @@ class SessionStore:
         self.settings = settings
         self.observer = observer
         self.keys = Keys(settings.key_prefix)
+        self.models = ModelDirectory(redis, self.keys, settings)
         self._submit = redis.register_script(contract.SUBMIT_SCRIPT)
         self._cancel = redis.register_script(contract.CANCEL_SCRIPT)
         self.requests_maxlen = settings.max_inflight * 20
-        """Cap of the shared requests stream (approximate, whole nodes)."""
+        """Cap of each model's requests stream (approximate, whole nodes)."""
 
     # --- sessions ------------------------------------------------------------------------
 
-    async def create_session(self) -> CreatedSession:
+    async def create_session(self, model: str | None = None) -> CreatedSession:
+        """A session bound to ``model`` (a name or alias; None: the default model) for
+        its whole life."""
+        if model:
+            resolved = await self.models.resolve(model)
+        else:
+            try:
+                resolved = await self.models.resolve(None)
+            except Unavailable as exc:
+                if exc.code != "no_worker":
+                    raise
+                resolved = ""  # no worker yet: the first message picks the default
         session_id, token = new_id("s"), secrets.token_urlsafe(32)
         meta = self.keys.meta(session_id)
+        fields = {"token": _digest(token), "created": time.time(), "model": resolved}
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(meta, mapping={"token": _digest(token), "created": time.time()})
+            pipe.hset(meta, mapping=fields)  # type: ignore[arg-type]
             pipe.expire(meta, self.settings.session_ttl_s)
             await pipe.execute()
-        return CreatedSession(session_id, token)
+        return CreatedSession(session_id, token, resolved or None)
+
+    async def session_model(self, session_id: str, token: str | None) -> str:
+        """The model of a session, checked live (404, 403, then the model's own errors);
+        a session created while no worker was alive takes the default model now, for good."""
+        meta = self.keys.meta(session_id)
+        stored_token, stored_model = await self.redis.hmget(meta, ["token", "model"])
+        if stored_token is None:
+            raise NotFound(f"no session {session_id!r}", code="unknown_session")
+        if token is None or not hmac.compare_digest(contract.text(stored_token), _digest(token)):
+            raise _bad_token()
+        if stored_model:
+            return await self.models.resolve(contract.text(stored_model))
+        model = await self.models.resolve(None)
+        await self.redis.hset(meta, "model", model)
+        return model
 
     async def authorise(self, session_id: str, token: str | None) -> None:
         """404 for an unknown session, 403 for a missing or wrong token."""
@@ -145,6 +178,10 @@ class SessionStore:
                 f"max_tokens must be between 1 and {self.settings.max_tokens_limit}",
                 field="max_tokens",
             )
+        if params.get("min_tokens", 0) > max_tokens:
+            raise BadRequest(
+                f"min_tokens must not exceed max_tokens ({max_tokens})", field="min_tokens"
+            )
         try:
             return msgspec.convert(params, SamplingParams)
         except msgspec.ValidationError as exc:
@@ -163,18 +200,24 @@ class SessionStore:
         Authorises like ``authorise`` (404, then 403), in the same round trip as the submit.
         """
         self._check_content(content)
+        model = await self.session_model(session_id, token)
         message = contract.encode(ChatMessage("user", content)).decode()
         # No token never matches: a digest is never "-".
         digest = _digest(token) if token is not None else "-"
-        return await self._submit_to_session(session_id, message, params, idempotency_key, digest)
+        return await self._submit_to_session(
+            session_id, model, message, params, idempotency_key, digest
+        )
 
     async def submit_stateless(
         self,
         params: SamplingParams,
+        model: str | None = None,
         messages: list[ChatMessage] | None = None,
         prompt: str | None = None,
     ) -> Submitted:
-        """Queue one generation in a throwaway session (the OpenAI/TGI/OIP adapters)."""
+        """Queue one generation in a throwaway session (the OpenAI/TGI/OIP adapters) for
+        ``model`` (a name or alias; None: the default model)."""
+        queue = await self.models.resolve(model)
         for message in messages or []:
             self._check_content(message.content, allow_empty=True)
         if prompt is not None:
@@ -184,12 +227,21 @@ class SessionStore:
         await self.redis.hset(meta, mapping={"stateless": 1, "created": time.time()})
         await self.redis.expire(meta, STATELESS_TTL_S)
         return await self._submit_to_session(
-            session_id, "", params, None, "", messages=messages, prompt=prompt, ttl=STATELESS_TTL_S
+            session_id,
+            queue,
+            "",
+            params,
+            None,
+            "",
+            messages=messages,
+            prompt=prompt,
+            ttl=STATELESS_TTL_S,
         )
 
     async def _submit_to_session(
         self,
         session_id: str,
+        model: str,
         user_message: str,
         params: SamplingParams,
         idempotency_key: str | None,
@@ -202,7 +254,7 @@ class SessionStore:
         keys, generation_id = self.keys, new_id("g")
         idem_key = keys.idempotency(session_id, idempotency_key) if idempotency_key else ""
         try:
-            await self._guard_capacity()
+            await self._guard_capacity(model)
         except Overloaded:
             # A retried POST whose generation exists takes no new capacity: it must get
             # that generation back (from the script, after the token check), not a 429.
@@ -263,10 +315,10 @@ class SessionStore:
             events_maxlen=self.settings.events_maxlen,
         )
         await append_to_shared_stream(
-            self.redis, keys.requests, {"r": contract.encode(request)}, self.requests_maxlen
+            self.redis, keys.requests(model), {"r": contract.encode(request)}, self.requests_maxlen
         )
         if self.observer is not None:
-            self.observer.submitted(session_id, generation_id, reply[1])
+            self.observer.submitted(session_id, generation_id, reply[1], model)
         return Submitted(generation_id, session_id, reply[1])
 
     def _check_content(self, content: str, *, allow_empty: bool = False) -> None:
@@ -279,33 +331,41 @@ class SessionStore:
                 field="content",
             )
 
-    async def _guard_capacity(self) -> None:
-        """429 past the global in-flight limit, 503 when no worker is alive."""
-        inflight = await self.inflight()
+    async def _guard_capacity(self, model: str) -> None:
+        """429 past the global in-flight limit, or past the model's own."""
+        counts = await self.queue_counts([model])
+        inflight = sum(queued + running for queued, running in counts.values())
         if inflight >= self.settings.max_inflight:
             raise Overloaded(
                 f"{inflight} generations are in flight (limit {self.settings.max_inflight})",
                 retry_after_s=1,
             )
+        limit = self.settings.max_inflight_per_model
+        queued, running = counts.get(model, (0, 0))
+        if limit and queued + running >= limit:
+            raise Overloaded(
+                f"{queued + running} generations of {model!r} are in flight (limit {limit} "
+                "per model)",
+                retry_after_s=1,
+            )
 
-    async def inflight(self) -> int:
-        """Queued (not yet delivered) plus running (delivered, not acknowledged) requests."""
-        queued, running = await self.queue_counts()
-        return queued + running
-
-    async def queue_counts(self) -> tuple[int, int]:
-        """(queued, running): requests no worker took yet, and taken but not finished."""
-        try:
-            groups = await self.redis.xinfo_groups(self.keys.requests)
-        except RedisError as exc:
-            if "no such key" in str(exc).lower():
-                return 0, 0
-            raise
-        for group in groups:
-            name = group["name"]
-            if (name.decode() if isinstance(name, bytes) else name) == contract.CONSUMER_GROUP:
-                return int(group.get("lag") or 0), int(group["pending"])
-        return int(await self.redis.xlen(self.keys.requests)), 0
+    async def queue_counts(self, also: list[str] | None = None) -> dict[str, tuple[int, int]]:
+        """Model -> (queued, running): requests no worker took yet, and taken but not
+        finished, for every registered model (and ``also``), in one round trip."""
+        snapshot = await self.models.snapshot()
+        # The default model may be queued for before any worker of it registered.
+        default = [self.settings.default_model] if self.settings.default_model else []
+        models = sorted(set(snapshot.models) | set(also or []) | set(default))
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for model in models:
+                pipe.xinfo_groups(self.keys.requests(model))
+                pipe.xlen(self.keys.requests(model))
+            replies = await pipe.execute(raise_on_error=False)
+        counts = {}
+        for index, model in enumerate(models):
+            groups, length = replies[2 * index], replies[2 * index + 1]
+            counts[model] = _queue_count(groups, length)
+        return counts
 
     async def cancel(
         self, session_id: str, generation_id: str, reason: CancelReason = "user"
@@ -366,16 +426,24 @@ class SessionStore:
             await pipe.execute()
 
     async def live_workers(self) -> list[contract.WorkerInfo]:
-        since = time.time() - self.settings.worker_timeout_s
-        worker_ids = await self.redis.zrangebyscore(self.keys.workers, since, "+inf")
-        if not worker_ids:
-            return []
-        raw = await self.redis.mget([self.keys.worker(contract.text(w)) for w in worker_ids])
-        decoder = msgspec.json.Decoder(contract.WorkerInfo)
-        return [decoder.decode(item) for item in raw if item is not None]
+        return (await self.models.snapshot(fresh=True)).workers
 
     async def ping(self) -> None:
         try:
             await self.redis.ping()
         except (RedisError, OSError) as exc:
             raise Unavailable(f"Redis is unreachable: {exc}", code="redis_unavailable") from exc
+
+
+def _queue_count(groups: object, length: object) -> tuple[int, int]:
+    """(queued, running) of one model's queue from its XINFO GROUPS and XLEN replies."""
+    if isinstance(groups, RedisError):
+        if "no such key" in str(groups).lower():
+            return 0, 0
+        raise groups
+    if isinstance(length, RedisError):
+        raise length
+    for group in groups if isinstance(groups, list) else []:
+        if contract.text(group["name"]) == contract.CONSUMER_GROUP:
+            return int(group.get("lag") or 0), int(group["pending"])
+    return int(cast(int, length)), 0

@@ -57,6 +57,21 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         int,
         _D(ge=1, description="Queued plus running generations, all workers; past it, 429."),
     ] = 256
+    max_inflight_per_model: Annotated[
+        int,
+        _D(
+            ge=0,
+            description="Queued plus running generations of one model; past it, 429. "
+            "0: only the global limit.",
+        ),
+    ] = 0
+    default_model: Annotated[
+        str,
+        _D(
+            description="Model (or alias) of requests that name none (session API, TGI, "
+            "web chat); empty: the only live model, else they must name one (400).",
+        ),
+    ] = ""
     abandon_grace_s: Annotated[
         float, _D(gt=0, description="A generation nobody reads for this long is aborted.")
     ] = 30

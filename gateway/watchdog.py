@@ -2,7 +2,8 @@
 
 - ``refresh_watches``: tells workers which sessions this process has readers for, so a
   generation nobody reads is aborted after the grace period (engine/worker.py checks).
-- ``Reaper``: one gateway at a time (a Redis lock) makes sure no client waits forever.
+- ``Reaper``: one gateway at a time (a Redis lock) makes sure no client waits forever, in
+  every model's queue (each model registered in ``Keys.models``).
   - A worker that stops heartbeating leaves requests in the consumer group's pending list:
     a request that never started goes back on the queue for a surviving worker; one that
     was running ends with an ``error`` event (``worker_lost``).
@@ -16,6 +17,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -85,8 +87,8 @@ class Reaper:
         self._emit = redis.register_script(contract.EMIT_SCRIPT)
         self._end_queued = redis.register_script(contract.END_QUEUED_SCRIPT)
         self._owner = f"reaper-{time.monotonic_ns()}"
-        self._expired_through: str | None = None
-        """Every queued entry up to this id has been looked at by the queue deadline."""
+        self._expired_through: dict[str, str] = {}
+        """Queue -> every queued entry up to this id has been looked at by the deadline."""
 
     async def run_forever(self, interval_s: float = 1.0) -> None:
         duties: list[Callable[[], Awaitable[int]]] = [self.reap_once, self.expire_queued]
@@ -116,13 +118,29 @@ class Reaper:
             return True
         return False
 
+    async def _queues(self) -> list[str]:
+        """Every registered model's queue."""
+        models = {contract.text(model) for model in await self.redis.hvals(self.keys.models)}
+        return [self.keys.requests(model) for model in sorted(models)]
+
+    async def _each_queue(self, what: str, duty: Callable[[str], Awaitable[int]]) -> int:
+        """``duty`` on every queue; one queue's failure (logged) does not skip the others."""
+        done = 0
+        for queue in await self._queues():
+            result = await self._guarded(f"{what} {queue}", functools.partial(duty, queue))
+            done += result if isinstance(result, int) else 0
+        return done
+
     # --- dead workers --------------------------------------------------------------------
 
     async def reap_once(self) -> int:
-        """Handle the pending requests of dead workers; returns how many."""
+        """Handle the pending requests of dead workers, every queue; returns how many."""
+        return await self._each_queue("reaping", self._reap_queue)
+
+    async def _reap_queue(self, queue: str) -> int:
         try:
             pending = await self.redis.xpending_range(
-                self.keys.requests, contract.CONSUMER_GROUP, min="-", max="+", count=500
+                queue, contract.CONSUMER_GROUP, min="-", max="+", count=500
             )
         except RedisError as exc:
             if "no such key" in str(exc).lower() or "nogroup" in str(exc).lower():
@@ -133,7 +151,7 @@ class Reaper:
         alive = await self._live_worker_ids()
         dead = [entry for entry in pending if contract.text(entry["consumer"]) not in alive]
         for entry in dead:
-            await self._take_over(contract.text(entry["message_id"]))
+            await self._take_over(queue, contract.text(entry["message_id"]))
         return len(dead)
 
     async def _live_worker_ids(self) -> set[str]:
@@ -141,27 +159,23 @@ class Reaper:
         ids = await self.redis.zrangebyscore(self.keys.workers, since, "+inf")
         return {contract.text(worker_id) for worker_id in ids}
 
-    async def _take_over(self, message_id: bytes | str) -> None:
+    async def _take_over(self, queue: str, message_id: bytes | str) -> None:
         claimed = await self.redis.xclaim(
-            self.keys.requests, contract.CONSUMER_GROUP, self._owner, 0, [message_id]
+            queue, contract.CONSUMER_GROUP, self._owner, 0, [message_id]
         )
         for entry_id, fields in contract.entries_of(claimed):
             request = decode_request(entry_id, fields) if fields else None
             if request is not None:  # else trimmed away meanwhile, or unreadable: drop it
-                await self._take_over_request(request, fields[b"r"])
-            await self.redis.xack(self.keys.requests, contract.CONSUMER_GROUP, entry_id)
-        await self.redis.xgroup_delconsumer(
-            self.keys.requests, contract.CONSUMER_GROUP, self._owner
-        )
+                await self._take_over_request(queue, request, fields[b"r"])
+            await self.redis.xack(queue, contract.CONSUMER_GROUP, entry_id)
+        await self.redis.xgroup_delconsumer(queue, contract.CONSUMER_GROUP, self._owner)
 
-    async def _take_over_request(self, request: GenerationRequest, raw: bytes) -> None:
+    async def _take_over_request(self, queue: str, request: GenerationRequest, raw: bytes) -> None:
         gen_key = self.keys.generation(request.session_id, request.generation_id)
         state = await self.redis.hget(gen_key, "state")
         if state == b"queued":
             log.info("requeueing %s from a dead worker", request.generation_id)
-            await append_to_shared_stream(
-                self.redis, self.keys.requests, {"r": raw}, self.requests_maxlen
-            )
+            await append_to_shared_stream(self.redis, queue, {"r": raw}, self.requests_maxlen)
         else:
             log.warning("worker lost while running %s", request.generation_id)
             await self._end_with_error(request)
@@ -192,25 +206,26 @@ class Reaper:
     # --- the queue deadline --------------------------------------------------------------
 
     async def expire_queued(self) -> int:
-        """End the requests no worker took within the queue deadline; returns how many.
+        """End the requests no worker took within the queue deadline, every queue;
+        returns how many."""
+        return await self._each_queue("expiring queued requests in", self._expire_queue)
 
-        Looks at the entries after the consumer group's last-delivered id (none delivered:
-        the whole stream), oldest first, and stops at the first one still in time.
-        """
-        start = await self._undelivered_after()
+    async def _expire_queue(self, queue: str) -> int:
+        """Looks at the entries after the consumer group's last-delivered id (none
+        delivered: the whole stream), oldest first, and stops at the first one in time."""
+        start = await self._undelivered_after(queue)
         if start is None:
             return 0
-        if self._expired_through is not None and (
-            start == "" or entry_id_key(self._expired_through) > entry_id_key(start)
-        ):
-            start = self._expired_through
+        through = self._expired_through.get(queue)
+        if through is not None and (start == "" or entry_id_key(through) > entry_id_key(start)):
+            start = through
         deadline = time.time() - self.queue_timeout_s
         ended = scanned = 0
         in_time = False
         while not in_time and scanned < QUEUE_SCAN_MAX:
             page = contract.entries_of(
                 await self.redis.xrange(
-                    self.keys.requests, min=f"({start}" if start else "-", count=QUEUE_SCAN_PAGE
+                    queue, min=f"({start}" if start else "-", count=QUEUE_SCAN_PAGE
                 )
             )
             expired: list[GenerationRequest] = []
@@ -224,16 +239,17 @@ class Reaper:
                     expired.append(request)
                 start = contract.text(entry_id)
             ended += await self._end_expired(expired)
-            self._expired_through = start or None
+            if start:
+                self._expired_through[queue] = start
             scanned += len(page)
             if len(page) < QUEUE_SCAN_PAGE:
                 break
         return ended
 
-    async def _undelivered_after(self) -> str | None:
+    async def _undelivered_after(self, queue: str) -> str | None:
         """The consumer group's last-delivered id; "" if there is no group; None if no stream."""
         try:
-            groups = await self.redis.xinfo_groups(self.keys.requests)
+            groups = await self.redis.xinfo_groups(queue)
         except ResponseError as exc:
             if "no such key" in str(exc).lower():
                 return None

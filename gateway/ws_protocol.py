@@ -44,6 +44,9 @@ class Generate(msgspec.Struct, frozen=True, tag="generate", forbid_unknown_field
     """With API keys configured, what a ``generate`` without ``session_id`` needs unless the
     socket's connect request carried ``Authorization: Bearer <key>`` or an earlier frame
     gave a valid key (browsers cannot set headers on a WebSocket)."""
+    model: str | None = None
+    """The model of a new session (a name or alias; None: the default). A named session
+    keeps its own."""
 
 
 class Cancel(msgspec.Struct, frozen=True, tag="cancel", forbid_unknown_fields=True):

@@ -140,3 +140,47 @@ async def test_sampling_parameters_reach_the_engine(vllm_stack: VllmStack) -> No
         assert await text(temperature=1.0, seed=4321) != sampled
     finally:
         await client.close()
+
+
+async def test_vllms_extra_sampling_fields_are_applied_by_the_engine(
+    vllm_stack: VllmStack,
+) -> None:
+    """``extra_body`` fields as clients of ``vllm serve`` send them, applied by vLLM."""
+    base = vllm_stack.gateway.url
+    prompt = "The capital of France is"
+    async with httpx.AsyncClient(timeout=300) as http:
+        greedy = await http.post(
+            f"{base}/generate",
+            json={"inputs": prompt, "parameters": {"max_new_tokens": 6, "details": True}},
+        )
+    token_ids = [token["id"] for token in greedy.json()["details"]["tokens"]]
+    client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    try:
+        stopped = await client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=6,
+            temperature=0,
+            extra_body={"stop_token_ids": [token_ids[2]]},
+        )
+        assert stopped.choices[0].finish_reason == "stop"
+        assert stopped.usage is not None and stopped.usage.completion_tokens == 3
+        # ignore_eos with min_tokens: exactly max_tokens, whatever the model would say.
+        forced = await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Say yes."}],
+            max_tokens=24,
+            temperature=0,
+            extra_body={
+                "ignore_eos": True,
+                "min_tokens": 24,
+                "min_p": 0.05,
+                "repetition_penalty": 1.3,
+                "skip_special_tokens": False,
+                "spaces_between_special_tokens": False,
+            },
+        )
+        assert forced.usage is not None and forced.usage.completion_tokens == 24
+        assert forced.choices[0].finish_reason == "length"
+    finally:
+        await client.close()

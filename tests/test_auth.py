@@ -132,7 +132,7 @@ async def test_keys_come_from_a_file_read_once_and_never_reach_the_log(
         assert (await create(client, gateway.url, wrong)).status_code == 401
         openai = await client.post(
             f"{gateway.url}/v1/completions",
-            json={"model": "any", "prompt": "hi", "max_tokens": 2},
+            json={"model": "synthetic", "prompt": "hi", "max_tokens": 2},
             headers={"Authorization": "Bearer file-key-90be12"},
         )
         assert openai.status_code == 200, openai.text

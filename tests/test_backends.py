@@ -23,6 +23,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from engine.contract import CONSUMER_GROUP, Keys
+from engine.model import MODEL_NAME
 from stack.redis_server import free_port
 from tests.client import Session, all_of, cancel, create_session, read_events, send
 from tests.conftest import Gateway, Stack, VllmStack
@@ -76,6 +77,10 @@ class EngineUnderTest:
     @property
     def url(self) -> str:
         return self.gateway.url
+
+    @property
+    def model(self) -> str:
+        return "synthetic" if self.backend == "synthetic" else MODEL_NAME
 
     @property
     def capacity(self) -> int:
@@ -456,7 +461,7 @@ async def test_a_generation_cancelled_while_queued_never_reaches_the_engine(
     try:
         async with asyncio.timeout(30):
             while True:
-                groups = await redis.xinfo_groups(Keys(engine.stack.prefix).requests)
+                groups = await redis.xinfo_groups(Keys(engine.stack.prefix).requests(engine.model))
                 group = next(g for g in groups if g["name"].decode() == CONSUMER_GROUP)
                 if group["lag"] == 0 and group["pending"] == 0:
                     break

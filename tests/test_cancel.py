@@ -14,6 +14,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from engine.contract import CONSUMER_GROUP, Keys
+from tests.adapter_support import slot_held
 from tests.client import all_of, cancel, create_session, read_events, send
 from tests.conftest import Stack
 from tests.ws_client import WsClient, open_ws
@@ -40,7 +41,11 @@ def after_final(events: list[dict[bytes, bytes]], gid: str) -> list[bytes]:
 
 
 async def test_a_generation_cancelled_while_queued_never_reaches_the_engine(stack: Stack) -> None:
+    stack.synthetic(200, "--capacity", "1")
     gateway = stack.gateway()
+    holding = contextlib.AsyncExitStack()
+    # The worker's one slot is busy: what follows stays queued until the hold ends.
+    await holding.enter_async_context(slot_held(gateway.url))
     async with httpx.AsyncClient(timeout=30) as client:
         session = await create_session(client, gateway.url)
         http_gid = await send(client, session, "nobody runs me", max_tokens=5)
@@ -61,13 +66,13 @@ async def test_a_generation_cancelled_while_queued_never_reaches_the_engine(stac
         finally:
             await ws.conn.close()
 
-        # Now a worker comes: it takes both requests off the queue and runs neither.
-        stack.synthetic(tokens_per_s=200)
+        # Now the slot frees: the worker takes both requests off the queue and runs neither.
+        await holding.aclose()
         redis = aioredis.Redis.from_url(stack.redis_url)
         try:
             async with asyncio.timeout(30):
                 while True:
-                    groups = await redis.xinfo_groups(Keys(stack.prefix).requests)
+                    groups = await redis.xinfo_groups(Keys(stack.prefix).requests("synthetic"))
                     group = next(g for g in groups if g["name"].decode() == CONSUMER_GROUP)
                     if group["lag"] == 0 and group["pending"] == 0:
                         break

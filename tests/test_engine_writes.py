@@ -77,7 +77,9 @@ async def test_a_pipeline_resent_after_a_connection_loss_writes_nothing_twice(
         return result
 
     monkeypatch.setattr(Pipeline, "execute", execute_then_lose_the_reply)
-    publisher = Publisher(redis, keys, on_rejected=lambda gid: None)
+    publisher = Publisher(
+        redis, keys, requests_key=keys.requests("m"), on_rejected=lambda gid: None
+    )
     running = asyncio.create_task(publisher.run_forever())
     try:
         futures = []
@@ -100,9 +102,10 @@ async def test_a_failed_ack_is_counted_and_retried(
 ) -> None:
     keys = Keys(f"t-{secrets.token_hex(4)}")
     worker = Worker(redis, SyntheticBackend(), keys=keys, worker_id="w-ack")
-    await redis.xgroup_create(keys.requests, contract.CONSUMER_GROUP, id="0", mkstream=True)
-    entry_id = await redis.xadd(keys.requests, {"r": b"{}"})
-    await redis.xreadgroup(contract.CONSUMER_GROUP, "w-ack", {keys.requests: ">"})
+    queue = worker.requests_key
+    await redis.xgroup_create(queue, contract.CONSUMER_GROUP, id="0", mkstream=True)
+    entry_id = await redis.xadd(queue, {"r": b"{}"})
+    await redis.xreadgroup(contract.CONSUMER_GROUP, "w-ack", {queue: ">"})
     xack = redis.xack
 
     async def lost(*args: Any) -> int:
@@ -110,12 +113,12 @@ async def test_a_failed_ack_is_counted_and_retried(
 
     monkeypatch.setattr(redis, "xack", lost)
     await worker._ack_or_retry_later(entry_id)
-    assert (await redis.xpending(keys.requests, contract.CONSUMER_GROUP))["pending"] == 1
+    assert (await redis.xpending(queue, contract.CONSUMER_GROUP))["pending"] == 1
     errors = worker.metrics.registry.get_sample_value(
         "tokenspout_engine_redis_errors_total", {"where": "ack"}
     )
     assert errors == 1
     monkeypatch.setattr(redis, "xack", xack)
     await worker._retry_acks()  # what the next heartbeat does
-    assert (await redis.xpending(keys.requests, contract.CONSUMER_GROUP))["pending"] == 0
+    assert (await redis.xpending(queue, contract.CONSUMER_GROUP))["pending"] == 0
     assert not worker._unacked

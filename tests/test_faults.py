@@ -20,6 +20,7 @@ from engine import contract
 from engine.contract import CONSUMER_GROUP, Keys
 from stack import processes
 from stack.redis_server import EmbeddedRedis, free_port
+from tests.adapter_support import slot_held
 from tests.client import Reading, Session, all_of, create_session, read_events, send
 from tests.conftest import Stack
 from tests.sse import parse
@@ -169,9 +170,10 @@ async def test_requests_a_dead_worker_took_but_never_started_are_served_by_a_sur
     keys = Keys(stack.prefix)
     redis = aioredis.Redis.from_url(stack.redis_url)
     try:
-        await redis.xgroup_create(keys.requests, CONSUMER_GROUP, id="0", mkstream=True)
-        await redis.xadd(keys.requests, {"garbage": "1"})
-        await redis.xreadgroup(CONSUMER_GROUP, "ghost", {keys.requests: ">"})
+        queue = keys.requests("synthetic")
+        await redis.xgroup_create(queue, CONSUMER_GROUP, id="0", mkstream=True)
+        await redis.xadd(queue, {"garbage": "1"})
+        await redis.xreadgroup(CONSUMER_GROUP, "ghost", {queue: ">"})
         # Takes up to 3 requests and holds each a minute before starting it.
         doomed = stack.synthetic(200, "--capacity", "3", "--prepare-delay-s", "60")
         gateway = stack.gateway(TOKENSPOUT_WORKER_TIMEOUT_S=str(WORKER_TIMEOUT_S))
@@ -209,43 +211,46 @@ async def test_requests_a_dead_worker_took_but_never_started_are_served_by_a_sur
 
 
 async def _pending_outside(redis: aioredis.Redis, keys: Keys, consumer: str) -> int:
-    summary = await redis.xpending(keys.requests, CONSUMER_GROUP)
+    summary = await redis.xpending(keys.requests("synthetic"), CONSUMER_GROUP)
     return sum(
         int(c["pending"]) for c in summary["consumers"] if contract.text(c["name"]) != consumer
     )
 
 
 async def test_a_request_no_worker_takes_ends_with_queue_timeout(stack: Stack) -> None:
-    """Guarantee 3: a client never waits forever. With no worker alive, a generation ends
-    with `queue_timeout` once TOKENSPOUT_QUEUE_TIMEOUT_S passes (unreadable entries ahead of
-    it in the queue do not stop the reaper); a worker that comes later never runs it, and
-    serves a fresh request."""
+    """Guarantee 3: a client never waits forever. While the model's only worker is busy
+    (its one slot held), a generation ends with `queue_timeout` once
+    TOKENSPOUT_QUEUE_TIMEOUT_S passes (unreadable entries ahead of it in the queue do not
+    stop the reaper); the worker, once free, never runs it, and serves a fresh request.
+    (A model with no live worker at all refuses new requests: tests/test_models.py.)"""
     keys = Keys(stack.prefix)
     redis = aioredis.Redis.from_url(stack.redis_url)
+    queue = keys.requests("synthetic")
     try:
-        await redis.xadd(keys.requests, {"garbage": "1"})
-        await redis.xadd(keys.requests, {"r": "not json"})
+        await redis.xadd(queue, {"garbage": "1"})
+        await redis.xadd(queue, {"r": "not json"})
+        stack.synthetic(200, "--capacity", "1")
         gateway = stack.gateway(TOKENSPOUT_QUEUE_TIMEOUT_S="2")
         async with httpx.AsyncClient(timeout=30) as client:
             session = await create_session(client, gateway.url)
-            expired = await send(client, session, "nobody home", max_tokens=5)
-            sent_at = time.monotonic()
-            ended = await read_events(client, session, until_final_of=expired, timeout_s=20)
-            waited_s = time.monotonic() - sent_at
+            async with slot_held(gateway.url):
+                expired = await send(client, session, "nobody home", max_tokens=5)
+                sent_at = time.monotonic()
+                ended = await read_events(client, session, until_final_of=expired, timeout_s=20)
+                waited_s = time.monotonic() - sent_at
             error = ended.final(expired).json()
             assert error["code"] == "queue_timeout"
             assert "no engine worker" in error["message"]
             assert 2.0 <= waited_s < 2.0 + REAPER_PASS_S + 1.0
-            print(f"\nno worker -> queue_timeout after {waited_s:.2f} s (deadline 2 s)")
+            print(f"\nbusy worker -> queue_timeout after {waited_s:.2f} s (deadline 2 s)")
 
-            stack.synthetic(200)
             fresh = await send(client, session, "somebody home", max_tokens=5)
             served = await read_events(client, session, until_final_of=fresh)
             assert served.final(fresh).event == "done"
             assert served.text(fresh) == expected_reply("somebody home", 5)
             assert [e.event for e in served.of(expired)] == ["queued", "error"]
         deadline = time.monotonic() + 10
-        while (await redis.xpending(keys.requests, CONSUMER_GROUP))["pending"]:
+        while (await redis.xpending(queue, CONSUMER_GROUP))["pending"]:
             assert time.monotonic() < deadline, "the worker left requests pending"
             await asyncio.sleep(0.05)
         (engine_log,) = stack.logs.glob("engine-*.log")
@@ -376,7 +381,7 @@ async def test_api_streams_that_lose_their_session_end_in_their_own_error_format
             "openai": (
                 "/v1/chat/completions",
                 {
-                    "model": "m",
+                    "model": "synthetic",
                     "messages": [{"role": "user", "content": "into the void"}],
                     "max_tokens": 200,
                     "stream": True,
@@ -387,7 +392,7 @@ async def test_api_streams_that_lose_their_session_end_in_their_own_error_format
                 {"inputs": "into the void", "parameters": {"max_new_tokens": 200}},
             ),
             "oip": (
-                "/v2/models/m/generate_stream",
+                "/v2/models/synthetic/generate_stream",
                 {"text_input": "into the void", "parameters": {"max_tokens": 200}},
             ),
         }

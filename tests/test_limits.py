@@ -203,7 +203,10 @@ async def test_every_session_key_expires_and_every_stream_is_capped(stack: Stack
     try:
         keys = [key.decode() async for key in redis.scan_iter(f"{stack.prefix}:*")]
         assert any(":events" in key for key in keys)
-        shared = {f"{stack.prefix}:{name}" for name in ("requests", "cancels", "workers")}
+        shared = {
+            f"{stack.prefix}:{name}"
+            for name in ("requests:synthetic", "models", "cancels", "workers")
+        }
         assert shared <= set(keys), "the test did not make every shared key"
         for key in keys:
             assert await redis.ttl(key) > 0, f"{key} never expires"
@@ -211,7 +214,7 @@ async def test_every_session_key_expires_and_every_stream_is_capped(stack: Stack
         assert await redis.xlen(events) < 400  # ~100, trimmed in whole nodes
         # The shared streams are capped too (and expire when unused); the worker set trims
         # itself.
-        assert await redis.xlen(f"{stack.prefix}:requests") <= 256 * 20 + 100
+        assert await redis.xlen(f"{stack.prefix}:requests:synthetic") <= 256 * 20 + 100
     finally:
         await redis.aclose()
 

@@ -187,7 +187,7 @@ async def test_metrics_count_a_finished_and_a_cancelled_generation_on_gateway_an
 
 
 async def test_queued_and_running_gauges_follow_the_queue_in_redis(stack: Stack) -> None:
-    gateway = stack.gateway()
+    gateway = stack.gateway(TOKENSPOUT_DEFAULT_MODEL="synthetic")  # queued before its worker
     metrics = f"{gateway.url}/metrics"
     async with httpx.AsyncClient(timeout=30) as client:
         session = await create_session(client, gateway.url)
@@ -195,6 +195,7 @@ async def test_queued_and_running_gauges_follow_the_queue_in_redis(stack: Stack)
         g = await scrape(client, metrics)
         assert value(g, "tokenspout_gateway_generations_queued") == 1
         assert value(g, "tokenspout_gateway_generations_running") == 0
+        assert value(g, "tokenspout_gateway_model_generations_queued", model="synthetic") == 1
 
         stack.synthetic(50)
 

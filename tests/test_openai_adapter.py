@@ -206,7 +206,7 @@ async def test_api_keys_refuse_a_wrong_or_missing_key_with_401_and_list_models(
             assert missing.json()["error"]
             answered = await raw.post(
                 f"{gateway.url}/v1/completions",
-                json={"model": "any", "prompt": "hi", "max_tokens": 2},
+                json={"model": "synthetic", "prompt": "hi", "max_tokens": 2},
                 headers={"Authorization": "Bearer key-one"},
             )
             assert answered.status_code == 200, answered.text
@@ -379,3 +379,48 @@ async def test_a_chat_with_more_messages_than_a_session_may_hold_is_refused(stac
         assert ok.choices[0].finish_reason == "length"
     finally:
         await client.close()
+
+
+def test_vllms_extra_sampling_fields_reach_the_engine_through_extra_body(stack: Stack) -> None:
+    """Clients moving from ``vllm serve`` send vLLM's fields through ``extra_body``; the
+    synthetic engine honours those that shape its script and logs the ones it ignores."""
+    stack.synthetic(tokens_per_s=200)
+    gateway = stack.gateway()
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
+    full = synthetic_text("hi", 20)  # "You said: hi | jumps over the lazy dog while streams"
+
+    def complete(**extra: Any) -> openai.types.Completion:
+        return client.completions.create(
+            model="synthetic", prompt="hi", max_tokens=20, stop=["lazy"], extra_body=extra
+        )
+
+    assert complete().choices[0].text == full[: full.index("lazy")]
+    kept = complete(include_stop_str_in_output=True).choices[0].text
+    assert kept == full[: full.index("lazy") + len("lazy")]
+    # min_tokens: no stop before it ("lazy" is token 8); then token 11 is a stop token.
+    later = complete(min_tokens=9, stop_token_ids=[synthetic_tokens("hi", 11)[10].id])
+    assert later.choices[0].finish_reason == "stop"
+    assert later.usage is not None and later.usage.completion_tokens == 11
+    assert later.choices[0].text == synthetic_text("hi", 10)
+    ignored = complete(
+        min_p=0.1,
+        repetition_penalty=1.2,
+        ignore_eos=True,
+        skip_special_tokens=False,
+        spaces_between_special_tokens=False,
+        length_penalty=1.0,
+    )
+    assert ignored.choices[0].text == full[: full.index("lazy")]
+    (engine_log,) = stack.logs.glob("engine-*.log")
+    assert "ignores min_p, repetition_penalty" in engine_log.read_text()
+
+    for field, value in (("length_penalty", 2.0), ("use_beam_search", True)):
+        with pytest.raises(openai.BadRequestError) as caught:
+            complete(**{field: value})
+        assert caught.value.body["param"] == field  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError, match="min_tokens"):
+        complete(min_tokens=21)
+    with pytest.raises(openai.BadRequestError) as caught:
+        complete(min_p=2)
+    assert caught.value.body["param"] == "min_p"  # type: ignore[index]
+    client.close()

@@ -128,12 +128,20 @@ async def test_a_hundred_concurrent_sessions_each_get_exactly_their_own_tokens(
 async def test_with_no_worker_a_message_waits_queued_and_is_served_when_one_comes(
     stack: Stack,
 ) -> None:
-    gateway = stack.gateway()
+    """At start-up (no worker registered yet) a message for the configured default model
+    waits in its queue; with no default configured, the gateway cannot know which queue."""
+    gateway = stack.gateway(TOKENSPOUT_DEFAULT_MODEL="synthetic")
     async with httpx.AsyncClient(timeout=30) as client:
         session = await create_session(client, gateway.url)
         ready = await client.get(f"{gateway.url}/ready")
         assert ready.status_code == 503 and ready.json()["ready"] is False
         generation = await send(client, session, "anyone there", max_tokens=4)
+        unconfigured = stack.gateway()
+        refused = await client.post(
+            f"{unconfigured.url}/v1/completions", json={"model": "x", "prompt": "hi"}
+        )
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "no_worker"
+        assert int(refused.headers["retry-after"]) > 0
         queued = await read_events(client, session, limit=1)
         assert queued.events[0].event == "queued"
         stack.synthetic()
@@ -199,7 +207,7 @@ async def test_an_idle_session_stream_carries_heartbeats_and_a_queued_event_unco
     stack: Stack,
 ) -> None:
     """No worker runs: the stream says the message is queued and keeps itself alive."""
-    gateway = stack.gateway(TOKENSPOUT_SSE_HEARTBEAT_S="0.2")
+    gateway = stack.gateway(TOKENSPOUT_SSE_HEARTBEAT_S="0.2", TOKENSPOUT_DEFAULT_MODEL="synthetic")
     async with httpx.AsyncClient(timeout=30) as client:
         session = await create_session(client, gateway.url)
         parser, events = SSEParser(), []

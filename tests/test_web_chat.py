@@ -468,3 +468,38 @@ async def test_storage_refusals_and_unreadable_events_are_shown_not_fatal(
     assert banner and "could not read" in banner and "token" in banner
     assert await chat.replies.count() == 1
     assert chat.errors == []
+
+
+async def test_with_two_models_the_page_offers_a_picker_and_each_chat_keeps_its_model(
+    stack: Stack, browser: Browser
+) -> None:
+    stack.synthetic(200, "--served-model-name", "alpha")
+    stack.synthetic(200, "--served-model-name", "beta")
+    gateway = stack.gateway()
+    chat = await ChatPage.open(browser, gateway.url, max_tokens=4)
+    picker = chat.page.locator("#model-picker")
+    assert await picker.is_visible()
+    assert await picker.locator("option").all_text_contents() == ["alpha", "beta"]
+    await chat.send("first")
+    await chat.wait_reply_state("done")
+    assert (await chat.stats())["model"] == "alpha"
+
+    await picker.select_option("beta")  # a new conversation with the other model
+    await chat.wait_connected()
+    await chat.send("second")
+    await chat.wait_reply_state("done")
+    assert await chat.user_texts() == ["second"]
+    assert (await chat.stats())["model"] == "beta"
+    await chat.page.reload()
+    await chat.wait_connected()
+    assert await picker.input_value() == "beta"
+
+
+async def test_with_one_model_there_is_no_picker(stack: Stack, browser: Browser) -> None:
+    stack.synthetic(200)
+    gateway = stack.gateway()
+    chat = await ChatPage.open(browser, gateway.url, max_tokens=4)
+    await chat.send("only one")
+    await chat.wait_reply_state("done")
+    assert not await chat.page.locator("#model-picker").is_visible()
+    assert (await chat.stats())["model"] == "synthetic"

@@ -20,6 +20,7 @@
 
 const STORE_KEY = "tokenspout.chat.v1";
 const API_KEY_STORE = "tokenspout.apiKey.v1";
+const MODEL_STORE = "tokenspout.model.v1"; // the model picked last (several served)
 const EVENT_TYPES = ["queued", "started", "token", "done", "cancelled", "error"];
 const FINAL_TYPES = new Set(["done", "cancelled", "error"]);
 const RECONNECT_MAX_MS = 8000;
@@ -39,6 +40,7 @@ const ui = {
   conn: byId("conn"),
   connLabel: byId("conn-label"),
   model: byId("model-name"),
+  picker: byId("model-picker"),
   banner: byId("banner"),
   bannerText: byId("banner-text"),
   bannerRetry: byId("banner-retry"),
@@ -239,6 +241,36 @@ async function showServedModel() {
     // Only a label: without it the page works the same; the next reply names its model.
     console.warn("could not list the served models", err);
   }
+}
+
+// ---- model picker ---------------------------------------------------------------------------
+// With more than one model served, the top bar offers a choice; a session keeps its model, so
+// choosing another starts a new conversation.
+
+async function servedModels() {
+  const key = apiKey();
+  try {
+    const auth = key ? { Authorization: `Bearer ${key}` } : {};
+    const list = await api("GET", "/v1/models", undefined, auth);
+    const roots = (list?.data ?? []).map((card) => card.root || card.id).filter(Boolean);
+    return [...new Set(roots)].sort();
+  } catch (err) {
+    console.warn("could not list the served models", err);
+    return [];
+  }
+}
+
+async function refreshPicker() {
+  const models = await servedModels();
+  const keep = [chat.model, sessionStorage.getItem(MODEL_STORE)].find((m) => models.includes(m));
+  ui.picker.replaceChildren(...models.map((model) => new Option(model, model)));
+  if (keep) ui.picker.value = keep;
+  ui.picker.hidden = models.length < 2;
+  ui.model.hidden = !ui.picker.hidden; // the picker names the model itself
+}
+
+function pickedModel() {
+  return ui.picker.hidden ? null : ui.picker.value || null;
 }
 
 function setConn(state) {
@@ -765,11 +797,13 @@ async function startNewSession() {
   updateComposer();
   setConn("connecting");
   const key = apiKey();
+  await refreshPicker();
+  const model = pickedModel();
   try {
     const created = await api(
       "POST",
       "/v1/sessions",
-      {},
+      model ? { model } : {},
       key ? { Authorization: `Bearer ${key}` } : {},
     );
     hideKeyForm();
@@ -884,6 +918,7 @@ async function resume(saved) {
   updateComposer();
   openEvents(chat.lastEventId);
   showServedModel();
+  refreshPicker();
 }
 
 // ---- wiring ---------------------------------------------------------------------------------
@@ -915,6 +950,12 @@ ui.input.addEventListener("input", () => {
 });
 
 ui.stop.addEventListener("click", () => stopReply());
+ui.picker.addEventListener("change", () => {
+  store(MODEL_STORE, ui.picker.value);
+  hideBanner();
+  startNewSession();
+  ui.input.focus();
+});
 ui.bannerClose.addEventListener("click", hideBanner);
 ui.newChat.addEventListener("click", () => {
   hideBanner();

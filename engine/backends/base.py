@@ -50,6 +50,11 @@ class Backend(abc.ABC):
     model: str
     capacity: int
     """How many requests it runs at once; the worker takes no more than this."""
+    max_model_len: int | None = None
+    """Longest prompt plus reply, in tokens; None: no fixed context."""
+    ignored_params: frozenset[str] = frozenset()
+    """Sampling fields this backend accepts but cannot apply (logged when a request sets
+    one; docs/api.md lists them)."""
 
     async def start(self) -> None:  # noqa: B027 - optional hook
         """Load the model; called once before the first request."""

@@ -4,6 +4,14 @@ The reply to a message is ``You said: <message>.`` followed by a fixed filler te
 per token, at ``tokens_per_s`` per request, until ``max_tokens`` or a stop string. The same
 request always yields the same tokens, so a test can check every byte a client receives.
 
+Sampling: the text is scripted, so temperature, top_p, top_k and seed change nothing. Of
+the fields that end or shape a reply it honours ``max_tokens``, ``stop``, ``stop_token_ids``
+(a word's id is ``crc32(word) % 50000``), ``min_tokens`` (no stop before it),
+``include_stop_str_in_output`` and ``ignore_eos`` (it never ends on an EOS anyway); it has no
+special tokens, so ``skip_special_tokens`` and ``spaces_between_special_tokens`` hold
+trivially. ``min_p``, ``repetition_penalty``, ``frequency_penalty`` and ``presence_penalty``
+cannot apply to a script: a request that sets one gets a log line saying so.
+
 Faults for tests, written into the message: ``[[fail:N]]`` fails the request after N tokens,
 ``[[stall]]`` stops producing tokens (the request stays running until aborted),
 ``[[crash:N]]`` ends the whole worker process after N tokens.
@@ -12,13 +20,16 @@ Faults for tests, written into the message: ``[[fail:N]]`` fails the request aft
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import zlib
 from collections.abc import AsyncIterator
 
 from engine.backends.base import Backend, BackendError, Delta, Prepared
-from engine.contract import GenerationRequest
+from engine.contract import GenerationRequest, SamplingParams
+
+log = logging.getLogger("tokenspout.synthetic")
 
 FILLER = [
     "The",
@@ -70,11 +81,18 @@ def reply_words(request: GenerationRequest) -> list[str]:
 
 class SyntheticBackend(Backend):
     name = "synthetic"
+    ignored_params = frozenset(
+        {"min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"}
+    )
 
     def __init__(
-        self, tokens_per_s: float = 50.0, capacity: int = 256, prepare_delay_s: float = 0.0
+        self,
+        tokens_per_s: float = 50.0,
+        capacity: int = 256,
+        prepare_delay_s: float = 0.0,
+        model: str = "synthetic",
     ) -> None:
-        self.model = "synthetic"
+        self.model = model
         self.tokens_per_s = tokens_per_s
         self.capacity = capacity
         self.prepare_delay_s = prepare_delay_s
@@ -86,6 +104,13 @@ class SyntheticBackend(Backend):
     async def prepare(self, request: GenerationRequest) -> Prepared:
         words = [m.content for m in request.messages] if request.messages else [request.prompt]
         prompt_ids = [_word_id(word) for text in words for word in (text or "").split()]
+        ignored = _set_fields(request.params, self.ignored_params)
+        if ignored:
+            log.info(
+                "%s: the synthetic engine ignores %s (scripted text)",
+                request.generation_id,
+                ", ".join(ignored),
+            )
         if self.prepare_delay_s:
             await asyncio.sleep(self.prepare_delay_s)
         return Prepared(request.generation_id, prompt_ids, request.params, source=request)
@@ -113,9 +138,15 @@ class SyntheticBackend(Backend):
                 piece = word if index == 0 else " " + word
                 text += piece
                 logprob = -0.05 * (index % 7)
-                stop = next((s for s in params.stop if s and s in text), None)
+                may_stop = index + 1 > params.min_tokens
+                stop, at = _stop_in(text, len(piece), params.stop) if may_stop else (None, -1)
                 if stop is not None:
-                    keep = piece[: max(0, len(piece) - (len(text) - text.index(stop)))]
+                    end = at + (len(stop) if params.include_stop_str_in_output else 0)
+                    keep = piece[: max(0, len(piece) - (len(text) - end))]
+                    yield Delta(keep, [_word_id(word)], [logprob], finish_reason="stop")
+                    return
+                if may_stop and _word_id(word) in params.stop_token_ids:
+                    keep = piece if params.include_stop_str_in_output else ""
                     yield Delta(keep, [_word_id(word)], [logprob], finish_reason="stop")
                     return
                 last = index + 1 == params.max_tokens
@@ -139,3 +170,20 @@ class SyntheticBackend(Backend):
 
     def running(self) -> int:
         return len(self._running)
+
+
+def _set_fields(params: SamplingParams, names: frozenset[str]) -> list[str]:
+    """Which of ``names`` the request sets away from their defaults."""
+    default = SamplingParams()
+    return sorted(name for name in names if getattr(params, name) != getattr(default, name))
+
+
+def _stop_in(text: str, new: int, stops: list[str]) -> tuple[str | None, int]:
+    """The first stop string that ends in the last ``new`` characters, and where it begins
+    (as vLLM checks: text before ``min_tokens`` was never checked and stays)."""
+    for stop in stops:
+        if stop:
+            at = text.find(stop, max(0, len(text) - new - len(stop) + 1))
+            if at >= 0:
+                return stop, at
+    return None, -1

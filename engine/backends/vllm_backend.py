@@ -20,6 +20,7 @@ log = logging.getLogger("tokenspout.vllm")
 
 class VllmBackend(Backend):
     name = "vllm"
+    max_model_len: int
 
     def __init__(
         self,
@@ -89,9 +90,10 @@ class VllmBackend(Backend):
 
         params = prepared.params
         room = self.max_model_len - len(prepared.prompt_token_ids)
+        max_tokens = max(1, min(params.max_tokens, room))
         sampling = SamplingParams(
             n=1,
-            max_tokens=max(1, min(params.max_tokens, room)),
+            max_tokens=max_tokens,
             temperature=params.temperature,
             top_p=params.top_p,
             top_k=params.top_k if params.top_k not in (None, -1) else 0,
@@ -100,6 +102,14 @@ class VllmBackend(Backend):
             frequency_penalty=params.frequency_penalty,
             presence_penalty=params.presence_penalty,
             logprobs=0 if params.logprobs else None,
+            min_p=params.min_p,
+            repetition_penalty=params.repetition_penalty,
+            ignore_eos=params.ignore_eos,
+            min_tokens=min(params.min_tokens, max_tokens),  # the context may cut max_tokens
+            stop_token_ids=params.stop_token_ids or None,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
             output_kind=RequestOutputKind.DELTA,
         )
         prompt = {"prompt_token_ids": prepared.prompt_token_ids}

@@ -15,6 +15,8 @@ class Readiness(msgspec.Struct):
     ready: bool
     redis: str
     workers: list[WorkerInfo]
+    models: dict[str, int] = {}
+    """Every registered model -> its live workers (0: its last worker left)."""
 
 
 @get("/health", tags=["operations"], summary="Liveness")
@@ -28,5 +30,11 @@ async def ready(store: SessionStore) -> Response[Readiness]:
         await store.ping()
     except Unavailable as exc:
         return Response(Readiness(False, exc.message, []), status_code=503)
-    workers = await store.live_workers()
-    return Response(Readiness(bool(workers), "ok", workers), status_code=200 if workers else 503)
+    snapshot = await store.models.snapshot(fresh=True)
+    models = dict.fromkeys(snapshot.models, 0)
+    for model, workers in snapshot.live.items():
+        models[model] = len(workers)
+    ready = bool(snapshot.workers)
+    return Response(
+        Readiness(ready, "ok", snapshot.workers, models), status_code=200 if ready else 503
+    )

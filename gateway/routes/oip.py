@@ -18,7 +18,7 @@ from litestar.response import Stream
 from engine.contract import Done, SamplingParams, Started, Token
 from gateway import sse
 from gateway.auth import ApiKeys, require_api_key
-from gateway.errors import BadRequest, NotFound
+from gateway.errors import BadRequest, Unavailable
 from gateway.generation_stream import GenerationItem, GenerationStream, Heartbeat, final_error
 from gateway.relay import RelayHub
 from gateway.routes.adapter_common import (
@@ -86,13 +86,16 @@ async def _start(
     hub: RelayHub,
     settings: Settings,
     api_keys: ApiKeys,
+    model: str,
     data: GenerateRequest,
 ) -> GenerationStream:
     require_api_key(request, api_keys)
     if not data.text_input.strip():
         raise BadRequest("`text_input` must not be empty", field="text_input")
     params = _params(store, data.parameters)
-    return await GenerationStream.submit(store, hub, settings, params, prompt=data.text_input)
+    return await GenerationStream.submit(
+        store, hub, settings, params, model=model, prompt=data.text_input
+    )
 
 
 @post("/{model:str}/generate", summary="OIP generate", status_code=200)
@@ -105,7 +108,7 @@ async def generate(
     model: str,
     data: GenerateRequest,
 ) -> GenerateResponse:
-    generation = await _start(request, store, hub, settings, api_keys, data)
+    generation = await _start(request, store, hub, settings, api_keys, model, data)
     whole = await generation.collect()
     return GenerateResponse(whole.model or model, whole.text, whole.final.finish_reason, data.id)
 
@@ -139,7 +142,7 @@ async def generate_stream(
     model: str,
     data: GenerateRequest,
 ) -> Stream:
-    generation = await _start(request, store, hub, settings, api_keys, data)
+    generation = await _start(request, store, hub, settings, api_keys, model, data)
     chunks = ending_with_error(
         _events(generation.events(), model, data.id),
         lambda error: sse.frame(msgspec.json.encode(OipError(error.message))),
@@ -151,15 +154,14 @@ async def generate_stream(
 async def model_ready(
     request: AnyRequest, store: SessionStore, api_keys: ApiKeys, model: str
 ) -> Response[Ready]:
-    """200 when a live worker serves ``model``; 503 while no worker is alive at all; 404
-    when workers are alive and none serves it."""
+    """200 when a live worker serves ``model`` (a name or alias); 503 when its last worker
+    left; 404 for a name no worker ever registered."""
     require_api_key(request, api_keys)
-    served = {worker.model for worker in await store.live_workers()}
-    if model in served:
-        return Response(Ready(model, True), status_code=200)
-    if served:
-        raise NotFound(f"no live worker serves {model!r} (served: {', '.join(sorted(served))})")
-    return Response(Ready(model, False), status_code=503)
+    try:
+        await store.models.resolve(model)
+    except Unavailable:
+        return Response(Ready(model, False), status_code=503)
+    return Response(Ready(model, True), status_code=200)
 
 
 oip_router = Router(

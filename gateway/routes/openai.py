@@ -77,6 +77,17 @@ ROLES: dict[str, Role] = {
     "assistant": "assistant",
 }
 ERROR_TYPES = {401: "invalid_request_error", 429: "rate_limit_error"}
+VLLM_FIELDS = (
+    "min_p",
+    "repetition_penalty",
+    "ignore_eos",
+    "min_tokens",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+)
+"""vLLM's extra sampling fields that reach the engine as they are (contract.SamplingParams)."""
 
 
 def _refuse(field: str, message: str) -> BadRequest:
@@ -89,6 +100,11 @@ def _sampling(body: _Sampling, max_tokens: int | None) -> dict[str, Any]:
         raise _refuse("n", "n must be 1: tokenspout generates one choice per request")
     if body.logit_bias:
         raise _refuse("logit_bias", "logit_bias is not supported")
+    if body.use_beam_search:
+        raise _refuse("use_beam_search", "beam search is not supported")
+    if body.length_penalty not in (None, 1.0):
+        # vLLM applies it in beam search only.
+        raise _refuse("length_penalty", "length_penalty must be 1: it applies to beam search")
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
     return {
         "max_tokens": max_tokens,
@@ -99,6 +115,7 @@ def _sampling(body: _Sampling, max_tokens: int | None) -> dict[str, Any]:
         "seed": body.seed,
         "frequency_penalty": body.frequency_penalty,
         "presence_penalty": body.presence_penalty,
+        **{name: getattr(body, name) for name in VLLM_FIELDS},
     }
 
 
@@ -341,7 +358,9 @@ async def chat_completions(
     require_api_key(request, api_keys)
     params = _chat_params(store, data)
     messages = _chat_messages(data, settings.max_history_messages)
-    generation = await GenerationStream.submit(store, hub, settings, params, messages=messages)
+    generation = await GenerationStream.submit(
+        store, hub, settings, params, model=data.model, messages=messages
+    )
     completion_id, created = f"chatcmpl-{generation.generation_id}", int(time.time())
     want_logprobs = bool(data.logprobs)
 
@@ -373,7 +392,9 @@ async def completions(
     require_api_key(request, api_keys)
     params = _completion_params(store, data)
     prompt = _completion_prompt(data)
-    generation = await GenerationStream.submit(store, hub, settings, params, prompt=prompt)
+    generation = await GenerationStream.submit(
+        store, hub, settings, params, model=data.model, prompt=prompt
+    )
     completion_id, created = f"cmpl-{generation.generation_id}", int(time.time())
     want_logprobs = data.logprobs == 0
 
@@ -391,14 +412,15 @@ async def completions(
     )
 
 
-@get("/models", summary="The models the live engine workers serve")
+@get("/models", summary="The models (and aliases) that have a live engine worker")
 async def models(request: AnyRequest, store: SessionStore, api_keys: ApiKeys) -> ModelList:
     require_api_key(request, api_keys)
     cards: dict[str, ModelCard] = {}
     for worker in await store.live_workers():
         created = int(worker.started_at)
-        if worker.model not in cards or cards[worker.model].created > created:
-            cards[worker.model] = ModelCard(worker.model, "model", created, "tokenspout")
+        for name in worker.names:  # as vLLM does: one card per served name
+            if name not in cards or cards[name].created > created:
+                cards[name] = ModelCard(name, "model", created, "tokenspout", worker.model)
     return ModelList("list", sorted(cards.values(), key=lambda card: card.id))
 
 

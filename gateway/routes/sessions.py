@@ -35,10 +35,17 @@ class MessageIn(msgspec.Struct, forbid_unknown_fields=True):
     seed: int | None = None
 
 
+class SessionIn(msgspec.Struct, forbid_unknown_fields=True):
+    model: str | None = None
+    """A model name or alias; left out: the default model. The session keeps it."""
+
+
 class SessionCreated(msgspec.Struct):
     session_id: str
     token: str
     events_url: str
+    model: str | None = None
+    """None when no worker was alive to pick the default: the first message picks it."""
 
 
 class GenerationAccepted(msgspec.Struct):
@@ -79,13 +86,22 @@ class SessionController(Controller):
 
     @post("/", status_code=201, summary="Create a session")
     async def create(
-        self, request: AnyRequest, store: SessionStore, api_keys: ApiKeys
+        self,
+        request: AnyRequest,
+        store: SessionStore,
+        api_keys: ApiKeys,
+        data: SessionIn | None = None,
     ) -> SessionCreated:
-        """With API keys configured, wants ``Authorization: Bearer <key>`` (else 401)."""
+        """With API keys configured, wants ``Authorization: Bearer <key>`` (else 401). The
+        body (optional) names the model: 404 ``model_not_found`` for a name no worker
+        serves, 503 ``model_unavailable`` when its workers all left."""
         require_api_key(request, api_keys)
-        created = await store.create_session()
+        created = await store.create_session(data.model if data is not None else None)
         return SessionCreated(
-            created.session_id, created.token, f"/v1/sessions/{created.session_id}/events"
+            created.session_id,
+            created.token,
+            f"/v1/sessions/{created.session_id}/events",
+            created.model,
         )
 
     @get("/{session_id:str}", summary="The session's messages")

@@ -176,7 +176,7 @@ class Connection:
             if not self._key_shown:
                 self.api_keys.require(frame.api_key)
                 self._key_shown = True
-            created = await self.store.create_session()
+            created = await self.store.create_session(frame.model)
             session_id, token = created.session_id, created.token
             new_token = token
             _remember(self._tokens, session_id, created.token)
