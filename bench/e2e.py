@@ -379,7 +379,7 @@ async def profile_point(
             for name in ("gateway", "worker")
         }
         spies = [
-            profile_top.record(pid, files[name])
+            profile_top.record(pid, files[name], native=args.profile_native)
             for name, pid in (("gateway", rig.gateway.pid), ("worker", rig.worker.pid))
         ]
         await asyncio.sleep(1.0)  # py-spy attaches
@@ -456,6 +456,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--profile", type=Path, default=None, help="py-spy speedscopes into DIR")
     parser.add_argument("--profile-streams", type=int, default=500, help="the profiled point")
+    parser.add_argument(
+        "--profile-native", action="store_true", help="py-spy --native (C frames: uvloop, hiredis)"
+    )
     parser.add_argument("--reduced", action="store_true", help="mark the results as a reduced run")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--name", default="e2e", help="file names: NAME.json, NAME.md, NAME.png")

@@ -177,8 +177,8 @@ def plot(results: dict[str, Any], out: Path) -> None:
             continue
         rows = [p["added"][mode] for p in points]
         for key, label in (("added_ttft_p50_ms", "p50"), ("added_ttft_p99_ms", "p99")):
-            values = [max(0.1, r[key]) if r[key] is not None else None for r in rows]
-            ttft.plot(streams, values, style, label=f"{mode} TTFT {label}")
+            ys = [max(0.1, r[key]) if r[key] is not None else None for r in rows]
+            ttft.plot(streams, ys, style, label=f"{mode} TTFT {label}")
         ratio.plot(streams, [r["tokens_per_s_ratio"] for r in rows], style, label=mode)
     ttft.set(xscale="log", yscale="log", xlabel="streams", ylabel="added ms (floor 0.1)")
     ttft.set_title("added TTFT vs the engine alone")

@@ -20,12 +20,19 @@ from pathlib import Path
 from typing import Any
 
 TOP = 15
+IDLE = {"epoll_wait", "epoll_pwait", "EpollSelector.select", "select", "poll"}
+"""Leaf frames of a thread waiting for I/O: py-spy counts some of them as busy (its idle
+detection misses a loop that wakes often); the summary leaves them out and reports their
+share as ``waiting``."""
 
 
-def record(pid: int, out: Path, rate: int = 250) -> subprocess.Popen[bytes]:
+def record(pid: int, out: Path, rate: int = 250, native: bool = False) -> subprocess.Popen[bytes]:
+    """``native``: unwind C frames too (uvloop, hiredis, the interpreter): slower, and it
+    pauses the process at each sample, but it shows where the time inside them goes."""
     py_spy = Path(sys.executable).parent / "py-spy"
     args = [str(py_spy), "record", "--pid", str(pid), "--format", "speedscope"]
-    args += ["--output", str(out), "--rate", str(rate), "--nonblocking"]
+    args += ["--output", str(out), "--rate", str(rate)]
+    args += ["--native"] if native else ["--nonblocking"]
     return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -55,25 +62,32 @@ def summary(path: Path, top: int = TOP) -> dict[str, Any]:
     if not path.exists():
         return {"samples": 0, "error": f"{path.name} was not written (py-spy could not attach?)"}
     data = json.loads(path.read_text())
-    labels = [_label(frame) for frame in data["shared"]["frames"]]
+    frames = data["shared"]["frames"]
+    labels = [_label(frame) for frame in frames]
+    idle = {index for index, frame in enumerate(frames) if frame.get("name") in IDLE}
     own: Counter[str] = Counter()
     total: Counter[str] = Counter()
-    count = 0
+    count = waiting = 0
     for profile in data["profiles"]:
-        weights = profile.get("weights") or [1] * len(profile["samples"])
-        for stack, weight in zip(profile["samples"], weights, strict=True):
+        for stack in profile["samples"]:  # root first; py-spy weighs every sample alike
             if not stack:
                 continue
-            count += weight
-            own[labels[stack[-1]]] += weight
+            if stack[-1] in idle:
+                waiting += 1
+                continue
+            count += 1
+            own[labels[stack[-1]]] += 1
             for name in {labels[index] for index in stack}:
-                total[name] += weight
+                total[name] += 1
     if not count:
-        return {"samples": 0}
+        return {"samples": 0, "waiting": waiting}
+    # The frames on every stack (the interpreter, the event loop's run) say nothing.
+    inner = [(name, n) for name, n in total.most_common() if n < 0.98 * count]
     return {
         "samples": count,
+        "waiting": waiting,
         "self": [[name, round(100 * n / count, 1)] for name, n in own.most_common(top)],
-        "total": [[name, round(100 * n / count, 1)] for name, n in total.most_common(top)],
+        "total": [[name, round(100 * n / count, 1)] for name, n in inner[:top]],
     }
 
 
@@ -82,7 +96,8 @@ def text(summaries: dict[str, Any]) -> str:
     lines = []
     for mode, by_process in summaries.items():
         for process, s in by_process.items():
-            lines.append(f"== {mode}: {process} ({s.get('samples', 0)} busy samples)")
+            busy, waiting = s.get("samples", 0), s.get("waiting", 0)
+            lines.append(f"== {mode}: {process} ({busy} busy samples; {waiting} waiting in epoll)")
             if "error" in s:
                 lines.append(f"   {s['error']}")
                 continue
