@@ -390,6 +390,13 @@ async def profile_point(
     return summary
 
 
+async def warm_up(rig: Rig, modes: list[str]) -> None:
+    """A few streams per path, not measured: the first requests of a fresh process pay for
+    imports, caches and connection pools (tens of ms), which is not what the points ask."""
+    for mode in modes:
+        await run_once(rig, mode, 10, 5, 0.01, 30)
+
+
 async def suite(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {
         "machine": measure.machine(),
@@ -408,6 +415,7 @@ async def suite(args: argparse.Namespace) -> dict[str, Any]:
     began = time.monotonic()
     async with e2e_rig(args.rate, args.logs) as rig:
         results["pinned"] = rig.pinned
+        await warm_up(rig, args.modes)
         for n in args.streams:
             rounds = args.rounds_single if n == 1 else 1
             point = await run_point(
@@ -427,6 +435,7 @@ async def suite(args: argparse.Namespace) -> dict[str, Any]:
     streams_n, tokens = args.saturation
     if streams_n and tokens:
         async with e2e_rig(0, args.logs) as rig:
+            await warm_up(rig, args.modes)
             point = await run_point(rig, streams_n, 0, tokens, args.start_rate, 1, args.modes)
             results["saturation"] = point
             say("saturation (unpaced) " + describe(point))
