@@ -36,6 +36,8 @@ class StreamRecord:
     submitted_at: float = 0.0
     accepted_at: float = 0.0
     """When the submit call returned (the gateway's 202, or the Redis script's reply)."""
+    headers_at: float = 0.0
+    """When the response's headers arrived (SSE readers)."""
     arrivals: list[float] = field(default_factory=list)
     final: str | None = None
     failure: str | None = None
@@ -94,6 +96,7 @@ class SSEStream(asyncio.Protocol):
                 self.close()
                 return
             self._headers_done = True
+            self.record.headers_at = now
             self._chunked = b"transfer-encoding: chunked" in head
             if self.record.ready is not None and not self.record.ready.done():
                 self.record.ready.set_result(None)
