@@ -181,6 +181,12 @@ async def one_stream(
     return reader
 
 
+def cpu_of(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds per process; the load generator's own, not its tree (the whole rig)."""
+    own = os.getpid()
+    return {name: measure.cpu_seconds(pid, children=pid != own) for name, pid in pids.items()}
+
+
 @dataclass
 class Run:
     """One mode at one point: every stream's record, and what the processes spent."""
@@ -205,7 +211,7 @@ async def run_once(
     failures: list[str] = []
     pids = rig.pids()
     await measure.reset_command_stats(rig.redis)
-    before = {name: measure.cpu_seconds(pid) for name, pid in pids.items()}
+    before = cpu_of(pids)
     loop = asyncio.get_running_loop()
     began = loop.time() + 0.05
 
@@ -227,7 +233,7 @@ async def run_once(
     except TimeoutError:
         timed_out = True
     wall = time.perf_counter() - wall_began
-    after = {name: measure.cpu_seconds(pid) for name, pid in pids.items()}
+    after = cpu_of(pids)
     calls = sum((await measure.command_calls(rig.redis)).values())
     for reader in readers:
         reader.close()
