@@ -149,15 +149,19 @@ def markdown(results: dict[str, Any]) -> str:
             "",
             f"## Profile ({profile['streams']} streams, py-spy, busy samples)",
             "",
-            f"Speedscope files in `{profile['dir']}`; top frames by self time:",
+            f"Speedscope files in `{profile['dir']}` (`summary.txt` there has more). Per "
+            "process: the functions of ours that the busy samples fall under (the innermost "
+            "frame of gateway/ or engine/ code on the stack: a Redis call or a GC pass counts "
+            "against the function that made it), then the top frames by self time.",
             "",
         ]
         for mode, by_process in profile["top"].items():
             for process, summary in by_process.items():
-                top = ", ".join(f"{name} {share} %" for name, share in summary.get("self", [])[:8])
-                lines.append(
-                    f"- **{mode}, {process}** ({summary.get('samples', 0)} samples): {top}"
-                )
+                samples = summary.get("samples", 0)
+                for kind, title in (("ours", "under"), ("self", "self")):
+                    shares = summary.get(kind, [])[:8]
+                    top = ", ".join(f"{name} {share} %" for name, share in shares)
+                    lines.append(f"- **{mode}, {process}, {title}** ({samples} samples): {top}")
     return "\n".join(lines) + "\n"
 
 
