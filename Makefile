@@ -66,10 +66,12 @@ typecheck: setup
 pytest: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# The gateway suite (synthetic engine), then vLLM on the CPU: alone vs behind the gateway,
-# and cancel latency. Not part of `make test`; results land in docs/bench/.
+# The gateway suite (synthetic engine), end to end against the engine alone (bench.e2e),
+# then vLLM on the CPU: alone vs behind the gateway, and cancel latency. Not part of
+# `make test`; results land in docs/bench/.
 bench: model
 	$(PY) -m bench $(BENCH_ARGS)
+	$(PY) -m bench.e2e $(E2E_ARGS)
 	$(PY) -m bench.engine_vs_gateway
 	$(PY) -m bench.cancel_latency
 

@@ -338,7 +338,9 @@ def steady_rate(records: list[StreamRecord]) -> float | None:
 
 
 def cpu_of(pids: dict[str, int]) -> dict[str, float]:
-    return {name: measure.cpu_seconds(pid) for name, pid in pids.items()}
+    """CPU seconds per process tree; the load generator's own (its tree is the whole rig)."""
+    own = os.getpid()
+    return {name: measure.cpu_seconds(pid, children=pid != own) for name, pid in pids.items()}
 
 
 async def run_point(
