@@ -132,16 +132,21 @@ async def test_a_slow_model_never_delays_another_and_limits_hold_per_model(
     alpha's queue, and beta still answers at once; the per-model limit refuses alpha only."""
     base = _two_models(stack, "--capacity", "1", TOKENSPOUT_MAX_INFLIGHT_PER_MODEL="2")
     client = _client(base)
-    stalled = asyncio.create_task(_chat(client, "alpha", "hold [[stall]]"))
-    waiting = asyncio.create_task(_chat(client, "alpha", "waits its turn"))
     async with httpx.AsyncClient(timeout=30) as http:
-        deadline = time.monotonic() + 20
-        while (
-            'model_generations_queued{model="alpha"} 1.0'
-            not in (await http.get(f"{base}/metrics")).text
-        ):
-            assert time.monotonic() < deadline, "the second alpha request was not queued"
-            await asyncio.sleep(0.05)
+
+        async def until_metric(sample: str, what: str) -> None:
+            deadline = time.monotonic() + 20
+            while sample not in (await http.get(f"{base}/metrics")).text:
+                assert time.monotonic() < deadline, what
+                await asyncio.sleep(0.05)
+
+        # One after the other: sent together, the quick one might take the slot first.
+        stalled = asyncio.create_task(_chat(client, "alpha", "hold [[stall]]"))
+        await until_metric('model_generations_running{model="alpha"} 1.0', "alpha never ran")
+        waiting = asyncio.create_task(_chat(client, "alpha", "waits its turn"))
+        await until_metric(
+            'model_generations_queued{model="alpha"} 1.0', "the second alpha request was not queued"
+        )
     began = time.monotonic()
     beta = await _chat(client, "beta", "not delayed")
     assert time.monotonic() - began < 2.0
