@@ -20,6 +20,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from engine.contract import CONSUMER_GROUP, Keys
+from gateway.takeover import LEASE_GRACE_S
 from stack import processes
 from tests.client import TERMINAL, Reading, Session, cancel, create_session, send
 from tests.conftest import Stack
@@ -83,6 +84,18 @@ def follow(
     return follower
 
 
+async def lease_trusted(stack: Stack) -> None:
+    """Wait until Redis has run LEASE_GRACE_S: before that, a lost lease proves nothing
+    (gateway/takeover.py) and the heartbeat timeout decides."""
+    redis = aioredis.Redis.from_url(stack.redis_url)
+    try:
+        async with asyncio.timeout(LEASE_GRACE_S + 5):
+            while int((await redis.info("server"))["uptime_in_seconds"]) < LEASE_GRACE_S:
+                await asyncio.sleep(0.1)
+    finally:
+        await redis.aclose()
+
+
 def check_whole(events: list[Event], gid: str, content: str, max_tokens: int) -> None:
     """The reply as the reader got it equals the uninterrupted one, in every respect."""
     ids = [event_key(e.id or "") for e in events]
@@ -131,6 +144,7 @@ async def test_a_worker_killed_mid_reply_is_continued_byte_for_byte(stack: Stack
             while len(chunks) < 5:
                 await asyncio.sleep(0.01)
         stack.synthetic(20)
+        await lease_trusted(stack)
         processes.kill(doomed)
         killed_at = time.monotonic()
         assert follower.task is not None
