@@ -22,10 +22,12 @@ import redis.asyncio as aioredis
 from engine.contract import CONSUMER_GROUP, Keys
 from gateway.takeover import LEASE_GRACE_S
 from stack import processes
+from stack.redis_server import free_port
 from tests.client import TERMINAL, Reading, Session, cancel, create_session, send
 from tests.conftest import Stack
 from tests.sse import Event, parse
 from tests.test_faults import event_key
+from tests.test_metrics import scrape, value
 from tests.test_sessions import expected_reply
 
 pytestmark = pytest.mark.timeout(120)
@@ -204,12 +206,15 @@ async def test_sigterm_hands_three_running_replies_over_at_once(stack: Stack) ->
         followers = [follow(client, s, g) for s, g in zip(sessions, gids, strict=True)]
         for follower in followers:
             await follower.until_tokens(5)
-        stack.synthetic(20)
+        metrics_port = free_port()
+        stack.synthetic(20, "--metrics-port", str(metrics_port))
         leaving.send_signal(signal.SIGTERM)
         signalled_at = time.monotonic()
         await asyncio.wait_for(asyncio.to_thread(leaving.wait), 20)
         exited_s = time.monotonic() - signalled_at
         await asyncio.wait_for(asyncio.gather(*(f.task for f in followers if f.task)), 60)
+        survivor = await scrape(client, f"http://127.0.0.1:{metrics_port}/metrics")
+    assert value(survivor, "tokenspout_engine_takeovers_total") == 3
     gaps = [f.first_token_after(signalled_at) for f in followers]
     print(f"\nSIGTERM -> next token {', '.join(f'{g * 1000:.0f}' for g in gaps)} ms")
     for follower, gid, content in zip(followers, gids, contents, strict=True):
