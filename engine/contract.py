@@ -324,7 +324,8 @@ EMIT_SCRIPT = (
 -- Returns the entry id, or false when the generation already ended (or expired), or the
 -- writer (worker and epoch) does not own it: so "no event after the final one" and "one
 -- worker per reply" hold whatever a writer does. 'started'/'resumed' claim a queued
--- generation; before the claim, the current epoch's writer may end it (prefill errors).
+-- generation; before the claim, the current epoch's writer may only end it (a prefill
+-- error).
 -- A seq at or below the generation's last written one is a retried write (a pipeline sent
 -- again after a lost connection): nothing is written, and the reply is the id of the
 -- latest event written, so a retry never shows a client an event twice.
@@ -339,7 +340,9 @@ local claim = ARGV[4] == 'started' or ARGV[4] == 'resumed'
 if claim and seen[3] ~= 'queued' then return false end
 if writer ~= '' then
   if epoch ~= tonumber(seen[6] or '0') then return false end
-  if seen[5] and seen[5] ~= writer and seen[3] ~= 'queued' then return false end
+  if seen[3] == 'queued' then
+    if not claim and ARGV[7] == '' then return false end
+  elseif seen[5] ~= writer then return false end
 end
 local id = emit(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6])
 if seq then redis.call('HSET', KEYS[2], 'seq', seq, 'seq_id', id) end

@@ -28,9 +28,10 @@ class Lease:
     def __init__(self, redis: aioredis.Redis, keys: Keys, worker_id: str) -> None:
         pool = redis.connection_pool
         kwargs = dict(pool.connection_kwargs, client_name=contract.lease_name(worker_id))
+        # One connection: callers (the heartbeat, a drain's look for others) take turns.
         self.redis = aioredis.Redis(
-            connection_pool=aioredis.ConnectionPool(
-                connection_class=pool.connection_class, max_connections=1, **kwargs
+            connection_pool=aioredis.BlockingConnectionPool(
+                connection_class=pool.connection_class, max_connections=1, timeout=None, **kwargs
             )
         )
         self.keys = keys

@@ -161,13 +161,16 @@ class Reaper:
                 idle=STALE_CLAIM_MS if consumer.startswith(REAPER_PREFIX) else None,
             )
             for entry in pending:
-                await self._take_over(contract.text(entry["message_id"]), consumer)
+                # Claimed only if still idle as long as seen: an entry another reaper
+                # claimed meanwhile (its idle time reset) is left to that one.
+                idle = int(entry["time_since_delivered"])
+                await self._take_over(contract.text(entry["message_id"]), consumer, idle)
             handled += len(pending)
         return handled
 
-    async def _take_over(self, message_id: str, consumer: str) -> None:
+    async def _take_over(self, message_id: str, consumer: str, idle_ms: int) -> None:
         claimed = await self.redis.xclaim(
-            self.keys.requests, contract.CONSUMER_GROUP, self._owner, 0, [message_id]
+            self.keys.requests, contract.CONSUMER_GROUP, self._owner, idle_ms, [message_id]
         )
         for entry_id, fields in contract.entries_of(claimed):
             request = decode_request(entry_id, fields) if fields else None

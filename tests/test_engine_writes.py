@@ -122,3 +122,36 @@ async def test_a_failed_ack_is_counted_and_retried(
     await worker._retry_acks()  # what the next heartbeat does
     assert (await redis.xpending(keys.requests, contract.CONSUMER_GROUP))["pending"] == 0
     assert not worker._unacked
+
+
+async def test_after_a_takeover_only_the_new_epochs_writer_writes(redis: aioredis.Redis) -> None:
+    """EMIT checks the writer (worker and epoch): once TAKEOVER moved the generation on,
+    the old worker's events are refused, also from the same worker; the continuation
+    claims it with `resumed` and writes; a second claim is refused."""
+    keys = Keys(f"t-{secrets.token_hex(4)}")
+    sid, gid = await queued_generation(redis, keys)
+    emit = redis.register_script(contract.EMIT_SCRIPT)
+    takeover = redis.register_script(contract.TAKEOVER_SCRIPT)
+
+    async def write(event: contract.SessionEvent, writer: str, epoch: int) -> object:
+        args = [keys.live_channel(sid), 100, 600, contract.event_type(event), gid]
+        args += [contract.encode(event), "", writer, "", "", epoch]
+        keys_ = [keys.events(sid), keys.generation(sid, gid), keys.active(sid)]
+        return await emit(keys=[*keys_, keys.history(sid)], args=args)
+
+    assert await write(Started(gid, "m", 3), "w1", 0)
+    assert await write(Token(gid, "a", 1, [7]), "w1", 0)
+    assert await write(Token(gid, "b", 2, [8]), "w2", 0) is None  # not the owner
+    reply = await takeover(keys=[keys.generation(sid, gid)], args=["w1", 3, ""])
+    assert [contract.text(r) for r in reply] == ["takeover", "1", "w1"]
+    again = await takeover(keys=[keys.generation(sid, gid)], args=["w1", 3, ""])
+    assert contract.text(again[0]) == "queued"  # a second reaper hands nothing on anew
+    assert await write(Token(gid, "b", 2, [8]), "w1", 0) is None  # the old run
+    assert await write(Token(gid, "b", 2, [8]), "w1", 1) is None  # not claimed yet
+    resumed = contract.Resumed(gid, "w1", "w1", 1, 1)
+    assert await write(resumed, "w1", 1)  # the same worker may continue it, as epoch 1
+    assert await write(Token(gid, "b", 2, [8]), "w1", 0) is None  # ... but not as epoch 0
+    assert await write(Token(gid, "b", 2, [8]), "w1", 1)
+    assert await write(contract.Resumed(gid, "w1", "w2", 2, 1), "w2", 1) is None
+    kinds = [f[b"t"] for _id, f in await redis.xrange(keys.events(sid))]
+    assert kinds == [b"started", b"token", b"resumed", b"token"]
