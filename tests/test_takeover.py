@@ -4,7 +4,8 @@ Real processes (synthetic engines, gateways, Redis). Every test checks the reade
 the text is byte for byte the uninterrupted reply, ids strictly increase, token counts go
 up by one with no gap or repeat, exactly one final event, usage counting the whole reply.
 The gateways run with the default TOKENSPOUT_WORKER_TIMEOUT_S (5 s): a takeover within a
-second shows the lease connection, not the heartbeat timeout, told the gateway.
+second shows the lease connection, not the heartbeat timeout, told the gateway. The last
+test checks the synthetic engine's continuation itself, in process.
 """
 
 from __future__ import annotations
@@ -306,3 +307,31 @@ async def test_a_worker_killed_while_prefilling_a_takeover(stack: Stack) -> None
     check_whole(follower.reading.events, gid, content, max_tokens)
     resumed = [e.json() for e in follower.reading.events if e.event == "resumed"]
     assert [r["takeover"] for r in resumed] == [1]
+
+
+@pytest.mark.parametrize("after", [0, 1, 7, 29])
+async def test_the_synthetic_engine_continues_exactly_where_it_was(after: int) -> None:
+    """Word N of a synthetic reply depends only on the request and N, so a continuation
+    from any point yields the rest of the uninterrupted reply, deltas and all."""
+    from engine.backends.synthetic import SyntheticBackend
+    from engine.contract import GenerationRequest, Resume, SamplingParams
+
+    backend = SyntheticBackend(tokens_per_s=0)
+    request = GenerationRequest("g_1", "s_1", SamplingParams(max_tokens=40), prompt="go on")
+    whole = [d async for d in backend.generate(await backend.prepare(request))]
+    streamed = whole[:after]
+    resume = Resume(
+        takeover=1,
+        from_worker="w",
+        prompt_tokens=2,
+        completion_tokens=after,
+        text="".join(d.text for d in streamed),
+        token_ids=[i for d in streamed for i in d.token_ids],
+    )
+    resumed = GenerationRequest(
+        "g_1", "s_1", SamplingParams(max_tokens=40), prompt="go on", resume=resume
+    )
+    rest = [d async for d in backend.generate(await backend.prepare(resumed))]
+    assert [(d.text, d.token_ids, d.finish_reason) for d in streamed + rest] == [
+        (d.text, d.token_ids, d.finish_reason) for d in whole
+    ]

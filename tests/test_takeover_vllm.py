@@ -4,7 +4,8 @@ Two vLLM engines never run at once on this machine (tests/conftest.py's lock), s
 replacement worker starts after the kill: the taken-over reply waits in the queue while it
 loads, then goes on from the prompt plus the token ids already streamed. With greedy
 sampling the continued reply is the uninterrupted one. The replacement becomes the
-session's shared engine for the tests that follow.
+session's shared engine for the tests that follow. The last test checks the backend's
+continuation input (and its context guard) with the real tokenizer only.
 """
 
 from __future__ import annotations
@@ -62,3 +63,33 @@ async def test_a_vllm_worker_killed_mid_reply_is_continued_with_the_same_greedy_
     assert counts == sorted(set(counts)), "a token repeated"
     assert continued.text(gid) == whole.text(first)
     assert continued.final(gid).json()["usage"] == whole.final(first).json()["usage"]
+
+
+async def test_a_continuation_longer_than_the_context_ends_with_a_clear_error() -> None:
+    """The vLLM backend's prepare (with the real tokenizer; no engine needed): a prompt
+    plus streamed tokens past this worker's context is `context_exceeded`; one that fits
+    asks the engine for the tokens left."""
+    from transformers import AutoTokenizer
+
+    from engine.backends.base import BackendError
+    from engine.backends.vllm_backend import VllmBackend
+    from engine.contract import GenerationRequest, Resume, SamplingParams
+    from engine.model import default_model_dir
+
+    folder = default_model_dir()
+    backend = VllmBackend(str(folder), max_model_len=64)
+    backend._tokenizer = AutoTokenizer.from_pretrained(folder)
+
+    def resumed(streamed: int) -> GenerationRequest:
+        resume = Resume(1, "w", 3, streamed, "x" * streamed, [42] * streamed)
+        params = SamplingParams(max_tokens=100)
+        return GenerationRequest("g_1", "s_1", params, prompt="one two three", resume=resume)
+
+    prepared = await backend.prepare(resumed(20))
+    assert prepared.prompt_token_ids[-20:] == [42] * 20
+    assert prepared.params.max_tokens == 80 and prepared.resumed_tokens == 20
+    assert prepared.generation_id == "g_1@1"
+    with pytest.raises(BackendError) as caught:
+        await backend.prepare(resumed(70))
+    assert caught.value.code == "context_exceeded"
+    assert "exceed this worker's context of 64" in caught.value.message
