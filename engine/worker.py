@@ -193,8 +193,15 @@ class Worker:
             task = asyncio.create_task(self._ack_or_retry_later(entry_id))
         else:
             job = Job(request, entry_id)
-            self.jobs[request.generation_id] = job
-            task = asyncio.create_task(self._run_job(job), name=request.generation_id)
+            running = self.jobs.get(request.generation_id)
+            if running is not None and running.epoch >= job.epoch:
+                log.info("dropping a second copy of %s", request.generation_id)
+                task = asyncio.create_task(self._ack_or_retry_later(entry_id))
+            else:
+                if running is not None:  # this worker was taken for lost; it continues it
+                    self._stop_run(running)
+                self.jobs[request.generation_id] = job
+                task = asyncio.create_task(self._run_job(job), name=request.generation_id)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -364,8 +371,11 @@ class Worker:
         # Redis refused an event: the generation was ended elsewhere (or expired), or taken
         # over by another worker (this one was thought lost). Stop it.
         job = self.jobs.get(generation_id)
-        if job is None or job.epoch != epoch or job.handing_over:
-            return  # not that run of it (a continuation in this same worker goes on)
+        if job is not None and job.epoch == epoch and not job.handing_over:
+            self._stop_run(job)
+
+    def _stop_run(self, job: Job) -> None:
+        """Abort a run whose events Redis no longer takes; no final event (not its own)."""
         if job.cancel_reason is None:
             job.cancel_reason = "user"
             job.ended = True

@@ -16,12 +16,13 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+import msgspec
 import openai
 import pytest
 import redis.asyncio as aioredis
 
-from engine.contract import CONSUMER_GROUP, Keys
-from gateway.takeover import LEASE_GRACE_S
+from engine.contract import CONSUMER_GROUP, GenerationRequest, Keys
+from gateway.takeover import LEASE_GRACE_S, Takeover
 from stack import processes
 from stack.redis_server import free_port
 from tests.client import TERMINAL, Reading, Session, cancel, create_session, send
@@ -335,3 +336,36 @@ async def test_the_synthetic_engine_continues_exactly_where_it_was(after: int) -
     assert [(d.text, d.token_ids, d.finish_reason) for d in streamed + rest] == [
         (d.text, d.token_ids, d.finish_reason) for d in whole
     ]
+
+
+async def test_a_worker_wrongly_taken_for_lost_never_writes_twice(stack: Stack) -> None:
+    """The reaper hands on a reply whose worker is alive (as after a dropped connection):
+    the old run's events are refused from then on, and here the same worker takes the
+    continuation, stopping its old run. The reader sees one reply, whole, one `resumed`."""
+    stack.synthetic(20)
+    gateway = stack.gateway()
+    keys = Keys(stack.prefix)
+    redis = aioredis.Redis.from_url(stack.redis_url)
+    content, max_tokens = "only slow, not dead", 60
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            session = await create_session(client, gateway.url)
+            gid = await send(client, session, content, max_tokens=max_tokens)
+            follower = follow(client, session, gid)
+            await follower.until_tokens(10)
+            owner = (await redis.hget(keys.generation(session.session_id, gid), "worker")) or b""
+            (raw,) = [
+                f[b"r"] for _id, f in await redis.xrange(keys.requests) if gid.encode() in f[b"r"]
+            ]
+            request = msgspec.json.decode(raw, type=GenerationRequest)
+            takeover = Takeover(
+                redis, keys, max_takeovers=3, events_maxlen=1000, ttl_s=600, requests_maxlen=100
+            )
+            assert await takeover.hand_on(request, raw, owner.decode()) == "taken_over"
+            assert follower.task is not None
+            await asyncio.wait_for(follower.task, 60)
+    finally:
+        await redis.aclose()
+    check_whole(follower.reading.events, gid, content, max_tokens)
+    (resumed,) = [e.json() for e in follower.reading.events if e.event == "resumed"]
+    assert resumed["from_worker"] == resumed["to_worker"] == owner.decode()
