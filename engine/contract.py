@@ -5,6 +5,8 @@ wire), the key layout, and the Lua scripts that keep a session's event stream co
 
 Schema evolution: new fields go at the end with defaults; a change that old readers cannot
 ignore bumps ``WIRE_VERSION`` and the key prefix, so two versions never share keys.
+Version 2: the ``resumed`` event and ``GenerationRequest.resume`` (takeover), which a
+version-1 gateway could not decode and a version-1 worker would run from the start.
 
 Redis layout (every key from ``Keys``, every one with a TTL, every stream capped):
 
@@ -36,7 +38,7 @@ from typing import Literal, cast
 
 import msgspec
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 DEFAULT_PREFIX = f"ts{WIRE_VERSION}"
 CONSUMER_GROUP = "engines"
 SHARED_KEY_TTL_S = 7 * 86_400
