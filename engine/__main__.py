@@ -2,8 +2,9 @@
 
 ``--model default`` prepares and serves the bundled SmolLM2 (engine/model.py). Redis comes
 from ``REDIS_URL``; the key prefix from ``TOKENSPOUT_KEY_PREFIX`` (as for the gateway).
-SIGTERM or Ctrl-C drains: running generations may finish for ``--drain-s`` seconds, the rest
-end as ``cancelled`` (reason ``shutdown``), and the queue is left to other workers.
+SIGTERM or Ctrl-C drains: running generations move to another worker at once when one
+serves (engine/handover.py); otherwise they may finish for ``--drain-s`` seconds, the rest
+end as ``cancelled`` (reason ``shutdown``). The queue is left to other workers.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ ENVIRONMENT: dict[str, str] = {
     "TOKENSPOUT_KEY_PREFIX": f"Prefix of every Redis key; the gateway's must match "
     f"(default `{DEFAULT_PREFIX}`).",
     "TOKENSPOUT_LOG_LEVEL": "DEBUG, INFO, WARNING or ERROR (default `INFO`).",
+    "TOKENSPOUT_MAX_TAKEOVERS": "How often one reply may be handed on to another worker "
+    "(SIGTERM hand-over or takeover after a loss), as the gateway's (default `3`).",
     "TOKENSPOUT_CACHE": "Where `--model default` keeps the converted bundled model "
     "(default `~/.cache/tokenspout`).",
     "HF_HUB_OFFLINE": "`1` (the default here): never fetch from a model hub; set `0` to let "
@@ -84,8 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--drain-s",
         type=float,
         default=30.0,
-        help="on SIGTERM, how long running generations may finish before they are "
-        "cancelled (reason shutdown)",
+        help="on SIGTERM with no other worker serving, how long running generations may "
+        "finish before they are cancelled (reason shutdown); with one, they move there at once",
     )
     parser.add_argument("--worker-id", default=None, help="name in Redis (default: hostname-pid)")
     return parser
@@ -180,6 +183,7 @@ async def serve(args: argparse.Namespace) -> None:
         worker_id=args.worker_id,
         metrics=metrics,
         aliases=served_names(args)[1:],
+        max_takeovers=int(os.environ.get("TOKENSPOUT_MAX_TAKEOVERS", "3")),
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -5,6 +5,8 @@ wire), the key layout, and the Lua scripts that keep a session's event stream co
 
 Schema evolution: new fields go at the end with defaults; a change that old readers cannot
 ignore bumps ``WIRE_VERSION`` and the key prefix, so two versions never share keys.
+Version 2: the ``resumed`` event and ``GenerationRequest.resume`` (takeover), which a
+version-1 gateway could not decode and a version-1 worker would run from the start.
 
 Redis layout (every key from ``Keys``, every one with a TTL, every stream capped):
 
@@ -19,12 +21,14 @@ Redis layout (every key from ``Keys``, every one with a TTL, every stream capped
     {prefix}:workers                  sorted set worker id -> last heartbeat (unix seconds)
                                       (same TTL, refreshed by every heartbeat)
     {prefix}:reaper-lock              string, PX: the gateway whose reaper runs now
-    {prefix}:worker:{id}              hash, EX: a live worker's description
+    {prefix}:worker:{id}              hash, EX: a live worker's description (with the
+                                      Redis client id of its lease connection)
     {prefix}:{<sid>}:meta             hash: token digest, created, kind (chat | stateless)
     {prefix}:{<sid>}:history          list of ChatMessage JSON
     {prefix}:{<sid>}:events           stream of session events (the SSE ``id:`` is its entry id)
-    {prefix}:{<sid>}:gen:{gid}        hash: generation state, worker, final event, seq of
-                                      the writer's last event (EMIT is idempotent per seq)
+    {prefix}:{<sid>}:gen:{gid}        hash: generation state, worker (its owner), final
+                                      event, seq of the owner's last event (EMIT is
+                                      idempotent per seq), takeovers (its epoch), usage
     {prefix}:{<sid>}:active           string: the generation that is running now
     {prefix}:{<sid>}:idem:{key}       string: Idempotency-Key -> generation id
     {prefix}:{<sid>}:watch            string, EX grace: someone is reading the session
@@ -40,7 +44,7 @@ from typing import Literal, cast
 
 import msgspec
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 DEFAULT_PREFIX = f"ts{WIRE_VERSION}"
 CONSUMER_GROUP = "engines"
 SHARED_KEY_TTL_S = 7 * 86_400
@@ -101,6 +105,26 @@ class GenerationRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     events_maxlen: int = 20_000
     """Cap of the session's event stream (the gateway's TOKENSPOUT_EVENTS_MAXLEN)."""
     v: int = WIRE_VERSION
+    resume: Resume | None = None
+    """Set when the generation was taken over: continue it after what was streamed."""
+
+    @property
+    def engine_request_id(self) -> str:
+        """One per epoch: a continuation never clashes with an earlier run still aborting."""
+        return f"{self.generation_id}@{self.resume.takeover}" if self.resume else self.generation_id
+
+
+class Resume(msgspec.Struct, frozen=True):
+    """What a generation had streamed when its worker was lost or stopped: the next worker
+    runs the prompt plus ``token_ids`` for ``max_tokens - completion_tokens`` more."""
+
+    takeover: int
+    """The epoch (1 for the first takeover): only its request may claim the generation."""
+    from_worker: str
+    prompt_tokens: int
+    completion_tokens: int
+    text: str
+    token_ids: list[int]
 
 
 class CancelSignal(msgspec.Struct, frozen=True):
@@ -122,6 +146,9 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     """More names the model answers to (``--served-model-name a,b``: ``b``)."""
     max_model_len: int | None = None
     """Longest prompt plus reply in tokens; None: no fixed context (synthetic)."""
+    lease_id: int = 0
+    """Client id of its lease connection (``lease_name``; engine/lease.py); 0: none."""
+    draining: bool = False
 
     @property
     def names(self) -> list[str]:
@@ -178,7 +205,18 @@ class Error(msgspec.Struct, frozen=True, tag="error"):
     message: str
 
 
-SessionEvent = Queued | Started | Token | Done | Cancelled | Error
+class Resumed(msgspec.Struct, frozen=True, tag="resumed"):
+    """The generation goes on in another worker: its next token follows the last one."""
+
+    generation_id: str
+    from_worker: str
+    to_worker: str
+    completion_tokens: int
+    """Tokens streamed before the takeover."""
+    takeover: int
+
+
+SessionEvent = Queued | Started | Token | Done | Cancelled | Error | Resumed
 FinalEvent = Done | Cancelled | Error
 
 _event_decoder = msgspec.json.Decoder(SessionEvent)
@@ -222,6 +260,11 @@ def read_entries(reply: object) -> list[StreamEntry]:
     """Entries of an XREAD/XREADGROUP reply, all streams together."""
     streams = cast(list[tuple[bytes, list[StreamEntry]]], reply or [])
     return [entry for _stream, entries in streams for entry in entries]
+
+
+def lease_name(worker_id: str) -> str:
+    """The client name of a worker's lease connection (CLIENT SETNAME)."""
+    return f"tokenspout-lease:{worker_id}"
 
 
 def final_state(event: FinalEvent) -> GenerationState:
@@ -314,23 +357,36 @@ EMIT_SCRIPT = (
     + """
 -- KEYS: events, gen, active, history
 -- ARGV: channel, maxlen, ttl, type, gid, data, final_state ('' if not final),
---       worker ('' unless type is 'started'), assistant message JSON ('' for none),
---       seq (the writer's 1, 2, 3... for this generation; '' or absent: no check)
--- Returns the entry id, or false when the generation already ended (or expired):
--- this is what makes "no event after the final one" hold whatever a writer does.
+--       writer (the worker's id; '' for a gateway: no ownership check),
+--       assistant message JSON ('' for none),
+--       seq (the writer's 1, 2, 3... for this generation; '' or absent: no check),
+--       epoch (the takeover its request carries; '' or absent: 0)
+-- Returns the entry id, or false when the generation already ended (or expired), or the
+-- writer (worker and epoch) does not own it: so "no event after the final one" and "one
+-- worker per reply" hold whatever a writer does. 'started'/'resumed' claim a queued
+-- generation; before the claim, the current epoch's writer may only end it (a prefill
+-- error).
 -- A seq at or below the generation's last written one is a retried write (a pipeline sent
 -- again after a lost connection): nothing is written, and the reply is the id of the
 -- latest event written, so a retry never shows a client an event twice.
 local seq = tonumber(ARGV[10] or '')
--- One read for the retry check and the state check: this runs for every token.
-local seen = redis.call('HMGET', KEYS[2], 'seq', 'seq_id', 'state', 'final_id')
+local writer, epoch = ARGV[8], tonumber(ARGV[11] or '') or 0
+-- One read for the retry, state and owner checks: this runs for every token.
+local seen = redis.call('HMGET', KEYS[2], 'seq', 'seq_id', 'state', 'final_id', 'worker',
+                        'takeovers')
 if seq and seq <= tonumber(seen[1] or '0') then return seen[2] end
 if (not seen[3]) or seen[4] then return false end
+local claim = ARGV[4] == 'started' or ARGV[4] == 'resumed'
+if claim and seen[3] ~= 'queued' then return false end
+if writer ~= '' then
+  if epoch ~= tonumber(seen[6] or '0') then return false end
+  if seen[3] == 'queued' then
+    if not claim and ARGV[7] == '' then return false end
+  elseif seen[5] ~= writer then return false end
+end
 local id = emit(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6])
 if seq then redis.call('HSET', KEYS[2], 'seq', seq, 'seq_id', id) end
-if ARGV[4] == 'started' then
-  redis.call('HSET', KEYS[2], 'state', 'running', 'worker', ARGV[8])
-end
+if claim then redis.call('HSET', KEYS[2], 'state', 'running', 'worker', writer) end
 if ARGV[7] ~= '' then
   finish(KEYS[2], KEYS[3], ARGV[5], ARGV[7], id, ARGV[6], ARGV[3])
   if ARGV[9] ~= '' then
@@ -342,6 +398,30 @@ end
 return id
 """
 )
+
+TAKEOVER_SCRIPT = """
+-- KEYS: gen
+-- ARGV: worker (the one lost or stopping), max takeovers, usage JSON so far ('' unknown)
+-- Takes a running generation from its worker atomically (two reapers, or a reaper and the
+-- stopping worker, never both hand it on). Returns {'takeover', takeovers, from}: queued
+-- at the next epoch, queue its continuation | {'queued', takeovers, from}: not running,
+-- queue it at that epoch | {'cancel', reason}: end it cancelled | {'exhausted'}: taken
+-- over max times, end it | {'final'} | {'moved'} (another worker owns it): nothing to do
+local g = redis.call('HMGET', KEYS[1], 'state', 'final_id', 'worker', 'cancel', 'takeovers',
+                     'from')
+if (not g[1]) or g[2] then return {'final'} end
+local takeovers = tonumber(g[5] or '0')
+if g[4] then return {'cancel', g[4]} end
+if g[1] == 'queued' then return {'queued', takeovers, g[6] or ''} end
+if g[3] ~= ARGV[1] then return {'moved'} end
+if takeovers >= tonumber(ARGV[2]) then return {'exhausted'} end
+takeovers = takeovers + 1
+redis.call('HSET', KEYS[1], 'state', 'queued', 'worker', '', 'takeovers', takeovers,
+           'from', ARGV[1])
+if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'usage', ARGV[3]) end
+redis.call('HDEL', KEYS[1], 'seq', 'seq_id')
+return {'takeover', takeovers, ARGV[1]}
+"""
 
 SUBMIT_SCRIPT = (
     _EMIT_CORE
@@ -394,10 +474,18 @@ if redis.call('HEXISTS', KEYS[1], 'final_id') == 1 then
 end
 redis.call('HSET', KEYS[1], 'cancel', ARGV[5])
 if state == 'queued' then
-  -- Never started: end it here, so the worker that dequeues it skips it.
-  local id = emit(KEYS[2], KEYS[1], ARGV[1], ARGV[2], ARGV[3], 'cancelled', ARGV[4], ARGV[6])
-  finish(KEYS[1], KEYS[3], ARGV[4], 'cancelled', id, ARGV[6], ARGV[3])
-  return {'cancelled', id, ARGV[6]}
+  -- Not running: end it here, so the worker that dequeues it skips it. One queued again
+  -- after a takeover counts what it streamed before (the usage its takeover recorded).
+  local data = ARGV[6]
+  local usage = redis.call('HGET', KEYS[1], 'usage')
+  if usage then
+    local event = cjson.decode(data)
+    event['usage'] = cjson.decode(usage)
+    data = cjson.encode(event)
+  end
+  local id = emit(KEYS[2], KEYS[1], ARGV[1], ARGV[2], ARGV[3], 'cancelled', ARGV[4], data)
+  finish(KEYS[1], KEYS[3], ARGV[4], 'cancelled', id, data, ARGV[3])
+  return {'cancelled', id, data}
 end
 return {'signal', redis.call('HGET', KEYS[1], 'worker') or ''}
 """

@@ -36,6 +36,7 @@ class _Pending:
     maxlen: int
     ack: bytes | None
     seq: int
+    epoch: int
     done: asyncio.Future[str | None]
 
 
@@ -46,14 +47,15 @@ class Publisher:
         keys: Keys,
         *,
         requests_key: str,
-        on_rejected: Callable[[str], None],
+        on_rejected: Callable[[str, int], None],
     ) -> None:
         self.redis = redis
         self.keys = keys
         self.requests_key = requests_key
         """The queue final events acknowledge their request in (the worker's model's)."""
         self.on_rejected = on_rejected
-        """Called with a generation id whose event Redis refused (it already ended)."""
+        """Called with a generation id and the writer's epoch whose event Redis refused
+        (the generation ended, or another writer owns it now)."""
         self._script = redis.register_script(contract.EMIT_SCRIPT)
         self._queue: list[_Pending] = []
         self._wakeup = asyncio.Event()
@@ -72,12 +74,16 @@ class Publisher:
         assistant: contract.ChatMessage | None = None,
         ack: bytes | None = None,
         seq: int = 0,
+        epoch: int = 0,
     ) -> asyncio.Future[str | None]:
         """Queue an event; the future resolves to its stream id, or None if refused.
 
         ``seq``: this event's number within its generation (1, 2, 3...; 0: none). Redis
         writes an event once whatever the retries: a pipeline resent after a connection
         loss mid-way finds the events it already wrote and skips them.
+
+        ``worker``: the writer; Redis refuses its event unless it owns the generation (a
+        ``started`` or ``resumed`` event claims it with the request of epoch ``epoch``).
 
         ``ack``: the request's entry id, acknowledged right after the final event in the
         same round trip, so "in flight" (gateway/sessions.py) drops the moment it ends.
@@ -96,6 +102,7 @@ class Publisher:
                 maxlen,
                 ack,
                 seq,
+                epoch,
                 future,
             )
         )
@@ -122,7 +129,7 @@ class Publisher:
             for pending, result in zip(batch, results, strict=True):
                 stream_id = result.decode() if isinstance(result, bytes) else None
                 if stream_id is None and not pending.final_state:
-                    self.on_rejected(pending.generation_id)
+                    self.on_rejected(pending.generation_id, pending.epoch)
                 if not pending.done.done():
                     pending.done.set_result(stream_id)
 
@@ -149,6 +156,7 @@ class Publisher:
                         p.worker,
                         p.assistant,
                         p.seq or "",
+                        p.epoch,
                     ],
                     client=pipe,
                 )

@@ -7,7 +7,11 @@
 - reads the ``cancels`` stream and aborts what it runs: the ``cancelled`` event is written at
   once (no token of that generation reaches a client after it) and the engine aborts;
 - aborts generations nobody has read for the grace period (``abandoned``);
-- heartbeats, so gateways know it is alive (``/ready``) and what model it serves.
+- heartbeats over its lease connection, so gateways know it is alive (``/ready``), what
+  model it serves, and at once when it dies (engine/lease.py);
+- continues replies taken over from a lost worker (``GenerationRequest.resume``: its first
+  event is ``resumed``, then tokens numbered on from the streamed ones), and on SIGTERM
+  hands its own running replies over to the other workers at once (engine/handover.py).
 
 A worker serves one model: it reads that model's queue only (``Keys.requests(model)``), so
 a slow model never holds up another, and registers the model's names (``Keys.models``).
@@ -21,7 +25,6 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass, field
 
 import msgspec
 import redis.asyncio as aioredis
@@ -37,11 +40,13 @@ from engine.contract import (
     Error,
     GenerationRequest,
     Keys,
-    Started,
+    Resumed,
     Token,
-    Usage,
     WorkerInfo,
 )
+from engine.handover import give_back, hand_over_running
+from engine.job import Job, final_reason
+from engine.lease import HEARTBEAT_S, Lease
 from engine.metrics import WorkerMetrics
 from engine.publisher import Publisher
 
@@ -49,47 +54,7 @@ log = logging.getLogger("tokenspout.worker")
 _request_decoder = msgspec.json.Decoder(GenerationRequest)
 _cancel_decoder = msgspec.json.Decoder(contract.CancelSignal)
 
-HEARTBEAT_S = 1.0
-HEARTBEAT_TTL_S = 5
 ABANDON_CHECK_S = 1.0
-
-
-@dataclass
-class Job:
-    request: GenerationRequest
-    entry_id: bytes
-    started_at: float = field(default_factory=time.monotonic)
-    prompt_tokens: int = 0
-    emitted_tokens: int = 0
-    text: list[str] = field(default_factory=list)
-    cancel_reason: CancelReason | None = None
-    cancelled_at: float | None = None
-    ended: bool = False
-    acked: bool = False
-    events: int = 0
-    """Events emitted so far: each one's number makes its write idempotent (EMIT's seq)."""
-
-    @property
-    def generation_id(self) -> str:
-        return self.request.generation_id
-
-    @property
-    def session_id(self) -> str:
-        return self.request.session_id
-
-    def usage(self) -> Usage:
-        return Usage(self.prompt_tokens, self.emitted_tokens)
-
-
-def _reason(event: contract.FinalEvent) -> str:
-    match event:
-        case Done():
-            return event.finish_reason
-        case Cancelled():
-            return event.reason
-        case Error():
-            return event.code
-    return ""
 
 
 class Worker:
@@ -102,6 +67,7 @@ class Worker:
         worker_id: str | None = None,
         metrics: WorkerMetrics | None = None,
         aliases: list[str] | None = None,
+        max_takeovers: int = 3,
     ) -> None:
         self.redis = redis
         self.backend = backend
@@ -113,6 +79,9 @@ class Worker:
         """This worker's model's queue: it never sees another model's requests."""
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.metrics = metrics or WorkerMetrics()
+        self.max_takeovers = max_takeovers
+        """How often one generation may be handed on (TOKENSPOUT_MAX_TAKEOVERS)."""
+        self.lease = Lease(redis, self.keys, self.worker_id, backend.model)
         self.jobs: dict[str, Job] = {}
         self.publisher = Publisher(
             redis, self.keys, requests_key=self.requests_key, on_rejected=self._on_rejected
@@ -160,18 +129,21 @@ class Worker:
                 task.cancel()
             await asyncio.gather(*loops, return_exceptions=True)
             with contextlib.suppress(RedisError, OSError):
-                await self.redis.zrem(self.keys.workers, self.worker_id)
-                await self.redis.delete(self.keys.worker(self.worker_id))
+                await self.lease.release()
 
     async def drain(self, timeout_s: float) -> None:
-        """Take no new work; let running generations finish, then cancel the rest."""
+        """Take no new work; hand running generations over to the other workers at once
+        (while one serves); let the rest finish up to ``timeout_s``, then cancel them."""
         self._accepting = False
         self._slot_freed.set()
         self.metrics.draining.set(1)
         log.info("draining", extra={"running": len(self.jobs), "drain_s": timeout_s})
+        with contextlib.suppress(RedisError, OSError):
+            await self._heartbeat_once()  # tell the others this one takes nothing now
         deadline = time.monotonic() + timeout_s
         while self.jobs and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+            await hand_over_running(self)
+            await asyncio.sleep(0.02)
         for job in list(self.jobs.values()):
             await self.cancel(job.generation_id, "shutdown")
         while self._tasks:
@@ -217,7 +189,12 @@ class Worker:
                 self.metrics.redis_errors.labels("requests").inc()
                 await asyncio.sleep(0.5)
                 continue
-            for entry_id, fields in contract.read_entries(reply):
+            entries = contract.read_entries(reply)
+            if entries and not self._accepting:
+                # Read while the drain began (a hand-over may be among them): give them back.
+                await give_back(self, entries)
+                continue
+            for entry_id, fields in entries:
                 self._start(entry_id, fields)
 
     def _start(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
@@ -228,8 +205,15 @@ class Worker:
             task = asyncio.create_task(self._ack_or_retry_later(entry_id))
         else:
             job = Job(request, entry_id)
-            self.jobs[request.generation_id] = job
-            task = asyncio.create_task(self._run_job(job), name=request.generation_id)
+            running = self.jobs.get(request.generation_id)
+            if running is not None and running.epoch >= job.epoch:
+                log.info("dropping a second copy of %s", request.generation_id)
+                task = asyncio.create_task(self._ack_or_retry_later(entry_id))
+            else:
+                if running is not None:  # this worker was taken for lost; it continues it
+                    self._stop_run(running)
+                self.jobs[request.generation_id] = job
+                task = asyncio.create_task(self._run_job(job), name=request.generation_id)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -266,11 +250,16 @@ class Worker:
             except BackendError as exc:
                 await self._finish(job, Error(gid, exc.code, exc.message))
                 return
-            job.prompt_tokens = len(prepared.prompt_token_ids)
-            started = Started(gid, self.backend.model, job.prompt_tokens)
-            if await self._emit(job, started, worker=self.worker_id) is None:
-                log.info("skipping %s: it ended before it started", gid)
+            if job.request.resume is None:
+                job.prompt_tokens = len(prepared.prompt_token_ids)
+            claim = job.claim_event(self.backend.model, self.worker_id)
+            if await self._emit(job, claim) is None:
+                log.info("skipping %s: it ended, or another worker has it", gid)
+                job.ended = True
                 return
+            job.claimed = True
+            if isinstance(claim, Resumed):
+                self.metrics.takeovers.inc()
             self.metrics.queue_wait.observe(max(0.0, time.time() - job.request.enqueued_at))
             log.info(
                 "generation started",
@@ -290,15 +279,18 @@ class Worker:
         finally:
             if not job.ended and job.cancel_reason is not None:
                 await self._finish(job, Cancelled(gid, job.cancel_reason, job.usage()))
-            self.jobs.pop(gid, None)
+            if self.jobs.get(gid) is job:  # not its continuation, should this worker run it
+                del self.jobs[gid]
             self._slot_freed.set()
             if not job.acked:
                 await self._ack_or_retry_later(job.entry_id)
 
     async def _stream(self, job: Job, prepared: Prepared) -> None:
         gid = job.generation_id
-        first = True
+        first = job.request.resume is None
         async for delta in self.backend.generate(prepared):
+            if job.handing_over:
+                continue  # handed on: another worker makes these tokens
             if job.cancel_reason is not None:
                 # Cancelled: the final event is out; what the engine still makes is waste.
                 self.metrics.tokens_after_cancel.inc(len(delta.token_ids))
@@ -306,8 +298,9 @@ class Worker:
             if delta.text or delta.token_ids:
                 job.emitted_tokens += len(delta.token_ids)
                 job.text.append(delta.text)
+                job.token_ids.extend(delta.token_ids)
                 token = Token(gid, delta.text, job.emitted_tokens, delta.token_ids, delta.logprobs)
-                self._emit(job, token)
+                job.last_write = self._emit(job, token)
                 if first:
                     self.metrics.first_token(time.time() - job.request.enqueued_at)
                     first = False
@@ -342,7 +335,7 @@ class Worker:
                 "session_id": job.session_id,
                 "generation_id": job.generation_id,
                 "state": state,
-                "reason": _reason(event),
+                "reason": final_reason(event),
                 "completion_tokens": job.emitted_tokens,
             },
         )
@@ -353,7 +346,6 @@ class Worker:
         event: contract.SessionEvent,
         *,
         final: bool = False,
-        worker: str = "",
         assistant: ChatMessage | None = None,
         ack: bytes | None = None,
     ) -> asyncio.Future[str | None]:
@@ -365,7 +357,8 @@ class Worker:
             ttl_s=request.session_ttl_s,
             maxlen=request.events_maxlen,
             final=final,
-            worker=worker,
+            worker=self.worker_id,
+            epoch=job.epoch,
             assistant=assistant,
             ack=ack,
             seq=job.events,
@@ -382,17 +375,23 @@ class Worker:
         job.cancelled_at = time.monotonic()
         await self._finish(job, Cancelled(generation_id, reason, job.usage()))
         self.metrics.cancel_to_final.observe(time.monotonic() - job.cancelled_at)
-        await self.backend.abort(generation_id)
+        await self.backend.abort(job.request.engine_request_id)
         self.metrics.cancels.labels(reason).inc()
         return True
 
-    def _on_rejected(self, generation_id: str) -> None:
-        # Redis refused an event: the generation was ended elsewhere (or expired). Stop it.
+    def _on_rejected(self, generation_id: str, epoch: int) -> None:
+        # Redis refused an event: the generation was ended elsewhere (or expired), or taken
+        # over by another worker (this one was thought lost). Stop it.
         job = self.jobs.get(generation_id)
-        if job is not None and job.cancel_reason is None:
+        if job is not None and job.epoch == epoch and not job.handing_over:
+            self._stop_run(job)
+
+    def _stop_run(self, job: Job) -> None:
+        """Abort a run whose events Redis no longer takes; no final event (not its own)."""
+        if job.cancel_reason is None:
             job.cancel_reason = "user"
             job.ended = True
-            task = asyncio.create_task(self.backend.abort(generation_id))
+            task = asyncio.create_task(self.backend.abort(job.request.engine_request_id))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -465,18 +464,7 @@ class Worker:
             started_at=self._started_at,
             aliases=self.aliases,
             max_model_len=self.backend.max_model_len,
+            draining=not self._accepting,
         )
         self.metrics.engine_running.set(self.backend.running())
-        now = time.time()
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.set(self.keys.worker(self.worker_id), contract.encode(info), ex=HEARTBEAT_TTL_S)
-            pipe.zadd(self.keys.workers, {self.worker_id: now})
-            pipe.zremrangebyscore(self.keys.workers, "-inf", now - 3600)
-            pipe.expire(self.keys.workers, contract.SHARED_KEY_TTL_S)
-            # The names gateways route by; they outlive this worker, so a request for a
-            # model whose workers all left gets "no live worker" (503), not "unknown" (404).
-            pipe.hset(self.keys.models, mapping=dict.fromkeys(info.names, info.model))
-            pipe.expire(self.keys.models, contract.SHARED_KEY_TTL_S)
-            # Keeps the consumer group alive while workers idle (EXPIRE on no key: no-op).
-            pipe.expire(self.requests_key, contract.SHARED_KEY_TTL_S)
-            await pipe.execute()
+        await self.lease.heartbeat(info)

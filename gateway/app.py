@@ -76,6 +76,8 @@ class Services:
             settings.session_ttl_s,
             queue_timeout_s=settings.queue_timeout_s,
             requests_maxlen=self.store.requests_maxlen,
+            max_takeovers=settings.max_takeovers,
+            default_model=settings.default_model,
         )
 
     def dependencies(self) -> dict[str, Provide]:

@@ -140,6 +140,8 @@ class GenerationStream:
                         return
                     if isinstance(event, Started | Token):
                         yield event
+                    # ``queued`` and ``resumed`` (a takeover: the tokens simply go on) have
+                    # no place in the API formats: skipped.
 
     async def collect(self) -> Collected:
         """Wait for the whole generation; raise the adapter's error if it did not finish."""

@@ -397,7 +397,8 @@ class SessionStore:
         if outcome == "cancelled":
             if self.observer is not None:
                 self.observer.cancel_stopped(generation_id, time.monotonic() - began)
-            return CancelOutcome(generation_id, "cancelled", cancelled)
+            # Its usage: zero, or what it streamed before a takeover queued it again.
+            return CancelOutcome(generation_id, "cancelled", decode_final(reply[2]))
         if self.observer is not None:
             self.observer.cancel_sent(session_id, generation_id, began)
         signal = CancelSignal(generation_id, session_id, reason)

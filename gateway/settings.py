@@ -86,7 +86,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         _D(ge=8, description="Events buffered per slow reader before it re-reads Redis."),
     ] = 512
     worker_timeout_s: Annotated[
-        float, _D(gt=0, description="A worker silent this long is dead; its work ends.")
+        float,
+        _D(
+            gt=0,
+            description="A worker silent this long is lost (sooner when its lease connection "
+            "to Redis closes); its replies are taken over.",
+        ),
     ] = 5.0
     queue_timeout_s: Annotated[
         float,
@@ -137,6 +142,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             "end before they are cut (clients resume elsewhere with Last-Event-ID).",
         ),
     ] = 30
+    max_takeovers: Annotated[
+        int,
+        _D(
+            ge=0,
+            description="How often one reply may be taken over by another worker (its "
+            "worker lost or stopped); past it, it ends with `error` `worker_lost`.",
+        ),
+    ] = 3
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> Settings:

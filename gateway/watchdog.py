@@ -4,9 +4,11 @@
   generation nobody reads is aborted after the grace period (engine/worker.py checks).
 - ``Reaper``: one gateway at a time (a Redis lock) makes sure no client waits forever, in
   every model's queue (each model registered in ``Keys.models``).
-  - A worker that stops heartbeating leaves requests in the consumer group's pending list:
+  - A lost worker (its lease connection closed, or no heartbeat for
+    ``TOKENSPOUT_WORKER_TIMEOUT_S``) leaves requests in the consumer group's pending list:
     a request that never started goes back on the queue for a surviving worker; one that
-    was running ends with an ``error`` event (``worker_lost``).
+    was running is taken over (gateway/takeover.py): it goes back on the queue with what
+    it streamed, and another worker continues the reply. Checked every ``REAP_PASS_S``.
   - A request no worker takes within ``TOKENSPOUT_QUEUE_TIMEOUT_S`` (none alive, or all
     busy) ends with an ``error`` event (``queue_timeout``); a worker that dequeues it later
     finds it final and skips it.
@@ -29,7 +31,8 @@ from redis.exceptions import RedisError, ResponseError
 from engine import contract
 from engine.contract import Error, GenerationRequest, Keys, entry_id_key
 from gateway.relay import RelayHub
-from gateway.sessions import SessionStore, append_to_shared_stream
+from gateway.sessions import SessionStore
+from gateway.takeover import REAPER_PREFIX, Takeover, live_workers
 
 log = logging.getLogger("tokenspout.watchdog")
 _request_decoder = msgspec.json.Decoder(GenerationRequest)
@@ -42,6 +45,12 @@ loop (packing and parsing every reply) long enough to stall every stream of the 
 QUEUE_SCAN_PAGE = 200
 QUEUE_SCAN_MAX = 2_000
 """Queued requests the queue deadline looks at per pass (the oldest first)."""
+REAP_PASS_S = 0.1
+"""How often the reaper looks for lost workers: a killed worker's reply goes on in another
+within about this long (plus the new worker's prefill)."""
+LOCK_MS = 2_000
+STALE_CLAIM_MS = 5_000
+"""An entry a reaper claimed and has not handed on for this long: that reaper stopped."""
 
 
 async def refresh_watches(store: SessionStore, hub: RelayHub, interval_s: float) -> None:
@@ -76,21 +85,33 @@ class Reaper:
         ttl_s: int,
         queue_timeout_s: float = 120.0,
         requests_maxlen: int = 5_120,
+        max_takeovers: int = 3,
+        default_model: str = "",
     ) -> None:
         self.redis = redis
         self.keys = keys
+        self.default_model = default_model
+        """Queued for before any worker of it registered (TOKENSPOUT_DEFAULT_MODEL), so its
+        queue needs the deadline too."""
         self.worker_timeout_s = worker_timeout_s
         self.events_maxlen = events_maxlen
         self.ttl_s = ttl_s
         self.queue_timeout_s = queue_timeout_s
         self.requests_maxlen = requests_maxlen
-        self._emit = redis.register_script(contract.EMIT_SCRIPT)
         self._end_queued = redis.register_script(contract.END_QUEUED_SCRIPT)
-        self._owner = f"reaper-{time.monotonic_ns()}"
+        self._owner = f"{REAPER_PREFIX}{time.monotonic_ns()}"
+        self.takeover = Takeover(
+            redis,
+            keys,
+            max_takeovers=max_takeovers,
+            events_maxlen=events_maxlen,
+            ttl_s=ttl_s,
+            requests_maxlen=requests_maxlen,
+        )
         self._expired_through: dict[str, str] = {}
         """Queue -> every queued entry up to this id has been looked at by the deadline."""
 
-    async def run_forever(self, interval_s: float = 1.0) -> None:
+    async def run_forever(self, interval_s: float = REAP_PASS_S) -> None:
         duties: list[Callable[[], Awaitable[int]]] = [self.reap_once, self.expire_queued]
         while True:
             if await self._guarded("acquiring the reaper lock", self._acquire):
@@ -109,7 +130,7 @@ class Reaper:
         return None
 
     async def _acquire(self) -> bool:
-        lock_ms = int(max(2.0, self.worker_timeout_s) * 1000)
+        lock_ms = LOCK_MS
         if await self.redis.set(self.keys.reaper_lock, self._owner, nx=True, px=lock_ms):
             return True
         holder = await self.redis.get(self.keys.reaper_lock)
@@ -119,8 +140,9 @@ class Reaper:
         return False
 
     async def _queues(self) -> list[str]:
-        """Every registered model's queue."""
+        """Every registered model's queue, and the default model's."""
         models = {contract.text(model) for model in await self.redis.hvals(self.keys.models)}
+        models |= {self.default_model} if self.default_model else set()
         return [self.keys.requests(model) for model in sorted(models)]
 
     async def _each_queue(self, what: str, duty: Callable[[str], Awaitable[int]]) -> int:
@@ -134,74 +156,51 @@ class Reaper:
     # --- dead workers --------------------------------------------------------------------
 
     async def reap_once(self) -> int:
-        """Handle the pending requests of dead workers, every queue; returns how many."""
+        """Hand on the pending requests of lost workers, every queue; returns how many."""
         return await self._each_queue("reaping", self._reap_queue)
 
     async def _reap_queue(self, queue: str) -> int:
         try:
-            pending = await self.redis.xpending_range(
-                queue, contract.CONSUMER_GROUP, min="-", max="+", count=500
-            )
+            summary = await self.redis.xpending(queue, contract.CONSUMER_GROUP)
         except RedisError as exc:
             if "no such key" in str(exc).lower() or "nogroup" in str(exc).lower():
                 return 0
             raise
-        if not pending:
+        if not summary["pending"]:
             return 0
-        alive = await self._live_worker_ids()
-        dead = [entry for entry in pending if contract.text(entry["consumer"]) not in alive]
-        for entry in dead:
-            await self._take_over(queue, contract.text(entry["message_id"]))
-        return len(dead)
+        consumers = [contract.text(c["name"]) for c in summary["consumers"]]
+        alive = await live_workers(self.redis, self.keys, consumers, self.worker_timeout_s)
+        handled = 0
+        for consumer in consumers:
+            if consumer in alive or consumer == self._owner:
+                continue
+            pending = await self.redis.xpending_range(
+                queue,
+                contract.CONSUMER_GROUP,
+                min="-",
+                max="+",
+                count=500,
+                consumername=consumer,
+                idle=STALE_CLAIM_MS if consumer.startswith(REAPER_PREFIX) else None,
+            )
+            for entry in pending:
+                # Claimed only if still idle as long as seen: an entry another reaper
+                # claimed meanwhile (its idle time reset) is left to that one.
+                idle = int(entry["time_since_delivered"])
+                await self._take_over(queue, contract.text(entry["message_id"]), consumer, idle)
+            handled += len(pending)
+        return handled
 
-    async def _live_worker_ids(self) -> set[str]:
-        since = time.time() - self.worker_timeout_s
-        ids = await self.redis.zrangebyscore(self.keys.workers, since, "+inf")
-        return {contract.text(worker_id) for worker_id in ids}
-
-    async def _take_over(self, queue: str, message_id: bytes | str) -> None:
+    async def _take_over(self, queue: str, message_id: str, consumer: str, idle_ms: int) -> None:
         claimed = await self.redis.xclaim(
-            queue, contract.CONSUMER_GROUP, self._owner, 0, [message_id]
+            queue, contract.CONSUMER_GROUP, self._owner, idle_ms, [message_id]
         )
         for entry_id, fields in contract.entries_of(claimed):
             request = decode_request(entry_id, fields) if fields else None
             if request is not None:  # else trimmed away meanwhile, or unreadable: drop it
-                await self._take_over_request(queue, request, fields[b"r"])
+                await self.takeover.hand_on(queue, request, fields[b"r"], consumer)
             await self.redis.xack(queue, contract.CONSUMER_GROUP, entry_id)
         await self.redis.xgroup_delconsumer(queue, contract.CONSUMER_GROUP, self._owner)
-
-    async def _take_over_request(self, queue: str, request: GenerationRequest, raw: bytes) -> None:
-        gen_key = self.keys.generation(request.session_id, request.generation_id)
-        state = await self.redis.hget(gen_key, "state")
-        if state == b"queued":
-            log.info("requeueing %s from a dead worker", request.generation_id)
-            await append_to_shared_stream(self.redis, queue, {"r": raw}, self.requests_maxlen)
-        else:
-            log.warning("worker lost while running %s", request.generation_id)
-            await self._end_with_error(request)
-
-    async def _end_with_error(self, request: GenerationRequest) -> None:
-        sid, gid = request.session_id, request.generation_id
-        error = Error(gid, "worker_lost", "the engine worker running this generation stopped")
-        await self._emit(
-            keys=[
-                self.keys.events(sid),
-                self.keys.generation(sid, gid),
-                self.keys.active(sid),
-                self.keys.history(sid),
-            ],
-            args=[
-                self.keys.live_channel(sid),
-                self.events_maxlen,
-                self.ttl_s,
-                "error",
-                gid,
-                contract.encode(error),
-                "error",
-                "",
-                "",
-            ],
-        )
 
     # --- the queue deadline --------------------------------------------------------------
 

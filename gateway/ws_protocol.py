@@ -139,8 +139,25 @@ class Pong(msgspec.Struct, frozen=True, tag="pong", omit_defaults=True):
     id: str | None = None
 
 
+class ResumedFrame(msgspec.Struct, frozen=True, tag="resumed"):
+    """The generation's engine worker was lost or stopped and another one goes on with it;
+    the next token frame follows the last one, nothing is repeated."""
+
+    id: str
+    takeover: int
+    event_id: str
+
+
 ServerFrame = (
-    Ack | QueuedFrame | StartedFrame | TokenFrame | DoneFrame | CancelledFrame | ErrorFrame | Pong
+    Ack
+    | QueuedFrame
+    | StartedFrame
+    | TokenFrame
+    | DoneFrame
+    | CancelledFrame
+    | ErrorFrame
+    | Pong
+    | ResumedFrame
 )
 
 _decoder = msgspec.json.Decoder(ClientFrame)
@@ -211,4 +228,6 @@ def event_frames(
                 frames.append(CancelledFrame(client_id, reason, usage, event_id))
             case contract.Error(code=code, message=message):
                 frames.append(ErrorFrame(code, message, id=client_id, event_id=event_id))
+            case contract.Resumed(takeover=takeover):
+                frames.append(ResumedFrame(client_id, takeover, event_id))
     return frames

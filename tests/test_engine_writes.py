@@ -78,7 +78,7 @@ async def test_a_pipeline_resent_after_a_connection_loss_writes_nothing_twice(
 
     monkeypatch.setattr(Pipeline, "execute", execute_then_lose_the_reply)
     publisher = Publisher(
-        redis, keys, requests_key=keys.requests("m"), on_rejected=lambda gid: None
+        redis, keys, requests_key=keys.requests("m"), on_rejected=lambda gid, epoch: None
     )
     running = asyncio.create_task(publisher.run_forever())
     try:
@@ -92,9 +92,12 @@ async def test_a_pipeline_resent_after_a_connection_loss_writes_nothing_twice(
     finally:
         running.cancel()
     assert executions == 2, "the fault was not injected"
-    assert all(ids)
+    assert all(ids[0::2])
     assert await redis.xlen(keys.events(sid)) == 4
-    assert await redis.xlen(keys.events(control_sid)) == 8
+    # The control's tokens land twice; its second `started` is refused (a claim needs a
+    # queued generation), so 7 events, not 8.
+    assert ids[1::2].count(None) == 1
+    assert await redis.xlen(keys.events(control_sid)) == 7
 
 
 async def test_a_failed_ack_is_counted_and_retried(
@@ -122,3 +125,36 @@ async def test_a_failed_ack_is_counted_and_retried(
     await worker._retry_acks()  # what the next heartbeat does
     assert (await redis.xpending(queue, contract.CONSUMER_GROUP))["pending"] == 0
     assert not worker._unacked
+
+
+async def test_after_a_takeover_only_the_new_epochs_writer_writes(redis: aioredis.Redis) -> None:
+    """EMIT checks the writer (worker and epoch): once TAKEOVER moved the generation on,
+    the old worker's events are refused, also from the same worker; the continuation
+    claims it with `resumed` and writes; a second claim is refused."""
+    keys = Keys(f"t-{secrets.token_hex(4)}")
+    sid, gid = await queued_generation(redis, keys)
+    emit = redis.register_script(contract.EMIT_SCRIPT)
+    takeover = redis.register_script(contract.TAKEOVER_SCRIPT)
+
+    async def write(event: contract.SessionEvent, writer: str, epoch: int) -> object:
+        args = [keys.live_channel(sid), 100, 600, contract.event_type(event), gid]
+        args += [contract.encode(event), "", writer, "", "", epoch]
+        keys_ = [keys.events(sid), keys.generation(sid, gid), keys.active(sid)]
+        return await emit(keys=[*keys_, keys.history(sid)], args=args)
+
+    assert await write(Started(gid, "m", 3), "w1", 0)
+    assert await write(Token(gid, "a", 1, [7]), "w1", 0)
+    assert await write(Token(gid, "b", 2, [8]), "w2", 0) is None  # not the owner
+    reply = await takeover(keys=[keys.generation(sid, gid)], args=["w1", 3, ""])
+    assert [contract.text(r) for r in reply] == ["takeover", "1", "w1"]
+    again = await takeover(keys=[keys.generation(sid, gid)], args=["w1", 3, ""])
+    assert contract.text(again[0]) == "queued"  # a second reaper hands nothing on anew
+    assert await write(Token(gid, "b", 2, [8]), "w1", 0) is None  # the old run
+    assert await write(Token(gid, "b", 2, [8]), "w1", 1) is None  # not claimed yet
+    resumed = contract.Resumed(gid, "w1", "w1", 1, 1)
+    assert await write(resumed, "w1", 1)  # the same worker may continue it, as epoch 1
+    assert await write(Token(gid, "b", 2, [8]), "w1", 0) is None  # ... but not as epoch 0
+    assert await write(Token(gid, "b", 2, [8]), "w1", 1)
+    assert await write(contract.Resumed(gid, "w1", "w2", 2, 1), "w2", 1) is None
+    kinds = [f[b"t"] for _id, f in await redis.xrange(keys.events(sid))]
+    assert kinds == [b"started", b"token", b"resumed", b"token"]

@@ -139,6 +139,26 @@ async def test_a_gateway_restart_mid_reply_loses_and_repeats_no_token(
     assert chat.errors == []
 
 
+async def test_an_engine_worker_killed_mid_reply_is_continued_and_said_quietly(
+    stack: Stack, browser: Browser
+) -> None:
+    """A `resumed` event (docs/reliability.md, takeover) is no ending: the reply goes on in
+    the same bubble, whole, and its stats line says it continued on another engine."""
+    doomed = stack.synthetic(tokens_per_s=8)
+    gateway = stack.gateway()
+    chat = await ChatPage.open(browser, gateway.url, max_tokens=30)
+    await chat.send("survive an engine")
+    await chat.wait_words(4)
+    stack.synthetic(tokens_per_s=8)
+    processes.kill(doomed)
+    await chat.wait_reply_state("done", timeout_s=30)
+    assert await chat.reply_text() == expected_reply("survive an engine", 30)
+    stats = (await chat.stats())["text"] or ""
+    assert "continued on another engine" in stats and "30 tokens" in stats
+    assert await chat.banner() is None
+    assert chat.errors == []
+
+
 async def test_a_reload_mid_conversation_brings_back_history_and_the_running_reply(
     stack: Stack, browser: Browser
 ) -> None:

@@ -21,7 +21,7 @@
 const STORE_KEY = "tokenspout.chat.v1";
 const API_KEY_STORE = "tokenspout.apiKey.v1";
 const MODEL_STORE = "tokenspout.model.v1"; // the model picked last (several served)
-const EVENT_TYPES = ["queued", "started", "token", "done", "cancelled", "error"];
+const EVENT_TYPES = ["queued", "started", "token", "resumed", "done", "cancelled", "error"];
 const FINAL_TYPES = new Set(["done", "cancelled", "error"]);
 const RECONNECT_MAX_MS = 8000;
 const OFFLINE_AFTER_FAILURES = 3;
@@ -360,6 +360,7 @@ class Turn {
     this.lastAt = null;
     this.ttftMs = null; // time to first token as measured live (kept across a reload)
     this.resumed = false; // put back after a reload: rate from the event ids' clock
+    this.takeovers = 0; // times another engine worker took the reply over
     this.firstMs = null; // server time (ms) and count of the first token event
     this.firstMsCount = 0;
     this.lastMs = null;
@@ -503,6 +504,10 @@ class Turn {
     if (this.resumed) {
       this.stats.dataset.resumed = "true";
       parts.push("resumed after a reload");
+    }
+    if (this.takeovers) {
+      this.stats.dataset.takeovers = String(this.takeovers);
+      parts.push("continued on another engine");
     }
     this.stats.textContent = parts.join(" · ");
   }
@@ -683,6 +688,13 @@ function applyEvent(turn, type, data, id = null) {
     case "token":
       markActive(turn);
       turn.addToken(data.text, data.count, performance.now(), idMs(id));
+      break;
+    case "resumed":
+      // Its engine worker was lost or stopped; another goes on from the next token. Said
+      // quietly, in the stats line: the reply itself is unchanged.
+      markActive(turn);
+      turn.takeovers = data.takeover;
+      turn.renderStats();
       break;
     default:
       turn.finish(type, data);

@@ -27,11 +27,15 @@ class Prepared:
     """A request turned into engine input: the prompt's tokens are known before it runs."""
 
     generation_id: str
+    """The engine's request id (``GenerationRequest.engine_request_id``)."""
     prompt_token_ids: list[int]
     params: SamplingParams
     source: GenerationRequest | None = None
     """The request it was made from, for a backend that needs more than the tokens (the
     synthetic engine scripts its reply from the messages)."""
+    resumed_tokens: int = 0
+    """Completion tokens streamed before a takeover (``GenerationRequest.resume``): the
+    engine continues after them, and ``params.max_tokens`` counts what is left."""
 
 
 @dataclass
@@ -64,7 +68,11 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     async def prepare(self, request: GenerationRequest) -> Prepared:
-        """Tokenize (chat template applied); raises ``BackendError`` for an unusable prompt."""
+        """Tokenize (chat template applied); raises ``BackendError`` for an unusable prompt.
+
+        A request with ``resume`` continues a reply: the engine's input is the prompt plus
+        the tokens already streamed, and it yields exactly the deltas the uninterrupted
+        run would have yielded next (a deterministic engine, or greedy sampling)."""
 
     @abc.abstractmethod
     def generate(self, prepared: Prepared) -> AsyncIterator[Delta]:

@@ -2,7 +2,9 @@
 
 The reply to a message is ``You said: <message>.`` followed by a fixed filler text, one word
 per token, at ``tokens_per_s`` per request, until ``max_tokens`` or a stop string. The same
-request always yields the same tokens, so a test can check every byte a client receives.
+request always yields the same tokens, so a test can check every byte a client receives;
+word N depends only on the request and N, so a reply taken over after N tokens goes on
+byte for byte as the uninterrupted one.
 
 Sampling: the text is scripted, so temperature, top_p, top_k and seed change nothing. Of
 the fields that end or shape a reply it honours ``max_tokens``, ``stop``, ``stop_token_ids``
@@ -25,6 +27,8 @@ import os
 import re
 import zlib
 from collections.abc import AsyncIterator
+
+import msgspec
 
 from engine.backends.base import Backend, BackendError, Delta, Prepared
 from engine.contract import GenerationRequest, SamplingParams
@@ -113,7 +117,13 @@ class SyntheticBackend(Backend):
             )
         if self.prepare_delay_s:
             await asyncio.sleep(self.prepare_delay_s)
-        return Prepared(request.generation_id, prompt_ids, request.params, source=request)
+        done = request.resume.completion_tokens if request.resume else 0
+        params = msgspec.structs.replace(
+            request.params, max_tokens=request.params.max_tokens - done
+        )
+        return Prepared(
+            request.engine_request_id, prompt_ids, params, source=request, resumed_tokens=done
+        )
 
     async def generate(self, prepared: Prepared) -> AsyncIterator[Delta]:
         gid = prepared.generation_id
@@ -122,12 +132,18 @@ class SyntheticBackend(Backend):
         fault = _FAULT.search(" ".join(script))
         params = prepared.params
         loop = asyncio.get_running_loop()
-        start, text = loop.time(), ""
+        first = prepared.resumed_tokens
+        resume = prepared.source.resume
+        start, text = loop.time(), resume.text if resume is not None else ""
+        if params.max_tokens <= 0:  # a takeover of a reply already at its end
+            yield Delta("", finish_reason="length")
+            return
         self._running.add(gid)
         try:
-            for index in range(params.max_tokens):
+            for index in range(first, first + params.max_tokens):
                 if self.tokens_per_s > 0:
-                    await asyncio.sleep(max(0.0, start + index / self.tokens_per_s - loop.time()))
+                    due = start + (index - first) / self.tokens_per_s
+                    await asyncio.sleep(max(0.0, due - loop.time()))
                 if gid in self._aborted:
                     yield Delta("", finish_reason="abort")
                     return
@@ -149,7 +165,7 @@ class SyntheticBackend(Backend):
                     keep = piece if params.include_stop_str_in_output else ""
                     yield Delta(keep, [_word_id(word)], [logprob], finish_reason="stop")
                     return
-                last = index + 1 == params.max_tokens
+                last = index + 1 == first + params.max_tokens
                 finish = "length" if last else None
                 yield Delta(piece, [_word_id(word)], [logprob], finish_reason=finish)
         finally:

@@ -12,6 +12,8 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
+
 from engine.backends.base import Backend, BackendError, Delta, Prepared
 from engine.contract import ChatMessage, GenerationRequest
 
@@ -74,7 +76,23 @@ class VllmBackend(Backend):
                 "prompt_too_long",
                 f"the prompt has {len(ids)} tokens; the model's context is {self.max_model_len}",
             )
-        return Prepared(request.generation_id, list(ids), request.params)
+        resume = request.resume
+        if resume is None:
+            return Prepared(request.engine_request_id, list(ids), request.params)
+        # A takeover: the prompt plus the tokens already streamed are the engine's input.
+        if len(ids) + len(resume.token_ids) > self.max_model_len:
+            raise BackendError(
+                "context_exceeded",
+                f"the prompt ({len(ids)} tokens) and the {len(resume.token_ids)} tokens "
+                f"already streamed exceed this worker's context of {self.max_model_len}",
+            )
+        left = request.params.max_tokens - resume.completion_tokens
+        return Prepared(
+            request.engine_request_id,
+            [*ids, *resume.token_ids],
+            msgspec.structs.replace(request.params, max_tokens=left),
+            resumed_tokens=resume.completion_tokens,
+        )
 
     def _chat_ids(self, messages: list[ChatMessage]) -> list[int]:
         text = self._tokenizer.apply_chat_template(
@@ -90,7 +108,10 @@ class VllmBackend(Backend):
 
         params = prepared.params
         room = self.max_model_len - len(prepared.prompt_token_ids)
-        max_tokens = max(1, min(params.max_tokens, room))
+        if room <= 0 or params.max_tokens <= 0:  # a takeover of a reply already at its end
+            yield Delta("", finish_reason="length")
+            return
+        max_tokens = min(params.max_tokens, room)
         sampling = SamplingParams(
             n=1,
             max_tokens=max_tokens,
