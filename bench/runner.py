@@ -31,11 +31,11 @@ from bench.loadgen import (
     open_sse,
     read_ws,
 )
-from engine.contract import Keys
 from gateway.sessions import SessionStore
 from gateway.settings import Settings
 from stack import processes
 from stack.redis_server import EmbeddedRedis, free_port
+from wire import Keys
 
 HOST = "127.0.0.1"
 MODES = ("direct", "reference", "reference-spin", "gateway", "ws")

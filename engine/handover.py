@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 import msgspec
 from redis.exceptions import RedisError
 
-from engine import contract
-from engine.contract import Resume
+import wire
+from wire import Resume
 
 if TYPE_CHECKING:
     from engine.job import Job
@@ -49,12 +49,12 @@ async def hand_over_running(worker: Worker) -> None:
             log.warning("handing %s over failed: %r", job.generation_id, result)
 
 
-async def give_back(worker: Worker, entries: list[contract.StreamEntry]) -> None:
+async def give_back(worker: Worker, entries: list[wire.StreamEntry]) -> None:
     """Requests a draining worker read after all: back on the queue for the others."""
     async with worker.redis.pipeline(transaction=True) as pipe:
         for entry_id, fields in entries:
             pipe.xadd(worker.requests_key, fields)  # type: ignore[arg-type]
-            pipe.xack(worker.requests_key, contract.CONSUMER_GROUP, entry_id)
+            pipe.xack(worker.requests_key, wire.CONSUMER_GROUP, entry_id)
         await pipe.execute()
     log.info("gave %d requests back to the queue: draining", len(entries))
 
@@ -68,16 +68,16 @@ async def hand_over(worker: Worker, job: Job) -> bool:
     job.handing_over = True
     if job.last_write is not None:
         await job.last_write  # every event emitted is written (the publisher keeps order)
-    usage = contract.encode(job.usage())
+    usage = wire.encode(job.usage())
     reply = await worker.redis.eval(
-        contract.TAKEOVER_SCRIPT,
+        wire.TAKEOVER_SCRIPT,
         1,
         worker.keys.generation(sid, gid),
         worker.worker_id,
         worker.max_takeovers,
         usage,
     )
-    outcome = [contract.text(item) for item in reply]
+    outcome = [wire.text(item) for item in reply]
     if outcome[0] != "takeover":
         log.info("not handing %s over: %s", gid, outcome[0])
         job.handing_over = False
@@ -96,8 +96,8 @@ async def hand_over(worker: Worker, job: Job) -> bool:
     )
     job.ended = job.acked = True
     async with worker.redis.pipeline(transaction=False) as pipe:
-        pipe.xadd(worker.requests_key, {"r": contract.encode(request)})
-        pipe.xack(worker.requests_key, contract.CONSUMER_GROUP, job.entry_id)
+        pipe.xadd(worker.requests_key, {"r": wire.encode(request)})
+        pipe.xack(worker.requests_key, wire.CONSUMER_GROUP, job.entry_id)
         await pipe.execute()
     await worker.backend.abort(job.request.engine_request_id)
     worker.metrics.handovers.inc()

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from engine import contract
-from engine.contract import Keys, SessionEvent
+import wire
+from wire import Keys, SessionEvent
 
 log = logging.getLogger("tokenspout.publisher")
 
@@ -56,7 +56,7 @@ class Publisher:
         self.on_rejected = on_rejected
         """Called with a generation id and the writer's epoch whose event Redis refused
         (the generation ended, or another writer owns it now)."""
-        self._script = redis.register_script(contract.EMIT_SCRIPT)
+        self._script = redis.register_script(wire.EMIT_SCRIPT)
         self._queue: list[_Pending] = []
         self._wakeup = asyncio.Event()
         self.pipelines = 0
@@ -71,7 +71,7 @@ class Publisher:
         maxlen: int,
         final: bool = False,
         worker: str = "",
-        assistant: contract.ChatMessage | None = None,
+        assistant: wire.ChatMessage | None = None,
         ack: bytes | None = None,
         seq: int = 0,
         epoch: int = 0,
@@ -93,11 +93,11 @@ class Publisher:
             _Pending(
                 session_id,
                 event.generation_id,
-                contract.event_type(event),
-                contract.encode(event),
-                contract.final_state(event) if final else "",  # type: ignore[arg-type]
+                wire.event_type(event),
+                wire.encode(event),
+                wire.final_state(event) if final else "",  # type: ignore[arg-type]
                 worker,
-                contract.encode(assistant) if assistant is not None else b"",
+                wire.encode(assistant) if assistant is not None else b"",
                 ttl_s,
                 maxlen,
                 ack,
@@ -161,7 +161,7 @@ class Publisher:
                     client=pipe,
                 )
                 if p.ack is not None:
-                    pipe.xack(self.requests_key, contract.CONSUMER_GROUP, p.ack)
+                    pipe.xack(self.requests_key, wire.CONSUMER_GROUP, p.ack)
             replies: list[object] = await pipe.execute()
         self.pipelines += 1
         self.events += len(batch)

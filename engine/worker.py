@@ -30,9 +30,14 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
-from engine import contract
+import wire
 from engine.backends.base import Backend, BackendError, Prepared
-from engine.contract import (
+from engine.handover import give_back, hand_over_running
+from engine.job import Job, final_reason
+from engine.lease import HEARTBEAT_S, Lease
+from engine.metrics import WorkerMetrics
+from engine.publisher import Publisher
+from wire import (
     Cancelled,
     CancelReason,
     ChatMessage,
@@ -44,15 +49,10 @@ from engine.contract import (
     Token,
     WorkerInfo,
 )
-from engine.handover import give_back, hand_over_running
-from engine.job import Job, final_reason
-from engine.lease import HEARTBEAT_S, Lease
-from engine.metrics import WorkerMetrics
-from engine.publisher import Publisher
 
 log = logging.getLogger("tokenspout.worker")
 _request_decoder = msgspec.json.Decoder(GenerationRequest)
-_cancel_decoder = msgspec.json.Decoder(contract.CancelSignal)
+_cancel_decoder = msgspec.json.Decoder(wire.CancelSignal)
 
 ABANDON_CHECK_S = 1.0
 
@@ -74,7 +74,7 @@ class Worker:
         self.keys = keys or Keys()
         self.aliases = [name for name in aliases or [] if name != backend.model]
         for name in [backend.model, *self.aliases]:
-            contract.check_model_name(name)
+            wire.check_model_name(name)
         self.requests_key = self.keys.requests(backend.model)
         """This worker's model's queue: it never sees another model's requests."""
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
@@ -152,13 +152,13 @@ class Worker:
     async def _ensure_group(self) -> None:
         try:
             await self.redis.xgroup_create(
-                self.requests_key, contract.CONSUMER_GROUP, id="0", mkstream=True
+                self.requests_key, wire.CONSUMER_GROUP, id="0", mkstream=True
             )
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
         # MKSTREAM made a key without a TTL; the heartbeat refreshes it from now on.
-        await self.redis.expire(self.requests_key, contract.SHARED_KEY_TTL_S)
+        await self.redis.expire(self.requests_key, wire.SHARED_KEY_TTL_S)
 
     # --- intake --------------------------------------------------------------------------
 
@@ -171,7 +171,7 @@ class Worker:
                 continue
             try:
                 reply = await self.redis.xreadgroup(
-                    contract.CONSUMER_GROUP,
+                    wire.CONSUMER_GROUP,
                     self.worker_id,
                     {self.requests_key: ">"},
                     count=free,
@@ -189,7 +189,7 @@ class Worker:
                 self.metrics.redis_errors.labels("requests").inc()
                 await asyncio.sleep(0.5)
                 continue
-            entries = contract.read_entries(reply)
+            entries = wire.read_entries(reply)
             if entries and not self._accepting:
                 # Read while the drain began (a hand-over may be among them): give them back.
                 await give_back(self, entries)
@@ -218,7 +218,7 @@ class Worker:
         task.add_done_callback(self._tasks.discard)
 
     async def _ack(self, entry_id: bytes) -> None:
-        await self.redis.xack(self.requests_key, contract.CONSUMER_GROUP, entry_id)
+        await self.redis.xack(self.requests_key, wire.CONSUMER_GROUP, entry_id)
 
     async def _ack_or_retry_later(self, entry_id: bytes) -> None:
         try:
@@ -236,7 +236,7 @@ class Worker:
         if not self._unacked:
             return
         entry_ids = list(self._unacked)
-        await self.redis.xack(self.requests_key, contract.CONSUMER_GROUP, *entry_ids)
+        await self.redis.xack(self.requests_key, wire.CONSUMER_GROUP, *entry_ids)
         self._unacked.difference_update(entry_ids)
         log.info("acknowledged %d requests on a retry", len(entry_ids))
 
@@ -312,7 +312,7 @@ class Worker:
                 await self._finish(job, Done(gid, delta.finish_reason, job.usage()))
                 return
 
-    async def _finish(self, job: Job, event: contract.FinalEvent) -> None:
+    async def _finish(self, job: Job, event: wire.FinalEvent) -> None:
         if job.ended:
             return
         job.ended = True
@@ -327,7 +327,7 @@ class Worker:
             ack=job.entry_id,
         )
         job.acked = True
-        state = contract.final_state(event)
+        state = wire.final_state(event)
         self.metrics.generations.labels(state).inc()
         log.info(
             "generation ended",
@@ -343,7 +343,7 @@ class Worker:
     def _emit(
         self,
         job: Job,
-        event: contract.SessionEvent,
+        event: wire.SessionEvent,
         *,
         final: bool = False,
         assistant: ChatMessage | None = None,
@@ -405,7 +405,7 @@ class Worker:
                 self.metrics.redis_errors.labels("cancels").inc()
                 await asyncio.sleep(0.5)
                 continue
-            for entry_id, fields in contract.read_entries(reply):
+            for entry_id, fields in wire.read_entries(reply):
                 last = entry_id.decode()
                 signal = _cancel_decoder.decode(fields[b"c"])
                 if signal.generation_id in self.jobs:
@@ -414,9 +414,7 @@ class Worker:
     async def _last_cancel_id(self) -> str:
         while True:
             try:
-                entries = contract.entries_of(
-                    await self.redis.xrevrange(self.keys.cancels, count=1)
-                )
+                entries = wire.entries_of(await self.redis.xrevrange(self.keys.cancels, count=1))
                 return entries[0][0].decode() if entries else "0-0"
             except (RedisError, OSError) as exc:
                 log.warning("reading cancels failed (%s); retrying", exc)

@@ -23,7 +23,6 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from engine.contract import Keys
 from gateway import __version__
 from gateway.auth import ApiKeys
 from gateway.errors import BadRequest, ErrorBody, ErrorEnvelope, GatewayError, Unavailable
@@ -35,6 +34,7 @@ from gateway.routes.tgi import compat_generate
 from gateway.sessions import SessionStore
 from gateway.settings import Settings
 from gateway.watchdog import Reaper, refresh_watches
+from wire import Keys
 
 log = logging.getLogger("tokenspout.gateway")
 AnyRequest = Request[Any, Any, Any]

@@ -1,7 +1,7 @@
 """One Redis reader per gateway process, fanned out to every open stream in it.
 
 Engines append each event to the session's stream and publish the same event on the
-session's live channel in one script (engine/contract.py). The hub holds one pub/sub
+session's live channel in one script (wire/scripts.py). The hub holds one pub/sub
 connection for the whole process; each ``Feed`` (one per open SSE stream, WebSocket
 subscription or API request) gets live events pushed into a small bounded buffer.
 
@@ -20,15 +20,14 @@ import logging
 from collections.abc import AsyncIterator
 from typing import NamedTuple, Protocol, cast
 
-import msgspec
 import redis.asyncio as aioredis
 from redis._parsers.hiredis import NOT_ENOUGH_DATA
 from redis.asyncio.client import PubSub
 from redis.exceptions import RedisError
 
-from engine import contract
-from engine.contract import TERMINAL_EVENTS, FinalEvent, Keys, entry_id_key
+import wire
 from gateway.errors import BadRequest, GatewayError
+from wire import TERMINAL_EVENTS, FinalEvent, Keys, entry_id_key
 
 log = logging.getLogger("tokenspout.relay")
 
@@ -37,12 +36,6 @@ RETRY_S = 0.25
 LIVE_ONLY = "$"
 DRAIN_POLL_S = 0.25
 """While the process drains, a waiting feed returns at least this often."""
-_final_decoder = msgspec.json.Decoder(FinalEvent)
-
-
-def decode_final(data: bytes | str) -> FinalEvent:
-    final: FinalEvent = _final_decoder.decode(data)
-    return final
 
 
 class EventsExpired(GatewayError):
@@ -94,7 +87,7 @@ def _raise_if_trimmed(stream_info: dict[str, object], after_id: str) -> None:
     trimmed = int(cast(int, stream_info.get("entries-added", 1 << 62))) > int(
         cast(int, stream_info.get("length", 0))
     )
-    if trimmed and entry_id_key(after_id) < entry_id_key(contract.text(first[0])):
+    if trimmed and entry_id_key(after_id) < entry_id_key(wire.text(first[0])):
         raise EventsExpired(f"events after {after_id} were trimmed; reload the session history")
 
 
@@ -357,7 +350,7 @@ class RelayHub:
         follows it was trimmed (a reader slower than ``TOKENSPOUT_EVENTS_MAXLEN`` allows)."""
         key = self.keys.events(session_id)
         if after_id is None:
-            entries = contract.entries_of(await self.redis.xrange(key, count=CATCH_UP_PAGE))
+            entries = wire.entries_of(await self.redis.xrange(key, count=CATCH_UP_PAGE))
         else:
             # One transaction: the page and the trim mark describe the same moment.
             async with self.redis.pipeline(transaction=True) as pipe:
@@ -370,7 +363,7 @@ class RelayHub:
                         raise
                     return []
             _raise_if_trimmed(info, after_id)
-            entries = contract.entries_of(page)
+            entries = wire.entries_of(page)
         return [
             RelayEvent(
                 entry_id.decode(),
@@ -385,9 +378,7 @@ class RelayHub:
         return bool(await self.redis.exists(self.keys.meta(session_id)))
 
     async def last_event_id(self, session_id: str) -> str | None:
-        entries = contract.entries_of(
-            await self.redis.xrevrange(self.keys.events(session_id), count=1)
-        )
+        entries = wire.entries_of(await self.redis.xrevrange(self.keys.events(session_id), count=1))
         return entries[0][0].decode() if entries else None
 
     async def wait_final(
@@ -401,7 +392,7 @@ class RelayHub:
             while (remaining := deadline - loop.time()) > 0:
                 for event in await feed.next_batch(remaining):
                     if event.generation_id == generation_id and event.is_final:
-                        return decode_final(event.data)
+                        return wire.decode_final(event.data)
                 if not looked_up and feed.last_id != LIVE_ONLY:
                     # Subscribed: a final event from now on reaches the feed, and one
                     # from before is in the generation's hash.
@@ -409,7 +400,7 @@ class RelayHub:
                     key = self.keys.generation(session_id, generation_id)
                     stored = await self.redis.hget(key, "final")
                     if stored is not None:
-                        return decode_final(stored)
+                        return wire.decode_final(stored)
         return None
 
     async def check_resumable(self, session_id: str, after_id: str | None) -> None:

@@ -18,8 +18,11 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from engine import contract
-from engine.contract import (
+import wire
+from gateway.errors import BadRequest, Conflict, Forbidden, NotFound, Overloaded, Unavailable
+from gateway.models import ModelDirectory
+from gateway.settings import Settings
+from wire import (
     Cancelled,
     CancelReason,
     CancelSignal,
@@ -31,10 +34,6 @@ from engine.contract import (
     SamplingParams,
     Usage,
 )
-from gateway.errors import BadRequest, Conflict, Forbidden, NotFound, Overloaded, Unavailable
-from gateway.models import ModelDirectory
-from gateway.relay import decode_final
-from gateway.settings import Settings
 
 _message_decoder = msgspec.json.Decoder(ChatMessage)
 
@@ -91,10 +90,10 @@ async def append_to_shared_stream(
     redis: aioredis.Redis, key: str, fields: dict[str, bytes], maxlen: int
 ) -> None:
     """XADD to one of the shared streams (requests, cancels), capped, renewing its TTL in
-    the same round trip (contract.SHARED_KEY_TTL_S)."""
+    the same round trip (wire.SHARED_KEY_TTL_S)."""
     async with redis.pipeline(transaction=False) as pipe:
         pipe.xadd(key, fields, maxlen=maxlen, approximate=True)  # type: ignore[arg-type]
-        pipe.expire(key, contract.SHARED_KEY_TTL_S)
+        pipe.expire(key, wire.SHARED_KEY_TTL_S)
         await pipe.execute()
 
 
@@ -111,8 +110,8 @@ class SessionStore:
         self.observer = observer
         self.keys = Keys(settings.key_prefix)
         self.models = ModelDirectory(redis, self.keys, settings)
-        self._submit = redis.register_script(contract.SUBMIT_SCRIPT)
-        self._cancel = redis.register_script(contract.CANCEL_SCRIPT)
+        self._submit = redis.register_script(wire.SUBMIT_SCRIPT)
+        self._cancel = redis.register_script(wire.CANCEL_SCRIPT)
         self.requests_maxlen = settings.max_inflight * 20
         """Cap of each model's requests stream (approximate, whole nodes)."""
 
@@ -146,10 +145,10 @@ class SessionStore:
         stored_token, stored_model = await self.redis.hmget(meta, ["token", "model"])
         if stored_token is None:
             raise NotFound(f"no session {session_id!r}", code="unknown_session")
-        if token is None or not hmac.compare_digest(contract.text(stored_token), _digest(token)):
+        if token is None or not hmac.compare_digest(wire.text(stored_token), _digest(token)):
             raise _bad_token()
         if stored_model:
-            return await self.models.resolve(contract.text(stored_model))
+            return await self.models.resolve(wire.text(stored_model))
         model = await self.models.resolve(None)
         await self.redis.hset(meta, "model", model)
         return model
@@ -201,7 +200,7 @@ class SessionStore:
         """
         self._check_content(content)
         model = await self.session_model(session_id, token)
-        message = contract.encode(ChatMessage("user", content)).decode()
+        message = wire.encode(ChatMessage("user", content)).decode()
         # No token never matches: a digest is never "-".
         digest = _digest(token) if token is not None else "-"
         return await self._submit_to_session(
@@ -279,11 +278,11 @@ class SessionStore:
                 time.time(),
                 self.settings.max_history_messages,
                 self.watch_ttl_s,
-                contract.encode(Queued(generation_id)),
+                wire.encode(Queued(generation_id)),
                 token_digest,
             ],
         )
-        reply = [contract.text(item) for item in reply]
+        reply = [wire.text(item) for item in reply]
         outcome = reply[0]
         if outcome == "missing":
             raise NotFound(f"no session {session_id!r}", code="unknown_session")
@@ -315,7 +314,7 @@ class SessionStore:
             events_maxlen=self.settings.events_maxlen,
         )
         await append_to_shared_stream(
-            self.redis, keys.requests(model), {"r": contract.encode(request)}, self.requests_maxlen
+            self.redis, keys.requests(model), {"r": wire.encode(request)}, self.requests_maxlen
         )
         if self.observer is not None:
             self.observer.submitted(session_id, generation_id, reply[1], model)
@@ -385,31 +384,31 @@ class SessionStore:
                 self.settings.session_ttl_s,
                 generation_id,
                 reason,
-                contract.encode(cancelled),
+                wire.encode(cancelled),
             ],
         )
-        outcome = contract.text(reply[0])
+        outcome = wire.text(reply[0])
         if outcome == "unknown":
             raise NotFound(f"no generation {generation_id!r}", code="unknown_generation")
         if outcome == "final":
-            final = decode_final(reply[2])
-            return CancelOutcome(generation_id, contract.final_state(final), final)
+            final = wire.decode_final(reply[2])
+            return CancelOutcome(generation_id, wire.final_state(final), final)
         if outcome == "cancelled":
             if self.observer is not None:
                 self.observer.cancel_stopped(generation_id, time.monotonic() - began)
             # Its usage: zero, or what it streamed before a takeover queued it again.
-            return CancelOutcome(generation_id, "cancelled", decode_final(reply[2]))
+            return CancelOutcome(generation_id, "cancelled", wire.decode_final(reply[2]))
         if self.observer is not None:
             self.observer.cancel_sent(session_id, generation_id, began)
         signal = CancelSignal(generation_id, session_id, reason)
         await append_to_shared_stream(
-            self.redis, keys.cancels, {"c": contract.encode(signal)}, CANCELS_MAXLEN
+            self.redis, keys.cancels, {"c": wire.encode(signal)}, CANCELS_MAXLEN
         )
         return CancelOutcome(generation_id, "cancelling")
 
     async def generation_final(self, session_id: str, generation_id: str) -> FinalEvent | None:
         raw = await self.redis.hget(self.keys.generation(session_id, generation_id), "final")
-        return None if raw is None else decode_final(raw)
+        return None if raw is None else wire.decode_final(raw)
 
     @property
     def watch_ttl_s(self) -> int:
@@ -426,7 +425,7 @@ class SessionStore:
                 pipe.set(self.keys.watch(session_id), 1, ex=ttl)
             await pipe.execute()
 
-    async def live_workers(self) -> list[contract.WorkerInfo]:
+    async def live_workers(self) -> list[wire.WorkerInfo]:
         return (await self.models.snapshot(fresh=True)).workers
 
     async def ping(self) -> None:
@@ -445,6 +444,6 @@ def _queue_count(groups: object, length: object) -> tuple[int, int]:
     if isinstance(length, RedisError):
         raise length
     for group in groups if isinstance(groups, list) else []:
-        if contract.text(group["name"]) == contract.CONSUMER_GROUP:
+        if wire.text(group["name"]) == wire.CONSUMER_GROUP:
             return int(group.get("lag") or 0), int(group["pending"])
     return int(cast(int, length)), 0

@@ -28,8 +28,9 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from engine import contract
-from engine.contract import (
+import wire
+from gateway.sessions import append_to_shared_stream
+from wire import (
     Cancelled,
     CancelReason,
     Error,
@@ -40,10 +41,9 @@ from engine.contract import (
     Token,
     Usage,
 )
-from gateway.sessions import append_to_shared_stream
 
 log = logging.getLogger("tokenspout.takeover")
-_info_decoder = msgspec.json.Decoder(contract.WorkerInfo)
+_info_decoder = msgspec.json.Decoder(wire.WorkerInfo)
 
 REAPER_PREFIX = "reaper-"
 """Consumer names the reaper claims entries under while it hands them on."""
@@ -58,7 +58,7 @@ async def live_workers(
     """Which of ``names`` are alive: a heartbeat within ``timeout_s``, and the lease
     connection still open where the worker names one (engine/lease.py)."""
     since = time.time() - timeout_s
-    fresh = {contract.text(w) for w in await redis.zrangebyscore(keys.workers, since, "+inf")}
+    fresh = {wire.text(w) for w in await redis.zrangebyscore(keys.workers, since, "+inf")}
     candidates = [name for name in names if name in fresh]
     if not candidates:
         return set()
@@ -80,7 +80,7 @@ async def live_workers(
             return alive | set(leases.values())
         for client in clients:
             worker = leases.get(int(client.get("id", 0)))
-            if worker is not None and client.get("name") == contract.lease_name(worker):
+            if worker is not None and client.get("name") == wire.lease_name(worker):
                 alive.add(worker)
         missing = set(leases.values()) - alive
         if missing:
@@ -97,7 +97,7 @@ async def _reconnected(redis: aioredis.Redis, missing: set[str]) -> set[str]:
     if uptime < LEASE_GRACE_S:
         return missing
     names = {client.get("name") for client in await redis.client_list()}
-    return {worker for worker in missing if contract.lease_name(worker) in names}
+    return {worker for worker in missing if wire.lease_name(worker) in names}
 
 
 class Streamed(msgspec.Struct, frozen=True):
@@ -133,13 +133,13 @@ async def streamed_so_far(
     tokens: list[Token] = []
     end = "+"
     while True:
-        page = contract.entries_of(
+        page = wire.entries_of(
             await redis.xrevrange(keys.events(session_id), max=end, count=READ_BACK_PAGE)
         )
         for _entry_id, fields in page:
             if fields.get(b"g") != gid:
                 continue
-            event = contract.decode_event(fields[b"d"])
+            event = wire.decode_event(fields[b"d"])
             if isinstance(event, Token):
                 tokens.append(event)
             elif isinstance(event, Started):
@@ -149,7 +149,7 @@ async def streamed_so_far(
                 return streamed if ids == streamed.completion_tokens else None
         if len(page) < READ_BACK_PAGE:
             return None
-        end = f"({contract.text(page[-1][0])}"
+        end = f"({wire.text(page[-1][0])}"
 
 
 class Takeover:
@@ -169,8 +169,8 @@ class Takeover:
         self.events_maxlen = events_maxlen
         self.ttl_s = ttl_s
         self.requests_maxlen = requests_maxlen
-        self._emit = redis.register_script(contract.EMIT_SCRIPT)
-        self._takeover = redis.register_script(contract.TAKEOVER_SCRIPT)
+        self._emit = redis.register_script(wire.EMIT_SCRIPT)
+        self._takeover = redis.register_script(wire.TAKEOVER_SCRIPT)
 
     async def hand_on(
         self, queue: str, request: GenerationRequest, raw: bytes, consumer: str
@@ -181,9 +181,9 @@ class Takeover:
         gen_key = self.keys.generation(sid, gid)
         owner = consumer
         if consumer.startswith(REAPER_PREFIX):  # a reaper that stopped mid-way: redo it
-            owner = contract.text(await self.redis.hget(gen_key, "worker") or b"")
+            owner = wire.text(await self.redis.hget(gen_key, "worker") or b"")
         reply = [
-            contract.text(item)
+            wire.text(item)
             for item in await self._takeover(keys=[gen_key], args=[owner, self.max_takeovers, ""])
         ]
         outcome = reply[0]
@@ -214,7 +214,7 @@ class Takeover:
         resumed = msgspec.structs.replace(
             request, enqueued_at=time.time(), resume=streamed.resume(epoch, from_worker)
         )
-        await self.redis.hset(gen_key, "usage", contract.encode(streamed.usage()))
+        await self.redis.hset(gen_key, "usage", wire.encode(streamed.usage()))
         log.info(
             "taking over %s from %s after %d tokens (takeover %d)",
             gid,
@@ -222,13 +222,13 @@ class Takeover:
             streamed.completion_tokens,
             epoch,
         )
-        await self._queue(queue, contract.encode(resumed))
+        await self._queue(queue, wire.encode(resumed))
         return "taken_over"
 
     async def _queue(self, queue: str, raw: bytes) -> None:
         await append_to_shared_stream(self.redis, queue, {"r": raw}, self.requests_maxlen)
 
-    async def _end(self, request: GenerationRequest, event: contract.FinalEvent) -> None:
+    async def _end(self, request: GenerationRequest, event: wire.FinalEvent) -> None:
         sid, gid = request.session_id, request.generation_id
         await self._emit(
             keys=[
@@ -241,10 +241,10 @@ class Takeover:
                 self.keys.live_channel(sid),
                 self.events_maxlen,
                 self.ttl_s,
-                contract.event_type(event),
+                wire.event_type(event),
                 gid,
-                contract.encode(event),
-                contract.final_state(event),
+                wire.encode(event),
+                wire.final_state(event),
                 "",
                 "",
             ],

@@ -28,11 +28,11 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
-from engine import contract
-from engine.contract import Error, GenerationRequest, Keys, entry_id_key
+import wire
 from gateway.relay import RelayHub
 from gateway.sessions import SessionStore
 from gateway.takeover import REAPER_PREFIX, Takeover, live_workers
+from wire import Error, GenerationRequest, Keys, entry_id_key
 
 log = logging.getLogger("tokenspout.watchdog")
 _request_decoder = msgspec.json.Decoder(GenerationRequest)
@@ -71,7 +71,7 @@ def decode_request(entry_id: bytes | str, fields: dict[bytes, bytes]) -> Generat
     try:
         return _request_decoder.decode(fields[b"r"])
     except (KeyError, msgspec.DecodeError) as exc:
-        log.error("unreadable entry %s in the requests stream: %r", contract.text(entry_id), exc)
+        log.error("unreadable entry %s in the requests stream: %r", wire.text(entry_id), exc)
         return None
 
 
@@ -98,7 +98,7 @@ class Reaper:
         self.ttl_s = ttl_s
         self.queue_timeout_s = queue_timeout_s
         self.requests_maxlen = requests_maxlen
-        self._end_queued = redis.register_script(contract.END_QUEUED_SCRIPT)
+        self._end_queued = redis.register_script(wire.END_QUEUED_SCRIPT)
         self._owner = f"{REAPER_PREFIX}{time.monotonic_ns()}"
         self.takeover = Takeover(
             redis,
@@ -134,14 +134,14 @@ class Reaper:
         if await self.redis.set(self.keys.reaper_lock, self._owner, nx=True, px=lock_ms):
             return True
         holder = await self.redis.get(self.keys.reaper_lock)
-        if holder is not None and contract.text(holder) == self._owner:
+        if holder is not None and wire.text(holder) == self._owner:
             await self.redis.pexpire(self.keys.reaper_lock, lock_ms)
             return True
         return False
 
     async def _queues(self) -> list[str]:
         """Every registered model's queue, and the default model's."""
-        models = {contract.text(model) for model in await self.redis.hvals(self.keys.models)}
+        models = {wire.text(model) for model in await self.redis.hvals(self.keys.models)}
         models |= {self.default_model} if self.default_model else set()
         return [self.keys.requests(model) for model in sorted(models)]
 
@@ -161,14 +161,14 @@ class Reaper:
 
     async def _reap_queue(self, queue: str) -> int:
         try:
-            summary = await self.redis.xpending(queue, contract.CONSUMER_GROUP)
+            summary = await self.redis.xpending(queue, wire.CONSUMER_GROUP)
         except RedisError as exc:
             if "no such key" in str(exc).lower() or "nogroup" in str(exc).lower():
                 return 0
             raise
         if not summary["pending"]:
             return 0
-        consumers = [contract.text(c["name"]) for c in summary["consumers"]]
+        consumers = [wire.text(c["name"]) for c in summary["consumers"]]
         alive = await live_workers(self.redis, self.keys, consumers, self.worker_timeout_s)
         handled = 0
         for consumer in consumers:
@@ -176,7 +176,7 @@ class Reaper:
                 continue
             pending = await self.redis.xpending_range(
                 queue,
-                contract.CONSUMER_GROUP,
+                wire.CONSUMER_GROUP,
                 min="-",
                 max="+",
                 count=500,
@@ -187,20 +187,20 @@ class Reaper:
                 # Claimed only if still idle as long as seen: an entry another reaper
                 # claimed meanwhile (its idle time reset) is left to that one.
                 idle = int(entry["time_since_delivered"])
-                await self._take_over(queue, contract.text(entry["message_id"]), consumer, idle)
+                await self._take_over(queue, wire.text(entry["message_id"]), consumer, idle)
             handled += len(pending)
         return handled
 
     async def _take_over(self, queue: str, message_id: str, consumer: str, idle_ms: int) -> None:
         claimed = await self.redis.xclaim(
-            queue, contract.CONSUMER_GROUP, self._owner, idle_ms, [message_id]
+            queue, wire.CONSUMER_GROUP, self._owner, idle_ms, [message_id]
         )
-        for entry_id, fields in contract.entries_of(claimed):
+        for entry_id, fields in wire.entries_of(claimed):
             request = decode_request(entry_id, fields) if fields else None
             if request is not None:  # else trimmed away meanwhile, or unreadable: drop it
                 await self.takeover.hand_on(queue, request, fields[b"r"], consumer)
-            await self.redis.xack(queue, contract.CONSUMER_GROUP, entry_id)
-        await self.redis.xgroup_delconsumer(queue, contract.CONSUMER_GROUP, self._owner)
+            await self.redis.xack(queue, wire.CONSUMER_GROUP, entry_id)
+        await self.redis.xgroup_delconsumer(queue, wire.CONSUMER_GROUP, self._owner)
 
     # --- the queue deadline --------------------------------------------------------------
 
@@ -222,7 +222,7 @@ class Reaper:
         ended = scanned = 0
         in_time = False
         while not in_time and scanned < QUEUE_SCAN_MAX:
-            page = contract.entries_of(
+            page = wire.entries_of(
                 await self.redis.xrange(
                     queue, min=f"({start}" if start else "-", count=QUEUE_SCAN_PAGE
                 )
@@ -230,13 +230,13 @@ class Reaper:
             expired: list[GenerationRequest] = []
             for entry_id, fields in page:
                 request = decode_request(entry_id, fields)
-                added_s = entry_id_key(contract.text(entry_id))[0] / 1000
+                added_s = entry_id_key(wire.text(entry_id))[0] / 1000
                 if added_s > deadline or (request is not None and request.enqueued_at > deadline):
                     in_time = True
                     break
                 if request is not None:
                     expired.append(request)
-                start = contract.text(entry_id)
+                start = wire.text(entry_id)
             ended += await self._end_expired(expired)
             if start:
                 self._expired_through[queue] = start
@@ -254,8 +254,8 @@ class Reaper:
                 return None
             raise
         for group in groups:
-            if contract.text(group["name"]) == contract.CONSUMER_GROUP:
-                return contract.text(group["last-delivered-id"])
+            if wire.text(group["name"]) == wire.CONSUMER_GROUP:
+                return wire.text(group["last-delivered-id"])
         return ""
 
     async def _end_expired(self, requests: list[GenerationRequest]) -> int:
@@ -278,7 +278,7 @@ class Reaper:
                         self.ttl_s,
                         gid,
                         "error",
-                        contract.encode(error),
+                        wire.encode(error),
                     ],
                     client=pipe,
                 )

@@ -21,7 +21,6 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
-from engine.contract import CONSUMER_GROUP, GenerationRequest, Keys
 from gateway.takeover import LEASE_GRACE_S, Takeover
 from stack import processes
 from stack.redis_server import free_port
@@ -31,6 +30,7 @@ from tests.sse import Event, parse
 from tests.test_faults import event_key
 from tests.test_metrics import scrape, value
 from tests.test_sessions import expected_reply
+from wire import CONSUMER_GROUP, GenerationRequest, Keys
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -316,7 +316,7 @@ async def test_the_synthetic_engine_continues_exactly_where_it_was(after: int) -
     """Word N of a synthetic reply depends only on the request and N, so a continuation
     from any point yields the rest of the uninterrupted reply, deltas and all."""
     from engine.backends.synthetic import SyntheticBackend
-    from engine.contract import GenerationRequest, Resume, SamplingParams
+    from wire import GenerationRequest, Resume, SamplingParams
 
     backend = SyntheticBackend(tokens_per_s=0)
     request = GenerationRequest("g_1", "s_1", SamplingParams(max_tokens=40), prompt="go on")

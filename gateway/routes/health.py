@@ -6,9 +6,9 @@ import msgspec
 from litestar import get
 from litestar.response import Response
 
-from engine.contract import WorkerInfo
 from gateway.errors import Unavailable
 from gateway.sessions import SessionStore
+from wire import WorkerInfo
 
 
 class Readiness(msgspec.Struct):

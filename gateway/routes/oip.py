@@ -15,7 +15,6 @@ import msgspec
 from litestar import Response, Router, get, post
 from litestar.response import Stream
 
-from engine.contract import Done, SamplingParams, Started, Token
 from gateway import sse
 from gateway.auth import ApiKeys, require_api_key
 from gateway.errors import BadRequest, Unavailable
@@ -29,6 +28,7 @@ from gateway.routes.adapter_common import (
 )
 from gateway.sessions import SessionStore
 from gateway.settings import Settings
+from wire import Done, SamplingParams, Started, Token
 
 
 class Parameters(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

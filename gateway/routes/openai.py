@@ -15,17 +15,6 @@ import msgspec
 from litestar import Response, Router, get, post
 from litestar.response import Stream
 
-from engine.contract import (
-    Cancelled,
-    ChatMessage,
-    Done,
-    Error,
-    Role,
-    SamplingParams,
-    Started,
-    Token,
-    Usage,
-)
 from gateway import sse
 from gateway.auth import ApiKeys, require_api_key
 from gateway.errors import BadEngineOutput, BadRequest, GatewayError
@@ -68,6 +57,17 @@ from gateway.routes.openai_schema import (
 )
 from gateway.sessions import SessionStore
 from gateway.settings import Settings
+from wire import (
+    Cancelled,
+    ChatMessage,
+    Done,
+    Error,
+    Role,
+    SamplingParams,
+    Started,
+    Token,
+    Usage,
+)
 
 DONE_FRAME = sse.frame(b"[DONE]")
 ROLES: dict[str, Role] = {
@@ -87,7 +87,7 @@ VLLM_FIELDS = (
     "skip_special_tokens",
     "spaces_between_special_tokens",
 )
-"""vLLM's extra sampling fields that reach the engine as they are (contract.SamplingParams)."""
+"""vLLM's extra sampling fields that reach the engine as they are (wire.SamplingParams)."""
 
 
 def _refuse(field: str, message: str) -> BadRequest:

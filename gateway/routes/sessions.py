@@ -15,12 +15,12 @@ from litestar.connection import Request
 from litestar.params import HeaderParameter, QueryParameter
 from litestar.response import Stream
 
-from engine.contract import ChatMessage, FinalEvent, final_state
 from gateway import sse
 from gateway.auth import ApiKeys, require_api_key
 from gateway.relay import EventsExpired, RelayHub, SessionLost
 from gateway.sessions import SessionStore
 from gateway.settings import Settings
+from wire import ChatMessage, FinalEvent, final_state
 
 AnyRequest = Request[Any, Any, Any]
 

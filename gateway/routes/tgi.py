@@ -19,7 +19,6 @@ import msgspec
 from litestar import Response, Router, get, post
 from litestar.response import Stream
 
-from engine.contract import Done, SamplingParams, Started, Token
 from gateway import __version__, sse
 from gateway.auth import ApiKeys, require_api_key
 from gateway.errors import BadEngineOutput, BadRequest
@@ -41,6 +40,7 @@ from gateway.routes.adapter_common import (
 )
 from gateway.sessions import SessionStore
 from gateway.settings import Settings
+from wire import Done, SamplingParams, Started, Token
 
 STOP_SEQUENCES = 8
 

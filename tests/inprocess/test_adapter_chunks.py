@@ -13,7 +13,6 @@ import pytest
 from litestar.exceptions import HTTPException, ValidationException
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from engine.contract import Cancelled, Done, Error, Started, Token, Usage
 from gateway.errors import BadEngineOutput, BadRequest, GatewayError, Overloaded, Unavailable
 from gateway.generation_stream import (
     Collected,
@@ -25,6 +24,7 @@ from gateway.generation_stream import (
 )
 from gateway.routes import oip, openai, tgi
 from gateway.routes.adapter_common import as_gateway_error, ending_with_error
+from wire import Cancelled, Done, Error, Started, Token, Usage
 
 CREATED = 1_700_000_000
 DONE = b"data: [DONE]\n\n"
