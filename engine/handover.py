@@ -1,11 +1,11 @@
 """SIGTERM with other workers serving: a running reply moves to one of them at once.
 
-The same path as a takeover by the gateways' reaper (gateway/takeover.py): the contract's
-TAKEOVER script takes the generation from this worker atomically (so a reaper that thinks
-this worker lost cannot hand it on a second time), then the request goes back on the queue
-with what was streamed, and the next worker goes on from there. Here the worker knows
-exactly what it streamed, so nothing is read back: it stops emitting, waits until its last
-event is in Redis, and hands on that.
+The same path as a takeover by the gateways' reaper (gateway/takeover.py): the TAKEOVER
+script (``wire.scripts.Takeover``) takes the generation from this worker atomically (so a
+reaper that thinks this worker lost cannot hand it on a second time), then the request goes
+back on the queue with what was streamed, and the next worker goes on from there. Here the
+worker knows exactly what it streamed, so nothing is read back: it stops emitting, waits
+until its last event is in Redis, and hands on that.
 """
 
 from __future__ import annotations
@@ -68,16 +68,13 @@ async def hand_over(worker: Worker, job: Job) -> bool:
     job.handing_over = True
     if job.last_write is not None:
         await job.last_write  # every event emitted is written (the publisher keeps order)
-    usage = wire.encode(job.usage())
-    reply = await worker.redis.eval(
-        wire.TAKEOVER_SCRIPT,
-        1,
-        worker.keys.generation(sid, gid),
-        worker.worker_id,
-        worker.max_takeovers,
-        usage,
+    outcome = await worker.takeover_script(
+        session_id=sid,
+        generation_id=gid,
+        worker=worker.worker_id,
+        max_takeovers=worker.max_takeovers,
+        usage=job.usage(),
     )
-    outcome = [wire.text(item) for item in reply]
     if outcome[0] != "takeover":
         log.info("not handing %s over: %s", gid, outcome[0])
         job.handing_over = False

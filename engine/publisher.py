@@ -1,10 +1,10 @@
 """Writes session events to Redis: everything one engine step produced, in one pipeline.
 
-Each event goes through the contract's EMIT script (append to the session stream, publish
-on the live channel, refuse anything after a generation's final event). Events are written
-in the order they were emitted; while Redis is unreachable they wait and are retried, so a
-short Redis restart delays tokens instead of losing them. Each event carries its number
-within its generation, so a retried pipeline never writes an event twice.
+Each event goes through the EMIT script (``wire.scripts.Emit``: append to the session
+stream, publish on the live channel, refuse anything after a generation's final event).
+Events are written in the order they were emitted; while Redis is unreachable they wait and
+are retried, so a short Redis restart delays tokens instead of losing them. Each event
+carries its number within its generation, so a retried pipeline never writes an event twice.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from redis.exceptions import RedisError
 
 import wire
 from wire import Keys, SessionEvent
+from wire.scripts import Emit
 
 log = logging.getLogger("tokenspout.publisher")
 
@@ -26,12 +27,10 @@ log = logging.getLogger("tokenspout.publisher")
 @dataclass(frozen=True)
 class _Pending:
     session_id: str
-    generation_id: str
-    event_type: str
-    data: bytes
-    final_state: str
+    event: SessionEvent
+    final: bool
     worker: str
-    assistant: bytes
+    assistant: wire.ChatMessage | None
     ttl_s: int
     maxlen: int
     ack: bytes | None
@@ -56,7 +55,7 @@ class Publisher:
         self.on_rejected = on_rejected
         """Called with a generation id and the writer's epoch whose event Redis refused
         (the generation ended, or another writer owns it now)."""
-        self._script = redis.register_script(wire.EMIT_SCRIPT)
+        self._emit = Emit(redis, keys)
         self._queue: list[_Pending] = []
         self._wakeup = asyncio.Event()
         self.pipelines = 0
@@ -92,12 +91,10 @@ class Publisher:
         self._queue.append(
             _Pending(
                 session_id,
-                event.generation_id,
-                wire.event_type(event),
-                wire.encode(event),
-                wire.final_state(event) if final else "",  # type: ignore[arg-type]
+                event,
+                final,
                 worker,
-                wire.encode(assistant) if assistant is not None else b"",
+                assistant,
                 ttl_s,
                 maxlen,
                 ack,
@@ -127,38 +124,26 @@ class Publisher:
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, 2.0)
             for pending, result in zip(batch, results, strict=True):
-                stream_id = result.decode() if isinstance(result, bytes) else None
-                if stream_id is None and not pending.final_state:
-                    self.on_rejected(pending.generation_id, pending.epoch)
+                stream_id = Emit.reply(result)
+                if stream_id is None and not pending.final:
+                    self.on_rejected(pending.event.generation_id, pending.epoch)
                 if not pending.done.done():
                     pending.done.set_result(stream_id)
 
     async def _write(self, batch: list[_Pending]) -> list[object]:
-        keys = self.keys
         async with self.redis.pipeline(transaction=False) as pipe:
             for p in batch:
-                sid, gid = p.session_id, p.generation_id
-                await self._script(
-                    keys=[
-                        keys.events(sid),
-                        keys.generation(sid, gid),
-                        keys.active(sid),
-                        keys.history(sid),
-                    ],
-                    args=[
-                        keys.live_channel(sid),
-                        p.maxlen,
-                        p.ttl_s,
-                        p.event_type,
-                        gid,
-                        p.data,
-                        p.final_state,
-                        p.worker,
-                        p.assistant,
-                        p.seq or "",
-                        p.epoch,
-                    ],
-                    client=pipe,
+                await self._emit(
+                    session_id=p.session_id,
+                    event=p.event,
+                    maxlen=p.maxlen,
+                    ttl_s=p.ttl_s,
+                    final=p.final,
+                    writer=p.worker,
+                    assistant=p.assistant,
+                    seq=p.seq,
+                    epoch=p.epoch,
+                    pipe=pipe,
                 )
                 if p.ack is not None:
                     pipe.xack(self.requests_key, wire.CONSUMER_GROUP, p.ack)

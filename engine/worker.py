@@ -49,6 +49,7 @@ from wire import (
     Token,
     WorkerInfo,
 )
+from wire.scripts import Takeover
 
 log = logging.getLogger("tokenspout.worker")
 _request_decoder = msgspec.json.Decoder(GenerationRequest)
@@ -86,6 +87,8 @@ class Worker:
         self.publisher = Publisher(
             redis, self.keys, requests_key=self.requests_key, on_rejected=self._on_rejected
         )
+        self.takeover_script = Takeover(redis, self.keys)
+        """Hands a running generation on (engine/handover.py, on SIGTERM)."""
         self._slot_freed = asyncio.Event()
         self._accepting = True
         self._started_at = time.time()

@@ -23,16 +23,14 @@ from gateway.errors import BadRequest, Conflict, Forbidden, NotFound, Overloaded
 from gateway.models import ModelDirectory
 from gateway.settings import Settings
 from wire import (
-    Cancelled,
     CancelReason,
     CancelSignal,
     ChatMessage,
     FinalEvent,
     GenerationRequest,
     Keys,
-    Queued,
     SamplingParams,
-    Usage,
+    scripts,
 )
 
 _message_decoder = msgspec.json.Decoder(ChatMessage)
@@ -110,8 +108,8 @@ class SessionStore:
         self.observer = observer
         self.keys = Keys(settings.key_prefix)
         self.models = ModelDirectory(redis, self.keys, settings)
-        self._submit = redis.register_script(wire.SUBMIT_SCRIPT)
-        self._cancel = redis.register_script(wire.CANCEL_SCRIPT)
+        self._submit = scripts.Submit(redis, self.keys)
+        self._cancel = scripts.Cancel(redis, self.keys)
         self.requests_maxlen = settings.max_inflight * 20
         """Cap of each model's requests stream (approximate, whole nodes)."""
 
@@ -200,7 +198,7 @@ class SessionStore:
         """
         self._check_content(content)
         model = await self.session_model(session_id, token)
-        message = wire.encode(ChatMessage("user", content)).decode()
+        message = ChatMessage("user", content)
         # No token never matches: a digest is never "-".
         digest = _digest(token) if token is not None else "-"
         return await self._submit_to_session(
@@ -228,7 +226,7 @@ class SessionStore:
         return await self._submit_to_session(
             session_id,
             queue,
-            "",
+            None,
             params,
             None,
             "",
@@ -241,7 +239,7 @@ class SessionStore:
         self,
         session_id: str,
         model: str,
-        user_message: str,
+        user_message: ChatMessage | None,
         params: SamplingParams,
         idempotency_key: str | None,
         token_digest: str,
@@ -260,29 +258,16 @@ class SessionStore:
             if not (idem_key and await self.redis.exists(idem_key)):
                 raise
         reply = await self._submit(
-            keys=[
-                keys.meta(session_id),
-                keys.history(session_id),
-                keys.active(session_id),
-                keys.generation(session_id, generation_id),
-                keys.events(session_id),
-                keys.watch(session_id),
-                idem_key,
-            ],
-            args=[
-                keys.live_channel(session_id),
-                self.settings.events_maxlen,
-                ttl or self.settings.session_ttl_s,
-                generation_id,
-                user_message,
-                time.time(),
-                self.settings.max_history_messages,
-                self.watch_ttl_s,
-                wire.encode(Queued(generation_id)),
-                token_digest,
-            ],
+            session_id=session_id,
+            generation_id=generation_id,
+            user_message=user_message,
+            token_digest=token_digest,
+            idempotency_key=idempotency_key,
+            maxlen=self.settings.events_maxlen,
+            ttl_s=ttl or self.settings.session_ttl_s,
+            max_history=self.settings.max_history_messages,
+            watch_ttl_s=self.watch_ttl_s,
         )
-        reply = [wire.text(item) for item in reply]
         outcome = reply[0]
         if outcome == "missing":
             raise NotFound(f"no session {session_id!r}", code="unknown_session")
@@ -371,23 +356,14 @@ class SessionStore:
     ) -> CancelOutcome:
         """Stop a generation wherever it runs; idempotent (a final one reports its end)."""
         keys, began = self.keys, time.monotonic()
-        cancelled = Cancelled(generation_id, reason, Usage(0, 0))
         reply = await self._cancel(
-            keys=[
-                keys.generation(session_id, generation_id),
-                keys.events(session_id),
-                keys.active(session_id),
-            ],
-            args=[
-                keys.live_channel(session_id),
-                self.settings.events_maxlen,
-                self.settings.session_ttl_s,
-                generation_id,
-                reason,
-                wire.encode(cancelled),
-            ],
+            session_id=session_id,
+            generation_id=generation_id,
+            reason=reason,
+            maxlen=self.settings.events_maxlen,
+            ttl_s=self.settings.session_ttl_s,
         )
-        outcome = wire.text(reply[0])
+        outcome = reply[0]
         if outcome == "unknown":
             raise NotFound(f"no generation {generation_id!r}", code="unknown_generation")
         if outcome == "final":

@@ -3,11 +3,11 @@
 The reaper (gateway/watchdog.py) finds requests pending under a worker that is gone and
 hands each to ``Takeover.hand_on``:
 
-1. The contract's TAKEOVER script takes the generation from the lost worker atomically:
-   ``running`` under that worker becomes ``queued`` at the next epoch (``takeovers``), and
-   from then on Redis refuses every event of the old worker (EMIT checks the owner), so a
-   worker that was only slow can never write into the reply again. Two reapers racing
-   both run the script; only one sees ``takeover``.
+1. The TAKEOVER script (``wire.scripts.Takeover``) takes the generation from the lost
+   worker atomically: ``running`` under that worker becomes ``queued`` at the next epoch
+   (``takeovers``), and from then on Redis refuses every event of the old worker (EMIT
+   checks the owner), so a worker that was only slow can never write into the reply again.
+   Two reapers racing both run the script; only one sees ``takeover``.
 2. What was streamed is read back from the session's event stream (everything after the
    transition is written by nobody, so this read is exact): the prompt's token count, the
    text and token ids of every ``token`` event.
@@ -40,6 +40,7 @@ from wire import (
     Started,
     Token,
     Usage,
+    scripts,
 )
 
 log = logging.getLogger("tokenspout.takeover")
@@ -169,8 +170,8 @@ class Takeover:
         self.events_maxlen = events_maxlen
         self.ttl_s = ttl_s
         self.requests_maxlen = requests_maxlen
-        self._emit = redis.register_script(wire.EMIT_SCRIPT)
-        self._takeover = redis.register_script(wire.TAKEOVER_SCRIPT)
+        self._emit = scripts.Emit(redis, keys)
+        self._takeover = scripts.Takeover(redis, keys)
 
     async def hand_on(
         self, queue: str, request: GenerationRequest, raw: bytes, consumer: str
@@ -182,10 +183,9 @@ class Takeover:
         owner = consumer
         if consumer.startswith(REAPER_PREFIX):  # a reaper that stopped mid-way: redo it
             owner = wire.text(await self.redis.hget(gen_key, "worker") or b"")
-        reply = [
-            wire.text(item)
-            for item in await self._takeover(keys=[gen_key], args=[owner, self.max_takeovers, ""])
-        ]
+        reply = await self._takeover(
+            session_id=sid, generation_id=gid, worker=owner, max_takeovers=self.max_takeovers
+        )
         outcome = reply[0]
         if outcome in ("final", "moved"):
             return outcome
@@ -229,23 +229,10 @@ class Takeover:
         await append_to_shared_stream(self.redis, queue, {"r": raw}, self.requests_maxlen)
 
     async def _end(self, request: GenerationRequest, event: wire.FinalEvent) -> None:
-        sid, gid = request.session_id, request.generation_id
         await self._emit(
-            keys=[
-                self.keys.events(sid),
-                self.keys.generation(sid, gid),
-                self.keys.active(sid),
-                self.keys.history(sid),
-            ],
-            args=[
-                self.keys.live_channel(sid),
-                self.events_maxlen,
-                self.ttl_s,
-                wire.event_type(event),
-                gid,
-                wire.encode(event),
-                wire.final_state(event),
-                "",
-                "",
-            ],
+            session_id=request.session_id,
+            event=event,
+            maxlen=self.events_maxlen,
+            ttl_s=self.ttl_s,
+            final=True,
         )

@@ -33,6 +33,7 @@ from gateway.relay import RelayHub
 from gateway.sessions import SessionStore
 from gateway.takeover import REAPER_PREFIX, Takeover, live_workers
 from wire import Error, GenerationRequest, Keys, entry_id_key
+from wire.scripts import EndQueued
 
 log = logging.getLogger("tokenspout.watchdog")
 _request_decoder = msgspec.json.Decoder(GenerationRequest)
@@ -98,7 +99,7 @@ class Reaper:
         self.ttl_s = ttl_s
         self.queue_timeout_s = queue_timeout_s
         self.requests_maxlen = requests_maxlen
-        self._end_queued = redis.register_script(wire.END_QUEUED_SCRIPT)
+        self._end_queued = EndQueued(redis, keys)
         self._owner = f"{REAPER_PREFIX}{time.monotonic_ns()}"
         self.takeover = Takeover(
             redis,
@@ -261,29 +262,22 @@ class Reaper:
     async def _end_expired(self, requests: list[GenerationRequest]) -> int:
         if not requests:
             return 0
-        keys = self.keys
         async with self.redis.pipeline(transaction=False) as pipe:
             for request in requests:
-                sid, gid = request.session_id, request.generation_id
                 error = Error(
-                    gid,
+                    request.generation_id,
                     "queue_timeout",
                     f"no engine worker took this generation within {self.queue_timeout_s:g} s",
                 )
                 await self._end_queued(
-                    keys=[keys.generation(sid, gid), keys.events(sid), keys.active(sid)],
-                    args=[
-                        keys.live_channel(sid),
-                        self.events_maxlen,
-                        self.ttl_s,
-                        gid,
-                        "error",
-                        wire.encode(error),
-                    ],
-                    client=pipe,
+                    session_id=request.session_id,
+                    event=error,
+                    maxlen=self.events_maxlen,
+                    ttl_s=self.ttl_s,
+                    pipe=pipe,
                 )
             replies: list[object] = await pipe.execute()
-        ended = sum(1 for reply in replies if reply)
+        ended = sum(1 for reply in replies if EndQueued.reply(reply))
         if ended:
             log.warning("%d queued generations timed out: no engine worker took them", ended)
         return ended

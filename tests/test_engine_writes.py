@@ -22,6 +22,7 @@ from engine.backends.synthetic import SyntheticBackend
 from engine.publisher import Publisher
 from engine.worker import Worker
 from wire import Keys, Started, Token
+from wire.scripts import Emit, Takeover
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -37,17 +38,14 @@ async def queued_generation(redis: aioredis.Redis, keys: Keys) -> tuple[str, str
 async def test_emit_writes_each_sequence_number_once(redis: aioredis.Redis) -> None:
     keys = Keys(f"t-{secrets.token_hex(4)}")
     sid, gid = await queued_generation(redis, keys)
-    emit = redis.register_script(wire.EMIT_SCRIPT)
+    emit = Emit(redis, keys)
     events = [Started(gid, "m", 3), Token(gid, "a", 1), Token(gid, "b", 2)]
 
-    async def write_all() -> list[Any]:
-        replies = []
-        for seq, event in enumerate(events, start=1):
-            args = [keys.live_channel(sid), 100, 600, wire.event_type(event), gid]
-            args += [wire.encode(event), "", "", "", seq]
-            keys_ = [keys.events(sid), keys.generation(sid, gid), keys.active(sid)]
-            replies.append(await emit(keys=[*keys_, keys.history(sid)], args=args))
-        return replies
+    async def write_all() -> list[str | None]:
+        return [
+            await emit(session_id=sid, event=event, maxlen=100, ttl_s=600, seq=seq)
+            for seq, event in enumerate(events, start=1)
+        ]
 
     first = await write_all()
     again = await write_all()
@@ -133,22 +131,22 @@ async def test_after_a_takeover_only_the_new_epochs_writer_writes(redis: aioredi
     claims it with `resumed` and writes; a second claim is refused."""
     keys = Keys(f"t-{secrets.token_hex(4)}")
     sid, gid = await queued_generation(redis, keys)
-    emit = redis.register_script(wire.EMIT_SCRIPT)
-    takeover = redis.register_script(wire.TAKEOVER_SCRIPT)
+    emit = Emit(redis, keys)
+    takeover = Takeover(redis, keys)
 
-    async def write(event: wire.SessionEvent, writer: str, epoch: int) -> object:
-        args = [keys.live_channel(sid), 100, 600, wire.event_type(event), gid]
-        args += [wire.encode(event), "", writer, "", "", epoch]
-        keys_ = [keys.events(sid), keys.generation(sid, gid), keys.active(sid)]
-        return await emit(keys=[*keys_, keys.history(sid)], args=args)
+    async def write(event: wire.SessionEvent, writer: str, epoch: int) -> str | None:
+        return await emit(
+            session_id=sid, event=event, maxlen=100, ttl_s=600, writer=writer, epoch=epoch
+        )
+
+    async def take_from(worker: str) -> list[str]:
+        return await takeover(session_id=sid, generation_id=gid, worker=worker, max_takeovers=3)
 
     assert await write(Started(gid, "m", 3), "w1", 0)
     assert await write(Token(gid, "a", 1, [7]), "w1", 0)
     assert await write(Token(gid, "b", 2, [8]), "w2", 0) is None  # not the owner
-    reply = await takeover(keys=[keys.generation(sid, gid)], args=["w1", 3, ""])
-    assert [wire.text(r) for r in reply] == ["takeover", "1", "w1"]
-    again = await takeover(keys=[keys.generation(sid, gid)], args=["w1", 3, ""])
-    assert wire.text(again[0]) == "queued"  # a second reaper hands nothing on anew
+    assert await take_from("w1") == ["takeover", "1", "w1"]
+    assert (await take_from("w1"))[0] == "queued"  # a second reaper hands nothing on anew
     assert await write(Token(gid, "b", 2, [8]), "w1", 0) is None  # the old run
     assert await write(Token(gid, "b", 2, [8]), "w1", 1) is None  # not claimed yet
     resumed = wire.Resumed(gid, "w1", "w1", 1, 1)

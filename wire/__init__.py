@@ -4,7 +4,8 @@ import this one, which imports neither (the import-linter contract in pyproject.
 
 - ``wire.messages``: the messages (msgspec Structs, JSON on the wire), versioned;
 - ``wire.keys``: every Redis key, from one prefix (the layout is in its docstring);
-- ``wire.scripts``: the Lua scripts (wire/lua/) that keep a session's events consistent;
+- ``wire.scripts``: the Lua scripts (wire/lua/), one typed wrapper each (import them
+  from there: ``from wire.scripts import Emit``);
 - ``wire.replies``: Redis replies and stream entry ids, read the same way on both sides;
 - ``wire.logs``: one ``key=value`` log line format for every process.
 
@@ -57,24 +58,12 @@ from wire.replies import (
     read_entries,
     text,
 )
-from wire.scripts import (
-    CANCEL_SCRIPT,
-    EMIT_SCRIPT,
-    END_QUEUED_SCRIPT,
-    SUBMIT_SCRIPT,
-    TAKEOVER_SCRIPT,
-)
 
 __all__ = [
-    "CANCEL_SCRIPT",
     "CONSUMER_GROUP",
     "DEFAULT_PREFIX",
-    "EMIT_SCRIPT",
-    "END_QUEUED_SCRIPT",
     "MODEL_NAME",
     "SHARED_KEY_TTL_S",
-    "SUBMIT_SCRIPT",
-    "TAKEOVER_SCRIPT",
     "TERMINAL_EVENTS",
     "WIRE_VERSION",
     "CancelReason",
