@@ -26,7 +26,7 @@ from redis.asyncio.client import PubSub
 from redis.exceptions import RedisError
 
 import wire
-from gateway.errors import BadRequest, GatewayError
+from gateway.errors import BadRequest, EventsExpired, SessionLost
 from wire import TERMINAL_EVENTS, FinalEvent, Keys, entry_id_key
 
 log = logging.getLogger("tokenspout.relay")
@@ -36,20 +36,6 @@ RETRY_S = 0.25
 LIVE_ONLY = "$"
 DRAIN_POLL_S = 0.25
 """While the process drains, a waiting feed returns at least this often."""
-
-
-class EventsExpired(GatewayError):
-    status = 410
-    ws_close_code = 4410
-    default_code = "events_expired"
-
-
-class SessionLost(GatewayError):
-    """The session's keys vanished while a reader was attached (Redis lost its data)."""
-
-    status = 410
-    ws_close_code = 4410
-    default_code = "session_lost"
 
 
 class RelayEvent(NamedTuple):

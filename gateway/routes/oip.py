@@ -17,15 +17,16 @@ from litestar.response import Stream
 
 from gateway import sse
 from gateway.auth import ApiKeys, require_api_key
-from gateway.errors import BadRequest, Unavailable
-from gateway.generation_stream import GenerationItem, GenerationStream, Heartbeat, final_error
-from gateway.relay import RelayHub
-from gateway.routes.adapter_common import (
+from gateway.errors import (
     HANDLED,
     AnyRequest,
+    BadRequest,
+    Unavailable,
     as_gateway_error,
     ending_with_error,
 )
+from gateway.generation_stream import GenerationItem, GenerationStream, Heartbeat, final_error
+from gateway.relay import RelayHub
 from gateway.sessions import SessionStore
 from gateway.settings import Settings
 from wire import Done, SamplingParams, Started, Token

@@ -17,7 +17,15 @@ from litestar.response import Stream
 
 from gateway import sse
 from gateway.auth import ApiKeys, require_api_key
-from gateway.errors import BadEngineOutput, BadRequest, GatewayError
+from gateway.errors import (
+    HANDLED,
+    AnyRequest,
+    BadEngineOutput,
+    BadRequest,
+    GatewayError,
+    as_gateway_error,
+    ending_with_error,
+)
 from gateway.generation_stream import (
     Collected,
     GenerationItem,
@@ -28,12 +36,6 @@ from gateway.generation_stream import (
     per_token,
 )
 from gateway.relay import RelayHub
-from gateway.routes.adapter_common import (
-    HANDLED,
-    AnyRequest,
-    as_gateway_error,
-    ending_with_error,
-)
 from gateway.routes.openai_schema import (
     AssistantMessage,
     ChatChoice,

@@ -17,7 +17,8 @@ from litestar.response import Stream
 
 from gateway import sse
 from gateway.auth import ApiKeys, require_api_key
-from gateway.relay import EventsExpired, RelayHub, SessionLost
+from gateway.errors import EventsExpired, SessionLost
+from gateway.relay import RelayHub
 from gateway.sessions import SessionStore
 from gateway.settings import Settings
 from wire import ChatMessage, FinalEvent, final_state

@@ -21,7 +21,14 @@ from litestar.response import Stream
 
 from gateway import __version__, sse
 from gateway.auth import ApiKeys, require_api_key
-from gateway.errors import BadEngineOutput, BadRequest
+from gateway.errors import (
+    HANDLED,
+    AnyRequest,
+    BadEngineOutput,
+    BadRequest,
+    as_gateway_error,
+    ending_with_error,
+)
 from gateway.generation_stream import (
     Collected,
     GenerationItem,
@@ -32,12 +39,6 @@ from gateway.generation_stream import (
     per_token,
 )
 from gateway.relay import RelayHub
-from gateway.routes.adapter_common import (
-    HANDLED,
-    AnyRequest,
-    as_gateway_error,
-    ending_with_error,
-)
 from gateway.sessions import SessionStore
 from gateway.settings import Settings
 from wire import Done, SamplingParams, Started, Token
