@@ -269,7 +269,7 @@ async def submit(rig: Rig, mode: str, stream: Stream, max_tokens: int) -> None:
             raise RuntimeError(f"POST messages answered {status}: {body[:200]!r}")
         stream.generation_id = json.loads(body)["generation_id"]
     else:
-        params = rig.store.sampling(max_tokens=max_tokens)
+        params = rig.store.queue.sampling(max_tokens=max_tokens)
         submitted = await rig.store.submit_message(stream.session_id, stream.token, "bench", params)
         stream.generation_id = submitted.generation_id
 

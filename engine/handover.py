@@ -51,11 +51,7 @@ async def hand_over_running(worker: Worker) -> None:
 
 async def give_back(worker: Worker, entries: list[wire.StreamEntry]) -> None:
     """Requests a draining worker read after all: back on the queue for the others."""
-    async with worker.redis.pipeline(transaction=True) as pipe:
-        for entry_id, fields in entries:
-            pipe.xadd(worker.requests_key, fields)  # type: ignore[arg-type]
-            pipe.xack(worker.requests_key, wire.CONSUMER_GROUP, entry_id)
-        await pipe.execute()
+    await worker.queue.requeue(entries)
     log.info("gave %d requests back to the queue: draining", len(entries))
 
 
@@ -92,10 +88,7 @@ async def hand_over(worker: Worker, job: Job) -> bool:
         ),
     )
     job.ended = job.acked = True
-    async with worker.redis.pipeline(transaction=False) as pipe:
-        pipe.xadd(worker.requests_key, {"r": wire.encode(request)})
-        pipe.xack(worker.requests_key, wire.CONSUMER_GROUP, job.entry_id)
-        await pipe.execute()
+    await worker.queue.requeue([(job.entry_id, {"r": wire.encode(request)})])
     await worker.backend.abort(job.request.engine_request_id)
     worker.metrics.handovers.inc()
     log.info(

@@ -19,6 +19,7 @@ from redis.exceptions import RedisError
 
 import wire
 from wire import Keys, SessionEvent
+from wire.queue import RequestQueue
 from wire.scripts import Emit
 
 log = logging.getLogger("tokenspout.publisher")
@@ -45,12 +46,12 @@ class Publisher:
         redis: aioredis.Redis,
         keys: Keys,
         *,
-        requests_key: str,
+        queue: RequestQueue,
         on_rejected: Callable[[str, int], None],
     ) -> None:
         self.redis = redis
         self.keys = keys
-        self.requests_key = requests_key
+        self.queue = queue
         """The queue final events acknowledge their request in (the worker's model's)."""
         self.on_rejected = on_rejected
         """Called with a generation id and the writer's epoch whose event Redis refused
@@ -85,7 +86,7 @@ class Publisher:
         ``started`` or ``resumed`` event claims it with the request of epoch ``epoch``).
 
         ``ack``: the request's entry id, acknowledged right after the final event in the
-        same round trip, so "in flight" (gateway/sessions.py) drops the moment it ends.
+        same round trip, so "in flight" (gateway/generations.py) drops the moment it ends.
         """
         future: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
         self._queue.append(
@@ -146,7 +147,7 @@ class Publisher:
                     pipe=pipe,
                 )
                 if p.ack is not None:
-                    pipe.xack(self.requests_key, wire.CONSUMER_GROUP, p.ack)
+                    self.queue.ack_in(pipe, p.ack)
             replies: list[object] = await pipe.execute()
         self.pipelines += 1
         self.events += len(batch)

@@ -49,6 +49,7 @@ from wire import (
     Token,
     WorkerInfo,
 )
+from wire.queue import RequestQueue
 from wire.scripts import Takeover
 
 log = logging.getLogger("tokenspout.worker")
@@ -76,8 +77,9 @@ class Worker:
         self.aliases = [name for name in aliases or [] if name != backend.model]
         for name in [backend.model, *self.aliases]:
             wire.check_model_name(name)
-        self.requests_key = self.keys.requests(backend.model)
+        self.queue = RequestQueue(redis, self.keys, backend.model)
         """This worker's model's queue: it never sees another model's requests."""
+        self.requests_key = self.queue.key
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.metrics = metrics or WorkerMetrics()
         self.max_takeovers = max_takeovers
@@ -85,7 +87,7 @@ class Worker:
         self.lease = Lease(redis, self.keys, self.worker_id, backend.model)
         self.jobs: dict[str, Job] = {}
         self.publisher = Publisher(
-            redis, self.keys, requests_key=self.requests_key, on_rejected=self._on_rejected
+            redis, self.keys, queue=self.queue, on_rejected=self._on_rejected
         )
         self.takeover_script = Takeover(redis, self.keys)
         """Hands a running generation on (engine/handover.py, on SIGTERM)."""
@@ -103,7 +105,7 @@ class Worker:
 
     async def run(self, stop: asyncio.Event, drain_s: float = 30.0) -> None:
         """Serve until ``stop`` is set, then drain: finish what runs (up to ``drain_s``)."""
-        await self._ensure_group()
+        await self.queue.ensure_group()
         await self._heartbeat_once()
         loops = [
             asyncio.create_task(self.publisher.run_forever(), name="publisher"),
@@ -152,17 +154,6 @@ class Worker:
         while self._tasks:
             await asyncio.sleep(0.02)
 
-    async def _ensure_group(self) -> None:
-        try:
-            await self.redis.xgroup_create(
-                self.requests_key, wire.CONSUMER_GROUP, id="0", mkstream=True
-            )
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
-        # MKSTREAM made a key without a TTL; the heartbeat refreshes it from now on.
-        await self.redis.expire(self.requests_key, wire.SHARED_KEY_TTL_S)
-
     # --- intake --------------------------------------------------------------------------
 
     async def _consume_forever(self) -> None:
@@ -173,26 +164,19 @@ class Worker:
                 await self._slot_freed.wait()
                 continue
             try:
-                reply = await self.redis.xreadgroup(
-                    wire.CONSUMER_GROUP,
-                    self.worker_id,
-                    {self.requests_key: ">"},
-                    count=free,
-                    block=1000,
-                )
+                entries = await self.queue.take(self.worker_id, free, block_ms=1000)
             except ResponseError as exc:
                 if "NOGROUP" not in str(exc):
                     raise
                 log.warning("the consumer group is gone (Redis lost its data?); recreating it")
                 with contextlib.suppress(RedisError, OSError):
-                    await self._ensure_group()
+                    await self.queue.ensure_group()
                 continue
             except (RedisError, OSError) as exc:
                 log.warning("reading requests failed (%s); retrying", exc)
                 self.metrics.redis_errors.labels("requests").inc()
                 await asyncio.sleep(0.5)
                 continue
-            entries = wire.read_entries(reply)
             if entries and not self._accepting:
                 # Read while the drain began (a hand-over may be among them): give them back.
                 await give_back(self, entries)
@@ -220,12 +204,9 @@ class Worker:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _ack(self, entry_id: bytes) -> None:
-        await self.redis.xack(self.requests_key, wire.CONSUMER_GROUP, entry_id)
-
     async def _ack_or_retry_later(self, entry_id: bytes) -> None:
         try:
-            await self._ack(entry_id)
+            await self.queue.ack(entry_id)
         except (RedisError, OSError) as exc:
             log.warning(
                 "acknowledging request %s failed (%s); retrying with the next heartbeat",
@@ -239,7 +220,7 @@ class Worker:
         if not self._unacked:
             return
         entry_ids = list(self._unacked)
-        await self.redis.xack(self.requests_key, wire.CONSUMER_GROUP, *entry_ids)
+        await self.queue.ack(*entry_ids)
         self._unacked.difference_update(entry_ids)
         log.info("acknowledged %d requests on a retry", len(entry_ids))
 

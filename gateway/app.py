@@ -72,7 +72,7 @@ class Services:
             settings.events_maxlen,
             settings.session_ttl_s,
             queue_timeout_s=settings.queue_timeout_s,
-            requests_maxlen=self.store.requests_maxlen,
+            requests_maxlen=self.store.queue.requests_maxlen,
             max_takeovers=settings.max_takeovers,
             default_model=settings.default_model,
         )

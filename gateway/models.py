@@ -89,6 +89,9 @@ class ModelDirectory:
         self._snapshot = Snapshot(workers, names)
         return self._snapshot
 
+    async def live_workers(self) -> list[WorkerInfo]:
+        return (await self.snapshot(fresh=True)).workers
+
     async def resolve(self, name: str | None) -> str:
         """The model that serves ``name`` (None: the default model); raises as described
         in the module's docstring."""

@@ -29,7 +29,6 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 import wire
-from gateway.sessions import append_to_shared_stream
 from wire import (
     Cancelled,
     CancelReason,
@@ -42,6 +41,7 @@ from wire import (
     Usage,
     scripts,
 )
+from wire.queue import RequestQueue
 
 log = logging.getLogger("tokenspout.takeover")
 _info_decoder = msgspec.json.Decoder(wire.WorkerInfo)
@@ -174,7 +174,7 @@ class Takeover:
         self._takeover = scripts.Takeover(redis, keys)
 
     async def hand_on(
-        self, queue: str, request: GenerationRequest, raw: bytes, consumer: str
+        self, queue: RequestQueue, request: GenerationRequest, raw: bytes, consumer: str
     ) -> str:
         """Hand on a request left pending in ``queue`` (its model's) by a lost ``consumer``;
         returns what was done."""
@@ -225,8 +225,8 @@ class Takeover:
         await self._queue(queue, wire.encode(resumed))
         return "taken_over"
 
-    async def _queue(self, queue: str, raw: bytes) -> None:
-        await append_to_shared_stream(self.redis, queue, {"r": raw}, self.requests_maxlen)
+    async def _queue(self, queue: RequestQueue, raw: bytes) -> None:
+        await queue.add({"r": raw}, maxlen=self.requests_maxlen)
 
     async def _end(self, request: GenerationRequest, event: wire.FinalEvent) -> None:
         await self._emit(

@@ -22,6 +22,7 @@ from engine.backends.synthetic import SyntheticBackend
 from engine.publisher import Publisher
 from engine.worker import Worker
 from wire import Keys, Started, Token
+from wire.queue import RequestQueue
 from wire.scripts import Emit, Takeover
 
 pytestmark = pytest.mark.timeout(60)
@@ -76,7 +77,7 @@ async def test_a_pipeline_resent_after_a_connection_loss_writes_nothing_twice(
 
     monkeypatch.setattr(Pipeline, "execute", execute_then_lose_the_reply)
     publisher = Publisher(
-        redis, keys, requests_key=keys.requests("m"), on_rejected=lambda gid, epoch: None
+        redis, keys, queue=RequestQueue(redis, keys, "m"), on_rejected=lambda gid, epoch: None
     )
     running = asyncio.create_task(publisher.run_forever())
     try:

@@ -31,6 +31,7 @@ from tests.test_faults import event_key
 from tests.test_metrics import scrape, value
 from tests.test_sessions import expected_reply
 from wire import CONSUMER_GROUP, GenerationRequest, Keys
+from wire.queue import RequestQueue
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -355,8 +356,10 @@ async def test_a_worker_wrongly_taken_for_lost_never_writes_twice(stack: Stack) 
             follower = follow(client, session, gid)
             await follower.until_tokens(10)
             owner = (await redis.hget(keys.generation(session.session_id, gid), "worker")) or b""
-            queue = keys.requests("synthetic")
-            (raw,) = [f[b"r"] for _id, f in await redis.xrange(queue) if gid.encode() in f[b"r"]]
+            queue = RequestQueue(redis, keys, "synthetic")
+            (raw,) = [
+                f[b"r"] for _id, f in await queue.read_after("", 100) if gid.encode() in f[b"r"]
+            ]
             request = msgspec.json.decode(raw, type=GenerationRequest)
             takeover = Takeover(
                 redis, keys, max_takeovers=3, events_maxlen=1000, ttl_s=600, requests_maxlen=100

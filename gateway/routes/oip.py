@@ -71,7 +71,7 @@ def oip_error(_: AnyRequest, exc: Exception) -> Response[OipError]:
 
 
 def _params(store: SessionStore, given: Parameters) -> SamplingParams:
-    return store.sampling(
+    return store.queue.sampling(
         max_tokens=given.max_tokens,
         temperature=given.temperature,
         top_p=given.top_p,

@@ -156,7 +156,7 @@ def _chat_params(store: SessionStore, body: ChatCompletionRequest) -> SamplingPa
         raise _refuse("response_format", "only response_format {'type': 'text'} is supported")
     max_tokens = body.max_completion_tokens or body.max_tokens
     shared = _sampling(body, max_tokens)
-    return store.sampling(**shared, logprobs=bool(body.logprobs))
+    return store.queue.sampling(**shared, logprobs=bool(body.logprobs))
 
 
 def _completion_params(store: SessionStore, body: CompletionRequest) -> SamplingParams:
@@ -169,7 +169,7 @@ def _completion_params(store: SessionStore, body: CompletionRequest) -> Sampling
     if body.logprobs:
         raise _refuse("logprobs", "logprobs must be 0 or null: only sampled tokens' logprobs")
     shared = _sampling(body, body.max_tokens)
-    return store.sampling(**shared, logprobs=body.logprobs == 0)
+    return store.queue.sampling(**shared, logprobs=body.logprobs == 0)
 
 
 def _completion_prompt(body: CompletionRequest) -> str:
@@ -418,7 +418,7 @@ async def completions(
 async def models(request: AnyRequest, store: SessionStore, api_keys: ApiKeys) -> ModelList:
     require_api_key(request, api_keys)
     cards: dict[str, ModelCard] = {}
-    for worker in await store.live_workers():
+    for worker in await store.models.live_workers():
         created = int(worker.started_at)
         for name in worker.names:  # as vLLM does: one card per served name
             if name not in cards or cards[name].created > created:

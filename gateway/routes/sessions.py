@@ -130,7 +130,7 @@ class SessionController(Controller):
             str | None, HeaderParameter(name="Idempotency-Key", required=False, max_length=128)
         ],
     ) -> GenerationAccepted:
-        params = store.sampling(
+        params = store.queue.sampling(
             max_tokens=data.max_tokens,
             temperature=data.temperature,
             top_p=data.top_p,

@@ -166,7 +166,7 @@ def _params(store: SessionStore, given: Parameters) -> SamplingParams:
     )
     # TGI decodes greedily unless asked to sample (do_sample, or a sampling parameter).
     temperature = (given.temperature or 1.0) if sampling else 0.0
-    return store.sampling(
+    return store.queue.sampling(
         max_tokens=given.max_new_tokens,
         temperature=temperature,
         top_p=given.top_p,

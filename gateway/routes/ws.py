@@ -162,7 +162,7 @@ class Connection:
             raise Overloaded(
                 f"at most {MAX_GENERATIONS} generations per socket at once", retry_after_s=1
             )
-        params = self.store.sampling(
+        params = self.store.queue.sampling(
             max_tokens=frame.max_tokens,
             temperature=frame.temperature,
             top_p=frame.top_p,
