@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 import wire
-from gateway.relay import RelayEvent
+from gateway.feed import RelayEvent
 from wire import TERMINAL_EVENTS
 
 log = logging.getLogger("tokenspout.generations")

@@ -11,8 +11,9 @@ import pytest
 import redis.asyncio as aioredis
 
 import wire
-from gateway.errors import BadRequest
-from gateway.relay import LIVE_ONLY, EventsExpired, Feed, RelayEvent, RelayHub
+from gateway.errors import BadRequest, EventsExpired
+from gateway.feed import LIVE_ONLY, Feed, RelayEvent
+from gateway.relay import RelayHub
 from wire import Keys, Usage
 from wire.scripts import EMIT_CORE
 
