@@ -1,11 +1,12 @@
 """The engine worker: Redis in, backend in the middle, Redis out.
 
-- takes requests from the ``requests`` stream through the consumer group, never more than
+- takes requests from its model's queue (``wire.queue.RequestQueue``), never more than
   the backend's capacity; acknowledges each when its generation has ended (a dead worker's
   unacknowledged requests are taken over by the gateway's reaper);
 - publishes events through ``Publisher`` (one pipeline per engine step);
-- reads the ``cancels`` stream and aborts what it runs: the ``cancelled`` event is written at
-  once (no token of that generation reaches a client after it) and the engine aborts;
+- reads the ``cancels`` stream (engine/cancels.py) and aborts what it runs: the
+  ``cancelled`` event is written at once (no token of that generation reaches a client
+  after it) and the engine aborts;
 - aborts generations nobody has read for the grace period (``abandoned``);
 - heartbeats over its lease connection, so gateways know it is alive (``/ready``), what
   model it serves, and at once when it dies (engine/lease.py);
@@ -32,6 +33,7 @@ from redis.exceptions import RedisError, ResponseError
 
 import wire
 from engine.backends.base import Backend, BackendError, Prepared
+from engine.cancels import cancel_signals
 from engine.handover import give_back, hand_over_running
 from engine.job import Job, final_reason
 from engine.lease import HEARTBEAT_S, Lease
@@ -54,7 +56,6 @@ from wire.scripts import Takeover
 
 log = logging.getLogger("tokenspout.worker")
 _request_decoder = msgspec.json.Decoder(GenerationRequest)
-_cancel_decoder = msgspec.json.Decoder(wire.CancelSignal)
 
 ABANDON_CHECK_S = 1.0
 
@@ -380,29 +381,9 @@ class Worker:
             task.add_done_callback(self._tasks.discard)
 
     async def _cancels_forever(self) -> None:
-        last = await self._last_cancel_id()
-        while True:
-            try:
-                reply = await self.redis.xread({self.keys.cancels: last}, count=256, block=1000)
-            except (RedisError, OSError) as exc:
-                log.warning("reading cancels failed (%s); retrying", exc)
-                self.metrics.redis_errors.labels("cancels").inc()
-                await asyncio.sleep(0.5)
-                continue
-            for entry_id, fields in wire.read_entries(reply):
-                last = entry_id.decode()
-                signal = _cancel_decoder.decode(fields[b"c"])
-                if signal.generation_id in self.jobs:
-                    await self.cancel(signal.generation_id, signal.reason)
-
-    async def _last_cancel_id(self) -> str:
-        while True:
-            try:
-                entries = wire.entries_of(await self.redis.xrevrange(self.keys.cancels, count=1))
-                return entries[0][0].decode() if entries else "0-0"
-            except (RedisError, OSError) as exc:
-                log.warning("reading cancels failed (%s); retrying", exc)
-                await asyncio.sleep(0.5)
+        async for signal in cancel_signals(self.redis, self.keys, self.metrics):
+            if signal.generation_id in self.jobs:
+                await self.cancel(signal.generation_id, signal.reason)
 
     async def _abandon_forever(self) -> None:
         while True:
