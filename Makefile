@@ -57,8 +57,9 @@ browser:
 	  echo "[setup] could not install chromium: browser tests will fail"; }
 
 lint: setup
-	$(PY) -m ruff check gateway engine stack tests bench
-	$(PY) -m ruff format --check gateway engine stack tests bench
+	$(PY) -m ruff check wire gateway engine stack tests bench
+	$(PY) -m ruff format --check wire gateway engine stack tests bench
+	$(VENV)/bin/lint-imports
 
 typecheck: setup
 	$(PY) -m mypy

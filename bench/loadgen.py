@@ -193,7 +193,7 @@ async def open_sse(
 class PubSubReader(asyncio.Protocol):
     """The no-gateway baseline: one RESP2 pub/sub connection, a channel per stream.
 
-    A live message is ``<entry id> <type> <generation id> <json>`` (engine/contract.py), so
+    A live message is ``<entry id> <type> <generation id> <json>`` (wire/scripts.py), so
     the event type is the second word of the payload.
     """
 

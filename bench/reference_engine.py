@@ -24,7 +24,7 @@ import msgspec
 import uvicorn
 
 from engine.backends.synthetic import SyntheticBackend
-from engine.contract import ChatMessage, GenerationRequest, SamplingParams
+from wire import ChatMessage, GenerationRequest, SamplingParams
 
 DONE_FRAME = b"data: [DONE]\n\n"
 SSE_HEADERS = [

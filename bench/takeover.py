@@ -34,10 +34,10 @@ from typing import Any
 import httpx
 import redis.asyncio as aioredis
 
-from engine.contract import Keys
 from gateway.takeover import LEASE_GRACE_S
 from stack import processes
 from stack.redis_server import EmbeddedRedis, free_port
+from wire import Keys
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "bench" / "takeover.json"
 TOKENS_PER_S = 50

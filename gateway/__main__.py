@@ -17,9 +17,9 @@ from types import FrameType
 
 import uvicorn
 
-from gateway.logs import configure_logging
 from gateway.relay import RelayHub
 from gateway.settings import Settings
+from wire.logs import configure_logging
 
 log = logging.getLogger("tokenspout.gateway")
 

@@ -1,4 +1,4 @@
-"""The Litestar application: resources in one lifespan, routes, and the error table."""
+"""The Litestar application: resources in one lifespan, routes, and its error handler."""
 
 from __future__ import annotations
 
@@ -7,13 +7,11 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
 
 import redis.asyncio as aioredis
-from litestar import Litestar, Request, Response
+from litestar import Litestar, Response
 from litestar.config.cors import CORSConfig
 from litestar.di import Provide
-from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import OpenAPIConfig
 from litestar.static_files import create_static_files_router
 from litestar.types import ControllerRouterHandler
@@ -23,10 +21,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from engine.contract import Keys
 from gateway import __version__
 from gateway.auth import ApiKeys
-from gateway.errors import BadRequest, ErrorBody, ErrorEnvelope, GatewayError, Unavailable
+from gateway.errors import HANDLED, AnyRequest, ErrorEnvelope, as_gateway_error
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestMetrics
 from gateway.relay import RelayHub
@@ -35,9 +32,9 @@ from gateway.routes.tgi import compat_generate
 from gateway.sessions import SessionStore
 from gateway.settings import Settings
 from gateway.watchdog import Reaper, refresh_watches
+from wire import Keys
 
 log = logging.getLogger("tokenspout.gateway")
-AnyRequest = Request[Any, Any, Any]
 
 REDIS_POOL_SIZE = 64
 """Connections per gateway process for commands (the relay adds one pub/sub connection)."""
@@ -75,7 +72,7 @@ class Services:
             settings.events_maxlen,
             settings.session_ttl_s,
             queue_timeout_s=settings.queue_timeout_s,
-            requests_maxlen=self.store.requests_maxlen,
+            requests_maxlen=self.store.queue.requests_maxlen,
             max_takeovers=settings.max_takeovers,
             default_model=settings.default_model,
         )
@@ -125,45 +122,17 @@ class Services:
             await self.redis.aclose()
 
 
-def _error_response(error: GatewayError) -> Response[ErrorEnvelope]:
-    return Response(error.body(), status_code=error.status, headers=error.headers())
-
-
-def handle_gateway_error(_: AnyRequest, exc: GatewayError) -> Response[ErrorEnvelope]:
-    return _error_response(exc)
-
-
-def handle_validation_error(_: AnyRequest, exc: ValidationException) -> Response[ErrorEnvelope]:
-    details = exc.extra if isinstance(exc.extra, list) else []
-    first = details[0] if details and isinstance(details[0], dict) else {}
-    field = first.get("key") or None
-    message = first.get("message") or exc.detail
-    return _error_response(BadRequest(f"{message}", field=field))
-
-
-def handle_http_error(_: AnyRequest, exc: HTTPException) -> Response[ErrorEnvelope]:
-    status = 422 if exc.status_code == 400 else exc.status_code
-    code = {413: "too_large", 404: "not_found", 405: "method_not_allowed"}.get(
-        status, "invalid_request" if status == 422 else "http_error"
-    )
-    body = ErrorEnvelope(ErrorBody(code=code, message=str(exc.detail)))
-    return Response(body, status_code=status, headers=exc.headers)
-
-
-def handle_nesting_error(_: AnyRequest, exc: RecursionError) -> Response[ErrorEnvelope]:
-    # Litestar decodes JSON bodies before validating them; absurd nesting ends up here.
-    return _error_response(BadRequest("the JSON body is nested too deeply", code="too_deep"))
-
-
 def create_app(settings: Settings | None = None, services: Services | None = None) -> Litestar:
     settings = settings or Settings.from_env()
     services = services or Services(settings)
     metrics = services.metrics
 
-    def handle_redis_error(_: AnyRequest, exc: RedisError) -> Response[ErrorEnvelope]:
-        log.warning("redis error while handling a request: %s", exc)
-        metrics.redis_error("request")
-        return _error_response(Unavailable("Redis is unavailable; try again", retry_after_s=1))
+    def handle_error(_: AnyRequest, exc: Exception) -> Response[ErrorEnvelope]:
+        """Every error a handler raises, in the gateway's own format (gateway/errors.py)."""
+        if isinstance(exc, RedisError):
+            metrics.redis_error("request")
+        error = as_gateway_error(exc)
+        return Response(error.body(), status_code=error.status, headers=error.headers())
 
     handlers: list[ControllerRouterHandler] = list(ROUTES)
     web_dir = Path(settings.web_dir)
@@ -179,13 +148,7 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
         route_handlers=handlers,
         lifespan=[services.lifespan],
         dependencies=services.dependencies(),
-        exception_handlers={
-            GatewayError: handle_gateway_error,
-            ValidationException: handle_validation_error,
-            HTTPException: handle_http_error,
-            RedisError: handle_redis_error,
-            RecursionError: handle_nesting_error,
-        },
+        exception_handlers={kind: handle_error for kind in HANDLED},
         request_max_body_size=settings.max_body_bytes,
         cors_config=CORSConfig(allow_origins=origins) if origins else None,
         openapi_config=OpenAPIConfig(title="tokenspout", version=__version__, path="/schema"),

@@ -21,7 +21,11 @@ import anyio
 import msgspec
 from litestar.background_tasks import BackgroundTask
 
-from engine.contract import (
+from gateway.errors import BadRequest, GatewayError, NotFound, Unavailable
+from gateway.relay import RelayHub
+from gateway.sessions import SessionStore, Submitted
+from gateway.settings import Settings
+from wire import (
     Cancelled,
     ChatMessage,
     Done,
@@ -32,10 +36,6 @@ from engine.contract import (
     Token,
     decode_event,
 )
-from gateway.errors import BadRequest, GatewayError, NotFound, Unavailable
-from gateway.relay import RelayHub
-from gateway.sessions import SessionStore, Submitted
-from gateway.settings import Settings
 
 log = logging.getLogger("tokenspout.generations")
 

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from engine.contract import TERMINAL_EVENTS
-from gateway.relay import RelayEvent
+import wire
+from gateway.feed import RelayEvent
+from wire import TERMINAL_EVENTS
 
 log = logging.getLogger("tokenspout.generations")
 
@@ -42,10 +43,6 @@ class _Live:
     started: bool = False
     last_token_at: float | None = None
     cancel_began: float | None = None
-
-
-def _event_ms(event_id: str) -> int:
-    return int(event_id.partition("-")[0])
 
 
 class GatewayMetrics:
@@ -171,7 +168,7 @@ class GatewayMetrics:
     ) -> None:
         self.generations_submitted.inc()
         self.model_submitted.labels(model).inc()
-        self._track(session_id, generation_id).queued_ms = _event_ms(queued_event_id)
+        self._track(session_id, generation_id).queued_ms = wire.entry_ms(queued_event_id)
         log.info(
             "generation queued",
             extra={"session_id": session_id, "generation_id": generation_id, "model": model},
@@ -216,7 +213,7 @@ class GatewayMetrics:
             live.last_token_at = now
             live.started = True
         elif kind == "queued":
-            live.queued_ms = _event_ms(event.id)
+            live.queued_ms = wire.entry_ms(event.id)
         elif kind == "started":
             live.started = True
 

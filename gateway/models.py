@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 import msgspec
 import redis.asyncio as aioredis
 
-from engine import contract
-from engine.contract import Keys, WorkerInfo
+import wire
 from gateway.errors import BadRequest, NotFound, Unavailable
 from gateway.settings import Settings
+from wire import Keys, WorkerInfo
 
 CACHE_S = 1.0
 MODEL_RETRY_AFTER_S = 5
@@ -83,11 +83,14 @@ class ModelDirectory:
             worker_ids, known = await pipe.execute()
         workers: list[WorkerInfo] = []
         if worker_ids:
-            raw = await self.redis.mget([self.keys.worker(contract.text(w)) for w in worker_ids])
+            raw = await self.redis.mget([self.keys.worker(wire.text(w)) for w in worker_ids])
             workers = [_worker_decoder.decode(item) for item in raw if item is not None]
-        names = {contract.text(name): contract.text(model) for name, model in known.items()}
+        names = {wire.text(name): wire.text(model) for name, model in known.items()}
         self._snapshot = Snapshot(workers, names)
         return self._snapshot
+
+    async def live_workers(self) -> list[WorkerInfo]:
+        return (await self.snapshot(fresh=True)).workers
 
     async def resolve(self, name: str | None) -> str:
         """The model that serves ``name`` (None: the default model); raises as described

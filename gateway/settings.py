@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from engine.contract import DEFAULT_PREFIX
+from wire import DEFAULT_PREFIX
 
 ENV_PREFIX = "TOKENSPOUT_"
 UNPREFIXED = frozenset({"redis_url"})

@@ -3,11 +3,11 @@
 The reaper (gateway/watchdog.py) finds requests pending under a worker that is gone and
 hands each to ``Takeover.hand_on``:
 
-1. The contract's TAKEOVER script takes the generation from the lost worker atomically:
-   ``running`` under that worker becomes ``queued`` at the next epoch (``takeovers``), and
-   from then on Redis refuses every event of the old worker (EMIT checks the owner), so a
-   worker that was only slow can never write into the reply again. Two reapers racing
-   both run the script; only one sees ``takeover``.
+1. The TAKEOVER script (``wire.scripts.Takeover``) takes the generation from the lost
+   worker atomically: ``running`` under that worker becomes ``queued`` at the next epoch
+   (``takeovers``), and from then on Redis refuses every event of the old worker (EMIT
+   checks the owner), so a worker that was only slow can never write into the reply again.
+   Two reapers racing both run the script; only one sees ``takeover``.
 2. What was streamed is read back from the session's event stream (everything after the
    transition is written by nobody, so this read is exact): the prompt's token count, the
    text and token ids of every ``token`` event.
@@ -28,8 +28,8 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from engine import contract
-from engine.contract import (
+import wire
+from wire import (
     Cancelled,
     CancelReason,
     Error,
@@ -39,11 +39,12 @@ from engine.contract import (
     Started,
     Token,
     Usage,
+    scripts,
 )
-from gateway.sessions import append_to_shared_stream
+from wire.queue import RequestQueue
 
 log = logging.getLogger("tokenspout.takeover")
-_info_decoder = msgspec.json.Decoder(contract.WorkerInfo)
+_info_decoder = msgspec.json.Decoder(wire.WorkerInfo)
 
 REAPER_PREFIX = "reaper-"
 """Consumer names the reaper claims entries under while it hands them on."""
@@ -58,7 +59,7 @@ async def live_workers(
     """Which of ``names`` are alive: a heartbeat within ``timeout_s``, and the lease
     connection still open where the worker names one (engine/lease.py)."""
     since = time.time() - timeout_s
-    fresh = {contract.text(w) for w in await redis.zrangebyscore(keys.workers, since, "+inf")}
+    fresh = {wire.text(w) for w in await redis.zrangebyscore(keys.workers, since, "+inf")}
     candidates = [name for name in names if name in fresh]
     if not candidates:
         return set()
@@ -80,7 +81,7 @@ async def live_workers(
             return alive | set(leases.values())
         for client in clients:
             worker = leases.get(int(client.get("id", 0)))
-            if worker is not None and client.get("name") == contract.lease_name(worker):
+            if worker is not None and client.get("name") == wire.lease_name(worker):
                 alive.add(worker)
         missing = set(leases.values()) - alive
         if missing:
@@ -97,7 +98,7 @@ async def _reconnected(redis: aioredis.Redis, missing: set[str]) -> set[str]:
     if uptime < LEASE_GRACE_S:
         return missing
     names = {client.get("name") for client in await redis.client_list()}
-    return {worker for worker in missing if contract.lease_name(worker) in names}
+    return {worker for worker in missing if wire.lease_name(worker) in names}
 
 
 class Streamed(msgspec.Struct, frozen=True):
@@ -133,13 +134,13 @@ async def streamed_so_far(
     tokens: list[Token] = []
     end = "+"
     while True:
-        page = contract.entries_of(
+        page = wire.entries_of(
             await redis.xrevrange(keys.events(session_id), max=end, count=READ_BACK_PAGE)
         )
         for _entry_id, fields in page:
             if fields.get(b"g") != gid:
                 continue
-            event = contract.decode_event(fields[b"d"])
+            event = wire.decode_event(fields[b"d"])
             if isinstance(event, Token):
                 tokens.append(event)
             elif isinstance(event, Started):
@@ -149,7 +150,7 @@ async def streamed_so_far(
                 return streamed if ids == streamed.completion_tokens else None
         if len(page) < READ_BACK_PAGE:
             return None
-        end = f"({contract.text(page[-1][0])}"
+        end = f"({wire.text(page[-1][0])}"
 
 
 class Takeover:
@@ -169,11 +170,11 @@ class Takeover:
         self.events_maxlen = events_maxlen
         self.ttl_s = ttl_s
         self.requests_maxlen = requests_maxlen
-        self._emit = redis.register_script(contract.EMIT_SCRIPT)
-        self._takeover = redis.register_script(contract.TAKEOVER_SCRIPT)
+        self._emit = scripts.Emit(redis, keys)
+        self._takeover = scripts.Takeover(redis, keys)
 
     async def hand_on(
-        self, queue: str, request: GenerationRequest, raw: bytes, consumer: str
+        self, queue: RequestQueue, request: GenerationRequest, raw: bytes, consumer: str
     ) -> str:
         """Hand on a request left pending in ``queue`` (its model's) by a lost ``consumer``;
         returns what was done."""
@@ -181,11 +182,10 @@ class Takeover:
         gen_key = self.keys.generation(sid, gid)
         owner = consumer
         if consumer.startswith(REAPER_PREFIX):  # a reaper that stopped mid-way: redo it
-            owner = contract.text(await self.redis.hget(gen_key, "worker") or b"")
-        reply = [
-            contract.text(item)
-            for item in await self._takeover(keys=[gen_key], args=[owner, self.max_takeovers, ""])
-        ]
+            owner = wire.text(await self.redis.hget(gen_key, "worker") or b"")
+        reply = await self._takeover(
+            session_id=sid, generation_id=gid, worker=owner, max_takeovers=self.max_takeovers
+        )
         outcome = reply[0]
         if outcome in ("final", "moved"):
             return outcome
@@ -214,7 +214,7 @@ class Takeover:
         resumed = msgspec.structs.replace(
             request, enqueued_at=time.time(), resume=streamed.resume(epoch, from_worker)
         )
-        await self.redis.hset(gen_key, "usage", contract.encode(streamed.usage()))
+        await self.redis.hset(gen_key, "usage", wire.encode(streamed.usage()))
         log.info(
             "taking over %s from %s after %d tokens (takeover %d)",
             gid,
@@ -222,30 +222,17 @@ class Takeover:
             streamed.completion_tokens,
             epoch,
         )
-        await self._queue(queue, contract.encode(resumed))
+        await self._queue(queue, wire.encode(resumed))
         return "taken_over"
 
-    async def _queue(self, queue: str, raw: bytes) -> None:
-        await append_to_shared_stream(self.redis, queue, {"r": raw}, self.requests_maxlen)
+    async def _queue(self, queue: RequestQueue, raw: bytes) -> None:
+        await queue.add({"r": raw}, maxlen=self.requests_maxlen)
 
-    async def _end(self, request: GenerationRequest, event: contract.FinalEvent) -> None:
-        sid, gid = request.session_id, request.generation_id
+    async def _end(self, request: GenerationRequest, event: wire.FinalEvent) -> None:
         await self._emit(
-            keys=[
-                self.keys.events(sid),
-                self.keys.generation(sid, gid),
-                self.keys.active(sid),
-                self.keys.history(sid),
-            ],
-            args=[
-                self.keys.live_channel(sid),
-                self.events_maxlen,
-                self.ttl_s,
-                contract.event_type(event),
-                gid,
-                contract.encode(event),
-                contract.final_state(event),
-                "",
-                "",
-            ],
+            session_id=request.session_id,
+            event=event,
+            maxlen=self.events_maxlen,
+            ttl_s=self.ttl_s,
+            final=True,
         )

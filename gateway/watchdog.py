@@ -26,13 +26,15 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
-from engine import contract
-from engine.contract import Error, GenerationRequest, Keys, entry_id_key
+import wire
 from gateway.relay import RelayHub
 from gateway.sessions import SessionStore
 from gateway.takeover import REAPER_PREFIX, Takeover, live_workers
+from wire import Error, GenerationRequest, Keys, entry_id_key
+from wire.queue import RequestQueue
+from wire.scripts import EndQueued
 
 log = logging.getLogger("tokenspout.watchdog")
 _request_decoder = msgspec.json.Decoder(GenerationRequest)
@@ -71,7 +73,7 @@ def decode_request(entry_id: bytes | str, fields: dict[bytes, bytes]) -> Generat
     try:
         return _request_decoder.decode(fields[b"r"])
     except (KeyError, msgspec.DecodeError) as exc:
-        log.error("unreadable entry %s in the requests stream: %r", contract.text(entry_id), exc)
+        log.error("unreadable entry %s in the requests stream: %r", wire.text(entry_id), exc)
         return None
 
 
@@ -98,7 +100,7 @@ class Reaper:
         self.ttl_s = ttl_s
         self.queue_timeout_s = queue_timeout_s
         self.requests_maxlen = requests_maxlen
-        self._end_queued = redis.register_script(contract.END_QUEUED_SCRIPT)
+        self._end_queued = EndQueued(redis, keys)
         self._owner = f"{REAPER_PREFIX}{time.monotonic_ns()}"
         self.takeover = Takeover(
             redis,
@@ -134,22 +136,22 @@ class Reaper:
         if await self.redis.set(self.keys.reaper_lock, self._owner, nx=True, px=lock_ms):
             return True
         holder = await self.redis.get(self.keys.reaper_lock)
-        if holder is not None and contract.text(holder) == self._owner:
+        if holder is not None and wire.text(holder) == self._owner:
             await self.redis.pexpire(self.keys.reaper_lock, lock_ms)
             return True
         return False
 
-    async def _queues(self) -> list[str]:
+    async def _queues(self) -> list[RequestQueue]:
         """Every registered model's queue, and the default model's."""
-        models = {contract.text(model) for model in await self.redis.hvals(self.keys.models)}
+        models = {wire.text(model) for model in await self.redis.hvals(self.keys.models)}
         models |= {self.default_model} if self.default_model else set()
-        return [self.keys.requests(model) for model in sorted(models)]
+        return [RequestQueue(self.redis, self.keys, model) for model in sorted(models)]
 
-    async def _each_queue(self, what: str, duty: Callable[[str], Awaitable[int]]) -> int:
+    async def _each_queue(self, what: str, duty: Callable[[RequestQueue], Awaitable[int]]) -> int:
         """``duty`` on every queue; one queue's failure (logged) does not skip the others."""
         done = 0
         for queue in await self._queues():
-            result = await self._guarded(f"{what} {queue}", functools.partial(duty, queue))
+            result = await self._guarded(f"{what} {queue.key}", functools.partial(duty, queue))
             done += result if isinstance(result, int) else 0
         return done
 
@@ -159,48 +161,33 @@ class Reaper:
         """Hand on the pending requests of lost workers, every queue; returns how many."""
         return await self._each_queue("reaping", self._reap_queue)
 
-    async def _reap_queue(self, queue: str) -> int:
-        try:
-            summary = await self.redis.xpending(queue, contract.CONSUMER_GROUP)
-        except RedisError as exc:
-            if "no such key" in str(exc).lower() or "nogroup" in str(exc).lower():
-                return 0
-            raise
-        if not summary["pending"]:
+    async def _reap_queue(self, queue: RequestQueue) -> int:
+        consumers = await queue.pending_consumers()
+        if not consumers:
             return 0
-        consumers = [contract.text(c["name"]) for c in summary["consumers"]]
         alive = await live_workers(self.redis, self.keys, consumers, self.worker_timeout_s)
         handled = 0
         for consumer in consumers:
             if consumer in alive or consumer == self._owner:
                 continue
-            pending = await self.redis.xpending_range(
-                queue,
-                contract.CONSUMER_GROUP,
-                min="-",
-                max="+",
-                count=500,
-                consumername=consumer,
-                idle=STALE_CLAIM_MS if consumer.startswith(REAPER_PREFIX) else None,
-            )
-            for entry in pending:
+            stale = STALE_CLAIM_MS if consumer.startswith(REAPER_PREFIX) else None
+            pending = await queue.pending_of(consumer, stale)
+            for message_id, idle in pending:
                 # Claimed only if still idle as long as seen: an entry another reaper
                 # claimed meanwhile (its idle time reset) is left to that one.
-                idle = int(entry["time_since_delivered"])
-                await self._take_over(queue, contract.text(entry["message_id"]), consumer, idle)
+                await self._take_over(queue, message_id, consumer, idle)
             handled += len(pending)
         return handled
 
-    async def _take_over(self, queue: str, message_id: str, consumer: str, idle_ms: int) -> None:
-        claimed = await self.redis.xclaim(
-            queue, contract.CONSUMER_GROUP, self._owner, idle_ms, [message_id]
-        )
-        for entry_id, fields in contract.entries_of(claimed):
+    async def _take_over(
+        self, queue: RequestQueue, message_id: str, consumer: str, idle_ms: int
+    ) -> None:
+        for entry_id, fields in await queue.claim(self._owner, idle_ms, message_id):
             request = decode_request(entry_id, fields) if fields else None
             if request is not None:  # else trimmed away meanwhile, or unreadable: drop it
                 await self.takeover.hand_on(queue, request, fields[b"r"], consumer)
-            await self.redis.xack(queue, contract.CONSUMER_GROUP, entry_id)
-        await self.redis.xgroup_delconsumer(queue, contract.CONSUMER_GROUP, self._owner)
+            await queue.ack(entry_id)
+        await queue.forget_consumer(self._owner)
 
     # --- the queue deadline --------------------------------------------------------------
 
@@ -209,81 +196,57 @@ class Reaper:
         returns how many."""
         return await self._each_queue("expiring queued requests in", self._expire_queue)
 
-    async def _expire_queue(self, queue: str) -> int:
+    async def _expire_queue(self, queue: RequestQueue) -> int:
         """Looks at the entries after the consumer group's last-delivered id (none
         delivered: the whole stream), oldest first, and stops at the first one in time."""
-        start = await self._undelivered_after(queue)
+        start = await queue.last_delivered()
         if start is None:
             return 0
-        through = self._expired_through.get(queue)
+        through = self._expired_through.get(queue.key)
         if through is not None and (start == "" or entry_id_key(through) > entry_id_key(start)):
             start = through
         deadline = time.time() - self.queue_timeout_s
         ended = scanned = 0
         in_time = False
         while not in_time and scanned < QUEUE_SCAN_MAX:
-            page = contract.entries_of(
-                await self.redis.xrange(
-                    queue, min=f"({start}" if start else "-", count=QUEUE_SCAN_PAGE
-                )
-            )
+            page = await queue.read_after(start, QUEUE_SCAN_PAGE)
             expired: list[GenerationRequest] = []
             for entry_id, fields in page:
                 request = decode_request(entry_id, fields)
-                added_s = entry_id_key(contract.text(entry_id))[0] / 1000
+                added_s = wire.entry_ms(wire.text(entry_id)) / 1000
                 if added_s > deadline or (request is not None and request.enqueued_at > deadline):
                     in_time = True
                     break
                 if request is not None:
                     expired.append(request)
-                start = contract.text(entry_id)
+                start = wire.text(entry_id)
             ended += await self._end_expired(expired)
             if start:
-                self._expired_through[queue] = start
+                self._expired_through[queue.key] = start
             scanned += len(page)
             if len(page) < QUEUE_SCAN_PAGE:
                 break
         return ended
 
-    async def _undelivered_after(self, queue: str) -> str | None:
-        """The consumer group's last-delivered id; "" if there is no group; None if no stream."""
-        try:
-            groups = await self.redis.xinfo_groups(queue)
-        except ResponseError as exc:
-            if "no such key" in str(exc).lower():
-                return None
-            raise
-        for group in groups:
-            if contract.text(group["name"]) == contract.CONSUMER_GROUP:
-                return contract.text(group["last-delivered-id"])
-        return ""
-
     async def _end_expired(self, requests: list[GenerationRequest]) -> int:
         if not requests:
             return 0
-        keys = self.keys
         async with self.redis.pipeline(transaction=False) as pipe:
             for request in requests:
-                sid, gid = request.session_id, request.generation_id
                 error = Error(
-                    gid,
+                    request.generation_id,
                     "queue_timeout",
                     f"no engine worker took this generation within {self.queue_timeout_s:g} s",
                 )
                 await self._end_queued(
-                    keys=[keys.generation(sid, gid), keys.events(sid), keys.active(sid)],
-                    args=[
-                        keys.live_channel(sid),
-                        self.events_maxlen,
-                        self.ttl_s,
-                        gid,
-                        "error",
-                        contract.encode(error),
-                    ],
-                    client=pipe,
+                    session_id=request.session_id,
+                    event=error,
+                    maxlen=self.events_maxlen,
+                    ttl_s=self.ttl_s,
+                    pipe=pipe,
                 )
             replies: list[object] = await pipe.execute()
-        ended = sum(1 for reply in replies if reply)
+        ended = sum(1 for reply in replies if EndQueued.reply(reply))
         if ended:
             log.warning("%d queued generations timed out: no engine worker took them", ended)
         return ended

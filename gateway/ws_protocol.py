@@ -5,7 +5,7 @@ Every frame is a JSON object with a ``type``. Client frames: ``generate``, ``can
 ``cancelled``, ``error``, ``pong``. Each frame about a generation carries the client's own
 ``id`` for it, so several generations can share one socket. docs/api.md shows examples.
 
-New fields go at the end with defaults, as in engine/contract.py.
+New fields go at the end with defaults, as in wire/messages.py.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from engine import contract
-from engine.contract import CancelReason, Usage
+import wire
 from gateway.errors import BadRequest, PayloadTooLarge
+from wire import CancelReason, Usage
 
 ClientId = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 
@@ -205,29 +205,27 @@ def encode_frame(frame: ServerFrame) -> str:
     return _encoder.encode(frame).decode()
 
 
-def event_frames(
-    client_id: str, events: list[tuple[str, contract.SessionEvent]]
-) -> list[ServerFrame]:
+def event_frames(client_id: str, events: list[tuple[str, wire.SessionEvent]]) -> list[ServerFrame]:
     """Session events of one generation as frames, runs of tokens coalesced into one."""
     frames: list[ServerFrame] = []
     for event_id, event in events:
         match event:
-            case contract.Token(text=text, count=count):
+            case wire.Token(text=text, count=count):
                 last = frames[-1] if frames else None
                 if isinstance(last, TokenFrame):
                     frames[-1] = TokenFrame(client_id, last.text + text, count, event_id)
                 else:
                     frames.append(TokenFrame(client_id, text, count, event_id))
-            case contract.Queued(generation_id=gid):
+            case wire.Queued(generation_id=gid):
                 frames.append(QueuedFrame(client_id, gid, event_id))
-            case contract.Started(generation_id=gid, model=model, prompt_tokens=prompt):
+            case wire.Started(generation_id=gid, model=model, prompt_tokens=prompt):
                 frames.append(StartedFrame(client_id, gid, model, prompt, event_id))
-            case contract.Done(finish_reason=reason, usage=usage):
+            case wire.Done(finish_reason=reason, usage=usage):
                 frames.append(DoneFrame(client_id, reason, usage, event_id))
-            case contract.Cancelled(reason=reason, usage=usage):
+            case wire.Cancelled(reason=reason, usage=usage):
                 frames.append(CancelledFrame(client_id, reason, usage, event_id))
-            case contract.Error(code=code, message=message):
+            case wire.Error(code=code, message=message):
                 frames.append(ErrorFrame(code, message, id=client_id, event_id=event_id))
-            case contract.Resumed(takeover=takeover):
+            case wire.Resumed(takeover=takeover):
                 frames.append(ResumedFrame(client_id, takeover, event_id))
     return frames

@@ -17,9 +17,9 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from engine.contract import Keys
 from stack import processes
 from stack.redis_server import EmbeddedRedis, free_port
+from wire import Keys
 
 VLLM_LOCK = Path("/tmp/tokenspout-vllm.lock")
 """Held while a test session runs vLLM: two engines at once would starve these 2 cores."""

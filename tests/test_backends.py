@@ -22,7 +22,6 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from engine.contract import CONSUMER_GROUP, Keys
 from engine.model import MODEL_NAME
 from stack.redis_server import free_port
 from tests.client import Session, all_of, cancel, create_session, read_events, send
@@ -30,6 +29,7 @@ from tests.conftest import Gateway, Stack, VllmStack
 from tests.sse import parse
 from tests.test_cancel import after_final, stream_events
 from tests.ws_client import is_final, open_ws
+from wire import CONSUMER_GROUP, Keys
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -18,10 +18,10 @@ import httpx
 import pytest
 
 from engine.backends.synthetic import SyntheticBackend
-from engine.contract import ChatMessage, GenerationRequest, SamplingParams
 from stack import processes
 from stack.processes import ROOT
 from stack.redis_server import free_port
+from wire import ChatMessage, GenerationRequest, SamplingParams
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -13,11 +13,11 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from engine.contract import CONSUMER_GROUP, Keys
 from tests.adapter_support import slot_held
 from tests.client import all_of, cancel, create_session, read_events, send
 from tests.conftest import Stack
 from tests.ws_client import WsClient, open_ws
+from wire import CONSUMER_GROUP, Keys
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -16,8 +16,7 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from engine import contract
-from engine.contract import CONSUMER_GROUP, Keys
+import wire
 from stack import processes
 from stack.redis_server import EmbeddedRedis, free_port
 from tests.adapter_support import slot_held
@@ -26,6 +25,7 @@ from tests.conftest import Stack
 from tests.sse import parse
 from tests.test_metrics import scrape
 from tests.test_sessions import expected_reply
+from wire import CONSUMER_GROUP, Keys
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -216,9 +216,7 @@ async def test_requests_a_dead_worker_took_but_never_started_are_served_by_a_sur
 
 async def _pending_outside(redis: aioredis.Redis, keys: Keys, consumer: str) -> int:
     summary = await redis.xpending(keys.requests("synthetic"), CONSUMER_GROUP)
-    return sum(
-        int(c["pending"]) for c in summary["consumers"] if contract.text(c["name"]) != consumer
-    )
+    return sum(int(c["pending"]) for c in summary["consumers"] if wire.text(c["name"]) != consumer)
 
 
 async def test_a_request_no_worker_takes_ends_with_queue_timeout(stack: Stack) -> None:

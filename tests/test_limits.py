@@ -10,12 +10,12 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from engine.contract import Keys
 from tests.client import create_session, read_events, send
 from tests.conftest import Stack
 from tests.sse import SSEParser
 from tests.test_metrics import scrape, value
 from tests.test_sessions import expected_reply
+from wire import Keys
 
 pytestmark = pytest.mark.timeout(120)
 

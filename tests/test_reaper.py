@@ -11,9 +11,9 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
-from engine import contract
-from engine.contract import CONSUMER_GROUP, GenerationRequest, Keys, SamplingParams, Started, Token
+import wire
 from gateway.watchdog import Reaper
+from wire import CONSUMER_GROUP, GenerationRequest, Keys, SamplingParams, Started, Token
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -62,16 +62,16 @@ async def test_two_reapers_racing_hand_a_lost_workers_reply_on_once(
     queue = keys.requests("m")
     await redis.hset(keys.models, "m", "m")  # as the lost worker's heartbeat registered it
     await redis.xgroup_create(queue, CONSUMER_GROUP, id="0", mkstream=True)
-    await redis.xadd(queue, {"r": contract.encode(request)})
+    await redis.xadd(queue, {"r": wire.encode(request)})
     await redis.xreadgroup(CONSUMER_GROUP, "lost", {queue: ">"})
     gen = keys.generation(sid, gid)
     await redis.hset(gen, mapping={"state": "running", "worker": "lost"})
     for event in (Started(gid, "m", 2), Token(gid, "You", 1, [1]), Token(gid, " said:", 2, [2])):
-        data = contract.encode(event)
-        await redis.xadd(keys.events(sid), {"t": contract.event_type(event), "g": gid, "d": data})
+        data = wire.encode(event)
+        await redis.xadd(keys.events(sid), {"t": wire.event_type(event), "g": gid, "d": data})
     reapers = [Reaper(redis, keys, 2.0, 100, 600) for _ in range(2)]
     await asyncio.gather(*(reaper.reap_once() for reaper in reapers))
-    entries = contract.entries_of(await redis.xrange(queue))
+    entries = wire.entries_of(await redis.xrange(queue))
     queued = [msgspec.json.decode(f[b"r"], type=GenerationRequest) for _id, f in entries[1:]]
     assert len(queued) == 1
     resume = queued[0].resume

@@ -1,5 +1,5 @@
-"""The relay's promise (docs/design): one Redis reader per gateway process feeds every open
-stream, so the gateway's Redis connections do not grow with its streams."""
+"""The relay's promise (README.md, "How it works"): one Redis reader per gateway process
+feeds every open stream, so the gateway's Redis connections do not grow with its streams."""
 
 from __future__ import annotations
 

@@ -21,7 +21,6 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
-from engine.contract import CONSUMER_GROUP, GenerationRequest, Keys
 from gateway.takeover import LEASE_GRACE_S, Takeover
 from stack import processes
 from stack.redis_server import free_port
@@ -31,6 +30,8 @@ from tests.sse import Event, parse
 from tests.test_faults import event_key
 from tests.test_metrics import scrape, value
 from tests.test_sessions import expected_reply
+from wire import CONSUMER_GROUP, GenerationRequest, Keys
+from wire.queue import RequestQueue
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -316,7 +317,7 @@ async def test_the_synthetic_engine_continues_exactly_where_it_was(after: int) -
     """Word N of a synthetic reply depends only on the request and N, so a continuation
     from any point yields the rest of the uninterrupted reply, deltas and all."""
     from engine.backends.synthetic import SyntheticBackend
-    from engine.contract import GenerationRequest, Resume, SamplingParams
+    from wire import GenerationRequest, Resume, SamplingParams
 
     backend = SyntheticBackend(tokens_per_s=0)
     request = GenerationRequest("g_1", "s_1", SamplingParams(max_tokens=40), prompt="go on")
@@ -355,8 +356,10 @@ async def test_a_worker_wrongly_taken_for_lost_never_writes_twice(stack: Stack) 
             follower = follow(client, session, gid)
             await follower.until_tokens(10)
             owner = (await redis.hget(keys.generation(session.session_id, gid), "worker")) or b""
-            queue = keys.requests("synthetic")
-            (raw,) = [f[b"r"] for _id, f in await redis.xrange(queue) if gid.encode() in f[b"r"]]
+            queue = RequestQueue(redis, keys, "synthetic")
+            (raw,) = [
+                f[b"r"] for _id, f in await queue.read_after("", 100) if gid.encode() in f[b"r"]
+            ]
             request = msgspec.json.decode(raw, type=GenerationRequest)
             takeover = Takeover(
                 redis, keys, max_takeovers=3, events_maxlen=1000, ttl_s=600, requests_maxlen=100

@@ -73,8 +73,8 @@ async def test_a_continuation_longer_than_the_context_ends_with_a_clear_error() 
 
     from engine.backends.base import BackendError
     from engine.backends.vllm_backend import VllmBackend
-    from engine.contract import GenerationRequest, Resume, SamplingParams
     from engine.model import default_model_dir
+    from wire import GenerationRequest, Resume, SamplingParams
 
     folder = default_model_dir()
     backend = VllmBackend(str(folder), max_model_len=64)

@@ -12,12 +12,12 @@ import pytest
 import redis.asyncio as aioredis
 from playwright.async_api import Browser
 
-from engine.contract import Keys
 from stack import processes
 from tests.browser import ChatPage, chromium
 from tests.client import create_session, send
 from tests.conftest import Stack, VllmStack
 from tests.test_sessions import expected_reply
+from wire import Keys
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(180)]
 

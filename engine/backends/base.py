@@ -10,7 +10,7 @@ import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from engine.contract import GenerationRequest, SamplingParams
+from wire import GenerationRequest, SamplingParams
 
 
 class BackendError(Exception):

@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator
 import msgspec
 
 from engine.backends.base import Backend, BackendError, Delta, Prepared
-from engine.contract import GenerationRequest, SamplingParams
+from wire import GenerationRequest, SamplingParams
 
 log = logging.getLogger("tokenspout.synthetic")
 

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from engine.backends.base import Backend, BackendError, Delta, Prepared
-from engine.contract import ChatMessage, GenerationRequest
+from wire import ChatMessage, GenerationRequest
 
 log = logging.getLogger("tokenspout.vllm")
 

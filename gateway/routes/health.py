@@ -5,10 +5,10 @@ from __future__ import annotations
 import msgspec
 from litestar import get
 from litestar.response import Response
+from redis.exceptions import RedisError
 
-from engine.contract import WorkerInfo
-from gateway.errors import Unavailable
 from gateway.sessions import SessionStore
+from wire import WorkerInfo
 
 
 class Readiness(msgspec.Struct):
@@ -27,9 +27,9 @@ async def health() -> dict[str, str]:
 @get("/ready", tags=["operations"], summary="Redis reachable and an engine worker alive")
 async def ready(store: SessionStore) -> Response[Readiness]:
     try:
-        await store.ping()
-    except Unavailable as exc:
-        return Response(Readiness(False, exc.message, []), status_code=503)
+        await store.redis.ping()
+    except (RedisError, OSError) as exc:
+        return Response(Readiness(False, f"Redis is unreachable: {exc}", []), status_code=503)
     snapshot = await store.models.snapshot(fresh=True)
     models = dict.fromkeys(snapshot.models, 0)
     for model, workers in snapshot.live.items():

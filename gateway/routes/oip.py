@@ -15,20 +15,21 @@ import msgspec
 from litestar import Response, Router, get, post
 from litestar.response import Stream
 
-from engine.contract import Done, SamplingParams, Started, Token
 from gateway import sse
 from gateway.auth import ApiKeys, require_api_key
-from gateway.errors import BadRequest, Unavailable
-from gateway.generation_stream import GenerationItem, GenerationStream, Heartbeat, final_error
-from gateway.relay import RelayHub
-from gateway.routes.adapter_common import (
+from gateway.errors import (
     HANDLED,
     AnyRequest,
+    BadRequest,
+    Unavailable,
     as_gateway_error,
     ending_with_error,
 )
+from gateway.generation_stream import GenerationItem, GenerationStream, Heartbeat, final_error
+from gateway.relay import RelayHub
 from gateway.sessions import SessionStore
 from gateway.settings import Settings
+from wire import Done, SamplingParams, Started, Token
 
 
 class Parameters(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -70,7 +71,7 @@ def oip_error(_: AnyRequest, exc: Exception) -> Response[OipError]:
 
 
 def _params(store: SessionStore, given: Parameters) -> SamplingParams:
-    return store.sampling(
+    return store.queue.sampling(
         max_tokens=given.max_tokens,
         temperature=given.temperature,
         top_p=given.top_p,

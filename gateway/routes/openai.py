@@ -15,20 +15,17 @@ import msgspec
 from litestar import Response, Router, get, post
 from litestar.response import Stream
 
-from engine.contract import (
-    Cancelled,
-    ChatMessage,
-    Done,
-    Error,
-    Role,
-    SamplingParams,
-    Started,
-    Token,
-    Usage,
-)
 from gateway import sse
 from gateway.auth import ApiKeys, require_api_key
-from gateway.errors import BadEngineOutput, BadRequest, GatewayError
+from gateway.errors import (
+    HANDLED,
+    AnyRequest,
+    BadEngineOutput,
+    BadRequest,
+    GatewayError,
+    as_gateway_error,
+    ending_with_error,
+)
 from gateway.generation_stream import (
     Collected,
     GenerationItem,
@@ -39,12 +36,6 @@ from gateway.generation_stream import (
     per_token,
 )
 from gateway.relay import RelayHub
-from gateway.routes.adapter_common import (
-    HANDLED,
-    AnyRequest,
-    as_gateway_error,
-    ending_with_error,
-)
 from gateway.routes.openai_schema import (
     AssistantMessage,
     ChatChoice,
@@ -68,6 +59,17 @@ from gateway.routes.openai_schema import (
 )
 from gateway.sessions import SessionStore
 from gateway.settings import Settings
+from wire import (
+    Cancelled,
+    ChatMessage,
+    Done,
+    Error,
+    Role,
+    SamplingParams,
+    Started,
+    Token,
+    Usage,
+)
 
 DONE_FRAME = sse.frame(b"[DONE]")
 ROLES: dict[str, Role] = {
@@ -87,7 +89,7 @@ VLLM_FIELDS = (
     "skip_special_tokens",
     "spaces_between_special_tokens",
 )
-"""vLLM's extra sampling fields that reach the engine as they are (contract.SamplingParams)."""
+"""vLLM's extra sampling fields that reach the engine as they are (wire.SamplingParams)."""
 
 
 def _refuse(field: str, message: str) -> BadRequest:
@@ -154,7 +156,7 @@ def _chat_params(store: SessionStore, body: ChatCompletionRequest) -> SamplingPa
         raise _refuse("response_format", "only response_format {'type': 'text'} is supported")
     max_tokens = body.max_completion_tokens or body.max_tokens
     shared = _sampling(body, max_tokens)
-    return store.sampling(**shared, logprobs=bool(body.logprobs))
+    return store.queue.sampling(**shared, logprobs=bool(body.logprobs))
 
 
 def _completion_params(store: SessionStore, body: CompletionRequest) -> SamplingParams:
@@ -167,7 +169,7 @@ def _completion_params(store: SessionStore, body: CompletionRequest) -> Sampling
     if body.logprobs:
         raise _refuse("logprobs", "logprobs must be 0 or null: only sampled tokens' logprobs")
     shared = _sampling(body, body.max_tokens)
-    return store.sampling(**shared, logprobs=body.logprobs == 0)
+    return store.queue.sampling(**shared, logprobs=body.logprobs == 0)
 
 
 def _completion_prompt(body: CompletionRequest) -> str:
@@ -416,7 +418,7 @@ async def completions(
 async def models(request: AnyRequest, store: SessionStore, api_keys: ApiKeys) -> ModelList:
     require_api_key(request, api_keys)
     cards: dict[str, ModelCard] = {}
-    for worker in await store.live_workers():
+    for worker in await store.models.live_workers():
         created = int(worker.started_at)
         for name in worker.names:  # as vLLM does: one card per served name
             if name not in cards or cards[name].created > created:

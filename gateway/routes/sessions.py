@@ -15,12 +15,13 @@ from litestar.connection import Request
 from litestar.params import HeaderParameter, QueryParameter
 from litestar.response import Stream
 
-from engine.contract import ChatMessage, FinalEvent, final_state
 from gateway import sse
 from gateway.auth import ApiKeys, require_api_key
-from gateway.relay import EventsExpired, RelayHub, SessionLost
+from gateway.errors import EventsExpired, SessionLost
+from gateway.relay import RelayHub
 from gateway.sessions import SessionStore
 from gateway.settings import Settings
+from wire import ChatMessage, FinalEvent, final_state
 
 AnyRequest = Request[Any, Any, Any]
 
@@ -129,7 +130,7 @@ class SessionController(Controller):
             str | None, HeaderParameter(name="Idempotency-Key", required=False, max_length=128)
         ],
     ) -> GenerationAccepted:
-        params = store.sampling(
+        params = store.queue.sampling(
             max_tokens=data.max_tokens,
             temperature=data.temperature,
             top_p=data.top_p,

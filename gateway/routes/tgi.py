@@ -19,10 +19,16 @@ import msgspec
 from litestar import Response, Router, get, post
 from litestar.response import Stream
 
-from engine.contract import Done, SamplingParams, Started, Token
 from gateway import __version__, sse
 from gateway.auth import ApiKeys, require_api_key
-from gateway.errors import BadEngineOutput, BadRequest
+from gateway.errors import (
+    HANDLED,
+    AnyRequest,
+    BadEngineOutput,
+    BadRequest,
+    as_gateway_error,
+    ending_with_error,
+)
 from gateway.generation_stream import (
     Collected,
     GenerationItem,
@@ -33,14 +39,9 @@ from gateway.generation_stream import (
     per_token,
 )
 from gateway.relay import RelayHub
-from gateway.routes.adapter_common import (
-    HANDLED,
-    AnyRequest,
-    as_gateway_error,
-    ending_with_error,
-)
 from gateway.sessions import SessionStore
 from gateway.settings import Settings
+from wire import Done, SamplingParams, Started, Token
 
 STOP_SEQUENCES = 8
 
@@ -165,7 +166,7 @@ def _params(store: SessionStore, given: Parameters) -> SamplingParams:
     )
     # TGI decodes greedily unless asked to sample (do_sample, or a sampling parameter).
     temperature = (given.temperature or 1.0) if sampling else 0.0
-    return store.sampling(
+    return store.queue.sampling(
         max_tokens=given.max_new_tokens,
         temperature=temperature,
         top_p=given.top_p,

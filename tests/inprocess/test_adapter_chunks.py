@@ -1,6 +1,6 @@
 """The adapters' wire output, built from contract events in this process: the OpenAI, TGI
 and OIP stream chunks and whole answers (gateway/routes/openai.py, tgi.py, oip.py), the
-pieces they share (adapter_common.py, generation_stream.py), byte for byte."""
+pieces they share (errors.py, generation_stream.py), byte for byte."""
 
 from __future__ import annotations
 
@@ -13,8 +13,15 @@ import pytest
 from litestar.exceptions import HTTPException, ValidationException
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from engine.contract import Cancelled, Done, Error, Started, Token, Usage
-from gateway.errors import BadEngineOutput, BadRequest, GatewayError, Overloaded, Unavailable
+from gateway.errors import (
+    BadEngineOutput,
+    BadRequest,
+    GatewayError,
+    Overloaded,
+    Unavailable,
+    as_gateway_error,
+    ending_with_error,
+)
 from gateway.generation_stream import (
     Collected,
     GenerationItem,
@@ -24,7 +31,7 @@ from gateway.generation_stream import (
     per_token,
 )
 from gateway.routes import oip, openai, tgi
-from gateway.routes.adapter_common import as_gateway_error, ending_with_error
+from wire import Cancelled, Done, Error, Started, Token, Usage
 
 CREATED = 1_700_000_000
 DONE = b"data: [DONE]\n\n"
@@ -98,8 +105,10 @@ def test_final_error_of_a_generation_that_did_not_finish() -> None:
     [
         (HTTPException(status_code=413, detail="big"), "PayloadTooLarge", "too_large", 413),
         (HTTPException(status_code=404, detail="gone"), "NotFound", "not_found", 404),
-        (HTTPException(status_code=405, detail="no"), "BadRequest", "invalid_request", 422),
-        (HTTPException(status_code=500, detail="x"), "Unavailable", "unavailable", 503),
+        (HTTPException(status_code=400, detail="bad"), "BadRequest", "invalid_request", 422),
+        # Any other error Litestar raises keeps its status (and headers: a 405's Allow).
+        (HTTPException(status_code=405, detail="no"), "FrameworkError", "method_not_allowed", 405),
+        (HTTPException(status_code=500, detail="x"), "FrameworkError", "http_error", 500),
         (RecursionError(), "BadRequest", "too_deep", 422),
         (RedisConnectionError("down"), "Unavailable", "unavailable", 503),
         (KeyError("k"), "GatewayError", "internal_error", 500),

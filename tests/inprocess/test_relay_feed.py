@@ -1,5 +1,5 @@
 """gateway/relay.py: ``RelayHub`` and its ``Feed``s against the session's real Redis server,
-events written the way engines write them (contract.py's emit: XADD, then PUBLISH)."""
+events written the way engines write them (wire/lua/emit_core.lua's emit: XADD, then PUBLISH)."""
 
 from __future__ import annotations
 
@@ -10,16 +10,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 import redis.asyncio as aioredis
 
-from engine import contract
-from engine.contract import Keys, Usage
-from gateway.errors import BadRequest
-from gateway.relay import LIVE_ONLY, EventsExpired, Feed, RelayEvent, RelayHub
+import wire
+from gateway.errors import BadRequest, EventsExpired
+from gateway.feed import LIVE_ONLY, Feed, RelayEvent
+from gateway.relay import RelayHub
+from wire import Keys, Usage
+from wire.scripts import EMIT_CORE
 
 pytestmark = pytest.mark.timeout(30)
 
-EMIT = (
-    contract._EMIT_CORE + "return emit(KEYS[1], '', ARGV[1], ARGV[2], 0, ARGV[3], ARGV[4], ARGV[5])"
-)
+EMIT = EMIT_CORE + "return emit(KEYS[1], '', ARGV[1], ARGV[2], 0, ARGV[3], ARGV[4], ARGV[5])"
 SESSION = "s1"
 
 
@@ -51,25 +51,25 @@ class Session:
         self.session_id = session_id
         self.script = redis.register_script(EMIT)
 
-    async def emit(self, event: contract.SessionEvent, maxlen: int = 1000) -> str:
+    async def emit(self, event: wire.SessionEvent, maxlen: int = 1000) -> str:
         entry_id = await self.script(
             keys=[self.keys.events(self.session_id)],
             args=[
                 self.keys.live_channel(self.session_id),
                 maxlen,
-                contract.event_type(event),
+                wire.event_type(event),
                 event.generation_id,
-                contract.encode(event),
+                wire.encode(event),
             ],
         )
-        return contract.text(entry_id)
+        return wire.text(entry_id)
 
     async def tokens(self, count: int, start: int = 0) -> list[str]:
         return [await self.emit(token(n)) for n in range(start, start + count)]
 
 
-def token(n: int) -> contract.Token:
-    return contract.Token("g", f"t{n}", n + 1)
+def token(n: int) -> wire.Token:
+    return wire.Token("g", f"t{n}", n + 1)
 
 
 @pytest.fixture
@@ -151,7 +151,7 @@ async def test_a_feed_from_the_start_catches_up_then_delivers_live_in_order(
         assert ids(batches) == live
         events = [event for batch in batches for event in batch]
         assert [(e.type, e.generation_id) for e in events] == [("token", "g")] * 4
-        assert [e.data for e in events] == [contract.encode(token(n)) for n in range(3, 7)]
+        assert [e.data for e in events] == [wire.encode(token(n)) for n in range(3, 7)]
         assert feed.last_id == live[-1]
 
 
@@ -201,7 +201,7 @@ async def test_a_reader_that_falls_behind_re_reads_redis_without_gap_or_repeat(
         assert observer.fell == 1  # the buffer overflowed once, then stopped filling
         batch = await feed.next_batch(10)  # one catch-up read from the stream
         assert [event.id for event in batch] == piled
-        assert [event.data for event in batch] == [contract.encode(token(n)) for n in range(2, 12)]
+        assert [event.data for event in batch] == [wire.encode(token(n)) for n in range(2, 12)]
         more = await session.tokens(2, start=12)
         assert ids(await read(feed, 2)) == more  # and live again
 
@@ -306,16 +306,14 @@ async def test_wait_final_returns_the_generations_final_event_or_none(
     await until(lambda: hub.open_feeds == 1)
     # Another generation's final event does not end the wait; this one's does. Emitted
     # until the waiting feed has subscribed (a final from before lands in the hash).
-    done = contract.Done("g", "stop", Usage(2, 1))
-    await session.emit(contract.Done("other", "stop", Usage(1, 1)))
+    done = wire.Done("g", "stop", Usage(2, 1))
+    await session.emit(wire.Done("other", "stop", Usage(1, 1)))
     while not waiting.done():
         await session.emit(done)
         await asyncio.wait({waiting}, timeout=0.05)
     assert waiting.result() == done
 
     # A generation that ended before the wait began: its final event is in its hash.
-    stored = contract.Cancelled("h", "user", Usage(2, 0))
-    await session.redis.hset(
-        session.keys.generation(SESSION, "h"), "final", contract.encode(stored)
-    )
+    stored = wire.Cancelled("h", "user", Usage(2, 0))
+    await session.redis.hset(session.keys.generation(SESSION, "h"), "final", wire.encode(stored))
     assert await hub.wait_final(SESSION, "h", timeout=10) == stored

@@ -10,7 +10,7 @@ import pytest
 from litestar.types import Message
 
 from gateway import sse
-from gateway.relay import RelayEvent
+from gateway.feed import RelayEvent
 
 
 def test_frame_is_data_alone_or_with_id_and_event_first() -> None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine import contract
-from engine.contract import Usage
+import wire
 from gateway import ws_protocol as ws
 from gateway.errors import BadRequest, GatewayError, PayloadTooLarge
+from wire import Usage
 
 LIMIT = 4096
 
@@ -189,13 +189,13 @@ def test_server_frames_encode_to_exact_json(frame: ws.ServerFrame, json: str) ->
 
 
 def test_event_frames_coalesce_runs_of_tokens_and_keep_everything_else() -> None:
-    events: list[tuple[str, contract.SessionEvent]] = [
-        ("1-0", contract.Queued("g")),
-        ("1-1", contract.Started("g", "m", 4)),
-        ("1-2", contract.Token("g", "Hel", 1)),
-        ("1-3", contract.Token("g", "lo", 2)),
-        ("1-4", contract.Token("g", "!", 3)),
-        ("1-5", contract.Done("g", "stop", Usage(4, 3))),
+    events: list[tuple[str, wire.SessionEvent]] = [
+        ("1-0", wire.Queued("g")),
+        ("1-1", wire.Started("g", "m", 4)),
+        ("1-2", wire.Token("g", "Hel", 1)),
+        ("1-3", wire.Token("g", "lo", 2)),
+        ("1-4", wire.Token("g", "!", 3)),
+        ("1-5", wire.Done("g", "stop", Usage(4, 3))),
     ]
     assert ws.event_frames("c", events) == [
         ws.QueuedFrame("c", "g", "1-0"),
@@ -206,11 +206,11 @@ def test_event_frames_coalesce_runs_of_tokens_and_keep_everything_else() -> None
 
 
 def test_event_frames_do_not_merge_tokens_across_other_frames() -> None:
-    events: list[tuple[str, contract.SessionEvent]] = [
-        ("2-0", contract.Token("g", "a", 1)),
-        ("2-1", contract.Started("g", "m", 1)),  # never between tokens, but frames stay apart
-        ("2-2", contract.Token("g", "b", 2)),
-        ("2-3", contract.Cancelled("g", "disconnected", Usage(1, 2))),
+    events: list[tuple[str, wire.SessionEvent]] = [
+        ("2-0", wire.Token("g", "a", 1)),
+        ("2-1", wire.Started("g", "m", 1)),  # never between tokens, but frames stay apart
+        ("2-2", wire.Token("g", "b", 2)),
+        ("2-3", wire.Cancelled("g", "disconnected", Usage(1, 2))),
     ]
     assert ws.event_frames("c", events) == [
         ws.TokenFrame("c", "a", 1, "2-0"),
@@ -221,7 +221,7 @@ def test_event_frames_do_not_merge_tokens_across_other_frames() -> None:
 
 
 def test_an_engine_error_event_is_a_final_error_frame_with_its_event_id() -> None:
-    frames = ws.event_frames("c", [("3-0", contract.Error("g", "engine_failed", "oom"))])
+    frames = ws.event_frames("c", [("3-0", wire.Error("g", "engine_failed", "oom"))])
     assert frames == [ws.ErrorFrame("engine_failed", "oom", id="c", event_id="3-0")]
     assert ws.encode_frame(frames[0]) == (
         '{"type":"error","code":"engine_failed","message":"oom","id":"c","event_id":"3-0"}'
