@@ -36,6 +36,21 @@ from wire import Keys
 
 log = logging.getLogger("tokenspout.gateway")
 
+STOP_WAIT_S = 5.0
+"""How long the background duties may take to end at shutdown; what has not ended by then
+is logged with where it waits and left behind, so a stuck one never keeps the process up."""
+
+
+async def _ended_within(seconds: float, tasks: list[asyncio.Task[None]]) -> None:
+    _, stuck = await asyncio.wait(tasks, timeout=seconds)
+    for task in stuck:
+        where = "; ".join(
+            f"{frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}"
+            for frame in task.get_stack()
+        )
+        log.error("shutdown: %s did not end within %.0f s, at %s", task, seconds, where)
+
+
 REDIS_POOL_SIZE = 64
 """Connections per gateway process for commands (the relay adds one pub/sub connection)."""
 
@@ -117,8 +132,8 @@ class Services:
         finally:
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await self.hub.stop()
+            stop = asyncio.create_task(self.hub.stop(), name="relay hub stop")
+            await _ended_within(STOP_WAIT_S, [*tasks, stop])
             await self.redis.aclose()
 
 

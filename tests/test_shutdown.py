@@ -197,6 +197,9 @@ def shut_down_cleanly(stack: Stack, gateway: Gateway) -> bool:
     """uvicorn finished its shutdown (it then re-raises SIGTERM, so the exit status is
     either 0 or -SIGTERM whichever way it went; the log tells them apart)."""
     log = (stack.logs / f"gateway-{gateway.port}.log").read_text()
+    # A background duty that ignored its cancel (seen once in a full run, not reproduced
+    # since) is logged with where it waited: fail with that, not with a hang.
+    assert "did not end within" not in log, log[-3000:]
     return (
         gateway.process.returncode in (0, -signal.SIGTERM)
         and "msg='draining'" in log
