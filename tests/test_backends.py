@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import subprocess
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,11 +23,12 @@ import redis.asyncio as aioredis
 
 from engine.model import MODEL_NAME
 from stack.redis_server import free_port
-from tests.client import Session, all_of, cancel, create_session, read_events, send
-from tests.conftest import Gateway, Stack, VllmStack
-from tests.sse import parse
-from tests.test_cancel import after_final, stream_events
-from tests.ws_client import is_final, open_ws
+from tests.support.http import Session, all_of, cancel, create_session, read_events, send
+from tests.support.metrics import sample, scrape_blocking, value
+from tests.support.redis_probes import after_final, stream_events
+from tests.support.sse import parse
+from tests.support.stack import Gateway, Stack, VllmStack
+from tests.support.ws import is_final, open_ws
 from wire import CONSUMER_GROUP, Keys
 
 pytestmark = pytest.mark.timeout(900)
@@ -43,7 +43,7 @@ second; the rest is slack for a shared CPU and the worker's 1 s metrics refresh.
 PROMPT = "Write a long story about a lighthouse keeper, the sea and a storm."
 RUNNING = "tokenspout_engine_running"
 WASTE = "tokenspout_engine_tokens_after_cancel_total"
-USER_CANCELS = 'tokenspout_engine_cancels_total{reason="user"}'
+CANCELS = "tokenspout_engine_cancels_total"
 
 
 def engine_arg(process: subprocess.Popen[bytes], flag: str) -> str:
@@ -51,16 +51,13 @@ def engine_arg(process: subprocess.Popen[bytes], flag: str) -> str:
     return args[args.index(flag) + 1]
 
 
-def metric(port: str, name: str, unset: float | None = None) -> float:
+def metric(port: str, name: str, unset: float | None = None, **labels: str) -> float:
     """A sample of the worker's Prometheus ``/metrics`` (a counter's ``_total``); ``unset``
     for a labelled counter that has no sample yet."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    if unset is not None:
+    samples = scrape_blocking(f"http://127.0.0.1:{port}/metrics")
+    if unset is not None and sample(samples, name, **labels) is None:
         return unset
-    raise AssertionError(f"no metric {name}")
+    return value(samples, name, **labels)
 
 
 @dataclass
@@ -86,8 +83,8 @@ class EngineUnderTest:
     def capacity(self) -> int:
         return int(engine_arg(self.process, "--capacity"))
 
-    def metric(self, name: str, unset: float | None = None) -> float:
-        return metric(engine_arg(self.process, "--metrics-port"), name, unset)
+    def metric(self, name: str, unset: float | None = None, **labels: str) -> float:
+        return metric(engine_arg(self.process, "--metrics-port"), name, unset, **labels)
 
     async def running(self) -> int:
         """Requests the engine holds unfinished (refreshed by the worker every second)."""
@@ -233,7 +230,7 @@ async def test_a_rest_cancel_after_the_third_token_stops_the_engine(
         reading = await read_events(client, session, limit=5, timeout_s=300)
         assert [e.event for e in reading.events] == ["queued", "started", "token", "token", "token"]
         await engine.wait_running(1)
-        waste, cancels = engine.metric(WASTE), engine.metric(USER_CANCELS, unset=0)
+        waste, cancels = engine.metric(WASTE), engine.metric(CANCELS, unset=0, reason="user")
 
         sent = time.monotonic()
         answer = await rest_cancel(client, session, gid)
@@ -253,7 +250,7 @@ async def test_a_rest_cancel_after_the_third_token_stops_the_engine(
         check_partial_usage(final.json(), [e.json() for e in reading.of(gid) if e.event == "token"])
         # At most one decode step's worth of tokens made after the worker got the cancel.
         assert engine.metric(WASTE) - waste <= 1
-        assert engine.metric(USER_CANCELS) == cancels + 1
+        assert engine.metric(CANCELS, reason="user") == cancels + 1
         await nothing_after_the_final(engine, session.session_id, gid)
 
 
@@ -344,7 +341,7 @@ async def test_cancelling_twice_answers_the_final_state_again(engine: EngineUnde
         gid = await send(client, session, PROMPT, max_tokens=LONG, **engine.sampling)
         reading = await read_events(client, session, limit=5, timeout_s=300)
         assert reading.events[-1].event == "token"
-        cancels = engine.metric(USER_CANCELS, unset=0)
+        cancels = engine.metric(CANCELS, unset=0, reason="user")
 
         first = await rest_cancel(client, session, gid)
         second = await rest_cancel(
@@ -352,7 +349,7 @@ async def test_cancelling_twice_answers_the_final_state_again(engine: EngineUnde
         )
         assert first["state"] == "cancelled" and second == first
         await engine.wait_running(0, timeout_s=STOP_WITHIN_S)
-        assert engine.metric(USER_CANCELS) == cancels + 1  # one abort, not two
+        assert engine.metric(CANCELS, reason="user") == cancels + 1  # one abort, not two
         await nothing_after_the_final(engine, session.session_id, gid)
 
 

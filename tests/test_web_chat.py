@@ -13,10 +13,10 @@ import redis.asyncio as aioredis
 from playwright.async_api import Browser
 
 from stack import processes
-from tests.browser import ChatPage, chromium
-from tests.client import create_session, send
-from tests.conftest import Stack, VllmStack
-from tests.test_sessions import expected_reply
+from tests.support.browser import ChatPage, chromium
+from tests.support.http import create_session, send
+from tests.support.oracle import synthetic_text
+from tests.support.stack import Stack, VllmStack
 from wire import Keys
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(180)]
@@ -53,7 +53,7 @@ async def test_a_reply_grows_token_by_token_then_completes_with_its_stats(
             seen.append(text)
         await asyncio.sleep(0.03)
     final = await chat.reply_text()
-    assert final == expected_reply("hello browser", 24)
+    assert final == synthetic_text("hello browser", 24)
     assert len(seen) >= 3, seen
     assert all(final.startswith(step) for step in seen), seen
     assert [len(step) for step in seen] == sorted({len(step) for step in seen})
@@ -67,7 +67,7 @@ async def test_a_reply_grows_token_by_token_then_completes_with_its_stats(
     assert await chat.page.is_visible("#send") and not await chat.page.is_visible("#stop")
     await chat.send("second turn")
     await chat.wait_reply_state("done")
-    assert await chat.reply_text() == expected_reply("second turn", 24)
+    assert await chat.reply_text() == synthetic_text("second turn", 24)
     assert await chat.user_texts() == ["hello browser", "second turn"]
     assert chat.errors == []
 
@@ -134,7 +134,7 @@ async def test_a_gateway_restart_mid_reply_loses_and_repeats_no_token(
     stack.gateway(port=gateway.port)
     await chat.wait_connected(timeout_s=30)
     await chat.wait_reply_state("done", timeout_s=30)
-    assert await chat.reply_text() == expected_reply("survive a restart", 40)
+    assert await chat.reply_text() == synthetic_text("survive a restart", 40)
     assert "40 tokens" in ((await chat.stats())["text"] or "")
     assert chat.errors == []
 
@@ -152,7 +152,7 @@ async def test_an_engine_worker_killed_mid_reply_is_continued_and_said_quietly(
     stack.synthetic(tokens_per_s=8)
     processes.kill(doomed)
     await chat.wait_reply_state("done", timeout_s=30)
-    assert await chat.reply_text() == expected_reply("survive an engine", 30)
+    assert await chat.reply_text() == synthetic_text("survive an engine", 30)
     stats = (await chat.stats())["text"] or ""
     assert "continued on another engine" in stats and "30 tokens" in stats
     assert await chat.banner() is None
@@ -176,10 +176,10 @@ async def test_a_reload_mid_conversation_brings_back_history_and_the_running_rep
     # The model is named at once, before any new event of the reply.
     assert await chat.page.text_content("#model-name") == "synthetic"
     assert await chat.user_texts() == ["first question", "second question"]
-    assert await chat.reply_text(0) == expected_reply("first question", 30)
+    assert await chat.reply_text(0) == synthetic_text("first question", 30)
     await chat.wait_reply_state("done")
     assert await chat.replies.count() == 2
-    assert await chat.reply_text(1) == expected_reply("second question", 30)
+    assert await chat.reply_text(1) == synthetic_text("second question", 30)
     # The resumed reply keeps the time to first token measured before the reload, and its
     # rate comes from the events' server times, not from how fast a replay arrived (the
     # engine makes 15 tokens a second; a replay comes in thousands).
@@ -193,8 +193,8 @@ async def test_a_reload_mid_conversation_brings_back_history_and_the_running_rep
     assert await chat.page.text_content("#model-name") == "synthetic"
     assert await chat.user_texts() == ["first question", "second question"]
     assert [await chat.reply_text(i) for i in range(await chat.replies.count())] == [
-        expected_reply("first question", 30),
-        expected_reply("second question", 30),
+        synthetic_text("first question", 30),
+        synthetic_text("second question", 30),
     ]
     assert await chat.page.is_enabled("#input")
 
@@ -212,7 +212,7 @@ async def test_html_in_a_message_or_reply_is_shown_as_text_and_never_runs(
     assert await chat.page.locator("#messages img, #messages script").count() == 0
     assert await chat.user_texts() == [attack]
     # The model "replies" with the same markup: shown literally, **bold** rendered as bold.
-    expected = expected_reply(attack, 12).replace("**bold**", "bold")
+    expected = synthetic_text(attack, 12).replace("**bold**", "bold")
     assert await chat.reply_text() == expected
     assert '<img src=x onerror="window.__pwned=1">' in await chat.reply_text()
     assert await chat.last_reply.locator(".content strong").all_text_contents() == ["bold"]
@@ -284,7 +284,7 @@ async def test_with_api_keys_the_page_asks_for_one_and_says_when_it_is_wrong(
     assert stored == "web-key-41c7e2"
     await chat.send("keyed page")
     await chat.wait_reply_state("done")
-    assert await chat.reply_text() == expected_reply("keyed page", 4)
+    assert await chat.reply_text() == synthetic_text("keyed page", 4)
     # The key stays with the tab: a new chat starts without asking again.
     await page.click("#new-chat")
     await chat.wait_connected()
@@ -317,7 +317,7 @@ async def test_a_busy_gateway_is_shown_in_words_and_retry_sends_once_there_is_ro
         assert cancel.json()["state"] == "cancelled"
     await chat.last_reply.get_by_role("button", name="Retry").click()
     await chat.wait_reply_state("done")
-    assert await chat.reply_text() == expected_reply("are you busy?", 3)
+    assert await chat.reply_text() == synthetic_text("are you busy?", 3)
     assert chat.errors == []
 
 
@@ -341,7 +341,7 @@ async def test_a_message_typed_while_a_reply_runs_is_kept_and_sent_after_it(
     await chat.page.press("#input", "Enter")
     await chat.wait_reply_state("done")
     assert await chat.user_texts() == ["first one", "typed while busy"]
-    assert await chat.reply_text() == expected_reply("typed while busy", 24)
+    assert await chat.reply_text() == synthetic_text("typed while busy", 24)
     assert await chat.page.input_value("#input") == ""
     events = await session_events(stack, (await chat.saved())["id"])
     assert [kind for kind, _ in events].count("queued") == 2
@@ -443,7 +443,7 @@ async def test_the_page_requests_nothing_but_the_gateway(stack: Stack, browser: 
     )
     await chat.send("where do you go?")
     await chat.wait_reply_state("done")
-    assert await chat.reply_text() == expected_reply("where do you go?", 12)
+    assert await chat.reply_text() == synthetic_text("where do you go?", 12)
     elsewhere = [
         url
         for url in requests
@@ -477,7 +477,7 @@ async def test_storage_refusals_and_unreadable_events_are_shown_not_fatal(
     assert banner and "cannot save the conversation" in banner
     await chat.send("no storage")
     await chat.wait_reply_state("done")
-    assert await chat.reply_text() == expected_reply("no storage", 6)
+    assert await chat.reply_text() == synthetic_text("no storage", 6)
 
     # An event whose data is not JSON (as a broken proxy might deliver it): a visible note.
     await chat.page.evaluate(
