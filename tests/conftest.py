@@ -7,14 +7,20 @@ import fcntl
 import gc
 import os
 import secrets
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import redis.asyncio as aioredis
 
 from stack.redis_server import EmbeddedRedis, free_port
-from tests.support.stack import Stack, VllmStack
+from tests.support.engines import RUNNING, SYNTHETIC_TOKENS_PER_S, EngineUnderTest
+from tests.support.stack import Gateway, Stack, VllmStack
+
+if TYPE_CHECKING:
+    from playwright.async_api import Browser
 
 VLLM_LOCK = Path("/tmp/tokenspout-vllm.lock")
 """Held while a test session runs vLLM: two engines at once would starve these 2 cores."""
@@ -103,6 +109,54 @@ def vllm_stack(
         finally:
             stack.stop()
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+_vllm_gateways: dict[str, dict[str, Gateway]] = {}
+"""Extra gateways of the session's vLLM stack (by key prefix), kept as long as the stack is."""
+
+
+@pytest.fixture(
+    params=[
+        pytest.param("synthetic", id="synthetic"),
+        pytest.param("vllm", id="vllm", marks=pytest.mark.vllm),
+    ]
+)
+def engine(request: pytest.FixtureRequest) -> Iterator[EngineUnderTest]:
+    """The engine under test of tests/test_backend_*.py, once per backend."""
+    if request.param == "synthetic":
+        stack: Stack = request.getfixturevalue("stack")
+        # Capacity 1: one long generation fills the worker for the cancel-while-queued case;
+        # every other test runs one generation at a time.
+        process = stack.synthetic(
+            SYNTHETIC_TOKENS_PER_S, "--capacity", "1", "--metrics-port", str(free_port())
+        )
+        yield EngineUnderTest("synthetic", stack, stack.gateway(), process, short_max_tokens=20)
+        return
+    vllm: VllmStack = request.getfixturevalue("vllm_stack")
+    under_test = EngineUnderTest(
+        "vllm",
+        vllm.stack,
+        vllm.gateway,
+        vllm.engine,
+        short_max_tokens=20,
+        sampling={"temperature": 0},
+        _gateways=_vllm_gateways.setdefault(vllm.stack.prefix, {}),
+    )
+    # A test that failed half-way may have left requests in the shared engine.
+    deadline = time.monotonic() + 60
+    while under_test.metric(RUNNING) != 0:
+        assert time.monotonic() < deadline, "the shared vLLM engine stays busy"
+        time.sleep(0.2)
+    yield under_test
+
+
+@pytest.fixture
+async def browser() -> AsyncIterator[Browser]:
+    """Headless Chromium (tests/support/browser.py), for the web chat's tests."""
+    from tests.support.browser import chromium
+
+    async with chromium() as browser:
+        yield browser
 
 
 def pytest_report_header() -> str:

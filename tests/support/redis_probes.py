@@ -67,6 +67,18 @@ def after_final(events: list[dict[bytes, bytes]], gid: str) -> list[bytes]:
     return types[finals[0] + 1 :]
 
 
+async def session_events(
+    redis_url: str, prefix: str, session_id: str
+) -> list[tuple[str, dict[str, object]]]:
+    """The session's events as Redis holds them: (type, data)."""
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        entries = await client.xrange(Keys(prefix).events(session_id))
+    finally:
+        await client.aclose()
+    return [(fields[b"t"].decode(), json.loads(fields[b"d"])) for _id, fields in entries]
+
+
 def event_key(event_id: str) -> tuple[int, int]:
     """A stream entry id (``ms-seq``, the SSE ``id:``) as a sortable pair."""
     ms, seq = event_id.split("-")
