@@ -8,6 +8,9 @@
     redis_probes.py  what Redis holds under a test's key prefix, read through wire.Keys
     stack.py         a test's gateway and engine processes
     browser.py       the web page driven in headless Chromium
+    engines.py       the engine under test of the suite run on both backends
+    adapter_events.py  contract events and the bytes an adapter writes (in-process tests)
+    hostile.py       Hypothesis strategies for hostile JSON
 
 No test module imports another (tests/inprocess/test_test_layout.py checks it).
 """
