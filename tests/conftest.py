@@ -7,19 +7,20 @@ import fcntl
 import gc
 import os
 import secrets
-import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-import redis
 import redis.asyncio as aioredis
 
-from stack import processes
 from stack.redis_server import EmbeddedRedis, free_port
-from wire import Keys
+from tests.support.engines import RUNNING, SYNTHETIC_TOKENS_PER_S, EngineUnderTest
+from tests.support.stack import Gateway, Stack, VllmStack
+
+if TYPE_CHECKING:
+    from playwright.async_api import Browser
 
 VLLM_LOCK = Path("/tmp/tokenspout-vllm.lock")
 """Held while a test session runs vLLM: two engines at once would starve these 2 cores."""
@@ -70,95 +71,6 @@ async def async_redis(redis_server: EmbeddedRedis) -> AsyncIterator[aioredis.Red
     await client.aclose()
 
 
-@dataclass
-class Gateway:
-    url: str
-    process: subprocess.Popen[bytes]
-    port: int
-
-
-@dataclass
-class Stack:
-    """Processes of one test, all on one Redis key prefix; stopped when the test ends."""
-
-    redis_url: str
-    prefix: str
-    logs: Path
-    env: dict[str, str] = field(default_factory=dict)
-    children: list[subprocess.Popen[bytes]] = field(default_factory=list)
-
-    def base_env(self, **extra: str) -> dict[str, str]:
-        return {
-            "REDIS_URL": self.redis_url,
-            "TOKENSPOUT_KEY_PREFIX": self.prefix,
-            "TOKENSPOUT_LOG_LEVEL": "INFO",
-            **self.env,
-            **extra,
-        }
-
-    def gateway(self, port: int | None = None, **env: str) -> Gateway:
-        port = port or free_port()
-        log = self.logs / f"gateway-{port}.log"
-        process = processes.gateway(port, self.base_env(**env), log)
-        self.children.append(process)
-        url = f"http://127.0.0.1:{port}"
-        processes.wait_http(f"{url}/health", process, 60)
-        return Gateway(url, process, port)
-
-    def engine(self, *args: str, wait: bool = True, **env: str) -> subprocess.Popen[bytes]:
-        worker_id = f"w-{secrets.token_hex(4)}"
-        log = self.logs / f"engine-{worker_id}.log"
-        process = processes.engine([*args, "--worker-id", worker_id], self.base_env(**env), log)
-        self.children.append(process)
-        if wait:
-            wait_for_worker(self.redis_url, self.prefix, worker_id, process)
-        return process
-
-    def synthetic(
-        self, tokens_per_s: float = 200, *args: str, **env: str
-    ) -> subprocess.Popen[bytes]:
-        return self.engine(
-            "--backend", "synthetic", "--tokens-per-s", str(tokens_per_s), *args, **env
-        )
-
-    async def wait_live_readers(self, session_id: str, count: int = 1) -> None:
-        """Until Redis confirms ``count`` gateways' subscriptions to the session's live
-        channel: from then on its events reach those gateways' readers live."""
-        channel = Keys(self.prefix).live_channel(session_id)
-        client = aioredis.Redis.from_url(self.redis_url)
-        try:
-            async with asyncio.timeout(30):
-                while (await client.pubsub_numsub(channel))[0][1] < count:
-                    await asyncio.sleep(0.01)
-        finally:
-            await client.aclose()
-
-    def stop(self) -> None:
-        for child in reversed(self.children):
-            processes.stop(child)
-
-
-def wait_for_worker(
-    redis_url: str,
-    prefix: str,
-    worker_id: str,
-    process: subprocess.Popen[bytes],
-    timeout_s: float = 600,
-) -> None:
-    client = redis.Redis.from_url(redis_url)
-    deadline = time.monotonic() + timeout_s
-    try:
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"engine worker exited with {process.returncode}")
-            if client.exists(f"{prefix}:worker:{worker_id}"):
-                return
-            time.sleep(0.1)
-    finally:
-        client.close()
-    raise TimeoutError(f"worker {worker_id} did not register in {timeout_s} s")
-
-
 @pytest.fixture
 def stack(redis_server: EmbeddedRedis, tmp_path: Path) -> Iterator[Stack]:
     stack = Stack(redis_server.url, f"t-{secrets.token_hex(4)}", tmp_path)
@@ -166,13 +78,6 @@ def stack(redis_server: EmbeddedRedis, tmp_path: Path) -> Iterator[Stack]:
         yield stack
     finally:
         stack.stop()
-
-
-@dataclass
-class VllmStack:
-    stack: Stack
-    gateway: Gateway
-    engine: subprocess.Popen[bytes]
 
 
 @pytest.fixture(scope="session")
@@ -204,6 +109,54 @@ def vllm_stack(
         finally:
             stack.stop()
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+_vllm_gateways: dict[str, dict[str, Gateway]] = {}
+"""Extra gateways of the session's vLLM stack (by key prefix), kept as long as the stack is."""
+
+
+@pytest.fixture(
+    params=[
+        pytest.param("synthetic", id="synthetic"),
+        pytest.param("vllm", id="vllm", marks=pytest.mark.vllm),
+    ]
+)
+def engine(request: pytest.FixtureRequest) -> Iterator[EngineUnderTest]:
+    """The engine under test of tests/test_backend_*.py, once per backend."""
+    if request.param == "synthetic":
+        stack: Stack = request.getfixturevalue("stack")
+        # Capacity 1: one long generation fills the worker for the cancel-while-queued case;
+        # every other test runs one generation at a time.
+        process = stack.synthetic(
+            SYNTHETIC_TOKENS_PER_S, "--capacity", "1", "--metrics-port", str(free_port())
+        )
+        yield EngineUnderTest("synthetic", stack, stack.gateway(), process, short_max_tokens=20)
+        return
+    vllm: VllmStack = request.getfixturevalue("vllm_stack")
+    under_test = EngineUnderTest(
+        "vllm",
+        vllm.stack,
+        vllm.gateway,
+        vllm.engine,
+        short_max_tokens=20,
+        sampling={"temperature": 0},
+        _gateways=_vllm_gateways.setdefault(vllm.stack.prefix, {}),
+    )
+    # A test that failed half-way may have left requests in the shared engine.
+    deadline = time.monotonic() + 60
+    while under_test.metric(RUNNING) != 0:
+        assert time.monotonic() < deadline, "the shared vLLM engine stays busy"
+        time.sleep(0.2)
+    yield under_test
+
+
+@pytest.fixture
+async def browser() -> AsyncIterator[Browser]:
+    """Headless Chromium (tests/support/browser.py), for the web chat's tests."""
+    from tests.support.browser import chromium
+
+    async with chromium() as browser:
+        yield browser
 
 
 def pytest_report_header() -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Stack
+from tests.support.stack import Stack
 
 pytestmark = pytest.mark.timeout(400)
 

@@ -8,8 +8,8 @@ import openai
 import pytest
 from huggingface_hub import AsyncInferenceClient, InferenceClient
 
-from tests.conftest import VllmStack
-from tests.sse import parse
+from tests.support.sse import parse
+from tests.support.stack import VllmStack
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

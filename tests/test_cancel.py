@@ -1,7 +1,7 @@
 """Cancel semantics (gateway/sessions.py cancel, engine/worker.py) that need the synthetic
 engine's control, over real gateway processes and real Redis. Cancel on every path with both
 backends (REST, WebSocket, gateway B, twice, after done, abandoned, queued) is in
-tests/test_backends.py."""
+tests/test_backend_cancels.py."""
 
 from __future__ import annotations
 
@@ -13,31 +13,13 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from tests.adapter_support import slot_held
-from tests.client import all_of, cancel, create_session, read_events, send
-from tests.conftest import Stack
-from tests.ws_client import WsClient, open_ws
+from tests.support.http import all_of, cancel, create_session, read_events, send, slot_held
+from tests.support.redis_probes import after_final, stream_events
+from tests.support.stack import Stack
+from tests.support.ws import WsClient, open_ws
 from wire import CONSUMER_GROUP, Keys
 
 pytestmark = pytest.mark.timeout(240)
-
-
-async def stream_events(redis_url: str, prefix: str, session_id: str) -> list[dict[bytes, bytes]]:
-    """Every event the session's stream holds, straight from Redis."""
-    client = aioredis.Redis.from_url(redis_url)
-    try:
-        entries = await client.xrange(Keys(prefix).events(session_id))
-    finally:
-        await client.aclose()
-    return [fields for _id, fields in entries]
-
-
-def after_final(events: list[dict[bytes, bytes]], gid: str) -> list[bytes]:
-    """Types of the generation's events that follow its first final event."""
-    types = [e[b"t"] for e in events if e[b"g"].decode() == gid]
-    finals = [n for n, t in enumerate(types) if t in (b"done", b"cancelled", b"error")]
-    assert finals, types
-    return types[finals[0] + 1 :]
 
 
 async def test_a_generation_cancelled_while_queued_never_reaches_the_engine(stack: Stack) -> None:

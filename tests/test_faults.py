@@ -19,20 +19,23 @@ import redis.asyncio as aioredis
 import wire
 from stack import processes
 from stack.redis_server import EmbeddedRedis, free_port
-from tests.adapter_support import slot_held
-from tests.client import Reading, Session, all_of, create_session, read_events, send
-from tests.conftest import Stack
-from tests.sse import parse
-from tests.test_metrics import scrape
-from tests.test_sessions import expected_reply
+from tests.support.http import (
+    Reading,
+    Session,
+    all_of,
+    create_session,
+    read_events,
+    send,
+    slot_held,
+)
+from tests.support.metrics import scrape
+from tests.support.oracle import synthetic_text
+from tests.support.redis_probes import event_key
+from tests.support.sse import parse
+from tests.support.stack import Stack
 from wire import CONSUMER_GROUP, Keys
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def event_key(event_id: str) -> tuple[int, int]:
-    ms, seq = event_id.split("-")
-    return int(ms), int(seq)
 
 
 async def test_random_reconnects_lose_and_repeat_nothing(stack: Stack) -> None:
@@ -60,7 +63,7 @@ async def test_random_reconnects_lose_and_repeat_nothing(stack: Stack) -> None:
             last = reading.events[-1].id
         ids = [event_key(e.id or "") for e in reading.events]
         assert ids == sorted(set(ids)), "events repeated or out of order"
-        assert reading.text(generation) == expected_reply(content, 150)
+        assert reading.text(generation) == synthetic_text(content, 150)
         return len(reading.events)
 
     async with httpx.AsyncClient(timeout=30) as client:
@@ -114,7 +117,7 @@ async def test_a_gateway_killed_mid_stream_is_resumed_on_another(stack: Stack) -
         ids = [event_key(e.id or "") for e in before.events + after.events]
         assert ids == sorted(set(ids)), "events repeated or out of order"
         text = before.text(generation) + after.text(generation)
-        assert text == expected_reply(content, max_tokens)
+        assert text == synthetic_text(content, max_tokens)
 
 
 WORKER_TIMEOUT_S = 2.0
@@ -162,7 +165,7 @@ async def test_a_killed_worker_with_takeovers_off_ends_its_generation_worker_los
         stack.synthetic(200)
         served = await read_events(client, waiting_session, until_final_of=waiting)
         assert served.final(waiting).event == "done"
-        assert served.text(waiting) == expected_reply("queued one", 5)
+        assert served.text(waiting) == synthetic_text("queued one", 5)
 
 
 async def test_requests_a_dead_worker_took_but_never_started_are_served_by_a_survivor(
@@ -199,7 +202,7 @@ async def test_requests_a_dead_worker_took_but_never_started_are_served_by_a_sur
             for index, (session, generation) in enumerate(zip(sessions, generations, strict=True)):
                 served = await read_events(client, session, until_final_of=generation)
                 assert served.final(generation).event == "done"
-                assert served.text(generation) == expected_reply(f"held {index}", 5)
+                assert served.text(generation) == synthetic_text(f"held {index}", 5)
             recovery_s = time.monotonic() - killed_at
             print(
                 f"\n3 taken-not-started requests served by a survivor {recovery_s:.2f} s "
@@ -249,7 +252,7 @@ async def test_a_request_no_worker_takes_ends_with_queue_timeout(stack: Stack) -
             fresh = await send(client, session, "somebody home", max_tokens=5)
             served = await read_events(client, session, until_final_of=fresh)
             assert served.final(fresh).event == "done"
-            assert served.text(fresh) == expected_reply("somebody home", 5)
+            assert served.text(fresh) == synthetic_text("somebody home", 5)
             assert [e.event for e in served.of(expired)] == ["queued", "error"]
         deadline = time.monotonic() + 10
         while (await redis.xpending(queue, CONSUMER_GROUP))["pending"]:
@@ -302,7 +305,7 @@ async def test_redis_restart_with_persistence_resumes_every_stream(
                 await asyncio.sleep(0.01)
             print(f"\nRedis back -> next event after {time.monotonic() - back:.2f} s")
             await reader  # the same SSE connection carries on
-            assert reading.text(generation) == expected_reply("through a restart", 100)
+            assert reading.text(generation) == synthetic_text("through a restart", 100)
             ids = [event_key(e.id or "") for e in reading.events]
             assert ids == sorted(set(ids))
             # Both sides saw the outage and counted it.
@@ -372,7 +375,7 @@ async def _a_new_session_works(client: httpx.AsyncClient, base: str) -> None:
     session = await create_session(client, base)
     generation = await send(client, session, "after the storm", max_tokens=4)
     reading = await read_events(client, session, until_final_of=generation)
-    assert reading.text(generation) == expected_reply("after the storm", 4)
+    assert reading.text(generation) == synthetic_text("after the storm", 4)
 
 
 async def test_api_streams_that_lose_their_session_end_in_their_own_error_format(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import socket
 import time
 
-from tests.conftest import Stack
+from tests.support.stack import Stack
 
 REQUEST = b"GET /health HTTP/1.1\r\nHost: gateway\r\n\r\n"
 

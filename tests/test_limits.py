@@ -10,11 +10,11 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from tests.client import create_session, read_events, send
-from tests.conftest import Stack
-from tests.sse import SSEParser
-from tests.test_metrics import scrape, value
-from tests.test_sessions import expected_reply
+from tests.support.http import create_session, read_events, send
+from tests.support.metrics import scrape, value
+from tests.support.oracle import synthetic_text
+from tests.support.sse import SSEParser
+from tests.support.stack import Stack
 from wire import Keys
 
 pytestmark = pytest.mark.timeout(120)
@@ -122,7 +122,7 @@ async def test_a_stalled_reader_costs_bounded_memory_and_still_gets_every_event(
         assert fell_behind >= 1, "the stalled reader's buffer never overflowed"
         assert growth < STALL_RSS_BOUND_KIB
         text = await asyncio.to_thread(read_raw_until_done, stalled)
-        assert text == expected_reply(content, STALL_TOKENS)
+        assert text == synthetic_text(content, STALL_TOKENS)
 
 
 def rss_kib(pid: int) -> int:
@@ -203,12 +203,10 @@ async def test_every_session_key_expires_and_every_stream_is_capped(stack: Stack
 
     redis = aioredis.Redis.from_url(stack.redis_url)
     try:
-        keys = [key.decode() async for key in redis.scan_iter(f"{stack.prefix}:*")]
+        names = Keys(stack.prefix)
+        keys = [key.decode() async for key in redis.scan_iter(f"{names.prefix}:*")]
         assert any(":events" in key for key in keys)
-        shared = {
-            f"{stack.prefix}:{name}"
-            for name in ("requests:synthetic", "models", "cancels", "workers")
-        }
+        shared = {names.requests("synthetic"), names.models, names.cancels, names.workers}
         assert shared <= set(keys), "the test did not make every shared key"
         for key in keys:
             assert await redis.ttl(key) > 0, f"{key} never expires"
@@ -216,7 +214,7 @@ async def test_every_session_key_expires_and_every_stream_is_capped(stack: Stack
         assert await redis.xlen(events) < 400  # ~100, trimmed in whole nodes
         # The shared streams are capped too (and expire when unused); the worker set trims
         # itself.
-        assert await redis.xlen(f"{stack.prefix}:requests:synthetic") <= 256 * 20 + 100
+        assert await redis.xlen(names.requests("synthetic")) <= 256 * 20 + 100
     finally:
         await redis.aclose()
 

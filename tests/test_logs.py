@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.client import create_session, read_events, send
-from tests.conftest import Stack, VllmStack
+from tests.support.http import create_session, read_events, send
+from tests.support.stack import Stack, VllmStack
 from wire.logs import KeyValueFormatter
 
 LINE = re.compile(

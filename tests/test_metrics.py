@@ -11,34 +11,14 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from stack.redis_server import free_port
-from tests.client import TERMINAL, Reading, Session, create_session, send
-from tests.conftest import Stack
-from tests.sse import parse
+from tests.support.http import TERMINAL, Reading, Session, create_session, send
+from tests.support.metrics import scrape, value
+from tests.support.sse import parse
+from tests.support.stack import Stack
 
 pytestmark = pytest.mark.timeout(120)
-
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-async def scrape(client: httpx.AsyncClient, url: str) -> Samples:
-    response = await client.get(url)
-    assert response.status_code == 200, response.text
-    assert response.headers["content-type"].startswith("text/plain")
-    return {
-        (sample.name, frozenset(sample.labels.items())): sample.value
-        for family in text_string_to_metric_families(response.text)
-        for sample in family.samples
-    }
-
-
-def value(samples: Samples, name: str, **labels: str) -> float:
-    key = (name, frozenset(labels.items()))
-    present = [dict(k[1]) for k in samples if k[0] == name]
-    assert key in samples, f"{name}{labels} not among {present}"
-    return samples[key]
 
 
 async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 20) -> None:

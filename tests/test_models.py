@@ -12,10 +12,11 @@ import openai
 import pytest
 
 from stack import processes
-from tests.adapter_support import synthetic_text
-from tests.client import Session, create_session, read_events, send
-from tests.conftest import Stack
-from tests.ws_client import open_ws
+from tests.support.http import Session, create_session, read_events, send
+from tests.support.metrics import scrape, until_sample, value
+from tests.support.oracle import synthetic_text
+from tests.support.stack import Stack
+from tests.support.ws import open_ws
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -90,9 +91,9 @@ async def test_each_request_is_answered_by_the_model_it_names(stack: Stack) -> N
             reading = await read_events(http, session, until_final_of=generation)
             (started,) = [e for e in reading.of(generation) if e.event == "started"]
             assert started.json()["model"] == "beta"
-        metrics = (await http.get(f"{base}/metrics")).text
-    assert 'tokenspout_gateway_model_generations_submitted_total{model="beta"}' in metrics
-    assert 'tokenspout_gateway_model_generations_queued{model="alpha"}' in metrics
+        samples = await scrape(http, f"{base}/metrics")
+    value(samples, "tokenspout_gateway_model_generations_submitted_total", model="beta")
+    value(samples, "tokenspout_gateway_model_generations_queued", model="alpha")
 
 
 async def test_a_request_without_a_model_takes_the_default_model(stack: Stack) -> None:
@@ -133,19 +134,15 @@ async def test_a_slow_model_never_delays_another_and_limits_hold_per_model(
     base = _two_models(stack, "--capacity", "1", TOKENSPOUT_MAX_INFLIGHT_PER_MODEL="2")
     client = _client(base)
     async with httpx.AsyncClient(timeout=30) as http:
-
-        async def until_metric(sample: str, what: str) -> None:
-            deadline = time.monotonic() + 20
-            while sample not in (await http.get(f"{base}/metrics")).text:
-                assert time.monotonic() < deadline, what
-                await asyncio.sleep(0.05)
-
+        metrics = f"{base}/metrics"
         # One after the other: sent together, the quick one might take the slot first.
         stalled = asyncio.create_task(_chat(client, "alpha", "hold [[stall]]"))
-        await until_metric('model_generations_running{model="alpha"} 1.0', "alpha never ran")
+        running = "tokenspout_gateway_model_generations_running"
+        await until_sample(http, metrics, 1.0, running, "alpha never ran", model="alpha")
         waiting = asyncio.create_task(_chat(client, "alpha", "waits its turn"))
-        await until_metric(
-            'model_generations_queued{model="alpha"} 1.0', "the second alpha request was not queued"
+        queued = "tokenspout_gateway_model_generations_queued"
+        await until_sample(
+            http, metrics, 1.0, queued, "the second alpha request was not queued", model="alpha"
         )
     began = time.monotonic()
     beta = await _chat(client, "beta", "not delayed")

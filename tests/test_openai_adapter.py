@@ -10,8 +10,9 @@ import httpx
 import openai
 import pytest
 
-from tests.adapter_support import slot_held, synthetic_text, synthetic_tokens
-from tests.conftest import Stack
+from tests.support.http import slot_held
+from tests.support.oracle import synthetic_text, synthetic_tokens
+from tests.support.stack import Stack
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -11,9 +11,9 @@ import httpx
 import pytest
 
 from bench.measure import tcp_connections_to
-from tests.client import Session, create_session
-from tests.conftest import Stack
-from tests.sse import SSEParser
+from tests.support.http import Session, create_session
+from tests.support.sse import SSEParser
+from tests.support.stack import Stack
 
 pytestmark = pytest.mark.timeout(180)
 

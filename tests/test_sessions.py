@@ -8,20 +8,12 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from tests.client import all_of, create_session, read_events, send
-from tests.conftest import Stack
-from tests.sse import SSEParser, parse
+from tests.support.http import all_of, create_session, read_events, send
+from tests.support.oracle import synthetic_text
+from tests.support.sse import SSEParser, parse
+from tests.support.stack import Stack
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def expected_reply(content: str, max_tokens: int) -> str:
-    """What the synthetic engine answers (engine/backends/synthetic.py)."""
-    from engine.backends.synthetic import FILLER
-
-    words = ["You", "said:", *content.split(), "|"]
-    words += [FILLER[i % len(FILLER)] for i in range(len(words), max_tokens)]
-    return " ".join(words[:max_tokens])
 
 
 async def test_a_reply_streams_token_by_token_and_the_second_turn_sees_the_first(
@@ -36,7 +28,7 @@ async def test_a_reply_streams_token_by_token_and_the_second_turn_sees_the_first
         kinds = [e.event for e in reading.of(first)]
         assert kinds[:2] == ["queued", "started"] and kinds[-1] == "done"
         assert kinds.count("token") == 8
-        assert reading.text(first) == expected_reply("hello there", 8)
+        assert reading.text(first) == synthetic_text("hello there", 8)
         counts = [e.json()["count"] for e in reading.of(first) if e.event == "token"]
         assert counts == list(range(1, 9))
         done = reading.final(first).json()
@@ -59,9 +51,9 @@ async def test_a_reply_streams_token_by_token_and_the_second_turn_sees_the_first
         assert history.status_code == 200
         assert [(m["role"], m["content"]) for m in history.json()["messages"]] == [
             ("user", "hello there"),
-            ("assistant", expected_reply("hello there", 8)),
+            ("assistant", synthetic_text("hello there", 8)),
             ("user", "and again"),
-            ("assistant", expected_reply("and again", 3)),
+            ("assistant", synthetic_text("and again", 3)),
         ]
 
 
@@ -102,7 +94,7 @@ async def test_a_stream_started_on_one_gateway_resumes_on_another(stack: Stack) 
             client, moved, until_final_of=generation, last_event_id=part.events[-1].id
         )
         text = part.text(generation) + rest.text(generation)
-        assert text == expected_reply("two gateways", 30)
+        assert text == synthetic_text("two gateways", 30)
         assert not {e.id for e in part.events} & {e.id for e in rest.events}
 
 
@@ -120,7 +112,7 @@ async def test_a_hundred_concurrent_sessions_each_get_exactly_their_own_tokens(
             generation = await send(client, session, content, max_tokens=12)
             reading = await read_events(client, session, until_final_of=generation)
             assert {e.json()["generation_id"] for e in reading.events} == {generation}
-            assert reading.text(generation) == expected_reply(content, 12)
+            assert reading.text(generation) == synthetic_text(content, 12)
 
         await all_of(*(one(i) for i in range(100)))
 
@@ -198,7 +190,7 @@ async def test_a_retried_post_with_the_same_idempotency_key_returns_the_same_gen
         reading = await read_events(client, session, until_final_of=generation)
         assert {e.json()["generation_id"] for e in reading.events} == {generation}
         assert [e.event for e in reading.events].count("queued") == 1
-        assert reading.text(generation) == expected_reply("only once", 100)
+        assert reading.text(generation) == synthetic_text("only once", 100)
         history = await client.get(url.removesuffix("/messages"), headers=session.headers)
         assert [m["role"] for m in history.json()["messages"]] == ["user", "assistant"]
 

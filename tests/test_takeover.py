@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from dataclasses import dataclass, field
 
 import httpx
 import msgspec
@@ -24,12 +23,12 @@ import redis.asyncio as aioredis
 from gateway.takeover import LEASE_GRACE_S, Takeover
 from stack import processes
 from stack.redis_server import free_port
-from tests.client import TERMINAL, Reading, Session, cancel, create_session, send
-from tests.conftest import Stack
-from tests.sse import Event, parse
-from tests.test_faults import event_key
-from tests.test_metrics import scrape, value
-from tests.test_sessions import expected_reply
+from tests.support.http import TERMINAL, Session, cancel, create_session, follow, send
+from tests.support.metrics import scrape, value
+from tests.support.oracle import synthetic_text
+from tests.support.redis_probes import event_key
+from tests.support.sse import Event
+from tests.support.stack import Stack
 from wire import CONSUMER_GROUP, GenerationRequest, Keys
 from wire.queue import RequestQueue
 
@@ -38,55 +37,6 @@ pytestmark = pytest.mark.timeout(120)
 TAKEOVER_BOUND_S = 1.0
 """Kill -> next token on the reader's stream (synthetic engine; bench/takeover.py has the
 distribution)."""
-
-
-@dataclass
-class Follower:
-    """An SSE reader that notes when each event arrived."""
-
-    reading: Reading = field(default_factory=Reading)
-    arrived: list[float] = field(default_factory=list)
-    task: asyncio.Task[None] | None = None
-
-    def tokens(self) -> int:
-        return sum(e.event == "token" for e in self.reading.events)
-
-    def first_token_after(self, moment: float) -> float:
-        """Seconds from ``moment`` to the first token the new worker wrote (after the
-        ``resumed`` event): the reader's view of the takeover."""
-        resumed = False
-        for at, event in zip(self.arrived, self.reading.events, strict=True):
-            resumed = resumed or event.event == "resumed"
-            if resumed and event.event == "token":
-                return at - moment
-        raise AssertionError("no token after a resumed event")
-
-    async def until_tokens(self, count: int, timeout_s: float = 30) -> None:
-        async with asyncio.timeout(timeout_s):
-            while self.tokens() < count:
-                assert self.task is None or not self.task.done(), "the stream ended"
-                await asyncio.sleep(0.01)
-
-
-def follow(
-    client: httpx.AsyncClient, session: Session, gid: str, after: str | None = None
-) -> Follower:
-    follower = Follower()
-
-    async def read() -> None:
-        headers = dict(session.headers)
-        if after is not None:
-            headers["Last-Event-ID"] = after
-        async with client.stream("GET", session.events_url, headers=headers) as response:
-            assert response.status_code == 200
-            async for event in parse(response.aiter_lines(), follower.reading.parser):
-                follower.reading.events.append(event)
-                follower.arrived.append(time.monotonic())
-                if event.event in TERMINAL and event.json()["generation_id"] == gid:
-                    return
-
-    follower.task = asyncio.create_task(read())
-    return follower
 
 
 async def lease_trusted(stack: Stack) -> None:
@@ -112,7 +62,7 @@ def check_whole(events: list[Event], gid: str, content: str, max_tokens: int) ->
     assert [e.event for e in finals] == ["done"] and mine[-1] is finals[0]
     assert finals[0].json()["usage"]["completion_tokens"] == max_tokens
     text = "".join(e.json()["text"] for e in mine if e.event == "token")
-    assert text == expected_reply(content, max_tokens)
+    assert text == synthetic_text(content, max_tokens)
 
 
 async def test_a_worker_killed_mid_reply_is_continued_byte_for_byte(stack: Stack) -> None:
@@ -164,7 +114,7 @@ async def test_a_worker_killed_mid_reply_is_continued_byte_for_byte(stack: Stack
     assert resumed[0]["from_worker"] != resumed[0]["to_worker"]
     assert next_token_s < TAKEOVER_BOUND_S
     assert finish == "length"
-    assert "".join(chunks) == expected_reply(content, max_tokens)
+    assert "".join(chunks) == synthetic_text(content, max_tokens)
 
 
 async def test_the_readers_gateway_killed_with_the_worker(stack: Stack) -> None:

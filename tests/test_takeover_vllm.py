@@ -17,9 +17,8 @@ import httpx
 import pytest
 
 from stack import processes
-from tests.client import Reading, create_session, read_events, send
-from tests.conftest import VllmStack
-from tests.test_takeover import follow
+from tests.support.http import Reading, create_session, follow, read_events, send
+from tests.support.stack import VllmStack
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

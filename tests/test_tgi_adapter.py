@@ -17,8 +17,8 @@ from huggingface_hub.errors import (
     ValidationError,
 )
 
-from tests.adapter_support import synthetic_text, synthetic_tokens
-from tests.conftest import Stack
+from tests.support.oracle import synthetic_text, synthetic_tokens
+from tests.support.stack import Stack
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,7 +1,8 @@
 """What the worker needs from an inference engine, and nothing more.
 
 Modelled on vLLM's ``EngineClient``: ``generate`` streams deltas for one request and
-``abort`` stops it. Every backend passes the same test suite (tests/test_backends.py).
+``abort`` stops it. Every backend passes the same test suite (tests/test_backend_replies.py,
+tests/test_backend_cancels.py).
 """
 
 from __future__ import annotations

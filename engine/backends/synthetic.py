@@ -27,6 +27,7 @@ import os
 import re
 import zlib
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import msgspec
 
@@ -73,14 +74,39 @@ def _word_id(word: str) -> int:
     return zlib.crc32(word.encode()) % 50_000
 
 
+@dataclass(frozen=True)
+class ScriptedToken:
+    """One token of the script: its text (with the space before it), id and logprob."""
+
+    text: str
+    id: int
+    logprob: float
+
+
+def script_of(message: str) -> list[str]:
+    """The first words of the reply to ``message`` (the filler that follows repeats forever)."""
+    return ["You", "said:", *message.split(), "|"]
+
+
+def scripted_token(script: list[str], index: int) -> ScriptedToken:
+    """Token ``index`` of the reply that begins with ``script``: it depends on nothing else."""
+    word = script[index] if index < len(script) else FILLER[index % len(FILLER)]
+    return ScriptedToken(word if index == 0 else " " + word, _word_id(word), -0.05 * (index % 7))
+
+
+def scripted_reply(message: str, max_tokens: int) -> list[ScriptedToken]:
+    """The reply to ``message`` the backend streams, unless a stop string or fault ends it
+    first: ``max_tokens`` tokens (the oracle of every test that checks a synthetic reply)."""
+    script = script_of(message)
+    return [scripted_token(script, index) for index in range(max_tokens)]
+
+
 def reply_words(request: GenerationRequest) -> list[str]:
-    """The first words of the reply (the filler that follows repeats forever)."""
+    """The script of a request: the reply to its prompt, or to its last user message."""
     if request.prompt is not None:
-        source = request.prompt
-    else:
-        users = [m.content for m in request.messages if m.role == "user"]
-        source = users[-1] if users else ""
-    return ["You", "said:", *source.split(), "|"]
+        return script_of(request.prompt)
+    users = [m.content for m in request.messages if m.role == "user"]
+    return script_of(users[-1] if users else "")
 
 
 class SyntheticBackend(Backend):
@@ -150,24 +176,23 @@ class SyntheticBackend(Backend):
                 if fault is not None and index >= int(fault.group(2) or 0):
                     await self._fault(fault.group(1), gid)
                     continue
-                word = script[index] if index < len(script) else FILLER[index % len(FILLER)]
-                piece = word if index == 0 else " " + word
+                token = scripted_token(script, index)
+                piece, ids, logprobs = token.text, [token.id], [token.logprob]
                 text += piece
-                logprob = -0.05 * (index % 7)
                 may_stop = index + 1 > params.min_tokens
                 stop, at = _stop_in(text, len(piece), params.stop) if may_stop else (None, -1)
                 if stop is not None:
                     end = at + (len(stop) if params.include_stop_str_in_output else 0)
                     keep = piece[: max(0, len(piece) - (len(text) - end))]
-                    yield Delta(keep, [_word_id(word)], [logprob], finish_reason="stop")
+                    yield Delta(keep, ids, logprobs, finish_reason="stop")
                     return
-                if may_stop and _word_id(word) in params.stop_token_ids:
+                if may_stop and token.id in params.stop_token_ids:
                     keep = piece if params.include_stop_str_in_output else ""
-                    yield Delta(keep, [_word_id(word)], [logprob], finish_reason="stop")
+                    yield Delta(keep, ids, logprobs, finish_reason="stop")
                     return
                 last = index + 1 == first + params.max_tokens
                 finish = "length" if last else None
-                yield Delta(piece, [_word_id(word)], [logprob], finish_reason=finish)
+                yield Delta(piece, ids, logprobs, finish_reason=finish)
         finally:
             self._running.discard(gid)
             self._aborted.discard(gid)
