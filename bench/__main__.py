@@ -20,7 +20,8 @@ from pathlib import Path
 
 from bench import measure, report
 from bench.hold import hold_sweep
-from bench.runner import MODES, SWEEP_MODES, rig, run_point, single_stream_ttft
+from bench.rig import rig
+from bench.runner import MODES, SWEEP_MODES, run_point, single_stream_ttft
 
 ROOT = Path(__file__).resolve().parent.parent
 SATURATION_RATE = 100.0

@@ -18,7 +18,8 @@ import tempfile
 from pathlib import Path
 
 from bench import measure
-from bench.runner import GATEWAY_CPU, HOST, Rig, rig, run_point
+from bench.rig import GATEWAY_CPU, HOST, Rig, rig
+from bench.runner import run_point
 from stack import processes
 from stack.redis_server import free_port
 

@@ -40,7 +40,8 @@ import redis.asyncio as aioredis
 
 from bench import e2e_report, measure, profile_top
 from bench.loadgen import HTTPPool, SSEStream, StreamRecord, open_chat_stream, open_sse
-from bench.runner import pct, wait_worker
+from bench.rig import wait_worker
+from bench.runner import pct
 from stack import processes
 from stack.redis_server import EmbeddedRedis, free_port
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 
 from bench import measure
-from bench.runner import Rig, Stream, create_sessions, forget, open_reader, run_point
+from bench.rig import Rig
+from bench.runner import Stream, create_sessions, forget, open_reader, run_point
 
 PROBE_STREAMS = 10
 
