@@ -10,12 +10,13 @@ carries its number within its generation, so a retried pipeline never writes an 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 import wire
 from wire import Keys, SessionEvent
@@ -122,6 +123,9 @@ class Publisher:
                     break
                 except (RedisError, OSError) as exc:
                     log.warning("publishing %d events failed (%s); retrying", len(batch), exc)
+                    if isinstance(exc, NoScriptError):  # a shard new since (a failover)
+                        with contextlib.suppress(RedisError, OSError):
+                            await self._emit.load()
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, 2.0)
             for pending, result in zip(batch, results, strict=True):
