@@ -16,12 +16,11 @@ import os
 import signal
 import time
 
-import redis.asyncio as aioredis
-
 from engine.backends.base import Backend
 from engine.metrics import WorkerMetrics
 from engine.worker import Worker
 from wire import DEFAULT_PREFIX, Keys, check_model_name
+from wire.connect import connect, ready
 
 log = logging.getLogger("tokenspout.engine")
 
@@ -174,7 +173,8 @@ async def serve(args: argparse.Namespace) -> None:
         from prometheus_client import start_http_server
 
         start_http_server(args.metrics_port, registry=metrics.registry)
-    redis = aioredis.Redis.from_url(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    redis = connect(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    await ready(redis)
     keys = Keys(os.environ.get("TOKENSPOUT_KEY_PREFIX", DEFAULT_PREFIX))
     worker = Worker(
         redis,

@@ -7,6 +7,12 @@ slow to notice a killed process, so the heartbeat goes over a connection of its 
 kernel closes that connection the moment the process dies; a gateway that finds the id
 gone from ``CLIENT LIST`` knows the worker is lost at once, while a worker that is only
 slow keeps its connection and is never taken for dead (until the heartbeat timeout).
+
+On a Redis Cluster client ids are per node: the lease connection goes straight to the
+primary that serves the worker's description (``wire.connect.node_client``), whose
+address the description carries (``lease_node``) for the gateways to ask; the writes go
+through the cluster client, each to its own shard. A lease connection that fails (its node
+died or lost its slots in a failover) is opened again on the slot's primary now.
 """
 
 from __future__ import annotations
@@ -15,9 +21,11 @@ import time
 
 import msgspec
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 import wire
 from wire import Keys, WorkerInfo
+from wire.connect import address_of, is_cluster, mget, node_client
 
 HEARTBEAT_S = 1.0
 HEARTBEAT_TTL_S = 5
@@ -26,26 +34,45 @@ _info_decoder = msgspec.json.Decoder(WorkerInfo)
 
 class Lease:
     def __init__(self, redis: aioredis.Redis, keys: Keys, worker_id: str, model: str) -> None:
-        pool = redis.connection_pool
-        kwargs = dict(pool.connection_kwargs, client_name=wire.lease_name(worker_id))
-        # One connection: callers (the heartbeat, a drain's look for others) take turns.
-        self.redis = aioredis.Redis(
-            connection_pool=aioredis.BlockingConnectionPool(
-                connection_class=pool.connection_class, max_connections=1, timeout=None, **kwargs
-            )
-        )
+        self.shared = redis
+        self.cluster = is_cluster(redis)
         self.keys = keys
         self.worker_id = worker_id
         self.model = model
         self.requests_key = keys.requests(model)
+        self.redis = self._open()
+        """The lease connection. One connection: callers (the heartbeat, a drain's look for
+        others) take turns."""
+        self.writer = redis if self.cluster else self.redis
+        """Where the heartbeat writes: the lease connection itself on one Redis; the
+        cluster client on a cluster (the keys lie in several slots)."""
+
+    def _open(self) -> aioredis.Redis:
+        return node_client(
+            self.shared,
+            self.keys.worker(self.worker_id),
+            client_name=wire.lease_name(self.worker_id),
+        )
+
+    async def _lease_id(self) -> int:
+        try:
+            return int(await self.redis.client_id())
+        except (RedisError, OSError):
+            if self.cluster:  # its node may be gone: the next heartbeat asks the slot's primary
+                old, self.redis = self.redis, self._open()
+                await old.aclose()
+                await old.connection_pool.disconnect()
+            raise
 
     async def heartbeat(self, info: WorkerInfo) -> None:
         """Publish ``info`` (with this connection's client id) and refresh the shared keys."""
         # Asked every time: a reconnect gives the connection a new id.
-        lease_id = int(await self.redis.client_id())
-        info = msgspec.structs.replace(info, lease_id=lease_id)
+        lease_id = await self._lease_id()
+        info = msgspec.structs.replace(
+            info, lease_id=lease_id, lease_node=address_of(self.redis) if self.cluster else ""
+        )
         now = time.time()
-        async with self.redis.pipeline(transaction=False) as pipe:
+        async with self.writer.pipeline(transaction=False) as pipe:
             pipe.set(self.keys.worker(self.worker_id), wire.encode(info), ex=HEARTBEAT_TTL_S)
             pipe.zadd(self.keys.workers, {self.worker_id: now})
             pipe.zremrangebyscore(self.keys.workers, "-inf", now - 3600)
@@ -64,20 +91,20 @@ class Lease:
         since = time.time() - 2 * HEARTBEAT_S
         ids = [
             wire.text(worker_id)
-            for worker_id in await self.redis.zrangebyscore(self.keys.workers, since, "+inf")
+            for worker_id in await self.writer.zrangebyscore(self.keys.workers, since, "+inf")
         ]
         ids = [worker_id for worker_id in ids if worker_id != self.worker_id]
         if not ids:
             return 0
-        raw = await self.redis.mget([self.keys.worker(worker_id) for worker_id in ids])
+        raw = await mget(self.writer, [self.keys.worker(worker_id) for worker_id in ids])
         infos = [_info_decoder.decode(item) for item in raw if item is not None]
         return sum(1 for info in infos if info.model == self.model and not info.draining)
 
     async def release(self) -> None:
         """Leave the worker set and close the lease connection."""
         try:
-            await self.redis.zrem(self.keys.workers, self.worker_id)
-            await self.redis.delete(self.keys.worker(self.worker_id))
+            await self.writer.zrem(self.keys.workers, self.worker_id)
+            await self.writer.delete(self.keys.worker(self.worker_id))
         finally:
             await self.redis.aclose()
             await self.redis.connection_pool.disconnect()

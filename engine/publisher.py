@@ -10,15 +10,17 @@ carries its number within its generation, so a retried pipeline never writes an 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 import wire
 from wire import Keys, SessionEvent
+from wire.connect import is_cluster
 from wire.queue import RequestQueue
 from wire.scripts import Emit
 
@@ -57,6 +59,8 @@ class Publisher:
         """Called with a generation id and the writer's epoch whose event Redis refused
         (the generation ended, or another writer owns it now)."""
         self._emit = Emit(redis, keys)
+        self._acks_after = is_cluster(redis)
+        """On a cluster, acknowledge in a round trip after the events (see ``_write``)."""
         self._queue: list[_Pending] = []
         self._wakeup = asyncio.Event()
         self.pipelines = 0
@@ -122,6 +126,9 @@ class Publisher:
                     break
                 except (RedisError, OSError) as exc:
                     log.warning("publishing %d events failed (%s); retrying", len(batch), exc)
+                    if isinstance(exc, NoScriptError):  # a shard new since (a failover)
+                        with contextlib.suppress(RedisError, OSError):
+                            await self._emit.load()
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, 2.0)
             for pending, result in zip(batch, results, strict=True):
@@ -146,11 +153,20 @@ class Publisher:
                     epoch=p.epoch,
                     pipe=pipe,
                 )
-                if p.ack is not None:
+                if p.ack is not None and not self._acks_after:
                     self.queue.ack_in(pipe, p.ack)
             replies: list[object] = await pipe.execute()
         self.pipelines += 1
         self.events += len(batch)
+        if self._acks_after:
+            # A cluster pipeline sends each shard its part at once: an acknowledgement in
+            # it could land before its final event, and a worker lost right then would
+            # leave a reply with no end and no pending request for the reaper to find.
+            # Acknowledged only once every final event of the batch is written.
+            acks = [p.ack for p in batch if p.ack is not None]
+            if acks:
+                await self.queue.ack(*acks)
+            return replies
         results, position = [], 0
         for p in batch:  # one reply per event; skip the acknowledgements
             results.append(replies[position])

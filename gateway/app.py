@@ -8,18 +8,13 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
-import redis.asyncio as aioredis
 from litestar import Litestar, Response
 from litestar.config.cors import CORSConfig
 from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
 from litestar.static_files import create_static_files_router
 from litestar.types import ControllerRouterHandler
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway import __version__
 from gateway.auth import ApiKeys
@@ -33,6 +28,7 @@ from gateway.sessions import SessionStore
 from gateway.settings import Settings
 from gateway.watchdog import Reaper, refresh_watches
 from wire import Keys
+from wire.connect import connect, ready
 
 log = logging.getLogger("tokenspout.gateway")
 
@@ -62,16 +58,12 @@ class Services:
         self.settings = settings
         # Read once, here: a missing key file stops the start (ConfigError), not each request.
         self.api_keys = ApiKeys.from_settings(settings)
-        self.redis = aioredis.Redis(
-            connection_pool=aioredis.BlockingConnectionPool.from_url(
-                settings.redis_url,
-                max_connections=REDIS_POOL_SIZE,
-                timeout=5,
-                socket_keepalive=True,
-                health_check_interval=10,
-            ),
-            retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=3),
-            retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        self.redis = connect(
+            settings.redis_url,
+            max_connections=REDIS_POOL_SIZE,
+            timeout=5,
+            socket_keepalive=True,
+            health_check_interval=10,
         )
         self.keys = Keys(settings.key_prefix)
         self.metrics = GatewayMetrics()
@@ -120,6 +112,7 @@ class Services:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _: Litestar) -> AsyncIterator[None]:
+        await ready(self.redis)
         await self.hub.start()
         tasks = [
             asyncio.create_task(

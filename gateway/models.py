@@ -32,6 +32,7 @@ import wire
 from gateway.errors import BadRequest, NotFound, Unavailable
 from gateway.settings import Settings
 from wire import Keys, WorkerInfo
+from wire.connect import mget
 
 CACHE_S = 1.0
 MODEL_RETRY_AFTER_S = 5
@@ -83,7 +84,7 @@ class ModelDirectory:
             worker_ids, known = await pipe.execute()
         workers: list[WorkerInfo] = []
         if worker_ids:
-            raw = await self.redis.mget([self.keys.worker(wire.text(w)) for w in worker_ids])
+            raw = await mget(self.redis, [self.keys.worker(wire.text(w)) for w in worker_ids])
             workers = [_worker_decoder.decode(item) for item in raw if item is not None]
         names = {wire.text(name): wire.text(model) for name, model in known.items()}
         self._snapshot = Snapshot(workers, names)

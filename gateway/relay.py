@@ -10,6 +10,9 @@ falls behind (its buffer overflows because the client reads slowly) or loses the
 connection simply re-reads the stream from its last delivered id. That gives ordered,
 gap-free, duplicate-free delivery with bounded memory per reader and a constant number of
 Redis connections per process.
+
+On a Redis Cluster the same holds per shard: live events go over sharded pub/sub, one
+connection per primary that serves a watched session (gateway/shards.py).
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ from redis.exceptions import RedisError
 import wire
 from gateway.errors import BadRequest, EventsExpired
 from gateway.feed import CATCH_UP_PAGE, LIVE_ONLY, Feed, RelayEvent
+from gateway.shards import ShardedLive
 from wire import FinalEvent, Keys, entry_id_key
+from wire.connect import is_cluster
 
 log = logging.getLogger("tokenspout.relay")
 
@@ -76,6 +81,10 @@ class RelayHub:
         self.buffer_limit = buffer_limit
         self.observer = observer
         self.draining = False
+        self._shards = (
+            ShardedLive(redis, self._deliver, self._confirm) if is_cluster(redis) else None
+        )
+        """On a cluster: sharded pub/sub, one connection per shard (``_pubsub`` unused)."""
         self._pubsub: PubSub = redis.pubsub()
         self._feeds: dict[str, set[Feed]] = {}
         self._confirmed: set[str] = set()
@@ -100,9 +109,15 @@ class RelayHub:
                 feed._wake()
 
     async def start(self) -> None:
+        if self._shards is not None:
+            await self._shards.start()
+            return
         self._reader = asyncio.create_task(self._read_forever(), name="relay-reader")
 
     async def stop(self) -> None:
+        if self._shards is not None:
+            await self._shards.close()
+            return
         if self._reader is not None:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -120,6 +135,8 @@ class RelayHub:
         try:
             if channel in self._confirmed:
                 feed._set_ready(True)
+            elif len(feeds) == 1 and self._shards is not None:
+                await self._shards.subscribe(channel)
             elif len(feeds) == 1:
                 async with self._commands:
                     await self._pubsub.subscribe(channel)
@@ -134,8 +151,11 @@ class RelayHub:
                 if self.observer is not None:
                     self.observer.unwatched(session_id)
                 try:
-                    async with self._commands:
-                        await self._pubsub.unsubscribe(channel)
+                    if self._shards is not None:
+                        await self._shards.unsubscribe(channel)
+                    else:
+                        async with self._commands:
+                            await self._pubsub.unsubscribe(channel)
                 except (RedisError, OSError) as exc:
                     # Harmless: messages of an unwatched channel are dropped, and a lost
                     # pub/sub connection resubscribes only the channels still watched.
@@ -299,7 +319,17 @@ class RelayHub:
             self._deliver(channel, data)
             return
         channel = channel.decode() if isinstance(channel, bytes) else str(channel)
-        if kind == "subscribe" and channel in self._feeds:
+        if kind == "subscribe":
+            self._confirm(channel, True)
+
+    def _confirm(self, channel: str, ready: bool) -> None:
+        """The channel's subscription is confirmed (its feeds read the stream, then go
+        live), or was lost (they wait, then read from their last id)."""
+        if channel not in self._feeds:
+            return
+        if ready:
             self._confirmed.add(channel)
-            for feed in self._feeds[channel]:
-                feed._set_ready(True)
+        else:
+            self._confirmed.discard(channel)
+        for feed in self._feeds[channel]:
+            feed._set_ready(ready)

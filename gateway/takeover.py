@@ -26,7 +26,7 @@ import time
 
 import msgspec
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 import wire
 from wire import (
@@ -41,6 +41,7 @@ from wire import (
     Usage,
     scripts,
 )
+from wire.connect import mget, node_by_address
 from wire.queue import RequestQueue
 
 log = logging.getLogger("tokenspout.takeover")
@@ -64,28 +65,52 @@ async def live_workers(
     if not candidates:
         return set()
     alive: set[str] = set()
-    leases: dict[int, str] = {}
+    leases: dict[str, dict[int, str]] = {}
+    """Node address ("": the one Redis) -> lease client id -> worker."""
     for name, raw in zip(
-        candidates, await redis.mget([keys.worker(n) for n in candidates]), strict=True
+        candidates, await mget(redis, [keys.worker(n) for n in candidates]), strict=True
     ):
         info = _info_decoder.decode(raw) if raw is not None else None
         if info is None or not info.lease_id:
             alive.add(name)  # nothing better to go on than its heartbeat
         else:
-            leases[info.lease_id] = name
-    if leases:
-        try:
-            clients = await redis.client_list(client_id=list(leases))
-        except ResponseError as exc:  # a Redis without CLIENT LIST ID (before 6.2)
-            log.warning("CLIENT LIST ID failed (%s): liveness by heartbeat only", exc)
-            return alive | set(leases.values())
-        for client in clients:
-            worker = leases.get(int(client.get("id", 0)))
-            if worker is not None and client.get("name") == wire.lease_name(worker):
-                alive.add(worker)
-        missing = set(leases.values()) - alive
-        if missing:
-            alive |= await _reconnected(redis, missing)
+            leases.setdefault(info.lease_node, {})[info.lease_id] = name
+    for node, ids in leases.items():
+        alive |= await _leases_open(redis, node, ids)
+    return alive
+
+
+async def _leases_open(redis: aioredis.Redis, node: str, leases: dict[int, str]) -> set[str]:
+    """The workers whose lease connection (by client id) is open on ``node``."""
+    if not node:
+        return await _leases_open_on(redis, leases)
+    client = node_by_address(redis, node)
+    if client is None:  # not a cluster node now (failed over, removed): heartbeats decide
+        return set(leases.values())
+    try:
+        return await _leases_open_on(client, leases)
+    except (RedisError, OSError) as exc:  # the node is down: its replica takes over
+        log.warning("lease check on %s failed (%s): liveness by heartbeat", node, exc)
+        return set(leases.values())
+    finally:
+        await client.aclose()
+        await client.connection_pool.disconnect()
+
+
+async def _leases_open_on(redis: aioredis.Redis, leases: dict[int, str]) -> set[str]:
+    alive: set[str] = set()
+    try:
+        clients = await redis.client_list(client_id=list(leases))
+    except ResponseError as exc:  # a Redis without CLIENT LIST ID (before 6.2)
+        log.warning("CLIENT LIST ID failed (%s): liveness by heartbeat only", exc)
+        return set(leases.values())
+    for client in clients:
+        worker = leases.get(int(client.get("id", 0)))
+        if worker is not None and client.get("name") == wire.lease_name(worker):
+            alive.add(worker)
+    missing = set(leases.values()) - alive
+    if missing:
+        alive |= await _reconnected(redis, missing)
     return alive
 
 

@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 import wire
 from gateway.relay import RelayHub
@@ -245,7 +245,11 @@ class Reaper:
                     ttl_s=self.ttl_s,
                     pipe=pipe,
                 )
-            replies: list[object] = await pipe.execute()
+            try:
+                replies: list[object] = await pipe.execute()
+            except NoScriptError:  # a shard new since (a failover): the next pass sends it
+                await self._end_queued.load()
+                raise
         ended = sum(1 for reply in replies if EndQueued.reply(reply))
         if ended:
             log.warning("%d queued generations timed out: no engine worker took them", ended)

@@ -31,10 +31,16 @@ def free_port() -> int:
 
 class EmbeddedRedis:
     def __init__(
-        self, port: int | None = None, data_dir: Path | None = None, persist: bool = False
+        self,
+        port: int | None = None,
+        data_dir: Path | None = None,
+        persist: bool = False,
+        extra_args: list[str] | None = None,
     ) -> None:
         self.port = port or free_port()
         self.persist = persist
+        self.extra_args = extra_args or []
+        """More ``valkey-server`` options (a cluster node's, stack/redis_cluster.py)."""
         self._own_dir = data_dir is None
         self.data_dir = data_dir or Path(tempfile.mkdtemp(prefix="tokenspout-redis-"))
         self.process: subprocess.Popen[bytes] | None = None
@@ -61,6 +67,7 @@ class EmbeddedRedis:
                 "--protected-mode",
                 "yes",
                 *persistence,
+                *self.extra_args,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.STDOUT,

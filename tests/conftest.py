@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import pytest
 import redis.asyncio as aioredis
 
+from stack.redis_cluster import EmbeddedCluster
 from stack.redis_server import EmbeddedRedis, free_port
 from tests.support.engines import RUNNING, SYNTHETIC_TOKENS_PER_S, EngineUnderTest
 from tests.support.stack import Gateway, Stack, VllmStack
@@ -81,6 +82,24 @@ def stack(redis_server: EmbeddedRedis, tmp_path: Path) -> Iterator[Stack]:
 
 
 @pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[EmbeddedCluster]:
+    """A Redis Cluster on loopback: 3 primaries with a replica each (stack/redis_cluster.py),
+    shared by the session; a test that kills a node waits for the cluster to heal after."""
+    with EmbeddedCluster(primaries=3, replicas=1) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def cluster_stack(redis_cluster: EmbeddedCluster, tmp_path: Path) -> Iterator[Stack]:
+    """A test's processes on the cluster (``REDIS_URL=redis+cluster://...``)."""
+    stack = Stack(redis_cluster.url, f"c-{secrets.token_hex(4)}", tmp_path)
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+@pytest.fixture(scope="session")
 def vllm_stack(
     redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[VllmStack]:
@@ -118,19 +137,22 @@ _vllm_gateways: dict[str, dict[str, Gateway]] = {}
 @pytest.fixture(
     params=[
         pytest.param("synthetic", id="synthetic"),
+        pytest.param("synthetic-cluster", id="synthetic-cluster", marks=pytest.mark.cluster),
         pytest.param("vllm", id="vllm", marks=pytest.mark.vllm),
     ]
 )
 def engine(request: pytest.FixtureRequest) -> Iterator[EngineUnderTest]:
-    """The engine under test of tests/test_backend_*.py, once per backend."""
-    if request.param == "synthetic":
-        stack: Stack = request.getfixturevalue("stack")
+    """The engine under test of tests/test_backend_*.py, once per backend (the synthetic
+    one also on a Redis Cluster)."""
+    if request.param.startswith("synthetic"):
+        on_cluster = request.param == "synthetic-cluster"
+        stack: Stack = request.getfixturevalue("cluster_stack" if on_cluster else "stack")
         # Capacity 1: one long generation fills the worker for the cancel-while-queued case;
         # every other test runs one generation at a time.
         process = stack.synthetic(
             SYNTHETIC_TOKENS_PER_S, "--capacity", "1", "--metrics-port", str(free_port())
         )
-        yield EngineUnderTest("synthetic", stack, stack.gateway(), process, short_max_tokens=20)
+        yield EngineUnderTest(request.param, stack, stack.gateway(), process, short_max_tokens=20)
         return
     vllm: VllmStack = request.getfixturevalue("vllm_stack")
     under_test = EngineUnderTest(

@@ -12,7 +12,6 @@ import time
 
 import httpx
 import pytest
-import redis.asyncio as aioredis
 
 from tests.support.engines import (
     CANCELS,
@@ -26,7 +25,7 @@ from tests.support.engines import (
     rest_cancel,
 )
 from tests.support.http import Session, all_of, create_session, read_events, send
-from tests.support.redis_probes import stream_events
+from tests.support.redis_probes import async_client, stream_events
 from tests.support.ws import is_final, open_ws
 from wire import CONSUMER_GROUP, Keys
 
@@ -237,7 +236,7 @@ async def test_a_generation_cancelled_while_queued_never_reaches_the_engine(
                 await sampler
 
     # The worker took the cancelled request off the queue when a slot freed, and skipped it.
-    redis = aioredis.Redis.from_url(engine.stack.redis_url)
+    redis = async_client(engine.stack.redis_url)
     try:
         async with asyncio.timeout(30):
             while True:

@@ -115,6 +115,9 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     lease_id: int = 0
     """Client id of its lease connection (``lease_name``; engine/lease.py); 0: none."""
     draining: bool = False
+    lease_node: str = ""
+    """On a cluster, ``host:port`` of the node its lease connection is on (client ids are
+    per node); "": the one Redis."""
 
     @property
     def names(self) -> list[str]:

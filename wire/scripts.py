@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 from redis.commands.core import AsyncScript
 
+from wire.connect import is_cluster
 from wire.keys import Keys
 from wire.messages import (
     Cancelled,
@@ -47,6 +48,15 @@ def _source(name: str) -> str:
 
 EMIT_CORE = _source("emit_core")
 """Lua functions ``emit`` (append an event and publish it) and ``finish`` (end a generation)."""
+_PUBLISH = "local publish = 'PUBLISH'\n"
+_SPUBLISH = "local publish = 'SPUBLISH'\n"
+
+
+def for_cluster(source: str) -> str:
+    """A script's source as it runs on a Redis Cluster: live events by SPUBLISH (sharded
+    pub/sub: only the shard of the session's slot carries them)."""
+    return source.replace(_PUBLISH, _SPUBLISH)
+
 
 Arg = str | bytes | int | float
 
@@ -56,11 +66,29 @@ class _Script:
 
     def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
         self.keys = keys
-        self._script: AsyncScript = redis.register_script(self.source)
+        self._redis = redis
+        self._cluster = is_cluster(redis)
+        self._loaded = False
+        source = for_cluster(self.source) if self._cluster else self.source
+        self._script: AsyncScript = redis.register_script(source)
+
+    async def load(self) -> None:
+        """Load the script into every primary. A call outside a pipeline loads it where
+        it is missing by itself; a pipeline only reports NOSCRIPT (a replica promoted in a
+        failover starts with no scripts): its caller loads and sends it again."""
+        await self._redis.script_load(self._script.script)
+        self._loaded = True
 
     async def _run(self, keys: list[str], args: list[Arg], pipe: Pipeline | None) -> object:
         if pipe is None:
             return await self._script(keys=keys, args=args)
+        if self._cluster:
+            # redis-py's cluster pipeline refuses ``evalsha`` by name (it cannot load a
+            # script on its own), not the command: routed by the keys' one slot.
+            if not self._loaded:
+                await self.load()
+            pipe.execute_command("EVALSHA", self._script.sha, len(keys), *keys, *args)
+            return None
         await self._script(keys=keys, args=args, client=pipe)
         return None
 
@@ -178,7 +206,7 @@ class Submit(_Script):
                 keys.generation(session_id, generation_id),
                 keys.events(session_id),
                 keys.watch(session_id),
-                keys.idempotency(session_id, idempotency_key) if idempotency_key else "",
+                keys.idempotency(session_id, idempotency_key or ""),
             ],
             [
                 keys.live_channel(session_id),
@@ -191,6 +219,7 @@ class Submit(_Script):
                 watch_ttl_s,
                 encode(Queued(generation_id)),
                 token_digest,
+                "1" if idempotency_key else "",
             ],
             None,
         )

@@ -63,7 +63,7 @@ class EngineUnderTest:
 
     @property
     def model(self) -> str:
-        return "synthetic" if self.backend == "synthetic" else MODEL_NAME
+        return "synthetic" if self.backend.startswith("synthetic") else MODEL_NAME
 
     @property
     def capacity(self) -> int:

@@ -10,14 +10,41 @@ from typing import Any
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.cluster import RedisCluster
 
 from wire import Keys
+from wire.connect import CLUSTER_SCHEMES, connect, kind_of
+
+
+def sync_client(redis_url: str) -> redis.Redis:
+    """A blocking client of ``redis_url``: one Redis, or a cluster (``redis+cluster://``)."""
+    if kind_of(redis_url) == "cluster":
+        scheme, rest = redis_url.split("://", 1)
+        cluster = RedisCluster.from_url(f"{CLUSTER_SCHEMES[scheme]}://{rest}")
+        return cluster  # type: ignore[return-value]
+    return redis.Redis.from_url(redis_url)
+
+
+def async_client(redis_url: str) -> aioredis.Redis:
+    """An asyncio client of ``redis_url``, made as the gateway and the engine make theirs."""
+    return connect(redis_url)
+
+
+async def live_readers(client: aioredis.Redis, channel: str) -> int:
+    """Subscribers of a session's live channel: by SUBSCRIBE on one Redis, by SSUBSCRIBE
+    on the shard that serves the channel's slot on a cluster."""
+    if isinstance(client, AsyncRedisCluster):
+        node = client.get_node_from_key(channel)
+        reply = await client.execute_command("PUBSUB SHARDNUMSUB", channel, target_nodes=node)
+        return int(reply[1])
+    return int((await client.pubsub_numsub(channel))[0][1])
 
 
 def only_generation(redis_url: str, prefix: str, timeout_s: float = 30) -> tuple[str, str]:
     """(session id, generation id) of the one generation under ``prefix``."""
     keys = Keys(prefix)
-    client = redis.Redis.from_url(redis_url)
+    client = sync_client(redis_url)
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:
@@ -35,7 +62,7 @@ def only_generation(redis_url: str, prefix: str, timeout_s: float = 30) -> tuple
 def wait_final(redis_url: str, prefix: str, timeout_s: float = 60) -> dict[str, Any]:
     """The final event of the one generation under ``prefix``, once it has one."""
     session_id, generation_id = only_generation(redis_url, prefix)
-    client = redis.Redis.from_url(redis_url)
+    client = sync_client(redis_url)
     key = Keys(prefix).generation(session_id, generation_id)
     deadline = time.monotonic() + timeout_s
     try:
@@ -51,7 +78,7 @@ def wait_final(redis_url: str, prefix: str, timeout_s: float = 60) -> dict[str, 
 
 async def stream_events(redis_url: str, prefix: str, session_id: str) -> list[dict[bytes, bytes]]:
     """Every event the session's stream holds, straight from Redis."""
-    client = aioredis.Redis.from_url(redis_url)
+    client = async_client(redis_url)
     try:
         entries = await client.xrange(Keys(prefix).events(session_id))
     finally:
@@ -71,7 +98,7 @@ async def session_events(
     redis_url: str, prefix: str, session_id: str
 ) -> list[tuple[str, dict[str, object]]]:
     """The session's events as Redis holds them: (type, data)."""
-    client = aioredis.Redis.from_url(redis_url)
+    client = async_client(redis_url)
     try:
         entries = await client.xrange(Keys(prefix).events(session_id))
     finally:
@@ -93,7 +120,7 @@ def wait_for_worker(
     timeout_s: float = 600,
 ) -> None:
     """Until the worker has registered (its ``worker:{id}`` key); fails if it exits first."""
-    client = redis.Redis.from_url(redis_url)
+    client = sync_client(redis_url)
     key = Keys(prefix).worker(worker_id)
     deadline = time.monotonic() + timeout_s
     try:
@@ -110,7 +137,7 @@ def wait_for_worker(
 
 def worker_registered(redis_url: str, prefix: str) -> bool:
     """Some worker is in the set of live workers."""
-    client = redis.Redis.from_url(redis_url)
+    client = sync_client(redis_url)
     try:
         return bool(client.zcard(Keys(prefix).workers))
     finally:
@@ -119,9 +146,15 @@ def worker_registered(redis_url: str, prefix: str) -> bool:
 
 def workers_running(redis_url: str, prefix: str) -> int:
     """Requests the live workers report running in their heartbeats."""
-    client = redis.Redis.from_url(redis_url)
+    client = sync_client(redis_url)
     try:
         keys = list(client.scan_iter(match=Keys(prefix).worker("*")))
-        return sum(json.loads(raw)["running"] for raw in client.mget(keys) if raw is not None)
+        return (
+            sum(
+                json.loads(raw)["running"] for raw in client.mget_nonatomic(keys) if raw is not None
+            )
+            if isinstance(client, RedisCluster)
+            else sum(json.loads(raw)["running"] for raw in client.mget(keys) if raw is not None)
+        )
     finally:
         client.close()

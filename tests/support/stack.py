@@ -8,11 +8,9 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import redis.asyncio as aioredis
-
 from stack import processes
 from stack.redis_server import free_port
-from tests.support.redis_probes import wait_for_worker
+from tests.support.redis_probes import async_client, live_readers, wait_for_worker
 from wire import Keys
 
 
@@ -71,10 +69,10 @@ class Stack:
         """Until Redis confirms ``count`` gateways' subscriptions to the session's live
         channel: from then on its events reach those gateways' readers live."""
         channel = Keys(self.prefix).live_channel(session_id)
-        client = aioredis.Redis.from_url(self.redis_url)
+        client = async_client(self.redis_url)
         try:
             async with asyncio.timeout(30):
-                while (await client.pubsub_numsub(channel))[0][1] < count:
+                while await live_readers(client, channel) < count:
                     await asyncio.sleep(0.01)
         finally:
             await client.aclose()

@@ -1,7 +1,10 @@
 -- Shared by the scripts that write a session event (loaded in front of each).
+-- PUBLISH on one Redis; SPUBLISH on a cluster (wire/scripts.py swaps this line), so the
+-- live channel, tagged like the session's keys, goes to this slot's shard only.
+local publish = 'PUBLISH'
 local function emit(events, gen, channel, maxlen, ttl, etype, gid, data)
   local id = redis.call('XADD', events, 'MAXLEN', '~', maxlen, '*', 't', etype, 'g', gid, 'd', data)
-  redis.call('PUBLISH', channel, id .. ' ' .. etype .. ' ' .. gid .. ' ' .. data)
+  redis.call(publish, channel, id .. ' ' .. etype .. ' ' .. gid .. ' ' .. data)
   return id
 end
 local function finish(gen, active, gid, state, id, data, ttl)

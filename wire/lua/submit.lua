@@ -1,6 +1,8 @@
--- KEYS: meta, history, active, gen, events, watch, idempotency ('' for none)
+-- KEYS: meta, history, active, gen, events, watch, idempotency (a key of the session's
+--       slot even when unused: a cluster refuses keys of other slots, '' among them)
 -- ARGV: channel, maxlen, session_ttl, gid, user message JSON ('' for none), now,
---       max_history, watch_ttl, queued event JSON, token digest ('' for no check)
+--       max_history, watch_ttl, queued event JSON, token digest ('' for no check),
+--       '1' when an idempotency key was given
 -- Returns {'ok', queued id, history...} | {'missing'} | {'forbidden'} | {'duplicate', gid}
 --         | {'busy', gid} | {'history_full'}
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'missing'} end
@@ -9,7 +11,7 @@ if redis.call('EXISTS', KEYS[1]) == 0 then return {'missing'} end
 if ARGV[10] ~= '' and redis.call('HGET', KEYS[1], 'token') ~= ARGV[10] then
   return {'forbidden'}
 end
-if KEYS[7] ~= '' then
+if ARGV[11] == '1' then
   local existing = redis.call('GET', KEYS[7])
   if existing then return {'duplicate', existing} end
 end
@@ -21,7 +23,7 @@ if ARGV[5] ~= '' then
 end
 local ttl = ARGV[3]
 redis.call('SET', KEYS[3], ARGV[4], 'EX', ttl)
-if KEYS[7] ~= '' then redis.call('SET', KEYS[7], ARGV[4], 'EX', ttl) end
+if ARGV[11] == '1' then redis.call('SET', KEYS[7], ARGV[4], 'EX', ttl) end
 redis.call('HSET', KEYS[4], 'state', 'queued', 'created', ARGV[6])
 redis.call('EXPIRE', KEYS[4], ttl)
 redis.call('SET', KEYS[6], '1', 'EX', ARGV[8])

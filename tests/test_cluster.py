@@ -1,0 +1,184 @@
+"""On a Redis Cluster (REDIS_URL=redis+cluster://...): the test session's 3 primaries with a
+replica each (stack/redis_cluster.py), real gateways and synthetic engines.
+
+The backends suite runs here too (tests/test_backend_*.py, ``synthetic-cluster``). These
+add what only a cluster has: sessions spread over the shards while a gateway holds one
+pub/sub connection per shard; resume and takeover across shards; a primary killed
+mid-stream (its replica promoted) and a slot moved to another primary under load, where
+the reader's stream pauses and goes on with nothing lost or repeated, or ends with a
+clear error, never hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+
+import httpx
+import pytest
+
+from stack import processes
+from stack.redis_cluster import EmbeddedCluster
+from tests.support.cluster import (
+    check_reply,
+    migrate_slot,
+    primaries,
+    pubsub_clients,
+    revive,
+    slot_of,
+)
+from tests.support.http import create_session, follow, send
+from tests.support.stack import Stack
+from wire import Keys
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.cluster]
+
+
+def outage_s(arrived: list[float], since: float) -> float:
+    """The longest wait between two events the reader got after ``since``."""
+    times = [since, *(at for at in arrived if at >= since)]
+    return max((b - a for a, b in itertools.pairwise(times)), default=0.0)
+
+
+async def test_sessions_spread_over_the_shards_on_one_pubsub_connection_per_shard(
+    cluster_stack: Stack, redis_cluster: EmbeddedCluster
+) -> None:
+    """30 streams on one gateway: their sessions live on all 3 primaries, the gateway
+    holds one pub/sub connection on each (not one per stream), every reply is whole."""
+    stack = cluster_stack
+    stack.synthetic(100, "--capacity", "30")
+    gateway = stack.gateway()
+    keys = Keys(stack.prefix)
+    before = {node.port: pubsub_clients(redis_cluster, node) for node in primaries(redis_cluster)}
+    content, max_tokens = "spread me", 60
+    async with httpx.AsyncClient(timeout=60) as client:
+        sessions = [await create_session(client, gateway.url) for _ in range(30)]
+        gids = [await send(client, s, content, max_tokens=max_tokens) for s in sessions]
+        followers = [follow(client, s, g) for s, g in zip(sessions, gids, strict=True)]
+        for follower in followers:
+            await follower.until_tokens(3)
+        shards = {redis_cluster.primary_of(keys.events(s.session_id)).port for s in sessions}
+        during = {
+            node.port: pubsub_clients(redis_cluster, node) for node in primaries(redis_cluster)
+        }
+        await asyncio.wait_for(asyncio.gather(*(f.task for f in followers if f.task)), 120)
+    assert len(shards) == 3, shards
+    assert {port: during[port] - before.get(port, 0) for port in during} == dict.fromkeys(during, 1)
+    for follower, gid in zip(followers, gids, strict=True):
+        assert check_reply(follower.reading.events, gid, content, max_tokens)["usage"]
+
+
+async def test_a_reply_resumed_on_another_gateway_is_whole(cluster_stack: Stack) -> None:
+    stack = cluster_stack
+    stack.synthetic(50)
+    first, second = stack.gateway(), stack.gateway()
+    content, max_tokens = "resume across gateways", 80
+    async with httpx.AsyncClient(timeout=60) as client:
+        session = await create_session(client, first.url)
+        gid = await send(client, session, content, max_tokens=max_tokens)
+        before = follow(client, session, gid)
+        await before.until_tokens(10)
+        assert before.task is not None
+        before.task.cancel()
+        await asyncio.gather(before.task, return_exceptions=True)
+        moved = type(session)(second.url, session.session_id, session.token)
+        after = follow(client, moved, gid, after=before.reading.events[-1].id)
+        assert after.task is not None
+        await asyncio.wait_for(after.task, 60)
+    check_reply(before.reading.events + after.reading.events, gid, content, max_tokens)
+
+
+async def test_the_reaper_hands_a_killed_workers_reply_to_another(cluster_stack: Stack) -> None:
+    """SIGKILL the worker mid-reply: the gateways' reaper (lease connection checked on
+    its node) queues the continuation, the other worker goes on byte for byte."""
+    stack = cluster_stack
+    doomed = stack.synthetic(20)
+    gateway = stack.gateway()
+    content, max_tokens = "carry on over the shards", 60
+    async with httpx.AsyncClient(timeout=60) as client:
+        session = await create_session(client, gateway.url)
+        gid = await send(client, session, content, max_tokens=max_tokens)
+        follower = follow(client, session, gid)
+        await follower.until_tokens(10)
+        stack.synthetic(20)
+        processes.kill(doomed)
+        killed_at = time.monotonic()
+        assert follower.task is not None
+        await asyncio.wait_for(follower.task, 60)
+    check_reply(follower.reading.events, gid, content, max_tokens)
+    resumed = [e.json() for e in follower.reading.events if e.event == "resumed"]
+    assert len(resumed) == 1, resumed
+    print(f"\nSIGKILL -> next token {follower.first_token_after(killed_at) * 1000:.0f} ms")
+
+
+async def test_a_primary_killed_mid_stream_pauses_the_stream_then_it_goes_on(
+    cluster_stack: Stack, redis_cluster: EmbeddedCluster
+) -> None:
+    """SIGKILL the primary of the session's slot while two readers (on two gateways)
+    follow the reply: its replica takes over; both readers get every event once, in
+    order, with the whole text (or a clear error if the replica lacked writes), and the
+    stream goes on within seconds."""
+    stack = cluster_stack
+    stack.synthetic(20)
+    first, second = stack.gateway(), stack.gateway()
+    keys = Keys(stack.prefix)
+    content, max_tokens = "survive the failover", 200
+    async with httpx.AsyncClient(timeout=60) as client:
+        session = await create_session(client, first.url)
+        gid = await send(client, session, content, max_tokens=max_tokens)
+        readers = [
+            follow(client, session, gid),
+            follow(client, type(session)(second.url, session.session_id, session.token), gid),
+        ]
+        for reader in readers:
+            await reader.until_tokens(20)
+        victim = redis_cluster.primary_of(keys.events(session.session_id))
+        victim.kill()
+        killed_at = time.monotonic()
+        try:
+            await asyncio.wait_for(asyncio.gather(*(r.task for r in readers if r.task)), 120)
+        finally:
+            revive(redis_cluster, victim)
+    for reader in readers:
+        final = check_reply(reader.reading.events, gid, content, max_tokens)
+        tokens = sum(e.event == "token" for e in reader.reading.events)
+        print(
+            f"\nprimary killed: outage {outage_s(reader.arrived, killed_at):.2f} s, "
+            f"final {final.get('type', 'done')}, {tokens} tokens, nothing repeated"
+        )
+    assert readers[0].reading.events == readers[1].reading.events
+
+
+async def test_a_slot_moved_to_another_primary_under_load(
+    cluster_stack: Stack, redis_cluster: EmbeddedCluster
+) -> None:
+    """Move the slot of a streaming session (with its keys) to another primary while 10
+    other streams run: the reader gets the server's sunsubscribe, subscribes again on the
+    new owner, re-reads the stream: every reply whole, nothing repeated."""
+    stack = cluster_stack
+    stack.synthetic(20, "--capacity", "11")
+    gateway = stack.gateway()
+    keys = Keys(stack.prefix)
+    content, max_tokens = "move my slot", 150
+    async with httpx.AsyncClient(timeout=60) as client:
+        sessions = [await create_session(client, gateway.url) for _ in range(11)]
+        gids = [await send(client, s, content, max_tokens=max_tokens) for s in sessions]
+        followers = [follow(client, s, g) for s, g in zip(sessions, gids, strict=True)]
+        for follower in followers:
+            await follower.until_tokens(10)
+        key = keys.events(sessions[0].session_id)
+        source = redis_cluster.primary_of(key)
+        target = next(node for node in primaries(redis_cluster) if node is not source)
+        moved_at = time.monotonic()
+        took = await asyncio.to_thread(
+            migrate_slot, redis_cluster, slot_of(redis_cluster, key), target
+        )
+        assert redis_cluster.primary_of(key) is target
+        await asyncio.wait_for(asyncio.gather(*(f.task for f in followers if f.task)), 120)
+    for follower, gid in zip(followers, gids, strict=True):
+        assert check_reply(follower.reading.events, gid, content, max_tokens)["usage"]
+    print(
+        f"\nslot moved in {took:.2f} s; the moved session's longest pause "
+        f"{outage_s(followers[0].arrived, moved_at):.2f} s"
+    )

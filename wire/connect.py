@@ -1,0 +1,193 @@
+"""The one way gateway and engine open Redis, from ``REDIS_URL``, whatever serves it.
+
+- ``redis://`` or ``rediss://``: one Redis (or a proxy in front of several); as before.
+- ``redis+cluster://host:port`` (``rediss+cluster://`` with TLS): a Redis Cluster, found
+  from any one node (more seeds after a comma: ``redis+cluster://a:6379,b:6379``). Keys of
+  one session share a hash tag, so every script touches one slot; live events go over
+  sharded pub/sub (SPUBLISH in the scripts, SSUBSCRIBE per shard in the gateway's relay);
+  each model's queue is its own key, so models spread over the shards.
+- ``redis+sentinel://host:port[,host:port...]/service[/db]``: the primary that Sentinel
+  names for ``service``, followed through failovers.
+
+A cluster client is ``redis.asyncio.cluster.RedisCluster``: it answers the commands the
+code uses with the ``Redis`` signatures, so callers keep typing it as ``Redis``; the few
+places that differ ask ``is_cluster``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+from urllib.parse import parse_qs, urlsplit, urlunsplit
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.backoff import ExponentialBackoff
+from redis.crc import key_slot
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+SENTINEL_SCHEMES = {"redis+sentinel", "rediss+sentinel"}
+
+
+def kind_of(url: str) -> str:
+    """``cluster``, ``sentinel`` or ``single``."""
+    scheme = urlsplit(url).scheme
+    if scheme in CLUSTER_SCHEMES:
+        return "cluster"
+    if scheme in SENTINEL_SCHEMES:
+        return "sentinel"
+    return "single"
+
+
+def _retry() -> Retry:
+    return Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=3)
+
+
+def connect(url: str, *, max_connections: int | None = None, **options: Any) -> aioredis.Redis:
+    """A client for ``url``. ``max_connections``: a blocking pool of that many (per node on
+    a cluster) whose commands are retried on a lost connection (the gateway's); None:
+    redis-py's defaults (the engine's)."""
+    kind = kind_of(url)
+    if kind == "cluster":
+        return _cluster(url, max_connections, options)
+    if kind == "sentinel":
+        return _sentinel(url, max_connections or 2**31, options)
+    if max_connections is None:
+        return aioredis.Redis.from_url(url, **options)
+    return aioredis.Redis(
+        connection_pool=aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, **options
+        ),
+        retry=_retry(),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+    )
+
+
+def _hosts(netloc: str, default_port: int) -> list[tuple[str, int]]:
+    hosts = []
+    for part in netloc.rsplit("@", 1)[-1].split(","):
+        host, _, port = part.rpartition(":") if ":" in part else (part, "", "")
+        hosts.append((host or "127.0.0.1", int(port or default_port)))
+    return hosts
+
+
+def _cluster(url: str, max_connections: int | None, options: dict[str, Any]) -> aioredis.Redis:
+    parts = urlsplit(url)
+    seeds = _hosts(parts.netloc, 6379)
+    auth = parts.netloc.rsplit("@", 1)[0] + "@" if "@" in parts.netloc else ""
+    first = f"{auth}{seeds[0][0]}:{seeds[0][1]}"
+    plain = urlunsplit((CLUSTER_SCHEMES[parts.scheme], first, "", parts.query, ""))
+    options.pop("timeout", None)  # a blocking pool's wait: the cluster's pools do not block
+    if max_connections is not None:
+        options["max_connections"] = max_connections
+    client = RedisCluster.from_url(
+        plain,
+        startup_nodes=[ClusterNode(host, port) for host, port in seeds[1:]] or None,
+        # Slots without a primary (a failover under way) leave the others usable.
+        require_full_coverage=False,
+        **options,
+    )
+    return cast(aioredis.Redis, client)
+
+
+def _sentinel(url: str, max_connections: int, options: dict[str, Any]) -> aioredis.Redis:
+    parts = urlsplit(url)
+    path = [part for part in parts.path.split("/") if part]
+    if not path:
+        raise ValueError(f"{url}: name the service: redis+sentinel://host:port/SERVICE[/db]")
+    service, db = path[0], int(path[1]) if len(path) > 1 else 0
+    query = {key: values[-1] for key, values in parse_qs(parts.query).items()}
+    password = parts.password
+    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        _hosts(parts.netloc, 26379),
+        sentinel_kwargs={"password": query["sentinel_password"]}
+        if "sentinel_password" in query
+        else {},
+        password=password,
+        username=parts.username,
+        ssl=parts.scheme.startswith("rediss"),
+        db=db,
+    )
+    return aioredis.Redis(
+        connection_pool=SentinelConnectionPool(  # type: ignore[no-untyped-call]
+            service, sentinel, max_connections=max_connections, **options
+        ),
+        retry=_retry(),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+    )
+
+
+async def ready(redis: aioredis.Redis) -> None:
+    """Learn a cluster's slot map now (a cluster client otherwise does on its first
+    command), so that routing by key works from the start. Nothing for one Redis."""
+    if isinstance(redis, RedisCluster):
+        await redis.initialize()
+
+
+def is_cluster(redis: object) -> bool:
+    return isinstance(redis, RedisCluster)
+
+
+def slot_of(session_id: str) -> int:
+    """The cluster hash slot of a session's keys and live channel (``{<sid>}`` tags them
+    all): a publisher groups a step's events by it to send each group to its shard."""
+    return int(key_slot(session_id.encode()))
+
+
+async def mget(redis: aioredis.Redis, keys: list[str]) -> list[bytes | None]:
+    """MGET of keys that may lie in different slots (one round trip per shard on a
+    cluster)."""
+    if not keys:
+        return []
+    if isinstance(redis, RedisCluster):
+        return cast(list[bytes | None], await redis.mget_nonatomic(keys))
+    return cast(list[bytes | None], await redis.mget(keys))
+
+
+def node_client(redis: aioredis.Redis, key: str, **options: Any) -> aioredis.Redis:
+    """A plain one-node client (a pool of one connection) of the Redis that serves ``key``:
+    ``redis`` itself for one Redis (its settings, its own pool); on a cluster, the primary
+    of ``key``'s slot now, reached directly (connection-scoped commands: CLIENT ID)."""
+    if isinstance(redis, RedisCluster):
+        node = redis.get_node_from_key(key)
+        kwargs = dict(node.connection_kwargs, **options)
+        kwargs.pop("retry", None)
+        return aioredis.Redis(
+            connection_pool=aioredis.BlockingConnectionPool(
+                connection_class=node.connection_class, max_connections=1, timeout=None, **kwargs
+            )
+        )
+    pool = redis.connection_pool
+    kwargs = dict(pool.connection_kwargs, **options)
+    return aioredis.Redis(
+        connection_pool=aioredis.BlockingConnectionPool(
+            connection_class=pool.connection_class, max_connections=1, timeout=None, **kwargs
+        )
+    )
+
+
+def address_of(client: aioredis.Redis) -> str:
+    """``host:port`` of a plain client's server ("" when it has none, a Unix socket)."""
+    kwargs = client.connection_pool.connection_kwargs
+    return f"{kwargs['host']}:{kwargs['port']}" if "host" in kwargs else ""
+
+
+def node_by_address(redis: aioredis.Redis | RedisCluster, address: str) -> aioredis.Redis | None:
+    """On a cluster, a one-connection client of the node at ``address`` if the cluster
+    still lists it; None elsewhere (one Redis: ``redis`` answers for itself)."""
+    if not isinstance(redis, RedisCluster) or not address:
+        return None
+    host, _, port = address.rpartition(":")
+    node = redis.get_node(host=host, port=int(port))
+    if node is None:
+        return None
+    kwargs = dict(node.connection_kwargs)
+    kwargs.pop("retry", None)
+    return aioredis.Redis(
+        connection_pool=aioredis.BlockingConnectionPool(
+            connection_class=node.connection_class, max_connections=1, timeout=None, **kwargs
+        )
+    )
