@@ -9,13 +9,21 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     TOKENSPOUT_WEB_DIR=/app/web
 
 WORKDIR /app
-COPY pyproject.toml README.md ./
+# The dependencies first, from pyproject.toml alone: a change to the code rebuilds only the
+# small layers after this one.
+COPY pyproject.toml ./
+RUN python -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies'], sep='\n')" > /tmp/requirements.txt \
+    && pip install -r /tmp/requirements.txt \
+    && rm /tmp/requirements.txt \
+    && useradd --system --uid 10001 tokenspout
+
+COPY README.md ./
 COPY web ./web
 COPY gateway ./gateway
 COPY engine ./engine
 COPY stack ./stack
-RUN pip install . \
-    && useradd --system --uid 10001 tokenspout
+RUN pip install --no-deps . \
+    && rm -rf build ./*.egg-info
 
 USER tokenspout
 EXPOSE 8000

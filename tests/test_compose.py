@@ -9,17 +9,24 @@ argument parsers and the gateway's Settings.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import copy
+import fcntl
 import json
 import os
 import re
+import secrets
 import subprocess
 import sys
+import time
 import tomllib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import httpx
 import jsonschema
 import pytest
 import yaml
@@ -29,6 +36,12 @@ from engine.__main__ import ENVIRONMENT as ENGINE_ENVIRONMENT
 from engine.__main__ import build_parser as engine_parser
 from gateway.__main__ import parser as gateway_parser
 from gateway.settings import Settings, env_name
+from stack.redis_server import free_port
+from tests import standins
+from tests.client import TERMINAL, Reading, cancel, create_session, read_events, send
+from tests.conftest import VLLM_LOCK
+from tests.sse import Event
+from tests.ws_client import open_ws
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = json.loads((ROOT / "tests" / "data" / "compose-spec.json").read_text())
@@ -197,7 +210,7 @@ def test_the_proxy_streams_unbuffered_and_passes_websocket_upgrades() -> None:
     directives = {line.strip().rstrip(";") for line in conf.splitlines()}
     for needed in (
         "server gateway:8000 resolve",
-        "resolver 127.0.0.11 valid=5s ipv6=off",
+        "resolver ${NGINX_LOCAL_RESOLVERS} valid=5s ipv6=off",
         "listen 8080",
         "proxy_pass http://gateways",
         "proxy_http_version 1.1",
@@ -213,9 +226,15 @@ def test_the_proxy_streams_unbuffered_and_passes_websocket_upgrades() -> None:
     assert read_timeout is not None
     assert int(read_timeout.group(1)) * 3600 > Settings().sse_heartbeat_s
     assert conf.count("{") == conf.count("}")
+    # nginx.conf is a template: the image's entrypoint fills in the runtime's name server
+    # (and no other variable: only those set in the container are substituted).
+    proxy = services()["proxy"]
+    assert environment_of(proxy) == {"NGINX_ENTRYPOINT_LOCAL_RESOLVERS": "1"}
+    assert "./docker/nginx.conf:/etc/nginx/templates/default.conf.template:ro" in proxy["volumes"]
+    assert set(re.findall(r"\$\{(\w+)\}", conf)) == {"NGINX_LOCAL_RESOLVERS"}
 
 
-def test_the_gpu_engine_reserves_an_nvidia_gpu_and_the_cpu_profile_replaces_it() -> None:
+def test_the_gpu_engine_reserves_an_nvidia_gpu_and_the_cpu_engine_is_the_default() -> None:
     gpu, cpu = engines()["engine"], engines()["engine-cpu"]
     devices = gpu["deploy"]["resources"]["reservations"]["devices"]
     assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
@@ -226,7 +245,7 @@ def test_the_gpu_engine_reserves_an_nvidia_gpu_and_the_cpu_profile_replaces_it()
         for line in (ROOT / ".env").read_text().splitlines()
         if line and not line.startswith("#")
     )
-    assert dotenv == {"COMPOSE_PROFILES": "gpu"}
+    assert dotenv == {"COMPOSE_PROFILES": "cpu"}
     # the GPU engine keeps downloaded models in a named volume
     volumes = load_compose()["volumes"]
     mount = next(v for v in gpu["volumes"] if v.endswith(":/cache"))
@@ -235,6 +254,29 @@ def test_the_gpu_engine_reserves_an_nvidia_gpu_and_the_cpu_profile_replaces_it()
     # the CPU engine serves the bundled model, offline
     assert parse_with(engine_parser(), module_args(command_of(cpu), "engine")).model == "default"
     assert environment_of(cpu)["HF_HUB_OFFLINE"] == "1"
+
+
+def resolved_services(**env: str) -> set[str]:
+    """The services a compose implementation (podman-compose) starts, .env read as usual."""
+    clean = {k: v for k, v in os.environ.items() if k != "COMPOSE_PROFILES"}
+    result = subprocess.run(
+        [sys.executable, "-m", "podman_compose", "--file", str(ROOT / "compose.yaml"), "config"],
+        cwd=ROOT,
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    resolved: dict[str, Any] = yaml.safe_load(result.stdout)
+    return set(resolved["services"])
+
+
+def test_a_plain_up_runs_the_cpu_engine_and_compose_profiles_gpu_the_gpu_engine() -> None:
+    core = {"redis", "gateway", "proxy"}
+    assert resolved_services() == core | {"engine-cpu"}
+    assert resolved_services(COMPOSE_PROFILES="gpu") == core | {"engine"}
+    assert resolved_services(COMPOSE_PROFILES="cpu") == core | {"engine-cpu"}
 
 
 def test_redis_is_pinned_persistent_and_health_checked() -> None:
@@ -309,8 +351,10 @@ def base_requirements() -> list[Requirement]:
 
 def test_the_gateway_image_installs_only_the_base_dependencies_and_no_torch_or_vllm() -> None:
     runs = " ".join(instructions("gateway.Dockerfile", "RUN"))
-    assert "pip install ." in runs
-    assert "[" not in runs and not re.search(r"torch|vllm", runs)
+    # the base dependencies from pyproject.toml, then the project itself without any
+    assert "['project']['dependencies']" in runs and "optional-dependencies" not in runs
+    assert "pip install -r /tmp/requirements.txt" in runs and "pip install --no-deps ." in runs
+    assert not re.search(r"torch|vllm|\.\[", runs)
     assert instructions("gateway.Dockerfile", "FROM") == ["python:3.11-slim-bookworm"]
     # what `pip install .` pulls in: the base dependencies and everything they require
     seen: set[str] = set()
@@ -353,5 +397,313 @@ def test_the_engine_images_match_the_pinned_vllm_and_install_the_engine_extras()
     assert '".[engine-gpu]"' in " ".join(instructions("engine.Dockerfile", "RUN"))
     assert instructions("engine.Dockerfile", "ENTRYPOINT") == ["[]"]
     cpu_runs = " ".join(instructions("engine-cpu.Dockerfile", "RUN"))
-    assert '".[engine-cpu]"' in cpu_runs
+    assert "p['optional-dependencies']['engine-cpu']" in cpu_runs
     assert "python -m engine.model" in cpu_runs  # the bundled model is converted at build
+
+
+# --- the real run: images built, the CPU stack up, checked through the proxy --------------
+#
+# tests/standins.py builds the stand-in base images and the project's images (compose
+# build), then compose.yaml runs unchanged on podman with podman-compose; the one override,
+# docker/standins/compose.podman.yaml, gives the proxy the network's name server alone, as
+# Docker does. docs/containers.md says what this proves and what it cannot.
+
+STANDIN_OVERRIDE = ROOT / "docker" / "standins" / "compose.podman.yaml"
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class ComposeRun:
+    project: str
+    base: str
+    env: dict[str, str]
+    log: Path
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def compose(self, *args: str, timeout: float = 300) -> str:
+        command = standins.compose_command(
+            "--file", str(STANDIN_OVERRIDE), *args, project=self.project
+        )
+        began = time.monotonic()
+        result = subprocess.run(
+            command, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout
+        )
+        with self.log.open("a") as log:
+            log.write(f"$ {' '.join(args)} ({time.monotonic() - began:.1f} s)\n")
+            log.write(result.stdout + result.stderr)
+        assert result.returncode == 0, (args, result.stdout[-3000:], result.stderr[-3000:])
+        return result.stdout
+
+    def podman(self, *args: str, timeout: float = 120) -> str:
+        result = standins.podman(*args, check=False, timeout=timeout)
+        assert result.returncode == 0, (args, result.stderr[-2000:])
+        return result.stdout
+
+    def containers(self, service: str | None = None) -> list[str]:
+        labels = ["--filter", f"label=io.podman.compose.project={self.project}"]
+        if service is not None:
+            labels += ["--filter", f"label=io.podman.compose.service={service}"]
+        names = self.podman("ps", "--all", *labels, "--format", "{{.Names}}")
+        return sorted(names.split())
+
+    def left_over(self) -> dict[str, list[str]]:
+        label = f"label=io.podman.compose.project={self.project}"
+        networks = self.podman("network", "ls", "--format", "{{.Name}}").split()
+        return {
+            "containers": self.containers(),
+            "networks": [n for n in networks if n.startswith(f"{self.project}_")],
+            "volumes": self.podman(
+                "volume", "ls", "--filter", label, "--format", "{{.Name}}"
+            ).split(),
+        }
+
+
+def free_subnet() -> str:
+    """A /24 under 10.89 that no route and no podman network on this machine uses yet."""
+    taken = subprocess.run(["ip", "-4", "route"], capture_output=True, text=True, check=True).stdout
+    taken += standins.podman(
+        "network", "ls", "--format", "{{range .Subnets}}{{.Subnet}} {{end}}"
+    ).stdout
+    for _ in range(200):
+        prefix = f"10.89.{secrets.randbelow(200) + 50}"
+        if f"{prefix}." not in taken:
+            return prefix
+    raise RuntimeError("no free 10.89.x.0/24 subnet")
+
+
+def wait_until(
+    check: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.5
+) -> float:
+    """Poll ``check`` until it holds; the seconds it took. Raises after ``timeout_s``."""
+    began = time.monotonic()
+    while time.monotonic() - began < timeout_s:
+        if check():
+            return time.monotonic() - began
+        time.sleep(poll_s)
+    raise TimeoutError(f"{what}: not within {timeout_s} s")
+
+
+def ready_workers(base: str) -> list[dict[str, Any]]:
+    try:
+        response = httpx.get(f"{base}/ready", timeout=5)
+    except httpx.HTTPError:
+        return []
+    if response.status_code != 200:
+        return []
+    workers: list[dict[str, Any]] = response.json()["workers"]
+    return workers
+
+
+def active_streams(run: ComposeRun, container: str) -> float:
+    probe = (
+        "import urllib.request; print(urllib.request.urlopen("
+        "'http://127.0.0.1:8000/metrics', timeout=5).read().decode())"
+    )
+    metrics = run.podman("exec", container, "python", "-c", probe)
+    found = re.search(r"^tokenspout_gateway_active_streams (\S+)$", metrics, re.MULTILINE)
+    assert found is not None, metrics[:2000]
+    return float(found.group(1))
+
+
+def assert_gap_free(events: list[Event], gid: str) -> None:
+    """Ids strictly increasing, token counts contiguous, one final event, nothing after it."""
+    ids = [standins_entry_key(e.id) for e in events]
+    assert ids == sorted(ids) and len(set(ids)) == len(ids), ids
+    mine = [e for e in events if e.json().get("generation_id") == gid]
+    counts = [e.json()["count"] for e in mine if e.event == "token"]
+    assert counts == sorted(counts) and len(set(counts)) == len(counts), counts
+    finals = [i for i, e in enumerate(mine) if e.event in TERMINAL]
+    assert len(finals) == 1 and finals[0] == len(mine) - 1, [e.event for e in mine]
+
+
+def standins_entry_key(event_id: str | None) -> tuple[int, int]:
+    assert event_id is not None
+    millis, _, sequence = event_id.partition("-")
+    return int(millis), int(sequence or 0)
+
+
+@pytest.fixture
+def compose_run(tmp_path: Path) -> Iterator[ComposeRun]:
+    """Images built (cached after the first time), the CPU stack up with two gateways."""
+    project = f"ts{secrets.token_hex(3)}"
+    port = free_port()
+    env = {
+        **standins.podman_env(),
+        "TOKENSPOUT_PORT": f"127.0.0.1:{port}",
+        "TOKENSPOUT_STANDIN_SUBNET": free_subnet(),
+        "TOKENSPOUT_CPU_CAPACITY": "4",
+        "TOKENSPOUT_DRAIN_S": "5",
+    }
+    env.pop("COMPOSE_PROFILES", None)  # .env's default is what runs
+    run = ComposeRun(project, f"http://127.0.0.1:{port}", env, tmp_path / "compose.log")
+    began = time.monotonic()
+    built = standins.prepare()
+    run.timings["prepare_s"] = time.monotonic() - began
+    run.timings.update({f"build_{name}_s": spent for name, spent in built.items()})
+    with VLLM_LOCK.open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the containerised engine is a vLLM engine too
+        try:
+            began = time.monotonic()
+            run.compose("up", "-d", "--scale", "gateway=2", timeout=600)
+            run.timings["up_s"] = time.monotonic() - began
+            run.timings["engine_ready_s"] = (
+                wait_until(
+                    lambda: bool(ready_workers(run.base)),
+                    900,
+                    "an engine worker behind the proxy",
+                    2,
+                )
+                + run.timings["up_s"]
+            )
+            yield run
+        except BaseException:
+            for container in run.containers():
+                logs = standins.podman("logs", "--tail", "40", container, check=False)
+                print(f"--- {container}\n{logs.stdout}{logs.stderr}")
+            print(run.log.read_text()[-6000:])
+            raise
+        finally:
+            if run.containers():
+                run.compose("down", "-v", "-t", "10", timeout=300)
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            print(f"compose run timings: {json.dumps(run.timings)}")
+
+
+@pytest.mark.containers
+@pytest.mark.timeout(3600)
+async def test_compose_up_builds_the_images_and_serves_through_the_proxy(
+    compose_run: ComposeRun,
+) -> None:
+    run, base = compose_run, compose_run.base
+    gateways = run.containers("gateway")
+    assert len(gateways) == 2, gateways
+    assert run.containers("engine") == []  # the CPU profile is the default: no GPU engine
+    (engine,) = run.containers("engine-cpu")
+
+    # Every service's own health check passes (podman 4.3 without systemd schedules none).
+    for container in run.containers():
+        run.podman("healthcheck", "run", container)
+
+    # The gateway image carries neither torch nor vllm.
+    probe = "import importlib.util as u; print([m for m in ('torch', 'vllm') if u.find_spec(m)])"
+    assert run.podman("exec", gateways[0], "python", "-c", probe).strip() == "[]"
+
+    async with httpx.AsyncClient(timeout=120) as client:
+        # The web page, as a browser gets it.
+        page = await client.get(f"{base}/")
+        assert page.status_code == 200 and "<title>tokenspout chat</title>" in page.text
+        (worker,) = (await client.get(f"{base}/ready")).json()["workers"]
+        assert worker["model"] == MODEL and worker["backend"] == "vllm"
+
+        # A real SmolLM2 reply over SSE.
+        session = await create_session(client, base)
+        gid = await send(
+            client, session, "What is the capital of France?", max_tokens=24, temperature=0
+        )
+        reading = await read_events(client, session, until_final_of=gid, timeout_s=600)
+        assert reading.final(gid).event == "done", reading.final(gid).data
+        assert "Paris" in reading.text(gid)
+
+        # A real reply over a WebSocket, through the proxy's upgrade.
+        ws = await open_ws(base)
+        try:
+            ack = await ws.generate("w", "Name a colour.", max_tokens=12, temperature=0)
+            assert ack["type"] == "ack", ack
+            final = await ws.final_of("w", timeout_s=600)
+            assert final["type"] == "done", final
+            assert ws.text("w").strip()
+        finally:
+            await ws.conn.close()
+
+        # A cancel: the stream ends with one `cancelled`, nothing after it.
+        session = await create_session(client, base)
+        long = "Write a long story about a lighthouse keeper."
+        gid = await send(client, session, long, max_tokens=400, temperature=0)
+        reading = await read_events(client, session, limit=5, timeout_s=600)
+        await cancel(client, session, gid)
+        reading = await read_events(
+            client,
+            session,
+            until_final_of=gid,
+            reading=reading,
+            last_event_id=reading.events[-1].id,
+            timeout_s=120,
+        )
+        assert reading.final(gid).event == "cancelled"
+        assert reading.final(gid).json()["reason"] == "user"
+        assert_gap_free(reading.events, gid)
+
+        # --scale gateway=2: the replica serving a stream stops mid-stream; the client
+        # reconnects through the proxy with Last-Event-ID and the reply goes on, gap-free.
+        session = await create_session(client, base)
+        gid = await send(client, session, long, max_tokens=200, temperature=0)
+        reading = Reading()
+        first = asyncio.create_task(
+            read_events(client, session, until_final_of=gid, reading=reading, timeout_s=600)
+        )
+        await until_events(reading, 6, first)
+        serving = [g for g in gateways if active_streams(run, g) >= 1]
+        assert len(serving) == 1, serving
+        run.podman("stop", "--time", "2", serving[0])
+        try:
+            await first  # the stream closes when its replica goes
+        except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+            print(f"the stream on {serving[0]} broke as its replica stopped: {exc!r}")
+        assert not any(e.event in TERMINAL for e in reading.of(gid)), "ended before the stop"
+        seen = len(reading.events)
+        await read_events(
+            client,
+            session,
+            until_final_of=gid,
+            reading=reading,
+            last_event_id=reading.events[-1].id,
+            timeout_s=600,
+        )
+        assert any(e.event == "token" for e in reading.events[seen:]), "nothing was resumed"
+        assert reading.final(gid).event == "done", reading.final(gid).data
+        assert_gap_free(reading.events, gid)
+        assert active_streams(run, next(g for g in gateways if g != serving[0])) == 0
+
+        # The engine restarts mid-reply. The interrupted reply ends with a clear final event:
+        # `done` when another worker takes it over, or `error` worker_lost while takeover is
+        # not there; either way the client does not wait forever. Then a new reply is served.
+        session = await create_session(client, base)
+        gid = await send(client, session, long, max_tokens=300, temperature=0)
+        reading = Reading()
+        interrupted = asyncio.create_task(
+            read_events(client, session, until_final_of=gid, reading=reading, timeout_s=900)
+        )
+        await until_events(reading, 5, interrupted)
+        began = time.monotonic()
+        run.podman("restart", "--time", "1", engine, timeout=300)
+        await interrupted
+        final = reading.final(gid)
+        assert final.event in ("done", "error"), final.data
+        if final.event == "error":
+            assert final.json()["code"] == "worker_lost", final.data
+        assert_gap_free(reading.events, gid)
+        run.timings["engine_restart_final_s"] = time.monotonic() - began
+        run.timings["engine_restart_ready_s"] = await asyncio.to_thread(
+            wait_until, lambda: bool(ready_workers(base)), 900, "the restarted engine", 2
+        )
+        gid = await send(
+            client, session, "What is the capital of France?", max_tokens=24, temperature=0
+        )
+        reading = await read_events(
+            client, session, until_final_of=gid, last_event_id=reading.events[-1].id, timeout_s=600
+        )
+        assert reading.final(gid).event == "done" and "Paris" in reading.text(gid)
+
+    # `down -v` leaves no container, network or volume of the project.
+    began = time.monotonic()
+    run.compose("down", "-v", "-t", "10", timeout=300)
+    run.timings["down_s"] = time.monotonic() - began
+    assert run.left_over() == {"containers": [], "networks": [], "volumes": []}
+
+
+async def until_events(reading: Reading, count: int, task: asyncio.Task[Reading]) -> None:
+    """Wait until a reader task has ``count`` events (it must still be reading)."""
+    async with asyncio.timeout(600):
+        while len(reading.events) < count:
+            assert not task.done(), task
+            await asyncio.sleep(0.05)
