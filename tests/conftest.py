@@ -162,3 +162,9 @@ def vllm_stack(
 
 def pytest_report_header() -> str:
     return f"tokenspout tests: real Redis, real processes (pid {os.getpid()})"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Container tests first: their engine takes VLLM_LOCK, which the session's ``vllm_stack``
+    holds from its first use to the session's end (a later take would wait on itself)."""
+    items.sort(key=lambda item: item.get_closest_marker("containers") is None)

@@ -254,6 +254,8 @@ def test_the_gpu_engine_reserves_an_nvidia_gpu_and_the_cpu_engine_is_the_default
     # the CPU engine serves the bundled model, offline
     assert parse_with(engine_parser(), module_args(command_of(cpu), "engine")).model == "default"
     assert environment_of(cpu)["HF_HUB_OFFLINE"] == "1"
+    # vLLM's processes share tensors through /dev/shm: the 64 MB default failed its start
+    assert cpu["shm_size"] == "1gb" and gpu["ipc"] == "host"
 
 
 def resolved_services(**env: str) -> set[str]:
@@ -564,7 +566,7 @@ def compose_run(tmp_path: Path) -> Iterator[ComposeRun]:
             raise
         finally:
             if run.containers():
-                run.compose("down", "-v", "-t", "10", timeout=300)
+                run.compose("down", "-v", "--remove-orphans", "-t", "10", timeout=300)
             fcntl.flock(lock, fcntl.LOCK_UN)
             print(f"compose run timings: {json.dumps(run.timings)}")
 
@@ -694,9 +696,11 @@ async def test_compose_up_builds_the_images_and_serves_through_the_proxy(
         )
         assert reading.final(gid).event == "done" and "Paris" in reading.text(gid)
 
-    # `down -v` leaves no container, network or volume of the project.
+    # `down -v` leaves no container, network or volume of the project. podman-compose 1.6
+    # knows only the replicas compose.yaml declares: the one --scale added is removed as an
+    # orphan (docker compose's down finds every container of the project by itself).
     began = time.monotonic()
-    run.compose("down", "-v", "-t", "10", timeout=300)
+    run.compose("down", "-v", "--remove-orphans", "-t", "10", timeout=300)
     run.timings["down_s"] = time.monotonic() - began
     assert run.left_over() == {"containers": [], "networks": [], "volumes": []}
 
