@@ -220,6 +220,7 @@ def test_the_proxy_streams_unbuffered_and_passes_websocket_upgrades() -> None:
         "proxy_set_header Upgrade $http_upgrade",
         "proxy_set_header Connection $connection_upgrade",
         "proxy_set_header X-Request-ID $request_id",
+        "proxy_connect_timeout 2s",
     ):
         assert needed in directives, needed
     read_timeout = re.search(r"proxy_read_timeout (\d+)h;", conf)
