@@ -559,14 +559,12 @@ def compose_run(tmp_path: Path) -> Iterator[ComposeRun]:
                 + run.timings["up_s"]
             )
             yield run
-        except BaseException:
-            for container in run.containers():
-                logs = standins.podman("logs", "--tail", "40", container, check=False)
-                print(f"--- {container}\n{logs.stdout}{logs.stderr}")
-            print(run.log.read_text()[-6000:])
-            raise
         finally:
             if run.containers():
+                for container in run.containers():  # kept in the test's captured output
+                    logs = standins.podman("logs", "--tail", "60", container, check=False)
+                    print(f"--- {container}\n{logs.stdout}{logs.stderr}")
+                print(run.log.read_text()[-6000:])
                 run.compose("down", "-v", "--remove-orphans", "-t", "10", timeout=300)
             fcntl.flock(lock, fcntl.LOCK_UN)
             print(f"compose run timings: {json.dumps(run.timings)}")
