@@ -456,10 +456,12 @@ class ComposeRun:
         return sorted(names.split())
 
     def remove_extra_replicas(self) -> None:
-        """Remove the replicas ``--scale`` added beyond the one compose.yaml declares."""
+        """Remove the replicas ``--scale`` added beyond the one compose.yaml declares, and
+        the proxy with them: podman-compose turns its ``depends_on`` into podman's
+        ``--requires`` on every gateway container, so podman removes none without it."""
         extra = [c for c in self.containers() if int(c.rpartition("_")[2]) > 1]
         if extra:
-            self.podman("rm", "--force", "--time", "10", *extra, timeout=120)
+            self.podman("rm", "--force", "--depend", "--time", "10", *extra, timeout=120)
 
     def sweep(self) -> None:
         """Whatever a failed run left: every container (dependents with it), then the
@@ -594,7 +596,7 @@ def compose_run(tmp_path: Path) -> Iterator[ComposeRun]:
             finally:
                 run.sweep()
                 fcntl.flock(lock, fcntl.LOCK_UN)
-            print(f"compose run timings: {json.dumps(run.timings)}")
+                print(f"compose run timings: {json.dumps(run.timings)}")
 
 
 @pytest.mark.containers
