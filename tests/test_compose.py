@@ -533,6 +533,19 @@ def active_streams(run: ComposeRun, container: str) -> float:
     return float(found.group(1))
 
 
+def open_connections(pid: int, port: int) -> int:
+    """Established TCP connections to ``port`` in the network namespace of process ``pid``,
+    read on the host from /proc. The proxy opens one connection per request and closes it
+    after the response, so while nothing else is asked, the one open is a stream's."""
+    count = 0
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            if local.endswith(f":{port:04X}") and state == "01":  # 01: ESTABLISHED
+                count += 1
+    return count
+
+
 def assert_gap_free(events: list[Event], gid: str) -> None:
     """Ids strictly increasing, token counts contiguous, one final event, nothing after it."""
     ids = [standins_entry_key(e.id) for e in events]
@@ -666,14 +679,18 @@ async def test_compose_up_builds_the_images_and_serves_through_the_proxy(
         # --scale gateway=2: the replica serving a stream stops mid-stream; the client
         # reconnects through the proxy with Last-Event-ID and the reply goes on, gap-free.
         session = await create_session(client, base)
-        gid = await send(client, session, long, max_tokens=200, temperature=0)
+        # 400 tokens (about 12 s here) outlast the stop by far: the replica is found from the
+        # host's /proc (no podman exec, which took seconds under load: a 200-token reply once
+        # ended before the stop reached it).
+        pids = {g: int(run.podman("inspect", "--format", "{{.State.Pid}}", g)) for g in gateways}
+        gid = await send(client, session, long, max_tokens=400, temperature=0)
         reading = Reading()
         first = asyncio.create_task(
             read_events(client, session, until_final_of=gid, reading=reading, timeout_s=600)
         )
         await until_events(reading, 6, first)
-        serving = [g for g in gateways if active_streams(run, g) >= 1]
-        assert len(serving) == 1, serving
+        serving = [g for g in gateways if open_connections(pids[g], 8000) >= 1]
+        assert len(serving) == 1 and open_connections(pids[serving[0]], 8000) == 1, serving
         await asyncio.to_thread(run.podman, "stop", "--time", "2", serving[0])
         try:
             await first  # the stream closes when its replica goes
@@ -713,6 +730,7 @@ async def test_compose_up_builds_the_images_and_serves_through_the_proxy(
             assert final.json()["code"] == "worker_lost", final.data
         assert_gap_free(reading.events, gid)
         run.timings["engine_restart_final_s"] = time.monotonic() - began
+        print(f"engine restart: the interrupted reply ended with {final.event} {final.data}")
         run.timings["engine_restart_ready_s"] = await asyncio.to_thread(
             wait_until, lambda: bool(ready_workers(base)), 900, "the restarted engine", 2
         )
