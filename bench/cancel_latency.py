@@ -35,10 +35,10 @@ import msgspec
 import redis.asyncio as aioredis
 from websockets.asyncio.client import ClientConnection, connect
 
-from engine import contract
-from engine.contract import Keys, WorkerInfo
+import wire
 from stack import processes
 from stack.redis_server import EmbeddedRedis, free_port
+from wire import Keys, WorkerInfo
 
 VLLM_LOCK = Path("/tmp/tokenspout-vllm.lock")
 OUT = Path(__file__).resolve().parent.parent / "docs" / "bench"
@@ -123,7 +123,7 @@ class Bench:
         except TimeoutError:
             pass
         after_cancel = metric(self.metrics_port, "tokenspout_engine_tokens_after_cancel_total")
-        entries = contract.entries_of(await self.redis.xrange(self.keys.events(ack["session_id"])))
+        entries = wire.entries_of(await self.redis.xrange(self.keys.events(ack["session_id"])))
         kinds = [f[b"t"] for _id, f in entries if f[b"g"].decode() == ack["generation_id"]]
         in_redis_after = len(kinds) - 1 - kinds.index(b"cancelled")
         return {

@@ -30,10 +30,10 @@ from typing import Any
 import httpx
 
 from engine.backends.vllm_backend import VllmBackend
-from engine.contract import ChatMessage, GenerationRequest, SamplingParams
 from engine.model import MODEL_NAME, prepare_default_model
 from stack import processes
 from stack.redis_server import EmbeddedRedis, free_port
+from wire import ChatMessage, GenerationRequest, SamplingParams
 
 PROMPTS = [
     "What is the capital of France?",

@@ -36,6 +36,8 @@ class StreamRecord:
     submitted_at: float = 0.0
     accepted_at: float = 0.0
     """When the submit call returned (the gateway's 202, or the Redis script's reply)."""
+    headers_at: float = 0.0
+    """When the response's headers arrived (SSE readers)."""
     arrivals: list[float] = field(default_factory=list)
     final: str | None = None
     failure: str | None = None
@@ -94,6 +96,7 @@ class SSEStream(asyncio.Protocol):
                 self.close()
                 return
             self._headers_done = True
+            self.record.headers_at = now
             self._chunked = b"transfer-encoding: chunked" in head
             if self.record.ready is not None and not self.record.ready.done():
                 self.record.ready.set_result(None)
@@ -105,12 +108,16 @@ class SSEStream(asyncio.Protocol):
         if b"\n\n" in self._body:
             *frames, self._body = self._body.split(b"\n\n")
             for frame in frames:
-                start = frame.find(b"event: ")
-                if start >= 0:
-                    stop = frame.find(b"\n", start)
-                    self.record.on_event(frame[start + 7 : stop], now)
-            if self.record.final is not None:
+                self.on_frame(frame, now)
+            if self.record.final is not None or self.record.failure is not None:
                 self.close()
+
+    def on_frame(self, frame: bytes, now: float) -> None:
+        """One SSE frame (without its blank line): a session event names its type."""
+        start = frame.find(b"event: ")
+        if start >= 0:
+            stop = frame.find(b"\n", start)
+            self.record.on_event(frame[start + 7 : stop], now)
 
     def _dechunk(self) -> None:
         raw, pos, parts = self._raw, 0, [self._body]
@@ -128,6 +135,40 @@ class SSEStream(asyncio.Protocol):
             pos = line_end + 2 + size + 2
         self._raw = raw[pos:]
         self._body = b"".join(parts)
+
+
+class OpenAIStream(SSEStream):
+    """One ``POST /v1/chat/completions`` with ``stream: true``: a chunk whose delta has
+    content is a token (one per chunk, as the gateway and bench/reference_engine.py write
+    them), ``data: [DONE]`` ends the stream, an ``{"error": ...}`` chunk fails it."""
+
+    def on_frame(self, frame: bytes, now: float) -> None:
+        if not frame.startswith(b"data: "):
+            return  # a comment (heartbeat)
+        if frame.startswith(b"data: [DONE]"):
+            self.record.end(final="done")
+        elif frame.startswith(b'data: {"error"'):
+            self.record.end(failure=frame[6:200].decode(errors="replace"))
+        elif b'"content":"' in frame and b'"content":""' not in frame:
+            self.record.arrivals.append(now)
+
+
+def post_request(host: str, port: int, path: str, body: bytes) -> bytes:
+    head = [f"POST {path} HTTP/1.1", f"Host: {host}:{port}", "Accept: text/event-stream"]
+    head += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+async def open_chat_stream(host: str, port: int, body: bytes, record: StreamRecord) -> OpenAIStream:
+    """Send one streaming chat completion; ``record.submitted_at`` is set just before the
+    connection opens (a new client's first request pays its connect, on either path)."""
+    loop = asyncio.get_running_loop()
+    record.ready = loop.create_future()
+    record.finished = loop.create_future()
+    record.opened_at = record.submitted_at = time.perf_counter()
+    request = post_request(host, port, "/v1/chat/completions", body)
+    _, protocol = await loop.create_connection(lambda: OpenAIStream(request, record), host, port)
+    return protocol
 
 
 def get_request(host: str, port: int, path: str, headers: dict[str, str]) -> bytes:
@@ -152,7 +193,7 @@ async def open_sse(
 class PubSubReader(asyncio.Protocol):
     """The no-gateway baseline: one RESP2 pub/sub connection, a channel per stream.
 
-    A live message is ``<entry id> <type> <generation id> <json>`` (engine/contract.py), so
+    A live message is ``<entry id> <type> <generation id> <json>`` (wire/scripts.py), so
     the event type is the second word of the payload.
     """
 

@@ -39,8 +39,12 @@ def _cpu_one(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
-def cpu_seconds(pid: int) -> float:
-    """User plus system CPU time (``/proc/PID/stat`` utime + stime) of a process tree."""
+def cpu_seconds(pid: int, *, children: bool = True) -> float:
+    """User plus system CPU time (``/proc/PID/stat`` utime + stime) of a process tree, or of
+    the process alone (all its threads) with ``children=False``: the load generator's tree
+    holds every process of the rig."""
+    if not children:
+        return _cpu_one(pid)
     total = 0.0
     for p in tree(pid):
         with contextlib.suppress(FileNotFoundError, ProcessLookupError):

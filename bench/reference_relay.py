@@ -34,10 +34,10 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
-from engine.contract import TERMINAL_EVENTS, Keys
+from wire import DEFAULT_PREFIX, TERMINAL_EVENTS, Keys
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
-KEYS = Keys(os.environ.get("TOKENSPOUT_KEY_PREFIX", "ts1"))
+KEYS = Keys(os.environ.get("TOKENSPOUT_KEY_PREFIX", DEFAULT_PREFIX))
 Item = tuple[bytes, bytes, bytes]
 SPIN = False
 

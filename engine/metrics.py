@@ -29,6 +29,16 @@ class WorkerMetrics:
             "Tokens the engine produced after a cancel was received (never delivered).",
             registry=r,
         )
+        self.takeovers = Counter(
+            "tokenspout_engine_takeovers",
+            "Generations this worker continued after another worker was lost or stopped.",
+            registry=r,
+        )
+        self.handovers = Counter(
+            "tokenspout_engine_handovers",
+            "Running generations this worker handed to the others on SIGTERM.",
+            registry=r,
+        )
         self.queue_wait = Histogram(
             "tokenspout_engine_queue_wait_seconds",
             "Time from enqueue to start.",

@@ -63,7 +63,7 @@ def prepare_default_model(folder: Path | None = None) -> Path:
     _step("2/3 dequantizing the weights to float32")
     model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name)
     # A model loaded from GGUF refuses to save unless it forgets it was quantized.
-    model.hf_quantizer = None  # type: ignore[assignment]
+    model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     _step("3/3 writing safetensors")

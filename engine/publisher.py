@@ -1,10 +1,10 @@
 """Writes session events to Redis: everything one engine step produced, in one pipeline.
 
-Each event goes through the contract's EMIT script (append to the session stream, publish
-on the live channel, refuse anything after a generation's final event). Events are written
-in the order they were emitted; while Redis is unreachable they wait and are retried, so a
-short Redis restart delays tokens instead of losing them. Each event carries its number
-within its generation, so a retried pipeline never writes an event twice.
+Each event goes through the EMIT script (``wire.scripts.Emit``: append to the session
+stream, publish on the live channel, refuse anything after a generation's final event).
+Events are written in the order they were emitted; while Redis is unreachable they wait and
+are retried, so a short Redis restart delays tokens instead of losing them. Each event
+carries its number within its generation, so a retried pipeline never writes an event twice.
 """
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from engine import contract
-from engine.contract import Keys, SessionEvent
+import wire
+from wire import Keys, SessionEvent
+from wire.queue import RequestQueue
+from wire.scripts import Emit
 
 log = logging.getLogger("tokenspout.publisher")
 
@@ -26,16 +28,15 @@ log = logging.getLogger("tokenspout.publisher")
 @dataclass(frozen=True)
 class _Pending:
     session_id: str
-    generation_id: str
-    event_type: str
-    data: bytes
-    final_state: str
+    event: SessionEvent
+    final: bool
     worker: str
-    assistant: bytes
+    assistant: wire.ChatMessage | None
     ttl_s: int
     maxlen: int
     ack: bytes | None
     seq: int
+    epoch: int
     done: asyncio.Future[str | None]
 
 
@@ -45,13 +46,17 @@ class Publisher:
         redis: aioredis.Redis,
         keys: Keys,
         *,
-        on_rejected: Callable[[str], None],
+        queue: RequestQueue,
+        on_rejected: Callable[[str, int], None],
     ) -> None:
         self.redis = redis
         self.keys = keys
+        self.queue = queue
+        """The queue final events acknowledge their request in (the worker's model's)."""
         self.on_rejected = on_rejected
-        """Called with a generation id whose event Redis refused (it already ended)."""
-        self._script = redis.register_script(contract.EMIT_SCRIPT)
+        """Called with a generation id and the writer's epoch whose event Redis refused
+        (the generation ended, or another writer owns it now)."""
+        self._emit = Emit(redis, keys)
         self._queue: list[_Pending] = []
         self._wakeup = asyncio.Event()
         self.pipelines = 0
@@ -66,9 +71,10 @@ class Publisher:
         maxlen: int,
         final: bool = False,
         worker: str = "",
-        assistant: contract.ChatMessage | None = None,
+        assistant: wire.ChatMessage | None = None,
         ack: bytes | None = None,
         seq: int = 0,
+        epoch: int = 0,
     ) -> asyncio.Future[str | None]:
         """Queue an event; the future resolves to its stream id, or None if refused.
 
@@ -76,23 +82,25 @@ class Publisher:
         writes an event once whatever the retries: a pipeline resent after a connection
         loss mid-way finds the events it already wrote and skips them.
 
+        ``worker``: the writer; Redis refuses its event unless it owns the generation (a
+        ``started`` or ``resumed`` event claims it with the request of epoch ``epoch``).
+
         ``ack``: the request's entry id, acknowledged right after the final event in the
-        same round trip, so "in flight" (gateway/sessions.py) drops the moment it ends.
+        same round trip, so "in flight" (gateway/generations.py) drops the moment it ends.
         """
         future: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
         self._queue.append(
             _Pending(
                 session_id,
-                event.generation_id,
-                contract.event_type(event),
-                contract.encode(event),
-                contract.final_state(event) if final else "",  # type: ignore[arg-type]
+                event,
+                final,
                 worker,
-                contract.encode(assistant) if assistant is not None else b"",
+                assistant,
                 ttl_s,
                 maxlen,
                 ack,
                 seq,
+                epoch,
                 future,
             )
         )
@@ -117,40 +125,29 @@ class Publisher:
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, 2.0)
             for pending, result in zip(batch, results, strict=True):
-                stream_id = result.decode() if isinstance(result, bytes) else None
-                if stream_id is None and not pending.final_state:
-                    self.on_rejected(pending.generation_id)
+                stream_id = Emit.reply(result)
+                if stream_id is None and not pending.final:
+                    self.on_rejected(pending.event.generation_id, pending.epoch)
                 if not pending.done.done():
                     pending.done.set_result(stream_id)
 
     async def _write(self, batch: list[_Pending]) -> list[object]:
-        keys = self.keys
         async with self.redis.pipeline(transaction=False) as pipe:
             for p in batch:
-                sid, gid = p.session_id, p.generation_id
-                await self._script(
-                    keys=[
-                        keys.events(sid),
-                        keys.generation(sid, gid),
-                        keys.active(sid),
-                        keys.history(sid),
-                    ],
-                    args=[
-                        keys.live_channel(sid),
-                        p.maxlen,
-                        p.ttl_s,
-                        p.event_type,
-                        gid,
-                        p.data,
-                        p.final_state,
-                        p.worker,
-                        p.assistant,
-                        p.seq or "",
-                    ],
-                    client=pipe,
+                await self._emit(
+                    session_id=p.session_id,
+                    event=p.event,
+                    maxlen=p.maxlen,
+                    ttl_s=p.ttl_s,
+                    final=p.final,
+                    writer=p.worker,
+                    assistant=p.assistant,
+                    seq=p.seq,
+                    epoch=p.epoch,
+                    pipe=pipe,
                 )
                 if p.ack is not None:
-                    pipe.xack(keys.requests, contract.CONSUMER_GROUP, p.ack)
+                    self.queue.ack_in(pipe, p.ack)
             replies: list[object] = await pipe.execute()
         self.pipelines += 1
         self.events += len(batch)

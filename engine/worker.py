@@ -1,13 +1,21 @@
 """The engine worker: Redis in, backend in the middle, Redis out.
 
-- takes requests from the ``requests`` stream through the consumer group, never more than
+- takes requests from its model's queue (``wire.queue.RequestQueue``), never more than
   the backend's capacity; acknowledges each when its generation has ended (a dead worker's
   unacknowledged requests are taken over by the gateway's reaper);
 - publishes events through ``Publisher`` (one pipeline per engine step);
-- reads the ``cancels`` stream and aborts what it runs: the ``cancelled`` event is written at
-  once (no token of that generation reaches a client after it) and the engine aborts;
+- reads the ``cancels`` stream (engine/cancels.py) and aborts what it runs: the
+  ``cancelled`` event is written at once (no token of that generation reaches a client
+  after it) and the engine aborts;
 - aborts generations nobody has read for the grace period (``abandoned``);
-- heartbeats, so gateways know it is alive (``/ready``) and what model it serves.
+- heartbeats over its lease connection, so gateways know it is alive (``/ready``), what
+  model it serves, and at once when it dies (engine/lease.py);
+- continues replies taken over from a lost worker (``GenerationRequest.resume``: its first
+  event is ``resumed``, then tokens numbered on from the streamed ones), and on SIGTERM
+  hands its own running replies over to the other workers at once (engine/handover.py).
+
+A worker serves one model: it reads that model's queue only (``Keys.requests(model)``), so
+a slow model never holds up another, and registers the model's names (``Keys.models``).
 """
 
 from __future__ import annotations
@@ -18,15 +26,20 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass, field
 
 import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
-from engine import contract
+import wire
 from engine.backends.base import Backend, BackendError, Prepared
-from engine.contract import (
+from engine.cancels import cancel_signals
+from engine.handover import give_back, hand_over_running
+from engine.job import Job, final_reason
+from engine.lease import HEARTBEAT_S, Lease
+from engine.metrics import WorkerMetrics
+from engine.publisher import Publisher
+from wire import (
     Cancelled,
     CancelReason,
     ChatMessage,
@@ -34,59 +47,17 @@ from engine.contract import (
     Error,
     GenerationRequest,
     Keys,
-    Started,
+    Resumed,
     Token,
-    Usage,
     WorkerInfo,
 )
-from engine.metrics import WorkerMetrics
-from engine.publisher import Publisher
+from wire.queue import RequestQueue
+from wire.scripts import Takeover
 
 log = logging.getLogger("tokenspout.worker")
 _request_decoder = msgspec.json.Decoder(GenerationRequest)
-_cancel_decoder = msgspec.json.Decoder(contract.CancelSignal)
 
-HEARTBEAT_S = 1.0
-HEARTBEAT_TTL_S = 5
 ABANDON_CHECK_S = 1.0
-
-
-@dataclass
-class Job:
-    request: GenerationRequest
-    entry_id: bytes
-    started_at: float = field(default_factory=time.monotonic)
-    prompt_tokens: int = 0
-    emitted_tokens: int = 0
-    text: list[str] = field(default_factory=list)
-    cancel_reason: CancelReason | None = None
-    cancelled_at: float | None = None
-    ended: bool = False
-    acked: bool = False
-    events: int = 0
-    """Events emitted so far: each one's number makes its write idempotent (EMIT's seq)."""
-
-    @property
-    def generation_id(self) -> str:
-        return self.request.generation_id
-
-    @property
-    def session_id(self) -> str:
-        return self.request.session_id
-
-    def usage(self) -> Usage:
-        return Usage(self.prompt_tokens, self.emitted_tokens)
-
-
-def _reason(event: contract.FinalEvent) -> str:
-    match event:
-        case Done():
-            return event.finish_reason
-        case Cancelled():
-            return event.reason
-        case Error():
-            return event.code
-    return ""
 
 
 class Worker:
@@ -98,14 +69,29 @@ class Worker:
         keys: Keys | None = None,
         worker_id: str | None = None,
         metrics: WorkerMetrics | None = None,
+        aliases: list[str] | None = None,
+        max_takeovers: int = 3,
     ) -> None:
         self.redis = redis
         self.backend = backend
         self.keys = keys or Keys()
+        self.aliases = [name for name in aliases or [] if name != backend.model]
+        for name in [backend.model, *self.aliases]:
+            wire.check_model_name(name)
+        self.queue = RequestQueue(redis, self.keys, backend.model)
+        """This worker's model's queue: it never sees another model's requests."""
+        self.requests_key = self.queue.key
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.metrics = metrics or WorkerMetrics()
+        self.max_takeovers = max_takeovers
+        """How often one generation may be handed on (TOKENSPOUT_MAX_TAKEOVERS)."""
+        self.lease = Lease(redis, self.keys, self.worker_id, backend.model)
         self.jobs: dict[str, Job] = {}
-        self.publisher = Publisher(redis, self.keys, on_rejected=self._on_rejected)
+        self.publisher = Publisher(
+            redis, self.keys, queue=self.queue, on_rejected=self._on_rejected
+        )
+        self.takeover_script = Takeover(redis, self.keys)
+        """Hands a running generation on (engine/handover.py, on SIGTERM)."""
         self._slot_freed = asyncio.Event()
         self._accepting = True
         self._started_at = time.time()
@@ -120,7 +106,7 @@ class Worker:
 
     async def run(self, stop: asyncio.Event, drain_s: float = 30.0) -> None:
         """Serve until ``stop`` is set, then drain: finish what runs (up to ``drain_s``)."""
-        await self._ensure_group()
+        await self.queue.ensure_group()
         await self._heartbeat_once()
         loops = [
             asyncio.create_task(self.publisher.run_forever(), name="publisher"),
@@ -130,10 +116,11 @@ class Worker:
             asyncio.create_task(self._abandon_forever(), name="abandon"),
         ]
         log.info(
-            "worker %s ready: backend=%s model=%s",
+            "worker %s ready: backend=%s model=%s aliases=%s",
             self.worker_id,
             self.backend.name,
             self.backend.model,
+            ",".join(self.aliases) or "-",
         )
         stopping = asyncio.create_task(stop.wait(), name="stop")
         try:
@@ -148,33 +135,25 @@ class Worker:
                 task.cancel()
             await asyncio.gather(*loops, return_exceptions=True)
             with contextlib.suppress(RedisError, OSError):
-                await self.redis.zrem(self.keys.workers, self.worker_id)
-                await self.redis.delete(self.keys.worker(self.worker_id))
+                await self.lease.release()
 
     async def drain(self, timeout_s: float) -> None:
-        """Take no new work; let running generations finish, then cancel the rest."""
+        """Take no new work; hand running generations over to the other workers at once
+        (while one serves); let the rest finish up to ``timeout_s``, then cancel them."""
         self._accepting = False
         self._slot_freed.set()
         self.metrics.draining.set(1)
         log.info("draining", extra={"running": len(self.jobs), "drain_s": timeout_s})
+        with contextlib.suppress(RedisError, OSError):
+            await self._heartbeat_once()  # tell the others this one takes nothing now
         deadline = time.monotonic() + timeout_s
         while self.jobs and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+            await hand_over_running(self)
+            await asyncio.sleep(0.02)
         for job in list(self.jobs.values()):
             await self.cancel(job.generation_id, "shutdown")
         while self._tasks:
             await asyncio.sleep(0.02)
-
-    async def _ensure_group(self) -> None:
-        try:
-            await self.redis.xgroup_create(
-                self.keys.requests, contract.CONSUMER_GROUP, id="0", mkstream=True
-            )
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
-        # MKSTREAM made a key without a TTL; the heartbeat refreshes it from now on.
-        await self.redis.expire(self.keys.requests, contract.SHARED_KEY_TTL_S)
 
     # --- intake --------------------------------------------------------------------------
 
@@ -186,26 +165,24 @@ class Worker:
                 await self._slot_freed.wait()
                 continue
             try:
-                reply = await self.redis.xreadgroup(
-                    contract.CONSUMER_GROUP,
-                    self.worker_id,
-                    {self.keys.requests: ">"},
-                    count=free,
-                    block=1000,
-                )
+                entries = await self.queue.take(self.worker_id, free, block_ms=1000)
             except ResponseError as exc:
                 if "NOGROUP" not in str(exc):
                     raise
                 log.warning("the consumer group is gone (Redis lost its data?); recreating it")
                 with contextlib.suppress(RedisError, OSError):
-                    await self._ensure_group()
+                    await self.queue.ensure_group()
                 continue
             except (RedisError, OSError) as exc:
                 log.warning("reading requests failed (%s); retrying", exc)
                 self.metrics.redis_errors.labels("requests").inc()
                 await asyncio.sleep(0.5)
                 continue
-            for entry_id, fields in contract.read_entries(reply):
+            if entries and not self._accepting:
+                # Read while the drain began (a hand-over may be among them): give them back.
+                await give_back(self, entries)
+                continue
+            for entry_id, fields in entries:
                 self._start(entry_id, fields)
 
     def _start(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
@@ -216,17 +193,21 @@ class Worker:
             task = asyncio.create_task(self._ack_or_retry_later(entry_id))
         else:
             job = Job(request, entry_id)
-            self.jobs[request.generation_id] = job
-            task = asyncio.create_task(self._run_job(job), name=request.generation_id)
+            running = self.jobs.get(request.generation_id)
+            if running is not None and running.epoch >= job.epoch:
+                log.info("dropping a second copy of %s", request.generation_id)
+                task = asyncio.create_task(self._ack_or_retry_later(entry_id))
+            else:
+                if running is not None:  # this worker was taken for lost; it continues it
+                    self._stop_run(running)
+                self.jobs[request.generation_id] = job
+                task = asyncio.create_task(self._run_job(job), name=request.generation_id)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _ack(self, entry_id: bytes) -> None:
-        await self.redis.xack(self.keys.requests, contract.CONSUMER_GROUP, entry_id)
-
     async def _ack_or_retry_later(self, entry_id: bytes) -> None:
         try:
-            await self._ack(entry_id)
+            await self.queue.ack(entry_id)
         except (RedisError, OSError) as exc:
             log.warning(
                 "acknowledging request %s failed (%s); retrying with the next heartbeat",
@@ -240,7 +221,7 @@ class Worker:
         if not self._unacked:
             return
         entry_ids = list(self._unacked)
-        await self.redis.xack(self.keys.requests, contract.CONSUMER_GROUP, *entry_ids)
+        await self.queue.ack(*entry_ids)
         self._unacked.difference_update(entry_ids)
         log.info("acknowledged %d requests on a retry", len(entry_ids))
 
@@ -254,11 +235,16 @@ class Worker:
             except BackendError as exc:
                 await self._finish(job, Error(gid, exc.code, exc.message))
                 return
-            job.prompt_tokens = len(prepared.prompt_token_ids)
-            started = Started(gid, self.backend.model, job.prompt_tokens)
-            if await self._emit(job, started, worker=self.worker_id) is None:
-                log.info("skipping %s: it ended before it started", gid)
+            if job.request.resume is None:
+                job.prompt_tokens = len(prepared.prompt_token_ids)
+            claim = job.claim_event(self.backend.model, self.worker_id)
+            if await self._emit(job, claim) is None:
+                log.info("skipping %s: it ended, or another worker has it", gid)
+                job.ended = True
                 return
+            job.claimed = True
+            if isinstance(claim, Resumed):
+                self.metrics.takeovers.inc()
             self.metrics.queue_wait.observe(max(0.0, time.time() - job.request.enqueued_at))
             log.info(
                 "generation started",
@@ -278,15 +264,18 @@ class Worker:
         finally:
             if not job.ended and job.cancel_reason is not None:
                 await self._finish(job, Cancelled(gid, job.cancel_reason, job.usage()))
-            self.jobs.pop(gid, None)
+            if self.jobs.get(gid) is job:  # not its continuation, should this worker run it
+                del self.jobs[gid]
             self._slot_freed.set()
             if not job.acked:
                 await self._ack_or_retry_later(job.entry_id)
 
     async def _stream(self, job: Job, prepared: Prepared) -> None:
         gid = job.generation_id
-        first = True
+        first = job.request.resume is None
         async for delta in self.backend.generate(prepared):
+            if job.handing_over:
+                continue  # handed on: another worker makes these tokens
             if job.cancel_reason is not None:
                 # Cancelled: the final event is out; what the engine still makes is waste.
                 self.metrics.tokens_after_cancel.inc(len(delta.token_ids))
@@ -294,8 +283,9 @@ class Worker:
             if delta.text or delta.token_ids:
                 job.emitted_tokens += len(delta.token_ids)
                 job.text.append(delta.text)
+                job.token_ids.extend(delta.token_ids)
                 token = Token(gid, delta.text, job.emitted_tokens, delta.token_ids, delta.logprobs)
-                self._emit(job, token)
+                job.last_write = self._emit(job, token)
                 if first:
                     self.metrics.first_token(time.time() - job.request.enqueued_at)
                     first = False
@@ -307,7 +297,7 @@ class Worker:
                 await self._finish(job, Done(gid, delta.finish_reason, job.usage()))
                 return
 
-    async def _finish(self, job: Job, event: contract.FinalEvent) -> None:
+    async def _finish(self, job: Job, event: wire.FinalEvent) -> None:
         if job.ended:
             return
         job.ended = True
@@ -322,7 +312,7 @@ class Worker:
             ack=job.entry_id,
         )
         job.acked = True
-        state = contract.final_state(event)
+        state = wire.final_state(event)
         self.metrics.generations.labels(state).inc()
         log.info(
             "generation ended",
@@ -330,7 +320,7 @@ class Worker:
                 "session_id": job.session_id,
                 "generation_id": job.generation_id,
                 "state": state,
-                "reason": _reason(event),
+                "reason": final_reason(event),
                 "completion_tokens": job.emitted_tokens,
             },
         )
@@ -338,10 +328,9 @@ class Worker:
     def _emit(
         self,
         job: Job,
-        event: contract.SessionEvent,
+        event: wire.SessionEvent,
         *,
         final: bool = False,
-        worker: str = "",
         assistant: ChatMessage | None = None,
         ack: bytes | None = None,
     ) -> asyncio.Future[str | None]:
@@ -353,7 +342,8 @@ class Worker:
             ttl_s=request.session_ttl_s,
             maxlen=request.events_maxlen,
             final=final,
-            worker=worker,
+            worker=self.worker_id,
+            epoch=job.epoch,
             assistant=assistant,
             ack=ack,
             seq=job.events,
@@ -370,46 +360,30 @@ class Worker:
         job.cancelled_at = time.monotonic()
         await self._finish(job, Cancelled(generation_id, reason, job.usage()))
         self.metrics.cancel_to_final.observe(time.monotonic() - job.cancelled_at)
-        await self.backend.abort(generation_id)
+        await self.backend.abort(job.request.engine_request_id)
         self.metrics.cancels.labels(reason).inc()
         return True
 
-    def _on_rejected(self, generation_id: str) -> None:
-        # Redis refused an event: the generation was ended elsewhere (or expired). Stop it.
+    def _on_rejected(self, generation_id: str, epoch: int) -> None:
+        # Redis refused an event: the generation was ended elsewhere (or expired), or taken
+        # over by another worker (this one was thought lost). Stop it.
         job = self.jobs.get(generation_id)
-        if job is not None and job.cancel_reason is None:
+        if job is not None and job.epoch == epoch and not job.handing_over:
+            self._stop_run(job)
+
+    def _stop_run(self, job: Job) -> None:
+        """Abort a run whose events Redis no longer takes; no final event (not its own)."""
+        if job.cancel_reason is None:
             job.cancel_reason = "user"
             job.ended = True
-            task = asyncio.create_task(self.backend.abort(generation_id))
+            task = asyncio.create_task(self.backend.abort(job.request.engine_request_id))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
     async def _cancels_forever(self) -> None:
-        last = await self._last_cancel_id()
-        while True:
-            try:
-                reply = await self.redis.xread({self.keys.cancels: last}, count=256, block=1000)
-            except (RedisError, OSError) as exc:
-                log.warning("reading cancels failed (%s); retrying", exc)
-                self.metrics.redis_errors.labels("cancels").inc()
-                await asyncio.sleep(0.5)
-                continue
-            for entry_id, fields in contract.read_entries(reply):
-                last = entry_id.decode()
-                signal = _cancel_decoder.decode(fields[b"c"])
-                if signal.generation_id in self.jobs:
-                    await self.cancel(signal.generation_id, signal.reason)
-
-    async def _last_cancel_id(self) -> str:
-        while True:
-            try:
-                entries = contract.entries_of(
-                    await self.redis.xrevrange(self.keys.cancels, count=1)
-                )
-                return entries[0][0].decode() if entries else "0-0"
-            except (RedisError, OSError) as exc:
-                log.warning("reading cancels failed (%s); retrying", exc)
-                await asyncio.sleep(0.5)
+        async for signal in cancel_signals(self.redis, self.keys, self.metrics):
+            if signal.generation_id in self.jobs:
+                await self.cancel(signal.generation_id, signal.reason)
 
     async def _abandon_forever(self) -> None:
         while True:
@@ -451,14 +425,9 @@ class Worker:
             capacity=self.backend.capacity,
             running=self.backend.running(),
             started_at=self._started_at,
+            aliases=self.aliases,
+            max_model_len=self.backend.max_model_len,
+            draining=not self._accepting,
         )
         self.metrics.engine_running.set(self.backend.running())
-        now = time.time()
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.set(self.keys.worker(self.worker_id), contract.encode(info), ex=HEARTBEAT_TTL_S)
-            pipe.zadd(self.keys.workers, {self.worker_id: now})
-            pipe.zremrangebyscore(self.keys.workers, "-inf", now - 3600)
-            pipe.expire(self.keys.workers, contract.SHARED_KEY_TTL_S)
-            # Keeps the consumer group alive while workers idle (EXPIRE on no key: no-op).
-            pipe.expire(self.keys.requests, contract.SHARED_KEY_TTL_S)
-            await pipe.execute()
+        await self.lease.heartbeat(info)

@@ -17,9 +17,9 @@ from types import FrameType
 
 import uvicorn
 
-from gateway.logs import configure_logging
 from gateway.relay import RelayHub
 from gateway.settings import Settings
+from wire.logs import configure_logging
 
 log = logging.getLogger("tokenspout.gateway")
 
@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=settings.shutdown_grace_s,
+        timeout_keep_alive=settings.keepalive_s,
         ws_max_size=ws_max_size(settings),
     )
     DrainingServer(config, services.hub).run()

@@ -1,4 +1,4 @@
-"""The Litestar application: resources in one lifespan, routes, and the error table."""
+"""The Litestar application: resources in one lifespan, routes, and its error handler."""
 
 from __future__ import annotations
 
@@ -7,13 +7,11 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
 
 import redis.asyncio as aioredis
-from litestar import Litestar, Request, Response
+from litestar import Litestar, Response
 from litestar.config.cors import CORSConfig
 from litestar.di import Provide
-from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import OpenAPIConfig
 from litestar.static_files import create_static_files_router
 from litestar.types import ControllerRouterHandler
@@ -23,19 +21,35 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from engine.contract import Keys
+from gateway import __version__
 from gateway.auth import ApiKeys
-from gateway.errors import BadRequest, ErrorBody, ErrorEnvelope, GatewayError, Unavailable
+from gateway.errors import HANDLED, AnyRequest, ErrorEnvelope, as_gateway_error
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestMetrics
 from gateway.relay import RelayHub
 from gateway.routes import ROUTES
+from gateway.routes.tgi import compat_generate
 from gateway.sessions import SessionStore
 from gateway.settings import Settings
 from gateway.watchdog import Reaper, refresh_watches
+from wire import Keys
 
 log = logging.getLogger("tokenspout.gateway")
-AnyRequest = Request[Any, Any, Any]
+
+STOP_WAIT_S = 5.0
+"""How long the background duties may take to end at shutdown; what has not ended by then
+is logged with where it waits and left behind, so a stuck one never keeps the process up."""
+
+
+async def _ended_within(seconds: float, tasks: list[asyncio.Task[None]]) -> None:
+    _, stuck = await asyncio.wait(tasks, timeout=seconds)
+    for task in stuck:
+        where = "; ".join(
+            f"{frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}"
+            for frame in task.get_stack()
+        )
+        log.error("shutdown: %s did not end within %.0f s, at %s", task, seconds, where)
+
 
 REDIS_POOL_SIZE = 64
 """Connections per gateway process for commands (the relay adds one pub/sub connection)."""
@@ -73,7 +87,9 @@ class Services:
             settings.events_maxlen,
             settings.session_ttl_s,
             queue_timeout_s=settings.queue_timeout_s,
-            requests_maxlen=self.store.requests_maxlen,
+            requests_maxlen=self.store.queue.requests_maxlen,
+            max_takeovers=settings.max_takeovers,
+            default_model=settings.default_model,
         )
 
     def dependencies(self) -> dict[str, Provide]:
@@ -116,39 +132,9 @@ class Services:
         finally:
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await self.hub.stop()
+            stop = asyncio.create_task(self.hub.stop(), name="relay hub stop")
+            await _ended_within(STOP_WAIT_S, [*tasks, stop])
             await self.redis.aclose()
-
-
-def _error_response(error: GatewayError) -> Response[ErrorEnvelope]:
-    return Response(error.body(), status_code=error.status, headers=error.headers())
-
-
-def handle_gateway_error(_: AnyRequest, exc: GatewayError) -> Response[ErrorEnvelope]:
-    return _error_response(exc)
-
-
-def handle_validation_error(_: AnyRequest, exc: ValidationException) -> Response[ErrorEnvelope]:
-    details = exc.extra if isinstance(exc.extra, list) else []
-    first = details[0] if details and isinstance(details[0], dict) else {}
-    field = first.get("key") or None
-    message = first.get("message") or exc.detail
-    return _error_response(BadRequest(f"{message}", field=field))
-
-
-def handle_http_error(_: AnyRequest, exc: HTTPException) -> Response[ErrorEnvelope]:
-    status = 422 if exc.status_code == 400 else exc.status_code
-    code = {413: "too_large", 404: "not_found", 405: "method_not_allowed"}.get(
-        status, "invalid_request" if status == 422 else "http_error"
-    )
-    body = ErrorEnvelope(ErrorBody(code=code, message=str(exc.detail)))
-    return Response(body, status_code=status, headers=exc.headers)
-
-
-def handle_nesting_error(_: AnyRequest, exc: RecursionError) -> Response[ErrorEnvelope]:
-    # Litestar decodes JSON bodies before validating them; absurd nesting ends up here.
-    return _error_response(BadRequest("the JSON body is nested too deeply", code="too_deep"))
 
 
 def create_app(settings: Settings | None = None, services: Services | None = None) -> Litestar:
@@ -156,10 +142,12 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
     services = services or Services(settings)
     metrics = services.metrics
 
-    def handle_redis_error(_: AnyRequest, exc: RedisError) -> Response[ErrorEnvelope]:
-        log.warning("redis error while handling a request: %s", exc)
-        metrics.redis_error("request")
-        return _error_response(Unavailable("Redis is unavailable; try again", retry_after_s=1))
+    def handle_error(_: AnyRequest, exc: Exception) -> Response[ErrorEnvelope]:
+        """Every error a handler raises, in the gateway's own format (gateway/errors.py)."""
+        if isinstance(exc, RedisError):
+            metrics.redis_error("request")
+        error = as_gateway_error(exc)
+        return Response(error.body(), status_code=error.status, headers=error.headers())
 
     handlers: list[ControllerRouterHandler] = list(ROUTES)
     web_dir = Path(settings.web_dir)
@@ -169,21 +157,16 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
                 path="/", directories=[web_dir], html_mode=True, include_in_schema=False
             )
         )
+    handlers.append(compat_generate)  # after the web chat's router: see its docstring
     origins = settings.cors_origin_list()
     return Litestar(
         route_handlers=handlers,
         lifespan=[services.lifespan],
         dependencies=services.dependencies(),
-        exception_handlers={
-            GatewayError: handle_gateway_error,
-            ValidationException: handle_validation_error,
-            HTTPException: handle_http_error,
-            RedisError: handle_redis_error,
-            RecursionError: handle_nesting_error,
-        },
+        exception_handlers={kind: handle_error for kind in HANDLED},
         request_max_body_size=settings.max_body_bytes,
         cors_config=CORSConfig(allow_origins=origins) if origins else None,
-        openapi_config=OpenAPIConfig(title="tokenspout", version="0.1.0", path="/schema"),
+        openapi_config=OpenAPIConfig(title="tokenspout", version=__version__, path="/schema"),
         logging_config=None,
     )
 

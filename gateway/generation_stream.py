@@ -21,7 +21,11 @@ import anyio
 import msgspec
 from litestar.background_tasks import BackgroundTask
 
-from engine.contract import (
+from gateway.errors import BadRequest, GatewayError, NotFound, Unavailable
+from gateway.relay import RelayHub
+from gateway.sessions import SessionStore, Submitted
+from gateway.settings import Settings
+from wire import (
     Cancelled,
     ChatMessage,
     Done,
@@ -32,10 +36,6 @@ from engine.contract import (
     Token,
     decode_event,
 )
-from gateway.errors import BadRequest, GatewayError, NotFound, Unavailable
-from gateway.relay import RelayHub
-from gateway.sessions import SessionStore, Submitted
-from gateway.settings import Settings
 
 log = logging.getLogger("tokenspout.generations")
 
@@ -109,10 +109,14 @@ class GenerationStream:
         settings: Settings,
         params: SamplingParams,
         *,
+        model: str | None = None,
         messages: list[ChatMessage] | None = None,
         prompt: str | None = None,
     ) -> GenerationStream:
-        submitted = await store.submit_stateless(params, messages=messages, prompt=prompt)
+        """Queue it for ``model`` (a name or alias; None: the default model)."""
+        submitted = await store.submit_stateless(
+            params, model=model, messages=messages, prompt=prompt
+        )
         return cls(store, hub, submitted, settings.sse_heartbeat_s)
 
     @property
@@ -136,6 +140,8 @@ class GenerationStream:
                         return
                     if isinstance(event, Started | Token):
                         yield event
+                    # ``queued`` and ``resumed`` (a takeover: the tokens simply go on) have
+                    # no place in the API formats: skipped.
 
     async def collect(self) -> Collected:
         """Wait for the whole generation; raise the adapter's error if it did not finish."""

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from engine.contract import TERMINAL_EVENTS
-from gateway.relay import RelayEvent
+import wire
+from gateway.feed import RelayEvent
+from wire import TERMINAL_EVENTS
 
 log = logging.getLogger("tokenspout.generations")
 
@@ -42,10 +43,6 @@ class _Live:
     started: bool = False
     last_token_at: float | None = None
     cancel_began: float | None = None
-
-
-def _event_ms(event_id: str) -> int:
-    return int(event_id.partition("-")[0])
 
 
 class GatewayMetrics:
@@ -122,6 +119,24 @@ class GatewayMetrics:
             "Generations a worker has taken and not finished, all workers (at scrape).",
             registry=r,
         )
+        self.model_submitted = Counter(
+            "tokenspout_gateway_model_generations_submitted",
+            "Generations this process queued, by model.",
+            ["model"],
+            registry=r,
+        )
+        self.model_queued = Gauge(
+            "tokenspout_gateway_model_generations_queued",
+            "Generations waiting for a worker, by model (read from Redis at scrape).",
+            ["model"],
+            registry=r,
+        )
+        self.model_running = Gauge(
+            "tokenspout_gateway_model_generations_running",
+            "Generations a worker of the model has taken and not finished (at scrape).",
+            ["model"],
+            registry=r,
+        )
         self._live: dict[str, _Live] = {}
         self._by_session: dict[str, set[str]] = {}
 
@@ -148,13 +163,24 @@ class GatewayMetrics:
 
     # --- SessionStore hooks --------------------------------------------------------------
 
-    def submitted(self, session_id: str, generation_id: str, queued_event_id: str) -> None:
+    def submitted(
+        self, session_id: str, generation_id: str, queued_event_id: str, model: str
+    ) -> None:
         self.generations_submitted.inc()
-        self._track(session_id, generation_id).queued_ms = _event_ms(queued_event_id)
+        self.model_submitted.labels(model).inc()
+        self._track(session_id, generation_id).queued_ms = wire.entry_ms(queued_event_id)
         log.info(
             "generation queued",
-            extra={"session_id": session_id, "generation_id": generation_id},
+            extra={"session_id": session_id, "generation_id": generation_id, "model": model},
         )
+
+    def queue_depths(self, counts: dict[str, tuple[int, int]]) -> None:
+        """Set the queue gauges from ``SessionStore.queue_counts``."""
+        self.queued.set(sum(queued for queued, _ in counts.values()))
+        self.running.set(sum(running for _, running in counts.values()))
+        for model, (queued, running) in counts.items():
+            self.model_queued.labels(model).set(queued)
+            self.model_running.labels(model).set(running)
 
     def cancel_sent(self, session_id: str, generation_id: str, began: float) -> None:
         self._track(session_id, generation_id).cancel_began = began
@@ -187,7 +213,7 @@ class GatewayMetrics:
             live.last_token_at = now
             live.started = True
         elif kind == "queued":
-            live.queued_ms = _event_ms(event.id)
+            live.queued_ms = wire.entry_ms(event.id)
         elif kind == "started":
             live.started = True
 

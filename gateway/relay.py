@@ -1,9 +1,9 @@
 """One Redis reader per gateway process, fanned out to every open stream in it.
 
 Engines append each event to the session's stream and publish the same event on the
-session's live channel in one script (engine/contract.py). The hub holds one pub/sub
-connection for the whole process; each ``Feed`` (one per open SSE stream, WebSocket
-subscription or API request) gets live events pushed into a small bounded buffer.
+session's live channel in one script (wire/scripts.py). The hub holds one pub/sub
+connection for the whole process; each ``Feed`` (gateway/feed.py: one per open SSE stream,
+WebSocket subscription or API request) gets live events pushed into a small bounded buffer.
 
 Redis is the source of truth, the live channel only a shortcut: a feed that opens, resumes,
 falls behind (its buffer overflows because the client reads slowly) or loses the pub/sub
@@ -18,56 +18,19 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from typing import NamedTuple, Protocol, cast
+from typing import Protocol, cast
 
-import msgspec
 import redis.asyncio as aioredis
 from redis._parsers.hiredis import NOT_ENOUGH_DATA
 from redis.asyncio.client import PubSub
 from redis.exceptions import RedisError
 
-from engine import contract
-from engine.contract import TERMINAL_EVENTS, FinalEvent, Keys, entry_id_key
-from gateway.errors import BadRequest, GatewayError
+import wire
+from gateway.errors import BadRequest, EventsExpired
+from gateway.feed import CATCH_UP_PAGE, LIVE_ONLY, Feed, RelayEvent
+from wire import FinalEvent, Keys, entry_id_key
 
 log = logging.getLogger("tokenspout.relay")
-
-CATCH_UP_PAGE = 256
-RETRY_S = 0.25
-LIVE_ONLY = "$"
-DRAIN_POLL_S = 0.25
-"""While the process drains, a waiting feed returns at least this often."""
-_final_decoder = msgspec.json.Decoder(FinalEvent)
-
-
-def decode_final(data: bytes | str) -> FinalEvent:
-    final: FinalEvent = _final_decoder.decode(data)
-    return final
-
-
-class EventsExpired(GatewayError):
-    status = 410
-    ws_close_code = 4410
-    default_code = "events_expired"
-
-
-class SessionLost(GatewayError):
-    """The session's keys vanished while a reader was attached (Redis lost its data)."""
-
-    status = 410
-    ws_close_code = 4410
-    default_code = "session_lost"
-
-
-class RelayEvent(NamedTuple):
-    id: str
-    type: str
-    generation_id: str
-    data: bytes
-
-    @property
-    def is_final(self) -> bool:
-        return self.type in TERMINAL_EVENTS
 
 
 class RelayObserver(Protocol):
@@ -94,180 +57,8 @@ def _raise_if_trimmed(stream_info: dict[str, object], after_id: str) -> None:
     trimmed = int(cast(int, stream_info.get("entries-added", 1 << 62))) > int(
         cast(int, stream_info.get("length", 0))
     )
-    if trimmed and entry_id_key(after_id) < entry_id_key(contract.text(first[0])):
+    if trimmed and entry_id_key(after_id) < entry_id_key(wire.text(first[0])):
         raise EventsExpired(f"events after {after_id} were trimmed; reload the session history")
-
-
-class Feed:
-    """Events of one session after a given id, delivered in order, each exactly once.
-
-    A process holds one per open stream, 10,000 of them or more: slots, a list for the
-    buffer and a future only while waiting (an ``asyncio.Event`` and a ``deque`` each carry
-    a deque of over 600 bytes).
-
-    The heartbeat timeout is a timer that is moved lazily: a feed that gets events every
-    few milliseconds only pushes its deadline forward (a float), and the timer, when it
-    fires before that deadline, re-arms itself once. An ``asyncio.timeout`` per wait cost a
-    timer, a cancel and an uncancel for every batch: a tenth of the relay's CPU at load.
-    """
-
-    __slots__ = (
-        "_buffer",
-        "_deadline",
-        "_lagging",
-        "_last_key",
-        "_ready",
-        "_recovering",
-        "_timer",
-        "_waiter",
-        "hub",
-        "last_id",
-        "session_id",
-    )
-
-    def __init__(self, hub: RelayHub, session_id: str, after_id: str | None) -> None:
-        self.hub = hub
-        self.session_id = session_id
-        self.last_id = after_id
-        self._last_key = entry_id_key(after_id) if after_id and after_id != LIVE_ONLY else (0, 0)
-        self._buffer: list[RelayEvent] = []
-        self._lagging = True
-        self._ready = False
-        self._waiter: asyncio.Future[bool] | None = None
-        """Resolved with True when the deadline passed, False when there is news."""
-        self._deadline = 0.0
-        self._timer: asyncio.TimerHandle | None = None
-        self._recovering = False
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(False)
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        waiter = self._waiter
-        if waiter is None or waiter.done():
-            return  # not waiting: the next wait arms a timer again
-        loop = waiter.get_loop()
-        if loop.time() >= self._deadline:
-            waiter.set_result(True)
-        else:  # the deadline moved on since this timer was set
-            self._timer = loop.call_at(self._deadline, self._on_timer)
-
-    def _close(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    # called by the hub, in the reader task
-
-    def _push(self, event: RelayEvent) -> None:
-        if self._lagging:
-            return  # the next catch-up read gets it from the stream
-        self._buffer.append(event)
-        if len(self._buffer) > self.hub.buffer_limit:
-            self._fall_behind()
-            if self.hub.observer is not None:
-                self.hub.observer.fell_behind()
-        self._wake()
-
-    def _fall_behind(self) -> None:
-        self._lagging = True
-        self._buffer.clear()
-        self._wake()
-
-    def _set_ready(self, ready: bool) -> None:
-        if not ready:
-            self._recovering = True
-        self._ready = ready
-        self._fall_behind()
-
-    # called by the transport
-
-    async def next_batch(self, timeout: float) -> list[RelayEvent]:
-        """The next events in order; an empty list when ``timeout`` passes with none."""
-        while True:
-            if self._lagging and self._ready:
-                resolving_live = self.last_id == LIVE_ONLY
-                try:
-                    events = await self._catch_up()
-                except (RedisError, OSError) as exc:
-                    # Redis is away: keep the client (heartbeats) and try again shortly.
-                    log.warning("catch-up read for %s failed: %s", self.session_id, exc)
-                    if self.hub.observer is not None:
-                        self.hub.observer.redis_error("catch_up")
-                    self._lagging = True
-                    await asyncio.sleep(min(timeout, RETRY_S))
-                    return []
-                if events or resolving_live:
-                    return events
-                continue
-            if self._buffer and not self._lagging:
-                events = self._fresh(self._buffer)
-                self._buffer = []
-                if events:
-                    self._advance(events[-1].id)
-                    return events
-                continue
-            if self.hub.draining:
-                timeout = min(timeout, DRAIN_POLL_S)
-            # Nothing else runs between the checks above and this wait, so no wake-up is
-            # lost: the hub can only push once this task awaits.
-            loop = asyncio.get_running_loop()
-            self._deadline = deadline = loop.time() + timeout
-            timer = self._timer
-            if timer is None or timer.when() > deadline:
-                if timer is not None:
-                    timer.cancel()
-                self._timer = loop.call_at(deadline, self._on_timer)
-            self._waiter = loop.create_future()
-            try:
-                timed_out = await self._waiter
-            finally:
-                self._waiter = None
-            if timed_out:
-                return []
-            if self.hub.draining and not self._buffer and not self._lagging:
-                return []  # woken by begin_drain: let the transport decide to close
-
-    def _fresh(self, events: list[RelayEvent]) -> list[RelayEvent]:
-        # Live events arrive in stream order, so only a prefix can repeat what a catch-up
-        # read already delivered: compare ids until the first new one, not for every event.
-        start = 0
-        while start < len(events) and entry_id_key(events[start].id) <= self._last_key:
-            start += 1
-        return events[start:] if start else events
-
-    async def _catch_up(self) -> list[RelayEvent]:
-        # Live events that arrive while the stream is read land in the buffer; any that
-        # overlap with the read are dropped by id, so nothing is lost or repeated.
-        self._lagging = False
-        self._buffer.clear()
-        if self.last_id == LIVE_ONLY:
-            self._advance(await self.hub.last_event_id(self.session_id) or "0-0")
-            return []
-        page = await self.hub.read_after(self.session_id, self.last_id)
-        if self._recovering:
-            # Back from a lost connection: if Redis lost the session, say so instead of
-            # waiting for events that will never come.
-            self._recovering = False
-            if not page and not await self.hub.session_exists(self.session_id):
-                raise SessionLost("the session's data was lost (Redis restarted without it)")
-        if len(page) >= CATCH_UP_PAGE:
-            self._lagging = True
-        if page:
-            self._advance(page[-1].id)
-        return page
-
-    def _advance(self, event_id: str) -> None:
-        self.last_id = event_id
-        self._last_key = entry_id_key(event_id)
-
-    async def events(self, heartbeat_s: float) -> AsyncIterator[list[RelayEvent]]:
-        """Batches forever; an empty batch every ``heartbeat_s`` while nothing happens."""
-        while True:
-            yield await self.next_batch(heartbeat_s)
 
 
 class RelayHub:
@@ -357,7 +148,7 @@ class RelayHub:
         follows it was trimmed (a reader slower than ``TOKENSPOUT_EVENTS_MAXLEN`` allows)."""
         key = self.keys.events(session_id)
         if after_id is None:
-            entries = contract.entries_of(await self.redis.xrange(key, count=CATCH_UP_PAGE))
+            entries = wire.entries_of(await self.redis.xrange(key, count=CATCH_UP_PAGE))
         else:
             # One transaction: the page and the trim mark describe the same moment.
             async with self.redis.pipeline(transaction=True) as pipe:
@@ -370,7 +161,7 @@ class RelayHub:
                         raise
                     return []
             _raise_if_trimmed(info, after_id)
-            entries = contract.entries_of(page)
+            entries = wire.entries_of(page)
         return [
             RelayEvent(
                 entry_id.decode(),
@@ -385,9 +176,7 @@ class RelayHub:
         return bool(await self.redis.exists(self.keys.meta(session_id)))
 
     async def last_event_id(self, session_id: str) -> str | None:
-        entries = contract.entries_of(
-            await self.redis.xrevrange(self.keys.events(session_id), count=1)
-        )
+        entries = wire.entries_of(await self.redis.xrevrange(self.keys.events(session_id), count=1))
         return entries[0][0].decode() if entries else None
 
     async def wait_final(
@@ -401,7 +190,7 @@ class RelayHub:
             while (remaining := deadline - loop.time()) > 0:
                 for event in await feed.next_batch(remaining):
                     if event.generation_id == generation_id and event.is_final:
-                        return decode_final(event.data)
+                        return wire.decode_final(event.data)
                 if not looked_up and feed.last_id != LIVE_ONLY:
                     # Subscribed: a final event from now on reaches the feed, and one
                     # from before is in the generation's hash.
@@ -409,7 +198,7 @@ class RelayHub:
                     key = self.keys.generation(session_id, generation_id)
                     stored = await self.redis.hget(key, "final")
                     if stored is not None:
-                        return decode_final(stored)
+                        return wire.decode_final(stored)
         return None
 
     async def check_resumable(self, session_id: str, after_id: str | None) -> None:

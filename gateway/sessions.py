@@ -1,8 +1,11 @@
-"""Sessions and generations in Redis: create, authorise, submit, cancel.
+"""Sessions in Redis: create, authorise, submit a message, cancel a generation.
 
-With ``relay.py`` this is the only gateway code that talks to Redis. Every transport (SSE,
-WebSocket, OpenAI, TGI, OIP) goes through ``SessionStore``, so they all share one set of
-limits, one queue and one cancel path.
+Every transport (SSE, WebSocket, OpenAI, TGI, OIP) goes through ``SessionStore``, so they
+all share one set of limits, one queue and one cancel path. It holds the two other owners
+of gateway state in Redis: ``queue`` (gateway/generations.py: sampling limits, capacity,
+the models' queues, cancel signals) and ``models`` (gateway/models.py: which models and
+workers are live). With ``relay.py`` (reading events) these are the only gateway code that
+talks to Redis.
 """
 
 from __future__ import annotations
@@ -12,32 +15,29 @@ import hmac
 import math
 import secrets
 import time
-from typing import Any, Protocol
+from typing import Protocol
 
 import msgspec
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
-from engine import contract
-from engine.contract import (
-    Cancelled,
+import wire
+from gateway.errors import BadRequest, Conflict, Forbidden, NotFound, Overloaded, Unavailable
+from gateway.generations import GenerationQueue
+from gateway.models import ModelDirectory
+from gateway.settings import Settings
+from wire import (
     CancelReason,
     CancelSignal,
     ChatMessage,
     FinalEvent,
     GenerationRequest,
     Keys,
-    Queued,
     SamplingParams,
-    Usage,
+    scripts,
 )
-from gateway.errors import BadRequest, Conflict, Forbidden, NotFound, Overloaded, Unavailable
-from gateway.relay import decode_final
-from gateway.settings import Settings
 
 _message_decoder = msgspec.json.Decoder(ChatMessage)
 
-CANCELS_MAXLEN = 10_000
 STATELESS_TTL_S = 600
 """Lifetime of the throwaway session behind one stateless API request."""
 BUSY_RETRY_AFTER_S = 1
@@ -48,6 +48,8 @@ a client that follows the session's stream knows exactly when it ends)."""
 class CreatedSession(msgspec.Struct, frozen=True):
     session_id: str
     token: str
+    model: str | None = None
+    """None: no worker was alive to pick the default model; the first message picks it."""
 
 
 class Submitted(msgspec.Struct, frozen=True):
@@ -67,7 +69,9 @@ class CancelOutcome(msgspec.Struct, frozen=True):
 class StoreObserver(Protocol):
     """Told when a generation is queued or a cancel is sent (gateway/metrics.py)."""
 
-    def submitted(self, session_id: str, generation_id: str, queued_event_id: str) -> None: ...
+    def submitted(
+        self, session_id: str, generation_id: str, queued_event_id: str, model: str
+    ) -> None: ...
 
     def cancel_sent(self, session_id: str, generation_id: str, began: float) -> None: ...
 
@@ -82,17 +86,6 @@ def _bad_token() -> Forbidden:
     return Forbidden("a valid session token is required", code="bad_session_token")
 
 
-async def append_to_shared_stream(
-    redis: aioredis.Redis, key: str, fields: dict[str, bytes], maxlen: int
-) -> None:
-    """XADD to one of the shared streams (requests, cancels), capped, renewing its TTL in
-    the same round trip (contract.SHARED_KEY_TTL_S)."""
-    async with redis.pipeline(transaction=False) as pipe:
-        pipe.xadd(key, fields, maxlen=maxlen, approximate=True)  # type: ignore[arg-type]
-        pipe.expire(key, contract.SHARED_KEY_TTL_S)
-        await pipe.execute()
-
-
 def new_id(kind: str) -> str:
     return f"{kind}_{secrets.token_urlsafe(16)}"
 
@@ -105,21 +98,48 @@ class SessionStore:
         self.settings = settings
         self.observer = observer
         self.keys = Keys(settings.key_prefix)
-        self._submit = redis.register_script(contract.SUBMIT_SCRIPT)
-        self._cancel = redis.register_script(contract.CANCEL_SCRIPT)
-        self.requests_maxlen = settings.max_inflight * 20
-        """Cap of the shared requests stream (approximate, whole nodes)."""
+        self.models = ModelDirectory(redis, self.keys, settings)
+        self._submit = scripts.Submit(redis, self.keys)
+        self._cancel = scripts.Cancel(redis, self.keys)
+        self.queue = GenerationQueue(redis, self.keys, settings, self.models)
 
     # --- sessions ------------------------------------------------------------------------
 
-    async def create_session(self) -> CreatedSession:
+    async def create_session(self, model: str | None = None) -> CreatedSession:
+        """A session bound to ``model`` (a name or alias; None: the default model) for
+        its whole life."""
+        if model:
+            resolved = await self.models.resolve(model)
+        else:
+            try:
+                resolved = await self.models.resolve(None)
+            except Unavailable as exc:
+                if exc.code != "no_worker":
+                    raise
+                resolved = ""  # no worker yet: the first message picks the default
         session_id, token = new_id("s"), secrets.token_urlsafe(32)
         meta = self.keys.meta(session_id)
+        fields = {"token": _digest(token), "created": time.time(), "model": resolved}
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(meta, mapping={"token": _digest(token), "created": time.time()})
+            pipe.hset(meta, mapping=fields)  # type: ignore[arg-type]
             pipe.expire(meta, self.settings.session_ttl_s)
             await pipe.execute()
-        return CreatedSession(session_id, token)
+        return CreatedSession(session_id, token, resolved or None)
+
+    async def session_model(self, session_id: str, token: str | None) -> str:
+        """The model of a session, checked live (404, 403, then the model's own errors);
+        a session created while no worker was alive takes the default model now, for good."""
+        meta = self.keys.meta(session_id)
+        stored_token, stored_model = await self.redis.hmget(meta, ["token", "model"])
+        if stored_token is None:
+            raise NotFound(f"no session {session_id!r}", code="unknown_session")
+        if token is None or not hmac.compare_digest(wire.text(stored_token), _digest(token)):
+            raise _bad_token()
+        if stored_model:
+            return await self.models.resolve(wire.text(stored_model))
+        model = await self.models.resolve(None)
+        await self.redis.hset(meta, "model", model)
+        return model
 
     async def authorise(self, session_id: str, token: str | None) -> None:
         """404 for an unknown session, 403 for a missing or wrong token."""
@@ -136,20 +156,6 @@ class SessionStore:
 
     # --- generations ---------------------------------------------------------------------
 
-    def sampling(self, **given: Any) -> SamplingParams:
-        """Sampling parameters with the gateway's defaults and limits applied."""
-        params = {key: value for key, value in given.items() if value is not None}
-        max_tokens = params.setdefault("max_tokens", self.settings.default_max_tokens)
-        if not 1 <= max_tokens <= self.settings.max_tokens_limit:
-            raise BadRequest(
-                f"max_tokens must be between 1 and {self.settings.max_tokens_limit}",
-                field="max_tokens",
-            )
-        try:
-            return msgspec.convert(params, SamplingParams)
-        except msgspec.ValidationError as exc:
-            raise BadRequest(str(exc)) from exc
-
     async def submit_message(
         self,
         session_id: str,
@@ -163,18 +169,24 @@ class SessionStore:
         Authorises like ``authorise`` (404, then 403), in the same round trip as the submit.
         """
         self._check_content(content)
-        message = contract.encode(ChatMessage("user", content)).decode()
+        model = await self.session_model(session_id, token)
+        message = ChatMessage("user", content)
         # No token never matches: a digest is never "-".
         digest = _digest(token) if token is not None else "-"
-        return await self._submit_to_session(session_id, message, params, idempotency_key, digest)
+        return await self._submit_to_session(
+            session_id, model, message, params, idempotency_key, digest
+        )
 
     async def submit_stateless(
         self,
         params: SamplingParams,
+        model: str | None = None,
         messages: list[ChatMessage] | None = None,
         prompt: str | None = None,
     ) -> Submitted:
-        """Queue one generation in a throwaway session (the OpenAI/TGI/OIP adapters)."""
+        """Queue one generation in a throwaway session (the OpenAI/TGI/OIP adapters) for
+        ``model`` (a name or alias; None: the default model)."""
+        queue = await self.models.resolve(model)
         for message in messages or []:
             self._check_content(message.content, allow_empty=True)
         if prompt is not None:
@@ -184,13 +196,22 @@ class SessionStore:
         await self.redis.hset(meta, mapping={"stateless": 1, "created": time.time()})
         await self.redis.expire(meta, STATELESS_TTL_S)
         return await self._submit_to_session(
-            session_id, "", params, None, "", messages=messages, prompt=prompt, ttl=STATELESS_TTL_S
+            session_id,
+            queue,
+            None,
+            params,
+            None,
+            "",
+            messages=messages,
+            prompt=prompt,
+            ttl=STATELESS_TTL_S,
         )
 
     async def _submit_to_session(
         self,
         session_id: str,
-        user_message: str,
+        model: str,
+        user_message: ChatMessage | None,
         params: SamplingParams,
         idempotency_key: str | None,
         token_digest: str,
@@ -202,36 +223,23 @@ class SessionStore:
         keys, generation_id = self.keys, new_id("g")
         idem_key = keys.idempotency(session_id, idempotency_key) if idempotency_key else ""
         try:
-            await self._guard_capacity()
+            await self.queue.guard_capacity(model)
         except Overloaded:
             # A retried POST whose generation exists takes no new capacity: it must get
             # that generation back (from the script, after the token check), not a 429.
             if not (idem_key and await self.redis.exists(idem_key)):
                 raise
         reply = await self._submit(
-            keys=[
-                keys.meta(session_id),
-                keys.history(session_id),
-                keys.active(session_id),
-                keys.generation(session_id, generation_id),
-                keys.events(session_id),
-                keys.watch(session_id),
-                idem_key,
-            ],
-            args=[
-                keys.live_channel(session_id),
-                self.settings.events_maxlen,
-                ttl or self.settings.session_ttl_s,
-                generation_id,
-                user_message,
-                time.time(),
-                self.settings.max_history_messages,
-                self.watch_ttl_s,
-                contract.encode(Queued(generation_id)),
-                token_digest,
-            ],
+            session_id=session_id,
+            generation_id=generation_id,
+            user_message=user_message,
+            token_digest=token_digest,
+            idempotency_key=idempotency_key,
+            maxlen=self.settings.events_maxlen,
+            ttl_s=ttl or self.settings.session_ttl_s,
+            max_history=self.settings.max_history_messages,
+            watch_ttl_s=self.watch_ttl_s,
         )
-        reply = [contract.text(item) for item in reply]
         outcome = reply[0]
         if outcome == "missing":
             raise NotFound(f"no session {session_id!r}", code="unknown_session")
@@ -262,11 +270,9 @@ class SessionStore:
             session_ttl_s=ttl or self.settings.session_ttl_s,
             events_maxlen=self.settings.events_maxlen,
         )
-        await append_to_shared_stream(
-            self.redis, keys.requests, {"r": contract.encode(request)}, self.requests_maxlen
-        )
+        await self.queue.enqueue(model, request)
         if self.observer is not None:
-            self.observer.submitted(session_id, generation_id, reply[1])
+            self.observer.submitted(session_id, generation_id, reply[1], model)
         return Submitted(generation_id, session_id, reply[1])
 
     def _check_content(self, content: str, *, allow_empty: bool = False) -> None:
@@ -279,76 +285,37 @@ class SessionStore:
                 field="content",
             )
 
-    async def _guard_capacity(self) -> None:
-        """429 past the global in-flight limit, 503 when no worker is alive."""
-        inflight = await self.inflight()
-        if inflight >= self.settings.max_inflight:
-            raise Overloaded(
-                f"{inflight} generations are in flight (limit {self.settings.max_inflight})",
-                retry_after_s=1,
-            )
-
-    async def inflight(self) -> int:
-        """Queued (not yet delivered) plus running (delivered, not acknowledged) requests."""
-        queued, running = await self.queue_counts()
-        return queued + running
-
-    async def queue_counts(self) -> tuple[int, int]:
-        """(queued, running): requests no worker took yet, and taken but not finished."""
-        try:
-            groups = await self.redis.xinfo_groups(self.keys.requests)
-        except RedisError as exc:
-            if "no such key" in str(exc).lower():
-                return 0, 0
-            raise
-        for group in groups:
-            name = group["name"]
-            if (name.decode() if isinstance(name, bytes) else name) == contract.CONSUMER_GROUP:
-                return int(group.get("lag") or 0), int(group["pending"])
-        return int(await self.redis.xlen(self.keys.requests)), 0
-
     async def cancel(
         self, session_id: str, generation_id: str, reason: CancelReason = "user"
     ) -> CancelOutcome:
         """Stop a generation wherever it runs; idempotent (a final one reports its end)."""
-        keys, began = self.keys, time.monotonic()
-        cancelled = Cancelled(generation_id, reason, Usage(0, 0))
+        began = time.monotonic()
         reply = await self._cancel(
-            keys=[
-                keys.generation(session_id, generation_id),
-                keys.events(session_id),
-                keys.active(session_id),
-            ],
-            args=[
-                keys.live_channel(session_id),
-                self.settings.events_maxlen,
-                self.settings.session_ttl_s,
-                generation_id,
-                reason,
-                contract.encode(cancelled),
-            ],
+            session_id=session_id,
+            generation_id=generation_id,
+            reason=reason,
+            maxlen=self.settings.events_maxlen,
+            ttl_s=self.settings.session_ttl_s,
         )
-        outcome = contract.text(reply[0])
+        outcome = reply[0]
         if outcome == "unknown":
             raise NotFound(f"no generation {generation_id!r}", code="unknown_generation")
         if outcome == "final":
-            final = decode_final(reply[2])
-            return CancelOutcome(generation_id, contract.final_state(final), final)
+            final = wire.decode_final(reply[2])
+            return CancelOutcome(generation_id, wire.final_state(final), final)
         if outcome == "cancelled":
             if self.observer is not None:
                 self.observer.cancel_stopped(generation_id, time.monotonic() - began)
-            return CancelOutcome(generation_id, "cancelled", cancelled)
+            # Its usage: zero, or what it streamed before a takeover queued it again.
+            return CancelOutcome(generation_id, "cancelled", wire.decode_final(reply[2]))
         if self.observer is not None:
             self.observer.cancel_sent(session_id, generation_id, began)
-        signal = CancelSignal(generation_id, session_id, reason)
-        await append_to_shared_stream(
-            self.redis, keys.cancels, {"c": contract.encode(signal)}, CANCELS_MAXLEN
-        )
+        await self.queue.signal_cancel(CancelSignal(generation_id, session_id, reason))
         return CancelOutcome(generation_id, "cancelling")
 
     async def generation_final(self, session_id: str, generation_id: str) -> FinalEvent | None:
         raw = await self.redis.hget(self.keys.generation(session_id, generation_id), "final")
-        return None if raw is None else decode_final(raw)
+        return None if raw is None else wire.decode_final(raw)
 
     @property
     def watch_ttl_s(self) -> int:
@@ -364,18 +331,3 @@ class SessionStore:
             for session_id in session_ids:
                 pipe.set(self.keys.watch(session_id), 1, ex=ttl)
             await pipe.execute()
-
-    async def live_workers(self) -> list[contract.WorkerInfo]:
-        since = time.time() - self.settings.worker_timeout_s
-        worker_ids = await self.redis.zrangebyscore(self.keys.workers, since, "+inf")
-        if not worker_ids:
-            return []
-        raw = await self.redis.mget([self.keys.worker(contract.text(w)) for w in worker_ids])
-        decoder = msgspec.json.Decoder(contract.WorkerInfo)
-        return [decoder.decode(item) for item in raw if item is not None]
-
-    async def ping(self) -> None:
-        try:
-            await self.redis.ping()
-        except (RedisError, OSError) as exc:
-            raise Unavailable(f"Redis is unreachable: {exc}", code="redis_unavailable") from exc

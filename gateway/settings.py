@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from engine.contract import DEFAULT_PREFIX
+from wire import DEFAULT_PREFIX
 
 ENV_PREFIX = "TOKENSPOUT_"
 UNPREFIXED = frozenset({"redis_url"})
@@ -57,6 +57,21 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         int,
         _D(ge=1, description="Queued plus running generations, all workers; past it, 429."),
     ] = 256
+    max_inflight_per_model: Annotated[
+        int,
+        _D(
+            ge=0,
+            description="Queued plus running generations of one model; past it, 429. "
+            "0: only the global limit.",
+        ),
+    ] = 0
+    default_model: Annotated[
+        str,
+        _D(
+            description="Model (or alias) of requests that name none (session API, TGI, "
+            "web chat); empty: the only live model, else they must name one (400).",
+        ),
+    ] = ""
     abandon_grace_s: Annotated[
         float, _D(gt=0, description="A generation nobody reads for this long is aborted.")
     ] = 30
@@ -71,7 +86,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         _D(ge=8, description="Events buffered per slow reader before it re-reads Redis."),
     ] = 512
     worker_timeout_s: Annotated[
-        float, _D(gt=0, description="A worker silent this long is dead; its work ends.")
+        float,
+        _D(
+            gt=0,
+            description="A worker silent this long is lost (sooner when its lease connection "
+            "to Redis closes); its replies are taken over.",
+        ),
     ] = 5.0
     queue_timeout_s: Annotated[
         float,
@@ -105,6 +125,15 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         Path(__file__).resolve().parent.parent / "web"
     )
     log_level: Annotated[str, _D(description="DEBUG, INFO, WARNING or ERROR.")] = "INFO"
+    keepalive_s: Annotated[
+        int,
+        _D(
+            ge=1,
+            description="How long an idle HTTP keep-alive connection stays open. Longer than "
+            "the idle timeout of common proxies and client pools (60 s), so a client never "
+            "sends a request on a connection the gateway is closing.",
+        ),
+    ] = 75
     shutdown_grace_s: Annotated[
         int,
         _D(
@@ -113,6 +142,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             "end before they are cut (clients resume elsewhere with Last-Event-ID).",
         ),
     ] = 30
+    max_takeovers: Annotated[
+        int,
+        _D(
+            ge=0,
+            description="How often one reply may be taken over by another worker (its "
+            "worker lost or stopped); past it, it ends with `error` `worker_lost`.",
+        ),
+    ] = 3
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> Settings:

@@ -23,7 +23,7 @@ from litestar.response.base import ASGIResponse
 from litestar.response.streaming import ASGIStreamingResponse
 from litestar.types import HTTPResponseBodyEvent, Receive, Send, TypeEncodersMap
 
-from gateway.relay import RelayEvent
+from gateway.feed import RelayEvent
 
 HEADERS = {
     "Cache-Control": "no-cache",

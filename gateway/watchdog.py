@@ -2,10 +2,13 @@
 
 - ``refresh_watches``: tells workers which sessions this process has readers for, so a
   generation nobody reads is aborted after the grace period (engine/worker.py checks).
-- ``Reaper``: one gateway at a time (a Redis lock) makes sure no client waits forever.
-  - A worker that stops heartbeating leaves requests in the consumer group's pending list:
+- ``Reaper``: one gateway at a time (a Redis lock) makes sure no client waits forever, in
+  every model's queue (each model registered in ``Keys.models``).
+  - A lost worker (its lease connection closed, or no heartbeat for
+    ``TOKENSPOUT_WORKER_TIMEOUT_S``) leaves requests in the consumer group's pending list:
     a request that never started goes back on the queue for a surviving worker; one that
-    was running ends with an ``error`` event (``worker_lost``).
+    was running is taken over (gateway/takeover.py): it goes back on the queue with what
+    it streamed, and another worker continues the reply. Checked every ``REAP_PASS_S``.
   - A request no worker takes within ``TOKENSPOUT_QUEUE_TIMEOUT_S`` (none alive, or all
     busy) ends with an ``error`` event (``queue_timeout``); a worker that dequeues it later
     finds it final and skips it.
@@ -16,18 +19,22 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
 
 import msgspec
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
-from engine import contract
-from engine.contract import Error, GenerationRequest, Keys, entry_id_key
+import wire
 from gateway.relay import RelayHub
-from gateway.sessions import SessionStore, append_to_shared_stream
+from gateway.sessions import SessionStore
+from gateway.takeover import REAPER_PREFIX, Takeover, live_workers
+from wire import Error, GenerationRequest, Keys, entry_id_key
+from wire.queue import RequestQueue
+from wire.scripts import EndQueued
 
 log = logging.getLogger("tokenspout.watchdog")
 _request_decoder = msgspec.json.Decoder(GenerationRequest)
@@ -40,6 +47,12 @@ loop (packing and parsing every reply) long enough to stall every stream of the 
 QUEUE_SCAN_PAGE = 200
 QUEUE_SCAN_MAX = 2_000
 """Queued requests the queue deadline looks at per pass (the oldest first)."""
+REAP_PASS_S = 0.1
+"""How often the reaper looks for lost workers: a killed worker's reply goes on in another
+within about this long (plus the new worker's prefill)."""
+LOCK_MS = 2_000
+STALE_CLAIM_MS = 5_000
+"""An entry a reaper claimed and has not handed on for this long: that reaper stopped."""
 
 
 async def refresh_watches(store: SessionStore, hub: RelayHub, interval_s: float) -> None:
@@ -60,7 +73,7 @@ def decode_request(entry_id: bytes | str, fields: dict[bytes, bytes]) -> Generat
     try:
         return _request_decoder.decode(fields[b"r"])
     except (KeyError, msgspec.DecodeError) as exc:
-        log.error("unreadable entry %s in the requests stream: %r", contract.text(entry_id), exc)
+        log.error("unreadable entry %s in the requests stream: %r", wire.text(entry_id), exc)
         return None
 
 
@@ -74,21 +87,33 @@ class Reaper:
         ttl_s: int,
         queue_timeout_s: float = 120.0,
         requests_maxlen: int = 5_120,
+        max_takeovers: int = 3,
+        default_model: str = "",
     ) -> None:
         self.redis = redis
         self.keys = keys
+        self.default_model = default_model
+        """Queued for before any worker of it registered (TOKENSPOUT_DEFAULT_MODEL), so its
+        queue needs the deadline too."""
         self.worker_timeout_s = worker_timeout_s
         self.events_maxlen = events_maxlen
         self.ttl_s = ttl_s
         self.queue_timeout_s = queue_timeout_s
         self.requests_maxlen = requests_maxlen
-        self._emit = redis.register_script(contract.EMIT_SCRIPT)
-        self._end_queued = redis.register_script(contract.END_QUEUED_SCRIPT)
-        self._owner = f"reaper-{time.monotonic_ns()}"
-        self._expired_through: str | None = None
-        """Every queued entry up to this id has been looked at by the queue deadline."""
+        self._end_queued = EndQueued(redis, keys)
+        self._owner = f"{REAPER_PREFIX}{time.monotonic_ns()}"
+        self.takeover = Takeover(
+            redis,
+            keys,
+            max_takeovers=max_takeovers,
+            events_maxlen=events_maxlen,
+            ttl_s=ttl_s,
+            requests_maxlen=requests_maxlen,
+        )
+        self._expired_through: dict[str, str] = {}
+        """Queue -> every queued entry up to this id has been looked at by the deadline."""
 
-    async def run_forever(self, interval_s: float = 1.0) -> None:
+    async def run_forever(self, interval_s: float = REAP_PASS_S) -> None:
         duties: list[Callable[[], Awaitable[int]]] = [self.reap_once, self.expire_queued]
         while True:
             if await self._guarded("acquiring the reaper lock", self._acquire):
@@ -107,168 +132,121 @@ class Reaper:
         return None
 
     async def _acquire(self) -> bool:
-        lock_ms = int(max(2.0, self.worker_timeout_s) * 1000)
+        lock_ms = LOCK_MS
         if await self.redis.set(self.keys.reaper_lock, self._owner, nx=True, px=lock_ms):
             return True
         holder = await self.redis.get(self.keys.reaper_lock)
-        if holder is not None and contract.text(holder) == self._owner:
+        if holder is not None and wire.text(holder) == self._owner:
             await self.redis.pexpire(self.keys.reaper_lock, lock_ms)
             return True
         return False
 
+    async def _queues(self) -> list[RequestQueue]:
+        """Every registered model's queue, and the default model's."""
+        models = {wire.text(model) for model in await self.redis.hvals(self.keys.models)}
+        models |= {self.default_model} if self.default_model else set()
+        return [RequestQueue(self.redis, self.keys, model) for model in sorted(models)]
+
+    async def _each_queue(self, what: str, duty: Callable[[RequestQueue], Awaitable[int]]) -> int:
+        """``duty`` on every queue; one queue's failure (logged) does not skip the others."""
+        done = 0
+        for queue in await self._queues():
+            result = await self._guarded(f"{what} {queue.key}", functools.partial(duty, queue))
+            done += result if isinstance(result, int) else 0
+        return done
+
     # --- dead workers --------------------------------------------------------------------
 
     async def reap_once(self) -> int:
-        """Handle the pending requests of dead workers; returns how many."""
-        try:
-            pending = await self.redis.xpending_range(
-                self.keys.requests, contract.CONSUMER_GROUP, min="-", max="+", count=500
-            )
-        except RedisError as exc:
-            if "no such key" in str(exc).lower() or "nogroup" in str(exc).lower():
-                return 0
-            raise
-        if not pending:
+        """Hand on the pending requests of lost workers, every queue; returns how many."""
+        return await self._each_queue("reaping", self._reap_queue)
+
+    async def _reap_queue(self, queue: RequestQueue) -> int:
+        consumers = await queue.pending_consumers()
+        if not consumers:
             return 0
-        alive = await self._live_worker_ids()
-        dead = [entry for entry in pending if contract.text(entry["consumer"]) not in alive]
-        for entry in dead:
-            await self._take_over(contract.text(entry["message_id"]))
-        return len(dead)
+        alive = await live_workers(self.redis, self.keys, consumers, self.worker_timeout_s)
+        handled = 0
+        for consumer in consumers:
+            if consumer in alive or consumer == self._owner:
+                continue
+            stale = STALE_CLAIM_MS if consumer.startswith(REAPER_PREFIX) else None
+            pending = await queue.pending_of(consumer, stale)
+            for message_id, idle in pending:
+                # Claimed only if still idle as long as seen: an entry another reaper
+                # claimed meanwhile (its idle time reset) is left to that one.
+                await self._take_over(queue, message_id, consumer, idle)
+            handled += len(pending)
+        return handled
 
-    async def _live_worker_ids(self) -> set[str]:
-        since = time.time() - self.worker_timeout_s
-        ids = await self.redis.zrangebyscore(self.keys.workers, since, "+inf")
-        return {contract.text(worker_id) for worker_id in ids}
-
-    async def _take_over(self, message_id: bytes | str) -> None:
-        claimed = await self.redis.xclaim(
-            self.keys.requests, contract.CONSUMER_GROUP, self._owner, 0, [message_id]
-        )
-        for entry_id, fields in contract.entries_of(claimed):
+    async def _take_over(
+        self, queue: RequestQueue, message_id: str, consumer: str, idle_ms: int
+    ) -> None:
+        for entry_id, fields in await queue.claim(self._owner, idle_ms, message_id):
             request = decode_request(entry_id, fields) if fields else None
             if request is not None:  # else trimmed away meanwhile, or unreadable: drop it
-                await self._take_over_request(request, fields[b"r"])
-            await self.redis.xack(self.keys.requests, contract.CONSUMER_GROUP, entry_id)
-        await self.redis.xgroup_delconsumer(
-            self.keys.requests, contract.CONSUMER_GROUP, self._owner
-        )
-
-    async def _take_over_request(self, request: GenerationRequest, raw: bytes) -> None:
-        gen_key = self.keys.generation(request.session_id, request.generation_id)
-        state = await self.redis.hget(gen_key, "state")
-        if state == b"queued":
-            log.info("requeueing %s from a dead worker", request.generation_id)
-            await append_to_shared_stream(
-                self.redis, self.keys.requests, {"r": raw}, self.requests_maxlen
-            )
-        else:
-            log.warning("worker lost while running %s", request.generation_id)
-            await self._end_with_error(request)
-
-    async def _end_with_error(self, request: GenerationRequest) -> None:
-        sid, gid = request.session_id, request.generation_id
-        error = Error(gid, "worker_lost", "the engine worker running this generation stopped")
-        await self._emit(
-            keys=[
-                self.keys.events(sid),
-                self.keys.generation(sid, gid),
-                self.keys.active(sid),
-                self.keys.history(sid),
-            ],
-            args=[
-                self.keys.live_channel(sid),
-                self.events_maxlen,
-                self.ttl_s,
-                "error",
-                gid,
-                contract.encode(error),
-                "error",
-                "",
-                "",
-            ],
-        )
+                await self.takeover.hand_on(queue, request, fields[b"r"], consumer)
+            await queue.ack(entry_id)
+        await queue.forget_consumer(self._owner)
 
     # --- the queue deadline --------------------------------------------------------------
 
     async def expire_queued(self) -> int:
-        """End the requests no worker took within the queue deadline; returns how many.
+        """End the requests no worker took within the queue deadline, every queue;
+        returns how many."""
+        return await self._each_queue("expiring queued requests in", self._expire_queue)
 
-        Looks at the entries after the consumer group's last-delivered id (none delivered:
-        the whole stream), oldest first, and stops at the first one still in time.
-        """
-        start = await self._undelivered_after()
+    async def _expire_queue(self, queue: RequestQueue) -> int:
+        """Looks at the entries after the consumer group's last-delivered id (none
+        delivered: the whole stream), oldest first, and stops at the first one in time."""
+        start = await queue.last_delivered()
         if start is None:
             return 0
-        if self._expired_through is not None and (
-            start == "" or entry_id_key(self._expired_through) > entry_id_key(start)
-        ):
-            start = self._expired_through
+        through = self._expired_through.get(queue.key)
+        if through is not None and (start == "" or entry_id_key(through) > entry_id_key(start)):
+            start = through
         deadline = time.time() - self.queue_timeout_s
         ended = scanned = 0
         in_time = False
         while not in_time and scanned < QUEUE_SCAN_MAX:
-            page = contract.entries_of(
-                await self.redis.xrange(
-                    self.keys.requests, min=f"({start}" if start else "-", count=QUEUE_SCAN_PAGE
-                )
-            )
+            page = await queue.read_after(start, QUEUE_SCAN_PAGE)
             expired: list[GenerationRequest] = []
             for entry_id, fields in page:
                 request = decode_request(entry_id, fields)
-                added_s = entry_id_key(contract.text(entry_id))[0] / 1000
+                added_s = wire.entry_ms(wire.text(entry_id)) / 1000
                 if added_s > deadline or (request is not None and request.enqueued_at > deadline):
                     in_time = True
                     break
                 if request is not None:
                     expired.append(request)
-                start = contract.text(entry_id)
+                start = wire.text(entry_id)
             ended += await self._end_expired(expired)
-            self._expired_through = start or None
+            if start:
+                self._expired_through[queue.key] = start
             scanned += len(page)
             if len(page) < QUEUE_SCAN_PAGE:
                 break
         return ended
 
-    async def _undelivered_after(self) -> str | None:
-        """The consumer group's last-delivered id; "" if there is no group; None if no stream."""
-        try:
-            groups = await self.redis.xinfo_groups(self.keys.requests)
-        except ResponseError as exc:
-            if "no such key" in str(exc).lower():
-                return None
-            raise
-        for group in groups:
-            if contract.text(group["name"]) == contract.CONSUMER_GROUP:
-                return contract.text(group["last-delivered-id"])
-        return ""
-
     async def _end_expired(self, requests: list[GenerationRequest]) -> int:
         if not requests:
             return 0
-        keys = self.keys
         async with self.redis.pipeline(transaction=False) as pipe:
             for request in requests:
-                sid, gid = request.session_id, request.generation_id
                 error = Error(
-                    gid,
+                    request.generation_id,
                     "queue_timeout",
                     f"no engine worker took this generation within {self.queue_timeout_s:g} s",
                 )
                 await self._end_queued(
-                    keys=[keys.generation(sid, gid), keys.events(sid), keys.active(sid)],
-                    args=[
-                        keys.live_channel(sid),
-                        self.events_maxlen,
-                        self.ttl_s,
-                        gid,
-                        "error",
-                        contract.encode(error),
-                    ],
-                    client=pipe,
+                    session_id=request.session_id,
+                    event=error,
+                    maxlen=self.events_maxlen,
+                    ttl_s=self.ttl_s,
+                    pipe=pipe,
                 )
             replies: list[object] = await pipe.execute()
-        ended = sum(1 for reply in replies if reply)
+        ended = sum(1 for reply in replies if EndQueued.reply(reply))
         if ended:
             log.warning("%d queued generations timed out: no engine worker took them", ended)
         return ended

@@ -5,7 +5,7 @@ Every frame is a JSON object with a ``type``. Client frames: ``generate``, ``can
 ``cancelled``, ``error``, ``pong``. Each frame about a generation carries the client's own
 ``id`` for it, so several generations can share one socket. docs/api.md shows examples.
 
-New fields go at the end with defaults, as in engine/contract.py.
+New fields go at the end with defaults, as in wire/messages.py.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from engine import contract
-from engine.contract import CancelReason, Usage
+import wire
 from gateway.errors import BadRequest, PayloadTooLarge
+from wire import CancelReason, Usage
 
 ClientId = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 
@@ -44,6 +44,9 @@ class Generate(msgspec.Struct, frozen=True, tag="generate", forbid_unknown_field
     """With API keys configured, what a ``generate`` without ``session_id`` needs unless the
     socket's connect request carried ``Authorization: Bearer <key>`` or an earlier frame
     gave a valid key (browsers cannot set headers on a WebSocket)."""
+    model: str | None = None
+    """The model of a new session (a name or alias; None: the default). A named session
+    keeps its own."""
 
 
 class Cancel(msgspec.Struct, frozen=True, tag="cancel", forbid_unknown_fields=True):
@@ -136,8 +139,25 @@ class Pong(msgspec.Struct, frozen=True, tag="pong", omit_defaults=True):
     id: str | None = None
 
 
+class ResumedFrame(msgspec.Struct, frozen=True, tag="resumed"):
+    """The generation's engine worker was lost or stopped and another one goes on with it;
+    the next token frame follows the last one, nothing is repeated."""
+
+    id: str
+    takeover: int
+    event_id: str
+
+
 ServerFrame = (
-    Ack | QueuedFrame | StartedFrame | TokenFrame | DoneFrame | CancelledFrame | ErrorFrame | Pong
+    Ack
+    | QueuedFrame
+    | StartedFrame
+    | TokenFrame
+    | DoneFrame
+    | CancelledFrame
+    | ErrorFrame
+    | Pong
+    | ResumedFrame
 )
 
 _decoder = msgspec.json.Decoder(ClientFrame)
@@ -185,27 +205,27 @@ def encode_frame(frame: ServerFrame) -> str:
     return _encoder.encode(frame).decode()
 
 
-def event_frames(
-    client_id: str, events: list[tuple[str, contract.SessionEvent]]
-) -> list[ServerFrame]:
+def event_frames(client_id: str, events: list[tuple[str, wire.SessionEvent]]) -> list[ServerFrame]:
     """Session events of one generation as frames, runs of tokens coalesced into one."""
     frames: list[ServerFrame] = []
     for event_id, event in events:
         match event:
-            case contract.Token(text=text, count=count):
+            case wire.Token(text=text, count=count):
                 last = frames[-1] if frames else None
                 if isinstance(last, TokenFrame):
                     frames[-1] = TokenFrame(client_id, last.text + text, count, event_id)
                 else:
                     frames.append(TokenFrame(client_id, text, count, event_id))
-            case contract.Queued(generation_id=gid):
+            case wire.Queued(generation_id=gid):
                 frames.append(QueuedFrame(client_id, gid, event_id))
-            case contract.Started(generation_id=gid, model=model, prompt_tokens=prompt):
+            case wire.Started(generation_id=gid, model=model, prompt_tokens=prompt):
                 frames.append(StartedFrame(client_id, gid, model, prompt, event_id))
-            case contract.Done(finish_reason=reason, usage=usage):
+            case wire.Done(finish_reason=reason, usage=usage):
                 frames.append(DoneFrame(client_id, reason, usage, event_id))
-            case contract.Cancelled(reason=reason, usage=usage):
+            case wire.Cancelled(reason=reason, usage=usage):
                 frames.append(CancelledFrame(client_id, reason, usage, event_id))
-            case contract.Error(code=code, message=message):
+            case wire.Error(code=code, message=message):
                 frames.append(ErrorFrame(code, message, id=client_id, event_id=event_id))
+            case wire.Resumed(takeover=takeover):
+                frames.append(ResumedFrame(client_id, takeover, event_id))
     return frames

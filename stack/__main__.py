@@ -1,7 +1,9 @@
 """``python -m stack`` (``make run``): the whole product on this machine.
 
 Starts an embedded Redis (unless ``REDIS_URL`` is set), one engine worker (vLLM on the
-bundled SmolLM2 by default), and the gateway, which also serves the web chat. Ctrl-C stops
+bundled SmolLM2 by default), and the gateway, which also serves the web chat. Each
+``--add-engine "ARGS"`` starts one more worker with those ``python -m engine`` arguments,
+e.g. a second model: ``--add-engine "--backend synthetic --served-model-name echo"``. Ctrl-C stops
 everything; the embedded Redis keeps no data (nothing is written to disk) unless
 ``--persist DIR`` is given.
 """
@@ -9,11 +11,14 @@ everything; the embedded Redis keeps no data (nothing is written to disk) unless
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 from stack import processes
@@ -28,6 +33,13 @@ def say(message: str) -> None:
     print(f"[tokenspout] {message}", file=sys.stderr, flush=True)
 
 
+def first_model(base: str) -> str:
+    """A model with a live worker, as ``/ready`` lists them (for the curl example)."""
+    with urllib.request.urlopen(f"{base}/ready", timeout=5) as response:
+        models: dict[str, int] = json.load(response)["models"]
+    return next((name for name, workers in sorted(models.items()) if workers), "MODEL")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m stack", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
@@ -35,6 +47,13 @@ def main() -> None:
     parser.add_argument("--backend", choices=["vllm", "synthetic"], default="vllm")
     parser.add_argument("--model", default="default")
     parser.add_argument("--persist", type=Path, default=None, help="keep Redis data here")
+    parser.add_argument(
+        "--add-engine",
+        action="append",
+        default=[],
+        metavar="ARGS",
+        help="one more engine worker with these `python -m engine` arguments (repeatable)",
+    )
     args = parser.parse_args()
 
     redis: EmbeddedRedis | None = None
@@ -62,6 +81,9 @@ def main() -> None:
             ["--backend", args.backend, "--model", args.model, "--drain-s", str(DRAIN_S)], env
         )
         children.append(engine)
+        for extra in args.add_engine:
+            say(f"starting another engine worker: {extra}")
+            children.append(processes.engine([*shlex.split(extra), "--drain-s", str(DRAIN_S)], env))
         say(f"starting the gateway on http://{args.host}:{args.port}")
         gateway = processes.spawn(
             ["-m", "gateway", "--host", args.host, "--port", str(args.port)], env
@@ -79,10 +101,11 @@ def main() -> None:
                 say(f"  still loading ({time.monotonic() - began:.0f} s)")
         if not stopping:
             say(f"ready in {time.monotonic() - began:.0f} s")
+            model = first_model(base)
             print(f"\n  tokenspout is running: {base}\n", flush=True)
             print(
                 f"  try:  curl -N {base}/v1/chat/completions -H 'content-type: application/json'"
-                ' -d \'{"model":"any","stream":true,"messages":[{"role":"user",'
+                f' -d \'{{"model":"{model}","stream":true,"messages":[{{"role":"user",'
                 '"content":"Hi"}]}\'',
                 flush=True,
             )

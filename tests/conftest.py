@@ -2,24 +2,56 @@
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
+import gc
 import os
 import secrets
-import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-import redis
 import redis.asyncio as aioredis
 
-from stack import processes
 from stack.redis_server import EmbeddedRedis, free_port
+from tests.support.engines import RUNNING, SYNTHETIC_TOKENS_PER_S, EngineUnderTest
+from tests.support.stack import VLLM_LOCK, Gateway, Stack, VllmStack
 
-VLLM_LOCK = Path("/tmp/tokenspout-vllm.lock")
-"""Held while a test session runs vLLM: two engines at once would starve these 2 cores."""
+if TYPE_CHECKING:
+    from playwright.async_api import Browser
+
+
+def _closes_an_async_generator(task: asyncio.Task[object]) -> bool:
+    """The loop's own task that closes an async generator dropped before its end (clients'
+    SSE decoders leave those when a stream ends): it finishes by itself."""
+    return type(task.get_coro()).__name__ == "async_generator_athrow"
+
+
+@pytest.fixture(autouse=True)
+async def no_task_outlives_its_test() -> AsyncIterator[None]:
+    """A test ends with every task it started ended, and its garbage collected.
+
+    A task left running is destroyed when the test's event loop closes; what it held (a
+    half-open connection, a coroutine it never started) then warns from the garbage
+    collector, in whichever later test that happens to run, and fails that one instead.
+    """
+    yield
+    gc.collect()  # what the test dropped warns here, in this test
+    await asyncio.sleep(0)  # and the generators it dropped start closing
+    current = asyncio.current_task()
+    pending = [task for task in asyncio.all_tasks() if task is not current and not task.done()]
+    leaked = [
+        task
+        for task in pending
+        if not task.cancelling() and not _closes_an_async_generator(task)  # those end now
+    ]
+    for task in leaked:
+        task.cancel()
+    async with asyncio.timeout(10):
+        await asyncio.gather(*pending, return_exceptions=True)
+    assert not leaked, f"tasks outlived the test: {leaked}"
 
 
 @pytest.fixture(scope="session")
@@ -36,83 +68,6 @@ async def async_redis(redis_server: EmbeddedRedis) -> AsyncIterator[aioredis.Red
     await client.aclose()
 
 
-@dataclass
-class Gateway:
-    url: str
-    process: subprocess.Popen[bytes]
-    port: int
-
-
-@dataclass
-class Stack:
-    """Processes of one test, all on one Redis key prefix; stopped when the test ends."""
-
-    redis_url: str
-    prefix: str
-    logs: Path
-    env: dict[str, str] = field(default_factory=dict)
-    children: list[subprocess.Popen[bytes]] = field(default_factory=list)
-
-    def base_env(self, **extra: str) -> dict[str, str]:
-        return {
-            "REDIS_URL": self.redis_url,
-            "TOKENSPOUT_KEY_PREFIX": self.prefix,
-            "TOKENSPOUT_LOG_LEVEL": "INFO",
-            **self.env,
-            **extra,
-        }
-
-    def gateway(self, port: int | None = None, **env: str) -> Gateway:
-        port = port or free_port()
-        log = self.logs / f"gateway-{port}.log"
-        process = processes.gateway(port, self.base_env(**env), log)
-        self.children.append(process)
-        url = f"http://127.0.0.1:{port}"
-        processes.wait_http(f"{url}/health", process, 60)
-        return Gateway(url, process, port)
-
-    def engine(self, *args: str, wait: bool = True, **env: str) -> subprocess.Popen[bytes]:
-        worker_id = f"w-{secrets.token_hex(4)}"
-        log = self.logs / f"engine-{worker_id}.log"
-        process = processes.engine([*args, "--worker-id", worker_id], self.base_env(**env), log)
-        self.children.append(process)
-        if wait:
-            wait_for_worker(self.redis_url, self.prefix, worker_id, process)
-        return process
-
-    def synthetic(
-        self, tokens_per_s: float = 200, *args: str, **env: str
-    ) -> subprocess.Popen[bytes]:
-        return self.engine(
-            "--backend", "synthetic", "--tokens-per-s", str(tokens_per_s), *args, **env
-        )
-
-    def stop(self) -> None:
-        for child in reversed(self.children):
-            processes.stop(child)
-
-
-def wait_for_worker(
-    redis_url: str,
-    prefix: str,
-    worker_id: str,
-    process: subprocess.Popen[bytes],
-    timeout_s: float = 600,
-) -> None:
-    client = redis.Redis.from_url(redis_url)
-    deadline = time.monotonic() + timeout_s
-    try:
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"engine worker exited with {process.returncode}")
-            if client.exists(f"{prefix}:worker:{worker_id}"):
-                return
-            time.sleep(0.1)
-    finally:
-        client.close()
-    raise TimeoutError(f"worker {worker_id} did not register in {timeout_s} s")
-
-
 @pytest.fixture
 def stack(redis_server: EmbeddedRedis, tmp_path: Path) -> Iterator[Stack]:
     stack = Stack(redis_server.url, f"t-{secrets.token_hex(4)}", tmp_path)
@@ -120,13 +75,6 @@ def stack(redis_server: EmbeddedRedis, tmp_path: Path) -> Iterator[Stack]:
         yield stack
     finally:
         stack.stop()
-
-
-@dataclass
-class VllmStack:
-    stack: Stack
-    gateway: Gateway
-    engine: subprocess.Popen[bytes]
 
 
 @pytest.fixture(scope="session")
@@ -158,6 +106,54 @@ def vllm_stack(
         finally:
             stack.stop()
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+_vllm_gateways: dict[str, dict[str, Gateway]] = {}
+"""Extra gateways of the session's vLLM stack (by key prefix), kept as long as the stack is."""
+
+
+@pytest.fixture(
+    params=[
+        pytest.param("synthetic", id="synthetic"),
+        pytest.param("vllm", id="vllm", marks=pytest.mark.vllm),
+    ]
+)
+def engine(request: pytest.FixtureRequest) -> Iterator[EngineUnderTest]:
+    """The engine under test of tests/test_backend_*.py, once per backend."""
+    if request.param == "synthetic":
+        stack: Stack = request.getfixturevalue("stack")
+        # Capacity 1: one long generation fills the worker for the cancel-while-queued case;
+        # every other test runs one generation at a time.
+        process = stack.synthetic(
+            SYNTHETIC_TOKENS_PER_S, "--capacity", "1", "--metrics-port", str(free_port())
+        )
+        yield EngineUnderTest("synthetic", stack, stack.gateway(), process, short_max_tokens=20)
+        return
+    vllm: VllmStack = request.getfixturevalue("vllm_stack")
+    under_test = EngineUnderTest(
+        "vllm",
+        vllm.stack,
+        vllm.gateway,
+        vllm.engine,
+        short_max_tokens=20,
+        sampling={"temperature": 0},
+        _gateways=_vllm_gateways.setdefault(vllm.stack.prefix, {}),
+    )
+    # A test that failed half-way may have left requests in the shared engine.
+    deadline = time.monotonic() + 60
+    while under_test.metric(RUNNING) != 0:
+        assert time.monotonic() < deadline, "the shared vLLM engine stays busy"
+        time.sleep(0.2)
+    yield under_test
+
+
+@pytest.fixture
+async def browser() -> AsyncIterator[Browser]:
+    """Headless Chromium (tests/support/browser.py), for the web chat's tests."""
+    from tests.support.browser import chromium
+
+    async with chromium() as browser:
+        yield browser
 
 
 def pytest_report_header() -> str:

@@ -15,8 +15,8 @@ import tempfile
 from pathlib import Path
 
 from stack.redis_server import EmbeddedRedis
-from tests.browser import ChatPage, chromium
-from tests.conftest import Stack
+from tests.support.browser import ChatPage, chromium
+from tests.support.stack import Stack
 
 FIRST = "What makes **tokenspout** different from other gateways?"
 SECOND = "Explain how Stop works, in a few words."

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Stack
+from tests.support.stack import Stack
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -20,7 +20,7 @@ def fuzz(url: str, examples: int, report: Path) -> dict[str, object]:
     command = [
         sys.executable, "-m", "schemathesis.cli", "run", f"{url}/schema/openapi.json",
         "-n", str(examples), "--seed", "1", "--checks", "not_a_server_error",
-        "--include-path-regex", "completions|generate|models",
+        "--include-path-regex", "completions|generate|models|info|^/$",
         "--report", "json", "--report-json-path", str(report),
     ]  # fmt: skip
     finished = subprocess.run(command, capture_output=True, text=True, timeout=360)

@@ -11,9 +11,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.adapter_support import only_generation, wait_final, workers_running
-from tests.conftest import Stack
-from tests.sse import SSEParser, parse
+from tests.support.redis_probes import only_generation, wait_final, workers_running
+from tests.support.sse import SSEParser, parse
+from tests.support.stack import Stack
 
 pytestmark = pytest.mark.timeout(120)
 

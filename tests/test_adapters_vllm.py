@@ -8,8 +8,8 @@ import openai
 import pytest
 from huggingface_hub import AsyncInferenceClient, InferenceClient
 
-from tests.conftest import VllmStack
-from tests.sse import parse
+from tests.support.sse import parse
+from tests.support.stack import VllmStack
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -21,50 +21,50 @@ async def test_openai_sdk_streams_and_answers_with_real_usage_and_logprobs(
     vllm_stack: VllmStack,
 ) -> None:
     base = f"{vllm_stack.gateway.url}/v1"
-    sync = openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
-    assert MODEL in [m.id for m in sync.models.list().data]
+    with openai.OpenAI(base_url=base, api_key="unused", max_retries=0) as sync:
+        assert MODEL in [m.id for m in sync.models.list().data]
 
-    chunks = list(
-        sync.chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": "Name three colours."}],
-            max_tokens=8,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-            logprobs=True,
+        chunks = list(
+            sync.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "Name three colours."}],
+                max_tokens=8,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                logprobs=True,
+            )
         )
-    )
-    assert {c.model for c in chunks} == {MODEL}
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text.strip()
-    logprobs = [
-        entry.logprob
-        for c in chunks
-        if c.choices and c.choices[0].logprobs and c.choices[0].logprobs.content
-        for entry in c.choices[0].logprobs.content
-    ]
-    usage = chunks[-1].usage
-    assert usage is not None and usage.prompt_tokens > 5
-    assert len(logprobs) == usage.completion_tokens <= 8
-    assert all(lp <= 0 for lp in logprobs) and any(lp < 0 for lp in logprobs)
+        assert {c.model for c in chunks} == {MODEL}
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text.strip()
+        logprobs = [
+            entry.logprob
+            for c in chunks
+            if c.choices and c.choices[0].logprobs and c.choices[0].logprobs.content
+            for entry in c.choices[0].logprobs.content
+        ]
+        usage = chunks[-1].usage
+        assert usage is not None and usage.prompt_tokens > 5
+        assert len(logprobs) == usage.completion_tokens <= 8
+        assert all(lp <= 0 for lp in logprobs) and any(lp < 0 for lp in logprobs)
 
-    client = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0)
-    try:
-        prompt = "The capital of France is"
-        whole = await client.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=6, temperature=0
-        )
-        stream = await client.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=6, temperature=0, stream=True
-        )
-        streamed = "".join([c.choices[0].text async for c in stream if c.choices])
-        # Greedy decoding: the stream and the whole answer are the same text.
-        assert whole.choices[0].text == streamed and streamed.strip()
-        assert whole.usage is not None and whole.usage.completion_tokens <= 6
-        assert whole.choices[0].finish_reason in ("length", "stop")
-    finally:
-        await client.close()
+        client = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0)
+        try:
+            prompt = "The capital of France is"
+            whole = await client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=6, temperature=0
+            )
+            stream = await client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=6, temperature=0, stream=True
+            )
+            streamed = "".join([c.choices[0].text async for c in stream if c.choices])
+            # Greedy decoding: the stream and the whole answer are the same text.
+            assert whole.choices[0].text == streamed and streamed.strip()
+            assert whole.usage is not None and whole.usage.completion_tokens <= 6
+            assert whole.choices[0].finish_reason in ("length", "stop")
+        finally:
+            await client.close()
 
 
 async def test_huggingface_client_streams_real_token_ids_and_logprobs(
@@ -138,5 +138,49 @@ async def test_sampling_parameters_reach_the_engine(vllm_stack: VllmStack) -> No
         assert await text(temperature=1.0, seed=1234, top_k=1) == greedy
         assert await text(temperature=1.0, seed=1234, top_p=1e-6) == greedy
         assert await text(temperature=1.0, seed=4321) != sampled
+    finally:
+        await client.close()
+
+
+async def test_vllms_extra_sampling_fields_are_applied_by_the_engine(
+    vllm_stack: VllmStack,
+) -> None:
+    """``extra_body`` fields as clients of ``vllm serve`` send them, applied by vLLM."""
+    base = vllm_stack.gateway.url
+    prompt = "The capital of France is"
+    async with httpx.AsyncClient(timeout=300) as http:
+        greedy = await http.post(
+            f"{base}/generate",
+            json={"inputs": prompt, "parameters": {"max_new_tokens": 6, "details": True}},
+        )
+    token_ids = [token["id"] for token in greedy.json()["details"]["tokens"]]
+    client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    try:
+        stopped = await client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=6,
+            temperature=0,
+            extra_body={"stop_token_ids": [token_ids[2]]},
+        )
+        assert stopped.choices[0].finish_reason == "stop"
+        assert stopped.usage is not None and stopped.usage.completion_tokens == 3
+        # ignore_eos with min_tokens: exactly max_tokens, whatever the model would say.
+        forced = await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Say yes."}],
+            max_tokens=24,
+            temperature=0,
+            extra_body={
+                "ignore_eos": True,
+                "min_tokens": 24,
+                "min_p": 0.05,
+                "repetition_penalty": 1.3,
+                "skip_special_tokens": False,
+                "spaces_between_special_tokens": False,
+            },
+        )
+        assert forced.usage is not None and forced.usage.completion_tokens == 24
+        assert forced.choices[0].finish_reason == "length"
     finally:
         await client.close()

@@ -9,10 +9,10 @@ import pytest
 
 from stack import processes
 from stack.redis_server import free_port
-from tests.client import Session, read_events, send
-from tests.conftest import Stack
-from tests.test_sessions import expected_reply
-from tests.ws_client import open_ws
+from tests.support.http import Session, read_events, send
+from tests.support.oracle import synthetic_text
+from tests.support.stack import Stack
+from tests.support.ws import open_ws
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -43,7 +43,7 @@ async def test_creating_a_session_wants_a_key_and_its_endpoints_want_only_the_to
         # The session's own endpoints take its token and no API key.
         generation = await send(client, session, "keyed", max_tokens=3)
         reading = await read_events(client, session, until_final_of=generation)
-        assert reading.text(generation) == expected_reply("keyed", 3)
+        assert reading.text(generation) == synthetic_text("keyed", 3)
         history = await client.get(
             f"{gateway.url}/v1/sessions/{session.session_id}", headers=session.headers
         )
@@ -79,7 +79,7 @@ async def test_a_websocket_generate_that_creates_a_session_wants_a_key(stack: St
         ack = await ws.generate("g3", "frame key", max_tokens=2, api_key="k-alpha-5f1c9e")
         assert ack["type"] == "ack" and ack["token"], ack
         assert (await ws.final_of("g3"))["type"] == "done"
-        assert ws.text("g3") == expected_reply("frame key", 2)
+        assert ws.text("g3") == synthetic_text("frame key", 2)
         # The socket showed a key once: its next new session needs none.
         again = await ws.generate("g4", "second session", max_tokens=2)
         assert again["type"] == "ack" and again["session_id"] != ack["session_id"]
@@ -132,7 +132,7 @@ async def test_keys_come_from_a_file_read_once_and_never_reach_the_log(
         assert (await create(client, gateway.url, wrong)).status_code == 401
         openai = await client.post(
             f"{gateway.url}/v1/completions",
-            json={"model": "any", "prompt": "hi", "max_tokens": 2},
+            json={"model": "synthetic", "prompt": "hi", "max_tokens": 2},
             headers={"Authorization": "Bearer file-key-90be12"},
         )
         assert openai.status_code == 200, openai.text

@@ -5,8 +5,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.client import create_session, read_events, send
-from tests.conftest import Stack
+from tests.support.http import create_session, read_events, send
+from tests.support.stack import Stack
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,7 +1,7 @@
 """Cancel semantics (gateway/sessions.py cancel, engine/worker.py) that need the synthetic
 engine's control, over real gateway processes and real Redis. Cancel on every path with both
 backends (REST, WebSocket, gateway B, twice, after done, abandoned, queued) is in
-tests/test_backends.py."""
+tests/test_backend_cancels.py."""
 
 from __future__ import annotations
 
@@ -13,34 +13,21 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from engine.contract import CONSUMER_GROUP, Keys
-from tests.client import cancel, create_session, read_events, send
-from tests.conftest import Stack
-from tests.ws_client import WsClient, open_ws
+from tests.support.http import all_of, cancel, create_session, read_events, send, slot_held
+from tests.support.redis_probes import after_final, stream_events
+from tests.support.stack import Stack
+from tests.support.ws import WsClient, open_ws
+from wire import CONSUMER_GROUP, Keys
 
 pytestmark = pytest.mark.timeout(240)
 
 
-async def stream_events(redis_url: str, prefix: str, session_id: str) -> list[dict[bytes, bytes]]:
-    """Every event the session's stream holds, straight from Redis."""
-    client = aioredis.Redis.from_url(redis_url)
-    try:
-        entries = await client.xrange(Keys(prefix).events(session_id))
-    finally:
-        await client.aclose()
-    return [fields for _id, fields in entries]
-
-
-def after_final(events: list[dict[bytes, bytes]], gid: str) -> list[bytes]:
-    """Types of the generation's events that follow its first final event."""
-    types = [e[b"t"] for e in events if e[b"g"].decode() == gid]
-    finals = [n for n, t in enumerate(types) if t in (b"done", b"cancelled", b"error")]
-    assert finals, types
-    return types[finals[0] + 1 :]
-
-
 async def test_a_generation_cancelled_while_queued_never_reaches_the_engine(stack: Stack) -> None:
+    stack.synthetic(200, "--capacity", "1")
     gateway = stack.gateway()
+    holding = contextlib.AsyncExitStack()
+    # The worker's one slot is busy: what follows stays queued until the hold ends.
+    await holding.enter_async_context(slot_held(gateway.url))
     async with httpx.AsyncClient(timeout=30) as client:
         session = await create_session(client, gateway.url)
         http_gid = await send(client, session, "nobody runs me", max_tokens=5)
@@ -61,13 +48,13 @@ async def test_a_generation_cancelled_while_queued_never_reaches_the_engine(stac
         finally:
             await ws.conn.close()
 
-        # Now a worker comes: it takes both requests off the queue and runs neither.
-        stack.synthetic(tokens_per_s=200)
+        # Now the slot frees: the worker takes both requests off the queue and runs neither.
+        await holding.aclose()
         redis = aioredis.Redis.from_url(stack.redis_url)
         try:
             async with asyncio.timeout(30):
                 while True:
-                    groups = await redis.xinfo_groups(Keys(stack.prefix).requests)
+                    groups = await redis.xinfo_groups(Keys(stack.prefix).requests("synthetic"))
                     group = next(g for g in groups if g["name"].decode() == CONSUMER_GROUP)
                     if group["lag"] == 0 and group["pending"] == 0:
                         break
@@ -118,7 +105,7 @@ async def test_200_generations_cancelled_at_random_points_emit_no_token_after_ca
         await ws.conn.close()
         return ws, ids
 
-    results = await asyncio.gather(*(run_socket(n) for n in range(sockets)))
+    results = await all_of(*(run_socket(n) for n in range(sockets)))
     assert engine.poll() is None
     cancelled = 0
     for ws, ids in results:

@@ -16,22 +16,26 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from engine import contract
-from engine.contract import CONSUMER_GROUP, Keys
+import wire
 from stack import processes
 from stack.redis_server import EmbeddedRedis, free_port
-from tests.client import Reading, Session, create_session, read_events, send
-from tests.conftest import Stack
-from tests.sse import parse
-from tests.test_metrics import scrape
-from tests.test_sessions import expected_reply
+from tests.support.http import (
+    Reading,
+    Session,
+    all_of,
+    create_session,
+    read_events,
+    send,
+    slot_held,
+)
+from tests.support.metrics import scrape
+from tests.support.oracle import synthetic_text
+from tests.support.redis_probes import event_key
+from tests.support.sse import parse
+from tests.support.stack import Stack
+from wire import CONSUMER_GROUP, Keys
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def event_key(event_id: str) -> tuple[int, int]:
-    ms, seq = event_id.split("-")
-    return int(ms), int(seq)
 
 
 async def test_random_reconnects_lose_and_repeat_nothing(stack: Stack) -> None:
@@ -59,11 +63,11 @@ async def test_random_reconnects_lose_and_repeat_nothing(stack: Stack) -> None:
             last = reading.events[-1].id
         ids = [event_key(e.id or "") for e in reading.events]
         assert ids == sorted(set(ids)), "events repeated or out of order"
-        assert reading.text(generation) == expected_reply(content, 150)
+        assert reading.text(generation) == synthetic_text(content, 150)
         return len(reading.events)
 
     async with httpx.AsyncClient(timeout=30) as client:
-        checked = sum(await asyncio.gather(*(one(client, i) for i in range(10))))
+        checked = sum(await all_of(*(one(client, i) for i in range(10))))
     assert checked >= 10 * 153
     print(f"\nreconnects: {checked} events checked over 10 sessions, 0 lost, 0 repeated")
 
@@ -113,7 +117,7 @@ async def test_a_gateway_killed_mid_stream_is_resumed_on_another(stack: Stack) -
         ids = [event_key(e.id or "") for e in before.events + after.events]
         assert ids == sorted(set(ids)), "events repeated or out of order"
         text = before.text(generation) + after.text(generation)
-        assert text == expected_reply(content, max_tokens)
+        assert text == synthetic_text(content, max_tokens)
 
 
 WORKER_TIMEOUT_S = 2.0
@@ -122,14 +126,18 @@ REAPER_PASS_S = 1.0
 heartbeat going stale."""
 
 
-async def test_a_killed_worker_ends_its_generation_and_a_survivor_serves_the_queue(
+async def test_a_killed_worker_with_takeovers_off_ends_its_generation_worker_lost(
     stack: Stack,
 ) -> None:
-    """Guarantee 3: a dead worker's running generation ends with an error within
-    TOKENSPOUT_WORKER_TIMEOUT_S + one reaper pass; what was still queued is served by
-    another worker."""
+    """Guarantee 3, without takeover (TOKENSPOUT_MAX_TAKEOVERS=0, the path every reply
+    takes once its takeovers are spent): a dead worker's running generation ends with an
+    error within TOKENSPOUT_WORKER_TIMEOUT_S + one reaper pass (at once, in practice: its
+    lease connection closed); what was still queued is served by another worker.
+    Takeovers themselves: tests/test_takeover.py."""
     doomed = stack.synthetic(20, "--capacity", "1")
-    gateway = stack.gateway(TOKENSPOUT_WORKER_TIMEOUT_S=str(WORKER_TIMEOUT_S))
+    gateway = stack.gateway(
+        TOKENSPOUT_WORKER_TIMEOUT_S=str(WORKER_TIMEOUT_S), TOKENSPOUT_MAX_TAKEOVERS="0"
+    )
     async with httpx.AsyncClient(timeout=30) as client:
         running_session = await create_session(client, gateway.url)
         running = await send(client, running_session, "long one", max_tokens=400)
@@ -157,7 +165,7 @@ async def test_a_killed_worker_ends_its_generation_and_a_survivor_serves_the_que
         stack.synthetic(200)
         served = await read_events(client, waiting_session, until_final_of=waiting)
         assert served.final(waiting).event == "done"
-        assert served.text(waiting) == expected_reply("queued one", 5)
+        assert served.text(waiting) == synthetic_text("queued one", 5)
 
 
 async def test_requests_a_dead_worker_took_but_never_started_are_served_by_a_survivor(
@@ -169,9 +177,10 @@ async def test_requests_a_dead_worker_took_but_never_started_are_served_by_a_sur
     keys = Keys(stack.prefix)
     redis = aioredis.Redis.from_url(stack.redis_url)
     try:
-        await redis.xgroup_create(keys.requests, CONSUMER_GROUP, id="0", mkstream=True)
-        await redis.xadd(keys.requests, {"garbage": "1"})
-        await redis.xreadgroup(CONSUMER_GROUP, "ghost", {keys.requests: ">"})
+        queue = keys.requests("synthetic")
+        await redis.xgroup_create(queue, CONSUMER_GROUP, id="0", mkstream=True)
+        await redis.xadd(queue, {"garbage": "1"})
+        await redis.xreadgroup(CONSUMER_GROUP, "ghost", {queue: ">"})
         # Takes up to 3 requests and holds each a minute before starting it.
         doomed = stack.synthetic(200, "--capacity", "3", "--prepare-delay-s", "60")
         gateway = stack.gateway(TOKENSPOUT_WORKER_TIMEOUT_S=str(WORKER_TIMEOUT_S))
@@ -193,7 +202,7 @@ async def test_requests_a_dead_worker_took_but_never_started_are_served_by_a_sur
             for index, (session, generation) in enumerate(zip(sessions, generations, strict=True)):
                 served = await read_events(client, session, until_final_of=generation)
                 assert served.final(generation).event == "done"
-                assert served.text(generation) == expected_reply(f"held {index}", 5)
+                assert served.text(generation) == synthetic_text(f"held {index}", 5)
             recovery_s = time.monotonic() - killed_at
             print(
                 f"\n3 taken-not-started requests served by a survivor {recovery_s:.2f} s "
@@ -209,43 +218,44 @@ async def test_requests_a_dead_worker_took_but_never_started_are_served_by_a_sur
 
 
 async def _pending_outside(redis: aioredis.Redis, keys: Keys, consumer: str) -> int:
-    summary = await redis.xpending(keys.requests, CONSUMER_GROUP)
-    return sum(
-        int(c["pending"]) for c in summary["consumers"] if contract.text(c["name"]) != consumer
-    )
+    summary = await redis.xpending(keys.requests("synthetic"), CONSUMER_GROUP)
+    return sum(int(c["pending"]) for c in summary["consumers"] if wire.text(c["name"]) != consumer)
 
 
 async def test_a_request_no_worker_takes_ends_with_queue_timeout(stack: Stack) -> None:
-    """Guarantee 3: a client never waits forever. With no worker alive, a generation ends
-    with `queue_timeout` once TOKENSPOUT_QUEUE_TIMEOUT_S passes (unreadable entries ahead of
-    it in the queue do not stop the reaper); a worker that comes later never runs it, and
-    serves a fresh request."""
+    """Guarantee 3: a client never waits forever. While the model's only worker is busy
+    (its one slot held), a generation ends with `queue_timeout` once
+    TOKENSPOUT_QUEUE_TIMEOUT_S passes (unreadable entries ahead of it in the queue do not
+    stop the reaper); the worker, once free, never runs it, and serves a fresh request.
+    (A model with no live worker at all refuses new requests: tests/test_models.py.)"""
     keys = Keys(stack.prefix)
     redis = aioredis.Redis.from_url(stack.redis_url)
+    queue = keys.requests("synthetic")
     try:
-        await redis.xadd(keys.requests, {"garbage": "1"})
-        await redis.xadd(keys.requests, {"r": "not json"})
+        await redis.xadd(queue, {"garbage": "1"})
+        await redis.xadd(queue, {"r": "not json"})
+        stack.synthetic(200, "--capacity", "1")
         gateway = stack.gateway(TOKENSPOUT_QUEUE_TIMEOUT_S="2")
         async with httpx.AsyncClient(timeout=30) as client:
             session = await create_session(client, gateway.url)
-            expired = await send(client, session, "nobody home", max_tokens=5)
-            sent_at = time.monotonic()
-            ended = await read_events(client, session, until_final_of=expired, timeout_s=20)
-            waited_s = time.monotonic() - sent_at
+            async with slot_held(gateway.url):
+                expired = await send(client, session, "nobody home", max_tokens=5)
+                sent_at = time.monotonic()
+                ended = await read_events(client, session, until_final_of=expired, timeout_s=20)
+                waited_s = time.monotonic() - sent_at
             error = ended.final(expired).json()
             assert error["code"] == "queue_timeout"
             assert "no engine worker" in error["message"]
             assert 2.0 <= waited_s < 2.0 + REAPER_PASS_S + 1.0
-            print(f"\nno worker -> queue_timeout after {waited_s:.2f} s (deadline 2 s)")
+            print(f"\nbusy worker -> queue_timeout after {waited_s:.2f} s (deadline 2 s)")
 
-            stack.synthetic(200)
             fresh = await send(client, session, "somebody home", max_tokens=5)
             served = await read_events(client, session, until_final_of=fresh)
             assert served.final(fresh).event == "done"
-            assert served.text(fresh) == expected_reply("somebody home", 5)
+            assert served.text(fresh) == synthetic_text("somebody home", 5)
             assert [e.event for e in served.of(expired)] == ["queued", "error"]
         deadline = time.monotonic() + 10
-        while (await redis.xpending(keys.requests, CONSUMER_GROUP))["pending"]:
+        while (await redis.xpending(queue, CONSUMER_GROUP))["pending"]:
             assert time.monotonic() < deadline, "the worker left requests pending"
             await asyncio.sleep(0.05)
         (engine_log,) = stack.logs.glob("engine-*.log")
@@ -295,7 +305,7 @@ async def test_redis_restart_with_persistence_resumes_every_stream(
                 await asyncio.sleep(0.01)
             print(f"\nRedis back -> next event after {time.monotonic() - back:.2f} s")
             await reader  # the same SSE connection carries on
-            assert reading.text(generation) == expected_reply("through a restart", 100)
+            assert reading.text(generation) == synthetic_text("through a restart", 100)
             ids = [event_key(e.id or "") for e in reading.events]
             assert ids == sorted(set(ids))
             # Both sides saw the outage and counted it.
@@ -331,16 +341,21 @@ async def test_redis_restart_without_its_data_ends_streams_clearly(
             await send(client, session, "into the void", max_tokens=200)
             await read_events(client, session, limit=5)
             frames: list[str] = []
+            streaming = asyncio.Event()
 
             async def read_raw() -> None:
                 async with client.stream(
                     "GET", session.events_url, headers=session.headers
                 ) as response:
+                    assert response.status_code == 200
+                    streaming.set()
                     async for line in response.aiter_lines():
                         frames.append(line)
 
             reader = asyncio.create_task(read_raw())
-            await asyncio.sleep(0.5)
+            # The stream has started (its headers came) and its feed is live.
+            await asyncio.wait_for(streaming.wait(), 30)
+            await stack.wait_live_readers(session.session_id)
             restartable_redis.kill(wipe=True)
             restartable_redis.start()
             await asyncio.wait_for(reader, 30)  # the stream ends by itself
@@ -360,7 +375,7 @@ async def _a_new_session_works(client: httpx.AsyncClient, base: str) -> None:
     session = await create_session(client, base)
     generation = await send(client, session, "after the storm", max_tokens=4)
     reading = await read_events(client, session, until_final_of=generation)
-    assert reading.text(generation) == expected_reply("after the storm", 4)
+    assert reading.text(generation) == synthetic_text("after the storm", 4)
 
 
 async def test_api_streams_that_lose_their_session_end_in_their_own_error_format(
@@ -376,7 +391,7 @@ async def test_api_streams_that_lose_their_session_end_in_their_own_error_format
             "openai": (
                 "/v1/chat/completions",
                 {
-                    "model": "m",
+                    "model": "synthetic",
                     "messages": [{"role": "user", "content": "into the void"}],
                     "max_tokens": 200,
                     "stream": True,
@@ -387,7 +402,7 @@ async def test_api_streams_that_lose_their_session_end_in_their_own_error_format
                 {"inputs": "into the void", "parameters": {"max_new_tokens": 200}},
             ),
             "oip": (
-                "/v2/models/m/generate_stream",
+                "/v2/models/synthetic/generate_stream",
                 {"text_input": "into the void", "parameters": {"max_tokens": 200}},
             ),
         }

@@ -10,12 +10,12 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from engine.contract import Keys
-from tests.client import create_session, read_events, send
-from tests.conftest import Stack
-from tests.sse import SSEParser
-from tests.test_metrics import scrape, value
-from tests.test_sessions import expected_reply
+from tests.support.http import create_session, read_events, send
+from tests.support.metrics import scrape, value
+from tests.support.oracle import synthetic_text
+from tests.support.sse import SSEParser
+from tests.support.stack import Stack
+from wire import Keys
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,7 +39,9 @@ async def test_past_the_inflight_limit_a_request_gets_429_with_retry_after(stack
             f"{gateway.url}/v1/sessions/{sessions[0].session_id}/generations/{accepted[0]}/cancel",
             headers=sessions[0].headers,
         )
-        assert cancel.json()["state"] == "cancelled"
+        assert cancel.json()["state"] in ("cancelled", "cancelling")  # the worker confirms
+        ended = await read_events(client, sessions[0], until_final_of=accepted[0])
+        assert ended.final(accepted[0]).event == "cancelled"
         again = await client.post(
             url, json={"content": "now there is room"}, headers=sessions[3].headers
         )
@@ -100,7 +102,7 @@ async def test_a_stalled_reader_costs_bounded_memory_and_still_gets_every_event(
             f"Host: 127.0.0.1\r\nAccept: text/event-stream\r\n\r\n".encode()
         )
         await wait_for_streams(client, gateway.url, 1)
-        await asyncio.sleep(0.3)  # let Redis confirm the SUBSCRIBE: events arrive live
+        await stack.wait_live_readers(session.session_id)  # events arrive live from here
         baseline = rss_kib(gateway.process.pid)
         generation = await send(client, session, content, max_tokens=STALL_TOKENS)
         # Everyone else is served while that reader sleeps.
@@ -120,7 +122,7 @@ async def test_a_stalled_reader_costs_bounded_memory_and_still_gets_every_event(
         assert fell_behind >= 1, "the stalled reader's buffer never overflowed"
         assert growth < STALL_RSS_BOUND_KIB
         text = await asyncio.to_thread(read_raw_until_done, stalled)
-        assert text == expected_reply(content, STALL_TOKENS)
+        assert text == synthetic_text(content, STALL_TOKENS)
 
 
 def rss_kib(pid: int) -> int:
@@ -201,9 +203,10 @@ async def test_every_session_key_expires_and_every_stream_is_capped(stack: Stack
 
     redis = aioredis.Redis.from_url(stack.redis_url)
     try:
-        keys = [key.decode() async for key in redis.scan_iter(f"{stack.prefix}:*")]
+        names = Keys(stack.prefix)
+        keys = [key.decode() async for key in redis.scan_iter(f"{names.prefix}:*")]
         assert any(":events" in key for key in keys)
-        shared = {f"{stack.prefix}:{name}" for name in ("requests", "cancels", "workers")}
+        shared = {names.requests("synthetic"), names.models, names.cancels, names.workers}
         assert shared <= set(keys), "the test did not make every shared key"
         for key in keys:
             assert await redis.ttl(key) > 0, f"{key} never expires"
@@ -211,7 +214,7 @@ async def test_every_session_key_expires_and_every_stream_is_capped(stack: Stack
         assert await redis.xlen(events) < 400  # ~100, trimmed in whole nodes
         # The shared streams are capped too (and expire when unused); the worker set trims
         # itself.
-        assert await redis.xlen(f"{stack.prefix}:requests") <= 256 * 20 + 100
+        assert await redis.xlen(names.requests("synthetic")) <= 256 * 20 + 100
     finally:
         await redis.aclose()
 

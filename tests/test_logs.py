@@ -12,9 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.logs import KeyValueFormatter
-from tests.client import create_session, read_events, send
-from tests.conftest import Stack, VllmStack
+from tests.support.http import create_session, read_events, send
+from tests.support.stack import Stack, VllmStack
+from wire.logs import KeyValueFormatter
 
 LINE = re.compile(
     r"^ts=\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z level=(debug|info|warning|error|critical) "

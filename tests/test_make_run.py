@@ -21,7 +21,7 @@ import httpx
 
 from stack.processes import ROOT
 from stack.redis_server import free_port
-from tests.client import create_session, read_events, send
+from tests.support.http import create_session, read_events, send
 
 
 def sessions_of(leaders: set[int]) -> set[int]:

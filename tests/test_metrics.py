@@ -11,34 +11,14 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from stack.redis_server import free_port
-from tests.client import TERMINAL, Reading, Session, create_session, send
-from tests.conftest import Stack
-from tests.sse import parse
+from tests.support.http import TERMINAL, Reading, Session, create_session, send
+from tests.support.metrics import scrape, value
+from tests.support.sse import parse
+from tests.support.stack import Stack
 
 pytestmark = pytest.mark.timeout(120)
-
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-async def scrape(client: httpx.AsyncClient, url: str) -> Samples:
-    response = await client.get(url)
-    assert response.status_code == 200, response.text
-    assert response.headers["content-type"].startswith("text/plain")
-    return {
-        (sample.name, frozenset(sample.labels.items())): sample.value
-        for family in text_string_to_metric_families(response.text)
-        for sample in family.samples
-    }
-
-
-def value(samples: Samples, name: str, **labels: str) -> float:
-    key = (name, frozenset(labels.items()))
-    present = [dict(k[1]) for k in samples if k[0] == name]
-    assert key in samples, f"{name}{labels} not among {present}"
-    return samples[key]
 
 
 async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 20) -> None:
@@ -58,18 +38,12 @@ async def follow(client: httpx.AsyncClient, session: Session, reading: Reading) 
 
 
 async def open_stream(
-    client: httpx.AsyncClient, session: Session, gateway_url: str, streams: int
+    client: httpx.AsyncClient, session: Session, stack: Stack
 ) -> tuple[asyncio.Task[None], Reading]:
     """A reader whose feed is open before anything is sent (so every event is live)."""
     reading = Reading()
     task = asyncio.create_task(follow(client, session, reading))
-
-    async def subscribed() -> bool:
-        samples = await scrape(client, f"{gateway_url}/metrics")
-        return value(samples, "tokenspout_gateway_active_streams") == streams
-
-    await eventually(subscribed)
-    await asyncio.sleep(0.2)  # the SUBSCRIBE is sent; let Redis confirm it
+    await stack.wait_live_readers(session.session_id)
     return task, reading
 
 
@@ -82,13 +56,13 @@ async def test_metrics_count_a_finished_and_a_cancelled_generation_on_gateway_an
     engine_url = f"http://127.0.0.1:{engine_port}/metrics"
     async with httpx.AsyncClient(timeout=30) as client:
         first = await create_session(client, gateway.url)
-        task, done_reading = await open_stream(client, first, gateway.url, 1)
+        task, done_reading = await open_stream(client, first, stack)
         finished = await send(client, first, "count me", max_tokens=10)
         await task
         assert done_reading.final(finished).event == "done"
 
         second = await create_session(client, gateway.url)
-        task, cancel_reading = await open_stream(client, second, gateway.url, 1)
+        task, cancel_reading = await open_stream(client, second, stack)
         cancelled = await send(client, second, "stop me", max_tokens=400)
 
         async def three_tokens() -> bool:
@@ -193,7 +167,7 @@ async def test_metrics_count_a_finished_and_a_cancelled_generation_on_gateway_an
 
 
 async def test_queued_and_running_gauges_follow_the_queue_in_redis(stack: Stack) -> None:
-    gateway = stack.gateway()
+    gateway = stack.gateway(TOKENSPOUT_DEFAULT_MODEL="synthetic")  # queued before its worker
     metrics = f"{gateway.url}/metrics"
     async with httpx.AsyncClient(timeout=30) as client:
         session = await create_session(client, gateway.url)
@@ -201,6 +175,7 @@ async def test_queued_and_running_gauges_follow_the_queue_in_redis(stack: Stack)
         g = await scrape(client, metrics)
         assert value(g, "tokenspout_gateway_generations_queued") == 1
         assert value(g, "tokenspout_gateway_generations_running") == 0
+        assert value(g, "tokenspout_gateway_model_generations_queued", model="synthetic") == 1
 
         stack.synthetic(50)
 
@@ -251,7 +226,7 @@ async def test_a_reader_leaving_mid_generation_counts_as_abandoned_and_the_engin
             return value(g, "tokenspout_gateway_active_streams") == 1
 
         await eventually(subscribed)
-        await asyncio.sleep(0.2)
+        await stack.wait_live_readers(session.session_id)
         await send(client, session, "nobody will read this", max_tokens=400)
         await reader
 

@@ -8,9 +8,10 @@ import asyncio
 import httpx
 import pytest
 
-from tests.adapter_support import slot_held, synthetic_text
-from tests.conftest import Stack
-from tests.sse import parse
+from tests.support.http import slot_held
+from tests.support.oracle import synthetic_text
+from tests.support.sse import parse
+from tests.support.stack import Stack
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,8 +10,9 @@ import httpx
 import openai
 import pytest
 
-from tests.adapter_support import slot_held, synthetic_text, synthetic_tokens
-from tests.conftest import Stack
+from tests.support.http import slot_held
+from tests.support.oracle import synthetic_text, synthetic_tokens
+from tests.support.stack import Stack
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -24,83 +25,84 @@ MESSAGES: list[dict[str, str]] = [
 def test_sync_chat_streams_deltas_a_usage_chunk_and_answers_whole_alike(stack: Stack) -> None:
     stack.synthetic(tokens_per_s=200)
     gateway = stack.gateway()
-    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
+    with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0) as client:
+        chunks = list(
+            client.chat.completions.create(
+                model="synthetic",
+                messages=MESSAGES,  # type: ignore[arg-type]
+                max_tokens=6,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert {c.object for c in chunks} == {"chat.completion.chunk"}
+        assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
+        assert {c.model for c in chunks} == {"synthetic"}
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == synthetic_text("hello there", 6)
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+        assert finishes[-1] == "length" and set(finishes[:-1]) == {None}
+        # include_usage: one last chunk with no choices and the usage; the others carry none.
+        assert chunks[-1].choices == [] and all(c.usage is None for c in chunks[:-1])
+        usage = chunks[-1].usage
+        assert usage is not None
+        assert (usage.prompt_tokens, usage.completion_tokens) == (4, 6)
+        assert usage.total_tokens == 10
 
-    chunks = list(
-        client.chat.completions.create(
+        whole = client.chat.completions.create(
             model="synthetic",
             messages=MESSAGES,  # type: ignore[arg-type]
-            max_tokens=6,
-            stream=True,
-            stream_options={"include_usage": True},
+            max_completion_tokens=6,
         )
-    )
-    assert chunks[0].choices[0].delta.role == "assistant"
-    assert {c.object for c in chunks} == {"chat.completion.chunk"}
-    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
-    assert {c.model for c in chunks} == {"synthetic"}
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == synthetic_text("hello there", 6)
-    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
-    assert finishes[-1] == "length" and set(finishes[:-1]) == {None}
-    # include_usage: one last chunk with no choices and the usage; the others carry none.
-    assert chunks[-1].choices == [] and all(c.usage is None for c in chunks[:-1])
-    usage = chunks[-1].usage
-    assert usage is not None
-    assert (usage.prompt_tokens, usage.completion_tokens) == (4, 6)
-    assert usage.total_tokens == 10
-
-    whole = client.chat.completions.create(
-        model="synthetic",
-        messages=MESSAGES,  # type: ignore[arg-type]
-        max_completion_tokens=6,
-    )
-    assert whole.object == "chat.completion"
-    assert whole.choices[0].message.role == "assistant"
-    assert whole.choices[0].message.content == text
-    assert whole.choices[0].finish_reason == "length"
-    assert whole.usage is not None and whole.usage.completion_tokens == 6
+        assert whole.object == "chat.completion"
+        assert whole.choices[0].message.role == "assistant"
+        assert whole.choices[0].message.content == text
+        assert whole.choices[0].finish_reason == "length"
+        assert whole.usage is not None and whole.usage.completion_tokens == 6
 
 
 def test_sync_chat_stops_at_a_stop_sequence_and_returns_engine_logprobs(stack: Stack) -> None:
     stack.synthetic(tokens_per_s=200)
     gateway = stack.gateway()
-    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
-    full = synthetic_text("hi", 20)
+    with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0) as client:
+        full = synthetic_text("hi", 20)
 
-    stream = client.chat.completions.create(
-        model="synthetic",
-        messages=[{"role": "user", "content": "hi"}],
-        max_tokens=20,
-        stop="lazy",
-        stream=True,
-        logprobs=True,
-    )
-    chunks = list(stream)
-    text = "".join(c.choices[0].delta.content or "" for c in chunks)
-    assert text == full[: full.index("lazy")]
-    assert chunks[-1].choices[0].finish_reason == "stop"
-    logprobs = [
-        entry.logprob
-        for c in chunks
-        if c.choices[0].logprobs and c.choices[0].logprobs.content
-        for entry in c.choices[0].logprobs.content
-    ]
-    # The synthetic engine's own logprobs, one per token it produced (the stop one too).
-    assert logprobs == [t.logprob for t in synthetic_tokens("hi", 8)]
+        stream = client.chat.completions.create(
+            model="synthetic",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=20,
+            stop="lazy",
+            stream=True,
+            logprobs=True,
+        )
+        chunks = list(stream)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        assert text == full[: full.index("lazy")]
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        logprobs = [
+            entry.logprob
+            for c in chunks
+            if c.choices[0].logprobs and c.choices[0].logprobs.content
+            for entry in c.choices[0].logprobs.content
+        ]
+        # The synthetic engine's own logprobs, one per token it produced (the stop one too).
+        assert logprobs == [t.logprob for t in synthetic_tokens("hi", 8)]
 
-    whole = client.chat.completions.create(
-        model="synthetic",
-        messages=[{"role": "user", "content": "hi"}],
-        max_tokens=20,
-        stop=["dog", "streams"],
-        logprobs=True,
-    )
-    assert whole.choices[0].message.content == full[: full.index("dog")]
-    assert whole.choices[0].finish_reason == "stop"
-    assert whole.choices[0].logprobs is not None
-    content = whole.choices[0].logprobs.content or []
-    assert [entry.logprob for entry in content] == [t.logprob for t in synthetic_tokens("hi", 9)]
+        whole = client.chat.completions.create(
+            model="synthetic",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=20,
+            stop=["dog", "streams"],
+            logprobs=True,
+        )
+        assert whole.choices[0].message.content == full[: full.index("dog")]
+        assert whole.choices[0].finish_reason == "stop"
+        assert whole.choices[0].logprobs is not None
+        content = whole.choices[0].logprobs.content or []
+        assert [entry.logprob for entry in content] == [
+            t.logprob for t in synthetic_tokens("hi", 9)
+        ]
 
 
 async def test_async_completions_stream_and_whole_match_the_engine(stack: Stack) -> None:
@@ -205,7 +207,7 @@ async def test_api_keys_refuse_a_wrong_or_missing_key_with_401_and_list_models(
             assert missing.json()["error"]
             answered = await raw.post(
                 f"{gateway.url}/v1/completions",
-                json={"model": "any", "prompt": "hi", "max_tokens": 2},
+                json={"model": "synthetic", "prompt": "hi", "max_tokens": 2},
                 headers={"Authorization": "Bearer key-one"},
             )
             assert answered.status_code == 200, answered.text
@@ -227,28 +229,28 @@ def test_an_engine_failure_reaches_the_sdk_as_an_error_in_and_out_of_streams(
 ) -> None:
     stack.synthetic(tokens_per_s=200)
     gateway = stack.gateway()
-    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
-    messages = [{"role": "user", "content": "break [[fail:2]]"}]
+    with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0) as client:
+        messages = [{"role": "user", "content": "break [[fail:2]]"}]
 
-    received = []
-    with pytest.raises(openai.APIError, match="synthetic failure") as caught:
-        for chunk in client.chat.completions.create(
-            model="synthetic",
-            messages=messages,  # type: ignore[arg-type]
-            max_tokens=10,
-            stream=True,
-        ):
-            received.append(chunk.choices[0].delta.content)
-    assert received == ["You", " said:"]
-    assert isinstance(caught.value.body, dict) and caught.value.body["code"] == "engine_error"
+        received = []
+        with pytest.raises(openai.APIError, match="synthetic failure") as caught:
+            for chunk in client.chat.completions.create(
+                model="synthetic",
+                messages=messages,  # type: ignore[arg-type]
+                max_tokens=10,
+                stream=True,
+            ):
+                received.append(chunk.choices[0].delta.content)
+        assert received == ["You", " said:"]
+        assert isinstance(caught.value.body, dict) and caught.value.body["code"] == "engine_error"
 
-    with pytest.raises(openai.InternalServerError) as whole:
-        client.chat.completions.create(
-            model="synthetic",
-            messages=messages,  # type: ignore[arg-type]
-            max_tokens=10,
-        )
-    assert whole.value.status_code == 503
+        with pytest.raises(openai.InternalServerError) as whole:
+            client.chat.completions.create(
+                model="synthetic",
+                messages=messages,  # type: ignore[arg-type]
+                max_tokens=10,
+            )
+        assert whole.value.status_code == 503
 
 
 def test_sync_completions_stream_and_whole_end_at_a_stop_sequence(stack: Stack) -> None:
@@ -378,3 +380,48 @@ async def test_a_chat_with_more_messages_than_a_session_may_hold_is_refused(stac
         assert ok.choices[0].finish_reason == "length"
     finally:
         await client.close()
+
+
+def test_vllms_extra_sampling_fields_reach_the_engine_through_extra_body(stack: Stack) -> None:
+    """Clients moving from ``vllm serve`` send vLLM's fields through ``extra_body``; the
+    synthetic engine honours those that shape its script and logs the ones it ignores."""
+    stack.synthetic(tokens_per_s=200)
+    gateway = stack.gateway()
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
+    full = synthetic_text("hi", 20)  # "You said: hi | jumps over the lazy dog while streams"
+
+    def complete(**extra: Any) -> openai.types.Completion:
+        return client.completions.create(
+            model="synthetic", prompt="hi", max_tokens=20, stop=["lazy"], extra_body=extra
+        )
+
+    assert complete().choices[0].text == full[: full.index("lazy")]
+    kept = complete(include_stop_str_in_output=True).choices[0].text
+    assert kept == full[: full.index("lazy") + len("lazy")]
+    # min_tokens: no stop before it ("lazy" is token 8); then token 11 is a stop token.
+    later = complete(min_tokens=9, stop_token_ids=[synthetic_tokens("hi", 11)[10].id])
+    assert later.choices[0].finish_reason == "stop"
+    assert later.usage is not None and later.usage.completion_tokens == 11
+    assert later.choices[0].text == synthetic_text("hi", 10)
+    ignored = complete(
+        min_p=0.1,
+        repetition_penalty=1.2,
+        ignore_eos=True,
+        skip_special_tokens=False,
+        spaces_between_special_tokens=False,
+        length_penalty=1.0,
+    )
+    assert ignored.choices[0].text == full[: full.index("lazy")]
+    (engine_log,) = stack.logs.glob("engine-*.log")
+    assert "ignores min_p, repetition_penalty" in engine_log.read_text()
+
+    for field, value in (("length_penalty", 2.0), ("use_beam_search", True)):
+        with pytest.raises(openai.BadRequestError) as caught:
+            complete(**{field: value})
+        assert caught.value.body["param"] == field  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError, match="min_tokens"):
+        complete(min_tokens=21)
+    with pytest.raises(openai.BadRequestError) as caught:
+        complete(min_p=2)
+    assert caught.value.body["param"] == "min_p"  # type: ignore[index]
+    client.close()

@@ -1,4 +1,5 @@
-"""The gateway's background loops outlive any failure of one pass (gateway/watchdog.py)."""
+"""The gateway's background loops outlive any failure of one pass, and two of them never
+hand one lost reply on twice (gateway/watchdog.py, gateway/takeover.py)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,13 @@ import asyncio
 import logging
 import secrets
 
+import msgspec
 import pytest
 import redis.asyncio as aioredis
 
-from engine.contract import Keys
+import wire
 from gateway.watchdog import Reaper
+from wire import CONSUMER_GROUP, GenerationRequest, Keys, SamplingParams, Started, Token
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -46,3 +49,33 @@ async def test_a_reaper_pass_that_raises_is_logged_and_the_reaper_goes_on(
     assert "a malformed pending entry" in caplog.text
     assert "expire_queued failed" in caplog.text
     assert any(record.exc_info for record in caplog.records), "no traceback logged"
+
+
+async def test_two_reapers_racing_hand_a_lost_workers_reply_on_once(
+    redis: aioredis.Redis,
+) -> None:
+    """Two gateways' reapers (the lock lapsed) see the same lost worker at once: the reply
+    is queued again once, with what it streamed, and nothing is left pending."""
+    keys = Keys(f"t-{secrets.token_hex(4)}")
+    sid, gid = "s_race", "g_race"
+    request = GenerationRequest(gid, sid, SamplingParams(max_tokens=10), prompt="hi there")
+    queue = keys.requests("m")
+    await redis.hset(keys.models, "m", "m")  # as the lost worker's heartbeat registered it
+    await redis.xgroup_create(queue, CONSUMER_GROUP, id="0", mkstream=True)
+    await redis.xadd(queue, {"r": wire.encode(request)})
+    await redis.xreadgroup(CONSUMER_GROUP, "lost", {queue: ">"})
+    gen = keys.generation(sid, gid)
+    await redis.hset(gen, mapping={"state": "running", "worker": "lost"})
+    for event in (Started(gid, "m", 2), Token(gid, "You", 1, [1]), Token(gid, " said:", 2, [2])):
+        data = wire.encode(event)
+        await redis.xadd(keys.events(sid), {"t": wire.event_type(event), "g": gid, "d": data})
+    reapers = [Reaper(redis, keys, 2.0, 100, 600) for _ in range(2)]
+    await asyncio.gather(*(reaper.reap_once() for reaper in reapers))
+    entries = wire.entries_of(await redis.xrange(queue))
+    queued = [msgspec.json.decode(f[b"r"], type=GenerationRequest) for _id, f in entries[1:]]
+    assert len(queued) == 1
+    resume = queued[0].resume
+    assert resume is not None and resume.takeover == 1 and resume.from_worker == "lost"
+    assert (resume.text, resume.token_ids, resume.prompt_tokens) == ("You said:", [1, 2], 2)
+    assert (await redis.xpending(queue, CONSUMER_GROUP))["pending"] == 0
+    assert await redis.hget(gen, "state") == b"queued"

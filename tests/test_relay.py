@@ -1,5 +1,5 @@
-"""The relay's promise (docs/design): one Redis reader per gateway process feeds every open
-stream, so the gateway's Redis connections do not grow with its streams."""
+"""The relay's promise (README.md, "How it works"): one Redis reader per gateway process
+feeds every open stream, so the gateway's Redis connections do not grow with its streams."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import httpx
 import pytest
 
 from bench.measure import tcp_connections_to
-from tests.client import Session, create_session
-from tests.conftest import Stack
-from tests.sse import SSEParser
+from tests.support.http import Session, create_session
+from tests.support.sse import SSEParser
+from tests.support.stack import Stack
 
 pytestmark = pytest.mark.timeout(180)
 

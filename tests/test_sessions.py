@@ -3,24 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import httpx
 import pytest
 
-from tests.client import create_session, read_events, send
-from tests.conftest import Stack
-from tests.sse import SSEParser, parse
+from tests.support.http import all_of, create_session, read_events, send
+from tests.support.oracle import synthetic_text
+from tests.support.sse import SSEParser, parse
+from tests.support.stack import Stack
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def expected_reply(content: str, max_tokens: int) -> str:
-    """What the synthetic engine answers (engine/backends/synthetic.py)."""
-    from engine.backends.synthetic import FILLER
-
-    words = ["You", "said:", *content.split(), "|"]
-    words += [FILLER[i % len(FILLER)] for i in range(len(words), max_tokens)]
-    return " ".join(words[:max_tokens])
 
 
 async def test_a_reply_streams_token_by_token_and_the_second_turn_sees_the_first(
@@ -35,7 +28,7 @@ async def test_a_reply_streams_token_by_token_and_the_second_turn_sees_the_first
         kinds = [e.event for e in reading.of(first)]
         assert kinds[:2] == ["queued", "started"] and kinds[-1] == "done"
         assert kinds.count("token") == 8
-        assert reading.text(first) == expected_reply("hello there", 8)
+        assert reading.text(first) == synthetic_text("hello there", 8)
         counts = [e.json()["count"] for e in reading.of(first) if e.event == "token"]
         assert counts == list(range(1, 9))
         done = reading.final(first).json()
@@ -58,9 +51,9 @@ async def test_a_reply_streams_token_by_token_and_the_second_turn_sees_the_first
         assert history.status_code == 200
         assert [(m["role"], m["content"]) for m in history.json()["messages"]] == [
             ("user", "hello there"),
-            ("assistant", expected_reply("hello there", 8)),
+            ("assistant", synthetic_text("hello there", 8)),
             ("user", "and again"),
-            ("assistant", expected_reply("and again", 3)),
+            ("assistant", synthetic_text("and again", 3)),
         ]
 
 
@@ -101,7 +94,7 @@ async def test_a_stream_started_on_one_gateway_resumes_on_another(stack: Stack) 
             client, moved, until_final_of=generation, last_event_id=part.events[-1].id
         )
         text = part.text(generation) + rest.text(generation)
-        assert text == expected_reply("two gateways", 30)
+        assert text == synthetic_text("two gateways", 30)
         assert not {e.id for e in part.events} & {e.id for e in rest.events}
 
 
@@ -119,20 +112,28 @@ async def test_a_hundred_concurrent_sessions_each_get_exactly_their_own_tokens(
             generation = await send(client, session, content, max_tokens=12)
             reading = await read_events(client, session, until_final_of=generation)
             assert {e.json()["generation_id"] for e in reading.events} == {generation}
-            assert reading.text(generation) == expected_reply(content, 12)
+            assert reading.text(generation) == synthetic_text(content, 12)
 
-        await asyncio.gather(*(one(i) for i in range(100)))
+        await all_of(*(one(i) for i in range(100)))
 
 
 async def test_with_no_worker_a_message_waits_queued_and_is_served_when_one_comes(
     stack: Stack,
 ) -> None:
-    gateway = stack.gateway()
+    """At start-up (no worker registered yet) a message for the configured default model
+    waits in its queue; with no default configured, the gateway cannot know which queue."""
+    gateway = stack.gateway(TOKENSPOUT_DEFAULT_MODEL="synthetic")
     async with httpx.AsyncClient(timeout=30) as client:
         session = await create_session(client, gateway.url)
         ready = await client.get(f"{gateway.url}/ready")
         assert ready.status_code == 503 and ready.json()["ready"] is False
         generation = await send(client, session, "anyone there", max_tokens=4)
+        unconfigured = stack.gateway()
+        refused = await client.post(
+            f"{unconfigured.url}/v1/completions", json={"model": "x", "prompt": "hi"}
+        )
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "no_worker"
+        assert int(refused.headers["retry-after"]) > 0
         queued = await read_events(client, session, limit=1)
         assert queued.events[0].event == "queued"
         stack.synthetic()
@@ -189,7 +190,7 @@ async def test_a_retried_post_with_the_same_idempotency_key_returns_the_same_gen
         reading = await read_events(client, session, until_final_of=generation)
         assert {e.json()["generation_id"] for e in reading.events} == {generation}
         assert [e.event for e in reading.events].count("queued") == 1
-        assert reading.text(generation) == expected_reply("only once", 100)
+        assert reading.text(generation) == synthetic_text("only once", 100)
         history = await client.get(url.removesuffix("/messages"), headers=session.headers)
         assert [m["role"] for m in history.json()["messages"]] == ["user", "assistant"]
 
@@ -198,7 +199,7 @@ async def test_an_idle_session_stream_carries_heartbeats_and_a_queued_event_unco
     stack: Stack,
 ) -> None:
     """No worker runs: the stream says the message is queued and keeps itself alive."""
-    gateway = stack.gateway(TOKENSPOUT_SSE_HEARTBEAT_S="0.2")
+    gateway = stack.gateway(TOKENSPOUT_SSE_HEARTBEAT_S="0.2", TOKENSPOUT_DEFAULT_MODEL="synthetic")
     async with httpx.AsyncClient(timeout=30) as client:
         session = await create_session(client, gateway.url)
         parser, events = SSEParser(), []
@@ -215,20 +216,21 @@ async def test_an_idle_session_stream_carries_heartbeats_and_a_queued_event_unco
             assert response.headers["cache-control"] == "no-cache"
             assert "content-encoding" not in response.headers
             reader = asyncio.create_task(consume(response))
-            try:
-                await asyncio.sleep(1.5)
-                idle_heartbeats = parser.comments
-                assert events == []
-                generation = await send(client, session, "is anyone there", max_tokens=4)
+
+            async def until(condition: Callable[[], bool]) -> None:
                 async with asyncio.timeout(10):
-                    while not events:
-                        await asyncio.sleep(0.05)
+                    while not condition():
+                        await asyncio.sleep(0.02)
+
+            try:
+                await until(lambda: parser.comments >= 3)  # heartbeats, 0.2 s apart, and
+                assert events == []  # nothing else while nothing happens
+                generation = await send(client, session, "is anyone there", max_tokens=4)
+                await until(lambda: bool(events))
                 before = parser.comments
-                await asyncio.sleep(1.0)
+                await until(lambda: parser.comments >= before + 2)  # and on after an event
             finally:
                 reader.cancel()
-        # 0.2 s apart: about 7 in 1.5 s and 5 in 1 s; a loaded CPU may delay a few.
-        assert idle_heartbeats >= 3
-        assert parser.comments - before >= 2
+                await asyncio.wait({reader})
         assert [(e.event, e.json()["generation_id"]) for e in events] == [("queued", generation)]
         assert events[0].id is not None

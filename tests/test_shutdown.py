@@ -14,12 +14,12 @@ import time
 
 import httpx
 import pytest
-import redis
 
-from tests.client import TERMINAL, Reading, Session, create_session, send
-from tests.conftest import Gateway, Stack
-from tests.sse import parse
-from tests.test_sessions import expected_reply
+from tests.support.http import TERMINAL, Reading, Session, create_session, send
+from tests.support.oracle import synthetic_text
+from tests.support.redis_probes import worker_registered
+from tests.support.sse import parse
+from tests.support.stack import Gateway, Stack
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -72,9 +72,9 @@ async def test_engine_sigterm_lets_a_running_generation_finish_within_the_drain_
     assert engine.returncode == 0
     final = reading.final(generation)
     assert final.event == "done" and final.json()["usage"]["completion_tokens"] == 30
-    assert reading.text(generation) == expected_reply("finish me", 30)
+    assert reading.text(generation) == synthetic_text("finish me", 30)
     assert took < 20  # it left as soon as its work was done, not at the drain deadline
-    assert not worker_registered(stack)
+    assert not worker_registered(stack.redis_url, stack.prefix)
 
 
 async def test_engine_sigterm_past_the_drain_time_ends_the_generation_cancelled_shutdown(
@@ -119,7 +119,7 @@ async def test_gateway_sigterm_ends_a_stream_right_after_its_generation_finishes
     assert shut_down_cleanly(stack, gateway)
     # the whole generation arrived, its final event last, and then the server closed
     assert reading.events[-1].event == "done"
-    assert reading.text(generation) == expected_reply("drain the gateway", 40)
+    assert reading.text(generation) == synthetic_text("drain the gateway", 40)
     assert took < 30  # closed by the drain, not cut at the grace deadline
 
 
@@ -135,7 +135,8 @@ async def test_gateway_sigterm_closes_idle_streams_at_once(stack: Stack) -> None
         async with asyncio.timeout(10):
             while not all(reading.parser.retry is not None for reading in readings):
                 await asyncio.sleep(0.02)
-        await asyncio.sleep(0.3)  # each handler has opened its feed
+        for session in sessions:  # each handler has opened its feed
+            await stack.wait_live_readers(session.session_id)
         gateway.process.send_signal(signal.SIGTERM)
         took = await asyncio.to_thread(wait_exit, gateway.process, 30 + 10)
         assert all(await asyncio.gather(*readers)), "a stream was cut instead of ended"
@@ -167,7 +168,7 @@ async def test_gateway_sigterm_cuts_what_outlasts_the_grace_and_the_client_resum
     assert took < 11
     whole = Reading(events=received + rest.events)
     assert whole.final(generation).event == "done"
-    assert whole.text(generation) == expected_reply("outlast the grace", 200)
+    assert whole.text(generation) == synthetic_text("outlast the grace", 200)
 
 
 async def stream_until_final(
@@ -184,18 +185,13 @@ async def stream_until_final(
                 return
 
 
-def worker_registered(stack: Stack) -> bool:
-    client = redis.Redis.from_url(stack.redis_url)
-    try:
-        return bool(client.zcard(f"{stack.prefix}:workers"))
-    finally:
-        client.close()
-
-
 def shut_down_cleanly(stack: Stack, gateway: Gateway) -> bool:
     """uvicorn finished its shutdown (it then re-raises SIGTERM, so the exit status is
     either 0 or -SIGTERM whichever way it went; the log tells them apart)."""
     log = (stack.logs / f"gateway-{gateway.port}.log").read_text()
+    # A background duty that ignored its cancel (seen once in a full run, not reproduced
+    # since) is logged with where it waited: fail with that, not with a hang.
+    assert "did not end within" not in log, log[-3000:]
     return (
         gateway.process.returncode in (0, -signal.SIGTERM)
         and "msg='draining'" in log

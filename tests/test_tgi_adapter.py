@@ -17,8 +17,8 @@ from huggingface_hub.errors import (
     ValidationError,
 )
 
-from tests.adapter_support import synthetic_text, synthetic_tokens
-from tests.conftest import Stack
+from tests.support.oracle import synthetic_text, synthetic_tokens
+from tests.support.stack import Stack
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -75,8 +75,12 @@ def test_sync_client_answers_whole_with_details_stop_and_full_text(stack: Stack)
 
     with pytest.raises(ValidationError, match="watermark"):
         client.text_generation("hi", max_new_tokens=2, watermark=True)
-    with pytest.raises(ValidationError, match="repetition_penalty"):
-        client.text_generation("hi", max_new_tokens=2, repetition_penalty=1.3, stream=True)
+    with pytest.raises(ValidationError, match="typical_p"):
+        client.text_generation("hi", max_new_tokens=2, typical_p=0.5, stream=True)
+    # repetition_penalty reaches the engine (the synthetic one says it ignores it).
+    assert client.text_generation("hi", max_new_tokens=2, repetition_penalty=1.3) == (
+        synthetic_text("hi", 2)
+    )
 
 
 async def test_async_client_streams_and_generate_stream_route_matches(stack: Stack) -> None:
@@ -166,3 +170,36 @@ def test_a_wrong_api_key_raises_unknown_error_from_a_401(stack: Stack) -> None:
         assert cause.response.json()["error_type"] == "invalid_api_key"
     right = InferenceClient(model=f"{gateway.url}/generate", token="tgi-key")
     assert right.text_generation("hi", max_new_tokens=2) == synthetic_text("hi", 2)
+
+
+def test_a_client_pointed_at_the_base_url_streams_answers_whole_and_reads_info(
+    stack: Stack,
+) -> None:
+    """TGI's documentation points clients at the server's root: ``POST /`` (by ``stream``)
+    and ``GET /info``; the web chat stays at ``GET /``."""
+    stack.synthetic(tokens_per_s=200)
+    gateway = stack.gateway()
+    client = InferenceClient(gateway.url)
+    expected = synthetic_tokens("from the root", 5)
+
+    events = list(
+        client.text_generation("from the root", max_new_tokens=5, stream=True, details=True)
+    )
+    assert [e.token.text for e in events] == [t.text for t in expected]
+    assert events[-1].details is not None and events[-1].details.finish_reason == "length"
+    assert events[-1].generated_text == synthetic_text("from the root", 5)
+
+    whole = client.text_generation("from the root", max_new_tokens=5, details=True)
+    assert whole.generated_text == synthetic_text("from the root", 5)
+    assert whole.details is not None and whole.details.generated_tokens == 5
+    assert [t.id for t in whole.details.tokens] == [t.id for t in expected]
+
+    info = InferenceClient(gateway.url, provider="hf-inference").get_endpoint_info()
+    assert info["model_id"] == "synthetic"
+    assert info["max_input_tokens"] < info["max_total_tokens"]
+    assert info["max_stop_sequences"] == 8 and info["max_best_of"] == 1
+    assert info["router"] == "tokenspout" and info["version"]
+    page = httpx.get(f"{gateway.url}/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    bad = httpx.post(f"{gateway.url}/", json={"inputs": ""})
+    assert bad.status_code == 422 and bad.json()["error_type"] == "validation"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.client import create_session, read_events, send
-from tests.conftest import VllmStack
+from tests.support.http import create_session, read_events, send
+from tests.support.stack import VllmStack
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

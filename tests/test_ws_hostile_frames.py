@@ -19,11 +19,11 @@ from hypothesis import strategies as st
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
-from tests.client import create_session, read_events, send
-from tests.conftest import Stack
-from tests.test_hostile_inputs import json_values
-from tests.test_sessions import expected_reply
-from tests.ws_client import ws_url
+from tests.support.hostile import json_values
+from tests.support.http import create_session, read_events, send
+from tests.support.oracle import synthetic_text
+from tests.support.stack import Stack
+from tests.support.ws import ws_url
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -134,7 +134,7 @@ async def test_hostile_frames_get_typed_answers_and_disturb_no_stream(stack: Sta
         assert prober.closes and prober.replies["error"] >= len(prober.closes) * 9
         assert prober.replies["ack"] > 0 and prober.replies["token"] > 0  # valid ones worked
         reading = await watching
-        assert reading.text(generation) == expected_reply("undisturbed", 1500)
+        assert reading.text(generation) == synthetic_text("undisturbed", 1500)
         health = await client.get(f"{gateway.url}/health")
         assert health.status_code == 200
         assert gateway.process.poll() is None

@@ -11,10 +11,10 @@ import httpx
 import pytest
 from websockets.exceptions import ConnectionClosedError
 
-from tests.client import Session, create_session, read_events, send
-from tests.conftest import Stack
-from tests.test_sessions import expected_reply
-from tests.ws_client import open_ws
+from tests.support.http import Session, create_session, read_events, send
+from tests.support.oracle import synthetic_text
+from tests.support.stack import Stack
+from tests.support.ws import open_ws
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -47,7 +47,7 @@ async def test_generations_share_a_socket_by_id_and_a_cancel_stops_only_its_own(
             assert cancelled["type"] == "cancelled" and cancelled["reason"] == "user"
             done = await ws.final_of("b")
             assert done["type"] == "done" and done["usage"]["completion_tokens"] == 30
-            assert ws.text("b") == expected_reply("second one", 30)
+            assert ws.text("b") == synthetic_text("second one", 30)
 
             # No token of "a" after its cancelled frame; its usage is what the client got.
             # (The cancel's ack and the cancelled frame race: either may come first.)
@@ -55,7 +55,7 @@ async def test_generations_share_a_socket_by_id_and_a_cancel_stops_only_its_own(
             assert a_frames[-1] == cancelled
             a_tokens = ws.tokens("a")
             assert cancelled["usage"]["completion_tokens"] == a_tokens[-1]["count"] >= 3
-            assert ws.text("a") == expected_reply("first one", a_tokens[-1]["count"])
+            assert ws.text("a") == synthetic_text("first one", a_tokens[-1]["count"])
             assert [f["type"] for f in a_frames][:3] == ["ack", "queued", "started"]
 
             # The WebSocket generation is on the session's SSE stream, the same events.
@@ -134,7 +134,7 @@ async def test_bad_frames_get_typed_errors_and_too_many_close_the_socket_with_44
         # The socket still works after all that.
         assert (await ws.generate("ok", "still here", max_tokens=5))["type"] == "ack"
         assert (await ws.final_of("ok"))["type"] == "done"
-        assert ws.text("ok") == expected_reply("still here", 5)
+        assert ws.text("ok") == synthetic_text("still here", 5)
 
         # Five bad frames so far (the empty content counts as a refusal, not abuse): the
         # tenth closes the socket with 4400 after its error frame.
@@ -188,7 +188,7 @@ async def test_a_client_that_stops_reading_gets_coalesced_tokens_and_loses_none(
                 assert tokens[-1]["count"] == max_tokens
                 counts = [f["count"] for f in tokens]
                 assert counts == sorted(set(counts))
-                assert ws.text(i) == expected_reply(contents[i], max_tokens)
+                assert ws.text(i) == synthetic_text(contents[i], max_tokens)
             frames = sum(len(ws.tokens(i)) for i in ids)
             assert frames < len(ids) * max_tokens, "no token frame was coalesced"
         finally:
@@ -221,7 +221,7 @@ async def test_a_frame_over_the_cap_gets_an_error_and_one_past_the_hard_bound_cl
 
         # The gateway goes on serving everyone else.
         done = await bystander.final_of("b")
-        assert done["type"] == "done" and bystander.text("b") == expected_reply("keep going", 60)
+        assert done["type"] == "done" and bystander.text("b") == synthetic_text("keep going", 60)
         fresh = await open_ws(gateway.url)
         try:
             assert (await fresh.generate("f", "after that", max_tokens=3))["type"] == "ack"

@@ -20,7 +20,8 @@
 
 const STORE_KEY = "tokenspout.chat.v1";
 const API_KEY_STORE = "tokenspout.apiKey.v1";
-const EVENT_TYPES = ["queued", "started", "token", "done", "cancelled", "error"];
+const MODEL_STORE = "tokenspout.model.v1"; // the model picked last (several served)
+const EVENT_TYPES = ["queued", "started", "token", "resumed", "done", "cancelled", "error"];
 const FINAL_TYPES = new Set(["done", "cancelled", "error"]);
 const RECONNECT_MAX_MS = 8000;
 const OFFLINE_AFTER_FAILURES = 3;
@@ -39,6 +40,7 @@ const ui = {
   conn: byId("conn"),
   connLabel: byId("conn-label"),
   model: byId("model-name"),
+  picker: byId("model-picker"),
   banner: byId("banner"),
   bannerText: byId("banner-text"),
   bannerRetry: byId("banner-retry"),
@@ -241,6 +243,36 @@ async function showServedModel() {
   }
 }
 
+// ---- model picker ---------------------------------------------------------------------------
+// With more than one model served, the top bar offers a choice; a session keeps its model, so
+// choosing another starts a new conversation.
+
+async function servedModels() {
+  const key = apiKey();
+  try {
+    const auth = key ? { Authorization: `Bearer ${key}` } : {};
+    const list = await api("GET", "/v1/models", undefined, auth);
+    const roots = (list?.data ?? []).map((card) => card.root || card.id).filter(Boolean);
+    return [...new Set(roots)].sort();
+  } catch (err) {
+    console.warn("could not list the served models", err);
+    return [];
+  }
+}
+
+async function refreshPicker() {
+  const models = await servedModels();
+  const keep = [chat.model, sessionStorage.getItem(MODEL_STORE)].find((m) => models.includes(m));
+  ui.picker.replaceChildren(...models.map((model) => new Option(model, model)));
+  if (keep) ui.picker.value = keep;
+  ui.picker.hidden = models.length < 2;
+  ui.model.hidden = !ui.picker.hidden; // the picker names the model itself
+}
+
+function pickedModel() {
+  return ui.picker.hidden ? null : ui.picker.value || null;
+}
+
 function setConn(state) {
   if (ui.conn.dataset.state === state) return;
   ui.conn.dataset.state = state;
@@ -328,6 +360,7 @@ class Turn {
     this.lastAt = null;
     this.ttftMs = null; // time to first token as measured live (kept across a reload)
     this.resumed = false; // put back after a reload: rate from the event ids' clock
+    this.takeovers = 0; // times another engine worker took the reply over
     this.firstMs = null; // server time (ms) and count of the first token event
     this.firstMsCount = 0;
     this.lastMs = null;
@@ -471,6 +504,10 @@ class Turn {
     if (this.resumed) {
       this.stats.dataset.resumed = "true";
       parts.push("resumed after a reload");
+    }
+    if (this.takeovers) {
+      this.stats.dataset.takeovers = String(this.takeovers);
+      parts.push("continued on another engine");
     }
     this.stats.textContent = parts.join(" · ");
   }
@@ -652,6 +689,13 @@ function applyEvent(turn, type, data, id = null) {
       markActive(turn);
       turn.addToken(data.text, data.count, performance.now(), idMs(id));
       break;
+    case "resumed":
+      // Its engine worker was lost or stopped; another goes on from the next token. Said
+      // quietly, in the stats line: the reply itself is unchanged.
+      markActive(turn);
+      turn.takeovers = data.takeover;
+      turn.renderStats();
+      break;
     default:
       turn.finish(type, data);
       if (chat.active === turn) chat.active = null;
@@ -765,11 +809,13 @@ async function startNewSession() {
   updateComposer();
   setConn("connecting");
   const key = apiKey();
+  await refreshPicker();
+  const model = pickedModel();
   try {
     const created = await api(
       "POST",
       "/v1/sessions",
-      {},
+      model ? { model } : {},
       key ? { Authorization: `Bearer ${key}` } : {},
     );
     hideKeyForm();
@@ -884,6 +930,7 @@ async function resume(saved) {
   updateComposer();
   openEvents(chat.lastEventId);
   showServedModel();
+  refreshPicker();
 }
 
 // ---- wiring ---------------------------------------------------------------------------------
@@ -915,6 +962,12 @@ ui.input.addEventListener("input", () => {
 });
 
 ui.stop.addEventListener("click", () => stopReply());
+ui.picker.addEventListener("change", () => {
+  store(MODEL_STORE, ui.picker.value);
+  hideBanner();
+  startNewSession();
+  ui.input.focus();
+});
 ui.bannerClose.addEventListener("click", hideBanner);
 ui.newChat.addEventListener("click", () => {
   hideBanner();

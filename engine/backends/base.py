@@ -1,7 +1,8 @@
 """What the worker needs from an inference engine, and nothing more.
 
 Modelled on vLLM's ``EngineClient``: ``generate`` streams deltas for one request and
-``abort`` stops it. Every backend passes the same test suite (tests/test_backends.py).
+``abort`` stops it. Every backend passes the same test suite (tests/test_backend_replies.py,
+tests/test_backend_cancels.py).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from engine.contract import GenerationRequest, SamplingParams
+from wire import GenerationRequest, SamplingParams
 
 
 class BackendError(Exception):
@@ -27,11 +28,15 @@ class Prepared:
     """A request turned into engine input: the prompt's tokens are known before it runs."""
 
     generation_id: str
+    """The engine's request id (``GenerationRequest.engine_request_id``)."""
     prompt_token_ids: list[int]
     params: SamplingParams
     source: GenerationRequest | None = None
     """The request it was made from, for a backend that needs more than the tokens (the
     synthetic engine scripts its reply from the messages)."""
+    resumed_tokens: int = 0
+    """Completion tokens streamed before a takeover (``GenerationRequest.resume``): the
+    engine continues after them, and ``params.max_tokens`` counts what is left."""
 
 
 @dataclass
@@ -50,6 +55,11 @@ class Backend(abc.ABC):
     model: str
     capacity: int
     """How many requests it runs at once; the worker takes no more than this."""
+    max_model_len: int | None = None
+    """Longest prompt plus reply, in tokens; None: no fixed context."""
+    ignored_params: frozenset[str] = frozenset()
+    """Sampling fields this backend accepts but cannot apply (logged when a request sets
+    one; docs/api.md lists them)."""
 
     async def start(self) -> None:  # noqa: B027 - optional hook
         """Load the model; called once before the first request."""
@@ -59,7 +69,11 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     async def prepare(self, request: GenerationRequest) -> Prepared:
-        """Tokenize (chat template applied); raises ``BackendError`` for an unusable prompt."""
+        """Tokenize (chat template applied); raises ``BackendError`` for an unusable prompt.
+
+        A request with ``resume`` continues a reply: the engine's input is the prompt plus
+        the tokens already streamed, and it yields exactly the deltas the uninterrupted
+        run would have yielded next (a deterministic engine, or greedy sampling)."""
 
     @abc.abstractmethod
     def generate(self, prepared: Prepared) -> AsyncIterator[Delta]:

@@ -12,14 +12,17 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
+
 from engine.backends.base import Backend, BackendError, Delta, Prepared
-from engine.contract import ChatMessage, GenerationRequest
+from wire import ChatMessage, GenerationRequest
 
 log = logging.getLogger("tokenspout.vllm")
 
 
 class VllmBackend(Backend):
     name = "vllm"
+    max_model_len: int
 
     def __init__(
         self,
@@ -46,7 +49,7 @@ class VllmBackend(Backend):
         args = AsyncEngineArgs(
             model=self.model_path,
             served_model_name=[self.model],
-            dtype=self.dtype,  # type: ignore[arg-type]
+            dtype=self.dtype,
             max_model_len=self.max_model_len,
             max_num_seqs=self.capacity,
             enforce_eager=self.enforce_eager,
@@ -73,7 +76,23 @@ class VllmBackend(Backend):
                 "prompt_too_long",
                 f"the prompt has {len(ids)} tokens; the model's context is {self.max_model_len}",
             )
-        return Prepared(request.generation_id, list(ids), request.params)
+        resume = request.resume
+        if resume is None:
+            return Prepared(request.engine_request_id, list(ids), request.params)
+        # A takeover: the prompt plus the tokens already streamed are the engine's input.
+        if len(ids) + len(resume.token_ids) > self.max_model_len:
+            raise BackendError(
+                "context_exceeded",
+                f"the prompt ({len(ids)} tokens) and the {len(resume.token_ids)} tokens "
+                f"already streamed exceed this worker's context of {self.max_model_len}",
+            )
+        left = request.params.max_tokens - resume.completion_tokens
+        return Prepared(
+            request.engine_request_id,
+            [*ids, *resume.token_ids],
+            msgspec.structs.replace(request.params, max_tokens=left),
+            resumed_tokens=resume.completion_tokens,
+        )
 
     def _chat_ids(self, messages: list[ChatMessage]) -> list[int]:
         text = self._tokenizer.apply_chat_template(
@@ -89,9 +108,13 @@ class VllmBackend(Backend):
 
         params = prepared.params
         room = self.max_model_len - len(prepared.prompt_token_ids)
+        if room <= 0 or params.max_tokens <= 0:  # a takeover of a reply already at its end
+            yield Delta("", finish_reason="length")
+            return
+        max_tokens = min(params.max_tokens, room)
         sampling = SamplingParams(
             n=1,
-            max_tokens=max(1, min(params.max_tokens, room)),
+            max_tokens=max_tokens,
             temperature=params.temperature,
             top_p=params.top_p,
             top_k=params.top_k if params.top_k not in (None, -1) else 0,
@@ -100,6 +123,14 @@ class VllmBackend(Backend):
             frequency_penalty=params.frequency_penalty,
             presence_penalty=params.presence_penalty,
             logprobs=0 if params.logprobs else None,
+            min_p=params.min_p,
+            repetition_penalty=params.repetition_penalty,
+            ignore_eos=params.ignore_eos,
+            min_tokens=min(params.min_tokens, max_tokens),  # the context may cut max_tokens
+            stop_token_ids=params.stop_token_ids or None,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
             output_kind=RequestOutputKind.DELTA,
         )
         prompt = {"prompt_token_ids": prepared.prompt_token_ids}

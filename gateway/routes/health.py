@@ -5,16 +5,18 @@ from __future__ import annotations
 import msgspec
 from litestar import get
 from litestar.response import Response
+from redis.exceptions import RedisError
 
-from engine.contract import WorkerInfo
-from gateway.errors import Unavailable
 from gateway.sessions import SessionStore
+from wire import WorkerInfo
 
 
 class Readiness(msgspec.Struct):
     ready: bool
     redis: str
     workers: list[WorkerInfo]
+    models: dict[str, int] = {}
+    """Every registered model -> its live workers (0: its last worker left)."""
 
 
 @get("/health", tags=["operations"], summary="Liveness")
@@ -25,8 +27,14 @@ async def health() -> dict[str, str]:
 @get("/ready", tags=["operations"], summary="Redis reachable and an engine worker alive")
 async def ready(store: SessionStore) -> Response[Readiness]:
     try:
-        await store.ping()
-    except Unavailable as exc:
-        return Response(Readiness(False, exc.message, []), status_code=503)
-    workers = await store.live_workers()
-    return Response(Readiness(bool(workers), "ok", workers), status_code=200 if workers else 503)
+        await store.redis.ping()
+    except (RedisError, OSError) as exc:
+        return Response(Readiness(False, f"Redis is unreachable: {exc}", []), status_code=503)
+    snapshot = await store.models.snapshot(fresh=True)
+    models = dict.fromkeys(snapshot.models, 0)
+    for model, workers in snapshot.live.items():
+        models[model] = len(workers)
+    ready = bool(snapshot.workers)
+    return Response(
+        Readiness(ready, "ok", snapshot.workers, models), status_code=200 if ready else 503
+    )

@@ -18,12 +18,11 @@ log = logging.getLogger("tokenspout.metrics")
 @get("/metrics", tags=["operations"], summary="Prometheus metrics", include_in_schema=False)
 async def metrics_endpoint(store: SessionStore, metrics: GatewayMetrics) -> Response[bytes]:
     try:
-        queued, running = await store.queue_counts()
+        counts = await store.queue.counts()
     except (RedisError, OSError) as exc:
         # A scrape still answers while Redis is down; the queue gauges keep their last value.
         log.warning("could not read queue depths: %s", exc)
         metrics.redis_error("metrics")
     else:
-        metrics.queued.set(queued)
-        metrics.running.set(running)
+        metrics.queue_depths(counts)
     return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -8,27 +8,28 @@ text, or one SSE event per engine step). Errors are the protocol's ``{"error": "
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator
 from typing import Annotated
 
 import msgspec
 from litestar import Response, Router, get, post
 from litestar.response import Stream
 
-from engine.contract import Done, SamplingParams, Started, Token
 from gateway import sse
 from gateway.auth import ApiKeys, require_api_key
-from gateway.errors import BadRequest, NotFound
-from gateway.generation_stream import GenerationStream, Heartbeat, final_error
-from gateway.relay import RelayHub
-from gateway.routes.adapter_common import (
+from gateway.errors import (
     HANDLED,
     AnyRequest,
+    BadRequest,
+    Unavailable,
     as_gateway_error,
     ending_with_error,
 )
+from gateway.generation_stream import GenerationItem, GenerationStream, Heartbeat, final_error
+from gateway.relay import RelayHub
 from gateway.sessions import SessionStore
 from gateway.settings import Settings
+from wire import Done, SamplingParams, Started, Token
 
 
 class Parameters(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -70,7 +71,7 @@ def oip_error(_: AnyRequest, exc: Exception) -> Response[OipError]:
 
 
 def _params(store: SessionStore, given: Parameters) -> SamplingParams:
-    return store.sampling(
+    return store.queue.sampling(
         max_tokens=given.max_tokens,
         temperature=given.temperature,
         top_p=given.top_p,
@@ -86,13 +87,16 @@ async def _start(
     hub: RelayHub,
     settings: Settings,
     api_keys: ApiKeys,
+    model: str,
     data: GenerateRequest,
 ) -> GenerationStream:
     require_api_key(request, api_keys)
     if not data.text_input.strip():
         raise BadRequest("`text_input` must not be empty", field="text_input")
     params = _params(store, data.parameters)
-    return await GenerationStream.submit(store, hub, settings, params, prompt=data.text_input)
+    return await GenerationStream.submit(
+        store, hub, settings, params, model=model, prompt=data.text_input
+    )
 
 
 @post("/{model:str}/generate", summary="OIP generate", status_code=200)
@@ -105,15 +109,15 @@ async def generate(
     model: str,
     data: GenerateRequest,
 ) -> GenerateResponse:
-    generation = await _start(request, store, hub, settings, api_keys, data)
+    generation = await _start(request, store, hub, settings, api_keys, model, data)
     whole = await generation.collect()
     return GenerateResponse(whole.model or model, whole.text, whole.final.finish_reason, data.id)
 
 
 async def _events(
-    generation: GenerationStream, model: str, request_id: str | None
+    items: AsyncIterable[GenerationItem], model: str, request_id: str | None
 ) -> AsyncIterator[bytes]:
-    async for item in generation.events():
+    async for item in items:
         if isinstance(item, Heartbeat):
             yield sse.HEARTBEAT
         elif isinstance(item, Started):
@@ -139,9 +143,9 @@ async def generate_stream(
     model: str,
     data: GenerateRequest,
 ) -> Stream:
-    generation = await _start(request, store, hub, settings, api_keys, data)
+    generation = await _start(request, store, hub, settings, api_keys, model, data)
     chunks = ending_with_error(
-        _events(generation, model, data.id),
+        _events(generation.events(), model, data.id),
         lambda error: sse.frame(msgspec.json.encode(OipError(error.message))),
     )
     return sse.response(chunks, background=generation.on_response_end())
@@ -151,15 +155,14 @@ async def generate_stream(
 async def model_ready(
     request: AnyRequest, store: SessionStore, api_keys: ApiKeys, model: str
 ) -> Response[Ready]:
-    """200 when a live worker serves ``model``; 503 while no worker is alive at all; 404
-    when workers are alive and none serves it."""
+    """200 when a live worker serves ``model`` (a name or alias); 503 when its last worker
+    left; 404 for a name no worker ever registered."""
     require_api_key(request, api_keys)
-    served = {worker.model for worker in await store.live_workers()}
-    if model in served:
-        return Response(Ready(model, True), status_code=200)
-    if served:
-        raise NotFound(f"no live worker serves {model!r} (served: {', '.join(sorted(served))})")
-    return Response(Ready(model, False), status_code=503)
+    try:
+        await store.models.resolve(model)
+    except Unavailable:
+        return Response(Ready(model, False), status_code=503)
+    return Response(Ready(model, True), status_code=200)
 
 
 oip_router = Router(

@@ -8,28 +8,27 @@ module only translates parameters in and events out, and spells errors the way t
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from typing import Any
 
 import msgspec
 from litestar import Response, Router, get, post
 from litestar.response import Stream
 
-from engine.contract import (
-    Cancelled,
-    ChatMessage,
-    Done,
-    Error,
-    Role,
-    SamplingParams,
-    Started,
-    Token,
-    Usage,
-)
 from gateway import sse
 from gateway.auth import ApiKeys, require_api_key
-from gateway.errors import BadEngineOutput, BadRequest, GatewayError
+from gateway.errors import (
+    HANDLED,
+    AnyRequest,
+    BadEngineOutput,
+    BadRequest,
+    GatewayError,
+    as_gateway_error,
+    ending_with_error,
+)
 from gateway.generation_stream import (
+    Collected,
+    GenerationItem,
     GenerationStream,
     Heartbeat,
     TokenPiece,
@@ -37,12 +36,6 @@ from gateway.generation_stream import (
     per_token,
 )
 from gateway.relay import RelayHub
-from gateway.routes.adapter_common import (
-    HANDLED,
-    AnyRequest,
-    as_gateway_error,
-    ending_with_error,
-)
 from gateway.routes.openai_schema import (
     AssistantMessage,
     ChatChoice,
@@ -66,6 +59,17 @@ from gateway.routes.openai_schema import (
 )
 from gateway.sessions import SessionStore
 from gateway.settings import Settings
+from wire import (
+    Cancelled,
+    ChatMessage,
+    Done,
+    Error,
+    Role,
+    SamplingParams,
+    Started,
+    Token,
+    Usage,
+)
 
 DONE_FRAME = sse.frame(b"[DONE]")
 ROLES: dict[str, Role] = {
@@ -75,6 +79,17 @@ ROLES: dict[str, Role] = {
     "assistant": "assistant",
 }
 ERROR_TYPES = {401: "invalid_request_error", 429: "rate_limit_error"}
+VLLM_FIELDS = (
+    "min_p",
+    "repetition_penalty",
+    "ignore_eos",
+    "min_tokens",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+)
+"""vLLM's extra sampling fields that reach the engine as they are (wire.SamplingParams)."""
 
 
 def _refuse(field: str, message: str) -> BadRequest:
@@ -87,6 +102,11 @@ def _sampling(body: _Sampling, max_tokens: int | None) -> dict[str, Any]:
         raise _refuse("n", "n must be 1: tokenspout generates one choice per request")
     if body.logit_bias:
         raise _refuse("logit_bias", "logit_bias is not supported")
+    if body.use_beam_search:
+        raise _refuse("use_beam_search", "beam search is not supported")
+    if body.length_penalty not in (None, 1.0):
+        # vLLM applies it in beam search only.
+        raise _refuse("length_penalty", "length_penalty must be 1: it applies to beam search")
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
     return {
         "max_tokens": max_tokens,
@@ -97,6 +117,7 @@ def _sampling(body: _Sampling, max_tokens: int | None) -> dict[str, Any]:
         "seed": body.seed,
         "frequency_penalty": body.frequency_penalty,
         "presence_penalty": body.presence_penalty,
+        **{name: getattr(body, name) for name in VLLM_FIELDS},
     }
 
 
@@ -135,7 +156,7 @@ def _chat_params(store: SessionStore, body: ChatCompletionRequest) -> SamplingPa
         raise _refuse("response_format", "only response_format {'type': 'text'} is supported")
     max_tokens = body.max_completion_tokens or body.max_tokens
     shared = _sampling(body, max_tokens)
-    return store.sampling(**shared, logprobs=bool(body.logprobs))
+    return store.queue.sampling(**shared, logprobs=bool(body.logprobs))
 
 
 def _completion_params(store: SessionStore, body: CompletionRequest) -> SamplingParams:
@@ -148,7 +169,7 @@ def _completion_params(store: SessionStore, body: CompletionRequest) -> Sampling
     if body.logprobs:
         raise _refuse("logprobs", "logprobs must be 0 or null: only sampled tokens' logprobs")
     shared = _sampling(body, body.max_tokens)
-    return store.sampling(**shared, logprobs=body.logprobs == 0)
+    return store.queue.sampling(**shared, logprobs=body.logprobs == 0)
 
 
 def _completion_prompt(body: CompletionRequest) -> str:
@@ -211,13 +232,13 @@ def openai_error(_: AnyRequest, exc: Exception) -> Response[ErrorOut]:
 
 
 async def _stream(
-    generation: GenerationStream,
+    items: AsyncIterable[GenerationItem],
     chunk: Callable[[str, list[TokenPiece] | None, str | None, Token | None], msgspec.Struct],
     usage_chunk: Callable[[str, Usage], msgspec.Struct] | None,
     model: str,
 ) -> AsyncIterator[bytes]:
     """Chunks of one generation; ``chunk(model, pieces, finish_reason, token)``."""
-    async for item in generation.events():
+    async for item in items:
         if isinstance(item, Heartbeat):
             yield sse.HEARTBEAT
         elif isinstance(item, Started):
@@ -233,6 +254,100 @@ async def _stream(
     yield DONE_FRAME
 
 
+class ChatChunks:
+    """The chunks of one streamed chat completion: the first delta carries the role."""
+
+    def __init__(self, completion_id: str, created: int, want_logprobs: bool) -> None:
+        self.completion_id = completion_id
+        self.created = created
+        self.want_logprobs = want_logprobs
+        self.sent_role = False
+
+    def chunk(
+        self, model: str, pieces: list[TokenPiece] | None, finish: str | None, token: Token | None
+    ) -> ChatCompletionChunk:
+        delta = ChatDelta(content=token.text if token is not None else None)
+        if not self.sent_role:
+            self.sent_role, delta.role = True, "assistant"
+            delta.content = delta.content or ""
+        logprobs = _chat_logprobs(pieces) if self.want_logprobs and pieces else None
+        return ChatCompletionChunk(
+            self.completion_id,
+            "chat.completion.chunk",
+            self.created,
+            model,
+            [ChatChunkChoice(0, delta, logprobs, finish)],
+            None,
+        )
+
+    def usage(self, model: str, usage: Usage) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            self.completion_id, "chat.completion.chunk", self.created, model, [], _usage(usage)
+        )
+
+
+class CompletionChunks:
+    """The chunks of one streamed (legacy) completion: logprob offsets run on across them."""
+
+    def __init__(self, completion_id: str, created: int, want_logprobs: bool) -> None:
+        self.completion_id = completion_id
+        self.created = created
+        self.want_logprobs = want_logprobs
+        self.offset = 0
+
+    def chunk(
+        self, model: str, pieces: list[TokenPiece] | None, finish: str | None, token: Token | None
+    ) -> Completion:
+        text = token.text if token is not None else ""
+        logprobs = (
+            _completion_logprobs(pieces, self.offset) if self.want_logprobs and pieces else None
+        )
+        self.offset += len(text)
+        choice = CompletionChoice(0, text, logprobs, finish)
+        return Completion(
+            self.completion_id, "text_completion", self.created, model, [choice], None
+        )
+
+    def usage(self, model: str, usage: Usage) -> Completion:
+        return Completion(
+            self.completion_id, "text_completion", self.created, model, [], _usage(usage)
+        )
+
+
+def chat_completion_body(
+    completion_id: str, created: int, model: str, whole: Collected, want_logprobs: bool
+) -> ChatCompletion:
+    """The answer of a chat completion that does not stream."""
+    logprobs = _chat_logprobs(whole.pieces) if want_logprobs else None
+    choice = ChatChoice(
+        0, AssistantMessage("assistant", whole.text), logprobs, whole.final.finish_reason
+    )
+    return ChatCompletion(
+        completion_id,
+        "chat.completion",
+        created,
+        whole.model or model,
+        [choice],
+        _usage(whole.final.usage),
+    )
+
+
+def completion_body(
+    completion_id: str, created: int, model: str, whole: Collected, want_logprobs: bool
+) -> Completion:
+    """The answer of a (legacy) completion that does not stream."""
+    logprobs = _completion_logprobs(whole.pieces, 0) if want_logprobs else None
+    choice = CompletionChoice(0, whole.text, logprobs, whole.final.finish_reason)
+    return Completion(
+        completion_id,
+        "text_completion",
+        created,
+        whole.model or model,
+        [choice],
+        _usage(whole.final.usage),
+    )
+
+
 @post("/chat/completions", summary="OpenAI chat completions", status_code=200)
 async def chat_completions(
     request: AnyRequest,
@@ -245,57 +360,25 @@ async def chat_completions(
     require_api_key(request, api_keys)
     params = _chat_params(store, data)
     messages = _chat_messages(data, settings.max_history_messages)
-    generation = await GenerationStream.submit(store, hub, settings, params, messages=messages)
+    generation = await GenerationStream.submit(
+        store, hub, settings, params, model=data.model, messages=messages
+    )
     completion_id, created = f"chatcmpl-{generation.generation_id}", int(time.time())
     want_logprobs = bool(data.logprobs)
 
     if not data.stream:
         whole = await generation.collect()
-        logprobs = None
-        if want_logprobs:
-            logprobs = _chat_logprobs(whole.pieces)
-        choice = ChatChoice(
-            0, AssistantMessage("assistant", whole.text), logprobs, whole.final.finish_reason
-        )
-        body = ChatCompletion(
-            completion_id,
-            "chat.completion",
-            created,
-            whole.model or data.model,
-            [choice],
-            _usage(whole.final.usage),
-        )
-        return Response(body)
-
-    sent_role = False
-
-    def chunk(
-        model: str, pieces: list[TokenPiece] | None, finish: str | None, token: Token | None
-    ) -> ChatCompletionChunk:
-        nonlocal sent_role
-        delta = ChatDelta(content=token.text if token is not None else None)
-        if not sent_role:
-            sent_role, delta.role = True, "assistant"
-            delta.content = delta.content or ""
-        logprobs = _chat_logprobs(pieces) if want_logprobs and pieces else None
-        return ChatCompletionChunk(
-            completion_id,
-            "chat.completion.chunk",
-            created,
-            model,
-            [ChatChunkChoice(0, delta, logprobs, finish)],
-            None,
+        return Response(
+            chat_completion_body(completion_id, created, data.model, whole, want_logprobs)
         )
 
-    def usage_chunk(model: str, usage: Usage) -> ChatCompletionChunk:
-        return ChatCompletionChunk(
-            completion_id, "chat.completion.chunk", created, model, [], _usage(usage)
-        )
-
+    chunks = ChatChunks(completion_id, created, want_logprobs)
     include_usage = data.stream_options is not None and data.stream_options.include_usage
-    chunks = _stream(generation, chunk, usage_chunk if include_usage else None, data.model)
+    stream = _stream(
+        generation.events(), chunks.chunk, chunks.usage if include_usage else None, data.model
+    )
     return sse.response(
-        ending_with_error(chunks, _failure_frames), background=generation.on_response_end()
+        ending_with_error(stream, _failure_frames), background=generation.on_response_end()
     )
 
 
@@ -311,56 +394,35 @@ async def completions(
     require_api_key(request, api_keys)
     params = _completion_params(store, data)
     prompt = _completion_prompt(data)
-    generation = await GenerationStream.submit(store, hub, settings, params, prompt=prompt)
+    generation = await GenerationStream.submit(
+        store, hub, settings, params, model=data.model, prompt=prompt
+    )
     completion_id, created = f"cmpl-{generation.generation_id}", int(time.time())
     want_logprobs = data.logprobs == 0
 
     if not data.stream:
         whole = await generation.collect()
-        logprobs = None
-        if want_logprobs:
-            logprobs = _completion_logprobs(whole.pieces, 0)
-        choice = CompletionChoice(0, whole.text, logprobs, whole.final.finish_reason)
-        body = Completion(
-            completion_id,
-            "text_completion",
-            created,
-            whole.model or data.model,
-            [choice],
-            _usage(whole.final.usage),
-        )
-        return Response(body)
+        return Response(completion_body(completion_id, created, data.model, whole, want_logprobs))
 
-    offset = 0
-
-    def chunk(
-        model: str, pieces: list[TokenPiece] | None, finish: str | None, token: Token | None
-    ) -> Completion:
-        nonlocal offset
-        text = token.text if token is not None else ""
-        logprobs = _completion_logprobs(pieces, offset) if want_logprobs and pieces else None
-        offset += len(text)
-        choice = CompletionChoice(0, text, logprobs, finish)
-        return Completion(completion_id, "text_completion", created, model, [choice], None)
-
-    def usage_chunk(model: str, usage: Usage) -> Completion:
-        return Completion(completion_id, "text_completion", created, model, [], _usage(usage))
-
+    chunks = CompletionChunks(completion_id, created, want_logprobs)
     include_usage = data.stream_options is not None and data.stream_options.include_usage
-    chunks = _stream(generation, chunk, usage_chunk if include_usage else None, data.model)
+    stream = _stream(
+        generation.events(), chunks.chunk, chunks.usage if include_usage else None, data.model
+    )
     return sse.response(
-        ending_with_error(chunks, _failure_frames), background=generation.on_response_end()
+        ending_with_error(stream, _failure_frames), background=generation.on_response_end()
     )
 
 
-@get("/models", summary="The models the live engine workers serve")
+@get("/models", summary="The models (and aliases) that have a live engine worker")
 async def models(request: AnyRequest, store: SessionStore, api_keys: ApiKeys) -> ModelList:
     require_api_key(request, api_keys)
     cards: dict[str, ModelCard] = {}
-    for worker in await store.live_workers():
+    for worker in await store.models.live_workers():
         created = int(worker.started_at)
-        if worker.model not in cards or cards[worker.model].created > created:
-            cards[worker.model] = ModelCard(worker.model, "model", created, "tokenspout")
+        for name in worker.names:  # as vLLM does: one card per served name
+            if name not in cards or cards[name].created > created:
+                cards[name] = ModelCard(name, "model", created, "tokenspout", worker.model)
     return ModelList("list", sorted(cards.values(), key=lambda card: card.id))
 
 

@@ -2,7 +2,8 @@
 
 Requests name every field the adapter knows; any other field is refused with a 400 that
 names it (``forbid_unknown_fields``), as OpenAI's own API does. Fields that are known but
-not supported beyond their default value are checked in ``openai.py``.
+not supported beyond their default value are checked in ``openai.py``. vLLM's own extra
+sampling fields are known too: clients moving from ``vllm serve`` send them.
 """
 
 from __future__ import annotations
@@ -48,6 +49,17 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     n: int | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    # vLLM's extra sampling fields (``extra_body`` in the SDK), as its OpenAI server takes them.
+    min_p: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    stop_token_ids: Annotated[list[int], msgspec.Meta(max_length=64)] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    length_penalty: float | None = None
+    use_beam_search: bool | None = None
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
@@ -158,6 +170,8 @@ class ModelCard(msgspec.Struct):
     object: Literal["model"]
     created: int
     owned_by: str
+    root: str
+    """The model an alias belongs to (vLLM's field; its own name for the model itself)."""
 
 
 class ModelList(msgspec.Struct):

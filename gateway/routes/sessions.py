@@ -12,15 +12,16 @@ from typing import Annotated, Any
 import msgspec
 from litestar import Controller, get, post
 from litestar.connection import Request
-from litestar.params import Parameter
+from litestar.params import HeaderParameter, QueryParameter
 from litestar.response import Stream
 
-from engine.contract import ChatMessage, FinalEvent, final_state
 from gateway import sse
 from gateway.auth import ApiKeys, require_api_key
-from gateway.relay import EventsExpired, RelayHub, SessionLost
+from gateway.errors import EventsExpired, SessionLost
+from gateway.relay import RelayHub
 from gateway.sessions import SessionStore
 from gateway.settings import Settings
+from wire import ChatMessage, FinalEvent, final_state
 
 AnyRequest = Request[Any, Any, Any]
 
@@ -35,10 +36,17 @@ class MessageIn(msgspec.Struct, forbid_unknown_fields=True):
     seed: int | None = None
 
 
+class SessionIn(msgspec.Struct, forbid_unknown_fields=True):
+    model: str | None = None
+    """A model name or alias; left out: the default model. The session keeps it."""
+
+
 class SessionCreated(msgspec.Struct):
     session_id: str
     token: str
     events_url: str
+    model: str | None = None
+    """None when no worker was alive to pick the default: the first message picks it."""
 
 
 class GenerationAccepted(msgspec.Struct):
@@ -60,8 +68,8 @@ class CancelResult(msgspec.Struct):
     final: FinalEvent | None = None
 
 
-TokenQuery = Annotated[str | None, Parameter(query="token", required=False)]
-TokenHeader = Annotated[str | None, Parameter(header="X-Session-Token", required=False)]
+TokenQuery = Annotated[str | None, QueryParameter(name="token", required=False)]
+TokenHeader = Annotated[str | None, HeaderParameter(name="X-Session-Token", required=False)]
 
 
 def session_token(request: AnyRequest, query: str | None, header: str | None) -> str | None:
@@ -79,13 +87,22 @@ class SessionController(Controller):
 
     @post("/", status_code=201, summary="Create a session")
     async def create(
-        self, request: AnyRequest, store: SessionStore, api_keys: ApiKeys
+        self,
+        request: AnyRequest,
+        store: SessionStore,
+        api_keys: ApiKeys,
+        data: SessionIn | None = None,
     ) -> SessionCreated:
-        """With API keys configured, wants ``Authorization: Bearer <key>`` (else 401)."""
+        """With API keys configured, wants ``Authorization: Bearer <key>`` (else 401). The
+        body (optional) names the model: 404 ``model_not_found`` for a name no worker
+        serves, 503 ``model_unavailable`` when its workers all left."""
         require_api_key(request, api_keys)
-        created = await store.create_session()
+        created = await store.create_session(data.model if data is not None else None)
         return SessionCreated(
-            created.session_id, created.token, f"/v1/sessions/{created.session_id}/events"
+            created.session_id,
+            created.token,
+            f"/v1/sessions/{created.session_id}/events",
+            created.model,
         )
 
     @get("/{session_id:str}", summary="The session's messages")
@@ -110,10 +127,10 @@ class SessionController(Controller):
         token: TokenQuery,
         x_session_token: TokenHeader,
         idempotency_key: Annotated[
-            str | None, Parameter(header="Idempotency-Key", required=False, max_length=128)
+            str | None, HeaderParameter(name="Idempotency-Key", required=False, max_length=128)
         ],
     ) -> GenerationAccepted:
-        params = store.sampling(
+        params = store.queue.sampling(
             max_tokens=data.max_tokens,
             temperature=data.temperature,
             top_p=data.top_p,
@@ -147,9 +164,9 @@ class SessionController(Controller):
         session_id: str,
         token: TokenQuery,
         x_session_token: TokenHeader,
-        last_event_id: Annotated[str | None, Parameter(query="last_event_id", required=False)],
+        last_event_id: Annotated[str | None, QueryParameter(name="last_event_id", required=False)],
         last_event_id_header: Annotated[
-            str | None, Parameter(header="Last-Event-ID", required=False)
+            str | None, HeaderParameter(name="Last-Event-ID", required=False)
         ],
     ) -> Stream:
         await store.authorise(session_id, session_token(request, token, x_session_token))

@@ -1,4 +1,7 @@
-"""Text Generation Inference (TGI) compatible API: ``/generate`` and ``/generate_stream``.
+"""Text Generation Inference (TGI) compatible API: ``/generate``, ``/generate_stream``, and
+TGI's root routes: ``POST /`` (either, by the body's ``stream``) and ``GET /info``, which
+TGI's documentation points clients at (``InferenceClient("http://host:port")``). TGI has
+one model; requests here go to the default model (``TOKENSPOUT_DEFAULT_MODEL``).
 
 A thin adapter over ``GenerationStream``. TGI's last stream event is a token event that also
 carries ``generated_text`` and ``details``, so each token is written when the next event
@@ -9,18 +12,26 @@ Errors are TGI's ``{"error": ..., "error_type": ...}`` (``huggingface_hub`` rais
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator
 from typing import Annotated, Any
 
 import msgspec
-from litestar import Response, Router, post
+from litestar import Response, Router, get, post
 from litestar.response import Stream
 
-from engine.contract import Done, SamplingParams, Started, Token
-from gateway import sse
+from gateway import __version__, sse
 from gateway.auth import ApiKeys, require_api_key
-from gateway.errors import BadEngineOutput, BadRequest
+from gateway.errors import (
+    HANDLED,
+    AnyRequest,
+    BadEngineOutput,
+    BadRequest,
+    as_gateway_error,
+    ending_with_error,
+)
 from gateway.generation_stream import (
+    Collected,
+    GenerationItem,
     GenerationStream,
     Heartbeat,
     TokenPiece,
@@ -28,14 +39,11 @@ from gateway.generation_stream import (
     per_token,
 )
 from gateway.relay import RelayHub
-from gateway.routes.adapter_common import (
-    HANDLED,
-    AnyRequest,
-    as_gateway_error,
-    ending_with_error,
-)
 from gateway.sessions import SessionStore
 from gateway.settings import Settings
+from wire import Done, SamplingParams, Started, Token
+
+STOP_SEQUENCES = 8
 
 
 class Parameters(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -43,7 +51,7 @@ class Parameters(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     temperature: Annotated[float, msgspec.Meta(gt=0)] | None = None
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
     top_k: Annotated[int, msgspec.Meta(gt=0)] | None = None
-    stop: Annotated[list[str], msgspec.Meta(max_length=8)] | None = None
+    stop: Annotated[list[str], msgspec.Meta(max_length=STOP_SEQUENCES)] | None = None
     seed: int | None = None
     details: bool = False
     return_full_text: bool | None = False
@@ -101,13 +109,31 @@ class Generated(msgspec.Struct, omit_defaults=True):
     details: Details | None = None
 
 
+class Info(msgspec.Struct):
+    """TGI's ``GET /info`` fields (router v3), as far as they mean something here."""
+
+    model_id: str
+    model_sha: str | None
+    model_pipeline_tag: str | None
+    max_concurrent_requests: int
+    max_best_of: int
+    max_stop_sequences: int
+    max_input_tokens: int
+    max_total_tokens: int
+    validation_workers: int
+    max_client_batch_size: int
+    router: str
+    version: str
+    sha: str | None
+    docker_label: str | None
+
+
 class TgiError(msgspec.Struct):
     error: str
     error_type: str
 
 
 UNSUPPORTED: dict[str, object] = {
-    "repetition_penalty": 1.0,
     "decoder_input_details": False,
     "best_of": 1,
     "watermark": False,
@@ -140,7 +166,7 @@ def _params(store: SessionStore, given: Parameters) -> SamplingParams:
     )
     # TGI decodes greedily unless asked to sample (do_sample, or a sampling parameter).
     temperature = (given.temperature or 1.0) if sampling else 0.0
-    return store.sampling(
+    return store.queue.sampling(
         max_tokens=given.max_new_tokens,
         temperature=temperature,
         top_p=given.top_p,
@@ -148,6 +174,7 @@ def _params(store: SessionStore, given: Parameters) -> SamplingParams:
         stop=given.stop,
         seed=given.seed,
         frequency_penalty=given.frequency_penalty,
+        repetition_penalty=given.repetition_penalty,
         logprobs=True,
     )
 
@@ -180,8 +207,8 @@ async def _start(
     return await GenerationStream.submit(store, hub, settings, params, prompt=data.inputs)
 
 
-async def _generate(generation: GenerationStream, data: GenerateRequest) -> Generated:
-    whole = await generation.collect()
+def _generated(whole: Collected, data: GenerateRequest) -> Generated:
+    """The answer of a ``/generate`` that does not stream."""
     prefix = data.inputs if data.parameters.return_full_text else ""
     if not data.parameters.details:
         return Generated(prefix + whole.text)
@@ -196,10 +223,12 @@ async def _generate(generation: GenerationStream, data: GenerateRequest) -> Gene
     return Generated(prefix + whole.text, details)
 
 
-async def _events(generation: GenerationStream, data: GenerateRequest) -> AsyncIterator[bytes]:
+async def _events(
+    items: AsyncIterable[GenerationItem], data: GenerateRequest
+) -> AsyncIterator[bytes]:
     held: TokenPiece | None = None
     index, text, input_length = 0, [data.inputs] if data.parameters.return_full_text else [], 0
-    async for item in generation.events():
+    async for item in items:
         if isinstance(item, Heartbeat):
             yield sse.HEARTBEAT
         elif isinstance(item, Started):
@@ -234,9 +263,46 @@ def _frame(event: msgspec.Struct) -> bytes:
 def _stream_response(generation: GenerationStream, data: GenerateRequest) -> Stream:
     # Inside a stream every failure is a `generation` error, as the engine's own are.
     chunks = ending_with_error(
-        _events(generation, data), lambda error: _frame(TgiError(error.message, "generation"))
+        _events(generation.events(), data),
+        lambda error: _frame(TgiError(error.message, "generation")),
     )
     return sse.response(chunks, background=generation.on_response_end())
+
+
+async def _generate_or_stream(
+    request: AnyRequest,
+    store: SessionStore,
+    hub: RelayHub,
+    settings: Settings,
+    api_keys: ApiKeys,
+    data: GenerateRequest,
+) -> Response[Generated] | Stream:
+    generation = await _start(request, store, hub, settings, api_keys, data)
+    if data.stream:
+        return _stream_response(generation, data)
+    return Response(_generated(await generation.collect(), data), status_code=200)
+
+
+@post(
+    "/",
+    summary="TGI's root: generate, or generate_stream with `stream: true`",
+    status_code=200,
+    tags=["tgi"],
+    exception_handlers={kind: tgi_error for kind in HANDLED},
+)
+async def compat_generate(
+    request: AnyRequest,
+    store: SessionStore,
+    hub: RelayHub,
+    settings: Settings,
+    api_keys: ApiKeys,
+    data: GenerateRequest,
+) -> Response[Generated] | Stream:
+    """Where ``InferenceClient("http://host:port")`` posts, as TGI's own ``POST /`` (the
+    web chat is ``GET /``). Not in ``tgi_router``: two routers on one path would each bring
+    an OPTIONS handler, which Litestar refuses; gateway/app.py registers it after the web
+    chat's router."""
+    return await _generate_or_stream(request, store, hub, settings, api_keys, data)
 
 
 @post(
@@ -250,13 +316,8 @@ async def generate(
     api_keys: ApiKeys,
     data: GenerateRequest,
 ) -> Response[Generated] | Stream:
-    """``stream: true`` makes it ``generate_stream``, as TGI's ``POST /`` does: so
-    ``InferenceClient("http://host:port/generate")`` streams and answers whole alike (``POST /``
-    itself serves the web chat here)."""
-    generation = await _start(request, store, hub, settings, api_keys, data)
-    if data.stream:
-        return _stream_response(generation, data)
-    return Response(await _generate(generation, data), status_code=200)
+    """``stream: true`` makes it ``generate_stream``, as TGI's ``POST /`` does."""
+    return await _generate_or_stream(request, store, hub, settings, api_keys, data)
 
 
 @post("/generate_stream", summary="TGI generate_stream (text/event-stream)", status_code=200)
@@ -272,9 +333,41 @@ async def generate_stream(
     return _stream_response(generation, data)
 
 
+@get("/info", summary="TGI info: the default model and this gateway's limits")
+async def info(
+    request: AnyRequest, store: SessionStore, settings: Settings, api_keys: ApiKeys
+) -> Info:
+    require_api_key(request, api_keys)
+    model = await store.models.resolve(None)
+    workers = (await store.models.snapshot()).live.get(model, [])
+    contexts = [w.max_model_len for w in workers if w.max_model_len is not None]
+    if contexts:
+        max_total = min(contexts)
+        max_input = max_total - 1
+    else:  # no fixed context (synthetic): what the gateway itself lets in
+        max_input = settings.max_message_chars
+        max_total = max_input + settings.max_tokens_limit
+    return Info(
+        model_id=model,
+        model_sha=None,
+        model_pipeline_tag="text-generation",
+        max_concurrent_requests=settings.max_inflight_per_model or settings.max_inflight,
+        max_best_of=1,
+        max_stop_sequences=STOP_SEQUENCES,
+        max_input_tokens=max_input,
+        max_total_tokens=max_total,
+        validation_workers=1,
+        max_client_batch_size=1,
+        router="tokenspout",
+        version=__version__,
+        sha=None,
+        docker_label=None,
+    )
+
+
 tgi_router = Router(
     path="/",
-    route_handlers=[generate, generate_stream],
+    route_handlers=[generate, generate_stream, info],
     tags=["tgi"],
     exception_handlers={kind: tgi_error for kind in HANDLED},
 )

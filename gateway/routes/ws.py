@@ -29,7 +29,7 @@ from litestar import WebSocket, websocket
 from litestar.exceptions import WebSocketDisconnect
 from redis.exceptions import RedisError
 
-from engine import contract
+import wire
 from gateway.auth import ApiKeys, bearer
 from gateway.errors import BadRequest, GatewayError, NotFound, Overloaded, ProtocolViolation
 from gateway.relay import RelayHub
@@ -162,7 +162,7 @@ class Connection:
             raise Overloaded(
                 f"at most {MAX_GENERATIONS} generations per socket at once", retry_after_s=1
             )
-        params = self.store.sampling(
+        params = self.store.queue.sampling(
             max_tokens=frame.max_tokens,
             temperature=frame.temperature,
             top_p=frame.top_p,
@@ -176,7 +176,7 @@ class Connection:
             if not self._key_shown:
                 self.api_keys.require(frame.api_key)
                 self._key_shown = True
-            created = await self.store.create_session()
+            created = await self.store.create_session(frame.model)
             session_id, token = created.session_id, created.token
             new_token = token
             _remember(self._tokens, session_id, created.token)
@@ -188,7 +188,7 @@ class Connection:
         _remember(self._known, frame.id, (session_id, gid))
         self._reply(Ack(frame.id, "generate", gid, session_id, "queued", new_token))
         assert submitted.queued_event_id is not None  # no Idempotency-Key over WebSocket
-        after = _just_before(submitted.queued_event_id)
+        after = wire.just_before(submitted.queued_event_id)
         self._running[frame.id] = self._spawn(self._forward(frame.id, session_id, gid, after))
 
     async def _cancel(self, frame: Cancel) -> None:
@@ -217,7 +217,7 @@ class Connection:
 
     async def _ack_when_final(self, client_id: str, session_id: str, gid: str) -> None:
         final = await self.hub.wait_final(session_id, gid, self.settings.cancel_wait_s)
-        state = "cancelling" if final is None else contract.final_state(final)
+        state = "cancelling" if final is None else wire.final_state(final)
         await self._replies.put(Ack(client_id, "cancel", gid, session_id, state))
 
     # --- writing ---------------------------------------------------------------------------
@@ -229,7 +229,7 @@ class Connection:
                 while True:
                     batch = await feed.next_batch(self.settings.sse_heartbeat_s)
                     mine = [event for event in batch if event.generation_id == gid]
-                    decoded = [(event.id, contract.decode_event(event.data)) for event in mine]
+                    decoded = [(event.id, wire.decode_event(event.data)) for event in mine]
                     for frame in event_frames(client_id, decoded):
                         await self._send(frame)
                     if any(event.is_final for event in mine):
@@ -289,14 +289,6 @@ def _remember(store: OrderedDict[str, Any], key: str, value: Any) -> None:
     store.move_to_end(key)
     while len(store) > REMEMBERED:
         store.popitem(last=False)
-
-
-def _just_before(event_id: str) -> str:
-    """The stream id right before ``event_id``, so a feed after it starts with that event."""
-    ms, _, seq = event_id.partition("-")
-    if int(seq) > 0:
-        return f"{ms}-{int(seq) - 1}"
-    return f"{int(ms) - 1}-18446744073709551615"
 
 
 @websocket("/v1/ws", name="ws")

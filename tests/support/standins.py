@@ -3,8 +3,8 @@
 No container registry can be reached where this project is developed and tested, so the
 images compose.yaml names (python, redis, nginx) are made here from Debian packages and
 tagged with the official names; the project's Dockerfiles and compose.yaml then build and
-run unchanged on podman. ``python -m tests.standins`` does every step (each is skipped when
-its result is already there) and prints what it did and how long it took:
+run unchanged on podman. ``python -m tests.support.standins`` does every step (each is
+skipped when its result is already there) and prints what it did and how long it took:
 
 1. podman, runc, debootstrap and openssl from apt, when missing;
 2. two Debian root file systems, made once and cached under
@@ -33,7 +33,7 @@ import tomllib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 STANDINS = ROOT / "docker" / "standins"
 CACHE = Path(
     os.environ.get(

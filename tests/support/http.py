@@ -3,14 +3,28 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import AsyncIterator, Coroutine
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
-from tests.sse import Event, SSEParser, parse
+from tests.support.sse import Event, SSEParser, parse
 
 TERMINAL = {"done", "cancelled", "error"}
+T = TypeVar("T")
+
+
+async def all_of(*coroutines: Coroutine[Any, Any, T]) -> list[T]:
+    """Run concurrently and return every result; the first failure cancels the others.
+
+    ``asyncio.gather`` would leave them running past the test, using a closed client.
+    """
+    async with asyncio.TaskGroup() as group:
+        tasks = [group.create_task(coroutine) for coroutine in coroutines]
+    return [task.result() for task in tasks]
 
 
 @dataclass
@@ -109,3 +123,69 @@ async def read_events(
 
     await asyncio.wait_for(consume(), timeout_s)
     return reading
+
+
+@dataclass
+class Follower:
+    """An SSE reader that notes when each event arrived."""
+
+    reading: Reading = field(default_factory=Reading)
+    arrived: list[float] = field(default_factory=list)
+    task: asyncio.Task[None] | None = None
+
+    def tokens(self) -> int:
+        return sum(e.event == "token" for e in self.reading.events)
+
+    def first_token_after(self, moment: float) -> float:
+        """Seconds from ``moment`` to the first token the new worker wrote (after the
+        ``resumed`` event): the reader's view of the takeover."""
+        resumed = False
+        for at, event in zip(self.arrived, self.reading.events, strict=True):
+            resumed = resumed or event.event == "resumed"
+            if resumed and event.event == "token":
+                return at - moment
+        raise AssertionError("no token after a resumed event")
+
+    async def until_tokens(self, count: int, timeout_s: float = 30) -> None:
+        async with asyncio.timeout(timeout_s):
+            while self.tokens() < count:
+                assert self.task is None or not self.task.done(), "the stream ended"
+                await asyncio.sleep(0.01)
+
+
+def follow(
+    client: httpx.AsyncClient, session: Session, gid: str, after: str | None = None
+) -> Follower:
+    follower = Follower()
+
+    async def read() -> None:
+        headers = dict(session.headers)
+        if after is not None:
+            headers["Last-Event-ID"] = after
+        async with client.stream("GET", session.events_url, headers=headers) as response:
+            assert response.status_code == 200
+            async for event in parse(response.aiter_lines(), follower.reading.parser):
+                follower.reading.events.append(event)
+                follower.arrived.append(time.monotonic())
+                if event.event in TERMINAL and event.json()["generation_id"] == gid:
+                    return
+
+    follower.task = asyncio.create_task(read())
+    return follower
+
+
+@asynccontextmanager
+async def slot_held(base: str) -> AsyncIterator[None]:
+    """A session generation that never ends (``[[stall]]``) holds one in-flight slot until
+    the block ends; it is then cancelled and its slot freed."""
+    async with httpx.AsyncClient(timeout=30) as client:
+        session = await create_session(client, base)
+        generation_id = await send(client, session, "hold [[stall]]", max_tokens=50)
+        try:
+            yield
+        finally:
+            cancel = await client.post(
+                f"{base}/v1/sessions/{session.session_id}/generations/{generation_id}/cancel",
+                headers=session.headers,
+            )
+            assert cancel.status_code == 200, cancel.text

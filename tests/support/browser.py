@@ -1,7 +1,7 @@
 """Drive the web chat (web/) in Debian's headless Chromium through Playwright's async API.
 
 Nothing here downloads a browser: Playwright launches /usr/bin/chromium (``make browser``
-installs it). Shared by tests/test_web_chat.py and tests/screenshots.py.
+installs it). Shared by tests/test_web_chat_*.py and tests/screenshots.py.
 """
 
 from __future__ import annotations

@@ -1,0 +1,511 @@
+"""``python -m bench.e2e``: end to end, as a new user would try it, against the engine alone.
+
+A client streams chat completions through the gateway, Redis and the synthetic engine worker,
+and the same schedule straight from an engine with no gateway and no Redis
+(bench/reference_engine.py: the synthetic backend's own generator behind a bare ASGI app).
+Three paths per point, interleaved, on one set of processes:
+
+- ``engine``: ``POST /v1/chat/completions`` (``stream: true``) on the reference engine;
+- ``openai``: the same request on the gateway (one request = one stateless session);
+- ``session``: the session API: ``POST /v1/sessions`` beforehand (not timed), the SSE stream
+  ``GET /v1/sessions/{id}/events`` opened, then ``POST /v1/sessions/{id}/messages`` (timed).
+
+Streams: 100 tokens at 50 tokens/s each by default, N = 1, 10, 100, 500, 1,000 streams
+started over N / 1,000 s, and an unpaced saturation point (tokens as fast as the engine
+makes them). The gateway is pinned to CPU 1; the engine worker, Redis, the reference engine
+and the load generator to CPU 0. Added latency is a gateway path minus ``engine`` at the
+same point. Results: docs/bench/e2e.json, e2e.md, e2e.png; docs/bench.md has the method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from bench import e2e_report, measure, profile_top
+from bench.loadgen import HTTPPool, SSEStream, StreamRecord, open_chat_stream, open_sse
+from bench.runner import pct, wait_worker
+from stack import processes
+from stack.redis_server import EmbeddedRedis, free_port
+
+HOST = "127.0.0.1"
+MODES = ("engine", "openai", "session")
+GATEWAY_CPU, REST_CPU = 1, 0
+MAX_STREAMS = 12_000
+ROOT = Path(__file__).resolve().parent.parent
+PROCESSES = ("gateway", "worker", "redis", "engine", "loadgen")
+
+
+def say(message: str) -> None:
+    print(f"[bench.e2e] {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Rig:
+    gateway: subprocess.Popen[bytes]
+    worker: subprocess.Popen[bytes]
+    engine: subprocess.Popen[bytes]
+    gateway_port: int
+    engine_port: int
+    redis_pid: int
+    redis: aioredis.Redis
+    pinned: bool
+    posts: HTTPPool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.posts = HTTPPool(HOST, self.gateway_port)
+
+    def pids(self) -> dict[str, int]:
+        return {
+            "gateway": self.gateway.pid,
+            "worker": self.worker.pid,
+            "redis": self.redis_pid,
+            "engine": self.engine.pid,
+            "loadgen": os.getpid(),
+        }
+
+
+@contextlib.asynccontextmanager
+async def e2e_rig(tokens_per_s: float, logs: Path) -> AsyncIterator[Rig]:
+    """Redis, one synthetic engine worker, the gateway and the reference engine, all paced
+    at ``tokens_per_s`` (0: unpaced); the gateway on CPU 1, everything else on CPU 0."""
+    prefix = f"e2e-{secrets.token_hex(3)}"
+    with EmbeddedRedis() as embedded:
+        env = {
+            "REDIS_URL": embedded.url,
+            "TOKENSPOUT_KEY_PREFIX": prefix,
+            "TOKENSPOUT_LOG_LEVEL": "WARNING",
+            "TOKENSPOUT_MAX_INFLIGHT": str(MAX_STREAMS * 2),
+            "TOKENSPOUT_SESSION_TTL_S": "600",
+        }
+        rate = str(tokens_per_s)
+        children: list[subprocess.Popen[bytes]] = []
+        try:
+            worker = processes.engine(
+                ["--backend", "synthetic", "--tokens-per-s", rate, "--capacity", str(MAX_STREAMS)],
+                env,
+                logs / "worker.log",
+            )
+            children.append(worker)
+            wait_worker(embedded.url, prefix, worker)
+            gateway_port, engine_port = free_port(), free_port()
+            gateway = processes.gateway(gateway_port, env, logs / "gateway.log")
+            children.append(gateway)
+            engine = processes.spawn(
+                [
+                    "-m",
+                    "bench.reference_engine",
+                    "--port",
+                    str(engine_port),
+                    "--tokens-per-s",
+                    rate,
+                ],
+                env,
+                logs / "reference-engine.log",
+            )
+            children.append(engine)
+            redis_pid = embedded.process.pid if embedded.process else 0
+            pinned = measure.pin(gateway.pid, GATEWAY_CPU) and all(
+                measure.pin(pid, REST_CPU) for pid in (worker.pid, engine.pid, redis_pid)
+            )
+            if pinned:
+                measure.pin(os.getpid(), REST_CPU, children=False)
+            processes.wait_http(f"http://{HOST}:{gateway_port}/health", gateway, 60)
+            processes.wait_http(f"http://{HOST}:{engine_port}/health", engine, 60)
+            client = aioredis.Redis.from_url(embedded.url)
+            rig = Rig(gateway, worker, engine, gateway_port, engine_port, redis_pid, client, pinned)
+            try:
+                yield rig
+            finally:
+                rig.posts.close()
+                await client.aclose()
+        finally:
+            for child in reversed(children):
+                processes.stop(child)
+
+
+def chat_body(max_tokens: int) -> bytes:
+    return json.dumps(
+        {
+            "model": "synthetic",
+            "messages": [{"role": "user", "content": "bench"}],
+            "max_tokens": max_tokens,
+            "stream": True,
+        }
+    ).encode()
+
+
+async def create_session(rig: Rig) -> tuple[str, str]:
+    status, body = await rig.posts.post("/v1/sessions", b"{}", {})
+    if status not in (200, 201):
+        raise RuntimeError(f"POST /v1/sessions answered {status}: {body[:200]!r}")
+    created = json.loads(body)
+    return created["session_id"], created["token"]
+
+
+async def one_stream(
+    rig: Rig, mode: str, max_tokens: int, record: StreamRecord, session: tuple[str, str] | None
+) -> SSEStream:
+    """Open one stream of ``mode``; it is counted into ``record`` until its final frame."""
+    if mode in ("engine", "openai"):
+        port = rig.engine_port if mode == "engine" else rig.gateway_port
+        return await open_chat_stream(HOST, port, chat_body(max_tokens), record)
+    assert session is not None
+    sid, token = session
+    headers = {"X-Session-Token": token}
+    reader = await open_sse(HOST, rig.gateway_port, f"/v1/sessions/{sid}/events", headers, record)
+    assert record.ready is not None
+    await record.ready
+    record.submitted_at = time.perf_counter()
+    body = b'{"content": "bench", "max_tokens": %d}' % max_tokens
+    status, reply = await rig.posts.post(f"/v1/sessions/{sid}/messages", body, headers)
+    if status != 202:
+        raise RuntimeError(f"POST messages answered {status}: {reply[:200]!r}")
+    record.accepted_at = time.perf_counter()
+    return reader
+
+
+def cpu_of(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds per process; the load generator's own, not its tree (the whole rig)."""
+    own = os.getpid()
+    return {name: measure.cpu_seconds(pid, children=pid != own) for name, pid in pids.items()}
+
+
+@dataclass
+class Run:
+    """One mode at one point: every stream's record, and what the processes spent."""
+
+    records: list[StreamRecord]
+    cpu_s: dict[str, float]
+    wall_s: float
+    redis_calls: int
+    timed_out: bool
+    failures: list[str]
+    span_s: float
+
+
+async def run_once(
+    rig: Rig, mode: str, streams_n: int, max_tokens: int, spread_s: float, bound_s: float
+) -> Run:
+    sessions: list[tuple[str, str] | None] = [None] * streams_n
+    if mode == "session":
+        sessions = list(await asyncio.gather(*(create_session(rig) for _ in range(streams_n))))
+    records = [StreamRecord() for _ in range(streams_n)]
+    readers: list[SSEStream] = []
+    failures: list[str] = []
+    pids = rig.pids()
+    await measure.reset_command_stats(rig.redis)
+    before = cpu_of(pids)
+    loop = asyncio.get_running_loop()
+    began = loop.time() + 0.05
+
+    async def stream(index: int) -> None:
+        record = records[index]
+        await asyncio.sleep(max(0.0, began + index * spread_s / streams_n - loop.time()))
+        try:
+            readers.append(await one_stream(rig, mode, max_tokens, record, sessions[index]))
+            assert record.finished is not None
+            await record.finished
+        except (OSError, RuntimeError) as exc:
+            failures.append(f"{type(exc).__name__}: {exc}")
+            record.end(failure=str(exc))
+
+    wall_began = time.perf_counter()
+    try:
+        await asyncio.wait_for(asyncio.gather(*(stream(i) for i in range(streams_n))), bound_s)
+        timed_out = False
+    except TimeoutError:
+        timed_out = True
+    wall = time.perf_counter() - wall_began
+    after = cpu_of(pids)
+    calls = sum((await measure.command_calls(rig.redis)).values())
+    for reader in readers:
+        reader.close()
+    arrivals = [t for r in records for t in r.arrivals]
+    starts = [r.submitted_at for r in records if r.submitted_at]
+    span = max(arrivals) - min(starts) if arrivals and starts else 0.0
+    failures += [r.failure for r in records if r.failure]
+    cpu = {name: after[name] - before[name] for name in pids}
+    return Run(records, cpu, wall, calls, timed_out, sorted(set(failures))[:5], span)
+
+
+def summarise(mode: str, runs: list[Run], max_tokens: int) -> dict[str, Any]:
+    """One mode's figures over its rounds (rounds pool their streams)."""
+    records = [r for run in runs for r in run.records]
+    tokens = sum(len(r.arrivals) for r in records)
+    ttft = [r.arrivals[0] - r.submitted_at for r in records if r.arrivals]
+    # The request's own part of TTFT: to the 202 of the message (session API), to the
+    # response headers (chat completions: sent once the request is queued for a worker).
+    submitted = [
+        (r.accepted_at or r.headers_at) - r.submitted_at
+        for r in records
+        if r.accepted_at or r.headers_at
+    ]
+    gaps = [b - a for r in records for a, b in zip(r.arrivals, r.arrivals[1:], strict=False)]
+    span = sum(run.span_s for run in runs)
+    cpu = {name: sum(run.cpu_s[name] for run in runs) for name in PROCESSES}
+    calls = sum(run.redis_calls for run in runs)
+    complete = sum(1 for r in records if r.final == "done" and len(r.arrivals) == max_tokens)
+    wall = sum(run.wall_s for run in runs)
+    return {
+        "mode": mode,
+        "rounds": len(runs),
+        "streams": len(records) // max(1, len(runs)),
+        "max_tokens": max_tokens,
+        "tokens": tokens,
+        "tokens_expected": max_tokens * len(records),
+        "complete_streams": complete,
+        "timed_out": any(run.timed_out for run in runs),
+        "failures": sorted({f for run in runs for f in run.failures})[:5],
+        "wall_s": round(wall, 2),
+        "tokens_per_s": round(tokens / span, 1) if span else None,
+        "ttft_ms": {"p50": _ms(pct(ttft, 50)), "p99": _ms(pct(ttft, 99))},
+        "request_ms": {"p50": _ms(pct(submitted, 50)), "p99": _ms(pct(submitted, 99))},
+        "itl_ms": {
+            "p50": _ms(pct(gaps, 50)),
+            "p99": _ms(pct(gaps, 99)),
+            "mean": _ms(statistics.fmean(gaps) if gaps else None),
+        },
+        "cpu_s": {name: round(value, 3) for name, value in cpu.items()},
+        "cpu_us_per_token": {
+            name: round(value / tokens * 1e6, 1) if tokens else None for name, value in cpu.items()
+        },
+        "cpu_utilisation": {
+            name: round(value / wall, 3) if wall else None for name, value in cpu.items()
+        },
+        "redis_calls_per_token": round(calls / tokens, 2) if tokens else None,
+    }
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1000, 3)
+
+
+def _diff(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else round(a - b, 3)
+
+
+def added(path: dict[str, Any], alone: dict[str, Any]) -> dict[str, Any]:
+    """A gateway path against the engine alone at the same point (the issue's columns)."""
+    per_token = path["cpu_us_per_token"]
+    path_cpu = [per_token[name] for name in ("gateway", "worker", "redis")]
+    ratio = None
+    if path["tokens_per_s"] and alone["tokens_per_s"]:
+        ratio = round(path["tokens_per_s"] / alone["tokens_per_s"], 3)
+    return {
+        "added_ttft_p50_ms": _diff(path["ttft_ms"]["p50"], alone["ttft_ms"]["p50"]),
+        "added_ttft_p99_ms": _diff(path["ttft_ms"]["p99"], alone["ttft_ms"]["p99"]),
+        "added_itl_p99_ms": _diff(path["itl_ms"]["p99"], alone["itl_ms"]["p99"]),
+        "tokens_per_s_ratio": ratio,
+        "cpu_us_per_token": {
+            "gateway": per_token["gateway"],
+            "worker": per_token["worker"],
+            "redis": per_token["redis"],
+            "total": round(sum(path_cpu), 1) if None not in path_cpu else None,
+            "engine_alone": alone["cpu_us_per_token"]["engine"],
+        },
+    }
+
+
+async def run_point(
+    rig: Rig,
+    streams_n: int,
+    tokens_per_s: float,
+    tokens: int,
+    start_rate: float,
+    rounds: int,
+    modes: list[str],
+) -> dict[str, Any]:
+    """N streams per mode, ``rounds`` times, the modes interleaved within each round."""
+    spread = streams_n / start_rate if streams_n > 1 else 0.0
+    max_tokens = tokens
+    if tokens_per_s > 0:
+        max_tokens = max(tokens, math.ceil(2 * spread * tokens_per_s))
+        bound = max_tokens / tokens_per_s + spread + 20
+    else:
+        bound = spread + streams_n * max_tokens / 2_000 + 20  # 2,000 tokens/s at worst
+    runs: dict[str, list[Run]] = {mode: [] for mode in modes}
+    load = [round(os.getloadavg()[0], 2)]
+    for _ in range(rounds):
+        for mode in modes:
+            runs[mode].append(await run_once(rig, mode, streams_n, max_tokens, spread, bound))
+            await asyncio.sleep(0.2)
+    load.append(round(os.getloadavg()[0], 2))
+    point: dict[str, Any] = {
+        "streams": streams_n,
+        "tokens_per_s_per_stream": tokens_per_s,
+        "max_tokens": max_tokens,
+        "start_spread_s": round(spread, 3),
+        "loadavg_before_after": load,
+        "modes": {mode: summarise(mode, runs[mode], max_tokens) for mode in modes},
+    }
+    if "engine" in modes:
+        alone = point["modes"]["engine"]
+        point["added"] = {
+            mode: added(point["modes"][mode], alone) for mode in modes if mode != "engine"
+        }
+    return point
+
+
+def describe(point: dict[str, Any]) -> str:
+    parts = [f"{point['streams']} x {point['tokens_per_s_per_stream']:g} tok/s:"]
+    for mode, m in point["modes"].items():
+        cpu = m["cpu_us_per_token"]
+        own = (
+            cpu["engine"]
+            if mode == "engine"
+            else f"{cpu['gateway']}+{cpu['worker']}+{cpu['redis']}"
+        )
+        parts.append(
+            f"{mode} {m['tokens']}/{m['tokens_expected']} tok, {m['tokens_per_s']} tok/s, "
+            f"ttft {m['ttft_ms']['p50']}/{m['ttft_ms']['p99']} ms, itl p99 {m['itl_ms']['p99']} "
+            f"ms, cpu {own} us/tok;"
+        )
+    return " ".join(parts)
+
+
+async def profile_point(
+    rig: Rig, args: argparse.Namespace, streams_n: int, modes: list[str]
+) -> dict[str, Any]:
+    """The point again (not measured: py-spy takes CPU too), with py-spy on the gateway and
+    the worker for each gateway path; speedscope files and their top frames."""
+    out: Path = args.profile  # made by main()
+    summary: dict[str, Any] = {}
+    for mode in modes:
+        files = {
+            name: out / f"{mode}-{streams_n}-{name}.speedscope.json"
+            for name in ("gateway", "worker")
+        }
+        spies = [
+            profile_top.record(pid, files[name], native=args.profile_native)
+            for name, pid in (("gateway", rig.gateway.pid), ("worker", rig.worker.pid))
+        ]
+        await asyncio.sleep(1.0)  # py-spy attaches
+        await run_point(rig, streams_n, args.rate, args.tokens, args.start_rate, 1, [mode])
+        for spy in spies:
+            profile_top.stop(spy)
+        summary[mode] = {name: profile_top.summary(path) for name, path in files.items()}
+    return summary
+
+
+async def warm_up(rig: Rig, modes: list[str]) -> None:
+    """A few streams per path, not measured: the first requests of a fresh process pay for
+    imports, caches and connection pools (tens of ms), which is not what the points ask."""
+    for mode in modes:
+        await run_once(rig, mode, 10, 5, 0.01, 30)
+
+
+async def suite(args: argparse.Namespace) -> dict[str, Any]:
+    results: dict[str, Any] = {
+        "machine": measure.machine(),
+        "settings": {
+            "streams": args.streams,
+            "tokens_per_s_per_stream": args.rate,
+            "tokens_per_stream": args.tokens,
+            "start_rate_streams_per_s": args.start_rate,
+            "single_stream_rounds": args.rounds_single,
+            "saturation": args.saturation,
+            "modes": args.modes,
+            "reduced": args.reduced,
+        },
+        "points": [],
+    }
+    began = time.monotonic()
+    async with e2e_rig(args.rate, args.logs) as rig:
+        results["pinned"] = rig.pinned
+        await warm_up(rig, args.modes)
+        for n in args.streams:
+            rounds = args.rounds_single if n == 1 else 1
+            point = await run_point(
+                rig, n, args.rate, args.tokens, args.start_rate, rounds, args.modes
+            )
+            results["points"].append(point)
+            say(describe(point))
+        if args.profile is not None:
+            at = args.profile_streams
+            gateway_modes = [m for m in args.modes if m != "engine"]
+            say(f"profiling {gateway_modes} at {at} streams into {args.profile}")
+            results["profile"] = {
+                "streams": at,
+                "dir": str(args.profile),
+                "top": await profile_point(rig, args, at, gateway_modes),
+            }
+    streams_n, tokens = args.saturation
+    if streams_n and tokens:
+        async with e2e_rig(0, args.logs) as rig:
+            await warm_up(rig, args.modes)
+            point = await run_point(rig, streams_n, 0, tokens, args.start_rate, 1, args.modes)
+            results["saturation"] = point
+            say("saturation (unpaced) " + describe(point))
+    results["suite_s"] = round(time.monotonic() - began, 1)
+    results["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    return results
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.e2e", description=__doc__)
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "bench")
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 10, 100, 500, 1000])
+    parser.add_argument("--rate", type=float, default=50.0, help="tokens/s per stream")
+    parser.add_argument("--tokens", type=int, default=100, help="tokens per stream (at least)")
+    parser.add_argument("--start-rate", type=float, default=1000.0, help="streams started per s")
+    parser.add_argument(
+        "--rounds-single", type=int, default=10, help="rounds of the 1-stream point"
+    )
+    parser.add_argument(
+        "--saturation",
+        type=int,
+        nargs=2,
+        default=[100, 1000],
+        metavar=("STREAMS", "TOKENS"),
+        help="unpaced point: streams x tokens each (0 0: skip)",
+    )
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--profile", type=Path, default=None, help="py-spy speedscopes into DIR")
+    parser.add_argument("--profile-streams", type=int, default=500, help="the profiled point")
+    parser.add_argument(
+        "--profile-native", action="store_true", help="py-spy --native (C frames: uvloop, hiredis)"
+    )
+    parser.add_argument("--reduced", action="store_true", help="mark the results as a reduced run")
+    parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--name", default="e2e", help="file names: NAME.json, NAME.md, NAME.png")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    args.logs = Path(tempfile.mkdtemp(prefix="tokenspout-e2e-"))
+    say(f"process logs in {args.logs}; load average {os.getloadavg()[0]:.2f}")
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
+    results = asyncio.run(suite(args))
+    if "profile" in results:
+        top = results["profile"]["top"]
+        (args.profile / "summary.json").write_text(json.dumps(top, indent=1) + "\n")
+        (args.profile / "summary.txt").write_text(profile_top.text(top))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.name}.json").write_text(json.dumps(results, indent=1) + "\n")
+    (args.out / f"{args.name}.md").write_text(e2e_report.markdown(results))
+    if not args.no_plot:
+        e2e_report.plot(results, args.out / f"{args.name}.png")
+    say(f"done in {results['suite_s']} s: {args.out}/{args.name}.md")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""docs/bench/e2e.md and e2e.png from the results of ``python -m bench.e2e``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+PATHS = {"openai": "OpenAI `POST /v1/chat/completions`", "session": "session API (POST + SSE)"}
+TARGETS = "issue 12 (lean token path)"
+
+
+def _f(value: float | None, digits: int = 1, sign: bool = False) -> str:
+    if value is None:
+        return "-"
+    text = f"{value:+,.{digits}f}" if sign else f"{value:,.{digits}f}"
+    return text
+
+
+def _cpu(c: dict[str, Any]) -> str:
+    parts = [c["gateway"], c["worker"], c["redis"]]
+    if None in parts:
+        return "-"
+    return f"{c['gateway']:.0f} + {c['worker']:.0f} + {c['redis']:.0f} = {c['total']:.0f} us"
+
+
+def _label(point: dict[str, Any]) -> str:
+    if point["tokens_per_s_per_stream"] == 0:
+        return f"{point['streams']:,} unpaced"
+    return f"{point['streams']:,}"
+
+
+def _complete(point: dict[str, Any], mode: str) -> str:
+    m = point["modes"][mode]
+    mark = "" if m["tokens"] == m["tokens_expected"] else " (short)"
+    return f"{m['tokens']:,}/{m['tokens_expected']:,}{mark}"
+
+
+def added_table(points: list[dict[str, Any]], mode: str) -> list[str]:
+    rows = [
+        "| streams | added TTFT p50 | added TTFT p99 | added ITL p99 | delivered tokens/s vs "
+        "the engine alone | CPU per token (gateway + worker + Redis) | engine alone CPU per "
+        "token | tokens delivered (path) | load avg |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for p in points:
+        if mode not in p.get("added", {}):
+            continue
+        a = p["added"][mode]
+        rows.append(
+            f"| {_label(p)} | {_f(a['added_ttft_p50_ms'], 1, True)} ms "
+            f"| {_f(a['added_ttft_p99_ms'], 1, True)} ms | {_f(a['added_itl_p99_ms'], 1, True)} ms "
+            f"| {_f(a['tokens_per_s_ratio'], 2)} | {_cpu(a['cpu_us_per_token'])} "
+            f"| {_f(a['cpu_us_per_token']['engine_alone'], 0)} us | {_complete(p, mode)} "
+            f"| {p['loadavg_before_after'][0]:.1f} -> {p['loadavg_before_after'][1]:.1f} |"
+        )
+    return rows
+
+
+def raw_table(points: list[dict[str, Any]]) -> list[str]:
+    rows = [
+        "| streams | path | tokens | tokens/s | TTFT p50 / p99 ms | of which the request p50 / "
+        "p99 ms | ITL p50 / p99 ms | CPU us per token: gateway / worker / Redis / engine alone "
+        "/ load generator | Redis calls per token |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for p in points:
+        for mode, m in p["modes"].items():
+            c = m["cpu_us_per_token"]
+            cpu = " / ".join(_f(c[name], 0) for name in ("gateway", "worker", "redis", "engine"))
+            rows.append(
+                f"| {_label(p)} | {mode} | {_complete(p, mode)} | {_f(m['tokens_per_s'], 0)} "
+                f"| {_f(m['ttft_ms']['p50'], 2)} / {_f(m['ttft_ms']['p99'], 2)} "
+                f"| {_f(m['request_ms']['p50'], 2)} / {_f(m['request_ms']['p99'], 2)} "
+                f"| {_f(m['itl_ms']['p50'], 2)} / {_f(m['itl_ms']['p99'], 2)} "
+                f"| {cpu} / {_f(c['loadgen'], 0)} | {_f(m['redis_calls_per_token'], 2)} |"
+            )
+    return rows
+
+
+def _at(points: list[dict[str, Any]], streams: int) -> dict[str, Any] | None:
+    return next((p for p in points if p["streams"] == streams), None)
+
+
+def targets(points: list[dict[str, Any]], mode: str) -> list[str]:
+    rows = ["| target | measured | verdict |", "| --- | --- | --- |"]
+
+    def row(name: str, value: float | None, limit: float, unit: str, above: bool) -> None:
+        if value is None:
+            rows.append(f"| {name} | not measured | - |")
+            return
+        met = value >= limit if above else value <= limit
+        rows.append(f"| {name} | {value:,.2f} {unit} | {'met' if met else 'missed'} |")
+
+    one, five = _at(points, 1), _at(points, 500)
+    a1 = one["added"].get(mode) if one and "added" in one else None
+    a5 = five["added"].get(mode) if five and "added" in five else None
+    row("added TTFT p50, 1 stream <= 1.5 ms", a1 and a1["added_ttft_p50_ms"], 1.5, "ms", False)
+    row(
+        "delivered tokens/s at 500 streams >= 0.95 of the engine alone",
+        a5 and a5["tokens_per_s_ratio"],
+        0.95,
+        "x",
+        True,
+    )
+    row("added TTFT p99, 500 streams <= 50 ms", a5 and a5["added_ttft_p99_ms"], 50, "ms", False)
+    row("added ITL p99, 500 streams <= 5 ms", a5 and a5["added_itl_p99_ms"], 5, "ms", False)
+    total = a5["cpu_us_per_token"]["total"] if a5 else None
+    row("CPU per token at 500 streams (gateway + worker + Redis) <= 70 us", total, 70, "us", False)
+    worker = a5["cpu_us_per_token"]["worker"] if a5 else None
+    row("worker CPU per token at 500 streams <= 15 us (publishing alone)", worker, 15, "us", False)
+    return rows
+
+
+def markdown(results: dict[str, Any]) -> str:
+    s = results["settings"]
+    points = list(results["points"])
+    if results.get("saturation"):
+        points.append(results["saturation"])
+    m = results["machine"]
+    run = "a reduced run" if s.get("reduced") else "a full run"
+    lines = [
+        "# End to end: through the gateway vs the engine alone",
+        "",
+        f"`python -m bench.e2e` ({run}: {', '.join(str(n) for n in s['streams'])} streams; "
+        f"saturation {s['saturation'][0]} x {s['saturation'][1]} unpaced). Each stream: "
+        f"{s['tokens_per_stream']} tokens at {s['tokens_per_s_per_stream']:g} tokens/s "
+        f"from the synthetic engine, streams started at {s['start_rate_streams_per_s']:g}/s; "
+        f"the 1-stream point is {s['single_stream_rounds']} rounds. Gateway pinned to CPU 1, "
+        f"engine worker + Redis + reference engine + load generator to CPU 0 "
+        f"(pinned: {results.get('pinned')}). {m['nproc']} CPUs ({m['cpu_model']}), load "
+        f"average {m['loadavg_at_start'][0]} at the start, "
+        f"{m.get('loadavg_at_end', ['?'])[0]} at the end, shared with other work: wall-clock "
+        "figures carry that noise, CPU per token much less. Method: docs/bench.md.",
+        "",
+        "Added = the path minus the engine alone (bench/reference_engine.py: the same "
+        "synthetic generator streamed as OpenAI SSE, no gateway, no Redis) at the same point. "
+        "CPU per token is each process's CPU time (utime + stime of its tree) over the tokens "
+        "the path delivered.",
+    ]
+    for mode, title in PATHS.items():
+        if not any(mode in p.get("added", {}) for p in points):
+            continue
+        lines += ["", f"## {title}", "", *added_table(points, mode)]
+        lines += ["", f"Targets of {TARGETS}:", "", *targets(points, mode)]
+    lines += ["", "## Every path, absolute figures", "", *raw_table(points)]
+    profile = results.get("profile")
+    if profile:
+        lines += [
+            "",
+            f"## Profile ({profile['streams']} streams, py-spy, busy samples)",
+            "",
+            f"Speedscope files in `{profile['dir']}` (`summary.txt` there has more). Per "
+            "process: the functions of ours that the busy samples fall under (the innermost "
+            "frame of gateway/ or engine/ code on the stack: a Redis call or a GC pass counts "
+            "against the function that made it), then the top frames by self time.",
+            "",
+        ]
+        for mode, by_process in profile["top"].items():
+            for process, summary in by_process.items():
+                samples = summary.get("samples", 0)
+                for kind, title in (("ours", "under"), ("self", "self")):
+                    shares = summary.get(kind, [])[:8]
+                    top = ", ".join(f"{name} {share} %" for name, share in shares)
+                    lines.append(f"- **{mode}, {process}, {title}** ({samples} samples): {top}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = [p for p in results["points"] if "added" in p]
+    if not points:
+        return
+    streams = [p["streams"] for p in points]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    ttft, ratio, cpu = axes
+    for mode, style in (("openai", "o-"), ("session", "s--")):
+        if mode not in points[0]["added"]:
+            continue
+        rows = [p["added"][mode] for p in points]
+        for key, label in (("added_ttft_p50_ms", "p50"), ("added_ttft_p99_ms", "p99")):
+            ys = [max(0.1, r[key]) if r[key] is not None else None for r in rows]
+            ttft.plot(streams, ys, style, label=f"{mode} TTFT {label}")
+        ratio.plot(streams, [r["tokens_per_s_ratio"] for r in rows], style, label=mode)
+    ttft.set(xscale="log", yscale="log", xlabel="streams", ylabel="added ms (floor 0.1)")
+    ttft.set_title("added TTFT vs the engine alone")
+    ttft.legend(fontsize=8)
+    ratio.axhline(0.95, color="grey", linestyle=":", label="target 0.95")
+    ratio.set(xscale="log", xlabel="streams", ylabel="tokens/s ratio", ylim=(0, 1.1))
+    ratio.set_title("delivered tokens/s vs the engine alone")
+    ratio.legend(fontsize=8)
+    mode = "openai" if "openai" in points[0]["added"] else next(iter(points[0]["added"]))
+    labels = [str(n) for n in streams]
+    bottom = [0.0] * len(points)
+    for name in ("gateway", "worker", "redis"):
+        values: list[float] = [p["added"][mode]["cpu_us_per_token"][name] or 0 for p in points]
+        cpu.bar(labels, values, bottom=bottom, label=f"{name} ({mode} path)")
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    alone = [p["added"][mode]["cpu_us_per_token"]["engine_alone"] or 0 for p in points]
+    cpu.plot(labels, alone, "k^-", label="engine alone")
+    cpu.axhline(70, color="grey", linestyle=":", label="target 70 us")
+    cpu.set(xlabel="streams", ylabel="CPU us per delivered token", yscale="log")
+    cpu.set_title("CPU per token, by process")
+    cpu.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)

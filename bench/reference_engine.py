@@ -1,0 +1,175 @@
+"""The engine alone: the synthetic schedule streamed straight to the client, no gateway, no Redis.
+
+``python -m bench.reference_engine --port P --tokens-per-s R`` serves one endpoint,
+``POST /v1/chat/completions`` with ``stream: true``, as OpenAI-format SSE chunks
+(``data: {...chat.completion.chunk...}`` per token, a final chunk with the finish reason,
+then ``data: [DONE]``), and ``GET /health``. The tokens and their pacing come from the
+synthetic engine itself (``SyntheticBackend.prepare`` / ``generate``, the code the engine
+worker runs), so for the same message and ``max_tokens`` this server and the gateway stream
+the same text on the same schedule; ``--tokens-per-s 0`` streams as fast as it can.
+
+It is a bare ASGI app under uvicorn with the gateway's own server settings (uvloop,
+httptools, no access log): what is left of the gateway's cost per token after subtracting
+this server is the gateway, the engine worker's publishing and Redis. bench/e2e.py runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+from typing import Any
+
+import msgspec
+import uvicorn
+
+from engine.backends.synthetic import SyntheticBackend
+from wire import ChatMessage, GenerationRequest, SamplingParams
+
+DONE_FRAME = b"data: [DONE]\n\n"
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+
+class InMessage(msgspec.Struct):
+    role: str
+    content: str
+
+
+class ChatRequest(msgspec.Struct):
+    messages: list[InMessage]
+    model: str = "synthetic"
+    max_tokens: int | None = None
+    stream: bool = False
+
+
+class Delta(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class Choice(msgspec.Struct):
+    index: int
+    delta: Delta
+    logprobs: None
+    finish_reason: str | None
+
+
+class Chunk(msgspec.Struct):
+    """The gateway's ``ChatCompletionChunk`` (gateway/routes/openai_schema.py), field for
+    field, so both paths put the same bytes on the wire."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: None
+
+
+_decode_request = msgspec.json.Decoder(ChatRequest).decode
+_encode = msgspec.json.Encoder().encode
+
+
+class ReferenceEngine:
+    """A bare ASGI app around one ``SyntheticBackend``."""
+
+    def __init__(self, tokens_per_s: float) -> None:
+        self.backend = SyntheticBackend(tokens_per_s, capacity=1_000_000)
+        self._ids = itertools.count()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"], scope["method"]
+        if path == "/health" and method == "GET":
+            await _plain(send, 200, b"ok")
+        elif path == "/v1/chat/completions" and method == "POST":
+            await self.chat(receive, send)
+        else:
+            await _plain(send, 404, b"not found")
+
+    async def chat(self, receive: Any, send: Any) -> None:
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        try:
+            data = _decode_request(body)
+        except msgspec.DecodeError as exc:
+            await _plain(send, 400, str(exc).encode())
+            return
+        if not data.stream:
+            await _plain(send, 400, b"only stream: true is served")
+            return
+        gid = f"ref{next(self._ids)}"
+        request = GenerationRequest(
+            generation_id=gid,
+            session_id=gid,
+            params=SamplingParams(max_tokens=data.max_tokens or 256),
+            messages=[ChatMessage(m.role, m.content) for m in data.messages],  # type: ignore[arg-type]
+        )
+        prepared = await self.backend.prepare(request)
+        completion_id, created, model = f"chatcmpl-{gid}", int(time.time()), self.backend.model
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        first = True
+        async for delta in self.backend.generate(prepared):
+            if delta.text or delta.token_ids:
+                out = Delta("assistant" if first else None, delta.text)
+                first = False
+                chunk = Chunk(
+                    completion_id,
+                    "chat.completion.chunk",
+                    created,
+                    model,
+                    [Choice(0, out, None, None)],
+                    None,
+                )
+                await send(_body(b"data: " + _encode(chunk) + b"\n\n"))
+            if delta.finish_reason is not None:
+                last = Choice(0, Delta(), None, delta.finish_reason)
+                chunk = Chunk(completion_id, "chat.completion.chunk", created, model, [last], None)
+                await send(_body(b"data: " + _encode(chunk) + b"\n\n" + DONE_FRAME))
+                break
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _body(data: bytes) -> dict[str, Any]:
+    return {"type": "http.response.body", "body": data, "more_body": True}
+
+
+async def _plain(send: Any, status: int, text: bytes) -> None:
+    headers = [(b"content-type", b"text/plain"), (b"content-length", str(len(text)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": text})
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.reference_engine", description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--tokens-per-s", type=float, default=50.0, help="0: unpaced")
+    args = parser.parse_args(argv)
+    config = uvicorn.Config(
+        ReferenceEngine(args.tokens_per_s),
+        host=args.host,
+        port=args.port,
+        log_config=None,
+        access_log=False,
+        timeout_keep_alive=75,
+    )
+    uvicorn.Server(config).run()
+
+
+if __name__ == "__main__":
+    main()

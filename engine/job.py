@@ -1,0 +1,89 @@
+"""One generation as a worker runs it: its request and what it has streamed so far."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import wire
+from wire import (
+    Cancelled,
+    CancelReason,
+    Done,
+    Error,
+    GenerationRequest,
+    Resumed,
+    Started,
+    Usage,
+)
+
+
+@dataclass
+class Job:
+    request: GenerationRequest
+    entry_id: bytes
+    started_at: float = field(default_factory=time.monotonic)
+    prompt_tokens: int = 0
+    emitted_tokens: int = 0
+    text: list[str] = field(default_factory=list)
+    cancel_reason: CancelReason | None = None
+    cancelled_at: float | None = None
+    ended: bool = False
+    acked: bool = False
+    events: int = 0
+    """Events emitted so far: each one's number makes its write idempotent (EMIT's seq)."""
+    token_ids: list[int] = field(default_factory=list)
+    last_write: asyncio.Future[str | None] | None = None
+    """The latest emitted event's write: once it resolves, every earlier one is in Redis."""
+    handing_over: bool = False
+    """SIGTERM hand-over under way: what the engine still makes is not emitted."""
+    claimed: bool = False
+
+    def __post_init__(self) -> None:
+        resume = self.request.resume
+        if resume is not None:  # a takeover: go on from what was streamed
+            self.prompt_tokens = resume.prompt_tokens
+            self.emitted_tokens = resume.completion_tokens
+            self.text.append(resume.text)
+            self.token_ids.extend(resume.token_ids)
+
+    @property
+    def generation_id(self) -> str:
+        return self.request.generation_id
+
+    @property
+    def epoch(self) -> int:
+        """The takeover its request carries (0: the first run)."""
+        return self.request.resume.takeover if self.request.resume is not None else 0
+
+    @property
+    def session_id(self) -> str:
+        return self.request.session_id
+
+    def claim_event(self, model: str, worker_id: str) -> Started | Resumed:
+        """The event that claims the generation: ``started``, or ``resumed`` for a takeover."""
+        resume = self.request.resume
+        if resume is None:
+            return Started(self.generation_id, model, self.prompt_tokens)
+        return Resumed(
+            self.generation_id,
+            resume.from_worker,
+            worker_id,
+            resume.completion_tokens,
+            resume.takeover,
+        )
+
+    def usage(self) -> Usage:
+        return Usage(self.prompt_tokens, self.emitted_tokens)
+
+
+def final_reason(event: wire.FinalEvent) -> str:
+    match event:
+        case Done():
+            return event.finish_reason
+        case Cancelled():
+            return event.reason
+        case Error():
+            return event.code
+    return ""

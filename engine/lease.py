@@ -1,0 +1,83 @@
+"""A worker's claim to be alive: its heartbeat, and a Redis connection that dies with it.
+
+The heartbeat (every ``HEARTBEAT_S``) refreshes the worker's description and its score in
+the ``workers`` set; a worker silent for ``TOKENSPOUT_WORKER_TIMEOUT_S`` is dead. That is
+slow to notice a killed process, so the heartbeat goes over a connection of its own, named
+``wire.lease_name(worker_id)``, whose Redis client id the description carries. The
+kernel closes that connection the moment the process dies; a gateway that finds the id
+gone from ``CLIENT LIST`` knows the worker is lost at once, while a worker that is only
+slow keeps its connection and is never taken for dead (until the heartbeat timeout).
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import redis.asyncio as aioredis
+
+import wire
+from wire import Keys, WorkerInfo
+
+HEARTBEAT_S = 1.0
+HEARTBEAT_TTL_S = 5
+_info_decoder = msgspec.json.Decoder(WorkerInfo)
+
+
+class Lease:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, worker_id: str, model: str) -> None:
+        pool = redis.connection_pool
+        kwargs = dict(pool.connection_kwargs, client_name=wire.lease_name(worker_id))
+        # One connection: callers (the heartbeat, a drain's look for others) take turns.
+        self.redis = aioredis.Redis(
+            connection_pool=aioredis.BlockingConnectionPool(
+                connection_class=pool.connection_class, max_connections=1, timeout=None, **kwargs
+            )
+        )
+        self.keys = keys
+        self.worker_id = worker_id
+        self.model = model
+        self.requests_key = keys.requests(model)
+
+    async def heartbeat(self, info: WorkerInfo) -> None:
+        """Publish ``info`` (with this connection's client id) and refresh the shared keys."""
+        # Asked every time: a reconnect gives the connection a new id.
+        lease_id = int(await self.redis.client_id())
+        info = msgspec.structs.replace(info, lease_id=lease_id)
+        now = time.time()
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(self.keys.worker(self.worker_id), wire.encode(info), ex=HEARTBEAT_TTL_S)
+            pipe.zadd(self.keys.workers, {self.worker_id: now})
+            pipe.zremrangebyscore(self.keys.workers, "-inf", now - 3600)
+            pipe.expire(self.keys.workers, wire.SHARED_KEY_TTL_S)
+            # The names gateways route by; they outlive this worker, so a request for a
+            # model whose workers all left gets "no live worker" (503), not "unknown" (404).
+            pipe.hset(self.keys.models, mapping=dict.fromkeys(info.names, info.model))
+            pipe.expire(self.keys.models, wire.SHARED_KEY_TTL_S)
+            # Keeps the consumer group alive while workers idle (EXPIRE on no key: no-op).
+            pipe.expire(self.requests_key, wire.SHARED_KEY_TTL_S)
+            await pipe.execute()
+
+    async def others_serving(self) -> int:
+        """Other workers of this model that heartbeat now and are not draining (hand-over
+        targets: only they read this model's queue)."""
+        since = time.time() - 2 * HEARTBEAT_S
+        ids = [
+            wire.text(worker_id)
+            for worker_id in await self.redis.zrangebyscore(self.keys.workers, since, "+inf")
+        ]
+        ids = [worker_id for worker_id in ids if worker_id != self.worker_id]
+        if not ids:
+            return 0
+        raw = await self.redis.mget([self.keys.worker(worker_id) for worker_id in ids])
+        infos = [_info_decoder.decode(item) for item in raw if item is not None]
+        return sum(1 for info in infos if info.model == self.model and not info.draining)
+
+    async def release(self) -> None:
+        """Leave the worker set and close the lease connection."""
+        try:
+            await self.redis.zrem(self.keys.workers, self.worker_id)
+            await self.redis.delete(self.keys.worker(self.worker_id))
+        finally:
+            await self.redis.aclose()
+            await self.redis.connection_pool.disconnect()

@@ -1,0 +1,103 @@
+"""The generation queue, as the gateway sees it: what a generation may ask for, whether
+there is room for it, and the queues of the models it goes to (``wire.queue``).
+
+- ``sampling``: sampling parameters with the gateway's defaults and limits (422 past one);
+- ``guard_capacity``: 429 past ``TOKENSPOUT_MAX_INFLIGHT`` generations in flight, or past
+  ``TOKENSPOUT_MAX_INFLIGHT_PER_MODEL`` of one model;
+- ``counts``: queued and running generations per model (also for /metrics);
+- ``enqueue`` and ``signal_cancel``: a request onto its model's queue, a cancel onto the
+  stream every worker reads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import redis.asyncio as aioredis
+
+import wire
+from gateway.errors import BadRequest, Overloaded
+from gateway.models import ModelDirectory
+from gateway.settings import Settings
+from wire import CancelSignal, GenerationRequest, Keys, SamplingParams
+from wire.queue import RequestQueue
+
+CANCELS_MAXLEN = 10_000
+
+
+class GenerationQueue:
+    def __init__(
+        self, redis: aioredis.Redis, keys: Keys, settings: Settings, models: ModelDirectory
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.settings = settings
+        self.models = models
+        self.requests_maxlen = settings.max_inflight * 20
+        """Cap of each model's requests stream (approximate, whole nodes)."""
+
+    def of(self, model: str) -> RequestQueue:
+        return RequestQueue(self.redis, self.keys, model)
+
+    def sampling(self, **given: Any) -> SamplingParams:
+        """Sampling parameters with the gateway's defaults and limits applied."""
+        params = {key: value for key, value in given.items() if value is not None}
+        max_tokens = params.setdefault("max_tokens", self.settings.default_max_tokens)
+        if not 1 <= max_tokens <= self.settings.max_tokens_limit:
+            raise BadRequest(
+                f"max_tokens must be between 1 and {self.settings.max_tokens_limit}",
+                field="max_tokens",
+            )
+        if params.get("min_tokens", 0) > max_tokens:
+            raise BadRequest(
+                f"min_tokens must not exceed max_tokens ({max_tokens})", field="min_tokens"
+            )
+        try:
+            return msgspec.convert(params, SamplingParams)
+        except msgspec.ValidationError as exc:
+            raise BadRequest(str(exc)) from exc
+
+    async def guard_capacity(self, model: str) -> None:
+        """429 past the global in-flight limit, or past the model's own."""
+        counts = await self.counts([model])
+        inflight = sum(queued + running for queued, running in counts.values())
+        if inflight >= self.settings.max_inflight:
+            raise Overloaded(
+                f"{inflight} generations are in flight (limit {self.settings.max_inflight})",
+                retry_after_s=1,
+            )
+        limit = self.settings.max_inflight_per_model
+        queued, running = counts.get(model, (0, 0))
+        if limit and queued + running >= limit:
+            raise Overloaded(
+                f"{queued + running} generations of {model!r} are in flight (limit {limit} "
+                "per model)",
+                retry_after_s=1,
+            )
+
+    async def counts(self, also: list[str] | None = None) -> dict[str, tuple[int, int]]:
+        """Model -> (queued, running): requests no worker took yet, and taken but not
+        finished, for every registered model (and ``also``), in one round trip."""
+        snapshot = await self.models.snapshot()
+        # The default model may be queued for before any worker of it registered.
+        default = [self.settings.default_model] if self.settings.default_model else []
+        models = sorted(set(snapshot.models) | set(also or []) | set(default))
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for model in models:
+                self.of(model).count_in(pipe)
+            replies = await pipe.execute(raise_on_error=False)
+        return {
+            model: RequestQueue.counted(replies[2 * index], replies[2 * index + 1])
+            for index, model in enumerate(models)
+        }
+
+    async def enqueue(self, model: str, request: GenerationRequest) -> None:
+        await self.of(model).add({"r": wire.encode(request)}, maxlen=self.requests_maxlen)
+
+    async def signal_cancel(self, signal: CancelSignal) -> None:
+        """Tell every worker (the one running it aborts), renewing the stream's TTL."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xadd(self.keys.cancels, {"c": wire.encode(signal)}, maxlen=CANCELS_MAXLEN)
+            pipe.expire(self.keys.cancels, wire.SHARED_KEY_TTL_S)
+            await pipe.execute()

@@ -1,0 +1,91 @@
+"""What every adapter shares, in this process: a step's text on its first token, the final
+error of an unfinished generation, the mapping of failures to gateway errors and the error
+an adapter writes after what it sent (gateway/errors.py, generation_stream.py)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+from litestar.exceptions import HTTPException, ValidationException
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from gateway.errors import (
+    BadRequest,
+    GatewayError,
+    Overloaded,
+    Unavailable,
+    as_gateway_error,
+    ending_with_error,
+)
+from gateway.generation_stream import TokenPiece, final_error, per_token
+from tests.support.adapter_events import tok, written
+from wire import Cancelled, Error, Usage
+
+
+def test_per_token_gives_a_steps_whole_text_to_its_first_token() -> None:
+    assert per_token(tok("ab", 2, [1, 2], [-0.1, -0.2])) == [
+        TokenPiece(1, "ab", -0.1),
+        TokenPiece(2, "", -0.2),
+    ]
+    assert per_token(tok("x", 1, [7])) == [TokenPiece(7, "x", None)]
+    assert per_token(tok("", 0, [])) == []
+
+
+def test_final_error_of_a_generation_that_did_not_finish() -> None:
+    cancelled = final_error(Cancelled("g", "user", Usage(1, 1)))
+    assert isinstance(cancelled, Unavailable)
+    assert (cancelled.code, cancelled.message) == (
+        "cancelled",
+        "the generation was cancelled (user)",
+    )
+    too_long = final_error(Error("g", "prompt_too_long", "the prompt is too long"))
+    assert isinstance(too_long, BadRequest) and too_long.code == "prompt_too_long"
+    failed = final_error(Error("g", "engine_failed", "out of memory"))
+    assert isinstance(failed, Unavailable) and failed.message == "out of memory"
+
+
+@pytest.mark.parametrize(
+    ("exc", "kind", "code", "status"),
+    [
+        (HTTPException(status_code=413, detail="big"), "PayloadTooLarge", "too_large", 413),
+        (HTTPException(status_code=404, detail="gone"), "NotFound", "not_found", 404),
+        (HTTPException(status_code=400, detail="bad"), "BadRequest", "invalid_request", 422),
+        # Any other error Litestar raises keeps its status (and headers: a 405's Allow).
+        (HTTPException(status_code=405, detail="no"), "FrameworkError", "method_not_allowed", 405),
+        (HTTPException(status_code=500, detail="x"), "FrameworkError", "http_error", 500),
+        (RecursionError(), "BadRequest", "too_deep", 422),
+        (RedisConnectionError("down"), "Unavailable", "unavailable", 503),
+        (KeyError("k"), "GatewayError", "internal_error", 500),
+    ],
+)
+def test_as_gateway_error_maps_what_a_request_can_end_with(
+    exc: Exception, kind: str, code: str, status: int
+) -> None:
+    error = as_gateway_error(exc)
+    assert (type(error).__name__, error.code, error.status) == (kind, code, status)
+
+
+def test_as_gateway_error_names_the_unknown_field_of_a_validation_error() -> None:
+    exc = ValidationException(
+        detail="Validation failed",
+        extra=[{"message": "Object contains unknown field `colour`", "key": "body"}],
+    )
+    error = as_gateway_error(exc)
+    assert isinstance(error, BadRequest)
+    assert (error.message, error.field) == ("Object contains unknown field `colour`", "colour")
+    assert as_gateway_error(error) is error
+
+
+async def test_ending_with_error_writes_the_adapters_error_after_what_was_sent() -> None:
+    async def failing() -> AsyncIterator[bytes]:
+        yield b"one"
+        raise Overloaded("too busy", retry_after_s=1)
+
+    def frames(error: GatewayError) -> bytes:
+        return f"[{error.code}: {error.message}]".encode()
+
+    assert await written(ending_with_error(failing(), frames)) == [
+        b"one",
+        b"[overloaded: too busy]",
+    ]

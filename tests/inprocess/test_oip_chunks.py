@@ -1,0 +1,33 @@
+"""The Open Inference Protocol adapter's wire output, built from contract events in this
+process: its stream events (gateway/routes/oip.py), byte for byte."""
+
+from __future__ import annotations
+
+from gateway.generation_stream import Heartbeat
+from gateway.routes import oip
+from tests.support.adapter_events import DONE_STOP, HELLO, KEEP_ALIVE, STARTED, Items, data, written
+from wire import Cancelled, Usage
+
+
+async def test_oip_stream_one_event_per_step_then_the_finish_reason() -> None:
+    sent = await written(oip._events(Items(STARTED, HELLO[0], Heartbeat(), DONE_STOP), "m", "r1"))
+    assert sent == [
+        data({"model_name": "smol", "text_output": "Hel", "id": "r1"}),
+        KEEP_ALIVE,
+        data({"model_name": "smol", "text_output": "", "finish_reason": "stop", "id": "r1"}),
+    ]
+
+
+async def test_oip_stream_without_request_id_or_started_uses_the_path_model() -> None:
+    sent = await written(oip._events(Items(HELLO[0], DONE_STOP), "from-path", None))
+    assert sent == [
+        data({"model_name": "from-path", "text_output": "Hel"}),
+        data({"model_name": "from-path", "text_output": "", "finish_reason": "stop"}),
+    ]
+
+
+async def test_oip_stream_ending_without_finishing_sends_the_protocols_error() -> None:
+    sent = await written(
+        oip._events(Items(STARTED, Cancelled("g", "user", Usage(3, 0))), "m", None)
+    )
+    assert sent == [data({"error": "the generation was cancelled (user)"})]

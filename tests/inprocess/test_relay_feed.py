@@ -1,0 +1,319 @@
+"""gateway/relay.py: ``RelayHub`` and its ``Feed``s against the session's real Redis server,
+events written the way engines write them (wire/lua/emit_core.lua's emit: XADD, then PUBLISH)."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+import redis.asyncio as aioredis
+
+import wire
+from gateway.errors import BadRequest, EventsExpired
+from gateway.feed import LIVE_ONLY, Feed, RelayEvent
+from gateway.relay import RelayHub
+from wire import Keys, Usage
+from wire.scripts import EMIT_CORE
+
+pytestmark = pytest.mark.timeout(30)
+
+EMIT = EMIT_CORE + "return emit(KEYS[1], '', ARGV[1], ARGV[2], 0, ARGV[3], ARGV[4], ARGV[5])"
+SESSION = "s1"
+
+
+class Observer:
+    def __init__(self) -> None:
+        self.events: list[RelayEvent] = []
+        self.fell = 0
+        self.unwatched_sessions: list[str] = []
+
+    def event(self, session_id: str, event: RelayEvent) -> None:
+        self.events.append(event)
+
+    def unwatched(self, session_id: str) -> None:
+        self.unwatched_sessions.append(session_id)
+
+    def redis_error(self, where: str) -> None:
+        raise AssertionError(f"unexpected Redis error in {where}")
+
+    def fell_behind(self) -> None:
+        self.fell += 1
+
+
+class Session:
+    """Writes one session's events as an engine does."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, session_id: str = SESSION) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.session_id = session_id
+        self.script = redis.register_script(EMIT)
+
+    async def emit(self, event: wire.SessionEvent, maxlen: int = 1000) -> str:
+        entry_id = await self.script(
+            keys=[self.keys.events(self.session_id)],
+            args=[
+                self.keys.live_channel(self.session_id),
+                maxlen,
+                wire.event_type(event),
+                event.generation_id,
+                wire.encode(event),
+            ],
+        )
+        return wire.text(entry_id)
+
+    async def tokens(self, count: int, start: int = 0) -> list[str]:
+        return [await self.emit(token(n)) for n in range(start, start + count)]
+
+
+def token(n: int) -> wire.Token:
+    return wire.Token("g", f"t{n}", n + 1)
+
+
+@pytest.fixture
+def keys() -> Keys:
+    return Keys(f"t-{secrets.token_hex(4)}")
+
+
+@pytest.fixture
+def observer() -> Observer:
+    return Observer()
+
+
+HubFactory = Callable[..., Awaitable[RelayHub]]
+
+
+@pytest.fixture
+async def make_hub(
+    redis: aioredis.Redis, keys: Keys, observer: Observer
+) -> AsyncIterator[HubFactory]:
+    hubs: list[RelayHub] = []
+
+    async def make(buffer_limit: int = 1000) -> RelayHub:
+        hub = RelayHub(redis, keys, buffer_limit, observer)
+        await hub.start()
+        hubs.append(hub)
+        return hub
+
+    yield make
+    for hub in hubs:
+        await hub.stop()
+
+
+@pytest.fixture
+def session(redis: aioredis.Redis, keys: Keys) -> Session:
+    return Session(redis, keys)
+
+
+async def read(feed: Feed, count: int, timeout: float = 10) -> list[list[RelayEvent]]:
+    """Batches until ``count`` events came (heartbeats, the empty ones, left out)."""
+    batches: list[list[RelayEvent]] = []
+    async with asyncio.timeout(timeout):
+        while sum(map(len, batches)) < count:
+            if batch := await feed.next_batch(timeout):
+                batches.append(batch)
+    return batches
+
+
+def ids(batches: list[list[RelayEvent]]) -> list[str]:
+    return [event.id for batch in batches for event in batch]
+
+
+async def subscribed(feed: Feed, session: Session) -> None:
+    """Returns once the hub's subscription is confirmed (a feed only reads once it is) and
+    an event written after that came live: from here on every event reaches the hub."""
+    first = await session.tokens(1)
+    assert ids(await read(feed, 1)) == first
+    second = await session.tokens(1, start=1)
+    assert ids(await read(feed, 1)) == second
+    observer = feed.hub.observer
+    assert isinstance(observer, Observer)
+    await until(lambda: any(event.id == second[0] for event in observer.events))
+
+
+async def until(condition: Callable[[], bool], timeout: float = 10) -> None:
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.005)
+
+
+async def test_a_feed_from_the_start_catches_up_then_delivers_live_in_order(
+    make_hub: HubFactory, session: Session
+) -> None:
+    hub = await make_hub()
+    before = await session.tokens(3)
+    async with hub.open(SESSION, None) as feed:
+        assert ids(await read(feed, 3)) == before
+        live = await session.tokens(4, start=3)
+        batches = await read(feed, 4)
+        assert ids(batches) == live
+        events = [event for batch in batches for event in batch]
+        assert [(e.type, e.generation_id) for e in events] == [("token", "g")] * 4
+        assert [e.data for e in events] == [wire.encode(token(n)) for n in range(3, 7)]
+        assert feed.last_id == live[-1]
+
+
+async def test_a_feed_after_an_id_starts_right_after_it(
+    make_hub: HubFactory, session: Session
+) -> None:
+    hub = await make_hub()
+    written = await session.tokens(5)
+    async with hub.open(SESSION, written[1]) as feed:
+        assert ids(await read(feed, 3)) == written[2:]
+
+
+async def test_a_live_only_feed_skips_what_was_written_before(
+    make_hub: HubFactory, session: Session
+) -> None:
+    hub = await make_hub()
+    await session.tokens(3)
+    async with hub.open(SESSION, LIVE_ONLY) as feed:
+        # The first batch resolves "$" to the last id written: nothing old comes.
+        async with asyncio.timeout(10):
+            while feed.last_id == LIVE_ONLY:
+                assert await feed.next_batch(10) == []
+        new = await session.tokens(2, start=3)
+        assert ids(await read(feed, 2)) == new
+
+
+async def test_a_slow_reader_gets_what_piled_up_in_one_batch(
+    make_hub: HubFactory, session: Session, observer: Observer
+) -> None:
+    hub = await make_hub(buffer_limit=100)
+    async with hub.open(SESSION, None) as feed:
+        await subscribed(feed, session)
+        piled = await session.tokens(5, start=2)
+        await until(lambda: observer.events[-1].id == piled[-1])  # all in the feed's buffer
+        assert ids([await feed.next_batch(10)]) == piled
+        assert observer.fell == 0
+
+
+async def test_a_reader_that_falls_behind_re_reads_redis_without_gap_or_repeat(
+    make_hub: HubFactory, session: Session, observer: Observer
+) -> None:
+    hub = await make_hub(buffer_limit=2)
+    async with hub.open(SESSION, None) as feed:
+        await subscribed(feed, session)
+        piled = await session.tokens(10, start=2)
+        await until(lambda: observer.events[-1].id == piled[-1])
+        assert observer.fell == 1  # the buffer overflowed once, then stopped filling
+        batch = await feed.next_batch(10)  # one catch-up read from the stream
+        assert [event.id for event in batch] == piled
+        assert [event.data for event in batch] == [wire.encode(token(n)) for n in range(2, 12)]
+        more = await session.tokens(2, start=12)
+        assert ids(await read(feed, 2)) == more  # and live again
+
+
+async def test_every_feed_of_a_session_gets_every_event(
+    make_hub: HubFactory, session: Session, observer: Observer
+) -> None:
+    hub = await make_hub()
+    async with hub.open(SESSION, None) as one, hub.open(SESSION, None) as two:
+        assert hub.open_feeds == 2
+        written = await session.tokens(3)
+        assert ids(await read(one, 3)) == ids(await read(two, 3)) == written
+        assert hub.watched_sessions() == [SESSION]
+    assert hub.open_feeds == 0 and hub.watched_sessions() == []
+    assert observer.unwatched_sessions == [SESSION]
+
+
+async def test_a_feed_with_nothing_to_say_returns_an_empty_batch_at_the_heartbeat(
+    make_hub: HubFactory,
+) -> None:
+    hub = await make_hub()
+    loop = asyncio.get_running_loop()
+    async with hub.open(SESSION, None) as feed:
+        heartbeats = feed.events(heartbeat_s=0.05)
+        for _ in range(3):
+            started = loop.time()
+            assert await anext(heartbeats) == []
+            assert 0.05 <= loop.time() - started < 5
+        await heartbeats.aclose()
+
+
+async def test_an_event_wakes_a_waiting_feed_before_its_heartbeat(
+    make_hub: HubFactory, session: Session
+) -> None:
+    hub = await make_hub()
+    async with hub.open(SESSION, None) as feed:
+        first = await session.tokens(1)
+        assert ids(await read(feed, 1)) == first
+        waiting = asyncio.create_task(feed.next_batch(60))
+        written = await session.tokens(1, start=1)
+        batch = await asyncio.wait_for(waiting, 10)  # long before the 60 s heartbeat
+        assert [event.id for event in batch] == written
+
+
+async def test_a_draining_hub_ends_waits_early(make_hub: HubFactory) -> None:
+    hub = await make_hub()
+    async with hub.open(SESSION, None) as feed:
+        hub.begin_drain()
+        assert await asyncio.wait_for(feed.next_batch(60), 10) == []
+
+
+async def trimmed(session: Session) -> tuple[list[str], list[str]]:
+    """Ten events in a stream trimmed to its last three: (gone, kept)."""
+    written = await session.tokens(10)
+    await session.redis.xtrim(session.keys.events(SESSION), maxlen=3, approximate=False)
+    return written[:7], written[7:]
+
+
+async def test_a_feed_after_a_trimmed_event_raises_events_expired(
+    make_hub: HubFactory, session: Session
+) -> None:
+    hub = await make_hub()
+    gone, kept = await trimmed(session)
+    for after in (gone[0], gone[-1]):
+        with pytest.raises(EventsExpired) as caught:
+            await hub.check_resumable(SESSION, after)
+        assert (caught.value.status, caught.value.ws_close_code) == (410, 4410)
+        assert caught.value.code == "events_expired"
+        async with hub.open(SESSION, after) as feed:
+            with pytest.raises(EventsExpired):
+                await read(feed, 1)
+    # From the first kept event on nothing is missing.
+    await hub.check_resumable(SESSION, kept[0])
+    async with hub.open(SESSION, kept[0]) as feed:
+        assert ids(await read(feed, 2)) == kept[1:]
+
+
+async def test_an_old_id_of_a_stream_never_trimmed_is_fine(
+    make_hub: HubFactory, session: Session
+) -> None:
+    hub = await make_hub()
+    written = await session.tokens(2)
+    await hub.check_resumable(SESSION, "0-1")
+    await hub.check_resumable("no-such-session", "1-0")  # no stream: nothing was trimmed
+    async with hub.open(SESSION, "0-1") as feed:
+        assert ids(await read(feed, 2)) == written
+
+
+async def test_a_malformed_event_id_is_a_bad_request(make_hub: HubFactory) -> None:
+    hub = await make_hub()
+    with pytest.raises(BadRequest) as caught:
+        await hub.check_resumable(SESSION, "yesterday")
+    assert (caught.value.code, caught.value.field) == ("bad_event_id", "last_event_id")
+
+
+async def test_wait_final_returns_the_generations_final_event_or_none(
+    make_hub: HubFactory, session: Session
+) -> None:
+    hub = await make_hub()
+    assert await hub.wait_final(SESSION, "g", timeout=0.05) is None
+    waiting = asyncio.create_task(hub.wait_final(SESSION, "g", timeout=30))
+    await until(lambda: hub.open_feeds == 1)
+    # Another generation's final event does not end the wait; this one's does. Emitted
+    # until the waiting feed has subscribed (a final from before lands in the hash).
+    done = wire.Done("g", "stop", Usage(2, 1))
+    await session.emit(wire.Done("other", "stop", Usage(1, 1)))
+    while not waiting.done():
+        await session.emit(done)
+        await asyncio.wait({waiting}, timeout=0.05)
+    assert waiting.result() == done
+
+    # A generation that ended before the wait began: its final event is in its hash.
+    stored = wire.Cancelled("h", "user", Usage(2, 0))
+    await session.redis.hset(session.keys.generation(SESSION, "h"), "final", wire.encode(stored))
+    assert await hub.wait_final(SESSION, "h", timeout=10) == stored

@@ -1,0 +1,127 @@
+"""What Redis holds under a test's key prefix, read through ``wire.Keys`` (the one builder
+of every key): generations, their events, live workers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+
+from wire import Keys
+
+
+def only_generation(redis_url: str, prefix: str, timeout_s: float = 30) -> tuple[str, str]:
+    """(session id, generation id) of the one generation under ``prefix``."""
+    keys = Keys(prefix)
+    client = redis.Redis.from_url(redis_url)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            found = [k.decode() for k in client.scan_iter(match=keys.generation("*", "*"))]
+            if found:
+                assert len(found) == 1, found
+                key = found[0]
+                return keys.session_id_of_channel(key), key.rsplit(":", 1)[1]
+            time.sleep(0.05)
+    finally:
+        client.close()
+    raise TimeoutError(f"no generation appeared under {prefix}")
+
+
+def wait_final(redis_url: str, prefix: str, timeout_s: float = 60) -> dict[str, Any]:
+    """The final event of the one generation under ``prefix``, once it has one."""
+    session_id, generation_id = only_generation(redis_url, prefix)
+    client = redis.Redis.from_url(redis_url)
+    key = Keys(prefix).generation(session_id, generation_id)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            final = client.hget(key, "final")
+            if final is not None:
+                return dict(json.loads(final))
+            time.sleep(0.05)
+    finally:
+        client.close()
+    raise TimeoutError(f"generation {generation_id} did not end")
+
+
+async def stream_events(redis_url: str, prefix: str, session_id: str) -> list[dict[bytes, bytes]]:
+    """Every event the session's stream holds, straight from Redis."""
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        entries = await client.xrange(Keys(prefix).events(session_id))
+    finally:
+        await client.aclose()
+    return [fields for _id, fields in entries]
+
+
+def after_final(events: list[dict[bytes, bytes]], gid: str) -> list[bytes]:
+    """Types of the generation's events that follow its first final event."""
+    types = [e[b"t"] for e in events if e[b"g"].decode() == gid]
+    finals = [n for n, t in enumerate(types) if t in (b"done", b"cancelled", b"error")]
+    assert finals, types
+    return types[finals[0] + 1 :]
+
+
+async def session_events(
+    redis_url: str, prefix: str, session_id: str
+) -> list[tuple[str, dict[str, object]]]:
+    """The session's events as Redis holds them: (type, data)."""
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        entries = await client.xrange(Keys(prefix).events(session_id))
+    finally:
+        await client.aclose()
+    return [(fields[b"t"].decode(), json.loads(fields[b"d"])) for _id, fields in entries]
+
+
+def event_key(event_id: str) -> tuple[int, int]:
+    """A stream entry id (``ms-seq``, the SSE ``id:``) as a sortable pair."""
+    ms, seq = event_id.split("-")
+    return int(ms), int(seq)
+
+
+def wait_for_worker(
+    redis_url: str,
+    prefix: str,
+    worker_id: str,
+    process: subprocess.Popen[bytes],
+    timeout_s: float = 600,
+) -> None:
+    """Until the worker has registered (its ``worker:{id}`` key); fails if it exits first."""
+    client = redis.Redis.from_url(redis_url)
+    key = Keys(prefix).worker(worker_id)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"engine worker exited with {process.returncode}")
+            if client.exists(key):
+                return
+            time.sleep(0.1)
+    finally:
+        client.close()
+    raise TimeoutError(f"worker {worker_id} did not register in {timeout_s} s")
+
+
+def worker_registered(redis_url: str, prefix: str) -> bool:
+    """Some worker is in the set of live workers."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return bool(client.zcard(Keys(prefix).workers))
+    finally:
+        client.close()
+
+
+def workers_running(redis_url: str, prefix: str) -> int:
+    """Requests the live workers report running in their heartbeats."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        keys = list(client.scan_iter(match=Keys(prefix).worker("*")))
+        return sum(json.loads(raw)["running"] for raw in client.mget(keys) if raw is not None)
+    finally:
+        client.close()

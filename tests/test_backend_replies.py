@@ -1,0 +1,96 @@
+"""One suite, both backends (engine/backends/base.py): a reply and its second turn, and a
+reply nobody reads, over real gateway processes and real Redis, with the synthetic engine
+and with vLLM on the CPU (the engine under test: tests/support/engines.py; the vLLM worker
+is the session's shared ``vllm_stack``, each test waits for it to be idle first).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from tests.support.engines import LONG, PROMPT, EngineUnderTest, nothing_after_the_final
+from tests.support.http import create_session, read_events, send
+from tests.support.sse import parse
+
+pytestmark = pytest.mark.timeout(900)
+
+
+async def test_a_reply_streams_in_token_events_and_the_second_turn_sees_the_first(
+    engine: EngineUnderTest,
+) -> None:
+    async with httpx.AsyncClient(timeout=60) as client:
+        session = await create_session(client, engine.url)
+        n = engine.short_max_tokens
+        first = await send(client, session, "Name three colours.", max_tokens=n, **engine.sampling)
+        reading = await read_events(client, session, until_final_of=first, timeout_s=300)
+        kinds = [e.event for e in reading.of(first)]
+        assert kinds[:2] == ["queued", "started"] and kinds[-1] == "done", kinds
+        tokens = [e.json() for e in reading.of(first) if e.event == "token"]
+        assert len(tokens) >= 3 and set(kinds[2:-1]) == {"token"}, kinds
+        counts = [t["count"] for t in tokens]
+        assert counts == sorted(set(counts))
+        assert counts[-1] == sum(len(t["token_ids"]) for t in tokens)
+        done = reading.final(first).json()
+        started = reading.of(first)[1].json()
+        assert done["usage"] == {
+            "prompt_tokens": started["prompt_tokens"],
+            "completion_tokens": counts[-1],
+        }
+        assert done["finish_reason"] in ("stop", "length")
+        assert (done["finish_reason"] == "length") == (counts[-1] == n)
+        answer = reading.text(first)
+        assert answer.strip()
+
+        second = await send(client, session, "And two more?", max_tokens=n, **engine.sampling)
+        more = await read_events(
+            client,
+            session,
+            until_final_of=second,
+            last_event_id=reading.events[-1].id,
+            timeout_s=300,
+        )
+        assert more.final(second).event == "done"
+        started_again = next(e.json() for e in more.of(second) if e.event == "started")
+        # The second prompt holds the first question and its answer.
+        grown = started_again["prompt_tokens"] - started["prompt_tokens"]
+        assert grown >= done["usage"]["completion_tokens"]
+
+        view = await client.get(
+            f"{engine.url}/v1/sessions/{session.session_id}", headers=session.headers
+        )
+        messages = view.json()["messages"]
+        assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
+        assert messages[1]["content"] == answer
+
+
+async def test_a_generation_nobody_reads_is_abandoned_after_a_short_grace(
+    engine: EngineUnderTest,
+) -> None:
+    gateway = engine.extra_gateway("grace", TOKENSPOUT_ABANDON_GRACE_S="2")
+    async with httpx.AsyncClient(timeout=60) as client:
+        session = await create_session(client, gateway.url)
+        gid = await send(client, session, PROMPT, max_tokens=LONG, **engine.sampling)
+        seen = 0
+        async with client.stream("GET", session.events_url, headers=session.headers) as response:
+            assert response.status_code == 200
+            async with asyncio.timeout(300):
+                async for event in parse(response.aiter_lines()):
+                    if event.event == "token":
+                        seen = event.json()["count"]
+                        if seen >= 3:
+                            break
+            await engine.wait_running(1)
+        left = time.monotonic()  # the client is gone; nobody else reads the session
+
+        # Grace (2 s) plus the watch's expiry and the worker's 1 s check, with slack.
+        await engine.stops(left, "abandoned after disconnect (grace 2 s)", within_s=30)
+        reading = await read_events(client, session, until_final_of=gid)
+        final = reading.final(gid)
+        assert final.event == "cancelled" and final.json()["reason"] == "abandoned"
+        # The disconnect itself did not end it: it ran on until the grace was over.
+        assert seen < final.json()["usage"]["completion_tokens"] < LONG
+        await nothing_after_the_final(engine, session.session_id, gid)

@@ -1,0 +1,102 @@
+"""The end-to-end benchmark (bench/e2e.py), tiny: real Redis, worker, gateway, reference engine.
+
+It proves every token of every stream is counted on each path (the engine alone, the
+gateway's OpenAI endpoint, the session API), paced and unpaced, that the reference engine
+streams the synthetic engine's own text, and that the JSON carries every column of the
+report. It asserts nothing about speed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine.backends.synthetic import SyntheticBackend
+from stack import processes
+from stack.processes import ROOT
+from stack.redis_server import free_port
+from wire import ChatMessage, GenerationRequest, SamplingParams
+
+pytestmark = pytest.mark.timeout(240)
+
+ADDED = ("added_ttft_p50_ms", "added_ttft_p99_ms", "added_itl_p99_ms", "tokens_per_s_ratio")
+CPU = ("gateway", "worker", "redis", "total", "engine_alone")
+
+
+def test_every_path_delivers_every_token_and_the_json_has_every_column(tmp_path: Path) -> None:
+    completed = subprocess.run(
+        [
+            *(sys.executable, "-m", "bench.e2e", "--out", str(tmp_path), "--no-plot"),
+            *("--streams", "1", "3", "--tokens", "6", "--rounds-single", "2"),
+            *("--saturation", "2", "20"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    results = json.loads((tmp_path / "e2e.json").read_text())
+    points = [*results["points"], results["saturation"]]
+    assert [(p["streams"], p["tokens_per_s_per_stream"]) for p in points] == [
+        (1, 50),
+        (3, 50),
+        (2, 0),
+    ]
+    for point in points:
+        rounds = 2 if point["streams"] == 1 else 1
+        for mode in ("engine", "openai", "session"):
+            m = point["modes"][mode]
+            assert m["failures"] == [] and not m["timed_out"], m
+            expected = point["max_tokens"] * point["streams"] * rounds
+            assert m["tokens"] == m["tokens_expected"] == expected, m
+            assert m["complete_streams"] == point["streams"] * rounds, m
+            assert m["ttft_ms"]["p50"] > 0 and m["tokens_per_s"] > 0, m
+            assert set(m["cpu_us_per_token"]) == {"gateway", "worker", "redis", "engine", "loadgen"}
+        for mode in ("openai", "session"):
+            added = point["added"][mode]
+            assert all(added[key] is not None for key in ADDED), added
+            assert all(added["cpu_us_per_token"][key] is not None for key in CPU), added
+    report = (tmp_path / "e2e.md").read_text()
+    assert "| streams | added TTFT p50 | added TTFT p99 |" in report
+    assert "2 unpaced" in report
+
+
+async def synthetic_pieces(content: str, max_tokens: int) -> list[str]:
+    """What the engine worker's synthetic backend makes of the same request."""
+    backend = SyntheticBackend(tokens_per_s=0)
+    request = GenerationRequest(
+        "g", "s", SamplingParams(max_tokens=max_tokens), [ChatMessage("user", content)]
+    )
+    return [delta.text async for delta in backend.generate(await backend.prepare(request))]
+
+
+def test_the_reference_engine_streams_the_synthetic_engines_text(tmp_path: Path) -> None:
+    port = free_port()
+    server = processes.spawn(
+        ["-m", "bench.reference_engine", "--port", str(port), "--tokens-per-s", "0"],
+        {},
+        tmp_path / "reference-engine.log",
+    )
+    try:
+        processes.wait_http(f"http://127.0.0.1:{port}/health", server, 30)
+        body = {"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 7}
+        with httpx.stream(
+            "POST", f"http://127.0.0.1:{port}/v1/chat/completions", json={**body, "stream": True}
+        ) as response:
+            lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    finally:
+        processes.stop(server)
+    assert lines[-1] == "[DONE]"
+    chunks = [json.loads(line) for line in lines[:-1]]
+    pieces = [c["choices"][0]["delta"].get("content") for c in chunks[:-1]]
+    assert pieces == asyncio.run(synthetic_pieces("hi there", 7))
+    assert "".join(pieces).startswith("You said: hi there |")
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"

@@ -1,0 +1,103 @@
+"""What the gateway and the engine share, and all they share: the wire contract between
+them and the log format of their processes. Neither package imports the other; both
+import this one, which imports neither (the import-linter contract in pyproject.toml).
+
+- ``wire.messages``: the messages (msgspec Structs, JSON on the wire), versioned;
+- ``wire.keys``: every Redis key, from one prefix (the layout is in its docstring);
+- ``wire.scripts``: the Lua scripts (wire/lua/), one typed wrapper each (import them
+  from there: ``from wire.scripts import Emit``);
+- ``wire.replies``: Redis replies and stream entry ids, read the same way on both sides;
+- ``wire.logs``: one ``key=value`` log line format for every process.
+
+The names below are re-exported, so callers write ``wire.Keys``, ``wire.encode(...)``.
+"""
+
+from wire.keys import (
+    CONSUMER_GROUP,
+    DEFAULT_PREFIX,
+    MODEL_NAME,
+    SHARED_KEY_TTL_S,
+    Keys,
+    check_model_name,
+    lease_name,
+)
+from wire.messages import (
+    TERMINAL_EVENTS,
+    WIRE_VERSION,
+    Cancelled,
+    CancelReason,
+    CancelSignal,
+    ChatMessage,
+    Done,
+    Error,
+    FinalEvent,
+    GenerationRequest,
+    GenerationState,
+    Queued,
+    Resume,
+    Resumed,
+    Role,
+    SamplingParams,
+    SessionEvent,
+    Started,
+    Token,
+    Usage,
+    WorkerInfo,
+    decode_event,
+    decode_final,
+    encode,
+    event_type,
+    final_state,
+)
+from wire.replies import (
+    StreamEntry,
+    entries_of,
+    entry_id_key,
+    entry_ms,
+    just_before,
+    read_entries,
+    text,
+)
+
+__all__ = [
+    "CONSUMER_GROUP",
+    "DEFAULT_PREFIX",
+    "MODEL_NAME",
+    "SHARED_KEY_TTL_S",
+    "TERMINAL_EVENTS",
+    "WIRE_VERSION",
+    "CancelReason",
+    "CancelSignal",
+    "Cancelled",
+    "ChatMessage",
+    "Done",
+    "Error",
+    "FinalEvent",
+    "GenerationRequest",
+    "GenerationState",
+    "Keys",
+    "Queued",
+    "Resume",
+    "Resumed",
+    "Role",
+    "SamplingParams",
+    "SessionEvent",
+    "Started",
+    "StreamEntry",
+    "Token",
+    "Usage",
+    "WorkerInfo",
+    "check_model_name",
+    "decode_event",
+    "decode_final",
+    "encode",
+    "entries_of",
+    "entry_id_key",
+    "entry_ms",
+    "event_type",
+    "final_state",
+    "just_before",
+    "lease_name",
+    "read_entries",
+    "text",
+]

@@ -1,0 +1,108 @@
+"""Every Redis key, built from one prefix (tests use a fresh prefix per run).
+
+Redis layout (every key with a TTL, every stream capped):
+
+    {prefix}:requests:{model}         stream, consumer group "engines": generation requests
+                                      for one model (its served name; the workers of that
+                                      model read it), TTL SHARED_KEY_TTL_S, refreshed by
+                                      submits and workers
+    {prefix}:models                   hash served name (or alias) -> model (its queue's name),
+                                      written by every worker heartbeat (same TTL): the names
+                                      a gateway knows, live or not
+    {prefix}:cancels                  stream read by every worker: cancel signals (same TTL)
+    {prefix}:workers                  sorted set worker id -> last heartbeat (unix seconds)
+                                      (same TTL, refreshed by every heartbeat)
+    {prefix}:reaper-lock              string, PX: the gateway whose reaper runs now
+    {prefix}:worker:{id}              hash, EX: a live worker's description (with the
+                                      Redis client id of its lease connection)
+    {prefix}:{<sid>}:meta             hash: token digest, created, kind (chat | stateless)
+    {prefix}:{<sid>}:history          list of ChatMessage JSON
+    {prefix}:{<sid>}:events           stream of session events (the SSE ``id:`` is its entry id)
+    {prefix}:{<sid>}:gen:{gid}        hash: generation state, worker (its owner), final
+                                      event, seq of the owner's last event (EMIT is
+                                      idempotent per seq), takeovers (its epoch), usage
+    {prefix}:{<sid>}:active           string: the generation that is running now
+    {prefix}:{<sid>}:idem:{key}       string: Idempotency-Key -> generation id
+    {prefix}:{<sid>}:watch            string, EX grace: someone is reading the session
+
+The ``{<sid>}`` hash tag keeps a session's keys in one Redis Cluster slot, so every script
+(wire/scripts.py) touches one slot only.
+"""
+
+from __future__ import annotations
+
+import re
+
+from wire.messages import WIRE_VERSION
+
+DEFAULT_PREFIX = f"ts{WIRE_VERSION}"
+CONSUMER_GROUP = "engines"
+SHARED_KEY_TTL_S = 7 * 86_400
+"""Lifetime of the shared keys (``requests``, ``cancels``, ``workers``), refreshed on every
+write: submits, cancels, worker heartbeats. They only expire once nothing has used them for
+that long; a worker recreates a lost consumer group by itself."""
+
+
+MODEL_NAME = re.compile(r"[^\s{}]{1,128}")
+"""A served model name: it becomes part of a key, so no hash-tag braces and no spaces."""
+
+
+def check_model_name(name: str) -> str:
+    if not MODEL_NAME.fullmatch(name):
+        raise ValueError(f"model name {name!r}: 1 to 128 characters, no spaces or braces")
+    return name
+
+
+def lease_name(worker_id: str) -> str:
+    """The client name of a worker's lease connection (CLIENT SETNAME)."""
+    return f"tokenspout-lease:{worker_id}"
+
+
+class Keys:
+    """Builds every Redis key from one prefix (tests use a fresh prefix per run)."""
+
+    def __init__(self, prefix: str = DEFAULT_PREFIX) -> None:
+        self.prefix = prefix
+        self.models = f"{prefix}:models"
+        self.cancels = f"{prefix}:cancels"
+        self.workers = f"{prefix}:workers"
+        self.reaper_lock = f"{prefix}:reaper-lock"
+
+    def requests(self, model: str) -> str:
+        """The queue of one model (a model's workers read only their own)."""
+        return f"{self.prefix}:requests:{model}"
+
+    def worker(self, worker_id: str) -> str:
+        return f"{self.prefix}:worker:{worker_id}"
+
+    def _session(self, session_id: str) -> str:
+        return f"{self.prefix}:{{{session_id}}}"
+
+    def meta(self, session_id: str) -> str:
+        return f"{self._session(session_id)}:meta"
+
+    def history(self, session_id: str) -> str:
+        return f"{self._session(session_id)}:history"
+
+    def events(self, session_id: str) -> str:
+        return f"{self._session(session_id)}:events"
+
+    def live_channel(self, session_id: str) -> str:
+        """Pub/sub channel that mirrors ``events`` for live readers."""
+        return f"{self._session(session_id)}:live"
+
+    def generation(self, session_id: str, generation_id: str) -> str:
+        return f"{self._session(session_id)}:gen:{generation_id}"
+
+    def active(self, session_id: str) -> str:
+        return f"{self._session(session_id)}:active"
+
+    def idempotency(self, session_id: str, key: str) -> str:
+        return f"{self._session(session_id)}:idem:{key}"
+
+    def watch(self, session_id: str) -> str:
+        return f"{self._session(session_id)}:watch"
+
+    def session_id_of_channel(self, channel: str) -> str:
+        start = channel.index("{") + 1
+        return channel[start : channel.index("}", start)]

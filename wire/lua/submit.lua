@@ -1,0 +1,32 @@
+-- KEYS: meta, history, active, gen, events, watch, idempotency ('' for none)
+-- ARGV: channel, maxlen, session_ttl, gid, user message JSON ('' for none), now,
+--       max_history, watch_ttl, queued event JSON, token digest ('' for no check)
+-- Returns {'ok', queued id, history...} | {'missing'} | {'forbidden'} | {'duplicate', gid}
+--         | {'busy', gid} | {'history_full'}
+if redis.call('EXISTS', KEYS[1]) == 0 then return {'missing'} end
+-- The token is checked here, not in a separate round trip. Comparing digests (never the
+-- token itself) leaks nothing useful through timing.
+if ARGV[10] ~= '' and redis.call('HGET', KEYS[1], 'token') ~= ARGV[10] then
+  return {'forbidden'}
+end
+if KEYS[7] ~= '' then
+  local existing = redis.call('GET', KEYS[7])
+  if existing then return {'duplicate', existing} end
+end
+local running = redis.call('GET', KEYS[3])
+if running then return {'busy', running} end
+if ARGV[5] ~= '' then
+  if redis.call('LLEN', KEYS[2]) >= tonumber(ARGV[7]) then return {'history_full'} end
+  redis.call('RPUSH', KEYS[2], ARGV[5])
+end
+local ttl = ARGV[3]
+redis.call('SET', KEYS[3], ARGV[4], 'EX', ttl)
+if KEYS[7] ~= '' then redis.call('SET', KEYS[7], ARGV[4], 'EX', ttl) end
+redis.call('HSET', KEYS[4], 'state', 'queued', 'created', ARGV[6])
+redis.call('EXPIRE', KEYS[4], ttl)
+redis.call('SET', KEYS[6], '1', 'EX', ARGV[8])
+local id = emit(KEYS[5], KEYS[4], ARGV[1], ARGV[2], ttl, 'queued', ARGV[4], ARGV[9])
+for _, key in ipairs({KEYS[1], KEYS[2], KEYS[5]}) do redis.call('EXPIRE', key, ttl) end
+local reply = {'ok', id}
+for _, message in ipairs(redis.call('LRANGE', KEYS[2], 0, -1)) do table.insert(reply, message) end
+return reply

@@ -1,0 +1,214 @@
+"""The messages between gateway and engine: msgspec Structs, JSON on the wire.
+
+``GenerationRequest`` and ``CancelSignal`` go from gateways to workers, ``WorkerInfo``
+describes a live worker, and the session events (``SessionEvent``) are what a client
+reads: the stream entry's ``d`` field, and the SSE ``data:``.
+
+Schema evolution: new fields go at the end with defaults; a change that old readers cannot
+ignore bumps ``WIRE_VERSION`` and the key prefix (wire/keys.py), so two versions never share
+keys. Version 2: the ``resumed`` event and ``GenerationRequest.resume`` (takeover), which a
+version-1 gateway could not decode and a version-1 worker would run from the start.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+WIRE_VERSION = 2
+
+Role = Literal["system", "user", "assistant"]
+GenerationState = Literal["queued", "running", "done", "cancelled", "error"]
+CancelReason = Literal["user", "abandoned", "disconnected", "shutdown"]
+TERMINAL_EVENTS = frozenset({"done", "cancelled", "error"})
+
+
+# --- messages -------------------------------------------------------------------------
+
+
+class ChatMessage(msgspec.Struct, frozen=True):
+    role: Role
+    content: str
+
+
+class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
+    max_tokens: int = 256
+    temperature: float = 0.7
+    top_p: float = 1.0
+    top_k: int | None = None
+    stop: list[str] = []
+    seed: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logprobs: bool = False
+    """Ask the engine for the logprob of each sampled token (TGI and OpenAI adapters)."""
+    # vLLM's extra sampling fields (its OpenAI server takes them; clients send them through
+    # the SDK's ``extra_body``). Neutral defaults: an old writer's request means what it did.
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] = []
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+
+class GenerationRequest(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What the gateway queues for an engine worker (``requests`` stream, field ``r``)."""
+
+    generation_id: str
+    session_id: str
+    params: SamplingParams
+    messages: list[ChatMessage] = []
+    """Chat input; the engine applies the model's chat template."""
+    prompt: str | None = None
+    """Raw text input (completions, TGI, OIP): used as-is, no chat template."""
+    enqueued_at: float = 0.0
+    session_ttl_s: int = 86_400
+    """Lifetime the session's keys get when the generation ends (set by the gateway)."""
+    events_maxlen: int = 20_000
+    """Cap of the session's event stream (the gateway's TOKENSPOUT_EVENTS_MAXLEN)."""
+    v: int = WIRE_VERSION
+    resume: Resume | None = None
+    """Set when the generation was taken over: continue it after what was streamed."""
+
+    @property
+    def engine_request_id(self) -> str:
+        """One per epoch: a continuation never clashes with an earlier run still aborting."""
+        return f"{self.generation_id}@{self.resume.takeover}" if self.resume else self.generation_id
+
+
+class Resume(msgspec.Struct, frozen=True):
+    """What a generation had streamed when its worker was lost or stopped: the next worker
+    runs the prompt plus ``token_ids`` for ``max_tokens - completion_tokens`` more."""
+
+    takeover: int
+    """The epoch (1 for the first takeover): only its request may claim the generation."""
+    from_worker: str
+    prompt_tokens: int
+    completion_tokens: int
+    text: str
+    token_ids: list[int]
+
+
+class CancelSignal(msgspec.Struct, frozen=True):
+    """Broadcast to every worker (``cancels`` stream, field ``c``); the owner aborts."""
+
+    generation_id: str
+    session_id: str
+    reason: CancelReason = "user"
+
+
+class WorkerInfo(msgspec.Struct, frozen=True):
+    worker_id: str
+    backend: str
+    model: str
+    capacity: int
+    running: int
+    started_at: float
+    aliases: list[str] = []
+    """More names the model answers to (``--served-model-name a,b``: ``b``)."""
+    max_model_len: int | None = None
+    """Longest prompt plus reply in tokens; None: no fixed context (synthetic)."""
+    lease_id: int = 0
+    """Client id of its lease connection (``lease_name``; engine/lease.py); 0: none."""
+    draining: bool = False
+
+    @property
+    def names(self) -> list[str]:
+        return [self.model, *self.aliases]
+
+
+# --- session events (the stream entry ``d`` field, and the SSE ``data:``) ---------------
+
+
+class Usage(msgspec.Struct, frozen=True):
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class Queued(msgspec.Struct, frozen=True, tag="queued"):
+    generation_id: str
+
+
+class Started(msgspec.Struct, frozen=True, tag="started"):
+    generation_id: str
+    model: str
+    prompt_tokens: int
+
+
+class Token(msgspec.Struct, frozen=True, tag="token"):
+    generation_id: str
+    text: str
+    """The text delta (may hold more than one token when the engine batched a step)."""
+    count: int
+    """Completion tokens generated so far, this delta included."""
+    token_ids: list[int] = []
+    logprobs: list[float] | None = None
+
+
+class Done(msgspec.Struct, frozen=True, tag="done"):
+    generation_id: str
+    finish_reason: str
+    usage: Usage
+
+
+class Cancelled(msgspec.Struct, frozen=True, tag="cancelled"):
+    generation_id: str
+    reason: CancelReason
+    usage: Usage
+
+
+class Error(msgspec.Struct, frozen=True, tag="error"):
+    generation_id: str
+    code: str
+    message: str
+
+
+class Resumed(msgspec.Struct, frozen=True, tag="resumed"):
+    """The generation goes on in another worker: its next token follows the last one."""
+
+    generation_id: str
+    from_worker: str
+    to_worker: str
+    completion_tokens: int
+    """Tokens streamed before the takeover."""
+    takeover: int
+
+
+SessionEvent = Queued | Started | Token | Done | Cancelled | Error | Resumed
+FinalEvent = Done | Cancelled | Error
+
+_event_decoder = msgspec.json.Decoder(SessionEvent)
+_encoder = msgspec.json.Encoder()
+
+
+def event_type(event: SessionEvent) -> str:
+    return type(event).__struct_config__.tag  # type: ignore[return-value]
+
+
+def encode(obj: msgspec.Struct) -> bytes:
+    return _encoder.encode(obj)
+
+
+def decode_event(data: bytes | str) -> SessionEvent:
+    event: SessionEvent = _event_decoder.decode(data)
+    return event
+
+
+def final_state(event: FinalEvent) -> GenerationState:
+    return "done" if isinstance(event, Done) else event_type(event)  # type: ignore[return-value]
+
+
+_final_decoder = msgspec.json.Decoder(FinalEvent)
+
+
+def decode_final(data: bytes | str) -> FinalEvent:
+    final: FinalEvent = _final_decoder.decode(data)
+    return final

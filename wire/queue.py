@@ -1,0 +1,151 @@
+"""A model's generation queue: its ``requests`` stream and the consumer group on it.
+
+The one owner of the consumer group's commands, for everyone who uses it: gateways add
+requests (and read the queue's depth), workers take, acknowledge and give back, the
+gateways' reaper claims what a lost worker left pending and puts it on the queue again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import cast
+
+import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
+from redis.exceptions import RedisError, ResponseError
+
+from wire.keys import CONSUMER_GROUP, SHARED_KEY_TTL_S, Keys
+from wire.replies import StreamEntry, entries_of, read_entries, text
+
+Fields = Mapping[bytes, bytes] | Mapping[str, bytes]
+
+
+def _missing(exc: RedisError) -> bool:
+    """The stream or its group does not exist (nothing queued yet, or Redis lost it)."""
+    message = str(exc).lower()
+    return "no such key" in message or "nogroup" in message
+
+
+class RequestQueue:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, model: str) -> None:
+        self.redis = redis
+        self.model = model
+        self.key = keys.requests(model)
+
+    # --- gateways and the reaper ---------------------------------------------------------
+
+    async def add(self, fields: Fields, *, maxlen: int | None = None) -> None:
+        """Queue a request (capped at about ``maxlen``), renewing the stream's TTL in the
+        same round trip (``SHARED_KEY_TTL_S``)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xadd(self.key, fields, maxlen=maxlen, approximate=True)  # type: ignore[arg-type]
+            pipe.expire(self.key, SHARED_KEY_TTL_S)
+            await pipe.execute()
+
+    def count_in(self, pipe: Pipeline) -> None:
+        """Queue XINFO GROUPS and XLEN in ``pipe``; ``counted`` reads their two replies."""
+        pipe.xinfo_groups(self.key)
+        pipe.xlen(self.key)
+
+    @staticmethod
+    def counted(groups: object, length: object) -> tuple[int, int]:
+        """(queued, running): requests no worker took yet, and taken but not acknowledged,
+        from the replies ``count_in`` asked for (run with ``raise_on_error=False``)."""
+        if isinstance(groups, RedisError):
+            if _missing(groups):
+                return 0, 0
+            raise groups
+        if isinstance(length, RedisError):
+            raise length
+        for group in groups if isinstance(groups, list) else []:
+            if text(group["name"]) == CONSUMER_GROUP:
+                return int(group.get("lag") or 0), int(group["pending"])
+        return int(cast(int, length)), 0
+
+    async def pending_consumers(self) -> list[str]:
+        """The consumers that hold unacknowledged requests."""
+        try:
+            summary = await self.redis.xpending(self.key, CONSUMER_GROUP)
+        except RedisError as exc:
+            if _missing(exc):
+                return []
+            raise
+        if not summary["pending"]:
+            return []
+        return [text(consumer["name"]) for consumer in summary["consumers"]]
+
+    async def pending_of(self, consumer: str, idle_ms: int | None = None) -> list[tuple[str, int]]:
+        """(entry id, ms since delivered) of what ``consumer`` holds (idle that long, if
+        given), up to 500."""
+        pending = await self.redis.xpending_range(
+            self.key,
+            CONSUMER_GROUP,
+            min="-",
+            max="+",
+            count=500,
+            consumername=consumer,
+            idle=idle_ms,
+        )
+        return [(text(p["message_id"]), int(p["time_since_delivered"])) for p in pending]
+
+    async def claim(self, consumer: str, idle_ms: int, entry_id: str) -> list[StreamEntry]:
+        """Take an entry over for ``consumer`` if it is still idle ``idle_ms``."""
+        reply = await self.redis.xclaim(self.key, CONSUMER_GROUP, consumer, idle_ms, [entry_id])
+        return entries_of(reply)
+
+    async def forget_consumer(self, consumer: str) -> None:
+        await self.redis.xgroup_delconsumer(self.key, CONSUMER_GROUP, consumer)
+
+    async def last_delivered(self) -> str | None:
+        """The group's last-delivered id; "" if there is no group; None if no stream."""
+        try:
+            groups = await self.redis.xinfo_groups(self.key)
+        except ResponseError as exc:
+            if "no such key" in str(exc).lower():
+                return None
+            raise
+        for group in groups:
+            if text(group["name"]) == CONSUMER_GROUP:
+                return text(group["last-delivered-id"])
+        return ""
+
+    async def read_after(self, after_id: str, count: int) -> list[StreamEntry]:
+        """Entries after ``after_id`` ("": from the first), delivered or not."""
+        start = f"({after_id}" if after_id else "-"
+        return entries_of(await self.redis.xrange(self.key, min=start, count=count))
+
+    # --- workers -------------------------------------------------------------------------
+
+    async def ensure_group(self) -> None:
+        """Create the consumer group (and the stream) unless it exists."""
+        try:
+            await self.redis.xgroup_create(self.key, CONSUMER_GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        # MKSTREAM made a key without a TTL; workers' heartbeats refresh it from now on.
+        await self.redis.expire(self.key, SHARED_KEY_TTL_S)
+
+    async def take(self, consumer: str, count: int, block_ms: int) -> list[StreamEntry]:
+        """Up to ``count`` new requests for ``consumer``, waiting up to ``block_ms``;
+        raises ``ResponseError`` (NOGROUP) when the group is gone."""
+        reply = await self.redis.xreadgroup(
+            CONSUMER_GROUP, consumer, {self.key: ">"}, count=count, block=block_ms
+        )
+        return read_entries(reply)
+
+    async def ack(self, *entry_ids: bytes | str) -> None:
+        await self.redis.xack(self.key, CONSUMER_GROUP, *entry_ids)
+
+    def ack_in(self, pipe: Pipeline, entry_id: bytes) -> None:
+        """Acknowledge in ``pipe`` (right after a generation's final event)."""
+        pipe.xack(self.key, CONSUMER_GROUP, entry_id)
+
+    async def requeue(self, entries: Sequence[tuple[bytes, Fields]]) -> None:
+        """Put taken requests back for the others (as new entries) and acknowledge the
+        taken ones, in one transaction."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            for entry_id, fields in entries:
+                pipe.xadd(self.key, fields)  # type: ignore[arg-type]
+                pipe.xack(self.key, CONSUMER_GROUP, entry_id)
+            await pipe.execute()

@@ -1,0 +1,259 @@
+"""The Lua scripts that keep a session's event stream consistent, one typed wrapper each.
+
+Each script's source is a file in wire/lua/ (its header comment says what it does and
+returns); the wrapper below is the only place its KEYS and ARGV are listed, so a caller
+names what it passes (``Emit(...)(session_id=..., event=..., writer=...)``) and a new
+argument is one edit here and one in the .lua file.
+
+A live message on ``Keys.live_channel`` is "<entry id> <type> <generation id> <json>", the
+same event the stream holds, so a live reader needs no second round trip.
+
+Called with ``pipe=`` a wrapper queues the script in that pipeline and returns nothing;
+``reply`` turns the pipeline's result for it into what the call would have returned.
+"""
+
+from __future__ import annotations
+
+import time
+from importlib.resources import files
+from typing import ClassVar
+
+import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
+from redis.commands.core import AsyncScript
+
+from wire.keys import Keys
+from wire.messages import (
+    Cancelled,
+    CancelReason,
+    ChatMessage,
+    FinalEvent,
+    GenerationState,
+    Queued,
+    SessionEvent,
+    Usage,
+    encode,
+    event_type,
+    final_state,
+)
+from wire.replies import text
+
+_LUA = files("wire") / "lua"
+
+
+def _source(name: str) -> str:
+    return (_LUA / f"{name}.lua").read_text(encoding="utf-8")
+
+
+EMIT_CORE = _source("emit_core")
+"""Lua functions ``emit`` (append an event and publish it) and ``finish`` (end a generation)."""
+
+Arg = str | bytes | int | float
+
+
+class _Script:
+    source: ClassVar[str]
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
+        self.keys = keys
+        self._script: AsyncScript = redis.register_script(self.source)
+
+    async def _run(self, keys: list[str], args: list[Arg], pipe: Pipeline | None) -> object:
+        if pipe is None:
+            return await self._script(keys=keys, args=args)
+        await self._script(keys=keys, args=args, client=pipe)
+        return None
+
+    @staticmethod
+    def reply(reply: object) -> str | None:
+        """An entry id reply (Emit, EndQueued): the id, or None for Lua's false."""
+        return text(reply) if isinstance(reply, bytes | str) else None
+
+
+def _texts(reply: object) -> list[str]:
+    return [text(item) for item in reply] if isinstance(reply, list) else []
+
+
+class Emit(_Script):
+    """Append one event of a generation to its session (wire/lua/emit.lua)."""
+
+    source = EMIT_CORE + _source("emit")
+
+    async def __call__(
+        self,
+        *,
+        session_id: str,
+        event: SessionEvent,
+        maxlen: int,
+        ttl_s: int,
+        final: bool = False,
+        writer: str = "",
+        assistant: ChatMessage | None = None,
+        seq: int = 0,
+        epoch: int = 0,
+        pipe: Pipeline | None = None,
+    ) -> str | None:
+        """The event's entry id, or None when refused (the generation ended or expired, or
+        ``writer``, at ``epoch``, does not own it). ``writer`` "": a gateway (no ownership
+        check). ``final``: the event ends the generation (``assistant`` joins the history).
+        ``seq``: the writer's 1, 2, 3... for this generation (0: none); a write at or below
+        the last one is a retry, answered with the latest id and not written again."""
+        keys, gid = self.keys, event.generation_id
+        reply = await self._run(
+            [
+                keys.events(session_id),
+                keys.generation(session_id, gid),
+                keys.active(session_id),
+                keys.history(session_id),
+            ],
+            [
+                keys.live_channel(session_id),
+                maxlen,
+                ttl_s,
+                event_type(event),
+                gid,
+                encode(event),
+                final_state(event) if final else "",  # type: ignore[arg-type]
+                writer,
+                encode(assistant) if assistant is not None else "",
+                seq or "",
+                epoch,
+            ],
+            pipe,
+        )
+        return self.reply(reply)
+
+
+class Takeover(_Script):
+    """Take a running generation from its worker, atomically (wire/lua/takeover.lua)."""
+
+    source = _source("takeover")
+
+    async def __call__(
+        self,
+        *,
+        session_id: str,
+        generation_id: str,
+        worker: str,
+        max_takeovers: int,
+        usage: Usage | None = None,
+    ) -> list[str]:
+        """``[outcome, ...]``: ``takeover``/``queued`` with the epoch and the worker it came
+        from, ``cancel`` with the reason, or ``exhausted``, ``final``, ``moved``."""
+        reply = await self._run(
+            [self.keys.generation(session_id, generation_id)],
+            [worker, max_takeovers, encode(usage) if usage is not None else ""],
+            None,
+        )
+        return _texts(reply)
+
+
+class Submit(_Script):
+    """Queue a generation in a session: message, limits, queued event (wire/lua/submit.lua)."""
+
+    source = EMIT_CORE + _source("submit")
+
+    async def __call__(
+        self,
+        *,
+        session_id: str,
+        generation_id: str,
+        user_message: ChatMessage | None,
+        token_digest: str,
+        idempotency_key: str | None,
+        maxlen: int,
+        ttl_s: int,
+        max_history: int,
+        watch_ttl_s: int,
+    ) -> list[str]:
+        """``['ok', queued event id, history JSON...]``, or ``['missing']``,
+        ``['forbidden']`` (``token_digest`` "": no check), ``['duplicate', gid]``,
+        ``['busy', gid]``, ``['history_full']``."""
+        keys = self.keys
+        reply = await self._run(
+            [
+                keys.meta(session_id),
+                keys.history(session_id),
+                keys.active(session_id),
+                keys.generation(session_id, generation_id),
+                keys.events(session_id),
+                keys.watch(session_id),
+                keys.idempotency(session_id, idempotency_key) if idempotency_key else "",
+            ],
+            [
+                keys.live_channel(session_id),
+                maxlen,
+                ttl_s,
+                generation_id,
+                encode(user_message).decode() if user_message is not None else "",
+                time.time(),
+                max_history,
+                watch_ttl_s,
+                encode(Queued(generation_id)),
+                token_digest,
+            ],
+            None,
+        )
+        return _texts(reply)
+
+
+class Cancel(_Script):
+    """Cancel a generation: end a queued one here, flag a running one (wire/lua/cancel.lua)."""
+
+    source = EMIT_CORE + _source("cancel")
+
+    async def __call__(
+        self,
+        *,
+        session_id: str,
+        generation_id: str,
+        reason: CancelReason,
+        maxlen: int,
+        ttl_s: int,
+    ) -> list[str]:
+        """``['unknown']``, ``['final', state, final JSON]``, ``['cancelled', id, JSON]``
+        (it was queued) or ``['signal', worker]`` (running: tell its worker)."""
+        keys = self.keys
+        cancelled = Cancelled(generation_id, reason, Usage(0, 0))
+        reply = await self._run(
+            [
+                keys.generation(session_id, generation_id),
+                keys.events(session_id),
+                keys.active(session_id),
+            ],
+            [
+                keys.live_channel(session_id),
+                maxlen,
+                ttl_s,
+                generation_id,
+                reason,
+                encode(cancelled),
+            ],
+            None,
+        )
+        return _texts(reply)
+
+
+class EndQueued(_Script):
+    """End a generation no worker has started (wire/lua/end_queued.lua)."""
+
+    source = EMIT_CORE + _source("end_queued")
+
+    async def __call__(
+        self,
+        *,
+        session_id: str,
+        event: FinalEvent,
+        maxlen: int,
+        ttl_s: int,
+        pipe: Pipeline | None = None,
+    ) -> str | None:
+        """The final event's entry id, or None when it started or ended meanwhile."""
+        keys, gid = self.keys, event.generation_id
+        state: GenerationState = final_state(event)
+        reply = await self._run(
+            [keys.generation(session_id, gid), keys.events(session_id), keys.active(session_id)],
+            [keys.live_channel(session_id), maxlen, ttl_s, gid, state, encode(event)],
+            pipe,
+        )
+        return self.reply(reply)
