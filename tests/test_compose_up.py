@@ -84,6 +84,7 @@ def compose_run(tmp_path: Path) -> Iterator[ComposeRun]:
             finally:
                 run.sweep()
                 fcntl.flock(lock, fcntl.LOCK_UN)
+                print(f"compose run checks passed: {json.dumps(run.checks)}")
                 print(f"compose run timings: {json.dumps(run.timings)}")
 
 
@@ -97,6 +98,7 @@ async def test_compose_up_builds_the_images_and_serves_through_the_proxy(
     assert len(gateways) == 2, gateways
     assert run.containers("engine") == []  # the CPU profile is the default: no GPU engine
     (engine,) = run.containers("engine-cpu")
+    run.passed("a plain up: the CPU engine, no GPU engine, two gateways")
 
     # Every service's own health check passes (podman 4.3 without systemd schedules none).
     for container in run.containers():
@@ -105,6 +107,7 @@ async def test_compose_up_builds_the_images_and_serves_through_the_proxy(
     # The gateway image carries neither torch nor vllm.
     probe = "import importlib.util as u; print([m for m in ('torch', 'vllm') if u.find_spec(m)])"
     assert run.podman("exec", gateways[0], "python", "-c", probe).strip() == "[]"
+    run.passed("health checks of every service; no torch or vllm in the gateway image")
 
     async with httpx.AsyncClient(timeout=120) as client:
         # The web page, as a browser gets it.
@@ -112,6 +115,7 @@ async def test_compose_up_builds_the_images_and_serves_through_the_proxy(
         assert page.status_code == 200 and "<title>tokenspout chat</title>" in page.text
         (worker,) = (await client.get(f"{base}/ready")).json()["workers"]
         assert worker["model"] == MODEL and worker["backend"] == "vllm"
+        run.passed("the web page; /ready lists the SmolLM2 worker")
 
         # A real SmolLM2 reply over SSE.
         session = await create_session(client, base)
@@ -121,6 +125,7 @@ async def test_compose_up_builds_the_images_and_serves_through_the_proxy(
         reading = await read_events(client, session, until_final_of=gid, timeout_s=600)
         assert reading.final(gid).event == "done", reading.final(gid).data
         assert "Paris" in reading.text(gid)
+        run.passed("a SmolLM2 reply over SSE")
 
         # A real reply over a WebSocket, through the proxy's upgrade.
         ws = await open_ws(base)
@@ -132,6 +137,7 @@ async def test_compose_up_builds_the_images_and_serves_through_the_proxy(
             assert ws.text("w").strip()
         finally:
             await ws.conn.close()
+        run.passed("a SmolLM2 reply over a WebSocket")
 
         # A cancel: the stream ends with one `cancelled`, nothing after it.
         session = await create_session(client, base)
@@ -150,6 +156,7 @@ async def test_compose_up_builds_the_images_and_serves_through_the_proxy(
         assert reading.final(gid).event == "cancelled"
         assert reading.final(gid).json()["reason"] == "user"
         assert_gap_free(reading.events, gid)
+        run.passed("a cancel")
 
         # --scale gateway=2: the replica serving a stream stops mid-stream; the client
         # reconnects through the proxy with Last-Event-ID and the reply goes on, gap-free.
@@ -185,6 +192,7 @@ async def test_compose_up_builds_the_images_and_serves_through_the_proxy(
         assert reading.final(gid).event == "done", reading.final(gid).data
         assert_gap_free(reading.events, gid)
         assert active_streams(run, next(g for g in gateways if g != serving[0])) == 0
+        run.passed("a replica stopped mid-stream, the reply resumed through the proxy")
 
         # The engine restarts mid-reply (SIGKILL 1 s after SIGTERM, before its drain ends):
         # the reply survives it. The gateway's reaper sees the lease close and queues the
@@ -206,7 +214,6 @@ async def test_compose_up_builds_the_images_and_serves_through_the_proxy(
         assert resumed.json()["takeover"] == 1, resumed.data
         assert_gap_free(reading.events, gid)
         run.timings["engine_restart_final_s"] = time.monotonic() - began
-        print(f"engine restart: the interrupted reply ended with {final.event} {final.data}")
         run.timings["engine_restart_ready_s"] = await asyncio.to_thread(
             wait_until, lambda: bool(ready_workers(base)), 900, "the restarted engine", 2
         )
@@ -217,6 +224,7 @@ async def test_compose_up_builds_the_images_and_serves_through_the_proxy(
             client, session, until_final_of=gid, last_event_id=reading.events[-1].id, timeout_s=600
         )
         assert reading.final(gid).event == "done" and "Paris" in reading.text(gid)
+        run.passed("an engine restart: the reply survived it (takeover), then a new reply")
 
     # `down -v` leaves no container, network or volume of the project. podman-compose 1.6's
     # `down` knows only the replicas compose.yaml declares, and its `up --scale gateway=1`
@@ -227,3 +235,4 @@ async def test_compose_up_builds_the_images_and_serves_through_the_proxy(
     run.compose("down", "-v", "-t", "10", timeout=300)
     run.timings["down_s"] = time.monotonic() - began
     assert run.left_over() == {"containers": [], "networks": [], "volumes": []}
+    run.passed("down -v: no container, network or volume left")

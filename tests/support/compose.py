@@ -32,6 +32,8 @@ class ComposeRun:
     env: dict[str, str]
     log: Path
     timings: dict[str, float] = field(default_factory=dict)
+    checks: list[str] = field(default_factory=list)
+    """The checks passed so far, in order: printed with the timings, pass or fail."""
 
     def compose(self, *args: str, timeout: float = 300) -> str:
         command = standins.compose_command(
@@ -46,6 +48,9 @@ class ComposeRun:
             log.write(result.stdout + result.stderr)
         assert result.returncode == 0, (args, result.stdout[-3000:], result.stderr[-3000:])
         return result.stdout
+
+    def passed(self, check: str) -> None:
+        self.checks.append(check)
 
     def podman(self, *args: str, timeout: float = 120) -> str:
         result = standins.podman(*args, check=False, timeout=timeout)
