@@ -57,7 +57,9 @@ def compose_run(tmp_path: Path) -> Iterator[ComposeRun]:
     run.timings["prepare_s"] = time.monotonic() - began
     run.timings.update({f"build_{name}_s": spent for name, spent in built.items()})
     with VLLM_LOCK.open("w") as lock:
+        began = time.monotonic()
         fcntl.flock(lock, fcntl.LOCK_EX)  # the containerised engine is a vLLM engine too
+        run.timings["vllm_lock_wait_s"] = time.monotonic() - began
         try:
             began = time.monotonic()
             run.compose("up", "-d", "--scale", "gateway=2", timeout=600)
