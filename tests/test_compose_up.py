@@ -1,0 +1,240 @@
+"""compose.yaml run for real: the images built from docker/ on local stand-ins of the
+official base images, the CPU stack up with podman-compose, checked through the proxy.
+
+tests/support/standins.py builds the stand-in base images and the project's images (compose
+build), then compose.yaml runs unchanged on podman with podman-compose; the one override,
+docker/standins/compose.podman.yaml, gives the proxy the network's name server alone, as
+Docker does. docs/containers.md says what this proves and what it cannot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from stack.redis_server import free_port
+from tests.support import standins
+from tests.support.compose import (
+    MODEL,
+    ComposeRun,
+    active_streams,
+    assert_gap_free,
+    free_subnet,
+    open_connections,
+    ready_workers,
+    until_events,
+    wait_until,
+)
+from tests.support.http import TERMINAL, Reading, cancel, create_session, read_events, send
+from tests.support.stack import VLLM_LOCK
+from tests.support.ws import open_ws
+
+
+@pytest.fixture
+def compose_run(tmp_path: Path) -> Iterator[ComposeRun]:
+    """Images built (cached after the first time), the CPU stack up with two gateways."""
+    project = f"ts{secrets.token_hex(3)}"
+    port = free_port()
+    env = {
+        **standins.podman_env(),
+        "TOKENSPOUT_PORT": f"127.0.0.1:{port}",
+        "TOKENSPOUT_STANDIN_SUBNET": free_subnet(),
+        "TOKENSPOUT_CPU_CAPACITY": "4",
+        "TOKENSPOUT_DRAIN_S": "5",
+    }
+    env.pop("COMPOSE_PROFILES", None)  # .env's default is what runs
+    run = ComposeRun(project, f"http://127.0.0.1:{port}", env, tmp_path / "compose.log")
+    began = time.monotonic()
+    built = standins.prepare()
+    run.timings["prepare_s"] = time.monotonic() - began
+    run.timings.update({f"build_{name}_s": spent for name, spent in built.items()})
+    with VLLM_LOCK.open("w") as lock:
+        began = time.monotonic()
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the containerised engine is a vLLM engine too
+        run.timings["vllm_lock_wait_s"] = time.monotonic() - began
+        try:
+            began = time.monotonic()
+            run.compose("up", "-d", "--scale", "gateway=2", timeout=600)
+            run.timings["up_s"] = time.monotonic() - began
+            run.timings["engine_ready_s"] = (
+                wait_until(
+                    lambda: bool(ready_workers(run.base)),
+                    900,
+                    "an engine worker behind the proxy",
+                    2,
+                )
+                + run.timings["up_s"]
+            )
+            yield run
+        finally:
+            try:
+                if run.containers():  # the test failed before its own down -v
+                    for container in run.containers():  # kept in the captured output
+                        logs = standins.podman("logs", "--tail", "60", container, check=False)
+                        print(f"--- {container}\n{logs.stdout}{logs.stderr}")
+                    print(run.log.read_text()[-6000:])
+                    run.remove_extra_replicas()
+                    run.compose("down", "-v", "-t", "10", timeout=300)
+            finally:
+                run.sweep()
+                fcntl.flock(lock, fcntl.LOCK_UN)
+                print(f"compose run checks passed: {json.dumps(run.checks)}")
+                print(f"compose run timings: {json.dumps(run.timings)}")
+
+
+@pytest.mark.containers
+@pytest.mark.timeout(3600)
+async def test_compose_up_builds_the_images_and_serves_through_the_proxy(
+    compose_run: ComposeRun,
+) -> None:
+    run, base = compose_run, compose_run.base
+    gateways = run.containers("gateway")
+    assert len(gateways) == 2, gateways
+    assert run.containers("engine") == []  # the CPU profile is the default: no GPU engine
+    (engine,) = run.containers("engine-cpu")
+    run.passed("a plain up: the CPU engine, no GPU engine, two gateways")
+
+    # Every service's own health check passes (podman 4.3 without systemd schedules none).
+    for container in run.containers():
+        run.podman("healthcheck", "run", container)
+
+    # The gateway image carries neither torch nor vllm.
+    probe = "import importlib.util as u; print([m for m in ('torch', 'vllm') if u.find_spec(m)])"
+    assert run.podman("exec", gateways[0], "python", "-c", probe).strip() == "[]"
+    run.passed("health checks of every service; no torch or vllm in the gateway image")
+
+    async with httpx.AsyncClient(timeout=120) as client:
+        # The web page, as a browser gets it.
+        page = await client.get(f"{base}/")
+        assert page.status_code == 200 and "<title>tokenspout chat</title>" in page.text
+        (worker,) = (await client.get(f"{base}/ready")).json()["workers"]
+        assert worker["model"] == MODEL and worker["backend"] == "vllm"
+        run.passed("the web page; /ready lists the SmolLM2 worker")
+
+        # A real SmolLM2 reply over SSE.
+        session = await create_session(client, base)
+        gid = await send(
+            client, session, "What is the capital of France?", max_tokens=24, temperature=0
+        )
+        reading = await read_events(client, session, until_final_of=gid, timeout_s=600)
+        assert reading.final(gid).event == "done", reading.final(gid).data
+        assert "Paris" in reading.text(gid)
+        run.passed("a SmolLM2 reply over SSE")
+
+        # A real reply over a WebSocket, through the proxy's upgrade.
+        ws = await open_ws(base)
+        try:
+            ack = await ws.generate("w", "Name a colour.", max_tokens=12, temperature=0)
+            assert ack["type"] == "ack", ack
+            final = await ws.final_of("w", timeout_s=600)
+            assert final["type"] == "done", final
+            assert ws.text("w").strip()
+        finally:
+            await ws.conn.close()
+        run.passed("a SmolLM2 reply over a WebSocket")
+
+        # A cancel: the stream ends with one `cancelled`, nothing after it.
+        session = await create_session(client, base)
+        long = "Write a long story about a lighthouse keeper."
+        gid = await send(client, session, long, max_tokens=400, temperature=0)
+        reading = await read_events(client, session, limit=5, timeout_s=600)
+        await cancel(client, session, gid)
+        reading = await read_events(
+            client,
+            session,
+            until_final_of=gid,
+            reading=reading,
+            last_event_id=reading.events[-1].id,
+            timeout_s=120,
+        )
+        assert reading.final(gid).event == "cancelled"
+        assert reading.final(gid).json()["reason"] == "user"
+        assert_gap_free(reading.events, gid)
+        run.passed("a cancel")
+
+        # --scale gateway=2: the replica serving a stream stops mid-stream; the client
+        # reconnects through the proxy with Last-Event-ID and the reply goes on, gap-free.
+        session = await create_session(client, base)
+        # 400 tokens (about 12 s here) outlast the stop by far: the replica is found from the
+        # host's /proc (no podman exec, which took seconds under load: a 200-token reply once
+        # ended before the stop reached it).
+        pids = {g: int(run.podman("inspect", "--format", "{{.State.Pid}}", g)) for g in gateways}
+        gid = await send(client, session, long, max_tokens=400, temperature=0)
+        reading = Reading()
+        first = asyncio.create_task(
+            read_events(client, session, until_final_of=gid, reading=reading, timeout_s=600)
+        )
+        await until_events(reading, 6, first)
+        serving = [g for g in gateways if open_connections(pids[g], 8000) >= 1]
+        assert len(serving) == 1 and open_connections(pids[serving[0]], 8000) == 1, serving
+        await asyncio.to_thread(run.podman, "stop", "--time", "2", serving[0])
+        try:
+            await first  # the stream closes when its replica goes
+        except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+            print(f"the stream on {serving[0]} broke as its replica stopped: {exc!r}")
+        assert not any(e.event in TERMINAL for e in reading.of(gid)), "ended before the stop"
+        seen = len(reading.events)
+        await read_events(
+            client,
+            session,
+            until_final_of=gid,
+            reading=reading,
+            last_event_id=reading.events[-1].id,
+            timeout_s=600,
+        )
+        assert any(e.event == "token" for e in reading.events[seen:]), "nothing was resumed"
+        assert reading.final(gid).event == "done", reading.final(gid).data
+        assert_gap_free(reading.events, gid)
+        assert active_streams(run, next(g for g in gateways if g != serving[0])) == 0
+        run.passed("a replica stopped mid-stream, the reply resumed through the proxy")
+
+        # The engine restarts mid-reply (SIGKILL 1 s after SIGTERM, before its drain ends):
+        # the reply survives it. The gateway's reaper sees the lease close and queues the
+        # continuation; the restarted engine claims it (`resumed`) and streams on to `done`.
+        session = await create_session(client, base)
+        gid = await send(client, session, long, max_tokens=300, temperature=0)
+        reading = Reading()
+        interrupted = asyncio.create_task(
+            read_events(client, session, until_final_of=gid, reading=reading, timeout_s=900)
+        )
+        await until_events(reading, 5, interrupted)
+        began = time.monotonic()
+        await asyncio.to_thread(run.podman, "restart", "--time", "1", engine, timeout=300)
+        await interrupted
+        final = reading.final(gid)
+        print(f"engine restart: the interrupted reply ended with {final.event} {final.data}")
+        assert final.event == "done", final.data
+        (resumed,) = [e for e in reading.of(gid) if e.event == "resumed"]
+        assert resumed.json()["takeover"] == 1, resumed.data
+        assert_gap_free(reading.events, gid)
+        run.timings["engine_restart_final_s"] = time.monotonic() - began
+        run.timings["engine_restart_ready_s"] = await asyncio.to_thread(
+            wait_until, lambda: bool(ready_workers(base)), 900, "the restarted engine", 2
+        )
+        gid = await send(
+            client, session, "What is the capital of France?", max_tokens=24, temperature=0
+        )
+        reading = await read_events(
+            client, session, until_final_of=gid, last_event_id=reading.events[-1].id, timeout_s=600
+        )
+        assert reading.final(gid).event == "done" and "Paris" in reading.text(gid)
+        run.passed("an engine restart: the reply survived it (takeover), then a new reply")
+
+    # `down -v` leaves no container, network or volume of the project. podman-compose 1.6's
+    # `down` knows only the replicas compose.yaml declares, and its `up --scale gateway=1`
+    # leaves the extra ones running (docker compose does both itself), so the replica
+    # `--scale` added is removed first, as docs/containers.md tells podman-compose users.
+    began = time.monotonic()
+    run.remove_extra_replicas()
+    run.compose("down", "-v", "-t", "10", timeout=300)
+    run.timings["down_s"] = time.monotonic() - began
+    assert run.left_over() == {"containers": [], "networks": [], "volumes": []}
+    run.passed("down -v: no container, network or volume left")
