@@ -23,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 from collections.abc import Callable
 from typing import cast
 
@@ -31,6 +33,7 @@ from redis.asyncio.client import PubSub
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
+import wire
 from wire.connect import node_by_address
 
 log = logging.getLogger("tokenspout.relay")
@@ -107,6 +110,7 @@ class ShardedLive:
         self.cluster: RedisCluster = cast(RedisCluster, cluster)
         self.deliver: Deliver = deliver
         self.confirmed: Confirmed = confirmed
+        self.client_name = wire.relay_name(socket.gethostname(), os.getpid())
         self._shards: dict[str, _Shard] = {}
         self._wanted: set[str] = set()
         self._orphans: set[str] = set()
@@ -146,7 +150,7 @@ class ShardedLive:
             raise OSError(f"no primary serves {channel} now")
         shard = self._shards.get(node.name)
         if shard is None or shard.lost:
-            client = node_by_address(self.cluster, node.name)
+            client = node_by_address(self.cluster, node.name, self.client_name)
             if client is None:
                 raise OSError(f"{node.name} is not a cluster node now")
             shard = self._shards[node.name] = _Shard(self, node.name, client)

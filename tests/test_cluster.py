@@ -24,7 +24,7 @@ from tests.support.cluster import (
     check_reply,
     migrate_slot,
     primaries,
-    pubsub_clients,
+    relay_connections,
     revive,
     slot_of,
 )
@@ -50,7 +50,6 @@ async def test_sessions_spread_over_the_shards_on_one_pubsub_connection_per_shar
     stack.synthetic(100, "--capacity", "30")
     gateway = stack.gateway()
     keys = Keys(stack.prefix)
-    before = {node.port: pubsub_clients(redis_cluster, node) for node in primaries(redis_cluster)}
     content, max_tokens = "spread me", 60
     async with httpx.AsyncClient(timeout=60) as client:
         sessions = [await create_session(client, gateway.url) for _ in range(30)]
@@ -59,12 +58,13 @@ async def test_sessions_spread_over_the_shards_on_one_pubsub_connection_per_shar
         for follower in followers:
             await follower.until_tokens(3)
         shards = {redis_cluster.primary_of(keys.events(s.session_id)).port for s in sessions}
-        during = {
-            node.port: pubsub_clients(redis_cluster, node) for node in primaries(redis_cluster)
+        held = {
+            node.port: relay_connections(redis_cluster, node, gateway.process.pid)
+            for node in primaries(redis_cluster)
         }
         await asyncio.wait_for(asyncio.gather(*(f.task for f in followers if f.task)), 120)
     assert len(shards) == 3, shards
-    assert {port: during[port] - before.get(port, 0) for port in during} == dict.fromkeys(during, 1)
+    assert held == dict.fromkeys(held, 1), held
     for follower, gid in zip(followers, gids, strict=True):
         assert check_reply(follower.reading.events, gid, content, max_tokens)["usage"]
 

@@ -20,6 +20,7 @@ from wire.keys import (
     Keys,
     check_model_name,
     lease_name,
+    relay_name,
 )
 from wire.messages import (
     TERMINAL_EVENTS,
@@ -99,5 +100,6 @@ __all__ = [
     "just_before",
     "lease_name",
     "read_entries",
+    "relay_name",
     "text",
 ]

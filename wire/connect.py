@@ -175,9 +175,12 @@ def address_of(client: aioredis.Redis) -> str:
     return f"{kwargs['host']}:{kwargs['port']}" if "host" in kwargs else ""
 
 
-def node_by_address(redis: aioredis.Redis | RedisCluster, address: str) -> aioredis.Redis | None:
+def node_by_address(
+    redis: aioredis.Redis | RedisCluster, address: str, client_name: str | None = None
+) -> aioredis.Redis | None:
     """On a cluster, a one-connection client of the node at ``address`` if the cluster
-    still lists it; None elsewhere (one Redis: ``redis`` answers for itself)."""
+    still lists it (named ``client_name``); None elsewhere (one Redis: ``redis`` answers
+    for itself)."""
     if not isinstance(redis, RedisCluster) or not address:
         return None
     host, _, port = address.rpartition(":")
@@ -186,6 +189,8 @@ def node_by_address(redis: aioredis.Redis | RedisCluster, address: str) -> aiore
         return None
     kwargs = dict(node.connection_kwargs)
     kwargs.pop("retry", None)
+    if client_name is not None:
+        kwargs["client_name"] = client_name
     return aioredis.Redis(
         connection_pool=aioredis.BlockingConnectionPool(
             connection_class=node.connection_class, max_connections=1, timeout=None, **kwargs

@@ -58,6 +58,12 @@ def lease_name(worker_id: str) -> str:
     return f"tokenspout-lease:{worker_id}"
 
 
+def relay_name(host: str, pid: int) -> str:
+    """The client name of a gateway process's sharded pub/sub connections on a Redis
+    Cluster (CLIENT SETNAME): ``CLIENT LIST`` tells whose each one is."""
+    return f"tokenspout-relay:{host}:{pid}"
+
+
 class Keys:
     """Builds every Redis key from one prefix (tests use a fresh prefix per run)."""
 

@@ -4,9 +4,11 @@ check of a reply read across such an event."""
 
 from __future__ import annotations
 
+import socket
 import time
 from typing import Any
 
+import wire
 from stack.redis_cluster import EmbeddedCluster, _cmd
 from stack.redis_server import EmbeddedRedis
 from tests.support.http import TERMINAL
@@ -29,10 +31,12 @@ def primaries(cluster: EmbeddedCluster) -> list[EmbeddedRedis]:
     return found
 
 
-def pubsub_clients(cluster: EmbeddedCluster, node: EmbeddedRedis) -> int:
-    """Pub/sub connections open on ``node`` (CLIENT LIST TYPE pubsub)."""
+def relay_connections(cluster: EmbeddedCluster, node: EmbeddedRedis, gateway_pid: int) -> int:
+    """The pub/sub connections one gateway process holds on ``node``: counted by their
+    client name, so connections of other tests' gateways never count."""
+    name = wire.relay_name(socket.gethostname(), gateway_pid)
     with cluster.client(node) as client:
-        return len(client.client_list(_type="pubsub"))
+        return sum(c.get("name") == name for c in client.client_list(_type="pubsub"))
 
 
 def revive(cluster: EmbeddedCluster, node: EmbeddedRedis) -> None:
