@@ -36,11 +36,15 @@ class EmbeddedRedis:
         data_dir: Path | None = None,
         persist: bool = False,
         extra_args: list[str] | None = None,
+        config_file: Path | None = None,
     ) -> None:
         self.port = port or free_port()
         self.persist = persist
         self.extra_args = extra_args or []
         """More ``valkey-server`` options (a cluster node's, stack/redis_cluster.py)."""
+        self.config_file = config_file
+        """A config file the server reads first and may rewrite (a Sentinel's,
+        stack/redis_sentinel.py)."""
         self._own_dir = data_dir is None
         self.data_dir = data_dir or Path(tempfile.mkdtemp(prefix="tokenspout-redis-"))
         self.process: subprocess.Popen[bytes] | None = None
@@ -58,6 +62,7 @@ class EmbeddedRedis:
         self.process = subprocess.Popen(
             [
                 str(server_binary()),
+                *([str(self.config_file)] if self.config_file is not None else []),
                 "--port",
                 str(self.port),
                 "--bind",

@@ -16,6 +16,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from stack.redis_cluster import EmbeddedCluster
+from stack.redis_sentinel import EmbeddedSentinel
 from stack.redis_server import EmbeddedRedis, free_port
 from tests.support.engines import RUNNING, SYNTHETIC_TOKENS_PER_S, EngineUnderTest
 from tests.support.stack import VLLM_LOCK, Gateway, Stack, VllmStack
@@ -90,6 +91,24 @@ def redis_cluster() -> Iterator[EmbeddedCluster]:
 def cluster_stack(redis_cluster: EmbeddedCluster, tmp_path: Path) -> Iterator[Stack]:
     """A test's processes on the cluster (``REDIS_URL=redis+cluster://...``)."""
     stack = Stack(redis_cluster.url, f"c-{secrets.token_hex(4)}", tmp_path)
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+@pytest.fixture
+def redis_sentinel() -> Iterator[EmbeddedSentinel]:
+    """A primary, one replica and 3 Sentinels on loopback (stack/redis_sentinel.py), one
+    set per test: a test may kill the primary."""
+    with EmbeddedSentinel(replicas=1, sentinels=3) as sentinel:
+        yield sentinel
+
+
+@pytest.fixture
+def sentinel_stack(redis_sentinel: EmbeddedSentinel, tmp_path: Path) -> Iterator[Stack]:
+    """A test's processes on Sentinel (``REDIS_URL=redis+sentinel://...``)."""
+    stack = Stack(redis_sentinel.url, f"s-{secrets.token_hex(4)}", tmp_path)
     try:
         yield stack
     finally:

@@ -12,7 +12,6 @@ clear error, never hangs.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 
 import httpx
@@ -23,6 +22,7 @@ from stack.redis_cluster import EmbeddedCluster
 from tests.support.cluster import (
     check_reply,
     migrate_slot,
+    outage_s,
     primaries,
     relay_connections,
     revive,
@@ -33,12 +33,6 @@ from tests.support.stack import Stack
 from wire import Keys
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.cluster]
-
-
-def outage_s(arrived: list[float], since: float) -> float:
-    """The longest wait between two events the reader got after ``since``."""
-    times = [since, *(at for at in arrived if at >= since)]
-    return max((b - a for a, b in itertools.pairwise(times)), default=0.0)
 
 
 async def test_sessions_spread_over_the_shards_on_one_pubsub_connection_per_shard(

@@ -2,6 +2,8 @@
 
 - EMIT is idempotent per generation: an event whose sequence number is already written is
   not written again, so a pipeline resent after a connection loss duplicates nothing.
+- EMIT sees lost writes: an event whose sequence number skips some (Redis lost them in a
+  failover) ends the generation with ``error`` ``events_lost`` instead of a silent gap.
 - A failed acknowledgement is counted, logged and retried, so the request does not stay
   "in flight" (gateway/sessions.py counts pending requests) for the life of the worker.
 """
@@ -9,9 +11,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 from typing import Any
 
+import httpx
 import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
@@ -21,6 +25,10 @@ import wire
 from engine.backends.synthetic import SyntheticBackend
 from engine.publisher import Publisher
 from engine.worker import Worker
+from tests.support.cluster import check_reply
+from tests.support.http import create_session, follow, send
+from tests.support.redis_probes import async_client
+from tests.support.stack import Stack
 from wire import Keys, Started, Token
 from wire.queue import RequestQueue
 from wire.scripts import Emit, Takeover
@@ -157,3 +165,72 @@ async def test_after_a_takeover_only_the_new_epochs_writer_writes(redis: aioredi
     assert await write(wire.Resumed(gid, "w1", "w2", 2, 1), "w2", 1) is None
     kinds = [f[b"t"] for _id, f in await redis.xrange(keys.events(sid))]
     assert kinds == [b"started", b"token", b"resumed", b"token"]
+
+
+async def test_a_write_that_skips_sequence_numbers_ends_the_generation_events_lost(
+    redis: aioredis.Redis,
+) -> None:
+    """As a failover to a replica that lacked the last writes leaves it: the stream and the
+    generation's seq rewound. The writer's next event is refused and the generation ends
+    with ``error`` ``events_lost``; a lost claim (the generation still ``queued``) too; a
+    writer that does not own the generation ends nothing."""
+    keys = Keys(f"t-{secrets.token_hex(4)}")
+    emit = Emit(redis, keys)
+
+    async def write(sid: str, event: wire.SessionEvent, seq: int, epoch: int = 0) -> str | None:
+        return await emit(
+            session_id=sid, event=event, maxlen=100, ttl_s=600, writer="w1", seq=seq, epoch=epoch
+        )
+
+    async def events(sid: str) -> list[tuple[bytes, dict[str, Any]]]:
+        return [(f[b"t"], json.loads(f[b"d"])) for _id, f in await redis.xrange(keys.events(sid))]
+
+    sid, gid = await queued_generation(redis, keys)
+    started = await write(sid, Started(gid, "m", 3), 1)
+    assert await write(sid, Token(gid, "a", 1), 2)
+    assert await write(sid, Token(gid, "b", 2), 3)
+    # The failover: the new primary had the stream up to `started`.
+    await redis.xdel(keys.events(sid), *[i for i, _f in await redis.xrange(keys.events(sid))][1:])
+    await redis.hset(keys.generation(sid, gid), mapping={"seq": 1, "seq_id": started or ""})
+    assert await write(sid, Token(gid, "c", 3), 4) is None
+    kinds = await events(sid)
+    assert [kind for kind, _data in kinds] == [b"started", b"error"]
+    assert kinds[-1][1]["code"] == "events_lost" and kinds[-1][1]["generation_id"] == gid
+    assert await redis.hget(keys.generation(sid, gid), "state") == b"error"
+    assert await write(sid, Token(gid, "d", 4), 5) is None  # ended: nothing after
+    assert await write(sid, Started(gid, "m", 3), 1) == started  # a retry is still a retry
+
+    lost_claim_sid, lost_claim_gid = await queued_generation(redis, keys)
+    assert await write(lost_claim_sid, Token(lost_claim_gid, "a", 1), 2) is None
+    assert [kind for kind, _data in await events(lost_claim_sid)] == [b"error"]
+
+    taken_sid, taken_gid = await queued_generation(redis, keys)
+    await redis.hset(keys.generation(taken_sid, taken_gid), "takeovers", 1)  # epoch 1 now
+    assert await write(taken_sid, Token(taken_gid, "a", 9), 10, epoch=0) is None
+    assert await events(taken_sid) == []
+    assert await redis.hget(keys.generation(taken_sid, taken_gid), "state") == b"queued"
+
+
+async def test_a_reply_whose_events_redis_lost_ends_with_a_clear_error(stack: Stack) -> None:
+    """Through a gateway and a worker: the generation's seq rewound mid-reply (as a failover
+    would leave it) ends that reply with ``error`` ``events_lost``, every token before it
+    once and in order; another reply on the same worker goes on whole."""
+    stack.synthetic(50)
+    gateway = stack.gateway()
+    keys = Keys(stack.prefix)
+    content, max_tokens = "lose my writes", 150
+    async with httpx.AsyncClient(timeout=60) as client:
+        sessions = [await create_session(client, gateway.url) for _ in range(2)]
+        gids = [await send(client, s, content, max_tokens=max_tokens) for s in sessions]
+        followers = [follow(client, s, g) for s, g in zip(sessions, gids, strict=True)]
+        for follower in followers:
+            await follower.until_tokens(10)
+        rewind = async_client(stack.redis_url)
+        try:
+            await rewind.hset(keys.generation(sessions[0].session_id, gids[0]), "seq", 2)
+        finally:
+            await rewind.aclose()
+        await asyncio.wait_for(asyncio.gather(*(f.task for f in followers if f.task)), 60)
+    lost = check_reply(followers[0].reading.events, gids[0], content, max_tokens)
+    assert lost["code"] == "events_lost", lost
+    assert check_reply(followers[1].reading.events, gids[1], content, max_tokens)["usage"]

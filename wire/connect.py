@@ -54,7 +54,7 @@ def connect(url: str, *, max_connections: int | None = None, **options: Any) -> 
     if kind == "cluster":
         return _cluster(url, max_connections, options)
     if kind == "sentinel":
-        return _sentinel(url, max_connections or 2**31, options)
+        return _sentinel(url, max_connections, options)
     if max_connections is None:
         return aioredis.Redis.from_url(url, **options)
     return aioredis.Redis(
@@ -93,7 +93,12 @@ def _cluster(url: str, max_connections: int | None, options: dict[str, Any]) -> 
     return cast(aioredis.Redis, client)
 
 
-def _sentinel(url: str, max_connections: int, options: dict[str, Any]) -> aioredis.Redis:
+class _BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
+    """Connections to the primary Sentinel names, from a pool that waits up to ``timeout``
+    for a free one when all are in use (the gateway's), as one Redis's blocking pool does."""
+
+
+def _sentinel(url: str, max_connections: int | None, options: dict[str, Any]) -> aioredis.Redis:
     parts = urlsplit(url)
     path = [part for part in parts.path.split("/") if part]
     if not path:
@@ -111,10 +116,14 @@ def _sentinel(url: str, max_connections: int, options: dict[str, Any]) -> aiored
         ssl=parts.scheme.startswith("rediss"),
         db=db,
     )
-    return aioredis.Redis(
-        connection_pool=SentinelConnectionPool(  # type: ignore[no-untyped-call]
+    if max_connections is None:
+        pool = SentinelConnectionPool(service, sentinel, **options)  # type: ignore[no-untyped-call]
+    else:
+        pool = _BlockingSentinelPool(  # type: ignore[no-untyped-call]
             service, sentinel, max_connections=max_connections, **options
-        ),
+        )
+    return aioredis.Redis(
+        connection_pool=pool,
         retry=_retry(),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
     )

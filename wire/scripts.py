@@ -125,7 +125,9 @@ class Emit(_Script):
         ``writer``, at ``epoch``, does not own it). ``writer`` "": a gateway (no ownership
         check). ``final``: the event ends the generation (``assistant`` joins the history).
         ``seq``: the writer's 1, 2, 3... for this generation (0: none); a write at or below
-        the last one is a retry, answered with the latest id and not written again."""
+        the last one is a retry, answered with the latest id and not written again; one
+        past the next (Redis lost the events between, a failover) ends the generation with
+        ``error`` ``events_lost`` and is refused."""
         keys, gid = self.keys, event.generation_id
         reply = await self._run(
             [

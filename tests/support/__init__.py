@@ -11,6 +11,7 @@
     engines.py       the engine under test of the suite run on both backends
     adapter_events.py  contract events and the bytes an adapter writes (in-process tests)
     hostile.py       Hypothesis strategies for hostile JSON
+    cluster.py       what the cluster and Sentinel tests do to their servers; a reply's check
 
 No test module imports another (tests/inprocess/test_test_layout.py checks it).
 """

@@ -1,9 +1,11 @@
 """What the cluster tests do to the test session's Redis Cluster (stack/redis_cluster.py):
-kill the primary of a session, bring it back, move a slot to another primary; and the
-check of a reply read across such an event."""
+kill the primary of a session, bring it back, move a slot to another primary; and, for
+them and the Sentinel tests, the check of a reply read across such an event and the
+reader's longest pause."""
 
 from __future__ import annotations
 
+import itertools
 import socket
 import time
 from typing import Any
@@ -71,6 +73,12 @@ def migrate_slot(cluster: EmbeddedCluster, slot: int, target: EmbeddedRedis) -> 
             _cmd(client, "CLUSTER SETSLOT", slot, "NODE", target_id)
     cluster.wait_healthy()
     return time.monotonic() - began
+
+
+def outage_s(arrived: list[float], since: float) -> float:
+    """The longest wait between two events the reader got after ``since``."""
+    times = [since, *(at for at in arrived if at >= since)]
+    return max((b - a for a, b in itertools.pairwise(times)), default=0.0)
 
 
 def check_reply(events: list[Event], gid: str, content: str, max_tokens: int) -> dict[str, Any]:

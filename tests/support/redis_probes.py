@@ -6,23 +6,32 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-from typing import Any
+from typing import Any, cast
+from urllib.parse import urlsplit
 
 import redis
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.cluster import RedisCluster
+from redis.sentinel import Sentinel
 
 from wire import Keys
 from wire.connect import CLUSTER_SCHEMES, connect, kind_of
 
 
 def sync_client(redis_url: str) -> redis.Redis:
-    """A blocking client of ``redis_url``: one Redis, or a cluster (``redis+cluster://``)."""
+    """A blocking client of ``redis_url``: one Redis, a cluster (``redis+cluster://``), or
+    the primary Sentinel names (``redis+sentinel://h:p,.../SERVICE``, no password)."""
     if kind_of(redis_url) == "cluster":
         scheme, rest = redis_url.split("://", 1)
         cluster = RedisCluster.from_url(f"{CLUSTER_SCHEMES[scheme]}://{rest}")
         return cluster  # type: ignore[return-value]
+    if kind_of(redis_url) == "sentinel":
+        parts = urlsplit(redis_url)
+        hosts = [(h, int(p)) for h, p in (a.rsplit(":", 1) for a in parts.netloc.split(","))]
+        sentinel = Sentinel(hosts)  # type: ignore[no-untyped-call]
+        primary = sentinel.master_for(parts.path.strip("/").split("/")[0])  # type: ignore[no-untyped-call]
+        return cast(redis.Redis, primary)
     return redis.Redis.from_url(redis_url)
 
 

