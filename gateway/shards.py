@@ -74,7 +74,10 @@ class _Shard:
                     self._dispatch(message)
         except (RedisError, OSError) as exc:
             log.warning(
-                "relay shard %s lost (%s); subscribing its channels again", self.address, exc
+                "relay shard %s lost (%s: %s); subscribing its channels again",
+                self.address,
+                type(exc).__name__,
+                exc,
             )
             self.owner.shard_lost(self)
 
@@ -149,7 +152,11 @@ class ShardedLive:
         if node is None:
             raise OSError(f"no primary serves {channel} now")
         shard = self._shards.get(node.name)
-        if shard is None or shard.lost:
+        if shard is not None and shard.lost:
+            del self._shards[node.name]
+            await shard.close()
+            shard = None
+        if shard is None:
             client = node_by_address(self.cluster, node.name, self.client_name)
             if client is None:
                 raise OSError(f"{node.name} is not a cluster node now")
@@ -188,10 +195,16 @@ class ShardedLive:
                 try:
                     await self.cluster.nodes_manager.initialize()
                     while self._orphans:
-                        channel = next(iter(self._orphans))
+                        # Out of the set before subscribing: a shard that fails while the
+                        # SSUBSCRIBE is on its way (a MOVED from a stale slot map) puts it
+                        # back, and no later discard may take it out again.
+                        channel = self._orphans.pop()
                         if channel in self._wanted:
-                            await self._subscribe_on_owner(channel)
-                        self._orphans.discard(channel)
+                            try:
+                                await self._subscribe_on_owner(channel)
+                            except BaseException:
+                                self._orphans.add(channel)
+                                raise
                     backoff = 0.05
                     continue
                 except (RedisError, OSError) as exc:

@@ -44,7 +44,7 @@ async def test_sessions_spread_over_the_shards_on_one_pubsub_connection_per_shar
     stack.synthetic(100, "--capacity", "30")
     gateway = stack.gateway()
     keys = Keys(stack.prefix)
-    content, max_tokens = "spread me", 60
+    content, max_tokens = "spread me", 300  # 3 s: open while counted
     async with httpx.AsyncClient(timeout=60) as client:
         sessions = [await create_session(client, gateway.url) for _ in range(30)]
         gids = [await send(client, s, content, max_tokens=max_tokens) for s in sessions]

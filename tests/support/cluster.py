@@ -34,11 +34,12 @@ def primaries(cluster: EmbeddedCluster) -> list[EmbeddedRedis]:
 
 
 def relay_connections(cluster: EmbeddedCluster, node: EmbeddedRedis, gateway_pid: int) -> int:
-    """The pub/sub connections one gateway process holds on ``node``: counted by their
-    client name, so connections of other tests' gateways never count."""
+    """The live-event connections one gateway process holds on ``node``, counted by their
+    client name (other gateways' never count) whether subscribed now or not: a connection
+    whose streams all ended has no subscription left and is no longer of type pubsub."""
     name = wire.relay_name(socket.gethostname(), gateway_pid)
     with cluster.client(node) as client:
-        return sum(c.get("name") == name for c in client.client_list(_type="pubsub"))
+        return sum(c.get("name") == name for c in client.client_list())
 
 
 def revive(cluster: EmbeddedCluster, node: EmbeddedRedis) -> None:
