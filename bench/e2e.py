@@ -502,7 +502,9 @@ def main(argv: list[str] | None = None) -> None:
         (args.profile / "summary.txt").write_text(profile_top.text(top))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps(results, indent=1) + "\n")
-    (args.out / f"{args.name}.md").write_text(e2e_report.markdown(results))
+    before = args.out / f"{args.name}-before.json"  # kept for comparison, if there is one
+    old = json.loads(before.read_text()) if before.exists() else None
+    (args.out / f"{args.name}.md").write_text(e2e_report.markdown(results, old))
     if not args.no_plot:
         e2e_report.plot(results, args.out / f"{args.name}.png")
     say(f"done in {results['suite_s']} s: {args.out}/{args.name}.md")

@@ -111,11 +111,44 @@ def targets(points: list[dict[str, Any]], mode: str) -> list[str]:
     return rows
 
 
-def markdown(results: dict[str, Any]) -> str:
-    s = results["settings"]
+def _points(results: dict[str, Any]) -> list[dict[str, Any]]:
     points = list(results["points"])
-    if results.get("saturation"):
-        points.append(results["saturation"])
+    return [*points, results["saturation"]] if results.get("saturation") else points
+
+
+def before_after(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """Each point and gateway path in both runs: the issue's columns, before -> after."""
+    rows = [
+        "| streams | path | tokens/s vs alone | added TTFT p50 | added TTFT p99 | added ITL p99 "
+        "| CPU us per token: gateway | worker | Redis | total |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    old = {(_label(p), mode): a for p in _points(before) for mode, a in p.get("added", {}).items()}
+    for p in _points(after):
+        for mode, a in p.get("added", {}).items():
+            b = old.get((_label(p), mode))
+            if b is None:
+                continue
+
+            def pair(key: str, digits: int, sign: bool, a: Any = a, b: Any = b) -> str:
+                return f"{_f(b[key], digits, sign)} -> {_f(a[key], digits, sign)}"
+
+            cb, ca = b["cpu_us_per_token"], a["cpu_us_per_token"]
+            cpu = " | ".join(
+                f"{_f(cb[name], 0)} -> {_f(ca[name], 0)}"
+                for name in ("gateway", "worker", "redis", "total")
+            )
+            rows.append(
+                f"| {_label(p)} | {mode} | {pair('tokens_per_s_ratio', 2, False)} "
+                f"| {pair('added_ttft_p50_ms', 1, True)} ms | {pair('added_ttft_p99_ms', 1, True)} "
+                f"ms | {pair('added_itl_p99_ms', 1, True)} ms | {cpu} us |"
+            )
+    return rows
+
+
+def markdown(results: dict[str, Any], before: dict[str, Any] | None = None) -> str:
+    s = results["settings"]
+    points = _points(results)
     m = results["machine"]
     run = "a reduced run" if s.get("reduced") else "a full run"
     lines = [
@@ -142,6 +175,18 @@ def markdown(results: dict[str, Any]) -> str:
             continue
         lines += ["", f"## {title}", "", *added_table(points, mode)]
         lines += ["", f"Targets of {TARGETS}:", "", *targets(points, mode)]
+    if before is not None:
+        bm = before["machine"]
+        lines += [
+            "",
+            "## Before and after",
+            "",
+            f"Before: {before.get('label', 'the run before')} (load average "
+            f"{bm['loadavg_at_start'][0]} at the start, {bm.get('loadavg_at_end', ['?'])[0]} "
+            "at the end); after: this run. Each figure against the engine alone of its own run.",
+            "",
+            *before_after(before, results),
+        ]
     lines += ["", "## Every path, absolute figures", "", *raw_table(points)]
     profile = results.get("profile")
     if profile:

@@ -21,6 +21,7 @@ from engine.metrics import WorkerMetrics
 from engine.worker import Worker
 from wire import DEFAULT_PREFIX, Keys, check_model_name
 from wire.connect import connect, ready
+from wire.runtime import tune_gc
 
 log = logging.getLogger("tokenspout.engine")
 
@@ -168,6 +169,7 @@ async def serve(args: argparse.Namespace) -> None:
     log.info("starting backend %s (%s)", backend.name, backend.model)
     await backend.start()
     log.info("backend started in %.1f s", time.monotonic() - began)
+    tune_gc()
     metrics = WorkerMetrics()
     if args.metrics_port:
         from prometheus_client import start_http_server

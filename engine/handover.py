@@ -62,8 +62,7 @@ async def hand_over(worker: Worker, job: Job) -> bool:
     """
     gid, sid = job.generation_id, job.session_id
     job.handing_over = True
-    if job.last_write is not None:
-        await job.last_write  # every event emitted is written (the publisher keeps order)
+    await worker.publisher.written()  # every event emitted is in Redis (written in order)
     outcome = await worker.takeover_script(
         session_id=sid,
         generation_id=gid,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -17,6 +16,7 @@ from wire import (
     Started,
     Usage,
 )
+from wire.scripts import EmitTarget
 
 
 @dataclass
@@ -34,8 +34,8 @@ class Job:
     events: int = 0
     """Events emitted so far: each one's number makes its write idempotent (EMIT's seq)."""
     token_ids: list[int] = field(default_factory=list)
-    last_write: asyncio.Future[str | None] | None = None
-    """The latest emitted event's write: once it resolves, every earlier one is in Redis."""
+    target: EmitTarget | None = None
+    """Where its events go (``Publisher.target``), set when the worker takes it."""
     handing_over: bool = False
     """SIGTERM hand-over under way: what the engine still makes is not emitted."""
     claimed: bool = False

@@ -1,10 +1,20 @@
-"""Writes session events to Redis: everything one engine step produced, in one pipeline.
+"""Writes session events to Redis: everything one engine step produced, in one script call.
 
-Each event goes through the EMIT script (``wire.scripts.Emit``: append to the session
-stream, publish on the live channel, refuse anything after a generation's final event).
-Events are written in the order they were emitted; while Redis is unreachable they wait and
-are retried, so a short Redis restart delays tokens instead of losing them. Each event
-carries its number within its generation, so a retried pipeline never writes an event twice.
+Events queue up while the engine steps; at the end of a step (the next turn of the event
+loop) the publisher writes them all: one EMIT_STEP call (``wire.scripts.EmitStep``: per
+event, append to the session stream, publish on the live channel, refuse anything after a
+generation's final event or from a writer that does not own it) per group of sessions, and
+the requests that ended acknowledged in the same round trip (on a cluster, right after it).
+``group_of`` says which sessions may share a call: all of them on one Redis, one hash
+slot's on a Redis Cluster, where every script must keep to one slot.
+
+A token costs a record in a list, no future and no object: only the events whose outcome
+the worker waits on (a generation's claim and its end) get one. Events are written in the
+order they were emitted; while a write is under way the next steps' events gather and go
+in the next call together, so a slow Redis gets fewer, larger calls and no token waits
+when nothing is behind. While Redis is unreachable they wait and are retried, so a short
+Redis restart delays tokens instead of losing them; each event carries its number within
+its generation, so a write sent again never writes an event twice.
 """
 
 from __future__ import annotations
@@ -12,34 +22,45 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable
 
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, RedisError
 
 import wire
 from wire import Keys, SessionEvent
-from wire.connect import is_cluster
+from wire.connect import is_cluster, slot_of
 from wire.queue import RequestQueue
-from wire.scripts import Emit
+from wire.scripts import EmitStep, EmitTarget, StepCall
 
 log = logging.getLogger("tokenspout.publisher")
 
+GroupOf = Callable[[str], Hashable]
+"""Session id -> the group whose events may share one script call."""
 
-@dataclass(frozen=True)
-class _Pending:
-    session_id: str
-    event: SessionEvent
-    final: bool
-    worker: str
-    assistant: wire.ChatMessage | None
-    ttl_s: int
-    maxlen: int
-    ack: bytes | None
-    seq: int
-    epoch: int
-    done: asyncio.Future[str | None]
+MAX_EVENTS_PER_CALL = 1_000
+"""A call runs in Redis without a break: more events than this go in the next call."""
+
+
+def one_group(session_id: str) -> Hashable:
+    """Every session in one call: right for one Redis (not for a cluster)."""
+    return None
+
+
+class _Batch:
+    """What one write sends: the calls per group, the acknowledgements, and who waits."""
+
+    __slots__ = ("acks", "calls", "done", "finals", "waiters")
+
+    def __init__(self) -> None:
+        self.calls: dict[Hashable, list[StepCall]] = {}
+        self.acks: list[bytes] = []
+        self.waiters: dict[tuple[StepCall, int], asyncio.Future[str | None]] = {}
+        """(call, event's position in it) -> the future of an event someone awaits."""
+        self.finals: set[tuple[StepCall, int]] = set()
+        """The final events: a refused one is no sign that another writer owns it."""
+        self.done: asyncio.Future[None] | None = None
+        """Made when someone waits for the whole batch (``Publisher.written``)."""
 
 
 class Publisher:
@@ -49,67 +70,104 @@ class Publisher:
         keys: Keys,
         *,
         queue: RequestQueue,
+        writer: str,
         on_rejected: Callable[[str, int], None],
+        group_of: GroupOf | None = None,
     ) -> None:
         self.redis = redis
         self.keys = keys
         self.queue = queue
         """The queue final events acknowledge their request in (the worker's model's)."""
+        self.writer = writer
+        """The worker's id: Redis refuses its event unless it owns the generation (a
+        ``started`` or ``resumed`` event claims it with the request of its epoch)."""
         self.on_rejected = on_rejected
         """Called with a generation id and the writer's epoch whose event Redis refused
         (the generation ended, or another writer owns it now)."""
-        self._emit = Emit(redis, keys)
+        self.group_of: GroupOf = group_of or (slot_of if is_cluster(redis) else one_group)
+        """Which sessions' events may share a call (default: by what serves ``redis``)."""
+        self._script = EmitStep(redis, keys)
         self._acks_after = is_cluster(redis)
         """On a cluster, acknowledge in a round trip after the events (see ``_write``)."""
-        self._queue: list[_Pending] = []
+        self._batch = _Batch()
+        self._in_flight: _Batch | None = None
+        self._events = 0
         self._wakeup = asyncio.Event()
         self.pipelines = 0
         self.events = 0
 
-    def emit(
+    def target(
+        self, session_id: str, generation_id: str, *, epoch: int, ttl_s: int, maxlen: int
+    ) -> EmitTarget:
+        """Where a generation's events go: work it out once per generation."""
+        return self._script.target(
+            session_id, generation_id, epoch=epoch, maxlen=maxlen, ttl_s=ttl_s
+        )
+
+    def emit(self, target: EmitTarget, event: SessionEvent, seq: int) -> None:
+        """Queue a non-final event (a token): written with the step, nobody waits for it.
+
+        ``seq``: this event's number within its generation (1, 2, 3...): Redis writes an
+        event once whatever the retries."""
+        call = self._call(target.session_id)
+        call.add(target, seq, wire.event_type(event), wire.encode(event))
+
+    def emit_waited(
         self,
-        session_id: str,
+        target: EmitTarget,
         event: SessionEvent,
+        seq: int,
         *,
-        ttl_s: int,
-        maxlen: int,
         final: bool = False,
-        worker: str = "",
         assistant: wire.ChatMessage | None = None,
         ack: bytes | None = None,
-        seq: int = 0,
-        epoch: int = 0,
     ) -> asyncio.Future[str | None]:
         """Queue an event; the future resolves to its stream id, or None if refused.
 
-        ``seq``: this event's number within its generation (1, 2, 3...; 0: none). Redis
-        writes an event once whatever the retries: a pipeline resent after a connection
-        loss mid-way finds the events it already wrote and skips them.
-
-        ``worker``: the writer; Redis refuses its event unless it owns the generation (a
-        ``started`` or ``resumed`` event claims it with the request of epoch ``epoch``).
-
-        ``ack``: the request's entry id, acknowledged right after the final event in the
-        same round trip, so "in flight" (gateway/generations.py) drops the moment it ends.
-        """
-        future: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
-        self._queue.append(
-            _Pending(
-                session_id,
-                event,
-                final,
-                worker,
-                assistant,
-                ttl_s,
-                maxlen,
-                ack,
-                seq,
-                epoch,
-                future,
-            )
+        ``final``: it ends the generation (``assistant`` joins the history). ``ack``: the
+        request's entry id, acknowledged in the same round trip, so "in flight"
+        (gateway/generations.py) drops the moment it ends."""
+        batch = self._batch
+        call = self._call(target.session_id)
+        where = (call, call.size)
+        call.add(
+            target,
+            seq,
+            wire.event_type(event),
+            wire.encode(event),
+            wire.final_state(event) if final else "",  # type: ignore[arg-type]
+            wire.encode(assistant) if assistant is not None else b"",
         )
-        self._wakeup.set()
+        if final:
+            batch.finals.add(where)
+        if ack is not None:
+            batch.acks.append(ack)
+        future: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        batch.waiters[where] = future
         return future
+
+    def written(self) -> asyncio.Future[None]:
+        """Resolves once every event emitted so far is in Redis (written in order)."""
+        batch = self._batch if self._events else self._in_flight
+        if batch is None:
+            future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            future.set_result(None)
+            return future
+        if batch.done is None:
+            batch.done = asyncio.get_running_loop().create_future()
+        return batch.done
+
+    def _call(self, session_id: str) -> StepCall:
+        group = self.group_of(session_id)
+        calls = self._batch.calls.get(group)
+        if calls is None:
+            calls = self._batch.calls[group] = [StepCall(self.writer)]
+        elif calls[-1].size >= MAX_EVENTS_PER_CALL:
+            calls.append(StepCall(self.writer))
+        if not self._events:
+            self._wakeup.set()
+        self._events += 1
+        return calls[-1]
 
     async def run_forever(self) -> None:
         backoff = 0.05
@@ -117,58 +175,59 @@ class Publisher:
             await self._wakeup.wait()
             self._wakeup.clear()
             await asyncio.sleep(0)  # let every request of this engine step add its delta
-            batch = self._queue
-            self._queue = []
+            batch = self._in_flight = self._batch
+            self._batch, self._events = _Batch(), 0
+            calls = [call for group in batch.calls.values() for call in group]
             while True:
                 try:
-                    results = await self._write(batch)
+                    replies = await self._write(calls, batch.acks)
                     backoff = 0.05
                     break
                 except (RedisError, OSError) as exc:
-                    log.warning("publishing %d events failed (%s); retrying", len(batch), exc)
-                    if isinstance(exc, NoScriptError):  # a shard new since (a failover)
+                    if isinstance(exc, NoScriptError):
+                        # A restarted Redis, or a replica promoted in a failover, has no
+                        # scripts: load it and send the step again (seq makes that safe);
+                        # if loading fails too, the warning below says why.
                         with contextlib.suppress(RedisError, OSError):
-                            await self._emit.load()
+                            await self._script.load()
+                            continue
+                    count = sum(call.size for call in calls)
+                    log.warning("publishing %d events failed (%s); retrying", count, exc)
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, 2.0)
-            for pending, result in zip(batch, results, strict=True):
-                stream_id = Emit.reply(result)
-                if stream_id is None and not pending.final:
-                    self.on_rejected(pending.event.generation_id, pending.epoch)
-                if not pending.done.done():
-                    pending.done.set_result(stream_id)
+            self._in_flight = None
+            self._settle(batch, calls, replies)
 
-    async def _write(self, batch: list[_Pending]) -> list[object]:
+    def _settle(
+        self, batch: _Batch, calls: list[StepCall], replies: list[list[str | None]]
+    ) -> None:
+        for call, ids in zip(calls, replies, strict=True):
+            if None in ids:
+                for index, (target, stream_id) in enumerate(zip(call.targets, ids, strict=True)):
+                    if stream_id is None and (call, index) not in batch.finals:
+                        self.on_rejected(target.generation_id, target.epoch)
+        if batch.waiters:
+            ids_of = dict(zip(calls, replies, strict=True))
+            for (call, index), future in batch.waiters.items():
+                if not future.done():
+                    future.set_result(ids_of[call][index])
+        if batch.done is not None and not batch.done.done():
+            batch.done.set_result(None)
+
+    async def _write(self, calls: list[StepCall], acks: list[bytes]) -> list[list[str | None]]:
         async with self.redis.pipeline(transaction=False) as pipe:
-            for p in batch:
-                await self._emit(
-                    session_id=p.session_id,
-                    event=p.event,
-                    maxlen=p.maxlen,
-                    ttl_s=p.ttl_s,
-                    final=p.final,
-                    writer=p.worker,
-                    assistant=p.assistant,
-                    seq=p.seq,
-                    epoch=p.epoch,
-                    pipe=pipe,
-                )
-                if p.ack is not None and not self._acks_after:
-                    self.queue.ack_in(pipe, p.ack)
+            for call in calls:
+                self._script.queue_in(pipe, call)
+            if not self._acks_after:
+                for ack in acks:
+                    self.queue.ack_in(pipe, ack)
             replies: list[object] = await pipe.execute()
         self.pipelines += 1
-        self.events += len(batch)
-        if self._acks_after:
+        self.events += sum(call.size for call in calls)
+        if self._acks_after and acks:
             # A cluster pipeline sends each shard its part at once: an acknowledgement in
             # it could land before its final event, and a worker lost right then would
             # leave a reply with no end and no pending request for the reaper to find.
-            # Acknowledged only once every final event of the batch is written.
-            acks = [p.ack for p in batch if p.ack is not None]
-            if acks:
-                await self.queue.ack(*acks)
-            return replies
-        results, position = [], 0
-        for p in batch:  # one reply per event; skip the acknowledgements
-            results.append(replies[position])
-            position += 2 if p.ack is not None else 1
-        return results
+            # Acknowledged only once every final event of the step is written.
+            await self.queue.ack(*acks)
+        return [EmitStep.replies(reply) for reply in replies[: len(calls)]]

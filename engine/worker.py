@@ -3,7 +3,7 @@
 - takes requests from its model's queue (``wire.queue.RequestQueue``), never more than
   the backend's capacity; acknowledges each when its generation has ended (a dead worker's
   unacknowledged requests are taken over by the gateway's reaper);
-- publishes events through ``Publisher`` (one pipeline per engine step);
+- publishes events through ``Publisher`` (one script call per engine step);
 - reads the ``cancels`` stream (engine/cancels.py) and aborts what it runs: the
   ``cancelled`` event is written at once (no token of that generation reaches a client
   after it) and the engine aborts;
@@ -88,7 +88,11 @@ class Worker:
         self.lease = Lease(redis, self.keys, self.worker_id, backend.model)
         self.jobs: dict[str, Job] = {}
         self.publisher = Publisher(
-            redis, self.keys, queue=self.queue, on_rejected=self._on_rejected
+            redis,
+            self.keys,
+            queue=self.queue,
+            writer=self.worker_id,
+            on_rejected=self._on_rejected,
         )
         self.takeover_script = Takeover(redis, self.keys)
         """Hands a running generation on (engine/handover.py, on SIGTERM)."""
@@ -193,6 +197,13 @@ class Worker:
             task = asyncio.create_task(self._ack_or_retry_later(entry_id))
         else:
             job = Job(request, entry_id)
+            job.target = self.publisher.target(
+                request.session_id,
+                request.generation_id,
+                epoch=job.epoch,
+                ttl_s=request.session_ttl_s,
+                maxlen=request.events_maxlen,
+            )
             running = self.jobs.get(request.generation_id)
             if running is not None and running.epoch >= job.epoch:
                 log.info("dropping a second copy of %s", request.generation_id)
@@ -285,7 +296,8 @@ class Worker:
                 job.text.append(delta.text)
                 job.token_ids.extend(delta.token_ids)
                 token = Token(gid, delta.text, job.emitted_tokens, delta.token_ids, delta.logprobs)
-                job.last_write = self._emit(job, token)
+                job.events += 1
+                self.publisher.emit(job.target, token, job.events)  # type: ignore[arg-type]
                 if first:
                     self.metrics.first_token(time.time() - job.request.enqueued_at)
                     first = False
@@ -334,19 +346,12 @@ class Worker:
         assistant: ChatMessage | None = None,
         ack: bytes | None = None,
     ) -> asyncio.Future[str | None]:
-        request = job.request
+        """Queue an event the caller waits on (a claim, a final event): its stream id, or
+        None when Redis refused it. Tokens go straight to ``Publisher.emit``."""
+        assert job.target is not None
         job.events += 1
-        return self.publisher.emit(
-            request.session_id,
-            event,
-            ttl_s=request.session_ttl_s,
-            maxlen=request.events_maxlen,
-            final=final,
-            worker=self.worker_id,
-            epoch=job.epoch,
-            assistant=assistant,
-            ack=ack,
-            seq=job.events,
+        return self.publisher.emit_waited(
+            job.target, event, job.events, final=final, assistant=assistant, ack=ack
         )
 
     # --- cancel --------------------------------------------------------------------------

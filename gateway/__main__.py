@@ -20,6 +20,7 @@ import uvicorn
 from gateway.relay import RelayHub
 from gateway.settings import Settings
 from wire.logs import configure_logging
+from wire.runtime import tune_gc
 
 log = logging.getLogger("tokenspout.gateway")
 
@@ -80,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         timeout_keep_alive=settings.keepalive_s,
         ws_max_size=ws_max_size(settings),
     )
+    tune_gc()
     DrainingServer(config, services.hub).run()
 
 

@@ -13,6 +13,7 @@ once, for all of them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from typing import NamedTuple
@@ -22,8 +23,9 @@ import msgspec
 from litestar.background_tasks import BackgroundTask
 
 from gateway.errors import BadRequest, GatewayError, NotFound, Unavailable
+from gateway.feed import NEW_SESSION, Feed
 from gateway.relay import RelayHub
-from gateway.sessions import SessionStore, Submitted
+from gateway.sessions import SessionStore, Submitted, new_id
 from gateway.settings import Settings
 from wire import (
     Cancelled,
@@ -93,13 +95,22 @@ class GenerationStream:
     """The events of one submitted generation, in order, ending with its final event."""
 
     def __init__(
-        self, store: SessionStore, hub: RelayHub, submitted: Submitted, heartbeat_s: float
+        self,
+        store: SessionStore,
+        hub: RelayHub,
+        submitted: Submitted,
+        heartbeat_s: float,
+        feed: Feed,
+        feed_open: contextlib.AsyncExitStack,
     ) -> None:
         self.store = store
         self.hub = hub
         self.submitted = submitted
         self.heartbeat_s = heartbeat_s
         self.final: FinalEvent | None = None
+        self._feed = feed
+        self._feed_open = feed_open
+        """Holds the feed open from before the submit until ``close``."""
 
     @classmethod
     async def submit(
@@ -113,11 +124,21 @@ class GenerationStream:
         messages: list[ChatMessage] | None = None,
         prompt: str | None = None,
     ) -> GenerationStream:
-        """Queue it for ``model`` (a name or alias; None: the default model)."""
-        submitted = await store.submit_stateless(
-            params, model=model, messages=messages, prompt=prompt
-        )
-        return cls(store, hub, submitted, settings.sse_heartbeat_s)
+        """Queue it for ``model`` (a name or alias; None: the default model).
+
+        The session's feed opens first, so its events come live from the first one, with
+        no read of the session's stream (``NEW_SESSION``)."""
+        session_id = new_id("s")
+        feed_open = contextlib.AsyncExitStack()
+        try:
+            feed = await feed_open.enter_async_context(hub.open(session_id, NEW_SESSION))
+            submitted = await store.submit_stateless(
+                params, model=model, messages=messages, prompt=prompt, session_id=session_id
+            )
+        except BaseException:
+            await feed_open.aclose()
+            raise
+        return cls(store, hub, submitted, settings.sse_heartbeat_s, feed, feed_open)
 
     @property
     def generation_id(self) -> str:
@@ -125,23 +146,35 @@ class GenerationStream:
 
     async def events(self) -> AsyncIterator[GenerationItem]:
         """Started, tokens and heartbeats, then exactly one final event (and nothing after)."""
-        async with self.hub.open(self.submitted.session_id, None) as feed:
+        async for items in self.batches():
+            for item in items:
+                yield item
+
+    async def batches(self) -> AsyncIterator[list[GenerationItem]]:
+        """``events`` as the feed delivers them: what arrived together comes in one list
+        (several tokens when the reader fell behind), so a transport writes it at once."""
+        async with self._feed_open:
+            feed = self._feed
             while self.final is None:
                 batch = await feed.next_batch(self.heartbeat_s)
                 if not batch:
-                    yield Heartbeat()
+                    yield [Heartbeat()]
+                    continue
+                items: list[GenerationItem] = []
                 for relayed in batch:
                     if relayed.generation_id != self.generation_id:
                         continue
                     event = decode_event(relayed.data)
                     if isinstance(event, Done | Cancelled | Error):
                         self.final = event
-                        yield event
-                        return
+                        items.append(event)
+                        break
                     if isinstance(event, Started | Token):
-                        yield event
+                        items.append(event)
                     # ``queued`` and ``resumed`` (a takeover: the tokens simply go on) have
                     # no place in the API formats: skipped.
+                if items:
+                    yield items
 
     async def collect(self) -> Collected:
         """Wait for the whole generation; raise the adapter's error if it did not finish."""
@@ -164,6 +197,7 @@ class GenerationStream:
 
     async def close(self) -> None:
         """Abort the generation in the engine unless it already ended (client gone)."""
+        await self._feed_open.aclose()
         if self.final is not None:
             return
         with anyio.CancelScope(shield=True):

@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
 
 import wire
 from gateway.errors import BadRequest, Overloaded
@@ -94,6 +95,10 @@ class GenerationQueue:
 
     async def enqueue(self, model: str, request: GenerationRequest) -> None:
         await self.of(model).add({"r": wire.encode(request)}, maxlen=self.requests_maxlen)
+
+    def enqueue_in(self, pipe: Pipeline, model: str, request: GenerationRequest) -> None:
+        """``enqueue`` queued in ``pipe``."""
+        self.of(model).add_in(pipe, {"r": wire.encode(request)}, maxlen=self.requests_maxlen)
 
     async def signal_cancel(self, signal: CancelSignal) -> None:
         """Tell every worker (the one running it aborts), renewing the stream's TTL."""

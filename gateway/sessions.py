@@ -19,6 +19,7 @@ from typing import Protocol
 
 import msgspec
 import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
 
 import wire
 from gateway.errors import BadRequest, Conflict, Forbidden, NotFound, Overloaded, Unavailable
@@ -183,29 +184,57 @@ class SessionStore:
         model: str | None = None,
         messages: list[ChatMessage] | None = None,
         prompt: str | None = None,
+        session_id: str | None = None,
     ) -> Submitted:
         """Queue one generation in a throwaway session (the OpenAI/TGI/OIP adapters) for
-        ``model`` (a name or alias; None: the default model)."""
+        ``model`` (a name or alias; None: the default model), in two round trips: the
+        capacity check, then the session, the generation and the request together.
+        ``session_id``: the new session's id, when the caller subscribed to it first."""
         queue = await self.models.resolve(model)
         for message in messages or []:
             self._check_content(message.content, allow_empty=True)
         if prompt is not None:
             self._check_content(prompt)
-        session_id = new_id("s")
-        meta = self.keys.meta(session_id)
-        await self.redis.hset(meta, mapping={"stateless": 1, "created": time.time()})
-        await self.redis.expire(meta, STATELESS_TTL_S)
-        return await self._submit_to_session(
-            session_id,
-            queue,
-            None,
-            params,
-            None,
-            "",
-            messages=messages,
+        session_id, generation_id = session_id or new_id("s"), new_id("g")
+        await self.queue.guard_capacity(queue)
+        request = GenerationRequest(
+            generation_id=generation_id,
+            session_id=session_id,
+            params=params,
+            messages=messages if messages is not None else [],
             prompt=prompt,
-            ttl=STATELESS_TTL_S,
+            enqueued_at=time.time(),
+            session_ttl_s=STATELESS_TTL_S,
+            events_maxlen=self.settings.events_maxlen,
         )
+        # One round trip: the session, its generation and the request. A fresh session
+        # cannot refuse it, so the request goes in the same pipeline (not so on a cluster
+        # slot of its own: the request stream is shared, so it stays out of the script).
+        for attempt in (1, 2):
+            try:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    self._submit.create_in(
+                        pipe,
+                        session_id=session_id,
+                        generation_id=generation_id,
+                        maxlen=self.settings.events_maxlen,
+                        ttl_s=STATELESS_TTL_S,
+                        watch_ttl_s=self.watch_ttl_s,
+                    )
+                    self.queue.enqueue_in(pipe, queue, request)
+                    reply = scripts.Submit.replied((await pipe.execute())[0])
+                break
+            except NoScriptError:
+                # A restarted Redis: the request went in without its generation (a worker
+                # that takes it finds no generation to claim and skips it). Again, loaded.
+                if attempt == 2:
+                    raise
+                await self._submit.load()
+        if reply[0] != "ok":
+            raise Unavailable(f"queueing a stateless generation failed: {reply[0]}")
+        if self.observer is not None:
+            self.observer.submitted(session_id, generation_id, reply[1], queue)
+        return Submitted(generation_id, session_id, reply[1])
 
     async def _submit_to_session(
         self,

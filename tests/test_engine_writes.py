@@ -85,16 +85,22 @@ async def test_a_pipeline_resent_after_a_connection_loss_writes_nothing_twice(
 
     monkeypatch.setattr(Pipeline, "execute", execute_then_lose_the_reply)
     publisher = Publisher(
-        redis, keys, queue=RequestQueue(redis, keys, "m"), on_rejected=lambda gid, epoch: None
+        redis,
+        keys,
+        queue=RequestQueue(redis, keys, "m"),
+        writer="",
+        on_rejected=lambda gid, epoch: None,
     )
+    target = publisher.target(sid, gid, epoch=0, ttl_s=600, maxlen=100)
+    control_target = publisher.target(control_sid, control_gid, epoch=0, ttl_s=600, maxlen=100)
     running = asyncio.create_task(publisher.run_forever())
     try:
         futures = []
         for seq, text in enumerate(["", "a", "b", "c"], start=1):
             event = Started(gid, "m", 1) if seq == 1 else Token(gid, text, seq - 1)
-            futures.append(publisher.emit(sid, event, ttl_s=600, maxlen=100, seq=seq))
+            futures.append(publisher.emit_waited(target, event, seq))
             control = Started(control_gid, "m", 1) if seq == 1 else Token(control_gid, text, 1)
-            futures.append(publisher.emit(control_sid, control, ttl_s=600, maxlen=100))
+            futures.append(publisher.emit_waited(control_target, control, 0))
         ids = await asyncio.wait_for(asyncio.gather(*futures), 10)
     finally:
         running.cancel()

@@ -42,6 +42,11 @@ class RequestQueue:
             pipe.expire(self.key, SHARED_KEY_TTL_S)
             await pipe.execute()
 
+    def add_in(self, pipe: Pipeline, fields: Fields, *, maxlen: int | None = None) -> None:
+        """``add`` queued in ``pipe`` (behind what the caller queued there first)."""
+        pipe.xadd(self.key, fields, maxlen=maxlen, approximate=True)  # type: ignore[arg-type]
+        pipe.expire(self.key, SHARED_KEY_TTL_S)
+
     def count_in(self, pipe: Pipeline) -> None:
         """Queue XINFO GROUPS and XLEN in ``pipe``; ``counted`` reads their two replies."""
         pipe.xinfo_groups(self.key)

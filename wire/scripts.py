@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from importlib.resources import files
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
@@ -58,6 +58,10 @@ def for_cluster(source: str) -> str:
     return source.replace(_PUBLISH, _SPUBLISH)
 
 
+EMIT_EVENT = _source("emit_event")
+"""Lua function ``emit_event``: one writer's event, checked (after ``EMIT_CORE``)."""
+
+
 Arg = str | bytes | int | float
 
 
@@ -83,14 +87,22 @@ class _Script:
         if pipe is None:
             return await self._script(keys=keys, args=args)
         if self._cluster:
-            # redis-py's cluster pipeline refuses ``evalsha`` by name (it cannot load a
-            # script on its own), not the command: routed by the keys' one slot.
             if not self._loaded:
                 await self.load()
-            pipe.execute_command("EVALSHA", self._script.sha, len(keys), *keys, *args)
+            self._queue_evalsha(pipe, keys, args)
             return None
         await self._script(keys=keys, args=args, client=pipe)
         return None
+
+    def _queue_evalsha(
+        self, pipe: Pipeline, keys: list[str], args: list[Arg] | list[bytes | str]
+    ) -> None:
+        """A bare EVALSHA in ``pipe`` (no SCRIPT EXISTS round trip per pipeline, as a
+        registered script costs): on NoScriptError its caller calls ``load`` and sends the
+        pipeline again. The command, not ``pipe.evalsha``: redis-py's cluster pipeline
+        refuses that by name (it cannot load a script on its own) but routes the command
+        by its keys' one slot."""
+        pipe.execute_command("EVALSHA", self._script.sha, len(keys), *keys, *args)
 
     @staticmethod
     def reply(reply: object) -> str | None:
@@ -105,7 +117,7 @@ def _texts(reply: object) -> list[str]:
 class Emit(_Script):
     """Append one event of a generation to its session (wire/lua/emit.lua)."""
 
-    source = EMIT_CORE + _source("emit")
+    source = EMIT_CORE + EMIT_EVENT + _source("emit")
 
     async def __call__(
         self,
@@ -154,6 +166,95 @@ class Emit(_Script):
         return self.reply(reply)
 
 
+class EmitTarget(NamedTuple):
+    """Where one generation's events go, worked out once per generation (not per token)."""
+
+    session_id: str
+    generation_id: str
+    epoch: int
+    events: str
+    gen: str
+    active: str
+    history: str
+    head: bytes
+    """The start of each of its records: ``b"<epoch> <maxlen> <ttl> <gid> "``."""
+
+
+class StepCall:
+    """The KEYS and ARGV of one EMIT_STEP call, built event by event: per event two keys
+    and one record (a final event two more keys and its assistant message), no object."""
+
+    __slots__ = ("args", "keys", "size", "targets")
+
+    def __init__(self, writer: str) -> None:
+        self.keys: list[str] = []
+        self.args: list[bytes | str] = [writer]
+        self.targets: list[EmitTarget] = []
+        """Whose each event is, in order (the reply has one entry per event)."""
+        self.size = 0
+
+    def add(
+        self,
+        target: EmitTarget,
+        seq: int,
+        event_type: str,
+        data: bytes,
+        final_state: str = "",
+        assistant: bytes = b"",
+    ) -> None:
+        """Queue one event (``seq``: the writer's number for it in its generation)."""
+        self.targets.append(target)
+        self.size += 1
+        if not final_state:
+            self.keys += (target.events, target.gen)
+            self.args.append(b"%s%d %s - %s" % (target.head, seq, event_type.encode(), data))
+            return
+        self.keys += (target.events, target.gen, target.active, target.history)
+        record = b"%s%d %s %s %s" % (
+            target.head,
+            seq,
+            event_type.encode(),
+            final_state.encode(),
+            data,
+        )
+        self.args += (record, assistant)
+
+
+class EmitStep(_Script):
+    """Append every event of one engine step in one call (wire/lua/emit_step.lua): the same
+    checks and writes per event as ``Emit``. Every key of a call must share one hash slot
+    on a cluster (the publisher groups a step's events so)."""
+
+    source = EMIT_CORE + EMIT_EVENT + _source("emit_step")
+
+    def target(
+        self, session_id: str, generation_id: str, *, epoch: int, maxlen: int, ttl_s: int
+    ) -> EmitTarget:
+        keys = self.keys
+        return EmitTarget(
+            session_id,
+            generation_id,
+            epoch,
+            keys.events(session_id),
+            keys.generation(session_id, generation_id),
+            keys.active(session_id),
+            keys.history(session_id),
+            f"{epoch} {maxlen} {ttl_s} {generation_id} ".encode(),
+        )
+
+    def queue_in(self, pipe: Pipeline, call: StepCall) -> None:
+        """Queue ``call`` in ``pipe`` as a bare EVALSHA: on NoScriptError, ``load`` and send
+        the whole pipeline again (EMIT's seq makes that safe)."""
+        self._queue_evalsha(pipe, call.keys, call.args)
+
+    @staticmethod
+    def replies(reply: object) -> list[str | None]:
+        """One entry id per event of the call, None where it was refused."""
+        if not isinstance(reply, list):
+            raise TypeError(f"EMIT_STEP answered {reply!r}")
+        return [text(item) or None for item in reply]
+
+
 class Takeover(_Script):
     """Take a running generation from its worker, atomically (wire/lua/takeover.lua)."""
 
@@ -199,33 +300,78 @@ class Submit(_Script):
         """``['ok', queued event id, history JSON...]``, or ``['missing']``,
         ``['forbidden']`` (``token_digest`` "": no check), ``['duplicate', gid]``,
         ``['busy', gid]``, ``['history_full']``."""
-        keys = self.keys
-        reply = await self._run(
-            [
-                keys.meta(session_id),
-                keys.history(session_id),
-                keys.active(session_id),
-                keys.generation(session_id, generation_id),
-                keys.events(session_id),
-                keys.watch(session_id),
-                keys.idempotency(session_id, idempotency_key or ""),
-            ],
-            [
-                keys.live_channel(session_id),
-                maxlen,
-                ttl_s,
-                generation_id,
-                encode(user_message).decode() if user_message is not None else "",
-                time.time(),
-                max_history,
-                watch_ttl_s,
-                encode(Queued(generation_id)),
-                token_digest,
-                "1" if idempotency_key else "",
-            ],
-            None,
+        keys, args = self._keys_args(
+            session_id,
+            generation_id,
+            user_message,
+            token_digest,
+            idempotency_key,
+            maxlen,
+            ttl_s,
+            max_history,
+            watch_ttl_s,
+            create=False,
         )
+        return _texts(await self._run(keys, args, None))
+
+    def create_in(
+        self,
+        pipe: Pipeline,
+        *,
+        session_id: str,
+        generation_id: str,
+        maxlen: int,
+        ttl_s: int,
+        watch_ttl_s: int,
+    ) -> None:
+        """Queue in ``pipe`` the making of a stateless session with its one generation (a
+        bare EVALSHA: on NoScriptError, ``load`` and send it again); ``replied`` reads it."""
+        keys, args = self._keys_args(
+            session_id, generation_id, None, "", None, maxlen, ttl_s, 0, watch_ttl_s, create=True
+        )
+        self._queue_evalsha(pipe, keys, args)
+
+    @staticmethod
+    def replied(reply: object) -> list[str]:
         return _texts(reply)
+
+    def _keys_args(
+        self,
+        session_id: str,
+        generation_id: str,
+        user_message: ChatMessage | None,
+        token_digest: str,
+        idempotency_key: str | None,
+        maxlen: int,
+        ttl_s: int,
+        max_history: int,
+        watch_ttl_s: int,
+        *,
+        create: bool,
+    ) -> tuple[list[str], list[Arg]]:
+        keys = self.keys
+        return [
+            keys.meta(session_id),
+            keys.history(session_id),
+            keys.active(session_id),
+            keys.generation(session_id, generation_id),
+            keys.events(session_id),
+            keys.watch(session_id),
+            keys.idempotency(session_id, idempotency_key or ""),
+        ], [
+            keys.live_channel(session_id),
+            maxlen,
+            ttl_s,
+            generation_id,
+            encode(user_message).decode() if user_message is not None else "",
+            time.time(),
+            max_history,
+            watch_ttl_s,
+            encode(Queued(generation_id)),
+            token_digest,
+            "1" if idempotency_key else "",
+            "1" if create else "",
+        ]
 
 
 class Cancel(_Script):

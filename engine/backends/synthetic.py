@@ -1,7 +1,9 @@
 """A deterministic engine for tests and benchmarks: scripted text at a fixed rate.
 
 The reply to a message is ``You said: <message>.`` followed by a fixed filler text, one word
-per token, at ``tokens_per_s`` per request, until ``max_tokens`` or a stop string. The same
+per token, until ``max_tokens`` or a stop string. It runs like a real engine: one loop steps
+``tokens_per_s`` times a second and makes the next token of every running request in each
+step, so a worker sees a step's deltas of all requests arrive together, as with vLLM. The same
 request always yields the same tokens, so a test can check every byte a client receives;
 word N depends only on the request and N, so a reply taken over after N tokens goes on
 byte for byte as the uninterrupted one.
@@ -128,8 +130,8 @@ class SyntheticBackend(Backend):
         self.prepare_delay_s = prepare_delay_s
         """Time each request spends taken but not started (fault tests: a worker that dies
         holding requests it never started)."""
-        self._aborted: set[str] = set()
-        self._running: set[str] = set()
+        self._runs: dict[str, _Run] = {}
+        self._stepper: asyncio.Task[None] | None = None
 
     async def prepare(self, request: GenerationRequest) -> Prepared:
         words = [m.content for m in request.messages] if request.messages else [request.prompt]
@@ -152,65 +154,155 @@ class SyntheticBackend(Backend):
         )
 
     async def generate(self, prepared: Prepared) -> AsyncIterator[Delta]:
-        gid = prepared.generation_id
         assert prepared.source is not None, "prepared by another backend"
-        script = reply_words(prepared.source)
-        fault = _FAULT.search(" ".join(script))
-        params = prepared.params
-        loop = asyncio.get_running_loop()
-        first = prepared.resumed_tokens
-        resume = prepared.source.resume
-        start, text = loop.time(), resume.text if resume is not None else ""
-        if params.max_tokens <= 0:  # a takeover of a reply already at its end
+        if prepared.params.max_tokens <= 0:  # a takeover of a reply already at its end
             yield Delta("", finish_reason="length")
             return
-        self._running.add(gid)
+        run = _Run(prepared)
+        self._runs[run.gid] = run
+        if self._stepper is None:
+            self._stepper = asyncio.create_task(self._step_forever(), name="synthetic-steps")
+        loop = asyncio.get_running_loop()  # once: CPython 3.11 makes it a getpid() call
         try:
-            for index in range(first, first + params.max_tokens):
-                if self.tokens_per_s > 0:
-                    due = start + (index - first) / self.tokens_per_s
-                    await asyncio.sleep(max(0.0, due - loop.time()))
-                if gid in self._aborted:
-                    yield Delta("", finish_reason="abort")
-                    return
-                if fault is not None and index >= int(fault.group(2) or 0):
-                    await self._fault(fault.group(1), gid)
-                    continue
-                token = scripted_token(script, index)
-                piece, ids, logprobs = token.text, [token.id], [token.logprob]
-                text += piece
-                may_stop = index + 1 > params.min_tokens
-                stop, at = _stop_in(text, len(piece), params.stop) if may_stop else (None, -1)
-                if stop is not None:
-                    end = at + (len(stop) if params.include_stop_str_in_output else 0)
-                    keep = piece[: max(0, len(piece) - (len(text) - end))]
-                    yield Delta(keep, ids, logprobs, finish_reason="stop")
-                    return
-                if may_stop and token.id in params.stop_token_ids:
-                    keep = piece if params.include_stop_str_in_output else ""
-                    yield Delta(keep, ids, logprobs, finish_reason="stop")
-                    return
-                last = index + 1 == first + params.max_tokens
-                finish = "length" if last else None
-                yield Delta(piece, ids, logprobs, finish_reason=finish)
+            while True:
+                if not run.pending and run.error is None:
+                    run.waiter = loop.create_future()
+                    try:
+                        await run.waiter
+                    finally:
+                        run.waiter = None
+                deltas, run.pending = run.pending, []
+                for delta in deltas:
+                    yield delta
+                    if delta.finish_reason is not None:
+                        return
+                if run.error is not None:
+                    raise run.error
         finally:
-            self._running.discard(gid)
-            self._aborted.discard(gid)
+            self._runs.pop(run.gid, None)
 
-    async def _fault(self, kind: str, gid: str) -> None:
-        if kind == "fail":
-            raise BackendError("engine_error", "synthetic failure requested by the prompt")
-        if kind == "crash":
-            os._exit(17)
-        while gid not in self._aborted:  # stall until aborted
-            await asyncio.sleep(0.01)
+    async def _step_forever(self) -> None:
+        """The engine's loop: one step every 1 / ``tokens_per_s`` s while any request runs,
+        each running request's next token in it (as vLLM's engine core steps its batch). A
+        request that arrives while it sleeps joins the next step; one that arrives when it
+        is idle starts it at once. Unpaced, it steps again as soon as the consumers of the
+        last step have run."""
+        loop = asyncio.get_running_loop()
+        period = 1.0 / self.tokens_per_s if self.tokens_per_s > 0 else 0.0
+        next_at = loop.time()
+        try:
+            while self._runs:
+                produced = False
+                for run in list(self._runs.values()):
+                    produced = run.step() or produced
+                    if run.crash:
+                        os._exit(17)
+                if period:
+                    next_at += period
+                    now = loop.time()
+                    if next_at < now:  # late (a busy loop): no burst of steps to catch up
+                        next_at = now
+                    await asyncio.sleep(next_at - now)
+                else:
+                    await asyncio.sleep(0 if produced else 0.01)
+        finally:
+            self._stepper = None
 
     async def abort(self, generation_id: str) -> None:
-        if generation_id in self._running:
-            self._aborted.add(generation_id)
+        run = self._runs.get(generation_id)
+        if run is not None:
+            run.abort()
 
     def running(self) -> int:
-        return len(self._running)
+        return sum(1 for run in self._runs.values() if not run.ended)
+
+
+class _Run:
+    """One request inside the engine: where its script is, and the deltas its consumer has
+    not taken yet (several when it fell behind the steps; none is ever dropped)."""
+
+    __slots__ = (
+        "crash",
+        "ended",
+        "error",
+        "fault",
+        "fault_at",
+        "gid",
+        "index",
+        "last",
+        "params",
+        "pending",
+        "script",
+        "text",
+        "waiter",
+    )
+
+    def __init__(self, prepared: Prepared) -> None:
+        source = prepared.source
+        assert source is not None
+        self.gid = prepared.generation_id
+        self.script = reply_words(source)
+        fault = _FAULT.search(" ".join(self.script))
+        self.fault = fault.group(1) if fault is not None else None
+        self.fault_at = int(fault.group(2) or 0) if fault is not None else 0
+        self.params = prepared.params
+        self.index = prepared.resumed_tokens
+        self.last = self.index + prepared.params.max_tokens - 1
+        self.text = source.resume.text if source.resume is not None else ""
+        self.pending: list[Delta] = []
+        self.waiter: asyncio.Future[None] | None = None
+        self.error: BackendError | None = None
+        self.ended = False
+        self.crash = False
+
+    def _put(self, delta: Delta) -> None:
+        self.pending.append(delta)
+        if delta.finish_reason is not None:
+            self.ended = True
+        self._wake()
+
+    def abort(self) -> None:
+        if not self.ended:
+            self._put(Delta("", finish_reason="abort"))
+
+    def step(self) -> bool:
+        """Make this request's next token (one engine step); False when it made none."""
+        if self.ended or self.error is not None:
+            return False
+        index = self.index
+        if self.fault is not None and index >= self.fault_at:
+            if self.fault == "fail":
+                self.error = BackendError(
+                    "engine_error", "synthetic failure requested by the prompt"
+                )
+                self._wake()
+            elif self.fault == "crash":
+                self.crash = True
+            return False  # stall: nothing until aborted
+        self.index += 1
+        token = scripted_token(self.script, index)
+        piece, ids, logprobs = token.text, [token.id], [token.logprob]
+        params = self.params
+        self.text += piece
+        text = self.text
+        may_stop = index + 1 > params.min_tokens
+        stop, at = _stop_in(text, len(piece), params.stop) if may_stop else (None, -1)
+        if stop is not None:
+            end = at + (len(stop) if params.include_stop_str_in_output else 0)
+            keep = piece[: max(0, len(piece) - (len(text) - end))]
+            self._put(Delta(keep, ids, logprobs, finish_reason="stop"))
+        elif may_stop and token.id in params.stop_token_ids:
+            keep = piece if params.include_stop_str_in_output else ""
+            self._put(Delta(keep, ids, logprobs, finish_reason="stop"))
+        else:
+            finish = "length" if index == self.last else None
+            self._put(Delta(piece, ids, logprobs, finish_reason=finish))
+        return True
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
 
 def _set_fields(params: SamplingParams, names: frozenset[str]) -> list[str]:

@@ -232,26 +232,33 @@ def openai_error(_: AnyRequest, exc: Exception) -> Response[ErrorOut]:
 
 
 async def _stream(
-    items: AsyncIterable[GenerationItem],
-    chunk: Callable[[str, list[TokenPiece] | None, str | None, Token | None], msgspec.Struct],
+    batches: AsyncIterable[list[GenerationItem]],
+    chunk: Callable[[str, str | None, Token | None], msgspec.Struct],
     usage_chunk: Callable[[str, Usage], msgspec.Struct] | None,
     model: str,
 ) -> AsyncIterator[bytes]:
-    """Chunks of one generation; ``chunk(model, pieces, finish_reason, token)``."""
-    async for item in items:
-        if isinstance(item, Heartbeat):
-            yield sse.HEARTBEAT
-        elif isinstance(item, Started):
-            model = item.model
-        elif isinstance(item, Token):
-            yield sse.frame(msgspec.json.encode(chunk(model, per_token(item), None, item)))
-        elif isinstance(item, Done):
-            yield sse.frame(msgspec.json.encode(chunk(model, None, item.finish_reason, None)))
-            if usage_chunk is not None:
-                yield sse.frame(msgspec.json.encode(usage_chunk(model, item.usage)))
-        else:
-            yield _error_frame(item)
-    yield DONE_FRAME
+    """Chunks of one generation, ``chunk(model, finish_reason, token)``: one token per
+    chunk, and what arrived together (a reader behind) in one write."""
+    for_batch: list[bytes] = []
+    async for items in batches:
+        for item in items:
+            if isinstance(item, Heartbeat):
+                for_batch.append(sse.HEARTBEAT)
+            elif isinstance(item, Started):
+                model = item.model
+            elif isinstance(item, Token):
+                for_batch.append(sse.frame(msgspec.json.encode(chunk(model, None, item))))
+            elif isinstance(item, Done):
+                done = chunk(model, item.finish_reason, None)
+                for_batch.append(sse.frame(msgspec.json.encode(done)))
+                if usage_chunk is not None:
+                    for_batch.append(sse.frame(msgspec.json.encode(usage_chunk(model, item.usage))))
+                for_batch.append(DONE_FRAME)
+            else:
+                for_batch += (_error_frame(item), DONE_FRAME)
+        if for_batch:
+            yield for_batch[0] if len(for_batch) == 1 else b"".join(for_batch)
+            for_batch.clear()
 
 
 class ChatChunks:
@@ -263,14 +270,13 @@ class ChatChunks:
         self.want_logprobs = want_logprobs
         self.sent_role = False
 
-    def chunk(
-        self, model: str, pieces: list[TokenPiece] | None, finish: str | None, token: Token | None
-    ) -> ChatCompletionChunk:
+    def chunk(self, model: str, finish: str | None, token: Token | None) -> ChatCompletionChunk:
         delta = ChatDelta(content=token.text if token is not None else None)
         if not self.sent_role:
             self.sent_role, delta.role = True, "assistant"
             delta.content = delta.content or ""
-        logprobs = _chat_logprobs(pieces) if self.want_logprobs and pieces else None
+        pieces = per_token(token) if self.want_logprobs and token is not None else None
+        logprobs = _chat_logprobs(pieces) if pieces else None
         return ChatCompletionChunk(
             self.completion_id,
             "chat.completion.chunk",
@@ -295,13 +301,10 @@ class CompletionChunks:
         self.want_logprobs = want_logprobs
         self.offset = 0
 
-    def chunk(
-        self, model: str, pieces: list[TokenPiece] | None, finish: str | None, token: Token | None
-    ) -> Completion:
+    def chunk(self, model: str, finish: str | None, token: Token | None) -> Completion:
         text = token.text if token is not None else ""
-        logprobs = (
-            _completion_logprobs(pieces, self.offset) if self.want_logprobs and pieces else None
-        )
+        pieces = per_token(token) if self.want_logprobs and token is not None else None
+        logprobs = _completion_logprobs(pieces, self.offset) if pieces else None
         self.offset += len(text)
         choice = CompletionChoice(0, text, logprobs, finish)
         return Completion(
@@ -375,7 +378,7 @@ async def chat_completions(
     chunks = ChatChunks(completion_id, created, want_logprobs)
     include_usage = data.stream_options is not None and data.stream_options.include_usage
     stream = _stream(
-        generation.events(), chunks.chunk, chunks.usage if include_usage else None, data.model
+        generation.batches(), chunks.chunk, chunks.usage if include_usage else None, data.model
     )
     return sse.response(
         ending_with_error(stream, _failure_frames), background=generation.on_response_end()
@@ -407,7 +410,7 @@ async def completions(
     chunks = CompletionChunks(completion_id, created, want_logprobs)
     include_usage = data.stream_options is not None and data.stream_options.include_usage
     stream = _stream(
-        generation.events(), chunks.chunk, chunks.usage if include_usage else None, data.model
+        generation.batches(), chunks.chunk, chunks.usage if include_usage else None, data.model
     )
     return sse.response(
         ending_with_error(stream, _failure_frames), background=generation.on_response_end()

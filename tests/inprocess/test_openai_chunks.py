@@ -20,7 +20,7 @@ from tests.support.adapter_events import (
     HELLO,
     KEEP_ALIVE,
     STARTED,
-    Items,
+    Batches,
     collected,
     compact,
     data,
@@ -54,7 +54,7 @@ def chat_stream(
 ) -> AsyncIterator[bytes]:
     chunks = openai.ChatChunks("chatcmpl-g", CREATED, logprobs)
     usage = chunks.usage if include_usage else None
-    return openai._stream(Items(*events), chunks.chunk, usage, "asked-for")
+    return openai._stream(Batches(*events), chunks.chunk, usage, "asked-for")
 
 
 async def test_chat_stream_role_first_then_deltas_then_finish_then_done() -> None:
@@ -116,7 +116,7 @@ async def test_chat_stream_missing_logprobs_end_in_a_bad_engine_output_error_fra
         "param": None,
         "code": "bad_engine_output",
     }
-    assert sent == [data({"error": error}) + DONE]
+    assert sent == [data({"error": error}), DONE]
 
 
 @pytest.mark.parametrize(
@@ -225,7 +225,7 @@ def completion_chunk(text: str, finish: str | None, logprobs: Any = None) -> byt
 
 async def test_completion_stream_with_running_logprob_offsets_and_usage() -> None:
     chunks = openai.CompletionChunks("cmpl-g", CREATED, True)
-    events = Items(
+    events = Batches(
         STARTED, tok("Hel", 1, [10], [-0.5]), tok("lo!", 3, [11, 12], [-0.25, -2.0]), DONE_STOP
     )
     sent = await written(openai._stream(events, chunks.chunk, chunks.usage, "x"))
@@ -261,7 +261,9 @@ async def test_completion_stream_with_running_logprob_offsets_and_usage() -> Non
 
 async def test_completion_stream_without_logprobs_or_usage() -> None:
     chunks = openai.CompletionChunks("cmpl-g", CREATED, False)
-    sent = await written(openai._stream(Items(STARTED, *HELLO, DONE_STOP), chunks.chunk, None, "x"))
+    sent = await written(
+        openai._stream(Batches(STARTED, *HELLO, DONE_STOP), chunks.chunk, None, "x")
+    )
     assert sent == [
         completion_chunk("Hel", None),
         completion_chunk("lo", None),

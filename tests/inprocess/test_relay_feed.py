@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 
 import wire
 from gateway.errors import BadRequest, EventsExpired
-from gateway.feed import LIVE_ONLY, Feed, RelayEvent
+from gateway.feed import LIVE_ONLY, NEW_SESSION, Feed, RelayEvent
 from gateway.relay import RelayHub
 from wire import Keys, Usage
 from wire.scripts import EMIT_CORE
@@ -176,6 +176,47 @@ async def test_a_live_only_feed_skips_what_was_written_before(
                 assert await feed.next_batch(10) == []
         new = await session.tokens(2, start=3)
         assert ids(await read(feed, 2)) == new
+
+
+async def hub_subscribed(redis: aioredis.Redis, keys: Keys) -> None:
+    channel = keys.live_channel(SESSION)
+    async with asyncio.timeout(10):
+        while (await redis.pubsub_numsub(channel))[0][1] == 0:
+            await asyncio.sleep(0.005)
+
+
+async def test_a_feed_opened_before_its_session_gets_every_event_live_and_reads_nothing(
+    make_hub: HubFactory,
+    session: Session,
+    redis: aioredis.Redis,
+    keys: Keys,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    hub = await make_hub()
+    reads: list[str | None] = []
+    read_after = hub.read_after
+
+    async def counted(session_id: str, after_id: str | None) -> list[RelayEvent]:
+        reads.append(after_id)
+        return await read_after(session_id, after_id)
+
+    monkeypatch.setattr(hub, "read_after", counted)
+    async with hub.open(SESSION, NEW_SESSION) as feed:
+        await hub_subscribed(redis, keys)
+        written = [await session.emit(wire.Queued("g")), *await session.tokens(3)]
+        assert ids(await read(feed, 4)) == written
+    assert reads == []
+
+
+async def test_a_feed_opened_too_late_for_its_sessions_first_event_reads_what_it_missed(
+    make_hub: HubFactory, session: Session, redis: aioredis.Redis, keys: Keys
+) -> None:
+    hub = await make_hub()
+    before = [await session.emit(wire.Queued("g")), *await session.tokens(2)]
+    async with hub.open(SESSION, NEW_SESSION) as feed:
+        await hub_subscribed(redis, keys)
+        after = await session.tokens(2, start=2)
+        assert ids(await read(feed, 4)) == before + after
 
 
 async def test_a_slow_reader_gets_what_piled_up_in_one_batch(

@@ -38,8 +38,25 @@ class Items(AsyncIterator[GenerationItem]):
             raise StopAsyncIteration from None
 
 
+class Batches(AsyncIterator[list[GenerationItem]]):
+    """``Items`` as ``GenerationStream.batches`` yields them: one event per batch."""
+
+    def __init__(self, *events: GenerationItem) -> None:
+        self.events = iter(events)
+
+    async def __anext__(self) -> list[GenerationItem]:
+        try:
+            return [next(self.events)]
+        except StopIteration:
+            raise StopAsyncIteration from None
+
+
 async def written(chunks: AsyncIterator[bytes]) -> list[bytes]:
-    return [chunk async for chunk in chunks]
+    """The frames written, one per entry, however they were grouped into writes."""
+    frames: list[bytes] = []
+    async for chunk in chunks:
+        frames += [frame + b"\n\n" for frame in chunk.split(b"\n\n")[:-1]] or [chunk]
+    return frames
 
 
 def tok(text: str, count: int, ids: list[int], logprobs: list[float] | None = None) -> Token:

@@ -2,9 +2,11 @@
 --       slot even when unused: a cluster refuses keys of other slots, '' among them)
 -- ARGV: channel, maxlen, session_ttl, gid, user message JSON ('' for none), now,
 --       max_history, watch_ttl, queued event JSON, token digest ('' for no check),
---       '1' when an idempotency key was given
+--       '1' when an idempotency key was given,
+--       create ('1': make the session here, a stateless one: the one-shot API requests)
 -- Returns {'ok', queued id, history...} | {'missing'} | {'forbidden'} | {'duplicate', gid}
 --         | {'busy', gid} | {'history_full'}
+if ARGV[12] == '1' then redis.call('HSET', KEYS[1], 'stateless', 1, 'created', ARGV[6]) end
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'missing'} end
 -- The token is checked here, not in a separate round trip. Comparing digests (never the
 -- token itself) leaks nothing useful through timing.

@@ -1,0 +1,60 @@
+-- The checks and writes of one worker (or gateway) event, shared by EMIT (one event) and
+-- EMIT_STEP (every event of an engine step). Loaded after emit_core.lua.
+-- keys: events, gen, active, history (the last two only read for a final event)
+-- writer: the worker's id ('' for a gateway: no ownership check); final_state: '' unless
+-- the event ends its generation; assistant: the message JSON for the history ('' none);
+-- seq: the writer's 1, 2, 3... for this generation (nil: no check); epoch: the takeover its
+-- request carries.
+-- Returns the entry id, or false when the generation already ended (or expired), or the
+-- writer (worker and epoch) does not own it: so "no event after the final one" and "one
+-- worker per reply" hold whatever a writer does. 'started'/'resumed' claim a queued
+-- generation; before the claim, the current epoch's writer may only end it (a prefill
+-- error).
+-- A seq at or below the generation's last written one is a retried write (a pipeline sent
+-- again after a lost connection): nothing is written, and the reply is the id of the
+-- latest event written, so a retry never shows a client an event twice. A seq past the
+-- next one means events this writer had written are gone (a failover promoted a replica
+-- that had not received them): instead of a silent gap, the generation ends here with an
+-- error event, code 'events_lost', and the write is refused (false).
+local function emit_event(events, gen, active, history, channel, maxlen, ttl, etype, gid, data,
+                          final_state, writer, assistant, seq, epoch)
+  -- One read for the retry, state and owner checks: this runs for every token.
+  local seen = redis.call('HMGET', gen, 'seq', 'seq_id', 'state', 'final_id', 'worker',
+                          'takeovers')
+  local last = tonumber(seen[1] or '0')
+  if seq and seq <= last then return seen[2] end
+  if (not seen[3]) or seen[4] then return false end
+  local claim = etype == 'started' or etype == 'resumed'
+  if claim and seen[3] ~= 'queued' then return false end
+  local lost = seq and seq > last + 1
+  if writer ~= '' then
+    if epoch ~= tonumber(seen[6] or '0') then return false end
+    if seen[3] == 'queued' then  -- not claimed: unless the claim itself was lost
+      if not claim and not lost and final_state == '' then return false end
+    elseif seen[5] ~= writer then return false end
+  end
+  if lost then
+    local error = '{"type":"error","generation_id":' .. cjson.encode(gid) ..
+      ',"code":"events_lost","message":"Redis lost events of this reply (a failover to a ' ..
+      'replica that had not received them); the reply ends here"}'
+    -- EMIT_STEP passes the active key with final events only; it is the events key's
+    -- sibling (wire/keys.py), in the same slot.
+    if active == '' then active = string.sub(events, 1, -7) .. 'active' end
+    local lost_id = emit(events, gen, channel, maxlen, ttl, 'error', gid, error)
+    finish(gen, active, gid, 'error', lost_id, error, ttl)
+    redis.call('EXPIRE', events, ttl)
+    return false
+  end
+  local id = emit(events, gen, channel, maxlen, ttl, etype, gid, data)
+  if seq then redis.call('HSET', gen, 'seq', seq, 'seq_id', id) end
+  if claim then redis.call('HSET', gen, 'state', 'running', 'worker', writer) end
+  if final_state ~= '' then
+    finish(gen, active, gid, final_state, id, data, ttl)
+    if assistant ~= '' then
+      redis.call('RPUSH', history, assistant)
+      redis.call('EXPIRE', history, ttl)
+    end
+    redis.call('EXPIRE', events, ttl)
+  end
+  return id
+end

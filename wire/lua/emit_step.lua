@@ -1,0 +1,29 @@
+-- Every event of one engine step (of one hash slot's sessions, on a cluster) in one call.
+-- KEYS: per event its session's events and gen keys; a final event's also active, history
+-- ARGV[1]: the writer (the worker's id); then per event one record
+--   "<epoch> <maxlen> <ttl> <gid> <seq> <type> <final state or -> <event JSON>"
+--   (seq 0: no retry check)
+-- and, after a final event's record, the assistant message JSON ('' for none).
+-- Returns one reply per event, in order: its entry id, or '' when refused (as EMIT).
+-- The live channel is the events key with 'live' for 'events' (wire/keys.py).
+local writer, out, k, a = ARGV[1], {}, 1, 2
+while a <= #ARGV do
+  local epoch, maxlen, ttl, gid, seq, etype, state, data =
+    string.match(ARGV[a], '^(%d+) (%d+) (%d+) (%S+) (%d+) (%S+) (%S+) (.*)$')
+  if not data then return redis.error_reply('EMIT_STEP: bad record ' .. a) end
+  local events, gen = KEYS[k], KEYS[k + 1]
+  local active, history, assistant = '', '', ''
+  k, a = k + 2, a + 1
+  if state == '-' then
+    state = ''
+  else
+    active, history, assistant = KEYS[k], KEYS[k + 1], ARGV[a]
+    k, a = k + 2, a + 1
+  end
+  seq = tonumber(seq)
+  if seq == 0 then seq = nil end
+  local channel = string.sub(events, 1, -7) .. 'live'
+  out[#out + 1] = emit_event(events, gen, active, history, channel, maxlen, ttl, etype, gid,
+                             data, state, writer, assistant, seq, tonumber(epoch)) or ''
+end
+return out
