@@ -37,6 +37,7 @@ import redis.asyncio as aioredis
 from redis.cluster import RedisCluster
 
 from bench import e2e, measure
+from bench.e2e_stats import Run, summarise
 from stack import processes
 from stack.redis_cluster import EmbeddedCluster
 from stack.redis_server import free_port
@@ -182,7 +183,7 @@ def _servers(rig: e2e.Rig) -> dict[str, aioredis.Redis]:
 
 async def measured_run(
     rig: e2e.Rig, mode: str, streams_n: int, max_tokens: int, spread: float, bound: float
-) -> tuple[e2e.Run, dict[str, int]]:
+) -> tuple[Run, dict[str, int]]:
     """One ``e2e.run_once``, with its Redis CPU summed over the shards as ``redis``, and
     the events (XADD calls) each Redis server wrote."""
     run = await e2e.run_once(rig, mode, streams_n, max_tokens, spread, bound)
@@ -196,7 +197,7 @@ async def measured_run(
 
 
 def shard_figures(
-    runs: list[tuple[e2e.Run, dict[str, int]]], tokens: int, tokens_per_s: float | None
+    runs: list[tuple[Run, dict[str, int]]], tokens: int, tokens_per_s: float | None
 ) -> dict[str, Any]:
     """Per Redis server: CPU, events written, its share of them and of the tokens, CPU per
     token over every token delivered and over its own share."""
@@ -225,7 +226,7 @@ async def compare_point(
     spread = streams_n / args.start_rate if streams_n > 1 else 0.0
     max_tokens = max(args.tokens, int(2 * spread * args.rate) + 1)
     bound = max_tokens / args.rate + spread + 20
-    runs: dict[str, dict[str, list[tuple[e2e.Run, dict[str, int]]]]] = {
+    runs: dict[str, dict[str, list[tuple[Run, dict[str, int]]]]] = {
         backend: {mode: [] for mode in args.modes} for backend in rigs
     }
     load = [round(os.getloadavg()[0], 2)]
@@ -247,7 +248,7 @@ async def compare_point(
         point["backends"][backend] = {}
         for mode in args.modes:
             done = runs[backend][mode]
-            summary = e2e.summarise(mode, [run for run, _ev in done], max_tokens)
+            summary = summarise(mode, [run for run, _ev in done], max_tokens)
             summary["redis_servers"] = shard_figures(
                 done, summary["tokens"], summary["tokens_per_s"]
             )
