@@ -253,10 +253,13 @@ def test_the_gpu_engine_reserves_an_nvidia_gpu_and_the_cpu_engine_is_the_default
 
 
 def resolved_services(**env: str) -> set[str]:
-    """The services a compose implementation (podman-compose) starts, .env read as usual."""
+    """The services a compose implementation (podman-compose) starts, .env read as usual.
+    ``--dry-run``: resolving needs no podman (without it podman-compose exits at once where
+    podman is not installed, as on a fresh machine before the container test installs it)."""
     clean = {k: v for k, v in os.environ.items() if k != "COMPOSE_PROFILES"}
+    compose = [sys.executable, "-m", "podman_compose", "--dry-run"]
     result = subprocess.run(
-        [sys.executable, "-m", "podman_compose", "--file", str(ROOT / "compose.yaml"), "config"],
+        [*compose, "--file", str(ROOT / "compose.yaml"), "config"],
         cwd=ROOT,
         env={**clean, **env},
         capture_output=True,

@@ -7,9 +7,10 @@ run unchanged on podman. ``python -m tests.support.standins`` does every step (e
 skipped when its result is already there) and prints what it did and how long it took:
 
 1. podman, runc, debootstrap and openssl from apt, when missing;
-2. two Debian root file systems, made once and cached under
-   ``~/.cache/tokenspout/containers`` (``TOKENSPOUT_CONTAINERS_CACHE``): bookworm with
-   Python for the python and redis stand-ins, forky (Debian testing) with nginx 1.30;
+2. two Debian root file systems, made once and imported as images into the project's own
+   image store under ``~/.cache/tokenspout/containers`` (``TOKENSPOUT_CONTAINERS_CACHE``):
+   bookworm with Python for the python and redis stand-ins, forky (Debian testing) with
+   nginx 1.30; a first build checks that store's disk has room for it;
 3. the stand-in images from ``docker/standins/*/Containerfile``;
 4. the project's images, with ``podman-compose build`` from compose.yaml, while a local
    stand-in of PyTorch's CPU index serves the CPU torch wheel that this machine keeps
@@ -60,6 +61,11 @@ STANDIN_IMAGES = {
 }
 PYTORCH_INDEX_HOST = "download.pytorch.org"
 BUILT_SERVICES = ("gateway", "engine-cpu")
+ENGINE_CPU_IMAGE = "localhost/tokenspout-engine-cpu:0.1.0"
+# Room a first build takes on the image store's disk, measured: the stand-ins and images
+# (about 4 GB) and, while the engine's dependency layer (3 GB) is committed, that layer
+# three times over (the build container, its tar, the new layer).
+FIRST_BUILD_DISK_GB = 12
 
 
 def say(message: str) -> None:
@@ -131,6 +137,19 @@ def image_exists(name: str) -> bool:
 # --- 1. packages -------------------------------------------------------------------------
 
 
+def ensure_disk() -> None:
+    """Say so before a first build, not in the middle of it, where the disk is too small."""
+    if image_exists(ENGINE_CPU_IMAGE):
+        return
+    CACHE.mkdir(parents=True, exist_ok=True)
+    free_gb = shutil.disk_usage(CACHE).free / 2**30
+    if free_gb < FIRST_BUILD_DISK_GB:
+        raise RuntimeError(
+            f"building the images needs about {FIRST_BUILD_DISK_GB} GB free under {CACHE}; "
+            f"{free_gb:.1f} GB free (TOKENSPOUT_CONTAINERS_CACHE puts the store elsewhere)"
+        )
+
+
 def ensure_packages() -> None:
     missing = [package for tool, package in APT_PACKAGES.items() if shutil.which(tool) is None]
     if not missing:
@@ -147,7 +166,7 @@ def ensure_packages() -> None:
 
 
 def rootfs(name: str) -> Path:
-    """A Debian root file system made by debootstrap, once; later calls find it cached."""
+    """A Debian root file system made by debootstrap; kept until it is imported as an image."""
     folder = CACHE / "rootfs" / name
     if (folder / "etc" / "debian_version").is_file():
         return folder
@@ -196,6 +215,7 @@ def import_rootfs(name: str) -> str:
             tar.stdout.close()
             if tar.wait(timeout=60) != 0:
                 raise RuntimeError(f"tar of {folder} exited {tar.returncode}")
+    shutil.rmtree(folder)  # the image holds it now; a second copy only takes disk
     return image
 
 
@@ -379,8 +399,13 @@ def build_images() -> dict[str, float]:
 def prepare() -> dict[str, float]:
     """Every step, skipping those already done; seconds per project image built."""
     ensure_packages()
+    ensure_disk()
     build_standins()
-    return build_images()
+    seconds = build_images()
+    # Images an earlier build left untagged (the last dependency layer after pyproject.toml
+    # or constraints.txt changed: gigabytes each); the cache of this build stays.
+    podman("image", "prune", "--force", timeout=600)
+    return seconds
 
 
 def main() -> None:
