@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 from stack.redis_cluster import EmbeddedCluster
 from stack.redis_sentinel import EmbeddedSentinel
 from stack.redis_server import EmbeddedRedis, free_port
+from tests.support.compose import REPORTS
 from tests.support.engines import RUNNING, SYNTHETIC_TOKENS_PER_S, EngineUnderTest
 from tests.support.stack import VLLM_LOCK, Gateway, Stack, VllmStack
 
@@ -199,6 +200,11 @@ async def browser() -> AsyncIterator[Browser]:
 
 def pytest_report_header() -> str:
     return f"tokenspout tests: real Redis, real processes (pid {os.getpid()})"
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    for line in REPORTS:
+        terminalreporter.write_line(f"compose run {line}")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

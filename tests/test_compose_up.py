@@ -24,6 +24,7 @@ from stack.redis_server import free_port
 from tests.support import standins
 from tests.support.compose import (
     MODEL,
+    REPORTS,
     ComposeRun,
     active_streams,
     assert_gap_free,
@@ -87,8 +88,8 @@ def compose_run(tmp_path: Path) -> Iterator[ComposeRun]:
             finally:
                 run.sweep()
                 fcntl.flock(lock, fcntl.LOCK_UN)
-                print(f"compose run checks passed: {json.dumps(run.checks)}")
-                print(f"compose run timings: {json.dumps(run.timings)}")
+                REPORTS.append(f"checks passed: {json.dumps(run.checks)}")
+                REPORTS.append(f"timings: {json.dumps(run.timings)}")
 
 
 @pytest.mark.containers

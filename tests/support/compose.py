@@ -23,6 +23,9 @@ from tests.support.sse import Event
 ROOT = standins.ROOT
 STANDIN_OVERRIDE = ROOT / "docker" / "standins" / "compose.podman.yaml"
 MODEL = "SmolLM2-135M-Instruct"
+# What each real run checked and how long its steps took, printed at the end of the pytest
+# session (tests/conftest.py), pass or fail: CI's log keeps the build and up times.
+REPORTS: list[str] = []
 
 
 @dataclass
@@ -33,7 +36,7 @@ class ComposeRun:
     log: Path
     timings: dict[str, float] = field(default_factory=dict)
     checks: list[str] = field(default_factory=list)
-    """The checks passed so far, in order: printed with the timings, pass or fail."""
+    """The checks passed so far, in order: reported with the timings, pass or fail."""
 
     def compose(self, *args: str, timeout: float = 300) -> str:
         command = standins.compose_command(
