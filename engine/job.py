@@ -19,10 +19,17 @@ from wire import (
 from wire.scripts import EmitTarget
 
 
+def epoch_of(request: GenerationRequest) -> int:
+    """The takeover a request carries (0: the first run)."""
+    return request.resume.takeover if request.resume is not None else 0
+
+
 @dataclass
 class Job:
     request: GenerationRequest
     entry_id: bytes
+    target: EmitTarget
+    """Where its events go (``Publisher.target``, worked out once when the worker takes it)."""
     started_at: float = field(default_factory=time.monotonic)
     prompt_tokens: int = 0
     emitted_tokens: int = 0
@@ -34,8 +41,6 @@ class Job:
     events: int = 0
     """Events emitted so far: each one's number makes its write idempotent (EMIT's seq)."""
     token_ids: list[int] = field(default_factory=list)
-    target: EmitTarget | None = None
-    """Where its events go (``Publisher.target``), set when the worker takes it."""
     handing_over: bool = False
     """SIGTERM hand-over under way: what the engine still makes is not emitted."""
     claimed: bool = False
@@ -55,7 +60,7 @@ class Job:
     @property
     def epoch(self) -> int:
         """The takeover its request carries (0: the first run)."""
-        return self.request.resume.takeover if self.request.resume is not None else 0
+        return self.target.epoch
 
     @property
     def session_id(self) -> str:

@@ -35,7 +35,7 @@ import wire
 from engine.backends.base import Backend, BackendError, Prepared
 from engine.cancels import cancel_signals
 from engine.handover import give_back, hand_over_running
-from engine.job import Job, final_reason
+from engine.job import Job, epoch_of, final_reason
 from engine.lease import HEARTBEAT_S, Lease
 from engine.metrics import WorkerMetrics
 from engine.publisher import Publisher
@@ -196,14 +196,14 @@ class Worker:
             log.error("dropping an unreadable request %s: %s", entry_id, exc)
             task = asyncio.create_task(self._ack_or_retry_later(entry_id))
         else:
-            job = Job(request, entry_id)
-            job.target = self.publisher.target(
+            target = self.publisher.target(
                 request.session_id,
                 request.generation_id,
-                epoch=job.epoch,
+                epoch=epoch_of(request),
                 ttl_s=request.session_ttl_s,
                 maxlen=request.events_maxlen,
             )
+            job = Job(request, entry_id, target)
             running = self.jobs.get(request.generation_id)
             if running is not None and running.epoch >= job.epoch:
                 log.info("dropping a second copy of %s", request.generation_id)
@@ -297,7 +297,7 @@ class Worker:
                 job.token_ids.extend(delta.token_ids)
                 token = Token(gid, delta.text, job.emitted_tokens, delta.token_ids, delta.logprobs)
                 job.events += 1
-                self.publisher.emit(job.target, token, job.events)  # type: ignore[arg-type]
+                self.publisher.emit(job.target, token, job.events)
                 if first:
                     self.metrics.first_token(time.time() - job.request.enqueued_at)
                     first = False
@@ -348,7 +348,6 @@ class Worker:
     ) -> asyncio.Future[str | None]:
         """Queue an event the caller waits on (a claim, a final event): its stream id, or
         None when Redis refused it. Tokens go straight to ``Publisher.emit``."""
-        assert job.target is not None
         job.events += 1
         return self.publisher.emit_waited(
             job.target, event, job.events, final=final, assistant=assistant, ack=ack

@@ -197,15 +197,8 @@ class SessionStore:
             self._check_content(prompt)
         session_id, generation_id = session_id or new_id("s"), new_id("g")
         await self.queue.guard_capacity(queue)
-        request = GenerationRequest(
-            generation_id=generation_id,
-            session_id=session_id,
-            params=params,
-            messages=messages if messages is not None else [],
-            prompt=prompt,
-            enqueued_at=time.time(),
-            session_ttl_s=STATELESS_TTL_S,
-            events_maxlen=self.settings.events_maxlen,
+        request = self._request(
+            session_id, generation_id, params, messages or [], prompt, STATELESS_TTL_S
         )
         # One round trip: the session, its generation and the request. A fresh session
         # cannot refuse it, so the request goes in the same pipeline (not so on a cluster
@@ -244,10 +237,6 @@ class SessionStore:
         params: SamplingParams,
         idempotency_key: str | None,
         token_digest: str,
-        *,
-        messages: list[ChatMessage] | None = None,
-        prompt: str | None = None,
-        ttl: int | None = None,
     ) -> Submitted:
         keys, generation_id = self.keys, new_id("g")
         idem_key = keys.idempotency(session_id, idempotency_key) if idempotency_key else ""
@@ -265,7 +254,7 @@ class SessionStore:
             token_digest=token_digest,
             idempotency_key=idempotency_key,
             maxlen=self.settings.events_maxlen,
-            ttl_s=ttl or self.settings.session_ttl_s,
+            ttl_s=self.settings.session_ttl_s,
             max_history=self.settings.max_history_messages,
             watch_ttl_s=self.watch_ttl_s,
         )
@@ -289,20 +278,34 @@ class SessionStore:
                 code="history_full",
             )
         history = [_message_decoder.decode(item) for item in reply[2:]]
-        request = GenerationRequest(
-            generation_id=generation_id,
-            session_id=session_id,
-            params=params,
-            messages=messages if messages is not None else history,
-            prompt=prompt,
-            enqueued_at=time.time(),
-            session_ttl_s=ttl or self.settings.session_ttl_s,
-            events_maxlen=self.settings.events_maxlen,
+        request = self._request(
+            session_id, generation_id, params, history, None, self.settings.session_ttl_s
         )
         await self.queue.enqueue(model, request)
         if self.observer is not None:
             self.observer.submitted(session_id, generation_id, reply[1], model)
         return Submitted(generation_id, session_id, reply[1])
+
+    def _request(
+        self,
+        session_id: str,
+        generation_id: str,
+        params: SamplingParams,
+        messages: list[ChatMessage],
+        prompt: str | None,
+        ttl_s: int,
+    ) -> GenerationRequest:
+        """What the engine gets: the conversation (or prompt) to continue, and how."""
+        return GenerationRequest(
+            generation_id=generation_id,
+            session_id=session_id,
+            params=params,
+            messages=messages,
+            prompt=prompt,
+            enqueued_at=time.time(),
+            session_ttl_s=ttl_s,
+            events_maxlen=self.settings.events_maxlen,
+        )
 
     def _check_content(self, content: str, *, allow_empty: bool = False) -> None:
         if not content.strip() and not allow_empty:

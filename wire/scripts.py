@@ -303,14 +303,13 @@ class Submit(_Script):
         keys, args = self._keys_args(
             session_id,
             generation_id,
-            user_message,
-            token_digest,
-            idempotency_key,
-            maxlen,
-            ttl_s,
-            max_history,
-            watch_ttl_s,
-            create=False,
+            maxlen=maxlen,
+            ttl_s=ttl_s,
+            watch_ttl_s=watch_ttl_s,
+            user_message=user_message,
+            token_digest=token_digest,
+            idempotency_key=idempotency_key,
+            max_history=max_history,
         )
         return _texts(await self._run(keys, args, None))
 
@@ -327,7 +326,12 @@ class Submit(_Script):
         """Queue in ``pipe`` the making of a stateless session with its one generation (a
         bare EVALSHA: on NoScriptError, ``load`` and send it again); ``replied`` reads it."""
         keys, args = self._keys_args(
-            session_id, generation_id, None, "", None, maxlen, ttl_s, 0, watch_ttl_s, create=True
+            session_id,
+            generation_id,
+            maxlen=maxlen,
+            ttl_s=ttl_s,
+            watch_ttl_s=watch_ttl_s,
+            create=True,
         )
         self._queue_evalsha(pipe, keys, args)
 
@@ -339,16 +343,18 @@ class Submit(_Script):
         self,
         session_id: str,
         generation_id: str,
-        user_message: ChatMessage | None,
-        token_digest: str,
-        idempotency_key: str | None,
+        *,
         maxlen: int,
         ttl_s: int,
-        max_history: int,
         watch_ttl_s: int,
-        *,
-        create: bool,
+        user_message: ChatMessage | None = None,
+        token_digest: str = "",
+        idempotency_key: str | None = None,
+        max_history: int = 0,
+        create: bool = False,
     ) -> tuple[list[str], list[Arg]]:
+        """Submit's KEYS and ARGV, the one place they are listed (the defaults: what a
+        stateless session made by ``create_in`` has: no message, token, key or history)."""
         keys = self.keys
         return [
             keys.meta(session_id),

@@ -14,6 +14,7 @@ import wire
 from gateway.errors import BadRequest, EventsExpired
 from gateway.feed import LIVE_ONLY, NEW_SESSION, Feed, RelayEvent
 from gateway.relay import RelayHub
+from tests.support.redis_probes import live_readers
 from wire import Keys, Usage
 from wire.scripts import EMIT_CORE
 
@@ -181,7 +182,7 @@ async def test_a_live_only_feed_skips_what_was_written_before(
 async def hub_subscribed(redis: aioredis.Redis, keys: Keys) -> None:
     channel = keys.live_channel(SESSION)
     async with asyncio.timeout(10):
-        while (await redis.pubsub_numsub(channel))[0][1] == 0:
+        while await live_readers(redis, channel) == 0:
             await asyncio.sleep(0.005)
 
 
