@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import json
+import os
 import secrets
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -165,9 +167,8 @@ async def test_compose_up_builds_the_images_and_serves_through_the_proxy(
         # --scale gateway=2: the replica serving a stream stops mid-stream; the client
         # reconnects through the proxy with Last-Event-ID and the reply goes on, gap-free.
         session = await create_session(client, base)
-        # 400 tokens (about 12 s here) outlast the stop by far: the replica is found from the
-        # host's /proc (no podman exec, which took seconds under load: a 200-token reply once
-        # ended before the stop reached it).
+        # The replica is found from the host's /proc (no podman exec, which took seconds
+        # under load: a 200-token reply once ended before the stop reached it).
         pids = {g: int(run.podman("inspect", "--format", "{{.State.Pid}}", g)) for g in gateways}
         gid = await send(client, session, long, max_tokens=400, temperature=0)
         reading = Reading()
@@ -177,6 +178,9 @@ async def test_compose_up_builds_the_images_and_serves_through_the_proxy(
         await until_events(reading, 6, first)
         serving = [g for g in gateways if open_connections(pids[g], 8000) >= 1]
         assert len(serving) == 1 and open_connections(pids[serving[0]], 8000) == 1, serving
+        # SIGTERM from the host reaches it at once (podman's own stop can take seconds: the
+        # stream must not end before the stop); `podman stop` then keeps it stopped.
+        os.kill(pids[serving[0]], signal.SIGTERM)
         await asyncio.to_thread(run.podman, "stop", "--time", "2", serving[0])
         try:
             await first  # the stream closes when its replica goes
@@ -201,20 +205,28 @@ async def test_compose_up_builds_the_images_and_serves_through_the_proxy(
         # The engine restarts mid-reply (SIGKILL 1 s after SIGTERM, before its drain ends):
         # the reply survives it. The gateway's reaper sees the lease close and queues the
         # continuation; the restarted engine claims it (`resumed`) and streams on to `done`.
+        # The engine is frozen first (SIGSTOP from the host, at once), so the restart finds
+        # the reply running however long podman takes: on CI a 300-token reply once ended
+        # `done` with no takeover, the restart having reached the engine only after it.
         session = await create_session(client, base)
+        engine_pid = int(run.podman("inspect", "--format", "{{.State.Pid}}", engine))
         gid = await send(client, session, long, max_tokens=300, temperature=0)
         reading = Reading()
         interrupted = asyncio.create_task(
             read_events(client, session, until_final_of=gid, reading=reading, timeout_s=900)
         )
         await until_events(reading, 5, interrupted)
+        os.kill(engine_pid, signal.SIGSTOP)  # SIGTERM waits; podman's SIGKILL ends it
         began = time.monotonic()
         await asyncio.to_thread(run.podman, "restart", "--time", "1", engine, timeout=300)
+        run.timings["engine_restart_command_s"] = time.monotonic() - began
         await interrupted
         final = reading.final(gid)
         print(f"engine restart: the interrupted reply ended with {final.event} {final.data}")
         assert final.event == "done", final.data
-        (resumed,) = [e for e in reading.of(gid) if e.event == "resumed"]
+        resumed_events = [e for e in reading.of(gid) if e.event == "resumed"]
+        assert len(resumed_events) == 1, [e.event for e in reading.of(gid)]
+        (resumed,) = resumed_events
         assert resumed.json()["takeover"] == 1, resumed.data
         assert_gap_free(reading.events, gid)
         run.timings["engine_restart_final_s"] = time.monotonic() - began
