@@ -81,13 +81,14 @@ class Rig:
 
 
 @contextlib.asynccontextmanager
-async def e2e_rig(tokens_per_s: float, logs: Path) -> AsyncIterator[Rig]:
+async def e2e_rig(tokens_per_s: float, logs: Path, unix_socket: bool = False) -> AsyncIterator[Rig]:
     """Redis, one synthetic engine worker, the gateway and the reference engine, all paced
     at ``tokens_per_s`` (0: unpaced); the gateway on CPU 1, everything else on CPU 0."""
     prefix = f"e2e-{secrets.token_hex(3)}"
-    with EmbeddedRedis() as embedded:
+    with EmbeddedRedis(unix_socket=unix_socket) as embedded:
+        redis_url = embedded.unix_url if unix_socket else embedded.url
         env = {
-            "REDIS_URL": embedded.url,
+            "REDIS_URL": redis_url,
             "TOKENSPOUT_KEY_PREFIX": prefix,
             "TOKENSPOUT_LOG_LEVEL": "WARNING",
             "TOKENSPOUT_MAX_INFLIGHT": str(MAX_STREAMS * 2),
@@ -102,7 +103,7 @@ async def e2e_rig(tokens_per_s: float, logs: Path) -> AsyncIterator[Rig]:
                 logs / "worker.log",
             )
             children.append(worker)
-            wait_worker(embedded.url, prefix, worker)
+            wait_worker(redis_url, prefix, worker)
             gateway_port, engine_port = free_port(), free_port()
             gateway = processes.gateway(gateway_port, env, logs / "gateway.log")
             children.append(gateway)
@@ -127,7 +128,7 @@ async def e2e_rig(tokens_per_s: float, logs: Path) -> AsyncIterator[Rig]:
                 measure.pin(os.getpid(), REST_CPU, children=False)
             processes.wait_http(f"http://{HOST}:{gateway_port}/health", gateway, 60)
             processes.wait_http(f"http://{HOST}:{engine_port}/health", engine, 60)
-            client = aioredis.Redis.from_url(embedded.url)
+            client = aioredis.Redis.from_url(redis_url)
             rig = Rig(gateway, worker, engine, gateway_port, engine_port, redis_pid, client, pinned)
             try:
                 yield rig
@@ -318,7 +319,7 @@ async def suite(args: argparse.Namespace) -> dict[str, Any]:
         "points": [],
     }
     began = time.monotonic()
-    async with e2e_rig(args.rate, args.logs) as rig:
+    async with e2e_rig(args.rate, args.logs, args.unix_socket) as rig:
         results["pinned"] = rig.pinned
         await warm_up(rig, args.modes)
         for n in args.streams:
@@ -339,7 +340,7 @@ async def suite(args: argparse.Namespace) -> dict[str, Any]:
             }
     streams_n, tokens = args.saturation
     if streams_n and tokens:
-        async with e2e_rig(0, args.logs) as rig:
+        async with e2e_rig(0, args.logs, args.unix_socket) as rig:
             await warm_up(rig, args.modes)
             point = await run_point(rig, streams_n, 0, tokens, args.start_rate, 1, args.modes)
             results["saturation"] = point
@@ -375,6 +376,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--reduced", action="store_true", help="mark the results as a reduced run")
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument(
+        "--unix-socket",
+        action="store_true",
+        help="gateway and worker reach Redis over a Unix socket (default: loopback TCP)",
+    )
     parser.add_argument("--name", default="e2e", help="file names: NAME.json, NAME.md, NAME.png")
     return parser.parse_args(argv)
 

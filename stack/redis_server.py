@@ -37,6 +37,7 @@ class EmbeddedRedis:
         persist: bool = False,
         extra_args: list[str] | None = None,
         config_file: Path | None = None,
+        unix_socket: bool = False,
     ) -> None:
         self.port = port or free_port()
         self.persist = persist
@@ -48,10 +49,19 @@ class EmbeddedRedis:
         self._own_dir = data_dir is None
         self.data_dir = data_dir or Path(tempfile.mkdtemp(prefix="tokenspout-redis-"))
         self.process: subprocess.Popen[bytes] | None = None
+        self._socket_dir = Path(tempfile.mkdtemp(prefix="tsredis-")) if unix_socket else None
+        """A short folder of its own: a Unix socket's path is limited to 107 bytes."""
+        self.socket_path = self._socket_dir / "redis.sock" if self._socket_dir else None
+        """Where it also listens on a Unix socket (for processes on this machine), or None."""
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def unix_url(self) -> str:
+        assert self.socket_path is not None, "started without unix_socket=True"
+        return f"unix://{self.socket_path}?db=0"
 
     def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
         persistence = (
@@ -72,6 +82,11 @@ class EmbeddedRedis:
                 "--protected-mode",
                 "yes",
                 *persistence,
+                *(
+                    ["--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
+                    if self.socket_path is not None
+                    else []
+                ),
                 *self.extra_args,
             ],
             stdout=subprocess.DEVNULL,
@@ -117,6 +132,8 @@ class EmbeddedRedis:
         self.stop()
         if self._own_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
 
     def __enter__(self) -> EmbeddedRedis:
         return self.start()

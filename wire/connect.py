@@ -1,6 +1,7 @@
 """The one way gateway and engine open Redis, from ``REDIS_URL``, whatever serves it.
 
 - ``redis://`` or ``rediss://``: one Redis (or a proxy in front of several); as before.
+- ``unix:///path/to/redis.sock``: one Redis on this machine, over its Unix socket.
 - ``redis+cluster://host:port`` (``rediss+cluster://`` with TLS): a Redis Cluster, found
   from any one node (more seeds after a comma: ``redis+cluster://a:6379,b:6379``). Keys of
   one session share a hash tag, so every script touches one slot; live events go over
@@ -55,6 +56,8 @@ def connect(url: str, *, max_connections: int | None = None, **options: Any) -> 
         return _cluster(url, max_connections, options)
     if kind == "sentinel":
         return _sentinel(url, max_connections, options)
+    if urlsplit(url).scheme == "unix":
+        options.pop("socket_keepalive", None)  # a TCP option: a Unix socket refuses it
     if max_connections is None:
         return aioredis.Redis.from_url(url, **options)
     return aioredis.Redis(
