@@ -51,11 +51,32 @@ class StreamRecord:
             if future is not None and not future.done():
                 future.set_result(None)
 
-    def on_event(self, event_type: bytes, now: float) -> None:
+    def on_event(self, event_type: bytes, now: float, count: int | None = None) -> None:
+        """``count``: the token event's count (tokens so far): an event may carry several
+        (an engine step that made more than one, or the worker joining tokens while Redis
+        was behind), and each is counted, arriving now."""
         if event_type == b"token":
-            self.arrivals.append(now)
+            self.arrive(now, count)
         elif event_type in TERMINAL:
             self.end(final=event_type.decode())
+
+    def arrive(self, now: float, count: int | None) -> None:
+        """Tokens arrived: one (``count`` None), or as many as make ``count`` in all."""
+        if count is None:
+            self.arrivals.append(now)
+        elif count > len(self.arrivals):
+            self.arrivals.extend([now] * (count - len(self.arrivals)))
+
+
+def number_after(data: bytes, key: bytes) -> int | None:
+    """The integer after ``key`` (``b'"count":'``) in some JSON; None when it is not there."""
+    start = data.find(key)
+    if start < 0:
+        return None
+    start = end = start + len(key)
+    while data[end : end + 1].isdigit():
+        end += 1
+    return int(data[start:end]) if end > start else None
 
 
 class SSEStream(asyncio.Protocol):
@@ -117,7 +138,9 @@ class SSEStream(asyncio.Protocol):
         start = frame.find(b"event: ")
         if start >= 0:
             stop = frame.find(b"\n", start)
-            self.record.on_event(frame[start + 7 : stop], now)
+            event_type = frame[start + 7 : stop]
+            count = number_after(frame, b'"count":') if event_type == b"token" else None
+            self.record.on_event(event_type, now, count)
 
     def _dechunk(self) -> None:
         raw, pos, parts = self._raw, 0, [self._body]
@@ -139,8 +162,11 @@ class SSEStream(asyncio.Protocol):
 
 class OpenAIStream(SSEStream):
     """One ``POST /v1/chat/completions`` with ``stream: true``: a chunk whose delta has
-    content is a token (one per chunk, as the gateway and bench/reference_engine.py write
-    them), ``data: [DONE]`` ends the stream, an ``{"error": ...}`` chunk fails it."""
+    content is a token, ``data: [DONE]`` ends the stream, an ``{"error": ...}`` chunk fails
+    it. A chunk may carry several tokens (the worker joins a reply's tokens while Redis is
+    behind) and says nothing of how many: the usage chunk at the end
+    (``stream_options.include_usage``) gives the count, and the tokens it adds are counted
+    as arriving with it."""
 
     def on_frame(self, frame: bytes, now: float) -> None:
         if not frame.startswith(b"data: "):
@@ -151,6 +177,8 @@ class OpenAIStream(SSEStream):
             self.record.end(failure=frame[6:200].decode(errors="replace"))
         elif b'"content":"' in frame and b'"content":""' not in frame:
             self.record.arrivals.append(now)
+        elif (tokens := number_after(frame, b'"completion_tokens":')) is not None:
+            self.record.arrive(now, tokens)
 
 
 def post_request(host: str, port: int, path: str, body: bytes) -> bytes:
@@ -244,7 +272,9 @@ class PubSubReader(asyncio.Protocol):
                 payload = items[2]
                 assert isinstance(payload, bytes)
                 if record is not None:
-                    record.on_event(payload.split(b" ", 2)[1], now)
+                    kind = payload.split(b" ", 2)[1]
+                    count = number_after(payload, b'"count":') if kind == b"token" else None
+                    record.on_event(kind, now, count)
             elif kind == b"subscribe":
                 confirmed = self._confirmations.pop(channel, None)  # type: ignore[arg-type]
                 if confirmed is not None and not confirmed.done():

@@ -3,7 +3,8 @@
 ``python -m bench.reference_engine --port P --tokens-per-s R`` serves one endpoint,
 ``POST /v1/chat/completions`` with ``stream: true``, as OpenAI-format SSE chunks
 (``data: {...chat.completion.chunk...}`` per token, a final chunk with the finish reason,
-then ``data: [DONE]``), and ``GET /health``. The tokens and their pacing come from the
+the usage chunk when ``stream_options.include_usage`` asks for it, then ``data: [DONE]``),
+and ``GET /health``. The tokens and their pacing come from the
 synthetic engine itself (``SyntheticBackend.prepare`` / ``generate``, the code the engine
 worker runs), so for the same message and ``max_tokens`` this server and the gateway stream
 the same text on the same schedule; ``--tokens-per-s 0`` streams as fast as it can.
@@ -39,11 +40,22 @@ class InMessage(msgspec.Struct):
     content: str
 
 
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
 class ChatRequest(msgspec.Struct):
     messages: list[InMessage]
     model: str = "synthetic"
     max_tokens: int | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
 
 
 class Delta(msgspec.Struct, omit_defaults=True):
@@ -67,7 +79,7 @@ class Chunk(msgspec.Struct):
     created: int
     model: str
     choices: list[Choice]
-    usage: None
+    usage: Usage | None
 
 
 _decode_request = msgspec.json.Decoder(ChatRequest).decode
@@ -122,8 +134,9 @@ class ReferenceEngine:
         prepared = await self.backend.prepare(request)
         completion_id, created, model = f"chatcmpl-{gid}", int(time.time()), self.backend.model
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-        first = True
+        first, made = True, 0
         async for delta in self.backend.generate(prepared):
+            made += len(delta.token_ids)
             if delta.text or delta.token_ids:
                 out = Delta("assistant" if first else None, delta.text)
                 first = False
@@ -139,7 +152,13 @@ class ReferenceEngine:
             if delta.finish_reason is not None:
                 last = Choice(0, Delta(), None, delta.finish_reason)
                 chunk = Chunk(completion_id, "chat.completion.chunk", created, model, [last], None)
-                await send(_body(b"data: " + _encode(chunk) + b"\n\n" + DONE_FRAME))
+                frames = [b"data: " + _encode(chunk) + b"\n\n"]
+                if data.stream_options is not None and data.stream_options.include_usage:
+                    prompt = len(prepared.prompt_token_ids)
+                    usage = Usage(prompt, made, prompt + made)
+                    chunk = Chunk(completion_id, "chat.completion.chunk", created, model, [], usage)
+                    frames.append(b"data: " + _encode(chunk) + b"\n\n")
+                await send(_body(b"".join([*frames, DONE_FRAME])))
                 break
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 

@@ -17,6 +17,7 @@ from tests.support.http import TERMINAL
 from tests.support.oracle import synthetic_text
 from tests.support.redis_probes import event_key
 from tests.support.sse import Event
+from tests.support.tokens import assert_gap_free_tokens
 
 
 def slot_of(cluster: EmbeddedCluster, key: str) -> int:
@@ -93,13 +94,12 @@ def check_reply(events: list[Event], gid: str, content: str, max_tokens: int) ->
     finals = [e for e in mine if e.event in TERMINAL]
     assert len(finals) == 1 and mine[-1] is finals[0], [e.event for e in mine]
     tokens = [e.json() for e in mine if e.event == "token"]
-    counts = [token["count"] for token in tokens]
-    assert counts == list(range(1, len(counts) + 1)), "a token lost or repeated"
+    made = assert_gap_free_tokens(tokens)
     final: dict[str, Any] = finals[0].json()
     if finals[0].event == "error":
         assert final.get("message"), final
         return final
     assert finals[0].event == "done", final
-    assert len(counts) == max_tokens
+    assert made == max_tokens == final["usage"]["completion_tokens"]
     assert "".join(token["text"] for token in tokens) == synthetic_text(content, max_tokens)
     return final
