@@ -81,7 +81,9 @@ class Rig:
 
 
 @contextlib.asynccontextmanager
-async def e2e_rig(tokens_per_s: float, logs: Path, unix_socket: bool = False) -> AsyncIterator[Rig]:
+async def e2e_rig(
+    tokens_per_s: float, logs: Path, unix_socket: bool = False, join_tokens: bool = False
+) -> AsyncIterator[Rig]:
     """Redis, one synthetic engine worker, the gateway and the reference engine, all paced
     at ``tokens_per_s`` (0: unpaced); the gateway on CPU 1, everything else on CPU 0."""
     prefix = f"e2e-{secrets.token_hex(3)}"
@@ -98,7 +100,11 @@ async def e2e_rig(tokens_per_s: float, logs: Path, unix_socket: bool = False) ->
         children: list[subprocess.Popen[bytes]] = []
         try:
             worker = processes.engine(
-                ["--backend", "synthetic", "--tokens-per-s", rate, "--capacity", str(MAX_STREAMS)],
+                [
+                    *("--backend", "synthetic", "--tokens-per-s", rate),
+                    *("--capacity", str(MAX_STREAMS)),
+                    *(["--join-tokens"] if join_tokens else []),
+                ],
                 env,
                 logs / "worker.log",
             )
@@ -147,6 +153,7 @@ def chat_body(max_tokens: int) -> bytes:
             "messages": [{"role": "user", "content": "bench"}],
             "max_tokens": max_tokens,
             "stream": True,
+            "stream_options": {"include_usage": True},
         }
     ).encode()
 
@@ -319,7 +326,7 @@ async def suite(args: argparse.Namespace) -> dict[str, Any]:
         "points": [],
     }
     began = time.monotonic()
-    async with e2e_rig(args.rate, args.logs, args.unix_socket) as rig:
+    async with e2e_rig(args.rate, args.logs, args.unix_socket, args.join_tokens) as rig:
         results["pinned"] = rig.pinned
         await warm_up(rig, args.modes)
         for n in args.streams:
@@ -340,7 +347,7 @@ async def suite(args: argparse.Namespace) -> dict[str, Any]:
             }
     streams_n, tokens = args.saturation
     if streams_n and tokens:
-        async with e2e_rig(0, args.logs, args.unix_socket) as rig:
+        async with e2e_rig(0, args.logs, args.unix_socket, args.join_tokens) as rig:
             await warm_up(rig, args.modes)
             point = await run_point(rig, streams_n, 0, tokens, args.start_rate, 1, args.modes)
             results["saturation"] = point
@@ -376,6 +383,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--reduced", action="store_true", help="mark the results as a reduced run")
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument(
+        "--join-tokens",
+        action="store_true",
+        help="the worker joins a reply's tokens while Redis is behind (engine --join-tokens)",
+    )
     parser.add_argument(
         "--unix-socket",
         action="store_true",

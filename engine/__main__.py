@@ -91,6 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
         "finish before they are cancelled (reason shutdown); with one, they move there at once",
     )
     parser.add_argument("--worker-id", default=None, help="name in Redis (default: hostname-pid)")
+    parser.add_argument(
+        "--join-tokens",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="while Redis is a step or more behind, a reply's tokens waiting for the next "
+        "write go as one event (Redis catches up; session and WebSocket clients count them, "
+        "but OpenAI chunks and TGI events then hold several tokens' text in one)",
+    )
     return parser
 
 
@@ -186,6 +194,7 @@ async def serve(args: argparse.Namespace) -> None:
         metrics=metrics,
         aliases=served_names(args)[1:],
         max_takeovers=int(os.environ.get("TOKENSPOUT_MAX_TAKEOVERS", "3")),
+        join_tokens=args.join_tokens,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -29,6 +29,12 @@ class WorkerMetrics:
             "Tokens the engine produced after a cancel was received (never delivered).",
             registry=r,
         )
+        self.tokens_joined = Counter(
+            "tokenspout_engine_tokens_joined",
+            "Tokens written in the event of the token before them: Redis was a step or more "
+            "behind (engine/publisher.py).",
+            registry=r,
+        )
         self.takeovers = Counter(
             "tokenspout_engine_takeovers",
             "Generations this worker continued after another worker was lost or stopped.",

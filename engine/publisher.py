@@ -12,9 +12,15 @@ A token costs a record in a list, no future and no object: only the events whose
 the worker waits on (a generation's claim and its end) get one. Events are written in the
 order they were emitted; while a write is under way the next steps' events gather and go
 in the next call together, so a slow Redis gets fewer, larger calls and no token waits
-when nothing is behind. While Redis is unreachable they wait and are retried, so a short
-Redis restart delays tokens instead of losing them; each event carries its number within
-its generation, so a write sent again never writes an event twice.
+when nothing is behind. With ``join_tokens`` (the worker's ``--join-tokens``), a
+generation's tokens that gather so (Redis a step or more behind) become one event, as a
+step that made several tokens at once would be: Redis writes, publishes and relays one
+event for them, not one each, and catches up. It is off by default: an OpenAI chunk or a
+TGI event then carries several tokens' text in one, which clients of those formats may
+not expect of a reply that is only late. While Redis is unreachable events wait and are
+retried, so a short Redis restart delays tokens instead of losing them; each event
+carries its number within its generation, so a write sent again never writes an event
+twice.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, RedisError
 
 import wire
-from wire import Keys, SessionEvent
+from wire import Keys, SessionEvent, Token
 from wire.connect import is_cluster, slot_of
 from wire.queue import RequestQueue
 from wire.scripts import EmitStep, EmitTarget, StepCall
@@ -47,13 +53,43 @@ def one_group(session_id: str) -> Hashable:
     return None
 
 
+class _OpenToken:
+    """A generation's token that the next one joins, while it waits for a write under way."""
+
+    __slots__ = ("call", "position", "seq", "token")
+
+    def __init__(self, call: StepCall, position: int, seq: int, token: Token) -> None:
+        self.call = call
+        self.position = position
+        self.seq = seq
+        self.token = token
+
+
+def joined(first: Token, then: Token) -> Token:
+    """Two consecutive tokens of a generation as one event: texts, ids and log
+    probabilities in order, the later one's count."""
+    logprobs = None
+    if first.logprobs is not None or then.logprobs is not None:
+        logprobs = [*(first.logprobs or ()), *(then.logprobs or ())]
+    return Token(
+        first.generation_id,
+        first.text + then.text,
+        then.count,
+        [*first.token_ids, *then.token_ids],
+        logprobs,
+    )
+
+
 class _Batch:
     """What one write sends: the calls per group, the acknowledgements, and who waits."""
 
-    __slots__ = ("acks", "calls", "done", "finals", "waiters")
+    __slots__ = ("acks", "calls", "done", "finals", "open_tokens", "waiters")
 
     def __init__(self) -> None:
         self.calls: dict[Hashable, list[StepCall]] = {}
+        self.open_tokens: dict[EmitTarget, _OpenToken] = {}
+        """Per generation, its token that is the last of its events here (kept only while
+        a write is under way: then the next one joins it)."""
         self.acks: list[bytes] = []
         self.waiters: dict[tuple[StepCall, int], asyncio.Future[str | None]] = {}
         """(call, event's position in it) -> the future of an event someone awaits."""
@@ -73,6 +109,7 @@ class Publisher:
         writer: str,
         on_rejected: Callable[[str, int], None],
         group_of: GroupOf | None = None,
+        join_tokens: bool = False,
     ) -> None:
         self.redis = redis
         self.keys = keys
@@ -86,6 +123,8 @@ class Publisher:
         (the generation ended, or another writer owns it now)."""
         self.group_of: GroupOf = group_of or (slot_of if is_cluster(redis) else one_group)
         """Which sessions' events may share a call (default: by what serves ``redis``)."""
+        self.join_tokens = join_tokens
+        """Join a generation's tokens that wait for the next write (see the module's doc)."""
         self._script = EmitStep(redis, keys)
         self._acks_after = is_cluster(redis)
         """On a cluster, acknowledge in a round trip after the events (see ``_write``)."""
@@ -104,13 +143,31 @@ class Publisher:
             session_id, generation_id, epoch=epoch, maxlen=maxlen, ttl_s=ttl_s
         )
 
-    def emit(self, target: EmitTarget, event: SessionEvent, seq: int) -> None:
-        """Queue a non-final event (a token): written with the step, nobody waits for it.
+    def emit(self, target: EmitTarget, token: Token, seq: int) -> int:
+        """Queue a token: written with the step, nobody waits for it. Returns the number of
+        the event that carries it.
 
-        ``seq``: this event's number within its generation (1, 2, 3...): Redis writes an
-        event once whatever the retries."""
+        ``seq``: the number a new event takes within its generation (1, 2, 3...): Redis
+        writes an event once whatever the retries. With ``join_tokens``, while a write is
+        under way, a token whose generation's last event here is a token joins that one
+        and takes its number (see the module's doc)."""
+        batch = self._batch
+        open_token = batch.open_tokens.get(target)
+        if open_token is not None:
+            open_token.token = joined(open_token.token, token)
+            data = wire.encode(open_token.token)
+            open_token.call.rewrite(open_token.position, target, open_token.seq, "token", data)
+            return open_token.seq
         call = self._call(target.session_id)
-        call.add(target, seq, wire.event_type(event), wire.encode(event))
+        position = call.add(target, seq, "token", wire.encode(token))
+        if self.join_tokens and self._in_flight is not None:
+            batch.open_tokens[target] = _OpenToken(call, position, seq, token)
+        return seq
+
+    @property
+    def writing(self) -> bool:
+        """A write is under way: what is emitted meanwhile waits for the next one."""
+        return self._in_flight is not None
 
     def emit_waited(
         self,
@@ -128,6 +185,7 @@ class Publisher:
         request's entry id, acknowledged in the same round trip, so "in flight"
         (gateway/generations.py) drops the moment it ends."""
         batch = self._batch
+        batch.open_tokens.pop(target, None)  # no token joins one before this event
         call = self._call(target.session_id)
         where = (call, call.size)
         call.add(

@@ -71,6 +71,7 @@ class Worker:
         metrics: WorkerMetrics | None = None,
         aliases: list[str] | None = None,
         max_takeovers: int = 3,
+        join_tokens: bool = False,
     ) -> None:
         self.redis = redis
         self.backend = backend
@@ -93,6 +94,7 @@ class Worker:
             queue=self.queue,
             writer=self.worker_id,
             on_rejected=self._on_rejected,
+            join_tokens=join_tokens,
         )
         self.takeover_script = Takeover(redis, self.keys)
         """Hands a running generation on (engine/handover.py, on SIGTERM)."""
@@ -296,8 +298,10 @@ class Worker:
                 job.text.append(delta.text)
                 job.token_ids.extend(delta.token_ids)
                 token = Token(gid, delta.text, job.emitted_tokens, delta.token_ids, delta.logprobs)
-                job.events += 1
-                self.publisher.emit(job.target, token, job.events)
+                seq = self.publisher.emit(job.target, token, job.events + 1)
+                if seq == job.events:  # joined the token before: Redis is behind
+                    self.metrics.tokens_joined.inc(len(delta.token_ids))
+                job.events = seq
                 if first:
                     self.metrics.first_token(time.time() - job.request.enqueued_at)
                     first = False

@@ -240,3 +240,37 @@ async def test_a_reply_whose_events_redis_lost_ends_with_a_clear_error(stack: St
     lost = check_reply(followers[0].reading.events, gids[0], content, max_tokens)
     assert lost["code"] == "events_lost", lost
     assert check_reply(followers[1].reading.events, gids[1], content, max_tokens)["usage"]
+
+
+@pytest.mark.parametrize("join", [True, False], ids=["join-tokens", "default"])
+async def test_a_reply_behind_a_paused_redis_loses_nothing_and_joins_only_if_asked(
+    stack: Stack, join: bool
+) -> None:
+    """Redis holds writes for 1 s mid-reply (``CLIENT PAUSE 1000 WRITE``) while the engine
+    makes 200 tokens a second. With ``--join-tokens`` the tokens that waited go as one
+    event (the reply catches up in fewer events); by default each stays an event of its
+    own. Either way every token arrives once, in order, the text whole."""
+    stack.synthetic(200, *(["--join-tokens"] if join else []))
+    gateway = stack.gateway()
+    content, max_tokens = "wait for redis", 400
+    async with httpx.AsyncClient(timeout=60) as client:
+        session = await create_session(client, gateway.url)
+        gid = await send(client, session, content, max_tokens=max_tokens)
+        follower = follow(client, session, gid)
+        await follower.until_tokens(5)
+        pause = async_client(stack.redis_url)
+        try:
+            await pause.execute_command("CLIENT", "PAUSE", 1000, "WRITE")
+        finally:
+            await pause.aclose()
+        assert follower.task is not None
+        await asyncio.wait_for(follower.task, 60)
+    final = check_reply(follower.reading.events, gid, content, max_tokens)
+    events = sum(1 for e in follower.reading.of(gid) if e.event == "token")
+    if join:
+        # The engine goes on while Redis holds: whatever it made meanwhile (up to 200
+        # tokens) joins into one event; 40 fewer events need only 41 of them.
+        assert events < max_tokens - 40, events
+    else:
+        assert events == max_tokens
+    assert final["usage"]["completion_tokens"] == max_tokens

@@ -201,14 +201,15 @@ class StepCall:
         data: bytes,
         final_state: str = "",
         assistant: bytes = b"",
-    ) -> None:
-        """Queue one event (``seq``: the writer's number for it in its generation)."""
+    ) -> int:
+        """Queue one event (``seq``: the writer's number for it in its generation); returns
+        where its record is (for ``rewrite``)."""
         self.targets.append(target)
         self.size += 1
         if not final_state:
             self.keys += (target.events, target.gen)
             self.args.append(b"%s%d %s - %s" % (target.head, seq, event_type.encode(), data))
-            return
+            return len(self.args) - 1
         self.keys += (target.events, target.gen, target.active, target.history)
         record = b"%s%d %s %s %s" % (
             target.head,
@@ -218,6 +219,13 @@ class StepCall:
             data,
         )
         self.args += (record, assistant)
+        return len(self.args) - 2
+
+    def rewrite(
+        self, position: int, target: EmitTarget, seq: int, event_type: str, data: bytes
+    ) -> None:
+        """Replace the non-final event queued at ``position`` (its target and number stay)."""
+        self.args[position] = b"%s%d %s - %s" % (target.head, seq, event_type.encode(), data)
 
 
 class EmitStep(_Script):
