@@ -152,7 +152,7 @@ class Publisher:
         under way, a token whose generation's last event here is a token joins that one
         and takes its number (see the module's doc)."""
         batch = self._batch
-        open_token = batch.open_tokens.get(target)
+        open_token = batch.open_tokens.get(target) if batch.open_tokens else None
         if open_token is not None:
             open_token.token = joined(open_token.token, token)
             data = wire.encode(open_token.token)
@@ -185,7 +185,8 @@ class Publisher:
         request's entry id, acknowledged in the same round trip, so "in flight"
         (gateway/generations.py) drops the moment it ends."""
         batch = self._batch
-        batch.open_tokens.pop(target, None)  # no token joins one before this event
+        if batch.open_tokens:
+            batch.open_tokens.pop(target, None)  # no token joins one before this event
         call = self._call(target.session_id)
         where = (call, call.size)
         call.add(
