@@ -133,6 +133,11 @@ class ReferenceEngine:
         )
         prepared = await self.backend.prepare(request)
         completion_id, created, model = f"chatcmpl-{gid}", int(time.time()), self.backend.model
+
+        def frame(choices: list[Choice], usage: Usage | None = None) -> bytes:
+            chunk = Chunk(completion_id, "chat.completion.chunk", created, model, choices, usage)
+            return b"data: " + _encode(chunk) + b"\n\n"
+
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
         first, made = True, 0
         async for delta in self.backend.generate(prepared):
@@ -140,24 +145,12 @@ class ReferenceEngine:
             if delta.text or delta.token_ids:
                 out = Delta("assistant" if first else None, delta.text)
                 first = False
-                chunk = Chunk(
-                    completion_id,
-                    "chat.completion.chunk",
-                    created,
-                    model,
-                    [Choice(0, out, None, None)],
-                    None,
-                )
-                await send(_body(b"data: " + _encode(chunk) + b"\n\n"))
+                await send(_body(frame([Choice(0, out, None, None)])))
             if delta.finish_reason is not None:
-                last = Choice(0, Delta(), None, delta.finish_reason)
-                chunk = Chunk(completion_id, "chat.completion.chunk", created, model, [last], None)
-                frames = [b"data: " + _encode(chunk) + b"\n\n"]
+                frames = [frame([Choice(0, Delta(), None, delta.finish_reason)])]
                 if data.stream_options is not None and data.stream_options.include_usage:
                     prompt = len(prepared.prompt_token_ids)
-                    usage = Usage(prompt, made, prompt + made)
-                    chunk = Chunk(completion_id, "chat.completion.chunk", created, model, [], usage)
-                    frames.append(b"data: " + _encode(chunk) + b"\n\n")
+                    frames.append(frame([], Usage(prompt, made, prompt + made)))
                 await send(_body(b"".join([*frames, DONE_FRAME])))
                 break
         await send({"type": "http.response.body", "body": b"", "more_body": False})

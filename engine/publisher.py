@@ -160,7 +160,7 @@ class Publisher:
             return open_token.seq
         call = self._call(target.session_id)
         position = call.add(target, seq, "token", wire.encode(token))
-        if self.join_tokens and self._in_flight is not None:
+        if self.join_tokens and self.writing:
             batch.open_tokens[target] = _OpenToken(call, position, seq, token)
         return seq
 

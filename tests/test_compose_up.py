@@ -36,7 +36,14 @@ from tests.support.compose import (
     until_events,
     wait_until,
 )
-from tests.support.http import TERMINAL, Reading, cancel, create_session, read_events, send
+from tests.support.http import (
+    TERMINAL,
+    Reading,
+    cancel_mid_reply,
+    create_session,
+    read_events,
+    send,
+)
 from tests.support.stack import VLLM_LOCK
 from tests.support.ws import open_ws
 
@@ -149,16 +156,7 @@ async def test_compose_up_builds_the_images_and_serves_through_the_proxy(
         session = await create_session(client, base)
         long = "Write a long story about a lighthouse keeper."
         gid = await send(client, session, long, max_tokens=400, temperature=0)
-        reading = await read_events(client, session, limit=5, timeout_s=600)
-        await cancel(client, session, gid)
-        reading = await read_events(
-            client,
-            session,
-            until_final_of=gid,
-            reading=reading,
-            last_event_id=reading.events[-1].id,
-            timeout_s=120,
-        )
+        reading = await cancel_mid_reply(client, session, gid, 5, timeout_s=600)
         assert reading.final(gid).event == "cancelled"
         assert reading.final(gid).json()["reason"] == "user"
         assert_gap_free(reading.events, gid)

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 
 from stack.redis_server import EmbeddedRedis
-from tests.support.http import cancel, create_session, read_events, send
+from tests.support.http import cancel_mid_reply, create_session, read_events, send
 from tests.support.oracle import synthetic_text
 from tests.support.stack import Stack
 
@@ -35,16 +35,8 @@ async def test_gateway_and_worker_serve_over_a_unix_socket(tmp_path: Path) -> No
                 assert reading.text(gid) == synthetic_text("over a socket", 6)
 
                 long = await send(client, session, "a long one", max_tokens=4000)
-                reading = await read_events(
-                    client, session, limit=3, last_event_id=reading.events[-1].id
-                )
-                await cancel(client, session, long)
-                reading = await read_events(
-                    client,
-                    session,
-                    until_final_of=long,
-                    reading=reading,
-                    last_event_id=reading.events[-1].id,
+                reading = await cancel_mid_reply(
+                    client, session, long, 3, after=reading.events[-1].id
                 )
                 assert reading.final(long).event == "cancelled", reading.final(long).data
         finally:

@@ -206,26 +206,26 @@ class StepCall:
         where its record is (for ``rewrite``)."""
         self.targets.append(target)
         self.size += 1
-        if not final_state:
+        self.args.append(_record(target, seq, event_type, data, final_state))
+        position = len(self.args) - 1
+        if final_state:
+            self.keys += (target.events, target.gen, target.active, target.history)
+            self.args.append(assistant)
+        else:
             self.keys += (target.events, target.gen)
-            self.args.append(b"%s%d %s - %s" % (target.head, seq, event_type.encode(), data))
-            return len(self.args) - 1
-        self.keys += (target.events, target.gen, target.active, target.history)
-        record = b"%s%d %s %s %s" % (
-            target.head,
-            seq,
-            event_type.encode(),
-            final_state.encode(),
-            data,
-        )
-        self.args += (record, assistant)
-        return len(self.args) - 2
+        return position
 
     def rewrite(
         self, position: int, target: EmitTarget, seq: int, event_type: str, data: bytes
     ) -> None:
         """Replace the non-final event queued at ``position`` (its target and number stay)."""
-        self.args[position] = b"%s%d %s - %s" % (target.head, seq, event_type.encode(), data)
+        self.args[position] = _record(target, seq, event_type, data)
+
+
+def _record(target: EmitTarget, seq: int, kind: str, data: bytes, state: str = "") -> bytes:
+    """One event's ARGV record (wire/lua/emit_step.lua reads it back)."""
+    final = state.encode() if state else b"-"
+    return b"%s%d %s %s %s" % (target.head, seq, kind.encode(), final, data)
 
 
 class EmitStep(_Script):

@@ -153,6 +153,30 @@ class Follower:
                 await asyncio.sleep(0.01)
 
 
+async def cancel_mid_reply(
+    client: httpx.AsyncClient,
+    session: Session,
+    gid: str,
+    events: int,
+    after: str | None = None,
+    timeout_s: float = 60,
+) -> Reading:
+    """Read ``events`` events of the session (after ``after``), cancel ``gid``, then read on
+    to its final event: the reading of both."""
+    reading = await read_events(
+        client, session, limit=events, last_event_id=after, timeout_s=timeout_s
+    )
+    await cancel(client, session, gid)
+    return await read_events(
+        client,
+        session,
+        until_final_of=gid,
+        reading=reading,
+        last_event_id=reading.events[-1].id,
+        timeout_s=timeout_s,
+    )
+
+
 def follow(
     client: httpx.AsyncClient, session: Session, gid: str, after: str | None = None
 ) -> Follower:
