@@ -62,6 +62,10 @@ def compose_run(tmp_path: Path) -> Iterator[ComposeRun]:
         "TOKENSPOUT_STANDIN_SUBNET": free_subnet(),
         "TOKENSPOUT_CPU_CAPACITY": "4",
         "TOKENSPOUT_DRAIN_S": "5",
+        # A stopped replica cuts its streams at once. With the default grace (30 s) a stream
+        # runs on to its generation's end on the draining replica (tests/test_shutdown.py):
+        # on CI a story ended `done` there while `podman stop` was still on its way.
+        "TOKENSPOUT_SHUTDOWN_GRACE_S": "0",
     }
     env.pop("COMPOSE_PROFILES", None)  # .env's default is what runs
     run = ComposeRun(project, f"http://127.0.0.1:{port}", env, tmp_path / "compose.log")
@@ -176,8 +180,9 @@ async def test_compose_up_builds_the_images_and_serves_through_the_proxy(
         await until_events(reading, 6, first)
         serving = [g for g in gateways if open_connections(pids[g], 8000) >= 1]
         assert len(serving) == 1 and open_connections(pids[serving[0]], 8000) == 1, serving
-        # SIGTERM from the host reaches it at once (podman's own stop can take seconds: the
-        # stream must not end before the stop); `podman stop` then keeps it stopped.
+        # SIGTERM from the host reaches it at once and, with no grace, cuts the stream (podman's
+        # own stop can take seconds: the stream must not end before the stop); `podman stop`
+        # then keeps it stopped.
         os.kill(pids[serving[0]], signal.SIGTERM)
         await asyncio.to_thread(run.podman, "stop", "--time", "2", serving[0])
         try:
