@@ -18,6 +18,7 @@ from redis.exceptions import RedisError
 import wire
 from engine.metrics import WorkerMetrics
 from wire import CancelSignal, Keys
+from wire.connect import on_key_node
 
 log = logging.getLogger("tokenspout.worker")
 _decoder = msgspec.json.Decoder(CancelSignal)
@@ -30,7 +31,8 @@ async def cancel_signals(
     last = await _newest_id(redis, keys)
     while True:
         try:
-            reply = await redis.xread({keys.cancels: last}, count=256, block=1000)
+            read = ("XREAD", "COUNT", 256, "BLOCK", 1000, "STREAMS", keys.cancels, last)
+            reply = await on_key_node(redis, keys.cancels, *read)
         except (RedisError, OSError) as exc:
             log.warning("reading cancels failed (%s); retrying", exc)
             metrics.redis_errors.labels("cancels").inc()

@@ -31,6 +31,7 @@ from typing import cast
 import redis.asyncio as aioredis
 from redis.asyncio.client import PubSub
 from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 import wire
@@ -44,7 +45,7 @@ Confirmed = Callable[[str, bool], None]
 """A channel's subscription is confirmed (True) or lost (False)."""
 
 
-class _Shard:
+class Shard:
     """One primary's pub/sub connection and the channels subscribed there."""
 
     def __init__(self, owner: ShardedLive, address: str, client: aioredis.Redis) -> None:
@@ -68,6 +69,10 @@ class _Shard:
     async def _read_forever(self) -> None:
         await self.subscribed.wait()
         try:
+            if self.pubsub.connection is None:
+                # The first SSUBSCRIBE never connected (its node was down): nothing to read,
+                # and a reader left here would miss what a later SSUBSCRIBE brings.
+                raise RedisConnectionError(f"no connection to {self.address}")
             while True:
                 message = await self.pubsub.get_message(timeout=1.0)
                 if message is not None:
@@ -114,7 +119,7 @@ class ShardedLive:
         self.deliver: Deliver = deliver
         self.confirmed: Confirmed = confirmed
         self.client_name = wire.relay_name(socket.gethostname(), os.getpid())
-        self._shards: dict[str, _Shard] = {}
+        self._shards: dict[str, Shard] = {}
         self._wanted: set[str] = set()
         self._orphans: set[str] = set()
         """Channels wanted but subscribed nowhere now (their shard failed or moved them)."""
@@ -160,7 +165,7 @@ class ShardedLive:
             client = node_by_address(self.cluster, node.name, self.client_name)
             if client is None:
                 raise OSError(f"{node.name} is not a cluster node now")
-            shard = self._shards[node.name] = _Shard(self, node.name, client)
+            shard = self._shards[node.name] = Shard(self, node.name, client)
         await shard.ssubscribe(channel)
 
     def _orphan(self, channel: str) -> None:
@@ -172,7 +177,7 @@ class ShardedLive:
     def moved(self, channel: str) -> None:
         self._orphan(channel)
 
-    def shard_lost(self, shard: _Shard) -> None:
+    def shard_lost(self, shard: Shard) -> None:
         shard.lost = True
         for channel in shard.channels:
             self._orphan(channel)

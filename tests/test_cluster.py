@@ -21,6 +21,7 @@ from stack import processes
 from stack.redis_cluster import EmbeddedCluster
 from tests.support.cluster import (
     check_reply,
+    key_lookups,
     migrate_slot,
     outage_s,
     primaries,
@@ -28,7 +29,7 @@ from tests.support.cluster import (
     revive,
     slot_of,
 )
-from tests.support.http import create_session, follow, send
+from tests.support.http import cancel_mid_reply, create_session, follow, send
 from tests.support.stack import Stack
 from wire import Keys
 
@@ -61,6 +62,32 @@ async def test_sessions_spread_over_the_shards_on_one_pubsub_connection_per_shar
     assert held == dict.fromkeys(held, 1), held
     for follower, gid in zip(followers, gids, strict=True):
         assert check_reply(follower.reading.events, gid, content, max_tokens)["usage"]
+
+
+async def test_stream_reads_go_to_their_keys_primary_with_no_key_lookup(
+    cluster_stack: Stack, redis_cluster: EmbeddedCluster
+) -> None:
+    """A worker's reads of the request queue (XREADGROUP) and of cancels (XREAD) go by key
+    to the primary of the stream's slot. redis-py would ask a node ``COMMAND GETKEYS``
+    before each (their keys are "movable"): a round trip more, failing while that node
+    fails over; once it failed inside redis-py with an AttributeError, and the worker
+    ended. A reply and a cancel, then not one lookup on any node."""
+    stack = cluster_stack
+    before = key_lookups(redis_cluster)
+    stack.synthetic(50)
+    gateway = stack.gateway()
+    async with httpx.AsyncClient(timeout=60) as client:
+        session = await create_session(client, gateway.url)
+        gid = await send(client, session, "a whole reply", max_tokens=60)
+        follower = follow(client, session, gid)
+        assert follower.task is not None
+        await asyncio.wait_for(follower.task, 60)
+        check_reply(follower.reading.events, gid, "a whole reply", 60)
+        gid = await send(client, session, "a cancelled reply", max_tokens=400)
+        after = follower.reading.events[-1].id
+        reading = await cancel_mid_reply(client, session, gid, 5, after=after, timeout_s=60)
+        assert reading.final(gid).event == "cancelled"
+    assert key_lookups(redis_cluster) - before == 0
 
 
 async def test_a_reply_resumed_on_another_gateway_is_whole(cluster_stack: Stack) -> None:

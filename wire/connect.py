@@ -27,6 +27,7 @@ from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialBackoff
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import SlotNotCoveredError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
@@ -141,6 +142,23 @@ async def ready(redis: aioredis.Redis) -> None:
 
 def is_cluster(redis: object) -> bool:
     return isinstance(redis, RedisCluster)
+
+
+async def on_key_node(redis: aioredis.Redis, key: str, *command: str | int) -> Any:
+    """Run ``command`` (on ``key``) on the primary of ``key``'s slot, named by the slot map.
+    For XREAD and XREADGROUP on a cluster: their keys are "movable", and redis-py's cluster
+    client learns them by asking one node ``COMMAND GETKEYS`` before every call, a round
+    trip more that fails whenever that node does. During a failover a worker's XREAD failed
+    there with an AttributeError from inside redis-py, not a Redis error, and the worker
+    ended. One Redis: the command as it is."""
+    route: dict[str, Any] = {}
+    if isinstance(redis, RedisCluster):
+        await redis.initialize()  # the slot map, again after a failure (else nothing to do)
+        try:
+            route["target_nodes"] = redis.get_node_from_key(key)
+        except SlotNotCoveredError as exc:
+            raise RedisConnectionError(f"no primary serves {key} now ({exc})") from exc
+    return await redis.execute_command(*command, **route)  # type: ignore[no-untyped-call]
 
 
 def slot_of(session_id: str) -> int:

@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 from redis.exceptions import RedisError, ResponseError
 
+from wire.connect import on_key_node
 from wire.keys import CONSUMER_GROUP, SHARED_KEY_TTL_S, Keys
 from wire.replies import StreamEntry, entries_of, read_entries, text
 
@@ -134,8 +135,11 @@ class RequestQueue:
     async def take(self, consumer: str, count: int, block_ms: int) -> list[StreamEntry]:
         """Up to ``count`` new requests for ``consumer``, waiting up to ``block_ms``;
         raises ``ResponseError`` (NOGROUP) when the group is gone."""
-        reply = await self.redis.xreadgroup(
-            CONSUMER_GROUP, consumer, {self.key: ">"}, count=count, block=block_ms
+        reply = await on_key_node(
+            self.redis,
+            self.key,
+            *("XREADGROUP", "GROUP", CONSUMER_GROUP, consumer, "COUNT", count),
+            *("BLOCK", block_ms, "STREAMS", self.key, ">"),
         )
         return read_entries(reply)
 

@@ -43,6 +43,17 @@ def relay_connections(cluster: EmbeddedCluster, node: EmbeddedRedis, gateway_pid
         return sum(c.get("name") == name for c in client.client_list())
 
 
+def key_lookups(cluster: EmbeddedCluster) -> int:
+    """``COMMAND GETKEYS`` calls the live nodes served so far: what redis-py's cluster client
+    sends before a command whose keys it cannot find itself (XREAD, XREADGROUP)."""
+    calls = 0
+    for node in cluster.live():
+        with cluster.client(node) as client:
+            stats = client.info("commandstats").get("cmdstat_command|getkeys", {})
+            calls += int(stats.get("calls", 0))
+    return calls
+
+
 def revive(cluster: EmbeddedCluster, node: EmbeddedRedis) -> None:
     """Start a killed node again: it rejoins (its nodes.conf kept) as a replica of the
     primary that replaced it; returns once the cluster is healthy."""
