@@ -62,7 +62,6 @@ class Services:
             settings.redis_url,
             max_connections=REDIS_POOL_SIZE,
             timeout=5,
-            socket_keepalive=True,
             health_check_interval=10,
         )
         self.keys = Keys(settings.key_prefix)

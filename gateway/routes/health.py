@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
 from litestar import get
 from litestar.response import Response
@@ -9,6 +11,10 @@ from redis.exceptions import RedisError
 
 from gateway.sessions import SessionStore
 from wire import WorkerInfo
+
+READY_PING_S = 5.0
+"""How long ``/ready`` waits for Redis's PONG: commands have no timeout of their own (a slow
+Redis is waited for; wire/connect.py), a readiness probe must answer."""
 
 
 class Readiness(msgspec.Struct):
@@ -27,7 +33,11 @@ async def health() -> dict[str, str]:
 @get("/ready", tags=["operations"], summary="Redis reachable and an engine worker alive")
 async def ready(store: SessionStore) -> Response[Readiness]:
     try:
-        await store.redis.ping()
+        async with asyncio.timeout(READY_PING_S):
+            await store.redis.ping()
+    except TimeoutError:
+        why = f"Redis did not answer within {READY_PING_S:g} s"
+        return Response(Readiness(False, why, []), status_code=503)
     except (RedisError, OSError) as exc:
         return Response(Readiness(False, f"Redis is unreachable: {exc}", []), status_code=503)
     snapshot = await store.models.snapshot(fresh=True)
