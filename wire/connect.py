@@ -34,12 +34,14 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 DEAD_PEER_S = 10
 """How long a silent server may keep a connection (TCP keepalive on an idle one, unanswered
 writes on a busy one) before the connection counts as lost."""
-TCP_LIVENESS = {
-    socket.TCP_KEEPIDLE: 4,
-    socket.TCP_KEEPINTVL: 2,
-    socket.TCP_KEEPCNT: 3,
-    socket.TCP_USER_TIMEOUT: DEAD_PEER_S * 1000,
+_LIVENESS = {
+    "TCP_KEEPIDLE": 4,
+    "TCP_KEEPINTVL": 2,
+    "TCP_KEEPCNT": 3,
+    "TCP_USER_TIMEOUT": DEAD_PEER_S * 1000,
 }
+TCP_LIVENESS = {getattr(socket, name): v for name, v in _LIVENESS.items() if hasattr(socket, name)}
+"""The options this platform has (Linux: all; macOS lacks ``TCP_USER_TIMEOUT``)."""
 NO_COMMAND_TIMEOUT: dict[str, Any] = {"socket_timeout": None, "socket_connect_timeout": 5}
 """redis-py 8 gives every command a 5 s socket timeout. On Python 3.11 that wraps each
 send in ``asyncio.wait_for`` (a task per command) and each read in a timer: measured with
@@ -67,9 +69,10 @@ def _retry() -> Retry:
 
 
 def connect(url: str, *, max_connections: int | None = None, **options: Any) -> aioredis.Redis:
-    """A client for ``url``. ``max_connections``: a blocking pool of that many (per node on
-    a cluster) whose commands are retried on a lost connection (the gateway's); None:
-    redis-py's defaults (the engine's)."""
+    """A client for ``url``, with no command timeout and TCP liveness checks
+    (``NO_COMMAND_TIMEOUT``, ``TCP_LIVENESS``). ``max_connections``: a blocking pool of
+    that many (per node on a cluster) whose commands are retried on a lost connection (the
+    gateway's); None: redis-py's pool (the engine's)."""
     kind = kind_of(url)
     liveness: dict[str, Any] = {}
     if urlsplit(url).scheme != "unix":  # a local server that dies closes its socket
