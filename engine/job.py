@@ -44,6 +44,8 @@ class Job:
     handing_over: bool = False
     """SIGTERM hand-over under way: what the engine still makes is not emitted."""
     claimed: bool = False
+    second_copy: Job | None = None
+    """The same request taken again while this one's claim was on its way (engine/copies.py)."""
 
     def __post_init__(self) -> None:
         resume = self.request.resume

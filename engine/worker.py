@@ -34,6 +34,7 @@ from redis.exceptions import RedisError, ResponseError
 import wire
 from engine.backends.base import Backend, BackendError, Prepared
 from engine.cancels import cancel_signals
+from engine.copies import settle_second_copy
 from engine.handover import give_back, hand_over_running
 from engine.job import Job, epoch_of, final_reason
 from engine.lease import HEARTBEAT_S, Lease
@@ -207,6 +208,9 @@ class Worker:
             )
             job = Job(request, entry_id, target)
             running = self.jobs.get(request.generation_id)
+            if running is not None and running.epoch >= job.epoch and not running.claimed:
+                running.second_copy = job  # its claim is on its way (engine/copies.py)
+                return
             if running is not None and running.epoch >= job.epoch:
                 log.info("dropping a second copy of %s", request.generation_id)
                 task = asyncio.create_task(self._ack_or_retry_later(entry_id))
@@ -251,7 +255,9 @@ class Worker:
             if job.request.resume is None:
                 job.prompt_tokens = len(prepared.prompt_token_ids)
             claim = job.claim_event(self.backend.model, self.worker_id)
-            if await self._emit(job, claim) is None:
+            claimed = await self._emit(job, claim) is not None
+            settle_second_copy(self, job, claimed)
+            if not claimed:
                 log.info("skipping %s: it ended, or another worker has it", gid)
                 job.ended = True
                 return
@@ -275,6 +281,7 @@ class Worker:
             log.exception("generation %s failed", gid)
             await self._finish(job, Error(gid, "engine_error", f"{type(exc).__name__}: {exc}"))
         finally:
+            settle_second_copy(self, job, claimed=True)  # ended before its claim: drop it
             if not job.ended and job.cancel_reason is not None:
                 await self._finish(job, Cancelled(gid, job.cancel_reason, job.usage()))
             if self.jobs.get(gid) is job:  # not its continuation, should this worker run it
