@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from stack.redis_server import EmbeddedRedis, free_port
-from tests.support.http import Reading, create_session, read_events, send
+from tests.support.http import Reading, create_session, follow, read_events, send
 from tests.support.metrics import scrape
 from tests.support.oracle import synthetic_text
 from tests.support.redis_probes import event_key
@@ -217,14 +217,8 @@ async def test_a_frozen_redis_is_waited_for_and_ready_says_so(
         async with httpx.AsyncClient(timeout=30) as client:
             session = await create_session(client, gateway.url)
             generation = await send(client, session, "through a freeze", max_tokens=100)
-            reading = Reading()
-            reader = asyncio.create_task(
-                read_events(
-                    client, session, until_final_of=generation, reading=reading, timeout_s=90
-                )
-            )
-            while len(reading.events) < 10:
-                await asyncio.sleep(0.05)
+            follower = follow(client, session, generation)
+            await follower.until_tokens(8)
             assert restartable_redis.process is not None
             pid = restartable_redis.process.pid
             os.kill(pid, signal.SIGSTOP)
@@ -238,7 +232,9 @@ async def test_a_frozen_redis_is_waited_for_and_ready_says_so(
             assert frozen.status_code == 503, frozen.text
             assert "did not answer within 5 s" in frozen.json()["redis"]
             assert answered_s < 7.0, answered_s
-            await reader
+            assert follower.task is not None
+            await asyncio.wait_for(follower.task, 90)
+            reading = follower.reading
             assert reading.final(generation).event == "done"
             assert reading.text(generation) == synthetic_text("through a freeze", 100)
             ids = [event_key(e.id or "") for e in reading.events]
