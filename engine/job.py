@@ -16,7 +16,7 @@ from wire import (
     Started,
     Usage,
 )
-from wire.scripts import EmitTarget
+from wire.emit_step import EmitTarget
 
 
 def epoch_of(request: GenerationRequest) -> int:
@@ -44,6 +44,8 @@ class Job:
     handing_over: bool = False
     """SIGTERM hand-over under way: what the engine still makes is not emitted."""
     claimed: bool = False
+    prepare_s: float = 0.0
+    """How long the backend took to prepare it (tokenisation, the chat template)."""
     second_copy: Job | None = None
     """The same request taken again while this one's claim was on its way (engine/copies.py)."""
 

@@ -2,16 +2,39 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_ENGINE_BUCKETS = (0.001, 0.0025, *_LATENCY_BUCKETS)
+
+
+class PlainCounter(Collector):
+    """A counter added to once per engine step and request: a plain int, no lock (the
+    worker counts from its event loop's thread only). ``Counter.inc`` takes a lock each
+    time: 4.5 % of the worker's busy samples at 500 streams."""
+
+    def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.value = 0
+        registry.register(self)
+
+    def inc(self, amount: int) -> None:
+        self.value += amount
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(self.name, self.documentation, value=self.value)
 
 
 class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.tokens = Counter("tokenspout_engine_tokens", "Tokens published.", registry=r)
+        self.tokens = PlainCounter("tokenspout_engine_tokens", "Tokens published.", r)
         self.generations = Counter(
             "tokenspout_engine_generations",
             "Generations ended, by final state.",
@@ -57,6 +80,13 @@ class WorkerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.engine_first_token = Histogram(
+            "tokenspout_engine_own_time_to_first_token_seconds",
+            "The engine's own part of the first token: preparing the request (chat template,"
+            " tokenisation) and the engine's first step; no queue, no claim, no Redis.",
+            buckets=_ENGINE_BUCKETS,
+            registry=r,
+        )
         self.cancel_to_final = Histogram(
             "tokenspout_engine_cancel_to_final_seconds",
             "Time from a cancel reaching the worker to its final event being queued.",
@@ -90,5 +120,8 @@ class WorkerMetrics:
             registry=r,
         )
 
-    def first_token(self, seconds: float) -> None:
-        self.time_to_first_token.observe(max(0.0, seconds))
+    def first_token(self, since_enqueued: float, engine_s: float) -> None:
+        """A reply's first token is out: ``since_enqueued`` after the gateway queued it,
+        ``engine_s`` of it the engine's own (``engine_first_token``)."""
+        self.time_to_first_token.observe(max(0.0, since_enqueued))
+        self.engine_first_token.observe(engine_s)

@@ -1,7 +1,7 @@
 """Writes session events to Redis: everything one engine step produced, in one script call.
 
 Events queue up while the engine steps; at the end of a step (the next turn of the event
-loop) the publisher writes them all: one EMIT_STEP call (``wire.scripts.EmitStep``: per
+loop) the publisher writes them all: one EMIT_STEP call (``wire.emit_step.EmitStep``: per
 event, append to the session stream, publish on the live channel, refuse anything after a
 generation's final event or from a writer that does not own it) per group of sessions, and
 the requests that ended acknowledged in the same round trip (on a cluster, right after it).
@@ -36,8 +36,8 @@ from redis.exceptions import NoScriptError, RedisError
 import wire
 from wire import Keys, SessionEvent, Token
 from wire.connect import is_cluster, slot_of
+from wire.emit_step import EmitStep, EmitTarget, StepCall
 from wire.queue import RequestQueue
-from wire.scripts import EmitStep, EmitTarget, StepCall
 
 log = logging.getLogger("tokenspout.publisher")
 

@@ -4,9 +4,8 @@
   the backend's capacity; acknowledges each when its generation has ended (a dead worker's
   unacknowledged requests are taken over by the gateway's reaper);
 - publishes events through ``Publisher`` (one script call per engine step);
-- reads the ``cancels`` stream (engine/cancels.py) and aborts what it runs: the
-  ``cancelled`` event is written at once (no token of that generation reaches a client
-  after it) and the engine aborts;
+- reads the ``cancels`` stream (engine/cancels.py): the ``cancelled`` event is written at
+  once (no token of that generation reaches a client after it), then the engine aborts;
 - aborts generations nobody has read for the grace period (``abandoned``);
 - heartbeats over its lease connection, so gateways know it is alive (``/ready``), what
   model it serves, and at once when it dies (engine/lease.py);
@@ -248,7 +247,9 @@ class Worker:
         gid = job.generation_id
         try:
             try:
+                began = time.monotonic()
                 prepared = await self.backend.prepare(job.request)
+                job.prepare_s = time.monotonic() - began
             except BackendError as exc:
                 await self._finish(job, Error(gid, exc.code, exc.message))
                 return
@@ -292,7 +293,7 @@ class Worker:
 
     async def _stream(self, job: Job, prepared: Prepared) -> None:
         gid = job.generation_id
-        first = job.request.resume is None
+        first, engine_began = job.request.resume is None, time.monotonic()
         async for delta in self.backend.generate(prepared):
             if job.handing_over:
                 continue  # handed on: another worker makes these tokens
@@ -310,7 +311,8 @@ class Worker:
                     self.metrics.tokens_joined.inc(len(delta.token_ids))
                 job.events = seq
                 if first:
-                    self.metrics.first_token(time.time() - job.request.enqueued_at)
+                    engine_s = job.prepare_s + time.monotonic() - engine_began
+                    self.metrics.first_token(time.time() - job.request.enqueued_at, engine_s)
                     first = False
                 self.metrics.tokens.inc(len(delta.token_ids))
             if delta.finish_reason is not None:

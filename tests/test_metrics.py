@@ -159,6 +159,10 @@ async def test_metrics_count_a_finished_and_a_cancelled_generation_on_gateway_an
     # one token already in flight is made after it (a broken abort would waste ~390).
     assert value(e, "tokenspout_engine_tokens_after_cancel_total") <= 1
     assert value(e, "tokenspout_engine_time_to_first_token_seconds_count") == 2
+    # The engine's own part of it (preparing, the first step) is part of that wait.
+    assert value(e, "tokenspout_engine_own_time_to_first_token_seconds_count") == 2
+    own = value(e, "tokenspout_engine_own_time_to_first_token_seconds_sum")
+    assert 0 < own < value(e, "tokenspout_engine_time_to_first_token_seconds_sum")
     assert value(e, "tokenspout_engine_queue_wait_seconds_count") == 2
     assert value(e, "tokenspout_engine_cancel_to_final_seconds_count") == 1
     assert value(e, "tokenspout_engine_generations_running") == 0

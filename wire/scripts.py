@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from importlib.resources import files
-from typing import ClassVar, NamedTuple
+from typing import ClassVar
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
@@ -42,11 +42,11 @@ from wire.replies import text
 _LUA = files("wire") / "lua"
 
 
-def _source(name: str) -> str:
+def lua_source(name: str) -> str:
     return (_LUA / f"{name}.lua").read_text(encoding="utf-8")
 
 
-EMIT_CORE = _source("emit_core")
+EMIT_CORE = lua_source("emit_core")
 """Lua functions ``emit`` (append an event and publish it) and ``finish`` (end a generation)."""
 _PUBLISH = "local publish = 'PUBLISH'\n"
 _SPUBLISH = "local publish = 'SPUBLISH'\n"
@@ -58,14 +58,14 @@ def for_cluster(source: str) -> str:
     return source.replace(_PUBLISH, _SPUBLISH)
 
 
-EMIT_EVENT = _source("emit_event")
+EMIT_EVENT = lua_source("emit_event")
 """Lua function ``emit_event``: one writer's event, checked (after ``EMIT_CORE``)."""
 
 
 Arg = str | bytes | int | float
 
 
-class _Script:
+class Script:
     source: ClassVar[str]
 
     def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
@@ -95,7 +95,7 @@ class _Script:
         return None
 
     def _queue_evalsha(
-        self, pipe: Pipeline, keys: list[str], args: list[Arg] | list[bytes | str]
+        self, pipe: Pipeline, keys: list[str] | list[bytes], args: list[Arg] | list[bytes]
     ) -> None:
         """A bare EVALSHA in ``pipe`` (no SCRIPT EXISTS round trip per pipeline, as a
         registered script costs): on NoScriptError its caller calls ``load`` and sends the
@@ -114,10 +114,10 @@ def _texts(reply: object) -> list[str]:
     return [text(item) for item in reply] if isinstance(reply, list) else []
 
 
-class Emit(_Script):
+class Emit(Script):
     """Append one event of a generation to its session (wire/lua/emit.lua)."""
 
-    source = EMIT_CORE + EMIT_EVENT + _source("emit")
+    source = EMIT_CORE + EMIT_EVENT + lua_source("emit")
 
     async def __call__(
         self,
@@ -166,107 +166,10 @@ class Emit(_Script):
         return self.reply(reply)
 
 
-class EmitTarget(NamedTuple):
-    """Where one generation's events go, worked out once per generation (not per token)."""
-
-    session_id: str
-    generation_id: str
-    epoch: int
-    events: str
-    gen: str
-    active: str
-    history: str
-    head: bytes
-    """The start of each of its records: ``b"<epoch> <maxlen> <ttl> <gid> "``."""
-
-
-class StepCall:
-    """The KEYS and ARGV of one EMIT_STEP call, built event by event: per event two keys
-    and one record (a final event two more keys and its assistant message), no object."""
-
-    __slots__ = ("args", "keys", "size", "targets")
-
-    def __init__(self, writer: str) -> None:
-        self.keys: list[str] = []
-        self.args: list[bytes | str] = [writer]
-        self.targets: list[EmitTarget] = []
-        """Whose each event is, in order (the reply has one entry per event)."""
-        self.size = 0
-
-    def add(
-        self,
-        target: EmitTarget,
-        seq: int,
-        event_type: str,
-        data: bytes,
-        final_state: str = "",
-        assistant: bytes = b"",
-    ) -> int:
-        """Queue one event (``seq``: the writer's number for it in its generation); returns
-        where its record is (for ``rewrite``)."""
-        self.targets.append(target)
-        self.size += 1
-        self.args.append(_record(target, seq, event_type, data, final_state))
-        position = len(self.args) - 1
-        if final_state:
-            self.keys += (target.events, target.gen, target.active, target.history)
-            self.args.append(assistant)
-        else:
-            self.keys += (target.events, target.gen)
-        return position
-
-    def rewrite(
-        self, position: int, target: EmitTarget, seq: int, event_type: str, data: bytes
-    ) -> None:
-        """Replace the non-final event queued at ``position`` (its target and number stay)."""
-        self.args[position] = _record(target, seq, event_type, data)
-
-
-def _record(target: EmitTarget, seq: int, kind: str, data: bytes, state: str = "") -> bytes:
-    """One event's ARGV record (wire/lua/emit_step.lua reads it back)."""
-    final = state.encode() if state else b"-"
-    return b"%s%d %s %s %s" % (target.head, seq, kind.encode(), final, data)
-
-
-class EmitStep(_Script):
-    """Append every event of one engine step in one call (wire/lua/emit_step.lua): the same
-    checks and writes per event as ``Emit``. Every key of a call must share one hash slot
-    on a cluster (the publisher groups a step's events so)."""
-
-    source = EMIT_CORE + EMIT_EVENT + _source("emit_step")
-
-    def target(
-        self, session_id: str, generation_id: str, *, epoch: int, maxlen: int, ttl_s: int
-    ) -> EmitTarget:
-        keys = self.keys
-        return EmitTarget(
-            session_id,
-            generation_id,
-            epoch,
-            keys.events(session_id),
-            keys.generation(session_id, generation_id),
-            keys.active(session_id),
-            keys.history(session_id),
-            f"{epoch} {maxlen} {ttl_s} {generation_id} ".encode(),
-        )
-
-    def queue_in(self, pipe: Pipeline, call: StepCall) -> None:
-        """Queue ``call`` in ``pipe`` as a bare EVALSHA: on NoScriptError, ``load`` and send
-        the whole pipeline again (EMIT's seq makes that safe)."""
-        self._queue_evalsha(pipe, call.keys, call.args)
-
-    @staticmethod
-    def replies(reply: object) -> list[str | None]:
-        """One entry id per event of the call, None where it was refused."""
-        if not isinstance(reply, list):
-            raise TypeError(f"EMIT_STEP answered {reply!r}")
-        return [text(item) or None for item in reply]
-
-
-class Takeover(_Script):
+class Takeover(Script):
     """Take a running generation from its worker, atomically (wire/lua/takeover.lua)."""
 
-    source = _source("takeover")
+    source = lua_source("takeover")
 
     async def __call__(
         self,
@@ -287,10 +190,10 @@ class Takeover(_Script):
         return _texts(reply)
 
 
-class Submit(_Script):
+class Submit(Script):
     """Queue a generation in a session: message, limits, queued event (wire/lua/submit.lua)."""
 
-    source = EMIT_CORE + _source("submit")
+    source = EMIT_CORE + lua_source("submit")
 
     async def __call__(
         self,
@@ -388,10 +291,10 @@ class Submit(_Script):
         ]
 
 
-class Cancel(_Script):
+class Cancel(Script):
     """Cancel a generation: end a queued one here, flag a running one (wire/lua/cancel.lua)."""
 
-    source = EMIT_CORE + _source("cancel")
+    source = EMIT_CORE + lua_source("cancel")
 
     async def __call__(
         self,
@@ -425,10 +328,10 @@ class Cancel(_Script):
         return _texts(reply)
 
 
-class EndQueued(_Script):
+class EndQueued(Script):
     """End a generation no worker has started (wire/lua/end_queued.lua)."""
 
-    source = EMIT_CORE + _source("end_queued")
+    source = EMIT_CORE + lua_source("end_queued")
 
     async def __call__(
         self,

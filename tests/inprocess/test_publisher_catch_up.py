@@ -16,8 +16,8 @@ import redis.asyncio as aioredis
 
 from engine.publisher import Publisher, joined
 from wire import Done, Keys, Started, Token, Usage
+from wire.emit_step import EmitTarget
 from wire.queue import RequestQueue
-from wire.scripts import EmitTarget
 
 pytestmark = pytest.mark.timeout(30)
 
