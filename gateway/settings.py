@@ -147,7 +147,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         _D(
             ge=0,
             description="How often one reply may be taken over by another worker (its "
-            "worker lost or stopped); past it, it ends with `error` `worker_lost`.",
+            "worker lost or stopped), and how often a request may go back on the queue "
+            "because its worker died before starting it; past either, it ends with `error` "
+            "`worker_lost`.",
         ),
     ] = 3
 

@@ -16,7 +16,10 @@ hands each to ``Takeover.hand_on``:
 
 A generation is not continued when a cancel was asked for (it ends ``cancelled``), when it
 was taken over ``TOKENSPOUT_MAX_TAKEOVERS`` times already, or when its early events were
-trimmed from the stream (both end with ``error`` ``worker_lost``).
+trimmed from the stream (both end with ``error`` ``worker_lost``). A request whose worker
+died before claiming it goes back on the queue as it was, but not more than
+``TOKENSPOUT_MAX_TAKEOVERS`` times either: a request that kills every worker that prepares
+it ends ``worker_lost`` too, instead of taking down one worker after another.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ _info_decoder = msgspec.json.Decoder(wire.WorkerInfo)
 REAPER_PREFIX = "reaper-"
 """Consumer names the reaper claims entries under while it hands them on."""
 READ_BACK_PAGE = 512
+LOST_BEFORE_START = "lost_before_start"
+"""Field of the generation's hash: how often its worker died before claiming it."""
 LEASE_GRACE_S = 3
 """For this long after Redis starts, a missing lease proves nothing (heartbeats decide)."""
 
@@ -215,6 +220,18 @@ class Takeover:
         if outcome in ("final", "moved"):
             return outcome
         epoch = int(reply[1]) if outcome in ("queued", "takeover") else 0
+        if outcome == "queued":
+            # Its worker died before it claimed it (while preparing it): counted, so that
+            # a request that kills every worker that takes it ends instead of going round.
+            lost = int(await self.redis.hincrby(gen_key, LOST_BEFORE_START, 1))
+            if lost > self.max_takeovers:
+                log.warning("%s: %d workers died before starting it; ending it", gid, lost)
+                message = (
+                    "the engine worker taking this generation stopped before it started"
+                    f" ({lost} times)"
+                )
+                await self._end(request, Error(gid, "worker_lost", message))
+                return "worker_lost"
         if outcome == "queued" and epoch == 0:
             log.info("requeueing %s from a dead worker", gid)
             await self._queue(queue, raw)

@@ -225,6 +225,35 @@ async def test_the_nth_takeover_ends_worker_lost(stack: Stack) -> None:
     assert first.wait(10) == 17 and second.wait(10) == 17
 
 
+async def test_a_request_that_kills_every_worker_before_it_starts_ends_worker_lost(
+    stack: Stack,
+) -> None:
+    """A request whose every worker dies while preparing it, before any claims it
+    ([[crash:prepare]]), goes back on the queue TOKENSPOUT_MAX_TAKEOVERS times, then ends
+    with `error` `worker_lost`: it does not take down one worker after another for ever.
+    A third worker, started once the two are gone, never gets it, and serves the next."""
+    first, second = stack.synthetic(20), stack.synthetic(20)
+    gateway = stack.gateway(TOKENSPOUT_MAX_TAKEOVERS="1")
+    async with httpx.AsyncClient(timeout=30) as client:
+        session = await create_session(client, gateway.url)
+        gid = await send(client, session, "poison [[crash:prepare]]", max_tokens=50)
+        follower = follow(client, session, gid)
+        assert follower.task is not None
+        await asyncio.wait_for(follower.task, 30)
+        assert first.wait(10) == 17 and second.wait(10) == 17
+        stack.synthetic(20)
+        healthy = await send(client, session, "and now?", max_tokens=3)
+        after = follow(client, session, healthy)
+        assert after.task is not None
+        await asyncio.wait_for(after.task, 30)
+    kinds = [e.event for e in follower.reading.of(gid)]
+    assert kinds == ["queued", "error"], kinds
+    error = follower.reading.of(gid)[-1].json()
+    assert error["code"] == "worker_lost", error
+    assert "stopped before it started (2 times)" in error["message"], error
+    assert [e.event for e in after.reading.of(healthy)][-1] == "done"
+
+
 async def test_a_worker_killed_while_prefilling_a_takeover(stack: Stack) -> None:
     """The worker that took a takeover dies before it claims it (here: held in prefill):
     the takeover is queued again at the same epoch and a third worker continues the

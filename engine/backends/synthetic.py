@@ -18,7 +18,8 @@ cannot apply to a script: a request that sets one gets a log line saying so.
 
 Faults for tests, written into the message: ``[[fail:N]]`` fails the request after N tokens,
 ``[[stall]]`` stops producing tokens (the request stays running until aborted),
-``[[crash:N]]`` ends the whole worker process after N tokens.
+``[[crash:N]]`` ends the whole worker process after N tokens, ``[[crash:prepare]]`` while it
+prepares the request (before the worker claims it).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ FILLER = [
     "drops.",
 ]
 _FAULT = re.compile(r"\[\[(fail|stall|crash)(?::(\d+))?\]\]")
+CRASH_PREPARING = "[[crash:prepare]]"
 
 
 def _word_id(word: str) -> int:
@@ -143,6 +145,8 @@ class SyntheticBackend(Backend):
                 request.generation_id,
                 ", ".join(ignored),
             )
+        if CRASH_PREPARING in reply_words(request):
+            os._exit(17)
         if self.prepare_delay_s:
             await asyncio.sleep(self.prepare_delay_s)
         done = request.resume.completion_tokens if request.resume else 0
