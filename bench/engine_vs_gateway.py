@@ -174,13 +174,14 @@ async def through_gateway(logs: Path, pinned: bool) -> tuple[float, Paths]:
                 assert redis.process is not None
                 for pid in (redis.process.pid, gateway.pid, engine.pid, os.getpid()):
                     pin(pid, reserved_cpu(), children=False)
-            paths: Paths = {"openai": [], "session": []}
+            asks = {"openai": _by_openai, "session": _by_session}
+            paths: Paths = {path: [] for path in asks}
             async with httpx.AsyncClient(base_url=base, timeout=300) as client:
-                await _by_session(client, WARM_UP)
-                await _by_openai(client, WARM_UP)
+                for ask in asks.values():
+                    await ask(client, WARM_UP)
                 sums = await _worker_sums(client, worker_metrics)
                 for prompt in PROMPTS:
-                    for path, ask in (("openai", _by_openai), ("session", _by_session)):
+                    for path, ask in asks.items():
                         paths[path].append(await ask(client, prompt))
                         sums, before = await _worker_sums(client, worker_metrics), sums
                         for name, total in sums.items():

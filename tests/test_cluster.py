@@ -80,8 +80,7 @@ async def test_stream_reads_go_to_their_keys_primary_with_no_key_lookup(
         session = await create_session(client, gateway.url)
         gid = await send(client, session, "a whole reply", max_tokens=60)
         follower = follow(client, session, gid)
-        assert follower.task is not None
-        await asyncio.wait_for(follower.task, 60)
+        await follower.until_end(60)
         check_reply(follower.reading.events, gid, "a whole reply", 60)
         gid = await send(client, session, "a cancelled reply", max_tokens=400)
         after = follower.reading.events[-1].id
@@ -105,8 +104,7 @@ async def test_a_reply_resumed_on_another_gateway_is_whole(cluster_stack: Stack)
         await asyncio.gather(before.task, return_exceptions=True)
         moved = type(session)(second.url, session.session_id, session.token)
         after = follow(client, moved, gid, after=before.reading.events[-1].id)
-        assert after.task is not None
-        await asyncio.wait_for(after.task, 60)
+        await after.until_end(60)
     check_reply(before.reading.events + after.reading.events, gid, content, max_tokens)
 
 
@@ -125,8 +123,7 @@ async def test_the_reaper_hands_a_killed_workers_reply_to_another(cluster_stack:
         stack.synthetic(20)
         processes.kill(doomed)
         killed_at = time.monotonic()
-        assert follower.task is not None
-        await asyncio.wait_for(follower.task, 60)
+        await follower.until_end(60)
     check_reply(follower.reading.events, gid, content, max_tokens)
     resumed = [e.json() for e in follower.reading.events if e.event == "resumed"]
     assert len(resumed) == 1, resumed

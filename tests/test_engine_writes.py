@@ -263,8 +263,7 @@ async def test_a_reply_behind_a_paused_redis_loses_nothing_and_joins_only_if_ask
             await pause.execute_command("CLIENT", "PAUSE", 1000, "WRITE")
         finally:
             await pause.aclose()
-        assert follower.task is not None
-        await asyncio.wait_for(follower.task, 60)
+        await follower.until_end(60)
     final = check_reply(follower.reading.events, gid, content, max_tokens)
     events = sum(1 for e in follower.reading.of(gid) if e.event == "token")
     if join:

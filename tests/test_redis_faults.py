@@ -232,8 +232,7 @@ async def test_a_frozen_redis_is_waited_for_and_ready_says_so(
             assert frozen.status_code == 503, frozen.text
             assert "did not answer within 5 s" in frozen.json()["redis"]
             assert answered_s < 7.0, answered_s
-            assert follower.task is not None
-            await asyncio.wait_for(follower.task, 90)
+            await follower.until_end(90)
             reading = follower.reading
             assert reading.final(generation).event == "done"
             assert reading.text(generation) == synthetic_text("through a freeze", 100)

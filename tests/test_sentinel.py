@@ -33,8 +33,7 @@ async def test_a_reply_streams_whole_through_sentinel(sentinel_stack: Stack) -> 
         session = await create_session(client, gateway.url)
         gid = await send(client, session, content, max_tokens=max_tokens)
         follower = follow(client, session, gid)
-        assert follower.task is not None
-        await asyncio.wait_for(follower.task, 60)
+        await follower.until_end(60)
     assert check_reply(follower.reading.events, gid, content, max_tokens)["usage"]
 
 

@@ -103,8 +103,7 @@ async def test_a_worker_killed_mid_reply_is_continued_byte_for_byte(stack: Stack
         await lease_trusted(stack)
         processes.kill(doomed)
         killed_at = time.monotonic()
-        assert follower.task is not None
-        await asyncio.wait_for(follower.task, 60)
+        await follower.until_end(60)
         finish = await asyncio.wait_for(sdk_task, 60)
     await sdk.close()
     next_token_s = follower.first_token_after(killed_at)
@@ -138,8 +137,7 @@ async def test_the_readers_gateway_killed_with_the_worker(stack: Stack) -> None:
             await before.task
         moved = Session(other.url, session.session_id, session.token)
         after = follow(client, moved, gid, after=before.reading.events[-1].id)
-        assert after.task is not None
-        await asyncio.wait_for(after.task, 60)
+        await after.until_end(60)
     check_whole(before.reading.events + after.reading.events, gid, content, max_tokens)
 
 
@@ -215,8 +213,7 @@ async def test_the_nth_takeover_ends_worker_lost(stack: Stack) -> None:
         session = await create_session(client, gateway.url)
         gid = await send(client, session, "poison [[crash:5]]", max_tokens=50)
         follower = follow(client, session, gid)
-        assert follower.task is not None
-        await asyncio.wait_for(follower.task, 30)
+        await follower.until_end(30)
     events = follower.reading.of(gid)
     kinds = [e.event for e in events]
     assert kinds == ["queued", "started", *["token"] * 5, "resumed", "error"], kinds
@@ -238,14 +235,12 @@ async def test_a_request_that_kills_every_worker_before_it_starts_ends_worker_lo
         session = await create_session(client, gateway.url)
         gid = await send(client, session, "poison [[crash:prepare]]", max_tokens=50)
         follower = follow(client, session, gid)
-        assert follower.task is not None
-        await asyncio.wait_for(follower.task, 30)
+        await follower.until_end(30)
         assert first.wait(10) == 17 and second.wait(10) == 17
         stack.synthetic(20)
         healthy = await send(client, session, "and now?", max_tokens=3)
         after = follow(client, session, healthy)
-        assert after.task is not None
-        await asyncio.wait_for(after.task, 30)
+        await after.until_end(30)
     kinds = [e.event for e in follower.reading.of(gid)]
     assert kinds == ["queued", "error"], kinds
     error = follower.reading.of(gid)[-1].json()
@@ -283,8 +278,7 @@ async def test_a_worker_killed_while_prefilling_a_takeover(stack: Stack) -> None
             assert await redis.hget(gen_key, "state") == b"queued"
             stack.synthetic(20)
             processes.kill(slow)
-            assert follower.task is not None
-            await asyncio.wait_for(follower.task, 60)
+            await follower.until_end(60)
     finally:
         await redis.aclose()
     check_whole(follower.reading.events, gid, content, max_tokens)
@@ -345,8 +339,7 @@ async def test_a_worker_wrongly_taken_for_lost_never_writes_twice(stack: Stack) 
                 redis, keys, max_takeovers=3, events_maxlen=1000, ttl_s=600, requests_maxlen=100
             )
             assert await takeover.hand_on(queue, request, raw, owner.decode()) == "taken_over"
-            assert follower.task is not None
-            await asyncio.wait_for(follower.task, 60)
+            await follower.until_end(60)
     finally:
         await redis.aclose()
     check_whole(follower.reading.events, gid, content, max_tokens)

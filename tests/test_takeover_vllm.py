@@ -47,8 +47,7 @@ async def test_a_vllm_worker_killed_mid_reply_is_continued_with_the_same_greedy_
         killed_at = time.monotonic()
         vllm_stack.engine = await asyncio.to_thread(vllm_stack.stack.engine, *engine_args)
         print(f"\nreplacement vLLM worker ready {time.monotonic() - killed_at:.1f} s after")
-        assert follower.task is not None
-        await asyncio.wait_for(follower.task, 300)
+        await follower.until_end(300)
     print(f"kill -> next token {follower.first_token_after(killed_at):.1f} s (with its start)")
     events = follower.reading.events
     resumed_at = next(

@@ -146,6 +146,11 @@ class Follower:
                 return at - moment
         raise AssertionError("no token after a resumed event")
 
+    async def until_end(self, timeout_s: float = 30) -> None:
+        """Wait until the stream has brought the generation's final event."""
+        assert self.task is not None, "follow() starts the reader"
+        await asyncio.wait_for(self.task, timeout_s)
+
     async def until_tokens(self, count: int, timeout_s: float = 30) -> None:
         async with asyncio.timeout(timeout_s):
             while self.tokens() < count:
