@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Hashable
+from typing import TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, RedisError
@@ -40,6 +41,7 @@ from wire.emit_step import EmitStep, EmitTarget, StepCall
 from wire.queue import RequestQueue
 
 log = logging.getLogger("tokenspout.publisher")
+T = TypeVar("T")
 
 GroupOf = Callable[[str], Hashable]
 """Session id -> the group whose events may share one script call."""
@@ -66,18 +68,23 @@ class _OpenToken:
 
 
 def joined(first: Token, then: Token) -> Token:
-    """Two consecutive tokens of a generation as one event: texts, ids and log
-    probabilities in order, the later one's count."""
-    logprobs = None
-    if first.logprobs is not None or then.logprobs is not None:
-        logprobs = [*(first.logprobs or ()), *(then.logprobs or ())]
+    """Two consecutive tokens of a generation as one event: texts, ids, log probabilities
+    and per-token texts in order, the later one's count."""
     return Token(
         first.generation_id,
         first.text + then.text,
         then.count,
         [*first.token_ids, *then.token_ids],
-        logprobs,
+        _both(first.logprobs, then.logprobs),
+        _both(first.tokens, then.tokens),
+        _both(first.top_logprobs, then.top_logprobs),
     )
+
+
+def _both(first: list[T] | None, then: list[T] | None) -> list[T] | None:
+    if first is None and then is None:
+        return None
+    return [*(first or ()), *(then or ())]
 
 
 class _Batch:

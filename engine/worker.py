@@ -305,7 +305,15 @@ class Worker:
                 job.emitted_tokens += len(delta.token_ids)
                 job.text.append(delta.text)
                 job.token_ids.extend(delta.token_ids)
-                token = Token(gid, delta.text, job.emitted_tokens, delta.token_ids, delta.logprobs)
+                token = Token(
+                    gid,
+                    delta.text,
+                    job.emitted_tokens,
+                    delta.token_ids,
+                    delta.logprobs,
+                    delta.tokens,
+                    delta.top_logprobs,
+                )
                 seq = self.publisher.emit(job.target, token, job.events + 1)
                 if seq == job.events:  # joined the token before: Redis is behind
                     self.metrics.tokens_joined.inc(len(delta.token_ids))

@@ -36,6 +36,7 @@ from wire import (
     SamplingParams,
     Started,
     Token,
+    TopLogprob,
     decode_event,
 )
 
@@ -52,19 +53,36 @@ GenerationItem = Started | Token | Heartbeat | Done | Cancelled | Error
 class TokenPiece(NamedTuple):
     id: int
     text: str
+    """Its share of the delta's text: the pieces' texts add up to exactly the reply."""
     logprob: float | None
+    token: str
+    """The token's own text (``Token.tokens``; the piece's text when the engine sent none)."""
+    top: list[TopLogprob] | None = None
 
 
 def per_token(token: Token) -> list[TokenPiece]:
     """A token event as one piece per token id. An engine step can hold several tokens in
     one text delta; its whole text goes with the first of them, so the texts still add up
-    to exactly what the engine produced."""
+    to exactly what the engine produced. Each token's own text, for the logprob formats,
+    comes from ``Token.tokens`` when the request asked for logprobs."""
+    ids = token.token_ids
     logprobs: list[float | None] = list(token.logprobs or [])
-    logprobs += [None] * (len(token.token_ids) - len(logprobs))
-    return [
-        TokenPiece(token_id, token.text if index == 0 else "", logprobs[index])
-        for index, token_id in enumerate(token.token_ids)
-    ]
+    logprobs += [None] * (len(ids) - len(logprobs))
+    own = token.tokens if token.tokens is not None and len(token.tokens) == len(ids) else None
+    tops = token.top_logprobs if token.top_logprobs is not None else None
+    pieces = []
+    for index, token_id in enumerate(ids):
+        text = token.text if index == 0 else ""
+        pieces.append(
+            TokenPiece(
+                token_id,
+                text,
+                logprobs[index],
+                own[index] if own is not None else text,
+                tops[index] if tops is not None and index < len(tops) else None,
+            )
+        )
+    return pieces
 
 
 class Collected(msgspec.Struct):

@@ -50,6 +50,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     max_tokens_limit: Annotated[
         int, _D(ge=1, description="Highest max_tokens a request may ask for.")
     ] = 4_096
+    max_choices: Annotated[
+        int,
+        _D(
+            ge=1,
+            description="Highest `n` (choices per request) of the OpenAI endpoints; each "
+            "choice is a generation of its own and counts toward the in-flight limits.",
+        ),
+    ] = 16
     default_max_tokens: Annotated[
         int, _D(ge=1, description="max_tokens when a request names none.")
     ] = 256

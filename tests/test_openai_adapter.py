@@ -159,11 +159,14 @@ async def test_async_client_sees_unsupported_and_invalid_parameters_as_400(stack
     chat = {"model": "synthetic", "messages": [{"role": "user", "content": "hi"}]}
     try:
         cases: list[tuple[dict[str, object], str]] = [
-            ({"n": 2}, "n"),
+            ({"n": 17}, "n"),  # past TOKENSPOUT_MAX_CHOICES
             ({"temperature": 5}, "temperature"),
-            ({"top_logprobs": 3, "logprobs": True}, "top_logprobs"),
+            ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+            ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs
             ({"max_tokens": 10**6}, "max_tokens"),
-            ({"extra_body": {"guided_json": {}}}, "guided_json"),
+            ({"extra_body": {"guided_json": {"type": 5}}}, "guided_json"),
+            ({"extra_body": {"guided_regex": "a(b"}}, "guided_regex"),
+            ({"logit_bias": {"word": 1}}, "logit_bias"),
             ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ]
         for extra, param in cases:

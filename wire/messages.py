@@ -8,6 +8,8 @@ Schema evolution: new fields go at the end with defaults; a change that old read
 ignore bumps ``WIRE_VERSION`` and the key prefix (wire/keys.py), so two versions never share
 keys. Version 2: the ``resumed`` event and ``GenerationRequest.resume`` (takeover), which a
 version-1 gateway could not decode and a version-1 worker would run from the start.
+Version 3: structured outputs, ``logit_bias`` and top logprobs in ``SamplingParams`` (a
+version-2 worker would ignore them and stream unconstrained text as if it were valid).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Literal
 
 import msgspec
 
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 
 Role = Literal["system", "user", "assistant"]
 GenerationState = Literal["queued", "running", "done", "cancelled", "error"]
@@ -30,6 +32,28 @@ TERMINAL_EVENTS = frozenset({"done", "cancelled", "error"})
 class ChatMessage(msgspec.Struct, frozen=True):
     role: Role
     content: str
+
+
+class StructuredOutput(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
+    """A constraint the engine applies while it samples (vLLM's structured outputs): exactly
+    one field is set. The gateway checks each one before anything is queued."""
+
+    json: str | None = None
+    """A JSON schema, as JSON text: the reply is one JSON value that validates against it."""
+    json_object: bool = False
+    """Any JSON object (OpenAI's ``response_format: json_object``)."""
+    regex: str | None = None
+    choice: list[str] | None = None
+    """The reply is exactly one of these strings."""
+    grammar: str | None = None
+    """An EBNF / Lark grammar, as vLLM's backends take it."""
+
+    @property
+    def kind(self) -> str:
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
 
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -53,6 +77,18 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # Version 3.
+    top_logprobs: int = 0
+    """How many most likely alternatives to report beside each sampled token (needs
+    ``logprobs``); each ``Token`` then carries ``tokens`` and ``top_logprobs``."""
+    logit_bias: dict[int, float] = {}
+    """Token id -> bias added to its logit before sampling (OpenAI's -100..100)."""
+    structured: StructuredOutput | None = None
+
+    @property
+    def wants_token_texts(self) -> bool:
+        """Each token's own text is asked for (a logprob is reported per token)."""
+        return self.logprobs
 
 
 class GenerationRequest(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -146,7 +182,15 @@ class Started(msgspec.Struct, frozen=True, tag="started"):
     prompt_tokens: int
 
 
-class Token(msgspec.Struct, frozen=True, tag="token"):
+class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """One likely token at a position: ``[text, logprob, id]`` on the wire."""
+
+    token: str
+    logprob: float
+    id: int
+
+
+class Token(msgspec.Struct, frozen=True, tag="token", omit_defaults=True):
     generation_id: str
     text: str
     """The text delta (may hold more than one token when the engine batched a step)."""
@@ -154,6 +198,12 @@ class Token(msgspec.Struct, frozen=True, tag="token"):
     """Completion tokens generated so far, this delta included."""
     token_ids: list[int] = []
     logprobs: list[float] | None = None
+    """Each token's logprob, when the request asked for them (``SamplingParams.logprobs``)."""
+    tokens: list[str] | None = None
+    """Each token's own text, when logprobs were asked for (their concatenation may differ
+    from ``text`` where a token is part of a multi-byte character)."""
+    top_logprobs: list[list[TopLogprob]] | None = None
+    """Per token, the ``SamplingParams.top_logprobs`` most likely tokens, when asked."""
 
 
 class Done(msgspec.Struct, frozen=True, tag="done"):

@@ -11,7 +11,7 @@ import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from wire import GenerationRequest, SamplingParams
+from wire import GenerationRequest, SamplingParams, TopLogprob
 
 
 class BackendError(Exception):
@@ -46,6 +46,10 @@ class Delta:
     text: str
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
+    tokens: list[str] | None = None
+    """Each token's own text (set with logprobs: they are reported per token)."""
+    top_logprobs: list[list[TopLogprob]] | None = None
+    """Per token, the most likely tokens (``SamplingParams.top_logprobs`` of them)."""
     finish_reason: str | None = None
     """Set on the last delta: ``stop``, ``length`` or ``abort``."""
 

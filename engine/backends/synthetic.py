@@ -16,6 +16,12 @@ special tokens, so ``skip_special_tokens`` and ``spaces_between_special_tokens``
 trivially. ``min_p``, ``repetition_penalty``, ``frequency_penalty`` and ``presence_penalty``
 cannot apply to a script: a request that sets one gets a log line saying so.
 
+Structured outputs: a ``json`` schema is answered with a small instance of it (every
+property, the first of each ``enum``, ``anyOf`` and ``oneOf``), ``json_object`` with ``{}``
+and ``choice`` with its first string, a few characters a token, ending ``stop``; ``regex``
+and ``grammar`` cannot be scripted and end the request with an ``error``. Logprobs: each
+token's own, and as top logprobs the token itself then other words, each less likely.
+
 Faults for tests, written into the message: ``[[fail:N]]`` fails the request after N tokens,
 ``[[stall]]`` stops producing tokens (the request stays running until aborted),
 ``[[crash:N]]`` ends the whole worker process after N tokens, ``[[crash:prepare]]`` while it
@@ -25,6 +31,7 @@ prepares the request (before the worker claims it).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import re
@@ -35,7 +42,7 @@ from dataclasses import dataclass
 import msgspec
 
 from engine.backends.base import Backend, BackendError, Delta, Prepared
-from wire import GenerationRequest, SamplingParams
+from wire import GenerationRequest, SamplingParams, StructuredOutput, TopLogprob
 
 log = logging.getLogger("tokenspout.synthetic")
 
@@ -105,6 +112,63 @@ def scripted_reply(message: str, max_tokens: int) -> list[ScriptedToken]:
     return [scripted_token(script, index) for index in range(max_tokens)]
 
 
+STRUCTURED_CHUNK = 4
+"""Characters per token of a structured reply."""
+
+
+def structured_reply(wanted: StructuredOutput) -> list[str]:
+    """The tokens of the synthetic engine's answer to a structured-output request."""
+    if wanted.choice is not None:
+        text = wanted.choice[0]
+    elif wanted.json is not None:
+        text = json.dumps(schema_instance(json.loads(wanted.json)))
+    elif wanted.kind == "json_object":
+        text = "{}"
+    else:
+        raise BackendError(
+            "unsupported_constraint",
+            f"the synthetic engine cannot script a {wanted.kind} constraint",
+        )
+    return [text[at : at + STRUCTURED_CHUNK] for at in range(0, len(text), STRUCTURED_CHUNK)]
+
+
+def schema_instance(schema: object) -> object:
+    """A small value that validates against ``schema`` (the subset tests use)."""
+    if not isinstance(schema, dict):
+        return {}
+    if "const" in schema:
+        return schema["const"]
+    if "enum" in schema:
+        return schema["enum"][0]
+    for union in ("anyOf", "oneOf", "allOf"):
+        if union in schema:
+            return schema_instance(schema[union][0])
+    kind = schema.get("type", "object")
+    if isinstance(kind, list):
+        kind = kind[0]
+    if kind == "object":
+        properties = schema.get("properties", {})
+        return {name: schema_instance(sub) for name, sub in properties.items()}
+    if kind == "array":
+        return [schema_instance(schema.get("items", {})) for _ in range(schema.get("minItems", 1))]
+    if kind == "string":
+        return "x" * max(1, schema.get("minLength", 1))
+    if kind in ("integer", "number"):
+        return schema.get("minimum", 1)
+    if kind == "boolean":
+        return True
+    return None
+
+
+def top_logprobs(token: ScriptedToken, index: int, top: int) -> list[TopLogprob]:
+    """The ``top`` most likely tokens at position ``index``: the sampled one first."""
+    ranked = [TopLogprob(token.text, token.logprob, token.id)]
+    for rank in range(1, top):
+        word = " " + FILLER[(index + rank) % len(FILLER)]
+        ranked.append(TopLogprob(word, token.logprob - rank, _word_id(word.strip())))
+    return ranked
+
+
 def reply_words(request: GenerationRequest) -> list[str]:
     """The script of a request: the reply to its prompt, or to its last user message."""
     if request.prompt is not None:
@@ -145,6 +209,8 @@ class SyntheticBackend(Backend):
                 request.generation_id,
                 ", ".join(ignored),
             )
+        if request.params.structured is not None:
+            structured_reply(request.params.structured)  # one it cannot script ends here
         if CRASH_PREPARING in reply_words(request):
             os._exit(17)
         if self.prepare_delay_s:
@@ -237,6 +303,7 @@ class _Run:
         "params",
         "pending",
         "script",
+        "structured",
         "text",
         "waiter",
     )
@@ -246,6 +313,9 @@ class _Run:
         assert source is not None
         self.gid = prepared.generation_id
         self.script = reply_words(source)
+        structured = prepared.params.structured
+        self.structured = structured_reply(structured) if structured is not None else None
+        """The tokens of a structured reply, which ends after them (``stop``)."""
         fault = _FAULT.search(" ".join(self.script))
         self.fault = fault.group(1) if fault is not None else None
         self.fault_at = int(fault.group(2) or 0) if fault is not None else 0
@@ -258,12 +328,6 @@ class _Run:
         self.error: BackendError | None = None
         self.ended = False
         self.crash = False
-
-    def _put(self, delta: Delta) -> None:
-        self.pending.append(delta)
-        if delta.finish_reason is not None:
-            self.ended = True
-        self._wake()
 
     def abort(self) -> None:
         if not self.ended:
@@ -284,9 +348,12 @@ class _Run:
                 self.crash = True
             return False  # stall: nothing until aborted
         self.index += 1
+        params = self.params
+        if self.structured is not None:
+            self._put(self._structured_delta(index))
+            return True
         token = scripted_token(self.script, index)
         piece, ids, logprobs = token.text, [token.id], [token.logprob]
-        params = self.params
         self.text += piece
         text = self.text
         may_stop = index + 1 > params.min_tokens
@@ -302,6 +369,34 @@ class _Run:
             finish = "length" if index == self.last else None
             self._put(Delta(piece, ids, logprobs, finish_reason=finish))
         return True
+
+    def _structured_delta(self, index: int) -> Delta:
+        chunks = self.structured
+        assert chunks is not None
+        text = chunks[index] if index < len(chunks) else ""
+        token = ScriptedToken(text, _word_id(text), -0.05 * (index % 7))
+        finish = "stop" if index >= len(chunks) - 1 else None
+        if finish is None and index == self.last:
+            finish = "length"
+        self.text += text
+        return Delta(text, [token.id], [token.logprob], finish_reason=finish)
+
+    def _put(self, delta: Delta) -> None:
+        if delta.token_ids and self.params.logprobs:
+            # One token a step: its text is the delta's (a stop string may have cut it).
+            index = self.index - 1
+            delta.tokens = [delta.text]
+            top = self.params.top_logprobs
+            if top:
+                logprob = delta.logprobs[0] if delta.logprobs else 0.0
+                token = ScriptedToken(delta.text, delta.token_ids[0], logprob)
+                delta.top_logprobs = [top_logprobs(token, index, top)]
+        elif not self.params.logprobs:
+            delta.logprobs = None
+        self.pending.append(delta)
+        if delta.finish_reason is not None:
+            self.ended = True
+        self._wake()
 
     def _wake(self) -> None:
         waiter = self.waiter

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from engine.backends.base import Backend, BackendError, Delta, Prepared
-from wire import ChatMessage, GenerationRequest
+from wire import ChatMessage, GenerationRequest, StructuredOutput, TopLogprob
 
 log = logging.getLogger("tokenspout.vllm")
 
@@ -79,6 +79,15 @@ class VllmBackend(Backend):
         resume = request.resume
         if resume is None:
             return Prepared(request.engine_request_id, list(ids), request.params)
+        if request.params.structured is not None and resume.completion_tokens:
+            # vLLM's grammar starts at the reply's first token: it cannot be advanced over
+            # the tokens already streamed, so a continuation could break the structure.
+            raise BackendError(
+                "structured_output_lost",
+                "the worker running this structured reply was lost after "
+                f"{resume.completion_tokens} tokens; its constraint cannot be resumed "
+                "mid-reply, so the reply ends here rather than risk invalid output",
+            )
         # A takeover: the prompt plus the tokens already streamed are the engine's input.
         if len(ids) + len(resume.token_ids) > self.max_model_len:
             raise BackendError(
@@ -122,7 +131,9 @@ class VllmBackend(Backend):
             seed=params.seed,
             frequency_penalty=params.frequency_penalty,
             presence_penalty=params.presence_penalty,
-            logprobs=0 if params.logprobs else None,
+            logprobs=params.top_logprobs if params.logprobs else None,
+            logit_bias=params.logit_bias or None,
+            structured_outputs=_structured(params.structured),
             min_p=params.min_p,
             repetition_penalty=params.repetition_penalty,
             ignore_eos=params.ignore_eos,
@@ -134,20 +145,17 @@ class VllmBackend(Backend):
             output_kind=RequestOutputKind.DELTA,
         )
         prompt = {"prompt_token_ids": prepared.prompt_token_ids}
+        top = params.top_logprobs
         async for output in self._engine.generate(prompt, sampling, prepared.generation_id):
             completion = output.outputs[0]
-            logprobs = None
-            if completion.logprobs is not None:
-                logprobs = [
-                    step[token].logprob
-                    for step, token in zip(completion.logprobs, completion.token_ids, strict=False)
-                ]
-            yield Delta(
+            delta = Delta(
                 completion.text,
                 list(completion.token_ids),
-                logprobs,
                 finish_reason=completion.finish_reason if output.finished else None,
             )
+            if completion.logprobs is not None:
+                _add_logprobs(delta, completion.logprobs, top)
+            yield delta
 
     async def abort(self, generation_id: str) -> None:
         await self._engine.abort(generation_id)
@@ -163,3 +171,33 @@ def _drop_oldest(messages: list[ChatMessage]) -> bool:
             del messages[index]
             return True
     return False
+
+
+def _structured(wanted: StructuredOutput | None) -> Any:
+    if wanted is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return StructuredOutputsParams(
+        json=wanted.json,
+        regex=wanted.regex,
+        choice=wanted.choice,
+        grammar=wanted.grammar,
+        json_object=True if wanted.kind == "json_object" else None,
+    )
+
+
+def _add_logprobs(delta: Delta, steps: Any, top: int) -> None:
+    """Each sampled token's logprob and text and, with ``top``, the ``top`` most likely
+    tokens at its position (vLLM returns them with the sampled one, ranked from 1)."""
+    logprobs, texts, tops = [], [], []
+    for step, token_id in zip(steps, delta.token_ids, strict=False):
+        sampled = step[token_id]
+        logprobs.append(sampled.logprob)
+        texts.append(sampled.decoded_token or "")
+        if top:
+            ranked = sorted(step.items(), key=lambda item: item[1].rank)[:top]
+            tops.append([TopLogprob(p.decoded_token or "", p.logprob, tid) for tid, p in ranked])
+    delta.logprobs, delta.tokens = logprobs, texts
+    if top:
+        delta.top_logprobs = tops

@@ -8,15 +8,16 @@ module only translates parameters in and events out, and spells errors the way t
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterable, AsyncIterator
+from typing import Any, Protocol
 
 import msgspec
 from litestar import Response, Router, get, post
 from litestar.response import Stream
 
-from gateway import sse
+from gateway import sse, structured
 from gateway.auth import ApiKeys, require_api_key
+from gateway.choices import Choices, IndexedItem
 from gateway.errors import (
     HANDLED,
     AnyRequest,
@@ -28,8 +29,6 @@ from gateway.errors import (
 )
 from gateway.generation_stream import (
     Collected,
-    GenerationItem,
-    GenerationStream,
     Heartbeat,
     TokenPiece,
     final_error,
@@ -54,6 +53,7 @@ from gateway.routes.openai_schema import (
     ModelCard,
     ModelList,
     TokenLogprob,
+    TopLogprobOut,
     UsageOut,
     _Sampling,
 )
@@ -67,6 +67,7 @@ from wire import (
     Role,
     SamplingParams,
     Started,
+    StructuredOutput,
     Token,
     Usage,
 )
@@ -96,12 +97,78 @@ def _refuse(field: str, message: str) -> BadRequest:
     return BadRequest(message, code="unsupported_parameter", field=field)
 
 
+def _choices(body: _Sampling, settings: Settings) -> int:
+    n = body.n or 1
+    if n > settings.max_choices:
+        raise BadRequest(
+            f"n must be at most {settings.max_choices} (TOKENSPOUT_MAX_CHOICES)",
+            code="too_many_choices",
+            field="n",
+        )
+    return n
+
+
+def _logit_bias(given: dict[str, float] | None) -> dict[int, float] | None:
+    if not given:
+        return None
+    bias = {}
+    for key, value in given.items():
+        if not key.lstrip("-").isdigit() or int(key) < 0:
+            raise BadRequest(f"logit_bias keys must be token ids, not {key!r}", field="logit_bias")
+        bias[int(key)] = value
+    return bias
+
+
+def _structured_output(body: _Sampling) -> StructuredOutput | None:
+    """The one constraint a request sets, in whichever of the four spellings."""
+    found: list[tuple[str, StructuredOutput]] = []
+    form = body.response_format
+    if form is not None and form.type == "json_object":
+        found.append(("response_format", StructuredOutput(json_object=True)))
+    elif form is not None and form.type == "json_schema":
+        if form.json_schema is None or form.json_schema.schema is None:
+            raise BadRequest(
+                "response_format json_schema needs json_schema.schema",
+                code="invalid_structured_output",
+                field="response_format.json_schema",
+            )
+        found.append(
+            ("response_format", structured.json_schema("response_format", form.json_schema.schema))
+        )
+    wanted = body.structured_outputs
+    if wanted is not None:
+        field = "structured_outputs"
+        if wanted.json is not None:
+            found.append((f"{field}.json", structured.json_schema(f"{field}.json", wanted.json)))
+        if wanted.regex is not None:
+            found.append((f"{field}.regex", structured.regex(f"{field}.regex", wanted.regex)))
+        if wanted.choice is not None:
+            found.append((f"{field}.choice", structured.choice(f"{field}.choice", wanted.choice)))
+        if wanted.grammar is not None:
+            found.append(
+                (f"{field}.grammar", structured.grammar(f"{field}.grammar", wanted.grammar))
+            )
+        if wanted.json_object:
+            found.append((f"{field}.json_object", StructuredOutput(json_object=True)))
+        if not found:
+            raise BadRequest(
+                "structured_outputs must set one of json, regex, choice, grammar, json_object",
+                code="invalid_structured_output",
+                field=field,
+            )
+    if body.guided_json is not None:
+        found.append(("guided_json", structured.json_schema("guided_json", body.guided_json)))
+    if body.guided_regex is not None:
+        found.append(("guided_regex", structured.regex("guided_regex", body.guided_regex)))
+    if body.guided_choice is not None:
+        found.append(("guided_choice", structured.choice("guided_choice", body.guided_choice)))
+    if body.guided_grammar is not None:
+        found.append(("guided_grammar", structured.grammar("guided_grammar", body.guided_grammar)))
+    return structured.only_one(found)
+
+
 def _sampling(body: _Sampling, max_tokens: int | None) -> dict[str, Any]:
     """The parameters every OpenAI endpoint shares, checked; refuses what is not supported."""
-    if body.n not in (None, 1):
-        raise _refuse("n", "n must be 1: tokenspout generates one choice per request")
-    if body.logit_bias:
-        raise _refuse("logit_bias", "logit_bias is not supported")
     if body.use_beam_search:
         raise _refuse("use_beam_search", "beam search is not supported")
     if body.length_penalty not in (None, 1.0):
@@ -117,6 +184,8 @@ def _sampling(body: _Sampling, max_tokens: int | None) -> dict[str, Any]:
         "seed": body.seed,
         "frequency_penalty": body.frequency_penalty,
         "presence_penalty": body.presence_penalty,
+        "logit_bias": _logit_bias(body.logit_bias),
+        "structured": _structured_output(body),
         **{name: getattr(body, name) for name in VLLM_FIELDS},
     }
 
@@ -146,17 +215,17 @@ def _chat_messages(body: ChatCompletionRequest, max_messages: int) -> list[ChatM
 
 
 def _chat_params(store: SessionStore, body: ChatCompletionRequest) -> SamplingParams:
-    if body.top_logprobs:
-        raise _refuse("top_logprobs", "top_logprobs must be 0: only sampled tokens' logprobs")
     if body.tools:
         raise _refuse("tools", "tools are not supported")
     if body.tool_choice not in (None, "none"):
         raise _refuse("tool_choice", "tool_choice is not supported")
-    if body.response_format and body.response_format.get("type") != "text":
-        raise _refuse("response_format", "only response_format {'type': 'text'} is supported")
+    if body.top_logprobs and not body.logprobs:
+        raise BadRequest("top_logprobs needs logprobs: true", field="top_logprobs")
     max_tokens = body.max_completion_tokens or body.max_tokens
     shared = _sampling(body, max_tokens)
-    return store.queue.sampling(**shared, logprobs=bool(body.logprobs))
+    return store.queue.sampling(
+        **shared, logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0
+    )
 
 
 def _completion_params(store: SessionStore, body: CompletionRequest) -> SamplingParams:
@@ -166,10 +235,10 @@ def _completion_params(store: SessionStore, body: CompletionRequest) -> Sampling
         raise _refuse("best_of", "best_of must be 1")
     if body.suffix:
         raise _refuse("suffix", "suffix is not supported")
-    if body.logprobs:
-        raise _refuse("logprobs", "logprobs must be 0 or null: only sampled tokens' logprobs")
     shared = _sampling(body, body.max_tokens)
-    return store.queue.sampling(**shared, logprobs=body.logprobs == 0)
+    return store.queue.sampling(
+        **shared, logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0
+    )
 
 
 def _completion_prompt(body: CompletionRequest) -> str:
@@ -192,7 +261,15 @@ def _logprob(piece: TokenPiece) -> float:
 
 def _chat_logprobs(pieces: list[TokenPiece]) -> ChatLogprobs:
     return ChatLogprobs(
-        [TokenLogprob(p.text, _logprob(p), list(p.text.encode()), []) for p in pieces]
+        [
+            TokenLogprob(
+                p.token,
+                _logprob(p),
+                list(p.token.encode()),
+                [TopLogprobOut(t.token, t.logprob, list(t.token.encode())) for t in p.top or ()],
+            )
+            for p in pieces
+        ]
     )
 
 
@@ -200,11 +277,14 @@ def _completion_logprobs(pieces: list[TokenPiece], offset: int) -> CompletionLog
     offsets = []
     for piece in pieces:
         offsets.append(offset)
-        offset += len(piece.text)
+        offset += len(piece.token)
+    tops = None
+    if any(piece.top is not None for piece in pieces):
+        tops = [{t.token: t.logprob for t in piece.top or ()} for piece in pieces]
     return CompletionLogprobs(
-        [p.text for p in pieces],
+        [p.token for p in pieces],
         [_logprob(p) for p in pieces],
-        None,
+        tops,
         offsets,
     )
 
@@ -231,50 +311,104 @@ def openai_error(_: AnyRequest, exc: Exception) -> Response[ErrorOut]:
     return Response(_error_body(error), status_code=status, headers=error.headers())
 
 
-async def _stream(
-    batches: AsyncIterable[list[GenerationItem]],
-    chunk: Callable[[str, str | None, Token | None], msgspec.Struct],
-    usage_chunk: Callable[[str, Usage], msgspec.Struct] | None,
+class UsageTally:
+    """Usage across the choices of one stream: the prompt once, completions summed."""
+
+    def __init__(self, choices: int) -> None:
+        self.prompt_tokens = 0
+        self.completion = [0] * choices
+
+    def started(self, event: Started) -> None:
+        self.prompt_tokens = event.prompt_tokens
+
+    def token(self, index: int, token: Token) -> None:
+        self.completion[index] = token.count
+
+    def so_far(self) -> UsageOut:
+        completion = sum(self.completion)
+        return UsageOut(self.prompt_tokens, completion, self.prompt_tokens + completion)
+
+    @staticmethod
+    def of(finals: list[Done]) -> UsageOut:
+        prompt = finals[0].usage.prompt_tokens
+        completion = sum(final.usage.completion_tokens for final in finals)
+        return UsageOut(prompt, completion, prompt + completion)
+
+
+class Chunks(Protocol):
+    """How one endpoint spells a stream's chunks (``ChatChunks``, ``CompletionChunks``)."""
+
+    def chunk(self, model: str, index: int, token: Token | None, finish: str | None) -> Any: ...
+
+    def usage(self, model: str, usage: UsageOut) -> Any: ...
+
+
+async def stream_chunks(
+    batches: AsyncIterable[list[IndexedItem]],
+    chunks: Chunks,
     model: str,
+    *,
+    choices: int = 1,
+    include_usage: bool = False,
+    continuous_usage: bool = False,
 ) -> AsyncIterator[bytes]:
-    """Chunks of one generation, ``chunk(model, finish_reason, token)``: one token per
-    chunk, and what arrived together (a reader behind) in one write."""
+    """The chunks of a request's ``choices`` generations: one token per chunk, each with
+    its choice's index, what arrived together (a reader behind) in one write; ``[DONE]``
+    once every choice has finished, or an error frame as soon as one fails."""
+    tally = UsageTally(choices)
+    finals: list[Done] = []
     for_batch: list[bytes] = []
+
+    def add(chunk: Any) -> None:
+        if continuous_usage:
+            chunk.usage = tally.so_far()
+        for_batch.append(sse.frame(msgspec.json.encode(chunk)))
+
     async for items in batches:
-        for item in items:
+        for index, item in items:
             if isinstance(item, Heartbeat):
                 for_batch.append(sse.HEARTBEAT)
             elif isinstance(item, Started):
                 model = item.model
+                tally.started(item)
             elif isinstance(item, Token):
-                for_batch.append(sse.frame(msgspec.json.encode(chunk(model, None, item))))
+                tally.token(index, item)
+                add(chunks.chunk(model, index, item, None))
             elif isinstance(item, Done):
-                done = chunk(model, item.finish_reason, None)
-                for_batch.append(sse.frame(msgspec.json.encode(done)))
-                if usage_chunk is not None:
-                    for_batch.append(sse.frame(msgspec.json.encode(usage_chunk(model, item.usage))))
-                for_batch.append(DONE_FRAME)
+                add(chunks.chunk(model, index, None, item.finish_reason))
+                finals.append(item)
+                if len(finals) == choices:
+                    if include_usage:
+                        for_batch.append(
+                            sse.frame(msgspec.json.encode(chunks.usage(model, tally.of(finals))))
+                        )
+                    for_batch.append(DONE_FRAME)
             else:
                 for_batch += (_error_frame(item), DONE_FRAME)
+                yield b"".join(for_batch)
+                return
         if for_batch:
             yield for_batch[0] if len(for_batch) == 1 else b"".join(for_batch)
             for_batch.clear()
 
 
 class ChatChunks:
-    """The chunks of one streamed chat completion: the first delta carries the role."""
+    """The chunks of one streamed chat completion: each choice's first delta carries the
+    role."""
 
     def __init__(self, completion_id: str, created: int, want_logprobs: bool) -> None:
         self.completion_id = completion_id
         self.created = created
         self.want_logprobs = want_logprobs
-        self.sent_role = False
+        self.sent_role: set[int] = set()
 
-    def chunk(self, model: str, finish: str | None, token: Token | None) -> ChatCompletionChunk:
+    def chunk(
+        self, model: str, index: int, token: Token | None, finish: str | None
+    ) -> ChatCompletionChunk:
         delta = ChatDelta(content=token.text if token is not None else None)
-        if not self.sent_role:
-            self.sent_role, delta.role = True, "assistant"
-            delta.content = delta.content or ""
+        if index not in self.sent_role:
+            self.sent_role.add(index)
+            delta.role, delta.content = "assistant", delta.content or ""
         pieces = per_token(token) if self.want_logprobs and token is not None else None
         logprobs = _chat_logprobs(pieces) if pieces else None
         return ChatCompletionChunk(
@@ -282,72 +416,93 @@ class ChatChunks:
             "chat.completion.chunk",
             self.created,
             model,
-            [ChatChunkChoice(0, delta, logprobs, finish)],
+            [ChatChunkChoice(index, delta, logprobs, finish)],
             None,
         )
 
-    def usage(self, model: str, usage: Usage) -> ChatCompletionChunk:
+    def usage(self, model: str, usage: UsageOut) -> ChatCompletionChunk:
         return ChatCompletionChunk(
-            self.completion_id, "chat.completion.chunk", self.created, model, [], _usage(usage)
+            self.completion_id, "chat.completion.chunk", self.created, model, [], usage
         )
 
 
 class CompletionChunks:
-    """The chunks of one streamed (legacy) completion: logprob offsets run on across them."""
+    """The chunks of one streamed (legacy) completion: each choice's logprob offsets run on
+    across its chunks."""
 
     def __init__(self, completion_id: str, created: int, want_logprobs: bool) -> None:
         self.completion_id = completion_id
         self.created = created
         self.want_logprobs = want_logprobs
-        self.offset = 0
+        self.offsets: dict[int, int] = {}
 
-    def chunk(self, model: str, finish: str | None, token: Token | None) -> Completion:
+    def chunk(self, model: str, index: int, token: Token | None, finish: str | None) -> Completion:
         text = token.text if token is not None else ""
+        offset = self.offsets.get(index, 0)
         pieces = per_token(token) if self.want_logprobs and token is not None else None
-        logprobs = _completion_logprobs(pieces, self.offset) if pieces else None
-        self.offset += len(text)
-        choice = CompletionChoice(0, text, logprobs, finish)
+        logprobs = _completion_logprobs(pieces, offset) if pieces else None
+        self.offsets[index] = offset + (sum(len(p.token) for p in pieces) if pieces else len(text))
+        choice = CompletionChoice(index, text, logprobs, finish)
         return Completion(
             self.completion_id, "text_completion", self.created, model, [choice], None
         )
 
-    def usage(self, model: str, usage: Usage) -> Completion:
-        return Completion(
-            self.completion_id, "text_completion", self.created, model, [], _usage(usage)
-        )
+    def usage(self, model: str, usage: UsageOut) -> Completion:
+        return Completion(self.completion_id, "text_completion", self.created, model, [], usage)
 
 
 def chat_completion_body(
-    completion_id: str, created: int, model: str, whole: Collected, want_logprobs: bool
+    completion_id: str, created: int, model: str, wholes: list[Collected], want_logprobs: bool
 ) -> ChatCompletion:
-    """The answer of a chat completion that does not stream."""
-    logprobs = _chat_logprobs(whole.pieces) if want_logprobs else None
-    choice = ChatChoice(
-        0, AssistantMessage("assistant", whole.text), logprobs, whole.final.finish_reason
-    )
+    """The answer of a chat completion that does not stream: one choice per generation."""
+    choices = [
+        ChatChoice(
+            index,
+            AssistantMessage("assistant", whole.text),
+            _chat_logprobs(whole.pieces) if want_logprobs else None,
+            whole.final.finish_reason,
+        )
+        for index, whole in enumerate(wholes)
+    ]
+    usage = UsageTally.of([whole.final for whole in wholes])
     return ChatCompletion(
-        completion_id,
-        "chat.completion",
-        created,
-        whole.model or model,
-        [choice],
-        _usage(whole.final.usage),
+        completion_id, "chat.completion", created, wholes[0].model or model, choices, usage
     )
 
 
 def completion_body(
-    completion_id: str, created: int, model: str, whole: Collected, want_logprobs: bool
+    completion_id: str, created: int, model: str, wholes: list[Collected], want_logprobs: bool
 ) -> Completion:
-    """The answer of a (legacy) completion that does not stream."""
-    logprobs = _completion_logprobs(whole.pieces, 0) if want_logprobs else None
-    choice = CompletionChoice(0, whole.text, logprobs, whole.final.finish_reason)
+    """The answer of a (legacy) completion that does not stream: one choice per generation."""
+    choices = [
+        CompletionChoice(
+            index,
+            whole.text,
+            _completion_logprobs(whole.pieces, 0) if want_logprobs else None,
+            whole.final.finish_reason,
+        )
+        for index, whole in enumerate(wholes)
+    ]
+    usage = UsageTally.of([whole.final for whole in wholes])
     return Completion(
-        completion_id,
-        "text_completion",
-        created,
-        whole.model or model,
-        [choice],
-        _usage(whole.final.usage),
+        completion_id, "text_completion", created, wholes[0].model or model, choices, usage
+    )
+
+
+def _streamed(choices: Choices, chunks: Chunks, body: _Sampling, n: int) -> Stream:
+    options = body.stream_options
+    stream = stream_chunks(
+        choices.batches(),
+        chunks,
+        body.model,
+        choices=n,
+        include_usage=options is not None and options.include_usage,
+        continuous_usage=options is not None
+        and options.include_usage
+        and options.continuous_usage_stats,
+    )
+    return sse.response(
+        ending_with_error(stream, _failure_frames), background=choices.on_response_end()
     )
 
 
@@ -363,26 +518,18 @@ async def chat_completions(
     require_api_key(request, api_keys)
     params = _chat_params(store, data)
     messages = _chat_messages(data, settings.max_history_messages)
-    generation = await GenerationStream.submit(
-        store, hub, settings, params, model=data.model, messages=messages
+    n = _choices(data, settings)
+    choices = await Choices.submit(
+        store, hub, settings, params, n, model=data.model, messages=messages
     )
-    completion_id, created = f"chatcmpl-{generation.generation_id}", int(time.time())
+    completion_id, created = f"chatcmpl-{choices.generation_id}", int(time.time())
     want_logprobs = bool(data.logprobs)
-
     if not data.stream:
-        whole = await generation.collect()
+        wholes = await choices.collect()
         return Response(
-            chat_completion_body(completion_id, created, data.model, whole, want_logprobs)
+            chat_completion_body(completion_id, created, data.model, wholes, want_logprobs)
         )
-
-    chunks = ChatChunks(completion_id, created, want_logprobs)
-    include_usage = data.stream_options is not None and data.stream_options.include_usage
-    stream = _stream(
-        generation.batches(), chunks.chunk, chunks.usage if include_usage else None, data.model
-    )
-    return sse.response(
-        ending_with_error(stream, _failure_frames), background=generation.on_response_end()
-    )
+    return _streamed(choices, ChatChunks(completion_id, created, want_logprobs), data, n)
 
 
 @post("/completions", summary="OpenAI (legacy) completions", status_code=200)
@@ -397,24 +544,14 @@ async def completions(
     require_api_key(request, api_keys)
     params = _completion_params(store, data)
     prompt = _completion_prompt(data)
-    generation = await GenerationStream.submit(
-        store, hub, settings, params, model=data.model, prompt=prompt
-    )
-    completion_id, created = f"cmpl-{generation.generation_id}", int(time.time())
-    want_logprobs = data.logprobs == 0
-
+    n = _choices(data, settings)
+    choices = await Choices.submit(store, hub, settings, params, n, model=data.model, prompt=prompt)
+    completion_id, created = f"cmpl-{choices.generation_id}", int(time.time())
+    want_logprobs = data.logprobs is not None
     if not data.stream:
-        whole = await generation.collect()
-        return Response(completion_body(completion_id, created, data.model, whole, want_logprobs))
-
-    chunks = CompletionChunks(completion_id, created, want_logprobs)
-    include_usage = data.stream_options is not None and data.stream_options.include_usage
-    stream = _stream(
-        generation.batches(), chunks.chunk, chunks.usage if include_usage else None, data.model
-    )
-    return sse.response(
-        ending_with_error(stream, _failure_frames), background=generation.on_response_end()
-    )
+        wholes = await choices.collect()
+        return Response(completion_body(completion_id, created, data.model, wholes, want_logprobs))
+    return _streamed(choices, CompletionChunks(completion_id, created, want_logprobs), data, n)
 
 
 @get("/models", summary="The models (and aliases) that have a live engine worker")
@@ -425,7 +562,9 @@ async def models(request: AnyRequest, store: SessionStore, api_keys: ApiKeys) ->
         created = int(worker.started_at)
         for name in worker.names:  # as vLLM does: one card per served name
             if name not in cards or cards[name].created > created:
-                cards[name] = ModelCard(name, "model", created, "tokenspout", worker.model)
+                cards[name] = ModelCard(
+                    name, "model", created, "tokenspout", worker.model, worker.max_model_len
+                )
     return ModelList("list", sorted(cards.values(), key=lambda card: card.id))
 
 

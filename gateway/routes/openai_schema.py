@@ -21,6 +21,33 @@ Stop = str | Annotated[list[str], msgspec.Meta(max_length=8)]
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    """vLLM's: every chunk carries the usage so far (with ``include_usage``)."""
+
+
+class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsIn(msgspec.Struct, forbid_unknown_fields=True):
+    """vLLM's ``structured_outputs`` field: one constraint."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
 
 
 class ContentPart(msgspec.Struct):
@@ -46,9 +73,9 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     seed: int | None = None
     frequency_penalty: Penalty | None = None
     presence_penalty: Penalty | None = None
-    n: int | None = None
+    n: Annotated[int, msgspec.Meta(ge=1)] | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Annotated[float, msgspec.Meta(ge=-100, le=100)]] | None = None
     # vLLM's extra sampling fields (``extra_body`` in the SDK), as its OpenAI server takes them.
     min_p: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
     repetition_penalty: Annotated[float, msgspec.Meta(gt=0)] | None = None
@@ -60,21 +87,29 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     spaces_between_special_tokens: bool | None = None
     length_penalty: float | None = None
     use_beam_search: bool | None = None
+    # Structured outputs: vLLM's field, and the older ``guided_*`` names it replaced.
+    structured_outputs: StructuredOutputsIn | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    response_format: ResponseFormat | None = None
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: list[MessageIn]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
     tools: list[Any] | None = None
     tool_choice: Any | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
     prompt: str | list[str]
-    logprobs: int | None = None
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=5)] | None = None
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
@@ -89,11 +124,17 @@ class UsageOut(msgspec.Struct):
     total_tokens: int
 
 
+class TopLogprobOut(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
 class TokenLogprob(msgspec.Struct):
     token: str
     logprob: float
     bytes: list[int]
-    top_logprobs: list[Any]
+    top_logprobs: list[TopLogprobOut]
 
 
 class ChatLogprobs(msgspec.Struct):
@@ -103,7 +144,7 @@ class ChatLogprobs(msgspec.Struct):
 class CompletionLogprobs(msgspec.Struct):
     tokens: list[str]
     token_logprobs: list[float]
-    top_logprobs: None
+    top_logprobs: list[dict[str, float]] | None
     text_offset: list[int]
 
 
@@ -172,6 +213,8 @@ class ModelCard(msgspec.Struct):
     owned_by: str
     root: str
     """The model an alias belongs to (vLLM's field; its own name for the model itself)."""
+    max_model_len: int | None
+    """Longest prompt plus reply in tokens (vLLM's field); None: no fixed context."""
 
 
 class ModelList(msgspec.Struct):

@@ -25,10 +25,10 @@ from wire import Cancelled, Error, Usage
 
 def test_per_token_gives_a_steps_whole_text_to_its_first_token() -> None:
     assert per_token(tok("ab", 2, [1, 2], [-0.1, -0.2])) == [
-        TokenPiece(1, "ab", -0.1),
-        TokenPiece(2, "", -0.2),
+        TokenPiece(1, "ab", -0.1, "ab"),
+        TokenPiece(2, "", -0.2, ""),
     ]
-    assert per_token(tok("x", 1, [7])) == [TokenPiece(7, "x", None)]
+    assert per_token(tok("x", 1, [7])) == [TokenPiece(7, "x", None, "x")]
     assert per_token(tok("", 0, [])) == []
 
 

@@ -20,7 +20,7 @@ from tests.support.adapter_events import (
     HELLO,
     KEEP_ALIVE,
     STARTED,
-    Batches,
+    Indexed,
     collected,
     compact,
     data,
@@ -53,8 +53,7 @@ def chat_stream(
     *events: GenerationItem, include_usage: bool = False, logprobs: bool = False
 ) -> AsyncIterator[bytes]:
     chunks = openai.ChatChunks("chatcmpl-g", CREATED, logprobs)
-    usage = chunks.usage if include_usage else None
-    return openai._stream(Batches(*events), chunks.chunk, usage, "asked-for")
+    return openai.stream_chunks(Indexed(*events), chunks, "asked-for", include_usage=include_usage)
 
 
 async def test_chat_stream_role_first_then_deltas_then_finish_then_done() -> None:
@@ -171,7 +170,7 @@ def test_failure_frames_spell_an_overload_as_a_rate_limit_error() -> None:
 
 
 def test_chat_completion_body_whole() -> None:
-    body = openai.chat_completion_body("chatcmpl-g", CREATED, "asked-for", collected(), False)
+    body = openai.chat_completion_body("chatcmpl-g", CREATED, "asked-for", [collected()], False)
     assert msgspec.json.encode(body) == compact(
         {
             "id": "chatcmpl-g",
@@ -193,7 +192,7 @@ def test_chat_completion_body_whole() -> None:
 
 def test_chat_completion_body_with_logprobs_and_the_asked_for_model_as_fallback() -> None:
     whole = collected(model="", logprobs=[-0.5, -0.25])
-    body = openai.chat_completion_body("chatcmpl-g", CREATED, "asked-for", whole, True)
+    body = openai.chat_completion_body("chatcmpl-g", CREATED, "asked-for", [whole], True)
     assert body.model == "asked-for"
     assert msgspec.json.encode(body.choices[0].logprobs) == compact(
         {
@@ -204,7 +203,7 @@ def test_chat_completion_body_with_logprobs_and_the_asked_for_model_as_fallback(
         }
     )
     with pytest.raises(BadEngineOutput):
-        openai.chat_completion_body("chatcmpl-g", CREATED, "m", collected(), True)
+        openai.chat_completion_body("chatcmpl-g", CREATED, "m", [collected()], True)
 
 
 # OpenAI (legacy) completions
@@ -225,10 +224,10 @@ def completion_chunk(text: str, finish: str | None, logprobs: Any = None) -> byt
 
 async def test_completion_stream_with_running_logprob_offsets_and_usage() -> None:
     chunks = openai.CompletionChunks("cmpl-g", CREATED, True)
-    events = Batches(
+    events = Indexed(
         STARTED, tok("Hel", 1, [10], [-0.5]), tok("lo!", 3, [11, 12], [-0.25, -2.0]), DONE_STOP
     )
-    sent = await written(openai._stream(events, chunks.chunk, chunks.usage, "x"))
+    sent = await written(openai.stream_chunks(events, chunks, "x", include_usage=True))
     usage = {
         "id": "cmpl-g",
         "object": "text_completion",
@@ -261,9 +260,7 @@ async def test_completion_stream_with_running_logprob_offsets_and_usage() -> Non
 
 async def test_completion_stream_without_logprobs_or_usage() -> None:
     chunks = openai.CompletionChunks("cmpl-g", CREATED, False)
-    sent = await written(
-        openai._stream(Batches(STARTED, *HELLO, DONE_STOP), chunks.chunk, None, "x")
-    )
+    sent = await written(openai.stream_chunks(Indexed(STARTED, *HELLO, DONE_STOP), chunks, "x"))
     assert sent == [
         completion_chunk("Hel", None),
         completion_chunk("lo", None),
@@ -273,7 +270,7 @@ async def test_completion_stream_without_logprobs_or_usage() -> None:
 
 
 def test_completion_body_whole_with_logprobs() -> None:
-    body = openai.completion_body("cmpl-g", CREATED, "x", collected(logprobs=[-0.5, -0.25]), True)
+    body = openai.completion_body("cmpl-g", CREATED, "x", [collected(logprobs=[-0.5, -0.25])], True)
     assert msgspec.json.encode(body) == compact(
         {
             "id": "cmpl-g",

@@ -51,6 +51,21 @@ class Batches(AsyncIterator[list[GenerationItem]]):
             raise StopAsyncIteration from None
 
 
+class Indexed(AsyncIterator[list[tuple[int, GenerationItem]]]):
+    """What ``Choices.batches`` yields: ``(choice, event)`` pairs, one per batch; an event
+    given alone belongs to choice 0."""
+
+    def __init__(self, *events: GenerationItem | tuple[int, GenerationItem]) -> None:
+        self.events = iter(events)
+
+    async def __anext__(self) -> list[tuple[int, GenerationItem]]:
+        try:
+            event = next(self.events)
+        except StopIteration:
+            raise StopAsyncIteration from None
+        return [event if isinstance(event, tuple) else (0, event)]
+
+
 async def written(chunks: AsyncIterator[bytes]) -> list[bytes]:
     """The frames written, one per entry, however they were grouped into writes."""
     frames: list[bytes] = []
@@ -70,5 +85,5 @@ DONE_STOP = Done("g", "stop", Usage(3, 2))
 
 def collected(model: str = "smol", logprobs: list[float | None] | None = None) -> Collected:
     lps = logprobs or [None, None]
-    pieces = [TokenPiece(10, "Hel", lps[0]), TokenPiece(11, "lo", lps[1])]
+    pieces = [TokenPiece(10, "Hel", lps[0], "Hel"), TokenPiece(11, "lo", lps[1], "lo")]
     return Collected(model, 3, "Hello", pieces, DONE_STOP)
