@@ -29,7 +29,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Hashable
-from typing import TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, RedisError
@@ -41,7 +40,6 @@ from wire.emit_step import EmitStep, EmitTarget, StepCall
 from wire.queue import RequestQueue
 
 log = logging.getLogger("tokenspout.publisher")
-T = TypeVar("T")
 
 GroupOf = Callable[[str], Hashable]
 """Session id -> the group whose events may share one script call."""
@@ -75,16 +73,10 @@ def joined(first: Token, then: Token) -> Token:
         first.text + then.text,
         then.count,
         [*first.token_ids, *then.token_ids],
-        _both(first.logprobs, then.logprobs),
-        _both(first.tokens, then.tokens),
-        _both(first.top_logprobs, then.top_logprobs),
+        wire.concat_optional(first.logprobs, then.logprobs),
+        wire.concat_optional(first.tokens, then.tokens),
+        wire.concat_optional(first.top_logprobs, then.top_logprobs),
     )
-
-
-def _both(first: list[T] | None, then: list[T] | None) -> list[T] | None:
-    if first is None and then is None:
-        return None
-    return [*(first or ()), *(then or ())]
 
 
 class _Batch:

@@ -16,6 +16,7 @@ from typing import Annotated, Literal
 import msgspec
 
 import wire
+from gateway import structured
 from gateway.errors import BadRequest, PayloadTooLarge
 from wire import CancelReason, Usage
 
@@ -47,6 +48,10 @@ class Generate(msgspec.Struct, frozen=True, tag="generate", forbid_unknown_field
     model: str | None = None
     """The model of a new session (a name or alias; None: the default). A named session
     keeps its own."""
+    logprobs: bool = False
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] = 0
+    response_format: structured.ResponseFormat | None = None
+    structured_outputs: structured.StructuredOutputsIn | None = None
 
 
 class Cancel(msgspec.Struct, frozen=True, tag="cancel", forbid_unknown_fields=True):
@@ -96,15 +101,32 @@ class StartedFrame(msgspec.Struct, frozen=True, tag="started"):
     event_id: str
 
 
-class TokenFrame(msgspec.Struct, frozen=True, tag="token"):
+class TokenFrame(msgspec.Struct, frozen=True, tag="token", omit_defaults=True):
     """One or more token events of the generation, coalesced (a slow reader gets fewer,
     larger frames). ``count``: completion tokens so far; ``event_id``: the last event's
-    id on the session stream (resume point for SSE)."""
+    id on the session stream (resume point for SSE). With ``logprobs`` asked for: each
+    token's logprob and own text, and its top alternatives when asked (``[text, logprob,
+    id]`` each), as the session stream's token events carry them."""
 
     id: str
     text: str
     count: int
     event_id: str
+    logprobs: list[float] | None = None
+    tokens: list[str] | None = None
+    top_logprobs: list[list[wire.TopLogprob]] | None = None
+
+    def then(self, token: wire.Token, event_id: str) -> TokenFrame:
+        """This frame with ``token`` coalesced into it."""
+        return TokenFrame(
+            self.id,
+            self.text + token.text,
+            token.count,
+            event_id,
+            wire.concat_optional(self.logprobs, token.logprobs),
+            wire.concat_optional(self.tokens, token.tokens),
+            wire.concat_optional(self.top_logprobs, token.top_logprobs),
+        )
 
 
 class DoneFrame(msgspec.Struct, frozen=True, tag="done"):
@@ -210,12 +232,22 @@ def event_frames(client_id: str, events: list[tuple[str, wire.SessionEvent]]) ->
     frames: list[ServerFrame] = []
     for event_id, event in events:
         match event:
-            case wire.Token(text=text, count=count):
+            case wire.Token():
                 last = frames[-1] if frames else None
                 if isinstance(last, TokenFrame):
-                    frames[-1] = TokenFrame(client_id, last.text + text, count, event_id)
+                    frames[-1] = last.then(event, event_id)
                 else:
-                    frames.append(TokenFrame(client_id, text, count, event_id))
+                    frames.append(
+                        TokenFrame(
+                            client_id,
+                            event.text,
+                            event.count,
+                            event_id,
+                            event.logprobs,
+                            event.tokens,
+                            event.top_logprobs,
+                        )
+                    )
             case wire.Queued(generation_id=gid):
                 frames.append(QueuedFrame(client_id, gid, event_id))
             case wire.Started(generation_id=gid, model=model, prompt_tokens=prompt):

@@ -20,13 +20,13 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.takeover import LEASE_GRACE_S, Takeover
+from gateway.takeover import Takeover
 from stack import processes
 from stack.redis_server import free_port
 from tests.support.http import TERMINAL, Session, cancel, create_session, follow, send
 from tests.support.metrics import scrape, value
 from tests.support.oracle import synthetic_text
-from tests.support.redis_probes import event_key
+from tests.support.redis_probes import event_key, lease_trusted
 from tests.support.sse import Event
 from tests.support.stack import Stack
 from tests.support.tokens import assert_gap_free_tokens
@@ -38,18 +38,6 @@ pytestmark = pytest.mark.timeout(120)
 TAKEOVER_BOUND_S = 1.0
 """Kill -> next token on the reader's stream (synthetic engine; bench/takeover.py has the
 distribution)."""
-
-
-async def lease_trusted(stack: Stack) -> None:
-    """Wait until Redis has run LEASE_GRACE_S: before that, a lost lease proves nothing
-    (gateway/takeover.py) and the heartbeat timeout decides."""
-    redis = aioredis.Redis.from_url(stack.redis_url)
-    try:
-        async with asyncio.timeout(LEASE_GRACE_S + 5):
-            while int((await redis.info("server"))["uptime_in_seconds"]) < LEASE_GRACE_S:
-                await asyncio.sleep(0.1)
-    finally:
-        await redis.aclose()
 
 
 def check_whole(events: list[Event], gid: str, content: str, max_tokens: int) -> None:
@@ -100,7 +88,7 @@ async def test_a_worker_killed_mid_reply_is_continued_byte_for_byte(stack: Stack
             while len(chunks) < 5:
                 await asyncio.sleep(0.01)
         stack.synthetic(20)
-        await lease_trusted(stack)
+        await lease_trusted(stack.redis_url)
         processes.kill(doomed)
         killed_at = time.monotonic()
         await follower.until_end(60)

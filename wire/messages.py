@@ -14,11 +14,12 @@ version-2 worker would ignore them and stream unconstrained text as if it were v
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, TypeVar
 
 import msgspec
 
 WIRE_VERSION = 3
+T = TypeVar("T")
 
 Role = Literal["system", "user", "assistant"]
 GenerationState = Literal["queued", "running", "done", "cancelled", "error"]
@@ -265,3 +266,11 @@ _final_decoder = msgspec.json.Decoder(FinalEvent)
 def decode_final(data: bytes | str) -> FinalEvent:
     final: FinalEvent = _final_decoder.decode(data)
     return final
+
+
+def concat_optional(first: list[T] | None, then: list[T] | None) -> list[T] | None:
+    """Two consecutive token events' per-token lists (logprobs, texts) as one: None when
+    neither carries any (the request did not ask for them)."""
+    if first is None and then is None:
+        return None
+    return [*(first or ()), *(then or ())]

@@ -180,7 +180,7 @@ def reply_words(request: GenerationRequest) -> list[str]:
 class SyntheticBackend(Backend):
     name = "synthetic"
     ignored_params = frozenset(
-        {"min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"}
+        {"min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias"}
     )
 
     def __init__(

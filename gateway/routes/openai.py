@@ -67,7 +67,6 @@ from wire import (
     Role,
     SamplingParams,
     Started,
-    StructuredOutput,
     Token,
     Usage,
 )
@@ -119,54 +118,6 @@ def _logit_bias(given: dict[str, float] | None) -> dict[int, float] | None:
     return bias
 
 
-def _structured_output(body: _Sampling) -> StructuredOutput | None:
-    """The one constraint a request sets, in whichever of the four spellings."""
-    found: list[tuple[str, StructuredOutput]] = []
-    form = body.response_format
-    if form is not None and form.type == "json_object":
-        found.append(("response_format", StructuredOutput(json_object=True)))
-    elif form is not None and form.type == "json_schema":
-        if form.json_schema is None or form.json_schema.schema is None:
-            raise BadRequest(
-                "response_format json_schema needs json_schema.schema",
-                code="invalid_structured_output",
-                field="response_format.json_schema",
-            )
-        found.append(
-            ("response_format", structured.json_schema("response_format", form.json_schema.schema))
-        )
-    wanted = body.structured_outputs
-    if wanted is not None:
-        field = "structured_outputs"
-        if wanted.json is not None:
-            found.append((f"{field}.json", structured.json_schema(f"{field}.json", wanted.json)))
-        if wanted.regex is not None:
-            found.append((f"{field}.regex", structured.regex(f"{field}.regex", wanted.regex)))
-        if wanted.choice is not None:
-            found.append((f"{field}.choice", structured.choice(f"{field}.choice", wanted.choice)))
-        if wanted.grammar is not None:
-            found.append(
-                (f"{field}.grammar", structured.grammar(f"{field}.grammar", wanted.grammar))
-            )
-        if wanted.json_object:
-            found.append((f"{field}.json_object", StructuredOutput(json_object=True)))
-        if not found:
-            raise BadRequest(
-                "structured_outputs must set one of json, regex, choice, grammar, json_object",
-                code="invalid_structured_output",
-                field=field,
-            )
-    if body.guided_json is not None:
-        found.append(("guided_json", structured.json_schema("guided_json", body.guided_json)))
-    if body.guided_regex is not None:
-        found.append(("guided_regex", structured.regex("guided_regex", body.guided_regex)))
-    if body.guided_choice is not None:
-        found.append(("guided_choice", structured.choice("guided_choice", body.guided_choice)))
-    if body.guided_grammar is not None:
-        found.append(("guided_grammar", structured.grammar("guided_grammar", body.guided_grammar)))
-    return structured.only_one(found)
-
-
 def _sampling(body: _Sampling, max_tokens: int | None) -> dict[str, Any]:
     """The parameters every OpenAI endpoint shares, checked; refuses what is not supported."""
     if body.use_beam_search:
@@ -185,7 +136,9 @@ def _sampling(body: _Sampling, max_tokens: int | None) -> dict[str, Any]:
         "frequency_penalty": body.frequency_penalty,
         "presence_penalty": body.presence_penalty,
         "logit_bias": _logit_bias(body.logit_bias),
-        "structured": _structured_output(body),
+        "structured": structured.constraint(
+            body.response_format, body.structured_outputs, body.guided
+        ),
         **{name: getattr(body, name) for name in VLLM_FIELDS},
     }
 

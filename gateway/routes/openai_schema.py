@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from gateway.structured import Guided, ResponseFormat, StructuredOutputsIn
+
 Temperature = Annotated[float, msgspec.Meta(ge=0, le=2)]
 TopP = Annotated[float, msgspec.Meta(gt=0, le=1)]
 TopK = Annotated[int, msgspec.Meta(ge=-1)]
@@ -23,31 +25,6 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
     continuous_usage_stats: bool = False
     """vLLM's: every chunk carries the usage so far (with ``include_usage``)."""
-
-
-class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True):
-    name: str
-    schema: dict[str, Any] | None = None
-    description: str | None = None
-    strict: bool | None = None
-
-
-class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-
-class StructuredOutputsIn(msgspec.Struct, forbid_unknown_fields=True):
-    """vLLM's ``structured_outputs`` field: one constraint."""
-
-    json: dict[str, Any] | str | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-    disable_any_whitespace: bool = False
-    disable_additional_properties: bool = False
-    whitespace_pattern: str | None = None
 
 
 class ContentPart(msgspec.Struct):
@@ -96,6 +73,15 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
     response_format: ResponseFormat | None = None
+
+    @property
+    def guided(self) -> Guided:
+        return Guided(
+            guided_json=self.guided_json,
+            guided_regex=self.guided_regex,
+            guided_choice=self.guided_choice,
+            guided_grammar=self.guided_grammar,
+        )
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):

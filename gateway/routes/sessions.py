@@ -15,7 +15,7 @@ from litestar.connection import Request
 from litestar.params import HeaderParameter, QueryParameter
 from litestar.response import Stream
 
-from gateway import sse
+from gateway import sse, structured
 from gateway.auth import ApiKeys, require_api_key
 from gateway.errors import EventsExpired, SessionLost
 from gateway.relay import RelayHub
@@ -34,6 +34,11 @@ class MessageIn(msgspec.Struct, forbid_unknown_fields=True):
     top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None
     stop: Annotated[list[str], msgspec.Meta(max_length=8)] | None = None
     seed: int | None = None
+    logprobs: bool = False
+    """Each token event carries its tokens' logprobs and own texts."""
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] = 0
+    response_format: structured.ResponseFormat | None = None
+    structured_outputs: structured.StructuredOutputsIn | None = None
 
 
 class SessionIn(msgspec.Struct, forbid_unknown_fields=True):
@@ -137,6 +142,9 @@ class SessionController(Controller):
             top_k=data.top_k,
             stop=data.stop,
             seed=data.seed,
+            logprobs=data.logprobs or None,
+            top_logprobs=data.top_logprobs if data.logprobs else None,
+            structured=structured.constraint(data.response_format, data.structured_outputs),
         )
         submitted = await store.submit_message(
             session_id,

@@ -30,6 +30,7 @@ from litestar.exceptions import WebSocketDisconnect
 from redis.exceptions import RedisError
 
 import wire
+from gateway import structured
 from gateway.auth import ApiKeys, bearer
 from gateway.errors import BadRequest, GatewayError, NotFound, Overloaded, ProtocolViolation
 from gateway.relay import RelayHub
@@ -169,6 +170,9 @@ class Connection:
             top_k=frame.top_k,
             stop=frame.stop,
             seed=frame.seed,
+            logprobs=frame.logprobs or None,
+            top_logprobs=frame.top_logprobs if frame.logprobs else None,
+            structured=structured.constraint(frame.response_format, frame.structured_outputs),
         )
         new_token: str | None = None
         token: str | None

@@ -3,6 +3,7 @@ of every key): generations, their events, live workers."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import time
@@ -15,6 +16,7 @@ from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.cluster import RedisCluster
 from redis.sentinel import Sentinel
 
+from gateway.takeover import LEASE_GRACE_S
 from wire import Keys
 from wire.connect import CLUSTER_SCHEMES, connect, kind_of
 
@@ -167,3 +169,15 @@ def workers_running(redis_url: str, prefix: str) -> int:
         )
     finally:
         client.close()
+
+
+async def lease_trusted(redis_url: str) -> None:
+    """Wait until Redis has run LEASE_GRACE_S: before that, a lost lease proves nothing
+    (gateway/takeover.py) and the heartbeat timeout decides."""
+    redis = aioredis.Redis.from_url(redis_url)
+    try:
+        async with asyncio.timeout(LEASE_GRACE_S + 5):
+            while int((await redis.info("server"))["uptime_in_seconds"]) < LEASE_GRACE_S:
+                await asyncio.sleep(0.1)
+    finally:
+        await redis.aclose()
