@@ -90,6 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM with no other worker serving, how long running generations may "
         "finish before they are cancelled (reason shutdown); with one, they move there at once",
     )
+    parser.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="one of vLLM's tool parsers (as `vllm serve --tool-call-parser`, e.g. hermes): "
+        "finds the calls a model writes for `tool_choice: auto`; without it, such requests "
+        "end with a 400 `auto_tool_choice_unsupported` (named and required need none)",
+    )
     parser.add_argument("--worker-id", default=None, help="name in Redis (default: hostname-pid)")
     parser.add_argument(
         "--join-tokens",
@@ -143,6 +150,16 @@ def served_names(args: argparse.Namespace) -> list[str]:
 
 
 def make_backend(args: argparse.Namespace) -> Backend:
+    backend = _backend(args)
+    if args.tool_call_parser:
+        from engine.tools import check_parser
+
+        check_parser(args.tool_call_parser)
+        backend.tool_call_parser = args.tool_call_parser
+    return backend
+
+
+def _backend(args: argparse.Namespace) -> Backend:
     names = served_names(args)
     if args.backend == "synthetic":
         from engine.backends.synthetic import SyntheticBackend

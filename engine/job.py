@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 import wire
+from engine.tools import ToolCallWriter
 from wire import (
     Cancelled,
     CancelReason,
@@ -48,6 +49,8 @@ class Job:
     """How long the backend took to prepare it (tokenisation, the chat template)."""
     second_copy: Job | None = None
     """The same request taken again while this one's claim was on its way (engine/copies.py)."""
+    tool_calls: ToolCallWriter | None = None
+    """With tools: turns what the model writes into content and calls (engine/tools.py)."""
 
     def __post_init__(self) -> None:
         resume = self.request.resume

@@ -76,6 +76,8 @@ def joined(first: Token, then: Token) -> Token:
         wire.concat_optional(first.logprobs, then.logprobs),
         wire.concat_optional(first.tokens, then.tokens),
         wire.concat_optional(first.top_logprobs, then.top_logprobs),
+        None if first.content is None and then.content is None else first.visible + then.visible,
+        wire.concat_optional(first.tool_calls, then.tool_calls),
     )
 
 

@@ -31,7 +31,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 import wire
-from engine.backends.base import Backend, BackendError, Prepared
+from engine.backends.base import Backend, BackendError, Delta, Prepared
 from engine.cancels import cancel_signals
 from engine.copies import settle_second_copy
 from engine.handover import give_back, hand_over_running
@@ -39,6 +39,7 @@ from engine.job import Job, epoch_of, final_reason
 from engine.lease import HEARTBEAT_S, Lease
 from engine.metrics import WorkerMetrics
 from engine.publisher import Publisher
+from engine.tools import ToolCallWriter
 from wire import (
     Cancelled,
     CancelReason,
@@ -255,6 +256,7 @@ class Worker:
                 return
             if job.request.resume is None:
                 job.prompt_tokens = len(prepared.prompt_token_ids)
+            job.tool_calls = self._tool_call_writer(job)
             claim = job.claim_event(self.backend.model, self.worker_id)
             claimed = await self._emit(job, claim) is not None
             settle_second_copy(self, job, claimed)
@@ -301,7 +303,11 @@ class Worker:
                 # Cancelled: the final event is out; what the engine still makes is waste.
                 self.metrics.tokens_after_cancel.inc(len(delta.token_ids))
                 continue
-            if delta.text or delta.token_ids:
+            content, calls = None, None
+            if job.tool_calls is not None:
+                ending = delta.finish_reason not in (None, "abort")
+                content, calls = job.tool_calls.step(delta.text, final=ending)
+            if delta.text or delta.token_ids or content or calls:
                 job.emitted_tokens += len(delta.token_ids)
                 job.text.append(delta.text)
                 job.token_ids.extend(delta.token_ids)
@@ -313,6 +319,8 @@ class Worker:
                     delta.logprobs,
                     delta.tokens,
                     delta.top_logprobs,
+                    content,
+                    calls,
                 )
                 seq = self.publisher.emit(job.target, token, job.events + 1)
                 if seq == job.events:  # joined the token before: Redis is behind
@@ -327,8 +335,25 @@ class Worker:
                 if delta.finish_reason == "abort":
                     job.cancel_reason = job.cancel_reason or "shutdown"
                     return
-                await self._finish(job, Done(gid, delta.finish_reason, job.usage()))
+                await self._finish(job, Done(gid, self._finish_reason(job, delta), job.usage()))
                 return
+
+    def _tool_call_writer(self, job: Job) -> ToolCallWriter | None:
+        tools = job.request.tools
+        if tools is None or tools.choice == "none":
+            return None
+        parser = self.backend.auto_parser(tools) if tools.choice == "auto" else None
+        written = job.request.resume.text if job.request.resume is not None else ""
+        return ToolCallWriter(tools, job.generation_id, parser, written)
+
+    @staticmethod
+    def _finish_reason(job: Job, delta: Delta) -> str:
+        """``tool_calls`` for a reply that made calls, as vLLM's server says it (a named
+        function's call ends ``stop``, as OpenAI's does)."""
+        writer, reason = job.tool_calls, delta.finish_reason or "stop"
+        if writer is not None and writer.made_calls() and writer.tools.choice != "named":
+            return "tool_calls"
+        return reason
 
     async def _finish(self, job: Job, event: wire.FinalEvent) -> None:
         if job.ended:

@@ -25,7 +25,7 @@ from gateway.generation_stream import Collected, GenerationItem, GenerationStrea
 from gateway.relay import RelayHub
 from gateway.sessions import SessionStore
 from gateway.settings import Settings
-from wire import ChatMessage, SamplingParams
+from wire import ChatMessage, SamplingParams, Tools
 
 IndexedItem = tuple[int, GenerationItem]
 _END = object()
@@ -64,6 +64,7 @@ class Choices:
         model: str | None = None,
         messages: list[ChatMessage] | None = None,
         prompt: str | None = None,
+        tools: Tools | None = None,
     ) -> Choices:
         """Queue ``n`` generations; if one cannot be queued, those that were are cancelled
         and its error is raised."""
@@ -76,6 +77,7 @@ class Choices:
                 model=model,
                 messages=messages,
                 prompt=prompt,
+                tools=tools,
             )
             for index in range(n)
         ]

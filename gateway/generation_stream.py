@@ -36,6 +36,9 @@ from wire import (
     SamplingParams,
     Started,
     Token,
+    ToolCall,
+    ToolCallDelta,
+    Tools,
     TopLogprob,
     decode_event,
 )
@@ -85,6 +88,13 @@ def per_token(token: Token) -> list[TokenPiece]:
     return pieces
 
 
+def add_to_call(call: ToolCall | None, delta: ToolCallDelta) -> ToolCall:
+    """A call with its next piece added (the first piece names it)."""
+    if call is None:
+        return ToolCall(delta.id or "", delta.name or "", delta.arguments)
+    return ToolCall(call.id, call.name, call.arguments + delta.arguments)
+
+
 class Collected(msgspec.Struct):
     """A whole generation, for the non-streaming answers."""
 
@@ -94,9 +104,16 @@ class Collected(msgspec.Struct):
     pieces: list[TokenPiece]
     """The tokens, with their text as the engine's steps delivered it (see ``per_token``)."""
     final: Done
+    tool_calls: list[ToolCall] = []
+    """The calls the reply made (``text`` is then its content only)."""
 
 
-ENGINE_ERROR_STATUS = {"prompt_too_long": 422}
+ENGINE_ERROR_STATUS = {
+    "prompt_too_long": 422,
+    "auto_tool_choice_unsupported": 422,
+    "unsupported_constraint": 422,
+    "invalid_constraint": 422,
+}
 """Engine error codes that are the client's fault; every other one is a 503."""
 
 
@@ -141,6 +158,7 @@ class GenerationStream:
         model: str | None = None,
         messages: list[ChatMessage] | None = None,
         prompt: str | None = None,
+        tools: Tools | None = None,
     ) -> GenerationStream:
         """Queue it for ``model`` (a name or alias; None: the default model).
 
@@ -151,7 +169,12 @@ class GenerationStream:
         try:
             feed = await feed_open.enter_async_context(hub.open(session_id, NEW_SESSION))
             submitted = await store.submit_stateless(
-                params, model=model, messages=messages, prompt=prompt, session_id=session_id
+                params,
+                model=model,
+                messages=messages,
+                prompt=prompt,
+                session_id=session_id,
+                tools=tools,
             )
         except BaseException:
             await feed_open.aclose()
@@ -198,15 +221,20 @@ class GenerationStream:
         """Wait for the whole generation; raise the adapter's error if it did not finish."""
         model, prompt_tokens, text = "", 0, []
         pieces: list[TokenPiece] = []
+        calls: dict[int, ToolCall] = {}
         try:
             async for item in self.events():
                 if isinstance(item, Started):
                     model, prompt_tokens = item.model, item.prompt_tokens
                 elif isinstance(item, Token):
-                    text.append(item.text)
+                    text.append(item.visible)
                     pieces.extend(per_token(item))
+                    for delta in item.tool_calls or ():
+                        calls[delta.index] = add_to_call(calls.get(delta.index), delta)
                 elif isinstance(item, Done):
-                    return Collected(model, prompt_tokens, "".join(text), pieces, item)
+                    whole = "".join(text)
+                    made = [calls[index] for index in sorted(calls)]
+                    return Collected(model, prompt_tokens, whole, pieces, item, made)
                 elif isinstance(item, Cancelled | Error):
                     raise final_error(item)
         finally:

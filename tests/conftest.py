@@ -133,6 +133,8 @@ def vllm_stack(
                 "default",
                 "--capacity",
                 "8",
+                "--tool-call-parser",
+                "hermes",
                 "--metrics-port",
                 str(free_port()),
             )

@@ -14,14 +14,15 @@ version-2 worker would ignore them and stream unconstrained text as if it were v
 
 from __future__ import annotations
 
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
 WIRE_VERSION = 3
 T = TypeVar("T")
 
-Role = Literal["system", "user", "assistant"]
+Role = Literal["system", "user", "assistant", "tool"]
+ToolChoiceMode = Literal["none", "auto", "required", "named"]
 GenerationState = Literal["queued", "running", "done", "cancelled", "error"]
 CancelReason = Literal["user", "abandoned", "disconnected", "shutdown"]
 TERMINAL_EVENTS = frozenset({"done", "cancelled", "error"})
@@ -30,9 +31,42 @@ TERMINAL_EVENTS = frozenset({"done", "cancelled", "error"})
 # --- messages -------------------------------------------------------------------------
 
 
-class ChatMessage(msgspec.Struct, frozen=True):
+class ToolCall(msgspec.Struct, frozen=True):
+    """A function call an assistant message made (OpenAI's ``tool_calls`` entry)."""
+
+    id: str
+    name: str
+    arguments: str
+    """JSON text, as the model wrote it."""
+
+
+class ChatMessage(msgspec.Struct, frozen=True, omit_defaults=True):
     role: Role
     content: str
+    tool_calls: list[ToolCall] = []
+    """An assistant message's function calls (its content may then be empty)."""
+    tool_call_id: str | None = None
+    """A ``tool`` message: the call it answers."""
+
+
+class ToolSpec(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A function the model may call: OpenAI's ``tools`` entry, as the chat template gets it."""
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = {}
+    """Its arguments' JSON schema."""
+
+
+class Tools(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The functions of a chat request and how it may use them."""
+
+    specs: list[ToolSpec]
+    choice: ToolChoiceMode = "auto"
+    name: str | None = None
+    """The function ``named`` forces."""
+    parallel: bool = True
+    """More than one call in a reply (``parallel_tool_calls``)."""
 
 
 class StructuredOutput(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
@@ -110,6 +144,9 @@ class GenerationRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     v: int = WIRE_VERSION
     resume: Resume | None = None
     """Set when the generation was taken over: continue it after what was streamed."""
+    tools: Tools | None = None
+    """Functions the model may call (chat only): the template renders them, the worker
+    turns what the model writes into ``Token.tool_calls`` (engine/tools.py)."""
 
     @property
     def engine_request_id(self) -> str:
@@ -205,6 +242,26 @@ class Token(msgspec.Struct, frozen=True, tag="token", omit_defaults=True):
     from ``text`` where a token is part of a multi-byte character)."""
     top_logprobs: list[list[TopLogprob]] | None = None
     """Per token, the ``SamplingParams.top_logprobs`` most likely tokens, when asked."""
+    content: str | None = None
+    """With tools: the part of ``text`` that is the reply's content (``text`` stays what
+    the model wrote, which a takeover continues); None: all of ``text``."""
+    tool_calls: list[ToolCallDelta] | None = None
+    """With tools: calls begun or continued in this delta."""
+
+    @property
+    def visible(self) -> str:
+        """The content delta a client sees."""
+        return self.text if self.content is None else self.content
+
+
+class ToolCallDelta(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A piece of a function call, as OpenAI streams ``delta.tool_calls``: the first piece
+    of call ``index`` has its ``id`` and ``name``, every piece adds to its ``arguments``."""
+
+    index: int
+    arguments: str = ""
+    id: str | None = None
+    name: str | None = None
 
 
 class Done(msgspec.Struct, frozen=True, tag="done"):

@@ -10,8 +10,10 @@ from __future__ import annotations
 import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
-from wire import GenerationRequest, SamplingParams, TopLogprob
+from engine.tools import AutoParser, VllmToolParser
+from wire import GenerationRequest, SamplingParams, Tools, TopLogprob
 
 
 class BackendError(Exception):
@@ -61,9 +63,25 @@ class Backend(abc.ABC):
     """How many requests it runs at once; the worker takes no more than this."""
     max_model_len: int | None = None
     """Longest prompt plus reply, in tokens; None: no fixed context."""
+    tool_call_parser: str | None = None
+    """vLLM's tool parser for ``tool_choice: auto`` (``--tool-call-parser``); None: none."""
     ignored_params: frozenset[str] = frozenset()
     """Sampling fields this backend accepts but cannot apply (logged when a request sets
     one; docs/api.md lists them)."""
+
+    def tokenizer(self) -> Any:
+        """What a tool parser is built with (vLLM's parsers take the model's tokenizer)."""
+        return None
+
+    def auto_parser(self, tools: Tools) -> AutoParser:
+        """The parser that finds the calls in a reply to ``tool_choice: auto``."""
+        if self.tool_call_parser is None:
+            raise BackendError(
+                "auto_tool_choice_unsupported",
+                "tool_choice auto needs a worker started with --tool-call-parser (as vLLM "
+                "needs --enable-auto-tool-choice); name a function or use required",
+            )
+        return VllmToolParser(self.tool_call_parser, self.tokenizer(), tools)
 
     async def start(self) -> None:  # noqa: B027 - optional hook
         """Load the model; called once before the first request."""

@@ -38,6 +38,7 @@ import re
 import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -198,6 +199,10 @@ class SyntheticBackend(Backend):
         holding requests it never started)."""
         self._runs: dict[str, _Run] = {}
         self._stepper: asyncio.Task[None] | None = None
+
+    def tokenizer(self) -> Any:
+        # A script has no tokenizer; vLLM's text-format parsers (hermes) only need one given.
+        return "synthetic"
 
     async def prepare(self, request: GenerationRequest) -> Prepared:
         words = [m.content for m in request.messages] if request.messages else [request.prompt]

@@ -7,6 +7,7 @@ loses its oldest turns (the system message stays).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -15,7 +16,7 @@ from typing import Any
 import msgspec
 
 from engine.backends.base import Backend, BackendError, Delta, Prepared
-from wire import ChatMessage, GenerationRequest, StructuredOutput, TopLogprob
+from wire import ChatMessage, GenerationRequest, StructuredOutput, Tools, TopLogprob
 
 log = logging.getLogger("tokenspout.vllm")
 
@@ -57,6 +58,9 @@ class VllmBackend(Backend):
         self._engine = AsyncLLMEngine.from_engine_args(args)
         self._tokenizer = self._engine.get_tokenizer()
 
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
     async def stop(self) -> None:
         if self._engine is not None:
             self._engine.shutdown()
@@ -68,17 +72,22 @@ class VllmBackend(Backend):
             ids = self._tokenizer.encode(request.prompt)
         else:
             messages = list(request.messages)
-            ids = self._chat_ids(messages)
+            tools = _template_tools(request.tools)
+            ids = self._chat_ids(messages, tools)
             while len(ids) + min(request.params.max_tokens, 64) > budget and _drop_oldest(messages):
-                ids = self._chat_ids(messages)
+                ids = self._chat_ids(messages, tools)
         if len(ids) >= budget:
             raise BackendError(
                 "prompt_too_long",
                 f"the prompt has {len(ids)} tokens; the model's context is {self.max_model_len}",
             )
+        params = request.params
+        if request.tools is not None and request.tools.choice == "auto":
+            # Some models' call markers are special tokens: the parser must see them.
+            params = msgspec.structs.replace(params, skip_special_tokens=False)
         resume = request.resume
         if resume is None:
-            return Prepared(request.engine_request_id, list(ids), request.params)
+            return Prepared(request.engine_request_id, list(ids), params)
         if request.params.structured is not None and resume.completion_tokens:
             # vLLM's grammar starts at the reply's first token: it cannot be advanced over
             # the tokens already streamed, so a continuation could break the structure.
@@ -99,13 +108,16 @@ class VllmBackend(Backend):
         return Prepared(
             request.engine_request_id,
             [*ids, *resume.token_ids],
-            msgspec.structs.replace(request.params, max_tokens=left),
+            msgspec.structs.replace(params, max_tokens=left),
             resumed_tokens=resume.completion_tokens,
         )
 
-    def _chat_ids(self, messages: list[ChatMessage]) -> list[int]:
+    def _chat_ids(
+        self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None
+    ) -> list[int]:
         text = self._tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in messages],
+            [_template_message(m) for m in messages],
+            tools=tools,
             tokenize=False,
             add_generation_prompt=True,
         )
@@ -146,16 +158,24 @@ class VllmBackend(Backend):
         )
         prompt = {"prompt_token_ids": prepared.prompt_token_ids}
         top = params.top_logprobs
-        async for output in self._engine.generate(prompt, sampling, prepared.generation_id):
-            completion = output.outputs[0]
-            delta = Delta(
-                completion.text,
-                list(completion.token_ids),
-                finish_reason=completion.finish_reason if output.finished else None,
-            )
-            if completion.logprobs is not None:
-                _add_logprobs(delta, completion.logprobs, top)
-            yield delta
+        outputs = self._engine.generate(prompt, sampling, prepared.generation_id)
+        try:
+            async for output in outputs:
+                completion = output.outputs[0]
+                delta = Delta(
+                    completion.text,
+                    list(completion.token_ids),
+                    finish_reason=completion.finish_reason if output.finished else None,
+                )
+                if completion.logprobs is not None:
+                    _add_logprobs(delta, completion.logprobs, top)
+                yield delta
+        except ValueError as exc:  # vLLM's validation errors (VLLMValidationError among them)
+            if params.structured is None:
+                raise
+            # A grammar or schema its structured-output backend cannot compile: the
+            # client's to fix (the gateway checks what it can without the model).
+            raise BackendError("invalid_constraint", f"the engine refused it: {exc}") from exc
 
     async def abort(self, generation_id: str) -> None:
         await self._engine.abort(generation_id)
@@ -201,3 +221,45 @@ def _add_logprobs(delta: Delta, steps: Any, top: int) -> None:
     delta.logprobs, delta.tokens = logprobs, texts
     if top:
         delta.top_logprobs = tops
+
+
+def _template_tools(tools: Tools | None) -> list[dict[str, Any]] | None:
+    """The functions as chat templates take them (none for ``tool_choice: none``)."""
+    if tools is None or tools.choice == "none":
+        return None
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": spec.name,
+                "description": spec.description,
+                "parameters": spec.parameters,
+            },
+        }
+        for spec in tools.specs
+    ]
+
+
+def _template_message(message: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates take it: calls with their arguments as objects, as
+    vLLM's own server hands them to the template."""
+    entry: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        entry["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": _arguments(call.arguments)},
+            }
+            for call in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        entry["tool_call_id"] = message.tool_call_id
+    return entry
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text  # as the model wrote it

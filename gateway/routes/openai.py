@@ -15,7 +15,7 @@ import msgspec
 from litestar import Response, Router, get, post
 from litestar.response import Stream
 
-from gateway import sse, structured
+from gateway import sse, structured, tools
 from gateway.auth import ApiKeys, require_api_key
 from gateway.choices import Choices, IndexedItem
 from gateway.errors import (
@@ -50,9 +50,13 @@ from gateway.routes.openai_schema import (
     CompletionRequest,
     ErrorDetail,
     ErrorOut,
+    FunctionCallOut,
     ModelCard,
     ModelList,
+    NamedToolChoice,
     TokenLogprob,
+    ToolCallChunk,
+    ToolCallOut,
     TopLogprobOut,
     UsageOut,
     _Sampling,
@@ -68,6 +72,10 @@ from wire import (
     SamplingParams,
     Started,
     Token,
+    ToolCall,
+    ToolCallDelta,
+    Tools,
+    ToolSpec,
     Usage,
 )
 
@@ -77,6 +85,7 @@ ROLES: dict[str, Role] = {
     "developer": "system",
     "user": "user",
     "assistant": "assistant",
+    "tool": "tool",
 }
 ERROR_TYPES = {401: "invalid_request_error", 429: "rate_limit_error"}
 VLLM_FIELDS = (
@@ -163,19 +172,53 @@ def _chat_messages(body: ChatCompletionRequest, max_messages: int) -> list[ChatM
             if any(part.type != "text" or part.text is None for part in content):
                 raise _refuse(f"messages[{index}].content", "only text content is supported")
             content = "".join(part.text or "" for part in content)
-        messages.append(ChatMessage(role, content or ""))
+        if role == "tool" and not message.tool_call_id:
+            raise BadRequest(
+                "a tool message needs the tool_call_id it answers",
+                field=f"messages[{index}].tool_call_id",
+            )
+        calls = [
+            ToolCall(call.id, call.function.name, call.function.arguments)
+            for call in message.tool_calls or ()
+        ]
+        if calls and role != "assistant":
+            raise BadRequest(
+                "only assistant messages carry tool_calls", field=f"messages[{index}].tool_calls"
+            )
+        messages.append(ChatMessage(role, content or "", calls, message.tool_call_id))
     return messages
 
 
-def _chat_params(store: SessionStore, body: ChatCompletionRequest) -> SamplingParams:
-    if body.tools:
-        raise _refuse("tools", "tools are not supported")
-    if body.tool_choice not in (None, "none"):
-        raise _refuse("tool_choice", "tool_choice is not supported")
+def _chat_tools(body: ChatCompletionRequest) -> Tools | None:
+    specs = [
+        ToolSpec(
+            tool.function.name, tool.function.description or "", tool.function.parameters or {}
+        )
+        for tool in body.tools or ()
+    ]
+    choice = body.tool_choice
+    if isinstance(choice, NamedToolChoice):
+        return tools.tools_of(specs, "named", choice.function.name, body.parallel_tool_calls)
+    return tools.tools_of(specs, choice, None, body.parallel_tool_calls)
+
+
+def _chat_params(
+    store: SessionStore, body: ChatCompletionRequest, functions: Tools | None
+) -> SamplingParams:
     if body.top_logprobs and not body.logprobs:
         raise BadRequest("top_logprobs needs logprobs: true", field="top_logprobs")
     max_tokens = body.max_completion_tokens or body.max_tokens
     shared = _sampling(body, max_tokens)
+    forced = tools.constraint(functions)
+    if forced is not None:
+        if shared["structured"] is not None:
+            raise BadRequest(
+                "a forced tool call (tool_choice required or named) and a structured output "
+                "cannot both constrain the reply",
+                code="invalid_tools",
+                field="tool_choice",
+            )
+        shared["structured"] = forced
     return store.queue.sampling(
         **shared, logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0
     )
@@ -358,7 +401,10 @@ class ChatChunks:
     def chunk(
         self, model: str, index: int, token: Token | None, finish: str | None
     ) -> ChatCompletionChunk:
-        delta = ChatDelta(content=token.text if token is not None else None)
+        delta = ChatDelta(content=token.visible if token is not None else None)
+        if token is not None and token.tool_calls:
+            delta.tool_calls = [_call_chunk(call) for call in token.tool_calls]
+            delta.content = delta.content or None
         if index not in self.sent_role:
             self.sent_role.add(index)
             delta.role, delta.content = "assistant", delta.content or ""
@@ -404,6 +450,24 @@ class CompletionChunks:
         return Completion(self.completion_id, "text_completion", self.created, model, [], usage)
 
 
+def _call_chunk(call: ToolCallDelta) -> ToolCallChunk:
+    function = FunctionCallOut(call.arguments, call.name)
+    if call.id is None:
+        return ToolCallChunk(call.index, function)
+    return ToolCallChunk(call.index, function, call.id, "function")
+
+
+def _assistant_message(whole: Collected) -> AssistantMessage:
+    """A reply's message: its content (null when it only called), and its calls."""
+    if not whole.tool_calls:
+        return AssistantMessage("assistant", whole.text)
+    calls = [
+        ToolCallOut(call.id, "function", FunctionCallOut(call.arguments, call.name))
+        for call in whole.tool_calls
+    ]
+    return AssistantMessage("assistant", whole.text or None, calls)
+
+
 def chat_completion_body(
     completion_id: str, created: int, model: str, wholes: list[Collected], want_logprobs: bool
 ) -> ChatCompletion:
@@ -411,7 +475,7 @@ def chat_completion_body(
     choices = [
         ChatChoice(
             index,
-            AssistantMessage("assistant", whole.text),
+            _assistant_message(whole),
             _chat_logprobs(whole.pieces) if want_logprobs else None,
             whole.final.finish_reason,
         )
@@ -469,11 +533,12 @@ async def chat_completions(
     data: ChatCompletionRequest,
 ) -> Response[ChatCompletion] | Stream:
     require_api_key(request, api_keys)
-    params = _chat_params(store, data)
+    functions = _chat_tools(data)
+    params = _chat_params(store, data, functions)
     messages = _chat_messages(data, settings.max_history_messages)
     n = _choices(data, settings)
     choices = await Choices.submit(
-        store, hub, settings, params, n, model=data.model, messages=messages
+        store, hub, settings, params, n, model=data.model, messages=messages, tools=functions
     )
     completion_id, created = f"chatcmpl-{choices.generation_id}", int(time.time())
     want_logprobs = bool(data.logprobs)

@@ -32,10 +32,44 @@ class ContentPart(msgspec.Struct):
     text: str | None = None
 
 
+class FunctionCallIn(msgspec.Struct):
+    name: str
+    arguments: str
+
+
+class ToolCallIn(msgspec.Struct):
+    id: str
+    function: FunctionCallIn
+    type: Literal["function"] = "function"
+
+
 class MessageIn(msgspec.Struct):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionIn(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolIn(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: FunctionIn
+
+
+class FunctionName(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -89,8 +123,9 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any | None = None
+    tools: Annotated[list[ToolIn], msgspec.Meta(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -134,9 +169,30 @@ class CompletionLogprobs(msgspec.Struct):
     text_offset: list[int]
 
 
-class AssistantMessage(msgspec.Struct):
+class FunctionCallOut(msgspec.Struct, omit_defaults=True):
+    arguments: str = ""
+    name: str | None = None
+
+
+class ToolCallOut(msgspec.Struct):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallOut
+
+
+class ToolCallChunk(msgspec.Struct, omit_defaults=True):
+    """A piece of a call in ``delta.tool_calls``: its first piece has the id and name."""
+
+    index: int
+    function: FunctionCallOut
+    id: str | None = None
+    type: Literal["function"] | None = None
+
+
+class AssistantMessage(msgspec.Struct, omit_defaults=True):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] = []
 
 
 class ChatChoice(msgspec.Struct):
@@ -158,6 +214,7 @@ class ChatCompletion(msgspec.Struct):
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallChunk] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):
