@@ -49,6 +49,7 @@ from wire import (
     GenerationRequest,
     Keys,
     Resumed,
+    Started,
     Token,
     WorkerInfo,
 )
@@ -247,6 +248,9 @@ class Worker:
     async def _run_job(self, job: Job) -> None:
         gid = job.generation_id
         try:
+            if job.request.task != "generate":
+                await self._run_tokenizer_task(job)
+                return
             try:
                 began = time.monotonic()
                 prepared = await self.backend.prepare(job.request)
@@ -337,6 +341,31 @@ class Worker:
                     return
                 await self._finish(job, Done(gid, self._finish_reason(job, delta), job.usage()))
                 return
+
+    async def _run_tokenizer_task(self, job: Job) -> None:
+        """``/tokenize`` and ``/detokenize``: the model's tokenizer lives here, with vLLM,
+        so they go the way a generation goes and come back as its events."""
+        request, gid, model = job.request, job.generation_id, self.backend.model
+        try:
+            if request.task == "tokenize":
+                ids = (await self.backend.prepare(request)).prompt_token_ids
+                job.prompt_tokens = len(ids)
+                claim, text = Started(gid, model, len(ids), list(ids)), None
+            else:
+                text = self.backend.detokenize(request.token_ids)
+                job.prompt_tokens = len(request.token_ids)
+                claim = Started(gid, model, job.prompt_tokens)
+        except BackendError as exc:
+            await self._finish(job, Error(gid, exc.code, exc.message))
+            return
+        if await self._emit(job, claim) is None:
+            job.ended = True
+            return
+        job.claimed = True
+        if text is not None:
+            job.events = self.publisher.emit(job.target, Token(gid, text, 0), job.events + 1)
+        ended = "tokenized" if request.task == "tokenize" else "detokenized"
+        await self._finish(job, Done(gid, ended, job.usage()))
 
     def _tool_call_writer(self, job: Job) -> ToolCallWriter | None:
         tools = job.request.tools

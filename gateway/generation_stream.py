@@ -35,6 +35,7 @@ from wire import (
     FinalEvent,
     SamplingParams,
     Started,
+    Task,
     Token,
     ToolCall,
     ToolCallDelta,
@@ -106,6 +107,8 @@ class Collected(msgspec.Struct):
     final: Done
     tool_calls: list[ToolCall] = []
     """The calls the reply made (``text`` is then its content only)."""
+    prompt_token_ids: list[int] | None = None
+    """The prompt's tokens, when the request only tokenized (``Started.prompt_token_ids``)."""
 
 
 ENGINE_ERROR_STATUS = {
@@ -113,6 +116,8 @@ ENGINE_ERROR_STATUS = {
     "auto_tool_choice_unsupported": 422,
     "unsupported_constraint": 422,
     "invalid_constraint": 422,
+    "unsupported_task": 422,
+    "invalid_tokens": 422,
 }
 """Engine error codes that are the client's fault; every other one is a 503."""
 
@@ -159,6 +164,8 @@ class GenerationStream:
         messages: list[ChatMessage] | None = None,
         prompt: str | None = None,
         tools: Tools | None = None,
+        task: Task = "generate",
+        token_ids: list[int] | None = None,
     ) -> GenerationStream:
         """Queue it for ``model`` (a name or alias; None: the default model).
 
@@ -175,6 +182,8 @@ class GenerationStream:
                 prompt=prompt,
                 session_id=session_id,
                 tools=tools,
+                task=task,
+                token_ids=token_ids,
             )
         except BaseException:
             await feed_open.aclose()
@@ -219,13 +228,14 @@ class GenerationStream:
 
     async def collect(self) -> Collected:
         """Wait for the whole generation; raise the adapter's error if it did not finish."""
-        model, prompt_tokens, text = "", 0, []
+        model, prompt_tokens, text, prompt_ids = "", 0, [], None
         pieces: list[TokenPiece] = []
         calls: dict[int, ToolCall] = {}
         try:
             async for item in self.events():
                 if isinstance(item, Started):
                     model, prompt_tokens = item.model, item.prompt_tokens
+                    prompt_ids = item.prompt_token_ids
                 elif isinstance(item, Token):
                     text.append(item.visible)
                     pieces.extend(per_token(item))
@@ -234,7 +244,7 @@ class GenerationStream:
                 elif isinstance(item, Done):
                     whole = "".join(text)
                     made = [calls[index] for index in sorted(calls)]
-                    return Collected(model, prompt_tokens, whole, pieces, item, made)
+                    return Collected(model, prompt_tokens, whole, pieces, item, made, prompt_ids)
                 elif isinstance(item, Cancelled | Error):
                     raise final_error(item)
         finally:

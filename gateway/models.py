@@ -93,6 +93,15 @@ class ModelDirectory:
     async def live_workers(self) -> list[WorkerInfo]:
         return (await self.snapshot(fresh=True)).workers
 
+    async def max_model_len(self, model: str) -> int | None:
+        """The context of ``model``'s live workers (the smallest, should they differ)."""
+        lengths = [
+            worker.max_model_len
+            for worker in (await self.snapshot()).workers
+            if worker.model == model and worker.max_model_len is not None
+        ]
+        return min(lengths) if lengths else None
+
     async def resolve(self, name: str | None) -> str:
         """The model that serves ``name`` (None: the default model); raises as described
         in the module's docstring."""

@@ -34,6 +34,7 @@ from wire import (
     GenerationRequest,
     Keys,
     SamplingParams,
+    Task,
     Tools,
     scripts,
 )
@@ -187,6 +188,8 @@ class SessionStore:
         prompt: str | None = None,
         session_id: str | None = None,
         tools: Tools | None = None,
+        task: Task = "generate",
+        token_ids: list[int] | None = None,
     ) -> Submitted:
         """Queue one generation in a throwaway session (the OpenAI/TGI/OIP adapters) for
         ``model`` (a name or alias; None: the default model), in two round trips: the
@@ -199,8 +202,13 @@ class SessionStore:
             self._check_content(prompt)
         session_id, generation_id = session_id or new_id("s"), new_id("g")
         await self.queue.guard_capacity(queue)
-        request = self._request(
-            session_id, generation_id, params, messages or [], prompt, STATELESS_TTL_S, tools
+        request = msgspec.structs.replace(
+            self._request(
+                session_id, generation_id, params, messages or [], prompt, STATELESS_TTL_S
+            ),
+            tools=tools,
+            task=task,
+            token_ids=token_ids or [],
         )
         # One round trip: the session, its generation and the request. A fresh session
         # cannot refuse it, so the request goes in the same pipeline (not so on a cluster
@@ -296,7 +304,6 @@ class SessionStore:
         messages: list[ChatMessage],
         prompt: str | None,
         ttl_s: int,
-        tools: Tools | None = None,
     ) -> GenerationRequest:
         """What the engine gets: the conversation (or prompt) to continue, and how."""
         return GenerationRequest(
@@ -308,7 +315,6 @@ class SessionStore:
             enqueued_at=time.time(),
             session_ttl_s=ttl_s,
             events_maxlen=self.settings.events_maxlen,
-            tools=tools,
         )
 
     def _check_content(self, content: str, *, allow_empty: bool = False) -> None:

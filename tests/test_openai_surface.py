@@ -12,6 +12,7 @@ import re
 import time
 from typing import Any
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -295,3 +296,42 @@ async def test_closing_an_n_stream_stops_every_choice_in_the_engine(
         await engine.stops(time.monotonic(), "n=2 stream closed")
     finally:
         await client.close()
+
+
+async def test_tokenize_and_detokenize_answer_with_the_workers_tokenizer(
+    engine: EngineUnderTest,
+) -> None:
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    client = _client(engine)
+    try:
+        chat = await client.chat.completions.create(
+            model=engine.model, messages=messages, max_tokens=1, **engine.sampling
+        )
+    finally:
+        await client.close()
+    async with httpx.AsyncClient(timeout=120) as http:
+        tokenized = (
+            await http.post(
+                f"{engine.url}/tokenize", json={"model": engine.model, "messages": messages}
+            )
+        ).json()
+        # The same ids the engine saw: the chat template applied, counted as usage counts.
+        assert chat.usage is not None and tokenized["count"] == chat.usage.prompt_tokens
+        assert len(tokenized["tokens"]) == tokenized["count"]
+        plain = (
+            await http.post(
+                f"{engine.url}/tokenize", json={"model": engine.model, "prompt": "Hello world"}
+            )
+        ).json()
+        assert 0 < plain["count"] < tokenized["count"]
+        back = await http.post(
+            f"{engine.url}/detokenize", json={"model": engine.model, "tokens": plain["tokens"]}
+        )
+        if engine.backend == "vllm":
+            assert plain["max_model_len"] == 2048
+            assert back.status_code == 200 and back.json() == {"prompt": "Hello world"}
+        else:  # the synthetic engine's ids are hashes of words: nothing to decode them with
+            assert plain["max_model_len"] is None
+            assert back.status_code == 400 and back.json()["error"]["code"] == "unsupported_task"
+        bad = await http.post(f"{engine.url}/tokenize", json={"model": engine.model})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"

@@ -203,3 +203,28 @@ def test_a_client_pointed_at_the_base_url_streams_answers_whole_and_reads_info(
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     bad = httpx.post(f"{gateway.url}/", json={"inputs": ""})
     assert bad.status_code == 422 and bad.json()["error_type"] == "validation"
+
+
+def test_top_n_tokens_give_each_tokens_alternatives_stream_and_whole(stack: Stack) -> None:
+    stack.synthetic(tokens_per_s=200)
+    gateway = stack.gateway()
+    client = InferenceClient(gateway.url)
+    expected = synthetic_tokens("alternatives", 4)
+    events = list(
+        client.text_generation(
+            "alternatives", max_new_tokens=4, stream=True, details=True, top_n_tokens=3
+        )
+    )
+    assert [len(e.top_tokens or []) for e in events] == [3, 3, 3, 3]
+    # The sampled token first (the synthetic engine's own is its most likely), each less
+    # likely than the one before.
+    assert [e.top_tokens[0].id for e in events] == [t.id for t in expected]  # type: ignore[index]
+    for event in events:
+        logprobs = [top.logprob for top in event.top_tokens or []]
+        assert logprobs == sorted(logprobs, reverse=True)
+    whole = client.text_generation("alternatives", max_new_tokens=4, details=True, top_n_tokens=2)
+    assert whole.details is not None
+    assert [len(tops) for tops in whole.details.top_tokens or []] == [2, 2, 2, 2]
+    assert [t.logprob for t in whole.details.tokens] == [t.logprob for t in expected]
+    plain = client.text_generation("alternatives", max_new_tokens=2, details=True)
+    assert plain.details is not None and not plain.details.top_tokens

@@ -23,6 +23,7 @@ T = TypeVar("T")
 
 Role = Literal["system", "user", "assistant", "tool"]
 ToolChoiceMode = Literal["none", "auto", "required", "named"]
+Task = Literal["generate", "tokenize", "detokenize"]
 GenerationState = Literal["queued", "running", "done", "cancelled", "error"]
 CancelReason = Literal["user", "abandoned", "disconnected", "shutdown"]
 TERMINAL_EVENTS = frozenset({"done", "cancelled", "error"})
@@ -147,6 +148,12 @@ class GenerationRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     tools: Tools | None = None
     """Functions the model may call (chat only): the template renders them, the worker
     turns what the model writes into ``Token.tool_calls`` (engine/tools.py)."""
+    task: Task = "generate"
+    """``tokenize``: the worker answers ``started`` with the prompt's token ids (chat
+    template applied to ``messages``) and ends ``done`` with ``tokenized``, generating
+    nothing; ``detokenize``: one ``token`` event with the text of ``token_ids``."""
+    token_ids: list[int] = []
+    """What ``detokenize`` turns into text."""
 
     @property
     def engine_request_id(self) -> str:
@@ -214,10 +221,12 @@ class Queued(msgspec.Struct, frozen=True, tag="queued"):
     generation_id: str
 
 
-class Started(msgspec.Struct, frozen=True, tag="started"):
+class Started(msgspec.Struct, frozen=True, tag="started", omit_defaults=True):
     generation_id: str
     model: str
     prompt_tokens: int
+    prompt_token_ids: list[int] | None = None
+    """The prompt's tokens, for a request that only tokenizes (``task``)."""
 
 
 class TopLogprob(msgspec.Struct, frozen=True, array_like=True):

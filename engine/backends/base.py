@@ -83,6 +83,10 @@ class Backend(abc.ABC):
             )
         return VllmToolParser(self.tool_call_parser, self.tokenizer(), tools)
 
+    def detokenize(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids``, as the model's tokenizer decodes them."""
+        raise BackendError("unsupported_task", f"the {self.name} engine cannot detokenize")
+
     async def start(self) -> None:  # noqa: B027 - optional hook
         """Load the model; called once before the first request."""
 

@@ -61,6 +61,12 @@ class VllmBackend(Backend):
     def tokenizer(self) -> Any:
         return self._tokenizer
 
+    def detokenize(self, token_ids: list[int]) -> str:
+        vocab = self._tokenizer.vocab_size
+        if any(not 0 <= token < max(vocab, len(self._tokenizer)) for token in token_ids):
+            raise BackendError("invalid_tokens", f"token ids must be in 0..{vocab - 1}")
+        return str(self._tokenizer.decode(token_ids))
+
     async def stop(self) -> None:
         if self._engine is not None:
             self._engine.shutdown()

@@ -10,6 +10,7 @@ from gateway.routes.oip import oip_router
 from gateway.routes.openai import openai_router
 from gateway.routes.sessions import SessionController
 from gateway.routes.tgi import tgi_router
+from gateway.routes.tokenize import tokenize_router
 from gateway.routes.ws import ws_endpoint
 
 ROUTES: list[ControllerRouterHandler] = [
@@ -21,4 +22,5 @@ ROUTES: list[ControllerRouterHandler] = [
     openai_router,
     tgi_router,
     oip_router,
+    tokenize_router,
 ]

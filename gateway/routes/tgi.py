@@ -62,7 +62,7 @@ class Parameters(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     best_of: int | None = None
     watermark: bool = False
     grammar: Any | None = None
-    top_n_tokens: int | None = None
+    top_n_tokens: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
     truncate: int | None = None
     typical_p: float | None = None
     adapter_id: str | None = None
@@ -93,15 +93,18 @@ class StreamEvent(msgspec.Struct):
     token: TokenOut
     generated_text: str | None
     details: StreamDetails | None
-    top_tokens: None = None
+    top_tokens: list[TokenOut] | None = None
+    """With ``top_n_tokens``: the most likely tokens at this position."""
 
 
-class Details(msgspec.Struct):
+class Details(msgspec.Struct, omit_defaults=True):
     finish_reason: str
     generated_tokens: int
     seed: int | None
     prefill: list[TokenOut]
     tokens: list[TokenOut]
+    top_tokens: list[list[TokenOut]] = []
+    """With ``top_n_tokens``: per token, the most likely tokens at its position."""
 
 
 class Generated(msgspec.Struct, omit_defaults=True):
@@ -138,7 +141,6 @@ UNSUPPORTED: dict[str, object] = {
     "best_of": 1,
     "watermark": False,
     "grammar": None,
-    "top_n_tokens": 0,
     "truncate": None,
     "typical_p": None,
     "adapter_id": None,
@@ -176,6 +178,7 @@ def _params(store: SessionStore, given: Parameters) -> SamplingParams:
         frequency_penalty=given.frequency_penalty,
         repetition_penalty=given.repetition_penalty,
         logprobs=True,
+        top_logprobs=given.top_n_tokens,
     )
 
 
@@ -190,6 +193,12 @@ def _token(piece: TokenPiece) -> TokenOut:
     if piece.logprob is None:
         raise BadEngineOutput("logprobs were requested from the engine but it sent none")
     return TokenOut(piece.id, piece.text, piece.logprob, special=False)
+
+
+def _top_tokens(piece: TokenPiece) -> list[TokenOut] | None:
+    if piece.top is None:
+        return None
+    return [TokenOut(top.id, top.token, top.logprob, special=False) for top in piece.top]
 
 
 async def _start(
@@ -213,12 +222,16 @@ def _generated(whole: Collected, data: GenerateRequest) -> Generated:
     if not data.parameters.details:
         return Generated(prefix + whole.text)
     tokens = [_token(piece) for piece in whole.pieces]
+    tops = (
+        [_top_tokens(piece) or [] for piece in whole.pieces] if data.parameters.top_n_tokens else []
+    )
     details = Details(
         _finish_reason(whole.final.finish_reason, data.parameters.stop),
         whole.final.usage.completion_tokens,
         data.parameters.seed,
         [],
         tokens,
+        tops,
     )
     return Generated(prefix + whole.text, details)
 
@@ -238,7 +251,7 @@ async def _events(
             for piece in per_token(item):
                 if held is not None:
                     index += 1
-                    yield _frame(StreamEvent(index, _token(held), None, None))
+                    yield _frame(StreamEvent(index, _token(held), None, None, _top_tokens(held)))
                 held = piece
         elif isinstance(item, Done) and held is not None:
             details = StreamDetails(
@@ -247,12 +260,13 @@ async def _events(
                 input_length,
                 data.parameters.seed,
             )
-            yield _frame(StreamEvent(index + 1, _token(held), "".join(text), details))
+            last = StreamEvent(index + 1, _token(held), "".join(text), details, _top_tokens(held))
+            yield _frame(last)
         elif isinstance(item, Done):
             yield _frame(TgiError("the engine produced no tokens", "incomplete_generation"))
         else:
             if held is not None:  # what the engine made before it failed still counts
-                yield _frame(StreamEvent(index + 1, _token(held), None, None))
+                yield _frame(StreamEvent(index + 1, _token(held), None, None, _top_tokens(held)))
             yield _frame(TgiError(final_error(item).message, "generation"))
 
 
