@@ -112,9 +112,7 @@ async def detokenize(
     data: DetokenizeRequest,
 ) -> DetokenizeResponse:
     require_api_key(request, api_keys)
-    whole = await _ask_worker(
-        store, hub, settings, data.model, "detokenize", token_ids=data.tokens
-    )
+    whole = await _ask_worker(store, hub, settings, data.model, "detokenize", token_ids=data.tokens)
     return DetokenizeResponse(whole.text)
 
 
