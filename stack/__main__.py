@@ -77,8 +77,12 @@ def main() -> None:
         env = {"REDIS_URL": url}
         began = time.monotonic()
         say(f"starting the engine worker ({args.backend}, model {args.model})")
+        # hermes: tool_choice auto works with the bundled model, as with
+        # `vllm serve --enable-auto-tool-choice --tool-call-parser hermes`.
+        tools = ["--tool-call-parser", "hermes"]
         engine = processes.engine(
-            ["--backend", args.backend, "--model", args.model, "--drain-s", str(DRAIN_S)], env
+            ["--backend", args.backend, "--model", args.model, *tools, "--drain-s", str(DRAIN_S)],
+            env,
         )
         children.append(engine)
         for extra in args.add_engine:

@@ -78,7 +78,11 @@ async def _ask_worker(
     return await stream.collect()
 
 
-@post("/tokenize", summary="vLLM's tokenize: a prompt or messages as the model's token ids")
+@post(
+    "/tokenize",
+    status_code=200,
+    summary="vLLM's tokenize: a prompt or messages as the model's token ids",
+)
 async def tokenize(
     request: AnyRequest,
     store: SessionStore,
@@ -102,7 +106,7 @@ async def tokenize(
     return TokenizeResponse(len(ids), max_model_len, ids, None)
 
 
-@post("/detokenize", summary="vLLM's detokenize: token ids as the model's text")
+@post("/detokenize", status_code=200, summary="vLLM's detokenize: token ids as the model's text")
 async def detokenize(
     request: AnyRequest,
     store: SessionStore,
