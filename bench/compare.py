@@ -31,6 +31,7 @@ def spawn_gateway(root: Path, the_rig: Rig, logs: Path) -> tuple[subprocess.Pope
         "PYTHONPATH": str(root),
         "REDIS_URL": f"redis://{HOST}:{the_rig.redis_port}/0",
         "TOKENSPOUT_KEY_PREFIX": the_rig.prefix,
+        "TOKENSPOUT_GRPC_PORT": "0",  # the gateway's gRPC server: not measured here
         "TOKENSPOUT_LOG_LEVEL": "WARNING",
         "TOKENSPOUT_MAX_INFLIGHT": "24000",
         "TOKENSPOUT_SESSION_TTL_S": "600",

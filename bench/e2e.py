@@ -8,7 +8,9 @@ Three paths per point, interleaved, on one set of processes:
 - ``engine``: ``POST /v1/chat/completions`` (``stream: true``) on the reference engine;
 - ``openai``: the same request on the gateway (one request = one stateless session);
 - ``session``: the session API: ``POST /v1/sessions`` beforehand (not timed), the SSE stream
-  ``GET /v1/sessions/{id}/events`` opened, then ``POST /v1/sessions/{id}/messages`` (timed).
+  ``GET /v1/sessions/{id}/events`` opened, then ``POST /v1/sessions/{id}/messages`` (timed);
+- ``grpc``: the gateway's KServe v2 / Triton ``ModelStreamInfer``, one call per stream, all
+  on one channel (bench/grpc_stream.py).
 
 Streams: 100 tokens at 50 tokens/s each by default, N = 1, 10, 100, 500, 1,000 streams
 started over N / 1,000 s, and an unpaced saturation point (tokens as fast as the engine
@@ -35,17 +37,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import redis.asyncio as aioredis
 
 from bench import e2e_report, measure, profile_top
 from bench.e2e_stats import Run, added, describe, summarise
+from bench.grpc_stream import GrpcStream, open_grpc_stream, stream_request
 from bench.loadgen import HTTPPool, SSEStream, StreamRecord, open_chat_stream, open_sse
 from bench.rig import wait_worker
 from stack import processes
 from stack.redis_server import EmbeddedRedis, free_port
 
 HOST = "127.0.0.1"
-MODES = ("engine", "openai", "session")
+MODES = ("engine", "openai", "session", "grpc")
 GATEWAY_CPU, REST_CPU = 1, 0
 MAX_STREAMS = 12_000
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,6 +69,7 @@ class Rig:
     redis_pid: int
     redis: aioredis.Redis
     pinned: bool
+    grpc_channel: grpc.aio.Channel
     posts: HTTPPool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -110,8 +115,10 @@ async def e2e_rig(
             )
             children.append(worker)
             wait_worker(redis_url, prefix, worker)
-            gateway_port, engine_port = free_port(), free_port()
-            gateway = processes.gateway(gateway_port, env, logs / "gateway.log")
+            gateway_port, engine_port, grpc_port = free_port(), free_port(), free_port()
+            gateway = processes.gateway(
+                gateway_port, env, logs / "gateway.log", grpc_port=grpc_port
+            )
             children.append(gateway)
             engine = processes.spawn(
                 [
@@ -135,11 +142,23 @@ async def e2e_rig(
             processes.wait_http(f"http://{HOST}:{gateway_port}/health", gateway, 60)
             processes.wait_http(f"http://{HOST}:{engine_port}/health", engine, 60)
             client = aioredis.Redis.from_url(redis_url)
-            rig = Rig(gateway, worker, engine, gateway_port, engine_port, redis_pid, client, pinned)
+            channel = grpc.aio.insecure_channel(f"{HOST}:{grpc_port}")
+            rig = Rig(
+                gateway,
+                worker,
+                engine,
+                gateway_port,
+                engine_port,
+                redis_pid,
+                client,
+                pinned,
+                channel,
+            )
             try:
                 yield rig
             finally:
                 rig.posts.close()
+                await channel.close()
                 await client.aclose()
         finally:
             for child in reversed(children):
@@ -168,8 +187,10 @@ async def create_session(rig: Rig) -> tuple[str, str]:
 
 async def one_stream(
     rig: Rig, mode: str, max_tokens: int, record: StreamRecord, session: tuple[str, str] | None
-) -> SSEStream:
+) -> SSEStream | GrpcStream:
     """Open one stream of ``mode``; it is counted into ``record`` until its final frame."""
+    if mode == "grpc":
+        return open_grpc_stream(rig.grpc_channel, stream_request(max_tokens), record)
     if mode in ("engine", "openai"):
         port = rig.engine_port if mode == "engine" else rig.gateway_port
         return await open_chat_stream(HOST, port, chat_body(max_tokens), record)
@@ -201,7 +222,7 @@ async def run_once(
     if mode == "session":
         sessions = list(await asyncio.gather(*(create_session(rig) for _ in range(streams_n))))
     records = [StreamRecord() for _ in range(streams_n)]
-    readers: list[SSEStream] = []
+    readers: list[SSEStream | GrpcStream] = []
     failures: list[str] = []
     pids = rig.pids()
     await measure.reset_command_stats(rig.redis)

@@ -5,7 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-PATHS = {"openai": "OpenAI `POST /v1/chat/completions`", "session": "session API (POST + SSE)"}
+PATHS = {
+    "openai": "OpenAI `POST /v1/chat/completions`",
+    "session": "session API (POST + SSE)",
+    "grpc": "gRPC `ModelStreamInfer` (KServe v2 / Triton)",
+}
 TARGETS = "issue 12 (lean token path)"
 
 
@@ -222,7 +226,7 @@ def plot(results: dict[str, Any], out: Path) -> None:
     streams = [p["streams"] for p in points]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     ttft, ratio, cpu = axes
-    for mode, style in (("openai", "o-"), ("session", "s--")):
+    for mode, style in (("openai", "o-"), ("session", "s--"), ("grpc", "^:")):
         if mode not in points[0]["added"]:
             continue
         rows = [p["added"][mode] for p in points]

@@ -94,6 +94,7 @@ async def rig(tokens_per_s: float, logs: Path, server: str = "uvicorn") -> Async
         env = {
             "REDIS_URL": embedded.url,
             "TOKENSPOUT_KEY_PREFIX": prefix,
+            "TOKENSPOUT_GRPC_PORT": "0",  # the gateway's gRPC server: not measured here
             "TOKENSPOUT_LOG_LEVEL": "WARNING",
             "TOKENSPOUT_MAX_INFLIGHT": str(MAX_STREAMS * 2),
             "TOKENSPOUT_SESSION_TTL_S": "600",

@@ -1,5 +1,6 @@
-# The gateway: Litestar + Redis client only. No torch, no vllm (the project's base
-# dependencies; the engine extras are never installed here).
+# The gateway: Litestar, the Redis client, grpcio and tritonclient (Triton's gRPC stubs).
+# No torch, no vllm (the project's base dependencies; the engine extras are never
+# installed here).
 FROM python:3.11-slim-bookworm
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -25,7 +26,7 @@ RUN pip install --no-deps . \
     && rm -rf build ./*.egg-info
 
 USER tokenspout
-EXPOSE 8000
+EXPOSE 8000 8001
 STOPSIGNAL SIGTERM
 HEALTHCHECK --interval=10s --timeout=3s --retries=3 \
     CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2)"]

@@ -1,9 +1,10 @@
-"""``python -m gateway --host H --port P``: serve the gateway (configuration from the env).
+"""``python -m gateway --host H --port P [--grpc-port G]``: serve the gateway (configuration
+from the env), and its gRPC inference service on the same host (gateway/grpc/).
 
 SIGTERM drains: the listening socket closes, idle event streams end at once, streams with a
 generation in flight end right after its final event, and whatever is still open after
 ``TOKENSPOUT_SHUTDOWN_GRACE_S`` is cut (clients resume on another replica with
-``Last-Event-ID``).
+``Last-Event-ID``); the gRPC server takes no new RPC and gives running ones as long.
 """
 
 from __future__ import annotations
@@ -14,13 +15,17 @@ import logging
 import socket
 import sys
 from types import FrameType
+from typing import TYPE_CHECKING
 
+import msgspec
 import uvicorn
 
-from gateway.relay import RelayHub
 from gateway.settings import Settings
 from wire.logs import configure_logging
 from wire.runtime import tune_gc
+
+if TYPE_CHECKING:
+    from gateway.app import Services
 
 log = logging.getLogger("tokenspout.gateway")
 
@@ -35,11 +40,12 @@ def ws_max_size(settings: Settings) -> int:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server, telling the relay hub when a shutdown signal arrives."""
+    """uvicorn's server, telling the relay hub and the gRPC server when a shutdown signal
+    arrives."""
 
-    def __init__(self, config: uvicorn.Config, hub: RelayHub) -> None:
+    def __init__(self, config: uvicorn.Config, services: Services) -> None:
         super().__init__(config)
-        self.hub = hub
+        self.services = services
         self.loop: asyncio.AbstractEventLoop | None = None
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
@@ -48,8 +54,9 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self.should_exit and self.loop is not None:
-            log.info("draining", extra={"signal": sig, "open_streams": self.hub.open_feeds})
-            self.loop.call_soon_threadsafe(self.hub.begin_drain)
+            open_streams = self.services.hub.open_feeds
+            log.info("draining", extra={"signal": sig, "open_streams": open_streams})
+            self.loop.call_soon_threadsafe(self.services.begin_drain)
         super().handle_exit(sig, frame)
 
 
@@ -57,6 +64,13 @@ def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m gateway", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--grpc-port",
+        type=int,
+        default=None,
+        help="port of the gRPC inference service on --host (default: TOKENSPOUT_GRPC_PORT, "
+        "8001); 0: none",
+    )
     return parser
 
 
@@ -66,9 +80,11 @@ def main(argv: list[str] | None = None) -> None:
     from gateway.auth import ConfigError
 
     settings = Settings.from_env()
+    if args.grpc_port is not None:
+        settings = msgspec.structs.replace(settings, grpc_port=args.grpc_port)
     configure_logging(settings.log_level, "gateway")
     try:
-        app, services = create_asgi_app(settings)
+        app, services = create_asgi_app(settings, grpc_host=args.host)
     except ConfigError as exc:
         sys.exit(f"tokenspout gateway: cannot start: {exc}")
     config = uvicorn.Config(
@@ -82,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
         ws_max_size=ws_max_size(settings),
     )
     tune_gc()
-    DrainingServer(config, services.hub).run()
+    DrainingServer(config, services).run()
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ from redis.exceptions import RedisError
 from gateway import __version__
 from gateway.auth import ApiKeys
 from gateway.errors import HANDLED, AnyRequest, ErrorEnvelope, as_gateway_error
+from gateway.grpc.server import GrpcServer
+from gateway.grpc.service import InferenceService
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestMetrics
 from gateway.relay import RelayHub
@@ -54,7 +56,7 @@ REDIS_POOL_SIZE = 64
 class Services:
     """What the lifespan opens; handed to handlers through dependency injection."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, grpc_host: str = "127.0.0.1") -> None:
         self.settings = settings
         # Read once, here: a missing key file stops the start (ConfigError), not each request.
         self.api_keys = ApiKeys.from_settings(settings)
@@ -82,6 +84,22 @@ class Services:
             max_takeovers=settings.max_takeovers,
             default_model=settings.default_model,
         )
+        self.grpc: GrpcServer | None = None
+        if settings.grpc_port:
+            service = InferenceService(self.store, self.hub, settings, self.api_keys)
+            self.grpc = GrpcServer(
+                service,
+                grpc_host,
+                settings.grpc_port,
+                max_message_bytes=settings.max_body_bytes,
+                grace_s=settings.shutdown_grace_s,
+            )
+
+    def begin_drain(self) -> None:
+        """The shutdown signal came: streams end as their generations do, no new RPC."""
+        self.hub.begin_drain()
+        if self.grpc is not None:
+            self.grpc.begin_drain()
 
     def dependencies(self) -> dict[str, Provide]:
         """The services by name, for handlers to ask for.
@@ -113,6 +131,8 @@ class Services:
     async def lifespan(self, _: Litestar) -> AsyncIterator[None]:
         await ready(self.redis)
         await self.hub.start()
+        if self.grpc is not None:
+            await self.grpc.start()
         tasks = [
             asyncio.create_task(
                 refresh_watches(self.store, self.hub, self.settings.abandon_grace_s / 3)
@@ -122,6 +142,8 @@ class Services:
         try:
             yield
         finally:
+            if self.grpc is not None:
+                await self.grpc.stop()  # its streams end, their generations closed, first
             for task in tasks:
                 task.cancel()
             stop = asyncio.create_task(self.hub.stop(), name="relay hub stop")
@@ -163,7 +185,10 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
     )
 
 
-def create_asgi_app(settings: Settings) -> tuple[RequestMetrics, Services]:
-    """What ``python -m gateway`` serves: the app inside its request-metrics layer."""
-    services = Services(settings)
+def create_asgi_app(
+    settings: Settings, grpc_host: str = "127.0.0.1"
+) -> tuple[RequestMetrics, Services]:
+    """What ``python -m gateway`` serves: the app inside its request-metrics layer (and the
+    gRPC server on ``grpc_host``, the HTTP server's host, started by its lifespan)."""
+    services = Services(settings, grpc_host)
     return RequestMetrics(create_app(settings, services), services.metrics), services

@@ -1,7 +1,7 @@
 """The gateway's errors, the one table that maps them to HTTP and WebSocket, and the one
 translation of every other error a request can end with (``as_gateway_error``).
 
-GatewayError
+GatewayError               HTTP status (WebSocket close code); gRPC status in ``grpc_code``
  ├── ProtocolViolation     400  a WebSocket client broke the protocol past a limit (4400)
  ├── BadRequest            422  a field is wrong (names the field)
  ├── PayloadTooLarge       413  body or message over its limit
@@ -19,7 +19,8 @@ GatewayError
 
 Every error body is ``{"error": {"code": ..., "message": ..., "field": ...}}``; the
 OpenAI, TGI and OIP adapters spell the same ``GatewayError`` in their own clients' error
-formats (their ``*_error`` handlers in gateway/routes/), over ``as_gateway_error``; a
+formats (their ``*_error`` handlers in gateway/routes/; the gRPC server's status codes and
+``error_message``, gateway/grpc/status.py), over ``as_gateway_error``; a
 stream that fails after its headers ends in that format too (``ending_with_error``).
 """
 
@@ -55,6 +56,8 @@ class GatewayError(Exception):
     status: int = 500
     ws_close_code: int = 4500
     default_code: str = "internal_error"
+    grpc_code: str = "INTERNAL"
+    """The gRPC status (a ``grpc.StatusCode`` name) of the gRPC server (gateway/grpc/)."""
 
     def __init__(
         self,
@@ -83,65 +86,76 @@ class ProtocolViolation(GatewayError):
     status = 400
     ws_close_code = 4400
     default_code = "protocol_violation"
+    grpc_code = "INVALID_ARGUMENT"
 
 
 class BadRequest(GatewayError):
     status = 422
     ws_close_code = 4422
     default_code = "invalid_request"
+    grpc_code = "INVALID_ARGUMENT"
 
 
 class PayloadTooLarge(GatewayError):
     status = 413
     ws_close_code = 4413
     default_code = "too_large"
+    grpc_code = "RESOURCE_EXHAUSTED"
 
 
 class Unauthorized(GatewayError):
     status = 401
     ws_close_code = 4401
     default_code = "unauthorized"
+    grpc_code = "UNAUTHENTICATED"
 
 
 class Forbidden(GatewayError):
     status = 403
     ws_close_code = 4403
     default_code = "forbidden"
+    grpc_code = "PERMISSION_DENIED"
 
 
 class NotFound(GatewayError):
     status = 404
     ws_close_code = 4404
     default_code = "not_found"
+    grpc_code = "NOT_FOUND"
 
 
 class Conflict(GatewayError):
     status = 409
     ws_close_code = 4409
     default_code = "busy"
+    grpc_code = "ABORTED"
 
 
 class Overloaded(GatewayError):
     status = 429
     ws_close_code = 4429
     default_code = "overloaded"
+    grpc_code = "RESOURCE_EXHAUSTED"
 
 
 class BadEngineOutput(GatewayError):
     status = 502
     default_code = "bad_engine_output"
+    grpc_code = "INTERNAL"
 
 
 class Unavailable(GatewayError):
     status = 503
     ws_close_code = 4503
     default_code = "unavailable"
+    grpc_code = "UNAVAILABLE"
 
 
 class Gone(GatewayError):
     status = 410
     ws_close_code = 4410
     default_code = "gone"
+    grpc_code = "DATA_LOSS"
 
 
 class EventsExpired(Gone):

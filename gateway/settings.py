@@ -150,6 +150,15 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             "end before they are cut (clients resume elsewhere with Last-Event-ID).",
         ),
     ] = 30
+    grpc_port: Annotated[
+        int,
+        _D(
+            ge=0,
+            le=65_535,
+            description="Port of the KServe v2 / Triton gRPC inference service, on the HTTP "
+            "server's host (`python -m gateway --grpc-port` overrides it); 0: no gRPC server.",
+        ),
+    ] = 8001
     max_takeovers: Annotated[
         int,
         _D(

@@ -44,6 +44,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m stack", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
+    parser.add_argument(
+        "--grpc-port",
+        type=int,
+        default=int(os.environ.get("TOKENSPOUT_GRPC_PORT", "8001")),
+        help="the gateway's KServe v2 / Triton gRPC port; 0: none",
+    )
     parser.add_argument("--backend", choices=["vllm", "synthetic"], default="vllm")
     parser.add_argument("--model", default="default")
     parser.add_argument("--persist", type=Path, default=None, help="keep Redis data here")
@@ -88,10 +94,9 @@ def main() -> None:
         for extra in args.add_engine:
             say(f"starting another engine worker: {extra}")
             children.append(processes.engine([*shlex.split(extra), "--drain-s", str(DRAIN_S)], env))
-        say(f"starting the gateway on http://{args.host}:{args.port}")
-        gateway = processes.spawn(
-            ["-m", "gateway", "--host", args.host, "--port", str(args.port)], env
-        )
+        grpc = f" (gRPC on {args.host}:{args.grpc_port})" if args.grpc_port else ""
+        say(f"starting the gateway on http://{args.host}:{args.port}{grpc}")
+        gateway = processes.gateway(args.port, env, host=args.host, grpc_port=args.grpc_port)
         children.append(gateway)
         base = f"http://{args.host}:{args.port}"
         processes.wait_http(f"{base}/health", gateway, 60)

@@ -35,9 +35,17 @@ def spawn(
 
 
 def gateway(
-    port: int, env: dict[str, str], log_path: Path | None = None
+    port: int,
+    env: dict[str, str],
+    log_path: Path | None = None,
+    *,
+    host: str = "127.0.0.1",
+    grpc_port: int = 0,
 ) -> subprocess.Popen[bytes]:
-    return spawn(["-m", "gateway", "--host", "127.0.0.1", "--port", str(port)], env, log_path)
+    """``python -m gateway``; its gRPC server only with a ``grpc_port`` (the default 8001
+    would clash between the gateways of tests and benchmarks)."""
+    args = ["--host", host, "--port", str(port), "--grpc-port", str(grpc_port)]
+    return spawn(["-m", "gateway", *args], env, log_path)
 
 
 def engine(

@@ -72,7 +72,10 @@ def test_make_run_serves_and_ctrl_c_leaves_nothing_behind(tmp_path: Path) -> Non
     log = tmp_path / "stack.log"
     with log.open("wb") as out:
         stack = subprocess.Popen(
-            [sys.executable, "-m", "stack", "--backend", "synthetic", "--port", str(port)],
+            [
+                *(sys.executable, "-m", "stack", "--backend", "synthetic"),
+                *("--port", str(port), "--grpc-port", str(free_port())),
+            ],
             cwd=ROOT,
             env=env,
             stdout=out,

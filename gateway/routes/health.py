@@ -32,19 +32,21 @@ async def health() -> dict[str, str]:
 
 @get("/ready", tags=["operations"], summary="Redis reachable and an engine worker alive")
 async def ready(store: SessionStore) -> Response[Readiness]:
+    readiness = await check_readiness(store)
+    return Response(readiness, status_code=200 if readiness.ready else 503)
+
+
+async def check_readiness(store: SessionStore) -> Readiness:
+    """Redis answers and an engine worker is alive (``/ready``, gRPC ``ServerReady``)."""
     try:
         async with asyncio.timeout(READY_PING_S):
             await store.redis.ping()
     except TimeoutError:
-        why = f"Redis did not answer within {READY_PING_S:g} s"
-        return Response(Readiness(False, why, []), status_code=503)
+        return Readiness(False, f"Redis did not answer within {READY_PING_S:g} s", [])
     except (RedisError, OSError) as exc:
-        return Response(Readiness(False, f"Redis is unreachable: {exc}", []), status_code=503)
+        return Readiness(False, f"Redis is unreachable: {exc}", [])
     snapshot = await store.models.snapshot(fresh=True)
     models = dict.fromkeys(snapshot.models, 0)
     for model, workers in snapshot.live.items():
         models[model] = len(workers)
-    ready = bool(snapshot.workers)
-    return Response(
-        Readiness(ready, "ok", snapshot.workers, models), status_code=200 if ready else 503
-    )
+    return Readiness(bool(snapshot.workers), "ok", snapshot.workers, models)

@@ -70,7 +70,9 @@ def oip_error(_: AnyRequest, exc: Exception) -> Response[OipError]:
     return Response(OipError(error.message), status_code=error.status, headers=error.headers())
 
 
-def _params(store: SessionStore, given: Parameters) -> SamplingParams:
+def sampling_of(store: SessionStore, given: Parameters) -> SamplingParams:
+    """The generate extension's parameters (REST body or gRPC tensors) as sampling
+    parameters, with the gateway's defaults and limits."""
     return store.queue.sampling(
         max_tokens=given.max_tokens,
         temperature=given.temperature,
@@ -93,7 +95,7 @@ async def _start(
     require_api_key(request, api_keys)
     if not data.text_input.strip():
         raise BadRequest("`text_input` must not be empty", field="text_input")
-    params = _params(store, data.parameters)
+    params = sampling_of(store, data.parameters)
     return await GenerationStream.submit(
         store, hub, settings, params, model=model, prompt=data.text_input
     )

@@ -22,6 +22,14 @@ class Gateway:
     url: str
     process: subprocess.Popen[bytes]
     port: int
+    grpc_port: int = 0
+    """Its gRPC inference service's port; 0: started without one."""
+
+    @property
+    def grpc_url(self) -> str:
+        """``host:port``, as ``tritonclient.grpc`` takes it."""
+        assert self.grpc_port, "this gateway was started without its gRPC server"
+        return f"127.0.0.1:{self.grpc_port}"
 
 
 @dataclass
@@ -43,14 +51,17 @@ class Stack:
             **extra,
         }
 
-    def gateway(self, port: int | None = None, **env: str) -> Gateway:
+    def gateway(self, port: int | None = None, *, grpc: bool = False, **env: str) -> Gateway:
+        """A gateway process; ``grpc``: with its gRPC server, on a free port (listening by
+        the time ``/health`` answers: the app's lifespan starts it)."""
         port = port or free_port()
+        grpc_port = free_port() if grpc else 0
         log = self.logs / f"gateway-{port}.log"
-        process = processes.gateway(port, self.base_env(**env), log)
+        process = processes.gateway(port, self.base_env(**env), log, grpc_port=grpc_port)
         self.children.append(process)
         url = f"http://127.0.0.1:{port}"
         processes.wait_http(f"{url}/health", process, 60)
-        return Gateway(url, process, port)
+        return Gateway(url, process, port, grpc_port)
 
     def engine(self, *args: str, wait: bool = True, **env: str) -> subprocess.Popen[bytes]:
         worker_id = f"w-{secrets.token_hex(4)}"

@@ -1,0 +1,55 @@
+"""gateway/grpc/tensors.py against tritonclient's own request and result code, in one
+process: the gateway's messages are tritonclient's (Triton's generated stubs from its PyPI
+package), so what tritonclient sends is read as it is and what the gateway answers decodes
+with tritonclient's ``InferResult``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tritonclient.grpc as grpcclient
+from tritonclient.grpc import service_pb2
+from tritonclient.grpc._utils import _get_inference_request
+
+from gateway.grpc.protocol import pb
+from gateway.grpc.tensors import read_request, text_response
+from tests.support.triton import FINAL, llm_inputs, parameters, text_of
+
+
+def sent(inputs: list[Any], **params: Any) -> Any:
+    """The ``ModelInferRequest`` tritonclient's ``infer`` / ``async_stream_infer`` send."""
+    return _get_inference_request(
+        model_name="alpha",
+        inputs=inputs,
+        model_version="",
+        request_id="r-1",
+        outputs=None,
+        sequence_id=0,
+        sequence_start=False,
+        sequence_end=False,
+        priority=0,
+        timeout=None,
+        parameters=params or None,
+    )
+
+
+def test_the_gateway_and_tritonclient_share_one_set_of_messages() -> None:
+    assert pb is service_pb2
+    assert pb.ModelInferRequest is type(sent(llm_inputs("hi", 1)))
+
+
+def test_a_request_as_tritonclient_builds_it_is_read_and_answered() -> None:
+    inputs = llm_inputs("héllo", 5, temperature=(0.5, "FP32"), seed=(7, "UINT64"))
+    llm = read_request(sent(inputs, top_k=3, triton_enable_empty_final_response=True))
+    assert (llm.model, llm.id, llm.prompt, llm.empty_final) == ("alpha", "r-1", "héllo", True)
+    assert (llm.parameters.max_tokens, llm.parameters.temperature) == (5, 0.5)
+    assert (llm.parameters.seed, llm.parameters.top_k) == (7, 3)
+
+    token = grpcclient.InferResult(text_response(llm, llm.model, "wörld", final=False))
+    assert text_of(token) == "wörld" and parameters(token) == {FINAL: False}
+    final = grpcclient.InferResult(
+        text_response(llm, llm.model, None, final=True, finish_reason="length", completion_tokens=5)
+    )
+    assert text_of(final) is None
+    assert parameters(final) == {FINAL: True, "finish_reason": "length", "completion_tokens": 5}
+    assert final.get_response().id == "r-1"

@@ -1,0 +1,253 @@
+"""The KServe v2 / Triton gRPC inference service (gateway/grpc/) with the official client,
+``tritonclient.grpc``, against a real gateway, real Redis and the synthetic engine."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from tests.support.engines import STOP_WITHIN_S
+from tests.support.oracle import synthetic_text, synthetic_tokens
+from tests.support.redis_probes import only_generation, wait_final, workers_running
+from tests.support.stack import Stack
+from tests.support.triton import (
+    FINAL,
+    Responses,
+    llm_inputs,
+    parameters,
+    scalar,
+    text_input,
+    text_of,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def until_running(stack: Stack, count: int, within_s: float = STOP_WITHIN_S) -> float:
+    """Seconds until the workers' heartbeats report ``count`` running generations."""
+    began = time.monotonic()
+    while (running := workers_running(stack.redis_url, stack.prefix)) != count:
+        elapsed = time.monotonic() - began
+        assert elapsed < within_s, f"{running} generations still run after {elapsed:.1f} s"
+        time.sleep(0.05)
+    return time.monotonic() - began
+
+
+def test_two_models_stream_token_by_token_on_one_stream_and_end_with_a_final_response(
+    stack: Stack,
+) -> None:
+    stack.synthetic(200, "--served-model-name", "alpha")
+    stack.synthetic(200, "--served-model-name", "beta")
+    gateway = stack.gateway(grpc=True)
+    responses = Responses()
+    client = grpcclient.InferenceServerClient(gateway.grpc_url)
+    try:
+        client.start_stream(callback=responses)
+        for model, prompt, n in (("alpha", "first prompt", 6), ("beta", "second one", 4)):
+            client.async_stream_infer(model, llm_inputs(prompt, n), request_id=f"{model}-1")
+        # The client closes its side of the stream at once: both answers still come whole.
+        client.stop_stream()
+        answers = responses.answers(2)
+    finally:
+        client.close()
+    for model, prompt, n in (("alpha", "first prompt", 6), ("beta", "second one", 4)):
+        answer = answers[f"{model}-1"]
+        assert answer.tokens == [token.text for token in synthetic_tokens(prompt, n)]
+        assert {r.get_response().model_name for r in answer.responses} == {model}
+        assert [parameters(r)[FINAL] for r in answer.responses] == [False] * n + [True]
+        final = answer.responses[-1]
+        assert text_of(final) == ""  # no empty-final-response asked: a last, empty text
+        assert answer.final == {
+            FINAL: True,
+            "finish_reason": "length",
+            "prompt_tokens": answer.final["prompt_tokens"],
+            "completion_tokens": n,
+        }
+        assert answer.final["prompt_tokens"] > 0
+
+
+def test_grpc_tokens_equal_the_sse_streams_and_infer_returns_the_whole_text(
+    stack: Stack,
+) -> None:
+    stack.synthetic(200)
+    gateway = stack.gateway(grpc=True)
+    prompt, n = "the same request", 7
+    body = {"text_input": prompt, "parameters": {"max_tokens": n, "temperature": 0}}
+    with (
+        httpx.Client(timeout=30) as http,
+        http.stream("POST", f"{gateway.url}/v2/models/synthetic/generate_stream", json=body) as sse,
+    ):
+        events = [json.loads(line[5:]) for line in sse.iter_lines() if line.startswith("data:")]
+    sse_tokens = [event["text_output"] for event in events if "finish_reason" not in event]
+
+    responses = Responses()
+    client = grpcclient.InferenceServerClient(gateway.grpc_url)
+    try:
+        client.start_stream(callback=responses)
+        inputs = llm_inputs(prompt, n, temperature=(0.0, "FP32"))
+        client.async_stream_infer(
+            "synthetic", inputs, request_id="s", enable_empty_final_response=True
+        )
+        streamed = responses.answers(1)["s"]
+        # ``stream`` false on the stream: one response with the whole text.
+        whole_inputs = llm_inputs(prompt, n, stream=(False, "BOOL"))
+        client.async_stream_infer("synthetic", whole_inputs, request_id="w")
+        whole = responses.answers(1)["w"]
+        # Parameters instead of inputs (tritonclient sends no floats: text); unary infer.
+        result = client.infer(
+            "synthetic",
+            [text_input(prompt)],
+            request_id="u",
+            parameters={"max_tokens": n, "temperature": "0.5", "stop": "never"},
+        )
+    finally:
+        client.close()
+    assert streamed.tokens == sse_tokens and len(sse_tokens) == n
+    assert text_of(streamed.responses[-1]) is None  # the empty final response asked for
+    assert streamed.final["completion_tokens"] == n
+
+    assert len(whole.responses) == 1
+    assert text_of(whole.responses[0]) == synthetic_text(prompt, n)
+    assert whole.final[FINAL] is True and whole.final["finish_reason"] == "length"
+
+    assert result.get_response().id == "u"
+    assert text_of(result) == synthetic_text(prompt, n)
+    assert parameters(result)["finish_reason"] == "length"
+    assert parameters(result)["completion_tokens"] == n
+
+
+def test_cancelling_the_stream_stops_the_generation_in_the_engine(stack: Stack) -> None:
+    # A long abandon grace: only the cancelled RPC can have stopped the generation.
+    env = {"TOKENSPOUT_ABANDON_GRACE_S": "600"}
+    stack.synthetic(50, **env)
+    gateway = stack.gateway(grpc=True, **env)
+    responses = Responses()
+    client = grpcclient.InferenceServerClient(gateway.grpc_url)
+    try:
+        client.start_stream(callback=responses)
+        client.async_stream_infer("synthetic", llm_inputs("keep going [[stall:3]]", 500))
+        for _ in range(3):
+            result, error = responses.next()
+            assert error is None and result is not None and not parameters(result)[FINAL]
+        only_generation(stack.redis_url, stack.prefix)
+        until_running(stack, 1)
+        cancelled_at = time.monotonic()
+        client.stop_stream(cancel_requests=True)
+    finally:
+        client.close()
+    final = wait_final(stack.redis_url, stack.prefix)
+    assert final["type"] == "cancelled" and final["reason"] == "disconnected", final
+    assert final["usage"]["completion_tokens"] == 3
+    until_running(stack, 0, within_s=STOP_WITHIN_S - (time.monotonic() - cancelled_at))
+
+
+def test_an_infer_whose_deadline_passes_stops_its_generation(stack: Stack) -> None:
+    env = {"TOKENSPOUT_ABANDON_GRACE_S": "600"}
+    stack.synthetic(50, **env)
+    gateway = stack.gateway(grpc=True, **env)
+    client = grpcclient.InferenceServerClient(gateway.grpc_url)
+    try:
+        with pytest.raises(InferenceServerException) as timed_out:
+            client.infer("synthetic", llm_inputs("wait for me [[stall:2]]", 500), client_timeout=2)
+    finally:
+        client.close()
+    assert "DEADLINE_EXCEEDED" in str(timed_out.value.status())
+    final = wait_final(stack.redis_url, stack.prefix)
+    assert final["type"] == "cancelled" and final["reason"] == "disconnected", final
+    until_running(stack, 0)
+
+
+def test_bad_requests_get_clear_errors_and_the_stream_goes_on(stack: Stack) -> None:
+    stack.synthetic(200)
+    gateway = stack.gateway(grpc=True)
+    bad = [
+        ("synthetic", [scalar("max_tokens", 5, "INT32")], "`text_input` (BYTES) is required"),
+        ("synthetic", [scalar("text_input", 7, "INT32")], "`text_input` must be BYTES, not INT32"),
+        ("llama", llm_inputs("hi", 2), "the model 'llama' does not exist (served now: synthetic)"),
+        ("synthetic", llm_inputs("hi", 2, temperature=(-1.0, "FP32")), "temperature"),
+        ("synthetic", llm_inputs("hi", 2, beam_width=(4, "INT32")), "unknown input"),
+    ]
+    responses = Responses()
+    client = grpcclient.InferenceServerClient(gateway.grpc_url)
+    try:
+        client.start_stream(callback=responses)
+        for model, inputs, message in bad:
+            client.async_stream_infer(model, inputs, request_id="bad")
+            result, error = responses.next()
+            assert result is None and message in str(error), (message, error)
+        client.async_stream_infer("synthetic", llm_inputs("still here", 3), request_id="ok")
+        answer = responses.answers(1)["ok"]
+        assert "".join(answer.tokens) == synthetic_text("still here", 3)
+
+        statuses = {}
+        for model, inputs, message in bad:
+            with pytest.raises(InferenceServerException) as refused:
+                client.infer(model, inputs)
+            assert message in refused.value.message(), (message, refused.value)
+            statuses[message[:20]] = refused.value.status()
+        assert set(statuses.values()) == {"StatusCode.INVALID_ARGUMENT", "StatusCode.NOT_FOUND"}
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def test_health_and_model_metadata_come_from_the_gateway_and_the_workers_registry(
+    stack: Stack,
+) -> None:
+    gateway = stack.gateway(grpc=True)
+    client = grpcclient.InferenceServerClient(gateway.grpc_url)
+    try:
+        assert client.is_server_live() is True
+        assert client.is_server_ready() is False  # no engine worker yet
+        stack.synthetic(200, "--served-model-name", "alpha")
+        assert client.is_server_ready() is True
+        assert client.is_model_ready("alpha") is True
+        with pytest.raises(InferenceServerException) as unknown:
+            client.is_model_ready("llama")
+        assert unknown.value.status() == "StatusCode.NOT_FOUND"
+        assert "alpha" in unknown.value.message()
+
+        metadata = client.get_model_metadata("alpha", as_json=True)
+        assert metadata["name"] == "alpha" and metadata["platform"] == "tokenspout/synthetic"
+        inputs = {tensor["name"]: tensor["datatype"] for tensor in metadata["inputs"]}
+        assert inputs["text_input"] == "BYTES" and inputs["max_tokens"] == "INT32"
+        assert [(t["name"], t["datatype"]) for t in metadata["outputs"]] == [
+            ("text_output", "BYTES")
+        ]
+        server = client.get_server_metadata(as_json=True)
+        assert server["name"] == "tokenspout" and server["version"]
+        with pytest.raises(InferenceServerException) as unsupported:
+            client.get_model_config("alpha")
+        assert unsupported.value.status() == "StatusCode.UNIMPLEMENTED"
+    finally:
+        client.close()
+
+
+def test_with_api_keys_rpcs_without_the_key_are_unauthenticated(stack: Stack) -> None:
+    stack.synthetic(200)
+    gateway = stack.gateway(grpc=True, TOKENSPOUT_API_KEYS="grpc-key")
+    client = grpcclient.InferenceServerClient(gateway.grpc_url)
+    try:
+        assert client.is_server_live() is True  # like /health: open
+        for headers in (None, {"authorization": "Bearer wrong"}):
+            with pytest.raises(InferenceServerException) as refused:
+                client.infer("synthetic", llm_inputs("hi", 2), headers=headers)
+            assert refused.value.status() == "StatusCode.UNAUTHENTICATED"
+            assert "API key" in refused.value.message()
+            responses = Responses()
+            # Refused as it opens, before any request on it.
+            client.start_stream(callback=responses, headers=headers)
+            result, error = responses.next()
+            assert result is None and error.status() == "StatusCode.UNAUTHENTICATED", error
+            client.stop_stream()
+        keyed = {"authorization": "Bearer grpc-key"}
+        result = client.infer("synthetic", llm_inputs("hi", 2), headers=keyed)
+        assert text_of(result) == synthetic_text("hi", 2)
+        assert client.is_model_ready("synthetic", headers=keyed) is True
+    finally:
+        client.close()
