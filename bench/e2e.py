@@ -71,6 +71,8 @@ class Rig:
     pinned: bool
     grpc_channel: grpc.aio.Channel
     posts: HTTPPool = field(init=False)
+    top_logprobs: int | None = field(default=None, init=False)
+    """The OpenAI path's requests ask for logprobs with this many alternatives (--logprobs)."""
 
     def __post_init__(self) -> None:
         self.posts = HTTPPool(HOST, self.gateway_port)
@@ -165,16 +167,17 @@ async def e2e_rig(
                 processes.stop(child)
 
 
-def chat_body(max_tokens: int) -> bytes:
-    return json.dumps(
-        {
-            "model": "synthetic",
-            "messages": [{"role": "user", "content": "bench"}],
-            "max_tokens": max_tokens,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-    ).encode()
+def chat_body(max_tokens: int, top_logprobs: int | None = None) -> bytes:
+    body: dict[str, object] = {
+        "model": "synthetic",
+        "messages": [{"role": "user", "content": "bench"}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if top_logprobs is not None:
+        body |= {"logprobs": True, "top_logprobs": top_logprobs}
+    return json.dumps(body).encode()
 
 
 async def create_session(rig: Rig) -> tuple[str, str]:
@@ -193,7 +196,8 @@ async def one_stream(
         return open_grpc_stream(rig.grpc_channel, stream_request(max_tokens), record)
     if mode in ("engine", "openai"):
         port = rig.engine_port if mode == "engine" else rig.gateway_port
-        return await open_chat_stream(HOST, port, chat_body(max_tokens), record)
+        logprobs = rig.top_logprobs if mode == "openai" else None
+        return await open_chat_stream(HOST, port, chat_body(max_tokens, logprobs), record)
     assert session is not None
     sid, token = session
     headers = {"X-Session-Token": token}
@@ -342,12 +346,14 @@ async def suite(args: argparse.Namespace) -> dict[str, Any]:
             "single_stream_rounds": args.rounds_single,
             "saturation": args.saturation,
             "modes": args.modes,
+            "openai_top_logprobs": args.logprobs,
             "reduced": args.reduced,
         },
         "points": [],
     }
     began = time.monotonic()
     async with e2e_rig(args.rate, args.logs, args.unix_socket, args.join_tokens) as rig:
+        rig.top_logprobs = args.logprobs
         results["pinned"] = rig.pinned
         await warm_up(rig, args.modes)
         for n in args.streams:
@@ -369,6 +375,7 @@ async def suite(args: argparse.Namespace) -> dict[str, Any]:
     streams_n, tokens = args.saturation
     if streams_n and tokens:
         async with e2e_rig(0, args.logs, args.unix_socket, args.join_tokens) as rig:
+            rig.top_logprobs = args.logprobs
             await warm_up(rig, args.modes)
             point = await run_point(rig, streams_n, 0, tokens, args.start_rate, 1, args.modes)
             results["saturation"] = point
@@ -408,6 +415,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--join-tokens",
         action="store_true",
         help="the worker joins a reply's tokens while Redis is behind (engine --join-tokens)",
+    )
+    parser.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="TOP",
+        help="the OpenAI path asks for each token's logprob and TOP alternatives (its cost)",
     )
     parser.add_argument(
         "--unix-socket",
