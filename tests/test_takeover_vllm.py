@@ -91,3 +91,30 @@ async def test_a_continuation_longer_than_the_context_ends_with_a_clear_error() 
         await backend.prepare(resumed(70))
     assert caught.value.code == "context_exceeded"
     assert "exceed this worker's context of 64" in caught.value.message
+
+
+async def test_a_structured_reply_taken_over_mid_reply_ends_with_a_clear_error() -> None:
+    """vLLM's grammar starts at the reply's first token and cannot be advanced over tokens
+    already streamed: a structured reply's continuation ends `structured_output_lost`
+    rather than risk output that does not validate; one taken over before its first token
+    runs as usual (the real tokenizer; no engine needed)."""
+    from transformers import AutoTokenizer
+
+    from engine.backends.base import BackendError
+    from engine.backends.vllm_backend import VllmBackend
+    from engine.model import default_model_dir
+    from wire import GenerationRequest, Resume, SamplingParams, StructuredOutput
+
+    folder = default_model_dir()
+    backend = VllmBackend(str(folder), max_model_len=256)
+    backend._tokenizer = AutoTokenizer.from_pretrained(folder)
+    params = SamplingParams(max_tokens=50, structured=StructuredOutput(json_object=True))
+
+    def resumed(streamed: int) -> GenerationRequest:
+        resume = Resume(1, "w", 3, streamed, '{"a"'[:streamed], [90] * streamed)
+        return GenerationRequest("g_1", "s_1", params, prompt="JSON please", resume=resume)
+
+    with pytest.raises(BackendError) as caught:
+        await backend.prepare(resumed(3))
+    assert caught.value.code == "structured_output_lost"
+    assert (await backend.prepare(resumed(0))).params.structured == params.structured
