@@ -20,7 +20,7 @@ def test_vllm_streams_over_grpc_the_same_tokens_as_over_sse(vllm_stack: VllmStac
     # The session's vLLM stack has one gateway; this one, on the same Redis and key prefix,
     # also serves gRPC.
     gateway = vllm_stack.stack.gateway(grpc=True)
-    prompt, n = "What is the capital of France?", 16
+    prompt, n = "The capital of France is", 16
     responses = Responses()
     client = grpcclient.InferenceServerClient(gateway.grpc_url)
     try:
