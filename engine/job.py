@@ -47,7 +47,7 @@ class Job:
     prepare_s: float = 0.0
     """How long the backend took to prepare it (tokenisation, the chat template)."""
     second_copy: Job | None = None
-    """The same request taken again while this one's claim was on its way (engine/copies.py)."""
+    """The same request taken again while this one's claim was on its way (engine/intake.py)."""
 
     def __post_init__(self) -> None:
         resume = self.request.resume

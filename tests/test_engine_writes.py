@@ -128,16 +128,16 @@ async def test_a_failed_ack_is_counted_and_retried(
         raise RedisConnectionError("connection lost")
 
     monkeypatch.setattr(redis, "xack", lost)
-    await worker._ack_or_retry_later(entry_id)
+    await worker.intake.ack_or_retry_later(entry_id)
     assert (await redis.xpending(queue, wire.CONSUMER_GROUP))["pending"] == 1
     errors = worker.metrics.registry.get_sample_value(
         "tokenspout_engine_redis_errors_total", {"where": "ack"}
     )
     assert errors == 1
     monkeypatch.setattr(redis, "xack", xack)
-    await worker._retry_acks()  # what the next heartbeat does
+    await worker.intake.retry_acks()  # what the next heartbeat does
     assert (await redis.xpending(queue, wire.CONSUMER_GROUP))["pending"] == 0
-    assert not worker._unacked
+    assert not worker.intake.unacked
 
 
 async def test_after_a_takeover_only_the_new_epochs_writer_writes(redis: aioredis.Redis) -> None:
