@@ -1,23 +1,20 @@
 """SIGTERM with other workers serving: a running reply moves to one of them at once.
 
 Its own module because it is its own transition, not part of running a generation: the
-worker's lease says whether another worker serves, the TAKEOVER script
-(``wire.scripts.Takeover``, the same one the gateways' reaper runs, gateway/takeover.py)
-takes the generation from this worker atomically (so a reaper that thinks this worker lost
-cannot hand it on a second time), then the request goes back on the queue with what was
-streamed, and the next worker goes on from there. Here the worker knows exactly what it
-streamed, so nothing is read back: it stops emitting, waits until its last event is in
-Redis, and hands on that.
+one the gateways' reaper makes for a lost worker (wire/handoff.py, gateway/takeover.py).
+The worker's lease says whether another worker serves; the TAKEOVER script takes the
+generation from this worker atomically (so a reaper that thinks this worker lost cannot
+hand it on a second time), then its ``continuation`` goes back on the queue, and the next
+worker goes on from there. Here the worker knows exactly what it streamed, so nothing is
+read back: it stops emitting, waits until its last event is in Redis, and hands on that.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Iterable
 
-import msgspec
 from redis.exceptions import RedisError
 
 import wire
@@ -26,7 +23,8 @@ from engine.job import Job
 from engine.lease import Lease
 from engine.metrics import WorkerMetrics
 from engine.publisher import Publisher
-from wire import Resume
+from wire.handoff import Streamed, continuation
+from wire.outcomes import TakenOver
 from wire.queue import RequestQueue
 from wire.scripts import Takeover
 
@@ -91,22 +89,17 @@ class HandOver:
             max_takeovers=self.max_takeovers,
             usage=job.usage(),
         )
-        if outcome[0] != "takeover":
-            log.info("not handing %s over: %s", gid, outcome[0])
+        if not isinstance(outcome, TakenOver):
+            log.info("not handing %s over: %s", gid, outcome.__struct_config__.tag)
             job.handing_over = False
             return False
-        request = msgspec.structs.replace(
-            job.request,
-            enqueued_at=time.time(),
-            resume=Resume(
-                takeover=int(outcome[1]),
-                from_worker=self.worker_id,
-                prompt_tokens=job.prompt_tokens,
-                completion_tokens=job.emitted_tokens,
-                text="".join(job.text),
-                token_ids=list(job.token_ids),
-            ),
+        streamed = Streamed(
+            prompt_tokens=job.prompt_tokens,
+            completion_tokens=job.emitted_tokens,
+            text="".join(job.text),
+            token_ids=list(job.token_ids),
         )
+        request = continuation(job.request, outcome, streamed)
         job.ended = job.acked = True
         await self.queue.requeue([(job.entry_id, {"r": wire.encode(request)})])
         await self.backend.abort(job.request.engine_request_id)
