@@ -67,8 +67,8 @@ def _raise_if_trimmed(stream_info: dict[str, object], after_id: str) -> None:
 
 
 class RelayHub:
-    """The process-wide reader: one live source, any number of feeds (each a ``FeedHub``'s
-    user: the hub reads the stream for them)."""
+    """The process-wide reader: one live source, any number of feeds; to each feed it is
+    the ``FeedHub`` that reads the session's stream."""
 
     def __init__(
         self,
