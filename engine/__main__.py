@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import time
+from typing import Any
 
 from engine.backends.base import Backend
 from engine.metrics import WorkerMetrics
@@ -45,8 +46,22 @@ ENVIRONMENT: dict[str, str] = {
 """Environment variables the engine worker reads (docs/configuration.md lists them)."""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
+class Parser(argparse.ArgumentParser):
+    """An argument parser that lists its flags (``flags``: docs/configuration.md is made
+    from them), which argparse itself keeps in a private list."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.flags: list[argparse.Action] = []  # before super(): it adds --help
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        self.flags.append(action)
+        return action
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="python -m engine", description=__doc__)
     parser.add_argument("--backend", choices=["vllm", "synthetic"], default="vllm")
     parser.add_argument(
         "--model",
@@ -116,7 +131,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def markdown_tables() -> str:
     """The engine's part of docs/configuration.md: its flags, then its environment."""
     rows = ["| flag | default | meaning |", "| --- | --- | --- |"]
-    for action in build_parser()._actions:
+    for action in build_parser().flags:
         if not action.option_strings or action.dest == "help":
             continue
         flags = " / ".join(f"`{flag}`" for flag in action.option_strings)

@@ -1,97 +1,111 @@
 """SIGTERM with other workers serving: a running reply moves to one of them at once.
 
-The same path as a takeover by the gateways' reaper (gateway/takeover.py): the TAKEOVER
-script (``wire.scripts.Takeover``) takes the generation from this worker atomically (so a
-reaper that thinks this worker lost cannot hand it on a second time), then the request goes
-back on the queue with what was streamed, and the next worker goes on from there. Here the
-worker knows exactly what it streamed, so nothing is read back: it stops emitting, waits
-until its last event is in Redis, and hands on that.
+Its own module because it is its own transition, not part of running a generation: the
+one the gateways' reaper makes for a lost worker (wire/handoff.py, gateway/takeover.py).
+The worker's lease says whether another worker serves; the TAKEOVER script takes the
+generation from this worker atomically (so a reaper that thinks this worker lost cannot
+hand it on a second time), then its ``continuation`` goes back on the queue, and the next
+worker goes on from there. Here the worker knows exactly what it streamed, so nothing is
+read back: it stops emitting, waits until its last event is in Redis, and hands on that.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
 
-import msgspec
 from redis.exceptions import RedisError
 
 import wire
-from wire import Resume
-
-if TYPE_CHECKING:
-    from engine.job import Job
-    from engine.worker import Worker
+from engine.backends.base import Backend
+from engine.job import Job
+from engine.lease import Lease
+from engine.metrics import WorkerMetrics
+from engine.publisher import Publisher
+from wire.handoff import Streamed, continuation
+from wire.outcomes import TakenOver
+from wire.queue import RequestQueue
+from wire.scripts import Takeover
 
 log = logging.getLogger("tokenspout.handover")
 
 
-async def hand_over_running(worker: Worker) -> None:
-    """Hand every generation the draining ``worker`` has started to the others, when one
-    serves (the last worker standing keeps them: they drain)."""
-    jobs = [j for j in worker.jobs.values() if j.claimed and not (j.ended or j.handing_over)]
-    if not jobs:
-        return
-    try:
-        if not await worker.lease.others_serving():
+class HandOver:
+    """Hands a draining worker's running generations to the other workers."""
+
+    def __init__(
+        self,
+        *,
+        takeover: Takeover,
+        lease: Lease,
+        publisher: Publisher,
+        queue: RequestQueue,
+        backend: Backend,
+        metrics: WorkerMetrics,
+        worker_id: str,
+        max_takeovers: int,
+    ) -> None:
+        self.takeover = takeover
+        self.lease = lease
+        self.publisher = publisher
+        self.queue = queue
+        self.backend = backend
+        self.metrics = metrics
+        self.worker_id = worker_id
+        self.max_takeovers = max_takeovers
+        """How often one generation may be handed on (TOKENSPOUT_MAX_TAKEOVERS)."""
+
+    async def hand_over_running(self, running: Iterable[Job]) -> None:
+        """Hand every started generation of ``running`` to the others, when one serves
+        (the last worker standing keeps them: they drain)."""
+        jobs = [j for j in running if j.claimed and not (j.ended or j.handing_over)]
+        if not jobs:
             return
-    except (RedisError, OSError) as exc:
-        log.warning("looking for workers to hand over to failed (%s)", exc)
-        return
-    results = await asyncio.gather(
-        *(hand_over(worker, job) for job in jobs), return_exceptions=True
-    )
-    for job, result in zip(jobs, results, strict=True):
-        if isinstance(result, BaseException):
-            # Left to the drain (and, once this worker is gone, to the reaper).
-            log.warning("handing %s over failed: %r", job.generation_id, result)
+        try:
+            if not await self.lease.others_serving():
+                return
+        except (RedisError, OSError) as exc:
+            log.warning("looking for workers to hand over to failed (%s)", exc)
+            return
+        results = await asyncio.gather(*map(self.hand_over, jobs), return_exceptions=True)
+        for job, result in zip(jobs, results, strict=True):
+            if isinstance(result, BaseException):
+                # Left to the drain (and, once this worker is gone, to the reaper).
+                log.warning("handing %s over failed: %r", job.generation_id, result)
 
+    async def hand_over(self, job: Job) -> bool:
+        """Put ``job`` back on the queue for another worker; True when it was handed on.
 
-async def give_back(worker: Worker, entries: list[wire.StreamEntry]) -> None:
-    """Requests a draining worker read after all: back on the queue for the others."""
-    await worker.queue.requeue(entries)
-    log.info("gave %d requests back to the queue: draining", len(entries))
-
-
-async def hand_over(worker: Worker, job: Job) -> bool:
-    """Put ``job`` back on the queue for another worker; True when it was handed on.
-
-    A generation already taken over ``max_takeovers`` times stays here and drains.
-    """
-    gid, sid = job.generation_id, job.session_id
-    job.handing_over = True
-    await worker.publisher.written()  # every event emitted is in Redis (written in order)
-    outcome = await worker.takeover_script(
-        session_id=sid,
-        generation_id=gid,
-        worker=worker.worker_id,
-        max_takeovers=worker.max_takeovers,
-        usage=job.usage(),
-    )
-    if outcome[0] != "takeover":
-        log.info("not handing %s over: %s", gid, outcome[0])
-        job.handing_over = False
-        return False
-    request = msgspec.structs.replace(
-        job.request,
-        enqueued_at=time.time(),
-        resume=Resume(
-            takeover=int(outcome[1]),
-            from_worker=worker.worker_id,
+        A generation already taken over ``max_takeovers`` times stays here and drains.
+        """
+        gid, sid = job.generation_id, job.session_id
+        job.handing_over = True
+        await self.publisher.written()  # every event emitted is in Redis (written in order)
+        outcome = await self.takeover(
+            session_id=sid,
+            generation_id=gid,
+            worker=self.worker_id,
+            max_takeovers=self.max_takeovers,
+            usage=job.usage(),
+        )
+        if not isinstance(outcome, TakenOver):
+            log.info("not handing %s over: %s", gid, outcome.__struct_config__.tag)
+            job.handing_over = False
+            return False
+        streamed = Streamed(
             prompt_tokens=job.prompt_tokens,
             completion_tokens=job.emitted_tokens,
             text="".join(job.text),
             token_ids=list(job.token_ids),
-        ),
-    )
-    job.ended = job.acked = True
-    await worker.queue.requeue([(job.entry_id, {"r": wire.encode(request)})])
-    await worker.backend.abort(job.request.engine_request_id)
-    worker.metrics.handovers.inc()
-    log.info(
-        "generation handed over",
-        extra={"generation_id": gid, "completion_tokens": job.emitted_tokens},
-    )
-    return True
+        )
+        request = continuation(job.request, outcome, streamed)
+        job.ended = job.acked = True
+        await self.queue.requeue([(job.entry_id, {"r": wire.encode(request)})])
+        await self.backend.abort(job.request.engine_request_id)
+        self.metrics.handovers.inc()
+        log.info(
+            "generation handed over",
+            extra={"generation_id": gid, "completion_tokens": job.emitted_tokens},
+        )
+        return True

@@ -48,7 +48,7 @@ class Job:
     prepare_s: float = 0.0
     """How long the backend took to prepare it (tokenisation, the chat template)."""
     second_copy: Job | None = None
-    """The same request taken again while this one's claim was on its way (engine/copies.py)."""
+    """The same request taken again while this one's claim was on its way (engine/intake.py)."""
     tool_calls: ToolCallWriter | None = None
     """With tools: turns what the model writes into content and calls (engine/tools.py)."""
 

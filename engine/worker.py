@@ -13,6 +13,9 @@
   event is ``resumed``, then tokens numbered on from the streamed ones), and on SIGTERM
   hands its own running replies over to the other workers at once (engine/handover.py).
 
+What it takes from the queue, and the tasks that run it, are the intake's
+(engine/intake.py); this module runs one generation and the loops around it.
+
 A worker serves one model: it reads that model's queue only (``Keys.requests(model)``), so
 a slow model never holds up another, and registers the model's names (``Keys.models``).
 """
@@ -26,16 +29,15 @@ import os
 import socket
 import time
 
-import msgspec
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
 import wire
 from engine.backends.base import Backend, BackendError, Delta, Prepared
 from engine.cancels import cancel_signals
-from engine.copies import settle_second_copy
-from engine.handover import give_back, hand_over_running
-from engine.job import Job, epoch_of, final_reason
+from engine.handover import HandOver
+from engine.intake import Intake
+from engine.job import Job, final_reason
 from engine.lease import HEARTBEAT_S, Lease
 from engine.metrics import WorkerMetrics
 from engine.publisher import Publisher
@@ -46,7 +48,6 @@ from wire import (
     ChatMessage,
     Done,
     Error,
-    GenerationRequest,
     Keys,
     Resumed,
     Started,
@@ -57,7 +58,6 @@ from wire.queue import RequestQueue
 from wire.scripts import Takeover
 
 log = logging.getLogger("tokenspout.worker")
-_request_decoder = msgspec.json.Decoder(GenerationRequest)
 
 ABANDON_CHECK_S = 1.0
 
@@ -89,7 +89,6 @@ class Worker:
         self.max_takeovers = max_takeovers
         """How often one generation may be handed on (TOKENSPOUT_MAX_TAKEOVERS)."""
         self.lease = Lease(redis, self.keys, self.worker_id, backend.model)
-        self.jobs: dict[str, Job] = {}
         self.publisher = Publisher(
             redis,
             self.keys,
@@ -98,15 +97,27 @@ class Worker:
             on_rejected=self._on_rejected,
             join_tokens=join_tokens,
         )
-        self.takeover_script = Takeover(redis, self.keys)
-        """Hands a running generation on (engine/handover.py, on SIGTERM)."""
-        self._slot_freed = asyncio.Event()
-        self._accepting = True
+        self.intake = Intake(
+            queue=self.queue,
+            publisher=self.publisher,
+            backend=backend,
+            metrics=self.metrics,
+            worker_id=self.worker_id,
+            run_job=self.run_job,
+        )
+        self.jobs = self.intake.jobs
+        """The generations running here (the intake's), by id."""
+        self.handover = HandOver(
+            takeover=Takeover(redis, self.keys),
+            lease=self.lease,
+            publisher=self.publisher,
+            queue=self.queue,
+            backend=backend,
+            metrics=self.metrics,
+            worker_id=self.worker_id,
+            max_takeovers=max_takeovers,
+        )
         self._started_at = time.time()
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._unacked: set[bytes] = set()
-        """Requests whose acknowledgement failed; retried with each heartbeat (a request
-        left pending under a live worker would count as in flight forever)."""
         self.metrics.generations_running.set_function(lambda: len(self.jobs))
         self.metrics.capacity.set_function(lambda: self.backend.capacity)
 
@@ -118,7 +129,7 @@ class Worker:
         await self._heartbeat_once()
         loops = [
             asyncio.create_task(self.publisher.run_forever(), name="publisher"),
-            asyncio.create_task(self._consume_forever(), name="consume"),
+            asyncio.create_task(self.intake.consume_forever(), name="consume"),
             asyncio.create_task(self._cancels_forever(), name="cancels"),
             asyncio.create_task(self._heartbeat_forever(), name="heartbeat"),
             asyncio.create_task(self._abandon_forever(), name="abandon"),
@@ -148,104 +159,24 @@ class Worker:
     async def drain(self, timeout_s: float) -> None:
         """Take no new work; hand running generations over to the other workers at once
         (while one serves); let the rest finish up to ``timeout_s``, then cancel them."""
-        self._accepting = False
-        self._slot_freed.set()
+        self.intake.stop_accepting()
         self.metrics.draining.set(1)
         log.info("draining", extra={"running": len(self.jobs), "drain_s": timeout_s})
         with contextlib.suppress(RedisError, OSError):
             await self._heartbeat_once()  # tell the others this one takes nothing now
         deadline = time.monotonic() + timeout_s
         while self.jobs and time.monotonic() < deadline:
-            await hand_over_running(self)
+            await self.handover.hand_over_running(list(self.jobs.values()))
             await asyncio.sleep(0.02)
         for job in list(self.jobs.values()):
             await self.cancel(job.generation_id, "shutdown")
-        while self._tasks:
+        while self.intake.busy:
             await asyncio.sleep(0.02)
-
-    # --- intake --------------------------------------------------------------------------
-
-    async def _consume_forever(self) -> None:
-        while True:
-            free = self.backend.capacity - len(self.jobs)
-            if free <= 0 or not self._accepting:
-                self._slot_freed.clear()
-                await self._slot_freed.wait()
-                continue
-            try:
-                entries = await self.queue.take(self.worker_id, free, block_ms=1000)
-            except ResponseError as exc:
-                if "NOGROUP" not in str(exc):
-                    raise
-                log.warning("the consumer group is gone (Redis lost its data?); recreating it")
-                with contextlib.suppress(RedisError, OSError):
-                    await self.queue.ensure_group()
-                continue
-            except (RedisError, OSError) as exc:
-                log.warning("reading requests failed (%s); retrying", exc)
-                self.metrics.redis_errors.labels("requests").inc()
-                await asyncio.sleep(0.5)
-                continue
-            if entries and not self._accepting:
-                # Read while the drain began (a hand-over may be among them): give them back.
-                await give_back(self, entries)
-                continue
-            for entry_id, fields in entries:
-                self._start(entry_id, fields)
-
-    def _start(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
-        try:
-            request = _request_decoder.decode(fields[b"r"])
-        except (KeyError, msgspec.DecodeError) as exc:
-            log.error("dropping an unreadable request %s: %s", entry_id, exc)
-            task = asyncio.create_task(self._ack_or_retry_later(entry_id))
-        else:
-            target = self.publisher.target(
-                request.session_id,
-                request.generation_id,
-                epoch=epoch_of(request),
-                ttl_s=request.session_ttl_s,
-                maxlen=request.events_maxlen,
-            )
-            job = Job(request, entry_id, target)
-            running = self.jobs.get(request.generation_id)
-            if running is not None and running.epoch >= job.epoch and not running.claimed:
-                running.second_copy = job  # its claim is on its way (engine/copies.py)
-                return
-            if running is not None and running.epoch >= job.epoch:
-                log.info("dropping a second copy of %s", request.generation_id)
-                task = asyncio.create_task(self._ack_or_retry_later(entry_id))
-            else:
-                if running is not None:  # this worker was taken for lost; it continues it
-                    self._stop_run(running)
-                self.jobs[request.generation_id] = job
-                task = asyncio.create_task(self._run_job(job), name=request.generation_id)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _ack_or_retry_later(self, entry_id: bytes) -> None:
-        try:
-            await self.queue.ack(entry_id)
-        except (RedisError, OSError) as exc:
-            log.warning(
-                "acknowledging request %s failed (%s); retrying with the next heartbeat",
-                entry_id.decode(),
-                exc,
-            )
-            self.metrics.redis_errors.labels("ack").inc()
-            self._unacked.add(entry_id)
-
-    async def _retry_acks(self) -> None:
-        if not self._unacked:
-            return
-        entry_ids = list(self._unacked)
-        await self.queue.ack(*entry_ids)
-        self._unacked.difference_update(entry_ids)
-        log.info("acknowledged %d requests on a retry", len(entry_ids))
 
     # --- one generation ------------------------------------------------------------------
 
-    async def _run_job(self, job: Job) -> None:
+    async def run_job(self, job: Job) -> None:
+        """Run one generation the intake took, to its end."""
         gid = job.generation_id
         try:
             if job.request.task != "generate":
@@ -262,8 +193,8 @@ class Worker:
                 job.prompt_tokens = len(prepared.prompt_token_ids)
             job.tool_calls = self._tool_call_writer(job)
             claim = job.claim_event(self.backend.model, self.worker_id)
-            claimed = await self._emit(job, claim) is not None
-            settle_second_copy(self, job, claimed)
+            claimed = await self.emit_waited(job, claim) is not None
+            self.intake.settle_second_copy(job, claimed)
             if not claimed:
                 log.info("skipping %s: it ended, or another worker has it", gid)
                 job.ended = True
@@ -288,14 +219,12 @@ class Worker:
             log.exception("generation %s failed", gid)
             await self._finish(job, Error(gid, "engine_error", f"{type(exc).__name__}: {exc}"))
         finally:
-            settle_second_copy(self, job, claimed=True)  # ended before its claim: drop it
+            self.intake.settle_second_copy(job, claimed=True)  # ended before its claim: drop it
             if not job.ended and job.cancel_reason is not None:
                 await self._finish(job, Cancelled(gid, job.cancel_reason, job.usage()))
-            if self.jobs.get(gid) is job:  # not its continuation, should this worker run it
-                del self.jobs[gid]
-            self._slot_freed.set()
+            self.intake.finished(job)
             if not job.acked:
-                await self._ack_or_retry_later(job.entry_id)
+                await self.intake.ack_or_retry_later(job.entry_id)
 
     async def _stream(self, job: Job, prepared: Prepared) -> None:
         gid = job.generation_id
@@ -358,7 +287,7 @@ class Worker:
         except BackendError as exc:
             await self._finish(job, Error(gid, exc.code, exc.message))
             return
-        if await self._emit(job, claim) is None:
+        if await self.emit_waited(job, claim) is None:
             job.ended = True
             return
         job.claimed = True
@@ -391,7 +320,7 @@ class Worker:
         assistant = None
         if not isinstance(event, Error):
             assistant = ChatMessage("assistant", "".join(job.text))
-        await self._emit(
+        await self.emit_waited(
             job,
             event,
             final=True,
@@ -412,7 +341,7 @@ class Worker:
             },
         )
 
-    def _emit(
+    def emit_waited(
         self,
         job: Job,
         event: wire.SessionEvent,
@@ -448,16 +377,7 @@ class Worker:
         # over by another worker (this one was thought lost). Stop it.
         job = self.jobs.get(generation_id)
         if job is not None and job.epoch == epoch and not job.handing_over:
-            self._stop_run(job)
-
-    def _stop_run(self, job: Job) -> None:
-        """Abort a run whose events Redis no longer takes; no final event (not its own)."""
-        if job.cancel_reason is None:
-            job.cancel_reason = "user"
-            job.ended = True
-            task = asyncio.create_task(self.backend.abort(job.request.engine_request_id))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self.intake.stop_run(job)
 
     async def _cancels_forever(self) -> None:
         async for signal in cancel_signals(self.redis, self.keys, self.metrics):
@@ -491,7 +411,7 @@ class Worker:
             await asyncio.sleep(HEARTBEAT_S)
             try:
                 await self._heartbeat_once()
-                await self._retry_acks()
+                await self.intake.retry_acks()
             except (RedisError, OSError) as exc:
                 log.warning("heartbeat failed (%s)", exc)
                 self.metrics.redis_errors.labels("heartbeat").inc()
@@ -506,7 +426,7 @@ class Worker:
             started_at=self._started_at,
             aliases=self.aliases,
             max_model_len=self.backend.max_model_len,
-            draining=not self._accepting,
+            draining=not self.intake.accepting,
         )
         self.metrics.engine_running.set(self.backend.running())
         await self.lease.heartbeat(info)

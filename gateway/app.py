@@ -10,6 +10,7 @@ from pathlib import Path
 
 from litestar import Litestar, Response
 from litestar.config.cors import CORSConfig
+from litestar.datastructures import State
 from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
 from litestar.static_files import create_static_files_router
@@ -17,7 +18,7 @@ from litestar.types import ControllerRouterHandler
 from redis.exceptions import RedisError
 
 from gateway import __version__
-from gateway.auth import ApiKeys
+from gateway.auth import API_KEYS_STATE, ApiKeys
 from gateway.errors import HANDLED, AnyRequest, ErrorEnvelope, as_gateway_error
 from gateway.grpc.server import GrpcServer
 from gateway.grpc.service import InferenceService
@@ -177,6 +178,7 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
         route_handlers=handlers,
         lifespan=[services.lifespan],
         dependencies=services.dependencies(),
+        state=State({API_KEYS_STATE: services.api_keys}),  # for gateway.auth.api_key_guard
         exception_handlers={kind: handle_error for kind in HANDLED},
         request_max_body_size=settings.max_body_bytes,
         cors_config=CORSConfig(allow_origins=origins) if origins else None,

@@ -4,6 +4,9 @@ With no key configured every endpoint is open. With keys, the API endpoints (Ope
 OIP) and the creation of a session (``POST /v1/sessions``, a WebSocket ``generate`` without
 ``session_id``) want one; a session's own endpoints want only its token, which only a key
 holder was given.
+
+A router or handler that wants a key says so once, with ``guards=[api_key_guard]``: the
+check runs before the request's body is read.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from litestar.connection import ASGIConnection
+from litestar.handlers import BaseRouteHandler
 
 from gateway.errors import Unauthorized
 from gateway.settings import Settings, env_name
@@ -63,6 +67,18 @@ def require_api_key(connection: ASGIConnection[Any, Any, Any, Any], api_keys: Ap
     """401 unless ``Authorization: Bearer <key>`` names a configured key (none configured:
     open)."""
     api_keys.require(bearer(connection.headers.get("authorization")))
+
+
+API_KEYS_STATE = "api_keys"
+"""Where ``create_app`` keeps the app's ``ApiKeys`` in its state, for ``api_key_guard``."""
+
+
+def api_key_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+    """A Litestar guard: ``require_api_key`` with the app's keys."""
+    api_keys = connection.app.state.get(API_KEYS_STATE)
+    if not isinstance(api_keys, ApiKeys):
+        raise TypeError(f"the app's state holds no ApiKeys under {API_KEYS_STATE!r}")
+    require_api_key(connection, api_keys)
 
 
 def bearer(authorization: str | None) -> str | None:

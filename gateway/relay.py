@@ -11,8 +11,9 @@ connection simply re-reads the stream from its last delivered id. That gives ord
 gap-free, duplicate-free delivery with bounded memory per reader and a constant number of
 Redis connections per process.
 
-On a Redis Cluster the same holds per shard: live events go over sharded pub/sub, one
-connection per primary that serves a watched session (gateway/shards.py).
+Where live events come from is a ``LiveSource`` (gateway/live.py): one pub/sub connection
+(``PlainLive``), or on a Redis Cluster sharded pub/sub, one connection per primary that
+serves a watched session (``ShardedLive``, gateway/shards.py).
 """
 
 from __future__ import annotations
@@ -24,13 +25,12 @@ from collections.abc import AsyncIterator
 from typing import Protocol, cast
 
 import redis.asyncio as aioredis
-from redis._parsers.hiredis import NOT_ENOUGH_DATA
-from redis.asyncio.client import PubSub
 from redis.exceptions import RedisError
 
 import wire
 from gateway.errors import BadRequest, EventsExpired
 from gateway.feed import CATCH_UP_PAGE, LIVE_ONLY, Feed, RelayEvent
+from gateway.live import LiveSource, PlainLive
 from gateway.shards import ShardedLive
 from wire import FinalEvent, Keys, entry_id_key
 from wire.connect import is_cluster
@@ -67,7 +67,8 @@ def _raise_if_trimmed(stream_info: dict[str, object], after_id: str) -> None:
 
 
 class RelayHub:
-    """The process-wide reader: one pub/sub connection, any number of feeds."""
+    """The process-wide reader: one live source, any number of feeds; to each feed it is
+    the ``FeedHub`` that reads the session's stream."""
 
     def __init__(
         self,
@@ -81,18 +82,13 @@ class RelayHub:
         self.buffer_limit = buffer_limit
         self.observer = observer
         self.draining = False
-        self._shards = (
-            ShardedLive(redis, self._deliver, self._confirm) if is_cluster(redis) else None
+        self.live: LiveSource = (
+            ShardedLive(redis, self._deliver, self._confirm)
+            if is_cluster(redis)
+            else PlainLive(redis, self._deliver, self._confirm, self._connection_lost)
         )
-        """On a cluster: sharded pub/sub, one connection per shard (``_pubsub`` unused)."""
-        self._pubsub: PubSub = redis.pubsub()
         self._feeds: dict[str, set[Feed]] = {}
         self._confirmed: set[str] = set()
-        self._reader: asyncio.Task[None] | None = None
-        self._subscribed = asyncio.Event()
-        self._commands = asyncio.Lock()
-        """One (un)subscribe at a time: redis-py's PubSub opens its connection on first use,
-        and concurrent first calls would each open one, stranding their channels."""
 
     @property
     def open_feeds(self) -> int:
@@ -106,23 +102,21 @@ class RelayHub:
         self.draining = True
         for feeds in self._feeds.values():
             for feed in feeds:
-                feed._wake()
+                feed.wake()
 
     async def start(self) -> None:
-        if self._shards is not None:
-            await self._shards.start()
-            return
-        self._reader = asyncio.create_task(self._read_forever(), name="relay-reader")
+        await self.live.start()
 
     async def stop(self) -> None:
-        if self._shards is not None:
-            await self._shards.close()
-            return
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
-        await self._pubsub.aclose()  # type: ignore[no-untyped-call]
+        await self.live.close()
+
+    def fell_behind(self) -> None:
+        if self.observer is not None:
+            self.observer.fell_behind()
+
+    def redis_error(self, where: str) -> None:
+        if self.observer is not None:
+            self.observer.redis_error(where)
 
     @contextlib.asynccontextmanager
     async def open(self, session_id: str, after_id: str | None = None) -> AsyncIterator[Feed]:
@@ -134,16 +128,12 @@ class RelayHub:
         feeds.add(feed)
         try:
             if channel in self._confirmed:
-                feed._set_ready(True)
-            elif len(feeds) == 1 and self._shards is not None:
-                await self._shards.subscribe(channel)
+                feed.confirmed(True)
             elif len(feeds) == 1:
-                async with self._commands:
-                    await self._pubsub.subscribe(channel)
-                self._subscribed.set()
+                await self.live.subscribe(channel)
             yield feed
         finally:
-            feed._close()
+            feed.close()
             feeds.discard(feed)
             if not feeds:
                 del self._feeds[channel]
@@ -151,17 +141,12 @@ class RelayHub:
                 if self.observer is not None:
                     self.observer.unwatched(session_id)
                 try:
-                    if self._shards is not None:
-                        await self._shards.unsubscribe(channel)
-                    else:
-                        async with self._commands:
-                            await self._pubsub.unsubscribe(channel)
+                    await self.live.unsubscribe(channel)
                 except (RedisError, OSError) as exc:
                     # Harmless: messages of an unwatched channel are dropped, and a lost
                     # pub/sub connection resubscribes only the channels still watched.
                     log.warning("unsubscribing %s failed: %s", channel, exc)
-                    if self.observer is not None:
-                        self.observer.redis_error("relay")
+                    self.redis_error("relay")
 
     async def read_after(self, session_id: str, after_id: str | None) -> list[RelayEvent]:
         """The next page of the stream after ``after_id``; ``EventsExpired`` if some of what
@@ -211,7 +196,7 @@ class RelayHub:
                 for event in await feed.next_batch(remaining):
                     if event.generation_id == generation_id and event.is_final:
                         return wire.decode_final(event.data)
-                if not looked_up and feed.last_id != LIVE_ONLY:
+                if not looked_up and feed.positioned:
                     # Subscribed: a final event from now on reaches the feed, and one
                     # from before is in the generation's hash.
                     looked_up = True
@@ -241,65 +226,9 @@ class RelayHub:
             raise
         _raise_if_trimmed(info, after_id)
 
-    async def _read_forever(self) -> None:
-        backoff = 0.05
-        while True:
-            try:
-                if not self._pubsub.subscribed:
-                    if self._feeds:
-                        await self._resubscribe()
-                    else:
-                        await self._subscribed.wait()
-                        self._subscribed.clear()
-                    continue
-                message = await self._pubsub.get_message(timeout=1.0)
-                backoff = 0.05
-                if message is not None:
-                    self._dispatch(message)
-                    await self._drain_parsed()
-            except (RedisError, OSError) as exc:
-                # Pub/sub lost: every feed re-reads the stream once resubscribed.
-                log.warning("relay pub/sub connection lost (%s); reconnecting", exc)
-                if self.observer is not None:
-                    self.observer.redis_error("relay")
-                self._confirmed.clear()
-                for feeds in self._feeds.values():
-                    for feed in feeds:
-                        feed._set_ready(False)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
-                with contextlib.suppress(RedisError, OSError):
-                    await self._pubsub.aclose()  # type: ignore[no-untyped-call]
-                self._pubsub = self.redis.pubsub()
-
-    async def _drain_parsed(self) -> None:
-        """Dispatch the replies already read and parsed, without redis-py's per-message path.
-
-        One socket read brings many live messages at load; ``get_message`` costs tens of
-        microseconds each (timeouts, retry wrapper, a dict per message), the hiredis reader
-        a microsecond. Live messages go straight to the feeds; anything else (subscribe
-        confirmations) still goes through redis-py's ``handle_message`` bookkeeping.
-        This reads redis-py's parser internals (``_parser._reader``, ``NOT_ENOUGH_DATA``):
-        redis is pinned in pyproject.toml, and tests/test_sessions.py covers the path.
-        """
-        parser = getattr(self._pubsub.connection, "_parser", None)
-        reader = getattr(parser, "_reader", None)
-        if reader is None:  # not the hiredis parser: get_message does it all
-            return
-        pubsub = self._pubsub
-        while (reply := reader.gets()) is not NOT_ENOUGH_DATA:
-            if isinstance(reply, list) and len(reply) == 3 and reply[0] == b"message":
-                self._deliver(reply[1], reply[2])
-            elif isinstance(reply, Exception):
-                raise reply
-            elif reply not in pubsub.health_check_response:
-                message = await pubsub.handle_message(reply)  # type: ignore[no-untyped-call]
-                if message is not None:
-                    self._dispatch(message)
-
-    async def _resubscribe(self) -> None:
-        async with self._commands:
-            await self._pubsub.subscribe(*self._feeds)
+    def _connection_lost(self) -> None:
+        """The plain source's pub/sub connection broke (it reports each channel lost)."""
+        self.redis_error("relay")
 
     def _deliver(self, raw_channel: bytes, data: bytes) -> None:
         channel = raw_channel.decode()
@@ -308,19 +237,7 @@ class RelayHub:
         if self.observer is not None:
             self.observer.event(self.keys.session_id_of_channel(channel), event)
         for feed in self._feeds.get(channel, ()):
-            feed._push(event)
-
-    def _dispatch(self, message: dict[str, object]) -> None:
-        kind = message["type"]
-        channel = message["channel"]
-        if kind == "message":
-            data = message["data"]
-            assert isinstance(channel, bytes) and isinstance(data, bytes)
-            self._deliver(channel, data)
-            return
-        channel = channel.decode() if isinstance(channel, bytes) else str(channel)
-        if kind == "subscribe":
-            self._confirm(channel, True)
+            feed.push(event)
 
     def _confirm(self, channel: str, ready: bool) -> None:
         """The channel's subscription is confirmed (its feeds read the stream, then go
@@ -332,4 +249,4 @@ class RelayHub:
         else:
             self._confirmed.discard(channel)
         for feed in self._feeds[channel]:
-            feed._set_ready(ready)
+            feed.confirmed(ready)

@@ -38,6 +38,7 @@ from wire import (
     Tools,
     scripts,
 )
+from wire import outcomes as script
 
 _message_decoder = msgspec.json.Decoder(ChatMessage)
 
@@ -233,11 +234,11 @@ class SessionStore:
                 if attempt == 2:
                     raise
                 await self._submit.load()
-        if reply[0] != "ok":
-            raise Unavailable(f"queueing a stateless generation failed: {reply[0]}")
+        if not isinstance(reply, script.Accepted):
+            raise Unavailable(f"queueing a stateless generation failed: {reply!r}")
         if self.observer is not None:
-            self.observer.submitted(session_id, generation_id, reply[1], queue)
-        return Submitted(generation_id, session_id, reply[1])
+            self.observer.submitted(session_id, generation_id, reply.queued_id, queue)
+        return Submitted(generation_id, session_id, reply.queued_id)
 
     async def _submit_to_session(
         self,
@@ -268,33 +269,32 @@ class SessionStore:
             max_history=self.settings.max_history_messages,
             watch_ttl_s=self.watch_ttl_s,
         )
-        outcome = reply[0]
-        if outcome == "missing":
-            raise NotFound(f"no session {session_id!r}", code="unknown_session")
-        if outcome == "forbidden":
-            raise _bad_token()
-        if outcome == "duplicate":
-            return Submitted(reply[1], session_id, None)
-        if outcome == "busy":
-            raise Conflict(
-                f"generation {reply[1]} is still running in this session",
-                code="generation_running",
-                retry_after_s=BUSY_RETRY_AFTER_S,
-            )
-        if outcome == "history_full":
-            raise BadRequest(
-                f"the session holds {self.settings.max_history_messages} messages; "
-                "start a new session",
-                code="history_full",
-            )
-        history = [_message_decoder.decode(item) for item in reply[2:]]
+        match reply:
+            case script.SessionMissing():
+                raise NotFound(f"no session {session_id!r}", code="unknown_session")
+            case script.Forbidden():
+                raise _bad_token()
+            case script.Duplicate(generation_id=earlier):
+                return Submitted(earlier, session_id, None)
+            case script.Busy(generation_id=running):
+                raise Conflict(
+                    f"generation {running} is still running in this session",
+                    code="generation_running",
+                    retry_after_s=BUSY_RETRY_AFTER_S,
+                )
+            case script.HistoryFull():
+                raise BadRequest(
+                    f"the session holds {self.settings.max_history_messages} messages; "
+                    "start a new session",
+                    code="history_full",
+                )
         request = self._request(
-            session_id, generation_id, params, history, None, self.settings.session_ttl_s
+            session_id, generation_id, params, reply.history, None, self.settings.session_ttl_s
         )
         await self.queue.enqueue(model, request)
         if self.observer is not None:
-            self.observer.submitted(session_id, generation_id, reply[1], model)
-        return Submitted(generation_id, session_id, reply[1])
+            self.observer.submitted(session_id, generation_id, reply.queued_id, model)
+        return Submitted(generation_id, session_id, reply.queued_id)
 
     def _request(
         self,
@@ -339,17 +339,16 @@ class SessionStore:
             maxlen=self.settings.events_maxlen,
             ttl_s=self.settings.session_ttl_s,
         )
-        outcome = reply[0]
-        if outcome == "unknown":
-            raise NotFound(f"no generation {generation_id!r}", code="unknown_generation")
-        if outcome == "final":
-            final = wire.decode_final(reply[2])
-            return CancelOutcome(generation_id, wire.final_state(final), final)
-        if outcome == "cancelled":
-            if self.observer is not None:
-                self.observer.cancel_stopped(generation_id, time.monotonic() - began)
-            # Its usage: zero, or what it streamed before a takeover queued it again.
-            return CancelOutcome(generation_id, "cancelled", wire.decode_final(reply[2]))
+        match reply:
+            case script.UnknownGeneration():
+                raise NotFound(f"no generation {generation_id!r}", code="unknown_generation")
+            case script.EndedBefore(final=final):
+                return CancelOutcome(generation_id, wire.final_state(final), final)
+            case script.CancelledQueued(final=final):
+                if self.observer is not None:
+                    self.observer.cancel_stopped(generation_id, time.monotonic() - began)
+                # Its usage: zero, or what it streamed before a takeover queued it again.
+                return CancelOutcome(generation_id, "cancelled", final)
         if self.observer is not None:
             self.observer.cancel_sent(session_id, generation_id, began)
         await self.queue.signal_cancel(CancelSignal(generation_id, session_id, reason))

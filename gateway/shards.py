@@ -1,4 +1,5 @@
-"""The relay's live events on a Redis Cluster: sharded pub/sub, one connection per shard.
+"""The relay's live events on a Redis Cluster: sharded pub/sub, one connection per shard
+(a ``LiveSource``, gateway/live.py).
 
 On a cluster the EMIT script publishes with SPUBLISH (wire/scripts.py): a live channel is
 tagged like its session's keys, so only the shard that serves the session's slot carries
@@ -25,7 +26,6 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import Callable
 from typing import cast
 
 import redis.asyncio as aioredis
@@ -35,14 +35,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 import wire
+from gateway.live import Confirmed, Deliver
 from wire.connect import node_by_address
 
 log = logging.getLogger("tokenspout.relay")
-
-Deliver = Callable[[bytes, bytes], None]
-"""(channel, data) of one live message."""
-Confirmed = Callable[[str, bool], None]
-"""A channel's subscription is confirmed (True) or lost (False)."""
 
 
 class Shard:
@@ -112,7 +108,8 @@ class Shard:
 
 
 class ShardedLive:
-    """SSUBSCRIBE each watched channel on its shard; tell the hub what arrives."""
+    """SSUBSCRIBE each watched channel on its shard; tell the hub what arrives (a
+    ``LiveSource``)."""
 
     def __init__(self, cluster: aioredis.Redis, deliver: Deliver, confirmed: Confirmed) -> None:
         self.cluster: RedisCluster = cast(RedisCluster, cluster)

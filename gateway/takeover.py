@@ -1,7 +1,8 @@
 """Takeover: a lost worker's running reply goes on in another worker, from where it was.
 
 The reaper (gateway/watchdog.py) finds requests pending under a worker that is gone and
-hands each to ``Takeover.hand_on``:
+hands each to ``Takeover.hand_on``, which makes the transition a stopping worker makes
+for its own replies (wire/handoff.py):
 
 1. The TAKEOVER script (``wire.scripts.Takeover``) takes the generation from the lost
    worker atomically: ``running`` under that worker becomes ``queued`` at the next epoch
@@ -34,17 +35,24 @@ from redis.exceptions import RedisError, ResponseError
 import wire
 from wire import (
     Cancelled,
-    CancelReason,
     Error,
     GenerationRequest,
     Keys,
-    Resume,
     Started,
     Token,
     Usage,
     scripts,
 )
 from wire.connect import mget, node_by_address
+from wire.handoff import Streamed, continuation
+from wire.outcomes import (
+    AlreadyFinal,
+    CancelAsked,
+    Exhausted,
+    Moved,
+    NotStarted,
+    TakenOver,
+)
 from wire.queue import RequestQueue
 
 log = logging.getLogger("tokenspout.takeover")
@@ -131,30 +139,6 @@ async def _reconnected(redis: aioredis.Redis, missing: set[str]) -> set[str]:
     return {worker for worker in missing if wire.lease_name(worker) in names}
 
 
-class Streamed(msgspec.Struct, frozen=True):
-    """What a generation's events say it streamed so far."""
-
-    prompt_tokens: int
-    tokens: list[Token]
-
-    @property
-    def completion_tokens(self) -> int:
-        return self.tokens[-1].count if self.tokens else 0
-
-    def usage(self) -> Usage:
-        return Usage(self.prompt_tokens, self.completion_tokens)
-
-    def resume(self, takeover: int, from_worker: str) -> Resume:
-        return Resume(
-            takeover=takeover,
-            from_worker=from_worker,
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=self.completion_tokens,
-            text="".join(token.text for token in self.tokens),
-            token_ids=[i for token in self.tokens for i in token.token_ids],
-        )
-
-
 async def streamed_so_far(
     redis: aioredis.Redis, keys: Keys, session_id: str, generation_id: str
 ) -> Streamed | None:
@@ -175,9 +159,13 @@ async def streamed_so_far(
                 tokens.append(event)
             elif isinstance(event, Started):
                 tokens.reverse()
-                streamed = Streamed(event.prompt_tokens, tokens)
-                ids = sum(len(token.token_ids) for token in tokens)
-                return streamed if ids == streamed.completion_tokens else None
+                streamed = Streamed(
+                    prompt_tokens=event.prompt_tokens,
+                    completion_tokens=tokens[-1].count if tokens else 0,
+                    text="".join(token.text for token in tokens),
+                    token_ids=[i for token in tokens for i in token.token_ids],
+                )
+                return streamed if len(streamed.token_ids) == streamed.completion_tokens else None
         if len(page) < READ_BACK_PAGE:
             return None
         end = f"({wire.text(page[-1][0])}"
@@ -216,11 +204,13 @@ class Takeover:
         reply = await self._takeover(
             session_id=sid, generation_id=gid, worker=owner, max_takeovers=self.max_takeovers
         )
-        outcome = reply[0]
-        if outcome in ("final", "moved"):
-            return outcome
-        epoch = int(reply[1]) if outcome in ("queued", "takeover") else 0
-        if outcome == "queued":
+        match reply:
+            case AlreadyFinal():
+                return "final"
+            case Moved():
+                return "moved"
+        epoch = reply.takeovers if isinstance(reply, NotStarted | TakenOver) else 0
+        if isinstance(reply, NotStarted):
             # Its worker died before it claimed it (while preparing it): counted, so that
             # a request that kills every worker that takes it ends instead of going round.
             lost = int(await self.redis.hincrby(gen_key, LOST_BEFORE_START, 1))
@@ -232,35 +222,31 @@ class Takeover:
                 )
                 await self._end(request, Error(gid, "worker_lost", message))
                 return "worker_lost"
-        if outcome == "queued" and epoch == 0:
+        if isinstance(reply, NotStarted) and epoch == 0:
             log.info("requeueing %s from a dead worker", gid)
             await self._queue(queue, raw)
             return "requeued"
         streamed = await streamed_so_far(self.redis, self.keys, sid, gid)
-        if outcome == "cancel":
-            reason = msgspec.convert(reply[1], CancelReason)
+        if isinstance(reply, CancelAsked):
             usage = streamed.usage() if streamed is not None else Usage(0, 0)
-            await self._end(request, Cancelled(gid, reason, usage))
+            await self._end(request, Cancelled(gid, reply.reason, usage))
             return "cancelled"
-        if outcome == "exhausted" or streamed is None:
+        if isinstance(reply, Exhausted) or streamed is None:
             why = (
                 f"it was taken over {self.max_takeovers} times already"
-                if outcome == "exhausted"
+                if isinstance(reply, Exhausted)
                 else "its events were trimmed, so it cannot be continued"
             )
             log.warning("worker lost while running %s; %s", gid, why)
             message = f"the engine worker running this generation stopped ({why})"
             await self._end(request, Error(gid, "worker_lost", message))
             return "worker_lost"
-        from_worker = reply[2] if len(reply) > 2 else owner
-        resumed = msgspec.structs.replace(
-            request, enqueued_at=time.time(), resume=streamed.resume(epoch, from_worker)
-        )
+        resumed = continuation(request, reply, streamed)
         await self.redis.hset(gen_key, "usage", wire.encode(streamed.usage()))
         log.info(
             "taking over %s from %s after %d tokens (takeover %d)",
             gid,
-            from_worker,
+            reply.from_worker,
             streamed.completion_tokens,
             epoch,
         )

@@ -23,7 +23,7 @@ def test_every_gateway_setting_and_engine_flag_and_variable_is_in_the_doc() -> N
     text = DOC.read_text()
     for field in Settings.__struct_fields__:
         assert f"| `{env_name(field)}` |" in text, field
-    for action in build_parser()._actions:
+    for action in build_parser().flags:
         for flag in action.option_strings:
             if flag not in ("-h", "--help"):
                 assert f"`{flag}`" in text, flag

@@ -30,6 +30,7 @@ from tests.support.http import create_session, follow, send
 from tests.support.redis_probes import async_client
 from tests.support.stack import Stack
 from wire import Keys, Started, Token
+from wire.outcomes import NotStarted, TakenOver, TakeoverReply
 from wire.queue import RequestQueue
 from wire.scripts import Emit, Takeover
 
@@ -128,16 +129,16 @@ async def test_a_failed_ack_is_counted_and_retried(
         raise RedisConnectionError("connection lost")
 
     monkeypatch.setattr(redis, "xack", lost)
-    await worker._ack_or_retry_later(entry_id)
+    await worker.intake.ack_or_retry_later(entry_id)
     assert (await redis.xpending(queue, wire.CONSUMER_GROUP))["pending"] == 1
     errors = worker.metrics.registry.get_sample_value(
         "tokenspout_engine_redis_errors_total", {"where": "ack"}
     )
     assert errors == 1
     monkeypatch.setattr(redis, "xack", xack)
-    await worker._retry_acks()  # what the next heartbeat does
+    await worker.intake.retry_acks()  # what the next heartbeat does
     assert (await redis.xpending(queue, wire.CONSUMER_GROUP))["pending"] == 0
-    assert not worker._unacked
+    assert not worker.intake.unacked
 
 
 async def test_after_a_takeover_only_the_new_epochs_writer_writes(redis: aioredis.Redis) -> None:
@@ -154,14 +155,14 @@ async def test_after_a_takeover_only_the_new_epochs_writer_writes(redis: aioredi
             session_id=sid, event=event, maxlen=100, ttl_s=600, writer=writer, epoch=epoch
         )
 
-    async def take_from(worker: str) -> list[str]:
+    async def take_from(worker: str) -> TakeoverReply:
         return await takeover(session_id=sid, generation_id=gid, worker=worker, max_takeovers=3)
 
     assert await write(Started(gid, "m", 3), "w1", 0)
     assert await write(Token(gid, "a", 1, [7]), "w1", 0)
     assert await write(Token(gid, "b", 2, [8]), "w2", 0) is None  # not the owner
-    assert await take_from("w1") == ["takeover", "1", "w1"]
-    assert (await take_from("w1"))[0] == "queued"  # a second reaper hands nothing on anew
+    assert await take_from("w1") == TakenOver(takeovers=1, from_worker="w1")
+    assert isinstance(await take_from("w1"), NotStarted)  # a second reaper hands nothing on anew
     assert await write(Token(gid, "b", 2, [8]), "w1", 0) is None  # the old run
     assert await write(Token(gid, "b", 2, [8]), "w1", 1) is None  # not claimed yet
     resumed = wire.Resumed(gid, "w1", "w1", 1, 1)

@@ -10,6 +10,9 @@ same event the stream holds, so a live reader needs no second round trip.
 
 Called with ``pipe=`` a wrapper queues the script in that pipeline and returns nothing;
 ``reply`` turns the pipeline's result for it into what the call would have returned.
+
+A script that answers one of several outcomes is decoded here, once, into the typed values
+of wire/outcomes.py (``match`` on them); nothing else reads a script's reply list.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import time
 from importlib.resources import files
 from typing import ClassVar
 
+import msgspec
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 from redis.commands.core import AsyncScript
@@ -33,9 +37,32 @@ from wire.messages import (
     Queued,
     SessionEvent,
     Usage,
+    decode_final,
     encode,
     event_type,
     final_state,
+)
+from wire.outcomes import (
+    Accepted,
+    AlreadyFinal,
+    Busy,
+    CancelAsked,
+    CancelledQueued,
+    CancelReply,
+    Duplicate,
+    EndedBefore,
+    Exhausted,
+    Forbidden,
+    HistoryFull,
+    Moved,
+    NotStarted,
+    ScriptReplyError,
+    SessionMissing,
+    SignalWorker,
+    SubmitReply,
+    TakenOver,
+    TakeoverReply,
+    UnknownGeneration,
 )
 from wire.replies import text
 
@@ -114,6 +141,56 @@ def _texts(reply: object) -> list[str]:
     return [text(item) for item in reply] if isinstance(reply, list) else []
 
 
+_message_decoder = msgspec.json.Decoder(ChatMessage)
+
+
+def takeover_reply(reply: object) -> TakeoverReply:
+    match _texts(reply):
+        case ["takeover", takeovers, from_worker]:
+            return TakenOver(int(takeovers), from_worker)
+        case ["queued", takeovers, from_worker]:
+            return NotStarted(int(takeovers), from_worker)
+        case ["cancel", reason]:
+            return CancelAsked(msgspec.convert(reason, CancelReason))
+        case ["exhausted"]:
+            return Exhausted()
+        case ["final"]:
+            return AlreadyFinal()
+        case ["moved"]:
+            return Moved()
+    raise ScriptReplyError(f"TAKEOVER answered {reply!r}")
+
+
+def submit_reply(reply: object) -> SubmitReply:
+    match _texts(reply):
+        case ["ok", queued_id, *history]:
+            return Accepted(queued_id, [_message_decoder.decode(item) for item in history])
+        case ["missing"]:
+            return SessionMissing()
+        case ["forbidden"]:
+            return Forbidden()
+        case ["duplicate", generation_id]:
+            return Duplicate(generation_id)
+        case ["busy", generation_id]:
+            return Busy(generation_id)
+        case ["history_full"]:
+            return HistoryFull()
+    raise ScriptReplyError(f"SUBMIT answered {reply!r}")
+
+
+def cancel_reply(reply: object) -> CancelReply:
+    match _texts(reply):
+        case ["unknown"]:
+            return UnknownGeneration()
+        case ["final", _state, final]:
+            return EndedBefore(decode_final(final))
+        case ["cancelled", event_id, final]:
+            return CancelledQueued(event_id, decode_final(final))
+        case ["signal", worker]:
+            return SignalWorker(worker)
+    raise ScriptReplyError(f"CANCEL answered {reply!r}")
+
+
 class Emit(Script):
     """Append one event of a generation to its session (wire/lua/emit.lua)."""
 
@@ -179,15 +256,15 @@ class Takeover(Script):
         worker: str,
         max_takeovers: int,
         usage: Usage | None = None,
-    ) -> list[str]:
-        """``[outcome, ...]``: ``takeover``/``queued`` with the epoch and the worker it came
-        from, ``cancel`` with the reason, or ``exhausted``, ``final``, ``moved``."""
+    ) -> TakeoverReply:
+        """``worker``: the one lost or stopping; ``usage``: what it streamed so far, when
+        known."""
         reply = await self._run(
             [self.keys.generation(session_id, generation_id)],
             [worker, max_takeovers, encode(usage) if usage is not None else ""],
             None,
         )
-        return _texts(reply)
+        return takeover_reply(reply)
 
 
 class Submit(Script):
@@ -207,10 +284,8 @@ class Submit(Script):
         ttl_s: int,
         max_history: int,
         watch_ttl_s: int,
-    ) -> list[str]:
-        """``['ok', queued event id, history JSON...]``, or ``['missing']``,
-        ``['forbidden']`` (``token_digest`` "": no check), ``['duplicate', gid]``,
-        ``['busy', gid]``, ``['history_full']``."""
+    ) -> SubmitReply:
+        """``token_digest`` "": no token check."""
         keys, args = self._keys_args(
             session_id,
             generation_id,
@@ -222,7 +297,7 @@ class Submit(Script):
             idempotency_key=idempotency_key,
             max_history=max_history,
         )
-        return _texts(await self._run(keys, args, None))
+        return submit_reply(await self._run(keys, args, None))
 
     def create_in(
         self,
@@ -247,8 +322,8 @@ class Submit(Script):
         self._queue_evalsha(pipe, keys, args)
 
     @staticmethod
-    def replied(reply: object) -> list[str]:
-        return _texts(reply)
+    def replied(reply: object) -> SubmitReply:
+        return submit_reply(reply)
 
     def _keys_args(
         self,
@@ -304,9 +379,7 @@ class Cancel(Script):
         reason: CancelReason,
         maxlen: int,
         ttl_s: int,
-    ) -> list[str]:
-        """``['unknown']``, ``['final', state, final JSON]``, ``['cancelled', id, JSON]``
-        (it was queued) or ``['signal', worker]`` (running: tell its worker)."""
+    ) -> CancelReply:
         keys = self.keys
         cancelled = Cancelled(generation_id, reason, Usage(0, 0))
         reply = await self._run(
@@ -325,7 +398,7 @@ class Cancel(Script):
             ],
             None,
         )
-        return _texts(reply)
+        return cancel_reply(reply)
 
 
 class EndQueued(Script):

@@ -16,7 +16,7 @@ from litestar import Response, Router, get, post
 from litestar.response import Stream
 
 from gateway import sse
-from gateway.auth import ApiKeys, require_api_key
+from gateway.auth import api_key_guard
 from gateway.errors import (
     HANDLED,
     AnyRequest,
@@ -84,15 +84,8 @@ def sampling_of(store: SessionStore, given: Parameters) -> SamplingParams:
 
 
 async def _start(
-    request: AnyRequest,
-    store: SessionStore,
-    hub: RelayHub,
-    settings: Settings,
-    api_keys: ApiKeys,
-    model: str,
-    data: GenerateRequest,
+    store: SessionStore, hub: RelayHub, settings: Settings, model: str, data: GenerateRequest
 ) -> GenerationStream:
-    require_api_key(request, api_keys)
     if not data.text_input.strip():
         raise BadRequest("`text_input` must not be empty", field="text_input")
     params = sampling_of(store, data.parameters)
@@ -103,15 +96,9 @@ async def _start(
 
 @post("/{model:str}/generate", summary="OIP generate", status_code=200)
 async def generate(
-    request: AnyRequest,
-    store: SessionStore,
-    hub: RelayHub,
-    settings: Settings,
-    api_keys: ApiKeys,
-    model: str,
-    data: GenerateRequest,
+    store: SessionStore, hub: RelayHub, settings: Settings, model: str, data: GenerateRequest
 ) -> GenerateResponse:
-    generation = await _start(request, store, hub, settings, api_keys, model, data)
+    generation = await _start(store, hub, settings, model, data)
     whole = await generation.collect()
     return GenerateResponse(whole.model or model, whole.text, whole.final.finish_reason, data.id)
 
@@ -137,15 +124,9 @@ async def _events(
 
 @post("/{model:str}/generate_stream", summary="OIP generate_stream", status_code=200)
 async def generate_stream(
-    request: AnyRequest,
-    store: SessionStore,
-    hub: RelayHub,
-    settings: Settings,
-    api_keys: ApiKeys,
-    model: str,
-    data: GenerateRequest,
+    store: SessionStore, hub: RelayHub, settings: Settings, model: str, data: GenerateRequest
 ) -> Stream:
-    generation = await _start(request, store, hub, settings, api_keys, model, data)
+    generation = await _start(store, hub, settings, model, data)
     chunks = ending_with_error(
         _events(generation.events(), model, data.id),
         lambda error: sse.frame(msgspec.json.encode(OipError(error.message))),
@@ -154,12 +135,9 @@ async def generate_stream(
 
 
 @get("/{model:str}/ready", summary="OIP model readiness: a live worker serves the model")
-async def model_ready(
-    request: AnyRequest, store: SessionStore, api_keys: ApiKeys, model: str
-) -> Response[Ready]:
+async def model_ready(store: SessionStore, model: str) -> Response[Ready]:
     """200 when a live worker serves ``model`` (a name or alias); 503 when its last worker
     left; 404 for a name no worker ever registered."""
-    require_api_key(request, api_keys)
     try:
         await store.models.resolve(model)
     except Unavailable:
@@ -170,6 +148,7 @@ async def model_ready(
 oip_router = Router(
     path="/v2/models",
     route_handlers=[generate, generate_stream, model_ready],
+    guards=[api_key_guard],
     tags=["open-inference-protocol"],
     exception_handlers={kind: oip_error for kind in HANDLED},
 )

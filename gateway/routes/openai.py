@@ -16,7 +16,7 @@ from litestar import Response, Router, get, post
 from litestar.response import Stream
 
 from gateway import sse, structured, tools
-from gateway.auth import ApiKeys, require_api_key
+from gateway.auth import api_key_guard
 from gateway.choices import Choices, IndexedItem
 from gateway.errors import (
     HANDLED,
@@ -525,14 +525,11 @@ def _streamed(choices: Choices, chunks: Chunks, body: _Sampling, n: int) -> Stre
 
 @post("/chat/completions", summary="OpenAI chat completions", status_code=200)
 async def chat_completions(
-    request: AnyRequest,
     store: SessionStore,
     hub: RelayHub,
     settings: Settings,
-    api_keys: ApiKeys,
     data: ChatCompletionRequest,
 ) -> Response[ChatCompletion] | Stream:
-    require_api_key(request, api_keys)
     functions = _chat_tools(data)
     params = _chat_params(store, data, functions)
     messages = _chat_messages(data, settings.max_history_messages)
@@ -552,14 +549,11 @@ async def chat_completions(
 
 @post("/completions", summary="OpenAI (legacy) completions", status_code=200)
 async def completions(
-    request: AnyRequest,
     store: SessionStore,
     hub: RelayHub,
     settings: Settings,
-    api_keys: ApiKeys,
     data: CompletionRequest,
 ) -> Response[Completion] | Stream:
-    require_api_key(request, api_keys)
     params = _completion_params(store, data)
     prompt = _completion_prompt(data)
     n = _choices(data, settings)
@@ -573,8 +567,7 @@ async def completions(
 
 
 @get("/models", summary="The models (and aliases) that have a live engine worker")
-async def models(request: AnyRequest, store: SessionStore, api_keys: ApiKeys) -> ModelList:
-    require_api_key(request, api_keys)
+async def models(store: SessionStore) -> ModelList:
     cards: dict[str, ModelCard] = {}
     for worker in await store.models.live_workers():
         created = int(worker.started_at)
@@ -591,4 +584,5 @@ openai_router = Router(
     route_handlers=[chat_completions, completions, models],
     tags=["openai"],
     exception_handlers={kind: openai_error for kind in HANDLED},
+    guards=[api_key_guard],
 )

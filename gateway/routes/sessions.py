@@ -16,7 +16,7 @@ from litestar.params import HeaderParameter, QueryParameter
 from litestar.response import Stream
 
 from gateway import sse, structured
-from gateway.auth import ApiKeys, require_api_key
+from gateway.auth import api_key_guard
 from gateway.errors import EventsExpired, SessionLost
 from gateway.relay import RelayHub
 from gateway.sessions import SessionStore
@@ -90,18 +90,11 @@ class SessionController(Controller):
     path = "/v1/sessions"
     tags = ["sessions"]
 
-    @post("/", status_code=201, summary="Create a session")
-    async def create(
-        self,
-        request: AnyRequest,
-        store: SessionStore,
-        api_keys: ApiKeys,
-        data: SessionIn | None = None,
-    ) -> SessionCreated:
+    @post("/", status_code=201, summary="Create a session", guards=[api_key_guard])
+    async def create(self, store: SessionStore, data: SessionIn | None = None) -> SessionCreated:
         """With API keys configured, wants ``Authorization: Bearer <key>`` (else 401). The
         body (optional) names the model: 404 ``model_not_found`` for a name no worker
         serves, 503 ``model_unavailable`` when its workers all left."""
-        require_api_key(request, api_keys)
         created = await store.create_session(data.model if data is not None else None)
         return SessionCreated(
             created.session_id,

@@ -20,7 +20,7 @@ from litestar import Response, Router, get, post
 from litestar.response import Stream
 
 from gateway import __version__, sse
-from gateway.auth import ApiKeys, require_api_key
+from gateway.auth import api_key_guard
 from gateway.errors import (
     HANDLED,
     AnyRequest,
@@ -202,14 +202,8 @@ def _top_tokens(piece: TokenPiece) -> list[TokenOut] | None:
 
 
 async def _start(
-    request: AnyRequest,
-    store: SessionStore,
-    hub: RelayHub,
-    settings: Settings,
-    api_keys: ApiKeys,
-    data: GenerateRequest,
+    store: SessionStore, hub: RelayHub, settings: Settings, data: GenerateRequest
 ) -> GenerationStream:
-    require_api_key(request, api_keys)
     if not data.inputs.strip():
         raise BadRequest("`inputs` must not be empty", field="inputs")
     params = _params(store, data.parameters)
@@ -284,14 +278,9 @@ def _stream_response(generation: GenerationStream, data: GenerateRequest) -> Str
 
 
 async def _generate_or_stream(
-    request: AnyRequest,
-    store: SessionStore,
-    hub: RelayHub,
-    settings: Settings,
-    api_keys: ApiKeys,
-    data: GenerateRequest,
+    store: SessionStore, hub: RelayHub, settings: Settings, data: GenerateRequest
 ) -> Response[Generated] | Stream:
-    generation = await _start(request, store, hub, settings, api_keys, data)
+    generation = await _start(store, hub, settings, data)
     if data.stream:
         return _stream_response(generation, data)
     return Response(_generated(await generation.collect(), data), status_code=200)
@@ -301,57 +290,40 @@ async def _generate_or_stream(
     "/",
     summary="TGI's root: generate, or generate_stream with `stream: true`",
     status_code=200,
+    guards=[api_key_guard],
     tags=["tgi"],
     exception_handlers={kind: tgi_error for kind in HANDLED},
 )
 async def compat_generate(
-    request: AnyRequest,
-    store: SessionStore,
-    hub: RelayHub,
-    settings: Settings,
-    api_keys: ApiKeys,
-    data: GenerateRequest,
+    store: SessionStore, hub: RelayHub, settings: Settings, data: GenerateRequest
 ) -> Response[Generated] | Stream:
     """Where ``InferenceClient("http://host:port")`` posts, as TGI's own ``POST /`` (the
     web chat is ``GET /``). Not in ``tgi_router``: two routers on one path would each bring
     an OPTIONS handler, which Litestar refuses; gateway/app.py registers it after the web
     chat's router."""
-    return await _generate_or_stream(request, store, hub, settings, api_keys, data)
+    return await _generate_or_stream(store, hub, settings, data)
 
 
 @post(
     "/generate", summary="TGI generate (streams when the body says `stream: true`)", status_code=200
 )
 async def generate(
-    request: AnyRequest,
-    store: SessionStore,
-    hub: RelayHub,
-    settings: Settings,
-    api_keys: ApiKeys,
-    data: GenerateRequest,
+    store: SessionStore, hub: RelayHub, settings: Settings, data: GenerateRequest
 ) -> Response[Generated] | Stream:
     """``stream: true`` makes it ``generate_stream``, as TGI's ``POST /`` does."""
-    return await _generate_or_stream(request, store, hub, settings, api_keys, data)
+    return await _generate_or_stream(store, hub, settings, data)
 
 
 @post("/generate_stream", summary="TGI generate_stream (text/event-stream)", status_code=200)
 async def generate_stream(
-    request: AnyRequest,
-    store: SessionStore,
-    hub: RelayHub,
-    settings: Settings,
-    api_keys: ApiKeys,
-    data: GenerateRequest,
+    store: SessionStore, hub: RelayHub, settings: Settings, data: GenerateRequest
 ) -> Stream:
-    generation = await _start(request, store, hub, settings, api_keys, data)
+    generation = await _start(store, hub, settings, data)
     return _stream_response(generation, data)
 
 
 @get("/info", summary="TGI info: the default model and this gateway's limits")
-async def info(
-    request: AnyRequest, store: SessionStore, settings: Settings, api_keys: ApiKeys
-) -> Info:
-    require_api_key(request, api_keys)
+async def info(store: SessionStore, settings: Settings) -> Info:
     model = await store.models.resolve(None)
     workers = (await store.models.snapshot()).live.get(model, [])
     contexts = [w.max_model_len for w in workers if w.max_model_len is not None]
@@ -382,6 +354,7 @@ async def info(
 tgi_router = Router(
     path="/",
     route_handlers=[generate, generate_stream, info],
+    guards=[api_key_guard],
     tags=["tgi"],
     exception_handlers={kind: tgi_error for kind in HANDLED},
 )

@@ -12,8 +12,8 @@ from typing import Annotated, Any
 import msgspec
 from litestar import Router, post
 
-from gateway.auth import ApiKeys, require_api_key
-from gateway.errors import HANDLED, AnyRequest, BadRequest
+from gateway.auth import api_key_guard
+from gateway.errors import HANDLED, BadRequest
 from gateway.generation_stream import Collected, GenerationStream
 from gateway.relay import RelayHub
 from gateway.routes.openai import ROLES, openai_error
@@ -84,14 +84,11 @@ async def _ask_worker(
     summary="vLLM's tokenize: a prompt or messages as the model's token ids",
 )
 async def tokenize(
-    request: AnyRequest,
     store: SessionStore,
     hub: RelayHub,
     settings: Settings,
-    api_keys: ApiKeys,
     data: TokenizeRequest,
 ) -> TokenizeResponse:
-    require_api_key(request, api_keys)
     if (data.prompt is None) == (data.messages is None):
         raise BadRequest("give either prompt or messages", field="prompt")
     if data.return_token_strs:
@@ -108,14 +105,11 @@ async def tokenize(
 
 @post("/detokenize", status_code=200, summary="vLLM's detokenize: token ids as the model's text")
 async def detokenize(
-    request: AnyRequest,
     store: SessionStore,
     hub: RelayHub,
     settings: Settings,
-    api_keys: ApiKeys,
     data: DetokenizeRequest,
 ) -> DetokenizeResponse:
-    require_api_key(request, api_keys)
     whole = await _ask_worker(store, hub, settings, data.model, "detokenize", token_ids=data.tokens)
     return DetokenizeResponse(whole.text)
 
@@ -125,4 +119,5 @@ tokenize_router = Router(
     route_handlers=[tokenize, detokenize],
     tags=["vllm"],
     exception_handlers={kind: openai_error for kind in HANDLED},
+    guards=[api_key_guard],
 )

@@ -1,0 +1,193 @@
+"""The worker's intake: which requests run here, and the tasks that run them.
+
+``Intake`` owns what the worker holds of its model's queue: the jobs running now (never
+more than the backend's capacity), the tasks that run them or acknowledge requests, the
+acknowledgements that failed and are retried with each heartbeat, and a request's second
+copy held while the first one's claim is on its way. The worker's loop runs
+``consume_forever``; ``Worker.run_job`` runs one generation and hands it back here when it
+ends.
+
+A request queued twice (the second copy): the gateway's stateless submit sends the
+session's SUBMIT script and the queue's XADD in one pipeline. When Redis has lost its
+scripts (a restart), the script fails with NOSCRIPT but the XADD goes in: that first copy
+names a generation that does not exist yet, and its claim is refused. The gateway loads
+the script and sends both again, so a second copy follows. A worker that took the second
+copy while the first one's claim was still on its way used to drop it as a duplicate; the
+first was then refused, and the generation never ran (its stream waited forever). The
+second copy is now held until the claim is answered: dropped if the claim holds, run if it
+was refused (``settle_second_copy``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import msgspec
+from redis.exceptions import RedisError, ResponseError
+
+from engine.backends.base import Backend
+from engine.job import Job, epoch_of
+from engine.metrics import WorkerMetrics
+from engine.publisher import Publisher
+from wire import GenerationRequest
+from wire.queue import RequestQueue
+
+log = logging.getLogger("tokenspout.worker")
+_request_decoder = msgspec.json.Decoder(GenerationRequest)
+
+RunJob = Callable[[Job], Coroutine[Any, Any, None]]
+"""Runs one generation to its end (``Worker.run_job``), then calls ``Intake.finished``."""
+
+
+class Intake:
+    def __init__(
+        self,
+        *,
+        queue: RequestQueue,
+        publisher: Publisher,
+        backend: Backend,
+        metrics: WorkerMetrics,
+        worker_id: str,
+        run_job: RunJob,
+    ) -> None:
+        self.queue = queue
+        self.publisher = publisher
+        self.backend = backend
+        self.metrics = metrics
+        self.worker_id = worker_id
+        self.run_job = run_job
+        self.jobs: dict[str, Job] = {}
+        """The generations running here, by id."""
+        self.accepting = True
+        self.unacked: set[bytes] = set()
+        """Requests whose acknowledgement failed; retried with each heartbeat (a request
+        left pending under a live worker would count as in flight forever)."""
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._slot_freed = asyncio.Event()
+
+    @property
+    def busy(self) -> bool:
+        """A task of this intake still runs (a generation, an ack, an abort)."""
+        return bool(self._tasks)
+
+    def stop_accepting(self) -> None:
+        """Take no new request (the worker drains)."""
+        self.accepting = False
+        self._slot_freed.set()
+
+    async def consume_forever(self) -> None:
+        while True:
+            free = self.backend.capacity - len(self.jobs)
+            if free <= 0 or not self.accepting:
+                self._slot_freed.clear()
+                await self._slot_freed.wait()
+                continue
+            try:
+                entries = await self.queue.take(self.worker_id, free, block_ms=1000)
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                log.warning("the consumer group is gone (Redis lost its data?); recreating it")
+                with contextlib.suppress(RedisError, OSError):
+                    await self.queue.ensure_group()
+                continue
+            except (RedisError, OSError) as exc:
+                log.warning("reading requests failed (%s); retrying", exc)
+                self.metrics.redis_errors.labels("requests").inc()
+                await asyncio.sleep(0.5)
+                continue
+            if entries and not self.accepting:
+                # Read while the drain began (a hand-over may be among them): give them back.
+                await self.queue.requeue(entries)
+                log.info("gave %d requests back to the queue: draining", len(entries))
+                continue
+            for entry_id, fields in entries:
+                self.take(entry_id, fields)
+
+    def take(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
+        """Start the request read from the queue (or hold it, or drop it as a copy)."""
+        try:
+            request = _request_decoder.decode(fields[b"r"])
+        except (KeyError, msgspec.DecodeError) as exc:
+            log.error("dropping an unreadable request %s: %s", entry_id, exc)
+            self.spawn(self.ack_or_retry_later(entry_id))
+            return
+        target = self.publisher.target(
+            request.session_id,
+            request.generation_id,
+            epoch=epoch_of(request),
+            ttl_s=request.session_ttl_s,
+            maxlen=request.events_maxlen,
+        )
+        job = Job(request, entry_id, target)
+        running = self.jobs.get(request.generation_id)
+        if running is not None and running.epoch >= job.epoch and not running.claimed:
+            running.second_copy = job  # settled once its claim is answered
+            return
+        if running is not None and running.epoch >= job.epoch:
+            log.info("dropping a second copy of %s", request.generation_id)
+            self.spawn(self.ack_or_retry_later(entry_id))
+            return
+        if running is not None:  # this worker was taken for lost; it continues it
+            self.stop_run(running)
+        self._run(job)
+
+    def settle_second_copy(self, job: Job, claimed: bool) -> None:
+        """``job``'s claim is answered (``claimed``: it holds, or the first copy ended the
+        generation otherwise): drop the copy held meanwhile, or run it in ``job``'s place."""
+        second, job.second_copy = job.second_copy, None
+        if second is None:
+            return
+        if claimed:
+            log.info("dropping a second copy of %s", job.generation_id)
+            self.spawn(self.ack_or_retry_later(second.entry_id))
+        else:
+            log.info("the first copy of %s was refused: running the second", job.generation_id)
+            self._run(second)
+
+    def finished(self, job: Job) -> None:
+        """``job``'s run is over: its slot is free (unless a continuation replaced it)."""
+        if self.jobs.get(job.generation_id) is job:
+            del self.jobs[job.generation_id]
+        self._slot_freed.set()
+
+    def stop_run(self, job: Job) -> None:
+        """Abort a run whose events Redis no longer takes; no final event (not its own)."""
+        if job.cancel_reason is None:
+            job.cancel_reason = "user"
+            job.ended = True
+            self.spawn(self.backend.abort(job.request.engine_request_id))
+
+    def spawn(self, work: Coroutine[Any, Any, None], name: str | None = None) -> None:
+        """Run ``work`` in a task the drain waits for."""
+        task = asyncio.create_task(work, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def ack_or_retry_later(self, entry_id: bytes) -> None:
+        try:
+            await self.queue.ack(entry_id)
+        except (RedisError, OSError) as exc:
+            log.warning(
+                "acknowledging request %s failed (%s); retrying with the next heartbeat",
+                entry_id.decode(),
+                exc,
+            )
+            self.metrics.redis_errors.labels("ack").inc()
+            self.unacked.add(entry_id)
+
+    async def retry_acks(self) -> None:
+        if not self.unacked:
+            return
+        entry_ids = list(self.unacked)
+        await self.queue.ack(*entry_ids)
+        self.unacked.difference_update(entry_ids)
+        log.info("acknowledged %d requests on a retry", len(entry_ids))
+
+    def _run(self, job: Job) -> None:
+        self.jobs[job.generation_id] = job
+        self.spawn(self.run_job(job), name=job.generation_id)

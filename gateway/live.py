@@ -1,0 +1,154 @@
+"""Where the relay's live events come from: one pub/sub reader per gateway process.
+
+``LiveSource`` is what the hub (gateway/relay.py) needs of it: subscribe a session's live
+channel, unsubscribe it, start and close; the source tells the hub each live message
+(``Deliver``) and when a channel's subscription is confirmed or lost (``Confirmed``). Two
+implementations: ``PlainLive`` below (one pub/sub connection to one Redis) and
+``ShardedLive`` (gateway/shards.py: sharded pub/sub on a Redis Cluster, one connection per
+shard). Litestar's channel backends (``litestar/channels/backends/base.py``) are the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Protocol
+
+import redis.asyncio as aioredis
+from redis._parsers.hiredis import NOT_ENOUGH_DATA
+from redis.asyncio.client import PubSub
+from redis.exceptions import RedisError
+
+log = logging.getLogger("tokenspout.relay")
+
+Deliver = Callable[[bytes, bytes], None]
+"""(channel, data) of one live message."""
+Confirmed = Callable[[str, bool], None]
+"""A channel's subscription is confirmed (True) or lost (False)."""
+
+
+class LiveSource(Protocol):
+    """One process's live events: each subscribed channel's messages go to ``Deliver``;
+    a lost connection reports each of its channels lost, and confirmed once back."""
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def subscribe(self, channel: str) -> None:
+        """Subscribe ``channel``; ``Confirmed(channel, True)`` follows once it holds."""
+
+    async def unsubscribe(self, channel: str) -> None: ...
+
+
+class PlainLive:
+    """One pub/sub connection to one Redis (a primary, or one behind Sentinel)."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        deliver: Deliver,
+        confirmed: Confirmed,
+        connection_lost: Callable[[], None],
+    ) -> None:
+        self.redis = redis
+        self.deliver = deliver
+        self.confirmed = confirmed
+        self.connection_lost = connection_lost
+        self.channels: set[str] = set()
+        """The channels subscribed (or to subscribe again once the connection is back)."""
+        self._pubsub: PubSub = redis.pubsub()
+        self._reader: asyncio.Task[None] | None = None
+        self._subscribed = asyncio.Event()
+        self._commands = asyncio.Lock()
+        """One (un)subscribe at a time: redis-py's PubSub opens its connection on first use,
+        and concurrent first calls would each open one, stranding their channels."""
+
+    async def start(self) -> None:
+        self._reader = asyncio.create_task(self._read_forever(), name="relay-reader")
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+        await self._pubsub.aclose()  # type: ignore[no-untyped-call]
+
+    async def subscribe(self, channel: str) -> None:
+        self.channels.add(channel)
+        async with self._commands:
+            await self._pubsub.subscribe(channel)
+        self._subscribed.set()
+
+    async def unsubscribe(self, channel: str) -> None:
+        self.channels.discard(channel)
+        async with self._commands:
+            await self._pubsub.unsubscribe(channel)
+
+    async def _read_forever(self) -> None:
+        backoff = 0.05
+        while True:
+            try:
+                if not self._pubsub.subscribed:
+                    if self.channels:
+                        async with self._commands:
+                            await self._pubsub.subscribe(*self.channels)
+                    else:
+                        await self._subscribed.wait()
+                        self._subscribed.clear()
+                    continue
+                message = await self._pubsub.get_message(timeout=1.0)
+                backoff = 0.05
+                if message is not None:
+                    self._dispatch(message)
+                    await self._drain_parsed()
+            except (RedisError, OSError) as exc:
+                # Pub/sub lost: every feed re-reads the stream once resubscribed.
+                log.warning("relay pub/sub connection lost (%s); reconnecting", exc)
+                self.connection_lost()
+                for channel in list(self.channels):
+                    self.confirmed(channel, False)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                with contextlib.suppress(RedisError, OSError):
+                    await self._pubsub.aclose()  # type: ignore[no-untyped-call]
+                self._pubsub = self.redis.pubsub()
+
+    async def _drain_parsed(self) -> None:
+        """Dispatch the replies already read and parsed, without redis-py's per-message path.
+
+        One socket read brings many live messages at load; ``get_message`` costs tens of
+        microseconds each (timeouts, retry wrapper, a dict per message), the hiredis reader
+        a microsecond. Live messages go straight to the feeds; anything else (subscribe
+        confirmations) still goes through redis-py's ``handle_message`` bookkeeping.
+        This reads redis-py's parser internals (``_parser._reader``, ``NOT_ENOUGH_DATA``):
+        redis is pinned in pyproject.toml, and tests/test_sessions.py covers the path.
+        """
+        parser = getattr(self._pubsub.connection, "_parser", None)
+        reader = getattr(parser, "_reader", None)
+        if reader is None:  # not the hiredis parser: get_message does it all
+            return
+        pubsub = self._pubsub
+        while (reply := reader.gets()) is not NOT_ENOUGH_DATA:
+            if isinstance(reply, list) and len(reply) == 3 and reply[0] == b"message":
+                self.deliver(reply[1], reply[2])
+            elif isinstance(reply, Exception):
+                raise reply
+            elif reply not in pubsub.health_check_response:
+                message = await pubsub.handle_message(reply)  # type: ignore[no-untyped-call]
+                if message is not None:
+                    self._dispatch(message)
+
+    def _dispatch(self, message: dict[str, object]) -> None:
+        kind = message["type"]
+        channel = message["channel"]
+        if kind == "message":
+            data = message["data"]
+            assert isinstance(channel, bytes) and isinstance(data, bytes)
+            self.deliver(channel, data)
+            return
+        channel = channel.decode() if isinstance(channel, bytes) else str(channel)
+        if kind == "subscribe":
+            self.confirmed(channel, True)

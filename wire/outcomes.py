@@ -1,0 +1,120 @@
+"""What the Lua scripts answer, as typed values: one Struct per outcome, one union per
+script. ``wire.scripts`` decodes each reply into these once, so callers ``match`` on types
+that mypy checks instead of comparing lists of strings (each .lua file's header says what
+it returns; the decoders in wire/scripts.py are the only readers of those lists)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from wire.messages import CancelReason, ChatMessage, FinalEvent
+
+
+class ScriptReplyError(ValueError):
+    """A script answered what its wrapper does not know (a .lua file and its decoder
+    disagree): a bug, never a state to handle."""
+
+
+# --- TAKEOVER (wire/lua/takeover.lua) ------------------------------------------------
+
+
+class TakenOver(msgspec.Struct, frozen=True, tag="takeover"):
+    """Taken from ``from_worker``: queued at epoch ``takeovers``; queue its continuation."""
+
+    takeovers: int
+    from_worker: str
+
+
+class NotStarted(msgspec.Struct, frozen=True, tag="queued"):
+    """Not running (its worker never claimed it): queue it again at epoch ``takeovers``."""
+
+    takeovers: int
+    from_worker: str
+    """The worker it was last taken from ("" if never)."""
+
+
+class CancelAsked(msgspec.Struct, frozen=True, tag="cancel"):
+    """A cancel was asked for: end it cancelled."""
+
+    reason: CancelReason
+
+
+class Exhausted(msgspec.Struct, frozen=True, tag="exhausted"):
+    """Taken over the most times allowed already: end it."""
+
+
+class AlreadyFinal(msgspec.Struct, frozen=True, tag="final"):
+    """It ended (or expired): nothing to do."""
+
+
+class Moved(msgspec.Struct, frozen=True, tag="moved"):
+    """Another worker owns it now: nothing to do."""
+
+
+TakeoverReply = TakenOver | NotStarted | CancelAsked | Exhausted | AlreadyFinal | Moved
+
+
+# --- SUBMIT (wire/lua/submit.lua) ----------------------------------------------------
+
+
+class Accepted(msgspec.Struct, frozen=True, tag="ok"):
+    """Queued: its ``queued`` event's id, and the session's history to send the engine."""
+
+    queued_id: str
+    history: list[ChatMessage]
+
+
+class SessionMissing(msgspec.Struct, frozen=True, tag="missing"):
+    pass
+
+
+class Forbidden(msgspec.Struct, frozen=True, tag="forbidden"):
+    """The session's token did not match."""
+
+
+class Duplicate(msgspec.Struct, frozen=True, tag="duplicate"):
+    """The idempotency key names ``generation_id``, made before."""
+
+    generation_id: str
+
+
+class Busy(msgspec.Struct, frozen=True, tag="busy"):
+    """``generation_id`` still runs in the session."""
+
+    generation_id: str
+
+
+class HistoryFull(msgspec.Struct, frozen=True, tag="history_full"):
+    pass
+
+
+SubmitReply = Accepted | SessionMissing | Forbidden | Duplicate | Busy | HistoryFull
+
+
+# --- CANCEL (wire/lua/cancel.lua) ----------------------------------------------------
+
+
+class UnknownGeneration(msgspec.Struct, frozen=True, tag="unknown"):
+    pass
+
+
+class EndedBefore(msgspec.Struct, frozen=True, tag="final"):
+    """It had ended already: its final event."""
+
+    final: FinalEvent
+
+
+class CancelledQueued(msgspec.Struct, frozen=True, tag="cancelled"):
+    """It was queued: ended here, ``final`` written as ``event_id``."""
+
+    event_id: str
+    final: FinalEvent
+
+
+class SignalWorker(msgspec.Struct, frozen=True, tag="signal"):
+    """It runs: tell ``worker`` to stop it."""
+
+    worker: str
+
+
+CancelReply = UnknownGeneration | EndedBefore | CancelledQueued | SignalWorker
