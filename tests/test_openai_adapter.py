@@ -167,7 +167,6 @@ async def test_async_client_sees_unsupported_and_invalid_parameters_as_400(stack
             ({"extra_body": {"guided_json": {"type": 5}}}, "guided_json"),
             ({"extra_body": {"guided_regex": "a(b"}}, "guided_regex"),
             ({"logit_bias": {"word": 1}}, "logit_bias"),
-            ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ]
         for extra, param in cases:
             with pytest.raises(openai.BadRequestError) as caught:
