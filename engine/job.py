@@ -77,7 +77,8 @@ class Job:
         """The event that claims the generation: ``started``, or ``resumed`` for a takeover."""
         resume = self.request.resume
         if resume is None:
-            return Started(self.generation_id, model, self.prompt_tokens)
+            choice = self.request.choice
+            return Started(self.generation_id, model, self.prompt_tokens, choice=choice)
         return Resumed(
             self.generation_id,
             resume.from_worker,

@@ -324,7 +324,8 @@ class Worker:
             job,
             event,
             final=True,
-            assistant=assistant if job.request.prompt is None else None,
+            # Only a chat turn's first choice joins the history (a message with n > 1).
+            assistant=assistant if job.request.prompt is None and not job.request.choice else None,
             ack=job.entry_id,
         )
         job.acked = True

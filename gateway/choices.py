@@ -18,7 +18,6 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import NamedTuple
 
-import msgspec
 from litestar.background_tasks import BackgroundTask
 
 from gateway.generation_stream import Collected, GenerationItem, GenerationStream
@@ -39,13 +38,6 @@ class Arrived(NamedTuple):
 
 
 """What a choice's pump puts on the queue after its final event."""
-
-
-def seeded(params: SamplingParams, index: int) -> SamplingParams:
-    """Choice ``index``'s parameters: its own seed, when the request set one."""
-    if params.seed is None or index == 0:
-        return params
-    return msgspec.structs.replace(params, seed=params.seed + index)
 
 
 class Choices:
@@ -73,7 +65,7 @@ class Choices:
                 store,
                 hub,
                 settings,
-                seeded(params, index),
+                params.for_choice(index),
                 model=model,
                 messages=messages,
                 prompt=prompt,

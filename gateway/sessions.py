@@ -61,6 +61,9 @@ class Submitted(msgspec.Struct, frozen=True):
     session_id: str
     queued_event_id: str | None
     """None when an Idempotency-Key matched an earlier submission."""
+    choices: list[str] = []
+    """With ``n`` > 1: every choice's generation id, in choice order (the first is
+    ``generation_id``)."""
 
 
 class CancelOutcome(msgspec.Struct, frozen=True):
@@ -167,18 +170,26 @@ class SessionStore:
         content: str,
         params: SamplingParams,
         idempotency_key: str | None = None,
+        n: int = 1,
     ) -> Submitted:
-        """Append a user message to the session and queue the reply.
+        """Append a user message to the session and queue the reply (``n`` replies: the
+        first is the turn's and joins the history; the others are queued beside it).
 
         Authorises like ``authorise`` (404, then 403), in the same round trip as the submit.
         """
         self._check_content(content)
+        if not 1 <= n <= self.settings.max_choices:
+            raise BadRequest(
+                f"n must be between 1 and {self.settings.max_choices} (TOKENSPOUT_MAX_CHOICES)",
+                code="too_many_choices",
+                field="n",
+            )
         model = await self.session_model(session_id, token)
         message = ChatMessage("user", content)
         # No token never matches: a digest is never "-".
         digest = _digest(token) if token is not None else "-"
         return await self._submit_to_session(
-            session_id, model, message, params, idempotency_key, digest
+            session_id, model, message, params, idempotency_key, digest, n
         )
 
     async def submit_stateless(
@@ -248,11 +259,13 @@ class SessionStore:
         params: SamplingParams,
         idempotency_key: str | None,
         token_digest: str,
+        n: int = 1,
     ) -> Submitted:
         keys, generation_id = self.keys, new_id("g")
         idem_key = keys.idempotency(session_id, idempotency_key) if idempotency_key else ""
         try:
-            await self.queue.guard_capacity(model)
+            for _ in range(n):  # every choice takes room (the checks count each other)
+                await self.queue.guard_capacity(model)
         except Overloaded:
             # A retried POST whose generation exists takes no new capacity: it must get
             # that generation back (from the script, after the token check), not a 429.
@@ -294,7 +307,42 @@ class SessionStore:
         await self.queue.enqueue(model, request)
         if self.observer is not None:
             self.observer.submitted(session_id, generation_id, reply.queued_id, model)
-        return Submitted(generation_id, session_id, reply.queued_id)
+        choices = [generation_id]
+        for choice in range(1, n):
+            choices.append(await self._submit_choice(session_id, model, request, choice))
+        return Submitted(generation_id, session_id, reply.queued_id, choices if n > 1 else [])
+
+    async def _submit_choice(
+        self, session_id: str, model: str, first: GenerationRequest, choice: int
+    ) -> str:
+        """Queue another choice of the turn ``first`` began: the same conversation, its
+        own seed; it is not the session's running generation and never joins the history."""
+        generation_id = new_id("g")
+        reply = await self._submit(
+            session_id=session_id,
+            generation_id=generation_id,
+            user_message=None,
+            token_digest="",
+            idempotency_key=None,
+            maxlen=self.settings.events_maxlen,
+            ttl_s=self.settings.session_ttl_s,
+            max_history=self.settings.max_history_messages,
+            watch_ttl_s=self.watch_ttl_s,
+            choice=choice,
+        )
+        if not isinstance(reply, script.Accepted):  # the session was there a moment ago
+            raise Unavailable(f"queueing choice {choice} failed: {reply!r}")
+        request = msgspec.structs.replace(
+            first,
+            generation_id=generation_id,
+            params=first.params.for_choice(choice),
+            choice=choice,
+            enqueued_at=time.time(),
+        )
+        await self.queue.enqueue(model, request)
+        if self.observer is not None:
+            self.observer.submitted(session_id, generation_id, reply.queued_id, model)
+        return generation_id
 
     def _request(
         self,

@@ -11,6 +11,7 @@ New fields go at the end with defaults, as in wire/messages.py.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Annotated, Literal
 
 import msgspec
@@ -52,6 +53,8 @@ class Generate(msgspec.Struct, frozen=True, tag="generate", forbid_unknown_field
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] = 0
     response_format: structured.ResponseFormat | None = None
     structured_outputs: structured.StructuredOutputsIn | None = None
+    n: int = 1
+    """Replies to sample: each frame of the generate then says its ``choice``."""
 
 
 class Cancel(msgspec.Struct, frozen=True, tag="cancel", forbid_unknown_fields=True):
@@ -85,20 +88,26 @@ class Ack(msgspec.Struct, frozen=True, tag="ack", omit_defaults=True):
     state: str
     token: str | None = None
     """The new session's token (only when ``generate`` created the session)."""
+    generation_ids: list[str] | None = None
+    """A ``generate`` with ``n`` > 1: every choice's generation, in choice order."""
 
 
-class QueuedFrame(msgspec.Struct, frozen=True, tag="queued"):
+class QueuedFrame(msgspec.Struct, frozen=True, tag="queued", omit_defaults=True):
     id: str
     generation_id: str
     event_id: str
+    choice: int = 0
+    """Which of a ``generate``'s ``n`` choices the frame is of (every generation frame
+    says it when ``n`` > 1)."""
 
 
-class StartedFrame(msgspec.Struct, frozen=True, tag="started"):
+class StartedFrame(msgspec.Struct, frozen=True, tag="started", omit_defaults=True):
     id: str
     generation_id: str
     model: str
     prompt_tokens: int
     event_id: str
+    choice: int = 0
 
 
 class TokenFrame(msgspec.Struct, frozen=True, tag="token", omit_defaults=True):
@@ -115,6 +124,7 @@ class TokenFrame(msgspec.Struct, frozen=True, tag="token", omit_defaults=True):
     logprobs: list[float] | None = None
     tokens: list[str] | None = None
     top_logprobs: list[list[wire.TopLogprob]] | None = None
+    choice: int = 0
 
     def then(self, token: wire.Token, event_id: str) -> TokenFrame:
         """This frame with ``token`` coalesced into it."""
@@ -126,21 +136,24 @@ class TokenFrame(msgspec.Struct, frozen=True, tag="token", omit_defaults=True):
             wire.concat_optional(self.logprobs, token.logprobs),
             wire.concat_optional(self.tokens, token.tokens),
             wire.concat_optional(self.top_logprobs, token.top_logprobs),
+            self.choice,
         )
 
 
-class DoneFrame(msgspec.Struct, frozen=True, tag="done"):
+class DoneFrame(msgspec.Struct, frozen=True, tag="done", omit_defaults=True):
     id: str
     finish_reason: str
     usage: Usage
     event_id: str
+    choice: int = 0
 
 
-class CancelledFrame(msgspec.Struct, frozen=True, tag="cancelled"):
+class CancelledFrame(msgspec.Struct, frozen=True, tag="cancelled", omit_defaults=True):
     id: str
     reason: CancelReason
     usage: Usage
     event_id: str
+    choice: int = 0
 
 
 class ErrorFrame(msgspec.Struct, frozen=True, tag="error", omit_defaults=True):
@@ -155,19 +168,21 @@ class ErrorFrame(msgspec.Struct, frozen=True, tag="error", omit_defaults=True):
     retry_after_s: int | None = None
     """A refusal that may succeed later (``overloaded``, ``generation_running``): the HTTP
     ``Retry-After`` hint, in seconds."""
+    choice: int = 0
 
 
 class Pong(msgspec.Struct, frozen=True, tag="pong", omit_defaults=True):
     id: str | None = None
 
 
-class ResumedFrame(msgspec.Struct, frozen=True, tag="resumed"):
+class ResumedFrame(msgspec.Struct, frozen=True, tag="resumed", omit_defaults=True):
     """The generation's engine worker was lost or stopped and another one goes on with it;
     the next token frame follows the last one, nothing is repeated."""
 
     id: str
     takeover: int
     event_id: str
+    choice: int = 0
 
 
 ServerFrame = (
@@ -227,14 +242,20 @@ def encode_frame(frame: ServerFrame) -> str:
     return _encoder.encode(frame).decode()
 
 
-def event_frames(client_id: str, events: list[tuple[str, wire.SessionEvent]]) -> list[ServerFrame]:
-    """Session events of one generation as frames, runs of tokens coalesced into one."""
+def event_frames(
+    client_id: str,
+    events: list[tuple[str, wire.SessionEvent]],
+    choice_of: Mapping[str, int] | None = None,
+) -> list[ServerFrame]:
+    """Session events of one ``generate`` as frames, runs of one choice's tokens coalesced
+    into one; ``choice_of``: generation id -> choice, for a ``generate`` with ``n`` > 1."""
     frames: list[ServerFrame] = []
     for event_id, event in events:
+        choice = choice_of.get(event.generation_id, 0) if choice_of else 0
         match event:
             case wire.Token():
                 last = frames[-1] if frames else None
-                if isinstance(last, TokenFrame):
+                if isinstance(last, TokenFrame) and last.choice == choice:
                     frames[-1] = last.then(event, event_id)
                 else:
                     frames.append(
@@ -246,18 +267,20 @@ def event_frames(client_id: str, events: list[tuple[str, wire.SessionEvent]]) ->
                             event.logprobs,
                             event.tokens,
                             event.top_logprobs,
+                            choice,
                         )
                     )
             case wire.Queued(generation_id=gid):
-                frames.append(QueuedFrame(client_id, gid, event_id))
+                frames.append(QueuedFrame(client_id, gid, event_id, choice))
             case wire.Started(generation_id=gid, model=model, prompt_tokens=prompt):
-                frames.append(StartedFrame(client_id, gid, model, prompt, event_id))
+                frames.append(StartedFrame(client_id, gid, model, prompt, event_id, choice))
             case wire.Done(finish_reason=reason, usage=usage):
-                frames.append(DoneFrame(client_id, reason, usage, event_id))
+                frames.append(DoneFrame(client_id, reason, usage, event_id, choice))
             case wire.Cancelled(reason=reason, usage=usage):
-                frames.append(CancelledFrame(client_id, reason, usage, event_id))
+                frames.append(CancelledFrame(client_id, reason, usage, event_id, choice))
             case wire.Error(code=code, message=message):
-                frames.append(ErrorFrame(code, message, id=client_id, event_id=event_id))
+                error = ErrorFrame(code, message, id=client_id, event_id=event_id, choice=choice)
+                frames.append(error)
             case wire.Resumed(takeover=takeover):
-                frames.append(ResumedFrame(client_id, takeover, event_id))
+                frames.append(ResumedFrame(client_id, takeover, event_id, choice))
     return frames

@@ -151,3 +151,83 @@ async def test_every_choice_of_an_n_stream_survives_its_worker_killed_mid_reply(
     expected = synthetic_text(content, max_tokens)
     assert texts == {0: expected, 1: expected}
     assert finishes == {0: "length", 1: "length"}
+
+
+async def test_a_session_message_with_n_gives_each_choice_its_events_and_one_history_entry(
+    stack: Stack,
+) -> None:
+    stack.synthetic(tokens_per_s=100)
+    first, second = stack.gateway(), stack.gateway()
+    content, n = "three of them", 6
+    async with httpx.AsyncClient(timeout=30) as client:
+        session = await create_session(client, first.url)
+        response = await client.post(
+            f"{first.url}/v1/sessions/{session.session_id}/messages",
+            json={"content": content, "max_tokens": n, "n": 3, "seed": 7},
+            headers=session.headers,
+        )
+        assert response.status_code == 202, response.text
+        gids = response.json()["generation_ids"]
+        assert len(set(gids)) == 3 and gids[0] == response.json()["generation_id"]
+        reading = await read_events(client, session, until_final_of=gids[-1])
+        for gid in gids[:-1]:
+            if not reading.of(gid) or reading.of(gid)[-1].event != "done":
+                await read_events(client, session, until_final_of=gid, reading=reading)
+        for choice, gid in enumerate(gids):
+            events = reading.of(gid)
+            assert [
+                e.json().get("choice", 0) for e in events if e.event in ("queued", "started")
+            ] == [
+                choice,
+                choice,
+            ]
+            assert reading.final(gid).event == "done"
+            assert reading.text(gid) == synthetic_text(content, n)
+        # A resume on the other replica sees every choice's events again, exactly.
+        elsewhere = dataclasses.replace(session, base=second.url)
+        again = await read_events(client, elsewhere, limit=len(reading.events), last_event_id="0")
+        assert [(e.id, e.data) for e in again.events] == [(e.id, e.data) for e in reading.events]
+        # Only the first choice joined the history; the session takes its next message.
+        history = (
+            await client.get(
+                f"{first.url}/v1/sessions/{session.session_id}", headers=session.headers
+            )
+        ).json()["messages"]
+        assert [m["role"] for m in history] == ["user", "assistant"]
+        assert history[1]["content"] == synthetic_text(content, n)
+        refused = await client.post(
+            f"{first.url}/v1/sessions/{session.session_id}/messages",
+            json={"content": "x", "n": 17},
+            headers=session.headers,
+        )
+        assert refused.status_code in (400, 422) and "n must be" in refused.text
+
+
+async def test_a_websocket_generate_with_n_says_each_frames_choice_and_cancels_them_all(
+    stack: Stack,
+) -> None:
+    stack.synthetic(tokens_per_s=50)
+    gateway = stack.gateway()
+    ws = await open_ws(gateway.url)
+    try:
+        ack = await ws.generate("a", "hello", max_tokens=4, n=2)
+        assert ack["type"] == "ack" and len(ack["generation_ids"]) == 2
+        done = []
+        while len(done) < 2:
+            frame = await ws.until(lambda f: f.get("id") == "a" and f["type"] == "done")
+            done.append(frame.get("choice", 0))
+        assert sorted(done) == [0, 1]
+        for choice in (0, 1):
+            text = "".join(f["text"] for f in ws.tokens("a") if f.get("choice", 0) == choice)
+            assert text == synthetic_text("hello", 4)
+
+        await ws.generate("b", "a long one", max_tokens=2000, n=2)
+        await ws.until(lambda f: f.get("id") == "b" and f["type"] == "token")
+        await ws.send(type="cancel", id="b")
+        ended = []
+        while len(ended) < 2:
+            frame = await ws.until(lambda f: f.get("id") == "b" and f["type"] == "cancelled")
+            ended.append(frame.get("choice", 0))
+        assert sorted(ended) == [0, 1]
+    finally:
+        await ws.conn.close()

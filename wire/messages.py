@@ -121,10 +121,12 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     """Token id -> bias added to its logit before sampling (OpenAI's -100..100)."""
     structured: StructuredOutput | None = None
 
-    @property
-    def wants_token_texts(self) -> bool:
-        """Each token's own text is asked for (a logprob is reported per token)."""
-        return self.logprobs
+    def for_choice(self, index: int) -> SamplingParams:
+        """Choice ``index``'s parameters (a request with ``n`` > 1): its own seed, when
+        the request set one, so the choices differ and the same request gives them again."""
+        if self.seed is None or index == 0:
+            return self
+        return msgspec.structs.replace(self, seed=self.seed + index)
 
 
 class GenerationRequest(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -154,6 +156,9 @@ class GenerationRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     nothing; ``detokenize``: one ``token`` event with the text of ``token_ids``."""
     token_ids: list[int] = []
     """What ``detokenize`` turns into text."""
+    choice: int = 0
+    """Which choice of a session's turn it is (a message with ``n`` > 1): only choice 0's
+    reply joins the session's history."""
 
     @property
     def engine_request_id(self) -> str:
@@ -217,8 +222,10 @@ class Usage(msgspec.Struct, frozen=True):
         return self.prompt_tokens + self.completion_tokens
 
 
-class Queued(msgspec.Struct, frozen=True, tag="queued"):
+class Queued(msgspec.Struct, frozen=True, tag="queued", omit_defaults=True):
     generation_id: str
+    choice: int = 0
+    """Which of the turn's choices it is (a message with ``n`` > 1)."""
 
 
 class Started(msgspec.Struct, frozen=True, tag="started", omit_defaults=True):
@@ -227,6 +234,8 @@ class Started(msgspec.Struct, frozen=True, tag="started", omit_defaults=True):
     prompt_tokens: int
     prompt_token_ids: list[int] | None = None
     """The prompt's tokens, for a request that only tokenizes (``task``)."""
+    choice: int = 0
+    """Which of the turn's choices it is (``GenerationRequest.choice``)."""
 
 
 class TopLogprob(msgspec.Struct, frozen=True, array_like=True):

@@ -284,8 +284,11 @@ class Submit(Script):
         ttl_s: int,
         max_history: int,
         watch_ttl_s: int,
+        choice: int = 0,
     ) -> SubmitReply:
-        """``token_digest`` "": no token check."""
+        """``token_digest`` "": no token check. ``choice`` > 0: another choice of the turn
+        just submitted (no ``user_message``): queued beside it, not the session's active
+        generation."""
         keys, args = self._keys_args(
             session_id,
             generation_id,
@@ -296,6 +299,7 @@ class Submit(Script):
             token_digest=token_digest,
             idempotency_key=idempotency_key,
             max_history=max_history,
+            choice=choice,
         )
         return submit_reply(await self._run(keys, args, None))
 
@@ -338,6 +342,7 @@ class Submit(Script):
         idempotency_key: str | None = None,
         max_history: int = 0,
         create: bool = False,
+        choice: int = 0,
     ) -> tuple[list[str], list[Arg]]:
         """Submit's KEYS and ARGV, the one place they are listed (the defaults: what a
         stateless session made by ``create_in`` has: no message, token, key or history)."""
@@ -359,10 +364,11 @@ class Submit(Script):
             time.time(),
             max_history,
             watch_ttl_s,
-            encode(Queued(generation_id)),
+            encode(Queued(generation_id, choice)),
             token_digest,
             "1" if idempotency_key else "",
             "1" if create else "",
+            "1" if choice else "",
         ]
 
 

@@ -39,6 +39,10 @@ class MessageIn(msgspec.Struct, forbid_unknown_fields=True):
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] = 0
     response_format: structured.ResponseFormat | None = None
     structured_outputs: structured.StructuredOutputsIn | None = None
+    n: int = 1
+    """Replies to sample (``TOKENSPOUT_MAX_CHOICES`` at most): each a generation of the
+    session whose ``queued`` and ``started`` events give its ``choice``; the first joins
+    the history."""
 
 
 class SessionIn(msgspec.Struct, forbid_unknown_fields=True):
@@ -60,6 +64,8 @@ class GenerationAccepted(msgspec.Struct):
     events_url: str
     cancel_url: str
     duplicate: bool = False
+    generation_ids: list[str] | None = None
+    """With ``n`` > 1: every choice's generation, in choice order."""
 
 
 class SessionView(msgspec.Struct):
@@ -145,6 +151,7 @@ class SessionController(Controller):
             data.content,
             params,
             idempotency_key,
+            data.n,
         )
         gid = submitted.generation_id
         return GenerationAccepted(
@@ -153,6 +160,7 @@ class SessionController(Controller):
             events_url=f"/v1/sessions/{session_id}/events",
             cancel_url=f"/v1/sessions/{session_id}/generations/{gid}/cancel",
             duplicate=submitted.queued_event_id is None,
+            generation_ids=submitted.choices or None,
         )
 
     @get("/{session_id:str}/events", summary="The session's events (text/event-stream)")

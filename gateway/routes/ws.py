@@ -90,7 +90,7 @@ class Connection:
         self._send_lock = asyncio.Lock()
         self._replies: asyncio.Queue[ServerFrame] = asyncio.Queue(MAX_PENDING_REPLIES)
         self._running: dict[str, asyncio.Task[None]] = {}
-        self._known: OrderedDict[str, tuple[str, str]] = OrderedDict()
+        self._known: OrderedDict[str, tuple[str, list[str]]] = OrderedDict()
         self._tokens: OrderedDict[str, str] = OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
         self._bad_frames = 0
@@ -187,23 +187,29 @@ class Connection:
         else:
             session_id = frame.session_id
             token = frame.token or self._tokens.get(session_id) or self.token
-        submitted = await self.store.submit_message(session_id, token, frame.content, params)
+        submitted = await self.store.submit_message(
+            session_id, token, frame.content, params, n=frame.n
+        )
         gid = submitted.generation_id
-        _remember(self._known, frame.id, (session_id, gid))
-        self._reply(Ack(frame.id, "generate", gid, session_id, "queued", new_token))
+        gids = submitted.choices or [gid]
+        _remember(self._known, frame.id, (session_id, gids))
+        ack = Ack(
+            frame.id, "generate", gid, session_id, "queued", new_token, submitted.choices or None
+        )
+        self._reply(ack)
         assert submitted.queued_event_id is not None  # no Idempotency-Key over WebSocket
         after = wire.just_before(submitted.queued_event_id)
-        self._running[frame.id] = self._spawn(self._forward(frame.id, session_id, gid, after))
+        self._running[frame.id] = self._spawn(self._forward(frame.id, session_id, gids, after))
 
     async def _cancel(self, frame: Cancel) -> None:
         if frame.session_id is None and frame.generation_id is None:
             known = self._known.get(frame.id)
             if known is None:
                 raise NotFound(f"this socket started no generation {frame.id!r}", field="id")
-            session_id, gid = known
-            outcome = await self.store.cancel(session_id, gid)
-            # The forwarder delivers the final event (``cancelled``, or how it ended).
-            self._reply(Ack(frame.id, "cancel", gid, session_id, outcome.state))
+            session_id, gids = known
+            outcomes = [await self.store.cancel(session_id, gid) for gid in gids]
+            # The forwarder delivers the final events (``cancelled``, or how each ended).
+            self._reply(Ack(frame.id, "cancel", gids[0], session_id, outcomes[0].state))
             return
         if frame.session_id is None or frame.generation_id is None:
             field = "session_id" if frame.session_id is None else "generation_id"
@@ -226,22 +232,23 @@ class Connection:
 
     # --- writing ---------------------------------------------------------------------------
 
-    async def _forward(self, client_id: str, session_id: str, gid: str, after: str) -> None:
-        """Frames of one generation until its final event."""
+    async def _forward(self, client_id: str, session_id: str, gids: list[str], after: str) -> None:
+        """Frames of a ``generate``'s generations (its ``n`` choices) until each has ended."""
+        choice_of = {gid: choice for choice, gid in enumerate(gids)} if len(gids) > 1 else None
+        running = set(gids)
         try:
             async with self.hub.open(session_id, after) as feed:
-                while True:
+                while running:
                     batch = await feed.next_batch(self.settings.sse_heartbeat_s)
-                    mine = [event for event in batch if event.generation_id == gid]
+                    mine = [event for event in batch if event.generation_id in running]
                     decoded = [(event.id, wire.decode_event(event.data)) for event in mine]
-                    for frame in event_frames(client_id, decoded):
+                    for frame in event_frames(client_id, decoded, choice_of):
                         await self._send(frame)
-                    if any(event.is_final for event in mine):
-                        return
+                    running -= {event.generation_id for event in mine if event.is_final}
         except GatewayError as exc:  # SessionLost: Redis lost the session's data
             await self._replies.put(ErrorFrame(exc.code, exc.message, client_id))
         except RedisError as exc:
-            log.warning("relay failed for %s: %s", gid, exc)
+            log.warning("relay failed for %s: %s", ", ".join(gids), exc)
             error = ErrorFrame("unavailable", "lost the event stream; resume over SSE", client_id)
             await self._replies.put(error)
         finally:

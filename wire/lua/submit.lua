@@ -3,7 +3,9 @@
 -- ARGV: channel, maxlen, session_ttl, gid, user message JSON ('' for none), now,
 --       max_history, watch_ttl, queued event JSON, token digest ('' for no check),
 --       '1' when an idempotency key was given,
---       create ('1': make the session here, a stateless one: the one-shot API requests)
+--       create ('1': make the session here, a stateless one: the one-shot API requests),
+--       companion ('1': another choice of the turn just submitted (a message with n > 1):
+--       no message, no busy check, not the session's active generation)
 -- Returns {'ok', queued id, history...} | {'missing'} | {'forbidden'} | {'duplicate', gid}
 --         | {'busy', gid} | {'history_full'}
 if ARGV[12] == '1' then redis.call('HSET', KEYS[1], 'stateless', 1, 'created', ARGV[6]) end
@@ -13,19 +15,24 @@ if redis.call('EXISTS', KEYS[1]) == 0 then return {'missing'} end
 if ARGV[10] ~= '' and redis.call('HGET', KEYS[1], 'token') ~= ARGV[10] then
   return {'forbidden'}
 end
-if ARGV[11] == '1' then
+local companion = ARGV[13] == '1'
+if ARGV[11] == '1' and not companion then
   local existing = redis.call('GET', KEYS[7])
   if existing then return {'duplicate', existing} end
 end
-local running = redis.call('GET', KEYS[3])
-if running then return {'busy', running} end
+if not companion then
+  local running = redis.call('GET', KEYS[3])
+  if running then return {'busy', running} end
+end
 if ARGV[5] ~= '' then
   if redis.call('LLEN', KEYS[2]) >= tonumber(ARGV[7]) then return {'history_full'} end
   redis.call('RPUSH', KEYS[2], ARGV[5])
 end
 local ttl = ARGV[3]
-redis.call('SET', KEYS[3], ARGV[4], 'EX', ttl)
-if ARGV[11] == '1' then redis.call('SET', KEYS[7], ARGV[4], 'EX', ttl) end
+if not companion then
+  redis.call('SET', KEYS[3], ARGV[4], 'EX', ttl)
+  if ARGV[11] == '1' then redis.call('SET', KEYS[7], ARGV[4], 'EX', ttl) end
+end
 redis.call('HSET', KEYS[4], 'state', 'queued', 'created', ARGV[6])
 redis.call('EXPIRE', KEYS[4], ttl)
 redis.call('SET', KEYS[6], '1', 'EX', ARGV[8])
