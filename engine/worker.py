@@ -86,8 +86,6 @@ class Worker:
         self.requests_key = self.queue.key
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.metrics = metrics or WorkerMetrics()
-        self.max_takeovers = max_takeovers
-        """How often one generation may be handed on (TOKENSPOUT_MAX_TAKEOVERS)."""
         self.lease = Lease(redis, self.keys, self.worker_id, backend.model)
         self.publisher = Publisher(
             redis,
