@@ -1,4 +1,5 @@
-"""The rig: Redis, the synthetic engine, the gateway and the reference relays as real processes."""
+"""The suite's rig (``python -m bench``) on stack/rig.py's: Redis, the synthetic engine, the gateway
+and the reference relays as real processes, with what the load generator needs of them."""
 
 from __future__ import annotations
 
