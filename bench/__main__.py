@@ -10,48 +10,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench import measure, report
+from bench import profile_top, report, stats
 from bench.hold import hold_sweep
 from bench.rig import rig
 from bench.runner import MODES, SWEEP_MODES, run_point, single_stream_ttft
 
 ROOT = Path(__file__).resolve().parent.parent
 SATURATION_RATE = 100.0
-
-
-def start_profile(pid: int, out: Path) -> subprocess.Popen[bytes]:
-    """py-spy sampling the gateway (the profile of the saturation point), as a speedscope."""
-    py_spy = Path(sys.executable).parent / "py-spy"
-    return subprocess.Popen(
-        [
-            str(py_spy),
-            "record",
-            "--pid",
-            str(pid),
-            "--format",
-            "speedscope",
-            "--output",
-            str(out),
-            "--rate",
-            "200",
-            "--nonblocking",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-
-
-def stop_profile(profiler: subprocess.Popen[bytes]) -> None:
-    profiler.send_signal(signal.SIGINT)
-    profiler.wait(timeout=30)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -73,7 +43,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="fan-out point at 100 tokens/s: sessions x readers per session (0 0: skip)",
     )
     parser.add_argument("--profile", type=Path, default=None, help="py-spy the gateway into")
-    parser.add_argument("--server", default="uvicorn", help="gateway server: uvicorn, granian")
     parser.add_argument("--ttft-rounds", type=int, default=None, help="single-stream TTFTs")
     parser.add_argument("--no-plots", action="store_true")
     return parser.parse_args(argv)
@@ -91,14 +60,14 @@ async def suite(args: argparse.Namespace) -> dict[str, object]:
     args.ttft_rounds = args.ttft_rounds if args.ttft_rounds is not None else (5 if quick else 10)
     hold = args.hold if args.hold is not None else ([500, 1000] if quick else [1000, 5000, 10000])
     results: dict[str, object] = {
-        "machine": measure.machine(),
+        "machine": stats.machine(),
         "settings": {
             "quick": quick,
             "concurrency": concurrency,
             "tokens_per_s_per_stream": rates,
             "seconds_per_stream": duration,
             "hold_steps": hold,
-            "gateway_server": args.server,
+            "gateway_server": "uvicorn",
         },
         "points": [],
         "hold": [],
@@ -106,11 +75,11 @@ async def suite(args: argparse.Namespace) -> dict[str, object]:
     points: list[dict[str, object]] = results["points"]  # type: ignore[assignment]
     began = time.monotonic()
     for rate in rates:
-        async with rig(rate, args.logs, args.server) as the_rig:
+        async with rig(rate, args.logs) as the_rig:
             results["pinned"] = the_rig.pinned
             profiler = None
             if args.profile is not None:
-                profiler = start_profile(
+                profiler = profile_top.record(
                     the_rig.gateway.pid, args.profile.with_suffix(f".{rate:g}.json")
                 )
             sweep_modes = [m for m in args.sweep_modes if m in args.modes]
@@ -132,21 +101,21 @@ async def suite(args: argparse.Namespace) -> dict[str, object]:
             if hold and rate == min(rates) and "gateway" in args.modes:
                 results["hold"] = await hold_sweep(the_rig, hold, rate, min(duration, 5.0))
             if profiler is not None:
-                stop_profile(profiler)
+                profile_top.stop(profiler)
     sessions, readers = args.saturation or ((10, 20) if quick else (20, 25))
     if sessions and readers:
         saturation: list[dict[str, object]] = []
         results["saturation"] = saturation
-        async with rig(SATURATION_RATE, args.logs, args.server) as the_rig:
+        async with rig(SATURATION_RATE, args.logs) as the_rig:
             for mode in [m for m in args.modes if m in ("reference", "reference-spin", "gateway")]:
                 profiler = None
                 if args.profile is not None and mode == "gateway":
-                    profiler = start_profile(the_rig.gateway.pid, args.profile)
+                    profiler = profile_top.record(the_rig.gateway.pid, args.profile)
                 point = await run_point(
                     the_rig, mode, sessions, SATURATION_RATE, min(duration, 4.0), readers
                 )
                 if profiler is not None:
-                    stop_profile(profiler)
+                    profile_top.stop(profiler)
                 saturation.append(point)
                 say(
                     f"saturation {mode:9} {sessions} x {readers} readers: "
@@ -164,11 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     args.logs = Path(tempfile.mkdtemp(prefix="tokenspout-bench-"))
     say(f"process logs in {args.logs}")
     results = asyncio.run(suite(args))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    (args.out / "results.md").write_text(report.markdown(results))
-    if not args.no_plots:
-        report.plots(results, args.out)
+    plot = None if args.no_plots else (lambda out: report.plots(results, out))
+    report.write(args.out, "results", results, report.markdown(results), plot)
     say(f"done in {results['suite_s']} s: {args.out}/results.md")
 
 

@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import fcntl
 import json
-import math
 import os
 import platform
 import secrets
@@ -36,11 +35,13 @@ import redis.asyncio as aioredis
 from websockets.asyncio.client import ClientConnection, connect
 
 import wire
+from bench import report
+from bench.stats import pct
 from stack import processes
-from stack.redis_server import EmbeddedRedis, free_port
+from stack.redis_server import free_port
+from stack.rig import VLLM_LOCK, on_embedded_redis
 from wire import Keys, WorkerInfo
 
-VLLM_LOCK = Path("/tmp/tokenspout-vllm.lock")
 OUT = Path(__file__).resolve().parent.parent / "docs" / "bench"
 PROMPT = "Write a long story about a lighthouse keeper, the sea and a storm."
 
@@ -51,12 +52,6 @@ def metric(port: int, name: str) -> float:
             if line.startswith(name + " "):
                 return float(line.split()[1])
     raise KeyError(name)
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (with 20 samples, p99 is the largest)."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
 class Bench:
@@ -157,7 +152,7 @@ def summarise(results: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
         values = [row["latency_ms"] for row in rows]
         return {
             "p50": round(statistics.median(values), 1),
-            "p99": round(percentile(values, 99), 1),
+            "p99": round(pct(values, 99) or 0.0, 1),
             "max": round(max(values), 1),
             "n": len(values),
         }
@@ -220,32 +215,22 @@ def main() -> None:
     args = parser.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="tokenspout-bench-"))
     prefix = f"bench-{secrets.token_hex(4)}"
-    worker_id, metrics_port, gateway_port = f"w-{secrets.token_hex(4)}", free_port(), free_port()
+    worker_id, metrics_port = f"w-{secrets.token_hex(4)}", free_port()
     began = time.monotonic()
     with VLLM_LOCK.open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        with EmbeddedRedis() as redis_server:
-            env = {"REDIS_URL": redis_server.url, "TOKENSPOUT_KEY_PREFIX": prefix}
-            engine = processes.engine(
-                ["--backend", "vllm", "--model", "default", "--capacity", "8",
-                 "--metrics-port", str(metrics_port), "--worker-id", worker_id],
-                env, logs / "engine.log",
+        with on_embedded_redis(logs, prefix) as (procs, _redis):
+            procs.engine(
+                "--backend", "vllm", "--model", "default", "--capacity", "8",
+                "--metrics-port", str(metrics_port), worker_id=worker_id, wait=False,
             )  # fmt: skip
-            gateway = processes.gateway(gateway_port, env, logs / "gateway.log")
-            try:
-                base = f"http://127.0.0.1:{gateway_port}"
-                processes.wait_http(f"{base}/health", gateway, 60)
-                processes.wait_http(f"{base}/ready", gateway, 600)
-                bench = Bench(base, redis_server.url, prefix, worker_id, metrics_port)
-                results = asyncio.run(bench.run(args.cancels))
-            finally:
-                processes.stop(gateway)
-                processes.stop(engine)
+            gateway = procs.gateway()
+            processes.wait_http(f"{gateway.url}/ready", gateway.process, 600)
+            bench = Bench(gateway.url, procs.redis_url, prefix, worker_id, metrics_port)
+            results = asyncio.run(bench.run(args.cancels))
         fcntl.flock(lock, fcntl.LOCK_UN)
     summary = summarise(results, time.monotonic() - began)
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "cancel.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (OUT / "cancel.md").write_text(markdown(summary))
+    report.write(OUT, "cancel", summary, markdown(summary))
     print(markdown(summary))
 
 

@@ -40,15 +40,19 @@ from typing import Any
 import grpc
 import redis.asyncio as aioredis
 
-from bench import e2e_report, measure, profile_top
-from bench.e2e_stats import Run, added, describe, summarise
+from bench import e2e_report, profile_top, report, stats
 from bench.grpc_stream import GrpcStream, open_grpc_stream, stream_request
 from bench.loadgen import HTTPPool, SSEStream, StreamRecord, open_chat_stream, open_sse
-from bench.rig import wait_worker
-from stack import processes
-from stack.redis_server import EmbeddedRedis, free_port
+from bench.stats import Run, added, cpu_of, describe, summarise
+from stack.redis_server import free_port
+from stack.rig import HOST, on_embedded_redis
+from stack.rig import Rig as ProcessRig
 
-HOST = "127.0.0.1"
+ENV = {
+    "TOKENSPOUT_LOG_LEVEL": "WARNING",
+    "TOKENSPOUT_MAX_INFLIGHT": str(12_000 * 2),
+    "TOKENSPOUT_SESSION_TTL_S": "600",
+}
 MODES = ("engine", "openai", "session", "grpc")
 GATEWAY_CPU, REST_CPU = 1, 0
 MAX_STREAMS = 12_000
@@ -94,77 +98,52 @@ async def e2e_rig(
     """Redis, one synthetic engine worker, the gateway and the reference engine, all paced
     at ``tokens_per_s`` (0: unpaced); the gateway on CPU 1, everything else on CPU 0."""
     prefix = f"e2e-{secrets.token_hex(3)}"
-    with EmbeddedRedis(unix_socket=unix_socket) as embedded:
-        redis_url = embedded.unix_url if unix_socket else embedded.url
-        env = {
-            "REDIS_URL": redis_url,
-            "TOKENSPOUT_KEY_PREFIX": prefix,
-            "TOKENSPOUT_LOG_LEVEL": "WARNING",
-            "TOKENSPOUT_MAX_INFLIGHT": str(MAX_STREAMS * 2),
-            "TOKENSPOUT_SESSION_TTL_S": "600",
-        }
-        rate = str(tokens_per_s)
-        children: list[subprocess.Popen[bytes]] = []
-        try:
-            worker = processes.engine(
-                [
-                    *("--backend", "synthetic", "--tokens-per-s", rate),
-                    *("--capacity", str(MAX_STREAMS)),
-                    *(["--join-tokens"] if join_tokens else []),
-                ],
-                env,
-                logs / "worker.log",
-            )
-            children.append(worker)
-            wait_worker(redis_url, prefix, worker)
-            gateway_port, engine_port, grpc_port = free_port(), free_port(), free_port()
-            gateway = processes.gateway(
-                gateway_port, env, logs / "gateway.log", grpc_port=grpc_port
-            )
-            children.append(gateway)
-            engine = processes.spawn(
-                [
-                    "-m",
-                    "bench.reference_engine",
-                    "--port",
-                    str(engine_port),
-                    "--tokens-per-s",
-                    rate,
-                ],
-                env,
-                logs / "reference-engine.log",
-            )
-            children.append(engine)
-            redis_pid = embedded.process.pid if embedded.process else 0
-            pinned = measure.pin(gateway.pid, GATEWAY_CPU) and all(
-                measure.pin(pid, REST_CPU) for pid in (worker.pid, engine.pid, redis_pid)
-            )
-            if pinned:
-                measure.pin(os.getpid(), REST_CPU, children=False)
-            processes.wait_http(f"http://{HOST}:{gateway_port}/health", gateway, 60)
-            processes.wait_http(f"http://{HOST}:{engine_port}/health", engine, 60)
-            client = aioredis.Redis.from_url(redis_url)
-            channel = grpc.aio.insecure_channel(f"{HOST}:{grpc_port}")
-            rig = Rig(
-                gateway,
-                worker,
-                engine,
-                gateway_port,
-                engine_port,
-                redis_pid,
-                client,
-                pinned,
-                channel,
-            )
-            try:
-                yield rig
-            finally:
-                rig.posts.close()
-                await channel.close()
-                await client.aclose()
-        finally:
-            for child in reversed(children):
-                processes.stop(child)
+    with on_embedded_redis(logs, prefix, ENV, unix_socket=unix_socket, cpu=REST_CPU) as (
+        procs,
+        embedded,
+    ):
+        pid = embedded.process.pid if embedded.process else 0
+        async with (
+            aioredis.Redis.from_url(procs.redis_url) as client,
+            serving(procs, tokens_per_s, client, pid, join_tokens) as rig,
+        ):
+            yield rig
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    procs: ProcessRig,
+    tokens_per_s: float,
+    client: aioredis.Redis,
+    redis_pid: int,
+    join_tokens: bool = False,
+    rig_type: type[Rig] = Rig,
+    **extra: Any,
+) -> AsyncIterator[Rig]:
+    """The worker, the gateway and the reference engine on ``procs``' Redis, pinned; the
+    rig a ``rig_type`` with ``extra`` fields."""
+    joined = ["--join-tokens"] if join_tokens else []
+    worker = procs.synthetic(tokens_per_s, "--capacity", str(MAX_STREAMS), *joined, cpu=REST_CPU)
+    gateway = procs.gateway(grpc=True, cpu=GATEWAY_CPU)
+    port = free_port()
+    engine = procs.spawn(
+        "reference-engine",
+        ["-m", "bench.reference_engine", "--port", str(port), "--tokens-per-s", str(tokens_per_s)],
+        health=f"http://{HOST}:{port}/health",
+        cpu=REST_CPU,
+    )
+    if procs.pinned:
+        procs.pin(os.getpid(), REST_CPU, children=False)
+    channel = grpc.aio.insecure_channel(gateway.grpc_url)
+    rig = rig_type(
+        gateway.process, worker, engine, gateway.port, port, redis_pid, client, procs.pinned,
+        channel, **extra,
+    )  # fmt: skip
+    try:
+        yield rig
+    finally:
+        rig.posts.close()
+        await channel.close()
 
 
 def chat_body(max_tokens: int, top_logprobs: int | None = None) -> bytes:
@@ -213,12 +192,6 @@ async def one_stream(
     return reader
 
 
-def cpu_of(pids: dict[str, int]) -> dict[str, float]:
-    """CPU seconds per process; the load generator's own, not its tree (the whole rig)."""
-    own = os.getpid()
-    return {name: measure.cpu_seconds(pid, children=pid != own) for name, pid in pids.items()}
-
-
 async def run_once(
     rig: Rig, mode: str, streams_n: int, max_tokens: int, spread_s: float, bound_s: float
 ) -> Run:
@@ -229,7 +202,7 @@ async def run_once(
     readers: list[SSEStream | GrpcStream] = []
     failures: list[str] = []
     pids = rig.pids()
-    await measure.reset_command_stats(rig.redis)
+    await stats.reset_command_stats(rig.redis)
     before = cpu_of(pids)
     loop = asyncio.get_running_loop()
     began = loop.time() + 0.05
@@ -253,7 +226,7 @@ async def run_once(
         timed_out = True
     wall = time.perf_counter() - wall_began
     after = cpu_of(pids)
-    calls = sum((await measure.command_calls(rig.redis)).values())
+    calls = sum((await stats.command_calls(rig.redis)).values())
     for reader in readers:
         reader.close()
     arrivals = [t for r in records for t in r.arrivals]
@@ -337,7 +310,7 @@ async def warm_up(rig: Rig, modes: list[str]) -> None:
 
 async def suite(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {
-        "machine": measure.machine(),
+        "machine": stats.machine(),
         "settings": {
             "streams": args.streams,
             "tokens_per_s_per_stream": args.rate,
@@ -443,13 +416,11 @@ def main(argv: list[str] | None = None) -> None:
         top = results["profile"]["top"]
         (args.profile / "summary.json").write_text(json.dumps(top, indent=1) + "\n")
         (args.profile / "summary.txt").write_text(profile_top.text(top))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps(results, indent=1) + "\n")
     before = args.out / f"{args.name}-before.json"  # kept for comparison, if there is one
     old = json.loads(before.read_text()) if before.exists() else None
-    (args.out / f"{args.name}.md").write_text(e2e_report.markdown(results, old))
-    if not args.no_plot:
-        e2e_report.plot(results, args.out / f"{args.name}.png")
+    png = args.out / f"{args.name}.png"
+    plot = None if args.no_plot else (lambda _out: e2e_report.plot(results, png))
+    report.write(args.out, args.name, results, e2e_report.markdown(results, old), plot)
     say(f"done in {results['suite_s']} s: {args.out}/{args.name}.md")
 
 

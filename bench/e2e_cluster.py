@@ -20,10 +20,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import secrets
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,16 +30,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-import redis
 import redis.asyncio as aioredis
-from redis.cluster import RedisCluster
 
-from bench import e2e, measure
-from bench.e2e_stats import Run, summarise
-from stack import processes
+from bench import e2e, e2e_report, report, stats
+from bench.stats import Run, summarise
 from stack.redis_cluster import EmbeddedCluster
-from stack.redis_server import free_port
-from wire import Keys
+from stack.rig import Rig as ProcessRig
 
 BACKENDS = ("one Redis", "cluster")
 
@@ -81,100 +75,28 @@ class ClusterRig(e2e.Rig):
         return pids | self.shards
 
 
-def _wait_worker(node_port: int, prefix: str, worker: subprocess.Popen[bytes]) -> None:
-    client = RedisCluster(host="127.0.0.1", port=node_port)
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if worker.poll() is not None:
-                raise RuntimeError(f"engine exited with {worker.returncode}")
-            with contextlib.suppress(redis.RedisError):
-                if client.zcard(Keys(prefix).workers):
-                    return
-            time.sleep(0.1)
-    finally:
-        client.close()
-    raise TimeoutError("the synthetic engine did not register")
-
-
 @contextlib.asynccontextmanager
 async def cluster_rig(tokens_per_s: float, logs: Path, primaries: int) -> AsyncIterator[ClusterRig]:
     """e2e.e2e_rig's processes on a cluster of ``primaries`` shards (no replicas), every
     shard pinned where e2e pins its one Redis."""
     prefix = f"e2e-{secrets.token_hex(3)}"
     with EmbeddedCluster(primaries=primaries, replicas=0) as cluster:
-        env = {
-            "REDIS_URL": cluster.url,
-            "TOKENSPOUT_KEY_PREFIX": prefix,
-            "TOKENSPOUT_LOG_LEVEL": "WARNING",
-            "TOKENSPOUT_MAX_INFLIGHT": str(e2e.MAX_STREAMS * 2),
-            "TOKENSPOUT_SESSION_TTL_S": "600",
-        }
-        rate = str(tokens_per_s)
-        children: list[subprocess.Popen[bytes]] = []
-        clients: dict[str, aioredis.Redis] = {}
+        procs = ProcessRig(cluster.url, prefix, logs, dict(e2e.ENV))
+        shards = {f"redis{i}": n.process.pid for i, n in enumerate(cluster.nodes) if n.process}
+        for pid in shards.values():
+            procs.pin(pid, e2e.REST_CPU)
+        clients = {f"redis{i}": aioredis.Redis(port=n.port) for i, n in enumerate(cluster.nodes)}
         try:
-            worker = processes.engine(
-                [
-                    *("--backend", "synthetic", "--tokens-per-s", rate),
-                    *("--capacity", str(e2e.MAX_STREAMS)),
-                ],
-                env,
-                logs / "worker.log",
-            )
-            children.append(worker)
-            _wait_worker(cluster.nodes[0].port, prefix, worker)
-            gateway_port, engine_port = free_port(), free_port()
-            gateway = processes.gateway(gateway_port, env, logs / "gateway.log")
-            children.append(gateway)
-            engine = processes.spawn(
-                [
-                    "-m",
-                    "bench.reference_engine",
-                    "--port",
-                    str(engine_port),
-                    "--tokens-per-s",
-                    rate,
-                ],
-                env,
-                logs / "reference-engine.log",
-            )
-            children.append(engine)
-            shards = {
-                f"redis{index}": node.process.pid
-                for index, node in enumerate(cluster.nodes)
-                if node.process is not None
-            }
-            pinned = measure.pin(gateway.pid, e2e.GATEWAY_CPU) and all(
-                measure.pin(pid, e2e.REST_CPU) for pid in (worker.pid, engine.pid, *shards.values())
-            )
-            if pinned:
-                measure.pin(os.getpid(), e2e.REST_CPU, children=False)
-            processes.wait_http(f"http://{e2e.HOST}:{gateway_port}/health", gateway, 60)
-            processes.wait_http(f"http://{e2e.HOST}:{engine_port}/health", engine, 60)
-            for index, node in enumerate(cluster.nodes):
-                clients[f"redis{index}"] = aioredis.Redis(port=node.port)
-            rig = ClusterRig(
-                gateway,
-                worker,
-                engine,
-                gateway_port,
-                engine_port,
-                0,
-                cast(aioredis.Redis, _Shards(clients)),
-                pinned,
-                shards=shards,
-                shard_clients=clients,
-            )
-            try:
-                yield rig
-            finally:
-                rig.posts.close()
+            shard_view = cast(aioredis.Redis, _Shards(clients))
+            extra = {"shards": shards, "shard_clients": clients}
+            async with e2e.serving(
+                procs, tokens_per_s, shard_view, 0, False, ClusterRig, **extra
+            ) as rig:
+                yield cast(ClusterRig, rig)
         finally:
+            procs.stop()
             for client in clients.values():
                 await client.aclose()
-            for child in reversed(children):
-                processes.stop(child)
 
 
 def _servers(rig: e2e.Rig) -> dict[str, aioredis.Redis]:
@@ -190,8 +112,7 @@ async def measured_run(
     servers = _servers(rig)
     run.cpu_s["redis"] = sum(run.cpu_s[name] for name in servers)
     events = {
-        name: (await measure.command_calls(client)).get("xadd", 0)
-        for name, client in servers.items()
+        name: (await stats.command_calls(client)).get("xadd", 0) for name, client in servers.items()
     }
     return run, events
 
@@ -274,7 +195,7 @@ def describe(point: dict[str, Any]) -> str:
 
 async def suite(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {
-        "machine": measure.machine(),
+        "machine": stats.machine(),
         "settings": {
             "streams": args.streams,
             "tokens_per_s_per_stream": args.rate,
@@ -322,80 +243,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _f(value: float | None, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:,.{digits}f}"
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def markdown(results: dict[str, Any]) -> str:
-    s, machine = results["settings"], results["machine"]
-    lines = [
-        "# End to end: one Redis vs a Redis Cluster",
-        "",
-        f"`python -m bench.e2e_cluster`: bench/e2e.py's streams ({s['tokens_per_stream']} tokens "
-        f"at {s['tokens_per_s_per_stream']:g} tokens/s each, started at "
-        f"{s['start_rate_streams_per_s']:g}/s) through a gateway and a synthetic worker on one "
-        f"Redis and on a cluster of {s['primaries']} primaries (no replicas), the two rigs "
-        f"taking turns, {s['rounds']} rounds per point. Every Redis server pinned with the "
-        f"worker (pinned: {results['pinned']}); {machine.get('nproc')} CPUs, load average at "
-        f"the end {machine['loadavg_at_end'][0]}, shared with other work: compare the two "
-        "within a row, not across runs. Method: docs/bench.md.",
-        "",
-        "Redis CPU per token: each valkey-server's CPU time (/proc) over every token "
-        "delivered; a shard's share: the events (XADD) written on it; its tokens/s and CPU "
-        "per own token follow from that share.",
-        "",
-        "| streams | path | Redis | tokens/s | tokens delivered | Redis CPU per token "
-        "(sum) | per server: share of events, tokens/s, CPU per token (all), CPU per own "
-        "token | gateway + worker CPU per token |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for point in results["points"]:
-        for backend, modes in point["backends"].items():
-            for mode, m in modes.items():
-                cpu = m["cpu_us_per_token"]
-                servers = "; ".join(
-                    f"{name}: {v['share']:.2f}, {_f(v['tokens_per_s'], 0)}/s, "
-                    f"{_f(v['cpu_us_per_token'])} us, {_f(v['cpu_us_per_own_token'])} us"
-                    for name, v in m["redis_servers"].items()
-                )
-                lines.append(
-                    f"| {point['streams']:,} | {mode} | {backend} | {m['tokens_per_s']:,} "
-                    f"| {m['tokens']:,}/{m['tokens_expected']:,} | {cpu['redis']:.1f} us "
-                    f"| {servers} | {cpu['gateway']:.0f} + {cpu['worker']:.0f} us |"
-                )
-    lines += ["", "Cluster vs one Redis, same point and path:", ""]
-    lines += [
-        "| streams | path | tokens/s ratio | Redis CPU per token ratio (sum of shards) "
-        "| busiest shard's CPU per token vs one Redis |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for point in results["points"]:
-        one, sharded = point["backends"]["one Redis"], point["backends"]["cluster"]
-        for mode in one:
-            a, b = one[mode], sharded[mode]
-            busiest = max(v["cpu_us_per_token"] or 0 for v in b["redis_servers"].values())
-            redis_a = a["cpu_us_per_token"]["redis"]
-            lines.append(
-                f"| {point['streams']:,} | {mode} "
-                f"| {_f(_ratio(b['tokens_per_s'], a['tokens_per_s']), 2)} "
-                f"| {_f(_ratio(b['cpu_us_per_token']['redis'], redis_a), 2)} "
-                f"| {_f(_ratio(busiest, redis_a), 2)} |"
-            )
-    return "\n".join(lines) + "\n"
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.logs = Path(tempfile.mkdtemp(prefix="tokenspout-e2e-cluster-"))
     say(f"process logs in {args.logs}; load average {os.getloadavg()[0]:.2f}")
     results = asyncio.run(suite(args))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps(results, indent=1) + "\n")
-    (args.out / f"{args.name}.md").write_text(markdown(results))
+    report.write(args.out, args.name, results, e2e_report.cluster_markdown(results))
     say(f"done in {results['suite_s']} s: {args.out}/{args.name}.md")
 
 

@@ -1,9 +1,12 @@
-"""docs/bench/e2e.md and e2e.png from the results of ``python -m bench.e2e``."""
+"""docs/bench/e2e.md and e2e.png from the results of ``python -m bench.e2e``, and
+e2e_cluster.md from ``python -m bench.e2e_cluster``'s (bench/report.py writes them)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+from bench.report import fmt, pyplot, save
 
 PATHS = {
     "openai": "OpenAI `POST /v1/chat/completions`",
@@ -11,13 +14,6 @@ PATHS = {
     "grpc": "gRPC `ModelStreamInfer` (KServe v2 / Triton)",
 }
 TARGETS = "issue 12 (lean token path)"
-
-
-def _f(value: float | None, digits: int = 1, sign: bool = False) -> str:
-    if value is None:
-        return "-"
-    text = f"{value:+,.{digits}f}" if sign else f"{value:,.{digits}f}"
-    return text
 
 
 def _cpu(c: dict[str, Any]) -> str:
@@ -51,10 +47,11 @@ def added_table(points: list[dict[str, Any]], mode: str) -> list[str]:
             continue
         a = p["added"][mode]
         rows.append(
-            f"| {_label(p)} | {_f(a['added_ttft_p50_ms'], 1, True)} ms "
-            f"| {_f(a['added_ttft_p99_ms'], 1, True)} ms | {_f(a['added_itl_p99_ms'], 1, True)} ms "
-            f"| {_f(a['tokens_per_s_ratio'], 2)} | {_cpu(a['cpu_us_per_token'])} "
-            f"| {_f(a['cpu_us_per_token']['engine_alone'], 0)} us | {_complete(p, mode)} "
+            f"| {_label(p)} | {fmt(a['added_ttft_p50_ms'], 1, True)} ms "
+            f"| {fmt(a['added_ttft_p99_ms'], 1, True)} ms "
+            f"| {fmt(a['added_itl_p99_ms'], 1, True)} ms "
+            f"| {fmt(a['tokens_per_s_ratio'], 2)} | {_cpu(a['cpu_us_per_token'])} "
+            f"| {fmt(a['cpu_us_per_token']['engine_alone'], 0)} us | {_complete(p, mode)} "
             f"| {p['loadavg_before_after'][0]:.1f} -> {p['loadavg_before_after'][1]:.1f} |"
         )
     return rows
@@ -70,13 +67,13 @@ def raw_table(points: list[dict[str, Any]]) -> list[str]:
     for p in points:
         for mode, m in p["modes"].items():
             c = m["cpu_us_per_token"]
-            cpu = " / ".join(_f(c[name], 0) for name in ("gateway", "worker", "redis", "engine"))
+            cpu = " / ".join(fmt(c[name], 0) for name in ("gateway", "worker", "redis", "engine"))
             rows.append(
-                f"| {_label(p)} | {mode} | {_complete(p, mode)} | {_f(m['tokens_per_s'], 0)} "
-                f"| {_f(m['ttft_ms']['p50'], 2)} / {_f(m['ttft_ms']['p99'], 2)} "
-                f"| {_f(m['request_ms']['p50'], 2)} / {_f(m['request_ms']['p99'], 2)} "
-                f"| {_f(m['itl_ms']['p50'], 2)} / {_f(m['itl_ms']['p99'], 2)} "
-                f"| {cpu} / {_f(c['loadgen'], 0)} | {_f(m['redis_calls_per_token'], 2)} |"
+                f"| {_label(p)} | {mode} | {_complete(p, mode)} | {fmt(m['tokens_per_s'], 0)} "
+                f"| {fmt(m['ttft_ms']['p50'], 2)} / {fmt(m['ttft_ms']['p99'], 2)} "
+                f"| {fmt(m['request_ms']['p50'], 2)} / {fmt(m['request_ms']['p99'], 2)} "
+                f"| {fmt(m['itl_ms']['p50'], 2)} / {fmt(m['itl_ms']['p99'], 2)} "
+                f"| {cpu} / {fmt(c['loadgen'], 0)} | {fmt(m['redis_calls_per_token'], 2)} |"
             )
     return rows
 
@@ -135,11 +132,11 @@ def before_after(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
                 continue
 
             def pair(key: str, digits: int, sign: bool, a: Any = a, b: Any = b) -> str:
-                return f"{_f(b[key], digits, sign)} -> {_f(a[key], digits, sign)}"
+                return f"{fmt(b[key], digits, sign)} -> {fmt(a[key], digits, sign)}"
 
             cb, ca = b["cpu_us_per_token"], a["cpu_us_per_token"]
             cpu = " | ".join(
-                f"{_f(cb[name], 0)} -> {_f(ca[name], 0)}"
+                f"{fmt(cb[name], 0)} -> {fmt(ca[name], 0)}"
                 for name in ("gateway", "worker", "redis", "total")
             )
             rows.append(
@@ -215,11 +212,7 @@ def markdown(results: dict[str, Any], before: dict[str, Any] | None = None) -> s
 
 
 def plot(results: dict[str, Any], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     points = [p for p in results["points"] if "added" in p]
     if not points:
         return
@@ -254,6 +247,66 @@ def plot(results: dict[str, Any], out: Path) -> None:
     cpu.set(xlabel="streams", ylabel="CPU us per delivered token", yscale="log")
     cpu.set_title("CPU per token, by process")
     cpu.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    save(fig, out, dpi=100)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def cluster_markdown(results: dict[str, Any]) -> str:
+    s, machine = results["settings"], results["machine"]
+    lines = [
+        "# End to end: one Redis vs a Redis Cluster",
+        "",
+        f"`python -m bench.e2e_cluster`: bench/e2e.py's streams ({s['tokens_per_stream']} tokens "
+        f"at {s['tokens_per_s_per_stream']:g} tokens/s each, started at "
+        f"{s['start_rate_streams_per_s']:g}/s) through a gateway and a synthetic worker on one "
+        f"Redis and on a cluster of {s['primaries']} primaries (no replicas), the two rigs "
+        f"taking turns, {s['rounds']} rounds per point. Every Redis server pinned with the "
+        f"worker (pinned: {results['pinned']}); {machine.get('nproc')} CPUs, load average at "
+        f"the end {machine['loadavg_at_end'][0]}, shared with other work: compare the two "
+        "within a row, not across runs. Method: docs/bench.md.",
+        "",
+        "Redis CPU per token: each valkey-server's CPU time (/proc) over every token "
+        "delivered; a shard's share: the events (XADD) written on it; its tokens/s and CPU "
+        "per own token follow from that share.",
+        "",
+        "| streams | path | Redis | tokens/s | tokens delivered | Redis CPU per token "
+        "(sum) | per server: share of events, tokens/s, CPU per token (all), CPU per own "
+        "token | gateway + worker CPU per token |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for point in results["points"]:
+        for backend, modes in point["backends"].items():
+            for mode, m in modes.items():
+                cpu = m["cpu_us_per_token"]
+                servers = "; ".join(
+                    f"{name}: {v['share']:.2f}, {fmt(v['tokens_per_s'], 0)}/s, "
+                    f"{fmt(v['cpu_us_per_token'])} us, {fmt(v['cpu_us_per_own_token'])} us"
+                    for name, v in m["redis_servers"].items()
+                )
+                lines.append(
+                    f"| {point['streams']:,} | {mode} | {backend} | {m['tokens_per_s']:,} "
+                    f"| {m['tokens']:,}/{m['tokens_expected']:,} | {cpu['redis']:.1f} us "
+                    f"| {servers} | {cpu['gateway']:.0f} + {cpu['worker']:.0f} us |"
+                )
+    lines += ["", "Cluster vs one Redis, same point and path:", ""]
+    lines += [
+        "| streams | path | tokens/s ratio | Redis CPU per token ratio (sum of shards) "
+        "| busiest shard's CPU per token vs one Redis |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for point in results["points"]:
+        one, sharded = point["backends"]["one Redis"], point["backends"]["cluster"]
+        for mode in one:
+            a, b = one[mode], sharded[mode]
+            busiest = max(v["cpu_us_per_token"] or 0 for v in b["redis_servers"].values())
+            redis_a = a["cpu_us_per_token"]["redis"]
+            lines.append(
+                f"| {point['streams']:,} | {mode} "
+                f"| {fmt(_ratio(b['tokens_per_s'], a['tokens_per_s']), 2)} "
+                f"| {fmt(_ratio(b['cpu_us_per_token']['redis'], redis_a), 2)} "
+                f"| {fmt(_ratio(busiest, redis_a), 2)} |"
+            )
+    return "\n".join(lines) + "\n"

@@ -38,11 +38,13 @@ from typing import Any
 
 import httpx
 
-from bench.measure import pin
+from bench import report
 from engine.backends.vllm_backend import VllmBackend
 from engine.model import MODEL_NAME, prepare_default_model
 from stack import processes
-from stack.redis_server import EmbeddedRedis, free_port
+from stack.procfs import pin
+from stack.redis_server import free_port
+from stack.rig import VLLM_LOCK, on_embedded_redis
 from wire import ChatMessage, GenerationRequest, SamplingParams
 
 PROMPTS = [
@@ -62,7 +64,6 @@ PROMPTS = [
 WARM_UP = "Hello!"
 MAX_TOKENS = 64
 OUT = Path(__file__).resolve().parent.parent / "docs" / "bench"
-LOCK = Path("/tmp/tokenspout-vllm.lock")
 
 
 def say(message: str) -> None:
@@ -152,44 +153,34 @@ Paths = dict[str, list[dict[str, float]]]
 
 
 async def through_gateway(logs: Path, pinned: bool) -> tuple[float, Paths]:
-    with EmbeddedRedis() as redis:
-        env = {"REDIS_URL": redis.url, "TOKENSPOUT_KEY_PREFIX": "bench"}
+    with on_embedded_redis(logs, "bench") as (procs, redis):
         unpin_this_process()
         began = time.monotonic()
         metrics_port = free_port()
         worker_metrics = f"http://127.0.0.1:{metrics_port}/metrics"
         flags = ["--backend", "vllm", "--model", "default", "--capacity", "8"]
-        engine = processes.engine(
-            [*flags, "--metrics-port", str(metrics_port)],
-            env,
-            logs / "engine.log",
-        )
-        port = free_port()
-        gateway = processes.gateway(port, env, logs / "gateway.log")
-        base = f"http://127.0.0.1:{port}"
-        try:
-            processes.wait_http(f"{base}/ready", engine, 600)
-            startup = time.monotonic() - began
-            if pinned:  # the worker once its engine core runs: that keeps its own CPUs
-                assert redis.process is not None
-                for pid in (redis.process.pid, gateway.pid, engine.pid, os.getpid()):
-                    pin(pid, reserved_cpu(), children=False)
-            asks = {"openai": _by_openai, "session": _by_session}
-            paths: Paths = {path: [] for path in asks}
-            async with httpx.AsyncClient(base_url=base, timeout=300) as client:
-                for ask in asks.values():
-                    await ask(client, WARM_UP)
-                sums = await _worker_sums(client, worker_metrics)
-                for prompt in PROMPTS:
-                    for path, ask in asks.items():
-                        paths[path].append(await ask(client, prompt))
-                        sums, before = await _worker_sums(client, worker_metrics), sums
-                        for name, total in sums.items():
-                            paths[path][-1][name] = total - before[name]
-            return startup, paths
-        finally:
-            processes.stop(gateway)
-            processes.stop(engine)
+        engine = procs.engine(*flags, "--metrics-port", str(metrics_port), wait=False)
+        gateway = procs.gateway()
+        base = gateway.url
+        processes.wait_http(f"{base}/ready", engine, 600)
+        startup = time.monotonic() - began
+        if pinned:  # the worker once its engine core runs: that keeps its own CPUs
+            assert redis.process is not None
+            for pid in (redis.process.pid, gateway.process.pid, engine.pid, os.getpid()):
+                procs.pin(pid, reserved_cpu(), children=False)
+        asks = {"openai": _by_openai, "session": _by_session}
+        paths: Paths = {path: [] for path in asks}
+        async with httpx.AsyncClient(base_url=base, timeout=300) as client:
+            for ask in asks.values():
+                await ask(client, WARM_UP)
+            sums = await _worker_sums(client, worker_metrics)
+            for prompt in PROMPTS:
+                for path, ask in asks.items():
+                    paths[path].append(await ask(client, prompt))
+                    sums, before = await _worker_sums(client, worker_metrics), sums
+                    for name, total in sums.items():
+                        paths[path][-1][name] = total - before[name]
+        return startup, paths
 
 
 WORKER_SUMS = {
@@ -271,7 +262,7 @@ async def main(pinned: bool, rounds: int) -> None:
     logs = Path(tempfile.mkdtemp(prefix="tokenspout-bench-"))
     say(f"process logs in {logs}")
     model = str(prepare_default_model())
-    with LOCK.open("w") as lock:  # noqa: ASYNC230 - once, before any work
+    with VLLM_LOCK.open("w") as lock:
         say("waiting for the vLLM lock")
         fcntl.flock(lock, fcntl.LOCK_EX)
         alone: list[dict[str, float]] = []
@@ -303,8 +294,7 @@ async def main(pinned: bool, rounds: int) -> None:
         g = result["through_gateway"][path] = {**summary(samples), "samples": samples}
         g["added_ttft_p50_ms"] = g["ttft_p50_ms"] - a["ttft_p50_ms"]
         g["tokens_per_s_ratio"] = g["tokens_per_s_p50"] / a["tokens_per_s_p50"]
-    (OUT / "engine_vs_gateway.json").write_text(json.dumps(result, indent=2) + "\n")
-    (OUT / "engine_vs_gateway.md").write_text(markdown(result))
+    report.write(OUT, "engine_vs_gateway", result, markdown(result))
     print(markdown(result))
 
 

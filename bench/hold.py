@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 
-from bench import measure
 from bench.rig import Rig
 from bench.runner import Stream, create_sessions, forget, open_reader, run_point
+from stack import procfs
 
 PROBE_STREAMS = 10
 
@@ -23,7 +23,7 @@ async def hold_sweep(
     pid = rig.gateway.pid
     held: list[Stream] = []
     results: list[dict[str, object]] = []
-    rss_empty = measure.rss_bytes(pid)
+    rss_empty = procfs.rss_bytes(pid)
     try:
         for target in steps:
             more = await create_sessions(rig, "gateway", target - len(held))
@@ -31,8 +31,8 @@ async def hold_sweep(
             held += more
             await asyncio.sleep(1.0)
             alive = sum(1 for s in held for r in s.records if r.failure is None)
-            rss = measure.rss_bytes(pid)
-            connections = measure.tcp_connections_to(pid, rig.redis_port)
+            rss = procfs.rss_bytes(pid)
+            connections = procfs.tcp_connections_to(pid, rig.redis_port)
             probe = await run_point(rig, "gateway", PROBE_STREAMS, tokens_per_s, probe_s)
             results.append(
                 {

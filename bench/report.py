@@ -1,10 +1,17 @@
-"""The suite's results as a markdown report (tables, targets) and PNG plots."""
+"""The one report writer of the benchmarks: a figure as table text (``fmt``), the results as
+NAME.json and NAME.md and their plots (``write``, ``pyplot``, ``save``); then the suite's own
+report (``python -m bench``: tables, the targets of issue 8) and plots."""
 
 from __future__ import annotations
 
 import itertools
+import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 Point = dict[str, Any]
 
@@ -42,14 +49,46 @@ def upstream_kept_up(points: list[Point], point: Point) -> bool:
     return base is not None and base["tokens"] >= base["tokens_expected"]
 
 
-def _fmt(value: object, digits: int = 1) -> str:
+def fmt(value: object, digits: int = 1, sign: bool = False) -> str:
+    """A figure in a table: "-" for none, thousands separated, ``sign``: always signed."""
     if value is None:
         return "-"
     if isinstance(value, float):
-        return f"{value:,.{digits}f}"
+        return f"{value:+,.{digits}f}" if sign else f"{value:,.{digits}f}"
     if isinstance(value, int):
-        return f"{value:,}"
+        return f"{value:+,}" if sign else f"{value:,}"
     return str(value)
+
+
+def write(
+    out: Path,
+    name: str,
+    results: dict[str, Any],
+    markdown: str,
+    plot: Callable[[Path], None] | None = None,
+) -> None:
+    """NAME.json (every figure), NAME.md (the report) and the plots, into ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / f"{name}.md").write_text(markdown)
+    if plot is not None:
+        plot(out)
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (no display), imported only when plotting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save(fig: Figure, path: Path, dpi: int = 110) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
 
 
 def marginal_kib(hold: list[dict[str, Any]]) -> float | None:
@@ -86,7 +125,7 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         (
             "added TTFT p50, 1 stream",
             "<= 1 ms",
-            f"{_fmt(worst, 2)} ms ({source})",
+            f"{fmt(worst, 2)} ms ({source})",
             verdict(worst <= 1 if worst is not None else None),
         )
     )
@@ -96,7 +135,7 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     dropped = [p for p in gateway if p not in kept]
     note = (
         "; not counted, the engine alone fell behind its schedule: "
-        + ", ".join(f"{_fmt(p['streams'])} x {p['tokens_per_s_per_stream']:g}" for p in dropped)
+        + ", ".join(f"{fmt(p['streams'])} x {p['tokens_per_s_per_stream']:g}" for p in dropped)
         if dropped
         else ""
     )
@@ -111,7 +150,7 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             (
                 "added TTFT p99, 500 streams",
                 "<= 5 ms",
-                f"{_fmt(value, 2)} ms at {least} streams x {rates}{note}",
+                f"{fmt(value, 2)} ms at {least} streams x {rates}{note}",
                 verdict(value <= 5 if value is not None else None),
             )
         )
@@ -119,14 +158,14 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     itl = [(v, p) for v, p in itl if v is not None]
     if itl:
         value, where = max(itl, key=lambda pair: pair[0])
-        place = f"{_fmt(where['streams'])} x {where['tokens_per_s_per_stream']:g} tok/s"
+        place = f"{fmt(where['streams'])} x {where['tokens_per_s_per_stream']:g} tok/s"
     else:
         value, place = None, "-"
     rows.append(
         (
             "added inter-token latency p99",
             "<= 1 ms",
-            f"{_fmt(value, 2)} ms (worst point, {place}){note}",
+            f"{fmt(value, 2)} ms (worst point, {place}){note}",
             verdict(value <= 1 if value is not None else None),
         )
     )
@@ -139,9 +178,9 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             (
                 "relayed tokens/s per gateway process",
                 ">= 40,000",
-                f"{_fmt(g['tokens_per_s'], 0)} measured (gateway at "
-                f"{_fmt(g['relay_cpu_utilisation'], 2)} of a core); "
-                f"{_fmt(per_core, 0)} per fully used core if CPU per token held (1 s / CPU "
+                f"{fmt(g['tokens_per_s'], 0)} measured (gateway at "
+                f"{fmt(g['relay_cpu_utilisation'], 2)} of a core); "
+                f"{fmt(per_core, 0)} per fully used core if CPU per token held (1 s / CPU "
                 "per token: a projection, not a measurement)",
                 verdict((g["tokens_per_s"] or 0) >= 40_000),
             )
@@ -161,7 +200,7 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                 (
                     "gateway vs reference relay",
                     ">= 1.5x",
-                    f"{_fmt(ratio, 1)}x tokens/s, {_fmt(cpu_ratio, 1)}x less CPU per token "
+                    f"{fmt(ratio, 1)}x tokens/s, {fmt(cpu_ratio, 1)}x less CPU per token "
                     f"(vs {best['mode']})",
                     verdict(ratio >= 1.5 if ratio else None),
                 )
@@ -170,7 +209,7 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             (
                 "gateway CPU per relayed token (saturation)",
                 "<= 20 us",
-                f"{_fmt(g['relay_cpu_us_per_token'], 1)} us",
+                f"{fmt(g['relay_cpu_us_per_token'], 1)} us",
                 verdict(g["relay_cpu_us_per_token"] <= 20 if g["relay_cpu_us_per_token"] else None),
             )
         )
@@ -180,8 +219,8 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             (
                 "gateway CPU per relayed token (one reader per session)",
                 "<= 20 us",
-                f"{_fmt(busiest['relay_cpu_us_per_token'], 1)} us at {busiest['streams']} "
-                f"streams x {_fmt(busiest['tokens_per_s_per_stream'], 0)} tokens/s",
+                f"{fmt(busiest['relay_cpu_us_per_token'], 1)} us at {busiest['streams']} "
+                f"streams x {fmt(busiest['tokens_per_s_per_stream'], 0)} tokens/s",
                 verdict(
                     busiest["relay_cpu_us_per_token"] <= 20
                     if busiest["relay_cpu_us_per_token"]
@@ -196,8 +235,8 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             (
                 "open streams per process",
                 ">= 10,000",
-                f"{_fmt(last['alive'])} held open (probe TTFT p99 "
-                f"{_fmt(last['probe']['ttft_ms']['p99'])} ms)",
+                f"{fmt(last['alive'])} held open (probe TTFT p99 "
+                f"{fmt(last['probe']['ttft_ms']['p99'])} ms)",
                 verdict(last["alive"] >= 10_000),
             )
         )
@@ -206,9 +245,9 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             (
                 "gateway memory per open stream",
                 "<= 20 KiB",
-                f"{_fmt(kib, 1)} KiB (RSS growth from {_fmt(hold[0]['open_streams'])} to "
-                f"{_fmt(last['open_streams'])} open streams; "
-                f"{_fmt(last['kib_per_stream'], 1)} KiB counting from before the first)",
+                f"{fmt(kib, 1)} KiB (RSS growth from {fmt(hold[0]['open_streams'])} to "
+                f"{fmt(last['open_streams'])} open streams; "
+                f"{fmt(last['kib_per_stream'], 1)} KiB counting from before the first)",
                 verdict(kib <= 20 if kib is not None else None),
             )
         )
@@ -267,8 +306,8 @@ def markdown(results: dict[str, Any]) -> str:
                 base = by_mode.get("direct", {}).get("p50")
                 extra = _sub(row["p50"], base) if mode != "direct" else None
                 out.append(
-                    f"| {rate} | {mode} | {row['rounds']} | {_fmt(row['p50'], 2)} | "
-                    f"{_fmt(row['p90'], 2)} | {_fmt(row['min'], 2)} | {_fmt(extra, 2)} |"
+                    f"| {rate} | {mode} | {row['rounds']} | {fmt(row['p50'], 2)} | "
+                    f"{fmt(row['p90'], 2)} | {fmt(row['min'], 2)} | {fmt(extra, 2)} |"
                 )
     out += [
         "",
@@ -283,14 +322,14 @@ def markdown(results: dict[str, Any]) -> str:
     for p in points:
         add = added(points, p) if p["mode"] != "direct" else {}
         out.append(
-            f"| {_fmt(p['tokens_per_s_per_stream'], 0)} | {p['streams']:,} | {p['mode']} | "
-            f"{p['tokens']:,}/{p['tokens_expected']:,} | {_fmt(p['tokens_per_s'], 0)} | "
-            f"{_fmt(p['ttft_ms']['p50'])} / {_fmt(p['ttft_ms']['p99'])} | "
-            f"{_fmt(p['itl_ms']['p50'])} / {_fmt(p['itl_ms']['p99'])} | "
-            f"{_fmt(add.get('ttft_p50'))} / {_fmt(add.get('ttft_p99'))} | "
-            f"{_fmt(add.get('itl_p99'))} | {_fmt(p['relay_cpu_us_per_token'])} | "
-            f"{_fmt(p['relay_cpu_utilisation'], 2)} | {_fmt(p['relay_rss_mib_peak'])} | "
-            f"{_fmt(p['redis_calls_per_token'], 2)} | {p['loadavg_before_after']} |"
+            f"| {fmt(p['tokens_per_s_per_stream'], 0)} | {p['streams']:,} | {p['mode']} | "
+            f"{p['tokens']:,}/{p['tokens_expected']:,} | {fmt(p['tokens_per_s'], 0)} | "
+            f"{fmt(p['ttft_ms']['p50'])} / {fmt(p['ttft_ms']['p99'])} | "
+            f"{fmt(p['itl_ms']['p50'])} / {fmt(p['itl_ms']['p99'])} | "
+            f"{fmt(add.get('ttft_p50'))} / {fmt(add.get('ttft_p99'))} | "
+            f"{fmt(add.get('itl_p99'))} | {fmt(p['relay_cpu_us_per_token'])} | "
+            f"{fmt(p['relay_cpu_utilisation'], 2)} | {fmt(p['relay_rss_mib_peak'])} | "
+            f"{fmt(p['redis_calls_per_token'], 2)} | {p['loadavg_before_after']} |"
         )
     saturation: list[Point] = results.get("saturation", [])
     if saturation:
@@ -305,10 +344,10 @@ def markdown(results: dict[str, Any]) -> str:
         for p in saturation:
             out.append(
                 f"| {p['mode']} | {p['streams']} x {p['readers_per_stream']} | "
-                f"{p['tokens']:,}/{p['tokens_expected']:,} | {_fmt(p['tokens_per_s'], 0)} | "
-                f"{_fmt(p['ttft_ms']['p99'])} | {_fmt(p['itl_ms']['p99'])} | "
-                f"{_fmt(p['relay_cpu_us_per_token'])} | {_fmt(p['relay_cpu_utilisation'], 2)} | "
-                f"{_fmt(p['loadgen_cpu_utilisation'], 2)} | {p['loadavg_before_after']} |"
+                f"{p['tokens']:,}/{p['tokens_expected']:,} | {fmt(p['tokens_per_s'], 0)} | "
+                f"{fmt(p['ttft_ms']['p99'])} | {fmt(p['itl_ms']['p99'])} | "
+                f"{fmt(p['relay_cpu_us_per_token'])} | {fmt(p['relay_cpu_utilisation'], 2)} | "
+                f"{fmt(p['loadgen_cpu_utilisation'], 2)} | {p['loadavg_before_after']} |"
             )
     hold: list[dict[str, Any]] = results.get("hold", [])
     if hold:
@@ -324,20 +363,16 @@ def markdown(results: dict[str, Any]) -> str:
             probe = h["probe"]
             out.append(
                 f"| {h['open_streams']:,} | {h['alive']:,} | {h['rss_mib']} | "
-                f"{_fmt(h['kib_per_stream'])} | {h['gateway_redis_connections']} | "
-                f"{_fmt(probe['ttft_ms']['p50'])} / {_fmt(probe['ttft_ms']['p99'])} | "
-                f"{_fmt(probe['itl_ms']['p99'])} |"
+                f"{fmt(h['kib_per_stream'])} | {h['gateway_redis_connections']} | "
+                f"{fmt(probe['ttft_ms']['p50'])} / {fmt(probe['ttft_ms']['p99'])} | "
+                f"{fmt(probe['itl_ms']['p99'])} |"
             )
     out += ["", "Plots: latency.png, throughput.png, memory.png (same folder).", ""]
     return "\n".join(out)
 
 
 def plots(results: dict[str, Any], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     points: list[Point] = results["points"]
     rates = sorted({p["tokens_per_s_per_stream"] for p in points})
     order = ("direct", "reference", "gateway", "ws")
@@ -369,9 +404,7 @@ def plots(results: dict[str, Any], out: Path) -> None:
         ax.set_title(f"latency, {rate:.0f} tokens/s per stream")
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "latency.png", dpi=110)
-    plt.close(fig)
+    save(fig, out / "latency.png")
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     for mode in modes:
@@ -397,9 +430,7 @@ def plots(results: dict[str, Any], out: Path) -> None:
     left.set_title("throughput vs concurrency")
     right.set_ylabel("relay process CPU us per token")
     right.set_title("CPU per relayed token")
-    fig.tight_layout()
-    fig.savefig(out / "throughput.png", dpi=110)
-    plt.close(fig)
+    save(fig, out / "throughput.png")
 
     hold: list[dict[str, Any]] = results.get("hold", [])
     if hold:
@@ -416,6 +447,4 @@ def plots(results: dict[str, Any], out: Path) -> None:
         ax.set_ylabel("gateway RSS (MiB)")
         ax.set_title("gateway memory vs open streams")
         ax.grid(True, alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(out / "memory.png", dpi=110)
-        plt.close(fig)
+        save(fig, out / "memory.png")

@@ -1,4 +1,4 @@
-"""One measured point on the rig (bench/rig.py): sessions, submits, readers and their figures."""
+"""One measured point on the suite's rig (bench/rig.py): sessions, submits, readers, figures."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import httpx
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import WebSocketException
 
-from bench import measure
+from bench import stats
 from bench.loadgen import (
     PubSubReader,
     SSEStream,
@@ -24,7 +24,10 @@ from bench.loadgen import (
     open_sse,
     read_ws,
 )
-from bench.rig import HOST, START_RATE, Rig
+from bench.rig import START_RATE, Rig
+from bench.stats import cpu_of, ms, pct, steady_rate
+from stack import procfs
+from stack.rig import HOST
 
 MODES = ("direct", "reference", "reference-spin", "gateway", "ws")
 SWEEP_MODES = ("direct", "reference", "gateway", "ws")
@@ -146,36 +149,6 @@ async def forget(rig: Rig, streams: list[Stream]) -> None:
         await pipe.execute()
 
 
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
-
-
-def ms(value: float | None) -> float | None:
-    return None if value is None else round(value * 1000, 3)
-
-
-def steady_rate(records: list[StreamRecord]) -> float | None:
-    """Tokens/s while every reader runs: from the last start to the first reader's end."""
-    ended = [r.arrivals[-1] for r in records if r.arrivals]
-    starts = [r.submitted_at for r in records if r.submitted_at]
-    if not ended or not starts:
-        return None
-    low, high = max(starts), min(ended)
-    if high - low < 0.5:
-        return None
-    count = sum(1 for r in records for t in r.arrivals if low <= t <= high)
-    return round(count / (high - low), 1)
-
-
-def cpu_of(pids: dict[str, int]) -> dict[str, float]:
-    """CPU seconds per process tree; the load generator's own (its tree is the whole rig)."""
-    own = os.getpid()
-    return {name: measure.cpu_seconds(pid, children=pid != own) for name, pid in pids.items()}
-
-
 async def run_point(
     rig: Rig,
     mode: str,
@@ -198,9 +171,9 @@ async def run_point(
     pids = {"engine": rig.engine.pid, "redis": rig.redis_pid, "loadgen": os.getpid()}
     if pid:
         pids["relay"] = pid
-    await measure.reset_command_stats(rig.redis)
+    await stats.reset_command_stats(rig.redis)
     cpu_before = cpu_of(pids)
-    rss_before = measure.rss_bytes(pid) if pid else 0
+    rss_before = procfs.rss_bytes(pid) if pid else 0
     rss_peak = rss_before
     load_before = os.getloadavg()[0]
     failures: list[str] = []
@@ -230,7 +203,7 @@ async def run_point(
     async def sample_rss() -> None:
         nonlocal rss_peak
         while pid:
-            rss_peak = max(rss_peak, measure.rss_bytes(pid))
+            rss_peak = max(rss_peak, procfs.rss_bytes(pid))
             await asyncio.sleep(0.25)
 
     sampler = asyncio.create_task(sample_rss())
@@ -244,7 +217,7 @@ async def run_point(
     wall = time.perf_counter() - wall_began
     sampler.cancel()
     cpu_after = cpu_of(pids)
-    calls = await measure.command_calls(rig.redis)
+    calls = await stats.command_calls(rig.redis)
     for stream in streams:
         stream.close()
     if pubsub is not None:

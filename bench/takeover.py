@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import platform
 import secrets
@@ -36,7 +37,8 @@ import redis.asyncio as aioredis
 
 from gateway.takeover import LEASE_GRACE_S
 from stack import processes
-from stack.redis_server import EmbeddedRedis, free_port
+from stack.rig import Rig as ProcessRig
+from stack.rig import on_embedded_redis
 from wire import Keys
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "bench" / "takeover.json"
@@ -58,43 +60,18 @@ async def sse_events(lines: AsyncIterator[str]) -> AsyncIterator[tuple[str, str]
 
 
 class Rig:
-    def __init__(self, redis_url: str, logs: Path) -> None:
-        self.redis_url = redis_url
-        self.prefix = f"bench-{secrets.token_hex(4)}"
-        self.keys = Keys(self.prefix)
-        self.logs = logs
-        self.env = {
-            "REDIS_URL": redis_url,
-            "TOKENSPOUT_KEY_PREFIX": self.prefix,
-            "TOKENSPOUT_LOG_LEVEL": "INFO",
-        }
+    """stack/rig.py's processes, the workers by id, and a client of their Redis."""
+
+    def __init__(self, procs: ProcessRig) -> None:
+        self.procs = procs
+        self.keys = Keys(procs.prefix)
         self.workers: dict[str, subprocess.Popen[bytes]] = {}
-        self.children: list[subprocess.Popen[bytes]] = []
-        self.redis = aioredis.Redis.from_url(redis_url)
+        self.redis = aioredis.Redis.from_url(procs.redis_url)
 
     async def start_worker(self) -> None:
         worker_id = f"w-{secrets.token_hex(4)}"
-        args = ["--backend", "synthetic", "--tokens-per-s", str(TOKENS_PER_S)]
-        args += ["--worker-id", worker_id, "--drain-s", "30"]
-        process = processes.engine(args, self.env, self.logs / f"{worker_id}.log")
-        self.children.append(process)
-        async with asyncio.timeout(60):
-            while not await self.redis.exists(self.keys.worker(worker_id)):
-                assert process.poll() is None, "the worker exited"
-                await asyncio.sleep(0.05)
-        self.workers[worker_id] = process
-
-    def start_gateway(self) -> str:
-        port = free_port()
-        process = processes.gateway(port, self.env, self.logs / "gateway.log")
-        self.children.append(process)
-        processes.wait_http(f"http://127.0.0.1:{port}/health", process, 60)
-        return f"http://127.0.0.1:{port}"
-
-    async def stop(self) -> None:
-        for child in reversed(self.children):
-            processes.stop(child)
-        await self.redis.aclose()
+        start = functools.partial(self.procs.synthetic, worker_id=worker_id)
+        self.workers[worker_id] = await asyncio.to_thread(start, TOKENS_PER_S, "--drain-s", "30")
 
 
 async def one_run(rig: Rig, client: httpx.AsyncClient, base: str, how: str) -> float:
@@ -155,28 +132,33 @@ def summary(values: list[float]) -> dict[str, Any]:
     }
 
 
+async def _measure(rig: Rig, runs: int) -> dict[str, Any]:
+    try:
+        base = rig.procs.gateway().url
+        await rig.start_worker()
+        await rig.start_worker()
+        results: dict[str, Any] = {}
+        async with httpx.AsyncClient(timeout=60) as client:
+            # For LEASE_GRACE_S after Redis starts, a lost lease proves nothing (the
+            # heartbeat timeout decides): a steady state is what is measured here.
+            while await redis_uptime(rig.redis) < LEASE_GRACE_S:
+                await asyncio.sleep(0.1)
+            for how in ("sigkill", "sigterm"):
+                await one_run(rig, client, base, how)  # warm-up, not counted
+                gaps = [await one_run(rig, client, base, how) for _ in range(runs)]
+                results[how] = summary(gaps)
+                print(how, results[how])
+    finally:
+        await rig.redis.aclose()
+    return results
+
+
 async def main(runs: int, keep_logs: Path | None = None) -> dict[str, Any]:
-    with EmbeddedRedis() as server, tempfile.TemporaryDirectory() as temporary:
+    with tempfile.TemporaryDirectory() as temporary:
         logs = keep_logs or Path(temporary)
         logs.mkdir(parents=True, exist_ok=True)
-        rig = Rig(server.url, logs)
-        try:
-            base = rig.start_gateway()
-            await rig.start_worker()
-            await rig.start_worker()
-            results: dict[str, Any] = {}
-            async with httpx.AsyncClient(timeout=60) as client:
-                # For LEASE_GRACE_S after Redis starts, a lost lease proves nothing (the
-                # heartbeat timeout decides): a steady state is what is measured here.
-                while await redis_uptime(rig.redis) < LEASE_GRACE_S:
-                    await asyncio.sleep(0.1)
-                for how in ("sigkill", "sigterm"):
-                    await one_run(rig, client, base, how)  # warm-up, not counted
-                    gaps = [await one_run(rig, client, base, how) for _ in range(runs)]
-                    results[how] = summary(gaps)
-                    print(how, results[how])
-        finally:
-            await rig.stop()
+        with on_embedded_redis(logs, f"bench-{secrets.token_hex(4)}") as (procs, _redis):
+            results = await _measure(Rig(procs), runs)
     return {
         "backend": "synthetic",
         "tokens_per_s": TOKENS_PER_S,

@@ -10,7 +10,7 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
-from bench.measure import tcp_connections_to
+from stack.procfs import tcp_connections_to
 from tests.support.http import Session, create_session
 from tests.support.sse import SSEParser
 from tests.support.stack import Stack

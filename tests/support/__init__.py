@@ -6,7 +6,7 @@
     oracle.py        what the synthetic engine answers (from the backend's own script)
     metrics.py       one Prometheus reader for the gateway's and the worker's /metrics
     redis_probes.py  what Redis holds under a test's key prefix, read through wire.Keys
-    stack.py         a test's gateway and engine processes
+    stack.py         a test's processes: stack/rig.py's rig, and what a test waits for
     browser.py       the web page driven in headless Chromium
     engines.py       the engine under test of the suite run on both backends
     adapter_events.py  contract events and the bytes an adapter writes (in-process tests)

@@ -5,36 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 import time
-from typing import Any, cast
-from urllib.parse import urlsplit
+from typing import Any
 
-import redis
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.cluster import RedisCluster
-from redis.sentinel import Sentinel
 
 from gateway.takeover import LEASE_GRACE_S
+from stack.rig import sync_client
 from wire import Keys
-from wire.connect import CLUSTER_SCHEMES, connect, kind_of
-
-
-def sync_client(redis_url: str) -> redis.Redis:
-    """A blocking client of ``redis_url``: one Redis, a cluster (``redis+cluster://``), or
-    the primary Sentinel names (``redis+sentinel://h:p,.../SERVICE``, no password)."""
-    if kind_of(redis_url) == "cluster":
-        scheme, rest = redis_url.split("://", 1)
-        cluster = RedisCluster.from_url(f"{CLUSTER_SCHEMES[scheme]}://{rest}")
-        return cluster  # type: ignore[return-value]
-    if kind_of(redis_url) == "sentinel":
-        parts = urlsplit(redis_url)
-        hosts = [(h, int(p)) for h, p in (a.rsplit(":", 1) for a in parts.netloc.split(","))]
-        sentinel = Sentinel(hosts)  # type: ignore[no-untyped-call]
-        primary = sentinel.master_for(parts.path.strip("/").split("/")[0])  # type: ignore[no-untyped-call]
-        return cast(redis.Redis, primary)
-    return redis.Redis.from_url(redis_url)
+from wire.connect import connect
 
 
 def async_client(redis_url: str) -> aioredis.Redis:
@@ -121,29 +102,6 @@ def event_key(event_id: str) -> tuple[int, int]:
     """A stream entry id (``ms-seq``, the SSE ``id:``) as a sortable pair."""
     ms, seq = event_id.split("-")
     return int(ms), int(seq)
-
-
-def wait_for_worker(
-    redis_url: str,
-    prefix: str,
-    worker_id: str,
-    process: subprocess.Popen[bytes],
-    timeout_s: float = 600,
-) -> None:
-    """Until the worker has registered (its ``worker:{id}`` key); fails if it exits first."""
-    client = sync_client(redis_url)
-    key = Keys(prefix).worker(worker_id)
-    deadline = time.monotonic() + timeout_s
-    try:
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"engine worker exited with {process.returncode}")
-            if client.exists(key):
-                return
-            time.sleep(0.1)
-    finally:
-        client.close()
-    raise TimeoutError(f"worker {worker_id} did not register in {timeout_s} s")
 
 
 def worker_registered(redis_url: str, prefix: str) -> bool:

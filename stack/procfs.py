@@ -1,13 +1,11 @@
-"""What the suite reads from the OS and from Redis: CPU time, RSS, sockets, command counts."""
+"""What the benchmarks and tests read of a process tree from /proc: CPU time, RSS, sockets; and
+its pinning to one CPU (``sched_setaffinity`` on every thread)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import platform
 from pathlib import Path
-
-import redis.asyncio as aioredis
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -105,37 +103,3 @@ def pin(pid: int, cpu: int, *, children: bool = True) -> bool:
     except OSError:
         return False
     return True
-
-
-def machine() -> dict[str, object]:
-    model = ""
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            model = line.split(":", 1)[1].strip()
-            break
-    mem_kib = 0
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemTotal:"):
-            mem_kib = int(line.split()[1])
-    return {
-        "nproc": os.cpu_count(),
-        "cpu_model": model,
-        "memory_gib": round(mem_kib / 1024 / 1024, 1),
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
-    }
-
-
-async def reset_command_stats(client: aioredis.Redis) -> None:
-    await client.config_resetstat()
-
-
-async def command_calls(client: aioredis.Redis) -> dict[str, int]:
-    """Calls per command since the last reset (scripts' inner commands included)."""
-    stats = await client.info("commandstats")
-    return {
-        name.removeprefix("cmdstat_"): int(value["calls"])
-        for name, value in stats.items()
-        if isinstance(value, dict)
-    }

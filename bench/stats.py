@@ -1,17 +1,92 @@
-"""bench.e2e's figures: one run's records and CPU (``Run``), a mode's percentiles and CPU
-per token over its rounds (``summarise``), a gateway path against the engine alone at the
-same point (``added``, the columns of issue 12's table), and the one-line progress report."""
+"""Every benchmark's figures: one percentile (``pct``), milliseconds, CPU per process and
+per token, Redis command counts, the machine; for bench.e2e one run's records and CPU
+(``Run``), a mode's figures over its rounds (``summarise``), a gateway path against the
+engine alone at the same point (``added``, issue 12's columns) and its progress line."""
 
 from __future__ import annotations
 
+import os
+import platform
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import redis.asyncio as aioredis
+
 from bench.loadgen import StreamRecord
-from bench.runner import pct
+from stack import procfs
 
 PROCESSES = ("gateway", "worker", "redis", "engine", "loadgen")
+
+
+def pct(values: list[float], q: float) -> float | None:
+    """The ``q``-th percentile, the nearest sample by rank; None of no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1000, 3)
+
+
+def steady_rate(records: list[StreamRecord]) -> float | None:
+    """Tokens/s while every reader runs: from the last start to the first reader's end."""
+    ended = [r.arrivals[-1] for r in records if r.arrivals]
+    starts = [r.submitted_at for r in records if r.submitted_at]
+    if not ended or not starts:
+        return None
+    low, high = max(starts), min(ended)
+    if high - low < 0.5:
+        return None
+    count = sum(1 for r in records for t in r.arrivals if low <= t <= high)
+    return round(count / (high - low), 1)
+
+
+def cpu_of(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds per process tree; the load generator's own (its tree is the whole rig)."""
+    own = os.getpid()
+    return {name: procfs.cpu_seconds(pid, children=pid != own) for name, pid in pids.items()}
+
+
+def per_token_us(cpu_s: float | None, tokens: int) -> float | None:
+    return round(cpu_s / tokens * 1e6, 1) if cpu_s is not None and tokens else None
+
+
+async def reset_command_stats(client: aioredis.Redis) -> None:
+    await client.config_resetstat()
+
+
+async def command_calls(client: aioredis.Redis) -> dict[str, int]:
+    """Calls per command since the last reset (scripts' inner commands included)."""
+    stats = await client.info("commandstats")
+    return {
+        name.removeprefix("cmdstat_"): int(value["calls"])
+        for name, value in stats.items()
+        if isinstance(value, dict)
+    }
+
+
+def machine() -> dict[str, object]:
+    model = ""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            model = line.split(":", 1)[1].strip()
+            break
+    mem_kib = 0
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            mem_kib = int(line.split()[1])
+    return {
+        "nproc": os.cpu_count(),
+        "cpu_model": model,
+        "memory_gib": round(mem_kib / 1024 / 1024, 1),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
+    }
 
 
 @dataclass
@@ -57,26 +132,20 @@ def summarise(mode: str, runs: list[Run], max_tokens: int) -> dict[str, Any]:
         "failures": sorted({f for run in runs for f in run.failures})[:5],
         "wall_s": round(wall, 2),
         "tokens_per_s": round(tokens / span, 1) if span else None,
-        "ttft_ms": {"p50": _ms(pct(ttft, 50)), "p99": _ms(pct(ttft, 99))},
-        "request_ms": {"p50": _ms(pct(submitted, 50)), "p99": _ms(pct(submitted, 99))},
+        "ttft_ms": {"p50": ms(pct(ttft, 50)), "p99": ms(pct(ttft, 99))},
+        "request_ms": {"p50": ms(pct(submitted, 50)), "p99": ms(pct(submitted, 99))},
         "itl_ms": {
-            "p50": _ms(pct(gaps, 50)),
-            "p99": _ms(pct(gaps, 99)),
-            "mean": _ms(statistics.fmean(gaps) if gaps else None),
+            "p50": ms(pct(gaps, 50)),
+            "p99": ms(pct(gaps, 99)),
+            "mean": ms(statistics.fmean(gaps) if gaps else None),
         },
         "cpu_s": {name: round(value, 3) for name, value in cpu.items()},
-        "cpu_us_per_token": {
-            name: round(value / tokens * 1e6, 1) if tokens else None for name, value in cpu.items()
-        },
+        "cpu_us_per_token": {name: per_token_us(value, tokens) for name, value in cpu.items()},
         "cpu_utilisation": {
             name: round(value / wall, 3) if wall else None for name, value in cpu.items()
         },
         "redis_calls_per_token": round(calls / tokens, 2) if tokens else None,
     }
-
-
-def _ms(value: float | None) -> float | None:
-    return None if value is None else round(value * 1000, 3)
 
 
 def _diff(a: float | None, b: float | None) -> float | None:
