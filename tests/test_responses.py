@@ -1,0 +1,353 @@
+"""The OpenAI Responses API (issue 25), with the official ``openai`` SDK over real gateway
+processes and real Redis, the synthetic engine's script as the oracle: create (whole,
+streamed, background), the events in OpenAI's order numbered from 0, a resume with
+``starting_after`` on another replica that gives exactly the events after N, a cancel
+through another replica, ``previous_response_id`` across replicas, a worker SIGKILLed
+mid-response, delete, input items, ``store: false``, ``text.format`` and logprobs."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from stack import processes
+from tests.support.engines import EngineUnderTest
+from tests.support.oracle import synthetic_text, synthetic_tokens
+from tests.support.redis_probes import lease_trusted
+from tests.support.stack import Stack
+
+pytestmark = pytest.mark.timeout(180)
+
+ITEM_EVENTS = [
+    "response.created",
+    "response.in_progress",
+    "response.output_item.added",
+    "response.content_part.added",
+]
+
+
+def _client(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def _dumped(events: list[Any]) -> list[dict[str, Any]]:
+    return [event.model_dump(exclude_unset=True) for event in events]
+
+
+def _check_order(events: list[dict[str, Any]], final: str, text: str) -> None:
+    """OpenAI's order: the opening four, deltas, the three closing ones, one final event;
+    ``sequence_number`` 0, 1, 2, ..."""
+    kinds = [event["type"] for event in events]
+    assert [event["sequence_number"] for event in events] == list(range(len(events)))
+    assert kinds[:4] == ITEM_EVENTS
+    deltas = kinds[4:-4]
+    assert deltas and set(deltas) == {"response.output_text.delta"}
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        final,
+    ]
+    assert "".join(event["delta"] for event in events[4:-4]) == text
+    assert events[-4]["text"] == text
+    assert events[-1]["response"]["output"][0]["content"][0]["text"] == text
+
+
+async def test_a_plain_response_is_the_synthetic_reply_and_can_be_retrieved_elsewhere(
+    stack: Stack,
+) -> None:
+    stack.synthetic(tokens_per_s=200)
+    first, second = stack.gateway(), stack.gateway()
+    one, other = _client(first.url), _client(second.url)
+    try:
+        response = await one.responses.create(
+            model="synthetic",
+            input="hello there",
+            max_output_tokens=8,
+            instructions="be brief",
+            metadata={"case": "plain"},
+            temperature=0.5,
+        )
+        assert response.status == "incomplete"
+        assert response.incomplete_details is not None
+        assert response.incomplete_details.reason == "max_output_tokens"
+        assert response.output_text == synthetic_text("hello there", 8)
+        assert response.usage is not None and response.usage.output_tokens == 8
+        assert response.metadata == {"case": "plain"}
+        assert response.instructions == "be brief"
+        assert response.temperature == 0.5
+
+        again = await other.responses.retrieve(response.id)
+        assert again.model_dump() == response.model_dump()
+        items = await other.responses.input_items.list(response.id)
+        assert [item.model_dump(exclude_unset=True)["content"] for item in items.data] == [
+            [{"type": "input_text", "text": "hello there"}]
+        ]
+    finally:
+        await one.close()
+        await other.close()
+
+
+async def test_a_stream_has_openais_order_and_a_resume_elsewhere_gives_exactly_what_follows(
+    stack: Stack,
+) -> None:
+    stack.synthetic(tokens_per_s=100)
+    first, second = stack.gateway(), stack.gateway()
+    one, other = _client(first.url), _client(second.url)
+    prompt, n = "tell me a story", 12
+    try:
+        stream = await one.responses.create(
+            model="synthetic", input=prompt, max_output_tokens=n, stream=True
+        )
+        events = _dumped([event async for event in stream])
+        _check_order(events, "response.incomplete", synthetic_text(prompt, n))
+        rid = events[0]["response"]["id"]
+        assert events[0]["response"]["status"] == "in_progress"
+
+        for after in (0, 3, 7, len(events) - 2):
+            resumed = await other.responses.retrieve(rid, stream=True, starting_after=after)
+            assert _dumped([event async for event in resumed]) == events[after + 1 :]
+    finally:
+        await one.close()
+        await other.close()
+
+
+async def _ended(client: openai.AsyncOpenAI, rid: str) -> Any:
+    """The response once it has ended, polled without reading its stream (no reader)."""
+    async with asyncio.timeout(60):
+        while (response := await client.responses.retrieve(rid)).status in (
+            "queued",
+            "in_progress",
+        ):
+            await asyncio.sleep(0.2)
+    return response
+
+
+async def test_a_background_response_runs_on_without_a_reader_a_foreground_one_stops(
+    stack: Stack,
+) -> None:
+    stack.synthetic(tokens_per_s=20)
+    # A short abandon grace (a watch mark of 2 s): a reply of 3 s without a reader is
+    # abandoned unless it is a background one.
+    first = stack.gateway(TOKENSPOUT_ABANDON_GRACE_S="1")
+    second = stack.gateway(TOKENSPOUT_ABANDON_GRACE_S="1")
+    one, other = _client(first.url), _client(second.url)
+    prompt, n = "a long walk", 60
+    try:
+        created = await one.responses.create(
+            model="synthetic", input=prompt, max_output_tokens=n, background=True
+        )
+        assert created.status in ("queued", "in_progress") and created.background
+        # Read a few events on the first replica, then leave mid-reply.
+        stream = await one.responses.retrieve(created.id, stream=True)
+        seen = []
+        async for event in stream:
+            seen.append(event.model_dump(exclude_unset=True))
+            if event.type == "response.output_text.delta" and len(seen) > 6:
+                break
+        await stream.close()
+        assert seen[0]["type"] == "response.created"
+        assert seen[0]["response"]["status"] == "queued"
+
+        done = await _ended(other, created.id)
+        assert done.status == "incomplete" and done.output_text == synthetic_text(prompt, n)
+        resumed = await other.responses.retrieve(
+            created.id, stream=True, starting_after=seen[-1]["sequence_number"]
+        )
+        whole = seen + _dumped([event async for event in resumed])
+        _check_order(whole, "response.incomplete", synthetic_text(prompt, n))
+
+        # The same reply in the foreground: its client leaves, so it is cancelled.
+        foreground = await one.responses.create(
+            model="synthetic", input=prompt, max_output_tokens=n, stream=True
+        )
+        rid = ""
+        async for event in foreground:
+            if event.type == "response.created":
+                rid = event.response.id
+            if event.type == "response.output_text.delta":
+                break
+        await foreground.close()
+        left = await _ended(other, rid)
+        assert left.status == "cancelled"
+        assert 0 < len(left.output_text) < len(synthetic_text(prompt, n))
+    finally:
+        await one.close()
+        await other.close()
+
+
+async def test_a_cancel_through_another_replica_ends_the_stream_as_cancelled(
+    stack: Stack,
+) -> None:
+    stack.synthetic(tokens_per_s=20)
+    first, second = stack.gateway(), stack.gateway()
+    one, other = _client(first.url), _client(second.url)
+    try:
+        stream = await one.responses.create(
+            model="synthetic", input="go on and on", max_output_tokens=500, stream=True
+        )
+        events: list[dict[str, Any]] = []
+        cancelled = None
+        async for event in stream:
+            events.append(event.model_dump(exclude_unset=True))
+            if cancelled is None and event.type == "response.output_text.delta":
+                cancelled = await other.responses.cancel(events[0]["response"]["id"])
+        assert cancelled is not None and cancelled.status == "cancelled"
+        assert events[-1]["type"] == "response.incomplete"
+        assert events[-1]["response"]["status"] == "cancelled"
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        text = events[-4]["text"]
+        assert 0 < len(text) < len(synthetic_text("go on and on", 500))
+        assert cancelled.output_text == text
+        assert (await one.responses.retrieve(cancelled.id)).status == "cancelled"
+    finally:
+        await one.close()
+        await other.close()
+
+
+async def test_previous_response_id_continues_the_conversation_on_another_replica(
+    stack: Stack,
+) -> None:
+    stack.synthetic(tokens_per_s=200)
+    first, second = stack.gateway(), stack.gateway()
+    one, other = _client(first.url), _client(second.url)
+    try:
+        earlier = await one.responses.create(
+            model="synthetic", input="first question", max_output_tokens=5, instructions="x y"
+        )
+        later = await other.responses.create(
+            model="synthetic",
+            input=[{"role": "user", "content": [{"type": "input_text", "text": "and then"}]}],
+            max_output_tokens=5,
+            previous_response_id=earlier.id,
+        )
+        assert later.previous_response_id == earlier.id
+        assert later.output_text == synthetic_text("and then", 5)
+        # The synthetic engine counts a prompt's words: the earlier turn, its reply and the
+        # new input (not the earlier instructions, which OpenAI does not carry over).
+        words = len(f"first question {earlier.output_text} and then".split())
+        assert later.usage is not None and later.usage.input_tokens == words
+        assert earlier.usage is not None and earlier.usage.input_tokens == 4
+    finally:
+        await one.close()
+        await other.close()
+
+
+async def test_a_response_survives_its_worker_killed_mid_reply(stack: Stack) -> None:
+    doomed = stack.synthetic(20)
+    gateway = stack.gateway()
+    client = _client(gateway.url)
+    prompt, n = "keep going whatever happens", 40
+    try:
+        stream = await client.responses.create(
+            model="synthetic", input=prompt, max_output_tokens=n, stream=True
+        )
+        events = []
+        killed = False
+        async for event in stream:
+            events.append(event.model_dump(exclude_unset=True))
+            text = "".join(e.get("delta", "") for e in events)
+            if not killed and event.type == "response.output_text.delta" and len(text) > 20:
+                stack.synthetic(20)
+                await lease_trusted(stack.redis_url)
+                processes.kill(doomed)
+                killed = True
+        assert killed
+    finally:
+        await client.close()
+    _check_order(events, "response.incomplete", synthetic_text(prompt, n))
+
+
+async def test_delete_store_false_and_unknown_ids(stack: Stack) -> None:
+    stack.synthetic(tokens_per_s=200)
+    gateway = stack.gateway()
+    client = _client(gateway.url)
+    try:
+        kept = await client.responses.create(model="synthetic", input="hi", max_output_tokens=3)
+        await client.responses.delete(kept.id)
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve(kept.id)
+        unstored = await client.responses.create(
+            model="synthetic", input="hi", max_output_tokens=3, store=False
+        )
+        assert unstored.output_text == synthetic_text("hi", 3) and unstored.store is False
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve(unstored.id)
+        streamed = await client.responses.create(
+            model="synthetic", input="hi", max_output_tokens=3, store=False, stream=True
+        )
+        events = [event async for event in streamed]
+        rid = events[0].response.id  # type: ignore[union-attr]
+        async with httpx.AsyncClient(timeout=10) as http:
+            # The stream's end runs after its last byte: wait for the key to go.
+            for _ in range(100):
+                if (await http.get(f"{gateway.url}/v1/responses/{rid}")).status_code == 404:
+                    break
+                await http.get(f"{gateway.url}/health")
+            assert (await http.get(f"{gateway.url}/v1/responses/{rid}")).status_code == 404
+        for bad in ("resp_nothing", "nope", "resp_s_x.g_y"):
+            with pytest.raises(openai.NotFoundError):
+                await client.responses.retrieve(bad)
+        with pytest.raises(openai.BadRequestError):
+            await client.responses.create(
+                model="synthetic", input="hi", background=True, store=False
+            )
+    finally:
+        await client.close()
+
+
+async def test_text_format_json_schema_and_logprobs_are_passed_on(stack: Stack) -> None:
+    stack.synthetic(tokens_per_s=200)
+    gateway = stack.gateway()
+    client = _client(gateway.url)
+    try:
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.responses.create(
+                model="synthetic",
+                input="hi",
+                text={"format": {"type": "json_schema", "name": "x", "schema": {"type": 7}}},
+            )
+        assert "schema" in str(refused.value)
+        response = await client.responses.create(
+            model="synthetic",
+            input="hello",
+            max_output_tokens=6,
+            include=["message.output_text.logprobs"],
+            top_logprobs=2,
+        )
+        part = response.output[0].content[0]  # type: ignore[union-attr]
+        assert part.type == "output_text"
+        assert [lp.logprob for lp in part.logprobs or []] == [
+            token.logprob for token in synthetic_tokens("hello", 6)
+        ]
+        assert all(len(lp.top_logprobs) == 2 for lp in part.logprobs or [])
+    finally:
+        await client.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("engine", ["vllm"], indirect=True)
+async def test_a_vllm_response_streams_and_resumes_exactly(engine: EngineUnderTest) -> None:
+    client = _client(engine.gateway.url)
+    try:
+        stream = await client.responses.create(
+            model=engine.model,
+            input="Say hello.",
+            max_output_tokens=12,
+            stream=True,
+            temperature=0,
+        )
+        events = _dumped([event async for event in stream])
+        text = "".join(e.get("delta", "") for e in events)
+        assert events[-1]["type"] in ("response.completed", "response.incomplete")
+        assert events[-1]["response"]["output"][0]["content"][0]["text"] == text
+        resumed = await client.responses.retrieve(
+            events[0]["response"]["id"], stream=True, starting_after=4
+        )
+        assert _dumped([event async for event in resumed]) == events[5:]
+    finally:
+        await client.close()
