@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 
+from gateway.errors import EventsExpired
 from wire import (
     Cancelled,
     ChatMessage,
@@ -82,7 +83,12 @@ class ResponseRenderer:
         out: list[Event] = []
         if self.ended:
             return out
-        if not self.created and isinstance(event, Queued | Started | Done | Cancelled | Error):
+        if not self.created:
+            if not isinstance(event, Queued):
+                # Its first event is always ``queued``: without it, numbering would shift.
+                raise EventsExpired(
+                    f"the first events of {self.response_id} were trimmed from its stream"
+                )
             self.created = True
             out.append(self._event("response.created", response=self.response()))
         if isinstance(event, Started) and not self.started:

@@ -103,11 +103,15 @@ class StoredResponse:
         return renderer
 
     async def events(
-        self, heartbeat_s: float, starting_after: int = -1
+        self,
+        heartbeat_s: float,
+        starting_after: int = -1,
+        renderer: ResponseRenderer | None = None,
     ) -> AsyncIterator[list[Event] | Heartbeat]:
         """The Responses events numbered after ``starting_after``, live until the last one
-        (``response.completed``, ``.incomplete`` or ``.failed``)."""
-        renderer = self.renderer()
+        (``response.completed``, ``.incomplete`` or ``.failed``); ``renderer``: one to
+        render with (a fresh one), to read the response from when they have ended."""
+        renderer = renderer or self.renderer()
         async with self.hub.open(self.session_id, None) as feed:
             while not renderer.ended:
                 batch = await feed.next_batch(heartbeat_s)
@@ -129,9 +133,10 @@ class StoredResponse:
 
     async def wait(self, heartbeat_s: float) -> ResponseRenderer:
         """The response once it has ended."""
-        async for _ in self.events(heartbeat_s):
+        renderer = self.renderer()
+        async for _ in self.events(heartbeat_s, renderer=renderer):
             pass
-        return await self.snapshot()
+        return renderer
 
     async def delete(self) -> None:
         """Stop it if it runs, and forget it."""

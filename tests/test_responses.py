@@ -8,9 +8,11 @@ mid-response, delete, input items, ``store: false``, ``text.format`` and logprob
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -312,6 +314,17 @@ async def test_text_format_json_schema_and_logprobs_are_passed_on(stack: Stack) 
                 text={"format": {"type": "json_schema", "name": "x", "schema": {"type": 7}}},
             )
         assert "schema" in str(refused.value)
+        schema = {"type": "object", "properties": {"answer": {"type": "boolean"}}}
+        shaped = await client.responses.create(
+            model="synthetic",
+            input="is it?",
+            max_output_tokens=40,
+            text={"format": {"type": "json_schema", "name": "yes_no", "schema": schema}},
+        )
+        assert shaped.status == "completed"
+        jsonschema.validate(json.loads(shaped.output_text), schema)
+        assert shaped.text is not None and shaped.text.format is not None
+        assert shaped.text.format.type == "json_schema"
         response = await client.responses.create(
             model="synthetic",
             input="hello",

@@ -75,6 +75,10 @@ class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     include: list[str] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    truncation: Literal["disabled"] | None = None
+    user: str | None = None
+    """Accepted and ignored (OpenAI's end-user hint)."""
 
 
 def _items(given: str | list[InputItem]) -> list[dict[str, Any]]:
@@ -218,10 +222,11 @@ async def create_response(
         return _stream(response, settings, starting_after=-1, owner=True)
     if data.background:
         return Response((await response.snapshot()).response())
+    rendered = None
     try:
         rendered = await response.wait(settings.sse_heartbeat_s)
     finally:
-        if not (await response.snapshot()).ended:
+        if rendered is None:  # the client left (or the wait failed) before the end
             await response.abandon()
     if not data.store:
         await response.delete()
