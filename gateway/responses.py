@@ -23,7 +23,7 @@ from gateway.relay import RelayHub
 from gateway.response_events import Event, ResponseRecord, ResponseRenderer
 from gateway.sessions import KeptSession, SessionStore
 from gateway.settings import Settings
-from wire import ChatMessage, SamplingParams, decode_event
+from wire import ChatMessage, SamplingParams, Tools, decode_event
 
 RECORD_FIELD = "response"
 _record_decoder = msgspec.json.Decoder(ResponseRecord)
@@ -76,6 +76,7 @@ class StoredResponse:
         record: ResponseRecord,
         params: SamplingParams,
         messages: list[ChatMessage],
+        functions: Tools | None = None,
     ) -> StoredResponse:
         """Queue the response's generation in a new session that keeps ``record``."""
         kept = KeptSession(
@@ -84,7 +85,7 @@ class StoredResponse:
             background=record.background,
         )
         submitted = await store.submit_stateless(
-            params, model=record.model or None, messages=messages, kept=kept
+            params, model=record.model or None, messages=messages, tools=functions, kept=kept
         )
         rid = response_id(submitted.session_id, submitted.generation_id)
         return cls(store, hub, rid, record)

@@ -342,6 +342,83 @@ async def test_text_format_json_schema_and_logprobs_are_passed_on(stack: Stack) 
         await client.close()
 
 
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 30},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+WEATHER_TOOL: Any = {"type": "function", "name": "get_weather", "parameters": WEATHER}
+
+
+async def test_a_named_function_call_streams_as_a_function_call_item_and_its_output_continues(
+    stack: Stack,
+) -> None:
+    stack.synthetic(tokens_per_s=200)
+    first, second = stack.gateway(), stack.gateway()
+    one, other = _client(first.url), _client(second.url)
+    ask: Any = {
+        "model": "synthetic",
+        "input": "What is the weather in Paris?",
+        "tools": [WEATHER_TOOL],
+        "tool_choice": {"type": "function", "name": "get_weather"},
+        "max_output_tokens": 80,
+    }
+    try:
+        whole = await one.responses.create(**ask)
+        assert whole.status == "completed"
+        [call] = whole.output
+        assert call.type == "function_call" and call.name == "get_weather"
+        jsonschema.validate(json.loads(call.arguments), WEATHER)
+        assert call.call_id.startswith("call_")
+        assert whole.tools[0].name == "get_weather"  # type: ignore[union-attr]
+
+        stream = await one.responses.create(**ask, stream=True)
+        events = _dumped([event async for event in stream])
+        kinds = [event["type"] for event in events]
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        assert kinds[:3] == [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+        ]
+        assert set(kinds[3:-3]) == {"response.function_call_arguments.delta"}
+        assert kinds[-3:] == [
+            "response.function_call_arguments.done",
+            "response.output_item.done",
+            "response.completed",
+        ]
+        arguments = "".join(event["delta"] for event in events[3:-3])
+        assert events[-3]["arguments"] == arguments and events[-3]["name"] == "get_weather"
+        jsonschema.validate(json.loads(arguments), WEATHER)
+        rid = events[0]["response"]["id"]
+        resumed = await other.responses.retrieve(rid, stream=True, starting_after=2)
+        assert _dumped([event async for event in resumed]) == events[3:]
+
+        # The call's output, on the other replica, continues the stored conversation.
+        call_id = events[-2]["item"]["call_id"]
+        answer = await other.responses.create(
+            model="synthetic",
+            previous_response_id=rid,
+            input=[{"type": "function_call_output", "call_id": call_id, "output": "sunny"}],
+            max_output_tokens=5,
+        )
+        assert answer.status == "incomplete" and answer.output[0].type == "message"
+        # The synthetic engine counts the words of the messages' contents: the question
+        # (from the stored conversation) and the output (the call itself is no content).
+        question = "What is the weather in Paris?"
+        words = len(f"{question} sunny".split())
+        assert answer.usage is not None and answer.usage.input_tokens == words
+        listed = await other.responses.input_items.list(answer.id)
+        assert [item.type for item in listed.data] == ["function_call_output"]
+    finally:
+        await one.close()
+        await other.close()
+
+
 @pytest.mark.vllm
 @pytest.mark.parametrize("engine", ["vllm"], indirect=True)
 async def test_a_vllm_response_streams_and_resumes_exactly(engine: EngineUnderTest) -> None:

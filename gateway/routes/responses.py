@@ -16,7 +16,7 @@ from litestar.background_tasks import BackgroundTask
 from litestar.params import Parameter
 from litestar.response import Stream
 
-from gateway import sse, structured
+from gateway import sse, structured, tools
 from gateway.auth import api_key_guard
 from gateway.errors import HANDLED, BadRequest, GatewayError, ending_with_error
 from gateway.relay import RelayHub
@@ -25,7 +25,7 @@ from gateway.responses import Heartbeat, StoredResponse, now
 from gateway.routes.openai import ROLES, openai_error
 from gateway.sessions import SessionStore
 from gateway.settings import Settings
-from wire import ChatMessage
+from wire import ChatMessage, ToolCall, Tools, ToolSpec
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
@@ -45,6 +45,47 @@ class InputItem(msgspec.Struct, forbid_unknown_fields=True):
     status: str | None = None
 
 
+class FunctionCallIn(msgspec.Struct, forbid_unknown_fields=True):
+    """An earlier reply's call, given back as input."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputIn(msgspec.Struct, forbid_unknown_fields=True):
+    """A call's result."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+    id: str | None = None
+    status: str | None = None
+
+
+INPUT_KINDS: dict[str, type[InputItem | FunctionCallIn | FunctionCallOutputIn]] = {
+    "message": InputItem,
+    "function_call": FunctionCallIn,
+    "function_call_output": FunctionCallOutputIn,
+}
+
+
+class FunctionTool(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    name: str
+    parameters: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class FunctionChoice(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    name: str
+
+
 class TextFormat(msgspec.Struct, forbid_unknown_fields=True):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
@@ -59,7 +100,7 @@ class TextConfig(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    input: str | list[InputItem]
+    input: str | list[dict[str, Any]]
     model: str | None = None
     instructions: str | None = None
     max_output_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
@@ -73,20 +114,44 @@ class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     metadata: dict[str, str] | None = None
     text: TextConfig | None = None
     include: list[str] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     parallel_tool_calls: bool | None = None
     truncation: Literal["disabled"] | None = None
     user: str | None = None
     """Accepted and ignored (OpenAI's end-user hint)."""
 
 
-def _items(given: str | list[InputItem]) -> list[dict[str, Any]]:
-    """The request's input as message items with ``input_text`` / ``output_text`` parts."""
+def _input(
+    given: str | list[dict[str, Any]],
+) -> list[InputItem | FunctionCallIn | FunctionCallOutputIn]:
     if isinstance(given, str):
-        given = [InputItem("user", given)]
-    items = []
+        return [InputItem("user", given)]
+    parsed = []
     for index, item in enumerate(given):
+        kind = INPUT_KINDS.get(str(item.get("type", "message")))
+        if kind is None:
+            raise BadRequest(
+                f"input items of type {item.get('type')!r} are not supported",
+                code="unsupported_parameter",
+                field=f"input[{index}].type",
+            )
+        try:
+            parsed.append(msgspec.convert(item, kind))
+        except msgspec.ValidationError as exc:
+            raise BadRequest(f"input[{index}]: {exc}", field=f"input[{index}]") from None
+    return parsed
+
+
+def _items(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The request's input as items (``GET .../input_items``): messages with ``input_text``
+    / ``output_text`` parts, calls and their outputs."""
+    items = []
+    for index, item in enumerate(_input(given)):
+        if not isinstance(item, InputItem):
+            shown = msgspec.to_builtins(item)
+            items.append({**shown, "id": item.id or f"fc_in{index}", "status": "completed"})
+            continue
         if item.role not in ROLES or item.role == "tool":
             raise BadRequest(f"role {item.role!r} is not supported", field=f"input[{index}].role")
         parts = (
@@ -114,10 +179,34 @@ def _items(given: str | list[InputItem]) -> list[dict[str, Any]]:
 
 
 def _messages(items: list[dict[str, Any]]) -> list[ChatMessage]:
-    return [
-        ChatMessage(ROLES[item["role"]], "".join(part["text"] for part in item["content"]))
-        for item in items
+    """The items as chat messages: consecutive calls join one assistant message (the one
+    just before when it is the assistant's), each output is a ``tool`` message."""
+    messages: list[ChatMessage] = []
+    for item in items:
+        if item["type"] == "function_call":
+            call = ToolCall(item["call_id"], item["name"], item["arguments"])
+            last = messages[-1] if messages else None
+            if last is not None and last.role == "assistant":
+                messages[-1] = ChatMessage("assistant", last.content, [*last.tool_calls, call])
+            else:
+                messages.append(ChatMessage("assistant", "", [call]))
+        elif item["type"] == "function_call_output":
+            messages.append(ChatMessage("tool", item["output"], tool_call_id=item["call_id"]))
+        else:
+            text = "".join(part["text"] for part in item["content"])
+            messages.append(ChatMessage(ROLES[item["role"]], text))
+    return messages
+
+
+def _functions(data: ResponseRequest) -> Tools | None:
+    specs = [
+        ToolSpec(tool.name, tool.description or "", tool.parameters or {})
+        for tool in data.tools or ()
     ]
+    choice = data.tool_choice
+    if isinstance(choice, FunctionChoice):
+        return tools.tools_of(specs, "named", choice.name, data.parallel_tool_calls)
+    return tools.tools_of(specs, choice, None, data.parallel_tool_calls)
 
 
 def _text_format(
@@ -150,7 +239,8 @@ async def _conversation(
             code="previous_response_in_progress",
             field="previous_response_id",
         )
-    return [*previous.record.conversation, ChatMessage("assistant", rendered.output_text)]
+    reply = ChatMessage("assistant", rendered.output_text, rendered.tool_calls)
+    return [*previous.record.conversation, reply]
 
 
 def _sse(events: AsyncIterator[list[dict[str, Any]] | Heartbeat]) -> AsyncIterator[bytes]:
@@ -175,8 +265,7 @@ def _failure_frame(error: GatewayError) -> bytes:
 async def create_response(
     store: SessionStore, hub: RelayHub, settings: Settings, data: ResponseRequest
 ) -> Response[dict[str, Any]] | Stream:
-    if data.tools or data.tool_choice not in (None, "none", "auto"):
-        raise BadRequest("tools are not supported yet", code="unsupported_parameter", field="tools")
+    functions = _functions(data)
     if data.background and not data.store:
         raise BadRequest("a background response must be stored", field="store")
     include = set(data.include or ())
@@ -190,13 +279,21 @@ async def create_response(
     conversation = [*await _conversation(store, hub, data.previous_response_id), *_messages(items)]
     shown_format, response_format = _text_format(data.text)
     want_logprobs = LOGPROBS_INCLUDE in include
+    forced = tools.constraint(functions)
+    if forced is not None and response_format is not None:
+        raise BadRequest(
+            "a forced function call (tool_choice required or a function) and text.format "
+            "cannot both constrain the reply",
+            code="invalid_tools",
+            field="tool_choice",
+        )
     params = store.queue.sampling(
         max_tokens=data.max_output_tokens,
         temperature=data.temperature,
         top_p=data.top_p,
         logprobs=want_logprobs or None,
         top_logprobs=data.top_logprobs if want_logprobs else None,
-        structured=structured.constraint(response_format),
+        structured=forced or structured.constraint(response_format),
     )
     record = ResponseRecord(
         model=data.model or "",
@@ -213,10 +310,13 @@ async def create_response(
         previous_response_id=data.previous_response_id,
         text_format=shown_format,
         logprobs=want_logprobs,
+        tools=[msgspec.to_builtins(tool) for tool in data.tools or ()],
+        tool_choice=msgspec.to_builtins(data.tool_choice or "auto"),
+        parallel_tool_calls=data.parallel_tool_calls is not False,
     )
     system = [ChatMessage("system", data.instructions)] if data.instructions else []
     response = await StoredResponse.create(
-        store, hub, settings, record, params, [*system, *conversation]
+        store, hub, settings, record, params, [*system, *conversation], functions
     )
     if data.stream:
         return _stream(response, settings, starting_after=-1, owner=True)

@@ -9,7 +9,18 @@ import pytest
 
 from gateway.errors import EventsExpired
 from gateway.response_events import ResponseRecord, ResponseRenderer
-from wire import Cancelled, Done, Error, Queued, Resumed, SessionEvent, Started, Token, Usage
+from wire import (
+    Cancelled,
+    Done,
+    Error,
+    Queued,
+    Resumed,
+    SessionEvent,
+    Started,
+    Token,
+    ToolCallDelta,
+    Usage,
+)
 
 GID = "g_1"
 
@@ -61,3 +72,36 @@ def test_an_engine_error_fails_the_response() -> None:
 def test_a_stream_missing_its_first_event_is_refused() -> None:
     with pytest.raises(EventsExpired):
         _renderer().render(Token(GID, "a", 5, [1]))
+
+
+def test_text_then_a_call_open_two_items_that_close_in_output_order() -> None:
+    renderer = _renderer()
+    call = ToolCallDelta(0, '{"a"', "call_1", "f")
+    events = _all(
+        renderer,
+        [
+            Queued(GID),
+            Started(GID, "m", 1),
+            Token(GID, "hi", 1, [1]),
+            Token(GID, "", 2, [2], content="", tool_calls=[call]),
+            Token(GID, "", 3, [3], content="", tool_calls=[ToolCallDelta(0, ": 1}")]),
+            Done(GID, "tool_calls", Usage(1, 3)),
+        ],
+    )
+    assert [(e["type"], e.get("output_index")) for e in events[2:]] == [
+        ("response.output_item.added", 0),
+        ("response.content_part.added", 0),
+        ("response.output_text.delta", 0),
+        ("response.output_item.added", 1),
+        ("response.function_call_arguments.delta", 1),
+        ("response.function_call_arguments.delta", 1),
+        ("response.output_text.done", 0),
+        ("response.content_part.done", 0),
+        ("response.output_item.done", 0),
+        ("response.function_call_arguments.done", 1),
+        ("response.output_item.done", 1),
+        ("response.completed", None),
+    ]
+    output = renderer.response()["output"]
+    assert [item["type"] for item in output] == ["message", "function_call"]
+    assert output[1]["arguments"] == '{"a": 1}' and output[1]["call_id"] == "call_1"
