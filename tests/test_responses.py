@@ -182,6 +182,34 @@ async def test_a_background_response_runs_on_without_a_reader_a_foreground_one_s
         await other.close()
 
 
+async def test_a_response_left_at_response_created_is_never_stuck(stack: Stack) -> None:
+    stack.synthetic(tokens_per_s=50)
+    gateway = stack.gateway(TOKENSPOUT_ABANDON_GRACE_S="1")
+    client = _client(gateway.url)
+    prompt, n = "left at once", 150  # 3 s: longer than the 2 s watch mark
+    try:
+        ids = {}
+        for background in (False, True):
+            stream = await client.responses.create(
+                model="synthetic",
+                input=prompt,
+                max_output_tokens=n,
+                stream=True,
+                background=background,
+            )
+            async for event in stream:
+                assert event.type == "response.created"
+                ids[background] = event.response.id
+                break
+            await stream.close()
+        # Foreground: cancelled; background: runs to its end. Neither stays queued.
+        assert (await _ended(client, ids[False])).status == "cancelled"
+        kept = await _ended(client, ids[True])
+        assert kept.status == "incomplete" and kept.output_text == synthetic_text(prompt, n)
+    finally:
+        await client.close()
+
+
 async def test_a_cancel_through_another_replica_ends_the_stream_as_cancelled(
     stack: Stack,
 ) -> None:
