@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
+import anyio
 import msgspec
 from litestar import Response, Router, delete, get, post
 from litestar.background_tasks import BackgroundTask
@@ -326,34 +327,35 @@ async def create_response(
     try:
         rendered = await response.wait(settings.sse_heartbeat_s)
     finally:
-        if rendered is None:  # the client left (or the wait failed) before the end
-            await response.abandon()
-    if not data.store:
-        await response.delete()
+        await _after_owner(response, rendered is not None)
     return Response(rendered.response())
 
 
 def _stream(
     response: StoredResponse, settings: Settings, *, starting_after: int, owner: bool
 ) -> Stream:
-    """The events after ``starting_after``. The creating request of a foreground response
-    (``owner``) cancels it if its client leaves first; an unstored one is forgotten at its
-    end."""
-    record = response.record
+    """The events after ``starting_after``. When the creating request's stream (``owner``)
+    ends before the response does, a foreground response is cancelled; an unstored one is
+    forgotten either way."""
+    renderer = response.renderer()
 
     async def ended() -> None:
-        if not owner:
-            return
-        if not (await response.snapshot()).ended:
-            if not record.background:
-                await response.abandon()
-        elif not record.store:
-            await response.delete()
+        if owner:
+            await _after_owner(response, renderer.ended)
 
-    chunks = ending_with_error(
-        _sse(response.events(settings.sse_heartbeat_s, starting_after)), _failure_frame
-    )
+    events = response.events(settings.sse_heartbeat_s, starting_after, renderer)
+    chunks = ending_with_error(_sse(events), _failure_frame)
     return sse.response(chunks, background=BackgroundTask(ended))
+
+
+async def _after_owner(response: StoredResponse, ended: bool) -> None:
+    """What follows the creating request: an unstored response is forgotten (stopped if
+    it runs), a foreground one whose client left is cancelled."""
+    with anyio.CancelScope(shield=True):  # also when the request itself was cancelled
+        if not response.record.store:
+            await response.delete()
+        elif not ended and not response.record.background:
+            await response.abandon()
 
 
 @get("/responses/{response_id:str}", summary="OpenAI Responses: retrieve or resume a response")
