@@ -330,6 +330,39 @@ async def test_delete_store_false_and_unknown_ids(stack: Stack) -> None:
         await client.close()
 
 
+async def test_bad_requests_are_refused_with_the_field_named(stack: Stack) -> None:
+    stack.synthetic(tokens_per_s=200)
+    gateway = stack.gateway(TOKENSPOUT_MAX_HISTORY_MESSAGES="4")
+    client = _client(gateway.url)
+    bad: list[tuple[dict[str, Any], str]] = [
+        ({"input": []}, "input"),
+        ({"input": "hi", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+        ({"input": "hi", "reasoning": {"effort": "low"}}, "reasoning"),
+        ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+        ({"input": [{"type": "image", "url": "x"}]}, "input[0].type"),
+        ({"input": [{"role": "user", "content": "x"}] * 5}, "input"),
+        ({"input": "hi", "include": ["file_search_call.results"]}, "include"),
+        ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
+        ({"input": "hi", "previous_response_id": "resp_s_x.g_y"}, ""),
+    ]
+    try:
+        for extra, field in bad:
+            error: openai.APIStatusError
+            try:
+                await client.responses.create(model="synthetic", **extra)
+            except openai.APIStatusError as exc:
+                error = exc
+            else:
+                raise AssertionError(f"{extra} was accepted")
+            if field:
+                assert error.status_code == 400, extra
+                assert field in str(error.body), (extra, error.body)
+            else:
+                assert error.status_code == 404
+    finally:
+        await client.close()
+
+
 async def test_text_format_json_schema_and_logprobs_are_passed_on(stack: Stack) -> None:
     stack.synthetic(tokens_per_s=200)
     gateway = stack.gateway()

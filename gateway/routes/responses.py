@@ -112,7 +112,17 @@ class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     background: bool = False
     store: bool = True
     previous_response_id: str | None = None
-    metadata: dict[str, str] | None = None
+    metadata: (
+        Annotated[
+            dict[
+                Annotated[str, msgspec.Meta(max_length=64)],
+                Annotated[str, msgspec.Meta(max_length=512)],
+            ],
+            msgspec.Meta(max_length=16),
+        ]
+        | None
+    ) = None
+    """OpenAI's bounds: 16 pairs, keys of 64 characters, values of 512."""
     text: TextConfig | None = None
     include: list[str] | None = None
     tools: list[FunctionTool] | None = None
@@ -277,7 +287,16 @@ async def create_response(
             field="include",
         )
     items = _items(data.input)
+    if not items:
+        raise BadRequest("input must not be empty", field="input")
     conversation = [*await _conversation(store, hub, data.previous_response_id), *_messages(items)]
+    if len(conversation) > settings.max_history_messages:
+        # The same bound as a session's history (TOKENSPOUT_MAX_HISTORY_MESSAGES).
+        raise BadRequest(
+            f"the conversation may hold at most {settings.max_history_messages} messages",
+            code="too_many_messages",
+            field="input",
+        )
     shown_format, response_format = _text_format(data.text)
     want_logprobs = LOGPROBS_INCLUDE in include
     forced = tools.constraint(functions)
