@@ -129,7 +129,7 @@ async def _ended(client: openai.AsyncOpenAI, rid: str) -> Any:
     return response
 
 
-async def test_a_background_response_runs_on_without_a_reader_a_foreground_one_stops(
+async def test_a_background_response_outlives_its_reader_and_replica_a_foreground_one_stops(
     stack: Stack,
 ) -> None:
     stack.synthetic(tokens_per_s=20)
@@ -154,6 +154,7 @@ async def test_a_background_response_runs_on_without_a_reader_a_foreground_one_s
         await stream.close()
         assert seen[0]["type"] == "response.created"
         assert seen[0]["response"]["status"] == "queued"
+        processes.kill(first.process)  # the replica that made it is gone, too
 
         done = await _ended(other, created.id)
         assert done.status == "incomplete" and done.output_text == synthetic_text(prompt, n)
@@ -164,7 +165,7 @@ async def test_a_background_response_runs_on_without_a_reader_a_foreground_one_s
         _check_order(whole, "response.incomplete", synthetic_text(prompt, n))
 
         # The same reply in the foreground: its client leaves, so it is cancelled.
-        foreground = await one.responses.create(
+        foreground = await other.responses.create(
             model="synthetic", input=prompt, max_output_tokens=n, stream=True
         )
         rid = ""
