@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -479,6 +482,28 @@ async def test_a_named_function_call_streams_as_a_function_call_item_and_its_out
     finally:
         await one.close()
         await other.close()
+
+
+def test_the_bench_responses_path_delivers_every_token(tmp_path: Path) -> None:
+    completed = subprocess.run(
+        [
+            *(sys.executable, "-m", "bench.e2e", "--out", str(tmp_path), "--no-plot"),
+            *("--streams", "3", "--tokens", "6", "--rounds-single", "1"),
+            *("--saturation", "2", "20", "--modes", "engine", "responses"),
+        ],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    results = json.loads((tmp_path / "e2e.json").read_text())
+    for point in [*results["points"], results["saturation"]]:
+        path = point["modes"]["responses"]
+        assert path["failures"] == [] and not path["timed_out"], path
+        assert path["tokens"] == path["tokens_expected"] == point["max_tokens"] * point["streams"]
+        assert point["added"]["responses"]["added_ttft_p50_ms"] is not None
+    assert "OpenAI Responses" in (tmp_path / "e2e.md").read_text()
 
 
 @pytest.mark.vllm
