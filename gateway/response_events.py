@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 
 from gateway.errors import EventsExpired
+from gateway.tools import add_to_call
 from wire import (
     Cancelled,
     ChatMessage,
@@ -30,17 +31,9 @@ from wire import (
     Started,
     Token,
     ToolCall,
-    ToolCallDelta,
 )
 
 Event = dict[str, Any]
-
-
-def add_to_call(call: ToolCall | None, delta: ToolCallDelta) -> ToolCall:
-    """A call with its next piece added (the first piece names it)."""
-    if call is None:
-        return ToolCall(delta.id or "", delta.name or "", delta.arguments)
-    return ToolCall(call.id, call.name, call.arguments + delta.arguments)
 
 
 class ResponseRecord(msgspec.Struct, frozen=True, kw_only=True):
