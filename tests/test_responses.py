@@ -266,6 +266,17 @@ async def test_previous_response_id_continues_the_conversation_on_another_replic
         words = len(f"first question {earlier.output_text} and then".split())
         assert later.usage is not None and later.usage.input_tokens == words
         assert earlier.usage is not None and earlier.usage.input_tokens == 4
+
+        # A response that has not ended cannot be continued yet.
+        running = await one.responses.create(
+            model="synthetic", input="long", max_output_tokens=2000, background=True
+        )
+        with pytest.raises(openai.BadRequestError) as refused:
+            await other.responses.create(
+                model="synthetic", input="next", previous_response_id=running.id
+            )
+        assert "previous_response_in_progress" in str(refused.value.body)
+        assert (await other.responses.cancel(running.id)).status == "cancelled"
     finally:
         await one.close()
         await other.close()
