@@ -10,7 +10,9 @@ Three paths per point, interleaved, on one set of processes:
 - ``session``: the session API: ``POST /v1/sessions`` beforehand (not timed), the SSE stream
   ``GET /v1/sessions/{id}/events`` opened, then ``POST /v1/sessions/{id}/messages`` (timed);
 - ``grpc``: the gateway's KServe v2 / Triton ``ModelStreamInfer``, one call per stream, all
-  on one channel (bench/grpc_stream.py).
+  on one channel (bench/grpc_stream.py);
+- ``responses`` (only when ``--modes`` names it): ``POST /v1/responses`` (``stream: true``),
+  a Responses stream on the gateway (one request = one stored response).
 
 Streams: 100 tokens at 50 tokens/s each by default, N = 1, 10, 100, 500, 1,000 streams
 started over N / 1,000 s, and an unpaced saturation point (tokens as fast as the engine
@@ -42,7 +44,14 @@ import redis.asyncio as aioredis
 
 from bench import e2e_report, profile_top, report, stats
 from bench.grpc_stream import GrpcStream, open_grpc_stream, stream_request
-from bench.loadgen import HTTPPool, SSEStream, StreamRecord, open_chat_stream, open_sse
+from bench.loadgen import (
+    HTTPPool,
+    SSEStream,
+    StreamRecord,
+    open_chat_stream,
+    open_responses_stream,
+    open_sse,
+)
 from bench.stats import Run, added, cpu_of, describe, summarise
 from stack.redis_server import free_port
 from stack.rig import HOST, on_embedded_redis
@@ -53,7 +62,8 @@ ENV = {
     "TOKENSPOUT_MAX_INFLIGHT": str(12_000 * 2),
     "TOKENSPOUT_SESSION_TTL_S": "600",
 }
-MODES = ("engine", "openai", "session", "grpc")
+MODES = ("engine", "openai", "session", "grpc", "responses")
+DEFAULT_MODES = ("engine", "openai", "session", "grpc")
 GATEWAY_CPU, REST_CPU = 1, 0
 MAX_STREAMS = 12_000
 ROOT = Path(__file__).resolve().parent.parent
@@ -159,6 +169,11 @@ def chat_body(max_tokens: int, top_logprobs: int | None = None) -> bytes:
     return json.dumps(body).encode()
 
 
+def responses_body(max_tokens: int) -> bytes:
+    body = {"model": "synthetic", "input": "bench", "max_output_tokens": max_tokens, "stream": True}
+    return json.dumps(body).encode()
+
+
 async def create_session(rig: Rig) -> tuple[str, str]:
     status, body = await rig.posts.post("/v1/sessions", b"{}", {})
     if status not in (200, 201):
@@ -173,6 +188,10 @@ async def one_stream(
     """Open one stream of ``mode``; it is counted into ``record`` until its final frame."""
     if mode == "grpc":
         return open_grpc_stream(rig.grpc_channel, stream_request(max_tokens), record)
+    if mode == "responses":
+        return await open_responses_stream(
+            HOST, rig.gateway_port, responses_body(max_tokens), record
+        )
     if mode in ("engine", "openai"):
         port = rig.engine_port if mode == "engine" else rig.gateway_port
         logprobs = rig.top_logprobs if mode == "openai" else None
@@ -376,7 +395,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar=("STREAMS", "TOKENS"),
         help="unpaced point: streams x tokens each (0 0: skip)",
     )
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(DEFAULT_MODES))
     parser.add_argument("--profile", type=Path, default=None, help="py-spy speedscopes into DIR")
     parser.add_argument("--profile-streams", type=int, default=500, help="the profiled point")
     parser.add_argument(

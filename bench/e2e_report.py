@@ -12,6 +12,7 @@ PATHS = {
     "openai": "OpenAI `POST /v1/chat/completions`",
     "session": "session API (POST + SSE)",
     "grpc": "gRPC `ModelStreamInfer` (KServe v2 / Triton)",
+    "responses": "OpenAI Responses `POST /v1/responses`",
 }
 TARGETS = "issue 12 (lean token path)"
 

@@ -181,6 +181,25 @@ class OpenAIStream(SSEStream):
             self.record.arrive(now, tokens)
 
 
+class ResponsesStream(SSEStream):
+    """One ``POST /v1/responses`` with ``stream: true``: each ``response.output_text.delta``
+    is a token (or an engine step's several: the final event's usage counts them, arriving
+    with it); ``response.completed`` or ``.incomplete`` ends it, ``.failed`` or an ``error``
+    event fails it."""
+
+    def on_frame(self, frame: bytes, now: float) -> None:
+        if not frame.startswith(b"event: "):
+            return  # a comment (heartbeat)
+        kind = frame[7 : frame.find(b"\n")]
+        if kind == b"response.output_text.delta":
+            self.record.arrivals.append(now)
+        elif kind in (b"response.completed", b"response.incomplete"):
+            self.record.arrive(now, number_after(frame, b'"output_tokens":'))
+            self.record.end(final="done")
+        elif kind in (b"response.failed", b"error"):
+            self.record.end(failure=frame[:200].decode(errors="replace"))
+
+
 def post_request(host: str, port: int, path: str, body: bytes) -> bytes:
     head = [f"POST {path} HTTP/1.1", f"Host: {host}:{port}", "Accept: text/event-stream"]
     head += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
@@ -196,6 +215,19 @@ async def open_chat_stream(host: str, port: int, body: bytes, record: StreamReco
     record.opened_at = record.submitted_at = time.perf_counter()
     request = post_request(host, port, "/v1/chat/completions", body)
     _, protocol = await loop.create_connection(lambda: OpenAIStream(request, record), host, port)
+    return protocol
+
+
+async def open_responses_stream(
+    host: str, port: int, body: bytes, record: StreamRecord
+) -> ResponsesStream:
+    """Send one streaming ``/v1/responses`` request, timed as ``open_chat_stream``."""
+    loop = asyncio.get_running_loop()
+    record.ready = loop.create_future()
+    record.finished = loop.create_future()
+    record.opened_at = record.submitted_at = time.perf_counter()
+    request = post_request(host, port, "/v1/responses", body)
+    _, protocol = await loop.create_connection(lambda: ResponsesStream(request, record), host, port)
     return protocol
 
 

@@ -392,7 +392,8 @@ class Worker:
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
                     for job in jobs:
-                        pipe.exists(self.keys.watch(job.session_id))
+                        sid = job.session_id  # a reader, or a background response
+                        pipe.exists(self.keys.watch(sid), self.keys.keep(sid))
                     watched = await pipe.execute()
             except (RedisError, OSError) as exc:
                 log.warning("checking readers failed (%s)", exc)

@@ -27,6 +27,7 @@ from gateway.feed import NEW_SESSION, Feed
 from gateway.relay import RelayHub
 from gateway.sessions import SessionStore, Submitted, new_id
 from gateway.settings import Settings
+from gateway.tools import add_to_call
 from wire import (
     Cancelled,
     ChatMessage,
@@ -38,7 +39,6 @@ from wire import (
     Task,
     Token,
     ToolCall,
-    ToolCallDelta,
     Tools,
     TopLogprob,
     decode_event,
@@ -87,13 +87,6 @@ def per_token(token: Token) -> list[TokenPiece]:
             )
         )
     return pieces
-
-
-def add_to_call(call: ToolCall | None, delta: ToolCallDelta) -> ToolCall:
-    """A call with its next piece added (the first piece names it)."""
-    if call is None:
-        return ToolCall(delta.id or "", delta.name or "", delta.arguments)
-    return ToolCall(call.id, call.name, call.arguments + delta.arguments)
 
 
 class Collected(msgspec.Struct):

@@ -15,7 +15,7 @@ import hmac
 import math
 import secrets
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 import redis.asyncio as aioredis
@@ -64,6 +64,16 @@ class Submitted(msgspec.Struct, frozen=True):
     choices: list[str] = []
     """With ``n`` > 1: every choice's generation id, in choice order (the first is
     ``generation_id``)."""
+
+
+class KeptSession(msgspec.Struct, frozen=True):
+    """A one-generation session kept past its request (a stored ``/v1/responses`` one)."""
+
+    ttl_s: int
+    meta: dict[str, str]
+    """Fields for its meta hash (the response's request, as the adapter stores it)."""
+    background: bool = False
+    """Workers treat it as read (a ``keep`` key): no abandonment while nobody reads."""
 
 
 class CancelOutcome(msgspec.Struct, frozen=True):
@@ -202,11 +212,15 @@ class SessionStore:
         tools: Tools | None = None,
         task: Task = "generate",
         token_ids: list[int] | None = None,
+        kept: KeptSession | None = None,
     ) -> Submitted:
         """Queue one generation in a throwaway session (the OpenAI/TGI/OIP adapters) for
         ``model`` (a name or alias; None: the default model), in two round trips: the
         capacity check, then the session, the generation and the request together.
-        ``session_id``: the new session's id, when the caller subscribed to it first."""
+        ``session_id``: the new session's id, when the caller subscribed to it first.
+        ``kept``: a session that outlives its request (a stored response), with its TTL,
+        its meta fields and whether it runs on with no reader."""
+        ttl_s = kept.ttl_s if kept is not None else STATELESS_TTL_S
         queue = await self.models.resolve(model)
         for message in messages or []:
             self._check_content(message.content, allow_empty=True)
@@ -215,9 +229,7 @@ class SessionStore:
         session_id, generation_id = session_id or new_id("s"), new_id("g")
         await self.queue.guard_capacity(queue)
         request = msgspec.structs.replace(
-            self._request(
-                session_id, generation_id, params, messages or [], prompt, STATELESS_TTL_S
-            ),
+            self._request(session_id, generation_id, params, messages or [], prompt, ttl_s),
             tools=tools,
             task=task,
             token_ids=token_ids or [],
@@ -233,9 +245,11 @@ class SessionStore:
                         session_id=session_id,
                         generation_id=generation_id,
                         maxlen=self.settings.events_maxlen,
-                        ttl_s=STATELESS_TTL_S,
+                        ttl_s=ttl_s,
                         watch_ttl_s=self.watch_ttl_s,
                     )
+                    if kept is not None:
+                        self._keep_in(pipe, session_id, kept)
                     self.queue.enqueue_in(pipe, queue, request)
                     reply = scripts.Submit.replied((await pipe.execute())[0])
                 break
@@ -250,6 +264,38 @@ class SessionStore:
         if self.observer is not None:
             self.observer.submitted(session_id, generation_id, reply.queued_id, queue)
         return Submitted(generation_id, session_id, reply.queued_id)
+
+    def _keep_in(self, pipe: Any, session_id: str, kept: KeptSession) -> None:
+        meta = self.keys.meta(session_id)
+        pipe.hset(meta, mapping=kept.meta)
+        pipe.expire(meta, kept.ttl_s)
+        if kept.background:
+            pipe.set(self.keys.keep(session_id), 1, ex=kept.ttl_s)
+
+    async def meta_field(self, session_id: str, field: str) -> str | None:
+        """One field of a session's meta hash (None: no such session or field)."""
+        raw = await self.redis.hget(self.keys.meta(session_id), field)
+        return None if raw is None else wire.text(raw)
+
+    async def has_generation(self, session_id: str, generation_id: str) -> bool:
+        return bool(await self.redis.exists(self.keys.generation(session_id, generation_id)))
+
+    async def forget(self, session_id: str, generation_id: str) -> None:
+        """Delete a one-generation session's keys (a deleted or unstored response)."""
+        keys = self.keys
+        await self.redis.delete(
+            keys.meta(session_id),
+            keys.history(session_id),
+            keys.events(session_id),
+            keys.generation(session_id, generation_id),
+            keys.active(session_id),
+            keys.watch(session_id),
+            keys.keep(session_id),
+        )
+
+    async def stop_keeping(self, session_id: str) -> None:
+        """A background response's generation no longer runs on without a reader."""
+        await self.redis.delete(self.keys.keep(session_id))
 
     async def _submit_to_session(
         self,

@@ -30,6 +30,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         int,
         _D(ge=60, description="Lifetime of a session's keys, renewed by every message."),
     ] = 86_400
+    responses_ttl_s: Annotated[
+        int,
+        _D(
+            ge=60,
+            description="Lifetime of a stored `/v1/responses` response (its session's keys), "
+            "from its creation.",
+        ),
+    ] = 86_400
     events_maxlen: Annotated[
         int, _D(ge=100, description="Events kept per session stream (older ones trimmed).")
     ] = 20_000

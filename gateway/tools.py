@@ -18,7 +18,7 @@ from typing import Any
 
 from gateway import structured
 from gateway.errors import BadRequest
-from wire import StructuredOutput, ToolChoiceMode, Tools, ToolSpec
+from wire import StructuredOutput, ToolCall, ToolCallDelta, ToolChoiceMode, Tools, ToolSpec
 
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 """OpenAI's rule for a function's name."""
@@ -81,3 +81,10 @@ def constraint(tools: Tools | None) -> StructuredOutput | None:
     if not tools.parallel:
         array["maxItems"] = 1
     return StructuredOutput(json=json.dumps(array))
+
+
+def add_to_call(call: ToolCall | None, delta: ToolCallDelta) -> ToolCall:
+    """A call with its next piece added (the first piece names it)."""
+    if call is None:
+        return ToolCall(delta.id or "", delta.name or "", delta.arguments)
+    return ToolCall(call.id, call.name, call.arguments + delta.arguments)

@@ -24,6 +24,8 @@ Redis layout (every key with a TTL, every stream capped):
     {prefix}:{<sid>}:active           string: the generation that is running now
     {prefix}:{<sid>}:idem:{key}       string: Idempotency-Key -> generation id
     {prefix}:{<sid>}:watch            string, EX grace: someone is reading the session
+    {prefix}:{<sid>}:keep             string, EX session TTL: a background response, run on
+                                      with no reader (workers count it as a reader)
 
 The ``{<sid>}`` hash tag keeps a session's keys in one Redis Cluster slot, so every script
 (wire/scripts.py) touches one slot only.
@@ -108,6 +110,9 @@ class Keys:
 
     def watch(self, session_id: str) -> str:
         return f"{self._session(session_id)}:watch"
+
+    def keep(self, session_id: str) -> str:
+        return f"{self._session(session_id)}:keep"
 
     def session_id_of_channel(self, channel: str) -> str:
         start = channel.index("{") + 1

@@ -8,6 +8,7 @@ from gateway.routes.health import health, ready
 from gateway.routes.metrics import metrics_endpoint
 from gateway.routes.oip import oip_router
 from gateway.routes.openai import openai_router
+from gateway.routes.responses import responses_router
 from gateway.routes.sessions import SessionController
 from gateway.routes.tgi import tgi_router
 from gateway.routes.tokenize import tokenize_router
@@ -20,6 +21,7 @@ ROUTES: list[ControllerRouterHandler] = [
     SessionController,
     ws_endpoint,
     openai_router,
+    responses_router,
     tgi_router,
     oip_router,
     tokenize_router,
