@@ -1,4 +1,4 @@
-"""Hostile input at the API adapters (OpenAI, TGI, OIP): schema-driven fuzzing over a real
+"""Hostile input at the API adapters (OpenAI chat, completions and Responses, TGI, OIP): schema-driven fuzzing over a real
 gateway and a fast synthetic engine; no input gets a 5xx."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def fuzz(url: str, examples: int, report: Path) -> dict[str, object]:
     command = [
         sys.executable, "-m", "schemathesis.cli", "run", f"{url}/schema/openapi.json",
         "-n", str(examples), "--seed", "1", "--checks", "not_a_server_error",
-        "--include-path-regex", "completions|generate|models|info|^/$",
+        "--include-path-regex", "completions|responses|generate|models|info|^/$",
         "--report", "json", "--report-json-path", str(report),
     ]  # fmt: skip
     finished = subprocess.run(command, capture_output=True, text=True, timeout=360)
