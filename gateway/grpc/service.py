@@ -5,7 +5,8 @@ over ``GenerationStream``: the same sessions, relay, cancel and takeover as ever
 - ``ModelReady`` / ``ModelMetadata``: from the workers' registry (``store.models``).
 - ``ModelInfer``: one request, the whole text in one ``text_output``; errors are statuses.
 - ``ModelStreamInfer``: any number of requests on one stream, each answered by one response
-  per engine step (``triton_final_response`` false) and a final one (true) with the finish
+  per delivery of the relay (a token, or the tokens that arrived together;
+  ``triton_final_response`` false) and a final one (true) with the last text, the finish
   reason and usage; a request's error is a response's ``error_message`` and the stream goes
   on. ``stream`` false: one whole response. Cancelling the RPC aborts every generation the
   stream still runs; a client that only closes its side gets every answer first.
@@ -26,7 +27,7 @@ import grpc
 from gateway import __version__
 from gateway.auth import ApiKeys, bearer
 from gateway.errors import BadRequest, GatewayError, Unavailable, as_gateway_error
-from gateway.generation_stream import GenerationStream, final_error
+from gateway.generation_stream import GenerationItem, GenerationStream, final_error
 from gateway.grpc import metadata
 from gateway.grpc.protocol import pb
 from gateway.grpc.tensors import LlmRequest, read_request, text_response
@@ -148,15 +149,7 @@ class InferenceService:
                 await put(_final(llm, whole.final, whole.text))
                 return
             async for items in generation.batches():
-                for item in items:
-                    if isinstance(item, Token):
-                        response = text_response(llm, llm.model, item.text, final=False)
-                        await put(pb.ModelStreamInferResponse(infer_response=response))
-                    elif isinstance(item, Done):
-                        await put(_final(llm, item, None if llm.empty_final else ""))
-                    elif isinstance(item, Cancelled | Error):
-                        await put(_error(llm.model, llm.id, final_error(item)))
-                    # Started: nothing to say; Heartbeat: gRPC keeps its connection itself.
+                await _answer(llm, items, put)
         except Exception as exc:
             await put(_error(llm.model, llm.id, as_gateway_error(exc)))
         finally:
@@ -177,6 +170,27 @@ def _named(name: str) -> str:
     if not name:
         raise BadRequest("`name` is required", field="name")
     return name
+
+
+async def _answer(llm: LlmRequest, items: list[GenerationItem], put: Put) -> None:
+    """What arrived together in as few responses as it takes: one for the tokens' joined
+    text, carried by the final response when the generation ends with them (as Triton's
+    decoupled models send their last output), unless the client asked for an empty final
+    response. Per token, a gRPC message costs far more than an SSE chunk; a reader that
+    fell behind gets its tokens in fewer of them. Started and Heartbeat say nothing here
+    (gRPC keeps its connection alive itself)."""
+    text = "".join(item.text for item in items if isinstance(item, Token))
+    end = items[-1]
+    if isinstance(end, Done) and not llm.empty_final:
+        await put(_final(llm, end, text))
+        return
+    if text:
+        response = text_response(llm, llm.model, text, final=False)
+        await put(pb.ModelStreamInferResponse(infer_response=response))
+    if isinstance(end, Done):
+        await put(_final(llm, end, None))
+    elif isinstance(end, Cancelled | Error):
+        await put(_error(llm.model, llm.id, final_error(end)))
 
 
 def _final(llm: LlmRequest, done: Done, text: str | None) -> pb.ModelStreamInferResponse:

@@ -59,8 +59,21 @@ class Answer:
     error: InferenceServerException | None = None
 
     @property
-    def tokens(self) -> list[str]:
-        return [text_of(r) or "" for r in self.responses if not parameters(r)[FINAL]]
+    def texts(self) -> list[str]:
+        """Each response's text, the final one's included (a response carries the tokens
+        that reached the gateway together; the final one the last of them)."""
+        return [text_of(r) or "" for r in self.responses]
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+    def assert_whole_tokens(self, tokens: list[str]) -> None:
+        """The responses' texts are ``tokens`` joined, split only between tokens."""
+        assert self.text == "".join(tokens), (self.texts, tokens)
+        boundaries = {sum(len(t) for t in tokens[:i]) for i in range(len(tokens) + 1)}
+        ends = [sum(len(t) for t in self.texts[: i + 1]) for i in range(len(self.texts))]
+        assert set(ends) <= boundaries, (self.texts, tokens)
 
     @property
     def final(self) -> dict[str, Any]:
