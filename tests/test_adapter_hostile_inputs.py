@@ -1,5 +1,5 @@
-"""Hostile input at the API adapters (OpenAI chat, completions and Responses, TGI, OIP): schema-driven fuzzing over a real
-gateway and a fast synthetic engine; no input gets a 5xx."""
+"""Hostile input at the API adapters (OpenAI chat, completions and Responses, TGI, OIP):
+schema-driven fuzzing over a real gateway and a fast synthetic engine; no input gets a 5xx."""
 
 from __future__ import annotations
 

@@ -7,7 +7,6 @@ mid-response, delete, input items, ``store: false``, ``text.format`` and logprob
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
@@ -23,43 +22,10 @@ from stack import processes
 from tests.support.engines import EngineUnderTest
 from tests.support.oracle import synthetic_text, synthetic_tokens
 from tests.support.redis_probes import lease_trusted
+from tests.support.responses import check_order, client_of, dumped, ended
 from tests.support.stack import Stack
 
 pytestmark = pytest.mark.timeout(180)
-
-ITEM_EVENTS = [
-    "response.created",
-    "response.in_progress",
-    "response.output_item.added",
-    "response.content_part.added",
-]
-
-
-def _client(url: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-
-
-def _dumped(events: list[Any]) -> list[dict[str, Any]]:
-    return [event.model_dump(exclude_unset=True) for event in events]
-
-
-def _check_order(events: list[dict[str, Any]], final: str, text: str) -> None:
-    """OpenAI's order: the opening four, deltas, the three closing ones, one final event;
-    ``sequence_number`` 0, 1, 2, ..."""
-    kinds = [event["type"] for event in events]
-    assert [event["sequence_number"] for event in events] == list(range(len(events)))
-    assert kinds[:4] == ITEM_EVENTS
-    deltas = kinds[4:-4]
-    assert deltas and set(deltas) == {"response.output_text.delta"}
-    assert kinds[-4:] == [
-        "response.output_text.done",
-        "response.content_part.done",
-        "response.output_item.done",
-        final,
-    ]
-    assert "".join(event["delta"] for event in events[4:-4]) == text
-    assert events[-4]["text"] == text
-    assert events[-1]["response"]["output"][0]["content"][0]["text"] == text
 
 
 async def test_a_plain_response_is_the_synthetic_reply_and_can_be_retrieved_elsewhere(
@@ -67,7 +33,7 @@ async def test_a_plain_response_is_the_synthetic_reply_and_can_be_retrieved_else
 ) -> None:
     stack.synthetic(tokens_per_s=200)
     first, second = stack.gateway(), stack.gateway()
-    one, other = _client(first.url), _client(second.url)
+    one, other = client_of(first.url), client_of(second.url)
     try:
         response = await one.responses.create(
             model="synthetic",
@@ -102,34 +68,23 @@ async def test_a_stream_has_openais_order_and_a_resume_elsewhere_gives_exactly_w
 ) -> None:
     stack.synthetic(tokens_per_s=100)
     first, second = stack.gateway(), stack.gateway()
-    one, other = _client(first.url), _client(second.url)
+    one, other = client_of(first.url), client_of(second.url)
     prompt, n = "tell me a story", 12
     try:
         stream = await one.responses.create(
             model="synthetic", input=prompt, max_output_tokens=n, stream=True
         )
-        events = _dumped([event async for event in stream])
-        _check_order(events, "response.incomplete", synthetic_text(prompt, n))
+        events = dumped([event async for event in stream])
+        check_order(events, "response.incomplete", synthetic_text(prompt, n))
         rid = events[0]["response"]["id"]
         assert events[0]["response"]["status"] == "in_progress"
 
         for after in (0, 3, 7, len(events) - 2):
             resumed = await other.responses.retrieve(rid, stream=True, starting_after=after)
-            assert _dumped([event async for event in resumed]) == events[after + 1 :]
+            assert dumped([event async for event in resumed]) == events[after + 1 :]
     finally:
         await one.close()
         await other.close()
-
-
-async def _ended(client: openai.AsyncOpenAI, rid: str) -> Any:
-    """The response once it has ended, polled without reading its stream (no reader)."""
-    async with asyncio.timeout(60):
-        while (response := await client.responses.retrieve(rid)).status in (
-            "queued",
-            "in_progress",
-        ):
-            await asyncio.sleep(0.2)
-    return response
 
 
 async def test_a_background_response_outlives_its_reader_and_replica_a_foreground_one_stops(
@@ -140,7 +95,7 @@ async def test_a_background_response_outlives_its_reader_and_replica_a_foregroun
     # abandoned unless it is a background one.
     first = stack.gateway(TOKENSPOUT_ABANDON_GRACE_S="1")
     second = stack.gateway(TOKENSPOUT_ABANDON_GRACE_S="1")
-    one, other = _client(first.url), _client(second.url)
+    one, other = client_of(first.url), client_of(second.url)
     prompt, n = "a long walk", 60
     try:
         created = await one.responses.create(
@@ -159,13 +114,13 @@ async def test_a_background_response_outlives_its_reader_and_replica_a_foregroun
         assert seen[0]["response"]["status"] == "queued"
         processes.kill(first.process)  # the replica that made it is gone, too
 
-        done = await _ended(other, created.id)
+        done = await ended(other, created.id)
         assert done.status == "incomplete" and done.output_text == synthetic_text(prompt, n)
         resumed = await other.responses.retrieve(
             created.id, stream=True, starting_after=seen[-1]["sequence_number"]
         )
-        whole = seen + _dumped([event async for event in resumed])
-        _check_order(whole, "response.incomplete", synthetic_text(prompt, n))
+        whole = seen + dumped([event async for event in resumed])
+        check_order(whole, "response.incomplete", synthetic_text(prompt, n))
 
         # The same reply in the foreground: its client leaves, so it is cancelled.
         foreground = await other.responses.create(
@@ -178,7 +133,7 @@ async def test_a_background_response_outlives_its_reader_and_replica_a_foregroun
             if event.type == "response.output_text.delta":
                 break
         await foreground.close()
-        left = await _ended(other, rid)
+        left = await ended(other, rid)
         assert left.status == "cancelled"
         assert 0 < len(left.output_text) < len(synthetic_text(prompt, n))
     finally:
@@ -189,7 +144,7 @@ async def test_a_background_response_outlives_its_reader_and_replica_a_foregroun
 async def test_a_response_left_at_response_created_is_never_stuck(stack: Stack) -> None:
     stack.synthetic(tokens_per_s=50)
     gateway = stack.gateway(TOKENSPOUT_ABANDON_GRACE_S="1")
-    client = _client(gateway.url)
+    client = client_of(gateway.url)
     prompt, n = "left at once", 150  # 3 s: longer than the 2 s watch mark
     try:
         ids = {}
@@ -207,8 +162,8 @@ async def test_a_response_left_at_response_created_is_never_stuck(stack: Stack) 
                 break
             await stream.close()
         # Foreground: cancelled; background: runs to its end. Neither stays queued.
-        assert (await _ended(client, ids[False])).status == "cancelled"
-        kept = await _ended(client, ids[True])
+        assert (await ended(client, ids[False])).status == "cancelled"
+        kept = await ended(client, ids[True])
         assert kept.status == "incomplete" and kept.output_text == synthetic_text(prompt, n)
     finally:
         await client.close()
@@ -219,7 +174,7 @@ async def test_a_cancel_through_another_replica_ends_the_stream_as_cancelled(
 ) -> None:
     stack.synthetic(tokens_per_s=20)
     first, second = stack.gateway(), stack.gateway()
-    one, other = _client(first.url), _client(second.url)
+    one, other = client_of(first.url), client_of(second.url)
     try:
         stream = await one.responses.create(
             model="synthetic", input="go on and on", max_output_tokens=500, stream=True
@@ -248,7 +203,7 @@ async def test_previous_response_id_continues_the_conversation_on_another_replic
 ) -> None:
     stack.synthetic(tokens_per_s=200)
     first, second = stack.gateway(), stack.gateway()
-    one, other = _client(first.url), _client(second.url)
+    one, other = client_of(first.url), client_of(second.url)
     try:
         earlier = await one.responses.create(
             model="synthetic", input="first question", max_output_tokens=5, instructions="x y"
@@ -285,7 +240,7 @@ async def test_previous_response_id_continues_the_conversation_on_another_replic
 async def test_a_response_survives_its_worker_killed_mid_reply(stack: Stack) -> None:
     doomed = stack.synthetic(20)
     gateway = stack.gateway()
-    client = _client(gateway.url)
+    client = client_of(gateway.url)
     prompt, n = "keep going whatever happens", 40
     try:
         stream = await client.responses.create(
@@ -304,13 +259,13 @@ async def test_a_response_survives_its_worker_killed_mid_reply(stack: Stack) -> 
         assert killed
     finally:
         await client.close()
-    _check_order(events, "response.incomplete", synthetic_text(prompt, n))
+    check_order(events, "response.incomplete", synthetic_text(prompt, n))
 
 
 async def test_delete_store_false_and_unknown_ids(stack: Stack) -> None:
     stack.synthetic(tokens_per_s=200)
     gateway = stack.gateway()
-    client = _client(gateway.url)
+    client = client_of(gateway.url)
     try:
         kept = await client.responses.create(model="synthetic", input="hi", max_output_tokens=3)
         await client.responses.delete(kept.id)
@@ -348,7 +303,7 @@ async def test_delete_store_false_and_unknown_ids(stack: Stack) -> None:
 async def test_bad_requests_are_refused_with_the_field_named(stack: Stack) -> None:
     stack.synthetic(tokens_per_s=200)
     gateway = stack.gateway(TOKENSPOUT_MAX_HISTORY_MESSAGES="4")
-    client = _client(gateway.url)
+    client = client_of(gateway.url)
     bad: list[tuple[dict[str, Any], str]] = [
         ({"input": []}, "input"),
         ({"input": "hi", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
@@ -381,7 +336,7 @@ async def test_bad_requests_are_refused_with_the_field_named(stack: Stack) -> No
 async def test_text_format_json_schema_and_logprobs_are_passed_on(stack: Stack) -> None:
     stack.synthetic(tokens_per_s=200)
     gateway = stack.gateway()
-    client = _client(gateway.url)
+    client = client_of(gateway.url)
     try:
         with pytest.raises(openai.BadRequestError) as refused:
             await client.responses.create(
@@ -435,7 +390,7 @@ async def test_a_named_function_call_streams_as_a_function_call_item_and_its_out
 ) -> None:
     stack.synthetic(tokens_per_s=200)
     first, second = stack.gateway(), stack.gateway()
-    one, other = _client(first.url), _client(second.url)
+    one, other = client_of(first.url), client_of(second.url)
     ask: Any = {
         "model": "synthetic",
         "input": "What is the weather in Paris?",
@@ -453,7 +408,7 @@ async def test_a_named_function_call_streams_as_a_function_call_item_and_its_out
         assert whole.tools[0].name == "get_weather"  # type: ignore[union-attr]
 
         stream = await one.responses.create(**ask, stream=True)
-        events = _dumped([event async for event in stream])
+        events = dumped([event async for event in stream])
         kinds = [event["type"] for event in events]
         assert [e["sequence_number"] for e in events] == list(range(len(events)))
         assert kinds[:3] == [
@@ -472,7 +427,7 @@ async def test_a_named_function_call_streams_as_a_function_call_item_and_its_out
         jsonschema.validate(json.loads(arguments), WEATHER)
         rid = events[0]["response"]["id"]
         resumed = await other.responses.retrieve(rid, stream=True, starting_after=2)
-        assert _dumped([event async for event in resumed]) == events[3:]
+        assert dumped([event async for event in resumed]) == events[3:]
 
         # The call's output, on the other replica, continues the stored conversation.
         call_id = events[-2]["item"]["call_id"]
@@ -520,7 +475,7 @@ def test_the_bench_responses_path_delivers_every_token(tmp_path: Path) -> None:
 @pytest.mark.vllm
 @pytest.mark.parametrize("engine", ["vllm"], indirect=True)
 async def test_a_vllm_response_streams_and_resumes_exactly(engine: EngineUnderTest) -> None:
-    client = _client(engine.gateway.url)
+    client = client_of(engine.gateway.url)
     try:
         stream = await client.responses.create(
             model=engine.model,
@@ -529,13 +484,13 @@ async def test_a_vllm_response_streams_and_resumes_exactly(engine: EngineUnderTe
             stream=True,
             temperature=0,
         )
-        events = _dumped([event async for event in stream])
+        events = dumped([event async for event in stream])
         text = "".join(e.get("delta", "") for e in events)
         assert events[-1]["type"] in ("response.completed", "response.incomplete")
         assert events[-1]["response"]["output"][0]["content"][0]["text"] == text
         resumed = await client.responses.retrieve(
             events[0]["response"]["id"], stream=True, starting_after=4
         )
-        assert _dumped([event async for event in resumed]) == events[5:]
+        assert dumped([event async for event in resumed]) == events[5:]
     finally:
         await client.close()

@@ -9,6 +9,7 @@ from gateway.routes.metrics import metrics_endpoint
 from gateway.routes.oip import oip_router
 from gateway.routes.openai import openai_router
 from gateway.routes.responses import responses_router
+from gateway.routes.responses_ws import responses_socket_router
 from gateway.routes.sessions import SessionController
 from gateway.routes.tgi import tgi_router
 from gateway.routes.tokenize import tokenize_router
@@ -22,6 +23,7 @@ ROUTES: list[ControllerRouterHandler] = [
     ws_endpoint,
     openai_router,
     responses_router,
+    responses_socket_router,
     tgi_router,
     oip_router,
     tokenize_router,

@@ -286,15 +286,16 @@ def _completion_logprobs(pieces: list[TokenPiece], offset: int) -> CompletionLog
 
 
 def _error_frame(final: Cancelled | Error) -> bytes:
-    return sse.frame(msgspec.json.encode(_error_body(final_error(final))))
+    return sse.frame(msgspec.json.encode(error_body(final_error(final))))
 
 
 def _failure_frames(error: GatewayError) -> bytes:
     """A stream that failed after its headers: the error object, then the end marker."""
-    return sse.frame(msgspec.json.encode(_error_body(error))) + DONE_FRAME
+    return sse.frame(msgspec.json.encode(error_body(error))) + DONE_FRAME
 
 
-def _error_body(exc: Exception) -> ErrorOut:
+def error_body(exc: Exception) -> ErrorOut:
+    """The error object OpenAI's API answers with (its ``type`` from the HTTP status)."""
     error = as_gateway_error(exc)
     status = 400 if error.status == 422 else error.status
     kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
@@ -304,7 +305,7 @@ def _error_body(exc: Exception) -> ErrorOut:
 def openai_error(_: AnyRequest, exc: Exception) -> Response[ErrorOut]:
     error = as_gateway_error(exc)
     status = 400 if error.status == 422 else error.status
-    return Response(_error_body(error), status_code=status, headers=error.headers())
+    return Response(error_body(error), status_code=status, headers=error.headers())
 
 
 class UsageTally:

@@ -276,6 +276,24 @@ def _failure_frame(error: GatewayError) -> bytes:
 async def create_response(
     store: SessionStore, hub: RelayHub, settings: Settings, data: ResponseRequest
 ) -> Response[dict[str, Any]] | Stream:
+    response = await open_response(store, hub, settings, data)
+    if data.stream:
+        return _stream(response, settings, starting_after=-1, owner=True)
+    if data.background:
+        return Response((await response.snapshot()).response())
+    rendered = None
+    try:
+        rendered = await response.wait(settings.sse_heartbeat_s)
+    finally:
+        await after_owner(response, rendered is not None)
+    return Response(rendered.response())
+
+
+async def open_response(
+    store: SessionStore, hub: RelayHub, settings: Settings, data: ResponseRequest
+) -> StoredResponse:
+    """The request checked, its conversation gathered and its generation queued: what
+    every transport of ``POST /v1/responses`` (HTTP, WebSocket mode) starts with."""
     functions = _functions(data)
     if data.background and not data.store:
         raise BadRequest("a background response must be stored", field="store")
@@ -335,19 +353,9 @@ async def create_response(
         parallel_tool_calls=data.parallel_tool_calls is not False,
     )
     system = [ChatMessage("system", data.instructions)] if data.instructions else []
-    response = await StoredResponse.create(
+    return await StoredResponse.create(
         store, hub, settings, record, params, [*system, *conversation], functions
     )
-    if data.stream:
-        return _stream(response, settings, starting_after=-1, owner=True)
-    if data.background:
-        return Response((await response.snapshot()).response())
-    rendered = None
-    try:
-        rendered = await response.wait(settings.sse_heartbeat_s)
-    finally:
-        await _after_owner(response, rendered is not None)
-    return Response(rendered.response())
 
 
 def _stream(
@@ -360,14 +368,14 @@ def _stream(
 
     async def ended() -> None:
         if owner:
-            await _after_owner(response, renderer.ended)
+            await after_owner(response, renderer.ended)
 
     events = response.events(settings.sse_heartbeat_s, starting_after, renderer)
     chunks = ending_with_error(_sse(events), _failure_frame)
     return sse.response(chunks, background=BackgroundTask(ended))
 
 
-async def _after_owner(response: StoredResponse, ended: bool) -> None:
+async def after_owner(response: StoredResponse, ended: bool) -> None:
     """What follows the creating request: an unstored response is forgotten (stopped if
     it runs), a foreground one whose client left is cancelled."""
     with anyio.CancelScope(shield=True):  # also when the request itself was cancelled
