@@ -19,6 +19,7 @@ import pytest
 
 from stack import processes
 from stack.redis_cluster import EmbeddedCluster
+from stack.rig import sync_client
 from tests.support.cluster import (
     check_reply,
     key_lookups,
@@ -200,3 +201,27 @@ async def test_a_slot_moved_to_another_primary_under_load(
         f"\nslot moved in {took:.2f} s; the moved session's longest pause "
         f"{outage_s(followers[0].arrived, moved_at):.2f} s"
     )
+
+
+def test_a_blocking_cluster_client_closes_its_sockets(redis_cluster: EmbeddedCluster) -> None:
+    """stack.rig.sync_client's cluster client (the tests' probes, ``make run``'s wait for
+    its worker): ``close`` closes its connections, as every node sees, rather than leaving
+    them to the garbage collector (a ResourceWarning in whichever later test collects)."""
+    name = f"probe-{time.monotonic_ns()}"
+    client = sync_client(f"{redis_cluster.url}?client_name={name}")
+    for key in ("a", "b", "c", "d"):  # keys on every shard: a connection to each
+        client.exists(key)
+
+    def connected() -> int:
+        count = 0
+        for node in primaries(redis_cluster):
+            with redis_cluster.client(node) as probe:
+                count += sum(1 for entry in probe.client_list() if entry["name"] == name)
+        return count
+
+    assert connected() == len(primaries(redis_cluster))
+    client.close()
+    deadline = time.monotonic() + 5
+    while connected() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert connected() == 0
