@@ -39,6 +39,7 @@ from wire import (
     scripts,
 )
 from wire import outcomes as script
+from wire.connect import is_cluster
 
 _message_decoder = msgspec.json.Decoder(ChatMessage)
 
@@ -235,8 +236,13 @@ class SessionStore:
             token_ids=token_ids or [],
         )
         # One round trip: the session, its generation and the request. A fresh session
-        # cannot refuse it, so the request goes in the same pipeline (not so on a cluster
-        # slot of its own: the request stream is shared, so it stays out of the script).
+        # cannot refuse it, so the request goes in the same pipeline (not in the script:
+        # the request stream is shared, on a cluster slot of its own). One Redis runs a
+        # pipeline in order, so no worker can take the request before its generation
+        # exists. A cluster runs each node's part at once: a worker could take the request
+        # (on its queue's shard) before the generation (on the session's) is written, and
+        # skip it as ended, leaving its client waiting. There it goes in after the reply.
+        in_order = not is_cluster(self.redis)
         for attempt in (1, 2):
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
@@ -250,7 +256,8 @@ class SessionStore:
                     )
                     if kept is not None:
                         self._keep_in(pipe, session_id, kept)
-                    self.queue.enqueue_in(pipe, queue, request)
+                    if in_order:
+                        self.queue.enqueue_in(pipe, queue, request)
                     reply = scripts.Submit.replied((await pipe.execute())[0])
                 break
             except NoScriptError:
@@ -261,6 +268,8 @@ class SessionStore:
                 await self._submit.load()
         if not isinstance(reply, script.Accepted):
             raise Unavailable(f"queueing a stateless generation failed: {reply!r}")
+        if not in_order:
+            await self.queue.enqueue(queue, request)
         if self.observer is not None:
             self.observer.submitted(session_id, generation_id, reply.queued_id, queue)
         return Submitted(generation_id, session_id, reply.queued_id)

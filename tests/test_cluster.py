@@ -225,3 +225,22 @@ def test_a_blocking_cluster_client_closes_its_sockets(redis_cluster: EmbeddedClu
     while connected() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert connected() == 0
+
+
+async def test_one_shot_requests_started_together_all_run(cluster_stack: Stack) -> None:
+    """Every one-shot request runs. On a cluster the request (on its queue's shard) and
+    its generation (on its session's) are written on two nodes: a request queued before
+    its generation exists is taken by a worker that finds nothing to claim, skips it, and
+    its client waits forever. 384 requests started 48 at a time (a gateway opening new
+    connections to the shards) hung some every run until the request went in after the
+    generation was written."""
+    stack = cluster_stack
+    stack.synthetic(0, "--capacity", "64")
+    gateway = stack.gateway()
+    body = {"model": "synthetic", "prompt": "together", "max_tokens": 2}
+    for _ in range(8):
+        async with httpx.AsyncClient(timeout=30) as client:  # fresh connections each round
+            answers = await asyncio.gather(
+                *(client.post(f"{gateway.url}/v1/completions", json=body) for _ in range(48))
+            )
+        assert [a.status_code for a in answers] == [200] * len(answers)
