@@ -44,7 +44,8 @@ class RequestQueue:
             await pipe.execute()
 
     def add_in(self, pipe: Pipeline, fields: Fields, *, maxlen: int | None = None) -> None:
-        """``add`` queued in ``pipe`` (behind what the caller queued there first)."""
+        """``add`` queued in ``pipe``: after what the caller queued there first on one
+        Redis; on a cluster each node's part runs at once, so not after anything there."""
         pipe.xadd(self.key, fields, maxlen=maxlen, approximate=True)  # type: ignore[arg-type]
         pipe.expire(self.key, SHARED_KEY_TTL_S)
 
