@@ -333,5 +333,9 @@ async def test_tokenize_and_detokenize_answer_with_the_workers_tokenizer(
         else:  # the synthetic engine's ids are hashes of words: nothing to decode them with
             assert plain["max_model_len"] is None
             assert back.status_code == 400 and back.json()["error"]["code"] == "unsupported_task"
+        # /v1/models reports the same context length the worker registered.
+        models = (await http.get(f"{engine.url}/v1/models")).json()["data"]
+        listed = next(model for model in models if model["id"] == engine.model)
+        assert listed["max_model_len"] == plain["max_model_len"]
         bad = await http.post(f"{engine.url}/tokenize", json={"model": engine.model})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
