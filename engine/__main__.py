@@ -21,7 +21,7 @@ from engine.backends.base import Backend
 from engine.metrics import WorkerMetrics
 from engine.worker import Worker
 from wire import DEFAULT_PREFIX, Keys, check_model_name
-from wire.connect import connect, ready
+from wire.connect import connect, misconfiguration, ready
 from wire.runtime import tune_gc
 
 log = logging.getLogger("tokenspout.engine")
@@ -204,6 +204,9 @@ def _backend(args: argparse.Namespace) -> Backend:
 
 
 async def serve(args: argparse.Namespace) -> None:
+    redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+    if problem := await misconfiguration(redis_url):  # before a model takes minutes to load
+        raise SystemExit(f"tokenspout engine: cannot start: {problem}")
     backend = make_backend(args)
     began = time.monotonic()
     log.info("starting backend %s (%s)", backend.name, backend.model)
@@ -215,7 +218,7 @@ async def serve(args: argparse.Namespace) -> None:
         from prometheus_client import start_http_server
 
         start_http_server(args.metrics_port, registry=metrics.registry)
-    redis = connect(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    redis = connect(redis_url)
     await ready(redis)
     keys = Keys(os.environ.get("TOKENSPOUT_KEY_PREFIX", DEFAULT_PREFIX))
     worker = Worker(

@@ -21,6 +21,7 @@ import msgspec
 import uvicorn
 
 from gateway.settings import Settings
+from wire.connect import misconfiguration
 from wire.logs import configure_logging
 from wire.runtime import tune_gc
 
@@ -83,6 +84,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.grpc_port is not None:
         settings = msgspec.structs.replace(settings, grpc_port=args.grpc_port)
     configure_logging(settings.log_level, "gateway")
+    if problem := asyncio.run(misconfiguration(settings.redis_url)):
+        sys.exit(f"tokenspout gateway: cannot start: {problem}")
     try:
         app, services = create_asgi_app(settings, grpc_host=args.host)
     except ConfigError as exc:

@@ -19,6 +19,7 @@ import pytest
 
 from stack import processes
 from stack.redis_cluster import EmbeddedCluster
+from stack.redis_server import free_port
 from stack.rig import sync_client
 from tests.support.cluster import (
     check_reply,
@@ -244,3 +245,25 @@ async def test_one_shot_requests_started_together_all_run(cluster_stack: Stack) 
                 *(client.post(f"{gateway.url}/v1/completions", json=body) for _ in range(48))
             )
         assert [a.status_code for a in answers] == [200] * len(answers)
+
+
+def test_a_cluster_node_named_as_one_redis_stops_gateway_and_worker_with_the_url_to_use(
+    cluster_stack: Stack, redis_cluster: EmbeddedCluster
+) -> None:
+    """``REDIS_URL=redis://`` at a cluster node once left the gateway never ready, logging
+    a MOVED reply ten times a second, and the worker died with a traceback; both now stop
+    at start-up saying what to write instead."""
+    node = primaries(redis_cluster)[0]
+    env = cluster_stack.base_env(REDIS_URL=f"redis://127.0.0.1:{node.port}/0")
+    logs = {name: cluster_stack.logs / f"misconfigured-{name}.log" for name in ("gw", "engine")}
+    started = [
+        processes.gateway(free_port(), env, logs["gw"]),
+        processes.engine(["--backend", "synthetic"], env, logs["engine"]),
+    ]
+    cluster_stack.children.extend(started)
+    for process, log in zip(started, logs.values(), strict=True):
+        assert process.wait(timeout=60) != 0
+        output = log.read_text()
+        assert "cannot start: REDIS_URL names a node of a Redis Cluster" in output, output
+        assert f"use redis+cluster://127.0.0.1:{node.port}" in output
+        assert "Traceback" not in output

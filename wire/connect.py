@@ -17,6 +17,7 @@ places that differ ask ``is_cluster``.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from typing import Any, cast
 from urllib.parse import parse_qs, urlsplit, urlunsplit
@@ -27,8 +28,8 @@ from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialBackoff
 from redis.crc import key_slot
+from redis.exceptions import AuthenticationError, RedisError, SlotNotCoveredError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import SlotNotCoveredError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 DEAD_PEER_S = 10
@@ -62,6 +63,33 @@ def kind_of(url: str) -> str:
     if scheme in SENTINEL_SCHEMES:
         return "sentinel"
     return "single"
+
+
+async def misconfiguration(url: str) -> str | None:
+    """Why ``url`` cannot work, in one sentence, when it names one Redis (``redis://``,
+    ``unix://``) whose server is a Redis Cluster node, or whose server refuses the URL's
+    credentials; None when it is fine, or does not answer now (a Redis that is down is not
+    a configuration error: the clients wait for it). Cluster and Sentinel URLs are not
+    checked here: redis-py's own errors for them name the problem."""
+    if kind_of(url) != "single":
+        return None
+    client = aioredis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=5)
+    try:
+        async with asyncio.timeout(10):
+            info = await client.info("cluster")
+    except AuthenticationError as exc:
+        return f"Redis refused the credentials in REDIS_URL: {exc}"
+    except (RedisError, OSError, TimeoutError):
+        return None
+    finally:
+        await client.aclose()
+    if int(info.get("cluster_enabled", 0)):
+        node = urlsplit(url).netloc.rsplit("@", 1)[-1]
+        return (
+            f"REDIS_URL names a node of a Redis Cluster (cluster_enabled:1), as one Redis: "
+            f"use redis+cluster://{node} (docs/configuration.md, Redis Cluster and Sentinel)"
+        )
+    return None
 
 
 def _retry() -> Retry:
