@@ -154,6 +154,15 @@ class EmbeddedCluster:
 
         _wait("healthy", healthy, timeout_s)
 
+    def primaries_now(self) -> list[EmbeddedRedis]:
+        """The live nodes that are primaries now (failovers change which)."""
+        found = []
+        for node in self.live():
+            with self.client(node) as client:
+                if client.info("replication")["role"] == "master":
+                    found.append(node)
+        return found
+
     def primary_of(self, key: str) -> EmbeddedRedis:
         """The live node that serves ``key``'s slot now."""
         with self.client(self.live()[0]) as client:

@@ -26,7 +26,6 @@ from tests.support.cluster import (
     key_lookups,
     migrate_slot,
     outage_s,
-    primaries,
     relay_connections,
     revive,
     slot_of,
@@ -57,7 +56,7 @@ async def test_sessions_spread_over_the_shards_on_one_pubsub_connection_per_shar
         shards = {redis_cluster.primary_of(keys.events(s.session_id)).port for s in sessions}
         held = {
             node.port: relay_connections(redis_cluster, node, gateway.process.pid)
-            for node in primaries(redis_cluster)
+            for node in redis_cluster.primaries_now()
         }
         await asyncio.wait_for(asyncio.gather(*(f.task for f in followers if f.task)), 120)
     assert len(shards) == 3, shards
@@ -189,7 +188,7 @@ async def test_a_slot_moved_to_another_primary_under_load(
             await follower.until_tokens(10)
         key = keys.events(sessions[0].session_id)
         source = redis_cluster.primary_of(key)
-        target = next(node for node in primaries(redis_cluster) if node is not source)
+        target = next(node for node in redis_cluster.primaries_now() if node is not source)
         moved_at = time.monotonic()
         took = await asyncio.to_thread(
             migrate_slot, redis_cluster, slot_of(redis_cluster, key), target
@@ -215,12 +214,12 @@ def test_a_blocking_cluster_client_closes_its_sockets(redis_cluster: EmbeddedClu
 
     def connected() -> int:
         count = 0
-        for node in primaries(redis_cluster):
+        for node in redis_cluster.primaries_now():
             with redis_cluster.client(node) as probe:
                 count += sum(1 for entry in probe.client_list() if entry["name"] == name)
         return count
 
-    assert connected() == len(primaries(redis_cluster))
+    assert connected() == len(redis_cluster.primaries_now())
     client.close()
     deadline = time.monotonic() + 5
     while connected() and time.monotonic() < deadline:
@@ -253,7 +252,7 @@ def test_a_cluster_node_named_as_one_redis_stops_gateway_and_worker_with_the_url
     """``REDIS_URL=redis://`` at a cluster node once left the gateway never ready, logging
     a MOVED reply ten times a second, and the worker died with a traceback; both now stop
     at start-up saying what to write instead."""
-    node = primaries(redis_cluster)[0]
+    node = redis_cluster.primaries_now()[0]
     env = cluster_stack.base_env(REDIS_URL=f"redis://127.0.0.1:{node.port}/0")
     logs = {name: cluster_stack.logs / f"misconfigured-{name}.log" for name in ("gw", "engine")}
     started = [

@@ -25,15 +25,6 @@ def slot_of(cluster: EmbeddedCluster, key: str) -> int:
         return int(_cmd(client, "CLUSTER KEYSLOT", key))
 
 
-def primaries(cluster: EmbeddedCluster) -> list[EmbeddedRedis]:
-    found = []
-    for node in cluster.live():
-        with cluster.client(node) as client:
-            if client.info("replication")["role"] == "master":
-                found.append(node)
-    return found
-
-
 def relay_connections(cluster: EmbeddedCluster, node: EmbeddedRedis, gateway_pid: int) -> int:
     """The live-event connections one gateway process holds on ``node``, counted by their
     client name (other gateways' never count) whether subscribed now or not: a connection
@@ -81,7 +72,7 @@ def migrate_slot(cluster: EmbeddedCluster, slot: int, target: EmbeddedRedis) -> 
             _cmd(src, "MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *keys)
         _cmd(dst, "CLUSTER SETSLOT", slot, "NODE", target_id)
         _cmd(src, "CLUSTER SETSLOT", slot, "NODE", target_id)
-    for node in primaries(cluster):
+    for node in cluster.primaries_now():
         with cluster.client(node) as client:
             _cmd(client, "CLUSTER SETSLOT", slot, "NODE", target_id)
     cluster.wait_healthy()

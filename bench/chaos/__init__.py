@@ -1,0 +1,1 @@
+"""Chaos under load: python -m bench.chaos (see its __main__)."""

@@ -1,0 +1,317 @@
+"""``python -m bench.chaos``: faults under load, every reply's whole history checked.
+
+Two gateways, four synthetic workers of two models (``alpha``, ``beta``) and a Redis: one
+server with AOF persistence (``--redis single``), one keeping nothing on disk
+(``volatile``: not restarted), or 3 primaries and 3 replicas (``cluster``).
+``--clients`` loops of mixed clients (bench/chaos/clients.py) keep it loaded while a
+fault drawn from ``--seed`` strikes every 1 to 3 s (bench/chaos/faults.py). When the time
+is up the faults stop, the clients finish their replies, and the checker
+(bench/chaos/check.py) goes over each one; the engine must then be idle.
+
+Prints progress every 10 s and a table at the end; writes the report (faults by kind,
+replies and events checked, each anomaly with the seed and the time to replay it) to
+``--out``. Exits 1 when it found an anomaly. ``make soak`` runs it ten minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import random
+import re
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from bench.chaos import check, clients, faults
+from bench.chaos.clients import Context, Record
+from bench.chaos.fleet import MODELS, Fleet, fleet
+from stack.rig import sync_client
+
+T = TypeVar("T")
+BOUND_S = 90.0
+"""Every reply ends within this, faults and all (else it hung)."""
+IDLE_WITHIN_S = 30.0
+CLIENT_MIX = {"sse": 4, "ws_cancel": 2, "openai": 3, "responses": 1}
+RUNNING = re.compile(rb"^tokenspout_engine_(?:generations_)?running (\S+)$", re.M)
+
+
+class Run:
+    """One chaos run: its clients, its faults, and what they found."""
+
+    def __init__(self, seed: int, duration_s: float, fleet: Fleet, client_loops: int) -> None:
+        self.seed = seed
+        self.duration_s = duration_s
+        self.fleet = fleet
+        self.client_loops = client_loops
+        self.ctx = Context(fleet.gateway_urls, fleet.now)
+        self.records: list[Record] = []
+        self.anomalies: list[dict[str, Any]] = []
+        self.extra: set[asyncio.Task[None]] = set()
+        self.rng = random.Random(f"run-{seed}")
+
+    def anomaly(self, at_s: float, label: str, what: str) -> None:
+        near = [
+            f"{f.at_s}s {f.kind} {f.target}"
+            for f in self.fleet.faults
+            if at_s - 10 <= f.at_s <= at_s + 30
+        ][:8]
+        self.anomalies.append(
+            {
+                "seed": self.seed,
+                "at_s": round(at_s, 2),
+                "client": label,
+                "what": what,
+                "faults_near": near,
+            }
+        )
+        print(f"[chaos] ANOMALY at {at_s:.1f} s (seed {self.seed}) {label}: {what}", flush=True)
+
+    async def bounded(self, label: str, job: Callable[[], Awaitable[list[Record]]]) -> None:
+        started = self.fleet.now()
+        try:
+            self.records.extend(await asyncio.wait_for(job(), BOUND_S))
+        except TimeoutError:
+            self.anomaly(
+                started, label, f"no end within {BOUND_S:.0f} s (hung): {self.state_of(label)}"
+            )
+        except Exception as exc:
+            detail = "".join(traceback.format_exception_only(exc)).strip()
+            self.anomaly(started, label, f"client failed: {detail}")
+
+    def state_of(self, label: str) -> str:
+        """What a hung client's replies had got, and what Redis holds of their generation."""
+        states = []
+        for record in (r for name, r in self.ctx.open.items() if name.startswith(label)):
+            held = {}
+            if record.session is not None and record.generation_id is not None:
+                key = self.fleet.keys.generation(record.session[0], record.generation_id)
+                with sync_client(self.fleet.rig.redis_url) as client:
+                    held = {k.decode(): v.decode() for k, v in client.hgetall(key).items()}
+            states.append(
+                f"{record.kind} {record.label} session={record.session and record.session[0]} "
+                f"generation={record.generation_id} final={record.final} "
+                f"events={[e for _, e, _ in record.events[-6:]]} ({len(record.events)}) "
+                f"reconnects={record.reconnects} retries={record.retries} "
+                f"problems={record.problems} redis={held}"
+            )
+        return "; ".join(states) or "no reply begun"
+
+    def one_client(self, rng: random.Random, label: str) -> Callable[[], Awaitable[list[Record]]]:
+        kind = rng.choices(list(CLIENT_MIX), weights=list(CLIENT_MIX.values()))[0]
+        model = rng.choice(MODELS)
+        ctx = self.ctx
+
+        async def job() -> list[Record]:
+            if kind == "sse":
+                return await clients.session_reader(ctx, rng, label, model, slow=False)
+            if kind == "ws_cancel":
+                return [await clients.ws_canceller(ctx, rng, label, model)]
+            if kind == "openai":
+                return [await clients.openai_client(ctx, rng, label, model, self.fleet.faults_on)]
+            return [await clients.responses_reader(ctx, rng, label, model)]
+
+        return job
+
+    async def client_loop(self, index: int) -> None:
+        rng = random.Random(f"client-{self.seed}-{index}")
+        count = 0
+        while self.fleet.now() < self.duration_s:
+            label = f"c{index}.{count}"
+            await self.bounded(label, self.one_client(rng, label))
+            count += 1
+
+    async def fire(self, planned: faults.Planned) -> None:
+        fleet, kind = self.fleet, planned.kind
+        try:
+            if kind.startswith("worker_"):
+                worker = await self.target(lambda: fleet.worker_target(planned.pick))
+                await fleet.signal_worker(worker, kind[7:], planned.held_s)
+            elif kind.startswith("gateway_"):
+                port = await self.target(lambda: fleet.gateway_target(planned.pick))
+                await fleet.signal_gateway(port, kind[8:], planned.held_s)
+            elif kind == "redis_restart":
+                await fleet.restart_redis(planned.held_s)
+            elif kind == "redis_pause":
+                await fleet.pause_redis(planned.held_s)
+            elif kind == "primary_kill":
+                await fleet.fail_over_primary(planned.pick)
+            elif kind == "slow_readers":
+                fleet.note("slow_readers", "2 readers")
+                for n in range(2):
+                    label = f"slow{planned.at_s}.{n}"
+                    rng = random.Random(f"{self.seed}-{label}")
+
+                    async def slow(rng: random.Random = rng, label: str = label) -> list[Record]:
+                        return await clients.session_reader(
+                            self.ctx, rng, label, rng.choice(MODELS), slow=True
+                        )
+
+                    self.spawn(self.bounded(label, slow))
+            elif kind == "hostile_burst":
+                rng = random.Random(f"{self.seed}-burst-{planned.at_s}")
+                for problem in await faults.hostile_burst(self.ctx, fleet, rng):
+                    self.anomaly(fleet.now(), "hostile_burst", problem)
+        except Exception as exc:
+            self.anomaly(fleet.now(), f"fault {kind}", f"injecting it failed: {exc!r}")
+
+    @staticmethod
+    async def target(pick: Callable[[], T | None]) -> T:
+        """The process a fault strikes: one no other fault holds now (waits for one)."""
+        async with asyncio.timeout(30):
+            while (found := pick()) is None:
+                await asyncio.sleep(0.2)
+        return found
+
+    def spawn(self, coroutine: Awaitable[None]) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(coroutine)
+        self.extra.add(task)
+        task.add_done_callback(self.extra.discard)
+
+    async def inject(self) -> None:
+        for planned in faults.schedule(self.seed, self.fleet.redis_kind, self.duration_s):
+            await asyncio.sleep(max(0.0, planned.at_s - self.fleet.now()))
+            self.spawn(self.fire(planned))
+
+    async def progress(self) -> None:
+        while True:
+            await asyncio.sleep(10)
+            print(
+                f"[chaos] {self.fleet.now():5.0f} s: {len(self.fleet.faults)} faults, "
+                f"{len(self.records)} replies, {len(self.anomalies)} anomalies",
+                flush=True,
+            )
+
+    async def engine_idle(self) -> None:
+        """Every worker's running gauges reach 0 once the clients are done: no orphan work."""
+        deadline = time.monotonic() + IDLE_WITHIN_S
+        busy: list[str] = []
+        while time.monotonic() < deadline:
+            busy = []
+            for worker in self.fleet.live_workers():
+                url = f"http://127.0.0.1:{worker.metrics_port}/metrics"
+                body = (await self.ctx.http.get(url)).content
+                if any(float(value) for value in RUNNING.findall(body)):
+                    busy.append(worker.worker_id)
+            if not busy:
+                return
+            await asyncio.sleep(0.5)
+        self.anomaly(
+            self.fleet.now(),
+            "engine",
+            f"still running work {IDLE_WITHIN_S:.0f} s after the load: {busy}",
+        )
+
+    async def check_all(self) -> None:
+        by_session: dict[tuple[str, str], list[Record]] = collections.defaultdict(list)
+        for record in self.records:
+            for problem in check.check(record):
+                self.anomaly(record.started_s, record.label, problem)
+            if record.session is not None and record.kind in ("sse", "sse_slow"):
+                by_session[record.session].append(record)
+            elif record.kind == "ws_cancel":
+                for problem in await check.check_ws_against_redis(self.ctx, record):
+                    self.anomaly(record.started_s, record.label, problem)
+        for records in by_session.values():
+            for problem in await check.check_against_redis(self.ctx, records):
+                self.anomaly(records[0].started_s, records[0].label, problem)
+
+    async def run(self) -> None:
+        reporter = asyncio.create_task(self.progress())
+        injector = asyncio.create_task(self.inject())
+        try:
+            await asyncio.gather(*(self.client_loop(i) for i in range(self.client_loops)))
+            await injector
+            self.fleet.resume_all()
+            while self.extra:
+                await asyncio.gather(*self.extra)
+            await self.engine_idle()
+            await self.check_all()
+        finally:
+            reporter.cancel()
+            injector.cancel()
+            await self.ctx.close()
+
+    def report(self) -> dict[str, Any]:
+        by_kind = collections.Counter(f.kind for f in self.fleet.faults)
+        replies = collections.Counter(r.kind for r in self.records)
+        finals = collections.Counter(f"{r.kind}:{r.final}" for r in self.records)
+        return {
+            "seed": self.seed,
+            "redis": self.fleet.redis_kind,
+            "duration_s": self.duration_s,
+            "client_loops": self.client_loops,
+            "faults": len(self.fleet.faults),
+            "faults_by_kind": dict(sorted(by_kind.items())),
+            "replies": len(self.records),
+            "replies_by_kind": dict(sorted(replies.items())),
+            "finals": dict(sorted(finals.items())),
+            "events": sum(len(r.events) for r in self.records),
+            "takeovers_seen": sum(
+                event == "resumed" for r in self.records for _, event, _ in r.events
+            ),
+            "reconnects": sum(r.reconnects for r in self.records),
+            "retries": sum(r.retries for r in self.records),
+            "interrupted": sum(r.interrupted is not None for r in self.records),
+            "anomalies": self.anomalies,
+            "fault_log": [vars(f) for f in self.fleet.faults],
+        }
+
+
+async def main(
+    seed: int, duration_s: float, redis_kind: str, loops: int, logs: Path
+) -> dict[str, Any]:
+    print(
+        f"[chaos] seed {seed}, {duration_s:.0f} s, redis {redis_kind}, {loops} client loops; "
+        f"logs in {logs}",
+        flush=True,
+    )
+    with fleet(redis_kind, logs) as the_fleet:
+        print("[chaos] fleet up: 2 gateways, 4 workers; load and faults start", flush=True)
+        run = Run(seed, duration_s, the_fleet, loops)
+        await run.run()
+        return run.report()
+
+
+def table(report: dict[str, Any]) -> str:
+    rows = [f"seed {report['seed']} ({report['redis']}, {report['duration_s']:.0f} s)"]
+    rows += [f"  {kind:<16} {count}" for kind, count in report["faults_by_kind"].items()]
+    rows.append(
+        f"  faults {report['faults']}, replies {report['replies']}, events "
+        f"{report['events']}, interrupted {report['interrupted']}, "
+        f"anomalies {len(report['anomalies'])}"
+    )
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.chaos",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--duration-s", type=float, default=60)
+    parser.add_argument("--redis", choices=["single", "volatile", "cluster"], default="single")
+    parser.add_argument("--clients", type=int, default=24, help="client loops at once")
+    parser.add_argument("--out", type=Path, default=None, help="write the report (JSON) here")
+    parser.add_argument("--logs", type=Path, default=None, help="keep the processes' logs here")
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop the fleet, as Ctrl-C
+    with tempfile.TemporaryDirectory() as temporary:
+        logs = args.logs or Path(temporary)
+        logs.mkdir(parents=True, exist_ok=True)
+        report = asyncio.run(main(args.seed, args.duration_s, args.redis, args.clients, logs))
+    print(table(report))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"[chaos] wrote {args.out}")
+    sys.exit(1 if report["anomalies"] else 0)

@@ -1,0 +1,576 @@
+"""The clients of a chaos run, each one as a user of that API would write it, recording
+everything it got into a ``Record`` for the checker (bench/chaos/check.py).
+
+- ``SessionReader``: the session API over SSE; drops its stream at random points (and
+  whenever the stream breaks) and resumes on another replica with ``Last-Event-ID``;
+  some read slowly. Sends with ``Idempotency-Key`` so a send cut off mid-way is sent again
+  safely.
+- ``WsCanceller``: WebSocket ``generate`` then ``cancel`` after a random number of tokens;
+  when its socket breaks it goes on over SSE, as the web chat does.
+- ``OpenAIClient``: chat completions, streamed or whole. It cannot resume: a request cut
+  off by its own gateway's death is counted as interrupted, nothing else.
+- ``ResponsesReader``: a background Responses stream, resumed with ``starting_after``
+  on another replica when it breaks.
+
+A request refused before it started (a 429 or 503 with ``Retry-After``, a gateway that
+is down) is sent again after the hint; any other 5xx is noted as a problem.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from websockets.asyncio.client import connect
+from websockets.exceptions import WebSocketException
+
+READ_TIMEOUT_S = 20.0
+"""Longer than any fault holds a process (a stopped gateway or worker, Redis away)."""
+WORDS = [
+    "tide",
+    "river",
+    "stone",
+    "lamp",
+    "quiet",
+    "ember",
+    "north",
+    "orchard",
+    "violet",
+    "copper",
+    "meadow",
+    "harbor",
+]
+SESSION_FINALS = {"done", "cancelled", "error"}
+RESPONSE_FINALS = {"response.completed", "response.incomplete", "response.failed"}
+BROKEN = (httpx.TransportError, WebSocketException, OSError, asyncio.TimeoutError)
+"""How a connection to a gateway fails: refused, reset, cut, or silent past the timeout."""
+
+
+@dataclass
+class Record:
+    """What one client got for one reply."""
+
+    kind: str
+    label: str
+    model: str
+    content: str
+    max_tokens: int
+    started_s: float
+    ended_s: float | None = None
+    events: list[tuple[str, str, dict[str, Any]]] = field(default_factory=list)
+    """(id, event, data) in the order read, across every reconnect."""
+    text: str = ""
+    final: str | None = None
+    final_data: dict[str, Any] = field(default_factory=dict)
+    reconnects: int = 0
+    gateways: set[str] = field(default_factory=set)
+    interrupted: str | None = None
+    """Why the client could not see the end, where that was not the product's fault."""
+    problems: list[str] = field(default_factory=list)
+    """What the client itself found wrong (an undocumented 5xx, a malformed frame)."""
+    session: tuple[str, str] | None = None
+    """(session id, token) for the session-stream check afterwards."""
+    generation_id: str | None = None
+    cancel_after: int | None = None
+    cancel_sent: bool = False
+    tokens_after_final: int = 0
+    retries: int = 0
+
+
+class Retry(Exception):
+    """Refused before anything started (429/503 with a hint, or no gateway answered)."""
+
+    def __init__(self, after_s: float) -> None:
+        super().__init__(after_s)
+        self.after_s = after_s
+
+
+class Context:
+    """What every client shares: the run's clock, the gateways, one HTTP client."""
+
+    def __init__(self, urls: list[str], clock: Callable[[], float]) -> None:
+        self.urls = urls
+        self.clock = clock
+        self.http = httpx.AsyncClient(
+            timeout=httpx.Timeout(READ_TIMEOUT_S, connect=3.0),
+            limits=httpx.Limits(max_connections=400, max_keepalive_connections=100),
+        )
+        self.open: dict[str, Record] = {}
+        """Replies under way, by label: what a reply that hangs had got so far."""
+        self.finished: list[tuple[str, str, str]] = []
+        """(session id, token, generation id) of ended replies: the hostile bursts cancel
+        them again."""
+
+    def track(self, record: Record) -> Record:
+        self.open[record.label] = record
+        return record
+
+    def other(self, rng: random.Random, not_this: str | None = None) -> str:
+        choices = [u for u in self.urls if u != not_this] or self.urls
+        return rng.choice(choices)
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+
+def refusal(response: httpx.Response, record: Record) -> None:
+    """Raise ``Retry`` for a documented refusal, note anything else 5xx as a problem."""
+    status = response.status_code
+    if status in (429, 503):
+        hint = response.headers.get("retry-after")
+        if hint is None:
+            record.problems.append(f"{status} without Retry-After: {response.text[:200]}")
+        raise Retry(min(float(hint or 1), 2.0))
+    if status >= 500:
+        record.problems.append(f"{status}: {response.text[:200]}")
+
+
+async def with_retries(
+    ctx: Context, rng: random.Random, record: Record, attempt: Callable[[str], Any]
+) -> Any:
+    """``attempt(base_url)`` on a random replica until it is not refused (30 s at most)."""
+    deadline = time.monotonic() + 30
+    url = ctx.other(rng)
+    while True:
+        try:
+            return await attempt(url)
+        except Retry as retry:
+            wait = retry.after_s
+        except httpx.TransportError:
+            wait = 0.2
+        if time.monotonic() > deadline:
+            raise TimeoutError("refused for 30 s")
+        record.retries += 1
+        await asyncio.sleep(wait * rng.uniform(0.5, 1.0))
+        url = ctx.other(rng, url)
+
+
+async def sse_events(response: httpx.Response) -> AsyncIterator[tuple[str, str, str]]:
+    """(id, event, data) of an SSE response; comments skipped."""
+    event_id, event, data = "", "message", list[str]()
+    async for line in response.aiter_lines():
+        if not line:
+            if data:
+                yield event_id, event, "\n".join(data)
+            event_id, event, data = "", "message", list[str]()
+        elif line.startswith(":"):
+            continue
+        else:
+            name, _, value = line.partition(":")
+            value = value[1:] if value.startswith(" ") else value
+            if name == "data":
+                data.append(value)
+            elif name == "event":
+                event = value
+            elif name == "id":
+                event_id = value
+
+
+def words(rng: random.Random, label: str) -> str:
+    return " ".join([label, *rng.sample(WORDS, rng.randint(1, 5))])
+
+
+# --- the session API over SSE ------------------------------------------------------------
+
+
+async def create_session(ctx: Context, rng: random.Random, record: Record) -> tuple[str, str]:
+    async def attempt(url: str) -> tuple[str, str]:
+        response = await ctx.http.post(f"{url}/v1/sessions", json={"model": record.model})
+        refusal(response, record)
+        body = response.json()
+        if response.status_code != 201:
+            raise RuntimeError(f"create session: {response.status_code} {body}")
+        return body["session_id"], body["token"]
+
+    created: tuple[str, str] = await with_retries(ctx, rng, record, attempt)
+    return created
+
+
+async def send_message(
+    ctx: Context, rng: random.Random, record: Record, session: tuple[str, str]
+) -> str:
+    sid, token = session
+    headers = {"X-Session-Token": token, "Idempotency-Key": secrets.token_hex(8)}
+    body = {"content": record.content, "max_tokens": record.max_tokens}
+
+    async def attempt(url: str) -> str:
+        response = await ctx.http.post(
+            f"{url}/v1/sessions/{sid}/messages", json=body, headers=headers
+        )
+        refusal(response, record)
+        if response.status_code != 202:
+            raise RuntimeError(f"send: {response.status_code} {response.text[:200]}")
+        return str(response.json()["generation_id"])
+
+    gid: str = await with_retries(ctx, rng, record, attempt)
+    return gid
+
+
+async def follow_session(
+    ctx: Context,
+    rng: random.Random,
+    record: Record,
+    after: str | None,
+    *,
+    drop_every: int | None,
+    slow: bool,
+    on_token: Callable[[int], Any] | None = None,
+) -> None:
+    """Read the session's stream from ``after`` until ``record.generation_id`` ends,
+    dropping the stream every ``drop_every`` events (about) and whenever it breaks, each
+    time resuming with ``Last-Event-ID`` on a replica picked at random."""
+    assert record.session is not None and record.generation_id is not None
+    sid, token = record.session
+    url: str | None = None
+    tokens = 0
+    while record.final is None:
+        url = ctx.other(rng, url)
+        record.gateways.add(url)
+        headers = {"X-Session-Token": token}
+        if after:
+            headers["Last-Event-ID"] = after
+        read = 0
+        budget = rng.randint(1, 2 * drop_every) if drop_every else None
+        try:
+            async with ctx.http.stream(
+                "GET", f"{url}/v1/sessions/{sid}/events", headers=headers
+            ) as response:
+                if response.status_code != 200:
+                    refusal(response, record)
+                    raise RuntimeError(
+                        f"events: {response.status_code} {(await response.aread())!r}"
+                    )
+                async for event_id, event, data in sse_events(response):
+                    payload = json.loads(data)
+                    record.events.append((event_id, event, payload))
+                    after = event_id or after
+                    read += 1
+                    if payload.get("generation_id") == record.generation_id:
+                        if event == "token":
+                            record.text += payload["text"]
+                            tokens += 1
+                            if on_token is not None:
+                                await on_token(tokens)
+                        elif event in SESSION_FINALS:
+                            record.final, record.final_data = event, payload
+                            return
+                    if slow:
+                        await asyncio.sleep(rng.uniform(0.01, 0.08))
+                    if budget is not None and read >= budget:
+                        break
+        except Retry as retry:
+            await asyncio.sleep(retry.after_s)
+        except BROKEN:
+            await asyncio.sleep(rng.uniform(0.05, 0.3))
+        record.reconnects += 1
+
+
+async def session_reader(
+    ctx: Context, rng: random.Random, label: str, model: str, slow: bool
+) -> list[Record]:
+    """One session, 1 to 3 turns, each read with drops and resumes across replicas."""
+    records: list[Record] = []
+    session: tuple[str, str] | None = None
+    after: str | None = None
+    for turn in range(rng.randint(1, 3)):
+        kind = "sse_slow" if slow else "sse"
+        record = Record(
+            kind, f"{label}.{turn}", model, words(rng, label), rng.randint(10, 60), ctx.clock()
+        )
+        records.append(ctx.track(record))
+        session = session or await create_session(ctx, rng, record)
+        record.session = session
+        record.generation_id = await send_message(ctx, rng, record, session)
+        await follow_session(
+            ctx, rng, record, after, drop_every=rng.choice([None, 4, 15]), slow=slow
+        )
+        after = record.events[-1][0] if record.events else after
+        record.ended_s = ctx.clock()
+        ctx.finished.append((*session, record.generation_id))
+        if record.final != "done":
+            break
+    return records
+
+
+# --- WebSocket: generate, then cancel ----------------------------------------------------
+
+
+async def ws_canceller(ctx: Context, rng: random.Random, label: str, model: str) -> Record:
+    """``generate`` on a socket, ``cancel`` after a random count of tokens (sometimes past
+    the end: then ``done`` is the right answer); a broken socket goes on over SSE."""
+    max_tokens = rng.randint(10, 60)
+    record = ctx.track(
+        Record("ws_cancel", label, model, words(rng, label), max_tokens, ctx.clock())
+    )
+    record.cancel_after = rng.randint(1, max_tokens + 10)
+    record.session = await create_session(ctx, rng, record)
+    sid, token = record.session
+    url = ctx.other(rng)
+    record.gateways.add(url)
+    last_event: str | None = None
+    try:
+        async with connect(url.replace("http://", "ws://") + "/v1/ws", open_timeout=5) as ws:
+            await ws.send(
+                json.dumps(
+                    {
+                        "type": "generate",
+                        "id": "g",
+                        "content": record.content,
+                        "max_tokens": max_tokens,
+                        "session_id": sid,
+                        "token": token,
+                    }
+                )
+            )
+            tokens = 0
+            while True:
+                frame = json.loads(await asyncio.wait_for(ws.recv(), READ_TIMEOUT_S))
+                kind = frame["type"]
+                if kind == "error" and "event_id" not in frame:
+                    if frame.get("code") in ("overloaded", "unavailable", "model_unavailable"):
+                        raise Retry(float(frame.get("retry_after_s") or 1))
+                    record.problems.append(f"refused: {frame}")
+                    return record
+                if kind == "ack" and frame["op"] == "generate":
+                    record.generation_id = frame["generation_id"]
+                last_event = frame.get("event_id", last_event)
+                if record.final is not None:
+                    if kind == "token":
+                        record.tokens_after_final += 1
+                    continue
+                if kind == "token":
+                    record.text += frame["text"]
+                    tokens = frame["count"]
+                    if not record.cancel_sent and tokens >= record.cancel_after:
+                        record.cancel_sent = True
+                        await ws.send(json.dumps({"type": "cancel", "id": "g"}))
+                elif kind in SESSION_FINALS and "event_id" in frame:
+                    record.final, record.final_data = kind, frame
+                    # A short look for frames of this generation after its final one.
+                    await ws.send(json.dumps({"type": "ping", "id": "after"}))
+                    while (pong := json.loads(await asyncio.wait_for(ws.recv(), 10)))[
+                        "type"
+                    ] != "pong":
+                        if pong.get("id") == "g" and pong["type"] == "token":
+                            record.tokens_after_final += 1
+                    break
+    except (Retry, *BROKEN):
+        record.reconnects += 1
+    if record.final is None:
+        await _finish_over_sse(ctx, rng, record, last_event)
+    record.ended_s = ctx.clock()
+    return record
+
+
+async def _finish_over_sse(
+    ctx: Context, rng: random.Random, record: Record, last_event: str | None
+) -> None:
+    """The socket broke: find the generation on the session stream (a socket that broke
+    before its ``ack`` may or may not have queued it), cancel it over HTTP when due, and
+    read it to its end."""
+    assert record.session is not None
+    if record.generation_id is None:
+        record.generation_id = await _queued_generation(ctx, rng, record)
+        if record.generation_id is None:  # never queued: send it over HTTP instead
+            record.generation_id = await send_message(ctx, rng, record, record.session)
+    streamed = len(record.text.split())  # the frames' text: whitespace-led words
+
+    async def cancel_when_due(tokens: int) -> None:
+        if (
+            not record.cancel_sent
+            and record.cancel_after is not None
+            and (tokens + streamed >= record.cancel_after)
+        ):
+            record.cancel_sent = True
+            await cancel_over_http(ctx, rng, record)
+
+    record.text = ""  # read again from where the socket's last event left it
+    record.events.clear()
+    await follow_session(
+        ctx, rng, record, None, drop_every=None, slow=False, on_token=cancel_when_due
+    )
+
+
+async def _queued_generation(ctx: Context, rng: random.Random, record: Record) -> str | None:
+    """The generation the session's stream shows, if any (its ``queued`` event is written
+    with the request, so a stream with none has none)."""
+    assert record.session is not None
+    sid, token = record.session
+    for _ in range(10):
+        url = ctx.other(rng)
+        try:
+            async with ctx.http.stream(
+                "GET", f"{url}/v1/sessions/{sid}/events", headers={"X-Session-Token": token}
+            ) as response:
+                if response.status_code != 200:
+                    await asyncio.sleep(0.5)
+                    continue
+                async with asyncio.timeout(2):
+                    async for _id, _event, data in sse_events(response):
+                        return str(json.loads(data)["generation_id"])
+        except TimeoutError:
+            return None
+        except BROKEN:
+            await asyncio.sleep(0.3)
+    raise TimeoutError("the session stream never answered")
+
+
+async def cancel_over_http(ctx: Context, rng: random.Random, record: Record) -> None:
+    assert record.session is not None and record.generation_id is not None
+    sid, token = record.session
+
+    async def attempt(url: str) -> None:
+        response = await ctx.http.post(
+            f"{url}/v1/sessions/{sid}/generations/{record.generation_id}/cancel",
+            headers={"X-Session-Token": token},
+        )
+        refusal(response, record)
+        if response.status_code != 200:
+            record.problems.append(f"cancel: {response.status_code} {response.text[:200]}")
+
+    await with_retries(ctx, rng, record, attempt)
+
+
+# --- OpenAI chat completions -------------------------------------------------------------
+
+
+async def openai_client(
+    ctx: Context, rng: random.Random, label: str, model: str, faults_of: Callable[[str], int]
+) -> Record:
+    """One chat completion, streamed or whole. ``faults_of(url)`` counts the faults that
+    gateway has had so far: one between the request's start and its break explains it."""
+    stream = rng.random() < 0.6
+    kind = "openai_stream" if stream else "openai_whole"
+    record = ctx.track(
+        Record(kind, label, model, words(rng, label), rng.randint(5, 40), ctx.clock())
+    )
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": record.content}],
+        "max_tokens": record.max_tokens,
+        "stream": stream,
+    }
+
+    async def attempt(url: str) -> None:
+        record.gateways.add(url)
+        faults_before = faults_of(url)
+        try:
+            if stream:
+                await _openai_stream(ctx, url, body, record)
+            else:
+                response = await ctx.http.post(f"{url}/v1/chat/completions", json=body)
+                refusal(response, record)
+                answer = response.json()
+                if response.status_code != 200:
+                    record.final, record.final_data = "error", answer
+                    return
+                choice = answer["choices"][0]
+                record.text = choice["message"]["content"]
+                record.final, record.final_data = choice["finish_reason"], answer
+        except (httpx.ReadError, httpx.RemoteProtocolError, httpx.ReadTimeout) as exc:
+            if faults_of(url) > faults_before:
+                record.interrupted = f"its gateway had a fault: {type(exc).__name__}"
+            else:
+                record.problems.append(f"cut off with no fault of its gateway: {exc!r}")
+
+    await with_retries(ctx, rng, record, attempt)
+    record.ended_s = ctx.clock()
+    return record
+
+
+async def _openai_stream(ctx: Context, url: str, body: dict[str, Any], record: Record) -> None:
+    async with ctx.http.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            refusal(response, record)
+            record.final, record.final_data = "error", json.loads(await response.aread())
+            return
+        async for _id, _event, data in sse_events(response):
+            if data == "[DONE]":
+                if record.final is None:
+                    record.problems.append("[DONE] before a finish_reason")
+                record.events.append(("", "[DONE]", {}))
+                return
+            chunk = json.loads(data)
+            record.events.append(("", "chunk", chunk))
+            if "error" in chunk:
+                record.final, record.final_data = "error", chunk
+                continue
+            for choice in chunk["choices"]:
+                record.text += choice["delta"].get("content") or ""
+                if choice.get("finish_reason"):
+                    record.final = choice["finish_reason"]
+
+
+# --- Responses: a background stream resumed with starting_after --------------------------
+
+
+async def responses_reader(ctx: Context, rng: random.Random, label: str, model: str) -> Record:
+    record = ctx.track(
+        Record("responses", label, model, words(rng, label), rng.randint(5, 40), ctx.clock())
+    )
+    body = {
+        "model": model,
+        "input": record.content,
+        "max_output_tokens": record.max_tokens,
+        "stream": True,
+        "background": True,
+    }
+    response_id: str | None = None
+    sequence = -1
+
+    async def read(response: httpx.Response) -> None:
+        nonlocal response_id, sequence
+        if response.status_code != 200:
+            refusal(response, record)
+            record.final, record.final_data = "error", json.loads(await response.aread())
+            return
+        async for _id, event, data in sse_events(response):
+            payload = json.loads(data)
+            record.events.append(("", event, payload))
+            sequence = payload.get("sequence_number", sequence)
+            if event == "response.created":
+                response_id = payload["response"]["id"]
+            elif event == "response.output_text.delta":
+                record.text += payload["delta"]
+            elif event in RESPONSE_FINALS or event == "error":
+                record.final, record.final_data = event, payload
+                return
+            if rng.random() < 0.05:
+                return  # the reader drops the stream and resumes elsewhere
+
+    async def start(url: str) -> None:
+        record.gateways.add(url)
+        try:
+            async with ctx.http.stream("POST", f"{url}/v1/responses", json=body) as response:
+                await read(response)
+        except BROKEN:
+            if response_id is None:
+                raise  # nothing of it reached this client: send it again
+            record.reconnects += 1  # it runs in the background: resumed below
+
+    await with_retries(ctx, rng, record, start)
+    url: str | None = None
+    while record.final is None:
+        url = ctx.other(rng, url)
+        record.gateways.add(url)
+        record.reconnects += 1
+        try:
+            async with ctx.http.stream(
+                "GET",
+                f"{url}/v1/responses/{response_id}",
+                params={"stream": "true", "starting_after": str(sequence)},
+            ) as response:
+                await read(response)
+        except Retry as retry:
+            await asyncio.sleep(retry.after_s)
+        except BROKEN:
+            await asyncio.sleep(rng.uniform(0.05, 0.3))
+    record.ended_s = ctx.clock()
+    return record

@@ -1,0 +1,132 @@
+"""The fault schedule of a chaos run, drawn from its seed, and the faults that are not a
+signal to a process: bursts of hostile input and slow readers.
+
+Every fault kind comes round in turn (shuffled anew each round), one every 1 to 3 s, so a
+run of a few minutes injects each kind many times and a short one still injects each kind
+at least once."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import secrets
+from dataclasses import dataclass
+
+from websockets.asyncio.client import connect
+
+from bench.chaos.clients import BROKEN, Context
+from bench.chaos.fleet import Fleet
+
+COMMON = [
+    "worker_kill",
+    "worker_term",
+    "worker_stop",
+    "gateway_kill",
+    "gateway_term",
+    "gateway_stop",
+    "redis_pause",
+    "slow_readers",
+    "hostile_burst",
+]
+KINDS = {
+    "single": [*COMMON, "redis_restart"],
+    "volatile": COMMON,
+    "cluster": [*COMMON, "primary_kill"],
+}
+
+
+@dataclass(frozen=True)
+class Planned:
+    at_s: float
+    kind: str
+    pick: int
+    """Which target, as an index taken modulo the candidates when the fault fires."""
+    held_s: float
+
+
+def schedule(seed: int, redis_kind: str, duration_s: float) -> list[Planned]:
+    rng = random.Random(f"faults-{seed}")
+    planned: list[Planned] = []
+    at = 2.0
+    kinds: list[str] = []
+    while at < duration_s - 2:
+        if not kinds:
+            kinds = list(KINDS[redis_kind])
+            rng.shuffle(kinds)
+        kind = kinds.pop()
+        held = {
+            "worker_stop": rng.uniform(1.0, 8.0),  # past the 5 s worker timeout at times
+            "gateway_stop": rng.uniform(1.0, 6.0),
+            "redis_pause": rng.uniform(0.5, 3.0),
+            "redis_restart": rng.uniform(0.5, 2.0),
+        }.get(kind, 0.0)
+        planned.append(Planned(round(at, 2), kind, rng.randrange(1 << 16), held))
+        at += rng.uniform(1.0, 3.0)
+    return planned
+
+
+async def hostile_burst(ctx: Context, fleet: Fleet, rng: random.Random) -> list[str]:
+    """Bad requests at one replica: each must get a 4xx (or a 503 with ``Retry-After``
+    while Redis is away), never another 5xx and never a hang."""
+    url = rng.choice(ctx.urls)
+    fleet.note("hostile_burst", url.rsplit(":", 1)[1])
+    unknown = secrets.token_hex(8)
+    finished = rng.choice(ctx.finished) if ctx.finished else None
+    requests: list[tuple[str, str, dict[str, object]]] = [
+        (
+            "POST",
+            "/v1/chat/completions",
+            {"content": b"{not json", "headers": {"content-type": "application/json"}},
+        ),
+        ("POST", "/v1/chat/completions", {"json": {"model": "alpha", "messages": "nope"}}),
+        (
+            "POST",
+            "/v1/chat/completions",
+            {"json": {"model": "nobody", "messages": [{"role": "user", "content": "x"}]}},
+        ),
+        ("POST", "/v1/completions", {"content": b"x" * 300_000}),
+        ("POST", f"/v1/sessions/{unknown}/messages", {"json": {"content": "hi"}}),
+        ("GET", f"/v1/sessions/{unknown}/events", {}),
+        (
+            "POST",
+            "/v1/responses",
+            {"json": {"model": "alpha", "input": [], "max_output_tokens": -1}},
+        ),
+        ("GET", f"/v1/responses/resp_{unknown}", {}),
+    ]
+    if finished is not None:
+        sid, token, gid = finished
+        requests.append(
+            (
+                "POST",
+                f"/v1/sessions/{sid}/generations/{gid}/cancel",
+                {"headers": {"X-Session-Token": token}},
+            )
+        )
+    problems: list[str] = []
+    for method, path, options in requests:
+        try:
+            response = await ctx.http.request(method, url + path, **options)  # type: ignore[arg-type]
+        except BROKEN:
+            continue  # that replica is down or being replaced: nothing to judge
+        if response.status_code >= 500 and not (
+            response.status_code == 503 and "retry-after" in response.headers
+        ):
+            problems.append(f"{method} {path}: {response.status_code} {response.text[:200]}")
+    try:
+        async with connect(url.replace("http://", "ws://") + "/v1/ws", open_timeout=5) as ws:
+            for frame in ('{"type": "generate"}', "[1, 2", '{"type": "cancel", "id": "nope"}'):
+                await ws.send(frame)
+                answer = await asyncio.wait_for(ws.recv(), 10)
+                if '"type":"error"' not in str(answer).replace(" ", ""):
+                    problems.append(f"WebSocket {frame!r}: {answer!r}")
+    except BROKEN:
+        pass
+    return problems
+
+
+async def wait_out_holds(fleet: Fleet, tasks: set[asyncio.Task[None]]) -> None:
+    """Let every fault still under way finish (holds end with SIGCONT)."""
+    fleet.resume_all()
+    if tasks:
+        await asyncio.gather(*tasks)
