@@ -21,7 +21,7 @@ from engine.backends.base import Backend
 from engine.metrics import WorkerMetrics
 from engine.worker import Worker
 from wire import DEFAULT_PREFIX, Keys, check_model_name
-from wire.connect import connect, misconfiguration, ready
+from wire.connect import connect, misconfiguration, ready, when_redis_answers
 from wire.runtime import tune_gc
 
 log = logging.getLogger("tokenspout.engine")
@@ -219,7 +219,7 @@ async def serve(args: argparse.Namespace) -> None:
 
         start_http_server(args.metrics_port, registry=metrics.registry)
     redis = connect(redis_url)
-    await ready(redis)
+    await when_redis_answers(lambda: ready(redis), "engine start")
     keys = Keys(os.environ.get("TOKENSPOUT_KEY_PREFIX", DEFAULT_PREFIX))
     worker = Worker(
         redis,

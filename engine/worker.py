@@ -54,6 +54,7 @@ from wire import (
     Token,
     WorkerInfo,
 )
+from wire.connect import when_redis_answers
 from wire.queue import RequestQueue
 from wire.scripts import Takeover
 
@@ -123,8 +124,14 @@ class Worker:
 
     async def run(self, stop: asyncio.Event, drain_s: float = 30.0) -> None:
         """Serve until ``stop`` is set, then drain: finish what runs (up to ``drain_s``)."""
-        await self.queue.ensure_group()
-        await self._heartbeat_once()
+        joining = asyncio.create_task(when_redis_answers(self._join, f"worker {self.worker_id}"))
+        stopped_first = asyncio.create_task(stop.wait())
+        await asyncio.wait([joining, stopped_first], return_when=asyncio.FIRST_COMPLETED)
+        stopped_first.cancel()
+        if not joining.done():  # stopped while waiting for Redis: nothing to drain
+            joining.cancel()
+            return
+        joining.result()
         loops = [
             asyncio.create_task(self.publisher.run_forever(), name="publisher"),
             asyncio.create_task(self.intake.consume_forever(), name="consume"),
@@ -415,6 +422,11 @@ class Worker:
             except (RedisError, OSError) as exc:
                 log.warning("heartbeat failed (%s)", exc)
                 self.metrics.redis_errors.labels("heartbeat").inc()
+
+    async def _join(self) -> None:
+        """The consumer group exists and the others see this worker."""
+        await self.queue.ensure_group()
+        await self._heartbeat_once()
 
     async def _heartbeat_once(self) -> None:
         info = WorkerInfo(

@@ -31,7 +31,7 @@ from gateway.sessions import SessionStore
 from gateway.settings import Settings
 from gateway.watchdog import Reaper, refresh_watches
 from wire import Keys
-from wire.connect import connect, ready
+from wire.connect import connect, ready, when_redis_answers
 
 log = logging.getLogger("tokenspout.gateway")
 
@@ -130,7 +130,7 @@ class Services:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _: Litestar) -> AsyncIterator[None]:
-        await ready(self.redis)
+        await when_redis_answers(lambda: ready(self.redis), "gateway start")
         await self.hub.start()
         if self.grpc is not None:
             await self.grpc.start()

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from stack.redis_server import EmbeddedRedis, free_port
+from stack.rig import wait_worker
 from tests.support.http import Reading, create_session, follow, read_events, send
 from tests.support.metrics import scrape
 from tests.support.oracle import synthetic_text
@@ -239,5 +240,35 @@ async def test_a_frozen_redis_is_waited_for_and_ready_says_so(
             ids = [event_key(e.id or "") for e in reading.events]
             assert ids == sorted(set(ids))
             assert (await client.get(f"{gateway.url}/ready")).status_code == 200
+    finally:
+        stack.stop()
+
+
+async def test_a_worker_started_while_redis_is_down_waits_for_it_then_serves(
+    tmp_path: Path,
+) -> None:
+    """A worker (and a gateway) started while Redis is away (restarting, failing over, not
+    up yet) waits for it, saying so, and serves once it answers. Found by the chaos run: a
+    worker started during a Redis restart ended with a ConnectionRefusedError traceback."""
+    server = EmbeddedRedis(data_dir=tmp_path / "redis")  # not started yet
+    server.data_dir.mkdir()
+    stack = Stack(server.url, "late", tmp_path)
+    try:
+        gateway = stack.gateway()
+        worker = stack.engine(
+            "--backend", "synthetic", "--tokens-per-s", "200", worker_id="late", wait=False
+        )
+        log = tmp_path / "engine-late.log"
+        deadline = time.monotonic() + 60
+        while "Redis does not answer" not in (log.read_text() if log.exists() else ""):
+            assert worker.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, "the worker never said it was waiting"
+            await asyncio.sleep(0.1)
+        with server:
+            await asyncio.to_thread(wait_worker, server.url, stack.prefix, "late", worker, 30)
+            async with httpx.AsyncClient(timeout=30) as client:
+                await _a_new_session_works(client, gateway.url)
+            assert worker.poll() is None
+            stack.stop()
     finally:
         stack.stop()

@@ -18,8 +18,11 @@ places that differ ask ``is_cluster``.
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
-from typing import Any, cast
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar, cast
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
@@ -32,6 +35,10 @@ from redis.exceptions import AuthenticationError, RedisError, SlotNotCoveredErro
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+log = logging.getLogger("tokenspout.redis")
+T = TypeVar("T")
+WAITING_WARN_S = 10.0
+"""How often a process waiting for Redis at its start says so."""
 DEAD_PEER_S = 10
 """How long a silent server may keep a connection (TCP keepalive on an idle one, unanswered
 writes on a busy one) before the connection counts as lost."""
@@ -189,6 +196,22 @@ async def ready(redis: aioredis.Redis) -> None:
     command), so that routing by key works from the start. Nothing for one Redis."""
     if isinstance(redis, RedisCluster):
         await redis.initialize()
+
+
+async def when_redis_answers(step: Callable[[], Awaitable[T]], what: str) -> T:
+    """``step()``, once Redis answers. A process that starts while Redis is down (restarting,
+    failing over, not up yet) waits for it, as it does for an outage once running, with a
+    warning now and every 10 s, instead of ending with a traceback."""
+    delay, warned_at = 0.05, -WAITING_WARN_S
+    while True:
+        try:
+            return await step()
+        except (RedisError, OSError) as exc:
+            if time.monotonic() - warned_at >= WAITING_WARN_S:
+                log.warning("%s: Redis does not answer (%s); waiting for it", what, exc)
+                warned_at = time.monotonic()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
 
 
 def is_cluster(redis: object) -> bool:
