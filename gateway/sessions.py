@@ -10,6 +10,7 @@ talks to Redis.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import math
@@ -39,10 +40,12 @@ from wire import (
     scripts,
 )
 from wire import outcomes as script
-from wire.connect import is_cluster
+from wire.connect import is_cluster, when_redis_answers
 
 _message_decoder = msgspec.json.Decoder(ChatMessage)
 
+REQUEUE_WAIT_S = 10.0
+"""How long a submit waits for Redis to take the request of a generation it has written."""
 STATELESS_TTL_S = 600
 """Lifetime of the throwaway session behind one stateless API request."""
 BUSY_RETRY_AFTER_S = 1
@@ -343,6 +346,7 @@ class SessionStore:
             case script.Forbidden():
                 raise _bad_token()
             case script.Duplicate(generation_id=earlier):
+                await self._requeue_if_lost(session_id, model, earlier, params)
                 return Submitted(earlier, session_id, None)
             case script.Busy(generation_id=running):
                 raise Conflict(
@@ -359,7 +363,7 @@ class SessionStore:
         request = self._request(
             session_id, generation_id, params, reply.history, None, self.settings.session_ttl_s
         )
-        await self.queue.enqueue(model, request)
+        await self._enqueue_written(model, request)
         if self.observer is not None:
             self.observer.submitted(session_id, generation_id, reply.queued_id, model)
         choices = [generation_id]
@@ -394,10 +398,45 @@ class SessionStore:
             choice=choice,
             enqueued_at=time.time(),
         )
-        await self.queue.enqueue(model, request)
+        await self._enqueue_written(model, request)
         if self.observer is not None:
             self.observer.submitted(session_id, generation_id, reply.queued_id, model)
         return generation_id
+
+    async def _enqueue_written(self, model: str, request: GenerationRequest) -> None:
+        """Queue the request of a generation the SUBMIT script has written. Without it no
+        worker would run that generation before the queue timeout (2 minutes), so a Redis
+        that went away between the two round trips (a restart) is waited for, up to
+        ``REQUEUE_WAIT_S``. A copy sent twice (the first one's reply lost) runs once: a
+        worker claims a generation only while it is queued."""
+        try:
+            async with asyncio.timeout(REQUEUE_WAIT_S):
+                await when_redis_answers(
+                    lambda: self.queue.enqueue(model, request),
+                    f"queueing {request.generation_id}",
+                )
+        except TimeoutError:
+            raise Unavailable(
+                "Redis went away while the request was queued; send it again with the "
+                "same Idempotency-Key",
+                retry_after_s=1,
+            ) from None
+
+    async def _requeue_if_lost(
+        self, session_id: str, model: str, generation_id: str, params: SamplingParams
+    ) -> None:
+        """A message sent again with its Idempotency-Key: if its generation is still
+        waiting for a worker, its request may never have reached the queue (the gateway
+        died, or Redis went away, between the two round trips of the first send), so it is
+        queued again; a second copy runs once. One round trip more, on retries only."""
+        state = await self.redis.hget(self.keys.generation(session_id, generation_id), "state")
+        if state is None or wire.text(state) != "queued":
+            return
+        history = await self.history(session_id)
+        request = self._request(
+            session_id, generation_id, params, history, None, self.settings.session_ttl_s
+        )
+        await self._enqueue_written(model, request)
 
     def _request(
         self,

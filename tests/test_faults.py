@@ -257,3 +257,49 @@ async def test_a_request_no_worker_takes_ends_with_queue_timeout(stack: Stack) -
         assert f"skipping {expired}" in engine_log.read_text()
     finally:
         await redis.aclose()
+
+
+async def test_a_message_sent_again_requeues_a_request_that_never_reached_the_queue(
+    stack: Stack,
+) -> None:
+    """A send whose generation was written but whose request never reached the queue (the
+    gateway died, or Redis went away, between the two round trips) is repaired by sending
+    it again with the same Idempotency-Key: the request is queued again and the reply runs.
+    Found by the chaos run (a Redis restart between them); before, the reply waited for the
+    queue timeout."""
+    stack.synthetic(200, "--capacity", "1")
+    gateway = stack.gateway()
+    redis = aioredis.Redis.from_url(stack.redis_url)
+    queue = Keys(stack.prefix).requests("synthetic")
+    try:
+        async with httpx.AsyncClient(timeout=30) as client, slot_held(gateway.url):
+            session = await create_session(client, gateway.url)
+            body = {"content": "lost on the way", "max_tokens": 5}
+            url = f"{gateway.url}/v1/sessions/{session.session_id}/messages"
+            headers = {**session.headers, "Idempotency-Key": "k1"}
+            first = await client.post(url, json=body, headers=headers)
+            assert first.status_code == 202, first.text
+            gid = first.json()["generation_id"]
+            # The one worker is busy: the request waits in the queue. Lose it.
+            ours = await requests_of(redis, queue, gid)
+            assert len(ours) == 1
+            await redis.xdel(queue, *ours)
+            again = await client.post(url, json=body, headers=headers)
+            assert again.status_code == 202 and again.json()["generation_id"] == gid
+            assert len(await requests_of(redis, queue, gid)) == 1
+        # The slot is free: the worker takes the request queued again.
+        async with httpx.AsyncClient(timeout=30) as client:
+            reading = await read_events(client, session, until_final_of=gid, timeout_s=20)
+        assert reading.text(gid) == synthetic_text("lost on the way", 5)
+    finally:
+        await redis.aclose()
+
+
+async def requests_of(redis: aioredis.Redis, queue: str, generation_id: str) -> list[bytes]:
+    """The ids of the queue's entries that carry ``generation_id``'s request."""
+    entries = await redis.xrange(queue)
+    return [
+        entry_id
+        for entry_id, fields in entries
+        if any(generation_id.encode() in value for value in fields.values())
+    ]

@@ -154,7 +154,11 @@ class Connection:
             )
         except RedisError as exc:
             log.warning("redis error on a WebSocket frame: %s", exc)
-            self._reply(ErrorFrame("unavailable", "Redis is unavailable; try again", id=frame.id))
+            self._reply(
+                ErrorFrame(
+                    "unavailable", "Redis is unavailable; try again", id=frame.id, retry_after_s=1
+                )
+            )
 
     async def _generate(self, frame: Generate) -> None:
         if frame.id in self._running:
