@@ -185,8 +185,11 @@ def _backend(args: argparse.Namespace) -> Backend:
             prepare_delay_s=args.prepare_delay_s,
             model=names[0] if names else "synthetic",
         )
+    from engine.model import MODEL_NAME, model_problem, prepare_default_model
+
+    if args.model != "default" and (problem := model_problem(args.model)):
+        raise SystemExit(f"tokenspout engine: cannot start: {problem}")
     from engine.backends.vllm_backend import VllmBackend
-    from engine.model import MODEL_NAME, prepare_default_model
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     model, served = args.model, names[0] if names else None

@@ -19,6 +19,24 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 _REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
+def model_problem(model: str) -> str | None:
+    """Why ``--model`` names no model vLLM can load, found before vLLM spends a minute
+    starting: a folder without ``config.json``, a file (vLLM 0.32 loads folders; a GGUF
+    file needs converting, as this module does for the bundled one), or a path that does
+    not exist. A hub name (``org/name``) is left to vLLM and the hub's cache."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return None
+        return f"--model {model} is a folder without config.json: not a Hugging Face model folder"
+    if path.is_file():
+        kind = "a GGUF file, which vLLM 0.32 cannot load" if path.suffix == ".gguf" else "a file"
+        return f"--model {model} is {kind}: pass a Hugging Face model folder"
+    if model.startswith(("/", ".", "~")) or model.count("/") != 1:
+        return f"--model {model}: no such folder (nor a hub name, org/name)"
+    return None
+
+
 def cache_dir() -> Path:
     default = Path.home() / ".cache" / "tokenspout"
     return Path(os.environ.get("TOKENSPOUT_CACHE", default))

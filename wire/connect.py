@@ -31,7 +31,12 @@ from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialBackoff
 from redis.crc import key_slot
-from redis.exceptions import AuthenticationError, RedisError, SlotNotCoveredError
+from redis.exceptions import (
+    AuthenticationError,
+    RedisError,
+    ResponseError,
+    SlotNotCoveredError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -75,9 +80,12 @@ def kind_of(url: str) -> str:
 async def misconfiguration(url: str) -> str | None:
     """Why ``url`` cannot work, in one sentence, when it names one Redis (``redis://``,
     ``unix://``) whose server is a Redis Cluster node, or whose server refuses the URL's
-    credentials; None when it is fine, or does not answer now (a Redis that is down is not
-    a configuration error: the clients wait for it). Cluster and Sentinel URLs are not
-    checked here: redis-py's own errors for them name the problem."""
+    credentials; or a Sentinel URL whose addresses are Redis servers, not Sentinels. None
+    when it is fine, or does not answer now (a Redis that is down is not a configuration
+    error: the clients wait for it). Cluster URLs are not checked here: redis-py's own
+    errors for them name the problem."""
+    if kind_of(url) == "sentinel":
+        return await _not_sentinels(url)
     if kind_of(url) != "single":
         return None
     client = aioredis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=5)
@@ -96,6 +104,39 @@ async def misconfiguration(url: str) -> str | None:
             f"REDIS_URL names a node of a Redis Cluster (cluster_enabled:1), as one Redis: "
             f"use redis+cluster://{node} (docs/configuration.md, Redis Cluster and Sentinel)"
         )
+    return None
+
+
+async def _not_sentinels(url: str) -> str | None:
+    """Why a Sentinel URL cannot work: the first address that answers is a Redis server
+    (no ``SENTINEL`` command), which would leave every client failing on each command."""
+    parts = urlsplit(url)
+    query = {key: values[-1] for key, values in parse_qs(parts.query).items()}
+    for host, port in _hosts(parts.netloc, 26379):
+        client = aioredis.Redis(
+            host=host,
+            port=port,
+            password=query.get("sentinel_password"),
+            ssl=parts.scheme.startswith("rediss"),
+            socket_connect_timeout=2,
+            socket_timeout=5,
+        )
+        try:
+            async with asyncio.timeout(10):
+                await client.execute_command("SENTINEL", "MASTERS")  # type: ignore[no-untyped-call]
+            return None
+        except ResponseError as exc:
+            if "unknown command" not in str(exc).lower():
+                return None
+            return (
+                f"REDIS_URL names {host}:{port} as a Sentinel, but it is a Redis server "
+                f"(it has no SENTINEL command): use redis://{host}:{port} for one Redis, or "
+                "the Sentinels' own addresses (docs/configuration.md, Redis Cluster and Sentinel)"
+            )
+        except (RedisError, OSError, TimeoutError):
+            continue  # down now: the next address, or none to judge
+        finally:
+            await client.aclose()
     return None
 
 
