@@ -59,7 +59,11 @@ class HandOver:
     async def hand_over_running(self, running: Iterable[Job]) -> None:
         """Hand every started generation of ``running`` to the others, when one serves
         (the last worker standing keeps them: they drain)."""
-        jobs = [j for j in running if j.claimed and not (j.ended or j.handing_over)]
+        jobs = [
+            j
+            for j in running
+            if j.claimed and not j.ended and (j.handover_failed or not j.handing_over)
+        ]
         if not jobs:
             return
         try:
@@ -68,11 +72,18 @@ class HandOver:
         except (RedisError, OSError) as exc:
             log.warning("looking for workers to hand over to failed (%s)", exc)
             return
+        failing = {job.generation_id for job in jobs if job.handover_failed}
         results = await asyncio.gather(*map(self.hand_over, jobs), return_exceptions=True)
         for job, result in zip(jobs, results, strict=True):
-            if isinstance(result, BaseException):
-                # Left to the drain (and, once this worker is gone, to the reaper).
-                log.warning("handing %s over failed: %r", job.generation_id, result)
+            if isinstance(result, BaseException) and job.generation_id not in failing:
+                # Tried again by the drain (and, once this worker is gone, by the reaper):
+                # said once, not at every try.
+                log.warning(
+                    "handing %s over failed: %s %s",
+                    job.generation_id,
+                    type(result).__name__,
+                    result,
+                )
 
     async def hand_over(self, job: Job) -> bool:
         """Put ``job`` back on the queue for another worker; True when it was handed on.
@@ -81,14 +92,21 @@ class HandOver:
         """
         gid, sid = job.generation_id, job.session_id
         job.handing_over = True
-        await self.publisher.written()  # every event emitted is in Redis (written in order)
-        outcome = await self.takeover(
-            session_id=sid,
-            generation_id=gid,
-            worker=self.worker_id,
-            max_takeovers=self.max_takeovers,
-            usage=job.usage(),
-        )
+        try:
+            await self.publisher.written()  # every event emitted is in Redis, in order
+            outcome = await self.takeover(
+                session_id=sid,
+                generation_id=gid,
+                worker=self.worker_id,
+                max_takeovers=self.max_takeovers,
+                usage=job.usage(),
+            )
+        except BaseException:
+            # Tokens made since are not emitted here, so this generation must move on or
+            # end elsewhere: the drain tries again, and the reaper after this worker.
+            job.handover_failed = True
+            raise
+        job.handover_failed = False
         if not isinstance(outcome, TakenOver):
             log.info("not handing %s over: %s", gid, outcome.__struct_config__.tag)
             job.handing_over = False

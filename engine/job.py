@@ -44,6 +44,9 @@ class Job:
     token_ids: list[int] = field(default_factory=list)
     handing_over: bool = False
     """SIGTERM hand-over under way: what the engine still makes is not emitted."""
+    handover_failed: bool = False
+    """The last hand-over attempt raised (Redis away): tried again by the drain; if none
+    goes through, the request is left pending for the gateways' reaper (never acked)."""
     claimed: bool = False
     prepare_s: float = 0.0
     """How long the backend took to prepare it (tokenisation, the chat template)."""

@@ -228,7 +228,11 @@ class Worker:
             if not job.ended and job.cancel_reason is not None:
                 await self._finish(job, Cancelled(gid, job.cancel_reason, job.usage()))
             self.intake.finished(job)
-            if not job.acked:
+            if job.handover_failed and not job.ended:
+                # Its tokens stopped at the hand-over: the request stays pending, so the
+                # reaper takes the reply over once this worker is gone.
+                log.warning("%s: its hand-over did not go through; left to the reaper", gid)
+            elif not job.acked:
                 await self.intake.ack_or_retry_later(job.entry_id)
 
     async def _stream(self, job: Job, prepared: Prepared) -> None:

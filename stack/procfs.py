@@ -68,6 +68,12 @@ def rss_bytes(pid: int) -> int:
 
 def tcp_connections_to(pid: int, port: int) -> int:
     """Open TCP connections of ``pid`` whose remote end is 127.0.0.1:``port``."""
+    return len(tcp_local_ports_to(pid, port))
+
+
+def tcp_local_ports_to(pid: int, port: int) -> list[int]:
+    """The local ports of ``pid``'s open TCP connections to 127.0.0.1:``port`` (what
+    ``CLIENT LIST`` shows as each one's ``addr``)."""
     inodes = set()
     fds: list[Path] = []
     for p in tree(pid):
@@ -81,13 +87,13 @@ def tcp_connections_to(pid: int, port: int) -> int:
         if target.startswith("socket:["):
             inodes.add(target[8:-1])
     remote = f"0100007F:{port:04X}"
-    count = 0
+    ports = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
             parts = line.split()
             if parts[2] == remote and parts[9] in inodes:
-                count += 1
-    return count
+                ports.append(int(parts[1].rsplit(":", 1)[1], 16))
+    return ports
 
 
 def pin(pid: int, cpu: int, *, children: bool = True) -> bool:

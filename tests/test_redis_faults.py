@@ -16,15 +16,18 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 
+from stack.procfs import tcp_local_ports_to
 from stack.redis_server import EmbeddedRedis, free_port
 from stack.rig import wait_worker
-from tests.support.http import Reading, create_session, follow, read_events, send
+from tests.support.http import TERMINAL, Reading, cancel, create_session, follow, read_events, send
 from tests.support.metrics import scrape
 from tests.support.oracle import synthetic_text
 from tests.support.redis_probes import event_key
 from tests.support.sse import parse
 from tests.support.stack import Stack
+from wire import Keys
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -271,4 +274,76 @@ async def test_a_worker_started_while_redis_is_down_waits_for_it_then_serves(
             assert worker.poll() is None
             stack.stop()
     finally:
+        stack.stop()
+
+
+async def test_a_worker_stopped_while_redis_restarts_still_hands_its_reply_on(
+    restartable_redis: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """SIGTERM a worker while Redis restarts: its hand-over fails, is tried again once
+    Redis is back, and the reply moves to the other worker and ends whole. Found by the
+    chaos soak: a hand-over that failed (a stale connection after a Redis restart) was never
+    tried again, the worker dropped every later token, acknowledged the request and left,
+    and the reply stayed running with no end: its reader waited forever."""
+    stack = Stack(restartable_redis.url, "stale", tmp_path)
+    try:
+        first = stack.synthetic(25, "--drain-s", "5", worker_id="first")
+        gateway = stack.gateway()
+        async with httpx.AsyncClient(timeout=30) as client:
+            session = await create_session(client, gateway.url)
+            gid = await send(client, session, "over a restart", max_tokens=100)
+            reading = Reading()
+            reader = asyncio.create_task(
+                read_events(client, session, until_final_of=gid, reading=reading, timeout_s=60)
+            )
+            while sum(e.event == "token" for e in reading.events) < 10:
+                await asyncio.sleep(0.02)
+            stack.synthetic(25, "--drain-s", "5", worker_id="second")
+            restartable_redis.stop()
+            first.send_signal(signal.SIGTERM)  # its hand-over meets no Redis
+            await asyncio.sleep(1)
+            restartable_redis.start()
+            await reader
+        assert reading.final(gid).event == "done"
+        assert reading.text(gid) == synthetic_text("over a restart", 100)
+    finally:
+        stack.stop()
+
+
+async def test_a_hand_over_that_fails_is_tried_again(
+    restartable_redis: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """SIGTERM a worker whose connections Redis has closed and refuses to reopen (past
+    redis-py's retries): its hand-over fails, and is tried again once Redis takes
+    connections, so the reply moves to the other worker. Found by the chaos soak: a failed
+    hand-over was never tried again; the worker dropped every later token, acknowledged the
+    request and left, and the reply stayed running with no end, its reader waiting forever."""
+    stack = Stack(restartable_redis.url, "refused", tmp_path)
+    admin = redis.Redis(port=restartable_redis.port)
+    try:
+        first = stack.synthetic(25, "--drain-s", "40", worker_id="first")
+        gateway = stack.gateway()
+        async with httpx.AsyncClient(timeout=30) as client:
+            session = await create_session(client, gateway.url)
+            gid = await send(client, session, "hold [[stall]]", max_tokens=50)
+            await read_events(client, session, until_event="started")
+            stack.synthetic(25, "--drain-s", "5", worker_id="second")
+            lease = next(c for c in admin.client_list() if c["name"] == "tokenspout-lease:first")
+            lease_port = int(lease["addr"].rsplit(":", 1)[1])
+            admin.config_set("maxclients", 1)  # no new connection, from anyone
+            for port in tcp_local_ports_to(first.pid, restartable_redis.port):
+                if port != lease_port:
+                    admin.client_kill_filter(_type=None, addr=f"127.0.0.1:{port}")
+            first.send_signal(signal.SIGTERM)
+            await asyncio.sleep(10)  # past the retries of the hand-over's first attempt
+            admin.config_set("maxclients", 10000)
+            reading = await read_events(client, session, until_event="resumed", timeout_s=30)
+            assert (
+                admin.hget(Keys(stack.prefix).generation(session.session_id, gid), "worker")
+                == b"second"
+            )
+            assert not [e for e in reading.events if e.event in TERMINAL]
+            await cancel(client, session, gid)
+    finally:
+        admin.close()
         stack.stop()

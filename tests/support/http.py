@@ -96,8 +96,10 @@ async def read_events(
     timeout_s: float = 60,
     reading: Reading | None = None,
     as_query: bool = False,
+    until_event: str | None = None,
 ) -> Reading:
-    """Read the session stream until a generation ends (or ``limit`` events arrive)."""
+    """Read the session stream until a generation ends (or ``limit`` events arrive, or an
+    ``until_event`` event)."""
     reading = reading or Reading()
     headers = dict(session.headers)
     params = {}
@@ -116,6 +118,8 @@ async def read_events(
             async for event in parse(response.aiter_lines(), reading.parser):
                 reading.events.append(event)
                 if limit is not None and len(reading.events) >= limit:
+                    return
+                if event.event == until_event:
                     return
                 data = event.json()
                 if event.event in TERMINAL and data["generation_id"] == until_final_of:
