@@ -39,6 +39,7 @@ from redis.exceptions import (
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.maint_notifications import MaintNotificationsConfig
 
 log = logging.getLogger("tokenspout.redis")
 T = TypeVar("T")
@@ -63,6 +64,15 @@ and at 500 streams the start burst's TTFT p50 halved without it. A dead server i
 by TCP instead (``TCP_LIVENESS``); a live one that is slow (a long script, a pause) is
 waited for, not given up on and retried."""
 
+NO_MAINT_NOTIFICATIONS: dict[str, Any] = {
+    "maint_notifications_config": MaintNotificationsConfig(enabled=False)
+}
+"""redis-py 8 speaks RESP3 and, on every new TCP connection, asks for Redis Enterprise's
+maintenance notifications (``CLIENT MAINT_NOTIFICATIONS``, an error on Redis and Valkey).
+Besides a failed round trip per connection, that handshake reads a reply inside a
+reconnect: on a pub/sub connection whose reader was waiting, the chaos soak saw it raise
+``RuntimeError: read() called while another coroutine is already waiting`` after a Redis
+restart, and a request answered 500."""
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 SENTINEL_SCHEMES = {"redis+sentinel", "rediss+sentinel"}
 
@@ -153,7 +163,7 @@ def connect(url: str, *, max_connections: int | None = None, **options: Any) -> 
     liveness: dict[str, Any] = {}
     if urlsplit(url).scheme != "unix":  # a local server that dies closes its socket
         liveness = {"socket_keepalive": True, "socket_keepalive_options": TCP_LIVENESS}
-    options = {**NO_COMMAND_TIMEOUT, **liveness, **options}
+    options = {**NO_COMMAND_TIMEOUT, **liveness, **NO_MAINT_NOTIFICATIONS, **options}
     if kind == "cluster":
         return _cluster(url, max_connections, options)
     if kind == "sentinel":

@@ -30,3 +30,22 @@ async def test_a_tcp_connection_checks_liveness_and_has_no_command_timeout(
     finally:
         await client.aclose()
         await client.connection_pool.disconnect()
+
+
+async def test_a_new_connection_sends_nothing_that_fails(redis_server: EmbeddedRedis) -> None:
+    """redis-py 8 asks every new TCP connection for Redis Enterprise's maintenance
+    notifications, which Redis and Valkey refuse: a failed round trip per connection, and
+    a read inside a reconnect that raced a pub/sub reader after a Redis restart (the chaos
+    soak: a RuntimeError, a 500). Off: a fresh connection's handshake leaves no error."""
+    for options in ({}, {"max_connections": 2}):
+        client = connect(redis_server.url, **options)
+        try:
+            await client.config_resetstat()
+            fresh = connect(redis_server.url, **options)
+            assert await fresh.ping()
+            await fresh.aclose()
+            await fresh.connection_pool.disconnect()
+            assert await client.info("errorstats") == {}
+        finally:
+            await client.aclose()
+            await client.connection_pool.disconnect()
