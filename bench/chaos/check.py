@@ -129,7 +129,7 @@ CHECKS = {
 
 def check(record: Record) -> list[str]:
     found = [f"{record.label}: {problem}" for problem in record.problems]
-    return found + CHECKS[record.kind](record)
+    return [f"[{record.kind}] {what}" for what in found + CHECKS[record.kind](record)]
 
 
 async def reread_session(

@@ -314,7 +314,6 @@ async def ws_canceller(ctx: Context, rng: random.Random, label: str, model: str)
     sid, token = record.session
     url = ctx.other(rng)
     record.gateways.add(url)
-    last_event: str | None = None
     try:
         async with connect(url.replace("http://", "ws://") + "/v1/ws", open_timeout=5) as ws:
             await ws.send(
@@ -335,16 +334,13 @@ async def ws_canceller(ctx: Context, rng: random.Random, label: str, model: str)
                 kind = frame["type"]
                 if kind == "error" and "event_id" not in frame:
                     if frame.get("code") in ("overloaded", "unavailable", "model_unavailable"):
+                        if "retry_after_s" not in frame:
+                            record.problems.append(f"refused without retry_after_s: {frame}")
                         raise Retry(float(frame.get("retry_after_s") or 1))
                     record.problems.append(f"refused: {frame}")
                     return record
                 if kind == "ack" and frame["op"] == "generate":
                     record.generation_id = frame["generation_id"]
-                last_event = frame.get("event_id", last_event)
-                if record.final is not None:
-                    if kind == "token":
-                        record.tokens_after_final += 1
-                    continue
                 if kind == "token":
                     record.text += frame["text"]
                     tokens = frame["count"]
@@ -364,14 +360,12 @@ async def ws_canceller(ctx: Context, rng: random.Random, label: str, model: str)
     except (Retry, *BROKEN):
         record.reconnects += 1
     if record.final is None:
-        await _finish_over_sse(ctx, rng, record, last_event)
+        await _finish_over_sse(ctx, rng, record)
     record.ended_s = ctx.clock()
     return record
 
 
-async def _finish_over_sse(
-    ctx: Context, rng: random.Random, record: Record, last_event: str | None
-) -> None:
+async def _finish_over_sse(ctx: Context, rng: random.Random, record: Record) -> None:
     """The socket broke: find the generation on the session stream (a socket that broke
     before its ``ack`` may or may not have queued it), cancel it over HTTP when due, and
     read it to its end."""
@@ -380,18 +374,17 @@ async def _finish_over_sse(
         record.generation_id = await _queued_generation(ctx, rng, record)
         if record.generation_id is None:  # never queued: send it over HTTP instead
             record.generation_id = await send_message(ctx, rng, record, record.session)
-    streamed = len(record.text.split())  # the frames' text: whitespace-led words
 
     async def cancel_when_due(tokens: int) -> None:
         if (
             not record.cancel_sent
             and record.cancel_after is not None
-            and (tokens + streamed >= record.cancel_after)
+            and tokens >= record.cancel_after
         ):
             record.cancel_sent = True
             await cancel_over_http(ctx, rng, record)
 
-    record.text = ""  # read again from where the socket's last event left it
+    record.text = ""  # the session's stream from its start: this generation whole
     record.events.clear()
     await follow_session(
         ctx, rng, record, None, drop_every=None, slow=False, on_token=cancel_when_due

@@ -239,7 +239,7 @@ def fleet(redis_kind: str, logs: Path) -> Iterator[Fleet]:
     """A fleet on a Redis of its own, stopped with it (every process, the Redis last)."""
     prefix = f"chaos-{secrets.token_hex(3)}"
     env = {
-        "TOKENSPOUT_LOG_LEVEL": "WARNING",
+        "TOKENSPOUT_LOG_LEVEL": "INFO",  # an anomaly's story: every start, end, takeover
         "TOKENSPOUT_SHUTDOWN_GRACE_S": "3",
     }
     server: EmbeddedRedis | None = None

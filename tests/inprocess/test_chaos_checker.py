@@ -99,4 +99,4 @@ def test_a_responses_stream_with_a_sequence_gap_is_named() -> None:
 
 def test_what_a_client_noted_is_an_anomaly() -> None:
     record = session_record(problems=["500: internal error"])
-    assert check(record) == ["c1.0: 500: internal error"]
+    assert check(record) == ["[sse] c1.0: 500: internal error"]
