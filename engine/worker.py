@@ -397,7 +397,10 @@ class Worker:
     async def _abandon_forever(self) -> None:
         while True:
             await asyncio.sleep(ABANDON_CHECK_S)
-            jobs = [job for job in self.jobs.values() if job.cancel_reason is None]
+            # Only claimed ones: before its claim a generation may not be in Redis yet (a
+            # request queued twice after a Redis restart, its first copy taken before the
+            # submit script ran), so no reader could have marked it watched.
+            jobs = [j for j in self.jobs.values() if j.claimed and j.cancel_reason is None]
             if not jobs:
                 continue
             try:

@@ -303,3 +303,28 @@ async def requests_of(redis: aioredis.Redis, queue: str, generation_id: str) -> 
         for entry_id, fields in entries
         if any(generation_id.encode() in value for value in fields.values())
     ]
+
+
+async def test_a_generation_is_not_abandoned_before_its_worker_claims_it(stack: Stack) -> None:
+    """A worker judges a generation abandoned (nobody reading) only once it has claimed it.
+    Found by the chaos soak: after a Redis restart a request was queued twice, its first
+    copy taken before the submit script had written the generation and its watch mark; the
+    worker's reader check ran meanwhile, found no mark, and the reply its client was
+    waiting for ended `cancelled`, reason `abandoned`. Here the mark is missing while the
+    worker prepares the request (2.5 s), and back before the claim."""
+    stack.synthetic(200, "--prepare-delay-s", "2.5")
+    gateway = stack.gateway()
+    redis = aioredis.Redis.from_url(stack.redis_url)
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            session = await create_session(client, gateway.url)
+            gid = await send(client, session, "wait for me", max_tokens=5)
+            watch = Keys(stack.prefix).watch(session.session_id)
+            await redis.delete(watch)  # as if the submit script had not run yet
+            await asyncio.sleep(1.5)  # past a reader check (every second)
+            await redis.set(watch, 1, ex=60)  # the script ran: the generation is watched
+            reading = await read_events(client, session, until_final_of=gid, timeout_s=20)
+        assert reading.final(gid).event == "done", reading.final(gid)
+        assert reading.text(gid) == synthetic_text("wait for me", 5)
+    finally:
+        await redis.aclose()
