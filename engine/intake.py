@@ -53,6 +53,7 @@ class Intake:
         metrics: WorkerMetrics,
         worker_id: str,
         run_job: RunJob,
+        before_taking: Callable[[], Coroutine[Any, Any, None]],
     ) -> None:
         self.queue = queue
         self.publisher = publisher
@@ -60,6 +61,9 @@ class Intake:
         self.metrics = metrics
         self.worker_id = worker_id
         self.run_job = run_job
+        self.before_taking = before_taking
+        """Called before each read of the queue: the worker makes sure the others see it
+        alive before it takes work (engine/worker.py, ``announce_if_silent``)."""
         self.jobs: dict[str, Job] = {}
         """The generations running here, by id."""
         self.accepting = True
@@ -87,6 +91,7 @@ class Intake:
                 await self._slot_freed.wait()
                 continue
             try:
+                await self.before_taking()
                 entries = await self.queue.take(self.worker_id, free, block_ms=1000)
             except ResponseError as exc:
                 if "NOGROUP" not in str(exc):

@@ -40,6 +40,8 @@ class Lease:
         self.worker_id = worker_id
         self.model = model
         self.requests_key = keys.requests(model)
+        self.last_beat = time.monotonic()
+        """When Redis last took a heartbeat (monotonic: it runs on while stopped)."""
         self.redis = self._open()
         """The lease connection. One connection: callers (the heartbeat, a drain's look for
         others) take turns."""
@@ -84,6 +86,11 @@ class Lease:
             # Keeps the consumer group alive while workers idle (EXPIRE on no key: no-op).
             pipe.expire(self.requests_key, wire.SHARED_KEY_TTL_S)
             await pipe.execute()
+        self.last_beat = time.monotonic()
+
+    def silent_for(self) -> float:
+        """Seconds since the last heartbeat Redis took (the others judge this worker by it)."""
+        return time.monotonic() - self.last_beat
 
     async def others_serving(self) -> int:
         """Other workers of this model that heartbeat now and are not draining (hand-over

@@ -103,6 +103,7 @@ class Worker:
             metrics=self.metrics,
             worker_id=self.worker_id,
             run_job=self.run_job,
+            before_taking=self.announce_if_silent,
         )
         self.jobs = self.intake.jobs
         """The generations running here (the intake's), by id."""
@@ -419,6 +420,15 @@ class Worker:
                     await self.cancel(job.generation_id, "abandoned")
 
     # --- heartbeat -----------------------------------------------------------------------
+
+    async def announce_if_silent(self) -> None:
+        """Heartbeat now if the last one is older than two beats (this process was stopped,
+        or Redis away) before taking work. The gateways' reaper takes a silent worker's
+        pending requests away; work it took before the others saw it alive again would be
+        taken away as soon as taken, over and over (the chaos soak: a worker resumed after
+        a SIGSTOP past the worker timeout burnt a reply's takeovers in 0.4 s)."""
+        if self.lease.silent_for() > 2 * HEARTBEAT_S:
+            await self._heartbeat_once()
 
     async def _heartbeat_forever(self) -> None:
         while True:

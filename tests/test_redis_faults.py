@@ -347,3 +347,40 @@ async def test_a_hand_over_that_fails_is_tried_again(
     finally:
         admin.close()
         stack.stop()
+
+
+async def test_a_worker_resumed_after_a_redis_restart_announces_itself_before_taking_work(
+    restartable_redis: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """The only worker is SIGSTOPped mid-reply, Redis restarts meanwhile, and the worker
+    resumes past the worker timeout: the reaper has taken the reply over (the worker's lease
+    and heartbeat are gone); the worker heartbeats before it takes work again, so it takes
+    the continuation and finishes the reply whole. Found by the chaos soak: the resumed
+    worker took the continuation on its stale connections before its next heartbeat, the
+    reaper (still seeing it silent) took it away again, three times in 0.4 s, and the
+    reply ended `worker_lost`."""
+    stack = Stack(restartable_redis.url, "wake", tmp_path)
+    try:
+        worker = stack.synthetic(25)
+        gateway = stack.gateway()
+        async with httpx.AsyncClient(timeout=30) as client:
+            session = await create_session(client, gateway.url)
+            gid = await send(client, session, "sleep and wake", max_tokens=60)
+            reading = Reading()
+            reader = asyncio.create_task(
+                read_events(client, session, until_final_of=gid, reading=reading, timeout_s=60)
+            )
+            while sum(e.event == "token" for e in reading.events) < 10:
+                await asyncio.sleep(0.02)
+            os.killpg(worker.pid, signal.SIGSTOP)
+            try:
+                restartable_redis.stop()
+                restartable_redis.start()
+                await asyncio.sleep(6.5)  # past TOKENSPOUT_WORKER_TIMEOUT_S (5 s)
+            finally:
+                os.killpg(worker.pid, signal.SIGCONT)
+            await reader
+        assert reading.final(gid).event == "done", reading.final(gid)
+        assert reading.text(gid) == synthetic_text("sleep and wake", 60)
+    finally:
+        stack.stop()
