@@ -100,7 +100,7 @@ class Run:
                 f"generation={record.generation_id} final={record.final} "
                 f"events={[e for _, e, _ in record.events[-6:]]} ({len(record.events)}) "
                 f"reconnects={record.reconnects} retries={record.retries} "
-                f"problems={record.problems} redis={held}"
+                f"problems={record.problems} redis={held} trail={record.trail[-12:]}"
             )
         return "; ".join(states) or "no reply begun"
 

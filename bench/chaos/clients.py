@@ -82,6 +82,11 @@ class Record:
     cancel_sent: bool = False
     tokens_after_final: int = 0
     retries: int = 0
+    trail: list[str] = field(default_factory=list)
+    """What the client did, with the run's second: the story of a reply that hangs."""
+
+    def step(self, at_s: float, what: str) -> None:
+        self.trail.append(f"{at_s:.1f} {what}")
 
 
 class Retry(Exception):
@@ -143,8 +148,10 @@ async def with_retries(
             return await attempt(url)
         except Retry as retry:
             wait = retry.after_s
-        except httpx.TransportError:
+            record.step(ctx.clock(), f"{url} refused, retry after {wait} s")
+        except httpx.TransportError as exc:
             wait = 0.2
+            record.step(ctx.clock(), f"{url} {type(exc).__name__}")
         if time.monotonic() > deadline:
             raise TimeoutError("refused for 30 s")
         record.retries += 1
@@ -266,8 +273,10 @@ async def follow_session(
                     if budget is not None and read >= budget:
                         break
         except Retry as retry:
+            record.step(ctx.clock(), f"events {url} refused")
             await asyncio.sleep(retry.after_s)
-        except BROKEN:
+        except BROKEN as exc:
+            record.step(ctx.clock(), f"events {url} {type(exc).__name__}")
             await asyncio.sleep(rng.uniform(0.05, 0.3))
         record.reconnects += 1
 
@@ -314,6 +323,7 @@ async def ws_canceller(ctx: Context, rng: random.Random, label: str, model: str)
     sid, token = record.session
     url = ctx.other(rng)
     record.gateways.add(url)
+    record.step(ctx.clock(), f"socket {url}")
     try:
         async with connect(url.replace("http://", "ws://") + "/v1/ws", open_timeout=5) as ws:
             await ws.send(
@@ -357,7 +367,8 @@ async def ws_canceller(ctx: Context, rng: random.Random, label: str, model: str)
                         if pong.get("id") == "g" and pong["type"] == "token":
                             record.tokens_after_final += 1
                     break
-    except (Retry, *BROKEN):
+    except (Retry, *BROKEN) as exc:
+        record.step(ctx.clock(), f"socket {url} {type(exc).__name__}")
         record.reconnects += 1
     if record.final is None:
         await _finish_over_sse(ctx, rng, record)
@@ -398,19 +409,23 @@ async def _queued_generation(ctx: Context, rng: random.Random, record: Record) -
     sid, token = record.session
     for _ in range(10):
         url = ctx.other(rng)
+        record.step(ctx.clock(), f"looking for the generation at {url}")
         try:
             async with ctx.http.stream(
                 "GET", f"{url}/v1/sessions/{sid}/events", headers={"X-Session-Token": token}
             ) as response:
                 if response.status_code != 200:
+                    record.step(ctx.clock(), f"{response.status_code}")
                     await asyncio.sleep(0.5)
                     continue
                 async with asyncio.timeout(2):
                     async for _id, _event, data in sse_events(response):
                         return str(json.loads(data)["generation_id"])
         except TimeoutError:
+            record.step(ctx.clock(), "no generation on the stream")
             return None
-        except BROKEN:
+        except BROKEN as exc:
+            record.step(ctx.clock(), f"{type(exc).__name__}")
             await asyncio.sleep(0.3)
     raise TimeoutError("the session stream never answered")
 
