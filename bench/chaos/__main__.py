@@ -76,12 +76,16 @@ class Run:
 
     async def bounded(self, label: str, job: Callable[[], Awaitable[list[Record]]]) -> None:
         started = self.fleet.now()
+        bound = asyncio.timeout(BOUND_S)
         try:
-            self.records.extend(await asyncio.wait_for(job(), BOUND_S))
+            async with bound:
+                self.records.extend(await job())
         except TimeoutError:
-            self.anomaly(
-                started, label, f"no end within {BOUND_S:.0f} s (hung): {self.state_of(label)}"
-            )
+            if bound.expired():
+                what = f"no end within {BOUND_S:.0f} s (hung): {self.state_of(label)}"
+            else:  # a timeout of the client's own: it gave up, which is no hang
+                what = f"client gave up (timeout): {self.state_of(label)}"
+            self.anomaly(started, label, what)
         except Exception as exc:
             detail = "".join(traceback.format_exception_only(exc)).strip()
             self.anomaly(started, label, f"client failed: {detail}")

@@ -191,9 +191,9 @@ async def create_session(ctx: Context, rng: random.Random, record: Record) -> tu
     async def attempt(url: str) -> tuple[str, str]:
         response = await ctx.http.post(f"{url}/v1/sessions", json={"model": record.model})
         refusal(response, record)
-        body = response.json()
         if response.status_code != 201:
-            raise RuntimeError(f"create session: {response.status_code} {body}")
+            raise RuntimeError(f"create session: {response.status_code} {response.text[:300]}")
+        body = response.json()
         return body["session_id"], body["token"]
 
     created: tuple[str, str] = await with_retries(ctx, rng, record, attempt)
@@ -407,7 +407,8 @@ async def _queued_generation(ctx: Context, rng: random.Random, record: Record) -
     with the request, so a stream with none has none)."""
     assert record.session is not None
     sid, token = record.session
-    for _ in range(10):
+    deadline = time.monotonic() + 30  # both gateways may be down a while, or Redis away
+    while time.monotonic() < deadline:
         url = ctx.other(rng)
         record.step(ctx.clock(), f"looking for the generation at {url}")
         try:
@@ -427,7 +428,7 @@ async def _queued_generation(ctx: Context, rng: random.Random, record: Record) -
         except BROKEN as exc:
             record.step(ctx.clock(), f"{type(exc).__name__}")
             await asyncio.sleep(0.3)
-    raise TimeoutError("the session stream never answered")
+    raise RuntimeError("the session stream did not answer for 30 s")
 
 
 async def cancel_over_http(ctx: Context, rng: random.Random, record: Record) -> None:
