@@ -18,6 +18,7 @@ import httpx
 import pytest
 import redis
 
+import wire
 from stack.procfs import tcp_local_ports_to
 from stack.redis_server import EmbeddedRedis, free_port
 from stack.rig import wait_worker
@@ -292,20 +293,16 @@ async def test_a_worker_stopped_while_redis_restarts_still_hands_its_reply_on(
         async with httpx.AsyncClient(timeout=30) as client:
             session = await create_session(client, gateway.url)
             gid = await send(client, session, "over a restart", max_tokens=100)
-            reading = Reading()
-            reader = asyncio.create_task(
-                read_events(client, session, until_final_of=gid, reading=reading, timeout_s=60)
-            )
-            while sum(e.event == "token" for e in reading.events) < 10:
-                await asyncio.sleep(0.02)
+            reader = follow(client, session, gid)
+            await reader.until_tokens(10)
             stack.synthetic(25, "--drain-s", "5", worker_id="second")
             restartable_redis.stop()
             first.send_signal(signal.SIGTERM)  # its hand-over meets no Redis
             await asyncio.sleep(1)
             restartable_redis.start()
-            await reader
-        assert reading.final(gid).event == "done"
-        assert reading.text(gid) == synthetic_text("over a restart", 100)
+            await reader.until_end(60)
+        assert reader.reading.final(gid).event == "done"
+        assert reader.reading.text(gid) == synthetic_text("over a restart", 100)
     finally:
         stack.stop()
 
@@ -328,7 +325,7 @@ async def test_a_hand_over_that_fails_is_tried_again(
             gid = await send(client, session, "hold [[stall]]", max_tokens=50)
             await read_events(client, session, until_event="started")
             stack.synthetic(25, "--drain-s", "5", worker_id="second")
-            lease = next(c for c in admin.client_list() if c["name"] == "tokenspout-lease:first")
+            lease = next(c for c in admin.client_list() if c["name"] == wire.lease_name("first"))
             lease_port = int(lease["addr"].rsplit(":", 1)[1])
             admin.config_set("maxclients", 1)  # no new connection, from anyone
             for port in tcp_local_ports_to(first.pid, restartable_redis.port):
@@ -366,12 +363,8 @@ async def test_a_worker_resumed_after_a_redis_restart_announces_itself_before_ta
         async with httpx.AsyncClient(timeout=30) as client:
             session = await create_session(client, gateway.url)
             gid = await send(client, session, "sleep and wake", max_tokens=60)
-            reading = Reading()
-            reader = asyncio.create_task(
-                read_events(client, session, until_final_of=gid, reading=reading, timeout_s=60)
-            )
-            while sum(e.event == "token" for e in reading.events) < 10:
-                await asyncio.sleep(0.02)
+            reader = follow(client, session, gid)
+            await reader.until_tokens(10)
             os.killpg(worker.pid, signal.SIGSTOP)
             try:
                 restartable_redis.stop()
@@ -379,8 +372,8 @@ async def test_a_worker_resumed_after_a_redis_restart_announces_itself_before_ta
                 await asyncio.sleep(6.5)  # past TOKENSPOUT_WORKER_TIMEOUT_S (5 s)
             finally:
                 os.killpg(worker.pid, signal.SIGCONT)
-            await reader
-        assert reading.final(gid).event == "done", reading.final(gid)
-        assert reading.text(gid) == synthetic_text("sleep and wake", 60)
+            await reader.until_end(60)
+        assert reader.reading.final(gid).event == "done", reader.reading.final(gid)
+        assert reader.reading.text(gid) == synthetic_text("sleep and wake", 60)
     finally:
         stack.stop()

@@ -121,7 +121,7 @@ async def _not_sentinels(url: str) -> str | None:
     """Why a Sentinel URL cannot work: the first address that answers is a Redis server
     (no ``SENTINEL`` command), which would leave every client failing on each command."""
     parts = urlsplit(url)
-    query = {key: values[-1] for key, values in parse_qs(parts.query).items()}
+    query = _query(parts.query)
     for host, port in _hosts(parts.netloc, 26379):
         client = aioredis.Redis(
             host=host,
@@ -148,6 +148,11 @@ async def _not_sentinels(url: str) -> str | None:
         finally:
             await client.aclose()
     return None
+
+
+def _query(query: str) -> dict[str, str]:
+    """A URL's query parameters, the last value of each."""
+    return {key: values[-1] for key, values in parse_qs(query).items()}
 
 
 def _retry() -> Retry:
@@ -217,7 +222,7 @@ def _sentinel(url: str, max_connections: int | None, options: dict[str, Any]) ->
     if not path:
         raise ValueError(f"{url}: name the service: redis+sentinel://host:port/SERVICE[/db]")
     service, db = path[0], int(path[1]) if len(path) > 1 else 0
-    query = {key: values[-1] for key, values in parse_qs(parts.query).items()}
+    query = _query(parts.query)
     password = parts.password
     sentinel = Sentinel(  # type: ignore[no-untyped-call]
         _hosts(parts.netloc, 26379),

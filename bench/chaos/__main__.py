@@ -55,7 +55,6 @@ class Run:
         self.records: list[Record] = []
         self.anomalies: list[dict[str, Any]] = []
         self.extra: set[asyncio.Task[None]] = set()
-        self.rng = random.Random(f"run-{seed}")
 
     def anomaly(self, at_s: float, label: str, what: str) -> None:
         near = [

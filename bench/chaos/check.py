@@ -10,7 +10,7 @@ import itertools
 import json
 from typing import Any
 
-from bench.chaos.clients import SESSION_FINALS, Context, Record, sse_events
+from bench.chaos.clients import RESPONSE_FINALS, SESSION_FINALS, Context, Record, sse_events
 from engine.backends.synthetic import scripted_reply
 
 
@@ -106,12 +106,7 @@ def check_responses(record: Record) -> list[str]:
     numbers = [int(d["sequence_number"]) for _, _, d in record.events if "sequence_number" in d]
     if numbers and numbers != list(range(numbers[0], numbers[0] + len(numbers))):
         found.append(f"{record.label}: sequence numbers with a gap or repeat: {numbers}")
-    finals = [
-        e
-        for _, e, _ in record.events
-        if e.startswith("response.")
-        and e in ("response.completed", "response.incomplete", "response.failed")
-    ]
+    finals = [e for _, e, _ in record.events if e in RESPONSE_FINALS]
     if len(finals) != 1:
         found.append(f"{record.label}: {len(finals)} final events")
     return found

@@ -63,14 +63,12 @@ class Record:
     content: str
     max_tokens: int
     started_s: float
-    ended_s: float | None = None
     events: list[tuple[str, str, dict[str, Any]]] = field(default_factory=list)
     """(id, event, data) in the order read, across every reconnect."""
     text: str = ""
     final: str | None = None
     final_data: dict[str, Any] = field(default_factory=dict)
     reconnects: int = 0
-    gateways: set[str] = field(default_factory=set)
     interrupted: str | None = None
     """Why the client could not see the end, where that was not the product's fault."""
     problems: list[str] = field(default_factory=list)
@@ -239,7 +237,6 @@ async def follow_session(
     tokens = 0
     while record.final is None:
         url = ctx.other(rng, url)
-        record.gateways.add(url)
         headers = {"X-Session-Token": token}
         if after:
             headers["Last-Event-ID"] = after
@@ -301,7 +298,6 @@ async def session_reader(
             ctx, rng, record, after, drop_every=rng.choice([None, 4, 15]), slow=slow
         )
         after = record.events[-1][0] if record.events else after
-        record.ended_s = ctx.clock()
         ctx.finished.append((*session, record.generation_id))
         if record.final != "done":
             break
@@ -322,7 +318,6 @@ async def ws_canceller(ctx: Context, rng: random.Random, label: str, model: str)
     record.session = await create_session(ctx, rng, record)
     sid, token = record.session
     url = ctx.other(rng)
-    record.gateways.add(url)
     record.step(ctx.clock(), f"socket {url}")
     try:
         async with connect(url.replace("http://", "ws://") + "/v1/ws", open_timeout=5) as ws:
@@ -372,7 +367,6 @@ async def ws_canceller(ctx: Context, rng: random.Random, label: str, model: str)
         record.reconnects += 1
     if record.final is None:
         await _finish_over_sse(ctx, rng, record)
-    record.ended_s = ctx.clock()
     return record
 
 
@@ -468,7 +462,6 @@ async def openai_client(
     }
 
     async def attempt(url: str) -> None:
-        record.gateways.add(url)
         faults_before = faults_of(url)
         try:
             if stream:
@@ -490,7 +483,6 @@ async def openai_client(
                 record.problems.append(f"cut off with no fault of its gateway: {exc!r}")
 
     await with_retries(ctx, rng, record, attempt)
-    record.ended_s = ctx.clock()
     return record
 
 
@@ -555,7 +547,6 @@ async def responses_reader(ctx: Context, rng: random.Random, label: str, model: 
                 return  # the reader drops the stream and resumes elsewhere
 
     async def start(url: str) -> None:
-        record.gateways.add(url)
         try:
             async with ctx.http.stream("POST", f"{url}/v1/responses", json=body) as response:
                 await read(response)
@@ -568,7 +559,6 @@ async def responses_reader(ctx: Context, rng: random.Random, label: str, model: 
     url: str | None = None
     while record.final is None:
         url = ctx.other(rng, url)
-        record.gateways.add(url)
         record.reconnects += 1
         try:
             async with ctx.http.stream(
@@ -581,5 +571,4 @@ async def responses_reader(ctx: Context, rng: random.Random, label: str, model: 
             await asyncio.sleep(retry.after_s)
         except BROKEN:
             await asyncio.sleep(rng.uniform(0.05, 0.3))
-    record.ended_s = ctx.clock()
     return record

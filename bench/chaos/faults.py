@@ -123,10 +123,3 @@ async def hostile_burst(ctx: Context, fleet: Fleet, rng: random.Random) -> list[
     except BROKEN:
         pass
     return problems
-
-
-async def wait_out_holds(fleet: Fleet, tasks: set[asyncio.Task[None]]) -> None:
-    """Let every fault still under way finish (holds end with SIGCONT)."""
-    fleet.resume_all()
-    if tasks:
-        await asyncio.gather(*tasks)
