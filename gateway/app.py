@@ -36,6 +36,9 @@ from wire.connect import connect, ready, when_redis_answers
 log = logging.getLogger("tokenspout.gateway")
 
 STOP_WAIT_S = 5.0
+CUT_MARGIN_S = 1.0
+"""A request still waiting for its whole generation is answered this long before the
+shutdown grace ends (half the grace when that is shorter): time to write the answer."""
 """How long the background duties may take to end at shutdown; what has not ended by then
 is logged with where it waits and left behind, so a stuck one never keeps the process up."""
 
@@ -98,7 +101,8 @@ class Services:
 
     def begin_drain(self) -> None:
         """The shutdown signal came: streams end as their generations do, no new RPC."""
-        self.hub.begin_drain()
+        grace_s = self.settings.shutdown_grace_s
+        self.hub.begin_drain(cut_after_s=grace_s - min(CUT_MARGIN_S, grace_s / 2))
         if self.grpc is not None:
             self.grpc.begin_drain()
 

@@ -151,6 +151,12 @@ class Unavailable(GatewayError):
     grpc_code = "UNAVAILABLE"
 
 
+class ShuttingDown(Unavailable):
+    """The gateway is draining and this request outlasted it: another replica takes it."""
+
+    default_code = "shutting_down"
+
+
 class Gone(GatewayError):
     status = 410
     ws_close_code = 4410

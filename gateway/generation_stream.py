@@ -200,6 +200,7 @@ class GenerationStream:
             feed = self._feed
             while self.final is None:
                 batch = await feed.next_batch(self.heartbeat_s)
+                self.hub.raise_if_cut()
                 if not batch:
                     yield [Heartbeat()]
                     continue

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Protocol, cast
 
@@ -28,7 +29,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 import wire
-from gateway.errors import BadRequest, EventsExpired
+from gateway.errors import BadRequest, EventsExpired, ShuttingDown
 from gateway.feed import CATCH_UP_PAGE, LIVE_ONLY, Feed, RelayEvent
 from gateway.live import LiveSource, PlainLive
 from gateway.shards import ShardedLive
@@ -82,6 +83,7 @@ class RelayHub:
         self.buffer_limit = buffer_limit
         self.observer = observer
         self.draining = False
+        self._cut_at: float | None = None
         self.live: LiveSource = (
             ShardedLive(redis, self._deliver, self._confirm)
             if is_cluster(redis)
@@ -97,12 +99,24 @@ class RelayHub:
     def watched_sessions(self) -> list[str]:
         return [self.keys.session_id_of_channel(channel) for channel in self._feeds]
 
-    def begin_drain(self) -> None:
-        """The process is shutting down: wake every feed so transports can end streams."""
+    def begin_drain(self, cut_after_s: float = 0.0) -> None:
+        """The process is shutting down: wake every feed so transports can end streams.
+        One-shot requests still waiting ``cut_after_s`` from now are answered
+        ``ShuttingDown`` (``raise_if_cut``)."""
         self.draining = True
+        self._cut_at = time.monotonic() + cut_after_s
         for feeds in self._feeds.values():
             for feed in feeds:
                 feed.wake()
+
+    def raise_if_cut(self) -> None:
+        """For a request that waits for its whole generation: past the drain's cut, end it
+        with a retryable 503 in its own format, before the server's grace runs out: uvicorn
+        would cancel it and answer a plain-text 500."""
+        if self._cut_at is not None and time.monotonic() >= self._cut_at:
+            raise ShuttingDown(
+                "the gateway is shutting down; send the request again", retry_after_s=1
+            )
 
     async def start(self) -> None:
         await self.live.start()

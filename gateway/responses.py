@@ -116,6 +116,7 @@ class StoredResponse:
         async with self.hub.open(self.session_id, None) as feed:
             while not renderer.ended:
                 batch = await feed.next_batch(heartbeat_s)
+                self.hub.raise_if_cut()
                 if not batch:
                     yield Heartbeat()
                     continue

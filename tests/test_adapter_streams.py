@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.redis_probes import only_generation, wait_final, workers_running
+from tests.support.redis_probes import only_generation, wait_final, wait_running
 from tests.support.sse import SSEParser, parse
 from tests.support.stack import Stack
 
@@ -110,18 +110,9 @@ async def test_a_client_that_disconnects_aborts_its_generation(
         while not (await asyncio.wait_for(anext(lines), 30)).startswith("data:"):
             pass
         only_generation(stack.redis_url, stack.prefix)
-        await until_running(stack, 1)
+        await asyncio.to_thread(wait_running, stack.redis_url, stack.prefix, 1)
         # The client is gone (the response is closed, the connection dropped).
     final = wait_final(stack.redis_url, stack.prefix)
     assert final["type"] == "cancelled"
     assert final["reason"] == "disconnected"
-    await until_running(stack, 0)
-
-
-async def until_running(stack: Stack, count: int) -> None:
-    """Wait until the worker's heartbeat reports ``count`` running generations."""
-    for _ in range(300):
-        if workers_running(stack.redis_url, stack.prefix) == count:
-            return
-        await asyncio.sleep(0.1)
-    assert workers_running(stack.redis_url, stack.prefix) == count
+    await asyncio.to_thread(wait_running, stack.redis_url, stack.prefix, 0)

@@ -13,7 +13,7 @@ from tritonclient.utils import InferenceServerException
 
 from tests.support.engines import STOP_WITHIN_S
 from tests.support.oracle import synthetic_text, synthetic_tokens
-from tests.support.redis_probes import only_generation, wait_final, workers_running
+from tests.support.redis_probes import only_generation, wait_final, wait_running
 from tests.support.stack import Stack
 from tests.support.triton import (
     FINAL,
@@ -26,16 +26,6 @@ from tests.support.triton import (
 )
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def until_running(stack: Stack, count: int, within_s: float = STOP_WITHIN_S) -> float:
-    """Seconds until the workers' heartbeats report ``count`` running generations."""
-    began = time.monotonic()
-    while (running := workers_running(stack.redis_url, stack.prefix)) != count:
-        elapsed = time.monotonic() - began
-        assert elapsed < within_s, f"{running} generations still run after {elapsed:.1f} s"
-        time.sleep(0.05)
-    return time.monotonic() - began
 
 
 def test_two_models_stream_token_by_token_on_one_stream_and_end_with_a_final_response(
@@ -138,7 +128,7 @@ def test_cancelling_the_stream_stops_the_generation_in_the_engine(stack: Stack) 
             result, error = responses.next()
             assert error is None and result is not None and not parameters(result)[FINAL]
         only_generation(stack.redis_url, stack.prefix)
-        until_running(stack, 1)
+        wait_running(stack.redis_url, stack.prefix, 1, STOP_WITHIN_S)
         cancelled_at = time.monotonic()
         client.stop_stream(cancel_requests=True)
     finally:
@@ -146,7 +136,9 @@ def test_cancelling_the_stream_stops_the_generation_in_the_engine(stack: Stack) 
     final = wait_final(stack.redis_url, stack.prefix)
     assert final["type"] == "cancelled" and final["reason"] == "disconnected", final
     assert final["usage"]["completion_tokens"] == 3
-    until_running(stack, 0, within_s=STOP_WITHIN_S - (time.monotonic() - cancelled_at))
+    wait_running(
+        stack.redis_url, stack.prefix, 0, STOP_WITHIN_S - (time.monotonic() - cancelled_at)
+    )
 
 
 def test_an_infer_whose_deadline_passes_stops_its_generation(stack: Stack) -> None:
@@ -162,7 +154,7 @@ def test_an_infer_whose_deadline_passes_stops_its_generation(stack: Stack) -> No
     assert "DEADLINE_EXCEEDED" in str(timed_out.value.status())
     final = wait_final(stack.redis_url, stack.prefix)
     assert final["type"] == "cancelled" and final["reason"] == "disconnected", final
-    until_running(stack, 0)
+    wait_running(stack.redis_url, stack.prefix, 0, STOP_WITHIN_S)
 
 
 def test_bad_requests_get_clear_errors_and_the_stream_goes_on(stack: Stack) -> None:

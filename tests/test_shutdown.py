@@ -8,6 +8,7 @@ each case's timing unambiguous: the bounds below are several times the work they
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import subprocess
 import time
@@ -17,7 +18,7 @@ import pytest
 
 from tests.support.http import TERMINAL, Reading, Session, create_session, send
 from tests.support.oracle import synthetic_text
-from tests.support.redis_probes import worker_registered
+from tests.support.redis_probes import wait_running, worker_registered
 from tests.support.sse import parse
 from tests.support.stack import Gateway, Stack
 from tests.support.tokens import assert_gap_free_tokens
@@ -170,6 +171,53 @@ async def test_gateway_sigterm_cuts_what_outlasts_the_grace_and_the_client_resum
     whole = Reading(events=received + rest.events)
     assert whole.final(generation).event == "done"
     assert whole.text(generation) == synthetic_text("outlast the grace", 200)
+
+
+async def test_gateway_sigterm_answers_requests_that_outlast_the_grace_503_in_their_format(
+    stack: Stack,
+) -> None:
+    """A one-shot request still waiting for its generation when the grace is nearly over
+    gets a retryable error in its API's format (not uvicorn's plain-text 500 when the grace
+    ends), and its generation is stopped: the client sends it again elsewhere."""
+    stack.synthetic(20)
+    gateway = stack.gateway(TOKENSPOUT_SHUTDOWN_GRACE_S="2")
+    chat = {
+        "model": "synthetic",
+        "messages": [{"role": "user", "content": "outlast it"}],
+        "max_tokens": 400,
+    }
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as client:
+        whole = asyncio.create_task(client.post("/v1/chat/completions", json=chat))
+        response = asyncio.create_task(
+            client.post(
+                "/v1/responses",
+                json={"model": "synthetic", "input": "outlast it", "max_output_tokens": 400},
+            )
+        )
+
+        async def streamed() -> list[str]:
+            body = {**chat, "stream": True}
+            async with client.stream("POST", "/v1/chat/completions", json=body) as answer:
+                assert answer.status_code == 200
+                return [line async for line in answer.aiter_lines() if line.startswith("data:")]
+
+        stream = asyncio.create_task(streamed())
+        await asyncio.to_thread(wait_running, stack.redis_url, stack.prefix, 3)
+        gateway.process.send_signal(signal.SIGTERM)
+        answers = await asyncio.gather(whole, response)
+        frames = await stream
+        await asyncio.to_thread(wait_exit, gateway.process, 2 + 10)
+    for answer in answers:
+        assert answer.status_code == 503, answer.text
+        assert answer.headers["retry-after"] == "1"
+        assert answer.json()["error"]["code"] == "shutting_down"
+    assert frames[-1] == "data: [DONE]"
+    assert json.loads(frames[-2].removeprefix("data: "))["error"]["code"] == "shutting_down"
+    assert all("choices" in json.loads(frame.removeprefix("data: ")) for frame in frames[:-2])
+    await asyncio.to_thread(wait_running, stack.redis_url, stack.prefix, 0)  # all stopped
+    assert shut_down_cleanly(stack, gateway)
+    log = (stack.logs / f"gateway-{gateway.port}.log").read_text()
+    assert "Exception in ASGI application" not in log
 
 
 async def stream_until_final(

@@ -129,6 +129,17 @@ def workers_running(redis_url: str, prefix: str) -> int:
         client.close()
 
 
+def wait_running(redis_url: str, prefix: str, count: int, within_s: float = 30.0) -> float:
+    """Seconds until the workers' heartbeats report ``count`` running generations; fails
+    past ``within_s``."""
+    began = time.monotonic()
+    while (running := workers_running(redis_url, prefix)) != count:
+        elapsed = time.monotonic() - began
+        assert elapsed < within_s, f"{running} generations run, not {count}, after {elapsed:.1f} s"
+        time.sleep(0.05)
+    return time.monotonic() - began
+
+
 async def lease_trusted(redis_url: str) -> None:
     """Wait until Redis has run LEASE_GRACE_S: before that, a lost lease proves nothing
     (gateway/takeover.py) and the heartbeat timeout decides."""
