@@ -261,17 +261,22 @@ class SyntheticBackend(Backend):
         each running request's next token in it (as vLLM's engine core steps its batch). A
         request that arrives while it sleeps joins the next step; one that arrives when it
         is idle starts it at once. Unpaced, it steps again as soon as the consumers of the
-        last step have run."""
+        last step have run. It ends with the step that ends its last request, so the next one
+        starts it again at once, as an idle engine takes a request (a request cancelled
+        between steps leaves it to finish its sleep first)."""
         loop = asyncio.get_running_loop()
         period = 1.0 / self.tokens_per_s if self.tokens_per_s > 0 else 0.0
         next_at = loop.time()
         try:
-            while self._runs:
-                produced = False
+            while True:
+                produced = busy = False
                 for run in list(self._runs.values()):
                     produced = run.step() or produced
                     if run.crash:
                         os._exit(17)
+                    busy = busy or not (run.ended or run.error is not None)
+                if not busy:
+                    return
                 if period:
                     next_at += period
                     now = loop.time()
