@@ -1,0 +1,65 @@
+"""The short seeded chaos run (bench/chaos): a minute of every fault kind under mixed load,
+every reply checked, on one Redis with persistence and on a Redis Cluster. ``make soak``
+runs the same for ten minutes. An anomaly here is a bug to fix at its root."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.chaos.faults import KINDS
+from stack.processes import ROOT
+
+pytestmark = pytest.mark.timeout(420)
+
+
+@pytest.mark.parametrize(("redis_kind", "seed"), [("single", 11), ("cluster", 12)])
+def test_a_minute_of_faults_under_load_loses_repeats_and_hangs_nothing(
+    redis_kind: str, seed: int, tmp_path: Path
+) -> None:
+    out = tmp_path / "report.json"
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.chaos",
+            "--seed",
+            str(seed),
+            "--duration-s",
+            "60",
+            "--clients",
+            "16",
+            "--redis",
+            redis_kind,
+            "--out",
+            str(out),
+            "--logs",
+            str(tmp_path / "logs"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    print(run.stdout[-3000:], run.stderr[-3000:])
+    report = json.loads(out.read_text())
+    assert report["anomalies"] == [], json.dumps(report["anomalies"], indent=1)[:6000]
+    assert run.returncode == 0
+    # The run did what it says: every kind of fault, replies of every client kind, and
+    # readers that lived through takeovers and reconnects.
+    assert set(report["faults_by_kind"]) == set(KINDS[redis_kind])
+    assert set(report["replies_by_kind"]) >= {
+        "sse",
+        "ws_cancel",
+        "openai_stream",
+        "openai_whole",
+        "responses",
+        "sse_slow",
+    }
+    assert report["replies"] >= 300
+    assert report["takeovers_seen"] >= 1 and report["reconnects"] >= 100
+    assert report["finals"].get("ws_cancel:cancelled", 0) >= 5
