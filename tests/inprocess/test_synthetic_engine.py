@@ -1,0 +1,41 @@
+"""The synthetic engine steps like a real one: requests that run share its steps, and an
+idle engine takes a new request at once instead of at its next step."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from engine.backends.synthetic import SyntheticBackend
+from wire import ChatMessage, GenerationRequest, SamplingParams
+
+PERIOD_S = 2.0
+"""One step every two seconds: a request that waited for a step would show it."""
+
+
+async def first_token_after_s(backend: SyntheticBackend, gid: str, max_tokens: int) -> float:
+    """Seconds from the request to its first token; the request is then read to its end."""
+    request = GenerationRequest(
+        gid, "s", SamplingParams(max_tokens=max_tokens), [ChatMessage("user", "step")]
+    )
+    began = time.monotonic()
+    deltas = backend.generate(await backend.prepare(request))
+    await anext(deltas)
+    waited = time.monotonic() - began
+    async for _ in deltas:
+        pass
+    return waited
+
+
+async def test_an_idle_engine_takes_a_request_at_once_and_a_busy_one_at_its_next_step() -> None:
+    backend = SyntheticBackend(tokens_per_s=1 / PERIOD_S)
+    assert await first_token_after_s(backend, "g1", 1) < PERIOD_S / 4  # nothing ran yet
+    # g1 ended with that step: the engine is idle again, and g2 must not wait a period.
+    assert await first_token_after_s(backend, "g2", 1) < PERIOD_S / 4
+    assert backend.running() == 0
+    # While a request runs, one that arrives joins its next step, as in vLLM's batch.
+    first_of_g3 = asyncio.create_task(first_token_after_s(backend, "g3", 2))
+    while backend.running() == 0:  # g3 has made its first token, at once
+        await asyncio.sleep(0.01)
+    assert PERIOD_S / 2 < await first_token_after_s(backend, "g4", 1) < PERIOD_S * 1.5
+    assert await first_of_g3 < PERIOD_S / 4
