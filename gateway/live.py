@@ -13,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import redis.asyncio as aioredis
 from redis._parsers.hiredis import NOT_ENOUGH_DATA
 from redis.asyncio.client import PubSub
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 log = logging.getLogger("tokenspout.relay")
@@ -27,6 +28,22 @@ Deliver = Callable[[bytes, bytes], None]
 """(channel, data) of one live message."""
 Confirmed = Callable[[str, bool], None]
 """A channel's subscription is confirmed (True) or lost (False)."""
+CLOSED_TRANSPORT = "the handler is closed"
+
+
+@contextlib.contextmanager
+def closed_as_lost(what: str) -> Iterator[None]:
+    """A write on a pub/sub connection whose peer has gone (Redis restarted while nothing
+    read it) as the lost connection it is. uvloop, the gateway's loop under uvicorn, refuses
+    that write with ``RuntimeError: unable to perform operation on <TCPTransport
+    closed=True ...>; the handler is closed``, which redis-py passes on (it turns only
+    ``OSError`` into ``ConnectionError``): the chaos soak saw one answer a request 500."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if CLOSED_TRANSPORT not in str(exc):
+            raise
+        raise RedisConnectionError(f"{what}: the connection was closed ({exc})") from exc
 
 
 class LiveSource(Protocol):
@@ -79,13 +96,15 @@ class PlainLive:
     async def subscribe(self, channel: str) -> None:
         self.channels.add(channel)
         async with self._commands:
-            await self._pubsub.subscribe(channel)
+            with closed_as_lost("subscribe"):
+                await self._pubsub.subscribe(channel)
         self._subscribed.set()
 
     async def unsubscribe(self, channel: str) -> None:
         self.channels.discard(channel)
         async with self._commands:
-            await self._pubsub.unsubscribe(channel)
+            with closed_as_lost("unsubscribe"):
+                await self._pubsub.unsubscribe(channel)
 
     async def _read_forever(self) -> None:
         backoff = 0.05
@@ -94,7 +113,8 @@ class PlainLive:
                 if not self._pubsub.subscribed:
                     if self.channels:
                         async with self._commands:
-                            await self._pubsub.subscribe(*self.channels)
+                            with closed_as_lost("subscribe"):
+                                await self._pubsub.subscribe(*self.channels)
                     else:
                         await self._subscribed.wait()
                         self._subscribed.clear()

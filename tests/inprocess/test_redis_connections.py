@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 
+import pytest
+import uvloop
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from gateway.live import PlainLive
 from stack.redis_server import EmbeddedRedis
+from tests.support.reset_proxy import ResettingProxy
 from wire.connect import TCP_LIVENESS, connect
 
 
@@ -49,3 +56,29 @@ async def test_a_new_connection_sends_nothing_that_fails(redis_server: EmbeddedR
         finally:
             await client.aclose()
             await client.connection_pool.disconnect()
+
+
+def test_a_pubsub_connection_reset_while_nobody_reads_it_is_a_lost_connection(
+    redis_server: EmbeddedRedis,
+) -> None:
+    """Under uvloop (the gateway's loop) a write on a connection reset while nobody read it
+    raised ``RuntimeError: ... the handler is closed`` out of redis-py: the relay's
+    unsubscribe at a request's end then answered it 500 (the chaos soak, a Redis restart).
+    It is a lost connection: a Redis ``ConnectionError``, which the relay handles."""
+
+    async def reset_between_commands() -> None:
+        async with ResettingProxy(redis_server.port) as proxy:
+            client = connect(proxy.url)
+            live = PlainLive(client, lambda _c, _d: None, lambda _c, _ok: None, lambda: None)
+            try:
+                await live.subscribe("a")  # no reader started: nobody reads the connection
+                proxy.reset_clients()
+                await asyncio.sleep(0.2)  # the loop sees the reset and closes the transport
+                with pytest.raises(RedisConnectionError):
+                    await live.unsubscribe("a")
+            finally:
+                await live.close()
+                await client.aclose()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(reset_between_commands())
