@@ -189,8 +189,11 @@ class FrameworkError(GatewayError):
         return self._headers
 
 
-HANDLED = (GatewayError, ValidationException, HTTPException, RedisError, RecursionError)
-"""The exception types the app and each adapter router hand to ``as_gateway_error``."""
+HANDLED = (GatewayError, ValidationException, HTTPException, RedisError, RecursionError, Exception)
+"""The exception types the app and each adapter router hand to ``as_gateway_error``.
+``Exception`` last: anything unexpected is logged with its traceback and answered in the
+gateway's format (Litestar's own answer, a bare 500, would go unlogged: the app leaves
+logging to the gateway)."""
 
 
 def as_gateway_error(exc: Exception) -> GatewayError:

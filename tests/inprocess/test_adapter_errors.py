@@ -4,13 +4,17 @@ an adapter writes after what it sent (gateway/errors.py, generation_stream.py)."
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 
 import pytest
+from litestar import Litestar, get
 from litestar.exceptions import HTTPException, ValidationException
+from litestar.testing import TestClient
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.errors import (
+    HANDLED,
     BadRequest,
     GatewayError,
     Overloaded,
@@ -19,6 +23,7 @@ from gateway.errors import (
     ending_with_error,
 )
 from gateway.generation_stream import TokenPiece, final_error, per_token
+from gateway.routes.openai import openai_error
 from tests.support.adapter_events import tok, written
 from wire import Cancelled, Error, Usage
 
@@ -89,3 +94,24 @@ async def test_ending_with_error_writes_the_adapters_error_after_what_was_sent()
         b"one",
         b"[overloaded: too busy]",
     ]
+
+
+def test_an_unexpected_exception_is_logged_and_answered_in_the_adapters_format(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Anything a handler did not expect is a 500 in the API's own error format, with its
+    traceback in the log: Litestar's own answer would go unlogged (the app leaves logging
+    to the gateway), as a 500 of the chaos soak did."""
+
+    @get("/boom", sync_to_thread=False)
+    def boom() -> None:
+        raise RuntimeError("something nobody expected")
+
+    handlers = {kind: openai_error for kind in HANDLED}
+    app = Litestar([boom], exception_handlers=handlers, logging_config=None)  # as the gateway
+    with TestClient(app) as client, caplog.at_level(logging.ERROR, "tokenspout.errors"):
+        answer = client.get("/boom")
+    assert answer.status_code == 500
+    assert answer.json()["error"]["code"] == "internal_error"
+    assert answer.json()["error"]["type"] == "server_error"
+    assert "RuntimeError: something nobody expected" in caplog.text
