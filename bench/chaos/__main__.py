@@ -119,7 +119,7 @@ class Run:
                 return [await clients.ws_canceller(ctx, rng, label, model)]
             if kind == "openai":
                 return [await clients.openai_client(ctx, rng, label, model, self.fleet.faults_on)]
-            return [await clients.responses_reader(ctx, rng, label, model)]
+            return [await clients.responses_reader(ctx, rng, label, model, self.fleet.faults_on)]
 
         return job
 
@@ -307,7 +307,10 @@ if __name__ == "__main__":
     parser.add_argument("--out", type=Path, default=None, help="write the report (JSON) here")
     parser.add_argument("--logs", type=Path, default=None, help="keep the processes' logs here")
     args = parser.parse_args()
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop the fleet, as Ctrl-C
+    # SIGTERM stops the run as Ctrl-C does: asyncio.run's own SIGINT handler cancels the
+    # run, so the fleet's processes are stopped before it exits (KeyboardInterrupt raised
+    # wherever the loop happened to be could skip that).
+    signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
     with tempfile.TemporaryDirectory() as temporary:
         logs = args.logs or Path(temporary)
         logs.mkdir(parents=True, exist_ok=True)

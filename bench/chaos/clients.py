@@ -8,9 +8,10 @@ everything it got into a ``Record`` for the checker (bench/chaos/check.py).
 - ``WsCanceller``: WebSocket ``generate`` then ``cancel`` after a random number of tokens;
   when its socket breaks it goes on over SSE, as the web chat does.
 - ``OpenAIClient``: chat completions, streamed or whole. It cannot resume: a request cut
-  off by its own gateway's death is counted as interrupted, nothing else.
+  off by its own gateway's death, or ended ``shutting_down`` by its gateway's SIGTERM, is
+  counted as interrupted, nothing else.
 - ``ResponsesReader``: a background Responses stream, resumed with ``starting_after``
-  on another replica when it breaks.
+  on another replica when it breaks or its gateway ends it ``shutting_down``.
 
 A request refused before it started (a 429 or 503 with ``Retry-After``, a gateway that
 is down) is sent again after the hint; any other 5xx is noted as a problem.
@@ -48,6 +49,8 @@ WORDS = [
     "harbor",
 ]
 SESSION_FINALS = {"done", "cancelled", "error"}
+SHUTTING_DOWN = "shutting_down"
+"""The error a gateway stopped by SIGTERM ends a request with when it outlasts the grace."""
 RESPONSE_FINALS = {"response.completed", "response.incomplete", "response.failed"}
 BROKEN = (httpx.TransportError, WebSocketException, OSError, asyncio.TimeoutError)
 """How a connection to a gateway fails: refused, reset, cut, or silent past the timeout."""
@@ -121,6 +124,12 @@ class Context:
 
     async def close(self) -> None:
         await self.http.aclose()
+
+
+def error_code(answer: dict[str, Any]) -> str | None:
+    """The ``code`` of an OpenAI-format error object, if ``answer`` is one."""
+    error = answer.get("error")
+    return error.get("code") if isinstance(error, dict) else None
 
 
 def refusal(response: httpx.Response, record: Record) -> None:
@@ -481,6 +490,11 @@ async def openai_client(
                 record.interrupted = f"its gateway had a fault: {type(exc).__name__}"
             else:
                 record.problems.append(f"cut off with no fault of its gateway: {exc!r}")
+        if record.final == "error" and error_code(record.final_data) == SHUTTING_DOWN:
+            if faults_of(url) > faults_before:  # its gateway was stopped mid-stream
+                record.interrupted = "its gateway shut down mid-stream (shutting_down)"
+            else:
+                record.problems.append("shutting_down with no fault of its gateway")
 
     await with_retries(ctx, rng, record, attempt)
     return record
@@ -489,8 +503,9 @@ async def openai_client(
 async def _openai_stream(ctx: Context, url: str, body: dict[str, Any], record: Record) -> None:
     async with ctx.http.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
+            await response.aread()
             refusal(response, record)
-            record.final, record.final_data = "error", json.loads(await response.aread())
+            record.final, record.final_data = "error", response.json()
             return
         async for _id, _event, data in sse_events(response):
             if data == "[DONE]":
@@ -512,7 +527,9 @@ async def _openai_stream(ctx: Context, url: str, body: dict[str, Any], record: R
 # --- Responses: a background stream resumed with starting_after --------------------------
 
 
-async def responses_reader(ctx: Context, rng: random.Random, label: str, model: str) -> Record:
+async def responses_reader(
+    ctx: Context, rng: random.Random, label: str, model: str, faults_of: Callable[[str], int]
+) -> Record:
     record = ctx.track(
         Record("responses", label, model, words(rng, label), rng.randint(5, 40), ctx.clock())
     )
@@ -526,14 +543,24 @@ async def responses_reader(ctx: Context, rng: random.Random, label: str, model: 
     response_id: str | None = None
     sequence = -1
 
-    async def read(response: httpx.Response) -> None:
+    async def read(url: str, response: httpx.Response) -> None:
         nonlocal response_id, sequence
         if response.status_code != 200:
+            await response.aread()
             refusal(response, record)
-            record.final, record.final_data = "error", json.loads(await response.aread())
+            record.final, record.final_data = "error", response.json()
             return
+        faults_before = faults_of(url)
         async for _id, event, data in sse_events(response):
             payload = json.loads(data)
+            if event == "error" and payload.get("code") == SHUTTING_DOWN:
+                # Its gateway was stopped: the response runs on; read it elsewhere.
+                record.step(ctx.clock(), f"{url} shutting_down")
+                if faults_of(url) == faults_before:
+                    record.problems.append("shutting_down with no fault of its gateway")
+                if response_id is None:
+                    raise Retry(1.0)
+                return
             record.events.append(("", event, payload))
             sequence = payload.get("sequence_number", sequence)
             if event == "response.created":
@@ -549,7 +576,7 @@ async def responses_reader(ctx: Context, rng: random.Random, label: str, model: 
     async def start(url: str) -> None:
         try:
             async with ctx.http.stream("POST", f"{url}/v1/responses", json=body) as response:
-                await read(response)
+                await read(url, response)
         except BROKEN:
             if response_id is None:
                 raise  # nothing of it reached this client: send it again
@@ -566,7 +593,7 @@ async def responses_reader(ctx: Context, rng: random.Random, label: str, model: 
                 f"{url}/v1/responses/{response_id}",
                 params={"stream": "true", "starting_after": str(sequence)},
             ) as response:
-                await read(response)
+                await read(url, response)
         except Retry as retry:
             await asyncio.sleep(retry.after_s)
         except BROKEN:
