@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import time
 
 import httpx
@@ -246,3 +247,32 @@ def test_with_api_keys_rpcs_without_the_key_are_unauthenticated(stack: Stack) ->
         assert client.is_model_ready("synthetic", headers=keyed) is True
     finally:
         client.close()
+
+
+def test_a_stream_that_outlasts_the_gateways_shutdown_grace_ends_shutting_down(
+    stack: Stack,
+) -> None:
+    """SIGTERM: the gRPC server takes no new RPC; a request still running near the grace's
+    end gets its error (send it again, elsewhere) and its generation is stopped; the
+    gateway exits cleanly."""
+    stack.synthetic(20)
+    gateway = stack.gateway(grpc=True, TOKENSPOUT_SHUTDOWN_GRACE_S="2")
+    responses = Responses()
+    client = grpcclient.InferenceServerClient(gateway.grpc_url)
+    try:
+        client.start_stream(callback=responses)
+        client.async_stream_infer("synthetic", llm_inputs("outlast the grace", 400))
+        result, error = responses.next()
+        assert error is None and result is not None and not parameters(result)[FINAL]
+        gateway.process.send_signal(signal.SIGTERM)
+        while error is None:  # tokens until the cut
+            result, error = responses.next()
+            assert error is not None or not parameters(result)[FINAL]
+        assert "shutting down" in str(error)
+        gateway.process.wait(timeout=2 + 10)
+    finally:
+        client.close()
+    wait_running(stack.redis_url, stack.prefix, 0, STOP_WITHIN_S)
+    log = (stack.logs / f"gateway-{gateway.port}.log").read_text()
+    assert "msg='Application shutdown complete.'" in log
+    assert "Exception in ASGI application" not in log and "Traceback" not in log
