@@ -56,7 +56,7 @@ class Run:
         self.anomalies: list[dict[str, Any]] = []
         self.extra: set[asyncio.Task[None]] = set()
 
-    def anomaly(self, at_s: float, label: str, what: str) -> None:
+    def anomaly(self, at_s: float, label: str, what: str, trail: list[str] | None = None) -> None:
         near = [
             f"{f.at_s}s {f.kind} {f.target}"
             for f in self.fleet.faults
@@ -69,6 +69,7 @@ class Run:
                 "client": label,
                 "what": what,
                 "faults_near": near,
+                **({"trail": trail[-12:]} if trail else {}),
             }
         )
         print(f"[chaos] ANOMALY at {at_s:.1f} s (seed {self.seed}) {label}: {what}", flush=True)
@@ -216,7 +217,7 @@ class Run:
         by_session: dict[tuple[str, str], list[Record]] = collections.defaultdict(list)
         for record in self.records:
             for problem in check.check(record):
-                self.anomaly(record.started_s, record.label, problem)
+                self.anomaly(record.started_s, record.label, problem, record.trail)
             if record.session is not None and record.kind in ("sse", "sse_slow"):
                 by_session[record.session].append(record)
             elif record.kind == "ws_cancel":

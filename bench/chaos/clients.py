@@ -33,6 +33,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import WebSocketException
 
 READ_TIMEOUT_S = 20.0
+WHOLE_TIMEOUT = httpx.Timeout(None, connect=3.0)
 """Longer than any fault holds a process (a stopped gateway or worker, Redis away)."""
 WORDS = [
     "tide",
@@ -476,7 +477,16 @@ async def openai_client(
             if stream:
                 await _openai_stream(ctx, url, body, record)
             else:
-                response = await ctx.http.post(f"{url}/v1/chat/completions", json=body)
+                # No read timeout: nothing comes before the whole answer, which may take a
+                # while across faults; the run's bound (90 s) tells a slow one from a hang.
+                response = await ctx.http.post(
+                    f"{url}/v1/chat/completions", json=body, timeout=WHOLE_TIMEOUT
+                )
+                record.step(
+                    ctx.clock(),
+                    f"{url} {response.status_code} after {response.elapsed.total_seconds():.1f} s"
+                    f" (request {response.headers.get('x-request-id')})",
+                )
                 refusal(response, record)
                 answer = response.json()
                 if response.status_code != 200:
