@@ -112,6 +112,10 @@ _KEEPS_LIVE = {FeedState.LIVE, FeedState.FIRST_EVENT}
 """Subscribed and up to date: a wait ends only with news (or the heartbeat)."""
 _UNRESOLVED = {FeedState.SUBSCRIBING_FROM_NOW, FeedState.FROM_NOW}
 """Live-only feeds whose position is not known yet (a loss keeps them live-only)."""
+_NEW = {FeedState.SUBSCRIBING_NEW, FeedState.FIRST_EVENT}
+"""Feeds of a new session with no event yet: a loss makes them read it from the start once
+back (its first events may have come meanwhile), and an empty read is no lost session (the
+request that opened the feed may not have made it yet)."""
 
 
 class Feed:
@@ -193,6 +197,8 @@ class Feed:
                 return  # nothing to read yet: every event comes live
         elif self.state in _UNRESOLVED:
             self.state = FeedState.SUBSCRIBING_FROM_NOW
+        elif self.state in _NEW:
+            self.state = FeedState.SUBSCRIBING
         else:
             self.state = FeedState.LOST
         self._buffer.clear()

@@ -113,6 +113,11 @@ class PlainLive:
                 if not self._pubsub.subscribed:
                     if self.channels:
                         async with self._commands:
+                            # A fresh connection after a loss. Channels subscribed while
+                            # this reader waited to reconnect went to the lost connection:
+                            # each is reported lost too, so its feed reads what it missed.
+                            for channel in self.channels:
+                                self.confirmed(channel, False)
                             with closed_as_lost("subscribe"):
                                 await self._pubsub.subscribe(*self.channels)
                     else:

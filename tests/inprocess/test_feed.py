@@ -135,6 +135,30 @@ async def test_a_new_sessions_feed_that_subscribed_too_late_reads_from_the_start
     assert hub.reads == [None]
 
 
+@pytest.mark.parametrize("confirmed_first", [False, True])
+async def test_a_new_sessions_feed_that_lost_its_subscription_reads_from_the_start(
+    confirmed_first: bool,
+) -> None:
+    """A loss before the session's first event: what came meanwhile is read from the
+    stream once the subscription is back (a new session's whole reply can end in that
+    time: waiting for a first live event hung a request in the chaos soak), and a read
+    that finds nothing yet is no lost session (the request may not have made it yet)."""
+    hub = FakeHub()
+    hub.exists = False  # asked, it would raise SessionLost
+    feed = Feed(hub, SESSION, NEW_SESSION)
+    if confirmed_first:
+        feed.confirmed(True)
+    feed.confirmed(False)
+    feed.confirmed(True)
+    assert await feed.next_batch(0.01) == []  # nothing yet, and not judged lost
+    hub.exists = True
+    whole = [hub.append("queued"), hub.append(), hub.append("done")]  # while unsubscribed
+    feed.confirmed(False)
+    feed.confirmed(True)
+    assert await feed.next_batch(1) == whole
+    assert hub.reads == [None, None]
+
+
 async def test_a_live_only_feed_starts_after_the_last_event_once_subscribed() -> None:
     hub = FakeHub()
     hub.append()

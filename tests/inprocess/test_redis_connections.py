@@ -82,3 +82,35 @@ def test_a_pubsub_connection_reset_while_nobody_reads_it_is_a_lost_connection(
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(reset_between_commands())
+
+
+async def test_a_channel_subscribed_while_the_relay_reconnects_is_reported_lost_then_back(
+    redis_server: EmbeddedRedis,
+) -> None:
+    """A request that subscribes while the relay's reader waits to reconnect sends its
+    SUBSCRIBE on the connection being dropped. Its feed must hear of the loss before the
+    reader's fresh connection confirms it: else a new session's feed waits for a first
+    live event that may have come and gone (the chaos soak: a request that hung)."""
+    async with ResettingProxy(redis_server.port) as proxy:
+        client = connect(proxy.url)
+        reports: list[tuple[str, bool]] = []
+        lost = asyncio.Event()
+        live = PlainLive(
+            client, lambda _c, _d: None, lambda c, ok: reports.append((c, ok)), lost.set
+        )
+        await live.start()
+        try:
+            await live.subscribe("a")
+            async with asyncio.timeout(10):
+                while ("a", True) not in reports:
+                    await asyncio.sleep(0.01)
+            proxy.reset_clients()
+            await lost.wait()  # the reader saw the loss and waits before reconnecting
+            await live.subscribe("b")
+            async with asyncio.timeout(10):
+                while ("b", True) not in reports:
+                    await asyncio.sleep(0.01)
+            assert [ok for channel, ok in reports if channel == "b"] == [False, True]
+        finally:
+            await live.close()
+            await client.aclose()

@@ -17,6 +17,7 @@ class ResettingProxy:
         self.port = port
         self._server: asyncio.Server | None = None
         self._clients: list[asyncio.StreamWriter] = []
+        self._writers: list[asyncio.StreamWriter] = []
         self._pipes: set[asyncio.Task[None]] = set()
 
     @property
@@ -36,8 +37,10 @@ class ResettingProxy:
         for pipe in self._pipes:
             pipe.cancel()
         await asyncio.gather(*self._pipes, return_exceptions=True)
-        for writer in self._clients:
-            writer.transport.abort()
+        for writer in self._writers:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
         await self._server.wait_closed()
 
     def reset_clients(self) -> None:
@@ -50,6 +53,7 @@ class ResettingProxy:
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         upstream_reader, upstream_writer = await asyncio.open_connection(HOST, self.port)
         self._clients.append(writer)
+        self._writers += [writer, upstream_writer]
         for source, sink in ((reader, upstream_writer), (upstream_reader, writer)):
             pipe = asyncio.create_task(self._pipe(source, sink))
             self._pipes.add(pipe)
@@ -61,4 +65,4 @@ class ResettingProxy:
             while data := await source.read(65536):
                 sink.write(data)
                 await sink.drain()
-        sink.transport.abort()
+        sink.close()
