@@ -4,14 +4,18 @@ Plain asyncio protocols (HTTP/1.1 with chunked decoding), so one load-generator 
 read thousands of streams: ``SSEStream`` counts a session's ``token`` events, ``OpenAIStream``
 a chat completion's chunks, ``ResponsesStream`` a Responses stream's text deltas; a token's
 arrival time is the ``perf_counter`` of the ``data_received`` call that completed its frame.
-``HTTPPool`` sends the POSTs on kept-alive connections.
+``HTTPPool`` sends the POSTs on kept-alive connections; ``sse_events`` parses an httpx
+response for the scripts that read with httpx.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+
+import httpx
 
 TERMINAL = (b"done", b"cancelled", b"error")
 
@@ -217,6 +221,28 @@ async def open_stream(
     record.submitted_at = time.perf_counter()
     _, protocol = await loop.create_connection(lambda: kind(request, record), host, port)
     return protocol
+
+
+async def sse_events(response: httpx.Response) -> AsyncIterator[tuple[str, str, str]]:
+    """(id, event, data) of an httpx SSE response, comments skipped: for the scripts that
+    read with httpx (bench.takeover, bench.chaos)."""
+    event_id, event, data = "", "message", list[str]()
+    async for line in response.aiter_lines():
+        if not line:
+            if data:
+                yield event_id, event, "\n".join(data)
+            event_id, event, data = "", "message", list[str]()
+        elif line.startswith(":"):
+            continue
+        else:
+            name, _, value = line.partition(":")
+            value = value[1:] if value.startswith(" ") else value
+            if name == "data":
+                data.append(value)
+            elif name == "event":
+                event = value
+            elif name == "id":
+                event_id = value
 
 
 class TaskStream:
