@@ -111,6 +111,7 @@ def markdown(results: dict[str, Any]) -> str:
         "shared machine). The gateway pinned to CPU 1; the synthetic engine worker, Redis and "
         f"the load generator to CPU 0: {'yes' if results.get('pinned') else 'no'}. Suite "
         f"time {results.get('suite_s')} s. Method: docs/bench.md.",
+        *(["", results["note"]] if "note" in results else []),
         "",
         "## Targets (issue 8)",
         "",
