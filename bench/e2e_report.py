@@ -13,6 +13,7 @@ PATHS = {
     "session": "session API (POST + SSE)",
     "grpc": "gRPC `ModelStreamInfer` (KServe v2 / Triton)",
     "responses": "OpenAI Responses `POST /v1/responses`",
+    "ws": "WebSocket `WS /v1/ws`",
 }
 TARGETS = "issue 12 (lean token path)"
 
