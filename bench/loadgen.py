@@ -42,15 +42,6 @@ class StreamRecord:
             if future is not None and not future.done():
                 future.set_result(None)
 
-    def on_event(self, event_type: bytes, now: float, count: int | None = None) -> None:
-        """``count``: the token event's count (tokens so far): an event may carry several
-        (an engine step that made more than one, or the worker joining tokens while Redis
-        was behind), and each is counted, arriving now."""
-        if event_type == b"token":
-            self.arrive(now, count)
-        elif event_type in TERMINAL:
-            self.end(final=event_type.decode())
-
     def arrive(self, now: float, count: int | None) -> None:
         """Tokens arrived: one (``count`` None), or as many as make ``count`` in all."""
         if count is None:
@@ -125,13 +116,16 @@ class SSEStream(asyncio.Protocol):
                 self.close()
 
     def on_frame(self, frame: bytes, now: float) -> None:
-        """One SSE frame (without its blank line): a session event names its type."""
+        """One SSE frame (without its blank line): a session event names its type. A token
+        event may carry several tokens (an engine step that made more than one, or the worker
+        joining tokens while Redis was behind): its ``count`` (tokens so far) says how many."""
         start = frame.find(b"event: ")
         if start >= 0:
-            stop = frame.find(b"\n", start)
-            event_type = frame[start + 7 : stop]
-            count = number_after(frame, b'"count":') if event_type == b"token" else None
-            self.record.on_event(event_type, now, count)
+            kind = frame[start + 7 : frame.find(b"\n", start)]
+            if kind == b"token":
+                self.record.arrive(now, number_after(frame, b'"count":'))
+            elif kind in TERMINAL:
+                self.record.end(final=kind.decode())
 
     def _dechunk(self) -> None:
         raw, pos, parts = self._raw, 0, [self._body]
