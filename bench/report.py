@@ -108,9 +108,9 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         f"`python -m bench` on {m['nproc']} CPUs ({m['cpu_model']}), {m['memory_gib']} GiB "
         f"RAM, Python {m['python']}; load average at start {m['loadavg_at_start'][0]} (a "
-        "shared machine). The gateway pinned to CPU 1; the synthetic engine worker, Redis and "
-        f"the load generator to CPU 0: {'yes' if results.get('pinned') else 'no'}. Suite "
-        f"time {results.get('suite_s')} s. Method: docs/bench.md.",
+        "shared machine). The gateway pinned to CPU 1, the load generator to CPU 0, the "
+        f"worker and Redis floating: {'yes' if results.get('pinned') else 'no'}. Suite time "
+        f"{results.get('suite_s')} s. Method: docs/bench.md.",
         *(["", results["note"]] if "note" in results else []),
         "",
         "## Targets (issue 8)",

@@ -71,9 +71,11 @@ async def rig(
     shards: int = 0,
     unix_socket: bool = False,
     join_tokens: bool = False,
+    rest_cpu: int | None = REST_CPU,
 ) -> AsyncIterator[Rig]:
     """Everything, paced at ``tokens_per_s`` (0: unpaced); ``shards`` > 0: on an embedded
-    cluster of that many primaries without replicas (one Redis has none either)."""
+    cluster of that many primaries without replicas (one Redis has none either);
+    ``rest_cpu`` None: the worker, Redis and the reference engine float over every CPU."""
     prefix = f"bench-{secrets.token_hex(3)}"
     async with contextlib.AsyncExitStack() as stack:
         if shards:
@@ -84,19 +86,19 @@ async def rig(
             urls = {name: f"redis://{HOST}:{n.port}" for name, n in nodes.items()}
         else:
             procs, one = stack.enter_context(
-                on_embedded_redis(logs, prefix, ENV, unix_socket=unix_socket, cpu=REST_CPU)
+                on_embedded_redis(logs, prefix, ENV, unix_socket=unix_socket, cpu=rest_cpu)
             )
             nodes, urls = {"redis": one}, {"redis": procs.redis_url}
         servers = {}
         for name, node in nodes.items():
             pid = node.process.pid if node.process else 0
             if shards and pid:  # on_embedded_redis pinned the one server
-                procs.pin(pid, REST_CPU)
+                procs.pin(pid, rest_cpu)
             client = await stack.enter_async_context(aioredis.Redis.from_url(urls[name]))
             servers[name] = RedisServer(pid, node.port, client)
         joined = ["--join-tokens"] if join_tokens else []
         worker = procs.synthetic(
-            tokens_per_s, "--capacity", str(MAX_STREAMS), *joined, cpu=REST_CPU
+            tokens_per_s, "--capacity", str(MAX_STREAMS), *joined, cpu=rest_cpu
         )
         gateway = procs.gateway(grpc=True, cpu=GATEWAY_CPU)
         port = free_port()
@@ -105,7 +107,7 @@ async def rig(
             "reference-engine",
             ["-m", "bench.reference_engine", *pace],
             health=f"http://{HOST}:{port}/health",
-            cpu=REST_CPU,
+            cpu=rest_cpu,
         )
         if procs.pinned:  # the load generator alone: its tree holds every process above
             procs.pin(os.getpid(), REST_CPU, children=False)

@@ -119,9 +119,11 @@ async def one_stream(
     max_tokens: int,
     records: list[StreamRecord],
     session: tuple[str, str] | None,
+    all_open: asyncio.Barrier | None = None,
 ) -> list[Any]:
     """Open one stream of ``mode`` (``records``: one per reader, several only for
-    ``session``); each is counted into its record until its final frame."""
+    ``session``); each is counted into its record until its final frame. ``all_open``: the
+    session's message waits until every session's readers are open."""
     if mode == "grpc":
         return [open_grpc_stream(rig.grpc_channel, stream_request(max_tokens), records[0])]
     if mode == "ws":
@@ -139,7 +141,14 @@ async def one_stream(
         request = sse_request(HOST, port, path, {}, raw)
         return [await open_stream(HOST, port, request, records[0], kind)]
     assert session is not None
-    readers = [await open_events(rig, session, record) for record in records]
+    readers = await asyncio.gather(*(open_events(rig, session, record) for record in records))
+    if all_open is not None:
+        try:
+            await all_open.wait()
+        except BaseException:
+            for reader in readers:
+                reader.close()
+            raise
     submitted_at = time.perf_counter()
     sid, token = session
     body = b'{"content": "bench", "max_tokens": %d}' % max_tokens
@@ -150,7 +159,7 @@ async def one_stream(
         raise RuntimeError(f"POST messages answered {status}: {reply[:200]!r}")
     for record in records:
         record.submitted_at, record.accepted_at = submitted_at, time.perf_counter()
-    return readers
+    return list(readers)
 
 
 async def run_once(
@@ -164,7 +173,10 @@ async def run_once(
 ) -> Run:
     """``streams_n`` streams of ``mode`` started evenly over ``spread_s``, bounded by
     ``bound_s``; ``fanout`` readers per session (``session`` only: the engine makes
-    ``streams_n`` streams of tokens and the gateway delivers ``streams_n * fanout``)."""
+    ``streams_n`` streams of tokens and the gateway delivers ``streams_n * fanout``). A
+    fan-out's readers all open before the first message: opening them under the load of
+    the sessions already streaming took longer than the spread, and the first session's
+    readers had ended before the last's began, so no moment saw them all."""
     sessions: list[tuple[str, str] | None] = [None] * streams_n
     if mode == "session":
         sessions = list(await asyncio.gather(*(create_session(rig) for _ in range(streams_n))))
@@ -177,16 +189,22 @@ async def run_once(
     before = cpu_of(pids)
     loop = asyncio.get_running_loop()
     began = loop.time() + 0.05
+    all_open = asyncio.Barrier(streams_n) if fanout > 1 else None
 
     async def stream(index: int) -> None:
         await asyncio.sleep(max(0.0, began + index * spread_s / streams_n - loop.time()))
         try:
-            readers.extend(await one_stream(rig, mode, max_tokens, records[index], sessions[index]))
+            opened = await one_stream(
+                rig, mode, max_tokens, records[index], sessions[index], all_open
+            )
+            readers.extend(opened)
             for record in records[index]:
                 assert record.finished is not None
                 await record.finished
         except (OSError, RuntimeError, WebSocketException) as exc:
             failures.append(f"{type(exc).__name__}: {exc}")
+            if all_open is not None:
+                await all_open.abort()  # the others' messages would wait for this one
             for record in records[index]:
                 record.end(failure=str(exc))
 
