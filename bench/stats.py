@@ -1,7 +1,8 @@
 """Every benchmark's figures: one percentile (``pct``), milliseconds, CPU per process and
-per token, Redis command counts, the machine; for bench.e2e one run's records and CPU
-(``Run``), a mode's figures over its rounds (``summarise``), a gateway path against the
-engine alone at the same point (``added``, issue 12's columns) and its progress line."""
+per token, Redis command counts, the machine; one run's records and CPU (``Run``), a
+path's figures over its rounds (``summarise``) with each Redis server's share
+(``server_figures``), a gateway path against the engine alone at the same point
+(``added``, issue 12's columns) and bench.e2e's progress line."""
 
 from __future__ import annotations
 
@@ -142,11 +143,11 @@ def summarise(mode: str, runs: list[Run], max_tokens: int) -> dict[str, Any]:
             name: round(value / wall, 3) if wall else None for name, value in cpu.items()
         },
         "redis_calls_per_token": round(calls / tokens, 2) if tokens else None,
-        "redis_servers": servers(runs, tokens, wall),
+        "redis_servers": server_figures(runs, tokens, wall),
     }
 
 
-def servers(runs: list[Run], tokens: int, wall_s: float) -> dict[str, dict[str, Any]]:
+def server_figures(runs: list[Run], tokens: int, wall_s: float) -> dict[str, dict[str, Any]]:
     """Per Redis server (a cluster's shards): its CPU, the events written on it (XADD calls,
     the scripts' included), its share of them, and its CPU per token over every token and
     over its own share of them."""
