@@ -13,7 +13,7 @@ fan-out's messages until its readers never all read at once):
   and its CPU per relayed token.
 
 Results: docs/bench/results.json, results.md and memory.png. ``--quick``: 500 and 1,000
-streams, 10 x 20 readers; about a minute.
+streams, 10 x 20 readers; under a minute.
 """
 
 from __future__ import annotations
