@@ -67,8 +67,8 @@ typecheck: setup
 pytest: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# The gateway suite (synthetic engine), end to end against the engine alone (bench.e2e),
-# then vLLM on the CPU: alone vs behind the gateway, and cancel latency. Not part of
+# Open streams and fan-out saturation of one gateway process (python -m bench), end to end
+# against the engine alone (bench.e2e), both with the synthetic engine; then vLLM on the CPU: alone vs behind the gateway, and cancel latency. Not part of
 # `make test`; results land in docs/bench/.
 bench: model
 	$(PY) -m bench $(BENCH_ARGS)

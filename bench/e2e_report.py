@@ -1,5 +1,5 @@
-"""docs/bench/e2e.md and e2e.png from the results of ``python -m bench.e2e``, and
-e2e_cluster.md from ``python -m bench.e2e_cluster``'s (bench/report.py writes them)."""
+"""docs/bench/e2e.md and e2e.png from the results of ``python -m bench.e2e`` (bench/report.py
+writes them)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ PATHS = {
     "session": "session API (POST + SSE)",
     "grpc": "gRPC `ModelStreamInfer` (KServe v2 / Triton)",
     "responses": "OpenAI Responses `POST /v1/responses`",
+    "ws": "WebSocket `WS /v1/ws`",
 }
 TARGETS = "issue 12 (lean token path)"
 
@@ -189,6 +190,18 @@ def markdown(results: dict[str, Any], before: dict[str, Any] | None = None) -> s
             "",
             *before_after(before, results),
         ]
+    if any("cluster" in p for p in points):
+        lines += [
+            "",
+            f"## One Redis vs a Redis Cluster of {s['cluster_primaries']} primaries",
+            "",
+            "The same streams on a second gateway and worker whose Redis is a cluster (no "
+            "replicas; the one Redis has none either), the two taking turns path by path. A "
+            "shard's share: the events (XADD) written on it; its CPU per own token: its CPU "
+            "over that share of the tokens.",
+            "",
+            *cluster_table(points),
+        ]
     lines += ["", "## Every path, absolute figures", "", *raw_table(points)]
     profile = results.get("profile")
     if profile:
@@ -255,59 +268,28 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def cluster_markdown(results: dict[str, Any]) -> str:
-    s, machine = results["settings"], results["machine"]
-    lines = [
-        "# End to end: one Redis vs a Redis Cluster",
-        "",
-        f"`python -m bench.e2e_cluster`: bench/e2e.py's streams ({s['tokens_per_stream']} tokens "
-        f"at {s['tokens_per_s_per_stream']:g} tokens/s each, started at "
-        f"{s['start_rate_streams_per_s']:g}/s) through a gateway and a synthetic worker on one "
-        f"Redis and on a cluster of {s['primaries']} primaries (no replicas), the two rigs "
-        f"taking turns, {s['rounds']} rounds per point. Every Redis server pinned with the "
-        f"worker (pinned: {results['pinned']}); {machine.get('nproc')} CPUs, load average at "
-        f"the end {machine['loadavg_at_end'][0]}, shared with other work: compare the two "
-        "within a row, not across runs. Method: docs/bench.md.",
-        "",
-        "Redis CPU per token: each valkey-server's CPU time (/proc) over every token "
-        "delivered; a shard's share: the events (XADD) written on it; its tokens/s and CPU "
-        "per own token follow from that share.",
-        "",
-        "| streams | path | Redis | tokens/s | tokens delivered | Redis CPU per token "
-        "(sum) | per server: share of events, tokens/s, CPU per token (all), CPU per own "
-        "token | gateway + worker CPU per token |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+def cluster_table(points: list[dict[str, Any]]) -> list[str]:
+    """``--cluster``: each gateway path on one Redis and on the cluster, same point."""
+    rows = [
+        "| streams | path | tokens/s: one Redis / cluster (ratio) | Redis CPU per token: one "
+        "Redis / shards summed (ratio) | per shard: share of events, CPU per own token | "
+        "gateway + worker CPU per token: one Redis / cluster |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
-    for point in results["points"]:
-        for backend, modes in point["backends"].items():
-            for mode, m in modes.items():
-                cpu = m["cpu_us_per_token"]
-                servers = "; ".join(
-                    f"{name}: {v['share']:.2f}, {fmt(v['tokens_per_s'], 0)}/s, "
-                    f"{fmt(v['cpu_us_per_token'])} us, {fmt(v['cpu_us_per_own_token'])} us"
-                    for name, v in m["redis_servers"].items()
-                )
-                lines.append(
-                    f"| {point['streams']:,} | {mode} | {backend} | {m['tokens_per_s']:,} "
-                    f"| {m['tokens']:,}/{m['tokens_expected']:,} | {cpu['redis']:.1f} us "
-                    f"| {servers} | {cpu['gateway']:.0f} + {cpu['worker']:.0f} us |"
-                )
-    lines += ["", "Cluster vs one Redis, same point and path:", ""]
-    lines += [
-        "| streams | path | tokens/s ratio | Redis CPU per token ratio (sum of shards) "
-        "| busiest shard's CPU per token vs one Redis |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for point in results["points"]:
-        one, sharded = point["backends"]["one Redis"], point["backends"]["cluster"]
-        for mode in one:
-            a, b = one[mode], sharded[mode]
-            busiest = max(v["cpu_us_per_token"] or 0 for v in b["redis_servers"].values())
-            redis_a = a["cpu_us_per_token"]["redis"]
-            lines.append(
-                f"| {point['streams']:,} | {mode} "
-                f"| {fmt(_ratio(b['tokens_per_s'], a['tokens_per_s']), 2)} "
-                f"| {fmt(_ratio(b['cpu_us_per_token']['redis'], redis_a), 2)} "
-                f"| {fmt(_ratio(busiest, redis_a), 2)} |"
+    for p in points:
+        for mode, b in p.get("cluster", {}).items():
+            a = p["modes"][mode]
+            ca, cb = a["cpu_us_per_token"], b["cpu_us_per_token"]
+            shards = "; ".join(
+                f"{name} {v['share']:.2f}, {fmt(v['cpu_us_per_own_token'])} us"
+                for name, v in b["redis_servers"].items()
             )
-    return "\n".join(lines) + "\n"
+            rate = fmt(_ratio(b["tokens_per_s"], a["tokens_per_s"]), 2)
+            redis = fmt(_ratio(cb["redis"], ca["redis"]), 2)
+            rows.append(
+                f"| {_label(p)} | {mode} | {fmt(a['tokens_per_s'], 0)} / "
+                f"{fmt(b['tokens_per_s'], 0)} ({rate}) | {fmt(ca['redis'])} / "
+                f"{fmt(cb['redis'])} us ({redis}) | {shards} | {fmt(ca['gateway'], 0)} + "
+                f"{fmt(ca['worker'], 0)} / {fmt(cb['gateway'], 0)} + {fmt(cb['worker'], 0)} us |"
+            )
+    return rows

@@ -11,7 +11,7 @@ import time
 
 import grpc
 
-from bench.loadgen import StreamRecord
+from bench.loadgen import StreamRecord, TaskStream
 from gateway.grpc.protocol import pb
 
 METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
@@ -25,16 +25,6 @@ def stream_request(max_tokens: int, prompt: bytes = b"bench") -> pb.ModelInferRe
     request.raw_input_contents.append(struct.pack("<I", len(prompt)) + prompt)
     request.raw_input_contents.append(struct.pack("<i", max_tokens))
     return request
-
-
-class GrpcStream:
-    """One call, read by its own task; ``close`` cancels it (the RPC with it)."""
-
-    def __init__(self, task: asyncio.Task[None]) -> None:
-        self.task = task
-
-    def close(self) -> None:
-        self.task.cancel()
 
 
 async def read(call: grpc.aio.StreamStreamCall, record: StreamRecord) -> None:
@@ -57,14 +47,14 @@ async def read(call: grpc.aio.StreamStreamCall, record: StreamRecord) -> None:
 
 def open_grpc_stream(
     channel: grpc.aio.Channel, request: pb.ModelInferRequest, record: StreamRecord
-) -> GrpcStream:
+) -> TaskStream:
     loop = asyncio.get_running_loop()
     record.ready = loop.create_future()
     record.finished = loop.create_future()
-    record.opened_at = record.submitted_at = time.perf_counter()
+    record.submitted_at = time.perf_counter()
     call = channel.stream_stream(
         METHOD,
         request_serializer=pb.ModelInferRequest.SerializeToString,
         response_deserializer=pb.ModelStreamInferResponse.FromString,
     )(iter([request]))
-    return GrpcStream(asyncio.create_task(read(call, record), name="grpc stream"))
+    return TaskStream(asyncio.create_task(read(call, record), name="grpc stream"))

@@ -1,29 +1,21 @@
-"""The load generator: N concurrent token streams, each token's arrival time recorded.
+"""The load generator's readers: N concurrent token streams, each token's arrival time recorded.
 
-Three readers, one per mode, all on the same engine and the same token schedule:
-
-- ``gateway``: SSE from tokenspout (``GET /v1/sessions/{id}/events``), the message sent with
-  ``POST /v1/sessions/{id}/messages``;
-- ``direct``: no gateway; the session's live channel read straight from Redis over one
-  pub/sub connection for all streams (what the gateway's relay itself reads), the message
-  submitted with ``SessionStore`` (the same Redis scripts the gateway runs);
-- ``reference``: the reference relay (bench/reference_relay.py) over SSE, the message
-  submitted with ``SessionStore``;
-- ``ws``: tokenspout's WebSocket (``WS /v1/ws``), one socket per stream, one ``generate``
-  frame (which also makes the session) per stream.
-
-The clients are plain asyncio protocols (HTTP/1.1 with chunked decoding, RESP2 pub/sub), so
-one load-generator core can read thousands of streams; a token's arrival time is the
-``perf_counter`` of the ``data_received`` call that completed its frame.
+Plain asyncio protocols (HTTP/1.1 with chunked decoding), so one load-generator core can
+read thousands of streams: ``SSEStream`` counts a session's ``token`` events, ``OpenAIStream``
+a chat completion's chunks, ``ResponsesStream`` a Responses stream's text deltas; a token's
+arrival time is the ``perf_counter`` of the ``data_received`` call that completed its frame.
+``HTTPPool`` sends the POSTs on kept-alive connections; ``sse_events`` parses an httpx
+response for the scripts that read with httpx.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+
+import httpx
 
 TERMINAL = (b"done", b"cancelled", b"error")
 
@@ -32,10 +24,9 @@ TERMINAL = (b"done", b"cancelled", b"error")
 class StreamRecord:
     """One stream: when its message was sent, when each token arrived, how it ended."""
 
-    opened_at: float = 0.0
     submitted_at: float = 0.0
     accepted_at: float = 0.0
-    """When the submit call returned (the gateway's 202, or the Redis script's reply)."""
+    """When the gateway accepted the message (the session API's 202, the WebSocket's ack)."""
     headers_at: float = 0.0
     """When the response's headers arrived (SSE readers)."""
     arrivals: list[float] = field(default_factory=list)
@@ -50,15 +41,6 @@ class StreamRecord:
         for future in (self.ready, self.finished):
             if future is not None and not future.done():
                 future.set_result(None)
-
-    def on_event(self, event_type: bytes, now: float, count: int | None = None) -> None:
-        """``count``: the token event's count (tokens so far): an event may carry several
-        (an engine step that made more than one, or the worker joining tokens while Redis
-        was behind), and each is counted, arriving now."""
-        if event_type == b"token":
-            self.arrive(now, count)
-        elif event_type in TERMINAL:
-            self.end(final=event_type.decode())
 
     def arrive(self, now: float, count: int | None) -> None:
         """Tokens arrived: one (``count`` None), or as many as make ``count`` in all."""
@@ -134,13 +116,16 @@ class SSEStream(asyncio.Protocol):
                 self.close()
 
     def on_frame(self, frame: bytes, now: float) -> None:
-        """One SSE frame (without its blank line): a session event names its type."""
+        """One SSE frame (without its blank line): a session event names its type. A token
+        event may carry several tokens (an engine step that made more than one, or the worker
+        joining tokens while Redis was behind): its ``count`` (tokens so far) says how many."""
         start = frame.find(b"event: ")
         if start >= 0:
-            stop = frame.find(b"\n", start)
-            event_type = frame[start + 7 : stop]
-            count = number_after(frame, b'"count":') if event_type == b"token" else None
-            self.record.on_event(event_type, now, count)
+            kind = frame[start + 7 : frame.find(b"\n", start)]
+            if kind == b"token":
+                self.record.arrive(now, number_after(frame, b'"count":'))
+            elif kind in TERMINAL:
+                self.record.end(final=kind.decode())
 
     def _dechunk(self) -> None:
         raw, pos, parts = self._raw, 0, [self._body]
@@ -200,153 +185,68 @@ class ResponsesStream(SSEStream):
             self.record.end(failure=frame[:200].decode(errors="replace"))
 
 
-def post_request(host: str, port: int, path: str, body: bytes) -> bytes:
-    head = [f"POST {path} HTTP/1.1", f"Host: {host}:{port}", "Accept: text/event-stream"]
-    head += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
-    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
-
-
-async def open_chat_stream(host: str, port: int, body: bytes, record: StreamRecord) -> OpenAIStream:
-    """Send one streaming chat completion; ``record.submitted_at`` is set just before the
-    connection opens (a new client's first request pays its connect, on either path)."""
-    loop = asyncio.get_running_loop()
-    record.ready = loop.create_future()
-    record.finished = loop.create_future()
-    record.opened_at = record.submitted_at = time.perf_counter()
-    request = post_request(host, port, "/v1/chat/completions", body)
-    _, protocol = await loop.create_connection(lambda: OpenAIStream(request, record), host, port)
-    return protocol
-
-
-async def open_responses_stream(
-    host: str, port: int, body: bytes, record: StreamRecord
-) -> ResponsesStream:
-    """Send one streaming ``/v1/responses`` request, timed as ``open_chat_stream``."""
-    loop = asyncio.get_running_loop()
-    record.ready = loop.create_future()
-    record.finished = loop.create_future()
-    record.opened_at = record.submitted_at = time.perf_counter()
-    request = post_request(host, port, "/v1/responses", body)
-    _, protocol = await loop.create_connection(lambda: ResponsesStream(request, record), host, port)
-    return protocol
-
-
-def get_request(host: str, port: int, path: str, headers: dict[str, str]) -> bytes:
-    lines = [f"GET {path} HTTP/1.1", f"Host: {host}:{port}", "Accept: text/event-stream"]
+def http_request(
+    method: str, host: str, port: int, path: str, headers: dict[str, str], body: bytes = b""
+) -> bytes:
+    lines = [f"{method} {path} HTTP/1.1", f"Host: {host}:{port}"]
     lines += [f"{name}: {value}" for name, value in headers.items()]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+    if method == "POST":
+        lines += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
 
-async def open_sse(
-    host: str, port: int, path: str, headers: dict[str, str], record: StreamRecord
+def sse_request(
+    host: str, port: int, path: str, headers: dict[str, str], body: bytes = b""
+) -> bytes:
+    """A GET (or, with a body, a POST) that asks for an event stream."""
+    method = "POST" if body else "GET"
+    return http_request(method, host, port, path, {"Accept": "text/event-stream", **headers}, body)
+
+
+async def open_stream(
+    host: str, port: int, request: bytes, record: StreamRecord, kind: type[SSEStream] = SSEStream
 ) -> SSEStream:
+    """Send ``request`` on a new connection and read its event stream as ``kind``;
+    ``record.submitted_at`` is just before the connection opens (a new client's first request
+    pays its connect, on every path; the session API's is its message's POST)."""
     loop = asyncio.get_running_loop()
     record.ready = loop.create_future()
     record.finished = loop.create_future()
-    record.opened_at = time.perf_counter()
-    _, protocol = await loop.create_connection(
-        lambda: SSEStream(get_request(host, port, path, headers), record), host, port
-    )
+    record.submitted_at = time.perf_counter()
+    _, protocol = await loop.create_connection(lambda: kind(request, record), host, port)
     return protocol
 
 
-class PubSubReader(asyncio.Protocol):
-    """The no-gateway baseline: one RESP2 pub/sub connection, a channel per stream.
-
-    A live message is ``<entry id> <type> <generation id> <json>`` (wire/scripts.py), so
-    the event type is the second word of the payload.
-    """
-
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
-        self.records: dict[bytes, StreamRecord] = {}
-        self._buffer = b""
-        self._confirmations: dict[bytes, asyncio.Future[None]] = {}
-        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        for record in self.records.values():
-            record.end(failure=f"pub/sub connection closed ({exc})")
-        if not self.closed.done():
-            self.closed.set_result(None)
-
-    async def subscribe(self, channel: str, record: StreamRecord) -> None:
-        assert self.transport is not None
-        name = channel.encode()
-        loop = asyncio.get_running_loop()
-        record.finished = loop.create_future()
-        record.opened_at = time.perf_counter()
-        self.records[name] = record
-        confirmed = self._confirmations[name] = loop.create_future()
-        self.transport.write(b"*2\r\n$9\r\nSUBSCRIBE\r\n$%d\r\n%s\r\n" % (len(name), name))
-        await confirmed
-
-    def unsubscribe_all(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
-
-    def data_received(self, data: bytes) -> None:
-        now = time.perf_counter()
-        buffer = self._buffer + data
-        pos = 0
-        while True:
-            parsed = _parse_array(buffer, pos)
-            if parsed is None:
-                break
-            items, pos = parsed
-            kind, channel = items[0], items[1]
-            if kind == b"message":
-                record = self.records.get(channel)
-                payload = items[2]
-                assert isinstance(payload, bytes)
-                if record is not None:
-                    kind = payload.split(b" ", 2)[1]
-                    count = number_after(payload, b'"count":') if kind == b"token" else None
-                    record.on_event(kind, now, count)
-            elif kind == b"subscribe":
-                confirmed = self._confirmations.pop(channel, None)  # type: ignore[arg-type]
-                if confirmed is not None and not confirmed.done():
-                    confirmed.set_result(None)
-        self._buffer = buffer[pos:]
-
-
-def _parse_array(buffer: bytes, pos: int) -> tuple[list[bytes | int], int] | None:
-    """One RESP2 array of bulk strings and integers at ``pos``, or None if incomplete."""
-    end = buffer.find(b"\r\n", pos)
-    if end < 0:
-        return None
-    if buffer[pos : pos + 1] != b"*":
-        raise ValueError(f"unexpected RESP reply {buffer[pos : pos + 40]!r}")
-    count = int(buffer[pos + 1 : end])
-    pos = end + 2
-    items: list[bytes | int] = []
-    for _ in range(count):
-        end = buffer.find(b"\r\n", pos)
-        if end < 0:
-            return None
-        marker = buffer[pos : pos + 1]
-        if marker == b":":
-            items.append(int(buffer[pos + 1 : end]))
-            pos = end + 2
-        elif marker == b"$":
-            size = int(buffer[pos + 1 : end])
-            if len(buffer) < end + 2 + size + 2:
-                return None
-            items.append(buffer[end + 2 : end + 2 + size])
-            pos = end + 2 + size + 2
+async def sse_events(response: httpx.Response) -> AsyncIterator[tuple[str, str, str]]:
+    """(id, event, data) of an httpx SSE response, comments skipped: for the scripts that
+    read with httpx (bench.takeover, bench.chaos)."""
+    event_id, event, data = "", "message", list[str]()
+    async for line in response.aiter_lines():
+        if not line:
+            if data:
+                yield event_id, event, "\n".join(data)
+            event_id, event, data = "", "message", list[str]()
+        elif line.startswith(":"):
+            continue
         else:
-            raise ValueError(f"unexpected RESP item {buffer[pos : pos + 40]!r}")
-    return items, pos
+            name, _, value = line.partition(":")
+            value = value[1:] if value.startswith(" ") else value
+            if name == "data":
+                data.append(value)
+            elif name == "event":
+                event = value
+            elif name == "id":
+                event_id = value
 
 
-async def open_pubsub(host: str, port: int) -> PubSubReader:
-    loop = asyncio.get_running_loop()
-    _, protocol = await loop.create_connection(PubSubReader, host, port)
-    return protocol
+class TaskStream:
+    """A stream read by a task of its own (gRPC, WebSocket); ``close`` cancels it."""
+
+    def __init__(self, task: asyncio.Task[None]) -> None:
+        self.task = task
+
+    def close(self) -> None:
+        self.task.cancel()
 
 
 class HTTPPool:
@@ -359,10 +259,7 @@ class HTTPPool:
         self._gate = asyncio.Semaphore(size)
 
     async def post(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
-        lines = [f"POST {path} HTTP/1.1", f"Host: {self.host}:{self.port}"]
-        lines += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
-        lines += [f"{name}: {value}" for name, value in headers.items()]
-        request = ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+        request = http_request("POST", self.host, self.port, path, headers, body)
         async with self._gate:
             for attempt in range(2):
                 reader, writer = await self._connection()
@@ -400,27 +297,3 @@ class HTTPPool:
         for _reader, writer in self._idle:
             writer.close()
         self._idle.clear()
-
-
-async def read_ws(conn: Any, record: StreamRecord, ack: asyncio.Future[dict[str, Any]]) -> None:
-    """Frames of one WebSocket generation: the ack, then tokens (``count`` says how many a
-    coalesced frame holds), until the final frame."""
-    seen = 0
-    async for raw in conn:
-        now = time.perf_counter()
-        frame = json.loads(raw)
-        kind = frame["type"]
-        if kind == "token":
-            record.arrivals.extend([now] * max(1, frame["count"] - seen))
-            seen = frame["count"]
-        elif kind == "ack" and not ack.done():
-            ack.set_result(frame)
-        elif kind == "error" and "event_id" not in frame:
-            record.end(failure=f"refused: {frame.get('message')}")
-            if not ack.done():
-                ack.set_exception(RuntimeError(f"generate refused: {frame}"))
-            return
-        elif kind.encode() in TERMINAL:
-            record.end(final=kind)
-            return
-    record.end(failure="WebSocket closed")

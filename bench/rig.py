@@ -1,5 +1,8 @@
-"""The suite's rig (``python -m bench``) on stack/rig.py's: Redis, the synthetic engine, the gateway
-and the reference relays as real processes, with what the load generator needs of them."""
+"""The benchmarks' one rig, on stack/rig.py's: a Redis (one server, or a cluster of shards),
+one synthetic engine worker, the gateway (with its gRPC server) and the engine alone
+(bench/reference_engine.py), all paced at one rate. Pinned as issue 12 asks: the gateway on
+CPU 1; the worker, every Redis server, the reference engine and the load generator on CPU 0.
+``python -m bench`` and ``python -m bench.e2e`` both run on it."""
 
 from __future__ import annotations
 
@@ -11,115 +14,109 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
+import grpc
 import redis.asyncio as aioredis
 
 from bench.loadgen import HTTPPool
-from gateway.sessions import SessionStore
-from gateway.settings import Settings
+from stack.redis_cluster import EmbeddedCluster
 from stack.redis_server import free_port
 from stack.rig import HOST, on_embedded_redis
-from wire import Keys
+from stack.rig import Rig as ProcessRig
 
-GATEWAY_CPU, LOADGEN_CPU = 1, 0
-START_RATE = 200.0
-"""Streams started per second at most: the schedule spreads N starts over N / START_RATE s
-(at least one token interval), and each stream lasts at least twice that spread, so all N
-are open together for a while. The same schedule for every mode."""
 MAX_STREAMS = 12_000
+ENV = {
+    "TOKENSPOUT_LOG_LEVEL": "WARNING",
+    "TOKENSPOUT_MAX_INFLIGHT": str(MAX_STREAMS * 2),
+    "TOKENSPOUT_SESSION_TTL_S": "600",
+}
+GATEWAY_CPU, REST_CPU = 1, 0
+
+
+@dataclass
+class RedisServer:
+    pid: int
+    port: int
+    client: aioredis.Redis
 
 
 @dataclass
 class Rig:
-    redis_port: int
-    prefix: str
-    gateway_port: int
-    reference_port: int
-    spin_port: int
     gateway: subprocess.Popen[bytes]
-    reference: subprocess.Popen[bytes]
-    spin: subprocess.Popen[bytes]
+    worker: subprocess.Popen[bytes]
     engine: subprocess.Popen[bytes]
-    redis_pid: int
-    redis: aioredis.Redis
-    store: SessionStore
-    http: httpx.AsyncClient
+    gateway_port: int
+    engine_port: int
+    servers: dict[str, RedisServer]
+    """``redis`` for one server; ``redis0``, ``redis1``... for a cluster's shards."""
     pinned: bool
+    grpc_channel: grpc.aio.Channel
     posts: HTTPPool = field(init=False)
-    keys: Keys = field(init=False)
+    top_logprobs: int | None = None
+    """The OpenAI path's requests ask for logprobs with this many alternatives (--logprobs)."""
 
     def __post_init__(self) -> None:
-        self.keys = Keys(self.prefix)
         self.posts = HTTPPool(HOST, self.gateway_port)
 
-    def pid_of(self, mode: str) -> int | None:
-        processes = {
-            "gateway": self.gateway,
-            "ws": self.gateway,
-            "reference": self.reference,
-            "reference-spin": self.spin,
-        }
-        process = processes.get(mode)
-        return process.pid if process else None
-
-    def port_of(self, mode: str) -> int:
-        return {"reference": self.reference_port, "reference-spin": self.spin_port}[mode]
+    def pids(self) -> dict[str, int]:
+        named = {"gateway": self.gateway, "worker": self.worker, "engine": self.engine}
+        pids = {name: process.pid for name, process in named.items()}
+        return pids | {name: s.pid for name, s in self.servers.items()} | {"loadgen": os.getpid()}
 
 
 @contextlib.asynccontextmanager
-async def rig(tokens_per_s: float, logs: Path) -> AsyncIterator[Rig]:
-    """Start everything; the gateway and the reference relays pinned to one CPU."""
+async def rig(
+    tokens_per_s: float,
+    logs: Path,
+    *,
+    shards: int = 0,
+    unix_socket: bool = False,
+    join_tokens: bool = False,
+    rest_cpu: int | None = REST_CPU,
+) -> AsyncIterator[Rig]:
+    """Everything, paced at ``tokens_per_s`` (0: unpaced); ``shards`` > 0: on an embedded
+    cluster of that many primaries without replicas (one Redis has none either);
+    ``rest_cpu`` None: the worker, Redis and the reference engine float over every CPU."""
     prefix = f"bench-{secrets.token_hex(3)}"
-    env = {
-        "TOKENSPOUT_LOG_LEVEL": "WARNING",
-        "TOKENSPOUT_MAX_INFLIGHT": str(MAX_STREAMS * 2),
-        "TOKENSPOUT_SESSION_TTL_S": "600",
-    }
-    with on_embedded_redis(logs, prefix, env) as (procs, embedded):
-        engine = procs.synthetic(tokens_per_s, "--capacity", str(MAX_STREAMS))
-        gateway = procs.gateway(cpu=GATEWAY_CPU)
-        ports = free_port(), free_port()
-        relays = [
-            procs.spawn(
-                name,
-                ["-m", "bench.reference_relay", "--host", HOST, "--port", str(port), *wait],
-                health=f"http://{HOST}:{port}/health",
-                cpu=GATEWAY_CPU,
+    async with contextlib.AsyncExitStack() as stack:
+        if shards:
+            cluster = stack.enter_context(EmbeddedCluster(primaries=shards, replicas=0))
+            procs = ProcessRig(cluster.url, prefix, logs, dict(ENV))
+            stack.callback(procs.stop)
+            nodes = {f"redis{i}": n for i, n in enumerate(cluster.nodes)}
+            urls = {name: f"redis://{HOST}:{n.port}" for name, n in nodes.items()}
+        else:
+            procs, one = stack.enter_context(
+                on_embedded_redis(logs, prefix, ENV, unix_socket=unix_socket, cpu=rest_cpu)
             )
-            for name, port, wait in (
-                ("reference", ports[0], []),
-                ("reference-spin", ports[1], ["--wait", "spin"]),
-            )
-        ]
-        reference, spin = relays
-        if procs.pinned:
-            # Only the load generator itself: its tree holds every process of the rig.
-            procs.pin(os.getpid(), LOADGEN_CPU, children=False)
-        client = aioredis.Redis(
-            connection_pool=aioredis.BlockingConnectionPool.from_url(
-                embedded.url, max_connections=128, timeout=60
-            )
+            nodes, urls = {"redis": one}, {"redis": procs.redis_url}
+        servers = {}
+        for name, node in nodes.items():
+            pid = node.process.pid if node.process else 0
+            if shards and pid:  # on_embedded_redis pinned the one server
+                procs.pin(pid, rest_cpu)
+            client = await stack.enter_async_context(aioredis.Redis.from_url(urls[name]))
+            servers[name] = RedisServer(pid, node.port, client)
+        joined = ["--join-tokens"] if join_tokens else []
+        worker = procs.synthetic(
+            tokens_per_s, "--capacity", str(MAX_STREAMS), *joined, cpu=rest_cpu
         )
-        settings = Settings(redis_url=embedded.url, key_prefix=prefix, max_inflight=MAX_STREAMS * 2)
-        limits = httpx.Limits(
-            max_connections=64, max_keepalive_connections=64, keepalive_expiry=2.0
+        gateway = procs.gateway(grpc=True, cpu=GATEWAY_CPU)
+        port = free_port()
+        pace = ["--port", str(port), "--tokens-per-s", str(tokens_per_s)]
+        engine = procs.spawn(
+            "reference-engine",
+            ["-m", "bench.reference_engine", *pace],
+            health=f"http://{HOST}:{port}/health",
+            cpu=rest_cpu,
+        )
+        if procs.pinned:  # the load generator alone: its tree holds every process above
+            procs.pin(os.getpid(), REST_CPU, children=False)
+        channel = grpc.aio.insecure_channel(gateway.grpc_url)
+        the_rig = Rig(
+            gateway.process, worker, engine, gateway.port, port, servers, procs.pinned, channel
         )
         try:
-            async with httpx.AsyncClient(timeout=60, limits=limits) as http:
-                yield Rig(
-                    embedded.port,
-                    prefix,
-                    gateway.port,
-                    *ports,
-                    gateway.process,
-                    reference,
-                    spin,
-                    engine,
-                    embedded.process.pid if embedded.process else 0,
-                    client,
-                    SessionStore(client, settings),
-                    http,
-                    procs.pinned,
-                )
+            yield the_rig
         finally:
-            await client.aclose()
+            the_rig.posts.close()
+            await channel.close()

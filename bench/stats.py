@@ -1,7 +1,8 @@
 """Every benchmark's figures: one percentile (``pct``), milliseconds, CPU per process and
-per token, Redis command counts, the machine; for bench.e2e one run's records and CPU
-(``Run``), a mode's figures over its rounds (``summarise``), a gateway path against the
-engine alone at the same point (``added``, issue 12's columns) and its progress line."""
+per token, Redis command counts, the machine; one run's records and CPU (``Run``), a
+path's figures over its rounds (``summarise``) with each Redis server's share
+(``server_figures``), a gateway path against the engine alone at the same point
+(``added``, issue 12's columns) and bench.e2e's progress line."""
 
 from __future__ import annotations
 
@@ -55,10 +56,6 @@ def per_token_us(cpu_s: float | None, tokens: int) -> float | None:
     return round(cpu_s / tokens * 1e6, 1) if cpu_s is not None and tokens else None
 
 
-async def reset_command_stats(client: aioredis.Redis) -> None:
-    await client.config_resetstat()
-
-
 async def command_calls(client: aioredis.Redis) -> dict[str, int]:
     """Calls per command since the last reset (scripts' inner commands included)."""
     stats = await client.info("commandstats")
@@ -96,7 +93,8 @@ class Run:
     records: list[StreamRecord]
     cpu_s: dict[str, float]
     wall_s: float
-    redis_calls: int
+    redis_calls: dict[str, dict[str, int]]
+    """Per Redis server, calls per command (``command_calls``)."""
     timed_out: bool
     failures: list[str]
     span_s: float
@@ -117,7 +115,7 @@ def summarise(mode: str, runs: list[Run], max_tokens: int) -> dict[str, Any]:
     gaps = [b - a for r in records for a, b in zip(r.arrivals, r.arrivals[1:], strict=False)]
     span = sum(run.span_s for run in runs)
     cpu = {name: sum(run.cpu_s[name] for run in runs) for name in PROCESSES}
-    calls = sum(run.redis_calls for run in runs)
+    calls = sum(sum(c.values()) for run in runs for c in run.redis_calls.values())
     complete = sum(1 for r in records if r.final == "done" and len(r.arrivals) == max_tokens)
     wall = sum(run.wall_s for run in runs)
     return {
@@ -145,7 +143,29 @@ def summarise(mode: str, runs: list[Run], max_tokens: int) -> dict[str, Any]:
             name: round(value / wall, 3) if wall else None for name, value in cpu.items()
         },
         "redis_calls_per_token": round(calls / tokens, 2) if tokens else None,
+        "redis_servers": server_figures(runs, tokens, wall),
     }
+
+
+def server_figures(runs: list[Run], tokens: int, wall_s: float) -> dict[str, dict[str, Any]]:
+    """Per Redis server (a cluster's shards): its CPU, the events written on it (XADD calls,
+    the scripts' included), its share of them, and its CPU per token over every token and
+    over its own share of them."""
+    names = list(runs[0].redis_calls)
+    events = {n: sum(run.redis_calls[n].get("xadd", 0) for run in runs) for n in names}
+    figures = {}
+    for name in names:
+        cpu = sum(run.cpu_s[name] for run in runs)
+        share = events[name] / (sum(events.values()) or 1)
+        figures[name] = {
+            "cpu_s": round(cpu, 3),
+            "events": events[name],
+            "share": round(share, 3),
+            "cpu_utilisation": round(cpu / wall_s, 3) if wall_s else None,
+            "cpu_us_per_token": per_token_us(cpu, tokens),
+            "cpu_us_per_own_token": per_token_us(cpu, round(tokens * share)),
+        }
+    return figures
 
 
 def _diff(a: float | None, b: float | None) -> float | None:
@@ -176,7 +196,9 @@ def added(path: dict[str, Any], alone: dict[str, Any]) -> dict[str, Any]:
 
 def describe(point: dict[str, Any]) -> str:
     parts = [f"{point['streams']} x {point['tokens_per_s_per_stream']:g} tok/s:"]
-    for mode, m in point["modes"].items():
+    paths = [(mode, m) for mode, m in point["modes"].items()]
+    paths += [(f"cluster {mode}", m) for mode, m in point.get("cluster", {}).items()]
+    for mode, m in paths:
         cpu = m["cpu_us_per_token"]
         own = (
             cpu["engine"]

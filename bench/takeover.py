@@ -28,13 +28,13 @@ import statistics
 import subprocess
 import tempfile
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import redis.asyncio as aioredis
 
+from bench.loadgen import sse_events
 from gateway.takeover import LEASE_GRACE_S
 from stack import processes
 from stack.rig import Rig as ProcessRig
@@ -44,19 +44,6 @@ from wire import Keys
 OUT = Path(__file__).resolve().parent.parent / "docs" / "bench" / "takeover.json"
 TOKENS_PER_S = 50
 TOKENS_BEFORE = 20
-
-
-async def sse_events(lines: AsyncIterator[str]) -> AsyncIterator[tuple[str, str]]:
-    """(event, data) of an SSE response, comments and ids skipped."""
-    event, data = "message", ""
-    async for line in lines:
-        if line.startswith("event: "):
-            event = line[7:]
-        elif line.startswith("data: "):
-            data = line[6:]
-        elif not line and data:
-            yield event, data
-            event, data = "message", ""
 
 
 class Rig:
@@ -91,7 +78,7 @@ async def one_run(rig: Rig, client: httpx.AsyncClient, base: str, how: str) -> f
         "GET", f"{base}/v1/sessions/{sid}/events", headers=headers
     ) as response:
         tokens = 0
-        async for kind, data in sse_events(response.aiter_lines()):
+        async for _id, kind, data in sse_events(response):
             if kind == "token":
                 tokens += 1
                 if resumed:

@@ -1,9 +1,9 @@
 """The end-to-end benchmark (bench/e2e.py), tiny: real Redis, worker, gateway, reference engine.
 
 It proves every token of every stream is counted on each path (the engine alone, the
-gateway's OpenAI endpoint, the session API, its gRPC ModelStreamInfer), paced and unpaced,
-that the reference engine streams the synthetic engine's own text, and that the JSON carries
-every column of the report. It asserts nothing about speed.
+gateway's OpenAI endpoint, the session API, its gRPC ModelStreamInfer, its WebSocket), paced
+and unpaced, that the reference engine streams the synthetic engine's own text, and that the
+JSON carries every column of the report. It asserts nothing about speed.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ pytestmark = pytest.mark.timeout(240)
 
 ADDED = ("added_ttft_p50_ms", "added_ttft_p99_ms", "added_itl_p99_ms", "tokens_per_s_ratio")
 CPU = ("gateway", "worker", "redis", "total", "engine_alone")
+MODES = ("engine", "openai", "session", "grpc", "ws")
 
 
 def test_every_path_delivers_every_token_and_the_json_has_every_column(tmp_path: Path) -> None:
@@ -34,7 +35,7 @@ def test_every_path_delivers_every_token_and_the_json_has_every_column(tmp_path:
         [
             *(sys.executable, "-m", "bench.e2e", "--out", str(tmp_path), "--no-plot"),
             *("--streams", "1", "3", "--tokens", "6", "--rounds-single", "2"),
-            *("--saturation", "2", "20"),
+            *("--saturation", "2", "20", "--modes", *MODES),
         ],
         cwd=ROOT,
         capture_output=True,
@@ -51,7 +52,7 @@ def test_every_path_delivers_every_token_and_the_json_has_every_column(tmp_path:
     ]
     for point in points:
         rounds = 2 if point["streams"] == 1 else 1
-        for mode in ("engine", "openai", "session", "grpc"):
+        for mode in MODES:
             m = point["modes"][mode]
             assert m["failures"] == [] and not m["timed_out"], m
             expected = point["max_tokens"] * point["streams"] * rounds
@@ -59,7 +60,7 @@ def test_every_path_delivers_every_token_and_the_json_has_every_column(tmp_path:
             assert m["complete_streams"] == point["streams"] * rounds, m
             assert m["ttft_ms"]["p50"] > 0 and m["tokens_per_s"] > 0, m
             assert set(m["cpu_us_per_token"]) == {"gateway", "worker", "redis", "engine", "loadgen"}
-        for mode in ("openai", "session", "grpc"):
+        for mode in MODES[1:]:
             added = point["added"][mode]
             assert all(added[key] is not None for key in ADDED), added
             assert all(added["cpu_us_per_token"][key] is not None for key in CPU), added

@@ -1,6 +1,6 @@
-"""The one-Redis vs cluster end-to-end benchmark (bench/e2e_cluster.py), tiny: both rigs
-deliver every token of every stream on both paths, and the JSON and the report carry each
-Redis server's figures (the cluster's 3 shards, the one Redis). Nothing about speed."""
+"""bench.e2e's one-Redis vs cluster comparison (``--cluster 3``), tiny: both rigs deliver
+every token of every stream on both paths, and the JSON and the report carry each Redis
+server's figures (the cluster's 3 shards, the one Redis). Nothing about speed."""
 
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ pytestmark = pytest.mark.timeout(240)
 def test_both_backends_deliver_every_token_and_report_every_shard(tmp_path: Path) -> None:
     completed = subprocess.run(
         [
-            *(sys.executable, "-m", "bench.e2e_cluster", "--out", str(tmp_path)),
-            *("--streams", "6", "--tokens", "8", "--rounds", "1"),
+            *(sys.executable, "-m", "bench.e2e", "--out", str(tmp_path), "--no-plot"),
+            *("--cluster", "3", "--streams", "6", "--tokens", "8", "--saturation", "0", "0"),
+            *("--modes", "engine", "session", "openai"),
         ],
         cwd=ROOT,
         capture_output=True,
@@ -28,10 +29,11 @@ def test_both_backends_deliver_every_token_and_report_every_shard(tmp_path: Path
         timeout=200,
     )
     assert completed.returncode == 0, completed.stderr[-4000:]
-    results = json.loads((tmp_path / "e2e_cluster.json").read_text())
+    results = json.loads((tmp_path / "e2e.json").read_text())
     (point,) = results["points"]
-    assert set(point["backends"]) == {"one Redis", "cluster"}
-    for backend, modes in point["backends"].items():
+    assert set(point["modes"]) == {"engine", "session", "openai"}
+    assert set(point["cluster"]) == {"session", "openai"}  # the engine alone has no Redis
+    for backend, modes in (("one Redis", point["modes"]), ("cluster", point["cluster"])):
         for mode in ("session", "openai"):
             m = modes[mode]
             assert m["failures"] == [] and not m["timed_out"], m
@@ -44,5 +46,6 @@ def test_both_backends_deliver_every_token_and_report_every_shard(tmp_path: Path
             assert m["cpu_us_per_token"]["redis"] == pytest.approx(
                 sum(s["cpu_us_per_token"] for s in servers.values()), abs=0.5
             )
-    report = (tmp_path / "e2e_cluster.md").read_text()
-    assert "redis2:" in report and "| 6 | session | cluster |" in report
+    report = (tmp_path / "e2e.md").read_text()
+    assert "## One Redis vs a Redis Cluster of 3 primaries" in report
+    assert "| 6 | session | " in report and "redis2 " in report

@@ -10,7 +10,8 @@ import itertools
 import json
 from typing import Any
 
-from bench.chaos.clients import RESPONSE_FINALS, SESSION_FINALS, Context, Record, sse_events
+from bench.chaos.clients import RESPONSE_FINALS, SESSION_FINALS, Context, Record
+from bench.loadgen import sse_events
 from engine.backends.synthetic import scripted_reply
 
 

@@ -24,13 +24,15 @@ import json
 import random
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 from websockets.asyncio.client import connect
 from websockets.exceptions import WebSocketException
+
+from bench.loadgen import sse_events
 
 READ_TIMEOUT_S = 20.0
 WHOLE_TIMEOUT = httpx.Timeout(None, connect=3.0)
@@ -165,27 +167,6 @@ async def with_retries(
         record.retries += 1
         await asyncio.sleep(wait * rng.uniform(0.5, 1.0))
         url = ctx.other(rng, url)
-
-
-async def sse_events(response: httpx.Response) -> AsyncIterator[tuple[str, str, str]]:
-    """(id, event, data) of an SSE response; comments skipped."""
-    event_id, event, data = "", "message", list[str]()
-    async for line in response.aiter_lines():
-        if not line:
-            if data:
-                yield event_id, event, "\n".join(data)
-            event_id, event, data = "", "message", list[str]()
-        elif line.startswith(":"):
-            continue
-        else:
-            name, _, value = line.partition(":")
-            value = value[1:] if value.startswith(" ") else value
-            if name == "data":
-                data.append(value)
-            elif name == "event":
-                event = value
-            elif name == "id":
-                event_id = value
 
 
 def words(rng: random.Random, label: str) -> str:
