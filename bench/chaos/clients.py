@@ -35,8 +35,9 @@ from websockets.exceptions import WebSocketException
 from bench.loadgen import sse_events
 
 READ_TIMEOUT_S = 20.0
-WHOLE_TIMEOUT = httpx.Timeout(None, connect=3.0)
 """Longer than any fault holds a process (a stopped gateway or worker, Redis away)."""
+WHOLE_TIMEOUT = httpx.Timeout(None, connect=3.0)
+"""A whole answer comes at once, after the reply: its bound is the run's (90 s)."""
 WORDS = [
     "tide",
     "river",
