@@ -104,7 +104,7 @@ _CONFIRMED = {
     FeedState.FROM_NOW: FeedState.FROM_NOW,
     FeedState.BEHIND: FeedState.BEHIND,
     FeedState.BEHIND_AFTER_LOSS: FeedState.BEHIND_AFTER_LOSS,
-    FeedState.FIRST_EVENT: FeedState.FIRST_EVENT,
+    FeedState.FIRST_EVENT: FeedState.BEHIND,  # resubscribed: some may have come meanwhile
     FeedState.LIVE: FeedState.BEHIND,
 }
 """The state after a (re)confirmed subscription."""

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import redis.asyncio as aioredis
 from redis._parsers.hiredis import NOT_ENOUGH_DATA
@@ -44,6 +44,31 @@ def closed_as_lost(what: str) -> Iterator[None]:
         if CLOSED_TRANSPORT not in str(exc):
             raise
         raise RedisConnectionError(f"{what}: the connection was closed ({exc})") from exc
+
+
+class RelayPubSub(PubSub):
+    """redis-py's ``PubSub``, except that a command or read that fails does not reconnect
+    in place: it drops the connection and raises ``ConnectionError``. The relay's reader
+    alone opens a fresh ``RelayPubSub``, after telling every feed its channel was lost.
+
+    In place, redis-py reconnected inside whichever task failed, reading the server's
+    handshake there: a request's (un)subscribe then read while the reader waited on the
+    same connection (``RuntimeError: read() called while another coroutine is already
+    waiting``: a 500 in the chaos soak), and the resubscription it made was never reported
+    to the feeds. This overrides redis-py's ``_reconnect`` (redis is pinned)."""
+
+    async def _reconnect(self, conn: Any, error: BaseException | None = None, *_: Any) -> None:
+        await conn.disconnect()
+        raise RedisConnectionError(f"the pub/sub connection was lost ({error})")
+
+
+def relay_pubsub(redis: aioredis.Redis) -> RelayPubSub:
+    return RelayPubSub(redis.connection_pool)
+
+
+def connected(pubsub: PubSub) -> bool:
+    """Its connection, once opened, is still up (else only the reader may reopen it)."""
+    return pubsub.connection is None or bool(pubsub.connection.is_connected)
 
 
 class LiveSource(Protocol):
@@ -76,9 +101,11 @@ class PlainLive:
         self.connection_lost = connection_lost
         self.channels: set[str] = set()
         """The channels subscribed (or to subscribe again once the connection is back)."""
-        self._pubsub: PubSub = redis.pubsub()
+        self._pubsub: PubSub = relay_pubsub(redis)
         self._reader: asyncio.Task[None] | None = None
         self._subscribed = asyncio.Event()
+        self._reconnecting = False
+        """The connection was lost: the reader subscribes every channel on a fresh one."""
         self._commands = asyncio.Lock()
         """One (un)subscribe at a time: redis-py's PubSub opens its connection on first use,
         and concurrent first calls would each open one, stranding their channels."""
@@ -94,25 +121,34 @@ class PlainLive:
         await self._pubsub.aclose()  # type: ignore[no-untyped-call]
 
     async def subscribe(self, channel: str) -> None:
+        """Subscribe now, or, while the connection is down, on the reader's next one."""
         self.channels.add(channel)
         async with self._commands:
-            with closed_as_lost("subscribe"):
-                await self._pubsub.subscribe(channel)
+            if connected(self._pubsub):
+                try:
+                    with closed_as_lost("subscribe"):
+                        await self._pubsub.subscribe(channel)
+                except RedisConnectionError as exc:  # dropped: the reader opens a new one
+                    log.info("subscribing %s found the connection lost: %s", channel, exc)
+                    self._reconnecting = True
+            else:
+                self._reconnecting = True
         self._subscribed.set()
 
     async def unsubscribe(self, channel: str) -> None:
         self.channels.discard(channel)
         async with self._commands:
-            with closed_as_lost("unsubscribe"):
-                await self._pubsub.unsubscribe(channel)
+            if connected(self._pubsub):  # else the reader's next connection leaves it out
+                with closed_as_lost("unsubscribe"):
+                    await self._pubsub.unsubscribe(channel)
 
     async def _read_forever(self) -> None:
         backoff = 0.05
         while True:
             try:
-                if not self._pubsub.subscribed:
-                    if self.channels:
-                        async with self._commands:
+                if self._reconnecting:
+                    async with self._commands:
+                        if self.channels:
                             # A fresh connection after a loss. Channels subscribed while
                             # this reader waited to reconnect went to the lost connection:
                             # each is reported lost too, so its feed reads what it missed.
@@ -120,10 +156,14 @@ class PlainLive:
                                 self.confirmed(channel, False)
                             with closed_as_lost("subscribe"):
                                 await self._pubsub.subscribe(*self.channels)
-                    else:
-                        await self._subscribed.wait()
-                        self._subscribed.clear()
+                        self._reconnecting = False
                     continue
+                if not self._pubsub.subscribed:
+                    await self._subscribed.wait()
+                    self._subscribed.clear()
+                    continue
+                if not connected(self._pubsub):  # a failed (un)subscribe dropped it
+                    raise RedisConnectionError("the pub/sub connection was lost")
                 message = await self._pubsub.get_message(timeout=1.0)
                 backoff = 0.05
                 if message is not None:
@@ -139,7 +179,8 @@ class PlainLive:
                 backoff = min(backoff * 2, 2.0)
                 with contextlib.suppress(RedisError, OSError):
                     await self._pubsub.aclose()  # type: ignore[no-untyped-call]
-                self._pubsub = self.redis.pubsub()
+                self._pubsub = relay_pubsub(self.redis)
+                self._reconnecting = True
 
     async def _drain_parsed(self) -> None:
         """Dispatch the replies already read and parsed, without redis-py's per-message path.

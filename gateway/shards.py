@@ -35,7 +35,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 import wire
-from gateway.live import Confirmed, Deliver, closed_as_lost
+from gateway.live import Confirmed, Deliver, closed_as_lost, relay_pubsub
 from wire.connect import node_by_address
 
 log = logging.getLogger("tokenspout.relay")
@@ -48,7 +48,7 @@ class Shard:
         self.owner = owner
         self.address = address
         self.client = client
-        self.pubsub: PubSub = client.pubsub()
+        self.pubsub: PubSub = relay_pubsub(client)
         self.channels: set[str] = set()
         self.subscribed = asyncio.Event()
         """Set after the first SSUBSCRIBE was sent: the connection exists from then on."""

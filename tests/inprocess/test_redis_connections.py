@@ -114,3 +114,38 @@ async def test_a_channel_subscribed_while_the_relay_reconnects_is_reported_lost_
         finally:
             await live.close()
             await client.aclose()
+
+
+async def test_only_the_relays_reader_reconnects_a_lost_pubsub_connection(
+    redis_server: EmbeddedRedis,
+) -> None:
+    """redis-py reconnects a failed pub/sub connection inside whichever task failed and reads
+    the server's handshake there: a request's (un)subscribe then read while the relay's
+    reader waited on the same connection (``RuntimeError: read() called while another
+    coroutine is already waiting``, a 500 in the chaos soak). A request's command on a lost
+    connection now opens nothing; the reader opens a fresh one, with every channel on it."""
+    async with ResettingProxy(redis_server.port) as proxy:
+        client = connect(proxy.url)
+        reports: list[tuple[str, bool]] = []
+        live = PlainLive(
+            client, lambda _c, _d: None, lambda c, ok: reports.append((c, ok)), lambda: None
+        )
+        try:
+            await live.subscribe("a")  # the reader is not started: nobody reads
+            proxy.reset_clients()
+            await asyncio.sleep(0.2)
+            for _ in range(3):  # the first send finds the connection lost and drops it
+                await live.subscribe("b")
+                await live.unsubscribe("b")
+            await live.subscribe("c")
+            assert proxy.accepted == 1  # no request reconnected
+            await live.start()
+            async with asyncio.timeout(10):
+                while not {("a", True), ("c", True)} <= set(reports):
+                    await asyncio.sleep(0.01)
+            assert proxy.accepted == 2  # the reader's fresh connection
+            assert ("a", False) in reports and ("c", False) in reports
+            assert ("b", True) not in reports
+        finally:
+            await live.close()
+            await client.aclose()

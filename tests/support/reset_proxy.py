@@ -43,9 +43,16 @@ class ResettingProxy:
                 await writer.wait_closed()
         await self._server.wait_closed()
 
+    @property
+    def accepted(self) -> int:
+        """Client connections accepted so far."""
+        return len(self._clients)
+
     def reset_clients(self) -> None:
         """Close every client connection with an RST (SO_LINGER 0), not a FIN."""
         for writer in self._clients:
+            if writer.transport.is_closing():
+                continue
             sock = writer.get_extra_info("socket")
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             writer.transport.abort()
