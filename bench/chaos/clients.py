@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import secrets
 import time
@@ -34,6 +35,9 @@ from websockets.exceptions import WebSocketException
 
 from bench.loadgen import sse_events
 
+SETTLE_S = 5.0
+"""How long a gateway fault can still reach a request begun after it: a SIGTERMed gateway
+closes its connections (a request on one gets cut) through its 3 s grace and exit."""
 READ_TIMEOUT_S = 20.0
 """Longer than any fault holds a process (a stopped gateway or worker, Redis away)."""
 WHOLE_TIMEOUT = httpx.Timeout(None, connect=3.0)
@@ -437,10 +441,11 @@ async def cancel_over_http(ctx: Context, rng: random.Random, record: Record) -> 
 
 
 async def openai_client(
-    ctx: Context, rng: random.Random, label: str, model: str, faults_of: Callable[[str], int]
+    ctx: Context, rng: random.Random, label: str, model: str, faults_of: Callable[[str, float], int]
 ) -> Record:
-    """One chat completion, streamed or whole. ``faults_of(url)`` counts the faults that
-    gateway has had so far: one between the request's start and its break explains it."""
+    """One chat completion, streamed or whole. ``faults_of(url, until_s)`` counts the faults
+    that gateway had up to ``until_s``: one from ``SETTLE_S`` before the request's start to
+    its break explains the break."""
     stream = rng.random() < 0.6
     kind = "openai_stream" if stream else "openai_whole"
     record = ctx.track(
@@ -454,7 +459,7 @@ async def openai_client(
     }
 
     async def attempt(url: str) -> None:
-        faults_before = faults_of(url)
+        faults_before = faults_of(url, ctx.clock() - SETTLE_S)
         try:
             if stream:
                 await _openai_stream(ctx, url, body, record)
@@ -478,12 +483,12 @@ async def openai_client(
                 record.text = choice["message"]["content"]
                 record.final, record.final_data = choice["finish_reason"], answer
         except (httpx.ReadError, httpx.RemoteProtocolError, httpx.ReadTimeout) as exc:
-            if faults_of(url) > faults_before:
+            if faults_of(url, math.inf) > faults_before:
                 record.interrupted = f"its gateway had a fault: {type(exc).__name__}"
             else:
                 record.problems.append(f"cut off with no fault of its gateway: {exc!r}")
         if record.final == "error" and error_code(record.final_data) == SHUTTING_DOWN:
-            if faults_of(url) > faults_before:  # its gateway was stopped mid-stream
+            if faults_of(url, math.inf) > faults_before:  # its gateway was stopped mid-stream
                 record.interrupted = "its gateway shut down mid-stream (shutting_down)"
             else:
                 record.problems.append("shutting_down with no fault of its gateway")
@@ -520,7 +525,7 @@ async def _openai_stream(ctx: Context, url: str, body: dict[str, Any], record: R
 
 
 async def responses_reader(
-    ctx: Context, rng: random.Random, label: str, model: str, faults_of: Callable[[str], int]
+    ctx: Context, rng: random.Random, label: str, model: str, faults_of: Callable[[str, float], int]
 ) -> Record:
     record = ctx.track(
         Record("responses", label, model, words(rng, label), rng.randint(5, 40), ctx.clock())
@@ -542,13 +547,13 @@ async def responses_reader(
             refusal(response, record)
             record.final, record.final_data = "error", response.json()
             return
-        faults_before = faults_of(url)
+        faults_before = faults_of(url, ctx.clock() - SETTLE_S)
         async for _id, event, data in sse_events(response):
             payload = json.loads(data)
             if event == "error" and payload.get("code") == SHUTTING_DOWN:
                 # Its gateway was stopped: the response runs on; read it elsewhere.
                 record.step(ctx.clock(), f"{url} shutting_down")
-                if faults_of(url) == faults_before:
+                if faults_of(url, math.inf) == faults_before:
                     record.problems.append("shutting_down with no fault of its gateway")
                 if response_id is None:
                     raise Retry(1.0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import math
 import os
 import secrets
 import signal
@@ -175,10 +176,10 @@ class Fleet:
         finally:
             self.restarting.discard(port)
 
-    def faults_on(self, url: str) -> int:
-        """Faults so far on the gateway at ``url``."""
+    def faults_on(self, url: str, until_s: float = math.inf) -> int:
+        """Faults on the gateway at ``url`` injected up to ``until_s`` (all so far)."""
         target = f"gateway:{url.rsplit(':', 1)[1]}"
-        return sum(fault.target == target for fault in self.faults)
+        return sum(fault.target == target and fault.at_s <= until_s for fault in self.faults)
 
     async def _hold(self, process: subprocess.Popen[bytes], held_s: float) -> None:
         os.killpg(process.pid, signal.SIGSTOP)
