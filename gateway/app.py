@@ -36,11 +36,11 @@ from wire.connect import connect, ready, when_redis_answers
 log = logging.getLogger("tokenspout.gateway")
 
 STOP_WAIT_S = 5.0
+"""How long the background duties may take to end at shutdown; what has not ended by then
+is logged with where it waits and left behind, so a stuck one never keeps the process up."""
 CUT_MARGIN_S = 1.0
 """A request still waiting for its whole generation is answered this long before the
 shutdown grace ends (half the grace when that is shorter): time to write the answer."""
-"""How long the background duties may take to end at shutdown; what has not ended by then
-is logged with where it waits and left behind, so a stuck one never keeps the process up."""
 
 
 async def _ended_within(seconds: float, tasks: list[asyncio.Task[None]]) -> None:

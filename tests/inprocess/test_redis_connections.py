@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
+from collections.abc import AsyncIterator
 
 import pytest
 import uvloop
@@ -58,6 +60,42 @@ async def test_a_new_connection_sends_nothing_that_fails(redis_server: EmbeddedR
             await client.connection_pool.disconnect()
 
 
+class RelayThroughProxy:
+    """The relay's pub/sub source (``PlainLive``) on a connection through a resetting proxy,
+    with every subscription it reports: what the three tests below break and watch."""
+
+    def __init__(self, proxy: ResettingProxy) -> None:
+        self.proxy = proxy
+        self.client = connect(proxy.url)
+        self.reports: list[tuple[str, bool]] = []
+        self.lost = asyncio.Event()
+        self.live = PlainLive(
+            self.client, lambda _c, _d: None, self.report, self.lost.set
+        )  # the reader is not started: tests start it when they want one
+
+    def report(self, channel: str, ok: bool) -> None:
+        self.reports.append((channel, ok))
+
+    async def until_confirmed(self, *channels: str) -> None:
+        async with asyncio.timeout(10):
+            while not {(channel, True) for channel in channels} <= set(self.reports):
+                await asyncio.sleep(0.01)
+
+    async def close(self) -> None:
+        await self.live.close()
+        await self.client.aclose()
+
+
+@contextlib.asynccontextmanager
+async def relay_through_proxy(redis_server: EmbeddedRedis) -> AsyncIterator[RelayThroughProxy]:
+    async with ResettingProxy(redis_server.port) as proxy:
+        relay = RelayThroughProxy(proxy)
+        try:
+            yield relay
+        finally:
+            await relay.close()
+
+
 def test_a_pubsub_connection_reset_while_nobody_reads_it_is_a_lost_connection(
     redis_server: EmbeddedRedis,
 ) -> None:
@@ -67,18 +105,12 @@ def test_a_pubsub_connection_reset_while_nobody_reads_it_is_a_lost_connection(
     It is a lost connection: a Redis ``ConnectionError``, which the relay handles."""
 
     async def reset_between_commands() -> None:
-        async with ResettingProxy(redis_server.port) as proxy:
-            client = connect(proxy.url)
-            live = PlainLive(client, lambda _c, _d: None, lambda _c, _ok: None, lambda: None)
-            try:
-                await live.subscribe("a")  # no reader started: nobody reads the connection
-                proxy.reset_clients()
-                await asyncio.sleep(0.2)  # the loop sees the reset and closes the transport
-                with pytest.raises(RedisConnectionError):
-                    await live.unsubscribe("a")
-            finally:
-                await live.close()
-                await client.aclose()
+        async with relay_through_proxy(redis_server) as relay:
+            await relay.live.subscribe("a")  # no reader started: nobody reads the connection
+            relay.proxy.reset_clients()
+            await asyncio.sleep(0.2)  # the loop sees the reset and closes the transport
+            with pytest.raises(RedisConnectionError):
+                await relay.live.unsubscribe("a")
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(reset_between_commands())
@@ -91,29 +123,15 @@ async def test_a_channel_subscribed_while_the_relay_reconnects_is_reported_lost_
     SUBSCRIBE on the connection being dropped. Its feed must hear of the loss before the
     reader's fresh connection confirms it: else a new session's feed waits for a first
     live event that may have come and gone (the chaos soak: a request that hung)."""
-    async with ResettingProxy(redis_server.port) as proxy:
-        client = connect(proxy.url)
-        reports: list[tuple[str, bool]] = []
-        lost = asyncio.Event()
-        live = PlainLive(
-            client, lambda _c, _d: None, lambda c, ok: reports.append((c, ok)), lost.set
-        )
-        await live.start()
-        try:
-            await live.subscribe("a")
-            async with asyncio.timeout(10):
-                while ("a", True) not in reports:
-                    await asyncio.sleep(0.01)
-            proxy.reset_clients()
-            await lost.wait()  # the reader saw the loss and waits before reconnecting
-            await live.subscribe("b")
-            async with asyncio.timeout(10):
-                while ("b", True) not in reports:
-                    await asyncio.sleep(0.01)
-            assert [ok for channel, ok in reports if channel == "b"] == [False, True]
-        finally:
-            await live.close()
-            await client.aclose()
+    async with relay_through_proxy(redis_server) as relay:
+        await relay.live.start()
+        await relay.live.subscribe("a")
+        await relay.until_confirmed("a")
+        relay.proxy.reset_clients()
+        await relay.lost.wait()  # the reader saw the loss and waits before reconnecting
+        await relay.live.subscribe("b")
+        await relay.until_confirmed("b")
+        assert [ok for channel, ok in relay.reports if channel == "b"] == [False, True]
 
 
 async def test_only_the_relays_reader_reconnects_a_lost_pubsub_connection(
@@ -124,28 +142,17 @@ async def test_only_the_relays_reader_reconnects_a_lost_pubsub_connection(
     reader waited on the same connection (``RuntimeError: read() called while another
     coroutine is already waiting``, a 500 in the chaos soak). A request's command on a lost
     connection now opens nothing; the reader opens a fresh one, with every channel on it."""
-    async with ResettingProxy(redis_server.port) as proxy:
-        client = connect(proxy.url)
-        reports: list[tuple[str, bool]] = []
-        live = PlainLive(
-            client, lambda _c, _d: None, lambda c, ok: reports.append((c, ok)), lambda: None
-        )
-        try:
-            await live.subscribe("a")  # the reader is not started: nobody reads
-            proxy.reset_clients()
-            await asyncio.sleep(0.2)
-            for _ in range(3):  # the first send finds the connection lost and drops it
-                await live.subscribe("b")
-                await live.unsubscribe("b")
-            await live.subscribe("c")
-            assert proxy.accepted == 1  # no request reconnected
-            await live.start()
-            async with asyncio.timeout(10):
-                while not {("a", True), ("c", True)} <= set(reports):
-                    await asyncio.sleep(0.01)
-            assert proxy.accepted == 2  # the reader's fresh connection
-            assert ("a", False) in reports and ("c", False) in reports
-            assert ("b", True) not in reports
-        finally:
-            await live.close()
-            await client.aclose()
+    async with relay_through_proxy(redis_server) as relay:
+        await relay.live.subscribe("a")  # the reader is not started: nobody reads
+        relay.proxy.reset_clients()
+        await asyncio.sleep(0.2)
+        for _ in range(3):  # the first send finds the connection lost and drops it
+            await relay.live.subscribe("b")
+            await relay.live.unsubscribe("b")
+        await relay.live.subscribe("c")
+        assert relay.proxy.accepted == 1  # no request reconnected
+        await relay.live.start()
+        await relay.until_confirmed("a", "c")
+        assert relay.proxy.accepted == 2  # the reader's fresh connection
+        assert ("a", False) in relay.reports and ("c", False) in relay.reports
+        assert ("b", True) not in relay.reports
