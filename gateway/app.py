@@ -87,6 +87,7 @@ class Services:
             requests_maxlen=self.store.queue.requests_maxlen,
             max_takeovers=settings.max_takeovers,
             default_model=settings.default_model,
+            store=self.store,
         )
         self.grpc: GrpcServer | None = None
         if settings.grpc_port:

@@ -135,8 +135,13 @@ class GenerationQueue:
             for index, model in enumerate(models)
         }
 
-    async def enqueue(self, model: str, request: GenerationRequest) -> None:
-        await self.of(model).add({"r": wire.encode(request)}, maxlen=self.requests_maxlen)
+    async def enqueue(
+        self, model: str, request: GenerationRequest, submitted: bytes | None = None
+    ) -> None:
+        """``submitted``: the note of this request to cross off (``RequestQueue.add``)."""
+        await self.of(model).add(
+            {"r": wire.encode(request)}, maxlen=self.requests_maxlen, submitted=submitted
+        )
 
     def enqueue_in(self, pipe: Pipeline, model: str, request: GenerationRequest) -> None:
         """``enqueue`` queued in ``pipe``."""

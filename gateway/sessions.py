@@ -13,9 +13,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import logging
 import math
 import secrets
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import msgspec
@@ -41,11 +43,19 @@ from wire import (
 )
 from wire import outcomes as script
 from wire.connect import is_cluster, when_redis_answers
+from wire.queue import RequestQueue
 
+log = logging.getLogger("tokenspout.sessions")
 _message_decoder = msgspec.json.Decoder(ChatMessage)
+_request_decoder = msgspec.json.Decoder(GenerationRequest)
 
 REQUEUE_WAIT_S = 10.0
 """How long a submit waits for Redis to take the request of a generation it has written."""
+STRANDED_AFTER_S = 3.0
+"""A session turn noted on its way to the queue this long ago and still not there: its
+gateway died before queueing it, and the reaper does (``queue_stranded``). A gateway only
+slow meanwhile (its Redis away) sends a second copy, which runs once."""
+STRANDED_PAGE = 100
 STATELESS_TTL_S = 600
 """Lifetime of the throwaway session behind one stateless API request."""
 BUSY_RETRY_AFTER_S = 1
@@ -246,29 +256,24 @@ class SessionStore:
         # (on its queue's shard) before the generation (on the session's) is written, and
         # skip it as ended, leaving its client waiting. There it goes in after the reply.
         in_order = not is_cluster(self.redis)
-        for attempt in (1, 2):
-            try:
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    self._submit.create_in(
-                        pipe,
-                        session_id=session_id,
-                        generation_id=generation_id,
-                        maxlen=self.settings.events_maxlen,
-                        ttl_s=ttl_s,
-                        watch_ttl_s=self.watch_ttl_s,
-                    )
-                    if kept is not None:
-                        self._keep_in(pipe, session_id, kept)
-                    if in_order:
-                        self.queue.enqueue_in(pipe, queue, request)
-                    reply = scripts.Submit.replied((await pipe.execute())[0])
-                break
-            except NoScriptError:
-                # A restarted Redis: the request went in without its generation (a worker
-                # that takes it finds no generation to claim and skips it). Again, loaded.
-                if attempt == 2:
-                    raise
-                await self._submit.load()
+
+        def fill(pipe: Any) -> None:
+            self._submit.create_in(
+                pipe,
+                session_id=session_id,
+                generation_id=generation_id,
+                maxlen=self.settings.events_maxlen,
+                ttl_s=ttl_s,
+                watch_ttl_s=self.watch_ttl_s,
+            )
+            if kept is not None:
+                self._keep_in(pipe, session_id, kept)
+            if in_order:
+                # Sent twice after a restarted Redis's NOSCRIPT: the first copy, with no
+                # generation to claim, is skipped by the worker that takes it.
+                self.queue.enqueue_in(pipe, queue, request)
+
+        reply = scripts.Submit.replied((await self._run_submitting(fill))[0])
         if not isinstance(reply, script.Accepted):
             raise Unavailable(f"queueing a stateless generation failed: {reply!r}")
         if not in_order:
@@ -329,7 +334,13 @@ class SessionStore:
             # that generation back (from the script, after the token check), not a 429.
             if not (idem_key and await self.redis.exists(idem_key)):
                 raise
-        reply = await self._submit(
+        request = self._request(
+            session_id, generation_id, params, [], None, self.settings.session_ttl_s
+        )
+        note = wire.encode(request)  # its messages: the history the script returns
+        reply = await self._submit_noted(
+            model,
+            note,
             session_id=session_id,
             generation_id=generation_id,
             user_message=user_message,
@@ -360,10 +371,8 @@ class SessionStore:
                     "start a new session",
                     code="history_full",
                 )
-        request = self._request(
-            session_id, generation_id, params, reply.history, None, self.settings.session_ttl_s
-        )
-        await self._enqueue_written(model, request)
+        request = msgspec.structs.replace(request, messages=reply.history)
+        await self._enqueue_written(model, request, note)
         if self.observer is not None:
             self.observer.submitted(session_id, generation_id, reply.queued_id, model)
         choices = [generation_id]
@@ -377,7 +386,17 @@ class SessionStore:
         """Queue another choice of the turn ``first`` began: the same conversation, its
         own seed; it is not the session's running generation and never joins the history."""
         generation_id = new_id("g")
-        reply = await self._submit(
+        request = msgspec.structs.replace(
+            first,
+            generation_id=generation_id,
+            params=first.params.for_choice(choice),
+            choice=choice,
+            enqueued_at=time.time(),
+        )
+        note = wire.encode(msgspec.structs.replace(request, messages=[]))
+        reply = await self._submit_noted(
+            model,
+            note,
             session_id=session_id,
             generation_id=generation_id,
             user_message=None,
@@ -391,28 +410,55 @@ class SessionStore:
         )
         if not isinstance(reply, script.Accepted):  # the session was there a moment ago
             raise Unavailable(f"queueing choice {choice} failed: {reply!r}")
-        request = msgspec.structs.replace(
-            first,
-            generation_id=generation_id,
-            params=first.params.for_choice(choice),
-            choice=choice,
-            enqueued_at=time.time(),
-        )
-        await self._enqueue_written(model, request)
+        await self._enqueue_written(model, request, note)
         if self.observer is not None:
             self.observer.submitted(session_id, generation_id, reply.queued_id, model)
         return generation_id
 
-    async def _enqueue_written(self, model: str, request: GenerationRequest) -> None:
-        """Queue the request of a generation the SUBMIT script has written. Without it no
-        worker would run that generation before the queue timeout (2 minutes), so a Redis
-        that went away between the two round trips (a restart) is waited for, up to
-        ``REQUEUE_WAIT_S``. A copy sent twice (the first one's reply lost) runs once: a
-        worker claims a generation only while it is queued."""
+    async def _submit_noted(self, model: str, note: bytes, **submit: Any) -> script.SubmitReply:
+        """The SUBMIT script (``submit``: its arguments), after a note that the turn's
+        request is on its way to ``model``'s queue (``RequestQueue.note_submitting``): should
+        this process die before queueing it, the reaper does (``queue_stranded``). One
+        Redis runs them as one pipeline, the note first. A cluster runs a pipeline's nodes
+        at once, so there the note is a round trip of its own, before."""
+        queue = self.queue.of(model)
+        if is_cluster(self.redis):
+            await queue.note_submitting(note)
+            return await self._submit(**submit)
+
+        def fill(pipe: Any) -> None:
+            queue.note_submitting_in(pipe, note)
+            self._submit.submit_in(pipe, **submit)
+
+        return scripts.Submit.replied((await self._run_submitting(fill))[-1])
+
+    async def _run_submitting(self, fill: Callable[[Any], None]) -> list[Any]:
+        """Run a pipeline that ``fill`` fills, a bare SUBMIT among its commands. A Redis
+        that lost its scripts (a restart) gets it loaded and the pipeline again: what ran
+        before the script in the first one runs twice, so it must not mind."""
+        for attempt in (1, 2):
+            try:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    fill(pipe)
+                    return list(await pipe.execute())
+            except NoScriptError:
+                if attempt == 2:
+                    raise
+                await self._submit.load()
+        raise AssertionError("unreachable")
+
+    async def _enqueue_written(
+        self, model: str, request: GenerationRequest, note: bytes | None = None
+    ) -> None:
+        """Queue the request of a generation the SUBMIT script has written, crossing off
+        its ``note``. Without it no worker would run that generation until the reaper found
+        the note, so a Redis that went away between the two round trips (a restart) is
+        waited for, up to ``REQUEUE_WAIT_S``. A copy sent twice (the first one's reply
+        lost) runs once: a worker claims a generation only while it is queued."""
         try:
             async with asyncio.timeout(REQUEUE_WAIT_S):
                 await when_redis_answers(
-                    lambda: self.queue.enqueue(model, request),
+                    lambda: self.queue.enqueue(model, request, note),
                     f"queueing {request.generation_id}",
                 )
         except TimeoutError:
@@ -429,14 +475,48 @@ class SessionStore:
         waiting for a worker, its request may never have reached the queue (the gateway
         died, or Redis went away, between the two round trips of the first send), so it is
         queued again; a second copy runs once. One round trip more, on retries only."""
-        state = await self.redis.hget(self.keys.generation(session_id, generation_id), "state")
-        if state is None or wire.text(state) != "queued":
+        if not await self._still_queued(session_id, generation_id):
             return
-        history = await self.history(session_id)
         request = self._request(
-            session_id, generation_id, params, history, None, self.settings.session_ttl_s
+            session_id, generation_id, params, [], None, self.settings.session_ttl_s
         )
-        await self._enqueue_written(model, request)
+        await self._enqueue_written(model, await self._with_turn(request))
+
+    async def queue_stranded(self, queue: RequestQueue, older_than_s: float) -> int:
+        """Queue the session turns noted on their way to ``queue`` over ``older_than_s``
+        ago and never queued: their gateway died between the submit's two round trips (a
+        client that sends again with its Idempotency-Key repairs it sooner; a WebSocket's
+        ``generate`` has no such key). A turn still ``queued`` gets its request; any other
+        note (the submit was refused, or its request came another way) is crossed off. A
+        copy sent twice (its gateway only slow) runs once. Returns how many were queued."""
+        queued = 0
+        for note in await queue.submitting_since(time.time() - older_than_s, STRANDED_PAGE):
+            try:
+                request = _request_decoder.decode(note)
+            except msgspec.DecodeError as exc:
+                log.error("unreadable note in %s: %r", queue.submitting_key, exc)
+                await queue.cross_off(note)
+                continue
+            if await self._still_queued(request.session_id, request.generation_id):
+                stranded = await self._with_turn(request)
+                await self.queue.enqueue(queue.model, stranded, note)
+                queued += 1
+            else:
+                await queue.cross_off(note)
+        if queued:
+            log.warning("queued %d session turns whose gateway died before queueing them", queued)
+        return queued
+
+    async def _still_queued(self, session_id: str, generation_id: str) -> bool:
+        state = await self.redis.hget(self.keys.generation(session_id, generation_id), "state")
+        return state is not None and wire.text(state) == "queued"
+
+    async def _with_turn(self, request: GenerationRequest) -> GenerationRequest:
+        """``request`` with the conversation its turn answers: the session's history up to
+        its last user message (another choice of the turn may have added its reply since)."""
+        history = await self.history(request.session_id)
+        last_user = max((i for i, m in enumerate(history) if m.role == "user"), default=-1)
+        return msgspec.structs.replace(request, messages=history[: last_user + 1])
 
     def _request(
         self,

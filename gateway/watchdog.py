@@ -12,6 +12,8 @@
   - A request no worker takes within ``TOKENSPOUT_QUEUE_TIMEOUT_S`` (none alive, or all
     busy) ends with an ``error`` event (``queue_timeout``); a worker that dequeues it later
     finds it final and skips it.
+  - A session turn whose gateway died between writing it and queueing its request (the
+    two round trips of a submit) is queued ``STRANDED_AFTER_S`` after (gateway/sessions.py).
   Each duty survives any failure of one pass (logged): a bad entry in the requests stream
   must not stop the reaper for the life of the process.
 """
@@ -30,7 +32,7 @@ from redis.exceptions import NoScriptError, RedisError
 
 import wire
 from gateway.relay import RelayHub
-from gateway.sessions import SessionStore
+from gateway.sessions import STRANDED_AFTER_S, SessionStore
 from gateway.takeover import REAPER_PREFIX, Takeover, live_workers
 from wire import Error, GenerationRequest, Keys, entry_id_key
 from wire.queue import RequestQueue
@@ -89,8 +91,12 @@ class Reaper:
         requests_maxlen: int = 5_120,
         max_takeovers: int = 3,
         default_model: str = "",
+        store: SessionStore | None = None,
     ) -> None:
         self.redis = redis
+        self.store = store
+        """Whose session turns stranded on their way to a queue it queues (None: not that
+        duty)."""
         self.keys = keys
         self.default_model = default_model
         """Queued for before any worker of it registered (TOKENSPOUT_DEFAULT_MODEL), so its
@@ -114,7 +120,11 @@ class Reaper:
         """Queue -> every queued entry up to this id has been looked at by the deadline."""
 
     async def run_forever(self, interval_s: float = REAP_PASS_S) -> None:
-        duties: list[Callable[[], Awaitable[int]]] = [self.reap_once, self.expire_queued]
+        duties: list[Callable[[], Awaitable[int]]] = [
+            self.reap_once,
+            self.expire_queued,
+            self.queue_stranded,
+        ]
         while True:
             if await self._guarded("acquiring the reaper lock", self._acquire):
                 for duty in duties:
@@ -188,6 +198,16 @@ class Reaper:
                 await self.takeover.hand_on(queue, request, fields[b"r"], consumer)
             await queue.ack(entry_id)
         await queue.forget_consumer(self._owner)
+
+    # --- session turns stranded on their way to a queue ------------------------------------
+
+    async def queue_stranded(self) -> int:
+        """Queue the session turns whose gateway died between writing them and queueing
+        their requests, every queue; returns how many."""
+        if self.store is None:
+            return 0
+        stranded = functools.partial(self.store.queue_stranded, older_than_s=STRANDED_AFTER_S)
+        return await self._each_queue("queueing stranded turns of", stranded)
 
     # --- the queue deadline --------------------------------------------------------------
 

@@ -7,15 +7,18 @@ Each test states the guarantee of docs/reliability.md that it checks.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 
 import httpx
 import pytest
 import redis.asyncio as aioredis
+from websockets.asyncio.client import connect
 
 import wire
 from stack import processes
+from stack.redis_server import EmbeddedRedis
 from tests.support.http import (
     Reading,
     Session,
@@ -27,7 +30,9 @@ from tests.support.http import (
 )
 from tests.support.oracle import synthetic_text
 from tests.support.redis_probes import event_key
+from tests.support.reset_proxy import ResettingProxy
 from tests.support.stack import Stack
+from tests.support.ws import ws_url
 from wire import CONSUMER_GROUP, Keys
 
 pytestmark = pytest.mark.timeout(180)
@@ -293,6 +298,45 @@ async def test_a_message_sent_again_requeues_a_request_that_never_reached_the_qu
         assert reading.text(gid) == synthetic_text("lost on the way", 5)
     finally:
         await redis.aclose()
+
+
+async def test_a_turn_whose_gateway_died_before_queueing_it_is_queued_by_the_reaper(
+    stack: Stack, redis_server: EmbeddedRedis
+) -> None:
+    """Guarantee 4, for a turn caught between the two round trips of its submit: the
+    gateway wrote the generation (its client saw it queued), then died before queueing its
+    request. A WebSocket ``generate`` cannot be sent again with an Idempotency-Key, so the
+    reaper queues it, from the note the submit left. Found by the chaos soak (seed 7); before,
+    the turn stayed ``queued`` with no request behind it, and its client waited for ever."""
+    stack.synthetic(200)
+    survivor = stack.gateway()
+    redis = aioredis.Redis.from_url(stack.redis_url)
+    async with ResettingProxy(redis_server.port) as proxy:
+        doomed = await asyncio.to_thread(stack.gateway, REDIS_URL=proxy.url)
+        try:
+            async with httpx.AsyncClient(timeout=30) as client:
+                warm = await create_session(client, doomed.url)  # its scripts loaded
+                await read_events(client, warm, until_final_of=await send(client, warm, "hi"))
+                session = await create_session(client, survivor.url)
+                content = "stranded on the way"
+                # The submit's first round trip goes through; nothing after it does.
+                proxy.hold_after(content.encode())
+                async with connect(ws_url(doomed.url, session.token)) as ws:
+                    generate = {"type": "generate", "id": "g", "content": content, "max_tokens": 12}
+                    await ws.send(json.dumps({**generate, "session_id": session.session_id}))
+                    active = Keys(stack.prefix).active(session.session_id)
+                    async with asyncio.timeout(10):
+                        while (gid := await redis.get(active)) is None:
+                            await asyncio.sleep(0.02)
+                    doomed.process.kill()
+                    doomed.process.wait()
+                reading = await read_events(
+                    client, session, until_final_of=wire.text(gid), timeout_s=20
+                )
+            assert reading.final(wire.text(gid)).event == "done"
+            assert reading.text(wire.text(gid)) == synthetic_text(content, 12)
+        finally:
+            await redis.aclose()
 
 
 async def requests_of(redis: aioredis.Redis, queue: str, generation_id: str) -> list[bytes]:

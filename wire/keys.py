@@ -6,6 +6,11 @@ Redis layout (every key with a TTL, every stream capped):
                                       for one model (its served name; the workers of that
                                       model read it), TTL SHARED_KEY_TTL_S, refreshed by
                                       submits and workers
+    {{prefix}:requests:{model}}:submitting
+                                      sorted set request JSON (its messages left out) ->
+                                      unix seconds: session turns written but whose
+                                      request has not reached the queue yet (same TTL);
+                                      on the queue's slot (its hash tag is the queue's key)
     {prefix}:models                   hash served name (or alias) -> model (its queue's name),
                                       written by every worker heartbeat (same TTL): the names
                                       a gateway knows, live or not
@@ -79,6 +84,11 @@ class Keys:
     def requests(self, model: str) -> str:
         """The queue of one model (a model's workers read only their own)."""
         return f"{self.prefix}:requests:{model}"
+
+    def submitting(self, model: str) -> str:
+        """The session turns on their way to ``model``'s queue (wire/queue.py): on the
+        queue's Redis Cluster slot, so one pipeline queues a request and crosses it off."""
+        return f"{{{self.requests(model)}}}:submitting"
 
     def worker(self, worker_id: str) -> str:
         return f"{self.prefix}:worker:{worker_id}"

@@ -3,10 +3,12 @@
 The one owner of the consumer group's commands, for everyone who uses it: gateways add
 requests (and read the queue's depth), workers take, acknowledge and give back, the
 gateways' reaper claims what a lost worker left pending and puts it on the queue again.
+Beside it, the notes of session turns on their way to it (``note_submitting``).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from typing import cast
 
@@ -32,15 +34,22 @@ class RequestQueue:
         self.redis = redis
         self.model = model
         self.key = keys.requests(model)
+        self.submitting_key = keys.submitting(model)
 
     # --- gateways and the reaper ---------------------------------------------------------
 
-    async def add(self, fields: Fields, *, maxlen: int | None = None) -> None:
+    async def add(
+        self, fields: Fields, *, maxlen: int | None = None, submitted: bytes | None = None
+    ) -> None:
         """Queue a request (capped at about ``maxlen``), renewing the stream's TTL in the
-        same round trip (``SHARED_KEY_TTL_S``)."""
+        same round trip (``SHARED_KEY_TTL_S``); ``submitted``: the note ``note_submitting``
+        made of it, crossed off after it (on the same node, in order: a request is never
+        crossed off without being queued)."""
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.xadd(self.key, fields, maxlen=maxlen, approximate=True)  # type: ignore[arg-type]
             pipe.expire(self.key, SHARED_KEY_TTL_S)
+            if submitted is not None:
+                pipe.zrem(self.submitting_key, submitted)
             await pipe.execute()
 
     def add_in(self, pipe: Pipeline, fields: Fields, *, maxlen: int | None = None) -> None:
@@ -48,6 +57,26 @@ class RequestQueue:
         Redis; on a cluster each node's part runs at once, so not after anything there."""
         pipe.xadd(self.key, fields, maxlen=maxlen, approximate=True)  # type: ignore[arg-type]
         pipe.expire(self.key, SHARED_KEY_TTL_S)
+
+    def note_submitting_in(self, pipe: Pipeline, note: bytes) -> None:
+        """Note in ``pipe`` a session turn whose request is on its way here: its gateway
+        writes the generation, then queues the request; ``add`` crosses the note off. A
+        note left over (the gateway died between the two) is the reaper's to queue."""
+        pipe.zadd(self.submitting_key, {note: time.time()})
+        pipe.expire(self.submitting_key, SHARED_KEY_TTL_S)
+
+    async def note_submitting(self, note: bytes) -> None:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            self.note_submitting_in(pipe, note)
+            await pipe.execute()
+
+    async def submitting_since(self, before_s: float, count: int) -> list[bytes]:
+        """Notes made before ``before_s`` (unix seconds) and not crossed off, oldest first."""
+        notes = await self.redis.zrangebyscore(self.submitting_key, "-inf", before_s, 0, count)
+        return [note if isinstance(note, bytes) else text(note).encode() for note in notes]
+
+    async def cross_off(self, note: bytes) -> None:
+        await self.redis.zrem(self.submitting_key, note)
 
     def count_in(self, pipe: Pipeline) -> None:
         """Queue XINFO GROUPS and XLEN in ``pipe``; ``counted`` reads their two replies."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from importlib.resources import files
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import msgspec
 import redis.asyncio as aioredis
@@ -302,6 +302,11 @@ class Submit(Script):
             choice=choice,
         )
         return submit_reply(await self._run(keys, args, None))
+
+    def submit_in(self, pipe: Pipeline, **submit: Any) -> None:
+        """``__call__`` queued in ``pipe`` (a bare EVALSHA: on NoScriptError, ``load`` and
+        send it again); ``replied`` reads its reply."""
+        self._queue_evalsha(pipe, *self._keys_args(**submit))
 
     def create_in(
         self,

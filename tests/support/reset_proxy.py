@@ -1,5 +1,6 @@
 """A TCP proxy in front of a server, whose client connections a test can reset (RST), as a
-restarting server or a network does to a connection nobody is reading."""
+restarting server or a network does to a connection nobody is reading, or silence from a
+given moment on (``hold_after``), as a client that dies then does."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ class ResettingProxy:
         self._clients: list[asyncio.StreamWriter] = []
         self._writers: list[asyncio.StreamWriter] = []
         self._pipes: set[asyncio.Task[None]] = set()
+        self._hold_marker: bytes | None = None
+        self._holding = False
 
     @property
     def url(self) -> str:
@@ -57,19 +60,32 @@ class ResettingProxy:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             writer.transport.abort()
 
+    def hold_after(self, marker: bytes) -> None:
+        """Once a write of a client holding ``marker`` has gone through, drop everything
+        any client writes after it (the server's replies still come back)."""
+        self._hold_marker = marker
+
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         upstream_reader, upstream_writer = await asyncio.open_connection(HOST, self.port)
         self._clients.append(writer)
         self._writers += [writer, upstream_writer]
-        for source, sink in ((reader, upstream_writer), (upstream_reader, writer)):
-            pipe = asyncio.create_task(self._pipe(source, sink))
+        for source, sink, upstream in (
+            (reader, upstream_writer, True),
+            (upstream_reader, writer, False),
+        ):
+            pipe = asyncio.create_task(self._pipe(source, sink, upstream))
             self._pipes.add(pipe)
             pipe.add_done_callback(self._pipes.discard)
 
-    @staticmethod
-    async def _pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+    async def _pipe(
+        self, source: asyncio.StreamReader, sink: asyncio.StreamWriter, upstream: bool
+    ) -> None:
         with contextlib.suppress(ConnectionError):
             while data := await source.read(65536):
+                if upstream and self._holding:
+                    continue
                 sink.write(data)
                 await sink.drain()
+                if upstream and self._hold_marker is not None and self._hold_marker in data:
+                    self._holding = True
         sink.close()
