@@ -53,12 +53,19 @@ class Rig:
     posts: HTTPPool = field(init=False)
     top_logprobs: int | None = None
     """The OpenAI path's requests ask for logprobs with this many alternatives (--logprobs)."""
+    more_gateways: list[tuple[subprocess.Popen[bytes], int]] = field(default_factory=list)
+    """Gateway processes beside the first (``gateways`` > 1), with their ports."""
 
     def __post_init__(self) -> None:
         self.posts = HTTPPool(HOST, self.gateway_port)
 
+    @property
+    def gateway_ports(self) -> list[int]:
+        return [self.gateway_port, *(port for _, port in self.more_gateways)]
+
     def pids(self) -> dict[str, int]:
         named = {"gateway": self.gateway, "worker": self.worker, "engine": self.engine}
+        named |= {f"gateway{i}": p for i, (p, _) in enumerate(self.more_gateways, start=2)}
         pids = {name: process.pid for name, process in named.items()}
         return pids | {name: s.pid for name, s in self.servers.items()} | {"loadgen": os.getpid()}
 
@@ -72,10 +79,14 @@ async def rig(
     unix_socket: bool = False,
     join_tokens: bool = False,
     rest_cpu: int | None = REST_CPU,
+    gateway_cpu: int | None = GATEWAY_CPU,
+    gateways: int = 1,
 ) -> AsyncIterator[Rig]:
     """Everything, paced at ``tokens_per_s`` (0: unpaced); ``shards`` > 0: on an embedded
     cluster of that many primaries without replicas (one Redis has none either);
-    ``rest_cpu`` None: the worker, Redis and the reference engine float over every CPU."""
+    ``rest_cpu`` None: the worker, Redis, the reference engine and the load generator float
+    over every CPU (``gateway_cpu`` None: the gateway too); ``gateways``: gateway processes,
+    each on its own port (those past the first float)."""
     prefix = f"bench-{secrets.token_hex(3)}"
     async with contextlib.AsyncExitStack() as stack:
         if shards:
@@ -100,7 +111,8 @@ async def rig(
         worker = procs.synthetic(
             tokens_per_s, "--capacity", str(MAX_STREAMS), *joined, cpu=rest_cpu
         )
-        gateway = procs.gateway(grpc=True, cpu=GATEWAY_CPU)
+        gateway = procs.gateway(grpc=True, cpu=gateway_cpu)
+        more = [procs.gateway() for _ in range(gateways - 1)]
         port = free_port()
         pace = ["--port", str(port), "--tokens-per-s", str(tokens_per_s)]
         engine = procs.spawn(
@@ -110,11 +122,12 @@ async def rig(
             cpu=rest_cpu,
         )
         if procs.pinned:  # the load generator alone: its tree holds every process above
-            procs.pin(os.getpid(), REST_CPU, children=False)
+            procs.pin(os.getpid(), rest_cpu, children=False)
         channel = grpc.aio.insecure_channel(gateway.grpc_url)
         the_rig = Rig(
             gateway.process, worker, engine, gateway.port, port, servers, procs.pinned, channel
         )
+        the_rig.more_gateways = [(g.process, g.port) for g in more]
         try:
             yield the_rig
         finally:

@@ -504,7 +504,12 @@ class SessionStore:
             else:
                 await queue.cross_off(note)
         if queued:
-            log.warning("queued %d session turns whose gateway died before queueing them", queued)
+            log.warning(
+                "queued %d session turns whose request was not in the queue %g s after their"
+                " submit (their gateway died, or waits for Redis: then a copy runs once)",
+                queued,
+                older_than_s,
+            )
         return queued
 
     async def _still_queued(self, session_id: str, generation_id: str) -> bool:

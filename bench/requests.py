@@ -1,0 +1,195 @@
+"""``python -m bench.requests``: what a request costs, end to end, against the engine alone.
+
+One-shot streaming chat completions (``POST /v1/chat/completions``, ``stream: true``) of
+``--tokens`` tokens (1: the request is nearly all there is), ``--concurrency`` at a time,
+``--requests`` of them per side, each on a new connection (a new client), the synthetic
+engine unpaced. The sides, in turns for ``--rounds``, on one set of processes
+(bench/rig.py, nothing pinned: every core of the box):
+
+- ``engine``: the same request answered by the engine alone (bench/reference_engine.py:
+  the synthetic backend behind a bare ASGI app on the gateway's uvicorn settings);
+- ``gateway xN``: through N gateway processes (``--gateways 1 2``), each on its own port,
+  the client taking them in turn; Redis and one engine worker behind them.
+
+Per side: requests/s, time to the first token (p50, p99), and the CPU each process spent
+per request (from /proc, before and after: gateway processes, worker, Redis; the engine
+alone's own), the processes the side does not use idling meanwhile (their cost is
+reported, and is small). Results: docs/bench/requests.json and requests.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import report, stats
+from bench.loadgen import OpenAIStream, StreamRecord, open_stream, sse_request
+from bench.rig import Rig, rig
+from stack.rig import HOST
+
+ROOT = Path(__file__).resolve().parent.parent
+ENGINE = "engine"
+
+
+def say(message: str) -> None:
+    print(f"[bench.requests] {message}", file=sys.stderr, flush=True)
+
+
+def body(tokens: int) -> bytes:
+    asked = {
+        "model": "synthetic",
+        "messages": [{"role": "user", "content": "bench"}],
+        "max_tokens": tokens,
+        "stream": True,
+    }
+    return json.dumps(asked).encode()
+
+
+async def run_side(
+    the_rig: Rig, ports: list[int], args: argparse.Namespace
+) -> tuple[list[StreamRecord], dict[str, float], float]:
+    """``args.requests`` requests over ``ports``, ``args.concurrency`` at a time: their
+    records, the CPU seconds of every process of the rig meanwhile, and the wall time."""
+    raw = body(args.tokens)
+    requests = [sse_request(HOST, port, "/v1/chat/completions", {}, raw) for port in ports]
+    records: list[StreamRecord] = []
+    numbers = itertools.count()
+
+    async def client() -> None:
+        while (index := next(numbers)) < args.requests:
+            record = StreamRecord()
+            port = ports[index % len(ports)]
+            stream = await open_stream(
+                HOST, port, requests[index % len(ports)], record, OpenAIStream
+            )
+            assert record.finished is not None
+            await record.finished
+            stream.close()
+            records.append(record)
+
+    pids = the_rig.pids()
+    before, began = stats.cpu_of(pids), time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(args.concurrency)))
+    wall = time.perf_counter() - began
+    after = stats.cpu_of(pids)
+    return records, {name: after[name] - before[name] for name in pids}, wall
+
+
+def summary(
+    runs: list[tuple[list[StreamRecord], dict[str, float], float]], path: list[str]
+) -> dict[str, Any]:
+    """One side over its rounds: ``path``, the processes it runs through."""
+    records = [r for run in runs for r in run[0]]
+    n, wall = len(records), sum(run[2] for run in runs)
+    cpu = {name: sum(run[1][name] for run in runs) for name in runs[0][1]}
+    ttft = [r.arrivals[0] - r.submitted_at for r in records if r.arrivals]
+    failed = [r.failure or r.final for r in records if r.failure or r.final != "done"]
+    return {
+        "requests": n,
+        "failed": len(failed),
+        "failures": sorted({str(f) for f in failed})[:5],
+        "requests_per_s": round(n / wall, 1),
+        "ttft_p50_ms": stats.ms(stats.pct(ttft, 50)),
+        "ttft_p99_ms": stats.ms(stats.pct(ttft, 99)),
+        "cpu_us_per_request": {name: round(cpu[name] / n * 1e6) for name in cpu},
+        "path": path,
+        "path_cpu_us_per_request": round(sum(cpu[name] for name in path) / n * 1e6),
+    }
+
+
+async def measure(args: argparse.Namespace) -> dict[str, Any]:
+    results: dict[str, Any] = {
+        "machine": stats.machine(),
+        "settings": {
+            "requests": args.requests,
+            "concurrency": args.concurrency,
+            "tokens": args.tokens,
+            "rounds": args.rounds,
+            "gateways": args.gateways,
+        },
+        "sides": {},
+    }
+    async with rig(
+        0, args.logs, rest_cpu=None, gateway_cpu=None, gateways=max(args.gateways)
+    ) as the_rig:
+        gateways = [name for name in the_rig.pids() if name.startswith("gateway")]
+        redis = list(the_rig.servers)
+        sides: dict[str, tuple[list[int], list[str]]] = {ENGINE: ([the_rig.engine_port], [ENGINE])}
+        for n in args.gateways:
+            path = [*gateways[:n], "worker", *redis]
+            sides[f"gateway x{n}"] = (the_rig.gateway_ports[:n], path)
+        runs: dict[str, list[Any]] = {side: [] for side in sides}
+        warm = argparse.Namespace(**{**vars(args), "requests": 50})
+        for ports, _ in sides.values():  # warm up: imports, caches, pools
+            await run_side(the_rig, ports, warm)
+        for round_ in range(1, args.rounds + 1):
+            for side, (ports, _) in sides.items():
+                runs[side].append(await run_side(the_rig, ports, args))
+                records, _, wall = runs[side][-1]
+                say(f"round {round_}, {side}: {len(records) / wall:,.0f} requests/s")
+        for side, (_, path) in sides.items():
+            results["sides"][side] = summary(runs[side], path)
+    return results
+
+
+def markdown(results: dict[str, Any]) -> str:
+    s = results["settings"]
+    sides = results["sides"]
+    engine = sides[ENGINE]
+    rows = []
+    for side, r in sides.items():
+        cpu = r["cpu_us_per_request"]
+        parts = " + ".join(f"{name} {cpu[name]:,}" for name in r["path"])
+        ratio = r["requests_per_s"] / engine["requests_per_s"]
+        rows.append(
+            f"| {side} | {r['requests_per_s']:,.0f} | {ratio:.2f} | {r['ttft_p50_ms']} |"
+            f" {r['ttft_p99_ms']} | {parts} | {r['path_cpu_us_per_request']:,} |"
+            f" {r['failed']} |"
+        )
+    m = results["machine"]
+    return (
+        "# What a request costs\n\n"
+        f"`python -m bench.requests`: {s['requests']:,} one-shot streaming chat completions"
+        f" of {s['tokens']} token(s) per side and round, {s['concurrency']} at a time, each"
+        f" on a new connection; the synthetic engine unpaced; {s['rounds']} rounds, the sides"
+        " in turns; nothing pinned. CPU per request from /proc, every process on the side's"
+        " path.\n\n"
+        "| side | requests/s | vs engine | TTFT p50 ms | TTFT p99 ms"
+        " | CPU per request, us | path, us | failed |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- |\n" + "\n".join(rows) + "\n\n"
+        f"Machine: {m['cpu_model']}, {m['nproc']} cores. The load generator shares"
+        " them; its own CPU is in requests.json.\n"
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.requests", description=__doc__)
+    parser.add_argument("--requests", type=int, default=2000, help="per side and round")
+    parser.add_argument("--concurrency", type=int, default=20)
+    parser.add_argument("--tokens", type=int, default=1, help="tokens per request")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--gateways", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "bench")
+    parser.add_argument("--name", default="requests", help="file names: NAME.json, NAME.md")
+    parser.add_argument("--logs", type=Path, default=None)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    args.logs = args.logs or Path(tempfile.mkdtemp(prefix="tokenspout-bench-"))
+    say(f"process logs in {args.logs}")
+    results = asyncio.run(measure(args))
+    report.write(args.out, args.name, results, markdown(results))
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()
