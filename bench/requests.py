@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import report, stats
+from bench import profile_top, report, stats
 from bench.loadgen import OpenAIStream, StreamRecord, open_stream, sse_request
 from bench.rig import Rig, rig
 from stack.rig import HOST
@@ -136,7 +136,30 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 say(f"round {round_}, {side}: {len(records) / wall:,.0f} requests/s")
         for side, (_, path) in sides.items():
             results["sides"][side] = summary(runs[side], path)
+        if args.profile is not None:
+            results["profile"] = await profile(the_rig, args)
     return results
+
+
+async def profile(the_rig: Rig, args: argparse.Namespace) -> dict[str, Any]:
+    """py-spy on the gateway and the worker during one more run through one gateway (not
+    counted in the sides' figures); the speedscope files and their top frames into
+    ``args.profile``."""
+    args.profile.mkdir(parents=True, exist_ok=True)
+    pids = the_rig.pids()
+    files = {
+        name: args.profile / f"requests-{name}.speedscope.json" for name in ("gateway", "worker")
+    }
+    spies = [
+        profile_top.record(pids[name], path, native=args.profile_native)
+        for name, path in files.items()
+    ]
+    await run_side(the_rig, [the_rig.gateway_port], args)
+    for spy in spies:
+        profile_top.stop(spy)
+    top = {name: profile_top.summary(path) for name, path in files.items()}
+    (args.profile / "requests-summary.txt").write_text(profile_top.text({"gateway x1": top}))
+    return top
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -149,8 +172,8 @@ def markdown(results: dict[str, Any]) -> str:
         parts = " + ".join(f"{name} {cpu[name]:,}" for name in r["path"])
         ratio = r["requests_per_s"] / engine["requests_per_s"]
         rows.append(
-            f"| {side} | {r['requests_per_s']:,.0f} | {ratio:.2f} | {r['ttft_p50_ms']} |"
-            f" {r['ttft_p99_ms']} | {parts} | {r['path_cpu_us_per_request']:,} |"
+            f"| {side} | {r['requests_per_s']:,.0f} | {ratio:.2f} | {r['ttft_p50_ms']:.1f} |"
+            f" {r['ttft_p99_ms']:.1f} | {parts} | {r['path_cpu_us_per_request']:,} |"
             f" {r['failed']} |"
         )
     m = results["machine"]
@@ -179,11 +202,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "bench")
     parser.add_argument("--name", default="requests", help="file names: NAME.json, NAME.md")
     parser.add_argument("--logs", type=Path, default=None)
+    parser.add_argument("--profile", type=Path, default=None, help="py-spy profiles into DIR")
+    parser.add_argument(
+        "--profile-native", action="store_true", help="with C frames (uvloop, the interpreter)"
+    )
+    parser.add_argument(
+        "--render", type=Path, default=None, help="only write NAME.md from this results JSON"
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.render is not None:
+        results = json.loads(args.render.read_text())
+        report.write(args.out, args.name, results, markdown(results))
+        return
     args.logs = args.logs or Path(tempfile.mkdtemp(prefix="tokenspout-bench-"))
     say(f"process logs in {args.logs}")
     results = asyncio.run(measure(args))

@@ -73,8 +73,13 @@ API_KEYS_STATE = "api_keys"
 """Where ``create_app`` keeps the app's ``ApiKeys`` in its state, for ``api_key_guard``."""
 
 
-def api_key_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
-    """A Litestar guard: ``require_api_key`` with the app's keys."""
+async def api_key_guard(
+    connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler
+) -> None:
+    """A Litestar guard: ``require_api_key`` with the app's keys. A coroutine function,
+    though it awaits nothing: Litestar runs a plain function guard in a worker thread, a
+    hop there and back on every request (about a third of the gateway's CPU per one-shot
+    request, docs/bench.md "What a request costs")."""
     api_keys = connection.app.state.get(API_KEYS_STATE)
     if not isinstance(api_keys, ApiKeys):
         raise TypeError(f"the app's state holds no ApiKeys under {API_KEYS_STATE!r}")
