@@ -68,11 +68,13 @@ pytest: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # Open streams and fan-out saturation of one gateway process (python -m bench), end to end
-# against the engine alone (bench.e2e), both with the synthetic engine; then vLLM on the CPU: alone vs behind the gateway, and cancel latency. Not part of
-# `make test`; results land in docs/bench/.
+# against the engine alone (bench.e2e), what a request costs (bench.requests), all with the
+# synthetic engine; then vLLM on the CPU: alone vs behind the gateway, and cancel latency.
+# Not part of `make test`; results land in docs/bench/.
 bench: model
 	$(PY) -m bench $(BENCH_ARGS)
 	$(PY) -m bench.e2e $(E2E_ARGS)
+	$(PY) -m bench.requests
 	$(PY) -m bench.engine_vs_gateway
 	$(PY) -m bench.cancel_latency
 

@@ -1,0 +1,42 @@
+"""The request bench (``python -m bench.requests``) end to end, tiny: real Redis, engine,
+gateways. It proves every side answers every request, that two gateway processes share
+them, and that each side's CPU per request is read for every process on its path. It
+asserts nothing about speed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stack.processes import ROOT
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_every_side_answers_every_request_and_its_path_cpu_is_read(tmp_path: Path) -> None:
+    completed = subprocess.run(
+        [
+            *(sys.executable, "-m", "bench.requests", "--out", str(tmp_path)),
+            *("--requests", "40", "--rounds", "1", "--gateways", "1", "2"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    sides = json.loads((tmp_path / "requests.json").read_text())["sides"]
+    assert list(sides) == ["engine", "gateway x1", "gateway x2"]
+    for name, side in sides.items():
+        assert side["requests"] == 40 and side["failed"] == 0, (name, side)
+        assert side["ttft_p50_ms"] > 0, (name, side)
+        assert all(side["cpu_us_per_request"][p] > 0 for p in side["path"]), (name, side)
+    assert sides["gateway x2"]["path"][:2] == ["gateway", "gateway2"]
+    assert sides["engine"]["path"] == ["engine"]
+    report = (tmp_path / "requests.md").read_text()
+    assert "| gateway x2 |" in report and "gateway2" in report
