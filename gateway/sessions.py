@@ -434,8 +434,8 @@ class SessionStore:
 
     async def _run_submitting(self, fill: Callable[[Any], None]) -> list[Any]:
         """Run a pipeline that ``fill`` fills, a bare SUBMIT among its commands. A Redis
-        that lost its scripts (a restart) gets it loaded and the pipeline again: what ran
-        before the script in the first one runs twice, so it must not mind."""
+        that lost its scripts (a restart) gets it loaded and the pipeline again: the other
+        commands of the first one ran, and run again, so they must not mind."""
         for attempt in (1, 2):
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
