@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import shutil
-import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -21,7 +20,7 @@ from typing import Any
 
 import redis
 
-from stack.redis_server import EmbeddedRedis
+from stack.redis_server import EmbeddedRedis, free_port
 
 SLOTS = 16_384
 NODE_TIMEOUT_MS = 1_500
@@ -47,17 +46,7 @@ def _wait(what: str, check: Callable[[], bool], timeout_s: float) -> None:
 
 def cluster_port() -> int:
     """A free port whose cluster bus port (it plus 10,000) is free and valid too."""
-    while True:
-        with socket.socket() as low, socket.socket() as bus:
-            low.bind(("127.0.0.1", 0))
-            port = int(low.getsockname()[1])
-            if port + 10_000 > 65_535:
-                continue
-            try:
-                bus.bind(("127.0.0.1", port + 10_000))
-            except OSError:
-                continue
-            return port
+    return free_port(bus_offset=10_000)
 
 
 class EmbeddedCluster:

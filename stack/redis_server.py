@@ -12,6 +12,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections import deque
 from pathlib import Path
 
 
@@ -23,10 +24,49 @@ def server_binary() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "bin" / "valkey-server"
 
 
-def free_port() -> int:
+RECENT_PORTS = 4_096
+_handed_out: deque[int] = deque(maxlen=RECENT_PORTS)
+"""Ports ``free_port`` gave lately. Servers are often started after several ports are
+picked (a cluster's nodes, a Sentinel's): a port picked and released is free again, and
+the kernel may offer it twice, two servers then sharing one port."""
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(bus_offset: int = 0) -> int:
+    """A port free on loopback now that this process has not handed out lately;
+    ``bus_offset``: the port that far above it must be free and unhanded too, and valid (a
+    cluster node's bus port, 10,000 above)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        wanted = [port, port + bus_offset] if bus_offset else [port]
+        if any(p in _handed_out or p > 65_535 for p in wanted):
+            continue
+        if bus_offset and not _bindable(port + bus_offset):
+            continue
+        _handed_out.extend(wanted)
+        return port
+
+
+def _server_pid(sock: socket.socket) -> int:
+    """The process id of the server answering on ``sock`` (its ``INFO server``)."""
+    sock.sendall(b"INFO server\r\n")
+    reply = b""
+    while b"process_id:" not in reply or not reply.split(b"process_id:", 1)[1].count(b"\r\n"):
+        chunk = sock.recv(65_536)
+        if not chunk:
+            raise ConnectionError("the server closed the connection")
+        reply += chunk
+    return int(reply.split(b"process_id:", 1)[1].split(b"\r\n", 1)[0])
 
 
 class EmbeddedRedis:
@@ -101,11 +141,14 @@ class EmbeddedRedis:
                 raise RuntimeError(f"valkey-server exited with {self.process.returncode}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
-                    sock.sendall(b"PING\r\n")
-                    if sock.recv(16).startswith(b"+PONG"):
-                        return self
+                    answering = _server_pid(sock)
             except OSError:
                 time.sleep(0.05)
+                continue
+            if answering != self.process.pid:  # it did not get the port: another server has it
+                self.stop()
+                raise RuntimeError(f"port {self.port} is served by another process ({answering})")
+            return self
         raise RuntimeError(f"valkey-server did not answer on port {self.port}")
 
     def stop(self) -> None:
