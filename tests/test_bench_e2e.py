@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -19,8 +17,8 @@ import pytest
 
 from engine.backends.synthetic import SyntheticBackend
 from stack import processes
-from stack.processes import ROOT
 from stack.redis_server import free_port
+from tests.support.bench import run_bench
 from wire import ChatMessage, GenerationRequest, SamplingParams
 
 pytestmark = pytest.mark.timeout(240)
@@ -31,18 +29,12 @@ MODES = ("engine", "openai", "session", "grpc", "ws")
 
 
 def test_every_path_delivers_every_token_and_the_json_has_every_column(tmp_path: Path) -> None:
-    completed = subprocess.run(
-        [
-            *(sys.executable, "-m", "bench.e2e", "--out", str(tmp_path), "--no-plot"),
-            *("--streams", "1", "3", "--tokens", "6", "--rounds-single", "2"),
-            *("--saturation", "2", "20", "--modes", *MODES),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=200,
+    run_bench(
+        "bench.e2e",
+        tmp_path,
+        *("--no-plot", "--streams", "1", "3", "--tokens", "6", "--rounds-single", "2"),
+        *("--saturation", "2", "20", "--modes", *MODES),
     )
-    assert completed.returncode == 0, completed.stderr[-4000:]
     results = json.loads((tmp_path / "e2e.json").read_text())
     points = [*results["points"], results["saturation"]]
     assert [(p["streams"], p["tokens_per_s_per_stream"]) for p in points] == [

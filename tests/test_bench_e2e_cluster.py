@@ -5,30 +5,22 @@ server's figures (the cluster's 3 shards, the one Redis). Nothing about speed.""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from stack.processes import ROOT
+from tests.support.bench import run_bench
 
 pytestmark = pytest.mark.timeout(240)
 
 
 def test_both_backends_deliver_every_token_and_report_every_shard(tmp_path: Path) -> None:
-    completed = subprocess.run(
-        [
-            *(sys.executable, "-m", "bench.e2e", "--out", str(tmp_path), "--no-plot"),
-            *("--cluster", "3", "--streams", "6", "--tokens", "8", "--saturation", "0", "0"),
-            *("--modes", "engine", "session", "openai"),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=200,
+    run_bench(
+        "bench.e2e",
+        tmp_path,
+        *("--no-plot", "--cluster", "3", "--streams", "6", "--tokens", "8"),
+        *("--saturation", "0", "0", "--modes", "engine", "session", "openai"),
     )
-    assert completed.returncode == 0, completed.stderr[-4000:]
     results = json.loads((tmp_path / "e2e.json").read_text())
     (point,) = results["points"]
     assert set(point["modes"]) == {"engine", "session", "openai"}

@@ -7,29 +7,21 @@ asserts nothing about speed.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from stack.processes import ROOT
+from tests.support.bench import run_bench
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def test_every_side_answers_every_request_and_its_path_cpu_is_read(tmp_path: Path) -> None:
-    completed = subprocess.run(
-        [
-            *(sys.executable, "-m", "bench.requests", "--out", str(tmp_path)),
-            *("--requests", "40", "--rounds", "1", "--gateways", "1", "2"),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
+    run_bench(
+        "bench.requests",
+        tmp_path,
+        *("--requests", "40", "--rounds", "1", "--gateways", "1", "2"),
     )
-    assert completed.returncode == 0, completed.stderr[-4000:]
     sides = json.loads((tmp_path / "requests.json").read_text())["sides"]
     assert list(sides) == ["engine", "gateway x1", "gateway x2"]
     for name, side in sides.items():
