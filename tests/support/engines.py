@@ -77,9 +77,23 @@ class EngineUnderTest:
         return int(await asyncio.to_thread(self.metric, RUNNING))
 
     async def wait_running(self, value: int, timeout_s: float = 120) -> None:
-        async with asyncio.timeout(timeout_s):
-            while await self.running() != value:
-                await asyncio.sleep(0.1)
+        seen: list[int] = []
+        try:
+            async with asyncio.timeout(timeout_s):
+                while (running := await self.running()) != value:
+                    if not seen or seen[-1] != running:
+                        seen.append(running)
+                    await asyncio.sleep(0.1)
+        except TimeoutError:
+            raise AssertionError(
+                f"the engine never held {value} request(s) in {timeout_s:g} s; it held, in "
+                f"turn, {seen}; the worker's last log lines:\n{self.worker_log_tail()}"
+            ) from None
+
+    def worker_log_tail(self, lines: int = 40) -> str:
+        worker_id = engine_arg(self.process, "--worker-id")
+        log = self.stack.logs / f"engine-{worker_id}.log"
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 
     async def stops(self, since: float, case: str, within_s: float = STOP_WITHIN_S) -> float:
         """The engine holds no request within ``within_s`` of ``since``; the seconds it took."""
