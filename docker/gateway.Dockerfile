@@ -1,4 +1,4 @@
-# The gateway: Litestar, the Redis client, grpcio and tritonclient (Triton's gRPC stubs).
+# The gateway: Litestar, the Redis client, h2 (its gRPC server) and tritonclient (Triton's gRPC stubs).
 # No torch, no vllm (the project's base dependencies; the engine extras are never
 # installed here).
 FROM python:3.11-slim-bookworm

@@ -7,9 +7,12 @@ import json
 import signal
 import time
 
+import grpc
 import httpx
 import pytest
 import tritonclient.grpc as grpcclient
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc._utils import _get_inference_request
 from tritonclient.utils import InferenceServerException
 
 from tests.support.engines import STOP_WITHIN_S
@@ -190,6 +193,51 @@ def test_bad_requests_get_clear_errors_and_the_stream_goes_on(stack: Stack) -> N
     finally:
         client.stop_stream()
         client.close()
+
+
+async def test_bytes_that_are_no_request_message_get_an_error_and_the_stream_goes_on(
+    stack: Stack,
+) -> None:
+    """What a client of another protocol might send: not a ``ModelInferRequest``."""
+    stack.synthetic(200)
+    gateway = stack.gateway(grpc=True)
+    identity = lambda message: message  # noqa: E731
+    garbage = b"\xff\xff\xff"
+    async with grpc.aio.insecure_channel(gateway.grpc_url) as channel:
+        infer = channel.unary_unary(
+            "/inference.GRPCInferenceService/ModelInfer",
+            request_serializer=identity,
+            response_deserializer=identity,
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await infer(garbage)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a ModelInferRequest message" in str(refused.value.details())
+
+        stream = channel.stream_stream(
+            "/inference.GRPCInferenceService/ModelStreamInfer",
+            request_serializer=identity,
+            response_deserializer=pb.ModelStreamInferResponse.FromString,
+        )
+        request = _get_inference_request(
+            model_name="synthetic",
+            inputs=llm_inputs("after the garbage", 3),
+            model_version="",
+            request_id="ok",
+            outputs=None,
+            sequence_id=0,
+            sequence_start=False,
+            sequence_end=False,
+            priority=0,
+            timeout=None,
+            parameters=None,
+        )
+        call = stream(iter([garbage, request.SerializeToString()]))
+        answers = [response async for response in call]
+    assert "not a ModelInferRequest message" in answers[0].error_message
+    text = "".join(text_of(grpcclient.InferResult(a.infer_response)) or "" for a in answers[1:])
+    assert text == synthetic_text("after the garbage", 3)
+    assert parameters(grpcclient.InferResult(answers[-1].infer_response))[FINAL] is True
 
 
 def test_health_and_model_metadata_come_from_the_gateway_and_the_workers_registry(

@@ -12,25 +12,27 @@ over ``GenerationStream``: the same sessions, relay, cancel and takeover as ever
   stream still runs; a client that only closes its side gets every answer first.
 
 The other RPCs of the service (model repository, shared memory, statistics, trace, logs)
-answer ``UNIMPLEMENTED``: gRPC's own answer for a method no handler serves.
+answer ``UNIMPLEMENTED``: gRPC's own answer for a method no handler serves. The server
+under it is the gateway's own (gateway/grpc/http2.py); the messages are Triton's, the
+token responses serialized by hand (``TokenResponses``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-import grpc
+from google.protobuf.message import DecodeError
 
 from gateway import __version__
 from gateway.auth import ApiKeys, bearer
 from gateway.errors import BadRequest, GatewayError, Unavailable, as_gateway_error
 from gateway.generation_stream import GenerationItem, GenerationStream, final_error
 from gateway.grpc import metadata
+from gateway.grpc.http2 import Call, GrpcError, Method, StatusCode
 from gateway.grpc.protocol import pb
-from gateway.grpc.tensors import LlmRequest, read_request, text_response
+from gateway.grpc.tensors import LlmRequest, TokenResponses, read_request, text_response
 from gateway.relay import RelayHub
 from gateway.routes.health import check_readiness
 from gateway.routes.oip import sampling_of
@@ -38,14 +40,10 @@ from gateway.sessions import SessionStore
 from gateway.settings import Settings
 from wire import Cancelled, Done, Error, Token
 
-log = logging.getLogger("tokenspout.grpc")
-
 SERVICE = "inference.GRPCInferenceService"
-STREAM_BUFFER = 64
-"""Responses waiting for a slow stream reader before its generations wait too (their feeds
-then fall back to reading Redis, as a slow SSE reader's do)."""
 
-Put = Callable[[pb.ModelStreamInferResponse], Awaitable[None]]
+Send = Callable[[bytes], Awaitable[None]]
+Metadata = dict[str, str]
 
 
 class InferenceService:
@@ -57,23 +55,40 @@ class InferenceService:
         self.settings = settings
         self.api_keys = api_keys
 
-    async def server_live(self, _: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:
+    def methods(self) -> dict[str, Method]:
+        """The service's methods by path, for the server (gateway/grpc/http2.py)."""
+        unary: dict[str, tuple[Any, Callable[[Any, Metadata], Awaitable[Any]]]] = {
+            "ServerLive": (pb.ServerLiveRequest, self.server_live),
+            "ServerReady": (pb.ServerReadyRequest, self.server_ready),
+            "ServerMetadata": (pb.ServerMetadataRequest, self.server_metadata),
+            "ModelReady": (pb.ModelReadyRequest, self.model_ready),
+            "ModelMetadata": (pb.ModelMetadataRequest, self.model_metadata),
+            "ModelInfer": (pb.ModelInferRequest, self.model_infer),
+        }
+        methods = {
+            f"/{SERVICE}/{name}": _unary(message, method)
+            for name, (message, method) in unary.items()
+        }
+        methods[f"/{SERVICE}/ModelStreamInfer"] = self.model_stream_infer
+        return methods
+
+    async def server_live(self, _: pb.ServerLiveRequest, __: Metadata) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
 
-    async def server_ready(self, _: pb.ServerReadyRequest, context: Any) -> pb.ServerReadyResponse:
+    async def server_ready(self, _: pb.ServerReadyRequest, __: Metadata) -> pb.ServerReadyResponse:
         return pb.ServerReadyResponse(ready=(await check_readiness(self.store)).ready)
 
     async def server_metadata(
-        self, _: pb.ServerMetadataRequest, context: Any
+        self, _: pb.ServerMetadataRequest, __: Metadata
     ) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(name="tokenspout", version=__version__)
 
     async def model_ready(
-        self, request: pb.ModelReadyRequest, context: Any
+        self, request: pb.ModelReadyRequest, metadata: Metadata
     ) -> pb.ModelReadyResponse:
         """Ready: a live worker serves the name; not ready: it was registered but its last
         worker left; ``NOT_FOUND``: no worker ever registered it."""
-        self.authorize(context)
+        self.authorize(metadata)
         _named(request.name)
         try:
             await self.store.models.resolve(request.name)
@@ -82,18 +97,18 @@ class InferenceService:
         return pb.ModelReadyResponse(ready=True)
 
     async def model_metadata(
-        self, request: pb.ModelMetadataRequest, context: Any
+        self, request: pb.ModelMetadataRequest, metadata_: Metadata
     ) -> pb.ModelMetadataResponse:
-        self.authorize(context)
+        self.authorize(metadata_)
         model = await self.store.models.resolve(_named(request.name))
         workers = (await self.store.models.snapshot()).live.get(model, [])
         backend = workers[0].backend if workers else ""
         return metadata.model_metadata(request.name, backend)
 
     async def model_infer(
-        self, request: pb.ModelInferRequest, context: Any
+        self, request: pb.ModelInferRequest, metadata: Metadata
     ) -> pb.ModelInferResponse:
-        self.authorize(context)
+        self.authorize(metadata)
         llm = read_request(request)
         generation = await self._submit(llm)
         whole = await generation.collect()
@@ -106,52 +121,51 @@ class InferenceService:
             completion_tokens=whole.final.usage.completion_tokens,
         )
 
-    async def model_stream_infer(
-        self, requests: AsyncIterator[pb.ModelInferRequest], context: Any
-    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
-        """Answers of every request the client sends, as they come (callers authorize)."""
-        responses: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue(STREAM_BUFFER)
-        running: set[asyncio.Task[None]] = set()
-
-        async def read_requests() -> None:
-            try:
-                async for request in requests:
-                    task = asyncio.create_task(self._stream_one(request, responses.put))
-                    running.add(task)
-                    task.add_done_callback(running.discard)
-                while running:  # the client closed its side: answer what it asked first
-                    await asyncio.wait(set(running))
-            finally:
-                await responses.put(None)
-
-        reader = asyncio.create_task(read_requests(), name="grpc stream requests")
+    async def model_stream_infer(self, call: Call) -> None:
+        """Answers of every request the client sends on ``call``, as they come. A stream
+        without a valid API key ends ``UNAUTHENTICATED`` before any; every other error is
+        a request's own, in its ``error_message``."""
         try:
-            while (response := await responses.get()) is not None:
-                yield response
-            await reader
+            self.authorize(call.metadata)
+        except GatewayError as error:
+            raise _status(error) from None
+        running: set[asyncio.Task[None]] = set()
+        try:
+            while (message := await call.receive()) is not None:
+                task = asyncio.create_task(self._stream_one(message, call.send))
+                running.add(task)
+                task.add_done_callback(running.discard)
+            while running:  # the client closed its side: answer what it asked first
+                await asyncio.wait(set(running))
         finally:
-            # The client cancelled the RPC (or went away): stop what it still runs.
-            for task in (reader, *running):
+            # The client cancelled the call (or went away): stop what it still runs.
+            for task in running:
                 task.cancel()
-            await asyncio.gather(reader, *running, return_exceptions=True)
+            await asyncio.gather(*running, return_exceptions=True)
 
-    async def _stream_one(self, request: pb.ModelInferRequest, put: Put) -> None:
+    async def _stream_one(self, message: bytes, send: Send) -> None:
         """One request of a stream, answered on it; never raises (the stream goes on)."""
+        try:
+            request = _decoded(pb.ModelInferRequest, message)
+        except GatewayError as error:
+            await send(_error("", "", error))
+            return
         try:
             llm = read_request(request)
             generation = await self._submit(llm)
         except Exception as exc:
-            await put(_error(request.model_name, request.id, as_gateway_error(exc)))
+            await send(_error(request.model_name, request.id, as_gateway_error(exc)))
             return
         try:
             if llm.parameters.stream is False:
                 whole = await generation.collect()
-                await put(_final(llm, whole.final, whole.text))
+                await send(_final(llm, whole.final, whole.text))
                 return
+            tokens = TokenResponses(llm, llm.model)
             async for items in generation.batches():
-                await _answer(llm, items, put)
+                await _answer(llm, tokens, items, send)
         except Exception as exc:
-            await put(_error(llm.model, llm.id, as_gateway_error(exc)))
+            await send(_error(llm.model, llm.id, as_gateway_error(exc)))
         finally:
             await generation.close()
 
@@ -161,9 +175,8 @@ class InferenceService:
             self.store, self.hub, self.settings, params, model=llm.model, prompt=llm.prompt
         )
 
-    def authorize(self, context: Any) -> None:
-        given = dict(context.invocation_metadata() or ()).get("authorization")
-        self.api_keys.require(bearer(given))
+    def authorize(self, metadata: Metadata) -> None:
+        self.api_keys.require(bearer(metadata.get("authorization")))
 
 
 def _named(name: str) -> str:
@@ -172,28 +185,28 @@ def _named(name: str) -> str:
     return name
 
 
-async def _answer(llm: LlmRequest, items: list[GenerationItem], put: Put) -> None:
+async def _answer(
+    llm: LlmRequest, tokens: TokenResponses, items: list[GenerationItem], send: Send
+) -> None:
     """What arrived together in as few responses as it takes: one for the tokens' joined
     text, carried by the final response when the generation ends with them (as Triton's
     decoupled models send their last output), unless the client asked for an empty final
-    response. Per token, a gRPC message costs far more than an SSE chunk; a reader that
-    fell behind gets its tokens in fewer of them. Started and Heartbeat say nothing here
-    (gRPC keeps its connection alive itself)."""
+    response. A reader that fell behind gets its tokens in fewer responses. Started and
+    Heartbeat say nothing here (HTTP/2 keeps its connection alive itself)."""
     text = "".join(item.text for item in items if isinstance(item, Token))
     end = items[-1]
     if isinstance(end, Done) and not llm.empty_final:
-        await put(_final(llm, end, text))
+        await send(_final(llm, end, text))
         return
     if text:
-        response = text_response(llm, llm.model, text, final=False)
-        await put(pb.ModelStreamInferResponse(infer_response=response))
+        await send(tokens.token(text))
     if isinstance(end, Done):
-        await put(_final(llm, end, None))
+        await send(_final(llm, end, None))
     elif isinstance(end, Cancelled | Error):
-        await put(_error(llm.model, llm.id, final_error(end)))
+        await send(_error(llm.model, llm.id, final_error(end)))
 
 
-def _final(llm: LlmRequest, done: Done, text: str | None) -> pb.ModelStreamInferResponse:
+def _final(llm: LlmRequest, done: Done, text: str | None) -> bytes:
     response = text_response(
         llm,
         llm.model,
@@ -203,69 +216,40 @@ def _final(llm: LlmRequest, done: Done, text: str | None) -> pb.ModelStreamInfer
         prompt_tokens=done.usage.prompt_tokens,
         completion_tokens=done.usage.completion_tokens,
     )
-    return pb.ModelStreamInferResponse(infer_response=response)
+    return bytes(pb.ModelStreamInferResponse(infer_response=response).SerializeToString())
 
 
-def _error(model: str, request_id: str, error: GatewayError) -> pb.ModelStreamInferResponse:
+def _error(model: str, request_id: str, error: GatewayError) -> bytes:
     """A request's error on the stream; its response names the request, and is its last."""
     response = pb.ModelInferResponse(model_name=model, id=request_id)
     response.parameters["triton_final_response"].bool_param = True
-    return pb.ModelStreamInferResponse(error_message=error.message, infer_response=response)
+    message = pb.ModelStreamInferResponse(error_message=error.message, infer_response=response)
+    return bytes(message.SerializeToString())
 
 
-def _unary(method: Callable[[Any, Any], Awaitable[Any]]) -> Callable[[Any, Any], Awaitable[Any]]:
-    """A unary method whose errors end the RPC with their gRPC status."""
+def _status(error: GatewayError) -> GrpcError:
+    return GrpcError(StatusCode[error.grpc_code], error.message)
 
-    async def call(request: Any, context: Any) -> Any:
+
+def _decoded(message_type: Any, message: bytes) -> Any:
+    try:
+        return message_type.FromString(message)
+    except DecodeError:
+        name = message_type.DESCRIPTOR.name
+        raise BadRequest(f"the request is not a {name} message") from None
+
+
+def _unary(message_type: Any, method: Callable[[Any, Metadata], Awaitable[Any]]) -> Method:
+    """A method of one request and one response; its errors end the call with their status."""
+
+    async def call_method(call: Call) -> None:
+        message = await call.receive()
+        if message is None:
+            raise GrpcError(StatusCode.INVALID_ARGUMENT, "the call sent no request message")
         try:
-            return await method(request, context)
+            response = await method(_decoded(message_type, message), call.metadata)
         except Exception as exc:
-            error = as_gateway_error(exc)
-        await context.abort(getattr(grpc.StatusCode, error.grpc_code), error.message)
-        raise AssertionError("context.abort raises")  # pragma: no cover
+            raise _status(as_gateway_error(exc)) from None
+        await call.send(response.SerializeToString())
 
-    return call
-
-
-def handler(service: InferenceService) -> Any:
-    """The service's methods for ``grpc.aio.server().add_generic_rpc_handlers``."""
-
-    def unary(method: Callable[[Any, Any], Awaitable[Any]], request: Any, response: Any) -> Any:
-        return grpc.unary_unary_rpc_method_handler(
-            _unary(method),
-            request_deserializer=request.FromString,
-            response_serializer=response.SerializeToString,
-        )
-
-    async def stream(requests: Any, context: Any) -> AsyncIterator[Any]:
-        """A stream without a valid API key ends with ``UNAUTHENTICATED``; every other error
-        is a request's own, in its ``error_message``."""
-        try:
-            service.authorize(context)
-        except GatewayError as error:
-            await context.abort(getattr(grpc.StatusCode, error.grpc_code), error.message)
-        async for response in service.model_stream_infer(requests, context):
-            yield response
-
-    return grpc.method_handlers_generic_handler(
-        SERVICE,
-        {
-            "ServerLive": unary(service.server_live, pb.ServerLiveRequest, pb.ServerLiveResponse),
-            "ServerReady": unary(
-                service.server_ready, pb.ServerReadyRequest, pb.ServerReadyResponse
-            ),
-            "ServerMetadata": unary(
-                service.server_metadata, pb.ServerMetadataRequest, pb.ServerMetadataResponse
-            ),
-            "ModelReady": unary(service.model_ready, pb.ModelReadyRequest, pb.ModelReadyResponse),
-            "ModelMetadata": unary(
-                service.model_metadata, pb.ModelMetadataRequest, pb.ModelMetadataResponse
-            ),
-            "ModelInfer": unary(service.model_infer, pb.ModelInferRequest, pb.ModelInferResponse),
-            "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(
-                stream,
-                request_deserializer=pb.ModelInferRequest.FromString,
-                response_serializer=pb.ModelStreamInferResponse.SerializeToString,
-            ),
-        },
-    )
+    return call_method

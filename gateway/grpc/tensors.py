@@ -277,3 +277,35 @@ def text_response(
         else:
             response.parameters[key].int64_param = value
     return response
+
+
+class TokenResponses:
+    """One request's token responses (``ModelStreamInferResponse``, not final) written by
+    hand: a message's fields concatenate, so the fields every token repeats (model, id,
+    the output's description, ``triton_final_response`` false) are serialized once, with
+    protobuf, and each token appends its ``raw_output_contents`` element. tritonclient
+    reads it as it reads ``text_response``'s (tests/inprocess/test_grpc_protocol.py)."""
+
+    def __init__(self, request: LlmRequest, model: str) -> None:
+        head = pb.ModelInferResponse(model_name=model, id=request.id)
+        head.outputs.add(name=TEXT_OUTPUT, datatype="BYTES", shape=[1])
+        head.parameters[FINAL_RESPONSE].bool_param = False
+        self._head = head.SerializeToString()
+
+    def token(self, text: str) -> bytes:
+        data = text.encode()
+        element = struct.pack("<I", len(data)) + data
+        # ModelInferResponse.raw_output_contents (field 6, length-delimited) ...
+        response = b"%s\x32%s%s" % (self._head, _varint(len(element)), element)
+        # ... inside ModelStreamInferResponse.infer_response (field 2, length-delimited).
+        return b"\x12%s%s" % (_varint(len(response)), response)
+
+
+def _varint(value: int) -> bytes:
+    """Protobuf's base-128 varint."""
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)

@@ -12,7 +12,7 @@ from tritonclient.grpc import service_pb2
 from tritonclient.grpc._utils import _get_inference_request
 
 from gateway.grpc.protocol import pb
-from gateway.grpc.tensors import read_request, text_response
+from gateway.grpc.tensors import TokenResponses, read_request, text_response
 from tests.support.triton import FINAL, llm_inputs, parameters, text_of
 
 
@@ -53,3 +53,16 @@ def test_a_request_as_tritonclient_builds_it_is_read_and_answered() -> None:
     assert text_of(final) is None
     assert parameters(final) == {FINAL: True, "finish_reason": "length", "completion_tokens": 5}
     assert final.get_response().id == "r-1"
+
+
+def test_a_token_response_written_by_hand_is_the_message_protobuf_writes() -> None:
+    llm = read_request(sent(llm_inputs("hi", 5)))
+    tokens = TokenResponses(llm, "alpha")
+    for text in ("wörld", "", "x" * 300, "\n"):  # 300: a length of two varint bytes
+        by_hand = service_pb2.ModelStreamInferResponse.FromString(tokens.token(text))
+        by_protobuf = service_pb2.ModelStreamInferResponse(
+            infer_response=text_response(llm, "alpha", text, final=False)
+        )
+        assert by_hand == by_protobuf
+        result = grpcclient.InferResult(by_hand.infer_response)
+        assert text_of(result) == text and parameters(result) == {FINAL: False}
