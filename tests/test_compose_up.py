@@ -45,6 +45,7 @@ from tests.support.http import (
     send,
 )
 from tests.support.stack import VLLM_LOCK
+from tests.support.triton import triton_reply
 from tests.support.ws import open_ws
 
 
@@ -55,10 +56,11 @@ def compose_run(tmp_path: Path) -> Iterator[ComposeRun]:
     built = standins.prepare()  # first: on a fresh machine it installs podman itself
     prepare_s = time.monotonic() - began
     project = f"ts{secrets.token_hex(3)}"
-    port = free_port()
+    port, grpc_port = free_port(), free_port()
     env = {
         **standins.podman_env(),
         "TOKENSPOUT_PORT": f"127.0.0.1:{port}",
+        "TOKENSPOUT_GRPC_PROXY_PORT": f"127.0.0.1:{grpc_port}",
         "TOKENSPOUT_STANDIN_SUBNET": free_subnet(),
         "TOKENSPOUT_CPU_CAPACITY": "4",
         "TOKENSPOUT_DRAIN_S": "5",
@@ -69,6 +71,7 @@ def compose_run(tmp_path: Path) -> Iterator[ComposeRun]:
     }
     env.pop("COMPOSE_PROFILES", None)  # .env's default is what runs
     run = ComposeRun(project, f"http://127.0.0.1:{port}", env, tmp_path / "compose.log")
+    run.grpc_address = f"127.0.0.1:{grpc_port}"
     run.timings["prepare_s"] = prepare_s
     run.timings.update({f"build_{name}_s": spent for name, spent in built.items()})
     with VLLM_LOCK.open("w") as lock:
@@ -155,6 +158,13 @@ async def test_compose_up_builds_the_images_and_serves_through_the_proxy(
         finally:
             await ws.conn.close()
         run.passed("a SmolLM2 reply over a WebSocket")
+
+        # A real reply over gRPC (Triton's client), through the proxy's HTTP/2 side.
+        grpc_answer = await asyncio.to_thread(
+            triton_reply, run.grpc_address, MODEL, "Name a colour."
+        )
+        assert grpc_answer.final["completion_tokens"] > 0 and grpc_answer.text.strip()
+        run.passed("a SmolLM2 reply over gRPC (tritonclient), through the proxy")
 
         # A cancel: the stream ends with one `cancelled`, nothing after it.
         session = await create_session(client, base)

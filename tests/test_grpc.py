@@ -12,7 +12,6 @@ import httpx
 import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2 as pb
-from tritonclient.grpc._utils import _get_inference_request
 from tritonclient.utils import InferenceServerException
 
 from tests.support.engines import STOP_WITHIN_S
@@ -25,6 +24,7 @@ from tests.support.triton import (
     llm_inputs,
     parameters,
     scalar,
+    sent,
     text_input,
     text_of,
 )
@@ -219,19 +219,7 @@ async def test_bytes_that_are_no_request_message_get_an_error_and_the_stream_goe
             request_serializer=identity,
             response_deserializer=pb.ModelStreamInferResponse.FromString,
         )
-        request = _get_inference_request(
-            model_name="synthetic",
-            inputs=llm_inputs("after the garbage", 3),
-            model_version="",
-            request_id="ok",
-            outputs=None,
-            sequence_id=0,
-            sequence_start=False,
-            sequence_end=False,
-            priority=0,
-            timeout=None,
-            parameters=None,
-        )
+        request = sent(llm_inputs("after the garbage", 3), model="synthetic", request_id="ok")
         call = stream(iter([garbage, request.SerializeToString()]))
         answers = [response async for response in call]
     assert "not a ModelInferRequest message" in answers[0].error_message

@@ -5,32 +5,12 @@ with tritonclient's ``InferResult``."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2
-from tritonclient.grpc._utils import _get_inference_request
 
 from gateway.grpc.protocol import pb
 from gateway.grpc.tensors import TokenResponses, read_request, text_response
-from tests.support.triton import FINAL, llm_inputs, parameters, text_of
-
-
-def sent(inputs: list[Any], **params: Any) -> Any:
-    """The ``ModelInferRequest`` tritonclient's ``infer`` / ``async_stream_infer`` send."""
-    return _get_inference_request(
-        model_name="alpha",
-        inputs=inputs,
-        model_version="",
-        request_id="r-1",
-        outputs=None,
-        sequence_id=0,
-        sequence_start=False,
-        sequence_end=False,
-        priority=0,
-        timeout=None,
-        parameters=params or None,
-    )
+from tests.support.triton import FINAL, llm_inputs, parameters, sent, text_of
 
 
 def test_the_gateway_and_tritonclient_share_one_set_of_messages() -> None:

@@ -37,6 +37,8 @@ class ComposeRun:
     timings: dict[str, float] = field(default_factory=dict)
     checks: list[str] = field(default_factory=list)
     """The checks passed so far, in order: reported with the timings, pass or fail."""
+    grpc_address: str = ""
+    """host:port of the proxy's gRPC side."""
 
     def compose(self, *args: str, timeout: float = 300) -> str:
         command = standins.compose_command(

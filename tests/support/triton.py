@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import tritonclient.grpc as grpcclient
+from tritonclient.grpc._utils import _get_inference_request
 from tritonclient.utils import InferenceServerException
 
 WAIT_S = 60.0
@@ -32,6 +33,23 @@ def llm_inputs(prompt: str, max_tokens: int, **more: tuple[Any, str]) -> list[An
     """``text_input`` and ``max_tokens`` (INT32), then ``name=(value, datatype)`` inputs."""
     inputs = [text_input(prompt), scalar("max_tokens", max_tokens, "INT32")]
     return inputs + [scalar(name, value, datatype) for name, (value, datatype) in more.items()]
+
+
+def sent(inputs: list[Any], model: str = "alpha", request_id: str = "r-1", **params: Any) -> Any:
+    """The ``ModelInferRequest`` tritonclient's ``infer`` / ``async_stream_infer`` send."""
+    return _get_inference_request(
+        model_name=model,
+        inputs=inputs,
+        model_version="",
+        request_id=request_id,
+        outputs=None,
+        sequence_id=0,
+        sequence_start=False,
+        sequence_end=False,
+        priority=0,
+        timeout=None,
+        parameters=params or None,
+    )
 
 
 def parameters(result: grpcclient.InferResult) -> dict[str, Any]:
@@ -111,3 +129,20 @@ class Responses:
             answer.responses.append(result)
             ended += bool(parameters(result)[FINAL])
         return answers
+
+
+def triton_reply(address: str, model: str, prompt: str, max_tokens: int = 12) -> Answer:
+    """One streamed reply, as a program written from Triton's documentation asks for it."""
+    responses = Responses()
+    client = grpcclient.InferenceServerClient(address)
+    try:
+        client.start_stream(callback=responses)
+        client.async_stream_infer(
+            model, llm_inputs(prompt, max_tokens, temperature=(0.0, "FP32")), request_id="1"
+        )
+        (answer,) = responses.answers(1).values()
+        client.stop_stream()
+    finally:
+        client.close()
+    assert answer.error is None, answer.error
+    return answer
