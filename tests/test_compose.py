@@ -186,8 +186,11 @@ def test_the_gateway_can_be_scaled_behind_the_proxy() -> None:
     gateway, proxy = services()["gateway"], services()["proxy"]
     # --scale needs no fixed container name and no host port per replica
     assert "container_name" not in gateway and "ports" not in gateway
-    assert gateway["expose"] == ["8000"]
-    assert proxy["ports"] == ["${TOKENSPOUT_PORT:-8000}:8080"]
+    assert gateway["expose"] == ["8000", "8001"]  # HTTP, and the gRPC service
+    assert proxy["ports"] == [
+        "${TOKENSPOUT_PORT:-8000}:8080",
+        "${TOKENSPOUT_GRPC_PROXY_PORT:-8001}:8081",
+    ]
     config_mount = next(v for v in proxy["volumes"] if v.startswith("./docker/nginx.conf:"))
     assert (ROOT / config_mount.split(":")[0]).is_file()
 
@@ -209,6 +212,14 @@ def test_the_proxy_streams_unbuffered_and_passes_websocket_upgrades() -> None:
         "proxy_set_header X-Request-ID $request_id",
         "proxy_connect_timeout 2s",
         "proxy_next_upstream error timeout",
+        # gRPC: HTTP/2 in cleartext to the clients, each call resolved as requests are.
+        "listen 8081",
+        "http2 on",
+        "set $gateway_grpc gateway:8001",
+        "grpc_pass grpc://$gateway_grpc",
+        "grpc_read_timeout 1h",
+        "grpc_connect_timeout 2s",
+        "grpc_next_upstream error timeout",
     ):
         assert needed in directives, needed
     # Each request resolves the replicas itself (a shared `upstream` list rewritten by a
