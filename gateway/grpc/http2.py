@@ -100,6 +100,8 @@ class Call:
         """The client ended its side of the stream (or reset it)."""
         self.status = (StatusCode.OK, "")
         """What the trailers say, once the method ended."""
+        self.past_deadline = False
+        """``grpc-timeout`` passed: the method was stopped for it."""
         self._received = bytearray()
         self._messages: asyncio.Queue[bytes | None] = asyncio.Queue()
         self._unsent = bytearray()
@@ -188,7 +190,17 @@ class Call:
         self.ended = self.client_done = True
         self._unsent.clear()
         self.drained()
-        if self.task is not None:
+        self.stop_method()
+
+    def deadline_passed(self) -> None:
+        self.past_deadline = True
+        self.stop_method()
+
+    def stop_method(self) -> None:
+        """Cancel the method's task, once: a second cancel (the client's reset arriving
+        while the deadline's cancel still runs the method's clean-up, or the other way
+        round) would cut that clean-up short, and with it the abort of the generation."""
+        if self.task is not None and not self.task.done() and not self.task.cancelling():
             self.task.cancel()
 
 
@@ -225,7 +237,9 @@ class GrpcConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         try:
             events = self.h2.receive_data(data)
-        except h2.exceptions.ProtocolError as exc:
+        except (h2.exceptions.ProtocolError, UnicodeDecodeError) as exc:
+            # Frames HTTP/2 forbids, or header bytes that are no UTF-8: the connection's
+            # state is lost, so it ends (GOAWAY); the others serve on.
             log.warning("closing a gRPC connection: %s", exc)
             self.flush()
             self.close()
@@ -290,8 +304,7 @@ class GrpcConnection(asyncio.Protocol):
             step()
         except GrpcError as error:
             self.end(call, error.code, error.message)
-            if call.task is not None:
-                call.task.cancel()
+            call.stop_method()
 
     def _start_call(self, stream_id: int, raw_headers: Any) -> None:
         headers = dict(raw_headers)
@@ -324,22 +337,28 @@ class GrpcConnection(asyncio.Protocol):
         self.h2.send_headers(stream_id, [(":status", status)], end_stream=True)
 
     async def _run(self, call: Call, method: Method) -> None:
-        deadline = asyncio.timeout(_deadline(call.metadata.get("grpc-timeout")))
+        timeout_s = _deadline(call.metadata.get("grpc-timeout"))
+        loop = asyncio.get_running_loop()
+        timer = None if timeout_s is None else loop.call_later(timeout_s, call.deadline_passed)
         try:
-            async with deadline:
-                await method(call)
+            await method(call)
             self.end(call, StatusCode.OK, "")
         except GrpcError as error:
             self.end(call, error.code, error.message)
-        except Exception as exc:
-            if isinstance(exc, TimeoutError) and deadline.expired():
-                self.end(call, StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed")
-            else:
-                log.exception("a gRPC call failed")
-                self.end(call, StatusCode.INTERNAL, "the gateway failed answering it (logged)")
+        except asyncio.CancelledError:
+            if not call.past_deadline:
+                # The client reset the stream or went away, or the server stops (and
+                # ended the call itself): nothing more goes out on this stream.
+                raise
+            if call.task is not None:  # this task: the deadline's cancel is handled here
+                call.task.uncancel()
+            self.end(call, StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed")
+        except Exception:
+            log.exception("a gRPC call failed")
+            self.end(call, StatusCode.INTERNAL, "the gateway failed answering it (logged)")
         finally:
-            # Cancelled (the client reset the stream or went away, or the server stops and
-            # ended the call itself): nothing more goes out on this stream.
+            if timer is not None:
+                timer.cancel()
             if not call.ended:
                 call.gone()
             if call.unsent == 0:
@@ -472,8 +491,7 @@ class GrpcServerCore:
         for connection in list(self.connections):
             for call in list(connection.calls.values()):
                 connection.end(call, StatusCode.UNAVAILABLE, "the gateway is shutting down")
-                if call.task is not None:
-                    call.task.cancel()
+                call.stop_method()
         if self.running:
             await asyncio.gather(*self.running, return_exceptions=True)
         for connection in list(self.connections):

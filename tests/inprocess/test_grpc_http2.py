@@ -11,6 +11,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+import h2.config
+import h2.connection
+import h2.events
 import httpx
 import pytest
 
@@ -34,6 +37,7 @@ class Methods:
 
     def __init__(self) -> None:
         self.cancelled: asyncio.Event = asyncio.Event()
+        self.cleaned_up: asyncio.Event = asyncio.Event()
         self.sent = 0
 
     async def echo(self, call: Call) -> None:
@@ -62,6 +66,16 @@ class Methods:
         finally:
             self.cancelled.set()
 
+    async def slow_clean_up(self, call: Call) -> None:
+        """Waits until cancelled, then takes a while to clean up (a generation's abort)."""
+        await call.receive()
+        await call.send(b"started")
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await asyncio.sleep(0.5)
+            self.cleaned_up.set()
+
     async def big(self, call: Call) -> None:
         """``count`` (the request) messages of ``BIG`` bytes, each filled with its index."""
         count = int(await call.receive() or b"0")
@@ -72,7 +86,7 @@ class Methods:
     def table(self) -> dict[str, Method]:
         return {
             f"/test.T/{name}": getattr(self, name)
-            for name in ("echo", "refuse", "fail_after_one", "forever", "big")
+            for name in ("echo", "refuse", "fail_after_one", "forever", "slow_clean_up", "big")
         }
 
 
@@ -179,6 +193,19 @@ async def test_a_deadline_or_a_cancel_stops_the_method(served: Any) -> None:
         await asyncio.wait_for(methods.cancelled.wait(), 5)
 
 
+async def test_a_reset_during_the_deadlines_clean_up_does_not_cut_it_short(served: Any) -> None:
+    """The client's deadline ends its call with a reset at about the time the server's
+    copy of it (``grpc-timeout``) cancels the method: the method is cancelled once, and its
+    clean-up (in the gateway, the abort of the generation) runs to its end."""
+    _, methods, address = served
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = _raw(channel, "slow_clean_up")(_requests(b"x"), timeout=0.5)
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await _collect(call)
+        assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    await asyncio.wait_for(methods.cleaned_up.wait(), 5)
+
+
 async def test_large_messages_come_whole_and_a_slow_reader_holds_only_its_own_call(
     served: Any,
 ) -> None:
@@ -232,3 +259,35 @@ async def test_a_request_that_is_not_grpc_gets_an_http_status(served: Any) -> No
         assert answer.status_code == 415
         answer = await client.get(f"http://{address}/test.T/echo")
         assert answer.status_code == 405
+
+
+async def test_a_connection_that_breaks_http2_is_closed_and_the_others_serve_on(
+    served: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    _, _, address = served
+    host, port = address.split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    headers = [
+        (":method", "POST"),
+        (":path", "/test.T/echo"),
+        (":scheme", "http"),
+        (":authority", address),
+    ]
+    raw = [(name.encode(), value.encode()) for name, value in headers]
+    client.send_headers(1, [*raw, (b"content-type", b"application/grpc"), (b"x-bad", b"\xff")])
+    events: list[Any] = []
+    try:
+        writer.write(client.data_to_send())
+        with caplog.at_level(logging.WARNING):
+            while not any(isinstance(e, h2.events.ConnectionTerminated) for e in events):
+                data = await asyncio.wait_for(reader.read(65_536), 5)
+                assert data, "closed without a GOAWAY"
+                events += client.receive_data(data)
+    finally:
+        writer.close()
+        await writer.wait_closed()
+    assert "closing a gRPC connection" in caplog.text and "Traceback" not in caplog.text
+    async with grpc.aio.insecure_channel(address) as channel:
+        assert await _collect(_raw(channel, "echo")(_requests(b"ok"))) == [b"ok", b"1 "]
