@@ -24,6 +24,8 @@ pytestmark = pytest.mark.timeout(60)
 MAX_MESSAGE = 1 << 20
 BIG = 300_000
 """A message over HTTP/2's default frame (16 KB) and window (64 KB): split and paced."""
+CLEAN_UP_S = 1.0
+"""Long enough that the client's reset lands inside a deadline's clean-up."""
 
 
 def _free_port() -> int:
@@ -58,22 +60,15 @@ class Methods:
         raise RuntimeError("a bug")
 
     async def forever(self, call: Call) -> None:
-        """Sends a message, then waits until cancelled."""
+        """Sends a message, then waits until cancelled; then takes a while to clean up (as
+        the gateway's methods abort their generation)."""
         await call.receive()
         await call.send(b"started")
         try:
             await asyncio.Event().wait()
         finally:
             self.cancelled.set()
-
-    async def slow_clean_up(self, call: Call) -> None:
-        """Waits until cancelled, then takes a while to clean up (a generation's abort)."""
-        await call.receive()
-        await call.send(b"started")
-        try:
-            await asyncio.Event().wait()
-        finally:
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(CLEAN_UP_S)
             self.cleaned_up.set()
 
     async def big(self, call: Call) -> None:
@@ -86,7 +81,7 @@ class Methods:
     def table(self) -> dict[str, Method]:
         return {
             f"/test.T/{name}": getattr(self, name)
-            for name in ("echo", "refuse", "fail_after_one", "forever", "slow_clean_up", "big")
+            for name in ("echo", "refuse", "fail_after_one", "forever", "big")
         }
 
 
@@ -177,33 +172,27 @@ async def test_statuses_come_as_trailers_with_their_message(
         assert await _collect(_raw(channel, "echo")(_requests(b"y"))) == [b"y", b"1 "]
 
 
-async def test_a_deadline_or_a_cancel_stops_the_method(served: Any) -> None:
-    _, methods, address = served
-    async with grpc.aio.insecure_channel(address) as channel:
-        call = _raw(channel, "forever")(_requests(b"x"), timeout=0.5)
-        with pytest.raises(grpc.aio.AioRpcError) as error:
-            await _collect(call)
-        assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        await asyncio.wait_for(methods.cancelled.wait(), 5)
-
-        methods.cancelled.clear()
-        call = _raw(channel, "forever")(_requests(b"x"))
-        assert await call.read() == b"started"
-        call.cancel()
-        await asyncio.wait_for(methods.cancelled.wait(), 5)
-
-
-async def test_a_reset_during_the_deadlines_clean_up_does_not_cut_it_short(served: Any) -> None:
+async def test_a_deadline_or_a_cancel_stops_the_method_and_its_clean_up_runs_whole(
+    served: Any,
+) -> None:
     """The client's deadline ends its call with a reset at about the time the server's
     copy of it (``grpc-timeout``) cancels the method: the method is cancelled once, and its
     clean-up (in the gateway, the abort of the generation) runs to its end."""
     _, methods, address = served
     async with grpc.aio.insecure_channel(address) as channel:
-        call = _raw(channel, "slow_clean_up")(_requests(b"x"), timeout=0.5)
-        with pytest.raises(grpc.aio.AioRpcError) as error:
-            await _collect(call)
-        assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    await asyncio.wait_for(methods.cleaned_up.wait(), 5)
+        for deadline_s in (0.5, None):  # None: the client cancels the call
+            methods.cancelled.clear()
+            methods.cleaned_up.clear()
+            call = _raw(channel, "forever")(_requests(b"x"), timeout=deadline_s)
+            assert await call.read() == b"started"
+            if deadline_s is None:
+                call.cancel()
+            else:
+                with pytest.raises(grpc.aio.AioRpcError) as error:
+                    await call.read()
+                assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            await asyncio.wait_for(methods.cancelled.wait(), 5)
+            await asyncio.wait_for(methods.cleaned_up.wait(), 5)
 
 
 async def test_large_messages_come_whole_and_a_slow_reader_holds_only_its_own_call(
