@@ -47,6 +47,8 @@ MAX_QUEUED_MESSAGES = 256
 """Requests a call has received and not read: past it the call ends ``RESOURCE_EXHAUSTED``."""
 RECEIVE_WINDOW = 1 << 20
 """Bytes a client may send ahead, per call and per connection."""
+STREAM_GONE = (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError)
+"""What h2 raises for a frame on a stream the client has closed (or reset) meanwhile."""
 _TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
 
 
@@ -122,7 +124,7 @@ class Call:
         framed = b"\x00" + len(message).to_bytes(4, "big") + message
         connection = self.connection
         if not self.headers_sent:
-            connection.send_headers(self, end_stream=False)
+            connection.send_headers(self)
         if self._unsent:
             self._unsent += framed
         elif not connection.send_whole(self, framed):
@@ -366,8 +368,9 @@ class GrpcConnection(asyncio.Protocol):
 
     # --- frames out ----------------------------------------------------------------------
 
-    def send_headers(self, call: Call, *, end_stream: bool) -> None:
-        self.h2.send_headers(call.stream_id, _RESPONSE_HEADERS, end_stream=end_stream)
+    def send_headers(self, call: Call) -> None:
+        """The response's headers, before its first message."""
+        self.h2.send_headers(call.stream_id, _RESPONSE_HEADERS)
         call.headers_sent = True
         self.schedule_flush()
 
@@ -382,9 +385,8 @@ class GrpcConnection(asyncio.Protocol):
             if size > self.h2.local_flow_control_window(stream_id):
                 return False
             self.h2.send_data(stream_id, data)
-        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
-            self.calls.pop(stream_id, None)  # the client closed the stream meanwhile
-            call.gone()
+        except STREAM_GONE:
+            self._lost(call)
             return True
         self.schedule_flush()
         return True
@@ -402,9 +404,8 @@ class GrpcConnection(asyncio.Protocol):
                 if size <= 0:
                     break
                 self.h2.send_data(stream_id, call.take_unsent(size))
-        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
-            self.calls.pop(stream_id, None)  # the client closed the stream meanwhile
-            call.gone()
+        except STREAM_GONE:
+            self._lost(call)
             return
         self.schedule_flush()
         if not call.unsent:
@@ -412,13 +413,18 @@ class GrpcConnection(asyncio.Protocol):
             if call.ended:  # the status waited for these bytes
                 self._send_trailers(call)
 
+    def _lost(self, call: Call) -> None:
+        """The client closed the stream while its call was sending."""
+        self.calls.pop(call.stream_id, None)
+        call.gone()
+
     def end(self, call: Call, code: StatusCode, message: str) -> None:
         """Send the call's status (after its unsent messages, when window allows)."""
         if call.ended:
             return
         call.ended = True
         if not call.headers_sent:
-            with contextlib.suppress(h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+            with contextlib.suppress(*STREAM_GONE):
                 self.h2.send_headers(call.stream_id, _trailers_only(code, message), end_stream=True)
             self._after_end(call)
             return
@@ -428,14 +434,14 @@ class GrpcConnection(asyncio.Protocol):
 
     def _send_trailers(self, call: Call) -> None:
         code, message = call.status
-        with contextlib.suppress(h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+        with contextlib.suppress(*STREAM_GONE):
             self.h2.send_headers(call.stream_id, _trailers(code, message), end_stream=True)
         self._after_end(call)
 
     def _after_end(self, call: Call) -> None:
         if not call.client_done:
             # The client may still be sending: tell it to stop, without error.
-            with contextlib.suppress(h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+            with contextlib.suppress(*STREAM_GONE):
                 self.h2.reset_stream(call.stream_id, h2.errors.ErrorCodes.NO_ERROR)
             call.client_done = True
         self.calls.pop(call.stream_id, None)

@@ -29,8 +29,8 @@ from gateway import __version__
 from gateway.auth import ApiKeys, bearer
 from gateway.errors import BadRequest, GatewayError, Unavailable, as_gateway_error
 from gateway.generation_stream import GenerationItem, GenerationStream, final_error
-from gateway.grpc import metadata
 from gateway.grpc.http2 import Call, GrpcError, Method, StatusCode
+from gateway.grpc.metadata import model_metadata
 from gateway.grpc.protocol import pb
 from gateway.grpc.tensors import LlmRequest, TokenResponses, read_request, text_response
 from gateway.relay import RelayHub
@@ -97,13 +97,13 @@ class InferenceService:
         return pb.ModelReadyResponse(ready=True)
 
     async def model_metadata(
-        self, request: pb.ModelMetadataRequest, metadata_: Metadata
+        self, request: pb.ModelMetadataRequest, metadata: Metadata
     ) -> pb.ModelMetadataResponse:
-        self.authorize(metadata_)
+        self.authorize(metadata)
         model = await self.store.models.resolve(_named(request.name))
         workers = (await self.store.models.snapshot()).live.get(model, [])
         backend = workers[0].backend if workers else ""
-        return metadata.model_metadata(request.name, backend)
+        return model_metadata(request.name, backend)
 
     async def model_infer(
         self, request: pb.ModelInferRequest, metadata: Metadata
