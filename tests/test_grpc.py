@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import time
@@ -14,9 +15,10 @@ import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import InferenceServerException
 
+from stack import processes
 from tests.support.engines import STOP_WITHIN_S
 from tests.support.oracle import synthetic_text, synthetic_tokens
-from tests.support.redis_probes import only_generation, wait_final, wait_running
+from tests.support.redis_probes import lease_trusted, only_generation, wait_final, wait_running
 from tests.support.stack import Stack
 from tests.support.triton import (
     FINAL,
@@ -312,3 +314,33 @@ def test_a_stream_that_outlasts_the_gateways_shutdown_grace_ends_shutting_down(
     log = (stack.logs / f"gateway-{gateway.port}.log").read_text()
     assert "msg='Application shutdown complete.'" in log
     assert "Exception in ASGI application" not in log and "Traceback" not in log
+
+
+async def test_a_worker_killed_mid_reply_is_continued_on_the_grpc_stream(stack: Stack) -> None:
+    """Takeover under gRPC: the stream reads on through the kill and ends with exactly the
+    uninterrupted text."""
+    doomed = stack.synthetic(20)
+    gateway = stack.gateway(grpc=True)
+    content, max_tokens = "carry on over grpc", 60
+    responses = Responses()
+    client = grpcclient.InferenceServerClient(gateway.grpc_url)
+    got = []
+    try:
+        client.start_stream(callback=responses)
+        client.async_stream_infer("synthetic", llm_inputs(content, max_tokens), request_id="t")
+        while len(got) < 5:
+            result, error = await asyncio.to_thread(responses.next)
+            assert error is None, error
+            got.append(result)
+        stack.synthetic(20)
+        await lease_trusted(stack.redis_url)
+        processes.kill(doomed)
+        while not parameters(got[-1])[FINAL]:
+            result, error = await asyncio.to_thread(responses.next)
+            assert error is None, error
+            got.append(result)
+        client.stop_stream()
+    finally:
+        client.close()
+    assert "".join(text_of(r) or "" for r in got) == synthetic_text(content, max_tokens)
+    assert parameters(got[-1])["completion_tokens"] == max_tokens
