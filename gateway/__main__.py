@@ -1,5 +1,7 @@
-"""``python -m gateway --host H --port P [--grpc-port G]``: serve the gateway (configuration
-from the env), and its gRPC inference service on the same host (gateway/grpc/).
+"""``python -m gateway --host H --port P [--grpc-port G] [--workers N]``: serve the gateway
+(configuration from the env), and its gRPC inference service on the same host
+(gateway/grpc/); ``--workers N`` (or ``auto``): N processes on those ports
+(gateway/supervisor.py).
 
 SIGTERM drains: the listening socket closes, idle event streams end at once, streams with a
 generation in flight end right after its final event, and whatever is still open after
@@ -12,8 +14,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import socket
 import sys
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -21,6 +25,7 @@ import msgspec
 import uvicorn
 
 from gateway.settings import Settings
+from gateway.supervisor import OrphanWatch, Supervisor, auto_workers
 from wire.connect import misconfiguration
 from wire.logs import configure_logging
 from wire.runtime import tune_gc
@@ -42,16 +47,24 @@ def ws_max_size(settings: Settings) -> int:
 
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, telling the relay hub and the gRPC server when a shutdown signal
-    arrives."""
+    arrives; as one of several processes, draining by itself if its parent dies."""
 
-    def __init__(self, config: uvicorn.Config, services: Services) -> None:
+    def __init__(
+        self, config: uvicorn.Config, services: Services, orphan: OrphanWatch | None = None
+    ) -> None:
         super().__init__(config)
         self.services = services
+        self.orphan = orphan
         self.loop: asyncio.AbstractEventLoop | None = None
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self.loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.orphan is not None and counter % 10 == 0 and self.orphan.orphaned():
+            self.handle_exit(signal.SIGTERM, None)  # uvicorn ticks every 0.1 s
+        return await super().on_tick(counter)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self.should_exit and self.loop is not None:
@@ -72,7 +85,26 @@ def parser() -> argparse.ArgumentParser:
         help="port of the gRPC inference service on --host (default: TOKENSPOUT_GRPC_PORT, "
         "8001); 0: none",
     )
+    parser.add_argument(
+        "--workers",
+        default="1",
+        help="gateway processes on these ports, or 'auto' (one below 8 cores, then one per 4 "
+        "cores, at most 8); each has its own Redis pool of 64 connections and one pub/sub",
+    )
+    hidden = argparse.SUPPRESS  # one process of several, as its parent starts it
+    parser.add_argument("--fd", type=int, default=None, help=hidden)
+    parser.add_argument("--grpc-fd", type=int, default=None, help=hidden)
+    parser.add_argument("--process-index", type=int, default=0, help=hidden)
+    parser.add_argument("--peers-dir", type=Path, default=None, help=hidden)
     return parser
+
+
+def workers(value: str) -> int:
+    if value == "auto":
+        return auto_workers()
+    if not value.isdigit() or int(value) < 1:
+        sys.exit(f"tokenspout gateway: --workers takes a number from 1 or 'auto', not {value!r}")
+    return int(value)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -83,11 +115,26 @@ def main(argv: list[str] | None = None) -> None:
     settings = Settings.from_env()
     if args.grpc_port is not None:
         settings = msgspec.structs.replace(settings, grpc_port=args.grpc_port)
-    configure_logging(settings.log_level, "gateway")
-    if problem := asyncio.run(misconfiguration(settings.redis_url)):
+    child = args.peers_dir is not None
+    configure_logging(settings.log_level, f"gateway.{args.process_index}" if child else "gateway")
+    if not child and (problem := asyncio.run(misconfiguration(settings.redis_url))):
         sys.exit(f"tokenspout gateway: cannot start: {problem}")
+    processes = 1 if child else workers(args.workers)
+    if processes > 1:
+        own = ["--host", args.host, "--port", str(args.port)]
+        own += ["--grpc-port", str(settings.grpc_port)]
+        try:
+            supervisor = Supervisor(own, args.host, args.port, settings.grpc_port, processes)
+        except OSError as exc:
+            sys.exit(f"tokenspout gateway: cannot start: {exc}")
+        sys.exit(supervisor.run())
+    place = {}
+    if child:
+        grpc_socket = None if args.grpc_fd is None else socket.socket(fileno=args.grpc_fd)
+        place = {"grpc_socket": grpc_socket, "peers_dir": args.peers_dir}
+        place["process_index"] = args.process_index
     try:
-        app, services = create_asgi_app(settings, grpc_host=args.host)
+        app, services = create_asgi_app(settings, grpc_host=args.host, **place)
     except ConfigError as exc:
         sys.exit(f"tokenspout gateway: cannot start: {exc}")
     config = uvicorn.Config(
@@ -101,7 +148,8 @@ def main(argv: list[str] | None = None) -> None:
         ws_max_size=ws_max_size(settings),
     )
     tune_gc()
-    DrainingServer(config, services).run()
+    server = DrainingServer(config, services, OrphanWatch() if child else None)
+    server.run(sockets=None if args.fd is None else [socket.socket(fileno=args.fd)])
 
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 from litestar import Litestar, Response
 from litestar.config.cors import CORSConfig
@@ -60,7 +62,18 @@ REDIS_POOL_SIZE = 64
 class Services:
     """What the lifespan opens; handed to handlers through dependency injection."""
 
-    def __init__(self, settings: Settings, grpc_host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        grpc_host: str = "127.0.0.1",
+        *,
+        grpc_socket: socket.socket | None = None,
+        peers_dir: Path | None = None,
+        process_index: int = 0,
+    ) -> None:
+        """``grpc_socket``, ``peers_dir``, ``process_index``: one of the processes of
+        ``python -m gateway --workers N`` (gateway/supervisor.py): its gRPC listening socket,
+        and where its siblings' metrics are (gateway/federation.py)."""
         self.settings = settings
         # Read once, here: a missing key file stops the start (ConfigError), not each request.
         self.api_keys = ApiKeys.from_settings(settings)
@@ -71,7 +84,7 @@ class Services:
             health_check_interval=10,
         )
         self.keys = Keys(settings.key_prefix)
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(peers_dir, process_index)
         self.store = SessionStore(self.redis, settings, observer=self.metrics)
         self.hub = RelayHub(
             self.redis, self.keys, settings.stream_buffer_events, observer=self.metrics
@@ -98,6 +111,7 @@ class Services:
                 settings.grpc_port,
                 max_message_bytes=settings.max_body_bytes,
                 grace_s=settings.shutdown_grace_s,
+                sock=grpc_socket,
             )
 
     def begin_drain(self) -> None:
@@ -139,6 +153,8 @@ class Services:
         await self.hub.start()
         if self.grpc is not None:
             await self.grpc.start()
+        if self.metrics.peers is not None:
+            await self.metrics.peers.start()
         tasks = [
             asyncio.create_task(
                 refresh_watches(self.store, self.hub, self.settings.abandon_grace_s / 3)
@@ -148,6 +164,8 @@ class Services:
         try:
             yield
         finally:
+            if self.metrics.peers is not None:
+                await self.metrics.peers.stop()
             if self.grpc is not None:
                 await self.grpc.stop()  # its streams end, their generations closed, first
             for task in tasks:
@@ -193,9 +211,10 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
 
 
 def create_asgi_app(
-    settings: Settings, grpc_host: str = "127.0.0.1"
+    settings: Settings, grpc_host: str = "127.0.0.1", **place: Any
 ) -> tuple[RequestMetrics, Services]:
     """What ``python -m gateway`` serves: the app inside its request-metrics layer (and the
-    gRPC server on ``grpc_host``, the HTTP server's host, started by its lifespan)."""
-    services = Services(settings, grpc_host)
+    gRPC server on ``grpc_host``, the HTTP server's host, started by its lifespan);
+    ``place``: ``Services``' arguments for one of several processes."""
+    services = Services(settings, grpc_host, **place)
     return RequestMetrics(create_app(settings, services), services.metrics), services

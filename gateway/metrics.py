@@ -24,12 +24,14 @@ import time
 from bisect import bisect_left
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 import wire
+from gateway.federation import MetricsPeers
 from gateway.feed import RelayEvent
 from wire import TERMINAL_EVENTS
 
@@ -80,8 +82,10 @@ class _Live:
 class GatewayMetrics:
     """The registry, its metrics, and the hooks that feed them."""
 
-    def __init__(self) -> None:
+    def __init__(self, peers_dir: Path | None = None, process_index: int = 0) -> None:
         self.registry = r = CollectorRegistry()
+        self.peers = None if peers_dir is None else MetricsPeers(peers_dir, process_index, r)
+        """The sibling processes of ``python -m gateway --workers N`` (gateway/federation.py)."""
         self.active_streams = Gauge(
             "tokenspout_gateway_active_streams",
             "Open event feeds in this process (SSE streams, WebSocket subscriptions, "
@@ -205,6 +209,13 @@ class GatewayMetrics:
             "generation queued",
             extra={"session_id": session_id, "generation_id": generation_id, "model": model},
         )
+
+    async def exposition(self) -> bytes:
+        """What ``/metrics`` answers: this process's registry, or with sibling processes
+        every one's."""
+        if self.peers is None:
+            return generate_latest(self.registry)
+        return await self.peers.exposition()
 
     def queue_depths(self, counts: dict[str, tuple[int, int]]) -> None:
         """Set the queue gauges from ``SessionStore.queue_counts``."""

@@ -50,6 +50,11 @@ def main() -> None:
         default=int(os.environ.get("TOKENSPOUT_GRPC_PORT", "8001")),
         help="the gateway's KServe v2 / Triton gRPC port; 0: none",
     )
+    parser.add_argument(
+        "--workers",
+        default="auto",
+        help="gateway processes (python -m gateway --workers): 'auto' is one below 8 cores",
+    )
     parser.add_argument("--backend", choices=["vllm", "synthetic"], default="vllm")
     parser.add_argument("--model", default="default")
     parser.add_argument("--persist", type=Path, default=None, help="keep Redis data here")
@@ -96,7 +101,9 @@ def main() -> None:
             children.append(processes.engine([*shlex.split(extra), "--drain-s", str(DRAIN_S)], env))
         grpc = f" (gRPC on {args.host}:{args.grpc_port})" if args.grpc_port else ""
         say(f"starting the gateway on http://{args.host}:{args.port}{grpc}")
-        gateway = processes.gateway(args.port, env, host=args.host, grpc_port=args.grpc_port)
+        gateway = processes.gateway(
+            args.port, env, host=args.host, grpc_port=args.grpc_port, workers=args.workers
+        )
         children.append(gateway)
         base = f"http://{args.host}:{args.port}"
         processes.wait_http(f"{base}/health", gateway, 60)

@@ -41,10 +41,12 @@ def gateway(
     *,
     host: str = "127.0.0.1",
     grpc_port: int = 0,
+    workers: str = "1",
 ) -> subprocess.Popen[bytes]:
     """``python -m gateway``; its gRPC server only with a ``grpc_port`` (the default 8001
-    would clash between the gateways of tests and benchmarks)."""
+    would clash between the gateways of tests and benchmarks); ``workers``: processes."""
     args = ["--host", host, "--port", str(port), "--grpc-port", str(grpc_port)]
+    args += ["--workers", workers]
     return spawn(["-m", "gateway", *args], env, log_path)
 
 

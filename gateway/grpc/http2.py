@@ -28,6 +28,7 @@ import contextlib
 import enum
 import functools
 import logging
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
@@ -478,9 +479,13 @@ class GrpcServerCore:
         self.draining = False
         self._server: asyncio.Server | None = None
 
-    async def listen(self, host: str, port: int) -> None:
+    async def listen(self, host: str, port: int, sock: socket.socket | None = None) -> None:
+        """On ``host:port``, or on ``sock``, a listening socket bound elsewhere."""
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: GrpcConnection(self), host, port)
+        if sock is not None:
+            self._server = await loop.create_server(lambda: GrpcConnection(self), sock=sock)
+        else:
+            self._server = await loop.create_server(lambda: GrpcConnection(self), host, port)
 
     def refuse_new_calls(self) -> None:
         """New calls are answered ``UNAVAILABLE`` and new connections refused."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 
 from gateway.grpc.http2 import GrpcServerCore
 from gateway.grpc.service import InferenceService
@@ -27,8 +28,11 @@ class GrpcServer:
         *,
         max_message_bytes: int,
         grace_s: float,
+        sock: socket.socket | None = None,
     ) -> None:
+        """``sock``: listen there (a socket a parent process bound), not on host:port."""
         self.host = host
+        self.sock = sock
         self.port = port
         self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self.grace_s = grace_s
@@ -37,7 +41,7 @@ class GrpcServer:
 
     async def start(self) -> None:
         try:
-            await self._core.listen(self.host, self.port)
+            await self._core.listen(self.host, self.port, self.sock)
         except OSError as exc:
             raise OSError(f"the gRPC server cannot listen on {self.address}: {exc}") from exc
         log.info("gRPC inference service listening", extra={"address": self.address})

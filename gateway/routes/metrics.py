@@ -1,4 +1,5 @@
-"""``/metrics``: the gateway process's Prometheus metrics (gateway/metrics.py)."""
+"""``/metrics``: the gateway's Prometheus metrics (gateway/metrics.py; with ``--workers N``
+every process's, gateway/federation.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import logging
 
 from litestar import get
 from litestar.response import Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from redis.exceptions import RedisError
 
 from gateway.metrics import GatewayMetrics
@@ -25,4 +26,4 @@ async def metrics_endpoint(store: SessionStore, metrics: GatewayMetrics) -> Resp
         metrics.redis_error("metrics")
     else:
         metrics.queue_depths(counts)
-    return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(await metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
