@@ -69,14 +69,15 @@ pytest: setup
 
 # Open streams and fan-out saturation of one gateway process (python -m bench), end to end
 # against the engine alone (bench.e2e), what a request costs (bench.requests), all with the
-# synthetic engine; then vLLM on the CPU: alone vs behind the gateway, and cancel latency.
+# synthetic engine; then bench.e2e with vLLM on the CPU on both sides, and cancel latency.
 # Not part of `make test`; results land in docs/bench/.
+VLLM_E2E_ARGS ?= --streams 1 8 --tokens 64 --rounds-single 12 --rounds 3 --saturation 0 0 \
+	--modes engine openai session ws --cancels 20
 bench: model
 	$(PY) -m bench $(BENCH_ARGS)
 	$(PY) -m bench.e2e $(E2E_ARGS)
 	$(PY) -m bench.requests
-	$(PY) -m bench.engine_vs_gateway
-	$(PY) -m bench.cancel_latency
+	$(PY) -m bench.e2e --engine vllm --rate 0 --name e2e-vllm $(VLLM_E2E_ARGS)
 
 # Ten minutes of faults under load (bench/chaos), every reply checked; one report per seed
 # in docs/bench/chaos/. `make soak SEEDS="1 2 3"` runs three in a row, stopping at the

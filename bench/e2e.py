@@ -12,6 +12,9 @@ started over N / 1,000 s, and an unpaced saturation point (tokens as fast as the
 makes them). Added latency is a gateway path minus ``engine`` at the same point.
 ``--cluster 3`` runs every gateway path a second time on a Redis Cluster of 3 primaries, in
 turns with the one Redis (issue 15: does a cluster spread Redis's work, or add to it?).
+``--engine vllm`` puts vLLM on the CPU on both sides (SmolLM2, greedy: the worker's backend
+and the engine alone's are the same code), at its own pace (``--rate 0``); ``--cancels N``
+measures N cancels on the rig after the points (bench/cancels.py).
 Results: docs/bench/e2e.json, e2e.md, e2e.png; docs/bench.md has the method.
 """
 
@@ -30,7 +33,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from bench import e2e_report, profile_top, report, stats
+from bench import cancels, e2e_report, profile_top, report, stats
 from bench.rig import Rig, rig
 from bench.runner import MODES, run_once
 from bench.stats import Run, added, describe, summarise
@@ -49,7 +52,11 @@ async def rigs(args: argparse.Namespace, tokens_per_s: float) -> AsyncIterator[d
     """The one-Redis rig, and with ``--cluster`` the same on a cluster beside it."""
     async with contextlib.AsyncExitStack() as stack:
         one = rig(
-            tokens_per_s, args.logs, unix_socket=args.unix_socket, join_tokens=args.join_tokens
+            tokens_per_s,
+            args.logs,
+            engine=args.engine,
+            unix_socket=args.unix_socket,
+            join_tokens=args.join_tokens,
         )
         sides = {ONE: await stack.enter_async_context(one)}
         if args.cluster:
@@ -117,24 +124,14 @@ async def profile_point(
 ) -> dict[str, Any]:
     """The point again (not measured: py-spy takes CPU too), with py-spy on the gateway and
     the worker for each gateway path; speedscope files and their top frames."""
-    out: Path = args.profile  # made by main()
     summary: dict[str, Any] = {}
+    pids = {"gateway": the_rig.gateway.pid, "worker": the_rig.worker.pid}
     for mode in modes:
-        files = {
-            name: out / f"{mode}-{streams_n}-{name}.speedscope.json"
-            for name in ("gateway", "worker")
-        }
-        spies = [
-            profile_top.record(pid, files[name], native=args.profile_native)
-            for name, pid in (("gateway", the_rig.gateway.pid), ("worker", the_rig.worker.pid))
-        ]
-        await asyncio.sleep(1.0)  # py-spy attaches
-        await run_point(
-            {ONE: the_rig}, streams_n, args.rate, args.tokens, args.start_rate, 1, [mode]
-        )
-        for spy in spies:
-            profile_top.stop(spy)
-        summary[mode] = {name: profile_top.summary(path) for name, path in files.items()}
+        stem, native = f"{mode}-{streams_n}", args.profile_native
+        async with profile_top.profiling(pids, args.profile, stem, native) as summary[mode]:
+            await run_point(
+                {ONE: the_rig}, streams_n, args.rate, args.tokens, args.start_rate, 1, [mode]
+            )
     return summary
 
 
@@ -150,6 +147,7 @@ async def suite(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {
         "machine": stats.machine(),
         "settings": {
+            "engine": args.engine,
             "streams": args.streams,
             "tokens_per_s_per_stream": args.rate,
             "tokens_per_stream": args.tokens,
@@ -184,6 +182,9 @@ async def suite(args: argparse.Namespace) -> dict[str, Any]:
                 "dir": str(args.profile),
                 "top": await profile_point(sides[ONE], args, at, gateway_modes),
             }
+        if args.cancels:
+            say(f"{args.cancels} cancels")
+            results["cancels"] = await cancels.measure(sides[ONE], args.cancels)
     streams_n, tokens = args.saturation
     if streams_n and tokens:
         async with rigs(args, 0) as sides:
@@ -191,6 +192,7 @@ async def suite(args: argparse.Namespace) -> dict[str, Any]:
             point = await run_point(sides, streams_n, 0, tokens, args.start_rate, 1, args.modes)
             results["saturation"] = point
             say("saturation (unpaced) " + describe(point))
+
     results["suite_s"] = round(time.monotonic() - began, 1)
     results["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     return results
@@ -216,6 +218,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="unpaced point: streams x tokens each (0 0: skip)",
     )
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(DEFAULT_MODES))
+    parser.add_argument(
+        "--engine",
+        choices=("synthetic", "vllm"),
+        default="synthetic",
+        help="vllm: SmolLM2 on the CPU on both sides, at its own pace (give --rate 0)",
+    )
+    parser.add_argument(
+        "--cancels", type=int, default=0, help="then N cancelled generations (bench/cancels.py)"
+    )
     parser.add_argument(
         "--cluster",
         type=int,
@@ -248,7 +259,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="gateway and worker reach Redis over a Unix socket (default: loopback TCP)",
     )
     parser.add_argument("--name", default="e2e", help="file names: NAME.json, NAME.md, NAME.png")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.engine == "vllm" and (args.cluster or args.rate):
+        parser.error("--engine vllm runs at vLLM's own pace (--rate 0) on one Redis")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:

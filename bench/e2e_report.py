@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from bench import cancels
 from bench.report import fmt, pyplot, save
 
 PATHS = {
@@ -80,6 +81,26 @@ def raw_table(points: list[dict[str, Any]]) -> list[str]:
     return rows
 
 
+def own_ttft(points: list[dict[str, Any]], mode: str) -> list[str]:
+    """The path's own part of TTFT at each point, when the worker reported its part."""
+    own = [(p, p["modes"][mode].get("path_ttft_ms")) for p in points if mode in p["modes"]]
+    if not any(o for _, o in own):
+        return []
+    return [
+        "",
+        "The path's own TTFT p50 (each reply's TTFT less the engine's own part, which the "
+        "worker measures, so the engine's drift is not in it; a mean per run past one stream), "
+        "worker part + gateway part: "
+        + "; ".join(
+            f"{_label(p)} streams {fmt(o['p50'])} ms ({fmt(o['worker_p50'])} + "
+            f"{fmt(o['gateway_p50'])})"
+            for p, o in own
+            if o
+        )
+        + ".",
+    ]
+
+
 def _at(points: list[dict[str, Any]], streams: int) -> dict[str, Any] | None:
     return next((p for p in points if p["streams"] == streams), None)
 
@@ -149,6 +170,27 @@ def before_after(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
     return rows
 
 
+def _engine(s: dict[str, Any]) -> str:
+    if s.get("engine") == "vllm":
+        return (
+            f"Each stream: {s['tokens_per_stream']} tokens from vLLM on the CPU "
+            "(SmolLM2-135M-Instruct, float32, eager, greedy) as fast as it makes them."
+        )
+    return (
+        f"Each stream: {s['tokens_per_stream']} tokens at {s['tokens_per_s_per_stream']:g} "
+        "tokens/s from the synthetic engine."
+    )
+
+
+def _pinned(results: dict[str, Any]) -> str:
+    if results["settings"].get("engine") == "vllm":
+        return "Nothing pinned (vLLM binds its engine core itself)."
+    return (
+        "Gateway pinned to CPU 1, engine worker + Redis + reference engine + load generator "
+        f"to CPU 0 (pinned: {results.get('pinned')})."
+    )
+
+
 def markdown(results: dict[str, Any], before: dict[str, Any] | None = None) -> str:
     s = results["settings"]
     points = _points(results)
@@ -158,25 +200,22 @@ def markdown(results: dict[str, Any], before: dict[str, Any] | None = None) -> s
         "# End to end: through the gateway vs the engine alone",
         "",
         f"`python -m bench.e2e` ({run}: {', '.join(str(n) for n in s['streams'])} streams; "
-        f"saturation {s['saturation'][0]} x {s['saturation'][1]} unpaced). Each stream: "
-        f"{s['tokens_per_stream']} tokens at {s['tokens_per_s_per_stream']:g} tokens/s "
-        f"from the synthetic engine, streams started at {s['start_rate_streams_per_s']:g}/s; "
-        f"the 1-stream point is {s['single_stream_rounds']} rounds. Gateway pinned to CPU 1, "
-        f"engine worker + Redis + reference engine + load generator to CPU 0 "
-        f"(pinned: {results.get('pinned')}). {m['nproc']} CPUs ({m['cpu_model']}), load "
-        f"average {m['loadavg_at_start'][0]} at the start, "
+        f"saturation {s['saturation'][0]} x {s['saturation'][1]} unpaced). {_engine(s)} "
+        f"Streams started at {s['start_rate_streams_per_s']:g}/s; the 1-stream point is "
+        f"{s['single_stream_rounds']} rounds. {_pinned(results)} {m['nproc']} CPUs "
+        f"({m['cpu_model']}), load average {m['loadavg_at_start'][0]} at the start, "
         f"{m.get('loadavg_at_end', ['?'])[0]} at the end, shared with other work: wall-clock "
         "figures carry that noise, CPU per token much less. Method: docs/bench.md.",
         "",
-        "Added = the path minus the engine alone (bench/reference_engine.py: the same "
-        "synthetic generator streamed as OpenAI SSE, no gateway, no Redis) at the same point. "
+        "Added = the path minus the engine alone (bench/reference_engine.py: the worker's own "
+        "backend streamed as OpenAI SSE, no gateway, no Redis) at the same point. "
         "CPU per token is each process's CPU time (utime + stime of its tree) over the tokens "
         "the path delivered.",
     ]
     for mode, title in PATHS.items():
         if not any(mode in p.get("added", {}) for p in points):
             continue
-        lines += ["", f"## {title}", "", *added_table(points, mode)]
+        lines += ["", f"## {title}", "", *added_table(points, mode), *own_ttft(points, mode)]
         lines += ["", f"Targets of {TARGETS}:", "", *targets(points, mode)]
     if before is not None:
         bm = before["machine"]
@@ -203,6 +242,8 @@ def markdown(results: dict[str, Any], before: dict[str, Any] | None = None) -> s
             *cluster_table(points),
         ]
     lines += ["", "## Every path, absolute figures", "", *raw_table(points)]
+    if "cancels" in results:
+        lines += ["", "## Cancels", "", *cancels.markdown(results["cancels"])]
     profile = results.get("profile")
     if profile:
         lines += [

@@ -12,18 +12,23 @@ import time
 import grpc
 
 from bench.loadgen import StreamRecord, TaskStream
+from bench.rig import Rig
 from gateway.grpc.protocol import pb
 
 METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
 
 
-def stream_request(max_tokens: int, prompt: bytes = b"bench") -> pb.ModelInferRequest:
-    """A request as tritonclient sends it: raw little-endian contents, BYTES length-prefixed."""
-    request = pb.ModelInferRequest(model_name="synthetic")
+def stream_request(rig: Rig, max_tokens: int) -> pb.ModelInferRequest:
+    """A request as tritonclient sends it: raw little-endian contents, BYTES length-prefixed;
+    greedy."""
+    prompt = rig.prompt.encode()
+    request = pb.ModelInferRequest(model_name=rig.model)
     request.inputs.add(name="text_input", datatype="BYTES", shape=[1])
     request.inputs.add(name="max_tokens", datatype="INT32", shape=[1])
+    request.inputs.add(name="temperature", datatype="FP32", shape=[1])
     request.raw_input_contents.append(struct.pack("<I", len(prompt)) + prompt)
     request.raw_input_contents.append(struct.pack("<i", max_tokens))
+    request.raw_input_contents.append(struct.pack("<f", 0.0))
     return request
 
 

@@ -1,21 +1,26 @@
 """py-spy profiles for the benchmarks, and their top frames in a few lines.
 
-``record(pid, path)`` starts ``py-spy record`` (speedscope format, busy samples only: py-spy
-leaves out idle threads by default) on a running process; ``stop`` ends it and waits for the
-file. ``summary(path)`` reads a speedscope file and ranks functions by self time (the frame
-on top of the stack) and by total time (anywhere on the stack), as shares of all samples.
-Open the files themselves in https://www.speedscope.app for the whole picture.
+``profiling(pids, out, stem)`` records each named process while its block runs, then
+summarises each file. ``record(pid, path)`` starts ``py-spy record`` (speedscope format,
+busy samples only: py-spy leaves out idle threads by default) on a running process;
+``stop`` ends it and waits for the file. ``summary(path)`` reads a speedscope file and ranks
+functions by self time (the frame on top of the stack) and by total time (anywhere on the
+stack), as shares of all samples. Open the files themselves in https://www.speedscope.app
+for the whole picture.
 
 ``python -m bench.profile_top FILE...`` prints the summary of each file.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import signal
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +48,24 @@ def stop(spy: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         spy.kill()
         spy.wait()
+
+
+@contextlib.asynccontextmanager
+async def profiling(
+    pids: dict[str, int], out: Path, stem: str, native: bool = False
+) -> AsyncIterator[dict[str, Any]]:
+    """py-spy on each process of ``pids`` (by name) while the block runs, into
+    ``out/STEM-NAME.speedscope.json``; the dict yielded then holds each file's summary."""
+    files = {name: out / f"{stem}-{name}.speedscope.json" for name in pids}
+    spies = [record(pids[name], path, native=native) for name, path in files.items()]
+    await asyncio.sleep(1.0)  # py-spy attaches
+    summaries: dict[str, Any] = {}
+    try:
+        yield summaries
+    finally:
+        for spy in spies:
+            stop(spy)
+    summaries.update({name: summary(path) for name, path in files.items()})
 
 
 def _label(frame: dict[str, Any]) -> str:

@@ -1,13 +1,14 @@
-"""The engine alone: the synthetic schedule streamed straight to the client, no gateway, no Redis.
+"""The engine alone: a backend's tokens streamed straight to the client, no gateway, no Redis.
 
-``python -m bench.reference_engine --port P --tokens-per-s R`` serves one endpoint,
+``python -m bench.reference_engine --port P [engine flags]`` serves one endpoint,
 ``POST /v1/chat/completions`` with ``stream: true``, as OpenAI-format SSE chunks
 (``data: {...chat.completion.chunk...}`` per token, a final chunk with the finish reason,
 the usage chunk when ``stream_options.include_usage`` asks for it, then ``data: [DONE]``),
-and ``GET /health``. The tokens and their pacing come from the
-synthetic engine itself (``SyntheticBackend.prepare`` / ``generate``, the code the engine
-worker runs), so for the same message and ``max_tokens`` this server and the gateway stream
-the same text on the same schedule; ``--tokens-per-s 0`` streams as fast as it can.
+and ``GET /health``. Its backend is the engine worker's own, built from the same flags by
+the worker's own code (``python -m engine``'s ``--backend``, ``--tokens-per-s``, ``--model``,
+``--capacity``...): the synthetic engine by default, so for the same message and
+``max_tokens`` this server and the gateway stream the same text on the same schedule
+(``--tokens-per-s 0``: as fast as it can); ``--backend vllm`` runs vLLM in this process.
 
 It is a bare ASGI app under uvicorn with the gateway's own server settings (uvloop,
 httptools, no access log): what is left of the gateway's cost per token after subtracting
@@ -18,13 +19,15 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import time
 from typing import Any
 
 import msgspec
 import uvicorn
 
-from engine.backends.synthetic import SyntheticBackend
+from engine.__main__ import make_backend, parse_args
+from engine.backends.base import Backend
 from wire import ChatMessage, GenerationRequest, SamplingParams
 
 DONE_FRAME = b"data: [DONE]\n\n"
@@ -48,6 +51,7 @@ class ChatRequest(msgspec.Struct):
     messages: list[InMessage]
     model: str = "synthetic"
     max_tokens: int | None = None
+    temperature: float | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -87,16 +91,19 @@ _encode = msgspec.json.Encoder().encode
 
 
 class ReferenceEngine:
-    """A bare ASGI app around one ``SyntheticBackend``."""
+    """A bare ASGI app around one backend, started and stopped with the server."""
 
-    def __init__(self, tokens_per_s: float) -> None:
-        self.backend = SyntheticBackend(tokens_per_s, capacity=1_000_000)
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
         self._ids = itertools.count()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
+            await receive()  # lifespan.startup
+            await self.backend.start()
+            await send({"type": "lifespan.startup.complete"})
+            await receive()  # lifespan.shutdown
+            await self.backend.stop()
             await send({"type": "lifespan.shutdown.complete"})
             return
         if scope["type"] != "http":
@@ -125,10 +132,11 @@ class ReferenceEngine:
             await _plain(send, 400, b"only stream: true is served")
             return
         gid = f"ref{next(self._ids)}"
+        temperature = 1.0 if data.temperature is None else data.temperature  # as the gateway's
         request = GenerationRequest(
             generation_id=gid,
             session_id=gid,
-            params=SamplingParams(max_tokens=data.max_tokens or 256),
+            params=SamplingParams(max_tokens=data.max_tokens or 256, temperature=temperature),
             messages=[ChatMessage(m.role, m.content) for m in data.messages],  # type: ignore[arg-type]
         )
         prepared = await self.backend.prepare(request)
@@ -167,13 +175,19 @@ async def _plain(send: Any, status: int, text: bytes) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.reference_engine", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.reference_engine",
+        description=__doc__,
+        epilog="Every other flag is python -m engine's, for the backend.",
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8100)
-    parser.add_argument("--tokens-per-s", type=float, default=50.0, help="0: unpaced")
-    args = parser.parse_args(argv)
+    parser.add_argument("--backend", choices=("synthetic", "vllm"), default="synthetic")
+    args, engine_flags = parser.parse_known_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    backend = make_backend(parse_args(["--backend", args.backend, *engine_flags]))
     config = uvicorn.Config(
-        ReferenceEngine(args.tokens_per_s),
+        ReferenceEngine(backend),
         host=args.host,
         port=args.port,
         log_config=None,
@@ -183,5 +197,5 @@ def main(argv: list[str] | None = None) -> None:
     uvicorn.Server(config).run()
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # vLLM starts its engine process with spawn: keep this guard
     main()

@@ -8,8 +8,8 @@ engine unpaced. The sides, in turns for ``--rounds``, on one set of processes
 
 - ``engine``: the same request answered by the engine alone (bench/reference_engine.py:
   the synthetic backend behind a bare ASGI app on the gateway's uvicorn settings);
-- ``gateway xN``: through N gateway processes (``--gateways 1 2``), each on its own port,
-  the client taking them in turn; Redis and one engine worker behind them.
+- ``gateway xN``: through a gateway of N processes (``--gateways 1 2``: ``python -m gateway
+  --workers N``, each on its own port); Redis and one engine worker behind them all.
 
 Per side: requests/s, time to the first token (p50, p99), and the CPU each process spent
 per request (from /proc, before and after: gateway processes, worker, Redis; the engine
@@ -32,6 +32,7 @@ from typing import Any
 from bench import profile_top, report, stats
 from bench.loadgen import OpenAIStream, StreamRecord, open_stream, sse_request
 from bench.rig import Rig, rig
+from bench.runner import chat_body
 from stack.rig import HOST
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,33 +43,19 @@ def say(message: str) -> None:
     print(f"[bench.requests] {message}", file=sys.stderr, flush=True)
 
 
-def body(tokens: int) -> bytes:
-    asked = {
-        "model": "synthetic",
-        "messages": [{"role": "user", "content": "bench"}],
-        "max_tokens": tokens,
-        "stream": True,
-    }
-    return json.dumps(asked).encode()
-
-
 async def run_side(
-    the_rig: Rig, ports: list[int], args: argparse.Namespace
+    the_rig: Rig, port: int, args: argparse.Namespace
 ) -> tuple[list[StreamRecord], dict[str, float], float]:
-    """``args.requests`` requests over ``ports``, ``args.concurrency`` at a time: their
+    """``args.requests`` requests to ``port``, ``args.concurrency`` at a time: their
     records, the CPU seconds of every process of the rig meanwhile, and the wall time."""
-    raw = body(args.tokens)
-    requests = [sse_request(HOST, port, "/v1/chat/completions", {}, raw) for port in ports]
+    request = sse_request(HOST, port, "/v1/chat/completions", {}, chat_body(the_rig, args.tokens))
     records: list[StreamRecord] = []
     numbers = itertools.count()
 
     async def client() -> None:
-        while (index := next(numbers)) < args.requests:
+        while next(numbers) < args.requests:
             record = StreamRecord()
-            port = ports[index % len(ports)]
-            stream = await open_stream(
-                HOST, port, requests[index % len(ports)], record, OpenAIStream
-            )
+            stream = await open_stream(HOST, port, request, record, OpenAIStream)
             assert record.finished is not None
             await record.finished
             stream.close()
@@ -116,22 +103,21 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         },
         "sides": {},
     }
-    async with rig(
-        0, args.logs, rest_cpu=None, gateway_cpu=None, gateways=max(args.gateways)
-    ) as the_rig:
-        gateways = [name for name in the_rig.pids() if name.startswith("gateway")]
+    more = tuple(n for n in args.gateways if n > 1)
+    async with rig(0, args.logs, rest_cpu=None, gateway_cpu=None, workers=more) as the_rig:
         redis = list(the_rig.servers)
-        sides: dict[str, tuple[list[int], list[str]]] = {ENGINE: ([the_rig.engine_port], [ENGINE])}
-        for n in args.gateways:
-            path = [*gateways[:n], "worker", *redis]
-            sides[f"gateway x{n}"] = (the_rig.gateway_ports[:n], path)
+        sides: dict[str, tuple[int, list[str]]] = {ENGINE: (the_rig.engine_port, [ENGINE])}
+        if 1 in args.gateways:
+            sides["gateway x1"] = (the_rig.gateway_port, ["gateway", "worker", *redis])
+        for name, (_, port) in the_rig.more_gateways.items():
+            sides[name] = (port, [name, "worker", *redis])
         runs: dict[str, list[Any]] = {side: [] for side in sides}
         warm = argparse.Namespace(**{**vars(args), "requests": 50})
-        for ports, _ in sides.values():  # warm up: imports, caches, pools
-            await run_side(the_rig, ports, warm)
+        for port, _ in sides.values():  # warm up: imports, caches, pools
+            await run_side(the_rig, port, warm)
         for round_ in range(1, args.rounds + 1):
-            for side, (ports, _) in sides.items():
-                runs[side].append(await run_side(the_rig, ports, args))
+            for side, (port, _) in sides.items():
+                runs[side].append(await run_side(the_rig, port, args))
                 records, _, wall = runs[side][-1]
                 say(f"round {round_}, {side}: {len(records) / wall:,.0f} requests/s")
         for side, (_, path) in sides.items():
@@ -146,18 +132,9 @@ async def profile(the_rig: Rig, args: argparse.Namespace) -> dict[str, Any]:
     counted in the sides' figures); the speedscope files and their top frames into
     ``args.profile``."""
     args.profile.mkdir(parents=True, exist_ok=True)
-    pids = the_rig.pids()
-    files = {
-        name: args.profile / f"requests-{name}.speedscope.json" for name in ("gateway", "worker")
-    }
-    spies = [
-        profile_top.record(pids[name], path, native=args.profile_native)
-        for name, path in files.items()
-    ]
-    await run_side(the_rig, [the_rig.gateway_port], args)
-    for spy in spies:
-        profile_top.stop(spy)
-    top = {name: profile_top.summary(path) for name, path in files.items()}
+    pids = {name: the_rig.pids()[name] for name in ("gateway", "worker")}
+    async with profile_top.profiling(pids, args.profile, "requests", args.profile_native) as top:
+        await run_side(the_rig, the_rig.gateway_port, args)
     (args.profile / "requests-summary.txt").write_text(profile_top.text({"gateway x1": top}))
     return top
 

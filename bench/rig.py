@@ -1,12 +1,16 @@
 """The benchmarks' one rig, on stack/rig.py's: a Redis (one server, or a cluster of shards),
-one synthetic engine worker, the gateway (with its gRPC server) and the engine alone
-(bench/reference_engine.py), all paced at one rate. Pinned as issue 12 asks: the gateway on
-CPU 1; the worker, every Redis server, the reference engine and the load generator on CPU 0.
-``python -m bench`` and ``python -m bench.e2e`` both run on it."""
+one engine worker, the gateway (with its gRPC server) and the engine alone
+(bench/reference_engine.py) with the worker's own backend: the synthetic engine paced at one
+rate, or vLLM on the CPU (``engine="vllm"``: SmolLM2, greedy; both engines are loaded, one
+generating at a time, under the lock the tests take so that no other vLLM runs beside them).
+Pinned as issue 12 asks: the gateway on CPU 1; the worker, every Redis server, the reference
+engine and the load generator on CPU 0 (vLLM: nothing pinned, it binds its engine core
+itself). ``python -m bench``, ``bench.e2e`` and ``bench.requests`` run on it."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import secrets
 import subprocess
@@ -18,9 +22,11 @@ import grpc
 import redis.asyncio as aioredis
 
 from bench.loadgen import HTTPPool
+from engine.model import MODEL_NAME
+from stack import processes
 from stack.redis_cluster import EmbeddedCluster
 from stack.redis_server import free_port
-from stack.rig import HOST, on_embedded_redis
+from stack.rig import HOST, VLLM_LOCK, on_embedded_redis
 from stack.rig import Rig as ProcessRig
 
 MAX_STREAMS = 12_000
@@ -30,6 +36,10 @@ ENV = {
     "TOKENSPOUT_SESSION_TTL_S": "600",
 }
 GATEWAY_CPU, REST_CPU = 1, 0
+VLLM = ["--backend", "vllm", "--model", "default", "--capacity", "8"]
+VLLM_PROMPT = "Write a long story about a lighthouse keeper, the sea and a storm."
+"""Greedy, SmolLM2 writes past any ``max_tokens`` the benchmarks ask for: every reply is
+whole, on both sides."""
 
 
 @dataclass
@@ -50,22 +60,24 @@ class Rig:
     """``redis`` for one server; ``redis0``, ``redis1``... for a cluster's shards."""
     pinned: bool
     grpc_channel: grpc.aio.Channel
+    prefix: str
+    """The Redis key prefix of the gateway and the worker."""
+    worker_metrics: str
+    """The worker's ``/metrics`` URL."""
+    model: str = "synthetic"
+    prompt: str = "bench"
     posts: HTTPPool = field(init=False)
     top_logprobs: int | None = None
     """The OpenAI path's requests ask for logprobs with this many alternatives (--logprobs)."""
-    more_gateways: list[tuple[subprocess.Popen[bytes], int]] = field(default_factory=list)
-    """Gateway processes beside the first (``gateways`` > 1), with their ports."""
+    more_gateways: dict[str, tuple[subprocess.Popen[bytes], int]] = field(default_factory=dict)
+    """Gateways beside the first by name (``gateway xN``: ``--workers N``), with their ports."""
 
     def __post_init__(self) -> None:
         self.posts = HTTPPool(HOST, self.gateway_port)
 
-    @property
-    def gateway_ports(self) -> list[int]:
-        return [self.gateway_port, *(port for _, port in self.more_gateways)]
-
     def pids(self) -> dict[str, int]:
         named = {"gateway": self.gateway, "worker": self.worker, "engine": self.engine}
-        named |= {f"gateway{i}": p for i, (p, _) in enumerate(self.more_gateways, start=2)}
+        named |= {name: process for name, (process, _) in self.more_gateways.items()}
         pids = {name: process.pid for name, process in named.items()}
         return pids | {name: s.pid for name, s in self.servers.items()} | {"loadgen": os.getpid()}
 
@@ -75,20 +87,30 @@ async def rig(
     tokens_per_s: float,
     logs: Path,
     *,
+    engine: str = "synthetic",
     shards: int = 0,
     unix_socket: bool = False,
     join_tokens: bool = False,
     rest_cpu: int | None = REST_CPU,
     gateway_cpu: int | None = GATEWAY_CPU,
-    gateways: int = 1,
+    workers: tuple[int, ...] = (),
 ) -> AsyncIterator[Rig]:
-    """Everything, paced at ``tokens_per_s`` (0: unpaced); ``shards`` > 0: on an embedded
+    """Everything, paced at ``tokens_per_s`` (0: unpaced; vLLM: its own pace); ``engine``:
+    ``synthetic`` or ``vllm``; ``shards`` > 0: on an embedded
     cluster of that many primaries without replicas (one Redis has none either);
     ``rest_cpu`` None: the worker, Redis, the reference engine and the load generator float
-    over every CPU (``gateway_cpu`` None: the gateway too); ``gateways``: gateway processes,
-    each on its own port (those past the first float)."""
+    over every CPU (``gateway_cpu`` None: the gateway too); ``workers``: one more gateway for
+    each, on its own port, with that many processes (``python -m gateway --workers N``;
+    floating)."""
     prefix = f"bench-{secrets.token_hex(3)}"
+    backend = ["--backend", "synthetic", "--tokens-per-s", str(tokens_per_s)]
+    backend += ["--capacity", str(MAX_STREAMS)]
+    if engine == "vllm":
+        backend, rest_cpu, gateway_cpu = VLLM, None, None
     async with contextlib.AsyncExitStack() as stack:
+        if engine == "vllm":
+            lock = stack.enter_context(VLLM_LOCK.open("w"))
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released as the file closes
         if shards:
             cluster = stack.enter_context(EmbeddedCluster(primaries=shards, replicas=0))
             procs = ProcessRig(cluster.url, prefix, logs, dict(ENV))
@@ -108,26 +130,37 @@ async def rig(
             client = await stack.enter_async_context(aioredis.Redis.from_url(urls[name]))
             servers[name] = RedisServer(pid, node.port, client)
         joined = ["--join-tokens"] if join_tokens else []
-        worker = procs.synthetic(
-            tokens_per_s, "--capacity", str(MAX_STREAMS), *joined, cpu=rest_cpu
-        )
+        metrics = free_port()
+        worker = procs.engine(
+            *backend, *joined, "--metrics-port", str(metrics), cpu=rest_cpu
+        )  # registered: a vLLM worker has loaded its model before the other one starts
         gateway = procs.gateway(grpc=True, cpu=gateway_cpu)
-        more = [procs.gateway() for _ in range(gateways - 1)]
+        more = {f"gateway x{n}": procs.gateway(workers=n) for n in workers}
         port = free_port()
-        pace = ["--port", str(port), "--tokens-per-s", str(tokens_per_s)]
-        engine = procs.spawn(
+        alone = procs.spawn(
             "reference-engine",
-            ["-m", "bench.reference_engine", *pace],
-            health=f"http://{HOST}:{port}/health",
+            ["-m", "bench.reference_engine", "--port", str(port), *backend],
             cpu=rest_cpu,
         )
+        processes.wait_http(f"http://{HOST}:{port}/health", alone, 600)  # vLLM: a model load
         if procs.pinned:  # the load generator alone: its tree holds every process above
             procs.pin(os.getpid(), rest_cpu, children=False)
         channel = grpc.aio.insecure_channel(gateway.grpc_url)
         the_rig = Rig(
-            gateway.process, worker, engine, gateway.port, port, servers, procs.pinned, channel
+            gateway.process,
+            worker,
+            alone,
+            gateway.port,
+            port,
+            servers,
+            procs.pinned and rest_cpu is not None,
+            channel,
+            prefix,
+            f"http://{HOST}:{metrics}/metrics",
         )
-        the_rig.more_gateways = [(g.process, g.port) for g in more]
+        if engine == "vllm":
+            the_rig.model, the_rig.prompt = MODEL_NAME, VLLM_PROMPT
+        the_rig.more_gateways = {name: (g.process, g.port) for name, g in more.items()}
         try:
             yield the_rig
         finally:

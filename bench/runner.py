@@ -38,17 +38,20 @@ from bench.loadgen import (
     sse_request,
 )
 from bench.rig import Rig
-from bench.stats import Run, command_calls, cpu_of
+from bench.stats import Run, command_calls, cpu_of, worker_ttft
 from stack.rig import HOST
 
 MODES = ("engine", "openai", "session", "grpc", "responses", "ws")
 
 
-def chat_body(max_tokens: int, top_logprobs: int | None = None) -> bytes:
+def chat_body(rig: Rig, max_tokens: int, top_logprobs: int | None = None) -> bytes:
+    """A streamed chat completion of ``rig``'s prompt, greedy (vLLM: the same tokens on
+    every path)."""
     body: dict[str, object] = {
-        "model": "synthetic",
-        "messages": [{"role": "user", "content": "bench"}],
+        "model": rig.model,
+        "messages": [{"role": "user", "content": rig.prompt}],
         "max_tokens": max_tokens,
+        "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -101,7 +104,8 @@ async def open_ws(rig: Rig, max_tokens: int, record: StreamRecord) -> TaskStream
     record.finished = loop.create_future()
     record.submitted_at = time.perf_counter()
     socket = await ws_connect(f"ws://{HOST}:{rig.gateway_port}/v1/ws")
-    frame = {"type": "generate", "id": "b", "content": "bench", "max_tokens": max_tokens}
+    frame = {"type": "generate", "id": "b", "content": rig.prompt, "max_tokens": max_tokens}
+    frame["temperature"] = 0
     await socket.send(json.dumps(frame))
 
     async def read() -> None:
@@ -125,19 +129,19 @@ async def one_stream(
     ``session``); each is counted into its record until its final frame. ``all_open``: the
     session's message waits until every session's readers are open."""
     if mode == "grpc":
-        return [open_grpc_stream(rig.grpc_channel, stream_request(max_tokens), records[0])]
+        return [open_grpc_stream(rig.grpc_channel, stream_request(rig, max_tokens), records[0])]
     if mode == "ws":
         return [await open_ws(rig, max_tokens, records[0])]
     if mode != "session":
         port = rig.engine_port if mode == "engine" else rig.gateway_port
         kind: type[SSEStream] = OpenAIStream
-        path, raw = "/v1/chat/completions", chat_body(max_tokens, rig.top_logprobs)
+        path, raw = "/v1/chat/completions", chat_body(rig, max_tokens, rig.top_logprobs)
         if mode == "engine":
-            raw = chat_body(max_tokens)
+            raw = chat_body(rig, max_tokens)
         elif mode == "responses":
             path, kind = "/v1/responses", ResponsesStream
-            asked = {"model": "synthetic", "input": "bench", "max_output_tokens": max_tokens}
-            raw = json.dumps(asked | {"stream": True}).encode()
+            asked = {"model": rig.model, "input": rig.prompt, "max_output_tokens": max_tokens}
+            raw = json.dumps(asked | {"temperature": 0, "stream": True}).encode()
         request = sse_request(HOST, port, path, {}, raw)
         return [await open_stream(HOST, port, request, records[0], kind)]
     assert session is not None
@@ -151,9 +155,9 @@ async def one_stream(
             raise
     submitted_at = time.perf_counter()
     sid, token = session
-    body = b'{"content": "bench", "max_tokens": %d}' % max_tokens
+    body = json.dumps({"content": rig.prompt, "max_tokens": max_tokens, "temperature": 0})
     status, reply = await rig.posts.post(
-        f"/v1/sessions/{sid}/messages", body, {"X-Session-Token": token}
+        f"/v1/sessions/{sid}/messages", body.encode(), {"X-Session-Token": token}
     )
     if status != 202:
         raise RuntimeError(f"POST messages answered {status}: {reply[:200]!r}")
@@ -186,6 +190,7 @@ async def run_once(
     pids = rig.pids()
     for server in rig.servers.values():
         await server.client.config_resetstat()
+    first_tokens = await worker_ttft(rig.worker_metrics) if mode != "engine" else {}
     before = cpu_of(pids)
     loop = asyncio.get_running_loop()
     began = loop.time() + 0.05
@@ -216,6 +221,9 @@ async def run_once(
         timed_out = True
     wall = time.perf_counter() - wall_began
     after = cpu_of(pids)
+    if first_tokens:
+        now = await worker_ttft(rig.worker_metrics)
+        first_tokens = {name: now[name] - first_tokens[name] for name in now}
     calls = {name: await command_calls(s.client) for name, s in rig.servers.items()}
     for reader in readers:
         reader.close()
@@ -226,4 +234,4 @@ async def run_once(
     failures += [r.failure for r in flat if r.failure]
     cpu = {name: after[name] - before[name] for name in pids}
     cpu["redis"] = sum(cpu[name] for name in rig.servers)  # a cluster's: every shard's
-    return Run(flat, cpu, wall, calls, timed_out, sorted(set(failures))[:5], span)
+    return Run(flat, cpu, wall, calls, timed_out, sorted(set(failures))[:5], span, first_tokens)

@@ -2,7 +2,8 @@
 per token, Redis command counts, the machine; one run's records and CPU (``Run``), a
 path's figures over its rounds (``summarise``) with each Redis server's share
 (``server_figures``), a gateway path against the engine alone at the same point
-(``added``, issue 12's columns) and bench.e2e's progress line."""
+(``added``, issue 12's columns), the path's own part of a first token (``path_ttft``) and
+bench.e2e's progress line."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import redis.asyncio as aioredis
 
 from bench.loadgen import StreamRecord
@@ -66,6 +68,45 @@ async def command_calls(client: aioredis.Redis) -> dict[str, int]:
     }
 
 
+WORKER_TTFT = {
+    "own_s": "tokenspout_engine_own_time_to_first_token_seconds_sum",
+    "worker_s": "tokenspout_engine_time_to_first_token_seconds_sum",
+    "count": "tokenspout_engine_time_to_first_token_seconds_count",
+}
+"""The worker's running totals over first tokens: the engine's own part (preparing the
+request, its first step), and all of it from the gateway's enqueue to the token's emit."""
+
+
+async def worker_ttft(url: str) -> dict[str, float]:
+    """``WORKER_TTFT`` from the worker's ``/metrics`` at ``url`` now: read around a run,
+    their growth is the run's."""
+    async with httpx.AsyncClient(timeout=10) as client:
+        text = (await client.get(url)).text
+    values = dict(line.split()[:2] for line in text.splitlines() if line and line[0] != "#")
+    return {name: float(values.get(metric, 0)) for name, metric in WORKER_TTFT.items()}
+
+
+def path_ttft(runs: list[Run]) -> dict[str, float | None] | None:
+    """What the path added within each reply (run by run: a mean over its streams, the
+    reply itself when it has one): its TTFT less the engine's own part, which the worker
+    measures, so the engine's drift from run to run is not in it; split into the worker's
+    part (the gateway's enqueue to the emit, less the engine's own) and the gateway's (the
+    request to its enqueue, then the emitted token's write, relay and delivery)."""
+    parts: dict[str, list[float]] = {"p50": [], "worker_p50": [], "gateway_p50": []}
+    for run in runs:
+        ttft = [r.arrivals[0] - r.submitted_at for r in run.records if r.arrivals]
+        count = run.worker_ttft.get("count", 0)
+        if not ttft or not count:
+            continue
+        mean, own = statistics.fmean(ttft), run.worker_ttft["own_s"] / count
+        parts["p50"].append(mean - own)
+        parts["worker_p50"].append(run.worker_ttft["worker_s"] / count - own)
+        parts["gateway_p50"].append(mean - run.worker_ttft["worker_s"] / count)
+    if not parts["p50"]:
+        return None
+    return {name: ms(statistics.median(values)) for name, values in parts.items()}
+
+
 def machine() -> dict[str, object]:
     model = ""
     for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -98,6 +139,8 @@ class Run:
     timed_out: bool
     failures: list[str]
     span_s: float
+    worker_ttft: dict[str, float]
+    """The growth of ``WORKER_TTFT`` over the run (empty: the engine alone's)."""
 
 
 def summarise(mode: str, runs: list[Run], max_tokens: int) -> dict[str, Any]:
@@ -144,6 +187,7 @@ def summarise(mode: str, runs: list[Run], max_tokens: int) -> dict[str, Any]:
         },
         "redis_calls_per_token": round(calls / tokens, 2) if tokens else None,
         "redis_servers": server_figures(runs, tokens, wall),
+        "path_ttft_ms": path_ttft(runs),
     }
 
 

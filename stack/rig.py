@@ -144,14 +144,17 @@ class Rig:
         *,
         grpc: bool = False,
         cpu: int | None = None,
+        workers: int = 1,
         **env: str,
     ) -> Gateway:
         """A gateway process; ``grpc``: with its gRPC server, on a free port (listening by
-        the time ``/health`` answers: the app's lifespan starts it)."""
+        the time ``/health`` answers: the app's lifespan starts it); ``workers``: processes
+        on its ports (``python -m gateway --workers``)."""
         port = port or free_port()
         grpc_port = free_port() if grpc else 0
         log = self.logs / f"gateway-{port}.log"
-        process = processes.gateway(port, self.base_env(**env), log, grpc_port=grpc_port)
+        env = self.base_env(**env)
+        process = processes.gateway(port, env, log, grpc_port=grpc_port, workers=str(workers))
         self.children.append(process)
         self.pin(process.pid, cpu)
         url = f"http://{HOST}:{port}"

@@ -210,6 +210,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Container tests first: their engine takes VLLM_LOCK, which the session's ``vllm_stack``
-    holds from its first use to the session's end (a later take would wait on itself)."""
-    items.sort(key=lambda item: item.get_closest_marker("containers") is None)
+    """Container tests and those with a vLLM of their own first: their engine takes VLLM_LOCK,
+    which the session's ``vllm_stack`` holds from its first use to the session's end (a later
+    take would wait on itself)."""
+    items.sort(key=lambda item: not any(map(item.get_closest_marker, ("containers", "own_vllm"))))

@@ -2,8 +2,9 @@
 
 It proves every token of every stream is counted on each path (the engine alone, the
 gateway's OpenAI endpoint, the session API, its gRPC ModelStreamInfer, its WebSocket), paced
-and unpaced, that the reference engine streams the synthetic engine's own text, and that the
-JSON carries every column of the report. It asserts nothing about speed.
+and unpaced, that cancels are measured, that the reference engine streams the synthetic
+engine's own text, and that the JSON carries every column of the report; then the same with
+vLLM on both sides. It asserts nothing about speed.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def test_every_path_delivers_every_token_and_the_json_has_every_column(tmp_path:
         "bench.e2e",
         tmp_path,
         *("--no-plot", "--streams", "1", "3", "--tokens", "6", "--rounds-single", "2"),
-        *("--saturation", "2", "20", "--modes", *MODES),
+        *("--saturation", "2", "20", "--modes", *MODES, "--cancels", "4"),
     )
     results = json.loads((tmp_path / "e2e.json").read_text())
     points = [*results["points"], results["saturation"]]
@@ -52,13 +53,54 @@ def test_every_path_delivers_every_token_and_the_json_has_every_column(tmp_path:
             assert m["complete_streams"] == point["streams"] * rounds, m
             assert m["ttft_ms"]["p50"] > 0 and m["tokens_per_s"] > 0, m
             assert set(m["cpu_us_per_token"]) == {"gateway", "worker", "redis", "engine", "loadgen"}
+        assert point["modes"]["engine"]["path_ttft_ms"] is None
         for mode in MODES[1:]:
+            own = point["modes"][mode]["path_ttft_ms"]
+            assert 0 < own["worker_p50"] < own["p50"] and own["gateway_p50"] > 0, (mode, own)
             added = point["added"][mode]
             assert all(added[key] is not None for key in ADDED), added
             assert all(added["cpu_us_per_token"][key] is not None for key in CPU), added
+    cancelled = results["cancels"]
+    assert [run["via"] for run in cancelled["runs"]] == ["ws", "rest", "ws", "rest"]
+    for run in cancelled["runs"]:
+        assert run["cancel_after_tokens"] <= run["completion_tokens"] < 400, run
+        assert run["latency_ms"] > 0 and run["tokens_delivered_after_cancelled"] == 0, run
     report = (tmp_path / "e2e.md").read_text()
     assert "| streams | added TTFT p50 | added TTFT p99 |" in report
     assert "2 unpaced" in report
+    assert "| cancel via | n | p50 ms | p99 ms | max ms |" in report
+
+
+@pytest.mark.vllm
+@pytest.mark.own_vllm
+@pytest.mark.timeout(480)
+def test_with_vllm_on_both_sides_every_path_delivers_every_token(tmp_path: Path) -> None:
+    modes = ("engine", "openai", "session", "ws")
+    run_bench(
+        "bench.e2e",
+        tmp_path,
+        *("--engine", "vllm", "--rate", "0", "--no-plot", "--streams", "1", "2"),
+        *("--tokens", "8", "--rounds-single", "2", "--saturation", "0", "0"),
+        *("--modes", *modes, "--cancels", "2"),
+        timeout_s=450,
+    )
+    results = json.loads((tmp_path / "e2e.json").read_text())
+    assert results["settings"]["engine"] == "vllm" and not results["pinned"]
+    for point in results["points"]:
+        rounds = 2 if point["streams"] == 1 else 1
+        for mode in modes:
+            m = point["modes"][mode]
+            assert m["failures"] == [] and not m["timed_out"], m
+            assert m["tokens"] == m["tokens_expected"] == 8 * point["streams"] * rounds, m
+        for mode in modes[1:]:
+            assert point["added"][mode]["added_ttft_p50_ms"] is not None
+            assert point["modes"][mode]["path_ttft_ms"]["p50"] > 0, point["modes"][mode]
+    runs = results["cancels"]["runs"]
+    assert [(run["via"], run["tokens_delivered_after_cancelled"]) for run in runs] == [
+        ("ws", 0),
+        ("rest", 0),
+    ]
+    assert "from vLLM on the CPU" in (tmp_path / "e2e.md").read_text()
 
 
 async def synthetic_pieces(content: str, max_tokens: int) -> list[str]:
