@@ -43,7 +43,9 @@ def auto_workers(cores: int | None = None) -> int:
     """``--workers auto``: one process below 8 cores (the engine, Redis and the system need
     theirs), then one per 4 cores, at most 8; the cores this process may run on (a container's
     cpuset), not the host's."""
-    cores = cores or len(os.sched_getaffinity(0))
+    if cores is None:
+        affinity = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere every core
+        cores = len(affinity(0)) if affinity else os.cpu_count() or 1
     return 1 if cores < 8 else min(8, cores // 4)
 
 
@@ -59,7 +61,7 @@ def listeners(host: str, port: int, n: int) -> list[socket.socket]:
         probe.close()
         raise OSError(f"cannot listen on {host}:{port}: {exc}") from exc
     port = probe.getsockname()[1]
-    probe.close()  # the port stays free for the moment until the group binds it
+    probe.close()  # free for the group now (a process binding it in between makes it fail)
     shared = sys.platform != "linux"
     sockets: list[socket.socket] = []
     for _ in range(1 if shared else n):
@@ -88,9 +90,9 @@ class Supervisor:
 
     def __init__(self, child_args: list[str], host: str, port: int, grpc_port: int, n: int):
         self.child_args = child_args
-        self.peers_dir = Path(tempfile.mkdtemp(prefix="tokenspout-gateway-"))
         self.http = listeners(host, port, n)
         self.grpc = listeners(host, grpc_port, n) if grpc_port else []
+        self.peers_dir = Path(tempfile.mkdtemp(prefix="tokenspout-gateway-"))
         self.children = [
             Child(
                 k,
@@ -114,12 +116,20 @@ class Supervisor:
         )
 
     def stop(self, sig: int, _frame: FrameType | None = None) -> None:
+        """Every child drains. The parent lets go of the sockets too: once the children
+        have closed theirs, new connections are refused (clients go to another replica),
+        not queued on a socket nobody accepts from."""
         if not self.stopping:
             log.info("stopping gateway processes", extra={"signal": sig})
         self.stopping = True
         for child in self.children:
             if child.process is not None and child.process.poll() is None:
                 child.process.send_signal(signal.SIGTERM)
+        self.close_sockets()
+
+    def close_sockets(self) -> None:
+        for sock in {*self.http, *self.grpc}:
+            sock.close()
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self.stop)
@@ -136,8 +146,7 @@ class Supervisor:
                     break
                 time.sleep(POLL_S)
         finally:
-            for sock in {*self.http, *self.grpc}:
-                sock.close()
+            self.close_sockets()
             shutil.rmtree(self.peers_dir, ignore_errors=True)
         return failed
 

@@ -137,6 +137,43 @@ async def test_a_process_that_dies_is_replaced_and_sigterm_stops_every_one(stack
         pass  # the port is free again
 
 
+async def refused(port: int) -> bool:
+    try:
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+    except ConnectionRefusedError:
+        return True
+    writer.close()
+    return False
+
+
+async def test_on_sigterm_new_connections_are_refused_while_a_running_stream_ends_whole(
+    stack: Stack,
+) -> None:
+    stack.synthetic(20)  # 100 tokens: 5 s, the drain outlasts the checks below
+    parent, url = start_gateways(stack, 2)
+    port = int(url.rsplit(":", 1)[1])
+    body = {"model": "synthetic", "messages": [{"role": "user", "content": "long"}]}
+    body |= {"max_tokens": 100, "stream": True}
+    chunks, ended = 0, False
+    async with (
+        httpx.AsyncClient(timeout=30) as client,
+        client.stream("POST", f"{url}{CHAT}", json=body) as response,
+    ):
+        async for line in response.aiter_lines():
+            ended = ended or line == "data: [DONE]"
+            if not line.startswith("data: {"):
+                continue
+            chunks += 1
+            if chunks == 5:
+                parent.send_signal(signal.SIGTERM)
+                async with asyncio.timeout(3):  # not queued on a socket nobody accepts from
+                    while not await refused(port):
+                        await asyncio.sleep(0.05)
+                assert parent.poll() is None  # the stream's process still drains
+    assert chunks >= 100 and ended
+    assert await asyncio.to_thread(parent.wait, 20) == 0
+
+
 async def test_processes_whose_parent_is_killed_drain_and_exit(stack: Stack) -> None:
     stack.synthetic(200)
     parent, _ = start_gateways(stack, 2)
