@@ -23,7 +23,7 @@ import httpx
 from websockets.asyncio.client import ClientConnection, connect
 
 from bench.rig import Rig
-from bench.stats import pct
+from bench.stats import metrics_of, pct
 from stack.rig import HOST
 from wire import Keys, entries_of
 
@@ -34,10 +34,7 @@ MAX_TOKENS = 400
 
 
 async def worker_metric(http: httpx.AsyncClient, rig: Rig, name: str) -> float:
-    for line in (await http.get(rig.worker_metrics)).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise KeyError(name)
+    return (await metrics_of(rig.worker_metrics, http))[name]
 
 
 async def frame_of(ws: ClientConnection, cid: str) -> dict[str, Any]:

@@ -7,6 +7,7 @@ bench.e2e's progress line."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import statistics
@@ -77,13 +78,21 @@ WORKER_TTFT = {
 request, its first step), and all of it from the gateway's enqueue to the token's emit."""
 
 
+async def metrics_of(url: str, client: httpx.AsyncClient | None = None) -> dict[str, float]:
+    """A Prometheus ``/metrics`` page's samples by name (labels and all, as written)."""
+    async with contextlib.AsyncExitStack() as stack:
+        if client is None:
+            client = await stack.enter_async_context(httpx.AsyncClient(timeout=10))
+        text = (await client.get(url)).text
+    samples = (line.rsplit(" ", 1) for line in text.splitlines() if line and line[0] != "#")
+    return {name: float(value) for name, value in samples}
+
+
 async def worker_ttft(url: str) -> dict[str, float]:
     """``WORKER_TTFT`` from the worker's ``/metrics`` at ``url`` now: read around a run,
     their growth is the run's."""
-    async with httpx.AsyncClient(timeout=10) as client:
-        text = (await client.get(url)).text
-    values = dict(line.split()[:2] for line in text.splitlines() if line and line[0] != "#")
-    return {name: float(values.get(metric, 0)) for name, metric in WORKER_TTFT.items()}
+    values = await metrics_of(url)
+    return {name: values.get(metric, 0.0) for name, metric in WORKER_TTFT.items()}
 
 
 def path_ttft(runs: list[Run]) -> dict[str, float | None] | None:

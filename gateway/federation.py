@@ -5,7 +5,7 @@ own registry on a Unix socket, ``DIR/<index>.sock`` in the directory its parent 
 the process a scrape reaches reads its siblings' there (``SIBLING_TIMEOUT_S`` each: one that
 does not answer, while it restarts say, is left out and logged). Every sample carries a
 ``process`` label (sum over it for the gateway's figure), except the gauges every process
-reads from Redis at scrape time (``SHARED``), which come once, from the process scraped.
+reads from Redis at scrape time (``shared``), which come once, from the process scraped.
 """
 
 from __future__ import annotations
@@ -24,15 +24,6 @@ from prometheus_client.registry import Collector
 log = logging.getLogger("tokenspout.metrics")
 
 SIBLING_TIMEOUT_S = 1.0
-SHARED = frozenset(
-    {
-        "tokenspout_gateway_generations_queued",
-        "tokenspout_gateway_generations_running",
-        "tokenspout_gateway_model_generations_queued",
-        "tokenspout_gateway_model_generations_running",
-    }
-)
-"""Read from Redis by the process scraped: the same for every process."""
 
 
 def peer_socket(directory: Path, index: int) -> Path:
@@ -43,10 +34,13 @@ def peer_socket(directory: Path, index: int) -> Path:
 class MetricsPeers:
     """One process's place among its siblings: serves its registry, gathers theirs."""
 
-    def __init__(self, directory: Path, index: int, registry: CollectorRegistry) -> None:
+    def __init__(
+        self, directory: Path, index: int, registry: CollectorRegistry, shared: frozenset[str]
+    ) -> None:
         self.directory = directory
         self.index = index
         self.registry = registry
+        self.shared = shared
         self.path = peer_socket(directory, index)
         self._server: asyncio.AbstractServer | None = None
 
@@ -72,7 +66,7 @@ class MetricsPeers:
         for path, text in zip(siblings, await asyncio.gather(*map(read, siblings)), strict=True):
             if text is not None:
                 texts[int(path.stem)] = text
-        return merged(texts, self.index)
+        return merged(texts, self.index, self.shared)
 
 
 async def read(path: Path) -> str | None:
@@ -88,12 +82,13 @@ async def read(path: Path) -> str | None:
         return None
 
 
-def merged(texts: dict[int, str], own: int) -> bytes:
-    """One exposition of every process's families, each sample labelled with its process."""
+def merged(texts: dict[int, str], own: int, shared: frozenset[str]) -> bytes:
+    """One exposition of every process's families, each sample labelled with its process;
+    the ``shared`` families once, from process ``own``."""
     families: dict[str, Metric] = {}
     for index, text in sorted(texts.items()):
         for family in text_string_to_metric_families(text):
-            if family.name in SHARED:
+            if family.name in shared:
                 if index == own:
                     families[family.name] = family
                 continue

@@ -84,8 +84,6 @@ class GatewayMetrics:
 
     def __init__(self, peers_dir: Path | None = None, process_index: int = 0) -> None:
         self.registry = r = CollectorRegistry()
-        self.peers = None if peers_dir is None else MetricsPeers(peers_dir, process_index, r)
-        """The sibling processes of ``python -m gateway --workers N`` (gateway/federation.py)."""
         self.active_streams = Gauge(
             "tokenspout_gateway_active_streams",
             "Open event feeds in this process (SSE streams, WebSocket subscriptions, "
@@ -173,6 +171,13 @@ class GatewayMetrics:
             ["model"],
             registry=r,
         )
+        from_redis = (self.queued, self.running, self.model_queued, self.model_running)
+        shared = frozenset(family.name for gauge in from_redis for family in gauge.describe())
+        self.peers = (
+            None if peers_dir is None else MetricsPeers(peers_dir, process_index, r, shared)
+        )
+        """The sibling processes of ``python -m gateway --workers N`` (gateway/federation.py);
+        ``shared``: the gauges read from Redis at scrape, the same in every process."""
         self._live: dict[str, _Live] = {}
         self._by_session: dict[str, set[str]] = {}
 

@@ -482,10 +482,8 @@ class GrpcServerCore:
     async def listen(self, host: str, port: int, sock: socket.socket | None = None) -> None:
         """On ``host:port``, or on ``sock``, a listening socket bound elsewhere."""
         loop = asyncio.get_running_loop()
-        if sock is not None:
-            self._server = await loop.create_server(lambda: GrpcConnection(self), sock=sock)
-        else:
-            self._server = await loop.create_server(lambda: GrpcConnection(self), host, port)
+        where: dict[str, Any] = {"sock": sock} if sock else {"host": host, "port": port}
+        self._server = await loop.create_server(lambda: GrpcConnection(self), **where)
 
     def refuse_new_calls(self) -> None:
         """New calls are answered ``UNAVAILABLE`` and new connections refused."""
