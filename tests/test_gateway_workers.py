@@ -21,7 +21,9 @@ from gateway.supervisor import auto_workers
 from stack import processes
 from stack.processes import ROOT
 from stack.redis_server import free_port
+from tests.support.http import TERMINAL, create_session, read_events, send
 from tests.support.oracle import synthetic_text
+from tests.support.sse import Event
 from tests.support.stack import Stack
 
 pytestmark = pytest.mark.timeout(120)
@@ -135,6 +137,26 @@ async def test_a_process_that_dies_is_replaced_and_sigterm_stops_every_one(stack
     assert not alive(now)
     with socket.create_server(("127.0.0.1", int(url.rsplit(":", 1)[1]))):
         pass  # the port is free again
+
+
+async def test_a_stream_resumes_on_either_process_with_last_event_id(stack: Stack) -> None:
+    stack.synthetic(50)
+    _, url = start_gateways(stack, 2)
+    async with httpx.AsyncClient(timeout=30) as client:
+        session = await create_session(client, url)
+        gid = await send(client, session, "resume me", max_tokens=60)
+    events: list[Event] = []
+    while not any(e.event in TERMINAL for e in events):
+        async with httpx.AsyncClient(timeout=30) as client:  # a new connection: any process
+            last = events[-1].id if events else None
+            reading = await read_events(client, session, gid, last_event_id=last, limit=5)
+        events += reading.events
+    ids = [e.id for e in events]
+    assert len(set(ids)) == len(ids) and ids == sorted(
+        ids, key=lambda i: tuple(map(int, i.split("-")))
+    )
+    text = "".join(e.json()["text"] for e in events if e.event == "token")
+    assert text == synthetic_text("resume me", 60) and events[-1].event == "done"  # no gap
 
 
 async def refused(port: int) -> bool:
