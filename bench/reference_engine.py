@@ -192,6 +192,8 @@ def main(argv: list[str] | None = None) -> None:
         port=args.port,
         log_config=None,
         access_log=False,
+        loop="uvloop",
+        http="httptools",
         timeout_keep_alive=75,
     )
     uvicorn.Server(config).run()

@@ -17,6 +17,8 @@ import signal
 import time
 from typing import Any
 
+import uvloop
+
 from engine.backends.base import Backend
 from engine.metrics import WorkerMetrics
 from engine.worker import Worker
@@ -251,7 +253,8 @@ def main(argv: list[str] | None = None) -> None:
 
     configure_logging(os.environ.get("TOKENSPOUT_LOG_LEVEL", "INFO"), "engine")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    asyncio.run(serve(parse_args(argv)))
+    # uvloop, the gateway's loop too (vLLM's own server runs on it).
+    uvloop.run(serve(parse_args(argv)))
 
 
 if __name__ == "__main__":  # vLLM starts its engine process with spawn: keep this guard
