@@ -64,14 +64,28 @@ def number_after(data: bytes, key: bytes) -> int | None:
 class SSEStream(asyncio.Protocol):
     """One ``GET`` of an event stream; counts ``token`` frames and stops at a final one."""
 
-    def __init__(self, request: bytes, record: StreamRecord) -> None:
+    def __init__(self, request: bytes, record: StreamRecord, keep_alive: bool = False) -> None:
         self.request = request
         self.record = record
+        self.keep_alive = keep_alive
+        """Keep the connection after the final frame, for ``again`` (``answered`` tells
+        when the response has ended)."""
+        self.answered: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.transport: asyncio.Transport | None = None
         self._raw = b""
         self._body = b""
         self._headers_done = False
         self._chunked = False
+
+    def again(self, record: StreamRecord) -> None:
+        """Send the request once more on this kept-alive connection, into ``record``."""
+        assert self.transport is not None and self.answered.done()
+        self.record = record
+        self.answered = asyncio.get_running_loop().create_future()
+        self._raw, self._body = b"", b""
+        self._headers_done = self._chunked = False
+        _arm(record)
+        self.transport.write(self.request)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -80,6 +94,8 @@ class SSEStream(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.record.end(failure=f"connection closed ({exc})")
+        if not self.answered.done():
+            self.answered.set_result(None)
 
     def close(self) -> None:
         if self.transport is not None:
@@ -112,7 +128,8 @@ class SSEStream(asyncio.Protocol):
             *frames, self._body = self._body.split(b"\n\n")
             for frame in frames:
                 self.on_frame(frame, now)
-            if self.record.final is not None or self.record.failure is not None:
+            ended = self.record.final is not None or self.record.failure is not None
+            if ended and not self.keep_alive:
                 self.close()
 
     def on_frame(self, frame: bytes, now: float) -> None:
@@ -134,8 +151,10 @@ class SSEStream(asyncio.Protocol):
             if line_end < 0:
                 break
             size = int(raw[pos:line_end].split(b";")[0], 16)
-            if size == 0:
+            if size == 0:  # the response's last chunk
                 pos = len(raw)
+                if not self.answered.done():
+                    self.answered.set_result(None)
                 break
             if len(raw) < line_end + 2 + size + 2:
                 break
@@ -204,17 +223,30 @@ def sse_request(
 
 
 async def open_stream(
-    host: str, port: int, request: bytes, record: StreamRecord, kind: type[SSEStream] = SSEStream
+    host: str,
+    port: int,
+    request: bytes,
+    record: StreamRecord,
+    kind: type[SSEStream] = SSEStream,
+    keep_alive: bool = False,
 ) -> SSEStream:
     """Send ``request`` on a new connection and read its event stream as ``kind``;
     ``record.submitted_at`` is just before the connection opens (a new client's first request
-    pays its connect, on every path; the session API's is its message's POST)."""
+    pays its connect, on every path; the session API's is its message's POST).
+    ``keep_alive``: the connection stays open after the response, for ``SSEStream.again``."""
+    _arm(record)
+    _, protocol = await asyncio.get_running_loop().create_connection(
+        lambda: kind(request, record, keep_alive), host, port
+    )
+    return protocol
+
+
+def _arm(record: StreamRecord) -> None:
+    """``record``'s futures, and its clock started: the request goes now."""
     loop = asyncio.get_running_loop()
     record.ready = loop.create_future()
     record.finished = loop.create_future()
     record.submitted_at = time.perf_counter()
-    _, protocol = await loop.create_connection(lambda: kind(request, record), host, port)
-    return protocol
 
 
 async def sse_events(response: httpx.Response) -> AsyncIterator[tuple[str, str, str]]:

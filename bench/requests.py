@@ -2,9 +2,12 @@
 
 One-shot streaming chat completions (``POST /v1/chat/completions``, ``stream: true``) of
 ``--tokens`` tokens (1: the request is nearly all there is), ``--concurrency`` at a time,
-``--requests`` of them per side, each on a new connection (a new client), the synthetic
-engine unpaced. The sides, in turns for ``--rounds``, on one set of processes
-(bench/rig.py, nothing pinned: every core of the box):
+``--requests`` of them per side, the synthetic engine unpaced, on each kind of connection
+of ``--connections``: ``new`` (each request on a new connection: a new client, paying its
+connect) and ``kept`` (each of the ``--concurrency`` clients sends its requests one after
+another on one kept-alive connection, as the OpenAI SDK and a browser do). The sides, in
+turns for ``--rounds``, on one set of processes (bench/rig.py, nothing pinned: every core
+of the box):
 
 - ``engine``: the same request answered by the engine alone (bench/reference_engine.py:
   the synthetic backend behind a bare ASGI app on the gateway's uvicorn settings);
@@ -30,13 +33,14 @@ from pathlib import Path
 from typing import Any
 
 from bench import profile_top, report, stats
-from bench.loadgen import OpenAIStream, StreamRecord, open_stream, sse_request
+from bench.loadgen import OpenAIStream, SSEStream, StreamRecord, open_stream, sse_request
 from bench.rig import Rig, rig
 from bench.runner import chat_body
 from stack.rig import HOST
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE = "engine"
+NEW, KEPT = "new", "kept"
 
 
 def say(message: str) -> None:
@@ -44,22 +48,33 @@ def say(message: str) -> None:
 
 
 async def run_side(
-    the_rig: Rig, port: int, args: argparse.Namespace
+    the_rig: Rig, port: int, args: argparse.Namespace, kept: bool = False
 ) -> tuple[list[StreamRecord], dict[str, float], float]:
-    """``args.requests`` requests to ``port``, ``args.concurrency`` at a time: their
-    records, the CPU seconds of every process of the rig meanwhile, and the wall time."""
+    """``args.requests`` requests to ``port``, ``args.concurrency`` at a time (``kept``: each
+    client on one kept-alive connection): their records, the CPU seconds of every process of
+    the rig meanwhile, and the wall time."""
     request = sse_request(HOST, port, "/v1/chat/completions", {}, chat_body(the_rig, args.tokens))
     records: list[StreamRecord] = []
     numbers = itertools.count()
 
     async def client() -> None:
+        stream: SSEStream | None = None
         while next(numbers) < args.requests:
             record = StreamRecord()
-            stream = await open_stream(HOST, port, request, record, OpenAIStream)
+            if stream is None:
+                stream = await open_stream(HOST, port, request, record, OpenAIStream, kept)
+            else:
+                stream.again(record)
             assert record.finished is not None
             await record.finished
-            stream.close()
             records.append(record)
+            if kept and record.failure is None:
+                await stream.answered
+            else:
+                stream.close()
+                stream = None
+        if stream is not None:
+            stream.close()
 
     pids = the_rig.pids()
     before, began = stats.cpu_of(pids), time.perf_counter()
@@ -100,6 +115,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             "tokens": args.tokens,
             "rounds": args.rounds,
             "gateways": args.gateways,
+            "connections": args.connections,
         },
         "sides": {},
     }
@@ -111,30 +127,41 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             sides["gateway x1"] = (the_rig.gateway_port, ["gateway", "worker", *redis])
         for name, (_, port) in the_rig.more_gateways.items():
             sides[name] = (port, [name, "worker", *redis])
-        runs: dict[str, list[Any]] = {side: [] for side in sides}
+        kinds = [(side, connection) for side in sides for connection in args.connections]
+        runs: dict[tuple[str, str], list[Any]] = {kind: [] for kind in kinds}
         warm = argparse.Namespace(**{**vars(args), "requests": 50})
         for port, _ in sides.values():  # warm up: imports, caches, pools
             await run_side(the_rig, port, warm)
         for round_ in range(1, args.rounds + 1):
-            for side, (port, _) in sides.items():
-                runs[side].append(await run_side(the_rig, port, args))
-                records, _, wall = runs[side][-1]
-                say(f"round {round_}, {side}: {len(records) / wall:,.0f} requests/s")
-        for side, (_, path) in sides.items():
-            results["sides"][side] = summary(runs[side], path)
+            for side, connection in kinds:
+                port = sides[side][0]
+                runs[side, connection].append(
+                    await run_side(the_rig, port, args, kept=connection == KEPT)
+                )
+                records, _, wall = runs[side, connection][-1]
+                say(
+                    f"round {round_}, {side}, {connection} connections:"
+                    f" {len(records) / wall:,.0f} requests/s"
+                )
+        for side, connection in kinds:
+            results["sides"][f"{side}, {connection}"] = {
+                "side": side,
+                "connections": connection,
+                **summary(runs[side, connection], sides[side][1]),
+            }
         if args.profile is not None:
             results["profile"] = await profile(the_rig, args)
     return results
 
 
 async def profile(the_rig: Rig, args: argparse.Namespace) -> dict[str, Any]:
-    """py-spy on the gateway and the worker during one more run through one gateway (not
-    counted in the sides' figures); the speedscope files and their top frames into
-    ``args.profile``."""
+    """py-spy on the gateway and the worker during one more run through one gateway on the
+    first kind of ``--connections`` (not counted in the sides' figures); the speedscope
+    files and their top frames into ``args.profile``."""
     args.profile.mkdir(parents=True, exist_ok=True)
     pids = {name: the_rig.pids()[name] for name in ("gateway", "worker")}
     async with profile_top.profiling(pids, args.profile, "requests", args.profile_native) as top:
-        await run_side(the_rig, the_rig.gateway_port, args)
+        await run_side(the_rig, the_rig.gateway_port, args, kept=args.connections[0] == KEPT)
     (args.profile / "requests-summary.txt").write_text(profile_top.text({"gateway x1": top}))
     return top
 
@@ -142,14 +169,15 @@ async def profile(the_rig: Rig, args: argparse.Namespace) -> dict[str, Any]:
 def markdown(results: dict[str, Any]) -> str:
     s = results["settings"]
     sides = results["sides"]
-    engine = sides[ENGINE]
     rows = []
-    for side, r in sides.items():
+    for r in sides.values():
         cpu = r["cpu_us_per_request"]
         parts = " + ".join(f"{name} {cpu[name]:,}" for name in r["path"])
+        engine = sides[f"{ENGINE}, {r['connections']}"]
         ratio = r["requests_per_s"] / engine["requests_per_s"]
         rows.append(
-            f"| {side} | {r['requests_per_s']:,.0f} | {ratio:.2f} | {r['ttft_p50_ms']:.1f} |"
+            f"| {r['side']} | {r['connections']} | {r['requests_per_s']:,.0f} | {ratio:.2f} |"
+            f" {r['ttft_p50_ms']:.1f} |"
             f" {r['ttft_p99_ms']:.1f} | {parts} | {r['path_cpu_us_per_request']:,} |"
             f" {r['failed']} |"
         )
@@ -157,13 +185,15 @@ def markdown(results: dict[str, Any]) -> str:
     return (
         "# What a request costs\n\n"
         f"`python -m bench.requests`: {s['requests']:,} one-shot streaming chat completions"
-        f" of {s['tokens']} token(s) per side and round, {s['concurrency']} at a time, each"
-        f" on a new connection; the synthetic engine unpaced; {s['rounds']} rounds, the sides"
-        " in turns; nothing pinned. CPU per request from /proc, every process on the side's"
-        " path.\n\n"
-        "| side | requests/s | vs engine | TTFT p50 ms | TTFT p99 ms"
+        f" of {s['tokens']} token(s) per side and round, {s['concurrency']} at a time"
+        " (connections: `new`, each request on a new connection; `kept`, each client's"
+        " requests one after another on one kept-alive connection); the synthetic engine"
+        f" unpaced; {s['rounds']} rounds, the sides in turns; nothing pinned. CPU per"
+        " request from /proc, every process on the side's path; `vs engine`: against the"
+        " engine alone on the same connections.\n\n"
+        "| side | connections | requests/s | vs engine | TTFT p50 ms | TTFT p99 ms"
         " | CPU per request, us | path, us | failed |\n"
-        "| --- | --- | --- | --- | --- | --- | --- | --- |\n" + "\n".join(rows) + "\n\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n" + "\n".join(rows) + "\n\n"
         f"Machine: {m['cpu_model']}, {m['nproc']} cores. The load generator shares"
         " them; its own CPU is in requests.json.\n"
     )
@@ -176,6 +206,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=1, help="tokens per request")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--gateways", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--connections", nargs="+", choices=[NEW, KEPT], default=[NEW, KEPT])
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "bench")
     parser.add_argument("--name", default="requests", help="file names: NAME.json, NAME.md")
     parser.add_argument("--logs", type=Path, default=None)

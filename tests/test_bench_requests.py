@@ -1,8 +1,7 @@
 """The request bench (``python -m bench.requests``) end to end, tiny: real Redis, engine,
-gateways. It proves every side answers every request, a gateway of two processes
-(``--workers 2``) included, and that each side's CPU per request is read for every process
-on its path. It
-asserts nothing about speed.
+gateways. It proves every side answers every request, on new and on kept-alive
+connections, a gateway of two processes (``--workers 2``) included, and that each side's
+CPU per request is read for every process on its path. It asserts nothing about speed.
 """
 
 from __future__ import annotations
@@ -29,12 +28,13 @@ def test_every_side_answers_every_request_and_its_path_cpu_is_read(tmp_path: Pat
         *("--requests", str(REQUESTS), "--rounds", "1", "--gateways", "1", "2"),
     )
     sides = json.loads((tmp_path / "requests.json").read_text())["sides"]
-    assert list(sides) == ["engine", "gateway x1", "gateway x2"]
+    names = ["engine", "gateway x1", "gateway x2"]
+    assert list(sides) == [f"{name}, {kind}" for name in names for kind in ("new", "kept")]
     for name, side in sides.items():
         assert side["requests"] == REQUESTS and side["failed"] == 0, (name, side)
         assert side["ttft_p50_ms"] > 0, (name, side)
         assert all(side["cpu_us_per_request"][p] > 0 for p in side["path"]), (name, side)
-    assert sides["gateway x2"]["path"][0] == "gateway x2"
-    assert sides["engine"]["path"] == ["engine"]
+    assert sides["gateway x2, kept"]["path"][0] == "gateway x2"
+    assert sides["engine, new"]["path"] == ["engine"]
     report = (tmp_path / "requests.md").read_text()
-    assert "| gateway x2 |" in report and "gateway x2 " in report
+    assert "| gateway x2 | kept |" in report and "gateway x2 " in report
