@@ -50,6 +50,14 @@ def session_frames(events: Iterable[RelayEvent]) -> bytes:
     )
 
 
+class Last(bytes):
+    """A stream's last chunk: ``LeanStreamingResponse`` sends it with the response's end,
+    one write on the socket where there were two (uvicorn writes the chunked body's end
+    marker with the last chunk when they come in one message). Nothing may follow it."""
+
+    __slots__ = ()
+
+
 def retry(milliseconds: int) -> bytes:
     return b"retry: %d\n\n" % milliseconds
 
@@ -84,15 +92,20 @@ class LeanStreamingResponse(ASGIStreamingResponse):
         watcher = asyncio.create_task(wait_for_disconnect())
         iterator = self.iterator
         try:
-            async for chunk in iterator:
+            last = False
+            async for chunk in iterator:  # to its end, after a Last too: nothing left open
+                if last:
+                    raise RuntimeError("a stream went on after its Last chunk")
                 body = chunk if isinstance(chunk, bytes) else chunk.encode(self.encoding)
+                last = isinstance(chunk, Last)
                 event: HTTPResponseBodyEvent = {
                     "type": "http.response.body",
                     "body": body,
-                    "more_body": True,
+                    "more_body": not last,
                 }
                 await send(event)
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            if not last:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if not disconnected:
                 raise

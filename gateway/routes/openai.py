@@ -16,7 +16,7 @@ from litestar import Response, Router, get, post
 from litestar.response import Stream
 
 from gateway import sse, structured, tools
-from gateway.auth import api_key_guard
+from gateway.auth import api_key_check
 from gateway.choices import Choices, IndexedItem
 from gateway.errors import (
     HANDLED,
@@ -382,10 +382,11 @@ async def stream_chunks(
                     for_batch.append(DONE_FRAME)
             else:
                 for_batch += (_error_frame(item), DONE_FRAME)
-                yield b"".join(for_batch)
+                yield sse.Last(b"".join(for_batch))
                 return
         if for_batch:
-            yield for_batch[0] if len(for_batch) == 1 else b"".join(for_batch)
+            chunk = for_batch[0] if len(for_batch) == 1 else b"".join(for_batch)
+            yield sse.Last(chunk) if len(finals) == choices else chunk
             for_batch.clear()
 
 
@@ -585,5 +586,5 @@ openai_router = Router(
     route_handlers=[chat_completions, completions, models],
     tags=["openai"],
     exception_handlers={kind: openai_error for kind in HANDLED},
-    guards=[api_key_guard],
+    before_request=api_key_check,
 )
