@@ -201,7 +201,7 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
         route_handlers=handlers,
         lifespan=[services.lifespan],
         dependencies=services.dependencies(),
-        state=State({API_KEYS_STATE: services.api_keys}),  # for gateway.auth.api_key_guard
+        state=State({API_KEYS_STATE: services.api_keys}),  # gateway.auth reads it
         exception_handlers={kind: handle_error for kind in HANDLED},
         request_max_body_size=settings.max_body_bytes,
         cors_config=CORSConfig(allow_origins=origins) if origins else None,

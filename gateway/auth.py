@@ -5,8 +5,9 @@ OIP) and the creation of a session (``POST /v1/sessions``, a WebSocket ``generat
 ``session_id``) want one; a session's own endpoints want only its token, which only a key
 holder was given.
 
-A router or handler that wants a key says so once, with ``guards=[api_key_guard]``: the
-check runs before the request's body is read.
+An HTTP router or handler that wants a key says so once, with
+``before_request=api_key_check``; a WebSocket one with ``guards=[api_key_guard]``. Either
+check runs before the request's body (or the socket's first frame) is read.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import hmac
 from pathlib import Path
 from typing import Any
 
-from litestar.connection import ASGIConnection
+from litestar.connection import ASGIConnection, Request
 from litestar.handlers import BaseRouteHandler
 
 from gateway.errors import Unauthorized
@@ -73,17 +74,29 @@ API_KEYS_STATE = "api_keys"
 """Where ``create_app`` keeps the app's ``ApiKeys`` in its state, for ``api_key_guard``."""
 
 
+async def api_key_check(request: Request[Any, Any, Any]) -> None:
+    """A Litestar ``before_request`` hook: ``require_api_key`` with the app's keys. Not a
+    guard on HTTP routes: Litestar hands each guard a copy of its route handler, a shallow
+    copy of a large object on every request (3 % of the gateway's CPU per one-shot
+    request, docs/bench.md "What a request costs"); the hook gets the request alone, and
+    runs before the body is read as well. A coroutine function, though it awaits nothing:
+    Litestar runs a plain function hook in a worker thread, a hop there and back."""
+    require_api_key(request, _app_keys(request))
+
+
 async def api_key_guard(
     connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler
 ) -> None:
-    """A Litestar guard: ``require_api_key`` with the app's keys. A coroutine function,
-    though it awaits nothing: Litestar runs a plain function guard in a worker thread, a
-    hop there and back on every request (about a third of the gateway's CPU per one-shot
-    request, docs/bench.md "What a request costs")."""
+    """``api_key_check`` as a Litestar guard, for WebSocket routes (which have no
+    ``before_request``): once per connection. A coroutine function for the same reason."""
+    require_api_key(connection, _app_keys(connection))
+
+
+def _app_keys(connection: ASGIConnection[Any, Any, Any, Any]) -> ApiKeys:
     api_keys = connection.app.state.get(API_KEYS_STATE)
     if not isinstance(api_keys, ApiKeys):
         raise TypeError(f"the app's state holds no ApiKeys under {API_KEYS_STATE!r}")
-    require_api_key(connection, api_keys)
+    return api_keys
 
 
 def bearer(authorization: str | None) -> str | None:

@@ -16,7 +16,7 @@ from litestar import Response, Router, get, post
 from litestar.response import Stream
 
 from gateway import sse
-from gateway.auth import api_key_guard
+from gateway.auth import api_key_check
 from gateway.errors import (
     HANDLED,
     AnyRequest,
@@ -148,7 +148,7 @@ async def model_ready(store: SessionStore, model: str) -> Response[Ready]:
 oip_router = Router(
     path="/v2/models",
     route_handlers=[generate, generate_stream, model_ready],
-    guards=[api_key_guard],
+    before_request=api_key_check,
     tags=["open-inference-protocol"],
     exception_handlers={kind: oip_error for kind in HANDLED},
 )

@@ -18,7 +18,7 @@ from litestar.params import Parameter
 from litestar.response import Stream
 
 from gateway import sse, structured, tools
-from gateway.auth import api_key_guard
+from gateway.auth import api_key_check
 from gateway.errors import HANDLED, BadRequest, GatewayError, ending_with_error
 from gateway.relay import RelayHub
 from gateway.response_events import ResponseRecord
@@ -449,5 +449,5 @@ responses_router = Router(
     ],
     tags=["openai"],
     exception_handlers={kind: openai_error for kind in HANDLED},
-    guards=[api_key_guard],
+    before_request=api_key_check,
 )

@@ -16,7 +16,7 @@ from litestar.params import HeaderParameter, QueryParameter
 from litestar.response import Stream
 
 from gateway import sse, structured
-from gateway.auth import api_key_guard
+from gateway.auth import api_key_check
 from gateway.errors import EventsExpired, SessionLost
 from gateway.relay import RelayHub
 from gateway.sessions import SessionStore
@@ -96,7 +96,7 @@ class SessionController(Controller):
     path = "/v1/sessions"
     tags = ["sessions"]
 
-    @post("/", status_code=201, summary="Create a session", guards=[api_key_guard])
+    @post("/", status_code=201, summary="Create a session", before_request=api_key_check)
     async def create(self, store: SessionStore, data: SessionIn | None = None) -> SessionCreated:
         """With API keys configured, wants ``Authorization: Bearer <key>`` (else 401). The
         body (optional) names the model: 404 ``model_not_found`` for a name no worker

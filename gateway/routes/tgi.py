@@ -20,7 +20,7 @@ from litestar import Response, Router, get, post
 from litestar.response import Stream
 
 from gateway import __version__, sse
-from gateway.auth import api_key_guard
+from gateway.auth import api_key_check
 from gateway.errors import (
     HANDLED,
     AnyRequest,
@@ -290,7 +290,7 @@ async def _generate_or_stream(
     "/",
     summary="TGI's root: generate, or generate_stream with `stream: true`",
     status_code=200,
-    guards=[api_key_guard],
+    before_request=api_key_check,
     tags=["tgi"],
     exception_handlers={kind: tgi_error for kind in HANDLED},
 )
@@ -354,7 +354,7 @@ async def info(store: SessionStore, settings: Settings) -> Info:
 tgi_router = Router(
     path="/",
     route_handlers=[generate, generate_stream, info],
-    guards=[api_key_guard],
+    before_request=api_key_check,
     tags=["tgi"],
     exception_handlers={kind: tgi_error for kind in HANDLED},
 )

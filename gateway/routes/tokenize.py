@@ -12,7 +12,7 @@ from typing import Annotated, Any
 import msgspec
 from litestar import Router, post
 
-from gateway.auth import api_key_guard
+from gateway.auth import api_key_check
 from gateway.errors import HANDLED, BadRequest
 from gateway.generation_stream import Collected, GenerationStream
 from gateway.relay import RelayHub
@@ -119,5 +119,5 @@ tokenize_router = Router(
     route_handlers=[tokenize, detokenize],
     tags=["vllm"],
     exception_handlers={kind: openai_error for kind in HANDLED},
-    guards=[api_key_guard],
+    before_request=api_key_check,
 )

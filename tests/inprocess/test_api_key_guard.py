@@ -1,4 +1,4 @@
-"""gateway/auth.py's ``api_key_guard`` on the routers and handlers that want a key: every
+"""gateway/auth.py's ``api_key_check`` on the routers and handlers that want a key: every
 one answers 401 in its own protocol's error format without a key, before the body is
 read, and lets a keyed request through to the body's check. The app runs without its
 lifespan: nothing here reaches Redis (tests/test_auth.py and the adapters' tests send
@@ -19,7 +19,7 @@ pytestmark = [
     pytest.mark.timeout(60),
     # Building the whole app: Litestar 2.25 warns about its handlers' inferred dependencies
     # and path parameters (Litestar 3 wants them marked); the served gateway does not run
-    # with warnings as errors, and this test is about the guard.
+    # with warnings as errors, and this test is about the key check.
     pytest.mark.filterwarnings(
         "ignore::litestar.exceptions.base_exceptions.LitestarDeprecationWarning"
     ),
@@ -28,6 +28,7 @@ pytestmark = [
 KEY = "k-guard-1"
 TGI = ["/", "/generate", "/generate_stream"]
 OIP = ["/v2/models/synthetic/generate", "/v2/models/synthetic/generate_stream"]
+OPENAI = ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/tokenize"]
 
 
 @pytest.fixture
@@ -54,16 +55,17 @@ def test_without_a_valid_key_every_guarded_endpoint_answers_401_in_its_format(
         assert refused.status_code == 401, path
         assert list(refused.json()) == ["error"] and "API key" in refused.json()["error"]
     assert client.get("/v2/models/synthetic/ready", headers=headers).status_code == 401
-    refused = client.post("/v1/sessions", headers=headers)
-    assert refused.status_code == 401
-    assert refused.json()["error"]["code"] == "invalid_api_key"
+    for path in ["/v1/sessions", *OPENAI]:
+        refused = client.post(path, json={}, headers=headers)
+        assert refused.status_code == 401, path
+        assert refused.json()["error"]["code"] == "invalid_api_key", path
 
 
 def test_the_key_is_checked_before_the_body_is_read_and_a_keyed_request_passes(
     client: TestClient,  # type: ignore[type-arg]
 ) -> None:
     json_type = {"Content-Type": "application/json"}
-    for path in [*TGI, *OIP, "/v1/sessions"]:
+    for path in [*TGI, *OIP, "/v1/sessions", *OPENAI]:
         refused = client.post(path, content=MALFORMED, headers=json_type)
         assert refused.status_code == 401, path
         keyed = {**json_type, "Authorization": f"Bearer {KEY}"}
