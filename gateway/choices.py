@@ -15,8 +15,8 @@ choices again.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import NamedTuple
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, NamedTuple
 
 from litestar.background_tasks import BackgroundTask
 
@@ -60,8 +60,9 @@ class Choices:
     ) -> Choices:
         """Queue ``n`` generations; if one cannot be queued, those that were are cancelled
         and its error is raised."""
-        submits = [
-            GenerationStream.submit(
+
+        def submit(index: int) -> Coroutine[Any, Any, GenerationStream]:
+            return GenerationStream.submit(
                 store,
                 hub,
                 settings,
@@ -71,9 +72,10 @@ class Choices:
                 prompt=prompt,
                 tools=tools,
             )
-            for index in range(n)
-        ]
-        results = await asyncio.gather(*submits, return_exceptions=True)
+
+        if n == 1:  # the common case: awaited here, not in a task of ``gather``'s own
+            return cls([await submit(0)])
+        results = await asyncio.gather(*map(submit, range(n)), return_exceptions=True)
         streams = [result for result in results if isinstance(result, GenerationStream)]
         failed = [result for result in results if isinstance(result, BaseException)]
         if failed:
@@ -138,7 +140,10 @@ class Choices:
 
     async def close(self) -> None:
         """Cancel every choice that has not ended (the client went away)."""
-        await asyncio.gather(*(stream.close() for stream in self.streams))
+        if len(self.streams) == 1:
+            await self.streams[0].close()
+        else:
+            await asyncio.gather(*(stream.close() for stream in self.streams))
 
     def on_response_end(self) -> BackgroundTask:
         return BackgroundTask(self.close)
