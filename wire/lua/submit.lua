@@ -8,8 +8,13 @@
 --       no message, no busy check, not the session's active generation)
 -- Returns {'ok', queued id, history...} | {'missing'} | {'forbidden'} | {'duplicate', gid}
 --         | {'busy', gid} | {'history_full'}
-if ARGV[12] == '1' then redis.call('HSET', KEYS[1], 'stateless', 1, 'created', ARGV[6]) end
-if redis.call('EXISTS', KEYS[1]) == 0 then return {'missing'} end
+-- A session made here is fresh (a new random id): nothing to look up in it, no history.
+local create = ARGV[12] == '1'
+if create then
+  redis.call('HSET', KEYS[1], 'stateless', 1, 'created', ARGV[6])
+elseif redis.call('EXISTS', KEYS[1]) == 0 then
+  return {'missing'}
+end
 -- The token is checked here, not in a separate round trip. Comparing digests (never the
 -- token itself) leaks nothing useful through timing.
 if ARGV[10] ~= '' and redis.call('HGET', KEYS[1], 'token') ~= ARGV[10] then
@@ -20,7 +25,7 @@ if ARGV[11] == '1' and not companion then
   local existing = redis.call('GET', KEYS[7])
   if existing then return {'duplicate', existing} end
 end
-if not companion then
+if not companion and not create then
   local running = redis.call('GET', KEYS[3])
   if running then return {'busy', running} end
 end
@@ -37,7 +42,10 @@ redis.call('HSET', KEYS[4], 'state', 'queued', 'created', ARGV[6])
 redis.call('EXPIRE', KEYS[4], ttl)
 redis.call('SET', KEYS[6], '1', 'EX', ARGV[8])
 local id = emit(KEYS[5], KEYS[4], ARGV[1], ARGV[2], ttl, 'queued', ARGV[4], ARGV[9])
-for _, key in ipairs({KEYS[1], KEYS[2], KEYS[5]}) do redis.call('EXPIRE', key, ttl) end
+redis.call('EXPIRE', KEYS[1], ttl)
+redis.call('EXPIRE', KEYS[5], ttl)
 local reply = {'ok', id}
+if create and ARGV[5] == '' then return reply end  -- no history to keep or return
+redis.call('EXPIRE', KEYS[2], ttl)
 for _, message in ipairs(redis.call('LRANGE', KEYS[2], 0, -1)) do table.insert(reply, message) end
 return reply
