@@ -22,6 +22,7 @@ that has just registered is routable as soon as a client sees it in ``/v1/models
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -72,11 +73,23 @@ class ModelDirectory:
         self.keys = keys
         self.settings = settings
         self._snapshot: Snapshot | None = None
+        self._reading: asyncio.Future[Snapshot] | None = None
 
     async def snapshot(self, *, fresh: bool = False) -> Snapshot:
+        """The cached view, or a new read once it is ``CACHE_S`` old: the requests that find
+        it old together share one read (a burst of requests made one read each, one per
+        request in flight). ``fresh``: a read of its own, begun after this call."""
         cached = self._snapshot
         if not fresh and cached is not None and time.monotonic() - cached.taken_at < CACHE_S:
             return cached
+        if fresh:
+            return await self._read()
+        if self._reading is None or self._reading.done():
+            self._reading = asyncio.ensure_future(self._read())
+            self._reading.add_done_callback(_retrieve)
+        return await asyncio.shield(self._reading)
+
+    async def _read(self) -> Snapshot:
         since = time.time() - self.settings.worker_timeout_s
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.zrangebyscore(self.keys.workers, since, "+inf")
@@ -145,6 +158,13 @@ class ModelDirectory:
             code="model_required",
             field="model",
         )
+
+
+def _retrieve(read: asyncio.Future[Snapshot]) -> None:
+    """Its error reaches every request awaiting it; retrieved here too, so a read whose
+    requests all went away is not reported as never retrieved."""
+    if not read.cancelled():
+        read.exception()
 
 
 def _no_worker() -> Unavailable:
