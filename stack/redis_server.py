@@ -31,19 +31,25 @@ picked (a cluster's nodes, a Sentinel's): a port picked and released is free aga
 the kernel may offer it twice, two servers then sharing one port."""
 
 
-def _bindable(port: int) -> bool:
-    with socket.socket() as sock:
+def _reachable(port: int) -> bool:
+    """A listener on ``port`` takes a connection: a sandbox may refuse every loopback
+    connection to some port (this project's development machine refuses 51379), and a
+    server there would never answer."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind(("127.0.0.1", port))
+            listener.bind(("127.0.0.1", port))
+            listener.listen(1)
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
         except OSError:
             return False
     return True
 
 
 def free_port(bus_offset: int = 0) -> int:
-    """A port free on loopback now that this process has not handed out lately;
-    ``bus_offset``: the port that far above it must be free and unhanded too, and valid (a
-    cluster node's bus port, 10,000 above)."""
+    """A port free and reachable on loopback now that this process has not handed out
+    lately; ``bus_offset``: the port that far above it must be free, reachable and
+    unhanded too, and valid (a cluster node's bus port, 10,000 above)."""
     while True:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
@@ -51,7 +57,7 @@ def free_port(bus_offset: int = 0) -> int:
         wanted = [port, port + bus_offset] if bus_offset else [port]
         if any(p in _handed_out or p > 65_535 for p in wanted):
             continue
-        if bus_offset and not _bindable(port + bus_offset):
+        if not all(_reachable(p) for p in wanted):
             continue
         _handed_out.extend(wanted)
         return port
@@ -149,7 +155,8 @@ class EmbeddedRedis:
                 self.stop()
                 raise RuntimeError(f"port {self.port} is served by another process ({answering})")
             return self
-        raise RuntimeError(f"valkey-server did not answer on port {self.port}")
+        self.stop()  # not left running, unanswered, after its caller has given up on it
+        raise RuntimeError(f"valkey-server did not answer on port {self.port} in {timeout_s} s")
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
