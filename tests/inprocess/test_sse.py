@@ -109,6 +109,20 @@ async def test_a_stream_writes_each_chunk_then_an_empty_final_body() -> None:
     assert source.closed
 
 
+async def test_a_last_chunk_goes_with_the_end_and_nothing_may_follow_it() -> None:
+    client = Client()
+    source = Source([b"data: 1\n\n", sse.Last(b"data: [DONE]\n\n")], then_wait=False)
+    await lean(source()).send_body(client.send, client.receive)
+    assert client.bodies() == [(b"data: 1\n\n", True), (b"data: [DONE]\n\n", False)]
+    assert source.closed  # read to its end
+
+    client = Client()
+    after = Source([sse.Last(b"data: [DONE]\n\n"), b"data: late\n\n"], then_wait=False)
+    with pytest.raises(RuntimeError, match="after its Last"):
+        await lean(after()).send_body(client.send, client.receive)
+    assert client.bodies() == [(b"data: [DONE]\n\n", False)] and after.closed
+
+
 async def test_a_client_disconnect_ends_the_response_quietly_and_closes_the_source() -> None:
     client = Client()
     source = Source([b"data: 1\n\n"], then_wait=True)
