@@ -25,6 +25,7 @@ from gateway.models import ModelDirectory
 from gateway.settings import Settings
 from wire import CancelSignal, GenerationRequest, Keys, SamplingParams
 from wire.queue import RequestQueue
+from wire.runtime import shared_read
 
 CANCELS_MAXLEN = 10_000
 Counts = dict[str, tuple[int, int]]
@@ -39,16 +40,8 @@ class CountsRead:
 
     def __init__(self, models: list[str], read: Coroutine[Any, Any, Counts]) -> None:
         self.models = models
-        self.task = asyncio.ensure_future(read)
-        # Its error reaches every check awaiting it; retrieved here too, so a read whose
-        # checks all went away (clients gone) is not reported as never retrieved.
-        self.task.add_done_callback(_retrieve)
+        self.task = shared_read(read)
         self.admitted: dict[str, int] = {}
-
-
-def _retrieve(task: asyncio.Future[Counts]) -> None:
-    if not task.cancelled():
-        task.exception()
 
 
 class GenerationQueue:

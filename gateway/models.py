@@ -34,6 +34,7 @@ from gateway.errors import BadRequest, NotFound, Unavailable
 from gateway.settings import Settings
 from wire import Keys, WorkerInfo
 from wire.connect import mget
+from wire.runtime import shared_read
 
 CACHE_S = 1.0
 MODEL_RETRY_AFTER_S = 5
@@ -85,8 +86,7 @@ class ModelDirectory:
         if fresh:
             return await self._read()
         if self._reading is None or self._reading.done():
-            self._reading = asyncio.ensure_future(self._read())
-            self._reading.add_done_callback(_retrieve)
+            self._reading = shared_read(self._read())
         return await asyncio.shield(self._reading)
 
     async def _read(self) -> Snapshot:
@@ -158,13 +158,6 @@ class ModelDirectory:
             code="model_required",
             field="model",
         )
-
-
-def _retrieve(read: asyncio.Future[Snapshot]) -> None:
-    """Its error reaches every request awaiting it; retrieved here too, so a read whose
-    requests all went away is not reported as never retrieved."""
-    if not read.cancelled():
-        read.exception()
 
 
 def _no_worker() -> Unavailable:

@@ -25,6 +25,7 @@ from tests.support.http import TERMINAL, create_session, read_events, send
 from tests.support.oracle import synthetic_text
 from tests.support.sse import Event
 from tests.support.stack import Stack
+from wire import entry_id_key
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -152,9 +153,7 @@ async def test_a_stream_resumes_on_either_process_with_last_event_id(stack: Stac
             reading = await read_events(client, session, gid, last_event_id=last, limit=5)
         events += reading.events
     ids = [e.id for e in events]
-    assert len(set(ids)) == len(ids) and ids == sorted(
-        ids, key=lambda i: tuple(map(int, i.split("-")))
-    )
+    assert len(set(ids)) == len(ids) and ids == sorted(ids, key=entry_id_key)
     text = "".join(e.json()["text"] for e in events if e.event == "token")
     assert text == synthetic_text("resume me", 60) and events[-1].event == "done"  # no gap
 

@@ -1,8 +1,14 @@
-"""Interpreter settings a long-running gateway or engine process applies once started."""
+"""What a long-running gateway or engine process runs on: the interpreter settings it
+applies once started, and a read its concurrent requests share (``shared_read``)."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 GC_YOUNG_THRESHOLD = 20_000
 """Allocations between two young-generation collections (CPython's default: 700). Each
@@ -18,3 +24,18 @@ def tune_gc() -> None:
     gc.freeze()
     _, older, oldest = gc.get_threshold()
     gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
+
+
+def shared_read(read: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+    """``read`` as a task that the requests arriving while it is on its way await together
+    (each through ``asyncio.shield``, so one that goes away does not cancel it for the
+    others). Its error reaches every request awaiting it; it is retrieved here too, so a
+    read whose requests all went away is not reported as never retrieved."""
+    task = asyncio.ensure_future(read)
+    task.add_done_callback(_retrieve)
+    return task
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
