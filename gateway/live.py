@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
+import operator
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -29,6 +31,7 @@ Deliver = Callable[[bytes, bytes], None]
 Confirmed = Callable[[str, bool], None]
 """A channel's subscription is confirmed (True) or lost (False)."""
 CLOSED_TRANSPORT = "the handler is closed"
+SUBSCRIBE, UNSUBSCRIBE = "subscribe", "unsubscribe"
 
 
 @contextlib.contextmanager
@@ -44,6 +47,13 @@ def closed_as_lost(what: str) -> Iterator[None]:
         if CLOSED_TRANSPORT not in str(exc):
             raise
         raise RedisConnectionError(f"{what}: the connection was closed ({exc})") from exc
+
+
+def _report_failure(task: asyncio.Task[None]) -> None:
+    """A batch of (un)subscribes that failed past the errors it handles (a bug): logged,
+    since no request awaits its task."""
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("sending a batch of (un)subscribes failed", exc_info=exc)
 
 
 class RelayPubSub(PubSub):
@@ -109,11 +119,17 @@ class PlainLive:
         self._commands = asyncio.Lock()
         """One (un)subscribe at a time: redis-py's PubSub opens its connection on first use,
         and concurrent first calls would each open one, stranding their channels."""
+        self._asked: list[tuple[str, str]] = []
+        """(command, channel) asked in this pass of the event loop, in order."""
+        self._batch_sent: asyncio.Future[None] | None = None
+        self._sender: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         self._reader = asyncio.create_task(self._read_forever(), name="relay-reader")
 
     async def close(self) -> None:
+        if self._sender is not None:
+            self._sender.cancel()
         if self._reader is not None:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -121,26 +137,69 @@ class PlainLive:
         await self._pubsub.aclose()  # type: ignore[no-untyped-call]
 
     async def subscribe(self, channel: str) -> None:
-        """Subscribe now, or, while the connection is down, on the reader's next one."""
+        """Subscribe, in one command with the other channels asked for in this pass of the
+        event loop; it returns once that command is sent (so the caller's next command
+        reaches Redis after it) or, while the connection is down, left to the reader's
+        next one."""
         self.channels.add(channel)
-        async with self._commands:
-            if connected(self._pubsub):
-                try:
-                    with closed_as_lost("subscribe"):
-                        await self._pubsub.subscribe(channel)
-                except RedisConnectionError as exc:  # dropped: the reader opens a new one
-                    log.info("subscribing %s found the connection lost: %s", channel, exc)
-                    self._reconnecting = True
-            else:
-                self._reconnecting = True
-        self._subscribed.set()
+        await asyncio.shield(self._ask(SUBSCRIBE, channel))
 
     async def unsubscribe(self, channel: str) -> None:
+        """Unsubscribe with the others of this pass; nobody waits for it (messages of a
+        channel nobody watches are dropped, and a new connection leaves it out)."""
         self.channels.discard(channel)
-        async with self._commands:
-            if connected(self._pubsub):  # else the reader's next connection leaves it out
-                with closed_as_lost("unsubscribe"):
-                    await self._pubsub.unsubscribe(channel)
+        self._ask(UNSUBSCRIBE, channel)
+
+    def _ask(self, command: str, channel: str) -> asyncio.Future[None]:
+        """``command`` for ``channel`` in this pass's batch: the future of its sending."""
+        self._asked.append((command, channel))
+        if self._batch_sent is None:
+            self._batch_sent = asyncio.get_running_loop().create_future()
+            # A task's first step runs in the loop's next pass: every request that runs
+            # in this one adds its channel to the batch first.
+            self._sender = asyncio.create_task(self._send_batch(self._batch_sent))
+            self._sender.add_done_callback(_report_failure)
+        return self._batch_sent
+
+    async def _send_batch(self, sent: asyncio.Future[None]) -> None:
+        """The batch's commands in the order asked, each run of one kind as one command
+        (a channel unsubscribed, then subscribed again, ends subscribed)."""
+        try:
+            async with self._commands:
+                self._batch_sent = None  # what is asked from now on goes in the next batch
+                asked, self._asked = self._asked, []
+                for command, run in itertools.groupby(asked, key=operator.itemgetter(0)):
+                    await self._send(command, [channel for _, channel in run])
+        finally:
+            if not sent.done():
+                sent.set_result(None)
+
+    async def _send(self, command: str, channels: list[str]) -> None:
+        try:
+            await self._command(command, channels)
+        finally:
+            if command == SUBSCRIBE:
+                self._subscribed.set()  # the reader, waiting for a first channel, reads on
+
+    async def _command(self, command: str, channels: list[str]) -> None:
+        if not connected(self._pubsub):  # the reader's next connection takes self.channels
+            self._reconnecting = True
+            return
+        try:
+            with closed_as_lost(command):
+                if command == SUBSCRIBE:
+                    await self._pubsub.subscribe(*channels)
+                else:
+                    await self._pubsub.unsubscribe(*channels)
+        except RedisConnectionError as exc:  # dropped: the reader opens a new one
+            log.info(
+                "%s of %d channel(s) found the connection lost: %s", command, len(channels), exc
+            )
+            self._reconnecting = True
+        except (RedisError, OSError) as exc:  # the reader's next connection sets it right
+            log.warning("%s of %d channel(s) failed: %s", command, len(channels), exc)
+            self.connection_lost()
+            self._reconnecting = True
 
     async def _read_forever(self) -> None:
         backoff = 0.05

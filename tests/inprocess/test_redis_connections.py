@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 from collections.abc import AsyncIterator
 
 import pytest
 import uvloop
-from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.asyncio import Redis
 
 from gateway.live import PlainLive
 from stack.redis_server import EmbeddedRedis
@@ -97,23 +98,34 @@ async def relay_through_proxy(redis_server: EmbeddedRedis) -> AsyncIterator[Rela
 
 
 def test_a_pubsub_connection_reset_while_nobody_reads_it_is_a_lost_connection(
-    redis_server: EmbeddedRedis,
+    redis_server: EmbeddedRedis, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Under uvloop (the gateway's loop) a write on a connection reset while nobody read it
     raised ``RuntimeError: ... the handler is closed`` out of redis-py: the relay's
     unsubscribe at a request's end then answered it 500 (the chaos soak, a Redis restart).
-    It is a lost connection: a Redis ``ConnectionError``, which the relay handles."""
+    It is a lost connection, which the relay handles: nothing fails (the batch of
+    unsubscribes sent after the reset logs no error), and the reader opens a fresh
+    connection with the channels still watched."""
 
     async def reset_between_commands() -> None:
         async with relay_through_proxy(redis_server) as relay:
             await relay.live.subscribe("a")  # no reader started: nobody reads the connection
             relay.proxy.reset_clients()
             await asyncio.sleep(0.2)  # the loop sees the reset and closes the transport
-            with pytest.raises(RedisConnectionError):
-                await relay.live.unsubscribe("a")
+            await relay.live.unsubscribe("a")
+            await relay.live.subscribe("b")  # sent after the unsubscribe: its batch is done
+            await relay.live.start()
+            await relay.until_confirmed("b")
+            assert relay.proxy.accepted == 2
 
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+    with (
+        caplog.at_level(logging.INFO, logger="tokenspout.relay"),
+        asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner,
+    ):
         runner.run(reset_between_commands())
+    assert "found the connection lost" in caplog.text
+    relay_errors = [r for r in caplog.records if r.name.startswith("tokenspout")]
+    assert not [r.getMessage() for r in relay_errors if r.levelno >= logging.ERROR]
 
 
 async def test_a_channel_subscribed_while_the_relay_reconnects_is_reported_lost_then_back(
@@ -156,3 +168,51 @@ async def test_only_the_relays_reader_reconnects_a_lost_pubsub_connection(
         assert relay.proxy.accepted == 2  # the reader's fresh connection
         assert ("a", False) in relay.reports and ("c", False) in relay.reports
         assert ("b", True) not in relay.reports
+
+
+async def test_the_subscribes_of_one_loop_pass_go_as_one_command_in_order(
+    redis_server: EmbeddedRedis,
+) -> None:
+    """A request's SUBSCRIBE and UNSUBSCRIBE ride with the others of its pass of the event
+    loop: ten subscribes in one pass are one command, and so are ten unsubscribes; a
+    channel unsubscribed, then subscribed again in one pass ends subscribed."""
+    client = connect(redis_server.url)
+    delivered: list[tuple[bytes, bytes]] = []
+    confirmed: list[str] = []
+    live = PlainLive(
+        client,
+        lambda c, d: delivered.append((c, d)),
+        lambda c, ok: confirmed.append(c),
+        lambda: None,
+    )
+    await live.start()
+    try:
+        await client.config_resetstat()
+        channels = [f"c{i}" for i in range(10)]
+        await asyncio.gather(*(live.subscribe(channel) for channel in channels))
+        async with asyncio.timeout(10):
+            while set(confirmed) != set(channels):
+                await asyncio.sleep(0.01)
+        for channel in channels:  # none of these awaits yields: one pass of the loop
+            await live.unsubscribe(channel)
+        await live.subscribe(channels[0])  # sends the batch, then returns
+        calls = await command_calls(client)
+        assert (calls["subscribe"], calls["unsubscribe"]) == (2, 1)
+        async with asyncio.timeout(10):
+            while await client.pubsub_numsub(*channels) != [(b"c0", 1)] + [
+                (c.encode(), 0) for c in channels[1:]
+            ]:
+                await asyncio.sleep(0.01)
+        await client.publish("c0", b"still here")
+        async with asyncio.timeout(10):
+            while not delivered:
+                await asyncio.sleep(0.01)
+        assert delivered == [(b"c0", b"still here")]
+    finally:
+        await live.close()
+        await client.aclose()
+
+
+async def command_calls(client: Redis) -> dict[str, int]:
+    stats = await client.info("commandstats")
+    return {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()}
