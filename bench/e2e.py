@@ -43,6 +43,11 @@ ONE, CLUSTER = "one Redis", "cluster"
 ROOT = Path(__file__).resolve().parent.parent
 
 
+FLOATING = {"rest_cpu": None, "gateway_cpu": None}
+"""``--floating``: no process pinned, each may take a core of its own (a box with spare
+cores); by default the gateway has CPU 1 and everything else CPU 0 (issue 12)."""
+
+
 def say(message: str) -> None:
     print(f"[bench.e2e] {message}", file=sys.stderr, flush=True)
 
@@ -57,13 +62,20 @@ async def rigs(args: argparse.Namespace, tokens_per_s: float) -> AsyncIterator[d
             engine=args.engine,
             unix_socket=args.unix_socket,
             join_tokens=args.join_tokens,
+            **FLOATING if args.floating else {},
         )
         sides = {ONE: await stack.enter_async_context(one)}
         if args.cluster:
             logs = args.logs / f"cluster-{tokens_per_s:g}"
             logs.mkdir(exist_ok=True)
             sides[CLUSTER] = await stack.enter_async_context(
-                rig(tokens_per_s, logs, shards=args.cluster, join_tokens=args.join_tokens)
+                rig(
+                    tokens_per_s,
+                    logs,
+                    shards=args.cluster,
+                    join_tokens=args.join_tokens,
+                    **FLOATING if args.floating else {},
+                )
             )
         for side in sides.values():
             side.top_logprobs = args.logprobs
@@ -238,6 +250,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile-streams", type=int, default=500, help="the profiled point")
     parser.add_argument(
         "--profile-native", action="store_true", help="py-spy --native (C frames: uvloop, hiredis)"
+    )
+    parser.add_argument(
+        "--floating", action="store_true", help="pin nothing: every process floats over every core"
     )
     parser.add_argument("--reduced", action="store_true", help="mark the results as a reduced run")
     parser.add_argument("--no-plot", action="store_true")

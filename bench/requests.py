@@ -24,11 +24,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
@@ -47,19 +51,26 @@ def say(message: str) -> None:
     print(f"[bench.requests] {message}", file=sys.stderr, flush=True)
 
 
-async def run_side(
-    the_rig: Rig, port: int, args: argparse.Namespace, kept: bool = False
-) -> tuple[list[StreamRecord], dict[str, float], float]:
-    """``args.requests`` requests to ``port``, ``args.concurrency`` at a time (``kept``: each
-    client on one kept-alive connection): their records, the CPU seconds of every process of
-    the rig meanwhile, and the wall time."""
-    request = sse_request(HOST, port, "/v1/chat/completions", {}, chat_body(the_rig, args.tokens))
-    records: list[StreamRecord] = []
+@dataclass(frozen=True)
+class Outcome:
+    """One request as the side's summary needs it (it crosses from a load process)."""
+
+    ttft_s: float | None
+    failure: str | None
+    """Its failure, or how it ended when that was not ``done``; None: a whole reply."""
+
+
+async def send(
+    port: int, request: bytes, requests: int, concurrency: int, kept: bool
+) -> list[Outcome]:
+    """``requests`` copies of ``request`` to ``port``, ``concurrency`` at a time (``kept``:
+    each client on one kept-alive connection)."""
+    outcomes: list[Outcome] = []
     numbers = itertools.count()
 
     async def client() -> None:
         stream: SSEStream | None = None
-        while next(numbers) < args.requests:
+        while next(numbers) < requests:
             record = StreamRecord()
             if stream is None:
                 stream = await open_stream(HOST, port, request, record, OpenAIStream, kept)
@@ -67,7 +78,9 @@ async def run_side(
                 stream.again(record)
             assert record.finished is not None
             await record.finished
-            records.append(record)
+            ttft = record.arrivals[0] - record.submitted_at if record.arrivals else None
+            failed = record.failure or (None if record.final == "done" else str(record.final))
+            outcomes.append(Outcome(ttft, failed))
             if kept and record.failure is None:
                 await stream.answered
             else:
@@ -76,27 +89,69 @@ async def run_side(
         if stream is not None:
             stream.close()
 
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return outcomes
+
+
+def send_in_process(
+    port: int, request: bytes, requests: int, concurrency: int, kept: bool
+) -> list[Outcome]:
+    """``send`` in a load process of its own (``--load-processes``), on asyncio's loop as
+    in the main process (the readers are asyncio protocols)."""
+    return asyncio.run(send(port, request, requests, concurrency, kept))
+
+
+def shares(total: int, parts: int) -> list[int]:
+    """``total`` split into ``parts`` near-equal whole shares."""
+    return [total // parts + (i < total % parts) for i in range(parts)]
+
+
+async def run_side(
+    the_rig: Rig,
+    port: int,
+    args: argparse.Namespace,
+    kept: bool = False,
+    load: ProcessPoolExecutor | None = None,
+) -> tuple[list[Outcome], dict[str, float], float]:
+    """``args.requests`` requests to ``port``, ``args.concurrency`` at a time (``kept``: each
+    client on one kept-alive connection), sent from this process or split over the
+    processes of ``load``: their outcomes, the CPU seconds of every process of the rig
+    meanwhile, and the wall time."""
+    request = sse_request(HOST, port, "/v1/chat/completions", {}, chat_body(the_rig, args.tokens))
     pids = the_rig.pids()
     before, began = stats.cpu_of(pids), time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(args.concurrency)))
+    if load is None:
+        outcomes = await send(port, request, args.requests, args.concurrency, kept)
+    else:
+        loop = asyncio.get_running_loop()
+        parts = args.load_processes
+        sent = await asyncio.gather(
+            *(
+                loop.run_in_executor(load, send_in_process, port, request, n, c, kept)
+                for n, c in zip(
+                    shares(args.requests, parts), shares(args.concurrency, parts), strict=True
+                )
+            )
+        )
+        outcomes = [outcome for part in sent for outcome in part]
     wall = time.perf_counter() - began
     after = stats.cpu_of(pids)
-    return records, {name: after[name] - before[name] for name in pids}, wall
+    return outcomes, {name: after[name] - before[name] for name in pids}, wall
 
 
 def summary(
-    runs: list[tuple[list[StreamRecord], dict[str, float], float]], path: list[str]
+    runs: list[tuple[list[Outcome], dict[str, float], float]], path: list[str]
 ) -> dict[str, Any]:
     """One side over its rounds: ``path``, the processes it runs through."""
-    records = [r for run in runs for r in run[0]]
-    n, wall = len(records), sum(run[2] for run in runs)
+    outcomes = [o for run in runs for o in run[0]]
+    n, wall = len(outcomes), sum(run[2] for run in runs)
     cpu = {name: sum(run[1][name] for run in runs) for name in runs[0][1]}
-    ttft = [r.arrivals[0] - r.submitted_at for r in records if r.arrivals]
-    failed = [r.failure or r.final for r in records if r.failure or r.final != "done"]
+    ttft = [o.ttft_s for o in outcomes if o.ttft_s is not None]
+    failed = [o.failure for o in outcomes if o.failure is not None]
     return {
         "requests": n,
         "failed": len(failed),
-        "failures": sorted({str(f) for f in failed})[:5],
+        "failures": sorted(set(failed))[:5],
         "requests_per_s": round(n / wall, 1),
         "ttft_p50_ms": stats.ms(stats.pct(ttft, 50)),
         "ttft_p99_ms": stats.ms(stats.pct(ttft, 99)),
@@ -116,32 +171,51 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             "rounds": args.rounds,
             "gateways": args.gateways,
             "connections": args.connections,
+            "load_processes": args.load_processes,
+            "engines": args.engines,
+            "cluster": args.cluster,
         },
         "sides": {},
     }
     more = tuple(n for n in args.gateways if n > 1)
-    async with rig(0, args.logs, rest_cpu=None, gateway_cpu=None, workers=more) as the_rig:
-        redis = list(the_rig.servers)
+    load = None
+    if args.load_processes > 1:
+        load = ProcessPoolExecutor(args.load_processes, mp_context=get_context("spawn"))
+    async with contextlib.AsyncExitStack() as stack:
+        if load is not None:
+            stack.callback(load.shutdown)
+        the_rig = await stack.enter_async_context(
+            rig(
+                0,
+                args.logs,
+                shards=args.cluster,
+                rest_cpu=None,
+                gateway_cpu=None,
+                workers=more,
+                engines=args.engines,
+            )
+        )
+        behind = [*the_rig.engine_workers, *the_rig.servers]
         sides: dict[str, tuple[int, list[str]]] = {ENGINE: (the_rig.engine_port, [ENGINE])}
         if 1 in args.gateways:
-            sides["gateway x1"] = (the_rig.gateway_port, ["gateway", "worker", *redis])
+            sides["gateway x1"] = (the_rig.gateway_port, ["gateway", *behind])
         for name, (_, port) in the_rig.more_gateways.items():
-            sides[name] = (port, [name, "worker", *redis])
+            sides[name] = (port, [name, *behind])
         kinds = [(side, connection) for side in sides for connection in args.connections]
         runs: dict[tuple[str, str], list[Any]] = {kind: [] for kind in kinds}
         warm = argparse.Namespace(**{**vars(args), "requests": 50})
-        for port, _ in sides.values():  # warm up: imports, caches, pools
-            await run_side(the_rig, port, warm)
+        for port, _ in sides.values():  # warm up: imports, caches, pools, load processes
+            await run_side(the_rig, port, warm, load=load)
         for round_ in range(1, args.rounds + 1):
             for side, connection in kinds:
                 port = sides[side][0]
                 runs[side, connection].append(
-                    await run_side(the_rig, port, args, kept=connection == KEPT)
+                    await run_side(the_rig, port, args, kept=connection == KEPT, load=load)
                 )
-                records, _, wall = runs[side, connection][-1]
+                outcomes, _, wall = runs[side, connection][-1]
                 say(
                     f"round {round_}, {side}, {connection} connections:"
-                    f" {len(records) / wall:,.0f} requests/s"
+                    f" {len(outcomes) / wall:,.0f} requests/s"
                 )
         for side, connection in kinds:
             results["sides"][f"{side}, {connection}"] = {
@@ -188,7 +262,9 @@ def markdown(results: dict[str, Any]) -> str:
         f" of {s['tokens']} token(s) per side and round, {s['concurrency']} at a time"
         " (connections: `new`, each request on a new connection; `kept`, each client's"
         " requests one after another on one kept-alive connection); the synthetic engine"
-        f" unpaced; {s['rounds']} rounds, the sides in turns; nothing pinned. CPU per"
+        f" unpaced, {s.get('engines', 1)} engine worker(s); sent from"
+        f" {s.get('load_processes', 1)} load process(es); {s['rounds']} rounds, the sides in"
+        " turns; nothing pinned. CPU per"
         " request from /proc, every process on the side's path; `vs engine`: against the"
         " engine alone on the same connections.\n\n"
         "| side | connections | requests/s | vs engine | TTFT p50 ms | TTFT p99 ms"
@@ -206,6 +282,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=1, help="tokens per request")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--gateways", type=int, nargs="+", default=[1, 2])
+    parser.add_argument(
+        "--load-processes",
+        type=int,
+        default=1,
+        help="send from this many processes (a box with spare cores: one is a core's worth)",
+    )
+    parser.add_argument("--engines", type=int, default=1, help="engine workers behind the gateways")
+    parser.add_argument(
+        "--cluster", type=int, default=0, metavar="PRIMARIES", help="on a Redis Cluster of these"
+    )
     parser.add_argument("--connections", nargs="+", choices=[NEW, KEPT], default=[NEW, KEPT])
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "bench")
     parser.add_argument("--name", default="requests", help="file names: NAME.json, NAME.md")
@@ -217,7 +303,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--render", type=Path, default=None, help="only write NAME.md from this results JSON"
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.concurrency < args.load_processes:
+        parser.error("--concurrency must be at least --load-processes (a client or more each)")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -71,13 +71,21 @@ class Rig:
     """The OpenAI path's requests ask for logprobs with this many alternatives (--logprobs)."""
     more_gateways: dict[str, tuple[subprocess.Popen[bytes], int]] = field(default_factory=dict)
     """Gateways beside the first by name (``gateway xN``: ``--workers N``), with their ports."""
+    more_engines: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    """Engine workers beside the first by name (``worker2``...), on the same model's queue."""
 
     def __post_init__(self) -> None:
         self.posts = HTTPPool(HOST, self.gateway_port)
 
+    @property
+    def engine_workers(self) -> list[str]:
+        """The engine workers' names, as ``pids`` has them."""
+        return ["worker", *self.more_engines]
+
     def pids(self) -> dict[str, int]:
         named = {"gateway": self.gateway, "worker": self.worker, "engine": self.engine}
         named |= {name: process for name, (process, _) in self.more_gateways.items()}
+        named |= self.more_engines
         pids = {name: process.pid for name, process in named.items()}
         return pids | {name: s.pid for name, s in self.servers.items()} | {"loadgen": os.getpid()}
 
@@ -94,6 +102,7 @@ async def rig(
     rest_cpu: int | None = REST_CPU,
     gateway_cpu: int | None = GATEWAY_CPU,
     workers: tuple[int, ...] = (),
+    engines: int = 1,
 ) -> AsyncIterator[Rig]:
     """Everything, paced at ``tokens_per_s`` (0: unpaced; vLLM: its own pace); ``engine``:
     ``synthetic`` or ``vllm``; ``shards`` > 0: on an embedded
@@ -101,7 +110,7 @@ async def rig(
     ``rest_cpu`` None: the worker, Redis, the reference engine and the load generator float
     over every CPU (``gateway_cpu`` None: the gateway too); ``workers``: one more gateway for
     each, on its own port, with that many processes (``python -m gateway --workers N``;
-    floating)."""
+    floating); ``engines``: engine workers on the model's queue (the first with metrics)."""
     prefix = f"bench-{secrets.token_hex(3)}"
     backend = ["--backend", "synthetic", "--tokens-per-s", str(tokens_per_s)]
     backend += ["--capacity", str(MAX_STREAMS)]
@@ -134,6 +143,9 @@ async def rig(
         worker = procs.engine(
             *backend, *joined, "--metrics-port", str(metrics), cpu=rest_cpu
         )  # registered: a vLLM worker has loaded its model before the other one starts
+        more_engines = {
+            f"worker{n}": procs.engine(*backend, cpu=rest_cpu) for n in range(2, engines + 1)
+        }
         gateway = procs.gateway(grpc=True, cpu=gateway_cpu)
         more = {f"gateway x{n}": procs.gateway(workers=n) for n in workers}
         port = free_port()
@@ -161,6 +173,7 @@ async def rig(
         if engine == "vllm":
             the_rig.model, the_rig.prompt = MODEL_NAME, VLLM_PROMPT
         the_rig.more_gateways = {name: (g.process, g.port) for name, g in more.items()}
+        the_rig.more_engines = more_engines
         try:
             yield the_rig
         finally:
