@@ -41,6 +41,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.maint_notifications import MaintNotificationsConfig
 
+from wire.pool import LeanBlockingConnectionPool, LeanConnectionPool
+
 log = logging.getLogger("tokenspout.redis")
 T = TypeVar("T")
 WAITING_WARN_S = 10.0
@@ -163,7 +165,8 @@ def connect(url: str, *, max_connections: int | None = None, **options: Any) -> 
     """A client for ``url``, with no command timeout and TCP liveness checks
     (``NO_COMMAND_TIMEOUT``, ``TCP_LIVENESS``). ``max_connections``: a blocking pool of
     that many (per node on a cluster) whose commands are retried on a lost connection (the
-    gateway's); None: redis-py's pool (the engine's)."""
+    gateway's); None: redis-py's pool (the engine's). One Redis's pools are wire/pool.py's,
+    redis-py's with a fast path for an idle connection."""
     kind = kind_of(url)
     liveness: dict[str, Any] = {}
     if urlsplit(url).scheme != "unix":  # a local server that dies closes its socket
@@ -174,9 +177,9 @@ def connect(url: str, *, max_connections: int | None = None, **options: Any) -> 
     if kind == "sentinel":
         return _sentinel(url, max_connections, options)
     if max_connections is None:
-        return aioredis.Redis.from_url(url, **options)
+        return aioredis.Redis.from_pool(LeanConnectionPool.from_url(url, **options))
     return aioredis.Redis(
-        connection_pool=aioredis.BlockingConnectionPool.from_url(
+        connection_pool=LeanBlockingConnectionPool.from_url(
             url, max_connections=max_connections, **options
         ),
         retry=_retry(),
