@@ -62,6 +62,7 @@ async def rigs(args: argparse.Namespace, tokens_per_s: float) -> AsyncIterator[d
             engine=args.engine,
             unix_socket=args.unix_socket,
             join_tokens=args.join_tokens,
+            gateway_workers=args.gateway_workers,
             **FLOATING if args.floating else {},
         )
         sides = {ONE: await stack.enter_async_context(one)}
@@ -74,6 +75,7 @@ async def rigs(args: argparse.Namespace, tokens_per_s: float) -> AsyncIterator[d
                     logs,
                     shards=args.cluster,
                     join_tokens=args.join_tokens,
+                    gateway_workers=args.gateway_workers,
                     **FLOATING if args.floating else {},
                 )
             )
@@ -171,6 +173,8 @@ async def suite(args: argparse.Namespace) -> dict[str, Any]:
             "openai_top_logprobs": args.logprobs,
             "cluster_primaries": args.cluster,
             "reduced": args.reduced,
+            "gateway_workers": args.gateway_workers,
+            "floating": args.floating,
         },
         "points": [],
     }
@@ -254,6 +258,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--floating", action="store_true", help="pin nothing: every process floats over every core"
     )
+    parser.add_argument(
+        "--gateway-workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="the gateway as N processes on one port (python -m gateway --workers N; with"
+        " --floating)",
+    )
     parser.add_argument("--reduced", action="store_true", help="mark the results as a reduced run")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument(
@@ -275,6 +287,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--name", default="e2e", help="file names: NAME.json, NAME.md, NAME.png")
     args = parser.parse_args(argv)
+    if args.gateway_workers > 1 and not args.floating:
+        parser.error("--gateway-workers N > 1 needs --floating (pinned, all N share CPU 1)")
     if args.engine == "vllm" and (args.cluster or args.rate):
         parser.error("--engine vllm runs at vLLM's own pace (--rate 0) on one Redis")
     return args

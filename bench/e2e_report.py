@@ -183,8 +183,12 @@ def _engine(s: dict[str, Any]) -> str:
 
 
 def _pinned(results: dict[str, Any]) -> str:
-    if results["settings"].get("engine") == "vllm":
+    settings = results["settings"]
+    if settings.get("engine") == "vllm":
         return "Nothing pinned (vLLM binds its engine core itself)."
+    if settings.get("floating"):
+        processes = settings.get("gateway_workers", 1)
+        return f"Nothing pinned (`--floating`); the gateway as {processes} process(es)."
     return (
         "Gateway pinned to CPU 1, engine worker + Redis + reference engine + load generator "
         f"to CPU 0 (pinned: {results.get('pinned')})."

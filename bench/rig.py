@@ -103,6 +103,7 @@ async def rig(
     gateway_cpu: int | None = GATEWAY_CPU,
     workers: tuple[int, ...] = (),
     engines: int = 1,
+    gateway_workers: int = 1,
 ) -> AsyncIterator[Rig]:
     """Everything, paced at ``tokens_per_s`` (0: unpaced; vLLM: its own pace); ``engine``:
     ``synthetic`` or ``vllm``; ``shards`` > 0: on an embedded
@@ -110,7 +111,8 @@ async def rig(
     ``rest_cpu`` None: the worker, Redis, the reference engine and the load generator float
     over every CPU (``gateway_cpu`` None: the gateway too); ``workers``: one more gateway for
     each, on its own port, with that many processes (``python -m gateway --workers N``;
-    floating); ``engines``: engine workers on the model's queue (the first with metrics)."""
+    floating); ``engines``: engine workers on the model's queue (the first with metrics);
+    ``gateway_workers``: the gateway's processes (``python -m gateway --workers``)."""
     prefix = f"bench-{secrets.token_hex(3)}"
     backend = ["--backend", "synthetic", "--tokens-per-s", str(tokens_per_s)]
     backend += ["--capacity", str(MAX_STREAMS)]
@@ -146,7 +148,7 @@ async def rig(
         more_engines = {
             f"worker{n}": procs.engine(*backend, cpu=rest_cpu) for n in range(2, engines + 1)
         }
-        gateway = procs.gateway(grpc=True, cpu=gateway_cpu)
+        gateway = procs.gateway(grpc=True, cpu=gateway_cpu, workers=gateway_workers)
         more = {f"gateway x{n}": procs.gateway(workers=n) for n in workers}
         port = free_port()
         alone = procs.spawn(
