@@ -3,8 +3,9 @@
 It proves every token of every stream is counted on each path (the engine alone, the
 gateway's OpenAI endpoint, the session API, its gRPC ModelStreamInfer, its WebSocket), paced
 and unpaced, that cancels are measured, that the reference engine streams the synthetic
-engine's own text, and that the JSON carries every column of the report; then the same with
-vLLM on both sides. It asserts nothing about speed.
+engine's own text, and that the JSON carries every column of the report (the synthetic run
+on a gateway of two processes, nothing pinned: ``--floating --gateway-workers 2``); then
+the same with vLLM on both sides. It asserts nothing about speed.
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ def test_every_path_delivers_every_token_and_the_json_has_every_column(tmp_path:
         tmp_path,
         *("--no-plot", "--streams", "1", "3", "--tokens", "6", "--rounds-single", "2"),
         *("--saturation", "2", "20", "--modes", *MODES, "--cancels", "4"),
+        *("--floating", "--gateway-workers", "2"),
     )
     results = json.loads((tmp_path / "e2e.json").read_text())
+    assert results["settings"]["gateway_workers"] == 2 and not results["pinned"]
     points = [*results["points"], results["saturation"]]
     assert [(p["streams"], p["tokens_per_s_per_stream"]) for p in points] == [
         (1, 50),
@@ -68,6 +71,7 @@ def test_every_path_delivers_every_token_and_the_json_has_every_column(tmp_path:
     report = (tmp_path / "e2e.md").read_text()
     assert "| streams | added TTFT p50 | added TTFT p99 |" in report
     assert "2 unpaced" in report
+    assert "Nothing pinned (`--floating`); the gateway as 2 process(es)." in report
     assert "| cancel via | n | p50 ms | p99 ms | max ms |" in report
 
 
