@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import operator
@@ -47,13 +48,6 @@ def closed_as_lost(what: str) -> Iterator[None]:
         if CLOSED_TRANSPORT not in str(exc):
             raise
         raise RedisConnectionError(f"{what}: the connection was closed ({exc})") from exc
-
-
-def _report_failure(task: asyncio.Task[None]) -> None:
-    """A batch of (un)subscribes that failed past the errors it handles (a bug): logged,
-    since no request awaits its task."""
-    if not task.cancelled() and (exc := task.exception()) is not None:
-        log.error("sending a batch of (un)subscribes failed", exc_info=exc)
 
 
 class RelayPubSub(PubSub):
@@ -122,14 +116,15 @@ class PlainLive:
         self._asked: list[tuple[str, str]] = []
         """(command, channel) asked in this pass of the event loop, in order."""
         self._batch_sent: asyncio.Future[None] | None = None
-        self._sender: asyncio.Task[None] | None = None
+        self._senders: set[asyncio.Task[None]] = set()
+        """The batches' tasks: the one sending, and the next one waiting for it."""
 
     async def start(self) -> None:
         self._reader = asyncio.create_task(self._read_forever(), name="relay-reader")
 
     async def close(self) -> None:
-        if self._sender is not None:
-            self._sender.cancel()
+        for sender in list(self._senders):
+            sender.cancel()
         if self._reader is not None:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -154,25 +149,32 @@ class PlainLive:
         """``command`` for ``channel`` in this pass's batch: the future of its sending."""
         self._asked.append((command, channel))
         if self._batch_sent is None:
-            self._batch_sent = asyncio.get_running_loop().create_future()
+            sent = self._batch_sent = asyncio.get_running_loop().create_future()
             # A task's first step runs in the loop's next pass: every request that runs
             # in this one adds its channel to the batch first.
-            self._sender = asyncio.create_task(self._send_batch(self._batch_sent))
-            self._sender.add_done_callback(_report_failure)
+            sender = asyncio.create_task(self._send_batch())
+            self._senders.add(sender)
+            sender.add_done_callback(functools.partial(self._batch_done, sent))
         return self._batch_sent
 
-    async def _send_batch(self, sent: asyncio.Future[None]) -> None:
+    def _batch_done(self, sent: asyncio.Future[None], sender: asyncio.Task[None]) -> None:
+        """However the batch's task ended (sent, failed, or cancelled at ``close``, even
+        before it ran), those waiting for it go on; a failure past the errors it handles
+        (a bug) is logged, since no request awaits the task."""
+        self._senders.discard(sender)
+        if not sent.done():
+            sent.set_result(None)
+        if not sender.cancelled() and (exc := sender.exception()) is not None:
+            log.error("sending a batch of (un)subscribes failed", exc_info=exc)
+
+    async def _send_batch(self) -> None:
         """The batch's commands in the order asked, each run of one kind as one command
         (a channel unsubscribed, then subscribed again, ends subscribed)."""
-        try:
-            async with self._commands:
-                self._batch_sent = None  # what is asked from now on goes in the next batch
-                asked, self._asked = self._asked, []
-                for command, run in itertools.groupby(asked, key=operator.itemgetter(0)):
-                    await self._send(command, [channel for _, channel in run])
-        finally:
-            if not sent.done():
-                sent.set_result(None)
+        async with self._commands:
+            self._batch_sent = None  # what is asked from now on goes in the next batch
+            asked, self._asked = self._asked, []
+            for command, run in itertools.groupby(asked, key=operator.itemgetter(0)):
+                await self._send(command, [channel for _, channel in run])
 
     async def _send(self, command: str, channels: list[str]) -> None:
         try:

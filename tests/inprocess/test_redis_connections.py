@@ -216,3 +216,20 @@ async def test_the_subscribes_of_one_loop_pass_go_as_one_command_in_order(
 async def command_calls(client: Redis) -> dict[str, int]:
     stats = await client.info("commandstats")
     return {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()}
+
+
+async def test_closing_before_a_batch_is_sent_leaves_no_request_waiting(
+    redis_server: EmbeddedRedis,
+) -> None:
+    """A request whose SUBSCRIBE's batch was never sent (the process closing its relay
+    first) goes on: its batch's task, cancelled before it ran, still lets it."""
+    client = connect(redis_server.url)
+    live = PlainLive(client, lambda c, d: None, lambda c, ok: None, lambda: None)
+    try:
+        subscribing = asyncio.create_task(live.subscribe("a"))
+        await asyncio.sleep(0)  # it asked: its batch's task is made, and has not run
+        await live.close()
+        async with asyncio.timeout(5):
+            await subscribing
+    finally:
+        await client.aclose()
