@@ -25,6 +25,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.connection import AbstractConnection
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 
 class _FastIdleConnections:
@@ -51,8 +52,12 @@ class _FastIdleConnections:
         self._in_use_connections.add(connection)
         try:
             # redis-py's own check, cheap with hiredis: a reply left unread, or the
-            # server gone (EOF), reconnects first.
-            if not connection.is_connected or await connection.can_read():
+            # server gone (EOF); an error in it has already disconnected the connection.
+            ready = connection.is_connected and not await connection.can_read()
+        except (RedisConnectionError, OSError):
+            ready = False
+        try:
+            if not ready:  # reconnected and checked again, as redis-py's pool does
                 await self.ensure_connection(connection)  # type: ignore[attr-defined]
         except BaseException:
             await self.release(connection)
