@@ -55,6 +55,9 @@ def say(message: str) -> None:
 @contextlib.asynccontextmanager
 async def rigs(args: argparse.Namespace, tokens_per_s: float) -> AsyncIterator[dict[str, Rig]]:
     """The one-Redis rig, and with ``--cluster`` the same on a cluster beside it."""
+    placement: dict[str, Any] = {"gateway_workers": args.gateway_workers}
+    if args.floating:
+        placement |= FLOATING
     async with contextlib.AsyncExitStack() as stack:
         one = rig(
             tokens_per_s,
@@ -62,8 +65,7 @@ async def rigs(args: argparse.Namespace, tokens_per_s: float) -> AsyncIterator[d
             engine=args.engine,
             unix_socket=args.unix_socket,
             join_tokens=args.join_tokens,
-            gateway_workers=args.gateway_workers,
-            **FLOATING if args.floating else {},
+            **placement,
         )
         sides = {ONE: await stack.enter_async_context(one)}
         if args.cluster:
@@ -75,8 +77,7 @@ async def rigs(args: argparse.Namespace, tokens_per_s: float) -> AsyncIterator[d
                     logs,
                     shards=args.cluster,
                     join_tokens=args.join_tokens,
-                    gateway_workers=args.gateway_workers,
-                    **FLOATING if args.floating else {},
+                    **placement,
                 )
             )
         for side in sides.values():

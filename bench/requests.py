@@ -12,7 +12,11 @@ of the box):
 - ``engine``: the same request answered by the engine alone (bench/reference_engine.py:
   the synthetic backend behind a bare ASGI app on the gateway's uvicorn settings);
 - ``gateway xN``: through a gateway of N processes (``--gateways 1 2``: ``python -m gateway
-  --workers N``, each on its own port); Redis and one engine worker behind them all.
+  --workers N``, each on its own port); Redis and ``--engines`` engine workers (one by
+  default) behind them all, on one Redis or a cluster (``--cluster``).
+
+The clients run in this process, or split over ``--load-processes`` processes of their own
+(one load generator is one core: on a box with many, it is what would be measured).
 
 Per side: requests/s, time to the first token (p50, p99), and the CPU each process spent
 per request (from /proc, before and after: gateway processes, worker, Redis; the engine

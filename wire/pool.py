@@ -4,9 +4,9 @@ redis-py 8 takes a connection for every command and pipeline through a lock (a c
 and a timeout too in the blocking pool), an ``asynccontextmanager``, two observability
 hooks and a connect call; it gives it back through the lock again, an event dispatch and
 another hook. On the gateway's machine a GET costs the client about 150 us of CPU through
-redis-py's blocking pool and 60-80 us through this one (docs/bench.md, "What a request
-costs"), and on Python 3.11 each asyncio lock and timeout makes ``getpid`` system calls
-(``get_running_loop``).
+redis-py's blocking pool and 60-90 us through this one (docs/bench.md, "Every core, and
+the request's cost again"), and on Python 3.11 each asyncio lock and timeout makes
+``getpid`` system calls (``get_running_loop``).
 
 The fast path here: an idle connection is handed out and taken back as plain list and set
 operations, which is what redis-py's own pool does under its lock (one event loop: no
