@@ -160,6 +160,7 @@ class Services:
                 refresh_watches(self.store, self.hub, self.settings.abandon_grace_s / 3)
             ),
             asyncio.create_task(self.reaper.run_forever()),
+            asyncio.create_task(self.store.models.refresh_forever()),
         ]
         try:
             yield

@@ -15,19 +15,23 @@ the name a client asked for into the model whose queue takes the request:
   A ``TOKENSPOUT_DEFAULT_MODEL`` that no worker has registered yet is queued for, not
   refused: at start-up the gateway is up before the engine has loaded its model.
 
-The live view is cached for ``CACHE_S``: routing costs no Redis round trip per request. A
-name the cache does not know is looked up again at once before it is refused, so a worker
-that has just registered is routable as soon as a client sees it in ``/v1/models``.
+The live view is cached for ``CACHE_S`` and read again in the background before it gets
+that old (``refresh_forever``, in the gateway's lifespan): routing costs no Redis round trip
+per request, the lone request after a pause included. A name the cache does not know is
+looked up again at once before it is refused, so a worker that has just registered is
+routable as soon as a client sees it in ``/v1/models``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 
 import msgspec
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 import wire
 from gateway.errors import BadRequest, NotFound, Unavailable
@@ -36,7 +40,12 @@ from wire import Keys, WorkerInfo
 from wire.connect import mget
 from wire.runtime import shared_read
 
+log = logging.getLogger("tokenspout.models")
+
 CACHE_S = 1.0
+"""A request uses a view of the workers at most this old (else it reads one)."""
+REFRESH_S = CACHE_S / 2
+"""How often ``refresh_forever`` reads the view: so a request always finds one in time."""
 MODEL_RETRY_AFTER_S = 5
 """``Retry-After`` of a 503 for a model with no live worker: about a worker's restart."""
 _worker_decoder = msgspec.json.Decoder(WorkerInfo)
@@ -88,6 +97,23 @@ class ModelDirectory:
         if self._reading is None or self._reading.done():
             self._reading = shared_read(self._read())
         return await asyncio.shield(self._reading)
+
+    async def refresh_forever(self, interval_s: float = REFRESH_S) -> None:
+        """Keep the view younger than ``CACHE_S``, so no request waits for its read: a
+        lone request (a chat's next turn, seconds after the last) found it old every time,
+        two round trips on its way to the queue."""
+        failing = False
+        while True:
+            try:
+                await self.snapshot(fresh=True)
+                failing = False
+            except (RedisError, OSError) as exc:
+                if not failing:  # once per outage: requests read it themselves meanwhile
+                    log.warning("reading the engine workers failed (%s); retrying", exc)
+                failing = True
+            except Exception:
+                log.exception("reading the engine workers failed; retrying")
+            await asyncio.sleep(interval_s)
 
     async def _read(self) -> Snapshot:
         since = time.time() - self.settings.worker_timeout_s

@@ -1,16 +1,19 @@
 """gateway/models.py: the live view of the models, cached for ``CACHE_S``, against the
 session's real Redis. The requests that find the cached view old together share one read
-(a burst used to make one read per request in flight); a fresh read is always its own."""
+(a burst used to make one read per request in flight); a fresh read is always its own; kept
+fresh in the background, the view is never old when a request comes."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
+import time
 
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.models import ModelDirectory
+from gateway.models import CACHE_S, ModelDirectory
 from gateway.settings import Settings
 from wire import Keys
 
@@ -35,3 +38,28 @@ async def test_a_burst_that_finds_the_view_old_shares_one_read(redis: aioredis.R
     fresh = await asyncio.gather(*(directory.snapshot(fresh=True) for _ in range(3)))
     assert await count_reads(redis) - before == 4  # each a read of its own
     assert fresh[0] is not burst[0]
+
+
+async def test_kept_fresh_the_view_is_there_before_a_request_asks(
+    redis: aioredis.Redis,
+) -> None:
+    """A request after a pause longer than ``CACHE_S`` (a chat's next turn) finds a view
+    read before it came: no read on its way. Without the refresher it reads one."""
+    directory = ModelDirectory(redis, Keys(f"md-{secrets.token_hex(3)}"), Settings())
+    refresher = asyncio.create_task(directory.refresh_forever())
+    try:
+        await asyncio.sleep(CACHE_S * 2.5)
+        for _ in range(3):
+            asked_at = time.monotonic()
+            snapshot = await directory.snapshot()
+            assert snapshot.taken_at < asked_at, "the request waited for a read"
+            assert asked_at - snapshot.taken_at < CACHE_S
+            await asyncio.sleep(CACHE_S * 0.7)
+    finally:
+        refresher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await refresher
+
+    await asyncio.sleep(CACHE_S * 1.2)  # not refreshed now: the view has aged
+    asked_at = time.monotonic()
+    assert (await directory.snapshot()).taken_at >= asked_at
