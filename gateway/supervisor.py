@@ -51,10 +51,13 @@ def auto_workers(cores: int | None = None) -> int:
 
 def listeners(host: str, port: int, n: int) -> list[socket.socket]:
     """``n`` listening sockets on ``host:port`` (Linux: one each with ``SO_REUSEPORT``; else
-    one shared). A plain bind first: a port some other process holds, ``SO_REUSEPORT`` or
-    not, is refused, never silently shared."""
+    one shared). A bind without ``SO_REUSEPORT`` first: a port some other process listens
+    on, ``SO_REUSEPORT`` or not, is refused, never silently shared. With ``SO_REUSEADDR``,
+    as every server binds: the connections of a gateway just killed on this port, closing
+    for a minute yet, hold it for nobody (without it a restart failed for that minute)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     probe = socket.socket(family, socket.SOCK_STREAM)
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         probe.bind((host, port))
     except OSError as exc:

@@ -32,8 +32,10 @@ pytestmark = pytest.mark.timeout(120)
 CHAT = "/v1/chat/completions"
 
 
-def start_gateways(stack: Stack, n: int, grpc_port: int = 0) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
+def start_gateways(
+    stack: Stack, n: int, grpc_port: int = 0, port: int | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
+    port = port or free_port()
     args = ["-m", "gateway", "--port", str(port), "--grpc-port", str(grpc_port)]
     parent = stack.spawn(f"gateways-{port}", [*args, "--workers", str(n)])
     url = f"http://127.0.0.1:{port}"
@@ -205,6 +207,27 @@ async def test_processes_whose_parent_is_killed_drain_and_exit(stack: Stack) -> 
     while alive(orphans):
         assert time.monotonic() < deadline, f"gateway processes {orphans} outlived their parent"
         await asyncio.sleep(0.1)
+
+
+async def test_killed_with_connections_open_it_starts_again_on_its_port_at_once(
+    stack: Stack,
+) -> None:
+    """Killed whole (a crash, a container's kill) while clients hold connections, a gateway
+    of several processes is started again on its port at once: the closing connections
+    left on the port (FIN_WAIT, TIME_WAIT, for a minute) do not hold it."""
+    stack.synthetic(200)
+    parent, url = start_gateways(stack, 2)
+    async with httpx.AsyncClient(timeout=30) as client:
+        for n in range(4):  # kept-alive connections, open when the gateway dies
+            body = {"model": "synthetic", "messages": [{"role": "user", "content": f"{n}"}]}
+            assert (await client.post(f"{url}{CHAT}", json=body)).status_code == 200
+        for pid in children(parent):
+            os.kill(pid, signal.SIGKILL)
+        processes.kill(parent)
+    again, _ = start_gateways(stack, 2, port=int(url.rsplit(":", 1)[1]))
+    await chat(url, "served again")
+    again.send_signal(signal.SIGTERM)
+    assert again.wait(30) == 0
 
 
 def gateway_exit(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
