@@ -33,6 +33,7 @@ from redis.backoff import ExponentialBackoff
 from redis.crc import key_slot
 from redis.exceptions import (
     AuthenticationError,
+    RedisClusterException,
     RedisError,
     ResponseError,
     SlotNotCoveredError,
@@ -265,12 +266,21 @@ async def when_redis_answers(step: Callable[[], Awaitable[T]], what: str) -> T:
     while True:
         try:
             return await step()
-        except (RedisError, OSError) as exc:
+        except (RedisError, OSError, RedisClusterException) as exc:
+            if isinstance(exc, RedisClusterException) and not _unreachable(exc):
+                raise
             if time.monotonic() - warned_at >= WAITING_WARN_S:
                 log.warning("%s: Redis does not answer (%s); waiting for it", what, exc)
                 warned_at = time.monotonic()
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
+
+
+def _unreachable(exc: RedisClusterException) -> bool:
+    """A cluster client that reached no node (the one the URL names is down: a process
+    started during a failover) says so with a connection error as the cause; any other
+    cause (a Redis that is not a cluster) is a mistake to stop on, not to wait out."""
+    return isinstance(exc.__cause__, RedisError | OSError)
 
 
 def is_cluster(redis: object) -> bool:

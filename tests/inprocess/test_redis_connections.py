@@ -11,11 +11,12 @@ from collections.abc import AsyncIterator
 import pytest
 import uvloop
 from redis.asyncio import Redis
+from redis.exceptions import RedisClusterException
 
 from gateway.live import PlainLive
-from stack.redis_server import EmbeddedRedis
+from stack.redis_server import EmbeddedRedis, free_port
 from tests.support.reset_proxy import ResettingProxy
-from wire.connect import TCP_LIVENESS, connect
+from wire.connect import TCP_LIVENESS, connect, ready, when_redis_answers
 
 
 async def test_a_tcp_connection_checks_liveness_and_has_no_command_timeout(
@@ -233,3 +234,23 @@ async def test_closing_before_a_batch_is_sent_leaves_no_request_waiting(
             await subscribing
     finally:
         await client.aclose()
+
+
+async def test_a_cluster_client_whose_node_is_down_waits_for_it_at_start(
+    redis_server: EmbeddedRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A process started while the cluster node its URL names is down (a failover under
+    way) waits for it, as for any Redis at start: redis-py says so with a
+    ``RedisClusterException``, not a ``RedisError``, and the gateway ended with a traceback
+    (the chaos run: a gateway restarted during a primary's failover). A URL that names a
+    Redis that is no cluster is a mistake: it stops at once."""
+    down = connect(f"redis+cluster://127.0.0.1:{free_port()}", max_connections=2)
+    with caplog.at_level(logging.WARNING, "tokenspout.redis"), pytest.raises(TimeoutError):
+        await asyncio.wait_for(when_redis_answers(lambda: ready(down), "start"), 1.0)
+    assert "start: Redis does not answer" in caplog.text
+    await down.aclose()
+
+    not_a_cluster = connect(f"redis+cluster://127.0.0.1:{redis_server.port}", max_connections=2)
+    with pytest.raises(RedisClusterException):
+        await asyncio.wait_for(when_redis_answers(lambda: ready(not_a_cluster), "start"), 5.0)
+    await not_a_cluster.aclose()
