@@ -31,6 +31,17 @@ def _tasks(pid: int) -> list[Path]:
         return []
 
 
+def age_s(pid: int) -> float:
+    """Seconds since the process started (0.0 for one that is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        uptime_s = float(Path("/proc/uptime").read_text().split()[0])
+    except OSError:
+        return 0.0
+    started_ticks = int(stat[stat.rindex(")") + 2 :].split()[19])
+    return uptime_s - started_ticks / CLOCK_TICKS
+
+
 def _cpu_one(pid: int) -> float:
     stat = Path(f"/proc/{pid}/stat").read_text()
     fields = stat[stat.rindex(")") + 2 :].split()

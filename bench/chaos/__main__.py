@@ -138,6 +138,9 @@ class Run:
             if kind.startswith("worker_"):
                 worker = await self.target(lambda: fleet.worker_target(planned.pick))
                 await fleet.signal_worker(worker, kind[7:], planned.held_s)
+            elif kind == "gateway_process_kill":
+                port, pid = await self.target(lambda: fleet.gateway_process_target(planned.pick))
+                fleet.kill_gateway_process(port, pid)
             elif kind.startswith("gateway_"):
                 port = await self.target(lambda: fleet.gateway_target(planned.pick))
                 await fleet.signal_gateway(port, kind[8:], planned.held_s)

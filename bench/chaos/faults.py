@@ -24,6 +24,7 @@ COMMON = [
     "gateway_kill",
     "gateway_term",
     "gateway_stop",
+    "gateway_process_kill",
     "redis_pause",
     "slow_readers",
     "hostile_burst",

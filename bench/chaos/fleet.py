@@ -1,10 +1,15 @@
 """The processes a chaos run breaks: a Redis (one server with persistence, or a cluster),
-gateways on fixed ports, synthetic workers of two models; and every fault as one method.
+gateways on fixed ports (the second one ``python -m gateway --workers 2``, the shape
+``make run`` and compose start on a box with spare cores), synthetic workers of two models;
+and every fault as one method.
 
 Each fault leaves the fleet whole again: a killed or stopped process is replaced on the
 same port (a gateway) or by a fresh worker of the same model, a stopped one is resumed,
-Redis is started again. ``faults`` records what was done and when, for the report and for
-the checker (a client cut off while its gateway died was not failed by the product)."""
+Redis is started again; a gateway process killed alone is replaced by its gateway's parent.
+A gateway is its whole process tree (its children have sessions of their own): a kill or a
+stop strikes every process of it, as a container's would. ``faults`` records what was done
+and when, for the report and for the checker (a client cut off while its gateway died was
+not failed by the product)."""
 
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ from pathlib import Path
 
 import redis
 
-from stack import processes
+from stack import processes, procfs
 from stack.redis_cluster import EmbeddedCluster
 from stack.redis_server import EmbeddedRedis, free_port
 from stack.rig import HOST, Gateway, Rig
@@ -31,7 +36,11 @@ from wire import Keys
 
 MODELS = ("alpha", "beta")
 WORKERS_PER_MODEL = 2
-GATEWAYS = 2
+GATEWAY_PROCESSES = (1, 2)
+"""Per gateway, its processes (``--workers``)."""
+SERVING_AFTER_S = 10.0
+"""A gateway process this old has served: killed, it is replaced (one killed before it
+served stops its whole gateway, by design: gateway/supervisor.py)."""
 TOKENS_PER_S = 40
 
 
@@ -66,14 +75,16 @@ class Fleet:
     started: float = field(default_factory=time.monotonic)
     gateway_ports: list[int] = field(default_factory=list)
     gateways: dict[int, Gateway] = field(default_factory=dict)
+    gateway_processes: dict[int, int] = field(default_factory=dict)
     workers: list[Worker] = field(default_factory=list)
     faults: list[Fault] = field(default_factory=list)
     restarting: set[int] = field(default_factory=set)
     """Gateway ports between a kill or SIGTERM and their new process serving."""
     ending: set[str] = field(default_factory=set)
     """Workers SIGTERMed and still handing over: no longer targets."""
-    stopped: set[int] = field(default_factory=set)
-    """Pids held by SIGSTOP right now (resumed at the end, whatever happens)."""
+    stopped: dict[int, list[int]] = field(default_factory=dict)
+    """Pid -> its process tree, held by SIGSTOP right now (resumed at the end, whatever
+    happens)."""
     redis_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     """One Redis fault at a time: a restart during a pause, or two failovers at once, is
     a different experiment."""
@@ -92,7 +103,8 @@ class Fleet:
     # --- starting ------------------------------------------------------------------------
 
     def start(self) -> None:
-        self.gateway_ports = [free_port() for _ in range(GATEWAYS)]
+        self.gateway_ports = [free_port() for _ in GATEWAY_PROCESSES]
+        self.gateway_processes = dict(zip(self.gateway_ports, GATEWAY_PROCESSES, strict=True))
         for model, _ in itertools.product(MODELS, range(WORKERS_PER_MODEL)):
             self.start_worker(model)
         for port in self.gateway_ports:
@@ -100,7 +112,7 @@ class Fleet:
         self.started = time.monotonic()
 
     def start_gateway(self, port: int) -> None:
-        self.gateways[port] = self.rig.gateway(port)
+        self.gateways[port] = self.rig.gateway(port, workers=self.gateway_processes[port])
 
     def start_worker(self, model: str) -> None:
         worker_id = f"{model}-{secrets.token_hex(3)}"
@@ -119,12 +131,27 @@ class Fleet:
 
     def gateway_target(self, pick: int) -> int | None:
         """A gateway port no fault holds now (``pick`` modulo those), or None."""
-        free = [
+        free = self._free_gateways()
+        return free[pick % len(free)] if free else None
+
+    def gateway_process_target(self, pick: int) -> tuple[int, int] | None:
+        """One process (port, pid) of a gateway of several that no fault holds, one that
+        has served (``SERVING_AFTER_S``), or None."""
+        serving = [
+            (port, pid)
+            for port in self._free_gateways()
+            if self.gateway_processes[port] > 1
+            for pid in procfs.tree(self.gateways[port].process.pid)[1:]
+            if procfs.age_s(pid) > SERVING_AFTER_S
+        ]
+        return serving[pick % len(serving)] if serving else None
+
+    def _free_gateways(self) -> list[int]:
+        return [
             port
             for port in self.gateway_ports
             if port not in self.restarting and self.gateways[port].process.pid not in self.stopped
         ]
-        return free[pick % len(free)] if free else None
 
     def worker_target(self, pick: int) -> Worker | None:
         """A serving worker no fault holds now (``pick`` modulo those), or None."""
@@ -168,7 +195,7 @@ class Fleet:
         self.restarting.add(port)
         try:
             if how == "kill":
-                processes.kill(gateway.process)
+                self._kill_tree(gateway.process)
             else:
                 gateway.process.send_signal(signal.SIGTERM)
                 await asyncio.to_thread(gateway.process.wait, 60)
@@ -176,20 +203,33 @@ class Fleet:
         finally:
             self.restarting.discard(port)
 
+    def kill_gateway_process(self, port: int, pid: int) -> None:
+        """SIGKILL one process of a gateway of several (as the OOM killer would): its parent
+        starts another on the same sockets; the others serve on."""
+        self.note("gateway_process_kill", f"gateway:{port}", note=f"pid {pid}")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+    def _kill_tree(self, process: subprocess.Popen[bytes]) -> None:
+        """SIGKILL a process and all its descendants at once, then reap it."""
+        for pid in procfs.tree(process.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        processes.kill(process)
+
     def faults_on(self, url: str, until_s: float = math.inf) -> int:
         """Faults on the gateway at ``url`` injected up to ``until_s`` (all so far)."""
         target = f"gateway:{url.rsplit(':', 1)[1]}"
         return sum(fault.target == target and fault.at_s <= until_s for fault in self.faults)
 
     async def _hold(self, process: subprocess.Popen[bytes], held_s: float) -> None:
-        os.killpg(process.pid, signal.SIGSTOP)
-        self.stopped.add(process.pid)
+        held = self.stopped[process.pid] = procfs.tree(process.pid)
+        _signal_all(held, signal.SIGSTOP)
         try:
             await asyncio.sleep(held_s)
         finally:
-            self.stopped.discard(process.pid)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGCONT)
+            del self.stopped[process.pid]
+            _signal_all(held, signal.SIGCONT)
 
     async def restart_redis(self, down_s: float) -> None:
         """Stop the one Redis (SIGTERM: its AOF is written whole), wait, start it again."""
@@ -230,9 +270,14 @@ class Fleet:
 
     def resume_all(self) -> None:
         """SIGCONT whatever a fault still holds (the run is ending)."""
-        for pid in list(self.stopped):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGCONT)
+        for held in list(self.stopped.values()):
+            _signal_all(held, signal.SIGCONT)
+
+
+def _signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
 
 
 @contextlib.contextmanager
