@@ -99,10 +99,13 @@ async def send(
 
 def send_in_process(
     port: int, request: bytes, requests: int, concurrency: int, kept: bool
-) -> list[Outcome]:
+) -> tuple[list[Outcome], float]:
     """``send`` in a load process of its own (``--load-processes``), on asyncio's loop as
-    in the main process (the readers are asyncio protocols)."""
-    return asyncio.run(send(port, request, requests, concurrency, kept))
+    in the main process (the readers are asyncio protocols); with the CPU seconds it took,
+    the load generator's share."""
+    began = time.process_time()
+    outcomes = asyncio.run(send(port, request, requests, concurrency, kept))
+    return outcomes, time.process_time() - began
 
 
 def shares(total: int, parts: int) -> list[int]:
@@ -120,10 +123,11 @@ async def run_side(
     """``args.requests`` requests to ``port``, ``args.concurrency`` at a time (``kept``: each
     client on one kept-alive connection), sent from this process or split over the
     processes of ``load``: their outcomes, the CPU seconds of every process of the rig
-    meanwhile, and the wall time."""
+    meanwhile (``loadgen``: this process and the load processes), and the wall time."""
     request = sse_request(HOST, port, "/v1/chat/completions", {}, chat_body(the_rig, args.tokens))
     pids = the_rig.pids()
     before, began = stats.cpu_of(pids), time.perf_counter()
+    load_cpu_s = 0.0
     if load is None:
         outcomes = await send(port, request, args.requests, args.concurrency, kept)
     else:
@@ -137,10 +141,13 @@ async def run_side(
                 )
             )
         )
-        outcomes = [outcome for part in sent for outcome in part]
+        outcomes = [outcome for part, _ in sent for outcome in part]
+        load_cpu_s = sum(cpu_s for _, cpu_s in sent)
     wall = time.perf_counter() - began
     after = stats.cpu_of(pids)
-    return outcomes, {name: after[name] - before[name] for name in pids}, wall
+    cpu = {name: after[name] - before[name] for name in pids}
+    cpu["loadgen"] += load_cpu_s
+    return outcomes, cpu, wall
 
 
 def summary(
