@@ -84,6 +84,10 @@ class ResettingProxy:
             while data := await source.read(65536):
                 if upstream and self._holding:
                     continue
+                if sink.transport.is_closing():
+                    # Reset (``reset_clients``): uvloop refuses a write to it with a
+                    # RuntimeError, not a ConnectionError, which ended this task unretrieved.
+                    break
                 sink.write(data)
                 await sink.drain()
                 if upstream and self._hold_marker is not None and self._hold_marker in data:
