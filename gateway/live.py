@@ -16,7 +16,7 @@ import functools
 import itertools
 import logging
 import operator
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import redis.asyncio as aioredis
@@ -31,23 +31,7 @@ Deliver = Callable[[bytes, bytes], None]
 """(channel, data) of one live message."""
 Confirmed = Callable[[str, bool], None]
 """A channel's subscription is confirmed (True) or lost (False)."""
-CLOSED_TRANSPORT = "the handler is closed"
 SUBSCRIBE, UNSUBSCRIBE = "subscribe", "unsubscribe"
-
-
-@contextlib.contextmanager
-def closed_as_lost(what: str) -> Iterator[None]:
-    """A write on a pub/sub connection whose peer has gone (Redis restarted while nothing
-    read it) as the lost connection it is. uvloop, the gateway's loop under uvicorn, refuses
-    that write with ``RuntimeError: unable to perform operation on <TCPTransport
-    closed=True ...>; the handler is closed``, which redis-py passes on (it turns only
-    ``OSError`` into ``ConnectionError``): the chaos soak saw one answer a request 500."""
-    try:
-        yield
-    except RuntimeError as exc:
-        if CLOSED_TRANSPORT not in str(exc):
-            raise
-        raise RedisConnectionError(f"{what}: the connection was closed ({exc})") from exc
 
 
 class RelayPubSub(PubSub):
@@ -188,11 +172,10 @@ class PlainLive:
             self._reconnecting = True
             return
         try:
-            with closed_as_lost(command):
-                if command == SUBSCRIBE:
-                    await self._pubsub.subscribe(*channels)
-                else:
-                    await self._pubsub.unsubscribe(*channels)
+            if command == SUBSCRIBE:
+                await self._pubsub.subscribe(*channels)
+            else:
+                await self._pubsub.unsubscribe(*channels)
         except RedisConnectionError as exc:  # dropped: the reader opens a new one
             log.info(
                 "%s of %d channel(s) found the connection lost: %s", command, len(channels), exc
@@ -215,8 +198,7 @@ class PlainLive:
                             # each is reported lost too, so its feed reads what it missed.
                             for channel in self.channels:
                                 self.confirmed(channel, False)
-                            with closed_as_lost("subscribe"):
-                                await self._pubsub.subscribe(*self.channels)
+                            await self._pubsub.subscribe(*self.channels)
                         self._reconnecting = False
                     continue
                 if not self._pubsub.subscribed:

@@ -35,7 +35,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 import wire
-from gateway.live import Confirmed, Deliver, closed_as_lost, relay_pubsub
+from gateway.live import Confirmed, Deliver, relay_pubsub
 from wire.connect import node_by_address
 
 log = logging.getLogger("tokenspout.relay")
@@ -58,8 +58,7 @@ class Shard:
     async def ssubscribe(self, channel: str) -> None:
         self.channels.add(channel)
         try:
-            with closed_as_lost("ssubscribe"):
-                await self.pubsub.ssubscribe(channel)
+            await self.pubsub.ssubscribe(channel)
         finally:
             self.subscribed.set()  # a failed one too: the reader finds the connection broken
 
@@ -147,7 +146,7 @@ class ShardedLive:
             for shard in self._shards.values():
                 if channel in shard.channels:
                     shard.channels.discard(channel)
-                    with contextlib.suppress(RedisError, OSError), closed_as_lost("sunsubscribe"):
+                    with contextlib.suppress(RedisError, OSError):
                         await shard.pubsub.sunsubscribe(channel)
 
     async def _subscribe_on_owner(self, channel: str) -> None:

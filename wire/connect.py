@@ -21,12 +21,13 @@ import asyncio
 import logging
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar, cast
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialBackoff
@@ -178,14 +179,61 @@ def connect(url: str, *, max_connections: int | None = None, **options: Any) -> 
     if kind == "sentinel":
         return _sentinel(url, max_connections, options)
     if max_connections is None:
-        return aioredis.Redis.from_pool(LeanConnectionPool.from_url(url, **options))
+        return aioredis.Redis.from_pool(
+            _closed_is_lost(LeanConnectionPool.from_url(url, **options))
+        )
     return aioredis.Redis(
-        connection_pool=LeanBlockingConnectionPool.from_url(
-            url, max_connections=max_connections, **options
+        connection_pool=_closed_is_lost(
+            LeanBlockingConnectionPool.from_url(url, max_connections=max_connections, **options)
         ),
         retry=_retry(),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
     )
+
+
+CLOSED_TRANSPORT = "the handler is closed"
+"""What uvloop says when asked to write to a transport it has closed (``RuntimeError``)."""
+
+
+class _ClosedIsLost:
+    """A write to a connection whose peer has gone while nothing read it fails as the lost
+    connection it is (``ConnectionError``: the caller's retry and failover handling take
+    it): uvloop, the gateway's loop under uvicorn, refuses it with ``RuntimeError: unable
+    to perform operation on <TCPTransport closed=True ...>; the handler is closed``, which
+    redis-py passes on, turning only ``OSError`` into ``ConnectionError``. The chaos soak
+    saw a request answered 500 for it, on a cluster whose primary was killed (one Redis's
+    pool finds such a connection closed before it hands it out, wire/pool.py)."""
+
+    async def send_packed_command(
+        self, command: bytes | str | Iterable[bytes], check_health: bool = True
+    ) -> None:
+        try:
+            await super().send_packed_command(command, check_health)  # type: ignore[misc]
+        except RuntimeError as exc:
+            if CLOSED_TRANSPORT not in str(exc):
+                raise
+            raise RedisConnectionError(f"the connection was closed ({exc})") from exc
+
+
+PoolT = TypeVar("PoolT", bound=aioredis.ConnectionPool)
+ConnectionT = TypeVar("ConnectionT", bound=AbstractConnection)
+_lost_classes: dict[type[AbstractConnection], type[AbstractConnection]] = {}
+
+
+def closed_is_lost(connection_class: type[ConnectionT]) -> type[ConnectionT]:
+    """``connection_class`` (TCP, TLS, Unix socket, Sentinel's) with ``_ClosedIsLost``."""
+    if issubclass(connection_class, _ClosedIsLost):
+        return connection_class
+    lost = _lost_classes.get(connection_class)
+    if lost is None:
+        name = connection_class.__name__
+        lost = _lost_classes[connection_class] = type(name, (_ClosedIsLost, connection_class), {})
+    return cast(type[ConnectionT], lost)
+
+
+def _closed_is_lost(pool: PoolT) -> PoolT:
+    pool.connection_class = closed_is_lost(pool.connection_class)
+    return pool
 
 
 def _hosts(netloc: str, default_port: int) -> list[tuple[str, int]]:
@@ -212,6 +260,11 @@ def _cluster(url: str, max_connections: int | None, options: dict[str, Any]) -> 
         require_full_coverage=False,
         **options,
     )
+    # Every node's connections, those it learns of later too (made with these arguments).
+    lost = closed_is_lost(client.connection_kwargs["connection_class"])
+    client.connection_kwargs["connection_class"] = lost
+    for node in client.nodes_manager.startup_nodes.values():
+        node.connection_class = lost
     return cast(aioredis.Redis, client)
 
 
@@ -245,7 +298,7 @@ def _sentinel(url: str, max_connections: int | None, options: dict[str, Any]) ->
             service, sentinel, max_connections=max_connections, **options
         )
     return aioredis.Redis(
-        connection_pool=pool,
+        connection_pool=_closed_is_lost(pool),
         retry=_retry(),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
     )

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 import pytest
 import uvloop
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException
 
 from gateway.live import PlainLive
@@ -254,3 +255,30 @@ async def test_a_cluster_client_whose_node_is_down_waits_for_it_at_start(
     with pytest.raises(RedisClusterException):
         await asyncio.wait_for(when_redis_answers(lambda: ready(not_a_cluster), "start"), 5.0)
     await not_a_cluster.aclose()
+
+
+def test_a_command_on_a_connection_reset_while_nobody_read_it_is_a_lost_connection(
+    redis_server: EmbeddedRedis,
+) -> None:
+    """Under uvloop a write to a connection whose peer has gone raised ``RuntimeError: ...
+    the handler is closed`` out of redis-py, which its retries and a cluster's failover
+    handling let through: the chaos soak saw a request answered 500 on a cluster whose
+    primary was killed. Every connection wire.connect makes raises ``ConnectionError``."""
+
+    async def command_after_a_reset() -> None:
+        async with ResettingProxy(redis_server.port) as proxy:
+            client = connect(proxy.url, max_connections=2)
+            connection = await client.connection_pool.get_connection()  # type: ignore[no-untyped-call]
+            try:
+                await connection.send_command("PING")
+                assert await connection.read_response() == b"PONG"
+                proxy.reset_clients()
+                await asyncio.sleep(0.2)  # the loop sees the reset and closes the transport
+                with pytest.raises(RedisConnectionError, match="the connection was closed"):
+                    await connection.send_command("PING")
+            finally:
+                await client.connection_pool.release(connection)
+                await client.aclose()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(command_after_a_reset())
