@@ -243,10 +243,9 @@ async def follow_session(
                 "GET", f"{url}/v1/sessions/{sid}/events", headers=headers
             ) as response:
                 if response.status_code != 200:
+                    body = await response.aread()  # before ``refusal`` reads its text
                     refusal(response, record)
-                    raise RuntimeError(
-                        f"events: {response.status_code} {(await response.aread())!r}"
-                    )
+                    raise RuntimeError(f"events: {response.status_code} {body!r}")
                 async for event_id, event, data in sse_events(response):
                     payload = json.loads(data)
                     record.events.append((event_id, event, payload))
