@@ -180,10 +180,10 @@ def connect(url: str, *, max_connections: int | None = None, **options: Any) -> 
         return _sentinel(url, max_connections, options)
     if max_connections is None:
         return aioredis.Redis.from_pool(
-            _closed_is_lost(LeanConnectionPool.from_url(url, **options))
+            _with_closed_is_lost(LeanConnectionPool.from_url(url, **options))
         )
     return aioredis.Redis(
-        connection_pool=_closed_is_lost(
+        connection_pool=_with_closed_is_lost(
             LeanBlockingConnectionPool.from_url(url, max_connections=max_connections, **options)
         ),
         retry=_retry(),
@@ -217,22 +217,16 @@ class _ClosedIsLost:
 
 PoolT = TypeVar("PoolT", bound=aioredis.ConnectionPool)
 ConnectionT = TypeVar("ConnectionT", bound=AbstractConnection)
-_lost_classes: dict[type[AbstractConnection], type[AbstractConnection]] = {}
 
 
-def closed_is_lost(connection_class: type[ConnectionT]) -> type[ConnectionT]:
+def _closed_is_lost(connection_class: type[ConnectionT]) -> type[ConnectionT]:
     """``connection_class`` (TCP, TLS, Unix socket, Sentinel's) with ``_ClosedIsLost``."""
-    if issubclass(connection_class, _ClosedIsLost):
-        return connection_class
-    lost = _lost_classes.get(connection_class)
-    if lost is None:
-        name = connection_class.__name__
-        lost = _lost_classes[connection_class] = type(name, (_ClosedIsLost, connection_class), {})
-    return cast(type[ConnectionT], lost)
+    name = connection_class.__name__
+    return cast(type[ConnectionT], type(name, (_ClosedIsLost, connection_class), {}))
 
 
-def _closed_is_lost(pool: PoolT) -> PoolT:
-    pool.connection_class = closed_is_lost(pool.connection_class)
+def _with_closed_is_lost(pool: PoolT) -> PoolT:
+    pool.connection_class = _closed_is_lost(pool.connection_class)
     return pool
 
 
@@ -261,7 +255,7 @@ def _cluster(url: str, max_connections: int | None, options: dict[str, Any]) -> 
         **options,
     )
     # Every node's connections, those it learns of later too (made with these arguments).
-    lost = closed_is_lost(client.connection_kwargs["connection_class"])
+    lost = _closed_is_lost(client.connection_kwargs["connection_class"])
     client.connection_kwargs["connection_class"] = lost
     for node in client.nodes_manager.startup_nodes.values():
         node.connection_class = lost
@@ -298,7 +292,7 @@ def _sentinel(url: str, max_connections: int | None, options: dict[str, Any]) ->
             service, sentinel, max_connections=max_connections, **options
         )
     return aioredis.Redis(
-        connection_pool=_closed_is_lost(pool),
+        connection_pool=_with_closed_is_lost(pool),
         retry=_retry(),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
     )

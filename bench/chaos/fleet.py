@@ -212,10 +212,8 @@ class Fleet:
 
     def _kill_tree(self, process: subprocess.Popen[bytes]) -> None:
         """SIGKILL a process and all its descendants at once, then reap it."""
-        for pid in procfs.tree(process.pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        processes.kill(process)
+        _signal_all(procfs.tree(process.pid), signal.SIGKILL)
+        process.wait()
 
     def faults_on(self, url: str, until_s: float = math.inf) -> int:
         """Faults on the gateway at ``url`` injected up to ``until_s`` (all so far)."""
