@@ -36,7 +36,7 @@ from gateway.sessions import STRANDED_AFTER_S, SessionStore
 from gateway.takeover import REAPER_PREFIX, Takeover, live_workers
 from wire import Error, GenerationRequest, Keys, entry_id_key
 from wire.queue import RequestQueue
-from wire.scripts import EndQueued
+from wire.scripts import EndQueued, HoldReaperLock
 
 log = logging.getLogger("tokenspout.watchdog")
 _request_decoder = msgspec.json.Decoder(GenerationRequest)
@@ -107,6 +107,7 @@ class Reaper:
         self.queue_timeout_s = queue_timeout_s
         self.requests_maxlen = requests_maxlen
         self._end_queued = EndQueued(redis, keys)
+        self._hold_lock = HoldReaperLock(redis, keys)
         self._owner = f"{REAPER_PREFIX}{time.monotonic_ns()}"
         self.takeover = Takeover(
             redis,
@@ -120,16 +121,26 @@ class Reaper:
         """Queue -> every queued entry up to this id has been looked at by the deadline."""
 
     async def run_forever(self, interval_s: float = REAP_PASS_S) -> None:
-        duties: list[Callable[[], Awaitable[int]]] = [
+        while True:
+            await self.pass_once()
+            await asyncio.sleep(interval_s)
+
+    async def pass_once(self) -> None:
+        """The lock (taken or kept), then each duty on every queue: the model list is read
+        once per pass, not once per duty (a pass is 6 round trips with one model; it was
+        10, every 100 ms)."""
+        if not await self._guarded("acquiring the reaper lock", self._acquire):
+            return
+        queues = await self._guarded("reading the model list", self._queues)
+        if not isinstance(queues, list):
+            return
+        duties: list[Callable[[list[RequestQueue]], Awaitable[int]]] = [
             self.reap_once,
             self.expire_queued,
             self.queue_stranded,
         ]
-        while True:
-            if await self._guarded("acquiring the reaper lock", self._acquire):
-                for duty in duties:
-                    await self._guarded(duty.__name__, duty)
-            await asyncio.sleep(interval_s)
+        for duty in duties:
+            await self._guarded(duty.__name__, functools.partial(duty, queues))
 
     async def _guarded(self, what: str, duty: Callable[[], Awaitable[object]]) -> object:
         """Run one duty; log whatever it raises (the next pass tries again)."""
@@ -142,14 +153,7 @@ class Reaper:
         return None
 
     async def _acquire(self) -> bool:
-        lock_ms = LOCK_MS
-        if await self.redis.set(self.keys.reaper_lock, self._owner, nx=True, px=lock_ms):
-            return True
-        holder = await self.redis.get(self.keys.reaper_lock)
-        if holder is not None and wire.text(holder) == self._owner:
-            await self.redis.pexpire(self.keys.reaper_lock, lock_ms)
-            return True
-        return False
+        return await self._hold_lock(owner=self._owner, ttl_ms=LOCK_MS)
 
     async def _queues(self) -> list[RequestQueue]:
         """Every registered model's queue, and the default model's."""
@@ -157,19 +161,25 @@ class Reaper:
         models |= {self.default_model} if self.default_model else set()
         return [RequestQueue(self.redis, self.keys, model) for model in sorted(models)]
 
-    async def _each_queue(self, what: str, duty: Callable[[RequestQueue], Awaitable[int]]) -> int:
-        """``duty`` on every queue; one queue's failure (logged) does not skip the others."""
+    async def _each_queue(
+        self,
+        what: str,
+        duty: Callable[[RequestQueue], Awaitable[int]],
+        queues: list[RequestQueue] | None,
+    ) -> int:
+        """``duty`` on every queue (None: read them); one queue's failure (logged) does
+        not skip the others."""
         done = 0
-        for queue in await self._queues():
+        for queue in queues if queues is not None else await self._queues():
             result = await self._guarded(f"{what} {queue.key}", functools.partial(duty, queue))
             done += result if isinstance(result, int) else 0
         return done
 
     # --- dead workers --------------------------------------------------------------------
 
-    async def reap_once(self) -> int:
+    async def reap_once(self, queues: list[RequestQueue] | None = None) -> int:
         """Hand on the pending requests of lost workers, every queue; returns how many."""
-        return await self._each_queue("reaping", self._reap_queue)
+        return await self._each_queue("reaping", self._reap_queue, queues)
 
     async def _reap_queue(self, queue: RequestQueue) -> int:
         consumers = await queue.pending_consumers()
@@ -201,20 +211,20 @@ class Reaper:
 
     # --- session turns stranded on their way to a queue ------------------------------------
 
-    async def queue_stranded(self) -> int:
+    async def queue_stranded(self, queues: list[RequestQueue] | None = None) -> int:
         """Queue the session turns whose gateway died between writing them and queueing
         their requests, every queue; returns how many."""
         if self.store is None:
             return 0
         stranded = functools.partial(self.store.queue_stranded, older_than_s=STRANDED_AFTER_S)
-        return await self._each_queue("queueing stranded turns of", stranded)
+        return await self._each_queue("queueing stranded turns of", stranded, queues)
 
     # --- the queue deadline --------------------------------------------------------------
 
-    async def expire_queued(self) -> int:
+    async def expire_queued(self, queues: list[RequestQueue] | None = None) -> int:
         """End the requests no worker took within the queue deadline, every queue;
         returns how many."""
-        return await self._each_queue("expiring queued requests in", self._expire_queue)
+        return await self._each_queue("expiring queued requests in", self._expire_queue, queues)
 
     async def _expire_queue(self, queue: RequestQueue) -> int:
         """Looks at the entries after the consumer group's last-delivered id (none

@@ -6,16 +6,36 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from typing import Any
 
 import msgspec
 import pytest
 import redis.asyncio as aioredis
 
 import wire
+from gateway.takeover import REAPER_PREFIX
 from gateway.watchdog import Reaper
 from wire import CONSUMER_GROUP, GenerationRequest, Keys, SamplingParams, Started, Token
+from wire.queue import RequestQueue
 
 pytestmark = pytest.mark.timeout(30)
+
+
+class CountingRedis(aioredis.Redis):
+    """A client on the same pool that notes each command it sends (a round trip each:
+    the reaper sends none in a pipeline)."""
+
+    sent: list[str]
+
+    async def execute_command(self, *args: Any, **options: Any) -> Any:
+        self.sent.append(str(args[0]).upper())
+        return await super().execute_command(*args, **options)  # type: ignore[no-untyped-call]
+
+
+def counting(redis: aioredis.Redis) -> CountingRedis:
+    client = CountingRedis(connection_pool=redis.connection_pool)
+    client.sent = []
+    return client
 
 
 async def test_a_reaper_pass_that_raises_is_logged_and_the_reaper_goes_on(
@@ -26,13 +46,13 @@ async def test_a_reaper_pass_that_raises_is_logged_and_the_reaper_goes_on(
     reaper = Reaper(redis, Keys(f"t-{secrets.token_hex(4)}"), 2.0, 100, 600)
     passes = {"reap_once": 0, "expire_queued": 0}
 
-    async def reap_once() -> int:
+    async def reap_once(queues: list[RequestQueue]) -> int:
         passes["reap_once"] += 1
         if passes["reap_once"] == 1:
             raise ValueError("a malformed pending entry")
         return 0
 
-    async def expire_queued() -> int:
+    async def expire_queued(queues: list[RequestQueue]) -> int:
         passes["expire_queued"] += 1
         raise KeyError("b'r'")
 
@@ -79,3 +99,47 @@ async def test_two_reapers_racing_hand_a_lost_workers_reply_on_once(
     assert (resume.text, resume.token_ids, resume.prompt_tokens) == ("You said:", [1, 2], 2)
     assert (await redis.xpending(queue, CONSUMER_GROUP))["pending"] == 0
     assert await redis.hget(gen, "state") == b"queued"
+
+
+async def test_one_reaper_at_a_time_holds_the_lock_and_keeps_it(redis: aioredis.Redis) -> None:
+    """The first takes the lock; the other's pass finds it held and does nothing else; the
+    holder's next pass renews it; once it lapses (the holder stopped) the other takes it."""
+    keys = Keys(f"t-{secrets.token_hex(4)}")
+    holder, other = counting(redis), counting(redis)
+    first, second = (Reaper(client, keys, 2.0, 100, 600) for client in (holder, other))
+    await first.pass_once()
+    owner = await redis.get(keys.reaper_lock)
+    assert owner is not None and wire.text(owner).startswith(REAPER_PREFIX)
+
+    await second.pass_once()
+    assert other.sent == ["EVALSHA"], "a pass without the lock is its one round trip"
+    assert await redis.get(keys.reaper_lock) == owner
+
+    await redis.pexpire(keys.reaper_lock, 300)
+    await first.pass_once()
+    assert await redis.get(keys.reaper_lock) == owner
+    assert await redis.pttl(keys.reaper_lock) > 1_000, "the holder's pass did not renew it"
+
+    await redis.delete(keys.reaper_lock)  # lapsed
+    await second.pass_once()
+    taken = await redis.get(keys.reaper_lock)
+    assert taken is not None and taken != owner
+
+
+async def test_a_pass_reads_the_model_list_once_for_all_its_duties(
+    redis: aioredis.Redis,
+) -> None:
+    """Holding the lock, a pass over one model's queue (no lost worker, nothing queued)
+    is one round trip for the lock, one for the model list, then the duties' own reads."""
+    keys = Keys(f"t-{secrets.token_hex(4)}")
+    await redis.hset(keys.models, "m", "m")
+    await redis.xgroup_create(keys.requests("m"), CONSUMER_GROUP, id="0", mkstream=True)
+    client = counting(redis)
+    reaper = Reaper(client, keys, 2.0, 100, 600)
+    await reaper.pass_once()  # takes the lock (and loads its script)
+    client.sent.clear()
+    await reaper.pass_once()
+    assert client.sent[:2] == ["EVALSHA", "HVALS"]
+    assert client.sent.count("HVALS") == 1
+    assert not {"SET", "GET", "PEXPIRE"} & set(client.sent)
+    assert len(client.sent) == 5, client.sent  # + XPENDING, XINFO GROUPS, XRANGE

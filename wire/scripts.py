@@ -1,4 +1,5 @@
-"""The Lua scripts that keep a session's event stream consistent, one typed wrapper each.
+"""The Lua scripts that keep a session's event stream consistent (and the one that holds the
+reaper's lock), one typed wrapper each.
 
 Each script's source is a file in wire/lua/ (its header comment says what it does and
 returns); the wrapper below is the only place its KEYS and ARGV are listed, so a caller
@@ -435,3 +436,14 @@ class EndQueued(Script):
             pipe,
         )
         return self.reply(reply)
+
+
+class HoldReaperLock(Script):
+    """Take the reaper's lock, or keep it while this owner holds it
+    (wire/lua/hold_lock.lua)."""
+
+    source = lua_source("hold_lock")
+
+    async def __call__(self, *, owner: str, ttl_ms: int) -> bool:
+        """Whether ``owner`` holds the lock now (for ``ttl_ms`` more)."""
+        return await self._run([self.keys.reaper_lock], [owner, ttl_ms], None) == 1
