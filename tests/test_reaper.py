@@ -142,4 +142,30 @@ async def test_a_pass_reads_the_model_list_once_for_all_its_duties(
     assert client.sent[:2] == ["EVALSHA", "HVALS"]
     assert client.sent.count("HVALS") == 1
     assert not {"SET", "GET", "PEXPIRE"} & set(client.sent)
-    assert len(client.sent) == 5, client.sent  # + XPENDING, XINFO GROUPS, XRANGE
+    # + XPENDING and XINFO GROUPS: nothing pending, nothing waiting (no XRANGE)
+    assert len(client.sent) == 4, client.sent
+
+
+async def test_a_request_waiting_past_the_deadline_in_a_queue_workers_read_is_ended(
+    redis: aioredis.Redis,
+) -> None:
+    """Every worker busy: the group exists and the request waits behind its last-delivered
+    id (lag 1). The deadline ends it with ``queue_timeout``; a request already taken is
+    not a waiting one."""
+    keys = Keys(f"t-{secrets.token_hex(4)}")
+    queue = keys.requests("m")
+    await redis.hset(keys.models, "m", "m")
+    await redis.xgroup_create(queue, CONSUMER_GROUP, id="0", mkstream=True)
+    taken = GenerationRequest("g_taken", "s_taken", SamplingParams(max_tokens=5), prompt="a")
+    await redis.xadd(queue, {"r": wire.encode(taken)})
+    await redis.xreadgroup(CONSUMER_GROUP, "busy", {queue: ">"})
+    waiting = GenerationRequest("g_wait", "s_wait", SamplingParams(max_tokens=5), prompt="b")
+    await redis.hset(keys.generation("s_wait", "g_wait"), "state", "queued")
+    await redis.xadd(queue, {"r": wire.encode(waiting)})
+    reaper = Reaper(redis, keys, 2.0, 100, 600, queue_timeout_s=0.2)
+    assert await reaper.expire_queued() == 0  # in time
+    await asyncio.sleep(0.3)
+    assert await reaper.expire_queued() == 1
+    final = await redis.hget(keys.generation("s_wait", "g_wait"), "final")
+    assert final is not None and b"queue_timeout" in final
+    assert await redis.hget(keys.generation("s_taken", "g_taken"), "state") is None

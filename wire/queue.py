@@ -132,8 +132,10 @@ class RequestQueue:
     async def forget_consumer(self, consumer: str) -> None:
         await self.redis.xgroup_delconsumer(self.key, CONSUMER_GROUP, consumer)
 
-    async def last_delivered(self) -> str | None:
-        """The group's last-delivered id; "" if there is no group; None if no stream."""
+    async def waiting_after(self) -> str | None:
+        """Where the requests no worker took yet begin: the group's last-delivered id (""
+        if there is no group: the whole stream); None when none waits (no stream, or the
+        group's lag is 0: the reaper's idle pass reads no further)."""
         try:
             groups = await self.redis.xinfo_groups(self.key)
         except ResponseError as exc:
@@ -142,6 +144,9 @@ class RequestQueue:
             raise
         for group in groups:
             if text(group["name"]) == CONSUMER_GROUP:
+                # lag: entries not yet delivered; nil when Redis cannot tell (trimmed).
+                if group.get("lag") == 0:
+                    return None
                 return text(group["last-delivered-id"])
         return ""
 
