@@ -209,7 +209,7 @@ class Worker:
             if isinstance(claim, Resumed):
                 self.metrics.takeovers.inc()
             self.metrics.queue_wait.observe(max(0.0, time.time() - job.request.enqueued_at))
-            log.info(
+            log.debug(  # at INFO a generation is one line, at its end
                 "generation started",
                 extra={
                     "session_id": job.session_id,
@@ -348,6 +348,7 @@ class Worker:
                 "generation_id": job.generation_id,
                 "state": state,
                 "reason": final_reason(event),
+                "prompt_tokens": job.prompt_tokens,
                 "completion_tokens": job.emitted_tokens,
             },
         )

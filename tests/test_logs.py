@@ -77,9 +77,9 @@ async def test_info_logs_carry_ids_one_line_per_event_and_never_the_text(stack: 
     ended = [fields(line) for line in engine_lines if "msg='generation ended'" in line]
     assert len(ended) == 1
     assert ended[0]["generation_id"] == generation and ended[0]["state"] == "done"
-    assert ended[0]["completion_tokens"] == "12"
-    started = [fields(line) for line in engine_lines if "msg='generation started'" in line]
-    assert [s["generation_id"] for s in started] == [generation]
+    assert ended[0]["completion_tokens"] == "12" and int(ended[0]["prompt_tokens"]) > 0
+    # One line per generation at INFO, at its end: its start is a DEBUG line.
+    assert not [line for line in engine_lines if "msg='generation started'" in line]
 
 
 def test_the_formatter_quotes_values_with_spaces_and_drops_uvicorns_colour_copy() -> None:
