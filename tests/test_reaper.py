@@ -157,6 +157,7 @@ async def test_a_request_waiting_past_the_deadline_in_a_queue_workers_read_is_en
     await redis.hset(keys.models, "m", "m")
     await redis.xgroup_create(queue, CONSUMER_GROUP, id="0", mkstream=True)
     taken = GenerationRequest("g_taken", "s_taken", SamplingParams(max_tokens=5), prompt="a")
+    await redis.hset(keys.generation("s_taken", "g_taken"), "state", "queued")  # not claimed yet
     await redis.xadd(queue, {"r": wire.encode(taken)})
     await redis.xreadgroup(CONSUMER_GROUP, "busy", {queue: ">"})
     waiting = GenerationRequest("g_wait", "s_wait", SamplingParams(max_tokens=5), prompt="b")
@@ -168,4 +169,4 @@ async def test_a_request_waiting_past_the_deadline_in_a_queue_workers_read_is_en
     assert await reaper.expire_queued() == 1
     final = await redis.hget(keys.generation("s_wait", "g_wait"), "final")
     assert final is not None and b"queue_timeout" in final
-    assert await redis.hget(keys.generation("s_taken", "g_taken"), "state") is None
+    assert await redis.hget(keys.generation("s_taken", "g_taken"), "final") is None
