@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from typing import cast
+from dataclasses import dataclass
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
@@ -27,6 +28,48 @@ def _missing(exc: RedisError) -> bool:
     """The stream or its group does not exist (nothing queued yet, or Redis lost it)."""
     message = str(exc).lower()
     return "no such key" in message or "nogroup" in message
+
+
+@dataclass(frozen=True, slots=True)
+class QueueLook:
+    """What the reaper's pass found in one queue: whether each of its duties has anything
+    to do there. ``True`` also when a reply could not tell (the duty reads for itself)."""
+
+    pending: bool
+    """Requests taken and not acknowledged (a lost worker's, maybe)."""
+    waiting: bool
+    """Requests no worker took yet (past their deadline, maybe)."""
+    noted: bool
+    """Session turns noted on their way here long enough ago (stranded, maybe)."""
+
+
+def _some_pending(summary: object) -> bool:
+    if isinstance(summary, RedisError):
+        return not _missing(summary)
+    return not isinstance(summary, dict) or bool(summary.get("pending"))
+
+
+def _workers_group(groups: object) -> dict[str, Any] | None:
+    """The workers' consumer group in an XINFO GROUPS reply (None: not created yet)."""
+    for group in groups if isinstance(groups, list) else []:
+        if text(group["name"]) == CONSUMER_GROUP:
+            return cast(dict[str, Any], group)
+    return None
+
+
+def _none_waiting(group: dict[str, Any]) -> bool:
+    """Every request was delivered: the group's lag, entries not yet delivered, is 0 (nil
+    when Redis cannot tell, after a trim)."""
+    return group.get("lag") == 0
+
+
+def _some_waiting(groups: object) -> bool:
+    """As ``RequestQueue.waiting_after`` sees it: a stream with no group yet has only
+    waiting requests."""
+    if isinstance(groups, RedisError):
+        return not _missing(groups)
+    group = _workers_group(groups)
+    return group is None or not _none_waiting(group)
 
 
 class RequestQueue:
@@ -93,10 +136,24 @@ class RequestQueue:
             raise groups
         if isinstance(length, RedisError):
             raise length
-        for group in groups if isinstance(groups, list) else []:
-            if text(group["name"]) == CONSUMER_GROUP:
-                return int(group.get("lag") or 0), int(group["pending"])
-        return int(cast(int, length)), 0
+        group = _workers_group(groups)
+        if group is None:
+            return int(cast(int, length)), 0
+        return int(group.get("lag") or 0), int(group["pending"])
+
+    def look_in(self, pipe: Pipeline, noted_before_s: float) -> None:
+        """Queue in ``pipe`` what ``looked`` reads: the pending summary, the group's lag,
+        the notes made before ``noted_before_s`` (unix seconds)."""
+        pipe.xpending(self.key, CONSUMER_GROUP)
+        pipe.xinfo_groups(self.key)
+        pipe.zcount(self.submitting_key, "-inf", noted_before_s)
+
+    @staticmethod
+    def looked(summary: object, groups: object, noted: object) -> QueueLook:
+        """The replies ``look_in`` asked for (run with ``raise_on_error=False``)."""
+        return QueueLook(
+            pending=_some_pending(summary), waiting=_some_waiting(groups), noted=noted != 0
+        )
 
     async def pending_consumers(self) -> list[str]:
         """The consumers that hold unacknowledged requests."""
@@ -142,13 +199,10 @@ class RequestQueue:
             if "no such key" in str(exc).lower():
                 return None
             raise
-        for group in groups:
-            if text(group["name"]) == CONSUMER_GROUP:
-                # lag: entries not yet delivered; nil when Redis cannot tell (trimmed).
-                if group.get("lag") == 0:
-                    return None
-                return text(group["last-delivered-id"])
-        return ""
+        group = _workers_group(groups)
+        if group is None:
+            return ""
+        return None if _none_waiting(group) else text(group["last-delivered-id"])
 
     async def read_after(self, after_id: str, count: int) -> list[StreamEntry]:
         """Entries after ``after_id`` ("": from the first), delivered or not."""
