@@ -176,20 +176,19 @@ class Reaper:
         self,
         what: str,
         duty: Callable[[RequestQueue], Awaitable[int]],
-        queues: list[RequestQueue] | None,
+        queues: list[RequestQueue],
     ) -> int:
-        """``duty`` on every queue (None: read them); one queue's failure (logged) does
-        not skip the others."""
+        """``duty`` on each queue; one queue's failure (logged) does not skip the others."""
         done = 0
-        for queue in queues if queues is not None else await self._queues():
+        for queue in queues:
             result = await self._guarded(f"{what} {queue.key}", functools.partial(duty, queue))
             done += result if isinstance(result, int) else 0
         return done
 
     # --- dead workers --------------------------------------------------------------------
 
-    async def reap_once(self, queues: list[RequestQueue] | None = None) -> int:
-        """Hand on the pending requests of lost workers, every queue; returns how many."""
+    async def reap_once(self, queues: list[RequestQueue]) -> int:
+        """Hand on the pending requests of lost workers in ``queues``; returns how many."""
         return await self._each_queue("reaping", self._reap_queue, queues)
 
     async def _reap_queue(self, queue: RequestQueue) -> int:
@@ -222,9 +221,9 @@ class Reaper:
 
     # --- session turns stranded on their way to a queue ------------------------------------
 
-    async def queue_stranded(self, queues: list[RequestQueue] | None = None) -> int:
+    async def queue_stranded(self, queues: list[RequestQueue]) -> int:
         """Queue the session turns whose gateway died between writing them and queueing
-        their requests, every queue; returns how many."""
+        their requests, in ``queues``; returns how many."""
         if self.store is None:
             return 0
         stranded = functools.partial(self.store.queue_stranded, older_than_s=STRANDED_AFTER_S)
@@ -232,8 +231,8 @@ class Reaper:
 
     # --- the queue deadline --------------------------------------------------------------
 
-    async def expire_queued(self, queues: list[RequestQueue] | None = None) -> int:
-        """End the requests no worker took within the queue deadline, every queue;
+    async def expire_queued(self, queues: list[RequestQueue]) -> int:
+        """End the requests no worker took within the queue deadline in ``queues``;
         returns how many."""
         return await self._each_queue("expiring queued requests in", self._expire_queue, queues)
 

@@ -95,7 +95,8 @@ async def test_two_reapers_racing_hand_a_lost_workers_reply_on_once(
         data = wire.encode(event)
         await redis.xadd(keys.events(sid), {"t": wire.event_type(event), "g": gid, "d": data})
     reapers = [Reaper(redis, keys, 2.0, 100, 600) for _ in range(2)]
-    await asyncio.gather(*(reaper.reap_once() for reaper in reapers))
+    queues = [RequestQueue(redis, keys, "m")]
+    await asyncio.gather(*(reaper.reap_once(queues) for reaper in reapers))
     entries = wire.entries_of(await redis.xrange(queue))
     queued = [msgspec.json.decode(f[b"r"], type=GenerationRequest) for _id, f in entries[1:]]
     assert len(queued) == 1
@@ -165,7 +166,7 @@ async def test_a_request_waiting_past_the_deadline_in_a_queue_workers_read_is_en
     await redis.hset(keys.generation("s_wait", "g_wait"), "state", "queued")
     await redis.xadd(queue, {"r": wire.encode(waiting)})
     reaper = Reaper(redis, keys, 2.0, 100, 600, queue_timeout_s=0.2)
-    assert await reaper.expire_queued() == 0  # in time
+    assert await reaper.expire_queued([RequestQueue(redis, keys, "m")]) == 0  # in time
     await asyncio.sleep(0.3)
     await reaper.pass_once()  # its look at the queue finds the request waiting
     final = await redis.hget(keys.generation("s_wait", "g_wait"), "final")
