@@ -31,7 +31,7 @@ from gateway.routes import ROUTES
 from gateway.routes.tgi import compat_generate
 from gateway.sessions import SessionStore
 from gateway.settings import Settings
-from gateway.watchdog import Reaper, refresh_watches
+from gateway.watchdog import ReaderDeadline, Reaper, refresh_watches
 from wire import Keys
 from wire.connect import connect, ready, when_redis_answers
 
@@ -102,6 +102,14 @@ class Services:
             default_model=settings.default_model,
             store=self.store,
         )
+        self.reader_deadline = ReaderDeadline(
+            self.redis,
+            self.keys,
+            self.hub,
+            settings.queue_timeout_s,
+            settings.events_maxlen,
+            settings.session_ttl_s,
+        )
         self.grpc: GrpcServer | None = None
         if settings.grpc_port:
             service = InferenceService(self.store, self.hub, settings, self.api_keys)
@@ -160,6 +168,7 @@ class Services:
                 refresh_watches(self.store, self.hub, self.settings.abandon_grace_s / 3)
             ),
             asyncio.create_task(self.reaper.run_forever()),
+            asyncio.create_task(self.reader_deadline.run_forever()),
             asyncio.create_task(self.store.models.refresh_forever()),
         ]
         try:

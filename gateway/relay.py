@@ -33,6 +33,7 @@ from gateway.errors import BadRequest, EventsExpired, ShuttingDown
 from gateway.feed import CATCH_UP_PAGE, LIVE_ONLY, Feed, RelayEvent
 from gateway.live import LiveSource, PlainLive
 from gateway.shards import ShardedLive
+from gateway.waiting import WaitingGenerations
 from wire import FinalEvent, Keys, entry_id_key
 from wire.connect import is_cluster
 
@@ -91,6 +92,8 @@ class RelayHub:
         )
         self._feeds: dict[str, set[Feed]] = {}
         self._confirmed: set[str] = set()
+        self.waiting = WaitingGenerations()
+        """What this process's readers wait on that has not started (gateway/waiting.py)."""
 
     @property
     def open_feeds(self) -> int:
@@ -152,6 +155,7 @@ class RelayHub:
             if not feeds:
                 del self._feeds[channel]
                 self._confirmed.discard(channel)
+                self.waiting.unwatched(session_id)
                 if self.observer is not None:
                     self.observer.unwatched(session_id)
                 try:
@@ -181,7 +185,7 @@ class RelayHub:
                     return []
             _raise_if_trimmed(info, after_id)
             entries = wire.entries_of(page)
-        return [
+        events = [
             RelayEvent(
                 entry_id.decode(),
                 fields[b"t"].decode(),
@@ -190,6 +194,11 @@ class RelayHub:
             )
             for entry_id, fields in entries
         ]
+        if self.keys.live_channel(session_id) in self._feeds:  # a reader's catch-up
+            for event in events:
+                if event.type != "token":
+                    self.waiting.saw(session_id, event.type, event.generation_id, event.id)
+        return events
 
     async def session_exists(self, session_id: str) -> bool:
         return bool(await self.redis.exists(self.keys.meta(session_id)))
@@ -250,6 +259,9 @@ class RelayHub:
         event = RelayEvent(event_id.decode(), event_type.decode(), generation_id.decode(), payload)
         if self.observer is not None:
             self.observer.event(self.keys.session_id_of_channel(channel), event)
+        if event.type != "token" and channel in self._feeds:
+            session_id = self.keys.session_id_of_channel(channel)
+            self.waiting.saw(session_id, event.type, event.generation_id, event.id)
         for feed in self._feeds.get(channel, ()):
             feed.push(event)
 

@@ -16,6 +16,9 @@
     two round trips of a submit) is queued ``STRANDED_AFTER_S`` after (gateway/sessions.py).
   Each duty survives any failure of one pass (logged): a bad entry in the requests stream
   must not stop the reaper for the life of the process.
+- ``ReaderDeadline``: every gateway process also ends, ``READER_GRACE_S`` after the queue
+  deadline, a generation its readers saw queued and never saw start: its request is in no
+  queue the reaper reads (gateway/waiting.py says how that happens).
 """
 
 from __future__ import annotations
@@ -55,6 +58,19 @@ within about this long (plus the new worker's prefill)."""
 LOCK_MS = 2_000
 STALE_CLAIM_MS = 5_000
 """An entry a reaper claimed and has not handed on for this long: that reaper stopped."""
+READER_GRACE_S = 2.0
+"""The readers' deadline comes this long after the reaper's: a request the reaper can see
+in its queue is ended (and counted) there first."""
+READER_CHECK_S = 1.0
+
+
+def queue_timeout(generation_id: str, timeout_s: float) -> Error:
+    """The final event of a generation no worker took within the queue deadline."""
+    return Error(
+        generation_id,
+        "queue_timeout",
+        f"no engine worker took this generation within {timeout_s:g} s",
+    )
 
 
 async def refresh_watches(store: SessionStore, hub: RelayHub, interval_s: float) -> None:
@@ -274,14 +290,9 @@ class Reaper:
             return 0
         async with self.redis.pipeline(transaction=False) as pipe:
             for request in requests:
-                error = Error(
-                    request.generation_id,
-                    "queue_timeout",
-                    f"no engine worker took this generation within {self.queue_timeout_s:g} s",
-                )
                 await self._end_queued(
                     session_id=request.session_id,
-                    event=error,
+                    event=queue_timeout(request.generation_id, self.queue_timeout_s),
                     maxlen=self.events_maxlen,
                     ttl_s=self.ttl_s,
                     pipe=pipe,
@@ -294,4 +305,61 @@ class Reaper:
         ended = sum(1 for reply in replies if EndQueued.reply(reply))
         if ended:
             log.warning("%d queued generations timed out: no engine worker took them", ended)
+        return ended
+
+
+class ReaderDeadline:
+    """Ends, with ``queue_timeout``, the generations this process's readers wait on that
+    were queued over the queue deadline (and ``READER_GRACE_S``) ago and never started.
+    Through the reaper's script: it ends only a generation still queued, and a worker
+    that finds its request later skips it."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        hub: RelayHub,
+        queue_timeout_s: float,
+        events_maxlen: int,
+        ttl_s: int,
+    ) -> None:
+        self.waiting = hub.waiting
+        self.queue_timeout_s = queue_timeout_s
+        self.events_maxlen = events_maxlen
+        self.ttl_s = ttl_s
+        self._end_queued = EndQueued(redis, keys)
+
+    async def run_forever(self, interval_s: float = READER_CHECK_S) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.end_overdue()
+            except (RedisError, OSError) as exc:
+                log.warning("readers' queue deadline: ending a generation failed: %s", exc)
+            except Exception:
+                log.exception("readers' queue deadline failed; the next check tries again")
+
+    async def end_overdue(self) -> int:
+        """End the overdue ones; returns how many were still queued (the others started
+        or ended meanwhile). One that fails stays, for the next check."""
+        overdue = self.waiting.queued_before(time.time() - self.queue_timeout_s - READER_GRACE_S)
+        ended = 0
+        for session_id, generation_id in overdue:
+            final_id = await self._end_queued(
+                session_id=session_id,
+                event=queue_timeout(generation_id, self.queue_timeout_s),
+                maxlen=self.events_maxlen,
+                ttl_s=self.ttl_s,
+            )
+            self.waiting.settled(session_id, generation_id)
+            if final_id is not None:
+                ended += 1
+                log.warning(
+                    "generation %s of session %s was still queued %g s after its queue"
+                    " deadline, with its request in no queue (lost by Redis): ended with"
+                    " queue_timeout",
+                    generation_id,
+                    session_id,
+                    READER_GRACE_S,
+                )
         return ended

@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 from websockets.asyncio.client import connect
 
 import wire
+from gateway.watchdog import READER_CHECK_S, READER_GRACE_S
 from stack import processes
 from stack.redis_server import EmbeddedRedis
 from tests.support.http import (
@@ -296,6 +297,45 @@ async def test_a_message_sent_again_requeues_a_request_that_never_reached_the_qu
         async with httpx.AsyncClient(timeout=30) as client:
             reading = await read_events(client, session, until_final_of=gid, timeout_s=20)
         assert reading.text(gid) == synthetic_text("lost on the way", 5)
+    finally:
+        await redis.aclose()
+
+
+async def test_a_turn_whose_request_redis_lost_ends_with_queue_timeout_for_its_reader(
+    stack: Stack,
+) -> None:
+    """Guarantee 3, for a request in no queue: on a Redis Cluster a restarted primary can
+    take a request and drop it when it is demoted (the cluster chaos minute, seed 12: a
+    turn stayed ``queued`` for ever). The reaper's deadline reads the queues and cannot see
+    it; the gateway its reader reads from ends it with ``queue_timeout``, READER_GRACE_S
+    after the deadline, through the reaper's script."""
+    stack.synthetic(200, "--capacity", "1")
+    gateway = stack.gateway(TOKENSPOUT_QUEUE_TIMEOUT_S="1")
+    redis = aioredis.Redis.from_url(stack.redis_url)
+    queue = Keys(stack.prefix).requests("synthetic")
+    try:
+        async with httpx.AsyncClient(timeout=30) as client, slot_held(gateway.url):
+            session = await create_session(client, gateway.url)
+            gid = await send(client, session, "lost by Redis", max_tokens=5)
+            # The one worker is busy: the request waits in the queue. Redis loses it.
+            ours = await requests_of(redis, queue, gid)
+            assert len(ours) == 1
+            await redis.xdel(queue, *ours)
+            sent_at = time.monotonic()
+            reading = await read_events(client, session, until_final_of=gid, timeout_s=20)
+            waited_s = time.monotonic() - sent_at
+        error = reading.final(gid).json()
+        assert error["code"] == "queue_timeout", error
+        assert [e.event for e in reading.of(gid)] == ["queued", "error"]
+        earliest = 1.0 + READER_GRACE_S - 0.2  # the deadline counts from the queued event
+        assert earliest <= waited_s < 1.0 + READER_GRACE_S + READER_CHECK_S + 1.0, waited_s
+        (gateway_log,) = stack.logs.glob("gateway-*.log")
+        assert f"generation {gid} of session" in gateway_log.read_text()
+        # The session goes on: its next turn runs.
+        async with httpx.AsyncClient(timeout=30) as client:
+            fresh = await send(client, session, "found again", max_tokens=5)
+            served = await read_events(client, session, until_final_of=fresh, timeout_s=20)
+        assert served.text(fresh) == synthetic_text("found again", 5)
     finally:
         await redis.aclose()
 

@@ -359,3 +359,36 @@ async def test_wait_final_returns_the_generations_final_event_or_none(
     stored = wire.Cancelled("h", "user", Usage(2, 0))
     await session.redis.hset(session.keys.generation(SESSION, "h"), "final", wire.encode(stored))
     assert await hub.wait_final(SESSION, "h", timeout=10) == stored
+
+
+async def test_the_hub_books_what_its_readers_wait_on_until_it_starts_or_nobody_reads(
+    make_hub: HubFactory, session: Session
+) -> None:
+    """gateway/waiting.py: a generation a reader saw ``queued`` (read from the stream or
+    live) is booked, at the queued event's time, until an event of it says it started,
+    or the session's last reader leaves. What this book holds is what the readers'
+    deadline (gateway/watchdog.py ``ReaderDeadline``) may end."""
+    hub = await make_hub()
+    waiting = hub.waiting
+    early = await session.emit(wire.Queued("g1"))
+    async with hub.open(SESSION, None) as feed:
+        await read(feed, 1)  # read from the stream
+        queued_at_s = wire.entry_ms(early) / 1000
+        assert waiting.queued_before(queued_at_s + 0.001) == [(SESSION, "g1")]
+        assert waiting.queued_before(queued_at_s) == []
+        await session.emit(wire.Queued("g2"))
+        await read(feed, 1)  # live
+        await until(lambda: len(waiting) == 2)
+        await session.emit(wire.Started("g1", "m", 3))
+        await read(feed, 1)
+        await until(lambda: len(waiting) == 1)
+        assert waiting.queued_before(float("inf")) == [(SESSION, "g2")]
+    assert len(waiting) == 0  # nobody here reads the session: nobody here waits on g2
+
+
+async def test_a_session_nobody_reads_books_nothing(make_hub: HubFactory, session: Session) -> None:
+    """A read that is not a reader's (a stored response's events) books nothing."""
+    hub = await make_hub()
+    await session.emit(wire.Queued("g1"))
+    assert [event.type for event in await hub.read_after(SESSION, None)] == ["queued"]
+    assert len(hub.waiting) == 0
