@@ -106,6 +106,7 @@ class Services:
             self.redis,
             self.keys,
             self.hub,
+            self.store,
             settings.queue_timeout_s,
             settings.events_maxlen,
             settings.session_ttl_s,

@@ -422,6 +422,7 @@ class SessionStore:
         Redis runs them as one pipeline, the note first. A cluster runs a pipeline's nodes
         at once, so there the note is a round trip of its own, before."""
         queue = self.queue.of(model)
+        submit = {**submit, "note": note, "queue": model}  # kept with the generation too
         if is_cluster(self.redis):
             await queue.note_submitting(note)
             return await self._submit(**submit)
@@ -511,6 +512,24 @@ class SessionStore:
                 older_than_s,
             )
         return queued
+
+    async def requeue_lost(self, session_id: str, generation_id: str) -> bool:
+        """Queue again a session turn still ``queued`` whose request seems lost: no request
+        waits in its queue (none after its consumer group's last delivered one, or the
+        queue is gone), so none of them is its. Its request comes from the note the submit kept with the generation
+        (none for a one-shot API request: then False). A copy that was not lost after all
+        (taken by a worker stopped before its claim) runs once. Returns whether it queued."""
+        key = self.keys.generation(session_id, generation_id)
+        state, note, model = await self.redis.hmget(key, ["state", "note", "queue"])
+        if state is None or wire.text(state) != "queued" or not note or not model:
+            return False
+        queue = self.queue.of(wire.text(model))
+        after = await queue.waiting_after()  # its group's lag is nil after a deletion: read
+        if after is not None and await queue.read_after(after, 1):
+            return False  # requests wait there: it may be one of them (the deadline decides)
+        request = await self._with_turn(_request_decoder.decode(note))
+        await self.queue.enqueue(queue.model, request)
+        return True
 
     async def _still_queued(self, session_id: str, generation_id: str) -> bool:
         state = await self.redis.hget(self.keys.generation(session_id, generation_id), "state")

@@ -4,11 +4,12 @@ The reaper's queue deadline (gateway/watchdog.py) reads the queues, so it cannot
 request that is in none: on a Redis Cluster, a primary that restarts answers as primary
 for its old slots for a moment, takes a request, and drops it when it is demoted. The
 generation itself, on its session's slot, stays ``queued``, and its reader would wait
-forever. So each process also keeps the deadline where its clients wait: the hub tells
-this book of every ``queued`` event its readers get, and of the event that ends the wait
-(the generation started or ended), and ``ReaderDeadline`` (gateway/watchdog.py) ends the
-ones still waiting past the deadline. Nothing is read from Redis for it unless one is
-overdue; it costs the hub a dict operation per event that is not a token.
+forever. So each process also watches where its clients wait: the hub tells this book of
+every ``queued`` event its readers get, and of the event that ends the wait (the
+generation started or ended), and ``ReaderDeadline`` (gateway/watchdog.py) queues a
+session turn still waiting a few seconds on with nothing waiting in its queue again, and
+ends those still waiting past the deadline. Nothing is read from Redis for it unless one
+waits that long; it costs the hub a dict operation per event that is not a token.
 """
 
 from __future__ import annotations
@@ -16,14 +17,23 @@ from __future__ import annotations
 from wire import entry_ms
 
 
+class Waiting:
+    __slots__ = ("queued_at_s", "requeued")
+
+    def __init__(self, queued_at_s: float) -> None:
+        self.queued_at_s = queued_at_s
+        """When it was queued: the ``queued`` event's id (Redis's clock, as the reaper's)."""
+        self.requeued = False
+        """Queued again once already (``ReaderDeadline`` does it once)."""
+
+
 class WaitingGenerations:
-    """Session -> its generations seen ``queued`` and not started since, with when they
-    were queued (the ``queued`` event's id: Redis's clock, as the reaper's deadline)."""
+    """Session -> its generations seen ``queued`` and not started since."""
 
     __slots__ = ("_queued",)
 
     def __init__(self) -> None:
-        self._queued: dict[str, dict[str, float]] = {}
+        self._queued: dict[str, dict[str, Waiting]] = {}
 
     def __len__(self) -> int:
         return sum(len(waiting) for waiting in self._queued.values())
@@ -32,13 +42,14 @@ class WaitingGenerations:
         """An event a reader of the session got (live or read from the stream; the same
         event twice is harmless). Any event but ``queued`` ends the generation's wait."""
         if event_type == "queued":
-            queued_at_s = entry_ms(event_id) / 1000
-            self._queued.setdefault(session_id, {})[generation_id] = queued_at_s
+            of_session = self._queued.setdefault(session_id, {})
+            if generation_id not in of_session:
+                of_session[generation_id] = Waiting(entry_ms(event_id) / 1000)
         elif (waiting := self._queued.get(session_id)) is not None:
             self.settled(session_id, generation_id, waiting)
 
     def settled(
-        self, session_id: str, generation_id: str, waiting: dict[str, float] | None = None
+        self, session_id: str, generation_id: str, waiting: dict[str, Waiting] | None = None
     ) -> None:
         """Forget one: it started, ended, or the deadline has dealt with it."""
         waiting = self._queued.get(session_id) if waiting is None else waiting
@@ -51,11 +62,20 @@ class WaitingGenerations:
         """The session's last reader in this process left: nobody here waits on it."""
         self._queued.pop(session_id, None)
 
-    def queued_before(self, unix_s: float) -> list[tuple[str, str]]:
-        """(session, generation) of those queued before ``unix_s``, still waiting."""
+    def queued_before(
+        self, unix_s: float, *, requeued: bool | None = None
+    ) -> list[tuple[str, str]]:
+        """(session, generation) of those queued before ``unix_s``, still waiting (and
+        queued again already, or not yet, if ``requeued`` says which)."""
         return [
             (session_id, generation_id)
             for session_id, waiting in self._queued.items()
-            for generation_id, queued_at_s in waiting.items()
-            if queued_at_s < unix_s
+            for generation_id, one in waiting.items()
+            if one.queued_at_s < unix_s and requeued in (None, one.requeued)
         ]
+
+    def requeued(self, session_id: str, generation_id: str) -> None:
+        """It was queued again (or found not to need it): not again."""
+        one = self._queued.get(session_id, {}).get(generation_id)
+        if one is not None:
+            one.requeued = True

@@ -16,9 +16,11 @@
     two round trips of a submit) is queued ``STRANDED_AFTER_S`` after (gateway/sessions.py).
   Each duty survives any failure of one pass (logged): a bad entry in the requests stream
   must not stop the reaper for the life of the process.
-- ``ReaderDeadline``: every gateway process also ends, ``READER_GRACE_S`` after the queue
-  deadline, a generation its readers saw queued and never saw start: its request is in no
-  queue the reaper reads (gateway/waiting.py says how that happens).
+- ``ReaderDeadline``: every gateway process also looks after the generations its readers
+  saw queued and never saw start, whose request may be in no queue the reaper reads
+  (gateway/waiting.py says how that happens): ``REQUEUE_AFTER_S`` on, a session turn whose
+  queue has no request waiting is queued again; ``READER_GRACE_S`` after the queue
+  deadline, what still waits is ended.
 """
 
 from __future__ import annotations
@@ -62,6 +64,10 @@ READER_GRACE_S = 2.0
 """The readers' deadline comes this long after the reaper's: a request the reaper can see
 in its queue is ended (and counted) there first."""
 READER_CHECK_S = 1.0
+REQUEUE_AFTER_S = 5.0
+"""A session turn still queued this long with no request waiting in its queue lost its
+request: queued again. After the stranded-turn repair's ``STRANDED_AFTER_S``, which
+queues the turns of a gateway that died mid-submit from the notes beside the queue."""
 
 
 def queue_timeout(generation_id: str, timeout_s: float) -> Error:
@@ -309,21 +315,25 @@ class Reaper:
 
 
 class ReaderDeadline:
-    """Ends, with ``queue_timeout``, the generations this process's readers wait on that
-    were queued over the queue deadline (and ``READER_GRACE_S``) ago and never started.
-    Through the reaper's script: it ends only a generation still queued, and a worker
-    that finds its request later skips it."""
+    """Looks after the generations this process's readers wait on that never started
+    (gateway/waiting.py): queues a session turn again ``REQUEUE_AFTER_S`` on when nothing
+    waits in its queue (``SessionStore.requeue_lost``), and ends with ``queue_timeout``
+    what still waits ``READER_GRACE_S`` past the queue deadline, through the reaper's
+    script: it ends only a generation still queued, and a worker that finds its request
+    later skips it."""
 
     def __init__(
         self,
         redis: aioredis.Redis,
         keys: Keys,
         hub: RelayHub,
+        store: SessionStore,
         queue_timeout_s: float,
         events_maxlen: int,
         ttl_s: int,
     ) -> None:
         self.waiting = hub.waiting
+        self.store = store
         self.queue_timeout_s = queue_timeout_s
         self.events_maxlen = events_maxlen
         self.ttl_s = ttl_s
@@ -332,12 +342,31 @@ class ReaderDeadline:
     async def run_forever(self, interval_s: float = READER_CHECK_S) -> None:
         while True:
             await asyncio.sleep(interval_s)
-            try:
-                await self.end_overdue()
-            except (RedisError, OSError) as exc:
-                log.warning("readers' queue deadline: ending a generation failed: %s", exc)
-            except Exception:
-                log.exception("readers' queue deadline failed; the next check tries again")
+            for what, duty in (("requeueing", self.requeue_lost), ("ending", self.end_overdue)):
+                try:
+                    await duty()
+                except (RedisError, OSError) as exc:
+                    log.warning("readers' deadline: %s a generation failed: %s", what, exc)
+                except Exception:
+                    log.exception("readers' deadline: %s failed; the next check tries again", what)
+
+    async def requeue_lost(self) -> int:
+        """Queue again the session turns waiting ``REQUEUE_AFTER_S`` whose request is in
+        no queue; each is looked at once. Returns how many were queued again."""
+        requeued = 0
+        since = time.time() - REQUEUE_AFTER_S
+        for session_id, generation_id in self.waiting.queued_before(since, requeued=False):
+            self.waiting.requeued(session_id, generation_id)
+            if await self.store.requeue_lost(session_id, generation_id):
+                requeued += 1
+                log.warning(
+                    "generation %s of session %s was still queued %g s on with no request"
+                    " waiting in its queue (Redis lost it): queued again",
+                    generation_id,
+                    session_id,
+                    REQUEUE_AFTER_S,
+                )
+        return requeued
 
     async def end_overdue(self) -> int:
         """End the overdue ones; returns how many were still queued (the others started

@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from websockets.asyncio.client import connect
 
 import wire
-from gateway.watchdog import READER_CHECK_S, READER_GRACE_S
+from gateway.watchdog import READER_CHECK_S, READER_GRACE_S, REQUEUE_AFTER_S
 from stack import processes
 from stack.redis_server import EmbeddedRedis
 from tests.support.http import (
@@ -32,6 +32,7 @@ from tests.support.http import (
 from tests.support.oracle import synthetic_text
 from tests.support.redis_probes import event_key
 from tests.support.reset_proxy import ResettingProxy
+from tests.support.sse import parse
 from tests.support.stack import Stack
 from tests.support.ws import ws_url
 from wire import CONSUMER_GROUP, Keys
@@ -301,41 +302,83 @@ async def test_a_message_sent_again_requeues_a_request_that_never_reached_the_qu
         await redis.aclose()
 
 
-async def test_a_turn_whose_request_redis_lost_ends_with_queue_timeout_for_its_reader(
+async def test_a_session_turn_whose_request_redis_lost_is_queued_again_and_runs(
     stack: Stack,
 ) -> None:
-    """Guarantee 3, for a request in no queue: on a Redis Cluster a restarted primary can
-    take a request and drop it when it is demoted (the cluster chaos minute, seed 12: a
-    turn stayed ``queued`` for ever). The reaper's deadline reads the queues and cannot see
-    it; the gateway its reader reads from ends it with ``queue_timeout``, READER_GRACE_S
-    after the deadline, through the reaper's script."""
+    """Guarantee 4, for a request in no queue: on a Redis Cluster a failover can drop a
+    request its primary acknowledged (the cluster chaos minute, seed 12: a turn stayed
+    ``queued`` for ever). The reaper reads the queues and cannot see it; the gateway its
+    reader reads from finds it still queued REQUEUE_AFTER_S on with nothing waiting in its
+    queue, and queues it again from the note the submit kept with it: the reply runs."""
+    stack.synthetic(200, "--capacity", "1")
+    gateway = stack.gateway()
+    redis = aioredis.Redis.from_url(stack.redis_url)
+    queue = Keys(stack.prefix).requests("synthetic")
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            session = await create_session(client, gateway.url)
+            async with slot_held(gateway.url):
+                gid = await send(client, session, "lost by Redis", max_tokens=5)
+                # The one worker is busy: the request waits in the queue. Redis loses it.
+                ours = await requests_of(redis, queue, gid)
+                assert len(ours) == 1
+                await redis.xdel(queue, *ours)
+                lost_at = time.monotonic()
+            # The worker is free, and nothing waits in the queue.
+            reading = await read_events(client, session, until_final_of=gid, timeout_s=30)
+            waited_s = time.monotonic() - lost_at
+        assert reading.final(gid).event == "done"
+        assert reading.text(gid) == synthetic_text("lost by Redis", 5)
+        assert waited_s < REQUEUE_AFTER_S + READER_CHECK_S + 2.0, waited_s
+        (gateway_log,) = stack.logs.glob("gateway-*.log")
+        assert f"generation {gid} of session" in gateway_log.read_text()
+        assert "queued again" in gateway_log.read_text()
+    finally:
+        await redis.aclose()
+
+
+async def test_a_one_shot_stream_whose_request_redis_lost_ends_with_queue_timeout(
+    stack: Stack,
+) -> None:
+    """Guarantee 3, for a request in no queue that cannot be queued again (a one-shot
+    request keeps no copy beside its generation): the gateway its client reads from ends
+    it with ``queue_timeout``, READER_GRACE_S after the deadline, through the reaper's
+    script; the client gets its error chunk, then ``[DONE]``."""
     stack.synthetic(200, "--capacity", "1")
     gateway = stack.gateway(TOKENSPOUT_QUEUE_TIMEOUT_S="1")
     redis = aioredis.Redis.from_url(stack.redis_url)
     queue = Keys(stack.prefix).requests("synthetic")
+    body = {
+        "model": "synthetic",
+        "messages": [{"role": "user", "content": "lost by Redis"}],
+        "max_tokens": 5,
+        "stream": True,
+    }
+    data: list[str] = []
     try:
         async with httpx.AsyncClient(timeout=30) as client, slot_held(gateway.url):
-            session = await create_session(client, gateway.url)
-            gid = await send(client, session, "lost by Redis", max_tokens=5)
-            # The one worker is busy: the request waits in the queue. Redis loses it.
-            ours = await requests_of(redis, queue, gid)
-            assert len(ours) == 1
-            await redis.xdel(queue, *ours)
-            sent_at = time.monotonic()
-            reading = await read_events(client, session, until_final_of=gid, timeout_s=20)
-            waited_s = time.monotonic() - sent_at
-        error = reading.final(gid).json()
-        assert error["code"] == "queue_timeout", error
-        assert [e.event for e in reading.of(gid)] == ["queued", "error"]
-        earliest = 1.0 + READER_GRACE_S - 0.2  # the deadline counts from the queued event
+            (last,) = await redis.xrevrange(queue, count=1)  # the held one's
+
+            async def read() -> None:
+                url = f"{gateway.url}/v1/chat/completions"
+                async with client.stream("POST", url, json=body) as response:
+                    assert response.status_code == 200
+                    async for event in parse(response.aiter_lines()):
+                        data.append(event.data)
+
+            reader = asyncio.create_task(read())
+            async with asyncio.timeout(10):
+                while not (ours := await redis.xrange(queue, min=b"(" + last[0])):
+                    await asyncio.sleep(0.01)
+            await redis.xdel(queue, *(entry_id for entry_id, _ in ours))  # Redis loses it
+            lost_at = time.monotonic()
+            await asyncio.wait_for(reader, 20)
+            waited_s = time.monotonic() - lost_at
+        *_, error, done = data
+        assert done == "[DONE]"
+        assert json.loads(error)["error"]["code"] == "queue_timeout", error
+        earliest = 1.0 + READER_GRACE_S - 0.3  # the deadline counts from the queued event
         assert earliest <= waited_s < 1.0 + READER_GRACE_S + READER_CHECK_S + 1.0, waited_s
-        (gateway_log,) = stack.logs.glob("gateway-*.log")
-        assert f"generation {gid} of session" in gateway_log.read_text()
-        # The session goes on: its next turn runs.
-        async with httpx.AsyncClient(timeout=30) as client:
-            fresh = await send(client, session, "found again", max_tokens=5)
-            served = await read_events(client, session, until_final_of=fresh, timeout_s=20)
-        assert served.text(fresh) == synthetic_text("found again", 5)
     finally:
         await redis.aclose()
 

@@ -286,10 +286,13 @@ class Submit(Script):
         max_history: int,
         watch_ttl_s: int,
         choice: int = 0,
+        note: bytes = b"",
+        queue: str = "",
     ) -> SubmitReply:
         """``token_digest`` "": no token check. ``choice`` > 0: another choice of the turn
         just submitted (no ``user_message``): queued beside it, not the session's active
-        generation."""
+        generation. ``note``: its request without its conversation, kept with the
+        generation with the ``queue`` it goes to (to queue it again, should Redis lose it)."""
         keys, args = self._keys_args(
             session_id,
             generation_id,
@@ -301,6 +304,8 @@ class Submit(Script):
             idempotency_key=idempotency_key,
             max_history=max_history,
             choice=choice,
+            note=note,
+            queue=queue,
         )
         return submit_reply(await self._run(keys, args, None))
 
@@ -349,6 +354,8 @@ class Submit(Script):
         max_history: int = 0,
         create: bool = False,
         choice: int = 0,
+        note: bytes = b"",
+        queue: str = "",
     ) -> tuple[list[str], list[Arg]]:
         """Submit's KEYS and ARGV, the one place they are listed (the defaults: what a
         stateless session made by ``create_in`` has: no message, token, key or history)."""
@@ -375,6 +382,8 @@ class Submit(Script):
             "1" if idempotency_key else "",
             "1" if create else "",
             "1" if choice else "",
+            note,
+            queue,
         ]
 
 

@@ -383,6 +383,14 @@ async def test_the_hub_books_what_its_readers_wait_on_until_it_starts_or_nobody_
         await read(feed, 1)
         await until(lambda: len(waiting) == 1)
         assert waiting.queued_before(float("inf")) == [(SESSION, "g2")]
+        # Queued again once: the deadline still sees it, the requeue no more.
+        assert waiting.queued_before(float("inf"), requeued=False) == [(SESSION, "g2")]
+        waiting.requeued(SESSION, "g2")
+        assert waiting.queued_before(float("inf"), requeued=False) == []
+        assert waiting.queued_before(float("inf"), requeued=True) == [(SESSION, "g2")]
+        await session.emit(wire.Queued("g2"))  # seen queued again: its entry stays as it was
+        await read(feed, 1)
+        assert waiting.queued_before(float("inf"), requeued=True) == [(SESSION, "g2")]
     assert len(waiting) == 0  # nobody here reads the session: nobody here waits on g2
 
 

@@ -5,7 +5,9 @@
 --       '1' when an idempotency key was given,
 --       create ('1': make the session here, a stateless one: the one-shot API requests),
 --       companion ('1': another choice of the turn just submitted (a message with n > 1):
---       no message, no busy check, not the session's active generation)
+--       no message, no busy check, not the session's active generation),
+--       note (its request without its conversation: what queues it again should Redis
+--       lose it, gateway/waiting.py; '' for none), queue (the model's queue it goes to)
 -- Returns {'ok', queued id, history...} | {'missing'} | {'forbidden'} | {'duplicate', gid}
 --         | {'busy', gid} | {'history_full'}
 -- A session made here is fresh (a new random id): nothing to look up in it, no history.
@@ -39,6 +41,7 @@ if not companion then
   if ARGV[11] == '1' then redis.call('SET', KEYS[7], ARGV[4], 'EX', ttl) end
 end
 redis.call('HSET', KEYS[4], 'state', 'queued', 'created', ARGV[6])
+if ARGV[14] ~= '' then redis.call('HSET', KEYS[4], 'note', ARGV[14], 'queue', ARGV[15]) end
 redis.call('EXPIRE', KEYS[4], ttl)
 redis.call('SET', KEYS[6], '1', 'EX', ARGV[8])
 local id = emit(KEYS[5], KEYS[4], ARGV[1], ARGV[2], ttl, 'queued', ARGV[4], ARGV[9])
