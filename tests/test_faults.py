@@ -330,6 +330,7 @@ async def test_a_session_turn_whose_request_redis_lost_is_queued_again_and_runs(
         assert reading.final(gid).event == "done"
         assert reading.text(gid) == synthetic_text("lost by Redis", 5)
         assert waited_s < REQUEUE_AFTER_S + READER_CHECK_S + 2.0, waited_s
+        print(f"\nrequest lost -> queued again, reply done {waited_s:.2f} s after the loss")
         (gateway_log,) = stack.logs.glob("gateway-*.log")
         assert f"generation {gid} of session" in gateway_log.read_text()
         assert "queued again" in gateway_log.read_text()
@@ -379,6 +380,7 @@ async def test_a_one_shot_stream_whose_request_redis_lost_ends_with_queue_timeou
         assert json.loads(error)["error"]["code"] == "queue_timeout", error
         earliest = 1.0 + READER_GRACE_S - 0.3  # the deadline counts from the queued event
         assert earliest <= waited_s < 1.0 + READER_GRACE_S + READER_CHECK_S + 1.0, waited_s
+        print(f"\none-shot request lost -> queue_timeout {waited_s:.2f} s after the loss")
     finally:
         await redis.aclose()
 

@@ -25,7 +25,9 @@ Redis layout (every key with a TTL, every stream capped):
     {prefix}:{<sid>}:events           stream of session events (the SSE ``id:`` is its entry id)
     {prefix}:{<sid>}:gen:{gid}        hash: generation state, worker (its owner), final
                                       event, seq of the owner's last event (EMIT is
-                                      idempotent per seq), takeovers (its epoch), usage
+                                      idempotent per seq), takeovers (its epoch), usage,
+                                      a session turn's note and queue (its request without
+                                      the conversation: queued again should Redis lose it)
     {prefix}:{<sid>}:active           string: the generation that is running now
     {prefix}:{<sid>}:idem:{key}       string: Idempotency-Key -> generation id
     {prefix}:{<sid>}:watch            string, EX grace: someone is reading the session
