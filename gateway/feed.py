@@ -64,6 +64,9 @@ class FeedHub(Protocol):
 
     def redis_error(self, where: str) -> None: ...
 
+    def went_quiet(self, session_id: str) -> None:
+        """A feed of the session waited its whole timeout (a heartbeat) for an event."""
+
 
 class FeedState(enum.Enum):
     """Where a feed stands. Live events are kept only in ``LIVE`` (and, the first one, in
@@ -275,6 +278,7 @@ class Feed:
             finally:
                 self._waiter = None
             if timed_out:
+                self.hub.went_quiet(self.session_id)
                 return []
             if self.hub.draining and not self._buffer and self.state in _KEEPS_LIVE:
                 return []  # woken by begin_drain: let the transport decide to close

@@ -135,6 +135,9 @@ class RelayHub:
         if self.observer is not None:
             self.observer.redis_error(where)
 
+    def went_quiet(self, session_id: str) -> None:
+        self.waiting.went_quiet(session_id)
+
     @contextlib.asynccontextmanager
     async def open(self, session_id: str, after_id: str | None = None) -> AsyncIterator[Feed]:
         """A feed of the session's events after ``after_id`` (None: from the first kept,

@@ -516,9 +516,10 @@ class SessionStore:
     async def requeue_lost(self, session_id: str, generation_id: str) -> bool:
         """Queue again a session turn still ``queued`` whose request seems lost: no request
         waits in its queue (none after its consumer group's last delivered one, or the
-        queue is gone), so none of them is its. Its request comes from the note the submit kept with the generation
-        (none for a one-shot API request: then False). A copy that was not lost after all
-        (taken by a worker stopped before its claim) runs once. Returns whether it queued."""
+        queue is gone), so none of them is its. Its request comes from the note the submit
+        kept with the generation (none for a one-shot API request: then False). A copy
+        that was not lost after all (taken by a worker stopped before its claim) runs once.
+        Returns whether it queued."""
         key = self.keys.generation(session_id, generation_id)
         state, note, model = await self.redis.hmget(key, ["state", "note", "queue"])
         if state is None or wire.text(state) != "queued" or not note or not model:
@@ -530,6 +531,30 @@ class SessionStore:
         request = await self._with_turn(_request_decoder.decode(note))
         await self.queue.enqueue(queue.model, request)
         return True
+
+    async def waiting_generations(self, session_ids: list[str]) -> list[tuple[str, str, float]]:
+        """(session, generation, when submitted) of the sessions' running generations that
+        no worker has started: two round trips, whatever the number of sessions."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for session_id in session_ids:
+                pipe.get(self.keys.active(session_id))
+            actives = await pipe.execute()
+        running = [
+            (session_id, wire.text(active))
+            for session_id, active in zip(session_ids, actives, strict=True)
+            if active is not None
+        ]
+        if not running:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for session_id, generation_id in running:
+                pipe.hmget(self.keys.generation(session_id, generation_id), ["state", "created"])
+            states = await pipe.execute()
+        return [
+            (session_id, generation_id, float(created))
+            for (session_id, generation_id), (state, created) in zip(running, states, strict=True)
+            if state is not None and wire.text(state) == "queued" and created is not None
+        ]
 
     async def _still_queued(self, session_id: str, generation_id: str) -> bool:
         state = await self.redis.hget(self.keys.generation(session_id, generation_id), "state")

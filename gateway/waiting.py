@@ -30,10 +30,14 @@ class Waiting:
 class WaitingGenerations:
     """Session -> its generations seen ``queued`` and not started since."""
 
-    __slots__ = ("_queued",)
+    __slots__ = ("_queued", "_quiet")
 
     def __init__(self) -> None:
         self._queued: dict[str, dict[str, Waiting]] = {}
+        self._quiet: set[str] = set()
+        """Sessions whose readers heard nothing for a heartbeat: one that resumed after
+        its turn's ``queued`` event (``Last-Event-ID``) never saw it, so Redis is asked
+        (``ReaderDeadline``) whether the session's generation waits."""
 
     def __len__(self) -> int:
         return sum(len(waiting) for waiting in self._queued.values())
@@ -42,11 +46,23 @@ class WaitingGenerations:
         """An event a reader of the session got (live or read from the stream; the same
         event twice is harmless). Any event but ``queued`` ends the generation's wait."""
         if event_type == "queued":
-            of_session = self._queued.setdefault(session_id, {})
-            if generation_id not in of_session:
-                of_session[generation_id] = Waiting(entry_ms(event_id) / 1000)
+            self.book(session_id, generation_id, entry_ms(event_id) / 1000)
         elif (waiting := self._queued.get(session_id)) is not None:
             self.settled(session_id, generation_id, waiting)
+
+    def book(self, session_id: str, generation_id: str, queued_at_s: float) -> None:
+        """It waits, queued at ``queued_at_s`` (unix seconds); booked already: unchanged."""
+        of_session = self._queued.setdefault(session_id, {})
+        if generation_id not in of_session:
+            of_session[generation_id] = Waiting(queued_at_s)
+
+    def went_quiet(self, session_id: str) -> None:
+        self._quiet.add(session_id)
+
+    def take_quiet(self) -> list[str]:
+        """The sessions gone quiet since the last call."""
+        quiet, self._quiet = list(self._quiet), set()
+        return quiet
 
     def settled(
         self, session_id: str, generation_id: str, waiting: dict[str, Waiting] | None = None
@@ -61,6 +77,7 @@ class WaitingGenerations:
     def unwatched(self, session_id: str) -> None:
         """The session's last reader in this process left: nobody here waits on it."""
         self._queued.pop(session_id, None)
+        self._quiet.discard(session_id)
 
     def queued_before(
         self, unix_s: float, *, requeued: bool | None = None

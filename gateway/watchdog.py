@@ -342,13 +342,27 @@ class ReaderDeadline:
     async def run_forever(self, interval_s: float = READER_CHECK_S) -> None:
         while True:
             await asyncio.sleep(interval_s)
-            for what, duty in (("requeueing", self.requeue_lost), ("ending", self.end_overdue)):
+            for what, duty in (
+                ("looking at quiet sessions for", self.book_quiet),
+                ("requeueing", self.requeue_lost),
+                ("ending", self.end_overdue),
+            ):
                 try:
                     await duty()
                 except (RedisError, OSError) as exc:
                     log.warning("readers' deadline: %s a generation failed: %s", what, exc)
                 except Exception:
                     log.exception("readers' deadline: %s failed; the next check tries again", what)
+
+    async def book_quiet(self) -> int:
+        """Book the waiting generations of the sessions whose readers heard nothing for a
+        heartbeat (a reader that resumed after a ``queued`` event never saw it); returns
+        how many it found."""
+        quiet = self.waiting.take_quiet()
+        found = await self.store.waiting_generations(quiet) if quiet else []
+        for session_id, generation_id, submitted_s in found:
+            self.waiting.book(session_id, generation_id, submitted_s)
+        return len(found)
 
     async def requeue_lost(self) -> int:
         """Queue again the session turns waiting ``REQUEUE_AFTER_S`` whose request is in

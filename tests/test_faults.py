@@ -302,18 +302,22 @@ async def test_a_message_sent_again_requeues_a_request_that_never_reached_the_qu
         await redis.aclose()
 
 
+@pytest.mark.parametrize("reader", ["from_the_start", "resumed_after_queued"])
 async def test_a_session_turn_whose_request_redis_lost_is_queued_again_and_runs(
-    stack: Stack,
+    stack: Stack, reader: str
 ) -> None:
     """Guarantee 4, for a request in no queue: on a Redis Cluster a failover can drop a
     request its primary acknowledged (the cluster chaos minute, seed 12: a turn stayed
     ``queued`` for ever). The reaper reads the queues and cannot see it; the gateway its
     reader reads from finds it still queued REQUEUE_AFTER_S on with nothing waiting in its
-    queue, and queues it again from the note the submit kept with it: the reply runs."""
+    queue, and queues it again from the note the submit kept with it: the reply runs. A
+    reader that resumed after the ``queued`` event never saw it: its gateway asks Redis
+    once the stream has been quiet for a heartbeat (1 s here)."""
     stack.synthetic(200, "--capacity", "1")
-    gateway = stack.gateway()
+    gateway = stack.gateway(TOKENSPOUT_SSE_HEARTBEAT_S="1")
     redis = aioredis.Redis.from_url(stack.redis_url)
-    queue = Keys(stack.prefix).requests("synthetic")
+    keys = Keys(stack.prefix)
+    queue = keys.requests("synthetic")
     try:
         async with httpx.AsyncClient(timeout=30) as client:
             session = await create_session(client, gateway.url)
@@ -325,7 +329,13 @@ async def test_a_session_turn_whose_request_redis_lost_is_queued_again_and_runs(
                 await redis.xdel(queue, *ours)
                 lost_at = time.monotonic()
             # The worker is free, and nothing waits in the queue.
-            reading = await read_events(client, session, until_final_of=gid, timeout_s=30)
+            after = None
+            if reader == "resumed_after_queued":
+                ((queued_id, _),) = await redis.xrange(keys.events(session.session_id))
+                after = queued_id.decode()
+            reading = await read_events(
+                client, session, until_final_of=gid, last_event_id=after, timeout_s=30
+            )
             waited_s = time.monotonic() - lost_at
         assert reading.final(gid).event == "done"
         assert reading.text(gid) == synthetic_text("lost by Redis", 5)

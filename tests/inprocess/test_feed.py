@@ -39,6 +39,7 @@ class FakeHub:
         self.fell = 0
         self.errors: list[str] = []
         self.fail_reads = 0
+        self.quiet: list[str] = []
 
     def append(self, event_type: str = "token") -> RelayEvent:
         event = RelayEvent(f"{len(self.stream) + 1}-0", event_type, "g", b"{}")
@@ -65,6 +66,9 @@ class FakeHub:
     def redis_error(self, where: str) -> None:
         self.errors.append(where)
 
+    def went_quiet(self, session_id: str) -> None:
+        self.quiet.append(session_id)
+
 
 def ids(events: list[RelayEvent]) -> list[str]:
     return [event.id for event in events]
@@ -84,6 +88,19 @@ async def test_a_feed_waits_for_its_subscription_then_reads_the_stream_then_goes
     feed.push(live)
     assert await feed.next_batch(1) == [live]
     assert hub.reads == [None] and feed.last_id == live.id
+
+
+async def test_a_wait_that_times_out_tells_the_hub_the_session_went_quiet() -> None:
+    """Only a whole timeout with nothing (a heartbeat): the readers' deadline then asks Redis
+    whether the session's generation waits (gateway/waiting.py)."""
+    hub = FakeHub()
+    feed = Feed(hub, SESSION, None)
+    feed.confirmed(True)
+    hub.append()
+    assert len(await feed.next_batch(1)) == 1
+    assert hub.quiet == []
+    assert await feed.next_batch(0.01) == []
+    assert hub.quiet == [SESSION]
 
 
 async def test_live_events_that_the_read_already_delivered_are_not_repeated() -> None:
