@@ -1,14 +1,14 @@
 """The generations this process's readers wait on that no worker has started yet.
 
 The reaper's queue deadline (gateway/watchdog.py) reads the queues, so it cannot end a
-request that is in none: on a Redis Cluster, a primary that restarts answers as primary
-for its old slots for a moment, takes a request, and drops it when it is demoted. The
-generation itself, on its session's slot, stays ``queued``, and its reader would wait
-forever. So each process also watches where its clients wait: the hub tells this book of
-every ``queued`` event its readers get, and of the event that ends the wait (the
-generation started or ended), and ``ReaderDeadline`` (gateway/watchdog.py) queues a
-session turn still waiting a few seconds on with nothing waiting in its queue again, and
-ends those still waiting past the deadline. Nothing is read from Redis for it unless one
+request that is in none: on a Redis Cluster a failover can drop a request its primary
+acknowledged (replication is asynchronous; docs/reliability.md has the case the chaos
+minute found). The generation itself, on its session's slot, stays ``queued``, and its
+reader would wait forever. So each process also watches where its clients wait: the
+hub tells this book of every ``queued`` event its readers get, and of the event that ends
+the wait (the generation started or ended), and ``ReaderDeadline`` (gateway/watchdog.py)
+queues a session turn still waiting a few seconds on with nothing waiting in its queue
+again, and ends those still waiting past the deadline. Nothing is read from Redis for it unless one
 waits that long; it costs the hub a dict operation per event that is not a token.
 """
 
@@ -18,6 +18,8 @@ from wire import entry_ms
 
 
 class Waiting:
+    """One generation a reader waits on."""
+
     __slots__ = ("queued_at_s", "requeued")
 
     def __init__(self, queued_at_s: float) -> None:

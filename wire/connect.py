@@ -219,10 +219,11 @@ class _ClosedIsLost:
 class _PackedByHiredis:
     """Commands packed by hiredis, in C, as redis-py's synchronous client packs them when
     hiredis is installed; its asyncio connections pack in Python. A script call of 23
-    arguments (the submit's) takes 24 us in Python and 4 in hiredis, and packing was 13 %
-    of a gateway's CPU per one-shot request (py-spy). The same bytes: str as UTF-8 (the
-    only encoding these clients use), numbers as ``repr``; what neither takes (None, a
-    bool) is the ``DataError`` redis-py raises."""
+    arguments (the submit's) takes 24 us in Python and 4 in hiredis; packing was 13 % of
+    a gateway's loop time and 9 % of a worker's in a profile (docs/bench.md, "Commands
+    packed in C"). The same bytes: str as UTF-8 (the only encoding these clients use),
+    numbers as ``repr``; what neither takes (None, a bool) is the ``DataError`` redis-py
+    raises."""
 
     def pack_command(self, *args: EncodableT) -> list[bytes]:
         name = args[0]
