@@ -1,6 +1,13 @@
 # The gateway: Litestar, the Redis client, h2 (its gRPC server) and tritonclient (Triton's gRPC stubs).
 # No torch, no vllm (the project's base dependencies; the engine extras are never
 # installed here).
+
+# The dependency list, read from pyproject.toml in a stage of its own: the install below is
+# keyed on the list, so an edit of the tool settings beside it does not rebuild it.
+FROM python:3.11-slim-bookworm AS requirements
+COPY pyproject.toml /src/
+RUN python -c "import tomllib; print(*tomllib.load(open('/src/pyproject.toml', 'rb'))['project']['dependencies'], sep='\n')" > /requirements.txt
+
 FROM python:3.11-slim-bookworm
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -10,15 +17,15 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     TOKENSPOUT_WEB_DIR=/app/web
 
 WORKDIR /app
-# The dependencies first, from pyproject.toml alone, at the versions constraints.txt pins
-# (the ones the tests ran): a change to the code rebuilds only the small layers after this.
-COPY pyproject.toml constraints.txt ./
-RUN python -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies'], sep='\n')" > /tmp/requirements.txt \
-    && pip install -c constraints.txt -r /tmp/requirements.txt \
+# The dependencies first, at the versions constraints.txt pins (the ones the tests ran): a
+# change to the code or the tool settings rebuilds only the small layers after this.
+COPY constraints.txt ./
+COPY --from=requirements /requirements.txt /tmp/requirements.txt
+RUN pip install -c constraints.txt -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt \
     && useradd --system --uid 10001 tokenspout
 
-COPY README.md ./
+COPY pyproject.toml README.md ./
 COPY web ./web
 COPY gateway ./gateway
 COPY wire ./wire
