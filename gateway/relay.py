@@ -260,10 +260,10 @@ class RelayHub:
         channel = raw_channel.decode()
         event_id, event_type, generation_id, payload = data.split(b" ", 3)
         event = RelayEvent(event_id.decode(), event_type.decode(), generation_id.decode(), payload)
+        session_id = self.keys.session_id_of_channel(channel)
         if self.observer is not None:
-            self.observer.event(self.keys.session_id_of_channel(channel), event)
+            self.observer.event(session_id, event)
         if event.type != "token" and channel in self._feeds:
-            session_id = self.keys.session_id_of_channel(channel)
             self.waiting.saw(session_id, event.type, event.generation_id, event.id)
         for feed in self._feeds.get(channel, ()):
             feed.push(event)
