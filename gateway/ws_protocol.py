@@ -17,8 +17,8 @@ from typing import Annotated, Literal
 import msgspec
 
 import wire
-from gateway import structured
 from gateway.errors import BadRequest, PayloadTooLarge
+from gateway.sampling import SamplingIn
 from wire import CancelReason, Usage
 
 ClientId = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
@@ -27,8 +27,9 @@ ClientId = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 # --- client -> gateway -------------------------------------------------------------------
 
 
-class Generate(msgspec.Struct, frozen=True, tag="generate", forbid_unknown_fields=True):
-    """Send ``content`` as the next user message of a session and stream the reply."""
+class Generate(SamplingIn, frozen=True, tag="generate", forbid_unknown_fields=True):
+    """Send ``content`` as the next user message of a session and stream the reply; the
+    sampling fields as for a session message (gateway/sampling.py)."""
 
     id: ClientId
     content: str
@@ -36,12 +37,6 @@ class Generate(msgspec.Struct, frozen=True, tag="generate", forbid_unknown_field
     """None: a new session (its id and token come back in the ``ack``)."""
     token: str | None = None
     """The session's token; defaults to the socket's ``?token=``."""
-    max_tokens: int | None = None
-    temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None
-    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
-    top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None
-    stop: Annotated[list[str], msgspec.Meta(max_length=8)] | None = None
-    seed: int | None = None
     api_key: str | None = None
     """With API keys configured, what a ``generate`` without ``session_id`` needs unless the
     socket's connect request carried ``Authorization: Bearer <key>`` or an earlier frame
@@ -49,12 +44,6 @@ class Generate(msgspec.Struct, frozen=True, tag="generate", forbid_unknown_field
     model: str | None = None
     """The model of a new session (a name or alias; None: the default). A named session
     keeps its own."""
-    logprobs: bool = False
-    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] = 0
-    response_format: structured.ResponseFormat | None = None
-    structured_outputs: structured.StructuredOutputsIn | None = None
-    n: int = 1
-    """Replies to sample: each frame of the generate then says its ``choice``."""
 
 
 class Cancel(msgspec.Struct, frozen=True, tag="cancel", forbid_unknown_fields=True):

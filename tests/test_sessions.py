@@ -13,6 +13,7 @@ from tests.support.oracle import synthetic_text
 from tests.support.sse import SSEParser, parse
 from tests.support.stack import Stack
 from tests.support.tokens import assert_gap_free_tokens
+from tests.support.ws import open_ws
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -235,3 +236,44 @@ async def test_an_idle_session_stream_carries_heartbeats_and_a_queued_event_unco
                 await asyncio.wait({reader})
         assert [(e.event, e.json()["generation_id"]) for e in events] == [("queued", generation)]
         assert events[0].id is not None
+
+
+async def test_vllms_min_tokens_and_ignore_eos_hold_over_http_and_websocket(stack: Stack) -> None:
+    """A session message and a WebSocket ``generate`` take vLLM's ``min_tokens`` (no stop
+    before it) and ``ignore_eos``; a ``min_tokens`` past ``max_tokens`` is a 422 naming it."""
+    stack.synthetic(tokens_per_s=200)
+    gateway = stack.gateway()
+    full = synthetic_text("hi", 20)  # "lazy" is its 8th token
+    stopped = full[: full.index("lazy")]
+    async with httpx.AsyncClient(timeout=30) as client:
+        session = await create_session(client, gateway.url)
+        first = await send(client, session, "hi", max_tokens=20, stop=["lazy"])
+        reading = await read_events(client, session, until_final_of=first)
+        assert reading.text(first) == stopped
+        later = await send(
+            client, session, "hi", max_tokens=20, stop=["lazy"], min_tokens=9, ignore_eos=True
+        )
+        reading = await read_events(
+            client, session, until_final_of=later, last_event_id=reading.events[-1].id
+        )
+        assert reading.text(later) == full
+        assert reading.final(later).json()["usage"]["completion_tokens"] == 20
+        for wrong in (21, -1):
+            response = await client.post(
+                f"{gateway.url}/v1/sessions/{session.session_id}/messages",
+                json={"content": "hi", "max_tokens": 20, "min_tokens": wrong},
+                headers=session.headers,
+            )
+            assert response.status_code == 422, response.text
+            assert response.json()["error"]["field"] == "min_tokens", response.text
+
+    ws = await open_ws(gateway.url)
+    try:
+        ack = await ws.generate("a", "hi", max_tokens=20, stop=["lazy"], min_tokens=9)
+        assert ack["type"] == "ack", ack
+        assert (await ws.final_of("a"))["type"] == "done"
+        assert ws.text("a") == full
+        refused = await ws.generate("b", "hi", max_tokens=20, min_tokens=21)
+        assert (refused["type"], refused["field"]) == ("error", "min_tokens"), refused
+    finally:
+        await ws.conn.close()

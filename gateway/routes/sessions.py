@@ -15,10 +15,11 @@ from litestar.connection import Request
 from litestar.params import HeaderParameter, QueryParameter
 from litestar.response import Stream
 
-from gateway import sse, structured
+from gateway import sse
 from gateway.auth import api_key_check
 from gateway.errors import EventsExpired, SessionLost
 from gateway.relay import RelayHub
+from gateway.sampling import SamplingIn
 from gateway.sessions import SessionStore
 from gateway.settings import Settings
 from wire import ChatMessage, FinalEvent, final_state
@@ -26,23 +27,8 @@ from wire import ChatMessage, FinalEvent, final_state
 AnyRequest = Request[Any, Any, Any]
 
 
-class MessageIn(msgspec.Struct, forbid_unknown_fields=True):
+class MessageIn(SamplingIn, frozen=True, forbid_unknown_fields=True):
     content: str
-    max_tokens: int | None = None
-    temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None
-    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
-    top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None
-    stop: Annotated[list[str], msgspec.Meta(max_length=8)] | None = None
-    seed: int | None = None
-    logprobs: bool = False
-    """Each token event carries its tokens' logprobs and own texts."""
-    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] = 0
-    response_format: structured.ResponseFormat | None = None
-    structured_outputs: structured.StructuredOutputsIn | None = None
-    n: int = 1
-    """Replies to sample (``TOKENSPOUT_MAX_CHOICES`` at most): each a generation of the
-    session whose ``queued`` and ``started`` events give its ``choice``; the first joins
-    the history."""
 
 
 class SessionIn(msgspec.Struct, forbid_unknown_fields=True):
@@ -134,17 +120,7 @@ class SessionController(Controller):
             str | None, HeaderParameter(name="Idempotency-Key", required=False, max_length=128)
         ],
     ) -> GenerationAccepted:
-        params = store.queue.sampling(
-            max_tokens=data.max_tokens,
-            temperature=data.temperature,
-            top_p=data.top_p,
-            top_k=data.top_k,
-            stop=data.stop,
-            seed=data.seed,
-            logprobs=data.logprobs or None,
-            top_logprobs=data.top_logprobs if data.logprobs else None,
-            structured=structured.constraint(data.response_format, data.structured_outputs),
-        )
+        params = store.queue.sampling(**data.asked())
         submitted = await store.submit_message(
             session_id,
             session_token(request, token, x_session_token),

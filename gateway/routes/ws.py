@@ -30,7 +30,6 @@ from litestar.exceptions import WebSocketDisconnect
 from redis.exceptions import RedisError
 
 import wire
-from gateway import structured
 from gateway.auth import ApiKeys, bearer
 from gateway.errors import BadRequest, GatewayError, NotFound, Overloaded, ProtocolViolation
 from gateway.relay import RelayHub
@@ -167,17 +166,7 @@ class Connection:
             raise Overloaded(
                 f"at most {MAX_GENERATIONS} generations per socket at once", retry_after_s=1
             )
-        params = self.store.queue.sampling(
-            max_tokens=frame.max_tokens,
-            temperature=frame.temperature,
-            top_p=frame.top_p,
-            top_k=frame.top_k,
-            stop=frame.stop,
-            seed=frame.seed,
-            logprobs=frame.logprobs or None,
-            top_logprobs=frame.top_logprobs if frame.logprobs else None,
-            structured=structured.constraint(frame.response_format, frame.structured_outputs),
-        )
+        params = self.store.queue.sampling(**frame.asked())
         new_token: str | None = None
         token: str | None
         if frame.session_id is None:

@@ -34,9 +34,23 @@ def test_generate_with_every_field() -> None:
     frame = decode(
         b'{"type":"generate","id":"a","content":"hi","session_id":"s","token":"t",'
         b'"max_tokens":5,"temperature":0.5,"top_p":0.9,"top_k":-1,"stop":["\\n"],'
-        b'"seed":7,"api_key":"k"}'
+        b'"seed":7,"min_tokens":3,"ignore_eos":true,"api_key":"k"}'
     )
-    assert frame == ws.Generate("a", "hi", "s", "t", 5, 0.5, 0.9, -1, ["\n"], 7, api_key="k")
+    assert frame == ws.Generate(
+        "a",
+        "hi",
+        "s",
+        "t",
+        max_tokens=5,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=-1,
+        stop=["\n"],
+        seed=7,
+        min_tokens=3,
+        ignore_eos=True,
+        api_key="k",
+    )
 
 
 def test_cancel_by_client_id_or_by_session_and_generation() -> None:
