@@ -28,6 +28,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestMetrics
 from gateway.relay import RelayHub
 from gateway.routes import ROUTES
+from gateway.routes.hot_chat import HotChat
 from gateway.routes.tgi import compat_generate
 from gateway.sessions import SessionStore
 from gateway.settings import Settings
@@ -228,4 +229,11 @@ def create_asgi_app(
     gRPC server on ``grpc_host``, the HTTP server's host, started by its lifespan);
     ``place``: ``Services``' arguments for one of several processes."""
     services = Services(settings, grpc_host, **place)
-    return RequestMetrics(create_app(settings, services), services.metrics), services
+    app = HotChat(
+        create_app(settings, services),
+        services.store,
+        services.hub,
+        settings,
+        services.api_keys,
+    )
+    return RequestMetrics(app, services.metrics), services

@@ -78,43 +78,50 @@ class LeanStreamingResponse(ASGIStreamingResponse):
     __slots__ = ()
 
     async def send_body(self, send: Send, receive: Receive) -> None:
-        streaming = asyncio.current_task()
-        assert streaming is not None
-        disconnected = False
+        await send_stream(self.iterator, send, receive, self.encoding)
 
-        async def wait_for_disconnect() -> None:
-            nonlocal disconnected
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            disconnected = True
-            streaming.cancel()
 
-        watcher = asyncio.create_task(wait_for_disconnect())
-        iterator = self.iterator
-        try:
-            last = False
-            async for chunk in iterator:  # to its end, after a Last too: nothing left open
-                if last:
-                    raise RuntimeError("a stream went on after its Last chunk")
-                body = chunk if isinstance(chunk, bytes) else chunk.encode(self.encoding)
-                last = isinstance(chunk, Last)
-                event: HTTPResponseBodyEvent = {
-                    "type": "http.response.body",
-                    "body": body,
-                    "more_body": not last,
-                }
-                await send(event)
-            if not last:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except asyncio.CancelledError:
-            if not disconnected:
-                raise
-            streaming.uncancel()  # the client left: the response simply ends
-        finally:
-            watcher.cancel()
-            await asyncio.wait({watcher})  # not `await watcher`: a cancel of ours must propagate
-            if isinstance(iterator, AsyncIterator) and hasattr(iterator, "aclose"):
-                await iterator.aclose()
+async def send_stream(
+    iterator: AsyncIterable[bytes | str], send: Send, receive: Receive, encoding: str = "utf-8"
+) -> None:
+    """Send a streamed body's chunks (a ``Last`` with the response's end) while a small
+    task waits for the client to disconnect and cancels the sending."""
+    streaming = asyncio.current_task()
+    assert streaming is not None
+    disconnected = False
+
+    async def wait_for_disconnect() -> None:
+        nonlocal disconnected
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        disconnected = True
+        streaming.cancel()
+
+    watcher = asyncio.create_task(wait_for_disconnect())
+    try:
+        last = False
+        async for chunk in iterator:  # to its end, after a Last too: nothing left open
+            if last:
+                raise RuntimeError("a stream went on after its Last chunk")
+            body = chunk if isinstance(chunk, bytes) else chunk.encode(encoding)
+            last = isinstance(chunk, Last)
+            event: HTTPResponseBodyEvent = {
+                "type": "http.response.body",
+                "body": body,
+                "more_body": not last,
+            }
+            await send(event)
+        if not last:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+    except asyncio.CancelledError:
+        if not disconnected:
+            raise
+        streaming.uncancel()  # the client left: the response simply ends
+    finally:
+        watcher.cancel()
+        await asyncio.wait({watcher})  # not `await watcher`: a cancel of ours must propagate
+        if isinstance(iterator, AsyncIterator) and hasattr(iterator, "aclose"):
+            await iterator.aclose()
 
 
 class EventStream(Stream):

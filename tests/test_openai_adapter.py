@@ -4,12 +4,14 @@ sync and async, against a real gateway process, real Redis and the synthetic eng
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
+from tests.support import metrics
 from tests.support.http import slot_held
 from tests.support.oracle import synthetic_text, synthetic_tokens
 from tests.support.stack import Stack
@@ -427,3 +429,62 @@ def test_vllms_extra_sampling_fields_reach_the_engine_through_extra_body(stack: 
         complete(min_p=2)
     assert caught.value.body["param"] == "min_p"  # type: ignore[index]
     client.close()
+
+
+async def test_the_hot_route_streams_what_the_app_streams_and_is_counted_alike(
+    stack: Stack,
+) -> None:
+    """A streamed chat completion takes the hot route (gateway/routes/hot_chat.py); with CORS
+    configured, a browser's cross-origin one goes through Litestar. Both answer the same
+    headers (but CORS's) and the same chunks (but their ids and times), and both are counted
+    under the route's template."""
+    stack.synthetic(tokens_per_s=200)
+    origin = "https://chat.example"
+    gateway = stack.gateway(TOKENSPOUT_CORS_ORIGINS=origin)
+    request = {
+        "model": "synthetic",
+        "messages": MESSAGES,
+        "max_tokens": 5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    url = f"{gateway.url}/v1/chat/completions"
+
+    async def streamed(headers: dict[str, str]) -> tuple[httpx.Headers, list[dict[str, Any]]]:
+        async with client.stream("POST", url, json=request, headers=headers) as response:
+            assert response.status_code == 200, await response.aread()
+            lines = [line async for line in response.aiter_lines() if line]
+        assert lines[-1] == "data: [DONE]"
+        chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+        for chunk in chunks:
+            assert chunk.pop("id").startswith("chatcmpl-") and chunk.pop("created") > 0
+        return response.headers, chunks
+
+    async with httpx.AsyncClient(timeout=30) as client:
+        hot_headers, hot_chunks = await streamed({})
+        app_headers, app_chunks = await streamed({"Origin": origin})
+        samples = await metrics.scrape(client, f"{gateway.url}/metrics")
+    assert app_headers["access-control-allow-origin"] == origin
+    assert "access-control-allow-origin" not in hot_headers
+
+    def comparable(headers: httpx.Headers) -> dict[str, str]:
+        return {
+            name: value
+            for name, value in headers.items()
+            if name not in ("date", "x-request-id", "vary") and not name.startswith("access-")
+        }
+
+    assert comparable(hot_headers) == comparable(app_headers)
+    assert hot_headers["content-type"] == "text/event-stream; charset=utf-8"
+    assert hot_chunks == app_chunks
+    assert "".join(
+        c["choices"][0]["delta"].get("content", "") for c in hot_chunks if c["choices"]
+    ) == synthetic_text("hello there", 5)
+    counted = metrics.value(
+        samples,
+        "tokenspout_gateway_requests_total",
+        method="POST",
+        route="/v1/chat/completions",
+        status="200",
+    )
+    assert counted == 2

@@ -302,10 +302,16 @@ def error_body(exc: Exception) -> ErrorOut:
     return ErrorOut(ErrorDetail(error.message, kind, error.field, error.code))
 
 
-def openai_error(_: AnyRequest, exc: Exception) -> Response[ErrorOut]:
+def error_answer(exc: Exception) -> tuple[int, ErrorOut, dict[str, str]]:
+    """An error's answer in OpenAI's format: its status, body and headers."""
     error = as_gateway_error(exc)
     status = 400 if error.status == 422 else error.status
-    return Response(error_body(error), status_code=status, headers=error.headers())
+    return status, error_body(error), error.headers()
+
+
+def openai_error(_: AnyRequest, exc: Exception) -> Response[ErrorOut]:
+    status, body, headers = error_answer(exc)
+    return Response(body, status_code=status, headers=headers)
 
 
 class UsageTally:
@@ -508,7 +514,7 @@ def completion_body(
     )
 
 
-def _streamed(choices: Choices, chunks: Chunks, body: _Sampling, n: int) -> Stream:
+def _stream_body(choices: Choices, chunks: Chunks, body: _Sampling, n: int) -> AsyncIterator[bytes]:
     options = body.stream_options
     stream = stream_chunks(
         choices.batches(),
@@ -520,9 +526,40 @@ def _streamed(choices: Choices, chunks: Chunks, body: _Sampling, n: int) -> Stre
         and options.include_usage
         and options.continuous_usage_stats,
     )
+    return ending_with_error(stream, _failure_frames)
+
+
+def _streamed(choices: Choices, chunks: Chunks, body: _Sampling, n: int) -> Stream:
     return sse.response(
-        ending_with_error(stream, _failure_frames), background=choices.on_response_end()
+        _stream_body(choices, chunks, body, n), background=choices.on_response_end()
     )
+
+
+async def _submit_chat(
+    store: SessionStore, hub: RelayHub, settings: Settings, data: ChatCompletionRequest
+) -> tuple[Choices, int]:
+    """A chat completion's generations, checked and queued; and how many choices."""
+    functions = _chat_tools(data)
+    params = _chat_params(store, data, functions)
+    messages = _chat_messages(data, settings.max_history_messages)
+    n = _choices(data, settings)
+    choices = await Choices.submit(
+        store, hub, settings, params, n, model=data.model, messages=messages, tools=functions
+    )
+    return choices, n
+
+
+def _chat_chunks(choices: Choices, data: ChatCompletionRequest) -> ChatChunks:
+    return ChatChunks(f"chatcmpl-{choices.generation_id}", int(time.time()), bool(data.logprobs))
+
+
+async def streamed_chat(
+    store: SessionStore, hub: RelayHub, settings: Settings, data: ChatCompletionRequest
+) -> tuple[AsyncIterator[bytes], Choices]:
+    """A streamed chat completion's body, for the hot route (gateway/routes/hot_chat.py):
+    the same chunks as ``chat_completions`` streams; its choices to close at the end."""
+    choices, n = await _submit_chat(store, hub, settings, data)
+    return _stream_body(choices, _chat_chunks(choices, data), data, n), choices
 
 
 @post("/chat/completions", summary="OpenAI chat completions", status_code=200)
@@ -532,21 +569,16 @@ async def chat_completions(
     settings: Settings,
     data: ChatCompletionRequest,
 ) -> Response[ChatCompletion] | Stream:
-    functions = _chat_tools(data)
-    params = _chat_params(store, data, functions)
-    messages = _chat_messages(data, settings.max_history_messages)
-    n = _choices(data, settings)
-    choices = await Choices.submit(
-        store, hub, settings, params, n, model=data.model, messages=messages, tools=functions
-    )
-    completion_id, created = f"chatcmpl-{choices.generation_id}", int(time.time())
-    want_logprobs = bool(data.logprobs)
+    choices, n = await _submit_chat(store, hub, settings, data)
+    chunks = _chat_chunks(choices, data)
     if not data.stream:
         wholes = await choices.collect()
         return Response(
-            chat_completion_body(completion_id, created, data.model, wholes, want_logprobs)
+            chat_completion_body(
+                chunks.completion_id, chunks.created, data.model, wholes, chunks.want_logprobs
+            )
         )
-    return _streamed(choices, ChatChunks(completion_id, created, want_logprobs), data, n)
+    return _streamed(choices, chunks, data, n)
 
 
 @post("/completions", summary="OpenAI (legacy) completions", status_code=200)

@@ -1,0 +1,156 @@
+"""The hot route: ``POST /v1/chat/completions`` with ``"stream": true``, served by a bare
+ASGI handler in front of the Litestar app.
+
+Most of a gateway's requests are that one, and Litestar's part of it (routing, dependency
+resolution, the handler's signature model, the response objects) was a large share of the
+gateway's CPU per request (docs/bench.md, issue 27). Here the request takes none of it:
+its body is decoded into the same ``ChatCompletionRequest``, it is submitted and streamed
+by the same functions (``streamed_chat``, ``send_stream``), and an error answers in the
+same format (``error_answer``).
+
+Only a request this handler can take whole is taken; every other one goes on to Litestar
+as it came (its body, already read, handed on unchanged), so every error the app answers
+is answered there, once: a body that is not a valid request, over the size limit or not
+JSON; a request without ``"stream": true``; a missing or wrong API key; a browser's
+cross-origin request when CORS is configured.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from litestar.enums import ScopeType
+from litestar.types import (
+    ASGIApp,
+    HTTPRequestEvent,
+    HTTPResponseStartEvent,
+    Receive,
+    ReceiveMessage,
+    Scope,
+    Send,
+)
+
+from gateway import sse
+from gateway.auth import ApiKeys, bearer
+from gateway.relay import RelayHub
+from gateway.routes.openai import error_answer, streamed_chat
+from gateway.routes.openai_schema import ChatCompletionRequest
+from gateway.sessions import SessionStore
+from gateway.settings import Settings
+
+PATH = "/v1/chat/completions"
+_decode = msgspec.json.Decoder(ChatCompletionRequest).decode
+_STREAM_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    *((name.lower().encode(), value.encode()) for name, value in sse.HEADERS.items()),
+]
+
+
+class HotChat:
+    """The ASGI app: the hot route's requests, and ``app`` (Litestar) for the rest."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        store: SessionStore,
+        hub: RelayHub,
+        settings: Settings,
+        api_keys: ApiKeys,
+    ) -> None:
+        self.app = app
+        self.store = store
+        self.hub = hub
+        self.settings = settings
+        self.api_keys = api_keys
+        self.cors = bool(settings.cors_origin_list())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != ScopeType.HTTP or scope["path"] != PATH or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        authorization: str | None = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                authorization = value.decode("latin-1")
+            elif (name == b"origin" and self.cors) or (
+                name == b"content-type" and not value.startswith(b"application/json")
+            ):
+                await self.app(scope, receive, send)
+                return
+        body, whole = await self._read_body(receive)
+        data = self._request(body) if whole else None
+        if data is None or not self.api_keys.valid(bearer(authorization)):
+            await self.app(scope, _replaying(body, whole, receive), send)
+            return
+        scope["path_template"] = PATH  # what Litestar sets: the request metric's label
+        try:
+            chunks, choices = await streamed_chat(self.store, self.hub, self.settings, data)
+        except Exception as exc:  # answered as Litestar's exception handler answers it
+            await _send_error(send, exc)
+            return
+        try:
+            start: HTTPResponseStartEvent = {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": _STREAM_HEADERS,
+            }
+            await send(start)
+            await sse.send_stream(chunks, send, receive)
+        finally:
+            await choices.close()
+
+    async def _read_body(self, receive: Receive) -> tuple[bytes, bool]:
+        """The body, up to the size limit; and whether it is whole (else more follows)."""
+        pieces: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: Litestar's to see
+                return b"".join(pieces), False
+            piece = message.get("body", b"")
+            pieces.append(piece)
+            size += len(piece)
+            if not message.get("more_body", False):
+                return (piece if len(pieces) == 1 else b"".join(pieces)), True
+            if size > self.settings.max_body_bytes:
+                return b"".join(pieces), False
+
+    def _request(self, body: bytes) -> ChatCompletionRequest | None:
+        """The request when this route takes it: valid, streamed, within the size limit."""
+        if len(body) > self.settings.max_body_bytes:
+            return None
+        try:
+            data = _decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
+        return data if data.stream else None
+
+
+def _replaying(body: bytes, whole: bool, receive: Receive) -> Receive:
+    """``receive`` for the app, giving it first the body already read."""
+    given = False
+
+    async def replay() -> ReceiveMessage:
+        nonlocal given
+        if given:
+            return await receive()
+        given = True
+        read: HTTPRequestEvent = {"type": "http.request", "body": body, "more_body": not whole}
+        return read
+
+    return replay
+
+
+async def _send_error(send: Send, exc: Exception) -> None:
+    status, error, headers = error_answer(exc)
+    body = msgspec.json.encode(error)
+    start: HTTPResponseStartEvent = {
+        "type": "http.response.start",
+        "status": status,
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            *((name.lower().encode(), value.encode()) for name, value in headers.items()),
+        ],
+    }
+    await send(start)
+    await send({"type": "http.response.body", "body": body, "more_body": False})
