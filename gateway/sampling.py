@@ -13,7 +13,7 @@ from gateway import structured
 
 class SamplingIn(msgspec.Struct, frozen=True, kw_only=True):
     """What a request may ask of the sampling; a field left out takes the gateway's
-    default (``Queues.sampling``)."""
+    default (``GenerationQueue.sampling``)."""
 
     max_tokens: int | None = None
     temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None
@@ -32,12 +32,12 @@ class SamplingIn(msgspec.Struct, frozen=True, kw_only=True):
     structured_outputs: structured.StructuredOutputsIn | None = None
     n: int = 1
     """Replies to sample (``TOKENSPOUT_MAX_CHOICES`` at most): each a generation of the
-    session whose ``queued`` and ``started`` events give its ``choice``; the first joins
-    the history."""
+    session whose events (a socket's frames) give its ``choice``; the first joins the
+    history."""
 
     def asked(self) -> dict[str, Any]:
-        """The sampling parameters this request sets, for ``Queues.sampling`` (None: the
-        default); its structured-output constraint checked (a 400 when it is bad)."""
+        """The sampling parameters this request sets, for ``GenerationQueue.sampling`` (None:
+        the default); its structured-output constraint checked (refused when it is bad)."""
         return {
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
