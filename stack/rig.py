@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
+from typing import ClassVar, cast
 from urllib.parse import urlsplit
 
 import redis
@@ -106,6 +106,9 @@ class Rig:
     children: list[subprocess.Popen[bytes]] = field(default_factory=list)
     pinned: bool = True
     """Every ``cpu=`` asked so far was granted (False on a one-CPU machine)."""
+    synthetic_drain_s: ClassVar[str | None] = None
+    """A synthetic worker's ``--drain-s`` unless its caller gives one (None: the worker's
+    own default)."""
 
     def base_env(self, **extra: str) -> dict[str, str]:
         return {
@@ -194,6 +197,8 @@ class Rig:
     ) -> subprocess.Popen[bytes]:
         """An engine worker with the synthetic backend at ``tokens_per_s`` per reply."""
         backend = ["--backend", "synthetic", "--tokens-per-s", str(tokens_per_s), *args]
+        if self.synthetic_drain_s is not None and "--drain-s" not in args:
+            backend += ["--drain-s", self.synthetic_drain_s]
         worker_id = worker_id or f"w-{secrets.token_hex(4)}"
         return self._worker(backend, worker_id, True, cpu, self.base_env(**env))
 

@@ -17,6 +17,8 @@ cross-origin request when CORS is configured.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import msgspec
 from litestar.enums import ScopeType
 from litestar.types import (
@@ -39,9 +41,16 @@ from gateway.settings import Settings
 
 PATH = "/v1/chat/completions"
 _decode = msgspec.json.Decoder(ChatCompletionRequest).decode
+
+
+def _encoded(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
+    """Headers as ASGI sends them: lower-case names, bytes."""
+    return [(name.lower().encode(), value.encode()) for name, value in headers.items()]
+
+
 _STREAM_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
-    *((name.lower().encode(), value.encode()) for name, value in sse.HEADERS.items()),
+    *_encoded(sse.HEADERS),
 ]
 
 
@@ -149,7 +158,7 @@ async def _send_error(send: Send, exc: Exception) -> None:
         "headers": [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
-            *((name.lower().encode(), value.encode()) for name, value in headers.items()),
+            *_encoded(headers),
         ],
     }
     await send(start)

@@ -13,27 +13,13 @@ from wire import Keys
 __all__ = ["VLLM_LOCK", "Gateway", "Stack", "VllmStack"]
 
 
-TEST_DRAIN_S = "1"
-"""A synthetic worker's ``--drain-s`` unless its test gives one: a reply still running when
-the test ends is cancelled a second after the stop's SIGTERM. With the worker's default
-(30 s) the stop waited its whole 15 s for it, then killed the worker; the tests that are
-about the drain give their own."""
-
-
 class Stack(Rig):
     """Processes of one test, all on one Redis key prefix; stopped when the test ends."""
 
-    def synthetic(
-        self,
-        tokens_per_s: float = 200,
-        *args: str,
-        cpu: int | None = None,
-        worker_id: str | None = None,
-        **env: str,
-    ) -> subprocess.Popen[bytes]:
-        if "--drain-s" not in args:
-            args = (*args, "--drain-s", TEST_DRAIN_S)
-        return super().synthetic(tokens_per_s, *args, cpu=cpu, worker_id=worker_id, **env)
+    synthetic_drain_s = "1"
+    """A reply still running when the test ends is cancelled a second after the stop's
+    SIGTERM. With the worker's default (30 s) the stop waited its whole 15 s for it, then
+    killed the worker; the tests that are about the drain give their own ``--drain-s``."""
 
     async def wait_live_readers(self, session_id: str, count: int = 1) -> None:
         """Until Redis confirms ``count`` gateways' subscriptions to the session's live
