@@ -66,7 +66,7 @@ async def test_a_vllm_worker_killed_mid_reply_is_continued_with_the_same_greedy_
 async def test_a_continuation_longer_than_the_context_ends_with_a_clear_error() -> None:
     """The vLLM backend's prepare (with the real tokenizer; no engine needed): a prompt
     plus streamed tokens past this worker's context is `context_exceeded`; one that fits
-    asks the engine for the tokens left."""
+    asks the engine for the tokens left, and for the min_tokens left."""
     from transformers import AutoTokenizer
 
     from engine.backends.base import BackendError
@@ -78,15 +78,18 @@ async def test_a_continuation_longer_than_the_context_ends_with_a_clear_error() 
     backend = VllmBackend(str(folder), max_model_len=64)
     backend._tokenizer = AutoTokenizer.from_pretrained(folder)
 
-    def resumed(streamed: int) -> GenerationRequest:
+    def resumed(streamed: int, min_tokens: int = 0) -> GenerationRequest:
         resume = Resume(1, "w", 3, streamed, "x" * streamed, [42] * streamed)
-        params = SamplingParams(max_tokens=100)
+        params = SamplingParams(max_tokens=100, min_tokens=min_tokens)
         return GenerationRequest("g_1", "s_1", params, prompt="one two three", resume=resume)
 
     prepared = await backend.prepare(resumed(20))
     assert prepared.prompt_token_ids[-20:] == [42] * 20
     assert prepared.params.max_tokens == 80 and prepared.resumed_tokens == 20
     assert prepared.generation_id == "g_1@1"
+    # min_tokens counts from the reply's start: the continuation owes only what is left.
+    assert (await backend.prepare(resumed(20, min_tokens=30))).params.min_tokens == 10
+    assert (await backend.prepare(resumed(20, min_tokens=15))).params.min_tokens == 0
     with pytest.raises(BackendError) as caught:
         await backend.prepare(resumed(70))
     assert caught.value.code == "context_exceeded"

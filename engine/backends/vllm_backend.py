@@ -110,11 +110,17 @@ class VllmBackend(Backend):
                 f"the prompt ({len(ids)} tokens) and the {len(resume.token_ids)} tokens "
                 f"already streamed exceed this worker's context of {self.max_model_len}",
             )
-        left = request.params.max_tokens - resume.completion_tokens
+        # vLLM counts max_tokens and min_tokens from the continuation's first token: both
+        # are cut by the tokens already streamed, so the reply may stop where it would have.
+        done = resume.completion_tokens
         return Prepared(
             request.engine_request_id,
             [*ids, *resume.token_ids],
-            msgspec.structs.replace(params, max_tokens=left),
+            msgspec.structs.replace(
+                params,
+                max_tokens=params.max_tokens - done,
+                min_tokens=max(0, params.min_tokens - done),
+            ),
             resumed_tokens=resume.completion_tokens,
         )
 
