@@ -183,13 +183,17 @@ def connect(url: str, *, max_connections: int | None = None, **options: Any) -> 
         return _sentinel(url, max_connections, options)
     if max_connections is None:
         return aioredis.Redis.from_pool(_with_ours(LeanConnectionPool.from_url(url, **options)))
-    return aioredis.Redis(
+    client = aioredis.Redis(
         connection_pool=_with_ours(
             LeanBlockingConnectionPool.from_url(url, max_connections=max_connections, **options)
         ),
         retry=_retry(),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
     )
+    # The pool is the client's alone: its ``aclose`` closes the pool's connections too (as
+    # ``from_pool`` does), or they stay open until the garbage collector finds them.
+    client.auto_close_connection_pool = True
+    return client
 
 
 CLOSED_TRANSPORT = "the handler is closed"
