@@ -8,10 +8,16 @@ and are not run here.
 
 from __future__ import annotations
 
+import os
+import queue
 import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -25,7 +31,9 @@ DOCUMENTED_GRPC = "127.0.0.1:8001"
 BLOCK = re.compile(r"^```(python|sh)\n(.*?)^```", re.MULTILINE | re.DOTALL)
 STREAM_LIMIT_S = 90
 """A shell example that follows a session's event stream (curl -N) reads until it is
-stopped, as a person would stop it: it runs this long and must have shown the reply's end."""
+stopped, as a person would stop it once the reply has ended: it is stopped when it has
+shown the reply's end (``event: done``), and fails if it has not within this long."""
+STREAM_END = "event: done"
 
 
 def examples() -> list[tuple[str, str, str]]:
@@ -65,13 +73,54 @@ def test_the_example_runs_as_written(
     code = code.replace(DOCUMENTED, vllm_stack.gateway.url)
     code = code.replace(DOCUMENTED_GRPC, grpc_gateway.grpc_url)
     if language == "python":
-        command = [sys.executable, "-c", code]
+        done = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=600
+        )
+        returncode, output = done.returncode, done.stdout + done.stderr
+        assert returncode == 0, f"{where} failed:\n{output}"
     else:
-        command = ["timeout", str(STREAM_LIMIT_S), "bash", "-euo", "pipefail", "-c", code]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=600)
-    output = done.stdout + done.stderr
-    if language == "sh" and done.returncode == 124:  # an endless event stream, stopped
-        assert "event: done" in done.stdout, f"{where}: the stream showed no end\n{output}"
-        return
-    assert done.returncode == 0, f"{where} failed:\n{output}"
-    assert done.stdout.strip(), f"{where} printed nothing"
+        stopped, returncode, output = run_shell(code, tmp_path)
+        if stopped:  # an endless event stream, stopped once it showed the reply's end
+            return
+        assert returncode == 0, f"{where} failed:\n{output}"
+    assert output.strip(), f"{where} printed nothing"
+
+
+def run_shell(code: str, cwd: Path) -> tuple[bool, int, str]:
+    """Run a shell example: whether it was stopped at its stream's end (it reads on until
+    stopped), its exit status, and what it printed (stdout and stderr together). Fails if it
+    neither ends nor shows its stream's end within ``STREAM_LIMIT_S``."""
+    process = subprocess.Popen(
+        ["bash", "-euo", "pipefail", "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=cwd,
+        start_new_session=True,  # its curl goes with it when it is stopped
+    )
+    assert process.stdout is not None
+    lines: queue.Queue[str | None] = queue.Queue()
+    reader = threading.Thread(target=_read_lines, args=(process.stdout, lines), daemon=True)
+    reader.start()
+    shown: list[str] = []
+    deadline = time.monotonic() + STREAM_LIMIT_S
+    try:
+        while (line := lines.get(timeout=max(0.0, deadline - time.monotonic()))) is not None:
+            shown.append(line)
+            if line.startswith(STREAM_END):
+                return True, 0, "".join(shown)
+    except queue.Empty:
+        pytest.fail(f"the stream showed no end in {STREAM_LIMIT_S} s:\n{''.join(shown)}")
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=10)
+        reader.join(timeout=10)
+        process.stdout.close()
+    return False, process.returncode, "".join(shown)
+
+
+def _read_lines(stream: IO[str], lines: queue.Queue[str | None]) -> None:
+    for line in stream:
+        lines.put(line)
+    lines.put(None)
