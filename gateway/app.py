@@ -8,7 +8,7 @@ import logging
 import socket
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from litestar import Litestar, Response
 from litestar.config.cors import CORSConfig
@@ -22,8 +22,6 @@ from redis.exceptions import RedisError
 from gateway import __version__
 from gateway.auth import API_KEYS_STATE, ApiKeys
 from gateway.errors import HANDLED, AnyRequest, ErrorEnvelope, as_gateway_error
-from gateway.grpc.server import GrpcServer
-from gateway.grpc.service import InferenceService
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestMetrics
 from gateway.relay import RelayHub
@@ -35,6 +33,9 @@ from gateway.settings import Settings
 from gateway.watchdog import ReaderDeadline, Reaper, refresh_watches
 from wire import Keys
 from wire.connect import connect, ready, when_redis_answers
+
+if TYPE_CHECKING:
+    from gateway.grpc.server import GrpcServer
 
 log = logging.getLogger("tokenspout.gateway")
 
@@ -114,6 +115,11 @@ class Services:
         )
         self.grpc: GrpcServer | None = None
         if settings.grpc_port:
+            # Imported only here: the gRPC stack (grpc, tritonclient, numpy) is a third of
+            # a second of every start, and most gateways serve no gRPC.
+            from gateway.grpc.server import GrpcServer
+            from gateway.grpc.service import InferenceService
+
             service = InferenceService(self.store, self.hub, settings, self.api_keys)
             self.grpc = GrpcServer(
                 service,
