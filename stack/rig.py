@@ -74,7 +74,7 @@ def wait_worker(
             with contextlib.suppress(redis.RedisError):
                 if client.exists(key):
                     return
-            time.sleep(0.1)
+            time.sleep(0.02)
     finally:
         client.close()
     raise TimeoutError(f"worker {worker_id} did not register in {timeout_s} s")
