@@ -129,6 +129,8 @@ class Choices:
     async def collect(self) -> list[Collected]:
         """Every choice whole, in index order; the first failure cancels the rest and is
         raised."""
+        if len(self.streams) == 1:  # the common case: awaited here, no task (it closes)
+            return [await self.streams[0].collect()]
         tasks = [asyncio.create_task(stream.collect()) for stream in self.streams]
         try:
             return list(await asyncio.gather(*tasks))

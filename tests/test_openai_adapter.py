@@ -431,13 +431,13 @@ def test_vllms_extra_sampling_fields_reach_the_engine_through_extra_body(stack: 
     client.close()
 
 
-async def test_the_hot_route_streams_what_the_app_streams_and_is_counted_alike(
+async def test_the_hot_route_answers_what_the_app_answers_and_is_counted_alike(
     stack: Stack,
 ) -> None:
-    """A streamed chat completion takes the hot route (gateway/routes/hot_chat.py); with CORS
+    """A chat completion takes the hot route (gateway/routes/hot_chat.py); with CORS
     configured, a browser's cross-origin one goes through Litestar. Both answer the same
-    headers (but CORS's) and the same chunks (but their ids and times), and both are counted
-    under the route's template."""
+    headers (but CORS's) and the same chunks, or the same whole answer (but their ids and
+    times), and both are counted under the route's template."""
     stack.synthetic(tokens_per_s=200)
     origin = "https://chat.example"
     gateway = stack.gateway(TOKENSPOUT_CORS_ORIGINS=origin)
@@ -460,9 +460,18 @@ async def test_the_hot_route_streams_what_the_app_streams_and_is_counted_alike(
             assert chunk.pop("id").startswith("chatcmpl-") and chunk.pop("created") > 0
         return response.headers, chunks
 
+    async def whole(headers: dict[str, str]) -> tuple[httpx.Headers, dict[str, Any]]:
+        response = await client.post(url, json={**request, "stream": False}, headers=headers)
+        assert response.status_code == 200, response.text
+        answer = response.json()
+        assert answer.pop("id").startswith("chatcmpl-") and answer.pop("created") > 0
+        return response.headers, answer
+
     async with httpx.AsyncClient(timeout=30) as client:
         hot_headers, hot_chunks = await streamed({})
         app_headers, app_chunks = await streamed({"Origin": origin})
+        hot_whole_headers, hot_whole = await whole({})
+        app_whole_headers, app_whole = await whole({"Origin": origin})
         samples = await metrics.scrape(client, f"{gateway.url}/metrics")
     assert app_headers["access-control-allow-origin"] == origin
     assert "access-control-allow-origin" not in hot_headers
@@ -480,6 +489,11 @@ async def test_the_hot_route_streams_what_the_app_streams_and_is_counted_alike(
     assert "".join(
         c["choices"][0]["delta"].get("content", "") for c in hot_chunks if c["choices"]
     ) == synthetic_text("hello there", 5)
+    assert comparable(hot_whole_headers) == comparable(app_whole_headers)
+    assert hot_whole_headers["content-type"] == "application/json"
+    assert hot_whole == app_whole
+    assert hot_whole["choices"][0]["message"]["content"] == synthetic_text("hello there", 5)
+    assert hot_whole["usage"]["completion_tokens"] == 5
     counted = metrics.value(
         samples,
         "tokenspout_gateway_requests_total",
@@ -487,4 +501,4 @@ async def test_the_hot_route_streams_what_the_app_streams_and_is_counted_alike(
         route="/v1/chat/completions",
         status="200",
     )
-    assert counted == 2
+    assert counted == 4

@@ -1,18 +1,17 @@
-"""The hot route: ``POST /v1/chat/completions`` with ``"stream": true``, served by a bare
-ASGI handler in front of the Litestar app.
+"""The hot route: ``POST /v1/chat/completions``, served by a bare ASGI handler in front of
+the Litestar app.
 
 Most of a gateway's requests are that one, and Litestar's part of it (routing, dependency
 resolution, the handler's signature model, the response objects) was a large share of the
 gateway's CPU per request (docs/bench.md, issue 27). Here the request takes none of it:
-its body is decoded into the same ``ChatCompletionRequest``, it is submitted and streamed
-by the same functions (``streamed_chat``, ``send_stream``), and an error answers in the
-same format (``error_answer``).
+its body is decoded into the same ``ChatCompletionRequest``, it is submitted and answered
+by the same functions (``streamed_chat`` and ``send_stream`` for a stream, ``whole_chat``
+for a whole answer), and an error answers in the same format (``error_answer``).
 
 Only a request this handler can take whole is taken; every other one goes on to Litestar
 as it came (its body, already read, handed on unchanged), so every error the app answers
 is answered there, once: a body that is not a valid request, over the size limit or not
-JSON; a request without ``"stream": true``; a missing or wrong API key; a browser's
-cross-origin request when CORS is configured.
+JSON; a missing or wrong API key; a browser's cross-origin request when CORS is configured.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from litestar.types import (
 from gateway import sse
 from gateway.auth import ApiKeys, bearer
 from gateway.relay import RelayHub
-from gateway.routes.openai import error_answer, streamed_chat
+from gateway.routes.openai import error_answer, streamed_chat, whole_chat
 from gateway.routes.openai_schema import ChatCompletionRequest
 from gateway.sessions import SessionStore
 from gateway.settings import Settings
@@ -92,9 +91,14 @@ class HotChat:
             return
         scope["path_template"] = PATH  # what Litestar sets: the request metric's label
         try:
+            if not data.stream:
+                answer = await whole_chat(self.store, self.hub, self.settings, data)
+                await _send_json(send, 200, msgspec.json.encode(answer))
+                return
             chunks, choices = await streamed_chat(self.store, self.hub, self.settings, data)
         except Exception as exc:  # answered as Litestar's exception handler answers it
-            await _send_error(send, exc)
+            status, error, headers = error_answer(exc)
+            await _send_json(send, status, msgspec.json.encode(error), headers)
             return
         try:
             start: HTTPResponseStartEvent = {
@@ -124,14 +128,13 @@ class HotChat:
                 return b"".join(pieces), False
 
     def _request(self, body: bytes) -> ChatCompletionRequest | None:
-        """The request when this route takes it: valid, streamed, within the size limit."""
+        """The request when this route takes it: valid and within the size limit."""
         if len(body) > self.settings.max_body_bytes:
             return None
         try:
-            data = _decode(body)
+            return _decode(body)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return None
-        return data if data.stream else None
 
 
 def _replaying(body: bytes, whole: bool, receive: Receive) -> Receive:
@@ -149,16 +152,17 @@ def _replaying(body: bytes, whole: bool, receive: Receive) -> Receive:
     return replay
 
 
-async def _send_error(send: Send, exc: Exception) -> None:
-    status, error, headers = error_answer(exc)
-    body = msgspec.json.encode(error)
+async def _send_json(
+    send: Send, status: int, body: bytes, headers: Mapping[str, str] | None = None
+) -> None:
+    """A JSON answer, with the headers Litestar's ``Response`` gives it."""
     start: HTTPResponseStartEvent = {
         "type": "http.response.start",
         "status": status,
         "headers": [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
-            *_encoded(headers),
+            *_encoded(headers or {}),
         ],
     }
     await send(start)

@@ -562,6 +562,19 @@ async def streamed_chat(
     return _stream_body(choices, _chat_chunks(choices, data), data, n), choices
 
 
+async def whole_chat(
+    store: SessionStore, hub: RelayHub, settings: Settings, data: ChatCompletionRequest
+) -> ChatCompletion:
+    """A chat completion that does not stream, once every choice has ended: the answer of
+    ``chat_completions`` and of the hot route."""
+    choices, _ = await _submit_chat(store, hub, settings, data)
+    chunks = _chat_chunks(choices, data)
+    wholes = await choices.collect()
+    return chat_completion_body(
+        chunks.completion_id, chunks.created, data.model, wholes, chunks.want_logprobs
+    )
+
+
 @post("/chat/completions", summary="OpenAI chat completions", status_code=200)
 async def chat_completions(
     store: SessionStore,
@@ -569,16 +582,10 @@ async def chat_completions(
     settings: Settings,
     data: ChatCompletionRequest,
 ) -> Response[ChatCompletion] | Stream:
-    choices, n = await _submit_chat(store, hub, settings, data)
-    chunks = _chat_chunks(choices, data)
     if not data.stream:
-        wholes = await choices.collect()
-        return Response(
-            chat_completion_body(
-                chunks.completion_id, chunks.created, data.model, wholes, chunks.want_logprobs
-            )
-        )
-    return _streamed(choices, chunks, data, n)
+        return Response(await whole_chat(store, hub, settings, data))
+    choices, n = await _submit_chat(store, hub, settings, data)
+    return _streamed(choices, _chat_chunks(choices, data), data, n)
 
 
 @post("/completions", summary="OpenAI (legacy) completions", status_code=200)

@@ -3,7 +3,7 @@ behind it (here one that records what reached it), with their body handed on who
 requests it takes are answered by the gateway's own functions against the session's real
 Redis; with no worker ever registered the submit is refused, so each answer here is the
 hot route's own error answer, compared with the Litestar app's for the same request.
-Over real processes, every streamed chat completion of the adapters' tests takes it."""
+Over real processes, every chat completion of the adapters' tests takes it."""
 
 from __future__ import annotations
 
@@ -83,13 +83,11 @@ def hot(app: Any, services: Services, settings: Settings) -> HotChat:
 
 
 KEYED = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
-ONE_SHOT = json.dumps({**REQUEST, "stream": False}).encode()
 
 
 @pytest.mark.parametrize(
     ("why", "path", "body", "headers"),
     [
-        ("not streamed", "/v1/chat/completions", ONE_SHOT, KEYED),
         ("not JSON", "/v1/chat/completions", b"{not json", KEYED),
         ("not a request", "/v1/chat/completions", b'{"stream": true}', KEYED),
         ("an unknown field", "/v1/chat/completions", b'{"stream": true, "x": 1}', KEYED),
@@ -131,14 +129,15 @@ async def test_what_the_hot_route_does_not_take_reaches_the_app_with_its_whole_b
     assert behind.bodies == [body], why
 
 
-async def test_a_streamed_request_it_takes_is_refused_as_the_app_refuses_it(
-    services: Services, settings: Settings
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+async def test_a_request_it_takes_is_refused_as_the_app_refuses_it(
+    services: Services, settings: Settings, stream: bool
 ) -> None:
     """No worker has registered under this key prefix: the submit answers 503 ``no_worker``
     (a refusal after the request was taken, from the gateway's own code). The hot route's
     answer is Litestar's answer to the same request, status, headers and body."""
     behind = Behind()
-    body = json.dumps(REQUEST).encode()
+    body = json.dumps({**REQUEST, "stream": stream}).encode()
     async with client(hot(behind, services, settings)) as http:
         taken = await http.post("/v1/chat/completions", content=body, headers=KEYED)
     assert behind.bodies == []
