@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -76,24 +77,30 @@ def test_the_example_runs_as_written(
         done = subprocess.run(
             [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=600
         )
-        returncode, output = done.returncode, done.stdout + done.stderr
-        assert returncode == 0, f"{where} failed:\n{output}"
+        returncode, printed, errors = done.returncode, done.stdout, done.stderr
     else:
-        stopped, returncode, output = run_shell(code, tmp_path)
+        stopped, returncode, printed, errors = run_shell(code, tmp_path)
         if stopped:  # an endless event stream, stopped once it showed the reply's end
             return
-        assert returncode == 0, f"{where} failed:\n{output}"
-    assert output.strip(), f"{where} printed nothing"
+    assert returncode == 0, f"{where} failed:\n{printed}{errors}"
+    assert printed.strip(), f"{where} printed nothing"
 
 
-def run_shell(code: str, cwd: Path) -> tuple[bool, int, str]:
+def run_shell(code: str, cwd: Path) -> tuple[bool, int, str, str]:
     """Run a shell example: whether it was stopped at its stream's end (it reads on until
-    stopped), its exit status, and what it printed (stdout and stderr together). Fails if it
-    neither ends nor shows its stream's end within ``STREAM_LIMIT_S``."""
+    stopped), its exit status, its stdout and its stderr. Fails if it neither ends nor shows
+    its stream's end within ``STREAM_LIMIT_S``."""
+    with tempfile.TemporaryFile("w+") as errors:
+        stopped, returncode, printed = _follow(code, cwd, errors)
+        errors.seek(0)
+        return stopped, returncode, printed, errors.read()
+
+
+def _follow(code: str, cwd: Path, errors: IO[str]) -> tuple[bool, int, str]:
     process = subprocess.Popen(
         ["bash", "-euo", "pipefail", "-c", code],
         stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+        stderr=errors,
         text=True,
         cwd=cwd,
         start_new_session=True,  # its curl goes with it when it is stopped
