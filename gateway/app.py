@@ -26,7 +26,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestMetrics
 from gateway.relay import RelayHub
 from gateway.routes import ROUTES
-from gateway.routes.hot_chat import HotChat
+from gateway.routes.hot import HotRoutes
 from gateway.routes.tgi import compat_generate
 from gateway.sessions import SessionStore
 from gateway.settings import Settings
@@ -235,7 +235,7 @@ def create_asgi_app(
     gRPC server on ``grpc_host``, the HTTP server's host, started by its lifespan);
     ``place``: ``Services``' arguments for one of several processes."""
     services = Services(settings, grpc_host, **place)
-    app = HotChat(
+    app = HotRoutes(
         create_app(settings, services),
         services.store,
         services.hub,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -431,10 +432,44 @@ def test_vllms_extra_sampling_fields_reach_the_engine_through_extra_body(stack: 
     client.close()
 
 
-async def test_the_hot_route_answers_what_the_app_answers_and_is_counted_alike(
+def chat_piece(chunk: dict[str, Any]) -> str:
+    return str(chunk["choices"][0]["delta"].get("content", ""))
+
+
+def completion_piece(chunk: dict[str, Any]) -> str:
+    return str(chunk["choices"][0].get("text", ""))
+
+
+@pytest.mark.parametrize(
+    ("path", "asked", "id_prefix", "piece", "whole_text"),
+    [
+        pytest.param(
+            "/v1/chat/completions",
+            {"messages": MESSAGES},
+            "chatcmpl-",
+            chat_piece,
+            lambda answer: answer["choices"][0]["message"]["content"],
+            id="chat",
+        ),
+        pytest.param(
+            "/v1/completions",
+            {"prompt": "hello there"},
+            "cmpl-",
+            completion_piece,
+            lambda answer: answer["choices"][0]["text"],
+            id="completion",
+        ),
+    ],
+)
+async def test_a_hot_route_answers_what_the_app_answers_and_is_counted_alike(
     stack: Stack,
+    path: str,
+    asked: dict[str, Any],
+    id_prefix: str,
+    piece: Callable[[dict[str, Any]], str],
+    whole_text: Callable[[dict[str, Any]], str],
 ) -> None:
-    """A chat completion takes the hot route (gateway/routes/hot_chat.py); with CORS
+    """A chat or (legacy) completion takes its hot route (gateway/routes/hot.py); with CORS
     configured, a browser's cross-origin one goes through Litestar. Both answer the same
     headers (but CORS's) and the same chunks, or the same whole answer (but their ids and
     times), and both are counted under the route's template."""
@@ -443,12 +478,12 @@ async def test_the_hot_route_answers_what_the_app_answers_and_is_counted_alike(
     gateway = stack.gateway(TOKENSPOUT_CORS_ORIGINS=origin)
     request = {
         "model": "synthetic",
-        "messages": MESSAGES,
+        **asked,
         "max_tokens": 5,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    url = f"{gateway.url}/v1/chat/completions"
+    url = f"{gateway.url}{path}"
 
     async def streamed(headers: dict[str, str]) -> tuple[httpx.Headers, list[dict[str, Any]]]:
         async with client.stream("POST", url, json=request, headers=headers) as response:
@@ -457,14 +492,14 @@ async def test_the_hot_route_answers_what_the_app_answers_and_is_counted_alike(
         assert lines[-1] == "data: [DONE]"
         chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
         for chunk in chunks:
-            assert chunk.pop("id").startswith("chatcmpl-") and chunk.pop("created") > 0
+            assert chunk.pop("id").startswith(id_prefix) and chunk.pop("created") > 0
         return response.headers, chunks
 
     async def whole(headers: dict[str, str]) -> tuple[httpx.Headers, dict[str, Any]]:
         response = await client.post(url, json={**request, "stream": False}, headers=headers)
         assert response.status_code == 200, response.text
         answer = response.json()
-        assert answer.pop("id").startswith("chatcmpl-") and answer.pop("created") > 0
+        assert answer.pop("id").startswith(id_prefix) and answer.pop("created") > 0
         return response.headers, answer
 
     async with httpx.AsyncClient(timeout=30) as client:
@@ -483,22 +518,17 @@ async def test_the_hot_route_answers_what_the_app_answers_and_is_counted_alike(
             if name not in ("date", "x-request-id", "vary") and not name.startswith("access-")
         }
 
+    expected = synthetic_text("hello there", 5)
     assert comparable(hot_headers) == comparable(app_headers)
     assert hot_headers["content-type"] == "text/event-stream; charset=utf-8"
     assert hot_chunks == app_chunks
-    assert "".join(
-        c["choices"][0]["delta"].get("content", "") for c in hot_chunks if c["choices"]
-    ) == synthetic_text("hello there", 5)
+    assert "".join(piece(c) for c in hot_chunks if c["choices"]) == expected
     assert comparable(hot_whole_headers) == comparable(app_whole_headers)
     assert hot_whole_headers["content-type"] == "application/json"
     assert hot_whole == app_whole
-    assert hot_whole["choices"][0]["message"]["content"] == synthetic_text("hello there", 5)
+    assert whole_text(hot_whole) == expected
     assert hot_whole["usage"]["completion_tokens"] == 5
     counted = metrics.value(
-        samples,
-        "tokenspout_gateway_requests_total",
-        method="POST",
-        route="/v1/chat/completions",
-        status="200",
+        samples, "tokenspout_gateway_requests_total", method="POST", route=path, status="200"
     )
     assert counted == 4

@@ -556,7 +556,7 @@ def _chat_chunks(choices: Choices, data: ChatCompletionRequest) -> ChatChunks:
 async def streamed_chat(
     store: SessionStore, hub: RelayHub, settings: Settings, data: ChatCompletionRequest
 ) -> tuple[AsyncIterator[bytes], Choices]:
-    """A streamed chat completion's body, for the hot route (gateway/routes/hot_chat.py):
+    """A streamed chat completion's body, for the hot routes (gateway/routes/hot.py):
     the same chunks as ``chat_completions`` streams; its choices to close at the end."""
     choices, n = await _submit_chat(store, hub, settings, data)
     return _stream_body(choices, _chat_chunks(choices, data), data, n), choices
@@ -588,6 +588,43 @@ async def chat_completions(
     return _streamed(choices, _chat_chunks(choices, data), data, n)
 
 
+async def _submit_completion(
+    store: SessionStore, hub: RelayHub, settings: Settings, data: CompletionRequest
+) -> tuple[Choices, int]:
+    """A (legacy) completion's generations, checked and queued; and how many choices."""
+    params = _completion_params(store, data)
+    prompt = _completion_prompt(data)
+    n = _choices(data, settings)
+    choices = await Choices.submit(store, hub, settings, params, n, model=data.model, prompt=prompt)
+    return choices, n
+
+
+def _completion_chunks(choices: Choices, data: CompletionRequest) -> CompletionChunks:
+    return CompletionChunks(
+        f"cmpl-{choices.generation_id}", int(time.time()), data.logprobs is not None
+    )
+
+
+async def streamed_completion(
+    store: SessionStore, hub: RelayHub, settings: Settings, data: CompletionRequest
+) -> tuple[AsyncIterator[bytes], Choices]:
+    """``streamed_chat`` for a (legacy) completion."""
+    choices, n = await _submit_completion(store, hub, settings, data)
+    return _stream_body(choices, _completion_chunks(choices, data), data, n), choices
+
+
+async def whole_completion(
+    store: SessionStore, hub: RelayHub, settings: Settings, data: CompletionRequest
+) -> Completion:
+    """``whole_chat`` for a (legacy) completion."""
+    choices, _ = await _submit_completion(store, hub, settings, data)
+    chunks = _completion_chunks(choices, data)
+    wholes = await choices.collect()
+    return completion_body(
+        chunks.completion_id, chunks.created, data.model, wholes, chunks.want_logprobs
+    )
+
+
 @post("/completions", summary="OpenAI (legacy) completions", status_code=200)
 async def completions(
     store: SessionStore,
@@ -595,16 +632,10 @@ async def completions(
     settings: Settings,
     data: CompletionRequest,
 ) -> Response[Completion] | Stream:
-    params = _completion_params(store, data)
-    prompt = _completion_prompt(data)
-    n = _choices(data, settings)
-    choices = await Choices.submit(store, hub, settings, params, n, model=data.model, prompt=prompt)
-    completion_id, created = f"cmpl-{choices.generation_id}", int(time.time())
-    want_logprobs = data.logprobs is not None
     if not data.stream:
-        wholes = await choices.collect()
-        return Response(completion_body(completion_id, created, data.model, wholes, want_logprobs))
-    return _streamed(choices, CompletionChunks(completion_id, created, want_logprobs), data, n)
+        return Response(await whole_completion(store, hub, settings, data))
+    choices, n = await _submit_completion(store, hub, settings, data)
+    return _streamed(choices, _completion_chunks(choices, data), data, n)
 
 
 @get("/models", summary="The models (and aliases) that have a live engine worker")

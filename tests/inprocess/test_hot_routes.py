@@ -1,9 +1,9 @@
-"""gateway/routes/hot_chat.py: which requests the hot route takes and which go on to the app
+"""gateway/routes/hot.py: which requests the hot routes take and which go on to the app
 behind it (here one that records what reached it), with their body handed on whole. The
 requests it takes are answered by the gateway's own functions against the session's real
 Redis; with no worker ever registered the submit is refused, so each answer here is the
 hot route's own error answer, compared with the Litestar app's for the same request.
-Over real processes, every chat completion of the adapters' tests takes it."""
+Over real processes, every chat and (legacy) completion of the adapters' tests takes one."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 from litestar.types import Receive, Scope, Send
 
 from gateway.app import Services, create_app
-from gateway.routes.hot_chat import HotChat
+from gateway.routes.hot import HotRoutes
 from gateway.settings import Settings
 from stack.redis_server import EmbeddedRedis
 
@@ -78,8 +78,8 @@ def client(app: Any) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
 
 
-def hot(app: Any, services: Services, settings: Settings) -> HotChat:
-    return HotChat(app, services.store, services.hub, settings, services.api_keys)
+def hot(app: Any, services: Services, settings: Settings) -> HotRoutes:
+    return HotRoutes(app, services.store, services.hub, settings, services.api_keys)
 
 
 KEYED = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
@@ -111,7 +111,13 @@ KEYED = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
             json.dumps(REQUEST).encode(),
             {**KEYED, "Content-Type": "text/plain"},
         ),
-        ("another route", "/v1/completions", json.dumps(REQUEST).encode(), KEYED),
+        ("another route", "/v1/responses", json.dumps(REQUEST).encode(), KEYED),
+        (
+            "a chat request where a completion goes",
+            "/v1/completions",
+            json.dumps(REQUEST).encode(),
+            KEYED,
+        ),
     ],
 )
 async def test_what_the_hot_route_does_not_take_reaches_the_app_with_its_whole_body(
@@ -129,20 +135,32 @@ async def test_what_the_hot_route_does_not_take_reaches_the_app_with_its_whole_b
     assert behind.bodies == [body], why
 
 
+COMPLETION = {"model": "m", "prompt": "hi"}
+
+
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+@pytest.mark.parametrize(
+    ("path", "request_body"),
+    [("/v1/chat/completions", REQUEST), ("/v1/completions", COMPLETION)],
+    ids=["chat", "completion"],
+)
 async def test_a_request_it_takes_is_refused_as_the_app_refuses_it(
-    services: Services, settings: Settings, stream: bool
+    services: Services,
+    settings: Settings,
+    stream: bool,
+    path: str,
+    request_body: dict[str, Any],
 ) -> None:
     """No worker has registered under this key prefix: the submit answers 503 ``no_worker``
     (a refusal after the request was taken, from the gateway's own code). The hot route's
     answer is Litestar's answer to the same request, status, headers and body."""
     behind = Behind()
-    body = json.dumps({**REQUEST, "stream": stream}).encode()
+    body = json.dumps({**request_body, "stream": stream}).encode()
     async with client(hot(behind, services, settings)) as http:
-        taken = await http.post("/v1/chat/completions", content=body, headers=KEYED)
+        taken = await http.post(path, content=body, headers=KEYED)
     assert behind.bodies == []
     async with client(create_app(settings, services)) as http:
-        litestar = await http.post("/v1/chat/completions", content=body, headers=KEYED)
+        litestar = await http.post(path, content=body, headers=KEYED)
     assert taken.status_code == litestar.status_code == 503, litestar.text
     assert taken.json() == litestar.json()
     assert taken.json()["error"]["code"] == "no_worker"

@@ -1,12 +1,13 @@
-"""The hot route: ``POST /v1/chat/completions``, served by a bare ASGI handler in front of
-the Litestar app.
+"""The hot routes: ``POST /v1/chat/completions`` and ``POST /v1/completions``, served by a
+bare ASGI handler in front of the Litestar app.
 
-Most of a gateway's requests are that one, and Litestar's part of it (routing, dependency
+Most of a gateway's requests are those, and Litestar's part of one (routing, dependency
 resolution, the handler's signature model, the response objects) was a large share of the
-gateway's CPU per request (docs/bench.md, issue 27). Here the request takes none of it:
-its body is decoded into the same ``ChatCompletionRequest``, it is submitted and answered
-by the same functions (``streamed_chat`` and ``send_stream`` for a stream, ``whole_chat``
-for a whole answer), and an error answers in the same format (``error_answer``).
+gateway's CPU per request (docs/bench.md, issue 27). Here a request takes none of it: its
+body is decoded into the same request struct, it is submitted and answered by the same
+functions as the Litestar route's (``streamed_chat`` and ``send_stream`` for a stream,
+``whole_chat`` for a whole answer, and their completion twins), and an error answers in the
+same format (``error_answer``).
 
 Only a request this handler can take whole is taken; every other one goes on to Litestar
 as it came (its body, already read, handed on unchanged), so every error the app answers
@@ -16,7 +17,9 @@ JSON; a missing or wrong API key; a browser's cross-origin request when CORS is 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import msgspec
 from litestar.enums import ScopeType
@@ -32,14 +35,50 @@ from litestar.types import (
 
 from gateway import sse
 from gateway.auth import ApiKeys, bearer
+from gateway.choices import Choices
 from gateway.relay import RelayHub
-from gateway.routes.openai import error_answer, streamed_chat, whole_chat
-from gateway.routes.openai_schema import ChatCompletionRequest
+from gateway.routes.openai import (
+    error_answer,
+    streamed_chat,
+    streamed_completion,
+    whole_chat,
+    whole_completion,
+)
+from gateway.routes.openai_schema import ChatCompletionRequest, CompletionRequest
 from gateway.sessions import SessionStore
 from gateway.settings import Settings
 
-PATH = "/v1/chat/completions"
-_decode = msgspec.json.Decoder(ChatCompletionRequest).decode
+Request = TypeVar("Request", ChatCompletionRequest, CompletionRequest)
+
+
+@dataclass(frozen=True)
+class HotRoute(Generic[Request]):
+    """One hot route: its request's strict decoder, and the Litestar route's own functions
+    that answer it streamed and whole."""
+
+    decode: Callable[[bytes], Request]
+    streamed: Callable[
+        [SessionStore, RelayHub, Settings, Request],
+        Awaitable[tuple[AsyncIterator[bytes], Choices]],
+    ]
+    whole: Callable[[SessionStore, RelayHub, Settings, Request], Awaitable[msgspec.Struct]]
+
+    def decoded(self, body: bytes) -> Request | None:
+        """The request; None when the body is not one (Litestar answers it)."""
+        try:
+            return self.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
+
+
+ROUTES: dict[str, HotRoute[Any]] = {
+    "/v1/chat/completions": HotRoute(
+        msgspec.json.Decoder(ChatCompletionRequest).decode, streamed_chat, whole_chat
+    ),
+    "/v1/completions": HotRoute(
+        msgspec.json.Decoder(CompletionRequest).decode, streamed_completion, whole_completion
+    ),
+}
 
 
 def _encoded(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
@@ -53,8 +92,8 @@ _STREAM_HEADERS = [
 ]
 
 
-class HotChat:
-    """The ASGI app: the hot route's requests, and ``app`` (Litestar) for the rest."""
+class HotRoutes:
+    """The ASGI app: the hot routes' requests, and ``app`` (Litestar) for the rest."""
 
     def __init__(
         self,
@@ -72,7 +111,10 @@ class HotChat:
         self.cors = bool(settings.cors_origin_list())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != ScopeType.HTTP or scope["path"] != PATH or scope["method"] != "POST":
+        route = None
+        if scope["type"] == ScopeType.HTTP and scope["method"] == "POST":
+            route = ROUTES.get(scope["path"])
+        if route is None:
             await self.app(scope, receive, send)
             return
         authorization: str | None = None
@@ -85,17 +127,17 @@ class HotChat:
                 await self.app(scope, receive, send)
                 return
         body, whole = await self._read_body(receive)
-        data = self._request(body) if whole else None
+        data = route.decoded(body) if whole and len(body) <= self.settings.max_body_bytes else None
         if data is None or not self.api_keys.valid(bearer(authorization)):
             await self.app(scope, _replaying(body, whole, receive), send)
             return
-        scope["path_template"] = PATH  # what Litestar sets: the request metric's label
+        scope["path_template"] = scope["path"]  # what Litestar sets: the metric's label
         try:
             if not data.stream:
-                answer = await whole_chat(self.store, self.hub, self.settings, data)
+                answer = await route.whole(self.store, self.hub, self.settings, data)
                 await _send_json(send, 200, msgspec.json.encode(answer))
                 return
-            chunks, choices = await streamed_chat(self.store, self.hub, self.settings, data)
+            chunks, choices = await route.streamed(self.store, self.hub, self.settings, data)
         except Exception as exc:  # answered as Litestar's exception handler answers it
             status, error, headers = error_answer(exc)
             await _send_json(send, status, msgspec.json.encode(error), headers)
@@ -126,15 +168,6 @@ class HotChat:
                 return (piece if len(pieces) == 1 else b"".join(pieces)), True
             if size > self.settings.max_body_bytes:
                 return b"".join(pieces), False
-
-    def _request(self, body: bytes) -> ChatCompletionRequest | None:
-        """The request when this route takes it: valid and within the size limit."""
-        if len(body) > self.settings.max_body_bytes:
-            return None
-        try:
-            return _decode(body)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return None
 
 
 def _replaying(body: bytes, whole: bool, receive: Receive) -> Receive:
