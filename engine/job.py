@@ -48,6 +48,8 @@ class Job:
     """The last hand-over attempt raised (Redis away): tried again by the drain; if none
     goes through, the request is left pending for the gateways' reaper (never acked)."""
     claimed: bool = False
+    claim_refused: bool = False
+    """Redis refused its claim (it ended, or another worker has it): its run stops."""
     prepare_s: float = 0.0
     """How long the backend took to prepare it (tokenisation, the chat template)."""
     second_copy: Job | None = None

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -199,24 +200,12 @@ class Worker:
                 job.prompt_tokens = len(prepared.prompt_token_ids)
             job.tool_calls = self._tool_call_writer(job)
             claim = job.claim_event(self.backend.model, self.worker_id)
-            claimed = await self.emit_waited(job, claim) is not None
-            self.intake.settle_second_copy(job, claimed)
-            if not claimed:
-                log.info("skipping %s: it ended, or another worker has it", gid)
-                job.ended = True
-                return
-            job.claimed = True
-            if isinstance(claim, Resumed):
-                self.metrics.takeovers.inc()
-            self.metrics.queue_wait.observe(max(0.0, time.time() - job.request.enqueued_at))
-            log.debug(  # at INFO a generation is one line, at its end
-                "generation started",
-                extra={
-                    "session_id": job.session_id,
-                    "generation_id": gid,
-                    "prompt_tokens": job.prompt_tokens,
-                },
-            )
+            # The engine starts while the claim is on its way, so the first token does not
+            # wait for the claim's round trip (it even shares its write when the engine is
+            # that quick). Redis takes no event of this run unless the claim held (EMIT's
+            # owner check); a refused claim stops the run (``_claim_answered``).
+            answer = self.emit_waited(job, claim)
+            answer.add_done_callback(functools.partial(self._claim_answered, job, claim))
             if job.cancel_reason is None:
                 await self._stream(job, prepared)
         except BackendError as exc:
@@ -225,7 +214,9 @@ class Worker:
             log.exception("generation %s failed", gid)
             await self._finish(job, Error(gid, "engine_error", f"{type(exc).__name__}: {exc}"))
         finally:
-            self.intake.settle_second_copy(job, claimed=True)  # ended before its claim: drop it
+            # Only now, the engine's run over, may a second copy run (the same engine
+            # request id); one that ended before its claim was answered drops it.
+            self.intake.settle_second_copy(job, claimed=not job.claim_refused)
             if not job.ended and job.cancel_reason is not None:
                 await self._finish(job, Cancelled(gid, job.cancel_reason, job.usage()))
             self.intake.finished(job)
@@ -235,6 +226,28 @@ class Worker:
                 log.warning("%s: its hand-over did not go through; left to the reaper", gid)
             elif not job.acked:
                 await self.intake.ack_or_retry_later(job.entry_id)
+
+    def _claim_answered(
+        self, job: Job, claim: Started | Resumed, answer: asyncio.Future[str | None]
+    ) -> None:
+        if answer.cancelled() or answer.result() is None:
+            log.info("skipping %s: it ended, or another worker has it", job.generation_id)
+            job.claim_refused = True
+            self.intake.stop_run(job)
+            return
+        job.claimed = True
+        self.intake.settle_second_copy(job, claimed=True)
+        if isinstance(claim, Resumed):
+            self.metrics.takeovers.inc()
+        self.metrics.queue_wait.observe(max(0.0, time.time() - job.request.enqueued_at))
+        log.debug(  # at INFO a generation is one line, at its end
+            "generation started",
+            extra={
+                "session_id": job.session_id,
+                "generation_id": job.generation_id,
+                "prompt_tokens": job.prompt_tokens,
+            },
+        )
 
     async def _stream(self, job: Job, prepared: Prepared) -> None:
         gid = job.generation_id

@@ -199,6 +199,8 @@ class SyntheticBackend(Backend):
         holding requests it never started)."""
         self._runs: dict[str, _Run] = {}
         self._stepper: asyncio.Task[None] | None = None
+        self._crashing = False
+        """A step reached a ``[[crash:N]]``: ``_crash_if_asked`` ends the process."""
 
     def tokenizer(self) -> Any:
         # A script has no tokenizer; vLLM's text-format parsers (hermes) only need one given.
@@ -235,8 +237,12 @@ class SyntheticBackend(Backend):
             return
         run = _Run(prepared)
         self._runs[run.gid] = run
-        if self._stepper is None:
-            self._stepper = asyncio.create_task(self._step_forever(), name="synthetic-steps")
+        if self._stepper is None:  # idle: the request's first step runs now
+            produced, busy = self._step()
+            if busy:
+                self._stepper = asyncio.create_task(
+                    self._step_forever(produced), name="synthetic-steps"
+                )
         loop = asyncio.get_running_loop()  # once: CPython 3.11 makes it a getpid() call
         try:
             while True:
@@ -256,27 +262,37 @@ class SyntheticBackend(Backend):
         finally:
             self._runs.pop(run.gid, None)
 
-    async def _step_forever(self) -> None:
-        """The engine's loop: one step every 1 / ``tokens_per_s`` s while any request runs,
-        each running request's next token in it (as vLLM's engine core steps its batch). A
-        request that arrives while it sleeps joins the next step; one that arrives when it
-        is idle starts it at once. Unpaced, it steps again as soon as the consumers of the
-        last step have run. It ends with the step that ends its last request, so the next one
-        starts it again at once, as an idle engine takes a request (a request cancelled
-        between steps leaves it to finish its sleep first)."""
+    def _step(self) -> tuple[bool, bool]:
+        """One engine step: each running request's next token. Returns whether it made any,
+        and whether any request runs on after it."""
+        produced = busy = False
+        for run in list(self._runs.values()):
+            produced = run.step() or produced
+            self._crashing = self._crashing or run.crash
+            busy = busy or not (run.ended or run.error is not None)
+        return produced, busy
+
+    def _crash_if_asked(self) -> None:
+        """``[[crash:N]]`` reached: the process ends, in the engine's loop (a first step
+        made at once leaves it to the loop's next pass, so what the worker emitted before
+        it, a claim above all, goes out first, as with an engine core that dies)."""
+        if self._crashing:
+            os._exit(17)
+
+    async def _step_forever(self, produced: bool) -> None:
+        """The engine's loop after a first step (``produced``: it made a token): one step
+        every 1 / ``tokens_per_s`` s while any request runs, each running request's next
+        token in it (as vLLM's engine core steps its batch). A request that arrives while
+        it sleeps joins the next step; one that arrives when it is idle makes its first
+        step at once, in ``generate`` (as an idle engine takes a request at once), and
+        starts it. Unpaced, it steps again as soon as the consumers of the last step have
+        run. It ends with the step that ends its last request (a request cancelled between
+        steps leaves it to finish its sleep first)."""
         loop = asyncio.get_running_loop()
         period = 1.0 / self.tokens_per_s if self.tokens_per_s > 0 else 0.0
         next_at = loop.time()
         try:
             while True:
-                produced = busy = False
-                for run in list(self._runs.values()):
-                    produced = run.step() or produced
-                    if run.crash:
-                        os._exit(17)
-                    busy = busy or not (run.ended or run.error is not None)
-                if not busy:
-                    return
                 if period:
                     next_at += period
                     now = loop.time()
@@ -285,6 +301,11 @@ class SyntheticBackend(Backend):
                     await asyncio.sleep(next_at - now)
                 else:
                     await asyncio.sleep(0 if produced else 0.01)
+                self._crash_if_asked()
+                produced, busy = self._step()
+                self._crash_if_asked()
+                if not busy:
+                    return
         finally:
             self._stepper = None
 

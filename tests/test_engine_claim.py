@@ -1,0 +1,126 @@
+"""A worker's claim of a generation and its engine's first token (engine/worker.py): the
+engine starts while the claim is on its way, and Redis takes the run's events only if the
+claim held. A real worker (synthetic engine) on a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import AsyncIterator
+from typing import Any, cast
+
+import pytest
+import redis.asyncio as aioredis
+
+import wire
+from engine.backends.synthetic import SyntheticBackend
+from engine.job import Job
+from engine.worker import Worker
+from wire import GenerationRequest, Keys, SamplingParams, Started
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Rig:
+    """One worker whose publisher runs, fed requests by hand (no intake loop)."""
+
+    def __init__(self, redis: aioredis.Redis, tokens_per_s: float) -> None:
+        self.redis = redis
+        self.keys = Keys(f"t-{secrets.token_hex(4)}")
+        self.backend = SyntheticBackend(tokens_per_s=tokens_per_s)
+        self.worker = Worker(redis, self.backend, keys=self.keys, worker_id="w-claim")
+        self.sid, self.gid = f"s_{secrets.token_hex(4)}", f"g_{secrets.token_hex(4)}"
+
+    async def generation(self, **fields: str) -> None:
+        key = self.keys.generation(self.sid, self.gid)
+        await self.redis.hset(key, mapping=fields)
+        await self.redis.expire(key, 600)
+
+    async def take(self, max_tokens: int) -> bytes:
+        """Queue a request for the generation and hand it to the worker as its intake would."""
+        request = GenerationRequest(
+            self.gid, self.sid, SamplingParams(max_tokens=max_tokens), prompt="claim it"
+        )
+        queue = self.worker.requests_key
+        fields: dict[Any, Any] = {b"r": wire.encode(request)}
+        await self.redis.xgroup_create(queue, wire.CONSUMER_GROUP, id="0", mkstream=True)
+        entry = cast(bytes, await self.redis.xadd(queue, fields))
+        await self.redis.xreadgroup(wire.CONSUMER_GROUP, "w-claim", {queue: ">"})
+        self.worker.intake.take(entry, fields)
+        return entry
+
+    async def kinds(self) -> list[bytes]:
+        """The kinds of the events written to the session's stream so far."""
+        entries = wire.entries_of(await self.redis.xrange(self.keys.events(self.sid)))
+        return [fields[b"t"] for _, fields in entries]
+
+    async def idle(self) -> None:
+        while self.worker.intake.busy:
+            await asyncio.sleep(0.01)
+
+    async def pending(self) -> int:
+        info = await self.redis.xpending(self.worker.requests_key, wire.CONSUMER_GROUP)
+        return int(info["pending"])
+
+
+@pytest.fixture
+async def publishing(redis: aioredis.Redis) -> AsyncIterator[Rig]:
+    rig = Rig(redis, tokens_per_s=200)
+    task = asyncio.create_task(rig.worker.publisher.run_forever())
+    try:
+        yield rig
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_the_first_token_is_written_before_the_claims_answer_comes_back(
+    publishing: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The claim's answer is held back: its token is in Redis all the same (it went with
+    the claim), so a reply's first token never waits for the claim's round trip."""
+    rig = publishing
+    await rig.generation(state="queued")
+    answer_claim = asyncio.Event()
+    emit = rig.worker.emit_waited
+
+    def claim_held(job: Job, event: wire.SessionEvent, **options: Any) -> Any:
+        written = emit(job, event, **options)
+        if not isinstance(event, Started):
+            return written
+
+        async def held() -> str | None:
+            stream_id = await written
+            await answer_claim.wait()
+            return stream_id
+
+        return asyncio.ensure_future(held())
+
+    monkeypatch.setattr(rig.worker, "emit_waited", claim_held)
+    await rig.take(max_tokens=5)
+    try:
+        async with asyncio.timeout(10):
+            while b"token" not in await rig.kinds():
+                await asyncio.sleep(0.01)
+    finally:
+        answer_claim.set()
+        async with asyncio.timeout(10):
+            await rig.idle()
+    assert await rig.kinds() == [b"started", *[b"token"] * 5, b"done"]
+    assert await rig.pending() == 0
+
+
+async def test_a_run_whose_claim_is_refused_writes_nothing_and_stops_its_engine(
+    publishing: Rig,
+) -> None:
+    """The generation ended before the worker took it (cancelled while queued): Redis
+    refuses the claim and every token the engine made meanwhile; the engine's run is
+    aborted long before its 1,000 tokens, and the request is acknowledged."""
+    rig = publishing
+    await rig.generation(state="cancelled", final_id="1-0")
+    await rig.take(max_tokens=1000)  # 5 s at 200 tokens/s
+    async with asyncio.timeout(2.5):
+        await rig.idle()
+    assert rig.backend.running() == 0
+    assert await rig.kinds() == []
+    assert await rig.pending() == 0
