@@ -9,7 +9,7 @@ the requests that ended acknowledged in the same round trip (on a cluster, right
 slot's on a Redis Cluster, where every script must keep to one slot.
 
 A token costs a record in a list, no future and no object: only the events whose outcome
-the worker waits on (a generation's claim and its end) get one. Events are written in the
+the worker acts on (a generation's claim and its end) get one. Events are written in the
 order they were emitted; while a write is under way the next steps' events gather and go
 in the next call together, so a slow Redis gets fewer, larger calls and no token waits
 when nothing is behind. With ``join_tokens`` (the worker's ``--join-tokens``), a
