@@ -343,7 +343,7 @@ class Worker:
         assistant = None
         if not isinstance(event, Error):
             assistant = ChatMessage("assistant", "".join(job.text))
-        await self.emit_waited(
+        written = await self.emit_waited(
             job,
             event,
             final=True,
@@ -353,6 +353,9 @@ class Worker:
         )
         job.acked = True
         state = wire.final_state(event)
+        if written is None:  # it ended elsewhere, or is not this worker's: not counted here
+            log.info("%s: its %s event was refused", job.generation_id, state)
+            return
         self.metrics.generations.labels(state).inc()
         log.info(
             "generation ended",

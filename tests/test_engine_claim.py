@@ -124,3 +124,22 @@ async def test_a_run_whose_claim_is_refused_writes_nothing_and_stops_its_engine(
     assert rig.backend.running() == 0
     assert await rig.kinds() == []
     assert await rig.pending() == 0
+
+
+async def test_a_reply_that_ends_in_its_refused_claims_write_is_not_counted(
+    publishing: Rig,
+) -> None:
+    """A one-token reply ends in the very write that carries its claim (the engine is that
+    quick): Redis refuses the claim and the end with it, and the worker counts no
+    generation as ended here."""
+    rig = publishing
+    await rig.generation(state="cancelled", final_id="1-0")
+    await rig.take(max_tokens=1)
+    async with asyncio.timeout(5):
+        await rig.idle()
+    assert await rig.kinds() == []
+    assert await rig.pending() == 0
+    ended = rig.worker.metrics.registry.get_sample_value(
+        "tokenspout_engine_generations_total", {"state": "done"}
+    )
+    assert ended is None, ended
