@@ -268,7 +268,8 @@ class SyntheticBackend(Backend):
         produced = busy = False
         for run in list(self._runs.values()):
             produced = run.step() or produced
-            self._crashing = self._crashing or run.crash
+            if run.crash:
+                self._crashing = True
             busy = busy or not (run.ended or run.error is not None)
         return produced, busy
 

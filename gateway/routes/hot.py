@@ -38,6 +38,9 @@ from gateway.auth import ApiKeys, bearer
 from gateway.choices import Choices
 from gateway.relay import RelayHub
 from gateway.routes.openai import (
+    CHAT_COMPLETIONS,
+    COMPLETIONS,
+    PREFIX,
     error_answer,
     streamed_chat,
     streamed_completion,
@@ -72,10 +75,10 @@ class HotRoute(Generic[Request]):
 
 
 ROUTES: dict[str, HotRoute[Any]] = {
-    "/v1/chat/completions": HotRoute(
+    PREFIX + CHAT_COMPLETIONS: HotRoute(
         msgspec.json.Decoder(ChatCompletionRequest).decode, streamed_chat, whole_chat
     ),
-    "/v1/completions": HotRoute(
+    PREFIX + COMPLETIONS: HotRoute(
         msgspec.json.Decoder(CompletionRequest).decode, streamed_completion, whole_completion
     ),
 }

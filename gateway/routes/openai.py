@@ -535,6 +535,11 @@ def _streamed(choices: Choices, chunks: Chunks, body: _Sampling, n: int) -> Stre
     )
 
 
+PREFIX, CHAT_COMPLETIONS, COMPLETIONS = "/v1", "/chat/completions", "/completions"
+"""The routes' paths: the router's prefix and each route's own (gateway/routes/hot.py serves
+the same two ahead of Litestar)."""
+
+
 async def _submit_chat(
     store: SessionStore, hub: RelayHub, settings: Settings, data: ChatCompletionRequest
 ) -> tuple[Choices, int]:
@@ -575,7 +580,7 @@ async def whole_chat(
     )
 
 
-@post("/chat/completions", summary="OpenAI chat completions", status_code=200)
+@post(CHAT_COMPLETIONS, summary="OpenAI chat completions", status_code=200)
 async def chat_completions(
     store: SessionStore,
     hub: RelayHub,
@@ -625,7 +630,7 @@ async def whole_completion(
     )
 
 
-@post("/completions", summary="OpenAI (legacy) completions", status_code=200)
+@post(COMPLETIONS, summary="OpenAI (legacy) completions", status_code=200)
 async def completions(
     store: SessionStore,
     hub: RelayHub,
@@ -652,7 +657,7 @@ async def models(store: SessionStore) -> ModelList:
 
 
 openai_router = Router(
-    path="/v1",
+    path=PREFIX,
     route_handlers=[chat_completions, completions, models],
     tags=["openai"],
     exception_handlers={kind: openai_error for kind in HANDLED},
