@@ -252,13 +252,18 @@ class Worker:
     async def _stream(self, job: Job, prepared: Prepared) -> None:
         gid = job.generation_id
         first, engine_began = job.request.resume is None, time.monotonic()
-        async for delta in self.backend.generate(prepared):
+        deltas = self.backend.generate(prepared)
+        async for delta in deltas:
             if job.handing_over:
                 continue  # handed on: another worker makes these tokens
             if job.cancel_reason is not None:
-                # Cancelled: the final event is out; what the engine still makes is waste.
+                # Cancelled: the final event is out; what the engine made since is waste.
+                # Closing the run stops it even where the abort found nothing to stop:
+                # vLLM takes a request in an await of its own, and an abort (a refused
+                # claim's, or a cancel's) can come first.
                 self.metrics.tokens_after_cancel.inc(len(delta.token_ids))
-                continue
+                await deltas.aclose()
+                return
             content, calls = None, None
             if job.tool_calls is not None:
                 ending = delta.finish_reason not in (None, "abort")

@@ -5,14 +5,16 @@ claim held. A real worker (synthetic engine) on a real Redis."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, cast
 
 import pytest
 import redis.asyncio as aioredis
 
 import wire
+from engine.backends.base import Delta, Prepared
 from engine.backends.synthetic import SyntheticBackend
 from engine.job import Job
 from engine.worker import Worker
@@ -122,6 +124,36 @@ async def test_a_run_whose_claim_is_refused_writes_nothing_and_stops_its_engine(
     async with asyncio.timeout(2.5):
         await rig.idle()
     assert rig.backend.running() == 0
+    assert await rig.kinds() == []
+    assert await rig.pending() == 0
+
+
+async def test_a_refused_claims_abort_that_comes_before_the_engine_has_the_request(
+    publishing: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM takes a request in an await of its own (its input processing): the refused
+    claim's abort can come first and find nothing to stop. The run's first delta then
+    closes it, so the engine still stops long before its 1,000 tokens (the old worker
+    read the whole run, 5 s here, as waste)."""
+    rig = publishing
+    await rig.generation(state="cancelled", final_id="1-0")
+    generate = rig.backend.generate
+
+    async def slow_to_take(prepared: Prepared) -> AsyncGenerator[Delta, None]:
+        await asyncio.sleep(0.05)  # the claim's answer, and its abort, come meanwhile
+        async with contextlib.aclosing(generate(prepared)) as deltas:
+            async for delta in deltas:
+                yield delta
+
+    monkeypatch.setattr(rig.backend, "generate", slow_to_take)
+    await rig.take(max_tokens=1000)
+    async with asyncio.timeout(2.5):
+        await rig.idle()
+    assert rig.backend.running() == 0
+    waste = rig.worker.metrics.registry.get_sample_value(
+        "tokenspout_engine_tokens_after_cancel_total"
+    )
+    assert waste is not None and waste >= 1  # the engine did start after the abort
     assert await rig.kinds() == []
     assert await rig.pending() == 0
 

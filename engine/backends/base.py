@@ -8,7 +8,7 @@ tests/test_backend_cancels.py).
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,8 +102,9 @@ class Backend(abc.ABC):
         run would have yielded next (a deterministic engine, or greedy sampling)."""
 
     @abc.abstractmethod
-    def generate(self, prepared: Prepared) -> AsyncIterator[Delta]:
-        """Deltas until one carries a ``finish_reason``."""
+    def generate(self, prepared: Prepared) -> AsyncGenerator[Delta, None]:
+        """Deltas until one carries a ``finish_reason``. Closing it (``aclose``) stops the
+        request in the engine, whenever the engine took it."""
 
     @abc.abstractmethod
     async def abort(self, generation_id: str) -> None:

@@ -36,7 +36,7 @@ import logging
 import os
 import re
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -230,7 +230,7 @@ class SyntheticBackend(Backend):
             request.engine_request_id, prompt_ids, params, source=request, resumed_tokens=done
         )
 
-    async def generate(self, prepared: Prepared) -> AsyncIterator[Delta]:
+    async def generate(self, prepared: Prepared) -> AsyncGenerator[Delta, None]:
         assert prepared.source is not None, "prepared by another backend"
         if prepared.params.max_tokens <= 0:  # a takeover of a reply already at its end
             yield Delta("", finish_reason="length")

@@ -7,10 +7,11 @@ loses its oldest turns (the system message stays).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import msgspec
@@ -135,7 +136,7 @@ class VllmBackend(Backend):
         )
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
-    async def generate(self, prepared: Prepared) -> AsyncIterator[Delta]:
+    async def generate(self, prepared: Prepared) -> AsyncGenerator[Delta, None]:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -172,16 +173,19 @@ class VllmBackend(Backend):
         top = params.top_logprobs
         outputs = self._engine.generate(prompt, sampling, prepared.generation_id)
         try:
-            async for output in outputs:
-                completion = output.outputs[0]
-                delta = Delta(
-                    completion.text,
-                    list(completion.token_ids),
-                    finish_reason=completion.finish_reason if output.finished else None,
-                )
-                if completion.logprobs is not None:
-                    _add_logprobs(delta, completion.logprobs, top)
-                yield delta
+            # Closed early (the worker stopped the run), vLLM's generator aborts the
+            # request by the id vLLM gave it.
+            async with contextlib.aclosing(outputs):
+                async for output in outputs:
+                    completion = output.outputs[0]
+                    delta = Delta(
+                        completion.text,
+                        list(completion.token_ids),
+                        finish_reason=completion.finish_reason if output.finished else None,
+                    )
+                    if completion.logprobs is not None:
+                        _add_logprobs(delta, completion.logprobs, top)
+                    yield delta
         except ValueError as exc:  # vLLM's validation errors (VLLMValidationError among them)
             if params.structured is None:
                 raise
