@@ -23,6 +23,7 @@ from tests.support.engines import (
     check_partial_usage,
     nothing_after_the_final,
     rest_cancel,
+    still_running,
 )
 from tests.support.http import Session, all_of, create_session, read_events, send
 from tests.support.redis_probes import async_client, stream_events
@@ -40,7 +41,7 @@ async def test_a_rest_cancel_after_the_third_token_stops_the_engine(
         gid = await send(client, session, PROMPT, max_tokens=LONG, **engine.sampling)
         reading = await read_events(client, session, limit=5, timeout_s=300)
         assert [e.event for e in reading.events] == ["queued", "started", "token", "token", "token"]
-        await engine.wait_running(1)
+        await still_running(engine, session.session_id, reading)
         waste, cancels = engine.metric(WASTE), engine.metric(CANCELS, unset=0, reason="user")
 
         sent = time.monotonic()
@@ -76,7 +77,7 @@ async def test_a_websocket_cancel_after_the_third_token_stops_the_engine(
             lambda f: f.get("id") == "story" and f["type"] == "token" and f["count"] >= 3,
             timeout_s=300,
         )
-        await engine.wait_running(1)
+        await still_running(engine, ack["session_id"])
         waste = engine.metric(WASTE)
 
         sent = time.monotonic()
@@ -122,7 +123,7 @@ async def test_a_cancel_through_gateway_b_ends_the_stream_read_through_gateway_a
         gid = await send(client, session, PROMPT, max_tokens=LONG, **engine.sampling)
         reading = await read_events(client, session, limit=5, timeout_s=300)
         assert reading.events[-1].event == "token"
-        await engine.wait_running(1)
+        await still_running(engine, session.session_id, reading)
 
         sent = time.monotonic()
         reader = asyncio.create_task(
@@ -152,6 +153,7 @@ async def test_cancelling_twice_answers_the_final_state_again(engine: EngineUnde
         gid = await send(client, session, PROMPT, max_tokens=LONG, **engine.sampling)
         reading = await read_events(client, session, limit=5, timeout_s=300)
         assert reading.events[-1].event == "token"
+        await still_running(engine, session.session_id, reading)
         cancels = engine.metric(CANCELS, unset=0, reason="user")
 
         first = await rest_cancel(client, session, gid)

@@ -14,10 +14,11 @@ from typing import Any
 import httpx
 
 from engine.model import MODEL_NAME
-from tests.support.http import Session, cancel
+from tests.support.http import Reading, Session, cancel
 from tests.support.metrics import sample, scrape_blocking, value
-from tests.support.redis_probes import after_final, stream_events
+from tests.support.redis_probes import after_final, stream_entries, stream_events
 from tests.support.stack import Gateway, Stack
+from wire import entry_ms
 
 LONG = 1500
 """max_tokens of a generation every test cancels: minutes of decoding for vLLM here (10-20
@@ -116,6 +117,37 @@ async def rest_cancel(client: httpx.AsyncClient, session: Session, gid: str) -> 
     body = await cancel(client, session, gid)
     assert body["generation_id"] == gid
     return body
+
+
+async def timeline(engine: EngineUnderTest, session_id: str, reading: Reading | None = None) -> str:
+    """The session's events as Redis took them, in ms after the first (an event's id is
+    when it was written), and how much later the reader got each it read: where a late
+    event waited, in the worker or on its way from Redis. Long runs of tokens are cut."""
+    entries = await stream_entries(engine.stack.redis_url, engine.stack.prefix, session_id)
+    arrived = reading.arrived if reading is not None else {}
+    lines, first = [], None
+    for entry_id, fields in entries:
+        written = entry_ms(entry_id)
+        first = written if first is None else first
+        line = f"  {fields[b't'].decode():>9}  written at +{written - first} ms"
+        if entry_id in arrived:
+            line += f", read {arrived[entry_id] * 1000 - written:.0f} ms later"
+        lines.append(line)
+    if len(lines) > 16:
+        lines[10:-4] = [f"  ... {len(lines) - 14} more"]
+    return "\n".join(lines)
+
+
+async def still_running(
+    engine: EngineUnderTest, session_id: str, reading: Reading | None = None
+) -> None:
+    """The premise of a cancel mid-reply: the engine still holds the reply its reader has
+    begun. Failing, it says when each of the session's events was written and read."""
+    try:
+        await engine.wait_running(1)
+    except AssertionError as exc:
+        events = await timeline(engine, session_id, reading)
+        raise AssertionError(f"{exc}\nthe session's events:\n{events}") from None
 
 
 async def nothing_after_the_final(engine: EngineUnderTest, session_id: str, gid: str) -> None:

@@ -74,6 +74,13 @@ async def cancel(client: httpx.AsyncClient, session: Session, gid: str) -> dict[
 class Reading:
     events: list[Event] = field(default_factory=list)
     parser: SSEParser = field(default_factory=SSEParser)
+    arrived: dict[str, float] = field(default_factory=dict)
+    """Event id -> when the client got it (unix seconds); its id says when Redis took it."""
+
+    def add(self, event: Event) -> None:
+        self.events.append(event)
+        if event.id is not None:
+            self.arrived[event.id] = time.time()
 
     def of(self, generation_id: str) -> list[Event]:
         return [e for e in self.events if e.json().get("generation_id") == generation_id]
@@ -116,7 +123,7 @@ async def read_events(
             assert response.headers["content-type"].startswith("text/event-stream")
             assert "content-encoding" not in response.headers
             async for event in parse(response.aiter_lines(), reading.parser):
-                reading.events.append(event)
+                reading.add(event)
                 if limit is not None and len(reading.events) >= limit:
                     return
                 if event.event == until_event:

@@ -68,14 +68,21 @@ def wait_final(redis_url: str, prefix: str, timeout_s: float = 60) -> dict[str, 
     raise TimeoutError(f"generation {generation_id} did not end")
 
 
-async def stream_events(redis_url: str, prefix: str, session_id: str) -> list[dict[bytes, bytes]]:
-    """Every event the session's stream holds, straight from Redis."""
+async def stream_entries(
+    redis_url: str, prefix: str, session_id: str
+) -> list[tuple[str, dict[bytes, bytes]]]:
+    """Every event the session's stream holds, with its id, straight from Redis."""
     client = async_client(redis_url)
     try:
         entries = await client.xrange(Keys(prefix).events(session_id))
     finally:
         await client.aclose()
-    return [fields for _id, fields in entries]
+    return [(entry_id.decode(), fields) for entry_id, fields in entries]
+
+
+async def stream_events(redis_url: str, prefix: str, session_id: str) -> list[dict[bytes, bytes]]:
+    """Every event the session's stream holds, straight from Redis."""
+    return [fields for _id, fields in await stream_entries(redis_url, prefix, session_id)]
 
 
 def after_final(events: list[dict[bytes, bytes]], gid: str) -> list[bytes]:
