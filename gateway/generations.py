@@ -3,7 +3,9 @@ there is room for it, and the queues of the models it goes to (``wire.queue``).
 
 - ``sampling``: sampling parameters with the gateway's defaults and limits (422 past one);
 - ``guard_capacity``: 429 past ``TOKENSPOUT_MAX_INFLIGHT`` generations in flight, or past
-  ``TOKENSPOUT_MAX_INFLIGHT_PER_MODEL`` of one model;
+  ``TOKENSPOUT_MAX_INFLIGHT_PER_MODEL`` of one model; ``admission``: the same check made by
+  the SUBMIT script itself, for a stateless session on one Redis (one round trip, and
+  atomic across gateways);
 - ``counts``: queued and running generations per model (also for /metrics);
 - ``enqueue`` and ``signal_cancel``: a request onto its model's queue, a cancel onto the
   stream every worker reads.
@@ -24,8 +26,10 @@ from gateway.errors import BadRequest, Overloaded
 from gateway.models import ModelDirectory
 from gateway.settings import Settings
 from wire import CancelSignal, GenerationRequest, Keys, SamplingParams
+from wire.outcomes import OverCapacity
 from wire.queue import RequestQueue
 from wire.runtime import shared_read
+from wire.scripts import Admission
 
 CANCELS_MAXLEN = 10_000
 Counts = dict[str, tuple[int, int]]
@@ -93,19 +97,39 @@ class GenerationQueue:
         inflight = sum(queued + running for queued, running in counts.values())
         inflight += sum(read.admitted.values())
         if inflight >= self.settings.max_inflight:
-            raise Overloaded(
-                f"{inflight} generations are in flight (limit {self.settings.max_inflight})",
-                retry_after_s=1,
-            )
+            raise self.overloaded(OverCapacity("all", inflight), model)
         limit = self.settings.max_inflight_per_model
         queued, running = counts.get(model, (0, 0))
         of_model = queued + running + read.admitted.get(model, 0)
         if limit and of_model >= limit:
-            raise Overloaded(
-                f"{of_model} generations of {model!r} are in flight (limit {limit} per model)",
-                retry_after_s=1,
-            )
+            raise self.overloaded(OverCapacity("model", of_model), model)
         read.admitted[model] = read.admitted.get(model, 0) + 1
+
+    async def admission(self, model: str, request: GenerationRequest) -> Admission:
+        """``guard_capacity``'s check, for the SUBMIT script to make as it queues
+        ``request`` (one Redis: every queue counted is on the node the session is)."""
+        models = await self._models_to_count([model])
+        return Admission(
+            queues=[self.of(name).key for name in models],
+            target=models.index(model),
+            limit=self.settings.max_inflight,
+            model_limit=self.settings.max_inflight_per_model,
+            request=wire.encode(request),
+            maxlen=self.requests_maxlen,
+        )
+
+    def overloaded(self, refusal: OverCapacity, model: str) -> Overloaded:
+        """The 429 for a check that found the limit reached."""
+        if refusal.scope == "all":
+            limit = self.settings.max_inflight
+            return Overloaded(
+                f"{refusal.count} generations are in flight (limit {limit})", retry_after_s=1
+            )
+        limit = self.settings.max_inflight_per_model
+        return Overloaded(
+            f"{refusal.count} generations of {model!r} are in flight (limit {limit} per model)",
+            retry_after_s=1,
+        )
 
     async def counts(self, also: list[str] | None = None) -> Counts:
         """Model -> (queued, running): requests no worker took yet, and taken but not

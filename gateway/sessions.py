@@ -229,8 +229,10 @@ class SessionStore:
         kept: KeptSession | None = None,
     ) -> Submitted:
         """Queue one generation in a throwaway session (the OpenAI/TGI/OIP adapters) for
-        ``model`` (a name or alias; None: the default model), in two round trips: the
-        capacity check, then the session, the generation and the request together.
+        ``model`` (a name or alias; None: the default model): on one Redis in one round
+        trip, the SUBMIT script admitting it (the capacity check), making the session and
+        its generation and queueing the request; elsewhere in two, the capacity check
+        first.
         ``session_id``: the new session's id, when the caller subscribed to it first.
         ``kept``: a session that outlives its request (a stored response), with its TTL,
         its meta fields and whether it runs on with no reader."""
@@ -241,20 +243,26 @@ class SessionStore:
         if prompt is not None:
             self._check_content(prompt)
         session_id, generation_id = session_id or new_id("s"), new_id("g")
-        await self.queue.guard_capacity(queue)
+        # On one Redis the SUBMIT script admits the request, makes its session and its
+        # generation, and queues it: one call, every key on that node. A session kept
+        # past its request is made by commands after the script, in the same pipeline,
+        # which would run on a refusal too: it is admitted first, as on a cluster.
+        in_one = not is_cluster(self.redis) and kept is None
+        if not in_one:
+            await self.queue.guard_capacity(queue)
         request = msgspec.structs.replace(
             self._request(session_id, generation_id, params, messages or [], prompt, ttl_s),
             tools=tools,
             task=task,
             token_ids=token_ids or [],
         )
-        # One round trip: the session, its generation and the request. A fresh session
-        # cannot refuse it, so the request goes in the same pipeline (not in the script:
-        # the request stream is shared, on a cluster slot of its own). One Redis runs a
-        # pipeline in order, so no worker can take the request before its generation
-        # exists. A cluster runs each node's part at once: a worker could take the request
-        # (on its queue's shard) before the generation (on the session's) is written, and
-        # skip it as ended, leaving its client waiting. There it goes in after the reply.
+        admission = await self.queue.admission(queue, request) if in_one else None
+        # Admitted before, the request goes after the script: on one Redis in the same
+        # pipeline (a fresh session cannot refuse it, and one Redis runs a pipeline in
+        # order: no worker can take the request before its generation exists). A cluster
+        # runs each node's part at once: a worker could take the request (on its queue's
+        # shard) before the generation (on the session's) is written, and skip it as
+        # ended, leaving its client waiting. There it goes in after the reply.
         in_order = not is_cluster(self.redis)
 
         def fill(pipe: Any) -> None:
@@ -265,15 +273,18 @@ class SessionStore:
                 maxlen=self.settings.events_maxlen,
                 ttl_s=ttl_s,
                 watch_ttl_s=self.watch_ttl_s,
+                admission=admission,
             )
             if kept is not None:
                 self._keep_in(pipe, session_id, kept)
-            if in_order:
+            if in_order and admission is None:
                 # Sent twice after a restarted Redis's NOSCRIPT: the first copy, with no
                 # generation to claim, is skipped by the worker that takes it.
                 self.queue.enqueue_in(pipe, queue, request)
 
         reply = scripts.Submit.replied((await self._run_submitting(fill))[0])
+        if isinstance(reply, script.OverCapacity):
+            raise self.queue.overloaded(reply, queue)
         if not isinstance(reply, script.Accepted):
             raise Unavailable(f"queueing a stateless generation failed: {reply!r}")
         if not in_order:
@@ -371,6 +382,8 @@ class SessionStore:
                     "start a new session",
                     code="history_full",
                 )
+            case script.OverCapacity():  # not asked to admit here (guard_capacity did)
+                raise self.queue.overloaded(reply, model)
         request = msgspec.structs.replace(request, messages=reply.history)
         await self._enqueue_written(model, request, note)
         if self.observer is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from pathlib import Path
 
@@ -46,6 +47,36 @@ async def test_past_the_inflight_limit_a_request_gets_429_with_retry_after(stack
             url, json={"content": "now there is room"}, headers=sessions[3].headers
         )
         assert again.status_code == 202
+
+
+async def test_a_burst_of_one_shot_requests_through_two_gateways_keeps_the_inflight_limit(
+    stack: Stack,
+) -> None:
+    """On one Redis the SUBMIT script itself admits a one-shot request, so the limit holds
+    across gateways: 20 streamed chat requests at once, half through each of two gateways,
+    and exactly 5 run. (Each gateway reading the counts first, both read none in flight
+    and let 5 in each.)"""
+    stack.synthetic(5, "--capacity", "50")
+    gateways = [stack.gateway(TOKENSPOUT_MAX_INFLIGHT="5") for _ in range(2)]
+    chat = {
+        "model": "synthetic",
+        "messages": [{"role": "user", "content": "a long one"}],
+        "max_tokens": 1000,  # 200 s at 5 tokens/s: every one admitted is still running
+        "stream": True,
+    }
+    limits = httpx.Limits(max_connections=40)
+    async with (
+        httpx.AsyncClient(timeout=30, limits=limits) as client,
+        contextlib.AsyncExitStack() as streams,
+    ):
+
+        async def status(base: str) -> int:
+            url = f"{base}/v1/chat/completions"
+            response = await streams.enter_async_context(client.stream("POST", url, json=chat))
+            return response.status_code
+
+        codes = await asyncio.gather(*(status(g.url) for g in gateways for _ in range(10)))
+    assert sorted(codes) == [200] * 5 + [429] * 15, codes
 
 
 async def test_a_session_holds_a_bounded_history(stack: Stack) -> None:

@@ -88,7 +88,15 @@ class HistoryFull(msgspec.Struct, frozen=True, tag="history_full"):
     pass
 
 
-SubmitReply = Accepted | SessionMissing | Forbidden | Duplicate | Busy | HistoryFull
+class OverCapacity(msgspec.Struct, frozen=True, tag="overloaded"):
+    """Not admitted: ``count`` generations in flight, of all models (``scope`` "all") or of
+    the request's own ("model"), reached the limit."""
+
+    scope: str
+    count: int
+
+
+SubmitReply = Accepted | SessionMissing | Forbidden | Duplicate | Busy | HistoryFull | OverCapacity
 
 
 # --- CANCEL (wire/lua/cancel.lua) ----------------------------------------------------

@@ -19,6 +19,7 @@ of wire/outcomes.py (``match`` on them); nothing else reads a script's reply lis
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from importlib.resources import files
 from typing import Any, ClassVar
 
@@ -28,7 +29,7 @@ from redis.asyncio.client import Pipeline
 from redis.commands.core import AsyncScript
 
 from wire.connect import is_cluster
-from wire.keys import Keys
+from wire.keys import CONSUMER_GROUP, SHARED_KEY_TTL_S, Keys
 from wire.messages import (
     Cancelled,
     CancelReason,
@@ -57,6 +58,7 @@ from wire.outcomes import (
     HistoryFull,
     Moved,
     NotStarted,
+    OverCapacity,
     ScriptReplyError,
     SessionMissing,
     SignalWorker,
@@ -176,6 +178,8 @@ def submit_reply(reply: object) -> SubmitReply:
             return Busy(generation_id)
         case ["history_full"]:
             return HistoryFull()
+        case ["overloaded", scope, count]:
+            return OverCapacity(scope, int(count))
     raise ScriptReplyError(f"SUBMIT answered {reply!r}")
 
 
@@ -268,6 +272,25 @@ class Takeover(Script):
         return takeover_reply(reply)
 
 
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """What SUBMIT needs to admit a stateless session's request and queue it, in the same
+    call (one Redis: every key on one node): the queues counted, the limits, the request."""
+
+    queues: list[str]
+    """Every model's request queue (``Keys.requests``), counted against ``limit``."""
+    target: int
+    """The place in ``queues`` of the queue the request goes to."""
+    limit: int
+    """Generations in flight, of all models, that refuse one more."""
+    model_limit: int
+    """Generations in flight of the request's model that refuse one more (0: none)."""
+    request: bytes
+    """The encoded ``GenerationRequest``, the queue entry's ``r`` field."""
+    maxlen: int
+    """The queue's cap (approximate, as ``RequestQueue.add``)."""
+
+
 class Submit(Script):
     """Queue a generation in a session: message, limits, queued event (wire/lua/submit.lua)."""
 
@@ -323,9 +346,12 @@ class Submit(Script):
         maxlen: int,
         ttl_s: int,
         watch_ttl_s: int,
+        admission: Admission | None = None,
     ) -> None:
         """Queue in ``pipe`` the making of a stateless session with its one generation (a
-        bare EVALSHA: on NoScriptError, ``load`` and send it again); ``replied`` reads it."""
+        bare EVALSHA: on NoScriptError, ``load`` and send it again); ``replied`` reads it.
+        With ``admission`` (one Redis), the script admits the request first (or answers
+        ``OverCapacity``) and queues it after the generation."""
         keys, args = self._keys_args(
             session_id,
             generation_id,
@@ -334,6 +360,17 @@ class Submit(Script):
             watch_ttl_s=watch_ttl_s,
             create=True,
         )
+        if admission is not None:
+            keys += admission.queues
+            args += [
+                admission.limit,
+                admission.model_limit,
+                admission.target + 1,
+                admission.request,
+                admission.maxlen,
+                SHARED_KEY_TTL_S,
+                CONSUMER_GROUP,
+            ]
         self._queue_evalsha(pipe, keys, args)
 
     @staticmethod

@@ -7,10 +7,46 @@
 --       companion ('1': another choice of the turn just submitted (a message with n > 1):
 --       no message, no busy check, not the session's active generation),
 --       note (its request without its conversation: what queues it again should Redis
---       lose it, gateway/waiting.py; '' for none), queue (the model's queue it goes to)
+--       lose it, gateway/waiting.py; '' for none), queue (the model's queue it goes to),
+--       then, to admit and queue it here ('' for neither): the in-flight limit, the
+--       model's own limit (0: none), the model's queue's place among KEYS[8..], the
+--       request, the queues' cap and TTL, the workers' consumer group.
+-- KEYS[8..] (admitted here, on one Redis): every model's request queue, counted as the
+--       gateway's capacity check counts them (gateway/generations.py, wire/queue.py).
 -- Returns {'ok', queued id, history...} | {'missing'} | {'forbidden'} | {'duplicate', gid}
---         | {'busy', gid} | {'history_full'}
+--         | {'busy', gid} | {'history_full'} | {'overloaded', 'all' or 'model', count}
 -- A session made here is fresh (a new random id): nothing to look up in it, no history.
+local admit = ARGV[16] ~= nil and ARGV[16] ~= ''
+local target = admit and tonumber(ARGV[18]) or 0
+if admit then
+  -- A queue's requests in flight: not yet taken (its group's lag; nil after a trim: 0)
+  -- and taken but not acknowledged (pending); with no group yet, all it holds; with no
+  -- queue yet (XINFO's error), none.
+  local function in_flight(queue)
+    local groups = redis.pcall('XINFO', 'GROUPS', queue)
+    if groups.err then return 0 end
+    for _, group in ipairs(groups) do
+      local name, lag, pending  -- a flat list: field, value, field, value...
+      for i = 1, #group, 2 do
+        local field = group[i]
+        if field == 'name' then name = group[i + 1]
+        elseif field == 'lag' then lag = group[i + 1]
+        elseif field == 'pending' then pending = group[i + 1] end
+      end
+      if name == ARGV[22] then return (tonumber(lag) or 0) + pending end
+    end
+    return redis.call('XLEN', queue)
+  end
+  local all, of_model = 0, 0
+  for i = 8, #KEYS do
+    local count = in_flight(KEYS[i])
+    all = all + count
+    if i - 7 == target then of_model = count end
+  end
+  if all >= tonumber(ARGV[16]) then return {'overloaded', 'all', all} end
+  local model_limit = tonumber(ARGV[17])
+  if model_limit > 0 and of_model >= model_limit then return {'overloaded', 'model', of_model} end
+end
 local create = ARGV[12] == '1'
 if create then
   redis.call('HSET', KEYS[1], 'stateless', 1, 'created', ARGV[6])
@@ -47,6 +83,11 @@ redis.call('SET', KEYS[6], '1', 'EX', ARGV[8])
 local id = emit(KEYS[5], KEYS[4], ARGV[1], ARGV[2], ttl, 'queued', ARGV[4], ARGV[9])
 redis.call('EXPIRE', KEYS[1], ttl)
 redis.call('EXPIRE', KEYS[5], ttl)
+if admit then  -- after its generation, so no worker finds a request with none
+  local queue = KEYS[7 + target]
+  redis.call('XADD', queue, 'MAXLEN', '~', ARGV[20], '*', 'r', ARGV[19])
+  redis.call('EXPIRE', queue, ARGV[21])
+end
 local reply = {'ok', id}
 if create and ARGV[5] == '' then return reply end  -- no history to keep or return
 redis.call('EXPIRE', KEYS[2], ttl)
