@@ -247,8 +247,9 @@ class SessionStore:
         # generation, and queues it: one call, every key on that node. A session kept
         # past its request is made by commands after the script, in the same pipeline,
         # which would run on a refusal too: it is admitted first, as on a cluster.
-        in_one = not is_cluster(self.redis) and kept is None
-        if not in_one:
+        in_order = not is_cluster(self.redis)
+        admit_in_script = in_order and kept is None
+        if not admit_in_script:
             await self.queue.guard_capacity(queue)
         request = msgspec.structs.replace(
             self._request(session_id, generation_id, params, messages or [], prompt, ttl_s),
@@ -256,14 +257,13 @@ class SessionStore:
             task=task,
             token_ids=token_ids or [],
         )
-        admission = await self.queue.admission(queue, request) if in_one else None
+        admission = await self.queue.admission(queue, request) if admit_in_script else None
         # Admitted before, the request goes after the script: on one Redis in the same
         # pipeline (a fresh session cannot refuse it, and one Redis runs a pipeline in
         # order: no worker can take the request before its generation exists). A cluster
         # runs each node's part at once: a worker could take the request (on its queue's
         # shard) before the generation (on the session's) is written, and skip it as
         # ended, leaving its client waiting. There it goes in after the reply.
-        in_order = not is_cluster(self.redis)
 
         def fill(pipe: Any) -> None:
             self._submit.create_in(

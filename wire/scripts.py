@@ -359,18 +359,8 @@ class Submit(Script):
             ttl_s=ttl_s,
             watch_ttl_s=watch_ttl_s,
             create=True,
+            admission=admission,
         )
-        if admission is not None:
-            keys += admission.queues
-            args += [
-                admission.limit,
-                admission.model_limit,
-                admission.target + 1,
-                admission.request,
-                admission.maxlen,
-                SHARED_KEY_TTL_S,
-                CONSUMER_GROUP,
-            ]
         self._queue_evalsha(pipe, keys, args)
 
     @staticmethod
@@ -393,10 +383,25 @@ class Submit(Script):
         choice: int = 0,
         note: bytes = b"",
         queue: str = "",
+        admission: Admission | None = None,
     ) -> tuple[list[str], list[Arg]]:
         """Submit's KEYS and ARGV, the one place they are listed (the defaults: what a
         stateless session made by ``create_in`` has: no message, token, key or history)."""
         keys = self.keys
+        admitting: tuple[list[str], list[Arg]] = ([], [])
+        if admission is not None:
+            admitting = (
+                admission.queues,
+                [
+                    admission.limit,
+                    admission.model_limit,
+                    admission.target + 1,
+                    admission.request,
+                    admission.maxlen,
+                    SHARED_KEY_TTL_S,
+                    CONSUMER_GROUP,
+                ],
+            )
         return [
             keys.meta(session_id),
             keys.history(session_id),
@@ -405,6 +410,7 @@ class Submit(Script):
             keys.events(session_id),
             keys.watch(session_id),
             keys.idempotency(session_id, idempotency_key or ""),
+            *admitting[0],
         ], [
             keys.live_channel(session_id),
             maxlen,
@@ -421,6 +427,7 @@ class Submit(Script):
             "1" if choice else "",
             note,
             queue,
+            *admitting[1],
         ]
 
 

@@ -8,15 +8,15 @@
 --       no message, no busy check, not the session's active generation),
 --       note (its request without its conversation: what queues it again should Redis
 --       lose it, gateway/waiting.py; '' for none), queue (the model's queue it goes to),
---       then, to admit and queue it here ('' for neither): the in-flight limit, the
---       model's own limit (0: none), the model's queue's place among KEYS[8..], the
---       request, the queues' cap and TTL, the workers' consumer group.
+--       then, only to admit and queue it here: the in-flight limit, the model's own
+--       limit (0: none), the model's queue's place among KEYS[8..], the request, the
+--       queues' cap and TTL, the workers' consumer group.
 -- KEYS[8..] (admitted here, on one Redis): every model's request queue, counted as the
 --       gateway's capacity check counts them (gateway/generations.py, wire/queue.py).
 -- Returns {'ok', queued id, history...} | {'missing'} | {'forbidden'} | {'duplicate', gid}
 --         | {'busy', gid} | {'history_full'} | {'overloaded', 'all' or 'model', count}
 -- A session made here is fresh (a new random id): nothing to look up in it, no history.
-local admit = ARGV[16] ~= nil and ARGV[16] ~= ''
+local admit = ARGV[16] ~= nil
 local target = admit and tonumber(ARGV[18]) or 0
 if admit then
   -- A queue's requests in flight: not yet taken (its group's lag; nil after a trim: 0)
