@@ -128,7 +128,9 @@ class Publisher:
         """Join a generation's tokens that wait for the next write (see the module's doc)."""
         self._script = EmitStep(redis, keys)
         self._acks_after = is_cluster(redis)
-        """On a cluster, acknowledge in a round trip after the events (see ``_write``)."""
+        """On a cluster, acknowledge in a round trip after the events (see ``_write``);
+        on one Redis the step's last call acknowledges them itself."""
+        self._queue_key = queue.key.encode()
         self._batch = _Batch()
         self._in_flight: _Batch | None = None
         self._events = 0
@@ -275,13 +277,15 @@ class Publisher:
             batch.done.set_result(None)
 
     async def _write(self, calls: list[StepCall], acks: list[bytes]) -> list[list[str | None]]:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for call in calls:
-                self._script.queue_in(pipe, call)
-            if not self._acks_after:
-                for ack in acks:
-                    self.queue.ack_in(pipe, ack)
-            replies: list[object] = await pipe.execute()
+        if not self._acks_after:  # one Redis: the last call acknowledges, after the events
+            calls[-1].acknowledge(self._queue_key, acks)
+        if len(calls) == 1 and not self._acks_after:
+            replies = [await self._script.send(calls[0])]
+        else:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for call in calls:
+                    self._script.queue_in(pipe, call)
+                replies = [EmitStep.replies(reply) for reply in await pipe.execute()]
         self.pipelines += 1
         self.events += sum(call.size for call in calls)
         if self._acks_after and acks:
@@ -290,4 +294,4 @@ class Publisher:
             # leave a reply with no end and no pending request for the reaper to find.
             # Acknowledged only once every final event of the step is written.
             await self.queue.ack(*acks)
-        return [EmitStep.replies(reply) for reply in replies[: len(calls)]]
+        return replies

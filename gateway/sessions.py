@@ -257,32 +257,31 @@ class SessionStore:
             task=task,
             token_ids=token_ids or [],
         )
-        admission = await self.queue.admission(queue, request) if admit_in_script else None
-        # Admitted before, the request goes after the script: on one Redis in the same
-        # pipeline (a fresh session cannot refuse it, and one Redis runs a pipeline in
-        # order: no worker can take the request before its generation exists). A cluster
-        # runs each node's part at once: a worker could take the request (on its queue's
-        # shard) before the generation (on the session's) is written, and skip it as
-        # ended, leaving its client waiting. There it goes in after the reply.
+        new = scripts.NewSession(
+            session_id, generation_id, self.settings.events_maxlen, ttl_s, self.watch_ttl_s
+        )
+        if admit_in_script:
+            admission = await self.queue.admission(queue, request)
+            reply = await self._submit.create_admitted(new, admission)
+        else:
+            # Admitted before, the request goes after the script: on one Redis in the same
+            # pipeline (a fresh session cannot refuse it, and one Redis runs a pipeline in
+            # order: no worker can take the request before its generation exists). A
+            # cluster runs each node's part at once: a worker could take the request (on
+            # its queue's shard) before the generation (on the session's) is written, and
+            # skip it as ended, leaving its client waiting. There it goes in after the
+            # reply.
 
-        def fill(pipe: Any) -> None:
-            self._submit.create_in(
-                pipe,
-                session_id=session_id,
-                generation_id=generation_id,
-                maxlen=self.settings.events_maxlen,
-                ttl_s=ttl_s,
-                watch_ttl_s=self.watch_ttl_s,
-                admission=admission,
-            )
-            if kept is not None:
-                self._keep_in(pipe, session_id, kept)
-            if in_order and admission is None:
-                # Sent twice after a restarted Redis's NOSCRIPT: the first copy, with no
-                # generation to claim, is skipped by the worker that takes it.
-                self.queue.enqueue_in(pipe, queue, request)
+            def fill(pipe: Any) -> None:
+                self._submit.create_in(pipe, new)
+                if kept is not None:
+                    self._keep_in(pipe, session_id, kept)
+                if in_order:
+                    # Sent twice after a restarted Redis's NOSCRIPT: the first copy, with
+                    # no generation to claim, is skipped by the worker that takes it.
+                    self.queue.enqueue_in(pipe, queue, request)
 
-        reply = scripts.Submit.replied((await self._run_submitting(fill))[0])
+            reply = scripts.Submit.replied((await self._run_submitting(fill))[0])
         if isinstance(reply, script.OverCapacity):
             raise self.queue.overloaded(reply, queue)
         if not isinstance(reply, script.Accepted):

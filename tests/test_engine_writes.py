@@ -1,7 +1,7 @@
 """The engine's writes survive retries, against the real Redis server.
 
 - EMIT is idempotent per generation: an event whose sequence number is already written is
-  not written again, so a pipeline resent after a connection loss duplicates nothing.
+  not written again, so a write resent after a connection loss duplicates nothing.
 - EMIT sees lost writes: an event whose sequence number skips some (Redis lost them in a
   failover) ends the generation with ``error`` ``events_lost`` instead of a silent gap.
 - A failed acknowledgement is counted, logged and retried, so the request does not stay
@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -22,6 +23,7 @@ from redis.asyncio.client import Pipeline
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 import wire
+from engine import publisher as publisher_module
 from engine.backends.synthetic import SyntheticBackend
 from engine.publisher import Publisher
 from engine.worker import Worker
@@ -29,7 +31,7 @@ from tests.support.cluster import check_reply
 from tests.support.http import create_session, follow, send
 from tests.support.redis_probes import async_client
 from tests.support.stack import Stack
-from wire import Keys, Started, Token
+from wire import Done, Keys, Started, Token, Usage
 from wire.outcomes import NotStarted, TakenOver, TakeoverReply
 from wire.queue import RequestQueue
 from wire.scripts import Emit, Takeover
@@ -64,34 +66,53 @@ async def test_emit_writes_each_sequence_number_once(redis: aioredis.Redis) -> N
     assert again[-1] == first[-1]  # a repeat answers with the latest id written
 
 
-async def test_a_pipeline_resent_after_a_connection_loss_writes_nothing_twice(
-    redis: aioredis.Redis, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The first pipeline runs in Redis, then its reply is lost: the publisher sends it
-    again. Events with sequence numbers land once; the control generation (no sequence
-    numbers, as before this guarantee) shows the fault does duplicate otherwise."""
-    keys = Keys(f"t-{secrets.token_hex(4)}")
-    sid, gid = await queued_generation(redis, keys)
-    control_sid, control_gid = await queued_generation(redis, keys)
-    executions = 0
-    execute = Pipeline.execute
+WRITES = ["one call", "several calls"]
+"""How a publisher's write goes: one EMIT_STEP call alone, or several (more events than
+``MAX_EVENTS_PER_CALL``) in a pipeline."""
 
-    async def execute_then_lose_the_reply(self: Pipeline, raise_on_error: bool = True) -> Any:
-        nonlocal executions
-        result = await execute(self, raise_on_error)
-        executions += 1
-        if executions == 1:
-            raise RedisConnectionError("connection lost after the pipeline ran")
-        return result
 
-    monkeypatch.setattr(Pipeline, "execute", execute_then_lose_the_reply)
-    publisher = Publisher(
+def publisher_writing(
+    redis: aioredis.Redis, keys: Keys, write: str, monkeypatch: pytest.MonkeyPatch
+) -> Publisher:
+    if write == "several calls":
+        monkeypatch.setattr(publisher_module, "MAX_EVENTS_PER_CALL", 3)
+    return Publisher(
         redis,
         keys,
         queue=RequestQueue(redis, keys, "m"),
         writer="",
         on_rejected=lambda gid, epoch: None,
     )
+
+
+@pytest.mark.parametrize("write", WRITES)
+async def test_a_write_resent_after_a_connection_loss_writes_nothing_twice(
+    redis: aioredis.Redis, monkeypatch: pytest.MonkeyPatch, write: str
+) -> None:
+    """The first write runs in Redis, then its reply is lost: the publisher sends it
+    again. Events with sequence numbers land once; the control generation (no sequence
+    numbers, as before this guarantee) shows the fault does duplicate otherwise."""
+    keys = Keys(f"t-{secrets.token_hex(4)}")
+    sid, gid = await queued_generation(redis, keys)
+    control_sid, control_gid = await queued_generation(redis, keys)
+    executions = 0
+
+    def losing_the_first_reply(run: Callable[..., Awaitable[Any]]) -> Callable[..., Any]:
+        async def run_then_lose_the_reply(*args: Any, **kwargs: Any) -> Any:
+            nonlocal executions
+            result = await run(*args, **kwargs)
+            executions += 1
+            if executions == 1:
+                raise RedisConnectionError("connection lost after the write ran")
+            return result
+
+        return run_then_lose_the_reply
+
+    publisher = publisher_writing(redis, keys, write, monkeypatch)
+    if write == "one call":
+        monkeypatch.setattr(redis, "evalsha", losing_the_first_reply(redis.evalsha))
+    else:
+        monkeypatch.setattr(Pipeline, "execute", losing_the_first_reply(Pipeline.execute))
     target = publisher.target(sid, gid, epoch=0, ttl_s=600, maxlen=100)
     control_target = publisher.target(control_sid, control_gid, epoch=0, ttl_s=600, maxlen=100)
     running = asyncio.create_task(publisher.run_forever())
@@ -106,12 +127,49 @@ async def test_a_pipeline_resent_after_a_connection_loss_writes_nothing_twice(
     finally:
         running.cancel()
     assert executions == 2, "the fault was not injected"
+    assert publisher.pipelines == 1
     assert all(ids[0::2])
     assert await redis.xlen(keys.events(sid)) == 4
     # The control's tokens land twice; its second `started` is refused (a claim needs a
     # queued generation), so 7 events, not 8.
     assert ids[1::2].count(None) == 1
     assert await redis.xlen(keys.events(control_sid)) == 7
+
+
+@pytest.mark.parametrize("write", WRITES)
+async def test_a_final_event_acknowledges_its_request_in_the_same_write(
+    redis: aioredis.Redis, monkeypatch: pytest.MonkeyPatch, write: str
+) -> None:
+    """A generation's end and its request's acknowledgement are one write (one round
+    trip), the acknowledgement after every event of it: the request is in flight until
+    its end is in Redis, and not a moment longer."""
+    keys = Keys(f"t-{secrets.token_hex(4)}")
+    publisher = publisher_writing(redis, keys, write, monkeypatch)
+    await publisher.queue.ensure_group()
+    ends, acks = [], []
+    for _ in range(2):
+        sid, gid = await queued_generation(redis, keys)
+        acks.append(await redis.xadd(publisher.queue.key, {"r": b"{}"}))
+        target = publisher.target(sid, gid, epoch=0, ttl_s=600, maxlen=100)
+        ends.append((sid, target, gid))
+    await redis.xreadgroup(wire.CONSUMER_GROUP, "w", {publisher.queue.key: ">"})
+    assert (await redis.xpending(publisher.queue.key, wire.CONSUMER_GROUP))["pending"] == 2
+    running = asyncio.create_task(publisher.run_forever())
+    try:
+        futures = []
+        for (_, target, gid), entry_id in zip(ends, acks, strict=True):
+            futures.append(publisher.emit_waited(target, Started(gid, "m", 1), 1))
+            futures.append(publisher.emit_waited(target, Token(gid, "a", 1), 2))
+            done = Done(gid, "stop", Usage(1, 1))
+            futures.append(publisher.emit_waited(target, done, 3, final=True, ack=entry_id))
+        ids = await asyncio.wait_for(asyncio.gather(*futures), 10)
+    finally:
+        running.cancel()
+    assert all(ids)
+    assert publisher.pipelines == 1, "the events and the acknowledgements took one write"
+    assert (await redis.xpending(publisher.queue.key, wire.CONSUMER_GROUP))["pending"] == 0
+    for sid, _, _ in ends:
+        assert await redis.xlen(keys.events(sid)) == 3
 
 
 async def test_a_failed_ack_is_counted_and_retried(

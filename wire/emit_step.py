@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 from redis.asyncio.client import Pipeline
 
+from wire.keys import CONSUMER_GROUP
 from wire.replies import text
 from wire.scripts import EMIT_CORE, EMIT_EVENT, Script, lua_source
 
@@ -32,16 +33,30 @@ class EmitTarget(NamedTuple):
 
 class StepCall:
     """The KEYS and ARGV of one EMIT_STEP call, built event by event: per event two keys
-    and one record (a final event two more keys and its assistant message), no object."""
+    and one record (a final event two more keys and its assistant message), no object;
+    and the requests it acknowledges once they are written (``acknowledge``)."""
 
-    __slots__ = ("args", "keys", "size", "targets")
+    __slots__ = ("acked_in", "args", "keys", "size", "targets")
 
     def __init__(self, writer: str) -> None:
         self.keys: list[bytes] = []
-        self.args: list[bytes] = [writer.encode()]
+        self.args: list[bytes] = [writer.encode(), b"", CONSUMER_GROUP.encode()]
         self.targets: list[EmitTarget] = []
         """Whose each event is, in order (the reply has one entry per event)."""
         self.size = 0
+        self.acked_in: bytes | None = None
+        """The queue whose requests the call acknowledges (None: none)."""
+
+    def acknowledge(self, queue: bytes, entry_ids: list[bytes]) -> None:
+        """Acknowledge these requests of ``queue`` once every event is written (their
+        final events are among them, or in an earlier call). Only on one Redis: on a
+        cluster the queue's slot is not the sessions'. Again: the same ids replace them."""
+        self.args[1] = b" ".join(entry_ids)
+        self.acked_in = queue if entry_ids else None
+
+    @property
+    def all_keys(self) -> list[bytes]:
+        return self.keys if self.acked_in is None else [*self.keys, self.acked_in]
 
     def add(
         self,
@@ -103,7 +118,12 @@ class EmitStep(Script):
     def queue_in(self, pipe: Pipeline, call: StepCall) -> None:
         """Queue ``call`` in ``pipe`` as a bare EVALSHA: on NoScriptError, ``load`` and send
         the whole pipeline again (EMIT's seq makes that safe)."""
-        self._queue_evalsha(pipe, call.keys, call.args)
+        self._queue_evalsha(pipe, call.all_keys, call.args)
+
+    async def send(self, call: StepCall) -> list[str | None]:
+        """``call`` alone, outside a pipeline (redis-py's costs about 20 us of CPU a call):
+        ``replies``. A Redis that lost its scripts gets it loaded and the call again."""
+        return self.replies(await self._run(call.all_keys, call.args, None))
 
     @staticmethod
     def replies(reply: object) -> list[str | None]:

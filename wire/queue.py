@@ -235,10 +235,6 @@ class RequestQueue:
     async def ack(self, *entry_ids: bytes | str) -> None:
         await self.redis.xack(self.key, CONSUMER_GROUP, *entry_ids)
 
-    def ack_in(self, pipe: Pipeline, entry_id: bytes) -> None:
-        """Acknowledge in ``pipe`` (right after a generation's final event)."""
-        pipe.xack(self.key, CONSUMER_GROUP, entry_id)
-
     async def requeue(self, entries: Sequence[tuple[bytes, Fields]]) -> None:
         """Put taken requests back for the others (as new entries) and acknowledge the
         taken ones, in one transaction."""

@@ -1,12 +1,16 @@
 -- Every event of one engine step (of one hash slot's sessions, on a cluster) in one call.
--- KEYS: per event its session's events and gen keys; a final event's also active, history
--- ARGV[1]: the writer (the worker's id); then per event one record
+-- KEYS: per event its session's events and gen keys; a final event's also active, history;
+--   then, when ARGV[2] names requests, their queue
+-- ARGV[1]: the writer (the worker's id); ARGV[2]: the entry ids, space-separated, of the
+--   requests whose generations ended here ('' for none), acknowledged for the consumer
+--   group ARGV[3] once every event is written (one Redis: a cluster's worker acknowledges
+--   after the call); then per event one record
 --   "<epoch> <maxlen> <ttl> <gid> <seq> <type> <final state or -> <event JSON>"
 --   (seq 0: no retry check)
 -- and, after a final event's record, the assistant message JSON ('' for none).
 -- Returns one reply per event, in order: its entry id, or '' when refused (as EMIT).
 -- The live channel is the events key with 'live' for 'events' (wire/keys.py).
-local writer, out, k, a = ARGV[1], {}, 1, 2
+local writer, out, k, a = ARGV[1], {}, 1, 4
 while a <= #ARGV do
   local epoch, maxlen, ttl, gid, seq, etype, state, data =
     string.match(ARGV[a], '^(%d+) (%d+) (%d+) (%S+) (%d+) (%S+) (%S+) (.*)$')
@@ -25,5 +29,12 @@ while a <= #ARGV do
   local channel = string.sub(events, 1, -7) .. 'live'
   out[#out + 1] = emit_event(events, gen, active, history, channel, maxlen, ttl, etype, gid,
                              data, state, writer, assistant, seq, tonumber(epoch)) or ''
+end
+if ARGV[2] ~= '' then
+  local ids = {}
+  for id in string.gmatch(ARGV[2], '%S+') do ids[#ids + 1] = id end
+  for i = 1, #ids, 1000 do  -- unpack's limit: a few thousand values
+    redis.call('XACK', KEYS[#KEYS], ARGV[3], unpack(ids, i, math.min(i + 999, #ids)))
+  end
 end
 return out
