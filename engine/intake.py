@@ -7,8 +7,9 @@ copy held while the first one's claim is on its way. The worker's loop runs
 ``consume_forever``; ``Worker.run_job`` runs one generation and hands it back here when it
 ends.
 
-A request queued twice (the second copy): the gateway's stateless submit sends the
-session's SUBMIT script and the queue's XADD in one pipeline. When Redis has lost its
+A request queued twice (the second copy): the gateway's submit of a stored response (a
+session kept past its request) sends the session's SUBMIT script and the queue's XADD in
+one pipeline (a one-shot request's script queues its request itself). When Redis has lost its
 scripts (a restart), the script fails with NOSCRIPT but the XADD goes in: that first copy
 names a generation that does not exist yet, and its claim is refused. The gateway loads
 the script and sends both again, so a second copy follows. A worker that took the second
