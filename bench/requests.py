@@ -48,6 +48,8 @@ from stack.rig import HOST
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE = "engine"
+LOAD_PROCESSES = "loadgen processes"
+"""The load processes' part of ``loadgen``'s CPU (none when this process sends)."""
 NEW, KEPT = "new", "kept"
 
 
@@ -123,7 +125,8 @@ async def run_side(
     """``args.requests`` requests to ``port``, ``args.concurrency`` at a time (``kept``: each
     client on one kept-alive connection), sent from this process or split over the
     processes of ``load``: their outcomes, the CPU seconds of every process of the rig
-    meanwhile (``loadgen``: this process and the load processes), and the wall time."""
+    meanwhile (``loadgen``: this process and the load processes; ``LOAD_PROCESSES``: the
+    load processes' part, each timing itself), and the wall time."""
     request = sse_request(HOST, port, "/v1/chat/completions", {}, chat_body(the_rig, args.tokens))
     pids = the_rig.pids()
     before, began = stats.cpu_of(pids), time.perf_counter()
@@ -147,6 +150,7 @@ async def run_side(
     after = stats.cpu_of(pids)
     cpu = {name: after[name] - before[name] for name in pids}
     cpu["loadgen"] += load_cpu_s
+    cpu[LOAD_PROCESSES] = load_cpu_s
     return outcomes, cpu, wall
 
 

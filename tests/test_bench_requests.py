@@ -42,9 +42,10 @@ def test_every_side_answers_every_request_and_its_path_cpu_is_read(tmp_path: Pat
         assert all(cpu[p] > 0 for p in side["path"] if p not in workers), (name, side)
         # How the two workers share the queue is theirs to decide: together they work.
         assert not workers or sum(cpu[p] for p in workers) > 0, (name, side)
-        # The load processes' CPU is the load generator's (its main process only waits):
-        # a request costs an asyncio HTTP client far more than 50 us.
-        assert cpu["loadgen"] > 50, (name, side)
+        # The load processes' CPU, each timing itself, is in the load generator's (its
+        # main process only waits). No floor in microseconds: that is the machine's speed
+        # (a fast hour's run read 46 us per request for a kept connection's client).
+        assert 0 < cpu["loadgen processes"] <= cpu["loadgen"], (name, side)
     assert sides["gateway x2, kept"]["path"][:3] == ["gateway x2", "worker", "worker2"]
     assert sides["engine, new"]["path"] == ["engine"]
     report = (tmp_path / "requests.md").read_text()
