@@ -146,18 +146,18 @@ async def test_a_final_event_acknowledges_its_request_in_the_same_write(
     keys = Keys(f"t-{secrets.token_hex(4)}")
     publisher = publisher_writing(redis, keys, write, monkeypatch)
     await publisher.queue.ensure_group()
-    ends, acks = [], []
+    targets, acks = [], []
     for _ in range(2):
         sid, gid = await queued_generation(redis, keys)
         acks.append(await redis.xadd(publisher.queue.key, {"r": b"{}"}))
-        target = publisher.target(sid, gid, epoch=0, ttl_s=600, maxlen=100)
-        ends.append((sid, target, gid))
+        targets.append(publisher.target(sid, gid, epoch=0, ttl_s=600, maxlen=100))
     await redis.xreadgroup(wire.CONSUMER_GROUP, "w", {publisher.queue.key: ">"})
     assert (await redis.xpending(publisher.queue.key, wire.CONSUMER_GROUP))["pending"] == 2
     running = asyncio.create_task(publisher.run_forever())
     try:
         futures = []
-        for (_, target, gid), entry_id in zip(ends, acks, strict=True):
+        for target, entry_id in zip(targets, acks, strict=True):
+            gid = target.generation_id
             futures.append(publisher.emit_waited(target, Started(gid, "m", 1), 1))
             futures.append(publisher.emit_waited(target, Token(gid, "a", 1), 2))
             done = Done(gid, "stop", Usage(1, 1))
@@ -168,8 +168,8 @@ async def test_a_final_event_acknowledges_its_request_in_the_same_write(
     assert all(ids)
     assert publisher.pipelines == 1, "the events and the acknowledgements took one write"
     assert (await redis.xpending(publisher.queue.key, wire.CONSUMER_GROUP))["pending"] == 0
-    for sid, _, _ in ends:
-        assert await redis.xlen(keys.events(sid)) == 3
+    for target in targets:
+        assert await redis.xlen(keys.events(target.session_id)) == 3
 
 
 async def test_a_failed_ack_is_counted_and_retried(
