@@ -41,7 +41,9 @@ class Lease:
         self.model = model
         self.requests_key = keys.requests(model)
         self.last_beat = time.monotonic()
-        """When Redis last took a heartbeat (monotonic: it runs on while stopped)."""
+        """When the last heartbeat Redis took was sent (monotonic: it runs on while stopped).
+        Its send, not its reply: the score the others judge by is the time it was sent, and a
+        write held up (a ``CLIENT PAUSE``, a failover's retries) lands that old."""
         self.redis = self._open()
         """The lease connection. One connection: callers (the heartbeat, a drain's look for
         others) take turns."""
@@ -73,7 +75,7 @@ class Lease:
         info = msgspec.structs.replace(
             info, lease_id=lease_id, lease_node=address_of(self.redis) if self.cluster else ""
         )
-        now = time.time()
+        now, sent = time.time(), time.monotonic()
         async with self.writer.pipeline(transaction=False) as pipe:
             pipe.set(self.keys.worker(self.worker_id), wire.encode(info), ex=HEARTBEAT_TTL_S)
             pipe.zadd(self.keys.workers, {self.worker_id: now})
@@ -86,10 +88,11 @@ class Lease:
             # Keeps the consumer group alive while workers idle (EXPIRE on no key: no-op).
             pipe.expire(self.requests_key, wire.SHARED_KEY_TTL_S)
             await pipe.execute()
-        self.last_beat = time.monotonic()
+        self.last_beat = max(self.last_beat, sent)  # two heartbeats may overlap
 
     def silent_for(self) -> float:
-        """Seconds since the last heartbeat Redis took (the others judge this worker by it)."""
+        """How old the last heartbeat Redis took is to the others, who judge this worker by
+        it."""
         return time.monotonic() - self.last_beat
 
     async def others_serving(self) -> int:

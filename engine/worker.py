@@ -444,12 +444,14 @@ class Worker:
     # --- heartbeat -----------------------------------------------------------------------
 
     async def announce_if_silent(self) -> None:
-        """Heartbeat now if the last one is older than two beats (this process was stopped,
-        or Redis away) before taking work. The gateways' reaper takes a silent worker's
-        pending requests away; work it took before the others saw it alive again would be
-        taken away as soon as taken, over and over (the chaos soak: a worker resumed after
-        a SIGSTOP past the worker timeout burnt a reply's takeovers in 0.4 s)."""
-        if self.lease.silent_for() > 2 * HEARTBEAT_S:
+        """Heartbeat until the last one Redis took is at most two beats old (this process
+        was stopped, Redis away, or its writes held up) before taking work. The gateways'
+        reaper takes a silent worker's pending requests away; work it took before the
+        others saw it alive again would be taken away as soon as taken, over and over (the
+        chaos soak: a worker resumed after a SIGSTOP past the worker timeout burnt a reply's
+        takeovers in 0.4 s; later, a heartbeat held up by a write pause landed with its old
+        score while the worker counted it fresh, and the same happened on a cluster)."""
+        while self.lease.silent_for() > 2 * HEARTBEAT_S:
             await self._heartbeat_once()
 
     async def _heartbeat_forever(self) -> None:

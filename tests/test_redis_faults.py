@@ -377,3 +377,37 @@ async def test_a_worker_resumed_after_a_redis_restart_announces_itself_before_ta
         assert reader.reading.text(gid) == synthetic_text("sleep and wake", 60)
     finally:
         stack.stop()
+
+
+async def test_a_worker_whose_heartbeat_a_write_pause_held_up_announces_itself_before_taking_work(
+    restartable_redis: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """Redis holds every write for 8 s (``CLIENT PAUSE WRITE``) mid-reply. The worker's
+    heartbeat waits out the pause and lands with the time it was sent, past the worker
+    timeout, so the reaper (whose reads went on) takes the reply over once. The worker counts
+    that heartbeat as old as the others see it and heartbeats again before it takes the
+    continuation, so the reply finishes whole after that one takeover. Found by the chaos
+    run on a Redis Cluster: the worker counted a held-up heartbeat fresh from its reply,
+    took continuations while the reaper still saw its old score, and a reply was taken over
+    three times in 0.3 s and ended ``worker_lost``."""
+    stack = Stack(restartable_redis.url, "held", tmp_path)
+    admin = redis.Redis.from_url(restartable_redis.url)
+    try:
+        stack.synthetic(25)
+        gateway = stack.gateway()
+        async with httpx.AsyncClient(timeout=30) as client:
+            session = await create_session(client, gateway.url)
+            # 12 s at 25 tokens/s: the reply outlasts the pause.
+            gid = await send(client, session, "a held heartbeat", max_tokens=300)
+            reader = follow(client, session, gid)
+            await reader.until_tokens(10)
+            admin.execute_command("CLIENT", "PAUSE", 8_000, "WRITE")
+            await reader.until_end(60)
+        reading = reader.reading
+        assert reading.final(gid).event == "done", reading.final(gid)
+        assert reading.text(gid) == synthetic_text("a held heartbeat", 300)
+        takeovers = [e.json() for e in reading.of(gid) if e.event == "resumed"]
+        assert len(takeovers) == 1, takeovers
+    finally:
+        admin.close()
+        stack.stop()
