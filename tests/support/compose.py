@@ -160,6 +160,19 @@ def open_connections(pid: int, port: int) -> int:
     return count
 
 
+def process_state(pid: int) -> str:
+    """A process's command line and signal masks (SigCgt: the signals it has handlers for),
+    read on the host: what a signal sent to it will meet."""
+    proc = Path(f"/proc/{pid}")
+    command = proc.joinpath("cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    masks = [
+        line
+        for line in proc.joinpath("status").read_text().splitlines()
+        if line.startswith(("NSpid", "SigBlk", "SigIgn", "SigCgt"))
+    ]
+    return f"pid {pid}: {command}; " + "; ".join(masks)
+
+
 def assert_gap_free(events: list[Event], gid: str) -> None:
     """Ids strictly increasing, token counts strictly increasing (a delta may hold several
     tokens), one final event and nothing after it; a `done` counts every token streamed."""
