@@ -224,6 +224,13 @@ class Reaper:
                 continue
             stale = STALE_CLAIM_MS if consumer.startswith(REAPER_PREFIX) else None
             pending = await queue.pending_of(consumer, stale)
+            # Judged again after reading what it holds, so the verdict is younger than
+            # every entry it hands on: this pass may have waited out a Redis write pause
+            # while the worker heartbeat and read new work, none of it lost.
+            if pending and await live_workers(
+                self.redis, self.keys, [consumer], self.worker_timeout_s
+            ):
+                continue
             for message_id, idle in pending:
                 # Claimed only if still idle as long as seen: an entry another reaper
                 # claimed meanwhile (its idle time reset) is left to that one.

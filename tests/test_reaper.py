@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 from typing import Any
 
 import msgspec
@@ -172,3 +173,43 @@ async def test_a_request_waiting_past_the_deadline_in_a_queue_workers_read_is_en
     final = await redis.hget(keys.generation("s_wait", "g_wait"), "final")
     assert final is not None and b"queue_timeout" in final
     assert await redis.hget(keys.generation("s_taken", "g_taken"), "final") is None
+
+
+async def test_a_worker_heard_from_again_during_a_pass_keeps_what_it_holds(
+    redis: aioredis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pass judges a worker silent, then (as when its own writes wait out a Redis write
+    pause) the worker heartbeats and reads a new request before the pass reads what it
+    holds. The pass judges it again after that read: alive, it keeps both its running reply
+    and the new request, and nothing is queued again. Before, the first verdict stood and
+    the worker lost what it had just taken, over and over while its heartbeat lagged."""
+    keys = Keys(f"t-{secrets.token_hex(4)}")
+    queue_key = keys.requests("m")
+    await redis.hset(keys.models, "m", "m")
+    await redis.xgroup_create(queue_key, CONSUMER_GROUP, id="0", mkstream=True)
+    running = GenerationRequest("g_run", "s_run", SamplingParams(max_tokens=10), prompt="hi")
+    await redis.xadd(queue_key, {"r": wire.encode(running)})
+    await redis.xreadgroup(CONSUMER_GROUP, "back", {queue_key: ">"})
+    await redis.hset(
+        keys.generation("s_run", "g_run"), mapping={"state": "running", "worker": "back"}
+    )
+    await redis.zadd(keys.workers, {"back": time.time() - 60})  # silent for a minute
+    queue = RequestQueue(redis, keys, "m")
+    read_pending = queue.pending_of
+
+    async def heard_from_before_the_read(
+        consumer: str, idle_ms: int | None = None
+    ) -> list[tuple[str, int]]:
+        await redis.zadd(keys.workers, {"back": time.time()})
+        fresh = GenerationRequest("g_new", "s_new", SamplingParams(max_tokens=10), prompt="yo")
+        await redis.xadd(queue_key, {"r": wire.encode(fresh)})
+        await redis.xreadgroup(CONSUMER_GROUP, "back", {queue_key: ">"})
+        return await read_pending(consumer, idle_ms)
+
+    monkeypatch.setattr(queue, "pending_of", heard_from_before_the_read)
+    await Reaper(redis, keys, 2.0, 100, 600).reap_once([queue])
+    pending = await redis.xpending(queue_key, CONSUMER_GROUP)
+    assert pending["pending"] == 2, pending
+    assert [wire.text(c["name"]) for c in pending["consumers"]] == ["back"]
+    assert await redis.xlen(queue_key) == 2, "a request was queued again"
+    assert await redis.hget(keys.generation("s_run", "g_run"), "worker") == b"back"
