@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 import redis
 from redis.cluster import RedisCluster
+from redis.exceptions import RedisClusterException
 from redis.sentinel import Sentinel
 
 from stack import processes, procfs
@@ -63,21 +64,30 @@ def wait_worker(
     process: subprocess.Popen[bytes],
     timeout_s: float = 600,
 ) -> None:
-    """Until the worker has registered (its ``worker:{id}`` key); fails if it exits first."""
-    client = sync_client(redis_url)
+    """Until the worker has registered (its ``worker:{id}`` key); fails if it exits first.
+    Redis away meanwhile (restarting, a cluster failing over) is waited for: a cluster
+    client cannot even be made while the node the URL names is down (the chaos run's
+    replacement worker, started during a primary's failover, failed there)."""
     key = Keys(prefix).worker(worker_id)
     deadline = time.monotonic() + timeout_s
+    client: redis.Redis | None = None
+    unanswered: Exception | None = None
     try:
         while time.monotonic() < deadline:
             if process.poll() is not None:
                 raise RuntimeError(f"engine worker exited with {process.returncode}")
-            with contextlib.suppress(redis.RedisError):
+            try:
+                client = client or sync_client(redis_url)
                 if client.exists(key):
                     return
+            except (redis.RedisError, RedisClusterException) as exc:
+                unanswered = exc  # asked again in 20 ms, until the deadline
             time.sleep(0.02)
     finally:
-        client.close()
-    raise TimeoutError(f"worker {worker_id} did not register in {timeout_s} s")
+        if client is not None:
+            client.close()
+    why = f" (Redis last said: {unanswered!r})" if unanswered is not None else ""
+    raise TimeoutError(f"worker {worker_id} did not register in {timeout_s} s{why}")
 
 
 @dataclass

@@ -12,7 +12,9 @@ clear error, never hangs.
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -20,7 +22,7 @@ import pytest
 from stack import processes
 from stack.redis_cluster import EmbeddedCluster
 from stack.redis_server import free_port
-from stack.rig import sync_client
+from stack.rig import sync_client, wait_worker
 from tests.support.cluster import (
     check_reply,
     key_lookups,
@@ -266,3 +268,31 @@ def test_a_cluster_node_named_as_one_redis_stops_gateway_and_worker_with_the_url
         assert "cannot start: REDIS_URL names a node of a Redis Cluster" in output, output
         assert f"use redis+cluster://127.0.0.1:{node.port}" in output
         assert "Traceback" not in output
+
+
+def test_waiting_for_a_worker_outlasts_the_node_the_url_names_being_down(
+    redis_cluster: EmbeddedCluster,
+) -> None:
+    """stack.rig.wait_worker (how the rig, the benches and the chaos run wait for a worker
+    they start) while the node ``REDIS_URL`` names is down: it waits for the cluster rather
+    than fail. The chaos run's replacement worker, started during a primary's failover,
+    failed there: a cluster client cannot be made while that node is down."""
+    named = redis_cluster.nodes[0]
+    prefix, worker_id = f"t-{time.monotonic_ns()}", "late"
+    # Stands in for the worker's process: alive while it registers.
+    stand_in = subprocess.Popen(["sleep", "120"])
+    named.kill()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(wait_worker, redis_cluster.url, prefix, worker_id, stand_in, 60)
+            revive(redis_cluster, named)  # seconds: the waiter asks meanwhile
+            assert not waiting.done(), waiting.exception()
+            other = next(node for node in redis_cluster.live() if node is not named)
+            with sync_client(f"redis+cluster://127.0.0.1:{other.port}") as client:
+                client.set(Keys(prefix).worker(worker_id), b"{}", ex=60)
+            waiting.result(timeout=30)
+    finally:
+        if named.process is None:
+            revive(redis_cluster, named)
+        stand_in.kill()
+        stand_in.wait()
