@@ -22,7 +22,15 @@ import wire
 from stack.procfs import tcp_local_ports_to
 from stack.redis_server import EmbeddedRedis, free_port
 from stack.rig import wait_worker
-from tests.support.http import TERMINAL, Reading, cancel, create_session, follow, read_events, send
+from tests.support.http import (
+    TERMINAL,
+    Reading,
+    cancel,
+    create_session,
+    read_events,
+    reply_under_way,
+    send,
+)
 from tests.support.metrics import scrape
 from tests.support.oracle import synthetic_text
 from tests.support.redis_probes import event_key
@@ -220,10 +228,9 @@ async def test_a_frozen_redis_is_waited_for_and_ready_says_so(
         stack.synthetic(25)
         gateway = stack.gateway()
         async with httpx.AsyncClient(timeout=30) as client:
-            session = await create_session(client, gateway.url)
-            generation = await send(client, session, "through a freeze", max_tokens=100)
-            follower = follow(client, session, generation)
-            await follower.until_tokens(8)
+            _, generation, follower = await reply_under_way(
+                client, gateway.url, "through a freeze", 8, max_tokens=100
+            )
             assert restartable_redis.process is not None
             pid = restartable_redis.process.pid
             os.kill(pid, signal.SIGSTOP)
@@ -291,10 +298,9 @@ async def test_a_worker_stopped_while_redis_restarts_still_hands_its_reply_on(
         first = stack.synthetic(25, "--drain-s", "5", worker_id="first")
         gateway = stack.gateway()
         async with httpx.AsyncClient(timeout=30) as client:
-            session = await create_session(client, gateway.url)
-            gid = await send(client, session, "over a restart", max_tokens=100)
-            reader = follow(client, session, gid)
-            await reader.until_tokens(10)
+            _, gid, reader = await reply_under_way(
+                client, gateway.url, "over a restart", 10, max_tokens=100
+            )
             stack.synthetic(25, "--drain-s", "5", worker_id="second")
             restartable_redis.stop()
             first.send_signal(signal.SIGTERM)  # its hand-over meets no Redis
@@ -361,10 +367,9 @@ async def test_a_worker_resumed_after_a_redis_restart_announces_itself_before_ta
         worker = stack.synthetic(25)
         gateway = stack.gateway()
         async with httpx.AsyncClient(timeout=30) as client:
-            session = await create_session(client, gateway.url)
-            gid = await send(client, session, "sleep and wake", max_tokens=60)
-            reader = follow(client, session, gid)
-            await reader.until_tokens(10)
+            _, gid, reader = await reply_under_way(
+                client, gateway.url, "sleep and wake", 10, max_tokens=60
+            )
             os.killpg(worker.pid, signal.SIGSTOP)
             try:
                 restartable_redis.stop()
@@ -396,11 +401,10 @@ async def test_a_worker_whose_heartbeat_a_write_pause_held_up_announces_itself_b
         stack.synthetic(25)
         gateway = stack.gateway()
         async with httpx.AsyncClient(timeout=30) as client:
-            session = await create_session(client, gateway.url)
             # 12 s at 25 tokens/s: the reply outlasts the pause.
-            gid = await send(client, session, "a held heartbeat", max_tokens=300)
-            reader = follow(client, session, gid)
-            await reader.until_tokens(10)
+            _, gid, reader = await reply_under_way(
+                client, gateway.url, "a held heartbeat", 10, max_tokens=300
+            )
             admin.execute_command("CLIENT", "PAUSE", 8_000, "WRITE")
             await reader.until_end(60)
         reading = reader.reading

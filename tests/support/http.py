@@ -214,6 +214,18 @@ def follow(
     return follower
 
 
+async def reply_under_way(
+    client: httpx.AsyncClient, base: str, content: str, tokens: int, **params: Any
+) -> tuple[Session, str, Follower]:
+    """A new session's reply to ``content``, followed until ``tokens`` tokens arrived (the
+    moment a fault test strikes): its session, generation id and follower."""
+    session = await create_session(client, base)
+    gid = await send(client, session, content, **params)
+    follower = follow(client, session, gid)
+    await follower.until_tokens(tokens)
+    return session, gid, follower
+
+
 @asynccontextmanager
 async def slot_held(base: str) -> AsyncIterator[None]:
     """A session generation that never ends (``[[stall]]``) holds one in-flight slot until
