@@ -16,13 +16,12 @@ from urllib.parse import urlsplit
 
 import redis
 from redis.cluster import RedisCluster
-from redis.exceptions import RedisClusterException
 from redis.sentinel import Sentinel
 
 from stack import processes, procfs
 from stack.redis_server import EmbeddedRedis, free_port
 from wire import Keys
-from wire.connect import CLUSTER_SCHEMES, kind_of
+from wire.connect import CLUSTER_SCHEMES, REDIS_AWAY_ERRORS, kind_of, redis_away
 
 HOST = "127.0.0.1"
 VLLM_LOCK = Path("/tmp/tokenspout-vllm.lock")
@@ -80,7 +79,9 @@ def wait_worker(
                 client = client or sync_client(redis_url)
                 if client.exists(key):
                     return
-            except (redis.RedisError, RedisClusterException) as exc:
+            except REDIS_AWAY_ERRORS as exc:
+                if not redis_away(exc):
+                    raise
                 unanswered = exc  # asked again in 20 ms, until the deadline
             time.sleep(0.02)
     finally:

@@ -342,8 +342,8 @@ async def when_redis_answers(step: Callable[[], Awaitable[T]], what: str) -> T:
     while True:
         try:
             return await step()
-        except (RedisError, OSError, RedisClusterException) as exc:
-            if isinstance(exc, RedisClusterException) and not _unreachable(exc):
+        except REDIS_AWAY_ERRORS as exc:
+            if not redis_away(exc):
                 raise
             if time.monotonic() - warned_at >= WAITING_WARN_S:
                 log.warning("%s: Redis does not answer (%s); waiting for it", what, exc)
@@ -352,11 +352,18 @@ async def when_redis_answers(step: Callable[[], Awaitable[T]], what: str) -> T:
             delay = min(delay * 2, 1.0)
 
 
-def _unreachable(exc: RedisClusterException) -> bool:
-    """A cluster client that reached no node (the one the URL names is down: a process
-    started during a failover) says so with a connection error as the cause; any other
-    cause (a Redis that is not a cluster) is a mistake to stop on, not to wait out."""
-    return isinstance(exc.__cause__, RedisError | OSError)
+REDIS_AWAY_ERRORS = (RedisError, OSError, RedisClusterException)
+"""What a client raises while Redis does not answer; ``redis_away`` tells which to wait out."""
+
+
+def redis_away(exc: BaseException) -> bool:
+    """``exc`` says Redis does not answer now (restarting, failing over, not up yet): one
+    to wait out. A cluster client that reached no node (the one the URL names is down: a
+    process started during a failover) says so with a connection error as the cause; any
+    other cause (a Redis that is not a cluster) is a mistake to stop on, not to wait out."""
+    if isinstance(exc, RedisClusterException):
+        return isinstance(exc.__cause__, RedisError | OSError)
+    return isinstance(exc, RedisError | OSError)
 
 
 def is_cluster(redis: object) -> bool:
