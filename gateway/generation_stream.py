@@ -24,8 +24,9 @@ from litestar.background_tasks import BackgroundTask
 
 from gateway.errors import BadRequest, GatewayError, NotFound, Unavailable
 from gateway.feed import NEW_SESSION, Feed
+from gateway.ids import new_id
 from gateway.relay import RelayHub
-from gateway.sessions import SessionStore, Submitted, new_id
+from gateway.sessions import SessionStore, Submitted
 from gateway.settings import Settings
 from gateway.tools import add_to_call
 from wire import (

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import logging
 import re
-import secrets
 import time
 from typing import Any
 
 from litestar.enums import ScopeType
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.ids import token_hex
 from gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("tokenspout.http")
@@ -33,7 +33,7 @@ def request_id_of(scope: Scope) -> str:
     for name, value in scope.get("headers", ()):
         if name == REQUEST_ID_HEADER and _REQUEST_ID.match(value):
             return str(value.decode())
-    return secrets.token_hex(8)
+    return token_hex(8)
 
 
 class RequestMetrics:

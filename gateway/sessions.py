@@ -15,7 +15,6 @@ import hashlib
 import hmac
 import logging
 import math
-import secrets
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -27,6 +26,7 @@ from redis.exceptions import NoScriptError
 import wire
 from gateway.errors import BadRequest, Conflict, Forbidden, NotFound, Overloaded, Unavailable
 from gateway.generations import GenerationQueue
+from gateway.ids import new_id, token_urlsafe
 from gateway.models import ModelDirectory
 from gateway.settings import Settings
 from wire import (
@@ -117,10 +117,6 @@ def _bad_token() -> Forbidden:
     return Forbidden("a valid session token is required", code="bad_session_token")
 
 
-def new_id(kind: str) -> str:
-    return f"{kind}_{secrets.token_urlsafe(16)}"
-
-
 class SessionStore:
     def __init__(
         self, redis: aioredis.Redis, settings: Settings, observer: StoreObserver | None = None
@@ -148,7 +144,7 @@ class SessionStore:
                 if exc.code != "no_worker":
                     raise
                 resolved = ""  # no worker yet: the first message picks the default
-        session_id, token = new_id("s"), secrets.token_urlsafe(32)
+        session_id, token = new_id("s"), token_urlsafe(32)
         meta = self.keys.meta(session_id)
         fields = {"token": _digest(token), "created": time.time(), "model": resolved}
         async with self.redis.pipeline(transaction=True) as pipe:
