@@ -26,6 +26,7 @@ import uvicorn
 
 from gateway.settings import Settings
 from gateway.supervisor import OrphanWatch, Supervisor, auto_workers
+from gateway.transport import HttpProtocol
 from wire.connect import misconfiguration
 from wire.logs import configure_logging
 from wire.runtime import tune_gc
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         # Named, not uvicorn's "auto" (which falls back to asyncio's loop and h11 where these
         # are missing: the gateway image had neither, at 15-30 % more CPU per request).
         loop="uvloop",
-        http="httptools",
+        http=HttpProtocol,  # httptools' protocol, one write for a head and its body
         timeout_graceful_shutdown=settings.shutdown_grace_s,
         timeout_keep_alive=settings.keepalive_s,
         ws_max_size=ws_max_size(settings),
