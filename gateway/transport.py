@@ -1,15 +1,16 @@
 """The HTTP protocol the gateway serves with: uvicorn's httptools protocol, writing a
-response's head and the start of its body in one system call.
+response's head and the start of its body in one system call when they are sent together.
 
 uvicorn writes the head the moment the app sends ``http.response.start`` and the body with
 each ``http.response.body``: two ``write`` calls at least, and on a loopback or LAN socket a
 small write is the costliest step of a short response (the kernel runs the whole send
-there). A profile of one-shot streamed requests put uvicorn's writes at 14 % of the
-gateway's CPU (docs/bench.md, issue 27). Here a head is held for a moment and goes out
-with the next write: a whole answer's body, sent in the same turn of the event loop, or a
-stream's first chunk, which for a short reply follows within milliseconds. A head that
-nothing follows within ``HEAD_HOLD_S`` is written alone then; a client waiting for the
-body sees no delay, since the body's write carries the head with it.
+there). Here a head waits for the rest of its turn of the event loop: a body sent in the
+same turn (a whole answer, or a stream whose first chunk is ready) goes out with it in one
+write; otherwise it is written alone at the turn's end.
+
+It waits no longer than that: a stream's head held for its first token (tried: it saves
+the write on short replies) cost one stream about 0.2 ms of time to the first token, the
+client's reading of the head moving from the wait into the token's path (docs/bench.md).
 """
 
 from __future__ import annotations
@@ -19,16 +20,12 @@ from typing import Any, cast
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-HEAD_HOLD_S = 0.005
-"""The longest a response head waits for its body: only a client that reads headers before
-the first token (an EventSource's ``onopen``) can see it."""
-
 _HEAD = b"HTTP/1.1 "
-_INTERIM = b"HTTP/1.1 1"  # "100 Continue": the client waits for it to send its body
 
 
 class HeadHoldingTransport(asyncio.Transport):
-    """A socket's transport that holds a response head until the next write joins it.
+    """A socket's transport that holds a response head to the end of the event loop's turn,
+    for a write of the same turn to join.
 
     Everything but writing goes to the transport it wraps. After ``set_protocol`` (an
     upgrade to WebSocket) it holds nothing: frames are written as they come."""
@@ -38,37 +35,36 @@ class HeadHoldingTransport(asyncio.Transport):
         self.transport = transport
         self.loop = loop
         self.held = b""
-        self.flush_timer: asyncio.TimerHandle | None = None
+        self.turn_end: asyncio.Handle | None = None
         self.holding = True
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if self.held:
             data, self.held = self.held + data, b""
-            self._cancel_timer()
+            self._cancel_turn_end()
         elif (
             self.holding
             and isinstance(data, bytes)  # uvicorn writes bytes; anything else goes on
             and data.startswith(_HEAD)
-            and not data.startswith(_INTERIM)
             and not self.transport.is_closing()
         ):
             self.held = data
-            self.flush_timer = self.loop.call_later(HEAD_HOLD_S, self.flush)
+            self.turn_end = self.loop.call_soon(self.flush)
             return
         self.transport.write(data)
 
     def flush(self) -> None:
         """Write a held head now."""
-        self._cancel_timer()
+        self._cancel_turn_end()
         if self.held:
             held, self.held = self.held, b""
             if not self.transport.is_closing():
                 self.transport.write(held)
 
-    def _cancel_timer(self) -> None:
-        if self.flush_timer is not None:
-            self.flush_timer.cancel()
-            self.flush_timer = None
+    def _cancel_turn_end(self) -> None:
+        if self.turn_end is not None:
+            self.turn_end.cancel()
+            self.turn_end = None
 
     def writelines(self, list_of_data: Any) -> None:
         self.write(b"".join(list_of_data))
@@ -85,7 +81,7 @@ class HeadHoldingTransport(asyncio.Transport):
         self.transport.close()
 
     def abort(self) -> None:
-        self._cancel_timer()
+        self._cancel_turn_end()
         self.held = b""
         self.transport.abort()
 
@@ -125,13 +121,6 @@ class HeadHoldingTransport(asyncio.Transport):
 class HttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol over a ``HeadHoldingTransport``."""
 
-    holding: HeadHoldingTransport
-
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport's subclasses, but are ones in kind
-        self.holding = HeadHoldingTransport(cast(asyncio.Transport, transport), self.loop)
-        super().connection_made(self.holding)
-
-    def on_response_complete(self) -> None:
-        self.holding.flush()  # a response without a body write (to HEAD) ends with its head
-        super().on_response_complete()
+        super().connection_made(HeadHoldingTransport(cast(asyncio.Transport, transport), self.loop))
