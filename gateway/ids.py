@@ -24,7 +24,9 @@ class RandomPool:
         self.size = size
         self.buffer = b""
         self.used = 0
-        self.lock = threading.Lock()  # ids are taken on the event loop, but not only there
+        # The gateway takes ids on its event loop alone; the lock keeps two threads from
+        # ever being handed the same bytes, should one take ids too.
+        self.lock = threading.Lock()
 
     def take(self, n: int) -> bytes:
         with self.lock:

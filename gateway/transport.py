@@ -8,9 +8,9 @@ there). Here a head waits for the rest of its turn of the event loop: a body sen
 same turn (a whole answer, or a stream whose first chunk is ready) goes out with it in one
 write; otherwise it is written alone at the turn's end.
 
-It waits no longer than that: a stream's head held for its first token (tried: it saves
-the write on short replies) cost one stream about 0.2 ms of time to the first token, the
-client's reading of the head moving from the wait into the token's path (docs/bench.md).
+It waits no longer than that, so a client gets a stream's headers when it got them before
+(an EventSource's ``onopen``, a ``fetch`` resolving). Holding a stream's head for its first
+token was tried: it saved a write per short reply, within this VM's noise (docs/bench.md).
 """
 
 from __future__ import annotations
