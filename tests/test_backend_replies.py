@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 import httpx
 import pytest
 
 from tests.support.engines import LONG, PROMPT, EngineUnderTest, nothing_after_the_final
 from tests.support.http import create_session, read_events, send
-from tests.support.sse import parse
+from tests.support.sse import Event, parse
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -74,16 +76,16 @@ async def test_a_generation_nobody_reads_is_abandoned_after_a_short_grace(
     async with httpx.AsyncClient(timeout=60) as client:
         session = await create_session(client, gateway.url)
         gid = await send(client, session, PROMPT, max_tokens=LONG, **engine.sampling)
-        seen = 0
         async with client.stream("GET", session.events_url, headers=session.headers) as response:
             assert response.status_code == 200
-            async with asyncio.timeout(300):
-                async for event in parse(response.aiter_lines()):
-                    if event.event == "token":
-                        seen = event.json()["count"]
-                        if seen >= 3:
-                            break
-            await engine.wait_running(1)
+            # Held, not left to the loop: an SSE iterator dropped by a `break` is finalized
+            # at once, and with it the response, so the reader would leave there and the
+            # engine could be done with it before `wait_running` looked (CI saw it).
+            async with aclosing(parse(response.aiter_lines())) as events:
+                async with asyncio.timeout(300):
+                    seen = await token_count_after(events, 3)
+                    await engine.wait_running(1)
+                    seen = await token_count_after(events, seen + 1)  # still connected
         left = time.monotonic()  # the client is gone; nobody else reads the session
 
         # Grace (2 s) plus the watch's expiry and the worker's 1 s check, with slack.
@@ -94,3 +96,11 @@ async def test_a_generation_nobody_reads_is_abandoned_after_a_short_grace(
         # The disconnect itself did not end it: it ran on until the grace was over.
         assert seen < final.json()["usage"]["completion_tokens"] < LONG
         await nothing_after_the_final(engine, session.session_id, gid)
+
+
+async def token_count_after(events: AsyncIterator[Event], count: int) -> int:
+    """Read up to the first token event whose count reaches ``count``; its count."""
+    async for event in events:
+        if event.event == "token" and (seen := int(event.json()["count"])) >= count:
+            return seen
+    raise AssertionError(f"the stream ended before {count} tokens")
