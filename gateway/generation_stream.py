@@ -23,8 +23,7 @@ import msgspec
 from litestar.background_tasks import BackgroundTask
 
 from gateway.errors import BadRequest, GatewayError, NotFound, Unavailable
-from gateway.feed import NEW_SESSION, Feed
-from gateway.ids import new_id
+from gateway.feed import Feed
 from gateway.relay import RelayHub
 from gateway.sessions import SessionStore, Submitted
 from gateway.settings import Settings
@@ -163,18 +162,17 @@ class GenerationStream:
     ) -> GenerationStream:
         """Queue it for ``model`` (a name or alias; None: the default model).
 
-        The session's feed opens first, so its events come live from the first one, with
-        no read of the session's stream (``NEW_SESSION``)."""
-        session_id = new_id("s")
+        The new session's feed opens first, so its events come live from the first one,
+        with no read of the session's stream (``RelayHub.open_new_session``)."""
         feed_open = contextlib.AsyncExitStack()
         try:
-            feed = await feed_open.enter_async_context(hub.open(session_id, NEW_SESSION))
+            feed = await feed_open.enter_async_context(hub.open_new_session())
             submitted = await store.submit_stateless(
                 params,
                 model=model,
                 messages=messages,
                 prompt=prompt,
-                session_id=session_id,
+                session_id=feed.session_id,
                 tools=tools,
                 task=task,
                 token_ids=token_ids,

@@ -32,6 +32,11 @@ Deliver = Callable[[bytes, bytes], None]
 Confirmed = Callable[[str, bool], None]
 """A channel's subscription is confirmed (True) or lost (False)."""
 SUBSCRIBE, UNSUBSCRIBE = "subscribe", "unsubscribe"
+UNSUBSCRIBE_AFTER_S = 0.1
+UNSUBSCRIBE_BATCH = 32
+"""A channel nobody watches any more is unsubscribed with others, in one command, once
+``UNSUBSCRIBE_BATCH`` are left or ``UNSUBSCRIBE_AFTER_S`` after the first: at hundreds of
+one-shot requests a second, not one command each. Meanwhile its messages are dropped."""
 
 
 class RelayPubSub(PubSub):
@@ -102,11 +107,16 @@ class PlainLive:
         self._batch_sent: asyncio.Future[None] | None = None
         self._senders: set[asyncio.Task[None]] = set()
         """The batches' tasks: the one sending, and the next one waiting for it."""
+        self._leaving: set[str] = set()
+        """Channels to unsubscribe with the next batch of them."""
+        self._leave_timer: asyncio.TimerHandle | None = None
 
     async def start(self) -> None:
         self._reader = asyncio.create_task(self._read_forever(), name="relay-reader")
 
     async def close(self) -> None:
+        if self._leave_timer is not None:
+            self._leave_timer.cancel()
         for sender in list(self._senders):
             sender.cancel()
         if self._reader is not None:
@@ -121,13 +131,28 @@ class PlainLive:
         reaches Redis after it) or, while the connection is down, left to the reader's
         next one."""
         self.channels.add(channel)
+        self._leaving.discard(channel)  # watched again: subscribed again, and confirmed
         await asyncio.shield(self._ask(SUBSCRIBE, channel))
 
     async def unsubscribe(self, channel: str) -> None:
-        """Unsubscribe with the others of this pass; nobody waits for it (messages of a
-        channel nobody watches are dropped, and a new connection leaves it out)."""
+        """Unsubscribe with the next batch of channels left (``UNSUBSCRIBE_BATCH``); nobody
+        waits for it (messages of a channel nobody watches are dropped, and a new
+        connection leaves it out)."""
         self.channels.discard(channel)
-        self._ask(UNSUBSCRIBE, channel)
+        self._leaving.add(channel)
+        if len(self._leaving) >= UNSUBSCRIBE_BATCH:
+            self._unsubscribe_left()
+        elif self._leave_timer is None:
+            loop = asyncio.get_running_loop()
+            self._leave_timer = loop.call_later(UNSUBSCRIBE_AFTER_S, self._unsubscribe_left)
+
+    def _unsubscribe_left(self) -> None:
+        if self._leave_timer is not None:
+            self._leave_timer.cancel()
+            self._leave_timer = None
+        for channel in self._leaving:
+            self._ask(UNSUBSCRIBE, channel)
+        self._leaving.clear()
 
     def _ask(self, command: str, channel: str) -> asyncio.Future[None]:
         """``command`` for ``channel`` in this pass's batch: the future of its sending."""

@@ -30,9 +30,11 @@ from redis.exceptions import RedisError
 
 import wire
 from gateway.errors import BadRequest, EventsExpired, ShuttingDown
-from gateway.feed import CATCH_UP_PAGE, LIVE_ONLY, Feed, RelayEvent
+from gateway.feed import CATCH_UP_PAGE, LIVE_ONLY, NEW_SESSION, Feed, RelayEvent
+from gateway.ids import new_id
 from gateway.live import LiveSource, PlainLive
 from gateway.shards import ShardedLive
+from gateway.spares import SpareSessions
 from gateway.waiting import WaitingGenerations
 from wire import FinalEvent, Keys, entry_id_key
 from wire.connect import is_cluster
@@ -90,6 +92,10 @@ class RelayHub:
             if is_cluster(redis)
             else PlainLive(redis, self._deliver, self._confirm, self._connection_lost)
         )
+        self.spares = SpareSessions(keys, self.live) if isinstance(self.live, PlainLive) else None
+        """Session ids of one-shot requests, subscribed ahead (gateway/spares.py). Not on a
+        cluster, where spread over every slot they would hold a connection to every
+        primary, not only to those serving a watched session."""
         self._feeds: dict[str, set[Feed]] = {}
         self._confirmed: set[str] = set()
         self.waiting = WaitingGenerations()
@@ -123,8 +129,12 @@ class RelayHub:
 
     async def start(self) -> None:
         await self.live.start()
+        if self.spares is not None:
+            self.spares.fill()
 
     async def stop(self) -> None:
+        if self.spares is not None:
+            await self.spares.close()
         await self.live.close()
 
     def fell_behind(self) -> None:
@@ -168,6 +178,19 @@ class RelayHub:
                     # pub/sub connection resubscribes only the channels still watched.
                     log.warning("unsubscribing %s failed: %s", channel, exc)
                     self.redis_error("relay")
+
+    @contextlib.asynccontextmanager
+    async def open_new_session(self) -> AsyncIterator[Feed]:
+        """A feed of a session not made yet, under a fresh id (``feed.session_id``): a
+        spare whose channel is subscribed already, or else a new one subscribed now."""
+        spare = self.spares.take() if self.spares is not None else None
+        if spare is None:
+            session_id = new_id("s")
+        else:
+            session_id, channel = spare
+            self._confirmed.add(channel)
+        async with self.open(session_id, NEW_SESSION) as feed:
+            yield feed
 
     async def read_after(self, session_id: str, after_id: str | None) -> list[RelayEvent]:
         """The next page of the stream after ``after_id``; ``EventsExpired`` if some of what
@@ -258,20 +281,25 @@ class RelayHub:
 
     def _deliver(self, raw_channel: bytes, data: bytes) -> None:
         channel = raw_channel.decode()
+        feeds = self._feeds.get(channel)
+        if feeds is None:  # nobody here watches it (gateway/live.py unsubscribes it late)
+            return
         event_id, event_type, generation_id, payload = data.split(b" ", 3)
         event = RelayEvent(event_id.decode(), event_type.decode(), generation_id.decode(), payload)
         session_id = self.keys.session_id_of_channel(channel)
         if self.observer is not None:
             self.observer.event(session_id, event)
-        if event.type != "token" and channel in self._feeds:
+        if event.type != "token":
             self.waiting.saw(session_id, event.type, event.generation_id, event.id)
-        for feed in self._feeds.get(channel, ()):
+        for feed in feeds:
             feed.push(event)
 
     def _confirm(self, channel: str, ready: bool) -> None:
         """The channel's subscription is confirmed (its feeds read the stream, then go
         live), or was lost (they wait, then read from their last id)."""
         if channel not in self._feeds:
+            if self.spares is not None:
+                self.spares.confirmed(channel, ready)
             return
         if ready:
             self._confirmed.add(channel)

@@ -4,6 +4,7 @@ events written the way engines write them (wire/lua/emit_core.lua's emit: XADD, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -11,9 +12,11 @@ import pytest
 import redis.asyncio as aioredis
 
 import wire
+from gateway import live
 from gateway.errors import BadRequest, EventsExpired
-from gateway.feed import LIVE_ONLY, NEW_SESSION, Feed, RelayEvent
+from gateway.feed import LIVE_ONLY, NEW_SESSION, Feed, FeedState, RelayEvent
 from gateway.relay import RelayHub
+from gateway.spares import BATCH as SPARE_BATCH
 from tests.support.redis_probes import live_readers
 from wire import Keys, Usage
 from wire.scripts import EMIT_CORE
@@ -400,3 +403,138 @@ async def test_a_session_nobody_reads_books_nothing(make_hub: HubFactory, sessio
     await session.emit(wire.Queued("g1"))
     assert [event.type for event in await hub.read_after(SESSION, None)] == ["queued"]
     assert len(hub.waiting) == 0
+
+
+async def subscribe_commands(redis: aioredis.Redis) -> int:
+    """SUBSCRIBE commands the server has run (every client's)."""
+    stats = await redis.info("commandstats")
+    return int(stats.get("cmdstat_subscribe", {}).get("calls", 0))
+
+
+async def test_a_new_session_feed_takes_a_spare_subscribed_ahead_and_sends_no_subscribe(
+    make_hub: HubFactory, redis: aioredis.Redis, keys: Keys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hub = await make_hub()
+    assert hub.spares is not None
+    await until(lambda: hub.spares is not None and hub.spares.ready == SPARE_BATCH)
+    subscribes = await subscribe_commands(redis)
+    reads: list[str | None] = []
+    read_after = hub.read_after
+
+    async def counted(session_id: str, after_id: str | None) -> list[RelayEvent]:
+        reads.append(after_id)
+        return await read_after(session_id, after_id)
+
+    monkeypatch.setattr(hub, "read_after", counted)
+    async with hub.open_new_session() as feed:
+        assert feed.state is FeedState.FIRST_EVENT  # confirmed before anything is written
+        assert hub.spares.ready == SPARE_BATCH - 1
+        channel = keys.live_channel(feed.session_id)
+        assert await live_readers(redis, channel) == 1
+        session = Session(redis, keys, feed.session_id)
+        written = [await session.emit(wire.Queued("g")), *await session.tokens(3)]
+        assert ids(await read(feed, 4)) == written
+    assert reads == []
+    assert await subscribe_commands(redis) == subscribes
+    await until_async(lambda: live_readers(redis, channel), 0)
+
+
+async def test_spares_are_refilled_in_one_command_and_with_none_ready_a_session_subscribes_itself(
+    make_hub: HubFactory, redis: aioredis.Redis, keys: Keys
+) -> None:
+    hub = await make_hub()
+    await until(lambda: hub.spares is not None and hub.spares.ready == SPARE_BATCH)
+    subscribes = await subscribe_commands(redis)
+    async with contextlib.AsyncExitStack() as held:
+        # Entered in one pass of the event loop (a spare's feed awaits nothing): the refill
+        # asked for at half a batch cannot have run, so the last one finds none ready.
+        feeds = [
+            await held.enter_async_context(hub.open_new_session()) for _ in range(SPARE_BATCH + 1)
+        ]
+        assert [feed.state for feed in feeds[:-1]] == [FeedState.FIRST_EVENT] * SPARE_BATCH
+        assert len({feed.session_id for feed in feeds}) == SPARE_BATCH + 1
+        for feed in feeds:
+            session = Session(redis, keys, feed.session_id)
+            written = [await session.emit(wire.Queued("g")), *await session.tokens(2)]
+            assert ids(await read(feed, 3)) == written
+        await until(lambda: hub.spares is not None and hub.spares.ready == SPARE_BATCH)
+    # The refill's batch and the last session's own channel: asked in one pass, sent as
+    # one command (or two, had the refill been sent on its own).
+    assert subscribes < await subscribe_commands(redis) <= subscribes + 2
+
+
+async def test_spares_lost_with_the_pubsub_connection_are_ready_again_once_it_is_back(
+    redis: aioredis.Redis, keys: Keys
+) -> None:
+    errors: list[str] = []
+
+    class Counting(Observer):
+        def redis_error(self, where: str) -> None:
+            errors.append(where)
+
+    hub = RelayHub(redis, keys, 1000, Counting())
+    await hub.start()
+    try:
+        await until(lambda: hub.spares is not None and hub.spares.ready == SPARE_BATCH)
+        await redis.client_kill_filter(_type="pubsub")
+        await until(lambda: errors == ["relay"])
+        await until(lambda: hub.spares is not None and hub.spares.ready == SPARE_BATCH)
+        async with hub.open_new_session() as feed:
+            assert feed.state is FeedState.FIRST_EVENT
+            session = Session(redis, keys, feed.session_id)
+            written = [await session.emit(wire.Queued("g")), *await session.tokens(2)]
+            assert ids(await read(feed, 3)) == written
+    finally:
+        await hub.stop()
+
+
+async def until_async(probe: Callable[[], Awaitable[int]], value: int, timeout: float = 10) -> None:
+    async with asyncio.timeout(timeout):
+        while await probe() != value:
+            await asyncio.sleep(0.005)
+
+
+async def unsubscribe_commands(redis: aioredis.Redis) -> int:
+    stats = await redis.info("commandstats")
+    return int(stats.get("cmdstat_unsubscribe", {}).get("calls", 0))
+
+
+async def test_channels_nobody_watches_any_more_are_unsubscribed_together(
+    make_hub: HubFactory,
+    redis: aioredis.Redis,
+    keys: Keys,
+    observer: Observer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(live, "UNSUBSCRIBE_BATCH", 3)
+    monkeypatch.setattr(live, "UNSUBSCRIBE_AFTER_S", 60.0)
+    hub = await make_hub()
+    unsubscribes = await unsubscribe_commands(redis)
+    channels = [keys.live_channel(f"s-left-{n}") for n in range(3)]
+    dropped: list[str] = []
+    for n, channel in enumerate(channels):
+        async with hub.open(f"s-left-{n}"):
+            await until_async(lambda c=channel: live_readers(redis, c), 1)  # type: ignore[misc]
+        if n < 2:  # left subscribed until a batch is full; its messages are dropped
+            dropped += await Session(redis, keys, f"s-left-{n}").tokens(1)
+            assert await live_readers(redis, channel) == 1
+    for channel in channels:
+        await until_async(lambda c=channel: live_readers(redis, c), 0)  # type: ignore[misc]
+    assert await unsubscribe_commands(redis) == unsubscribes + 1
+    assert not set(dropped) & {event.id for event in observer.events}
+
+
+async def test_a_channel_left_is_unsubscribed_soon_and_one_watched_again_stays(
+    make_hub: HubFactory, redis: aioredis.Redis, keys: Keys, session: Session
+) -> None:
+    hub = await make_hub()
+    channel = keys.live_channel(SESSION)
+    async with hub.open(SESSION) as feed:
+        await subscribed(feed, session)
+    async with hub.open(SESSION) as feed:  # before it was unsubscribed
+        assert len(ids(await read(feed, 2))) == 2
+        await asyncio.sleep(live.UNSUBSCRIBE_AFTER_S * 2)  # past the unsubscribe it had
+        assert await live_readers(redis, channel) == 1
+        written = await session.tokens(2, start=2)
+        assert ids(await read(feed, 2)) == written  # live: nothing else reads the stream
+    await until_async(lambda: live_readers(redis, channel), 0)
