@@ -58,6 +58,8 @@ REAP_PASS_S = 0.1
 """How often the reaper looks for lost workers: a killed worker's reply goes on in another
 within about this long (plus the new worker's prefill)."""
 LOCK_MS = 2_000
+FAILURE_LOG_EVERY_S = 10.0
+"""A duty that keeps failing the same way is logged once per this long, not every pass."""
 STALE_CLAIM_MS = 5_000
 """An entry a reaper claimed and has not handed on for this long: that reaper stopped."""
 READER_GRACE_S = 2.0
@@ -101,6 +103,32 @@ def decode_request(entry_id: bytes | str, fields: dict[bytes, bytes]) -> Generat
         return None
 
 
+class RepeatedFailures:
+    """The reaper's failures, logged without a flood: a duty's first failure, then that
+    duty's failures at most once per ``every_s`` (with how many went unlogged), and one
+    line once it works again. With Redis away, a pass every ``REAP_PASS_S`` logged ten
+    warnings a second per gateway process."""
+
+    def __init__(self, every_s: float = FAILURE_LOG_EVERY_S) -> None:
+        self.every_s = every_s
+        self._failing: dict[str, tuple[float, int]] = {}
+        """A failing duty -> when it was last logged, and its failures since."""
+
+    def failed(self, what: str, exc: BaseException) -> None:
+        now = time.monotonic()
+        last = self._failing.get(what)
+        if last is None or now - last[0] >= self.every_s:
+            more = f" ({last[1]} more like it unlogged)" if last is not None and last[1] else ""
+            log.warning("reaper: %s failed: %s%s", what, exc, more)
+            self._failing[what] = (now, 0)
+        else:
+            self._failing[what] = (last[0], last[1] + 1)
+
+    def worked(self, what: str) -> None:
+        if self._failing and self._failing.pop(what, None) is not None:
+            log.info("reaper: %s works again", what)
+
+
 class Reaper:
     def __init__(
         self,
@@ -141,6 +169,7 @@ class Reaper:
         )
         self._expired_through: dict[str, str] = {}
         """Queue -> every queued entry up to this id has been looked at by the deadline."""
+        self.failures = RepeatedFailures()
 
     async def run_forever(self, interval_s: float = REAP_PASS_S) -> None:
         while True:
@@ -178,11 +207,14 @@ class Reaper:
     async def _guarded(self, what: str, duty: Callable[[], Awaitable[object]]) -> object:
         """Run one duty; log whatever it raises (the next pass tries again)."""
         try:
-            return await duty()
+            done = await duty()
         except (RedisError, OSError) as exc:
-            log.warning("reaper: %s failed: %s", what, exc)
+            self.failures.failed(what, exc)
         except Exception:
             log.exception("reaper: %s failed; the next pass tries again", what)
+        else:
+            self.failures.worked(what)
+            return done
         return None
 
     async def _acquire(self) -> bool:

@@ -13,10 +13,14 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 import wire
+from gateway import watchdog
 from gateway.takeover import REAPER_PREFIX
-from gateway.watchdog import Reaper
+from gateway.watchdog import Reaper, RepeatedFailures
+from stack.redis_server import free_port
 from wire import CONSUMER_GROUP, GenerationRequest, Keys, SamplingParams, Started, Token
 from wire.queue import RequestQueue
 
@@ -213,3 +217,41 @@ async def test_a_worker_heard_from_again_during_a_pass_keeps_what_it_holds(
     assert [wire.text(c["name"]) for c in pending["consumers"]] == ["back"]
     assert await redis.xlen(queue_key) == 2, "a request was queued again"
     assert await redis.hget(keys.generation("s_run", "g_run"), "worker") == b"back"
+
+
+async def test_a_reaper_that_cannot_reach_redis_warns_once_not_every_pass(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Nobody listens there; no retries, so that a pass fails at once.
+    client = aioredis.Redis(port=free_port(), retry=Retry(NoBackoff(), 0))
+    reaper = Reaper(client, Keys(f"t-{secrets.token_hex(4)}"), 2.0, 100, 600)
+    caplog.set_level(logging.INFO, "tokenspout.watchdog")
+    try:
+        for _ in range(20):
+            await reaper.pass_once()
+    finally:
+        await client.aclose()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "acquiring the reaper lock failed" in warnings[0], warnings
+
+
+def test_a_failure_that_repeats_is_logged_once_per_interval_then_its_recovery(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    now = [100.0]
+    monkeypatch.setattr(watchdog.time, "monotonic", lambda: now[0])
+    caplog.set_level(logging.INFO, "tokenspout.watchdog")
+    failures = RepeatedFailures(every_s=10)
+    for _ in range(5):  # a pass every 0.1 s for half a second
+        failures.failed("looking at the queues", ConnectionError("refused"))
+        failures.worked("acquiring the reaper lock")  # another duty: no news
+        now[0] += 0.1
+    now[0] += 10
+    failures.failed("looking at the queues", ConnectionError("refused"))
+    failures.worked("looking at the queues")
+    failures.worked("looking at the queues")
+    assert [r.getMessage() for r in caplog.records] == [
+        "reaper: looking at the queues failed: refused",
+        "reaper: looking at the queues failed: refused (4 more like it unlogged)",
+        "reaper: looking at the queues works again",
+    ]
