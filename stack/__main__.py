@@ -106,12 +106,13 @@ def main() -> None:
         )
         children.append(gateway)
         base = f"http://{args.host}:{args.port}"
-        processes.wait_http(f"{base}/health", gateway, 60)
-        say("waiting for the engine to load the model (vLLM on a CPU: about a minute)")
+        processes.wait_http(f"{base}/health", gateway, 60, stopped=lambda: stopping)
+        if not stopping:
+            say("waiting for the engine to load the model (vLLM on a CPU: about a minute)")
         deadline = time.monotonic() + 900
         while not stopping and time.monotonic() < deadline:
             try:
-                processes.wait_http(f"{base}/ready", engine, 5)
+                processes.wait_http(f"{base}/ready", engine, 5, stopped=lambda: stopping)
                 break
             except TimeoutError:
                 say(f"  still loading ({time.monotonic() - began:.0f} s)")

@@ -10,6 +10,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,11 +58,16 @@ def engine(
 
 
 def wait_http(
-    url: str, process: subprocess.Popen[bytes], timeout_s: float, expect: int = 200
+    url: str,
+    process: subprocess.Popen[bytes],
+    timeout_s: float,
+    expect: int = 200,
+    stopped: Callable[[], bool] = lambda: False,
 ) -> None:
-    """Poll ``url`` until it answers ``expect``; fail fast if the process exits."""
+    """Poll ``url`` until it answers ``expect``; fail fast if the process exits; return
+    early once ``stopped()`` (a Ctrl-C while it waits)."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not stopped():
         if process.poll() is not None:
             raise RuntimeError(f"{process.args!r} exited with {process.returncode}")
         try:
@@ -74,6 +80,8 @@ def wait_http(
         except OSError:
             pass
         time.sleep(0.02)  # a start takes about a second: a coarser poll wastes a tenth of it
+    if stopped():
+        return
     raise TimeoutError(f"{url} did not answer {expect} within {timeout_s:.0f} s")
 
 

@@ -109,3 +109,40 @@ def test_make_run_serves_and_ctrl_c_leaves_nothing_behind(tmp_path: Path) -> Non
     assert not port_open(port) and not port_open(redis_port)
     assert not redis_dir.exists(), "the embedded Redis left its folder behind"
     assert "[tokenspout] stopped" in log.read_text()
+
+
+def test_ctrl_c_while_it_starts_stops_it_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    """Here the engine never gets ready (its Redis is nowhere), as vLLM loading a model is
+    not for a minute: Ctrl-C during that wait stops everything."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "REDIS_URL": f"redis://127.0.0.1:{free_port()}"}
+    log = tmp_path / "stack.log"
+    with log.open("wb") as out:
+        stack = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "stack", "--backend", "synthetic"),
+                *("--port", str(port), "--grpc-port", str(free_port())),
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while "waiting for the engine" not in log.read_text():
+            assert stack.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        leaders = children_of(stack.pid)
+        assert len(leaders) == 2, leaders  # the engine worker, the gateway
+        stack.send_signal(signal.SIGINT)
+        assert stack.wait(timeout=60) == 0, log.read_text()
+    finally:
+        if stack.poll() is None:
+            stack.kill()
+            stack.wait()
+    text = log.read_text()
+    assert "ready in" not in text and "[tokenspout] stopped" in text, text
+    assert sessions_of(leaders) == set(), "processes outlived make run"
+    assert not port_open(port)
