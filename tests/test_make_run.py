@@ -65,28 +65,37 @@ async def talk_to(base: str) -> None:
         assert len([e for e in reading.of(generation) if e.event == "token"]) == 5
 
 
-def test_make_run_serves_and_ctrl_c_leaves_nothing_behind(tmp_path: Path) -> None:
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
-    env["PYTHONPATH"] = str(ROOT)
-    log = tmp_path / "stack.log"
+def make_run(port: int, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """``python -m stack`` with the synthetic engine on ``port``, its output in ``log``."""
     with log.open("wb") as out:
-        stack = subprocess.Popen(
+        return subprocess.Popen(
             [
                 *(sys.executable, "-m", "stack", "--backend", "synthetic"),
                 *("--port", str(port), "--grpc-port", str(free_port())),
             ],
             cwd=ROOT,
-            env=env,
+            env={**env, "PYTHONPATH": str(ROOT)},
             stdout=out,
             stderr=subprocess.STDOUT,
         )
+
+
+def wait_for_line(stack: subprocess.Popen[bytes], log: Path, text: str) -> None:
+    """Until ``text`` is in the log; fails if the stack exits or two minutes pass."""
+    deadline = time.monotonic() + 120
+    while text not in log.read_text():
+        assert stack.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.2)
+
+
+def test_make_run_serves_and_ctrl_c_leaves_nothing_behind(tmp_path: Path) -> None:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    log = tmp_path / "stack.log"
+    stack = make_run(port, env, log)
     try:
-        deadline = time.monotonic() + 120
-        while "tokenspout is running" not in log.read_text():
-            assert stack.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+        wait_for_line(stack, log, "tokenspout is running")
         text = log.read_text()
         assert f"http://127.0.0.1:{port}" in text
         found = re.search(r"redis://127\.0\.0\.1:(\d+)/0, data in (\S+) \(removed at exit\)", text)
@@ -115,25 +124,11 @@ def test_ctrl_c_while_it_starts_stops_it_and_leaves_nothing_behind(tmp_path: Pat
     """Here the engine never gets ready (its Redis is nowhere), as vLLM loading a model is
     not for a minute: Ctrl-C during that wait stops everything."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "REDIS_URL": f"redis://127.0.0.1:{free_port()}"}
+    env = {**os.environ, "REDIS_URL": f"redis://127.0.0.1:{free_port()}"}
     log = tmp_path / "stack.log"
-    with log.open("wb") as out:
-        stack = subprocess.Popen(
-            [
-                *(sys.executable, "-m", "stack", "--backend", "synthetic"),
-                *("--port", str(port), "--grpc-port", str(free_port())),
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+    stack = make_run(port, env, log)
     try:
-        deadline = time.monotonic() + 120
-        while "waiting for the engine" not in log.read_text():
-            assert stack.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+        wait_for_line(stack, log, "waiting for the engine")
         leaders = children_of(stack.pid)
         assert len(leaders) == 2, leaders  # the engine worker, the gateway
         stack.send_signal(signal.SIGINT)

@@ -189,14 +189,8 @@ async def hub_subscribed(redis: aioredis.Redis, keys: Keys) -> None:
             await asyncio.sleep(0.005)
 
 
-async def test_a_feed_opened_before_its_session_gets_every_event_live_and_reads_nothing(
-    make_hub: HubFactory,
-    session: Session,
-    redis: aioredis.Redis,
-    keys: Keys,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    hub = await make_hub()
+def stream_reads(hub: RelayHub, monkeypatch: pytest.MonkeyPatch) -> list[str | None]:
+    """The ``after_id`` of every read of a session's stream the hub makes from now on."""
     reads: list[str | None] = []
     read_after = hub.read_after
 
@@ -205,6 +199,18 @@ async def test_a_feed_opened_before_its_session_gets_every_event_live_and_reads_
         return await read_after(session_id, after_id)
 
     monkeypatch.setattr(hub, "read_after", counted)
+    return reads
+
+
+async def test_a_feed_opened_before_its_session_gets_every_event_live_and_reads_nothing(
+    make_hub: HubFactory,
+    session: Session,
+    redis: aioredis.Redis,
+    keys: Keys,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    hub = await make_hub()
+    reads = stream_reads(hub, monkeypatch)
     async with hub.open(SESSION, NEW_SESSION) as feed:
         await hub_subscribed(redis, keys)
         written = [await session.emit(wire.Queued("g")), *await session.tokens(3)]
@@ -418,14 +424,7 @@ async def test_a_new_session_feed_takes_a_spare_subscribed_ahead_and_sends_no_su
     assert hub.spares is not None
     await until(lambda: hub.spares is not None and hub.spares.ready == SPARE_BATCH)
     subscribes = await subscribe_commands(redis)
-    reads: list[str | None] = []
-    read_after = hub.read_after
-
-    async def counted(session_id: str, after_id: str | None) -> list[RelayEvent]:
-        reads.append(after_id)
-        return await read_after(session_id, after_id)
-
-    monkeypatch.setattr(hub, "read_after", counted)
+    reads = stream_reads(hub, monkeypatch)
     async with hub.open_new_session() as feed:
         assert feed.state is FeedState.FIRST_EVENT  # confirmed before anything is written
         assert hub.spares.ready == SPARE_BATCH - 1
