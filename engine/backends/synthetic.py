@@ -310,6 +310,14 @@ class SyntheticBackend(Backend):
         finally:
             self._stepper = None
 
+    async def stop(self) -> None:
+        """The stepping loop ends with the engine: after an abort it may still be asleep
+        until its next step, which would find nothing left to run."""
+        stepper = self._stepper
+        if stepper is not None:
+            stepper.cancel()
+            await asyncio.gather(stepper, return_exceptions=True)
+
     async def abort(self, generation_id: str) -> None:
         run = self._runs.get(generation_id)
         if run is not None:

@@ -39,3 +39,24 @@ async def test_an_idle_engine_takes_a_request_at_once_and_a_busy_one_at_its_next
         await asyncio.sleep(0.01)
     assert PERIOD_S / 2 < await first_token_after_s(backend, "g4", 1) < PERIOD_S * 1.5
     assert await first_of_g3 < PERIOD_S / 4
+
+
+async def test_stop_ends_the_stepping_loop_an_aborted_run_left_asleep() -> None:
+    backend = SyntheticBackend(tokens_per_s=1 / PERIOD_S)
+    request = GenerationRequest(
+        "g1", "s", SamplingParams(max_tokens=5), [ChatMessage("user", "step")]
+    )
+    deltas = backend.generate(await backend.prepare(request))
+    await anext(deltas)
+    await backend.abort("g1")
+    await deltas.aclose()
+    assert backend.running() == 0
+
+    def stepping() -> list[asyncio.Task[object]]:
+        tasks = asyncio.all_tasks()
+        return [t for t in tasks if t.get_name() == "synthetic-steps" and not t.done()]
+
+    assert stepping()  # asleep until its next step, two seconds on
+    began = time.monotonic()
+    await backend.stop()
+    assert not stepping() and time.monotonic() - began < PERIOD_S / 4
