@@ -68,16 +68,12 @@ class SpareSessions:
         self._waiting.update(batch)
         self._filling = asyncio.create_task(self._subscribe(list(batch)), name="relay-spares")
 
-    def confirmed(self, channel: str, ready: bool) -> bool:
-        """The subscription of a spare's channel holds, or was lost (the live source
-        subscribes it again); False if ``channel`` is no spare."""
-        if ready and (session_id := self._waiting.pop(channel, None)) is not None:
-            self._ready[channel] = session_id
-        elif not ready and (session_id := self._ready.pop(channel, None)) is not None:
-            self._waiting[channel] = session_id
-        else:
-            return channel in self._waiting or channel in self._ready
-        return True
+    def confirmed(self, channel: str, ready: bool) -> None:
+        """The subscription of ``channel`` holds, or was lost (the live source subscribes
+        it again); nothing if it is no spare's."""
+        source, target = (self._waiting, self._ready) if ready else (self._ready, self._waiting)
+        if (session_id := source.pop(channel, None)) is not None:
+            target[channel] = session_id
 
     async def close(self) -> None:
         if self._filling is not None:
@@ -91,9 +87,13 @@ class SpareSessions:
             *(self.live.subscribe(channel) for channel in channels), return_exceptions=True
         )
         for channel, result in zip(channels, results, strict=True):
-            if isinstance(result, RedisError | OSError):
-                log.warning("subscribing a spare session channel failed: %s", result)
+            if isinstance(result, BaseException):
                 self._waiting.pop(channel, None)
-            elif isinstance(result, BaseException):  # a bug: nobody awaits this task
-                log.error("subscribing a spare session channel failed", exc_info=result)
-                self._waiting.pop(channel, None)
+                # Anything but Redis or the network failing is a bug: nobody awaits this.
+                expected = isinstance(result, RedisError | OSError)
+                log.log(
+                    logging.WARNING if expected else logging.ERROR,
+                    "subscribing a spare session channel failed: %s",
+                    result,
+                    exc_info=None if expected else result,
+                )

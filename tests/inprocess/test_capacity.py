@@ -14,6 +14,7 @@ from gateway.errors import Overloaded
 from gateway.generations import GenerationQueue
 from gateway.models import ModelDirectory
 from gateway.settings import Settings
+from tests.support.redis_probes import command_calls
 from wire import GenerationRequest, Keys, SamplingParams
 
 pytestmark = pytest.mark.timeout(30)
@@ -28,8 +29,7 @@ def gateway_queue(redis: aioredis.Redis, **settings: int) -> GenerationQueue:
 
 async def count_reads(redis: aioredis.Redis) -> int:
     """XINFO GROUPS calls Redis has answered: one per model per read of the counts."""
-    stats = await redis.info("commandstats")
-    return int(stats.get("cmdstat_xinfo|groups", {}).get("calls", 0))
+    return await command_calls(redis, "xinfo|groups")
 
 
 async def check(queue: GenerationQueue) -> str:

@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 
 from gateway.models import CACHE_S, ModelDirectory
 from gateway.settings import Settings
+from tests.support.redis_probes import command_calls
 from wire import Keys
 
 pytestmark = pytest.mark.timeout(30)
@@ -22,8 +23,7 @@ pytestmark = pytest.mark.timeout(30)
 
 async def count_reads(redis: aioredis.Redis) -> int:
     """ZRANGEBYSCORE calls Redis has answered: one per read of the live workers."""
-    stats = await redis.info("commandstats")
-    return int(stats.get("cmdstat_zrangebyscore", {}).get("calls", 0))
+    return await command_calls(redis, "zrangebyscore")
 
 
 async def test_a_burst_that_finds_the_view_old_shares_one_read(redis: aioredis.Redis) -> None:

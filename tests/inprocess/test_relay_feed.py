@@ -17,7 +17,7 @@ from gateway.errors import BadRequest, EventsExpired
 from gateway.feed import LIVE_ONLY, NEW_SESSION, Feed, FeedState, RelayEvent
 from gateway.relay import RelayHub
 from gateway.spares import BATCH as SPARE_BATCH
-from tests.support.redis_probes import live_readers
+from tests.support.redis_probes import command_calls, live_readers
 from wire import Keys, Usage
 from wire.scripts import EMIT_CORE
 
@@ -135,6 +135,12 @@ async def subscribed(feed: Feed, session: Session) -> None:
     observer = feed.hub.observer
     assert isinstance(observer, Observer)
     await until(lambda: any(event.id == second[0] for event in observer.events))
+
+
+async def until_live_readers(redis: aioredis.Redis, channel: str, count: int) -> None:
+    async with asyncio.timeout(10):
+        while await live_readers(redis, channel) != count:
+            await asyncio.sleep(0.005)
 
 
 async def until(condition: Callable[[], bool], timeout: float = 10) -> None:
@@ -411,19 +417,13 @@ async def test_a_session_nobody_reads_books_nothing(make_hub: HubFactory, sessio
     assert len(hub.waiting) == 0
 
 
-async def subscribe_commands(redis: aioredis.Redis) -> int:
-    """SUBSCRIBE commands the server has run (every client's)."""
-    stats = await redis.info("commandstats")
-    return int(stats.get("cmdstat_subscribe", {}).get("calls", 0))
-
-
 async def test_a_new_session_feed_takes_a_spare_subscribed_ahead_and_sends_no_subscribe(
     make_hub: HubFactory, redis: aioredis.Redis, keys: Keys, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     hub = await make_hub()
     assert hub.spares is not None
     await until(lambda: hub.spares is not None and hub.spares.ready == SPARE_BATCH)
-    subscribes = await subscribe_commands(redis)
+    subscribes = await command_calls(redis, "subscribe")
     reads = stream_reads(hub, monkeypatch)
     async with hub.open_new_session() as feed:
         assert feed.state is FeedState.FIRST_EVENT  # confirmed before anything is written
@@ -434,8 +434,8 @@ async def test_a_new_session_feed_takes_a_spare_subscribed_ahead_and_sends_no_su
         written = [await session.emit(wire.Queued("g")), *await session.tokens(3)]
         assert ids(await read(feed, 4)) == written
     assert reads == []
-    assert await subscribe_commands(redis) == subscribes
-    await until_async(lambda: live_readers(redis, channel), 0)
+    assert await command_calls(redis, "subscribe") == subscribes
+    await until_live_readers(redis, channel, 0)
 
 
 async def test_spares_are_refilled_in_one_command_and_with_none_ready_a_session_subscribes_itself(
@@ -443,7 +443,7 @@ async def test_spares_are_refilled_in_one_command_and_with_none_ready_a_session_
 ) -> None:
     hub = await make_hub()
     await until(lambda: hub.spares is not None and hub.spares.ready == SPARE_BATCH)
-    subscribes = await subscribe_commands(redis)
+    subscribes = await command_calls(redis, "subscribe")
     async with contextlib.AsyncExitStack() as held:
         # Entered in one pass of the event loop (a spare's feed awaits nothing): the refill
         # asked for at half a batch cannot have run, so the last one finds none ready.
@@ -459,7 +459,7 @@ async def test_spares_are_refilled_in_one_command_and_with_none_ready_a_session_
         await until(lambda: hub.spares is not None and hub.spares.ready == SPARE_BATCH)
     # The refill's batch and the last session's own channel: asked in one pass, sent as
     # one command (or two, had the refill been sent on its own).
-    assert subscribes < await subscribe_commands(redis) <= subscribes + 2
+    assert subscribes < await command_calls(redis, "subscribe") <= subscribes + 2
 
 
 async def test_spares_lost_with_the_pubsub_connection_are_ready_again_once_it_is_back(
@@ -487,17 +487,6 @@ async def test_spares_lost_with_the_pubsub_connection_are_ready_again_once_it_is
         await hub.stop()
 
 
-async def until_async(probe: Callable[[], Awaitable[int]], value: int, timeout: float = 10) -> None:
-    async with asyncio.timeout(timeout):
-        while await probe() != value:
-            await asyncio.sleep(0.005)
-
-
-async def unsubscribe_commands(redis: aioredis.Redis) -> int:
-    stats = await redis.info("commandstats")
-    return int(stats.get("cmdstat_unsubscribe", {}).get("calls", 0))
-
-
 async def test_channels_nobody_watches_any_more_are_unsubscribed_together(
     make_hub: HubFactory,
     redis: aioredis.Redis,
@@ -508,18 +497,18 @@ async def test_channels_nobody_watches_any_more_are_unsubscribed_together(
     monkeypatch.setattr(live, "UNSUBSCRIBE_BATCH", 3)
     monkeypatch.setattr(live, "UNSUBSCRIBE_AFTER_S", 60.0)
     hub = await make_hub()
-    unsubscribes = await unsubscribe_commands(redis)
+    unsubscribes = await command_calls(redis, "unsubscribe")
     channels = [keys.live_channel(f"s-left-{n}") for n in range(3)]
     dropped: list[str] = []
     for n, channel in enumerate(channels):
         async with hub.open(f"s-left-{n}"):
-            await until_async(lambda c=channel: live_readers(redis, c), 1)  # type: ignore[misc]
+            await until_live_readers(redis, channel, 1)
         if n < 2:  # left subscribed until a batch is full; its messages are dropped
             dropped += await Session(redis, keys, f"s-left-{n}").tokens(1)
             assert await live_readers(redis, channel) == 1
     for channel in channels:
-        await until_async(lambda c=channel: live_readers(redis, c), 0)  # type: ignore[misc]
-    assert await unsubscribe_commands(redis) == unsubscribes + 1
+        await until_live_readers(redis, channel, 0)
+    assert await command_calls(redis, "unsubscribe") == unsubscribes + 1
     assert not set(dropped) & {event.id for event in observer.events}
 
 
@@ -536,4 +525,4 @@ async def test_a_channel_left_is_unsubscribed_soon_and_one_watched_again_stays(
         assert await live_readers(redis, channel) == 1
         written = await session.tokens(2, start=2)
         assert ids(await read(feed, 2)) == written  # live: nothing else reads the stream
-    await until_async(lambda: live_readers(redis, channel), 0)
+    await until_live_readers(redis, channel, 0)

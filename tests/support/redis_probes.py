@@ -33,6 +33,13 @@ async def live_readers(client: aioredis.Redis, channel: str) -> int:
     return int((await client.pubsub_numsub(channel))[0][1])
 
 
+async def command_calls(client: aioredis.Redis, command: str) -> int:
+    """How many times the server has run ``command`` (``INFO commandstats``, every client's;
+    a subcommand as ``xinfo|groups``)."""
+    stats = await client.info("commandstats")
+    return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
 def only_generation(redis_url: str, prefix: str, timeout_s: float = 30) -> tuple[str, str]:
     """(session id, generation id) of the one generation under ``prefix``."""
     keys = Keys(prefix)
