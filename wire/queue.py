@@ -121,40 +121,6 @@ class RequestQueue:
     async def cross_off(self, note: bytes) -> None:
         await self.redis.zrem(self.submitting_key, note)
 
-    def count_in(self, pipe: Pipeline) -> None:
-        """Queue XINFO GROUPS and XLEN in ``pipe``; ``counted`` reads their two replies."""
-        pipe.xinfo_groups(self.key)
-        pipe.xlen(self.key)
-
-    @staticmethod
-    def counted(groups: object, length: object) -> tuple[int, int]:
-        """(queued, running): requests no worker took yet, and taken but not acknowledged,
-        from the replies ``count_in`` asked for (run with ``raise_on_error=False``)."""
-        if isinstance(groups, RedisError):
-            if _missing(groups):
-                return 0, 0
-            raise groups
-        if isinstance(length, RedisError):
-            raise length
-        group = _workers_group(groups)
-        if group is None:
-            return int(cast(int, length)), 0
-        return int(group.get("lag") or 0), int(group["pending"])
-
-    def look_in(self, pipe: Pipeline, noted_before_s: float) -> None:
-        """Queue in ``pipe`` what ``looked`` reads: the pending summary, the group's lag,
-        the notes made before ``noted_before_s`` (unix seconds)."""
-        pipe.xpending(self.key, CONSUMER_GROUP)
-        pipe.xinfo_groups(self.key)
-        pipe.zcount(self.submitting_key, "-inf", noted_before_s)
-
-    @staticmethod
-    def looked(summary: object, groups: object, noted: object) -> QueueLook:
-        """The replies ``look_in`` asked for (run with ``raise_on_error=False``)."""
-        return QueueLook(
-            pending=_some_pending(summary), waiting=_some_waiting(groups), noted=noted != 0
-        )
-
     async def pending_consumers(self) -> list[str]:
         """The consumers that hold unacknowledged requests."""
         try:
@@ -243,3 +209,49 @@ class RequestQueue:
                 pipe.xadd(self.key, fields)  # type: ignore[arg-type]
                 pipe.xack(self.key, CONSUMER_GROUP, entry_id)
             await pipe.execute()
+
+
+async def count_all(redis: aioredis.Redis, queues: list[RequestQueue]) -> list[tuple[int, int]]:
+    """(queued, running) of each of ``queues``, in one round trip: requests no worker took
+    yet, and taken but not acknowledged."""
+    async with redis.pipeline(transaction=False) as pipe:
+        for queue in queues:
+            pipe.xinfo_groups(queue.key)
+            pipe.xlen(queue.key)
+        replies = await pipe.execute(raise_on_error=False)
+    return [_counted(replies[2 * i], replies[2 * i + 1]) for i in range(len(queues))]
+
+
+def _counted(groups: object, length: object) -> tuple[int, int]:
+    if isinstance(groups, RedisError):
+        if _missing(groups):
+            return 0, 0
+        raise groups
+    if isinstance(length, RedisError):
+        raise length
+    group = _workers_group(groups)
+    if group is None:
+        return int(cast(int, length)), 0
+    return int(group.get("lag") or 0), int(group["pending"])
+
+
+async def look_at(
+    redis: aioredis.Redis, queues: list[RequestQueue], noted_before_s: float
+) -> list[QueueLook]:
+    """One look at each of ``queues``, in one round trip, for the reaper's pass: the
+    pending summary, the group's lag, the notes made before ``noted_before_s`` (unix
+    seconds). A reply that cannot tell says there is something to do."""
+    async with redis.pipeline(transaction=False) as pipe:
+        for queue in queues:
+            pipe.xpending(queue.key, CONSUMER_GROUP)
+            pipe.xinfo_groups(queue.key)
+            pipe.zcount(queue.submitting_key, "-inf", noted_before_s)
+        replies = await pipe.execute(raise_on_error=False)
+    return [
+        QueueLook(
+            pending=_some_pending(summary), waiting=_some_waiting(groups), noted=noted != 0
+        )
+        for summary, groups, noted in zip(
+            replies[0::3], replies[1::3], replies[2::3], strict=True
+        )
+    ]

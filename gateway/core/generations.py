@@ -27,7 +27,7 @@ from gateway.core.models import ModelDirectory
 from gateway.core.settings import Settings
 from wire import CancelSignal, GenerationRequest, Keys, SamplingParams
 from wire.outcomes import OverCapacity
-from wire.queue import RequestQueue
+from wire.queue import RequestQueue, count_all
 from wire.runtime import shared_read
 from wire.scripts import Admission
 
@@ -143,14 +143,8 @@ class GenerationQueue:
         return sorted(set(snapshot.models) | set(also) | set(default))
 
     async def _count(self, models: list[str]) -> Counts:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for model in models:
-                self.of(model).count_in(pipe)
-            replies = await pipe.execute(raise_on_error=False)
-        return {
-            model: RequestQueue.counted(replies[2 * index], replies[2 * index + 1])
-            for index, model in enumerate(models)
-        }
+        counted = await count_all(self.redis, [self.of(model) for model in models])
+        return dict(zip(models, counted, strict=True))
 
     async def enqueue(
         self, model: str, request: GenerationRequest, submitted: bytes | None = None

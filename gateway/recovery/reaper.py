@@ -40,7 +40,7 @@ from gateway.core.relay import RelayHub
 from gateway.core.sessions import STRANDED_AFTER_S, SessionStore
 from gateway.recovery.takeover import REAPER_PREFIX, Takeover, live_workers
 from wire import Error, GenerationRequest, Keys, entry_id_key
-from wire.queue import QueueLook, RequestQueue
+from wire.queue import QueueLook, RequestQueue, look_at
 from wire.scripts import EndQueued, HoldReaperLock
 
 log = logging.getLogger("tokenspout.watchdog")
@@ -179,7 +179,7 @@ class Reaper:
     async def pass_once(self) -> None:
         """The lock (taken or kept); then one look at every queue (one round trip for
         all); then each duty on the queues where it has something to do. At rest a pass
-        is 3 round trips (it was 10, every 100 ms): the lock, the model list, the look."""
+        is 3 round trips: the lock, the model list, and one look at every queue."""
         if not await self._guarded("acquiring the reaper lock", self._acquire):
             return
         looks = await self._guarded("looking at the queues", self._look)
@@ -194,15 +194,8 @@ class Reaper:
 
     async def _look(self) -> list[tuple[RequestQueue, QueueLook]]:
         queues = await self._queues()
-        async with self.redis.pipeline(transaction=False) as pipe:
-            noted_before = time.time() - STRANDED_AFTER_S
-            for queue in queues:
-                queue.look_in(pipe, noted_before)
-            replies = await pipe.execute(raise_on_error=False)
-        return [
-            (queue, RequestQueue.looked(*replies[3 * index : 3 * index + 3]))
-            for index, queue in enumerate(queues)
-        ]
+        looks = await look_at(self.redis, queues, time.time() - STRANDED_AFTER_S)
+        return list(zip(queues, looks, strict=True))
 
     async def _guarded(self, what: str, duty: Callable[[], Awaitable[object]]) -> object:
         """Run one duty; log whatever it raises (the next pass tries again)."""
