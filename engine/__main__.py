@@ -64,6 +64,14 @@ class Parser(argparse.ArgumentParser):
 
 def build_parser() -> Parser:
     parser = Parser(prog="python -m engine", description=__doc__)
+    _model_flags(parser)
+    _synthetic_flags(parser)
+    _worker_flags(parser)
+    return parser
+
+
+def _model_flags(parser: Parser) -> None:
+    """Which engine runs which model, and how."""
     parser.add_argument("--backend", choices=["vllm", "synthetic"], default="vllm")
     parser.add_argument(
         "--model",
@@ -92,6 +100,9 @@ def build_parser() -> Parser:
         default=None,
         help="no CUDA graphs (default: on a CPU only)",
     )
+
+
+def _synthetic_flags(parser: Parser) -> None:
     parser.add_argument("--tokens-per-s", type=float, default=50.0, help="synthetic speed")
     parser.add_argument(
         "--prepare-delay-s",
@@ -99,6 +110,10 @@ def build_parser() -> Parser:
         default=0.0,
         help="synthetic: seconds each request waits before it starts (fault tests)",
     )
+
+
+def _worker_flags(parser: Parser) -> None:
+    """The worker around the engine: its name, metrics, drain and what it writes."""
     parser.add_argument("--metrics-port", type=int, default=0, help="0: no /metrics server")
     parser.add_argument(
         "--drain-s",
@@ -123,7 +138,6 @@ def build_parser() -> Parser:
         "write go as one event (Redis catches up; session and WebSocket clients count them, "
         "but OpenAI chunks and TGI events then hold several tokens' text in one)",
     )
-    return parser
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

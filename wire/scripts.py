@@ -293,6 +293,18 @@ class Admission:
     maxlen: int
     """The queue's cap (approximate, as ``RequestQueue.add``)."""
 
+    def args(self) -> list[Arg]:
+        """SUBMIT's ARGV after its own: the admission's, in wire/lua/submit.lua's order."""
+        return [
+            self.limit,
+            self.model_limit,
+            self.target + 1,
+            self.request,
+            self.maxlen,
+            SHARED_KEY_TTL_S,
+            CONSUMER_GROUP,
+        ]
+
 
 @dataclass(frozen=True, slots=True)
 class NewSession:
@@ -401,20 +413,7 @@ class Submit(Script):
         """Submit's KEYS and ARGV, the one place they are listed (the defaults: what a
         stateless session made by ``create_in`` has: no message, token, key or history)."""
         keys = self.keys
-        admitting: tuple[list[str], list[Arg]] = ([], [])
-        if admission is not None:
-            admitting = (
-                admission.queues,
-                [
-                    admission.limit,
-                    admission.model_limit,
-                    admission.target + 1,
-                    admission.request,
-                    admission.maxlen,
-                    SHARED_KEY_TTL_S,
-                    CONSUMER_GROUP,
-                ],
-            )
+        admitting = ([], []) if admission is None else (admission.queues, admission.args())
         return [
             keys.meta(session_id),
             keys.history(session_id),

@@ -84,6 +84,22 @@ class GatewayMetrics:
 
     def __init__(self, peers_dir: Path | None = None, process_index: int = 0) -> None:
         self.registry = r = CollectorRegistry()
+        self._count_requests_and_generations(r)
+        self._time_generations(r)
+        self._count_troubles(r)
+        self._gauge_the_queues(r)
+        from_redis = (self.queued, self.running, self.model_queued, self.model_running)
+        shared = frozenset(family.name for gauge in from_redis for family in gauge.describe())
+        self.peers = (
+            None if peers_dir is None else MetricsPeers(peers_dir, process_index, r, shared)
+        )
+        """The sibling processes of ``python -m gateway --workers N``
+        (gateway/server/federation.py); ``shared``: the gauges read from Redis at
+        scrape, the same in every process."""
+        self._live: dict[str, _Live] = {}
+        self._by_session: dict[str, set[str]] = {}
+
+    def _count_requests_and_generations(self, r: CollectorRegistry) -> None:
         self.active_streams = Gauge(
             "tokenspout_gateway_active_streams",
             "Open event feeds in this process (SSE streams, WebSocket subscriptions, "
@@ -107,6 +123,14 @@ class GatewayMetrics:
             ["type"],
             registry=r,
         )
+        self.model_submitted = Counter(
+            "tokenspout_gateway_model_generations_submitted",
+            "Generations this process queued, by model.",
+            ["model"],
+            registry=r,
+        )
+
+    def _time_generations(self, r: CollectorRegistry) -> None:
         self.time_to_first_token = Histogram(
             "tokenspout_gateway_time_to_first_token_seconds",
             "From a generation's queued event to its first token reaching this process.",
@@ -125,6 +149,8 @@ class GatewayMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+
+    def _count_troubles(self, r: CollectorRegistry) -> None:
         self.abandoned = Counter(
             "tokenspout_gateway_abandoned_generations",
             "Running generations whose last reader in this process left before the final "
@@ -143,6 +169,8 @@ class GatewayMetrics:
             "reader was slow: the buffer is dropped and the feed re-reads Redis.",
             registry=r,
         )
+
+    def _gauge_the_queues(self, r: CollectorRegistry) -> None:
         self.queued = Gauge(
             "tokenspout_gateway_generations_queued",
             "Generations waiting for a worker, all workers (read from Redis at scrape).",
@@ -151,12 +179,6 @@ class GatewayMetrics:
         self.running = Gauge(
             "tokenspout_gateway_generations_running",
             "Generations a worker has taken and not finished, all workers (at scrape).",
-            registry=r,
-        )
-        self.model_submitted = Counter(
-            "tokenspout_gateway_model_generations_submitted",
-            "Generations this process queued, by model.",
-            ["model"],
             registry=r,
         )
         self.model_queued = Gauge(
@@ -171,16 +193,6 @@ class GatewayMetrics:
             ["model"],
             registry=r,
         )
-        from_redis = (self.queued, self.running, self.model_queued, self.model_running)
-        shared = frozenset(family.name for gauge in from_redis for family in gauge.describe())
-        self.peers = (
-            None if peers_dir is None else MetricsPeers(peers_dir, process_index, r, shared)
-        )
-        """The sibling processes of ``python -m gateway --workers N``
-        (gateway/server/federation.py); ``shared``: the gauges read from Redis at
-        scrape, the same in every process."""
-        self._live: dict[str, _Live] = {}
-        self._by_session: dict[str, set[str]] = {}
 
     # --- bookkeeping ---------------------------------------------------------------------
 
