@@ -248,10 +248,6 @@ async def look_at(
             pipe.zcount(queue.submitting_key, "-inf", noted_before_s)
         replies = await pipe.execute(raise_on_error=False)
     return [
-        QueueLook(
-            pending=_some_pending(summary), waiting=_some_waiting(groups), noted=noted != 0
-        )
-        for summary, groups, noted in zip(
-            replies[0::3], replies[1::3], replies[2::3], strict=True
-        )
+        QueueLook(pending=_some_pending(summary), waiting=_some_waiting(groups), noted=noted != 0)
+        for summary, groups, noted in zip(replies[0::3], replies[1::3], replies[2::3], strict=True)
     ]

@@ -17,14 +17,23 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 
 import wire
-from gateway.core.errors import BadRequest, Conflict, Forbidden, NotFound, Overloaded, Unavailable
+from gateway.core.ask import GenerationAsk, KeptSession
+from gateway.core.errors import (
+    BadRequest,
+    Conflict,
+    Forbidden,
+    GatewayError,
+    NotFound,
+    Overloaded,
+    Unavailable,
+)
 from gateway.core.generations import GenerationQueue
 from gateway.core.ids import new_id, token_urlsafe
 from gateway.core.models import ModelDirectory
@@ -37,13 +46,10 @@ from wire import (
     GenerationRequest,
     Keys,
     SamplingParams,
-    Task,
-    Tools,
     scripts,
 )
 from wire import outcomes as script
 from wire.connect import is_cluster, when_redis_answers
-from wire.queue import RequestQueue
 
 log = logging.getLogger("tokenspout.sessions")
 _message_decoder = msgspec.json.Decoder(ChatMessage)
@@ -51,11 +57,6 @@ _request_decoder = msgspec.json.Decoder(GenerationRequest)
 
 REQUEUE_WAIT_S = 10.0
 """How long a submit waits for Redis to take the request of a generation it has written."""
-STRANDED_AFTER_S = 3.0
-"""A session turn noted on its way to the queue this long ago and still not there: its
-gateway died before queueing it, and the reaper does (``queue_stranded``). A gateway only
-slow meanwhile (its Redis away) sends a second copy, which runs once."""
-STRANDED_PAGE = 100
 STATELESS_TTL_S = 600
 """Lifetime of the throwaway session behind one stateless API request."""
 BUSY_RETRY_AFTER_S = 1
@@ -80,14 +81,16 @@ class Submitted(msgspec.Struct, frozen=True):
     ``generation_id``)."""
 
 
-class KeptSession(msgspec.Struct, frozen=True):
-    """A one-generation session kept past its request (a stored ``/v1/responses`` one)."""
+class SessionTurn(NamedTuple):
+    """A user message on its way into a session, authorised: what its submit needs."""
 
-    ttl_s: int
-    meta: dict[str, str]
-    """Fields for its meta hash (the response's request, as the adapter stores it)."""
-    background: bool = False
-    """Workers treat it as read (a ``keep`` key): no abandonment while nobody reads."""
+    session_id: str
+    model: str
+    message: ChatMessage
+    params: SamplingParams
+    idempotency_key: str | None
+    token_digest: str
+    """The digest of the token given ("-", which no digest is, when none was)."""
 
 
 class CancelOutcome(msgspec.Struct, frozen=True):
@@ -187,45 +190,31 @@ class SessionStore:
         self,
         session_id: str,
         token: str | None,
-        content: str,
-        params: SamplingParams,
+        ask: GenerationAsk,
         idempotency_key: str | None = None,
-        n: int = 1,
     ) -> Submitted:
-        """Append a user message to the session and queue the reply (``n`` replies: the
-        first is the turn's and joins the history; the others are queued beside it).
+        """Append the ask's user message to the session and queue the reply (``ask.n``
+        replies: the first is the turn's and joins the history; the others are queued
+        beside it).
 
         Authorises like ``authorise`` (404, then 403), in the same round trip as the submit.
         """
-        self._check_content(content)
-        if not 1 <= n <= self.settings.max_choices:
-            raise BadRequest(
-                f"n must be between 1 and {self.settings.max_choices} (TOKENSPOUT_MAX_CHOICES)",
-                code="too_many_choices",
-                field="n",
-            )
+        message = ask.message
+        self._check_content(message.content)
         model = await self.session_model(session_id, token)
-        message = ChatMessage("user", content)
         # No token never matches: a digest is never "-".
         digest = _digest(token) if token is not None else "-"
-        return await self._submit_to_session(
-            session_id, model, message, params, idempotency_key, digest, n
-        )
+        turn = SessionTurn(session_id, model, message, ask.sampling, idempotency_key, digest)
+        return await self._submit_to_session(turn, ask.n)
 
     async def submit_stateless(
         self,
-        params: SamplingParams,
-        model: str | None = None,
-        messages: list[ChatMessage] | None = None,
-        prompt: str | None = None,
+        ask: GenerationAsk,
         session_id: str | None = None,
-        tools: Tools | None = None,
-        task: Task = "generate",
-        token_ids: list[int] | None = None,
         kept: KeptSession | None = None,
     ) -> Submitted:
         """Queue one generation in a throwaway session (the OpenAI/TGI/OIP adapters) for
-        ``model`` (a name or alias; None: the default model): on one Redis in one round
+        ``ask.model`` (a name or alias; None: the default model): on one Redis in one round
         trip, the SUBMIT script admitting it (the capacity check), making the session and
         its generation and queueing the request; elsewhere in two, the capacity check
         first.
@@ -233,11 +222,11 @@ class SessionStore:
         ``kept``: a session that outlives its request (a stored response), with its TTL,
         its meta fields and whether it runs on with no reader."""
         ttl_s = kept.ttl_s if kept is not None else STATELESS_TTL_S
-        queue = await self.models.resolve(model)
-        for message in messages or []:
+        queue = await self.models.resolve(ask.model)
+        for message in ask.messages or []:
             self._check_content(message.content, allow_empty=True)
-        if prompt is not None:
-            self._check_content(prompt)
+        if ask.prompt is not None:
+            self._check_content(ask.prompt)
         session_id, generation_id = session_id or new_id("s"), new_id("g")
         # On one Redis the SUBMIT script admits the request, makes its session and its
         # generation, and queues it: one call, every key on that node. A session kept
@@ -248,10 +237,12 @@ class SessionStore:
         if not admit_in_script:
             await self.queue.guard_capacity(queue)
         request = msgspec.structs.replace(
-            self._request(session_id, generation_id, params, messages or [], prompt, ttl_s),
-            tools=tools,
-            task=task,
-            token_ids=token_ids or [],
+            self._request(
+                session_id, generation_id, ask.sampling, ask.messages or [], ask.prompt, ttl_s
+            ),
+            tools=ask.tools,
+            task=ask.task,
+            token_ids=ask.token_ids or [],
         )
         new = scripts.NewSession(
             session_id, generation_id, self.settings.events_maxlen, ttl_s, self.watch_ttl_s
@@ -260,33 +251,48 @@ class SessionStore:
             admission = await self.queue.admission(queue, request)
             reply = await self._submit.create_admitted(new, admission)
         else:
-            # Admitted before, the request goes after the script: on one Redis in the same
-            # pipeline (a fresh session cannot refuse it, and one Redis runs a pipeline in
-            # order: no worker can take the request before its generation exists). A
-            # cluster runs each node's part at once: a worker could take the request (on
-            # its queue's shard) before the generation (on the session's) is written, and
-            # skip it as ended, leaving its client waiting. There it goes in after the
-            # reply.
-
-            def fill(pipe: Any) -> None:
-                self._submit.create_in(pipe, new)
-                if kept is not None:
-                    self._keep_in(pipe, session_id, kept)
-                if in_order:
-                    # Sent twice after a restarted Redis's NOSCRIPT: the first copy, with
-                    # no generation to claim, is skipped by the worker that takes it.
-                    self.queue.enqueue_in(pipe, queue, request)
-
-            reply = scripts.Submit.replied((await self._run_submitting(fill))[0])
+            reply = await self._create_then_queue(new, queue, request, kept, in_order)
         if isinstance(reply, script.OverCapacity):
             raise self.queue.overloaded(reply, queue)
         if not isinstance(reply, script.Accepted):
             raise Unavailable(f"queueing a stateless generation failed: {reply!r}")
         if not in_order:
             await self.queue.enqueue(queue, request)
-        if self.observer is not None:
-            self.observer.submitted(session_id, generation_id, reply.queued_id, queue)
+        self._submitted(session_id, generation_id, reply.queued_id, queue)
         return Submitted(generation_id, session_id, reply.queued_id)
+
+    async def _create_then_queue(
+        self,
+        new: scripts.NewSession,
+        model: str,
+        request: GenerationRequest,
+        kept: KeptSession | None,
+        in_order: bool,
+    ) -> script.SubmitReply:
+        """A stateless session made by the SUBMIT script, its capacity checked before.
+        Its request goes after the script: on one Redis in the same pipeline (a fresh
+        session cannot refuse it, and one Redis runs a pipeline in order: no worker can
+        take the request before its generation exists). A cluster runs each node's part at
+        once: a worker could take the request (on its queue's shard) before the generation
+        (on the session's) is written, and skip it as ended, leaving its client waiting.
+        There (``in_order`` false) it is the caller's to queue after the reply."""
+
+        def fill(pipe: Any) -> None:
+            self._submit.create_in(pipe, new)
+            if kept is not None:
+                self._keep_in(pipe, new.session_id, kept)
+            if in_order:
+                # Sent twice after a restarted Redis's NOSCRIPT: the first copy, with
+                # no generation to claim, is skipped by the worker that takes it.
+                self.queue.enqueue_in(pipe, model, request)
+
+        return scripts.Submit.replied((await self._run_submitting(fill))[0])
+
+    def _submitted(
+        self, session_id: str, generation_id: str, queued_event_id: str, model: str
+    ) -> None:
+        if self.observer is not None:
+            self.observer.submitted(session_id, generation_id, queued_event_id, model)
 
     def _keep_in(self, pipe: Any, session_id: str, kept: KeptSession) -> None:
         meta = self.keys.meta(session_id)
@@ -316,32 +322,11 @@ class SessionStore:
             keys.keep(session_id),
         )
 
-    async def stop_keeping(self, session_id: str) -> None:
-        """A background response's generation no longer runs on without a reader."""
-        await self.redis.delete(self.keys.keep(session_id))
-
-    async def _submit_to_session(
-        self,
-        session_id: str,
-        model: str,
-        user_message: ChatMessage | None,
-        params: SamplingParams,
-        idempotency_key: str | None,
-        token_digest: str,
-        n: int = 1,
-    ) -> Submitted:
-        keys, generation_id = self.keys, new_id("g")
-        idem_key = keys.idempotency(session_id, idempotency_key) if idempotency_key else ""
-        try:
-            for _ in range(n):  # every choice takes room (the checks count each other)
-                await self.queue.guard_capacity(model)
-        except Overloaded:
-            # A retried POST whose generation exists takes no new capacity: it must get
-            # that generation back (from the script, after the token check), not a 429.
-            if not (idem_key and await self.redis.exists(idem_key)):
-                raise
+    async def _submit_to_session(self, turn: SessionTurn, n: int) -> Submitted:
+        session_id, model, generation_id = turn.session_id, turn.model, new_id("g")
+        await self._guard_turn_capacity(turn, n)
         request = self._request(
-            session_id, generation_id, params, [], None, self.settings.session_ttl_s
+            session_id, generation_id, turn.params, [], None, self.settings.session_ttl_s
         )
         note = wire.encode(request)  # its messages: the history the script returns
         reply = await self._submit_noted(
@@ -349,44 +334,62 @@ class SessionStore:
             note,
             session_id=session_id,
             generation_id=generation_id,
-            user_message=user_message,
-            token_digest=token_digest,
-            idempotency_key=idempotency_key,
+            user_message=turn.message,
+            token_digest=turn.token_digest,
+            idempotency_key=turn.idempotency_key,
             maxlen=self.settings.events_maxlen,
             ttl_s=self.settings.session_ttl_s,
             max_history=self.settings.max_history_messages,
             watch_ttl_s=self.watch_ttl_s,
         )
+        if isinstance(reply, script.Duplicate):
+            await self._requeue_if_lost(session_id, model, reply.generation_id, turn.params)
+            return Submitted(reply.generation_id, session_id, None)
+        if not isinstance(reply, script.Accepted):
+            raise self._turn_refused(turn, reply)
+        request = msgspec.structs.replace(request, messages=reply.history)
+        await self._enqueue_written(model, request, note)
+        self._submitted(session_id, generation_id, reply.queued_id, model)
+        choices = [generation_id]
+        for choice in range(1, n):
+            choices.append(await self._submit_choice(session_id, model, request, choice))
+        return Submitted(generation_id, session_id, reply.queued_id, choices if n > 1 else [])
+
+    async def _guard_turn_capacity(self, turn: SessionTurn, n: int) -> None:
+        """429 past the in-flight limits, counting every choice (the checks count each
+        other); never for a retried POST whose generation exists: it takes no new capacity
+        and must get that generation back (from the script, after the token check)."""
+        try:
+            for _ in range(n):
+                await self.queue.guard_capacity(turn.model)
+        except Overloaded:
+            key = turn.idempotency_key
+            idem_key = self.keys.idempotency(turn.session_id, key) if key else ""
+            if not (idem_key and await self.redis.exists(idem_key)):
+                raise
+
+    def _turn_refused(self, turn: SessionTurn, reply: script.SubmitReply) -> GatewayError:
+        """The error of a session turn the SUBMIT script refused."""
         match reply:
             case script.SessionMissing():
-                raise NotFound(f"no session {session_id!r}", code="unknown_session")
+                return NotFound(f"no session {turn.session_id!r}", code="unknown_session")
             case script.Forbidden():
-                raise _bad_token()
-            case script.Duplicate(generation_id=earlier):
-                await self._requeue_if_lost(session_id, model, earlier, params)
-                return Submitted(earlier, session_id, None)
+                return _bad_token()
             case script.Busy(generation_id=running):
-                raise Conflict(
+                return Conflict(
                     f"generation {running} is still running in this session",
                     code="generation_running",
                     retry_after_s=BUSY_RETRY_AFTER_S,
                 )
             case script.HistoryFull():
-                raise BadRequest(
+                return BadRequest(
                     f"the session holds {self.settings.max_history_messages} messages; "
                     "start a new session",
                     code="history_full",
                 )
             case script.OverCapacity():  # not asked to admit here (guard_capacity did)
-                raise self.queue.overloaded(reply, model)
-        request = msgspec.structs.replace(request, messages=reply.history)
-        await self._enqueue_written(model, request, note)
-        if self.observer is not None:
-            self.observer.submitted(session_id, generation_id, reply.queued_id, model)
-        choices = [generation_id]
-        for choice in range(1, n):
-            choices.append(await self._submit_choice(session_id, model, request, choice))
-        return Submitted(generation_id, session_id, reply.queued_id, choices if n > 1 else [])
+                return self.queue.overloaded(reply, turn.model)
+        return Unavailable(f"queueing a session turn failed: {reply!r}")
 
     async def _submit_choice(
         self, session_id: str, model: str, first: GenerationRequest, choice: int
@@ -484,91 +487,18 @@ class SessionStore:
         waiting for a worker, its request may never have reached the queue (the gateway
         died, or Redis went away, between the two round trips of the first send), so it is
         queued again; a second copy runs once. One round trip more, on retries only."""
-        if not await self._still_queued(session_id, generation_id):
+        if not await self.still_queued(session_id, generation_id):
             return
         request = self._request(
             session_id, generation_id, params, [], None, self.settings.session_ttl_s
         )
-        await self._enqueue_written(model, await self._with_turn(request))
+        await self._enqueue_written(model, await self.with_turn(request))
 
-    async def queue_stranded(self, queue: RequestQueue, older_than_s: float) -> int:
-        """Queue the session turns noted on their way to ``queue`` over ``older_than_s``
-        ago and never queued: their gateway died between the submit's two round trips (a
-        client that sends again with its Idempotency-Key repairs it sooner; a WebSocket's
-        ``generate`` has no such key). A turn still ``queued`` gets its request; any other
-        note (the submit was refused, or its request came another way) is crossed off. A
-        copy sent twice (its gateway only slow) runs once. Returns how many were queued."""
-        queued = 0
-        for note in await queue.submitting_since(time.time() - older_than_s, STRANDED_PAGE):
-            try:
-                request = _request_decoder.decode(note)
-            except msgspec.DecodeError as exc:
-                log.error("unreadable note in %s: %r", queue.submitting_key, exc)
-                await queue.cross_off(note)
-                continue
-            if await self._still_queued(request.session_id, request.generation_id):
-                stranded = await self._with_turn(request)
-                await self.queue.enqueue(queue.model, stranded, note)
-                queued += 1
-            else:
-                await queue.cross_off(note)
-        if queued:
-            log.warning(
-                "queued %d session turns whose request was not in the queue %g s after their"
-                " submit (their gateway died, or waits for Redis: then a copy runs once)",
-                queued,
-                older_than_s,
-            )
-        return queued
-
-    async def requeue_lost(self, session_id: str, generation_id: str) -> bool:
-        """Queue again a session turn still ``queued`` whose request seems lost: no request
-        waits in its queue (none after its consumer group's last delivered one, or the
-        queue is gone), so none of them is its. Its request comes from the note the submit
-        kept with the generation (none for a one-shot API request: then False). A copy
-        that was not lost after all (taken by a worker stopped before its claim) runs once.
-        Returns whether it queued."""
-        key = self.keys.generation(session_id, generation_id)
-        state, note, model = await self.redis.hmget(key, ["state", "note", "queue"])
-        if state is None or wire.text(state) != "queued" or not note or not model:
-            return False
-        queue = self.queue.of(wire.text(model))
-        after = await queue.waiting_after()  # its group's lag is nil after a deletion: read
-        if after is not None and await queue.read_after(after, 1):
-            return False  # requests wait there: it may be one of them (the deadline decides)
-        request = await self._with_turn(_request_decoder.decode(note))
-        await self.queue.enqueue(queue.model, request)
-        return True
-
-    async def waiting_generations(self, session_ids: list[str]) -> list[tuple[str, str, float]]:
-        """(session, generation, when submitted) of the sessions' running generations that
-        no worker has started: two round trips, whatever the number of sessions."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for session_id in session_ids:
-                pipe.get(self.keys.active(session_id))
-            actives = await pipe.execute()
-        running = [
-            (session_id, wire.text(active))
-            for session_id, active in zip(session_ids, actives, strict=True)
-            if active is not None
-        ]
-        if not running:
-            return []
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for session_id, generation_id in running:
-                pipe.hmget(self.keys.generation(session_id, generation_id), ["state", "created"])
-            states = await pipe.execute()
-        return [
-            (session_id, generation_id, float(created))
-            for (session_id, generation_id), (state, created) in zip(running, states, strict=True)
-            if state is not None and wire.text(state) == "queued" and created is not None
-        ]
-
-    async def _still_queued(self, session_id: str, generation_id: str) -> bool:
+    async def still_queued(self, session_id: str, generation_id: str) -> bool:
         state = await self.redis.hget(self.keys.generation(session_id, generation_id), "state")
         return state is not None and wire.text(state) == "queued"
 
-    async def _with_turn(self, request: GenerationRequest) -> GenerationRequest:
+    async def with_turn(self, request: GenerationRequest) -> GenerationRequest:
         """``request`` with the conversation its turn answers: the session's history up to
         its last user message (another choice of the turn may have added its reply since)."""
         history = await self.history(request.session_id)
@@ -632,10 +562,6 @@ class SessionStore:
             self.observer.cancel_sent(session_id, generation_id, began)
         await self.queue.signal_cancel(CancelSignal(generation_id, session_id, reason))
         return CancelOutcome(generation_id, "cancelling")
-
-    async def generation_final(self, session_id: str, generation_id: str) -> FinalEvent | None:
-        raw = await self.redis.hget(self.keys.generation(session_id, generation_id), "final")
-        return None if raw is None else wire.decode_final(raw)
 
     @property
     def watch_ttl_s(self) -> int:

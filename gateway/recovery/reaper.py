@@ -13,7 +13,8 @@
     busy) ends with an ``error`` event (``queue_timeout``); a worker that dequeues it later
     finds it final and skips it.
   - A session turn whose gateway died between writing it and queueing its request (the
-    two round trips of a submit) is queued ``STRANDED_AFTER_S`` after (gateway/core/sessions.py).
+    two round trips of a submit) is queued ``STRANDED_AFTER_S`` after
+    (gateway/recovery/stranded.py).
   Each duty survives any failure of one pass (logged): a bad entry in the requests stream
   must not stop the reaper for the life of the process.
 - ``ReaderDeadline``: every gateway process also looks after the generations its readers
@@ -37,7 +38,8 @@ from redis.exceptions import NoScriptError, RedisError
 
 import wire
 from gateway.core.relay import RelayHub
-from gateway.core.sessions import STRANDED_AFTER_S, SessionStore
+from gateway.core.sessions import SessionStore
+from gateway.recovery.stranded import STRANDED_AFTER_S, StrandedTurns
 from gateway.recovery.takeover import REAPER_PREFIX, Takeover, live_workers
 from wire import Error, GenerationRequest, Keys, entry_id_key
 from wire.queue import QueueLook, RequestQueue, look_at
@@ -141,11 +143,11 @@ class Reaper:
         requests_maxlen: int = 5_120,
         max_takeovers: int = 3,
         default_model: str = "",
-        store: SessionStore | None = None,
+        stranded: StrandedTurns | None = None,
     ) -> None:
         self.redis = redis
-        self.store = store
-        """Whose session turns stranded on their way to a queue it queues (None: not that
+        self.stranded = stranded
+        """Queues the session turns stranded on their way to a queue (None: not that
         duty)."""
         self.keys = keys
         self.default_model = default_model
@@ -278,9 +280,9 @@ class Reaper:
     async def queue_stranded(self, queues: list[RequestQueue]) -> int:
         """Queue the session turns whose gateway died between writing them and queueing
         their requests, in ``queues``; returns how many."""
-        if self.store is None:
+        if self.stranded is None:
             return 0
-        stranded = functools.partial(self.store.queue_stranded, older_than_s=STRANDED_AFTER_S)
+        stranded = functools.partial(self.stranded.queue_stranded, older_than_s=STRANDED_AFTER_S)
         return await self._each_queue("queueing stranded turns of", stranded, queues)
 
     # --- the queue deadline --------------------------------------------------------------
@@ -349,7 +351,7 @@ class Reaper:
 class ReaderDeadline:
     """Looks after the generations this process's readers wait on that never started
     (gateway/core/waiting.py): queues a session turn again ``REQUEUE_AFTER_S`` on when nothing
-    waits in its queue (``SessionStore.requeue_lost``), and ends with ``queue_timeout``
+    waits in its queue (``StrandedTurns.requeue_lost``), and ends with ``queue_timeout``
     what still waits ``READER_GRACE_S`` past the queue deadline, through the reaper's
     script: it ends only a generation still queued, and a worker that finds its request
     later skips it."""
@@ -359,13 +361,13 @@ class ReaderDeadline:
         redis: aioredis.Redis,
         keys: Keys,
         hub: RelayHub,
-        store: SessionStore,
+        stranded: StrandedTurns,
         queue_timeout_s: float,
         events_maxlen: int,
         ttl_s: int,
     ) -> None:
         self.waiting = hub.waiting
-        self.store = store
+        self.stranded = stranded
         self.queue_timeout_s = queue_timeout_s
         self.events_maxlen = events_maxlen
         self.ttl_s = ttl_s
@@ -391,7 +393,7 @@ class ReaderDeadline:
         heartbeat (a reader that resumed after a ``queued`` event never saw it); returns
         how many it found."""
         quiet = self.waiting.take_quiet()
-        found = await self.store.waiting_generations(quiet) if quiet else []
+        found = await self.stranded.waiting_generations(quiet) if quiet else []
         for session_id, generation_id, submitted_s in found:
             self.waiting.book(session_id, generation_id, submitted_s)
         return len(found)
@@ -403,7 +405,7 @@ class ReaderDeadline:
         since = time.time() - REQUEUE_AFTER_S
         for session_id, generation_id in self.waiting.queued_before(since, requeued=False):
             self.waiting.requeued(session_id, generation_id)
-            if await self.store.requeue_lost(session_id, generation_id):
+            if await self.stranded.requeue_lost(session_id, generation_id):
                 requeued += 1
                 log.warning(
                     "generation %s of session %s was still queued %g s on with no request"

@@ -13,7 +13,7 @@ from litestar.exceptions import HTTPException, ValidationException
 from litestar.testing import TestClient
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from gateway.apis.openai.routes import openai_error
+from gateway.apis.openai.errors import openai_error
 from gateway.core.errors import (
     HANDLED,
     BadRequest,

@@ -27,7 +27,7 @@ ClientId = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 # --- client -> gateway -------------------------------------------------------------------
 
 
-class Generate(SamplingIn, frozen=True, tag="generate", forbid_unknown_fields=True):
+class GenerateFrame(SamplingIn, frozen=True, tag="generate", forbid_unknown_fields=True):
     """Send ``content`` as the next user message of a session and stream the reply; the
     sampling fields as for a session message (gateway/apis/sessions/sampling.py)."""
 
@@ -46,7 +46,7 @@ class Generate(SamplingIn, frozen=True, tag="generate", forbid_unknown_fields=Tr
     keeps its own."""
 
 
-class Cancel(msgspec.Struct, frozen=True, tag="cancel", forbid_unknown_fields=True):
+class CancelFrame(msgspec.Struct, frozen=True, tag="cancel", forbid_unknown_fields=True):
     """Stop the generation this socket started as ``id``; or, with ``session_id`` and
     ``generation_id``, any generation of a session (one started over HTTP, say)."""
 
@@ -56,11 +56,11 @@ class Cancel(msgspec.Struct, frozen=True, tag="cancel", forbid_unknown_fields=Tr
     token: str | None = None
 
 
-class Ping(msgspec.Struct, frozen=True, tag="ping", forbid_unknown_fields=True):
+class PingFrame(msgspec.Struct, frozen=True, tag="ping", forbid_unknown_fields=True):
     id: str | None = None
 
 
-ClientFrame = Generate | Cancel | Ping
+ClientFrame = GenerateFrame | CancelFrame | PingFrame
 
 
 # --- gateway -> client -------------------------------------------------------------------

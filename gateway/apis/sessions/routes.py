@@ -16,11 +16,10 @@ from litestar.params import HeaderParameter, QueryParameter
 from litestar.response import Stream
 
 from gateway.apis.sessions.sampling import SamplingIn
+from gateway.core.ask import GenerationAsk
 from gateway.core.auth import api_key_check
 from gateway.core.errors import EventsExpired, SessionLost
-from gateway.core.relay import RelayHub
-from gateway.core.sessions import SessionStore
-from gateway.core.settings import Settings
+from gateway.core.service import GatewayService
 from gateway.server import sse
 from wire import ChatMessage, FinalEvent, final_state
 
@@ -83,11 +82,13 @@ class SessionController(Controller):
     tags = ["sessions"]
 
     @post("/", status_code=201, summary="Create a session", before_request=api_key_check)
-    async def create(self, store: SessionStore, data: SessionIn | None = None) -> SessionCreated:
+    async def create(
+        self, service: GatewayService, data: SessionIn | None = None
+    ) -> SessionCreated:
         """With API keys configured, wants ``Authorization: Bearer <key>`` (else 401). The
         body (optional) names the model: 404 ``model_not_found`` for a name no worker
         serves, 503 ``model_unavailable`` when its workers all left."""
-        created = await store.create_session(data.model if data is not None else None)
+        created = await service.create_session(data.model if data is not None else None)
         return SessionCreated(
             created.session_id,
             created.token,
@@ -99,19 +100,19 @@ class SessionController(Controller):
     async def read(
         self,
         request: AnyRequest,
-        store: SessionStore,
+        service: GatewayService,
         session_id: str,
         token: TokenQuery,
         x_session_token: TokenHeader,
     ) -> SessionView:
-        await store.authorise(session_id, session_token(request, token, x_session_token))
-        return SessionView(session_id, await store.history(session_id))
+        await service.authorise(session_id, session_token(request, token, x_session_token))
+        return SessionView(session_id, await service.history(session_id))
 
     @post("/{session_id:str}/messages", status_code=202, summary="Send a message")
     async def send(
         self,
         request: AnyRequest,
-        store: SessionStore,
+        service: GatewayService,
         session_id: str,
         data: MessageIn,
         token: TokenQuery,
@@ -120,14 +121,10 @@ class SessionController(Controller):
             str | None, HeaderParameter(name="Idempotency-Key", required=False, max_length=128)
         ],
     ) -> GenerationAccepted:
-        params = store.queue.sampling(**data.asked())
-        submitted = await store.submit_message(
-            session_id,
-            session_token(request, token, x_session_token),
-            data.content,
-            params,
-            idempotency_key,
-            data.n,
+        sampling = service.sampling(**data.asked())
+        ask = GenerationAsk.message_to_session(data.content, sampling, data.n)
+        submitted = await service.send_message(
+            session_id, session_token(request, token, x_session_token), ask, idempotency_key
         )
         gid = submitted.generation_id
         return GenerationAccepted(
@@ -143,9 +140,7 @@ class SessionController(Controller):
     async def events(
         self,
         request: AnyRequest,
-        store: SessionStore,
-        hub: RelayHub,
-        settings: Settings,
+        service: GatewayService,
         session_id: str,
         token: TokenQuery,
         x_session_token: TokenHeader,
@@ -154,26 +149,27 @@ class SessionController(Controller):
             str | None, HeaderParameter(name="Last-Event-ID", required=False)
         ],
     ) -> Stream:
-        await store.authorise(session_id, session_token(request, token, x_session_token))
+        await service.authorise(session_id, session_token(request, token, x_session_token))
         after = last_event_id_header or last_event_id or None
-        await hub.check_resumable(session_id, after)
+        await service.check_resumable(session_id, after)
+        settings = service.settings
 
         async def chunks() -> AsyncIterator[bytes]:
             yield sse.retry(settings.sse_retry_ms)
             unfinished: set[str] = set()
             try:
-                async with hub.open(session_id, after) as feed:
+                async with service.open_feed(session_id, after) as feed:
                     async for batch in feed.events(settings.sse_heartbeat_s):
                         if batch:
                             yield sse.session_frames(batch)
-                        elif not hub.draining:
+                        elif not service.draining:
                             yield sse.HEARTBEAT
                         for event in batch:
                             if event.is_final:
                                 unfinished.discard(event.generation_id)
                             else:
                                 unfinished.add(event.generation_id)
-                        if hub.draining and not unfinished:
+                        if service.draining and not unfinished:
                             return  # shutting down: end after the last final event
             except (SessionLost, EventsExpired) as exc:
                 # Not a generation's error event: the stream itself ends, with no id.
@@ -189,19 +185,17 @@ class SessionController(Controller):
     async def cancel(
         self,
         request: AnyRequest,
-        store: SessionStore,
-        hub: RelayHub,
-        settings: Settings,
+        service: GatewayService,
         session_id: str,
         generation_id: str,
         token: TokenQuery,
         x_session_token: TokenHeader,
     ) -> CancelResult:
-        await store.authorise(session_id, session_token(request, token, x_session_token))
-        outcome = await store.cancel(session_id, generation_id)
+        await service.authorise(session_id, session_token(request, token, x_session_token))
+        outcome = await service.cancel(session_id, generation_id)
         final = outcome.final
         if final is None:
-            final = await hub.wait_final(session_id, generation_id, settings.cancel_wait_s)
+            final = await service.wait_final(session_id, generation_id)
         if final is None:
             return CancelResult(generation_id, outcome.state)
         return CancelResult(generation_id, final_state(final), final)

@@ -1,0 +1,180 @@
+"""The one way in: every API asks the gateway for generations, sessions and models here.
+
+``GatewayService`` holds what a request needs, the sessions store (Redis), the relay hub
+(the events) and the settings, so a handler takes this one dependency and asks it; no API
+reaches into the store's queue or model directory. What a client asks of a generation is
+one value, ``GenerationAsk`` (gateway/core/ask.py), whatever API it came through:
+
+    ask = GenerationAsk(sampling=service.sampling(max_tokens=16), prompt="Hi", n=2)
+    choices = await service.generate(ask)        # admitted, then ``n`` generations queued
+    async for write in walk(choices.batches(), spelling, ask.n):   # gateway/core/walk.py
+        ...
+
+Every ask is admitted first (``_admit``): the place for who may ask for what.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable
+
+from gateway.core.ask import GenerationAsk, KeptSession
+from gateway.core.choices import Choices
+from gateway.core.errors import BadRequest
+from gateway.core.feed import Feed, RelayEvent
+from gateway.core.generation_stream import GenerationStream
+from gateway.core.generations import Counts
+from gateway.core.readiness import Readiness, check_readiness
+from gateway.core.relay import RelayHub
+from gateway.core.sessions import (
+    CancelOutcome,
+    CreatedSession,
+    SessionStore,
+    Submitted,
+)
+from gateway.core.settings import Settings
+from wire import CancelReason, ChatMessage, FinalEvent, SamplingParams, WorkerInfo
+
+
+class GatewayService:
+    def __init__(self, store: SessionStore, hub: RelayHub, settings: Settings) -> None:
+        self.store = store
+        self.hub = hub
+        self.settings = settings
+
+    # --- what a generation may ask -------------------------------------------------------
+
+    def sampling(self, **given: object) -> SamplingParams:
+        """Sampling parameters with the gateway's defaults and limits (422 past one);
+        ``given``: the fields the request sets, None for the default."""
+        return self.store.queue.sampling(**given)
+
+    def _admit(self, ask: GenerationAsk) -> None:
+        """Whether this ask may be queued at all, before anything is written: today the
+        bound on ``n``. Issue 46's tenants (a key's limits and its share of the engine) are
+        admitted here too; capacity is checked where the generation is queued (the SUBMIT
+        script), atomically with it."""
+        if not 1 <= ask.n <= self.settings.max_choices:
+            raise BadRequest(
+                f"n must be between 1 and {self.settings.max_choices} (TOKENSPOUT_MAX_CHOICES)",
+                code="too_many_choices",
+                field="n",
+            )
+
+    # --- stateless generations (the OpenAI, TGI and OIP APIs) -----------------------------
+
+    async def generate(self, ask: GenerationAsk) -> Choices:
+        """Queue the ask's ``n`` generations, each in a throwaway session whose feed opens
+        before it is queued; the caller walks them, then closes them (``Choices.close``)."""
+        self._admit(ask)
+
+        def open_choice(choice: int) -> Awaitable[GenerationStream]:
+            heartbeat_s = self.settings.sse_heartbeat_s
+            chosen = ask.for_choice(choice)
+            return GenerationStream.submit(self.store, self.hub, chosen, heartbeat_s, choice)
+
+        return await Choices.submit(open_choice, ask.n)
+
+    async def generate_kept(self, ask: GenerationAsk, kept: KeptSession) -> Submitted:
+        """Queue one generation in a session that outlives its request (a stored
+        ``/v1/responses`` response), read later by its id: no feed is opened for it."""
+        self._admit(ask)
+        return await self.store.submit_stateless(ask, kept=kept)
+
+    # --- sessions --------------------------------------------------------------------------
+
+    async def create_session(self, model: str | None) -> CreatedSession:
+        return await self.store.create_session(model)
+
+    async def authorise(self, session_id: str, token: str | None) -> None:
+        """404 for an unknown session, 403 for a missing or wrong token."""
+        await self.store.authorise(session_id, token)
+
+    async def history(self, session_id: str) -> list[ChatMessage]:
+        return await self.store.history(session_id)
+
+    async def send_message(
+        self,
+        session_id: str,
+        token: str | None,
+        ask: GenerationAsk,
+        idempotency_key: str | None = None,
+    ) -> Submitted:
+        """The ask's one message as the session's next turn, its reply (``n`` replies)
+        queued; authorised in the same round trip (404, then 403)."""
+        self._admit(ask)
+        return await self.store.submit_message(session_id, token, ask, idempotency_key)
+
+    async def cancel(
+        self, session_id: str, generation_id: str, reason: CancelReason = "user"
+    ) -> CancelOutcome:
+        """Stop a generation wherever it runs; idempotent (a final one reports its end)."""
+        return await self.store.cancel(session_id, generation_id, reason)
+
+    async def wait_final(self, session_id: str, generation_id: str) -> FinalEvent | None:
+        """The generation's final event, waiting up to ``TOKENSPOUT_CANCEL_WAIT_S``."""
+        wait_s = self.settings.cancel_wait_s
+        return await self.hub.wait_final(session_id, generation_id, wait_s)
+
+    # --- a session's events ----------------------------------------------------------------
+
+    def open_feed(
+        self, session_id: str, after_id: str | None = None
+    ) -> contextlib.AbstractAsyncContextManager[Feed]:
+        """The session's events after ``after_id`` (gateway/core/relay.py ``RelayHub.open``)."""
+        return self.hub.open(session_id, after_id)
+
+    async def check_resumable(self, session_id: str, after_id: str | None) -> None:
+        """``EventsExpired`` when the events after ``after_id`` are no longer kept."""
+        await self.hub.check_resumable(session_id, after_id)
+
+    async def read_after(self, session_id: str, after_id: str | None) -> list[RelayEvent]:
+        """The next page of the session's stored events after ``after_id``."""
+        return await self.hub.read_after(session_id, after_id)
+
+    @property
+    def draining(self) -> bool:
+        """The process is shutting down: streams end as their generations do."""
+        return self.hub.draining
+
+    def raise_if_cut(self) -> None:
+        """``ShuttingDown`` for a request still waiting past the drain's cut."""
+        self.hub.raise_if_cut()
+
+    # --- one-generation sessions kept past their request (stored responses) ------------------
+
+    async def meta_field(self, session_id: str, field: str) -> str | None:
+        return await self.store.meta_field(session_id, field)
+
+    async def has_generation(self, session_id: str, generation_id: str) -> bool:
+        return await self.store.has_generation(session_id, generation_id)
+
+    async def forget(self, session_id: str, generation_id: str) -> None:
+        """Delete a one-generation session's keys."""
+        await self.store.forget(session_id, generation_id)
+
+    # --- models and readiness --------------------------------------------------------------
+
+    async def resolve_model(self, name: str | None) -> str:
+        """The model that serves ``name`` (None: the default); 404 or 503 as
+        gateway/core/models.py says."""
+        return await self.store.models.resolve(name)
+
+    async def live_workers(self) -> list[WorkerInfo]:
+        """Every live worker, read now."""
+        return await self.store.models.live_workers()
+
+    async def workers_of(self, model: str) -> list[WorkerInfo]:
+        """The live workers of ``model`` (none when its last one left)."""
+        return (await self.store.models.snapshot()).live.get(model, [])
+
+    async def max_model_len(self, model: str) -> int | None:
+        return await self.store.models.max_model_len(model)
+
+    async def readiness(self) -> Readiness:
+        """Redis answers and an engine worker is alive (``/ready``, gRPC ``ServerReady``)."""
+        return await check_readiness(self.store)
+
+    async def queue_counts(self) -> Counts:
+        """Model -> (queued, running), in one round trip (``/metrics``)."""
+        return await self.store.queue.counts()
