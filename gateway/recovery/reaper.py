@@ -40,7 +40,7 @@ import wire
 from gateway.core.relay import RelayHub
 from gateway.core.sessions import SessionStore
 from gateway.recovery.stranded import STRANDED_AFTER_S, StrandedTurns
-from gateway.recovery.takeover import REAPER_PREFIX, Takeover, live_workers
+from gateway.recovery.takeover import REAPER_PREFIX, LostRequests, live_workers
 from wire import Error, GenerationRequest, Keys, entry_id_key
 from wire.queue import QueueLook, RequestQueue, look_at
 from wire.scripts import EndQueued, HoldReaperLock
@@ -161,7 +161,7 @@ class Reaper:
         self._end_queued = EndQueued(redis, keys)
         self._hold_lock = HoldReaperLock(redis, keys)
         self._owner = f"{REAPER_PREFIX}{time.monotonic_ns()}"
-        self.takeover = Takeover(
+        self.lost = LostRequests(
             redis,
             keys,
             max_takeovers=max_takeovers,
@@ -271,7 +271,7 @@ class Reaper:
         for entry_id, fields in await queue.claim(self._owner, idle_ms, message_id):
             request = decode_request(entry_id, fields) if fields else None
             if request is not None:  # else trimmed away meanwhile, or unreadable: drop it
-                await self.takeover.hand_on(queue, request, fields[b"r"], consumer)
+                await self.lost.hand_on(queue, request, fields[b"r"], consumer)
             await queue.ack(entry_id)
         await queue.forget_consumer(self._owner)
 
