@@ -12,11 +12,10 @@ session kept past its request) sends the session's SUBMIT script and the queue's
 one pipeline (a one-shot request's script queues its request itself). When Redis has lost its
 scripts (a restart), the script fails with NOSCRIPT but the XADD goes in: that first copy
 names a generation that does not exist yet, and its claim is refused. The gateway loads
-the script and sends both again, so a second copy follows. A worker that took the second
-copy while the first one's claim was still on its way used to drop it as a duplicate; the
-first was then refused, and the generation never ran (its stream waited forever). The
-second copy is now held until the claim is answered: dropped if the claim holds, run if it
-was refused (``settle_second_copy``).
+the script and sends both again, so a second copy follows. Dropped as a duplicate while the
+first copy's claim is on its way, it would leave the generation never run once that claim
+is refused (its stream would wait forever). So the second copy is held until the claim is
+answered: dropped if the claim holds, run if it was refused (``settle_second_copy``).
 """
 
 from __future__ import annotations
@@ -131,8 +130,8 @@ class Intake:
         )
         job = Job(request, entry_id, target)
         running = self.jobs.get(request.generation_id)
-        if running is not None and running.epoch >= job.epoch and not running.claimed:
-            running.second_copy = job  # settled once its claim is answered
+        if running is not None and running.epoch >= job.epoch and not running.claim_held:
+            running.hold_second_copy(job)  # settled once its claim is answered
             return
         if running is not None and running.epoch >= job.epoch:
             log.info("dropping a second copy of %s", request.generation_id)
@@ -145,7 +144,7 @@ class Intake:
     def settle_second_copy(self, job: Job, claimed: bool) -> None:
         """``job``'s claim is answered (``claimed``: it holds, or the first copy ended the
         generation otherwise): drop the copy held meanwhile, or run it in ``job``'s place."""
-        second, job.second_copy = job.second_copy, None
+        second = job.take_second_copy()
         if second is None:
             return
         if claimed:
@@ -163,9 +162,7 @@ class Intake:
 
     def stop_run(self, job: Job) -> None:
         """Abort a run whose events Redis no longer takes; no final event (not its own)."""
-        if job.cancel_reason is None:
-            job.cancel_reason = "user"
-            job.ended = True
+        if job.drop():
             self.spawn(self.backend.abort(job.request.engine_request_id))
 
     def spawn(self, work: Coroutine[Any, Any, None], name: str | None = None) -> None:
