@@ -12,8 +12,8 @@ T = TypeVar("T")
 
 GC_YOUNG_THRESHOLD = 20_000
 """Allocations between two young-generation collections (CPython's default: 700). Each
-token allocates a few dozen short-lived objects; at the default the cyclic collector ran
-hundreds of times a second at load and was 12-20 % of a process's busy samples."""
+token allocates a few dozen short-lived objects; at the default the cyclic collector runs
+hundreds of times a second at load, 12-20 % of a process's busy samples (docs/bench.md)."""
 
 
 def tune_gc() -> None:

@@ -86,9 +86,10 @@ class GenerationQueue:
 
         The counts come from the read on its way when there is one (``CountsRead``), plus
         the generations this process admitted on that read: a burst of requests costs one
-        read at a time (it cost 5 to 8 us of gateway CPU per token at 500 streams, a read
-        each). As before, a generation whose submit is still on its way is not seen by a
-        check that read before it landed; across gateways the check was never atomic."""
+        read at a time (a read each costs 5 to 8 us of gateway CPU per token at 500
+        streams). A generation whose submit is still on its way is not seen by a check that
+        read before it landed, and across gateways the check is not atomic: the SUBMIT
+        script's own check (``admission``) is, on one Redis."""
         models = await self._models_to_count([model])
         read = self._read
         if read is None or read.task.done() or read.models != models:

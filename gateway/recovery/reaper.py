@@ -108,7 +108,7 @@ def decode_request(entry_id: bytes | str, fields: dict[bytes, bytes]) -> Generat
 class RepeatedFailures:
     """The reaper's failures, logged without a flood: a duty's first failure, then that
     duty's failures at most once per ``every_s`` (with how many went unlogged), and one
-    line once it works again. With Redis away, a pass every ``REAP_PASS_S`` logged ten
+    line once it works again: with Redis away, a pass every ``REAP_PASS_S`` would log ten
     warnings a second per gateway process."""
 
     def __init__(self, every_s: float = FAILURE_LOG_EVERY_S) -> None:
