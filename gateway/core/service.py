@@ -94,11 +94,7 @@ class GatewayService:
         return await self.store.history(session_id)
 
     async def send_message(
-        self,
-        session_id: str,
-        token: str | None,
-        ask: GenerationAsk,
-        idempotency_key: str | None = None,
+        self, session_id: str, token: str | None, ask: GenerationAsk, idempotency_key: str | None
     ) -> Submitted:
         """The ask's one message as the session's next turn, its reply (``n`` replies)
         queued; authorised in the same round trip (404, then 403)."""

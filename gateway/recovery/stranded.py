@@ -21,12 +21,11 @@ import logging
 import time
 
 import msgspec
-import redis.asyncio as aioredis
 
 import wire
 from gateway.core.generations import GenerationQueue
 from gateway.core.sessions import SessionStore
-from wire import GenerationRequest, Keys
+from wire import GenerationRequest
 from wire.queue import RequestQueue
 
 log = logging.getLogger("tokenspout.sessions")
@@ -42,14 +41,11 @@ STRANDED_PAGE = 100
 class StrandedTurns:
     """The session turns left ``queued`` with no request in their queue, queued again."""
 
-    def __init__(
-        self, redis: aioredis.Redis, keys: Keys, queue: GenerationQueue, store: SessionStore
-    ) -> None:
-        self.redis = redis
-        self.keys = keys
-        self.queue = queue
+    def __init__(self, store: SessionStore, queue: GenerationQueue) -> None:
         self.store = store
         """Where a turn's state and its conversation are read (the submit path's own)."""
+        self.queue = queue
+        self.redis, self.keys = store.redis, store.keys
 
     async def queue_stranded(self, queue: RequestQueue, older_than_s: float) -> int:
         """Queue the session turns noted on their way to ``queue`` over ``older_than_s``

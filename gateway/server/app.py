@@ -103,7 +103,7 @@ class Services:
     def _recovery(self) -> tuple[Reaper, ReaderDeadline]:
         """The reaper (one gateway at a time) and this process's readers' deadline."""
         settings = self.settings
-        stranded = StrandedTurns(self.redis, self.keys, self.store.queue, self.store)
+        stranded = StrandedTurns(self.store, self.store.queue)
         reaper = Reaper(
             self.redis,
             self.keys,

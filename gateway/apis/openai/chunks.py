@@ -83,11 +83,8 @@ class ChunkStream(sse.SseSpelling):
         include_usage: bool = False,
         continuous_usage: bool = False,
     ) -> None:
-        self.chunks = chunks
-        self.model = model
-        self.choices = choices
-        self.include_usage = include_usage
-        self.continuous_usage = continuous_usage
+        self.chunks, self.model, self.choices = chunks, model, choices
+        self.include_usage, self.continuous_usage = include_usage, continuous_usage
         self.tally = UsageTally(choices)
         self.finals: list[Done] = []
 
@@ -188,15 +185,11 @@ def chat_completion_body(
     completion_id: str, created: int, model: str, wholes: list[Collected], want_logprobs: bool
 ) -> ChatCompletion:
     """The answer of a chat completion that does not stream: one choice per generation."""
-    choices = [
-        ChatChoice(
-            index,
-            _assistant_message(whole),
-            _chat_logprobs(whole.pieces) if want_logprobs else None,
-            whole.final.finish_reason,
-        )
-        for index, whole in enumerate(wholes)
-    ]
+    choices = []
+    for index, whole in enumerate(wholes):
+        logprobs = _chat_logprobs(whole.pieces) if want_logprobs else None
+        message = _assistant_message(whole)
+        choices.append(ChatChoice(index, message, logprobs, whole.final.finish_reason))
     model, usage = _answered_by(wholes, model)
     return ChatCompletion(completion_id, "chat.completion", created, model, choices, usage)
 

@@ -178,7 +178,7 @@ class Connection:
         else:
             session_id = frame.session_id
             token = frame.token or self._tokens.get(session_id) or self.token
-        submitted = await self.service.send_message(session_id, token, ask)
+        submitted = await self.service.send_message(session_id, token, ask, None)
         gid = submitted.generation_id
         gids = submitted.choices or [gid]
         _remember(self._known, frame.id, (session_id, gids))
