@@ -85,6 +85,9 @@ class Job:
     """How long the backend took to prepare it (tokenisation, the chat template)."""
     tool_calls: ToolCallWriter | None = None
     """With tools: turns what the model writes into content and calls (engine/tools.py)."""
+    estimated_tokens: int = 0
+    """What its queue charged its tenant for its prompt before anyone knew its tokens
+    (``wire.queue.estimated_tokens``); the worker charges the difference once it knows."""
     state: JobState = JobState.PREPARING
     claim_held: bool | None = None
     """Its claim's answer: None while it is on its way (or was never sent)."""

@@ -286,7 +286,7 @@ class SessionStore:
                 # no generation to claim, is skipped by the worker that takes it.
                 self.queue.enqueue_in(pipe, model, request)
 
-        return scripts.Submit.replied((await self._run_submitting(fill))[0])
+        return scripts.Submit.replied((await self._run_submitting(fill, model))[0])
 
     def _submitted(
         self, session_id: str, generation_id: str, queued_event_id: str, model: str
@@ -444,10 +444,13 @@ class SessionStore:
 
         return scripts.Submit.replied((await self._run_submitting(fill))[-1])
 
-    async def _run_submitting(self, fill: Callable[[Any], None]) -> list[Any]:
-        """Run a pipeline that ``fill`` fills, a bare SUBMIT among its commands. A Redis
-        that lost its scripts (a restart) gets it loaded and the pipeline again: the other
-        commands of the first one ran, and run again, so they must not mind."""
+    async def _run_submitting(
+        self, fill: Callable[[Any], None], enqueuing: str | None = None
+    ) -> list[Any]:
+        """Run a pipeline that ``fill`` fills, a bare SUBMIT among its commands (and the
+        queue's submit to model ``enqueuing``'s queue, if it names one). A Redis that lost
+        its scripts (a restart) gets them loaded and the pipeline again: the other commands
+        of the first one ran, and run again, so they must not mind."""
         for attempt in (1, 2):
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
@@ -457,6 +460,8 @@ class SessionStore:
                 if attempt == 2:
                     raise
                 await self._submit.load()
+                if enqueuing is not None:
+                    await self.queue.load_scripts(enqueuing)
         raise AssertionError("unreachable")
 
     async def _enqueue_written(

@@ -90,7 +90,7 @@ class StrandedTurns:
             return False
         queue = self.queue.of(wire.text(model))
         after = await queue.waiting_after()  # its group's lag is nil after a deletion: read
-        if after is not None and await queue.read_after(after, 1):
+        if (after is not None and await queue.read_after(after, 1)) or await queue.fair_waiting():
             return False  # requests wait there: it may be one of them (the deadline decides)
         request = await self.store.with_turn(_request_decoder.decode(note))
         await self.queue.enqueue(queue.model, request)
