@@ -50,10 +50,10 @@ class GatewayService:
         return self.store.queue.sampling(**given)
 
     def _admit(self, ask: GenerationAsk) -> None:
-        """Whether this ask may be queued at all, before anything is written: today the
-        bound on ``n``. Issue 46's tenants (a key's limits and its share of the engine) are
-        admitted here too; capacity is checked where the generation is queued (the SUBMIT
-        script), atomically with it."""
+        """The one place an ask is judged before anything is written: today the bound on
+        ``n``; a tenant's key and limits (issue 46, docs/tenants.md) belong here too.
+        Capacity is not: it is checked where the generation is queued (the SUBMIT script),
+        atomically with it."""
         if not 1 <= ask.n <= self.settings.max_choices:
             raise BadRequest(
                 f"n must be between 1 and {self.settings.max_choices} (TOKENSPOUT_MAX_CHOICES)",
