@@ -373,8 +373,8 @@ class SessionStore:
                 )
             case script.HistoryFull():
                 raise BadRequest(
-                    f"the session holds {self.settings.max_history_messages} messages; "
-                    "start a new session",
+                    f"the session holds {self.settings.max_history_messages} messages, the "
+                    "limit set by TOKENSPOUT_MAX_HISTORY_MESSAGES; start a new session",
                     code="history_full",
                 )
             case script.OverCapacity():  # not asked to admit here (guard_capacity did)
@@ -601,7 +601,8 @@ class SessionStore:
             raise BadRequest("content must not be empty", field="content")
         if len(content) > self.settings.max_message_chars:
             raise BadRequest(
-                f"content is longer than {self.settings.max_message_chars} characters",
+                f"content is longer than {self.settings.max_message_chars} characters "
+                "(TOKENSPOUT_MAX_MESSAGE_CHARS)",
                 code="message_too_long",
                 field="content",
             )

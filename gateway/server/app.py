@@ -23,7 +23,7 @@ from gateway import __version__
 from gateway.apis.openai.hot import HotRoutes
 from gateway.apis.tgi import compat_generate
 from gateway.core.auth import API_KEYS_STATE, ApiKeys
-from gateway.core.errors import HANDLED, AnyRequest, ErrorEnvelope, as_gateway_error
+from gateway.core.errors import HANDLED, AnyRequest, ErrorEnvelope, request_error
 from gateway.core.relay import RelayHub
 from gateway.core.sessions import SessionStore
 from gateway.core.settings import Settings
@@ -198,11 +198,11 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
     services = services or Services(settings)
     metrics = services.metrics
 
-    def handle_error(_: AnyRequest, exc: Exception) -> Response[ErrorEnvelope]:
+    def handle_error(request: AnyRequest, exc: Exception) -> Response[ErrorEnvelope]:
         """Every error a handler raises, in the gateway's own format (gateway/core/errors.py)."""
         if isinstance(exc, RedisError):
             metrics.redis_error("request")
-        error = as_gateway_error(exc)
+        error = request_error(request, exc)
         return Response(error.body(), status_code=error.status, headers=error.headers())
 
     handlers: list[ControllerRouterHandler] = list(ROUTES)

@@ -18,7 +18,7 @@ import msgspec
 
 import wire
 from gateway.apis.sessions.sampling import SamplingIn
-from gateway.core.errors import BadRequest, PayloadTooLarge
+from gateway.core.errors import BadRequest, PayloadTooLarge, not_json, over_body_limit
 from wire import CancelReason, Usage
 
 ClientId = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
@@ -196,7 +196,7 @@ _NAMED_FIELD = re.compile(r"field `([^`]+)`")
 def decode_client_frame(data: str | bytes, max_bytes: int) -> ClientFrame:
     """The frame, or ``BadRequest`` / ``PayloadTooLarge`` naming what is wrong."""
     if len(data) > max_bytes:
-        raise PayloadTooLarge(f"a frame may hold at most {max_bytes} bytes", code="frame_too_large")
+        raise PayloadTooLarge(over_body_limit("the frame", max_bytes), code="frame_too_large")
     try:
         frame: ClientFrame = _decoder.decode(data)
     except msgspec.ValidationError as exc:
@@ -204,8 +204,8 @@ def decode_client_frame(data: str | bytes, max_bytes: int) -> ClientFrame:
         if message.endswith("at `$.type`") or "missing required field `type`" in message:
             raise BadRequest(message, code="unknown_type", field="type") from None
         raise BadRequest(message, code="invalid_frame", field=_field_of(message)) from None
-    except msgspec.DecodeError as exc:
-        raise BadRequest(f"not a JSON object: {exc}", code="invalid_json") from None
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        raise not_json(data.encode() if isinstance(data, str) else data, "the frame") from None
     except RecursionError:
         # msgspec recurses even to skip a value: a frame nested past Python's limit.
         raise BadRequest("the frame is nested too deeply", code="too_deep") from None
@@ -216,7 +216,7 @@ def client_id_of(data: str | bytes) -> str | None:
     """The ``id`` of a frame that failed to decode, if it has a readable one."""
     try:
         raw = _loose.decode(data)
-    except (msgspec.DecodeError, RecursionError):
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
         return None
     value = raw.get("id") if isinstance(raw, dict) else None
     return value if isinstance(value, str) and 0 < len(value) <= 64 else None

@@ -311,9 +311,9 @@ async def open_response(
         raise BadRequest("input must not be empty", field="input")
     conversation = [*await _conversation(store, hub, data.previous_response_id), *_messages(items)]
     if len(conversation) > settings.max_history_messages:
-        # The same bound as a session's history (TOKENSPOUT_MAX_HISTORY_MESSAGES).
         raise BadRequest(
-            f"the conversation may hold at most {settings.max_history_messages} messages",
+            f"the conversation may hold at most {settings.max_history_messages} messages "
+            "(TOKENSPOUT_MAX_HISTORY_MESSAGES, as a session's history)",
             code="too_many_messages",
             field="input",
         )
@@ -328,6 +328,7 @@ async def open_response(
             field="tool_choice",
         )
     params = store.queue.sampling(
+        named={"max_tokens": "max_output_tokens"},
         max_tokens=data.max_output_tokens,
         temperature=data.temperature,
         top_p=data.top_p,
