@@ -63,6 +63,16 @@ def redis_server() -> Iterator[EmbeddedRedis]:
         yield server
 
 
+@pytest.fixture
+def restartable_redis(tmp_path: Path) -> Iterator[EmbeddedRedis]:
+    """A Redis of the test's own, with its data on disk (AOF): the test may stop, kill or
+    wipe it and start it again."""
+    server = EmbeddedRedis(data_dir=tmp_path / "redis", persist=True)
+    server.data_dir.mkdir()
+    with server:
+        yield server
+
+
 @pytest.fixture(name="redis")
 async def async_redis(redis_server: EmbeddedRedis) -> AsyncIterator[aioredis.Redis]:
     """An asyncio client of the session's Redis server (the fixture is named ``redis``)."""

@@ -42,6 +42,9 @@ log = logging.getLogger("tokenspout.errors")
 AnyRequest = Request[Any, Any, Any]
 """What an exception handler gets (the app's and each adapter router's)."""
 UNKNOWN_FIELD = re.compile(r"unknown field `([^`]+)`")
+MISSING_FIELD = re.compile(r"missing required field `([^`]+)`")
+BODY_KEY = "data"
+"""Litestar's name, in a validation error, for the request body as a whole."""
 MALFORMED_AT = re.compile(r"JSON is malformed: (.+) \(byte ([0-9]+)\)")
 
 
@@ -213,7 +216,7 @@ class FrameworkError(GatewayError):
 
 def bad_event_id(given: str, field: str = "last_event_id") -> BadRequest:
     return BadRequest(
-        f"{given[:64]!r} is not an event id: an event id is the `id:` of one of this "
+        f"{field} {given[:64]!r} is not an event id: an event id is the `id:` of one of this "
         "stream's events, `<milliseconds>-<sequence>` (two whole numbers below 2^64, as "
         "1795319999764-0); leave it out to read from the beginning",
         code="bad_event_id",
@@ -307,8 +310,10 @@ def as_gateway_error(exc: Exception) -> GatewayError:
         details = exc.extra if isinstance(exc.extra, list) else []
         first = details[0] if details and isinstance(details[0], dict) else {}
         message = str(first.get("message") or exc.detail)
-        unknown = UNKNOWN_FIELD.search(message)
-        field = unknown.group(1) if unknown else first.get("key") or None
+        named = UNKNOWN_FIELD.search(message) or MISSING_FIELD.search(message)
+        field = named.group(1) if named else first.get("key") or None
+        if field == BODY_KEY:  # the body itself is not the object the route takes
+            return BadRequest(f"the body must be a JSON object of the request's fields: {message}")
         if field and field not in message:
             message = f"{field}: {message}"
         return BadRequest(message, field=field)

@@ -1,9 +1,10 @@
 """The WebSocket protocol's frames: typed JSON both ways, decoded in one place.
 
 Every frame is a JSON object with a ``type``. Client frames: ``generate``, ``cancel``,
-``ping``. Server frames: ``ack``, ``queued``, ``started``, ``token``, ``done``,
-``cancelled``, ``error``, ``pong``. Each frame about a generation carries the client's own
-``id`` for it, so several generations can share one socket. docs/api.md shows examples.
+``resume``, ``ping``. Server frames: ``ack``, ``queued``, ``started``, ``token``,
+``resumed``, ``done``, ``cancelled``, ``error``, ``events_lost``, ``pong``. Each frame
+about a generation carries the client's own ``id`` for it, so several generations can share
+one socket. docs/api.md shows examples.
 
 New fields go at the end with defaults, as in wire/messages.py.
 """
@@ -56,11 +57,23 @@ class Cancel(msgspec.Struct, frozen=True, tag="cancel", forbid_unknown_fields=Tr
     token: str | None = None
 
 
+class Resume(msgspec.Struct, frozen=True, tag="resume", forbid_unknown_fields=True):
+    """Follow a generation again (after a lost socket, on any replica): its frames after
+    ``last_event_id`` (left out: from its first), tagged ``id``, up to its final one."""
+
+    id: ClientId
+    session_id: str
+    generation_id: str
+    last_event_id: str | None = None
+    """The ``event_id`` of the last frame the client got."""
+    token: str | None = None
+
+
 class Ping(msgspec.Struct, frozen=True, tag="ping", forbid_unknown_fields=True):
     id: str | None = None
 
 
-ClientFrame = Generate | Cancel | Ping
+ClientFrame = Generate | Cancel | Resume | Ping
 
 
 # --- gateway -> client -------------------------------------------------------------------
@@ -71,7 +84,7 @@ class Ack(msgspec.Struct, frozen=True, tag="ack", omit_defaults=True):
     (``state``: "cancelling" while the worker aborts, else the final state)."""
 
     id: str
-    op: Literal["generate", "cancel"]
+    op: Literal["generate", "cancel", "resume"]
     generation_id: str
     session_id: str
     state: str
@@ -160,6 +173,16 @@ class ErrorFrame(msgspec.Struct, frozen=True, tag="error", omit_defaults=True):
     choice: int = 0
 
 
+class EventsLostFrame(msgspec.Struct, frozen=True, tag="events_lost"):
+    """A ``resume``'s ``last_event_id`` is ahead of the session's stream (Redis lost the
+    events after it, or it is none of this stream's): the generation's frames follow from
+    its first, so the client starts its reply over."""
+
+    id: str
+    last_event_id: str
+    message: str
+
+
 class Pong(msgspec.Struct, frozen=True, tag="pong", omit_defaults=True):
     id: str | None = None
 
@@ -184,6 +207,7 @@ ServerFrame = (
     | ErrorFrame
     | Pong
     | ResumedFrame
+    | EventsLostFrame
 )
 
 _decoder = msgspec.json.Decoder(ClientFrame)

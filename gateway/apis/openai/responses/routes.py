@@ -23,7 +23,7 @@ from gateway.apis.openai.responses.store import Heartbeat, StoredResponse, now
 from gateway.apis.openai.routes import ROLES, openai_error
 from gateway.core import structured, tools
 from gateway.core.auth import api_key_check
-from gateway.core.errors import HANDLED, BadRequest, GatewayError, ending_with_error
+from gateway.core.errors import HANDLED, BadRequest, EventsLost, GatewayError, ending_with_error
 from gateway.core.relay import RelayHub
 from gateway.core.sessions import SessionStore
 from gateway.core.settings import Settings
@@ -244,7 +244,7 @@ async def _conversation(
     carried over, as OpenAI documents)."""
     if previous_id is None:
         return []
-    previous = await StoredResponse.find(store, hub, previous_id)
+    previous = await StoredResponse.find(store, hub, previous_id, "previous_response_id")
     rendered = await previous.snapshot()
     if not rendered.ended:
         raise BadRequest(
@@ -399,8 +399,21 @@ async def retrieve_response(
 ) -> Response[dict[str, Any]] | Stream:
     response = await StoredResponse.find(store, hub, response_id)
     if stream:
+        if starting_after >= 0:
+            await _check_starting_after(response, starting_after)
         return _stream(response, settings, starting_after=starting_after, owner=False)
     return Response((await response.snapshot()).response())
+
+
+async def _check_starting_after(response: StoredResponse, starting_after: int) -> None:
+    """A number past the response's last event (so far) is none it ever sent: Redis lost
+    its events, or it is not this response's. Its stream would say nothing (after the
+    end) or wait for numbers it has given already; it is refused at once instead."""
+    last = (await response.snapshot()).sequence - 1
+    if starting_after > last:
+        raise EventsLost(
+            str(starting_after), str(last) if last >= 0 else None, field="starting_after"
+        )
 
 
 @post("/responses/{response_id:str}/cancel", summary="OpenAI Responses: cancel", status_code=200)
