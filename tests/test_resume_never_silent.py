@@ -253,8 +253,9 @@ async def test_a_websocket_resume_goes_on_from_its_event_id_on_another_replica_o
 
 
 async def test_starting_after_past_a_responses_end_is_a_clear_error(stack: Stack) -> None:
-    """``starting_after`` past the response's last event (so far) is a 410 ``events_lost``
-    naming the parameter and the last number; at its last event the stream simply ends."""
+    """``starting_after`` past an ended response's last event is a 410 ``events_lost``
+    naming the parameter and the last number; at its last event the stream simply ends;
+    past the events a running response has made so far, the stream waits for them."""
     stack.synthetic(tokens_per_s=200)
     gateway = stack.gateway()
     client = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="none", max_retries=0)
@@ -274,3 +275,10 @@ async def test_starting_after_past_a_responses_end_is_a_clear_error(stack: Stack
         assert isinstance(error, dict)
         assert (error["code"], error["param"]) == ("events_lost", "starting_after")
         assert f"its last event is {last}" in error["message"]
+
+        running = await client.responses.create(
+            model="synthetic", input="count me again", max_output_tokens=60, background=True
+        )
+        early = await client.responses.retrieve(running.id, stream=True, starting_after=5)
+        numbers = [event.sequence_number async for event in early]
+        assert numbers[0] == 6 and numbers == list(range(6, 6 + len(numbers)))

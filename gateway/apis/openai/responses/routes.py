@@ -406,14 +406,13 @@ async def retrieve_response(
 
 
 async def _check_starting_after(response: StoredResponse, starting_after: int) -> None:
-    """A number past the response's last event (so far) is none it ever sent: Redis lost
-    its events, or it is not this response's. Its stream would say nothing (after the
-    end) or wait for numbers it has given already; it is refused at once instead."""
-    last = (await response.snapshot()).sequence - 1
-    if starting_after > last:
-        raise EventsLost(
-            str(starting_after), str(last) if last >= 0 else None, field="starting_after"
-        )
+    """A number past the end of a response that has ended is none it ever sent (Redis lost
+    its events, or it is not this response's): its stream would say nothing, so it is
+    refused at once. Past the events of a running one it is only early: they will come."""
+    so_far = await response.snapshot()
+    last = so_far.sequence - 1
+    if so_far.ended and starting_after > last:
+        raise EventsLost(str(starting_after), str(last), field="starting_after")
 
 
 @post("/responses/{response_id:str}/cancel", summary="OpenAI Responses: cancel", status_code=200)
