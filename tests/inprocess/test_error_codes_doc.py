@@ -11,6 +11,7 @@ documented where ``prompt_too_long`` was sent).
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -89,14 +90,15 @@ def class_defaults(trees: list[ast.AST]) -> dict[str, str]:
     return defaults
 
 
-def sent() -> set[str]:
+@functools.cache
+def sent() -> frozenset[str]:
     files = [path for source in SOURCES for path in (ROOT / source).rglob("*.py")]
     trees = [ast.parse(path.read_text(), str(path)) for path in files]
     defaults = class_defaults(trees)
     codes = {code for tree in trees for code in codes_in(tree, defaults)}
     for script in (ROOT / "wire" / "lua").glob("*.lua"):
         codes |= set(LUA_CODE.findall(script.read_text()))
-    return codes
+    return frozenset(codes)
 
 
 def documented() -> set[str]:
