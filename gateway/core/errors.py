@@ -21,8 +21,11 @@ GatewayError               HTTP status (WebSocket close code); gRPC status in ``
 Every error body is ``{"error": {"code": ..., "message": ..., "field": ...}}``; the
 OpenAI, TGI and OIP adapters spell the same ``GatewayError`` in their own clients' error
 formats (their ``*_error`` handlers in gateway/apis/; the gRPC service's status codes and
-``error_message``, gateway/apis/oip/grpc/service.py), over ``as_gateway_error``; a stream
-that fails after its headers ends in that format too (``ending_with_error``).
+``error_message``, gateway/apis/oip/grpc/service.py), over ``request_error`` (a handler's:
+it has the request) or ``as_gateway_error``; a stream that fails after its headers ends in
+that format too (``ending_with_error``). The wording that says what to change lives here
+too: a limit and its setting (``over_body_limit``), where a body stops being JSON
+(``not_json``), what an event id looks like (``bad_event_id``).
 """
 
 from __future__ import annotations
@@ -225,7 +228,7 @@ def bad_event_id(given: str, field: str = "last_event_id") -> BadRequest:
 
 
 HANDLED = (GatewayError, ValidationException, HTTPException, RedisError, RecursionError, Exception)
-"""The exception types the app and each adapter router hand to ``as_gateway_error``.
+"""The exception types the app and each adapter router hand to ``request_error``.
 ``Exception`` last: anything unexpected is logged with its traceback and answered in the
 gateway's format (Litestar's own answer, a bare 500, would go unlogged: the app leaves
 logging to the gateway)."""
