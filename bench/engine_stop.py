@@ -42,8 +42,10 @@ class ClosingStream(OpenAIStream):
     closed_at = 0.0
 
     def on_frame(self, frame: bytes, now: float) -> None:
+        if self.closed_at:  # a later frame of the read that brought the last one
+            return
         super().on_frame(frame, now)
-        if not self.closed_at and len(self.record.arrivals) >= self.after:
+        if len(self.record.arrivals) >= self.after:
             self.closed_at = time.perf_counter()
             self.close()
 

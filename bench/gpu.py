@@ -32,6 +32,7 @@ import fcntl
 import importlib.util
 import json
 import os
+import resource
 import signal
 import tempfile
 import time
@@ -150,7 +151,7 @@ def describe(run: Run, busiest: float) -> str:
     rate = tokens / run.span_s if run.span_s else 0.0
     return (
         f"{tokens:,} tokens, {rate:,.0f} tok/s, TTFT p50 {stats.ms(stats.pct(ttft, 50))} ms,"
-        f" busiest client {busiest:.2f} of a core"
+        f" busiest client {busiest:.3f} of a core"
         + (f", failures {run.failures}" if run.failures else "")
     )
 
@@ -320,6 +321,16 @@ async def preflight(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def open_files() -> None:
+    """Descriptors up to the hard limit for this process and every one it starts: at
+    C = 1,024 one gateway process (and vLLM's server) holds a socket per stream, past the
+    1,024 a soft limit often allows."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
 @contextlib.contextmanager
 def vllm_lock() -> Any:
     """The lock every vLLM of the tests and benchmarks takes: no two at once on a box."""
@@ -403,6 +414,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    try:
+        run(args)
+    except KeyboardInterrupt:  # every process it started is stopped by now
+        say(f"stopped by a signal; what was measured is in {args.out} (logs: {args.logs})")
+        raise SystemExit(130) from None
+
+
+def run(args: argparse.Namespace) -> None:
     if args.render is not None:
         results = json.loads(args.render.read_text())
         args.name = args.name or args.render.stem
@@ -413,6 +432,7 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.setdefault(name, value)
     # SIGTERM (timeout(1), a session's end) as Ctrl-C: every process started is stopped.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    open_files()
     began = time.monotonic()
     args.logs = args.logs or Path(tempfile.mkdtemp(prefix="tokenspout-gpu-"))
     if args.preflight:

@@ -13,9 +13,10 @@
 set -euo pipefail
 out=${OUT:?OUT: the folder whose files come back (the device tool sets it)}
 shape=${SHAPE:-.gpu/c2/tok}
-call_s=${CALL_S:-590}  # one call runs at most 600 s; SECONDS counts from install.sh's start
-left=$((call_s - SECONDS))
-echo "[gpu_device] ${SECONDS} s gone (install.sh), ${left} s left for the bench"
+call_s=${CALL_S:-590}  # one call runs at most 600 s, from when the call's shell started
+gone=$(python3 -c "from stack.procfs import age_s; print(int(age_s($PPID)))")
+left=$((call_s - gone))
+echo "[gpu_device] ${gone} s gone in this call (install.sh), ${left} s left for the bench"
 [ "$left" -gt 240 ] || { echo "[gpu_device] too little time left: run it in a fresh call"; exit 1; }
 [ -f "$shape/config.json" ] || { echo "[gpu_device] $shape/config.json missing (pack.sh makes it)"; exit 1; }
 mkdir -p "$out/logs"
@@ -25,7 +26,7 @@ mkdir -p "$out/logs"
 # use a CUDA the parent initialized), both sides start vLLM's engine core with spawn.
 export VLLM_WORKER_MULTIPROC_METHOD=${VLLM_WORKER_MULTIPROC_METHOD:-spawn}
 python3 -m bench.gpu --preflight --out "$out" --logs "$out/logs"
-left=$((call_s - SECONDS))
+left=$((left - SECONDS))  # SECONDS: this script's own time so far
 # No mode starts unless the last one's time still fits; SIGTERM at the end stops every
 # process and keeps what was measured (results are written after each side).
 timeout -k 15 "$((left - 20))" python3 -m bench.gpu --model random --shape "$shape" \

@@ -4,6 +4,7 @@ and issue 45's targets (judged on a GPU only)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +100,7 @@ def points_table(mode: dict[str, Any]) -> list[str]:
                 f"| {point['streams']:,} | {side} | {m['tokens']:,}/{m['tokens_expected']:,}{short}"
                 f" | {fmt(m['tokens_per_s'], 0)} | {ratio}"
                 f" | {fmt(m['ttft_ms']['p50'], 1)} / {fmt(m['ttft_ms']['p99'], 1)} | {add}"
-                f" | {itl} | {_cpu(side, m)} | {fmt(m['client_busiest_core'], 2)} |"
+                f" | {itl} | {_cpu(side, m)} | {fmt(m['client_busiest_core'], 3)} |"
             )
     return rows
 
@@ -172,7 +173,8 @@ def targets(results: dict[str, Any]) -> list[str]:
             return
         ok = value >= limit if above else value <= limit
         verdict = ("met" if ok else "missed") if judged else "not judged (CPU)"
-        rows.append(f"| {mode} | {name} | {value:,.3g} {unit}{where} | {verdict} |")
+        shown = fmt(float(value), 3 if abs(value) < 10 else 1) + (f" {unit}" if unit else "")
+        rows.append(f"| {mode} | {name} | {shown}{where} | {verdict} |")
 
     for name, mode in results["modes"].items():
         points = [p for p in mode.get("points", []) if "added" in p]
@@ -269,10 +271,20 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def _two_and_five(value: float, _position: int) -> str:
+    """A log axis's minor label at 2 and 5 times a power of ten (the others stay bare)."""
+    if value <= 0:
+        return ""
+    leading = round(value / 10 ** math.floor(math.log10(value)))
+    return f"{value:,.0f}" if leading in (2, 5) else ""
+
+
 def plot_modes(results: dict[str, Any], path: Path) -> None:
     modes = {n: m for n, m in results["modes"].items() if m.get("points")}
     if not modes:
         return
+    from matplotlib import ticker
+
     fig, axes = pyplot().subplots(len(modes), 2, figsize=(11, 4.2 * len(modes)), squeeze=False)
     suffix = "" if on_gpu(results) else " (CPU, not a GPU)"
     for row, (name, mode) in zip(axes, modes.items(), strict=True):
@@ -283,9 +295,13 @@ def plot_modes(results: dict[str, Any], path: Path) -> None:
             style = "-o" if side == SERVE else "--s"
             row[0].plot(xs, [m["tokens_per_s"] or 0 for m in ms], style, label=side)
             row[1].plot(xs, [m["ttft_ms"]["p50"] or 0 for m in ms], style, label=f"{side} p50")
+        streams = [p["streams"] for p in mode["points"]]
         for ax, label in zip(row, ("delivered tokens/s", "TTFT p50 (ms)"), strict=True):
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
+            ax.set_xticks(streams, [f"{n:,}" for n in streams])
+            ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:,.0f}"))
+            ax.yaxis.set_minor_formatter(ticker.FuncFormatter(_two_and_five))
             ax.set_xlabel("streams at once (C)")
             ax.set_ylabel(label)
             ax.grid(True, alpha=0.3)
