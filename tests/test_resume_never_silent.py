@@ -6,8 +6,8 @@ event sorts before it. Now each transport says so at once: the SSE stream an
 ``events_lost`` event (then the session from its beginning), the WebSocket an
 ``events_lost`` frame (then the generation from its first frame), the Responses API a 410
 ``events_lost``. Real Redis restarted for real, real gateway processes, clients that
-reconnect as a browser's ``EventSource`` does (tests/support/eventsource.py), the OpenAI
-SDK and a WebSocket client.
+reconnect as a browser's ``EventSource`` does (tests/support/eventsource.py, each on its own
+connection), the OpenAI SDK and a WebSocket client.
 """
 
 from __future__ import annotations
@@ -68,9 +68,9 @@ async def until(condition: Callable[[], bool], timeout_s: float, what: str) -> N
     assert condition(), what
 
 
-def source_of(client: httpx.AsyncClient, session: Session) -> EventSource:
+def source_of(session: Session) -> EventSource:
     """What a page does: ``new EventSource(events_url + "?token=...")``."""
-    return EventSource(client, f"{session.events_url}?token={session.token}")
+    return EventSource(f"{session.events_url}?token={session.token}")
 
 
 @contextlib.asynccontextmanager
@@ -81,12 +81,11 @@ async def readers(
     EventSource client that follows it; yielded once each client has had three events."""
     stack.synthetic(tokens_per_s=tokens_per_s)
     gateway = stack.gateway()
-    limits = httpx.Limits(max_connections=2 * CLIENTS)
-    async with httpx.AsyncClient(timeout=30, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=30) as client:
         sessions = [await create_session(client, gateway.url) for _ in range(CLIENTS)]
         for index, session in enumerate(sessions):
             await send(client, session, f"reply {index}", max_tokens=max_tokens(index))
-        sources = [source_of(client, session) for session in sessions]
+        sources = [source_of(session) for session in sessions]
         async with following(sources):
             await until(lambda: all(len(source.events) >= 3 for source in sources), 60, "read")
             yield sessions, sources
@@ -171,10 +170,8 @@ async def test_an_id_from_the_future_gets_events_lost_then_the_session_from_its_
         first = await send(client, session, "before", max_tokens=4)
         earlier = await read_events(client, session, until_final_of=first)
         future = f"{int(time.time() * 1000) + 3_600_000}-0"
-        header = EventSource(client, f"{session.events_url}?token={session.token}", future)
-        query = EventSource(
-            client, f"{session.events_url}?token={session.token}&last_event_id={future}"
-        )
+        header = EventSource(f"{session.events_url}?token={session.token}", future)
+        query = EventSource(f"{session.events_url}?token={session.token}&last_event_id={future}")
         async with following([header, query]):
             for source in (header, query):
                 await until(lambda s=source: len(s.events) >= 1 + len(earlier.events), 10, "told")
