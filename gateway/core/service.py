@@ -16,7 +16,7 @@ Every ask is admitted first (``_admit``): the place for who may ask for what.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Mapping
 
 from gateway.core.ask import GenerationAsk, KeptSession
 from gateway.core.choices import Choices
@@ -44,10 +44,13 @@ class GatewayService:
 
     # --- what a generation may ask -------------------------------------------------------
 
-    def sampling(self, **given: object) -> SamplingParams:
+    def sampling(
+        self, *, named: Mapping[str, str] | None = None, **given: object
+    ) -> SamplingParams:
         """Sampling parameters with the gateway's defaults and limits (422 past one);
-        ``given``: the fields the request sets, None for the default."""
-        return self.store.queue.sampling(**given)
+        ``given``: the fields the request sets, None for the default; ``named``: the
+        client's own names of those its API spells otherwise, for errors to name them."""
+        return self.store.queue.sampling(named=named, **given)
 
     def _admit(self, ask: GenerationAsk) -> None:
         """The one place an ask is judged before anything is written: today the bound on
@@ -106,6 +109,10 @@ class GatewayService:
     ) -> CancelOutcome:
         """Stop a generation wherever it runs; idempotent (a final one reports its end)."""
         return await self.store.cancel(session_id, generation_id, reason)
+
+    async def generation_end(self, session_id: str, generation_id: str) -> tuple[str, str | None]:
+        """The generation's state, and the id of its final event (None while it runs)."""
+        return await self.store.generation_end(session_id, generation_id)
 
     async def wait_final(self, session_id: str, generation_id: str) -> FinalEvent | None:
         """The generation's final event, waiting up to ``TOKENSPOUT_CANCEL_WAIT_S``."""

@@ -52,6 +52,14 @@ def session_frames(events: Iterable[RelayEvent]) -> bytes:
     )
 
 
+def events_lost(given: str, message: str) -> bytes:
+    """The ``events_lost`` event: the reader's resume point ``given`` is ahead of the
+    stream. Its empty ``id:`` clears an EventSource's last event id, so that its next
+    reconnect, too, reads from the beginning instead of sending ``given`` again."""
+    data = msgspec.json.encode({"type": "events_lost", "last_event_id": given, "message": message})
+    return b"id:\n" + frame(data, event="events_lost")
+
+
 class Last(bytes):
     """A stream's last chunk: ``LeanStreamingResponse`` sends it with the response's end,
     one write on the socket where there were two (uvicorn writes the chunked body's end

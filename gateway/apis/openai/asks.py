@@ -61,6 +61,7 @@ def completion_ask(service: GatewayService, body: CompletionRequest) -> Generati
     if body.suffix:
         raise _unsupported("suffix", "suffix is not supported")
     sampling = service.sampling(
+        named={"top_logprobs": "logprobs"},
         **_sampling(body, body.max_tokens),
         logprobs=body.logprobs is not None,
         top_logprobs=body.logprobs or 0,
@@ -109,9 +110,9 @@ def _chat_messages(body: ChatCompletionRequest, max_messages: int) -> list[ChatM
     if not body.messages:
         raise BadRequest("messages must not be empty", field="messages")
     if len(body.messages) > max_messages:
-        # The same bound as a session's history (TOKENSPOUT_MAX_HISTORY_MESSAGES).
         raise BadRequest(
-            f"messages may hold at most {max_messages} entries",
+            f"messages may hold at most {max_messages} entries "
+            "(TOKENSPOUT_MAX_HISTORY_MESSAGES, as a session's history)",
             code="too_many_messages",
             field="messages",
         )
@@ -173,7 +174,10 @@ def _chat_sampling(
             )
         shared["structured"] = forced
     return service.sampling(
-        **shared, logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0
+        named={"max_tokens": "max_completion_tokens"} if body.max_completion_tokens else None,
+        **shared,
+        logprobs=bool(body.logprobs),
+        top_logprobs=body.top_logprobs or 0,
     )
 
 

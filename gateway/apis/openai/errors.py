@@ -7,7 +7,7 @@ from __future__ import annotations
 from litestar import Response
 
 from gateway.apis.openai.schema import ErrorDetail, ErrorOut
-from gateway.core.errors import AnyRequest, as_gateway_error
+from gateway.core.errors import AnyRequest, as_gateway_error, request_error
 
 ERROR_TYPES = {401: "invalid_request_error", 429: "rate_limit_error"}
 
@@ -27,6 +27,6 @@ def error_answer(exc: Exception) -> tuple[int, ErrorOut, dict[str, str]]:
     return status, error_body(error), error.headers()
 
 
-def openai_error(_: AnyRequest, exc: Exception) -> Response[ErrorOut]:
-    status, body, headers = error_answer(exc)
+def openai_error(request: AnyRequest, exc: Exception) -> Response[ErrorOut]:
+    status, body, headers = error_answer(request_error(request, exc))
     return Response(body, status_code=status, headers=headers)

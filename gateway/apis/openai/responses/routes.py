@@ -25,7 +25,7 @@ from gateway.apis.openai.responses.store import StoredResponse, now
 from gateway.core import structured, tools
 from gateway.core.ask import GenerationAsk
 from gateway.core.auth import api_key_check
-from gateway.core.errors import HANDLED, BadRequest, GatewayError, ending_with_error
+from gateway.core.errors import HANDLED, BadRequest, EventsLost, GatewayError, ending_with_error
 from gateway.core.service import GatewayService
 from gateway.core.walk import Heartbeat
 from gateway.server import sse
@@ -243,7 +243,7 @@ async def _conversation(service: GatewayService, previous_id: str | None) -> lis
     carried over, as OpenAI documents)."""
     if previous_id is None:
         return []
-    previous = await StoredResponse.find(service, previous_id)
+    previous = await StoredResponse.find(service, previous_id, "previous_response_id")
     rendered = await previous.snapshot()
     if not rendered.ended:
         raise BadRequest(
@@ -305,9 +305,9 @@ async def open_response(service: GatewayService, data: ResponseRequest) -> Store
     conversation = [*previous, *_messages(items)]
     max_messages = service.settings.max_history_messages
     if len(conversation) > max_messages:
-        # The same bound as a session's history (TOKENSPOUT_MAX_HISTORY_MESSAGES).
         raise BadRequest(
-            f"the conversation may hold at most {max_messages} messages",
+            f"the conversation may hold at most {max_messages} messages "
+            "(TOKENSPOUT_MAX_HISTORY_MESSAGES, as a session's history)",
             code="too_many_messages",
             field="input",
         )
@@ -351,6 +351,7 @@ def _sampling(
             field="tool_choice",
         )
     return service.sampling(
+        named={"max_tokens": "max_output_tokens"},
         max_tokens=data.max_output_tokens,
         temperature=data.temperature,
         top_p=data.top_p,
@@ -426,8 +427,20 @@ async def retrieve_response(
     response = await StoredResponse.find(service, response_id)
     if stream:
         heartbeat_s = service.settings.sse_heartbeat_s
+        if starting_after >= 0:
+            await _check_starting_after(response, starting_after)
         return _stream(response, heartbeat_s, starting_after=starting_after, owner=False)
     return Response((await response.snapshot()).response())
+
+
+async def _check_starting_after(response: StoredResponse, starting_after: int) -> None:
+    """A number past the end of a response that has ended is none it ever sent (Redis lost
+    its events, or it is not this response's): its stream would say nothing, so it is
+    refused at once. Past the events of a running one it is only early: they will come."""
+    so_far = await response.snapshot()
+    last = so_far.sequence - 1
+    if so_far.ended and starting_after > last:
+        raise EventsLost(str(starting_after), str(last), field="starting_after")
 
 
 @post("/responses/{response_id:str}/cancel", summary="OpenAI Responses: cancel", status_code=200)

@@ -33,7 +33,14 @@ from redis.exceptions import RedisError
 from gateway.apis.openai.errors import error_body
 from gateway.apis.openai.responses.routes import ResponseRequest, after_owner, open_response
 from gateway.core.auth import api_key_guard
-from gateway.core.errors import BadRequest, GatewayError, Unavailable, as_gateway_error
+from gateway.core.errors import (
+    BadRequest,
+    GatewayError,
+    Unavailable,
+    as_gateway_error,
+    not_json,
+    over_body_limit,
+)
 from gateway.core.service import GatewayService
 from gateway.core.walk import Heartbeat
 
@@ -100,11 +107,11 @@ class ResponsesSocket:
     def _read(self, data: str | bytes) -> tuple[Lane, ResponseRequest]:
         """The frame's lane and request; ``BadRequest`` naming what is wrong."""
         if len(data) > self.settings.max_body_bytes:
-            raise BadRequest(f"a frame may be at most {self.settings.max_body_bytes} bytes")
+            raise BadRequest(over_body_limit("the frame", self.settings.max_body_bytes))
         try:
             frame = msgspec.json.decode(data)
-        except msgspec.DecodeError as exc:
-            raise BadRequest(f"a frame must be a JSON object: {exc}") from None
+        except (msgspec.DecodeError, UnicodeDecodeError):
+            raise not_json(data.encode() if isinstance(data, str) else data, "the frame") from None
         if not isinstance(frame, dict):
             raise BadRequest("a frame must be a JSON object")
         lane = frame.pop("stream_id", None)
