@@ -58,6 +58,7 @@ from wire import (
 from wire.connect import when_redis_answers
 from wire.queue import RequestQueue
 from wire.scripts import Takeover
+from wire.tenancy import UsageCounter
 
 log = logging.getLogger("tokenspout.worker")
 
@@ -118,6 +119,8 @@ class Worker:
             worker_id=self.worker_id,
             max_takeovers=max_takeovers,
         )
+        self.usage = UsageCounter(redis, self.keys)
+        """Counts an ended generation's usage on a Redis Cluster (one Redis: its script)."""
         self._started_at = time.time()
         self.metrics.generations_running.set_function(lambda: len(self.jobs))
         self.metrics.capacity.set_function(lambda: self.backend.capacity)
@@ -194,7 +197,7 @@ class Worker:
                 prepared = await self.backend.prepare(job.request)
                 job.prepare_s = time.monotonic() - began
             except BackendError as exc:
-                await self._finish(job, Error(gid, exc.code, exc.message))
+                await self._finish(job, Error(gid, exc.code, exc.message, job.usage()))
                 return
             if job.request.resume is None:
                 job.prompt_tokens = len(prepared.prompt_token_ids)
@@ -209,10 +212,12 @@ class Worker:
             if job.cancel_reason is None:
                 await self._stream(job, prepared)
         except BackendError as exc:
-            await self._finish(job, Error(gid, exc.code, exc.message))
+            await self._finish(job, Error(gid, exc.code, exc.message, job.usage()))
         except Exception as exc:
             log.exception("generation %s failed", gid)
-            await self._finish(job, Error(gid, "engine_error", f"{type(exc).__name__}: {exc}"))
+            await self._finish(
+                job, Error(gid, "engine_error", f"{type(exc).__name__}: {exc}", job.usage())
+            )
         finally:
             # Only now, the engine's run over, may a second copy run (the same engine
             # request id); one that ended before its claim was answered drops it.
@@ -313,7 +318,7 @@ class Worker:
                 job.prompt_tokens = len(request.token_ids)
                 claim = Started(gid, model, job.prompt_tokens)
         except BackendError as exc:
-            await self._finish(job, Error(gid, exc.code, exc.message))
+            await self._finish(job, Error(gid, exc.code, exc.message, job.usage()))
             return
         if await self.emit_waited(job, claim) is None:
             job.ended = True
@@ -357,11 +362,15 @@ class Worker:
             ack=job.entry_id,
         )
         job.acked = True
+        # On a Redis Cluster its usage is counted now (one Redis counted it in the script):
+        # refused too, since the script that refuses a write may have ended it (events_lost).
+        await self.usage.after_final(job.session_id, job.generation_id)
         state = wire.final_state(event)
         if written is None:  # it ended elsewhere, or is not this worker's: not counted here
             log.info("%s: its %s event was refused", job.generation_id, state)
             return
         self.metrics.generations.labels(state).inc()
+        self._bill(job)
         log.info(
             "generation ended",
             extra={
@@ -373,6 +382,14 @@ class Worker:
                 "completion_tokens": job.emitted_tokens,
             },
         )
+
+    def _bill(self, job: Job) -> None:
+        """The metric of the tokens its final event billed its tenant (usage_core.lua):
+        another choice of a request bills no prompt, a tokenizer task nothing."""
+        request = job.request
+        if request.task == "generate":
+            prompt = job.prompt_tokens if request.choice == 0 else 0
+            self.metrics.billed(request.tenant, prompt, job.emitted_tokens)
 
     def emit_waited(
         self,

@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib.resources import files
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import msgspec
 import redis.asyncio as aioredis
@@ -77,16 +77,24 @@ def lua_source(name: str) -> str:
     return (_LUA / f"{name}.lua").read_text(encoding="utf-8")
 
 
-EMIT_CORE = lua_source("emit_core")
-"""Lua functions ``emit`` (append an event and publish it) and ``finish`` (end a generation)."""
+USAGE_CORE = lua_source("usage_core")
+"""Lua functions ``add_usage`` (count a generation's usage to its tenant) and
+``count_usage`` (the same, from its final event, where one Redis holds every key)."""
+EMIT_CORE = USAGE_CORE + lua_source("emit_core")
+"""Lua functions ``emit`` (append an event and publish it) and ``finish`` (end a generation,
+counting its usage: ``count_usage``)."""
 _PUBLISH = "local publish = 'PUBLISH'\n"
 _SPUBLISH = "local publish = 'SPUBLISH'\n"
+_COUNT_HERE = "local count_here = true\n"
+_COUNT_AFTER = "local count_here = false\n"
 
 
 def for_cluster(source: str) -> str:
     """A script's source as it runs on a Redis Cluster: live events by SPUBLISH (sharded
-    pub/sub: only the shard of the session's slot carries them)."""
-    return source.replace(_PUBLISH, _SPUBLISH)
+    pub/sub: only the shard of the session's slot carries them), and a final event's usage
+    counted by its writer right after (the tenant's keys are on another slot:
+    ``wire.tenancy.UsageCounter``)."""
+    return source.replace(_PUBLISH, _SPUBLISH).replace(_COUNT_HERE, _COUNT_AFTER)
 
 
 EMIT_EVENT = lua_source("emit_event")
@@ -94,6 +102,10 @@ EMIT_EVENT = lua_source("emit_event")
 
 
 Arg = str | bytes | int | float
+Bill = Literal["all", "completion", "none"]
+"""What a generation's final event bills its tenant: prompt and completion tokens, the
+completion only (another choice of a request: the prompt is billed with choice 0), or
+nothing (tokenize, detokenize)."""
 
 
 class Script:
@@ -304,6 +316,9 @@ class NewSession:
     """Its events stream's cap."""
     ttl_s: int
     watch_ttl_s: int
+    tenant: str = ""
+    """Who it serves and is billed to (``GenerationRequest.tenant``)."""
+    bill: Bill = "all"
 
 
 class Submit(Script):
@@ -326,11 +341,14 @@ class Submit(Script):
         choice: int = 0,
         note: bytes = b"",
         queue: str = "",
+        tenant: str = "",
+        bill: Bill = "all",
     ) -> SubmitReply:
         """``token_digest`` "": no token check. ``choice`` > 0: another choice of the turn
         just submitted (no ``user_message``): queued beside it, not the session's active
         generation. ``note``: its request without its conversation, kept with the
-        generation with the ``queue`` it goes to (to queue it again, should Redis lose it)."""
+        generation with the ``queue`` it goes to (to queue it again, should Redis lose it).
+        ``tenant``: who it serves, billed ``bill`` when its final event is written."""
         keys, args = self._keys_args(
             session_id,
             generation_id,
@@ -344,6 +362,8 @@ class Submit(Script):
             choice=choice,
             note=note,
             queue=queue,
+            tenant=tenant,
+            bill=bill,
         )
         return submit_reply(await self._run(keys, args, None))
 
@@ -374,6 +394,8 @@ class Submit(Script):
             watch_ttl_s=new.watch_ttl_s,
             create=True,
             admission=admission,
+            tenant=new.tenant,
+            bill=new.bill,
         )
 
     @staticmethod
@@ -397,6 +419,8 @@ class Submit(Script):
         note: bytes = b"",
         queue: str = "",
         admission: Admission | None = None,
+        tenant: str = "",
+        bill: Bill = "all",
     ) -> tuple[list[str], list[Arg]]:
         """Submit's KEYS and ARGV, the one place they are listed (the defaults: what a
         stateless session made by ``create_in`` has: no message, token, key or history)."""
@@ -440,6 +464,8 @@ class Submit(Script):
             "1" if choice else "",
             note,
             queue,
+            tenant,
+            bill,
             *admitting[1],
         ]
 

@@ -54,6 +54,7 @@ from wire.outcomes import (
     TakenOver,
 )
 from wire.queue import RequestQueue
+from wire.tenancy import UsageCounter
 
 log = logging.getLogger("tokenspout.takeover")
 _info_decoder = msgspec.json.Decoder(wire.WorkerInfo)
@@ -190,6 +191,7 @@ class Takeover:
         self.requests_maxlen = requests_maxlen
         self._emit = scripts.Emit(redis, keys)
         self._takeover = scripts.Takeover(redis, keys)
+        self._usage = UsageCounter(redis, keys)
 
     async def hand_on(
         self, queue: RequestQueue, request: GenerationRequest, raw: bytes, consumer: str
@@ -239,7 +241,9 @@ class Takeover:
             )
             log.warning("worker lost while running %s; %s", gid, why)
             message = f"the engine worker running this generation stopped ({why})"
-            await self._end(request, Error(gid, "worker_lost", message))
+            # Billed to its tenant: what it streamed, read back.
+            spent = streamed.usage() if streamed is not None else None
+            await self._end(request, Error(gid, "worker_lost", message, spent))
             return "worker_lost"
         resumed = continuation(request, reply, streamed)
         await self.redis.hset(gen_key, "usage", wire.encode(streamed.usage()))
@@ -264,3 +268,4 @@ class Takeover:
             ttl_s=self.ttl_s,
             final=True,
         )
+        await self._usage.after_final(request.session_id, request.generation_id)

@@ -8,6 +8,9 @@
 --       no message, no busy check, not the session's active generation),
 --       note (its request without its conversation: what queues it again should Redis
 --       lose it, gateway/core/waiting.py; '' for none), queue (the model's queue it goes to),
+--       tenant (who it serves and is billed to: kept with the generation, whose final event
+--       counts its usage, usage_core.lua), bill ('all', 'completion': another choice of a
+--       request, its prompt billed once; 'none': tokenize, detokenize),
 --       then, only to admit and queue it here: the in-flight limit, the model's own
 --       limit (0: none), the model's queue's place among KEYS[8..], the request, the
 --       queues' cap and TTL, the workers' consumer group.
@@ -16,8 +19,8 @@
 -- Returns {'ok', queued id, history...} | {'missing'} | {'forbidden'} | {'duplicate', gid}
 --         | {'busy', gid} | {'history_full'} | {'overloaded', 'all' or 'model', count}
 -- A session made here is fresh (a new random id): nothing to look up in it, no history.
-local admit = ARGV[16] ~= nil
-local target = admit and tonumber(ARGV[18]) or 0
+local admit = ARGV[18] ~= nil
+local target = admit and tonumber(ARGV[20]) or 0
 if admit then
   -- A queue's requests in flight: not yet taken (its group's lag; nil after a trim: 0)
   -- and taken but not acknowledged (pending); with no group yet, all it holds; with no
@@ -33,7 +36,7 @@ if admit then
         elseif field == 'lag' then lag = group[i + 1]
         elseif field == 'pending' then pending = group[i + 1] end
       end
-      if name == ARGV[22] then return (tonumber(lag) or 0) + pending end
+      if name == ARGV[24] then return (tonumber(lag) or 0) + pending end
     end
     return redis.call('XLEN', queue)
   end
@@ -43,8 +46,8 @@ if admit then
     all = all + count
     if i - 7 == target then of_model = count end
   end
-  if all >= tonumber(ARGV[16]) then return {'overloaded', 'all', all} end
-  local model_limit = tonumber(ARGV[17])
+  if all >= tonumber(ARGV[18]) then return {'overloaded', 'all', all} end
+  local model_limit = tonumber(ARGV[19])
   if model_limit > 0 and of_model >= model_limit then return {'overloaded', 'model', of_model} end
 end
 local create = ARGV[12] == '1'
@@ -76,7 +79,8 @@ if not companion then
   redis.call('SET', KEYS[3], ARGV[4], 'EX', ttl)
   if ARGV[11] == '1' then redis.call('SET', KEYS[7], ARGV[4], 'EX', ttl) end
 end
-redis.call('HSET', KEYS[4], 'state', 'queued', 'created', ARGV[6])
+redis.call('HSET', KEYS[4], 'state', 'queued', 'created', ARGV[6], 'tenant', ARGV[16],
+           'bill', ARGV[17])
 if ARGV[14] ~= '' then redis.call('HSET', KEYS[4], 'note', ARGV[14], 'queue', ARGV[15]) end
 redis.call('EXPIRE', KEYS[4], ttl)
 redis.call('SET', KEYS[6], '1', 'EX', ARGV[8])
@@ -85,8 +89,8 @@ redis.call('EXPIRE', KEYS[1], ttl)
 redis.call('EXPIRE', KEYS[5], ttl)
 if admit then  -- after its generation, so no worker finds a request with none
   local queue = KEYS[7 + target]
-  redis.call('XADD', queue, 'MAXLEN', '~', ARGV[20], '*', 'r', ARGV[19])
-  redis.call('EXPIRE', queue, ARGV[21])
+  redis.call('XADD', queue, 'MAXLEN', '~', ARGV[22], '*', 'r', ARGV[21])
+  redis.call('EXPIRE', queue, ARGV[23])
 end
 local reply = {'ok', id}
 if create and ARGV[5] == '' then return reply end  -- no history to keep or return
