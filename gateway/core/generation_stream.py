@@ -159,8 +159,10 @@ class GenerationStream:
         tools: Tools | None = None,
         task: Task = "generate",
         token_ids: list[int] | None = None,
+        choice: int = 0,
     ) -> GenerationStream:
-        """Queue it for ``model`` (a name or alias; None: the default model).
+        """Queue it for ``model`` (a name or alias; None: the default model); ``choice``:
+        which of a request's choices it is (``SessionStore.submit_stateless``).
 
         The new session's feed opens first, so its events come live from the first one,
         with no read of the session's stream (``RelayHub.open_new_session``)."""
@@ -176,6 +178,7 @@ class GenerationStream:
                 tools=tools,
                 task=task,
                 token_ids=token_ids,
+                choice=choice,
             )
         except BaseException:
             await feed_open.aclose()

@@ -17,18 +17,23 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
+import anyio
 import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 
 import wire
+from gateway.core.auth import tenant_directory
 from gateway.core.errors import BadRequest, Conflict, Forbidden, NotFound, Overloaded, Unavailable
 from gateway.core.generations import GenerationQueue
 from gateway.core.ids import new_id, token_urlsafe
 from gateway.core.models import ModelDirectory
 from gateway.core.settings import Settings
+from gateway.core.tenancy import TenantGate, TenantObserver
+from gateway.tenants.records import Tenant
 from wire import (
     CancelReason,
     CancelSignal,
@@ -44,6 +49,8 @@ from wire import (
 from wire import outcomes as script
 from wire.connect import is_cluster, when_redis_answers
 from wire.queue import RequestQueue
+from wire.scripts import Bill
+from wire.tenancy import UsageCounter
 
 log = logging.getLogger("tokenspout.sessions")
 _message_decoder = msgspec.json.Decoder(ChatMessage)
@@ -80,6 +87,17 @@ class Submitted(msgspec.Struct, frozen=True):
     ``generation_id``)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """A session turn on its way to the queue: its model, the tenant it serves, and the
+    generation id of each of its choices (the first is the turn's own)."""
+
+    session_id: str
+    model: str
+    tenant: Tenant
+    generation_ids: list[str]
+
+
 class KeptSession(msgspec.Struct, frozen=True):
     """A one-generation session kept past its request (a stored ``/v1/responses`` one)."""
 
@@ -97,8 +115,9 @@ class CancelOutcome(msgspec.Struct, frozen=True):
     final: FinalEvent | None = None
 
 
-class StoreObserver(Protocol):
-    """Told when a generation is queued or a cancel is sent (gateway/server/metrics.py)."""
+class StoreObserver(TenantObserver, Protocol):
+    """Told when a generation is queued or a cancel is sent, and of each key's admissions
+    and refusals (gateway/server/metrics.py)."""
 
     def submitted(
         self, session_id: str, generation_id: str, queued_event_id: str, model: str
@@ -126,15 +145,19 @@ class SessionStore:
         self.observer = observer
         self.keys = Keys(settings.key_prefix)
         self.models = ModelDirectory(redis, self.keys, settings)
+        self.tenants = TenantGate(redis, self.keys, tenant_directory(redis, settings), observer)
+        """Whom each generation serves, and its key's limits (gateway/core/tenancy.py)."""
         self._submit = scripts.Submit(redis, self.keys)
         self._cancel = scripts.Cancel(redis, self.keys)
+        self._usage = UsageCounter(redis, self.keys)
         self.queue = GenerationQueue(redis, self.keys, settings, self.models)
 
     # --- sessions ------------------------------------------------------------------------
 
     async def create_session(self, model: str | None = None) -> CreatedSession:
         """A session bound to ``model`` (a name or alias; None: the default model) for
-        its whole life."""
+        its whole life, serving (and billed to) the key of the request that makes it."""
+        tenant = self.tenants.caller_tenant()
         if model:
             resolved = await self.models.resolve(model)
         else:
@@ -144,29 +167,43 @@ class SessionStore:
                 if exc.code != "no_worker":
                     raise
                 resolved = ""  # no worker yet: the first message picks the default
+        if resolved:
+            self.tenants.check_model(tenant, model or resolved, resolved)
         session_id, token = new_id("s"), token_urlsafe(32)
         meta = self.keys.meta(session_id)
-        fields = {"token": _digest(token), "created": time.time(), "model": resolved}
+        fields = {
+            "token": _digest(token),
+            "created": time.time(),
+            "model": resolved,
+            "tenant": tenant.id,
+        }
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(meta, mapping=fields)  # type: ignore[arg-type]
             pipe.expire(meta, self.settings.session_ttl_s)
             await pipe.execute()
         return CreatedSession(session_id, token, resolved or None)
 
-    async def session_model(self, session_id: str, token: str | None) -> str:
-        """The model of a session, checked live (404, 403, then the model's own errors);
-        a session created while no worker was alive takes the default model now, for good."""
+    async def session_route(self, session_id: str, token: str | None) -> tuple[str, Tenant]:
+        """The model of a session, checked live (404, 403, then the model's own errors),
+        and the tenant its turns serve (401 once its key is revoked, 403 when the key may
+        not use the model); a session created while no worker was alive takes the default
+        model now, for good."""
         meta = self.keys.meta(session_id)
-        stored_token, stored_model = await self.redis.hmget(meta, ["token", "model"])
+        stored_token, stored_model, tenant_id = await self.redis.hmget(
+            meta, ["token", "model", "tenant"]
+        )
         if stored_token is None:
             raise NotFound(f"no session {session_id!r}", code="unknown_session")
         if token is None or not hmac.compare_digest(wire.text(stored_token), _digest(token)):
             raise _bad_token()
+        tenant = self.tenants.of_session(wire.text(tenant_id) if tenant_id else None)
         if stored_model:
-            return await self.models.resolve(wire.text(stored_model))
-        model = await self.models.resolve(None)
-        await self.redis.hset(meta, "model", model)
-        return model
+            model = await self.models.resolve(wire.text(stored_model))
+        else:
+            model = await self.models.resolve(None)
+            await self.redis.hset(meta, "model", model)
+        self.tenants.check_model(tenant, model, model)
+        return model, tenant
 
     async def authorise(self, session_id: str, token: str | None) -> None:
         """404 for an unknown session, 403 for a missing or wrong token."""
@@ -204,13 +241,12 @@ class SessionStore:
                 code="too_many_choices",
                 field="n",
             )
-        model = await self.session_model(session_id, token)
+        model, tenant = await self.session_route(session_id, token)
         message = ChatMessage("user", content)
         # No token never matches: a digest is never "-".
         digest = _digest(token) if token is not None else "-"
-        return await self._submit_to_session(
-            session_id, model, message, params, idempotency_key, digest, n
-        )
+        turn = Turn(session_id, model, tenant, [new_id("g") for _ in range(n)])
+        return await self._submit_to_session(turn, message, params, idempotency_key, digest)
 
     async def submit_stateless(
         self,
@@ -223,43 +259,78 @@ class SessionStore:
         task: Task = "generate",
         token_ids: list[int] | None = None,
         kept: KeptSession | None = None,
+        choice: int = 0,
     ) -> Submitted:
         """Queue one generation in a throwaway session (the OpenAI/TGI/OIP adapters) for
-        ``model`` (a name or alias; None: the default model): on one Redis in one round
-        trip, the SUBMIT script admitting it (the capacity check), making the session and
-        its generation and queueing the request; elsewhere in two, the capacity check
-        first.
+        ``model`` (a name or alias; None: the default model), serving the key of the
+        request being served (gateway/core/tenancy.py): on one Redis in one round trip,
+        the SUBMIT script admitting it (the capacity check), making the session and its
+        generation and queueing the request; elsewhere in two, the capacity check first.
+        A key with limits is admitted first, in a round trip of its own.
         ``session_id``: the new session's id, when the caller subscribed to it first.
         ``kept``: a session that outlives its request (a stored response), with its TTL,
-        its meta fields and whether it runs on with no reader."""
-        ttl_s = kept.ttl_s if kept is not None else STATELESS_TTL_S
+        its meta fields and whether it runs on with no reader. ``choice``: which of a
+        request's ``n`` choices it is (only the first counts as a request, and bills the
+        prompt)."""
+        tenant = self.tenants.caller_tenant()
         queue = await self.models.resolve(model)
+        self.tenants.check_model(tenant, model or queue, queue)
         for message in messages or []:
             self._check_content(message.content, allow_empty=True)
         if prompt is not None:
             self._check_content(prompt)
         session_id, generation_id = session_id or new_id("s"), new_id("g")
-        # On one Redis the SUBMIT script admits the request, makes its session and its
-        # generation, and queues it: one call, every key on that node. A session kept
-        # past its request is made by commands after the script, in the same pipeline,
-        # which would run on a refusal too: it is admitted first, as on a cluster.
-        in_order = not is_cluster(self.redis)
-        admit_in_script = in_order and kept is None
-        if not admit_in_script:
-            await self.queue.guard_capacity(queue)
+        ttl_s = kept.ttl_s if kept is not None else STATELESS_TTL_S
         request = msgspec.structs.replace(
             self._request(session_id, generation_id, params, messages or [], prompt, ttl_s),
             tools=tools,
             task=task,
             token_ids=token_ids or [],
+            tenant=tenant.id,
+            choice=choice,
         )
+        bill: Bill = "none" if task != "generate" else "completion" if choice else "all"
         new = scripts.NewSession(
-            session_id, generation_id, self.settings.events_maxlen, ttl_s, self.watch_ttl_s
+            session_id,
+            generation_id,
+            self.settings.events_maxlen,
+            ttl_s,
+            self.watch_ttl_s,
+            tenant.id,
+            bill,
         )
-        if admit_in_script:
+        admitted = await self.tenants.admit(tenant, [generation_id], count_request=not choice)
+        try:
+            reply = await self._create_stateless(queue, new, request, kept)
+        except BaseException:
+            if admitted:
+                await self._give_back(tenant, [generation_id], count_request=not choice)
+            raise
+        if is_cluster(self.redis):
+            await self.queue.enqueue(queue, request)
+        if self.observer is not None:
+            self.observer.submitted(session_id, generation_id, reply.queued_id, queue)
+        return Submitted(generation_id, session_id, reply.queued_id)
+
+    async def _create_stateless(
+        self,
+        queue: str,
+        new: scripts.NewSession,
+        request: GenerationRequest,
+        kept: KeptSession | None,
+    ) -> script.Accepted:
+        """Make a stateless session with its generation and (on one Redis) queue its
+        request; 429 past the capacity. On a cluster its caller queues the request."""
+        # On one Redis the SUBMIT script admits the request, makes its session and its
+        # generation, and queues it: one call, every key on that node. A session kept
+        # past its request is made by commands after the script, in the same pipeline,
+        # which would run on a refusal too: it is admitted first, as on a cluster.
+        in_order = not is_cluster(self.redis)
+        if in_order and kept is None:
             admission = await self.queue.admission(queue, request)
             reply = await self._submit.create_admitted(new, admission)
         else:
+            await self.queue.guard_capacity(queue)
             # Admitted before, the request goes after the script: on one Redis in the same
             # pipeline (a fresh session cannot refuse it, and one Redis runs a pipeline in
             # order: no worker can take the request before its generation exists). A
@@ -271,7 +342,7 @@ class SessionStore:
             def fill(pipe: Any) -> None:
                 self._submit.create_in(pipe, new)
                 if kept is not None:
-                    self._keep_in(pipe, session_id, kept)
+                    self._keep_in(pipe, new.session_id, kept)
                 if in_order:
                     # Sent twice after a restarted Redis's NOSCRIPT: the first copy, with
                     # no generation to claim, is skipped by the worker that takes it.
@@ -282,11 +353,7 @@ class SessionStore:
             raise self.queue.overloaded(reply, queue)
         if not isinstance(reply, script.Accepted):
             raise Unavailable(f"queueing a stateless generation failed: {reply!r}")
-        if not in_order:
-            await self.queue.enqueue(queue, request)
-        if self.observer is not None:
-            self.observer.submitted(session_id, generation_id, reply.queued_id, queue)
-        return Submitted(generation_id, session_id, reply.queued_id)
+        return reply
 
     def _keep_in(self, pipe: Any, session_id: str, kept: KeptSession) -> None:
         meta = self.keys.meta(session_id)
@@ -322,49 +389,80 @@ class SessionStore:
 
     async def _submit_to_session(
         self,
-        session_id: str,
-        model: str,
+        turn: Turn,
         user_message: ChatMessage | None,
         params: SamplingParams,
         idempotency_key: str | None,
         token_digest: str,
-        n: int = 1,
     ) -> Submitted:
-        keys, generation_id = self.keys, new_id("g")
-        idem_key = keys.idempotency(session_id, idempotency_key) if idempotency_key else ""
-        try:
-            for _ in range(n):  # every choice takes room (the checks count each other)
-                await self.queue.guard_capacity(model)
-        except Overloaded:
-            # A retried POST whose generation exists takes no new capacity: it must get
-            # that generation back (from the script, after the token check), not a 429.
-            if not (idem_key and await self.redis.exists(idem_key)):
-                raise
+        session_id, model, generation_id = turn.session_id, turn.model, turn.generation_ids[0]
+        admitted = await self._admit_turn(turn, idempotency_key)
         request = self._request(
             session_id, generation_id, params, [], None, self.settings.session_ttl_s
         )
+        request = msgspec.structs.replace(request, tenant=turn.tenant.id)
         note = wire.encode(request)  # its messages: the history the script returns
-        reply = await self._submit_noted(
-            model,
-            note,
-            session_id=session_id,
-            generation_id=generation_id,
-            user_message=user_message,
-            token_digest=token_digest,
-            idempotency_key=idempotency_key,
-            maxlen=self.settings.events_maxlen,
-            ttl_s=self.settings.session_ttl_s,
-            max_history=self.settings.max_history_messages,
-            watch_ttl_s=self.watch_ttl_s,
-        )
+        try:
+            reply = await self._submit_noted(
+                model,
+                note,
+                session_id=session_id,
+                generation_id=generation_id,
+                user_message=user_message,
+                token_digest=token_digest,
+                idempotency_key=idempotency_key,
+                maxlen=self.settings.events_maxlen,
+                ttl_s=self.settings.session_ttl_s,
+                max_history=self.settings.max_history_messages,
+                watch_ttl_s=self.watch_ttl_s,
+                tenant=turn.tenant.id,
+            )
+            accepted = self._accepted(turn, reply)
+        except BaseException:
+            if admitted:
+                await self._give_back(turn.tenant, turn.generation_ids)
+            raise
+        if isinstance(accepted, str):  # a resend: no new generation
+            if admitted:
+                await self._give_back(turn.tenant, turn.generation_ids)
+            await self._requeue_if_lost(session_id, model, accepted, params)
+            return Submitted(accepted, session_id, None)
+        request = msgspec.structs.replace(request, messages=accepted.history)
+        await self._enqueue_written(model, request, note)
+        if self.observer is not None:
+            self.observer.submitted(session_id, generation_id, accepted.queued_id, model)
+        for choice in range(1, len(turn.generation_ids)):
+            await self._submit_choice(turn, request, choice)
+        choices = turn.generation_ids if len(turn.generation_ids) > 1 else []
+        return Submitted(generation_id, session_id, accepted.queued_id, choices)
+
+    async def _admit_turn(self, turn: Turn, idempotency_key: str | None) -> bool:
+        """Room for every choice of the turn (the capacity checks count each other), then
+        the admission of its key (``TenantGate.admit``): whether the key's counts took it."""
+        idem = self.keys.idempotency(turn.session_id, idempotency_key) if idempotency_key else ""
+        try:
+            for _ in turn.generation_ids:
+                await self.queue.guard_capacity(turn.model)
+            return await self.tenants.admit(turn.tenant, turn.generation_ids)
+        except Overloaded:  # the capacity, or a limit of the key (RateLimited)
+            # A retried POST whose generation exists takes no new capacity: it must get
+            # that generation back (from the script, after the token check), not a 429.
+            if not (idem and await self.redis.exists(idem)):
+                raise
+            return False
+
+    def _accepted(self, turn: Turn, reply: script.SubmitReply) -> script.Accepted | str:
+        """SUBMIT's answer to a turn: accepted, or the generation an Idempotency-Key made
+        before (its id); every other answer as the gateway's error."""
         match reply:
+            case script.Accepted():
+                return reply
+            case script.Duplicate(generation_id=earlier):
+                return earlier
             case script.SessionMissing():
-                raise NotFound(f"no session {session_id!r}", code="unknown_session")
+                raise NotFound(f"no session {turn.session_id!r}", code="unknown_session")
             case script.Forbidden():
                 raise _bad_token()
-            case script.Duplicate(generation_id=earlier):
-                await self._requeue_if_lost(session_id, model, earlier, params)
-                return Submitted(earlier, session_id, None)
             case script.Busy(generation_id=running):
                 raise Conflict(
                     f"generation {running} is still running in this session",
@@ -377,23 +475,22 @@ class SessionStore:
                     "start a new session",
                     code="history_full",
                 )
-            case script.OverCapacity():  # not asked to admit here (guard_capacity did)
-                raise self.queue.overloaded(reply, model)
-        request = msgspec.structs.replace(request, messages=reply.history)
-        await self._enqueue_written(model, request, note)
-        if self.observer is not None:
-            self.observer.submitted(session_id, generation_id, reply.queued_id, model)
-        choices = [generation_id]
-        for choice in range(1, n):
-            choices.append(await self._submit_choice(session_id, model, request, choice))
-        return Submitted(generation_id, session_id, reply.queued_id, choices if n > 1 else [])
+        # Not asked to admit here (guard_capacity did).
+        raise self.queue.overloaded(reply, turn.model)
 
-    async def _submit_choice(
-        self, session_id: str, model: str, first: GenerationRequest, choice: int
-    ) -> str:
+    async def _give_back(
+        self, tenant: Tenant, generation_ids: list[str], *, count_request: bool = True
+    ) -> None:
+        """What the key's admission took, for generations that were not queued after all;
+        given back even when the request is being cancelled (its client left)."""
+        with anyio.CancelScope(shield=True):
+            await self.tenants.release(tenant, generation_ids, count_request=count_request)
+
+    async def _submit_choice(self, turn: Turn, first: GenerationRequest, choice: int) -> None:
         """Queue another choice of the turn ``first`` began: the same conversation, its
-        own seed; it is not the session's running generation and never joins the history."""
-        generation_id = new_id("g")
+        own seed; it is not the session's running generation and never joins the history,
+        and its prompt is billed with the first choice's."""
+        session_id, generation_id = turn.session_id, turn.generation_ids[choice]
         request = msgspec.structs.replace(
             first,
             generation_id=generation_id,
@@ -403,7 +500,7 @@ class SessionStore:
         )
         note = wire.encode(msgspec.structs.replace(request, messages=[]))
         reply = await self._submit_noted(
-            model,
+            turn.model,
             note,
             session_id=session_id,
             generation_id=generation_id,
@@ -415,13 +512,15 @@ class SessionStore:
             max_history=self.settings.max_history_messages,
             watch_ttl_s=self.watch_ttl_s,
             choice=choice,
+            tenant=turn.tenant.id,
+            bill="completion",
         )
         if not isinstance(reply, script.Accepted):  # the session was there a moment ago
+            await self._give_back(turn.tenant, [generation_id], count_request=False)
             raise Unavailable(f"queueing choice {choice} failed: {reply!r}")
-        await self._enqueue_written(model, request, note)
+        await self._enqueue_written(turn.model, request, note)
         if self.observer is not None:
-            self.observer.submitted(session_id, generation_id, reply.queued_id, model)
-        return generation_id
+            self.observer.submitted(session_id, generation_id, reply.queued_id, turn.model)
 
     async def _submit_noted(self, model: str, note: bytes, **submit: Any) -> script.SubmitReply:
         """The SUBMIT script (``submit``: its arguments), after a note that the turn's
@@ -624,6 +723,7 @@ class SessionStore:
             case script.EndedBefore(final=final):
                 return CancelOutcome(generation_id, wire.final_state(final), final)
             case script.CancelledQueued(final=final):
+                await self._usage.after_final(session_id, generation_id)  # a cluster's
                 if self.observer is not None:
                     self.observer.cancel_stopped(generation_id, time.monotonic() - began)
                 # Its usage: zero, or what it streamed before a takeover queued it again.

@@ -171,6 +171,20 @@ class GatewayMetrics:
             ["model"],
             registry=r,
         )
+        self.key_requests = Counter(
+            "tokenspout_gateway_key_requests",
+            "Requests admitted, by API key (its name: the first 100 keys by name, then "
+            "'other'; a key of TOKENSPOUT_API_KEYS: its id; no key: 'anonymous').",
+            ["key"],
+            registry=r,
+        )
+        self.key_refusals = Counter(
+            "tokenspout_gateway_key_refusals",
+            "Requests refused by a key's limits, by key (as key_requests) and limit "
+            "(concurrent, requests_per_minute, tokens_per_minute, tokens_per_day, models).",
+            ["key", "limit"],
+            registry=r,
+        )
         from_redis = (self.queued, self.running, self.model_queued, self.model_running)
         shared = frozenset(family.name for gauge in from_redis for family in gauge.describe())
         self.peers = (
@@ -275,6 +289,12 @@ class GatewayMetrics:
                     "last reader left a running generation",
                     extra={"session_id": session_id, "generation_id": generation_id},
                 )
+
+    def admitted(self, key: str) -> None:
+        self.key_requests.labels(key).inc()
+
+    def refused(self, key: str, limit: str) -> None:
+        self.key_refusals.labels(key, limit).inc()
 
     def redis_error(self, where: str) -> None:
         self.redis_errors.labels(where).inc()

@@ -71,6 +71,7 @@ class Choices:
                 messages=messages,
                 prompt=prompt,
                 tools=tools,
+                choice=index,
             )
 
         if n == 1:  # the common case: awaited here, not in a task of ``gather``'s own

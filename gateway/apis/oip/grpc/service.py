@@ -38,6 +38,7 @@ from gateway.core.relay import RelayHub
 from gateway.core.sessions import SessionStore
 from gateway.core.settings import Settings
 from gateway.server.http2 import Call, GrpcError, Method, StatusCode
+from gateway.tenants import caller
 from wire import Cancelled, Done, Error, Token
 
 SERVICE = "inference.GRPCInferenceService"
@@ -176,6 +177,9 @@ class InferenceService:
         )
 
     def authorize(self, metadata: Metadata) -> None:
+        """401 without a valid key; the call (and every request sent on it) serves the
+        key's tenant."""
+        caller.begin()  # a call of its own, whatever the connection's task held
         self.api_keys.require(bearer(metadata.get("authorization")))
 
 

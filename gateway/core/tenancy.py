@@ -1,0 +1,104 @@
+"""The core's door to tenants (gateway/tenants/): whom a generation serves, whether its key
+may use the model, and its admission against the key's limits, in the gateway's errors.
+
+The sessions store makes these calls and nothing else of tenants:
+
+    tenant = gate.caller_tenant()              # a new session or one-shot request's
+    tenant = gate.of_session(tenant_id)        # a session turn's: the key that made it
+    gate.check_model(tenant, asked, model)     # 403 model_not_allowed
+    admitted = await gate.admit(tenant, [gid]) # 429 rate_limit_exceeded, or the key's counts
+    await gate.release(tenant, [gid])          # it was admitted, and not queued after all
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import redis.asyncio as aioredis
+
+from gateway.core.errors import Forbidden, RateLimited, Unauthorized
+from gateway.tenants import caller
+from gateway.tenants.directory import TenantDirectory
+from gateway.tenants.limits import LimitReached, TenantLimits
+from gateway.tenants.records import ANONYMOUS, Tenant
+from wire import Keys
+
+
+class TenantObserver(Protocol):
+    """Told of each admission and refusal, by key (gateway/server/metrics.py)."""
+
+    def admitted(self, key: str) -> None: ...
+
+    def refused(self, key: str, limit: str) -> None: ...
+
+
+class TenantGate:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        directory: TenantDirectory,
+        observer: TenantObserver | None = None,
+    ) -> None:
+        self.directory = directory
+        self.observer = observer
+        self.limits = TenantLimits(redis, keys)
+
+    @staticmethod
+    def caller_tenant() -> Tenant:
+        """The tenant the request being served showed the key of (gateway/core/auth.py)."""
+        return caller.current().tenant
+
+    def of_session(self, tenant_id: str | None) -> Tenant:
+        """The tenant a session's turns serve: the one that made it (401 once its key is
+        revoked: a key holder's session tokens stop with the key)."""
+        if not tenant_id:
+            return ANONYMOUS  # made by a gateway from before tenants
+        tenant = self.directory.by_id(tenant_id)
+        if tenant is None:
+            raise Unauthorized(
+                "the API key this session was made with was revoked", code="invalid_api_key"
+            )
+        return tenant
+
+    def check_model(self, tenant: Tenant, asked: str, model: str) -> None:
+        """403 unless ``tenant`` may use ``model`` (asked for as ``asked``)."""
+        if tenant.may_use(asked, model):
+            return
+        if self.observer is not None:
+            self.observer.refused(self.directory.label(tenant), "models")
+        allowed = ", ".join(sorted(tenant.models))
+        raise Forbidden(
+            f"key {tenant.name!r} may not use model {asked!r}; it may use: {allowed}",
+            code="model_not_allowed",
+            field="model",
+        )
+
+    async def admit(
+        self, tenant: Tenant, generation_ids: Sequence[str], *, count_request: bool = True
+    ) -> bool:
+        """Admit the generations against the key's limits (429 ``rate_limit_exceeded`` at
+        one of them), the key's counts left for the response's headers. Whether anything
+        was taken that ``release`` gives back."""
+        label = self.directory.label(tenant)
+        try:
+            quota = await self.limits.admit(tenant, generation_ids, count_request=count_request)
+        except LimitReached as refusal:
+            caller.current().quota = refusal.quota
+            if self.observer is not None:
+                self.observer.refused(label, refusal.limit)
+            raise RateLimited(
+                str(refusal), limit=refusal.limit, retry_after_s=refusal.retry_after_s
+            ) from None
+        if count_request and self.observer is not None:
+            self.observer.admitted(label)
+        if quota is None:
+            return False
+        caller.current().quota = quota
+        return True
+
+    async def release(
+        self, tenant: Tenant, generation_ids: Sequence[str], *, count_request: bool = True
+    ) -> None:
+        await self.limits.release(tenant, generation_ids, count_request=count_request)
