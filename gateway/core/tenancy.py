@@ -62,6 +62,11 @@ class TenantGate:
             )
         return tenant
 
+    def weight_of(self, tenant_id: str) -> float:
+        """A tenant's weight in a model's fair share (one whose key is gone: 1)."""
+        tenant = self.directory.by_id(tenant_id)
+        return tenant.weight if tenant is not None else 1.0
+
     def check_model(self, tenant: Tenant, asked: str, model: str) -> None:
         """403 unless ``tenant`` may use ``model`` (asked for as ``asked``)."""
         if tenant.may_use(asked, model):
