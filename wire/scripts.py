@@ -31,6 +31,7 @@ from redis.commands.core import AsyncScript
 
 from wire.connect import is_cluster
 from wire.keys import CONSUMER_GROUP, SHARED_KEY_TTL_S, Keys
+from wire.limits import RUNNING_HOLD_S, Counts, LimitName, Limits
 from wire.messages import (
     Cancelled,
     CancelReason,
@@ -47,6 +48,7 @@ from wire.messages import (
 )
 from wire.outcomes import (
     Accepted,
+    Admitted,
     AlreadyFinal,
     Busy,
     CancelAsked,
@@ -57,6 +59,7 @@ from wire.outcomes import (
     Exhausted,
     Forbidden,
     HistoryFull,
+    Limited,
     Moved,
     NotStarted,
     OverCapacity,
@@ -97,6 +100,8 @@ def for_cluster(source: str) -> str:
     return source.replace(_PUBLISH, _SPUBLISH).replace(_COUNT_HERE, _COUNT_AFTER)
 
 
+ADMIT_CORE = lua_source("admit_core")
+"""Lua function ``admit_tenant``: a key's admission against its limits."""
 FAIR_CORE = lua_source("fair_core")
 """Lua functions of a model's fair share (``fair_enqueue``, ``fair_charge``, ...)."""
 EMIT_EVENT = lua_source("emit_event")
@@ -181,8 +186,36 @@ def takeover_reply(reply: object) -> TakeoverReply:
     raise ScriptReplyError(f"TAKEOVER answered {reply!r}")
 
 
+def counts_of(items: list[str]) -> Counts:
+    """A key's counts as admit_tenant answers them (wire/lua/admit_core.lua)."""
+    if len(items) != 9:
+        raise ScriptReplyError(f"a key's admission answered {items!r}")
+    refused: LimitName | None = None
+    if items[0] != "ok":
+        refused = msgspec.convert(items[0], LimitName)
+    return Counts(refused, *(int(value) for value in items[1:]))
+
+
+def _limits_args(limits: Limits | None, count_request: bool) -> list[Arg]:
+    """A key's limits as admit_tenant takes them (none: no arguments, no admission)."""
+    if limits is None:
+        return []
+    return [
+        "1" if count_request else "0",
+        limits.concurrent,
+        limits.requests_per_minute,
+        limits.tokens_per_minute,
+        limits.tokens_per_day,
+        RUNNING_HOLD_S * 1000,
+    ]
+
+
 def submit_reply(reply: object) -> SubmitReply:
     match _texts(reply):
+        case ["admitted", queued_id, *counts]:
+            return Admitted(queued_id, counts_of(counts))
+        case ["limited", *counts]:
+            return Limited(counts_of(counts))
         case ["ok", queued_id, *history]:
             return Accepted(queued_id, [_message_decoder.decode(item) for item in history])
         case ["missing"]:
@@ -308,6 +341,11 @@ class Admission:
     """Its place in the queue's fair share (``wire.keys.tenant_slot``)."""
     weight: float
     """The tenant's weight: its share of the engine against the others'."""
+    limits: Limits | None = None
+    """The limits of the key the request serves, admitted in the same call (one Redis holds
+    the key's keys too); None: none, or admitted before."""
+    count_request: bool = True
+    """False for another choice of a request counted already (``Admit``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,7 +366,7 @@ class NewSession:
 class Submit(Script):
     """Queue a generation in a session: message, limits, queued event (wire/lua/submit.lua)."""
 
-    source = EMIT_CORE + FAIR_CORE + lua_source("submit")
+    source = EMIT_CORE + FAIR_CORE + ADMIT_CORE + lua_source("submit")
 
     async def __call__(
         self,
@@ -442,6 +480,7 @@ class Submit(Script):
                     CONSUMER_GROUP,
                     admission.tenant,
                     admission.weight,
+                    *_limits_args(admission.limits, admission.count_request),
                 ],
             )
         return [

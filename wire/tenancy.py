@@ -14,92 +14,22 @@ Key names: ``wire.keys.Keys.tenant``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Annotated, Literal
+from typing import Literal
 
 import msgspec
 import redis.asyncio as aioredis
 
 from wire.connect import is_cluster
 from wire.keys import Keys
+from wire.limits import RUNNING_HOLD_S, Counts, Limits
 from wire.messages import Usage, decode_final
 from wire.replies import text
-from wire.scripts import USAGE_CORE, Bill, Script, lua_source
+from wire.scripts import ADMIT_CORE, USAGE_CORE, Bill, Script, counts_of, lua_source
 
 HOUR_S, DAY_S = 3_600, 86_400
 USAGE_KEPT_S = {"hour": 45 * DAY_S, "day": 400 * DAY_S}
 """How long the usage of an hour and of a day is kept (usage_core.lua's HOUR_TTL, DAY_TTL)."""
-RUNNING_HOLD_S = 3_600
-"""The longest a generation counts as running for a concurrency limit: only a generation
-whose final event never came (Redis lost it) is dropped by this."""
-
-LimitName = Literal["concurrent", "requests", "tokens", "tokens_day"]
 Granularity = Literal["hour", "day"]
-_Count = Annotated[int, msgspec.Meta(ge=0, le=1_000_000_000_000)]
-
-
-class Limits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """A key's limits; 0: none."""
-
-    concurrent: _Count = 0
-    """Generations queued or running at once."""
-    requests_per_minute: _Count = 0
-    """Requests admitted in any 60 s (a request with ``n`` choices is one)."""
-    tokens_per_minute: _Count = 0
-    """Prompt plus completion tokens of the generations that ended in the last 60 s."""
-    tokens_per_day: _Count = 0
-    """The same, per UTC day."""
-
-    @property
-    def any(self) -> bool:
-        return bool(
-            self.concurrent
-            or self.requests_per_minute
-            or self.tokens_per_minute
-            or self.tokens_per_day
-        )
-
-    def of(self, limit: LimitName) -> int:
-        """The value of one limit, by the name ADMIT gives it."""
-        match limit:
-            case "concurrent":
-                return self.concurrent
-            case "requests":
-                return self.requests_per_minute
-            case "tokens":
-                return self.tokens_per_minute
-        return self.tokens_per_day
-
-
-class Counts(msgspec.Struct, frozen=True):
-    """What ADMIT found (and took, when it admitted): a tenant's counts against its limits."""
-
-    refused: LimitName | None
-    """The limit that refused the request; None: admitted."""
-    retry_after_ms: int
-    """When the limit that refused admits again (0 when admitted)."""
-    requests: int
-    """Requests admitted in the last minute, this one included."""
-    requests_reset_ms: int
-    """Until every one of them has left the minute."""
-    tokens: int
-    """Tokens of the last minute."""
-    tokens_reset_ms: int
-    tokens_today: int
-    day_reset_ms: int
-    """Until the UTC day ends."""
-    running: int
-    """Generations queued or running, these included (counted with a concurrency limit)."""
-
-
-def _counts(reply: object) -> Counts:
-    if not isinstance(reply, list) or len(reply) != 9:
-        raise TypeError(f"ADMIT answered {reply!r}")
-    outcome = text(reply[0])
-    refused: LimitName | None = None
-    if outcome != "ok":
-        refused = msgspec.convert(outcome, LimitName)
-    numbers = [int(value) for value in reply[1:]]
-    return Counts(refused, *numbers)
 
 
 def _tenant_keys(keys: Keys, tenant_id: str) -> list[str]:
@@ -111,7 +41,7 @@ def _tenant_keys(keys: Keys, tenant_id: str) -> list[str]:
 class Admit(Script):
     """Admit generations against a tenant's limits (wire/lua/admit.lua)."""
 
-    source = lua_source("admit")
+    source = ADMIT_CORE + lua_source("admit")
 
     async def __call__(
         self,
@@ -136,7 +66,9 @@ class Admit(Script):
             ],
             None,
         )
-        return _counts(reply)
+        if not isinstance(reply, list):
+            raise TypeError(f"ADMIT answered {reply!r}")
+        return counts_of([text(item) for item in reply])
 
 
 class Release(Script):

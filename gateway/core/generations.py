@@ -26,6 +26,7 @@ from gateway.core.errors import BadRequest, Overloaded
 from gateway.core.models import ModelDirectory
 from gateway.core.settings import Settings
 from wire import CancelSignal, GenerationRequest, Keys, SamplingParams
+from wire.limits import Limits
 from wire.outcomes import OverCapacity
 from wire.queue import RequestQueue
 from wire.runtime import shared_read
@@ -120,9 +121,16 @@ class GenerationQueue:
             raise self.overloaded(OverCapacity("model", of_model), model)
         read.admitted[model] = read.admitted.get(model, 0) + 1
 
-    async def admission(self, model: str, request: GenerationRequest) -> Admission:
+    async def admission(
+        self,
+        model: str,
+        request: GenerationRequest,
+        limits: Limits | None = None,
+        count_request: bool = True,
+    ) -> Admission:
         """``guard_capacity``'s check, for the SUBMIT script to make as it queues
-        ``request`` (one Redis: every queue counted is on the node the session is)."""
+        ``request`` (one Redis: every queue counted is on the node the session is), and the
+        ``limits`` of its key with it (none: no such check)."""
         models = await self._models_to_count([model])
         waiting = self.waiting(model, request)
         return Admission(
@@ -133,6 +141,8 @@ class GenerationQueue:
             request=waiting.request,
             tenant=waiting.tenant,
             weight=waiting.weight,
+            limits=limits,
+            count_request=count_request,
         )
 
     def overloaded(self, refusal: OverCapacity, model: str) -> Overloaded:

@@ -266,8 +266,9 @@ class SessionStore:
         ``model`` (a name or alias; None: the default model), serving the key of the
         request being served (gateway/core/tenancy.py): on one Redis in one round trip,
         the SUBMIT script admitting it (the capacity check), making the session and its
-        generation and queueing the request; elsewhere in two, the capacity check first.
-        A key with limits is admitted first, in a round trip of its own.
+        generation and queueing the request, and admitting its key's limits; elsewhere in
+        two, the capacity check first, and a key with limits admitted in a round trip of
+        its own before.
         ``session_id``: the new session's id, when the caller subscribed to it first.
         ``kept``: a session that outlives its request (a stored response), with its TTL,
         its meta fields and whether it runs on with no reader. ``choice``: which of a
@@ -300,9 +301,14 @@ class SessionStore:
             tenant.id,
             bill,
         )
-        admitted = await self.tenants.admit(tenant, [generation_id], count_request=not choice)
+        in_submit = kept is None and not is_cluster(self.redis)
+        admitted = False
+        if not in_submit:
+            admitted = await self.tenants.admit(tenant, [generation_id], count_request=not choice)
         try:
-            reply = await self._create_stateless(queue, new, request, kept)
+            reply = await self._create_stateless(
+                queue, new, request, kept, tenant if in_submit else None, not choice
+            )
         except BaseException:
             if admitted:
                 await self._give_back(tenant, [generation_id], count_request=not choice)
@@ -319,17 +325,27 @@ class SessionStore:
         new: scripts.NewSession,
         request: GenerationRequest,
         kept: KeptSession | None,
+        tenant: Tenant | None,
+        count_request: bool,
     ) -> script.Accepted:
         """Make a stateless session with its generation and (on one Redis) queue its
-        request; 429 past the capacity. On a cluster its caller queues the request."""
+        request; 429 past the capacity. On a cluster its caller queues the request.
+        ``tenant``: the key whose limits SUBMIT admits too (None: admitted before)."""
         # On one Redis the SUBMIT script admits the request, makes its session and its
         # generation, and queues it: one call, every key on that node. A session kept
         # past its request is made by commands after the script, in the same pipeline,
         # which would run on a refusal too: it is admitted first, as on a cluster.
         in_order = not is_cluster(self.redis)
         if in_order and kept is None:
-            admission = await self.queue.admission(queue, request)
+            limits = self.tenants.in_submit(tenant) if tenant is not None else None
+            admission = await self.queue.admission(queue, request, limits, count_request)
             reply = await self._submit.create_admitted(new, admission)
+            if tenant is not None and not isinstance(reply, script.OverCapacity):
+                admitting = script.Admitted | script.Limited
+                counts = reply.counts if isinstance(reply, admitting) else None
+                self.tenants.settle(tenant, counts, count_request=count_request)  # 429?
+                if isinstance(reply, script.Admitted):
+                    reply = script.Accepted(reply.queued_id, [])
         else:
             await self.queue.guard_capacity(queue)
             # Admitted before, the request goes after the script: on one Redis in the same
@@ -476,8 +492,9 @@ class SessionStore:
                     "start a new session",
                     code="history_full",
                 )
-        # Not asked to admit here (guard_capacity did).
-        raise self.queue.overloaded(reply, turn.model)
+        if isinstance(reply, script.OverCapacity):  # not asked here (guard_capacity did)
+            raise self.queue.overloaded(reply, turn.model)
+        raise Unavailable(f"SUBMIT answered a session turn {reply!r}")  # never asked to
 
     async def _give_back(
         self, tenant: Tenant, generation_ids: list[str], *, count_request: bool = True

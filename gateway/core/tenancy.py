@@ -8,6 +8,9 @@ The sessions store makes these calls and nothing else of tenants:
     gate.check_model(tenant, asked, model)     # 403 model_not_allowed
     admitted = await gate.admit(tenant, [gid]) # 429 rate_limit_exceeded, or the key's counts
     await gate.release(tenant, [gid])          # it was admitted, and not queued after all
+
+or, on one Redis, a one-shot request's admission inside SUBMIT: ``in_submit`` gives the
+limits it takes, ``settle`` reads its answer.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from gateway.tenants.directory import TenantDirectory
 from gateway.tenants.limits import LimitReached, TenantLimits
 from gateway.tenants.records import ANONYMOUS, Tenant
 from wire import Keys
+from wire.limits import Counts, Limits
 
 
 class TenantObserver(Protocol):
@@ -83,12 +87,28 @@ class TenantGate:
     async def admit(
         self, tenant: Tenant, generation_ids: Sequence[str], *, count_request: bool = True
     ) -> bool:
-        """Admit the generations against the key's limits (429 ``rate_limit_exceeded`` at
-        one of them), the key's counts left for the response's headers. Whether anything
-        was taken that ``release`` gives back."""
+        """Admit the generations against the key's limits in a round trip of their own
+        (429 ``rate_limit_exceeded`` at one of them), the key's counts left for the
+        response's headers. Whether anything was taken that ``release`` gives back."""
+        if not tenant.limits.any:
+            self.settle(tenant, None, count_request=count_request)
+            return False
+        counts = await self.limits.counts(tenant, generation_ids, count_request=count_request)
+        self.settle(tenant, counts, count_request=count_request)
+        return True
+
+    @staticmethod
+    def in_submit(tenant: Tenant) -> Limits | None:
+        """The limits SUBMIT admits with a one-shot request on one Redis (saving the round
+        trip of ``admit``), then ``settle``d; None: the key has none."""
+        return tenant.limits if tenant.limits.any else None
+
+    def settle(self, tenant: Tenant, counts: Counts | None, *, count_request: bool) -> None:
+        """What an admission found (``counts``; None: the key has no limits): the key's
+        quota for the response's headers, its metrics, and 429 when it refused."""
         label = self.directory.label(tenant)
         try:
-            quota = await self.limits.admit(tenant, generation_ids, count_request=count_request)
+            quota = None if counts is None else self.limits.quota(tenant, counts)
         except LimitReached as refusal:
             caller.current().quota = refusal.quota
             if self.observer is not None:
@@ -98,10 +118,8 @@ class TenantGate:
             ) from None
         if count_request and self.observer is not None:
             self.observer.admitted(label)
-        if quota is None:
-            return False
-        caller.current().quota = quota
-        return True
+        if quota is not None:
+            caller.current().quota = quota
 
     async def release(
         self, tenant: Tenant, generation_ids: Sequence[str], *, count_request: bool = True

@@ -15,7 +15,8 @@ import redis.asyncio as aioredis
 
 from gateway.tenants.records import Tenant
 from wire import Keys
-from wire.tenancy import Admit, Counts, LimitName, Limits, Release
+from wire.limits import Counts, LimitName, Limits
+from wire.tenancy import Admit, Release
 
 LIMIT_NAMES: dict[LimitName, str] = {
     "concurrent": "concurrent",
@@ -96,25 +97,29 @@ class LimitReached(Exception):
 
 
 class TenantLimits:
-    """The one call a submit makes for a key's limits (``admit``), and its undo."""
+    """A key's admission in a round trip of its own (``counts``), its undo (``release``),
+    and what counts mean (``quota``)."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
         self._admit = Admit(redis, keys)
         self._release = Release(redis, keys)
 
-    async def admit(
+    async def counts(
         self, tenant: Tenant, generation_ids: Sequence[str], *, count_request: bool = True
-    ) -> Quota | None:
-        """Admit a request's generations (``count_request`` False: more choices of a
-        request already counted), or raise ``LimitReached``. None: the key has no limits."""
-        if not tenant.limits.any:
-            return None
-        counts = await self._admit(
+    ) -> Counts:
+        """Admit a request's generations against the key's limits, or refuse them
+        (``count_request`` False: more choices of a request already counted)."""
+        return await self._admit(
             tenant_id=tenant.id,
             generation_ids=generation_ids,
             count_request=count_request,
             limits=tenant.limits,
         )
+
+    @staticmethod
+    def quota(tenant: Tenant, counts: Counts) -> Quota:
+        """The key's quota after an admission (ADMIT's or SUBMIT's); ``LimitReached``
+        when it refused."""
         quota = Quota(tenant.limits, counts)
         if counts.refused is not None:
             raise LimitReached(tenant, counts.refused, quota)
@@ -123,8 +128,8 @@ class TenantLimits:
     async def release(
         self, tenant: Tenant, generation_ids: Sequence[str], *, count_request: bool = True
     ) -> None:
-        """Give back what ``admit`` took (it answered a ``Quota``) for generations that
-        were not queued after all."""
+        """Give back what an admission took for generations that were not queued after
+        all."""
         await self._release(
             tenant_id=tenant.id, generation_ids=generation_ids, count_request=count_request
         )

@@ -13,7 +13,7 @@ from typing import Annotated
 import msgspec
 
 from wire.keys import MODEL_NAME
-from wire.tenancy import Limits
+from wire.limits import Limits
 
 KEY_ID_PREFIX = "k_"
 """Every key made at run time has an id that starts so."""

@@ -11,7 +11,8 @@ import msgspec
 
 from gateway.tenants.keystore import KeyStore, TenantsError
 from gateway.tenants.records import KEY_ID_PREFIX, KeyRecord
-from wire.tenancy import DAY_S, HOUR_S, Granularity, Limits, UsagePeriod
+from wire.limits import Limits
+from wire.tenancy import DAY_S, HOUR_S, Granularity, UsagePeriod
 
 MAX_PERIODS = 10_000
 """The most hours or days one usage answer holds."""

@@ -37,6 +37,11 @@ local function add_usage(base, gid, bill, usage)
     redis.call('EXPIRE', base .. 'tpd:' .. day, TPD_TTL)
   end
 end
+-- The prefix of a tenant's keys (wire/keys.py Keys.tenant), from one of its generations'
+-- keys (<prefix>:{<sid>}:...): one Redis holds both.
+local function tenant_base(gen, tenant)
+  return string.match(gen, '^(.-):{') .. ':tenant:{' .. tenant .. '}:'
+end
 -- gen: the generation's key (<prefix>:{<sid>}:gen:<gid>); data: its final event's JSON.
 -- Its tenant and what to bill were written by SUBMIT; an error final that carries no usage
 -- counts what the takeover recorded (the tokens streamed before it).
@@ -46,6 +51,5 @@ local function count_usage(gen, gid, data)
   if not g[1] or g[1] == '' then return end  -- nobody to bill (made by an older gateway)
   local usage = cjson.decode(data)['usage']
   if type(usage) ~= 'table' and g[3] then usage = cjson.decode(g[3]) end
-  local base = string.match(gen, '^(.-):{') .. ':tenant:{' .. g[1] .. '}:'
-  add_usage(base, gid, g[2], usage)
+  add_usage(tenant_base(gen, g[1]), gid, g[2], usage)
 end
