@@ -26,7 +26,6 @@ import bisect
 import random
 import secrets
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -249,13 +248,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    args.logs = args.logs or Path(tempfile.mkdtemp(prefix="tokenspout-bench-"))
-    args.logs.mkdir(parents=True, exist_ok=True)
-    say(f"process logs in {args.logs}")
-    results = asyncio.run(measure(args))
-    report.write(args.out, args.name, results, markdown(results))
-    print(markdown(results))
+    report.run(parse_args(argv), measure, markdown, say)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ import contextlib
 import itertools
 import json
 import sys
-import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -123,19 +122,50 @@ class Side:
     headers: dict[str, str] | None = None
 
 
-async def limited_key(the_rig: Rig) -> tuple[KeyStore, str, dict[str, str]]:
+@dataclass(frozen=True)
+class LimitedKey:
     """A key made for the bench with every limit set, none ever reached (each request is
     admitted against them: gateway/tenants/limits.py; the gateway, open to every request,
-    serves a known key as its tenant): the store, its id and the requests' headers."""
-    huge = 10**12
-    limits = Limits(
-        concurrent=huge, requests_per_minute=huge, tokens_per_minute=huge, tokens_per_day=huge
-    )
-    server = next(iter(the_rig.servers.values()))
-    store = KeyStore(server.client, Keys(the_rig.prefix))
-    record, secret = await store.create(NewKey(name="bench", limits=limits))
-    await asyncio.sleep(1.0)  # the gateway reads the keys every 250 ms
-    return store, record.id, {"Authorization": f"Bearer {secret}"}
+    serves a known key as its tenant)."""
+
+    store: KeyStore
+    id: str
+    headers: dict[str, str]
+
+    @classmethod
+    async def make(cls, the_rig: Rig) -> LimitedKey:
+        huge = 10**12
+        limits = Limits(
+            concurrent=huge, requests_per_minute=huge, tokens_per_minute=huge, tokens_per_day=huge
+        )
+        server = next(iter(the_rig.servers.values()))
+        store = KeyStore(server.client, Keys(the_rig.prefix))
+        record, secret = await store.create(NewKey(name="bench", limits=limits))
+        await asyncio.sleep(1.0)  # the gateway reads the keys every 250 ms
+        return cls(store, record.id, {"Authorization": f"Bearer {secret}"})
+
+    async def generations(self) -> int:
+        """The generations its usage counts (today's and yesterday's)."""
+        now = int(time.time())
+        days = await self.store.usage(self.id, "day", now - 86_400, now + 1)
+        return sum(day.generations for day in days)
+
+
+async def sides_of(
+    the_rig: Rig, args: argparse.Namespace
+) -> tuple[dict[str, Side], LimitedKey | None]:
+    """The sides a run measures, by name (and the key of ``--limited-key``'s)."""
+    behind = [*the_rig.engine_workers, *the_rig.servers]
+    sides: dict[str, Side] = {ENGINE: Side(the_rig.engine_port, [ENGINE])}
+    if 1 in args.gateways:
+        sides["gateway x1"] = Side(the_rig.gateway_port, ["gateway", *behind])
+    key = await LimitedKey.make(the_rig) if args.limited_key else None
+    if key is not None:
+        path = ["gateway", *behind]
+        sides["gateway x1, limited key"] = Side(the_rig.gateway_port, path, key.headers)
+    for name, (_, port) in the_rig.more_gateways.items():
+        sides[name] = Side(port, [name, *behind])
+    return sides, key
 
 
 def shares(total: int, parts: int) -> list[int]:
@@ -242,16 +272,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 engines=args.engines,
             )
         )
-        behind = [*the_rig.engine_workers, *the_rig.servers]
-        sides: dict[str, Side] = {ENGINE: Side(the_rig.engine_port, [ENGINE])}
-        if 1 in args.gateways:
-            sides["gateway x1"] = Side(the_rig.gateway_port, ["gateway", *behind])
-        if args.limited_key:
-            store, key_id, key = await limited_key(the_rig)
-            path = ["gateway", *behind]
-            sides["gateway x1, limited key"] = Side(the_rig.gateway_port, path, key)
-        for name, (_, port) in the_rig.more_gateways.items():
-            sides[name] = Side(port, [name, *behind])
+        sides, key = await sides_of(the_rig, args)
         kinds = [(side, connection) for side in sides for connection in args.connections]
         runs: dict[tuple[str, str], list[Any]] = {kind: [] for kind in kinds}
         warm = argparse.Namespace(**{**vars(args), "requests": 50})
@@ -275,10 +296,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 "connections": connection,
                 **summary(runs[name, connection], sides[name].path),
             }
-        if args.limited_key:  # the key's usage: every request of its side served it
-            now = int(time.time())
-            days = await store.usage(key_id, "day", now - 86_400, now + 1)
-            results["limited_key_generations"] = sum(day.generations for day in days)
+        if key is not None:  # the key's usage: every request of its side served it
+            results["limited_key_generations"] = await key.generations()
         if args.profile is not None:
             results["profile"] = await profile(the_rig, args)
     return results
@@ -379,11 +398,7 @@ def main(argv: list[str] | None = None) -> None:
         results = json.loads(args.render.read_text())
         report.write(args.out, args.name, results, markdown(results))
         return
-    args.logs = args.logs or Path(tempfile.mkdtemp(prefix="tokenspout-bench-"))
-    say(f"process logs in {args.logs}")
-    results = asyncio.run(measure(args))
-    report.write(args.out, args.name, results, markdown(results))
-    print(markdown(results))
+    report.run(args, measure, markdown, say)
 
 
 if __name__ == "__main__":

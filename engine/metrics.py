@@ -51,6 +51,16 @@ class TenantLabels:
         return tenant
 
 
+def _tenant_tokens(registry: CollectorRegistry) -> Counter:
+    return Counter(
+        "tokenspout_engine_tenant_tokens",
+        "Tokens billed to a tenant by the generations this worker ended (kind: prompt or"
+        " completion; tenant: its id, the first 100 tenants, then 'other').",
+        ["tenant", "kind"],
+        registry=registry,
+    )
+
+
 class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
@@ -140,14 +150,7 @@ class WorkerMetrics:
             ["where"],
             registry=r,
         )
-        self.tenant_tokens = Counter(
-            "tokenspout_engine_tenant_tokens",
-            "Tokens billed to a tenant by the generations this worker ended (kind: prompt or"
-            " completion; tenant: its id, the first 100 tenants, then 'other').",
-            ["tenant", "kind"],
-            registry=r,
-        )
-        self.tenant_label = TenantLabels()
+        self.tenant_tokens, self.tenant_label = _tenant_tokens(r), TenantLabels()
 
     def billed(self, tenant: str, prompt_tokens: int, completion_tokens: int) -> None:
         """A generation this worker ended billed its tenant these tokens."""

@@ -58,7 +58,6 @@ from wire import (
 from wire.connect import when_redis_answers
 from wire.queue import RequestQueue, ServedTokens
 from wire.scripts import Takeover
-from wire.tenancy import UsageCounter
 
 log = logging.getLogger("tokenspout.worker")
 
@@ -123,8 +122,6 @@ class Worker:
             worker_id=self.worker_id,
             max_takeovers=max_takeovers,
         )
-        self.usage = UsageCounter(redis, self.keys)
-        """Counts an ended generation's usage on a Redis Cluster (one Redis: its script)."""
         self._started_at = time.time()
         self.metrics.generations_running.set_function(lambda: len(self.jobs))
         self.metrics.capacity.set_function(lambda: self.backend.capacity)
@@ -370,9 +367,7 @@ class Worker:
             ack=job.entry_id,
         )
         job.acked = True
-        # On a Redis Cluster its usage is counted now (one Redis counted it in the script):
-        # refused too, since the script that refuses a write may have ended it (events_lost).
-        await self.usage.after_final(job.session_id, job.generation_id)
+        await self.publisher.count_usage(job.session_id, job.generation_id)  # a cluster's
         state = wire.final_state(event)
         if written is None:  # it ended elsewhere, or is not this worker's: not counted here
             log.info("%s: its %s event was refused", job.generation_id, state)

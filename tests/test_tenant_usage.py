@@ -16,10 +16,10 @@ import pytest
 
 from stack import processes
 from stack.redis_server import free_port
-from tests.support.http import Session, cancel, follow, read_events
+from tests.support.http import Follower, Session, cancel, follow, read_events
 from tests.support.metrics import scrape, value
 from tests.support.redis_probes import lease_trusted
-from tests.support.stack import Stack
+from tests.support.stack import Gateway, Stack
 from tests.support.tenants import ADMIN_KEY, Key, keyed_session, make_key, usage_total
 from wire import Keys
 from wire.connect import connect
@@ -147,20 +147,12 @@ async def test_a_reply_taken_over_is_counted_once_whole(stack: Stack) -> None:
     """A worker SIGKILLed mid-reply: another continues it, and the key is billed the whole
     reply once (the dead worker billed nothing, having written no final event); the
     worker that ended it counts the tokens in its metric, under the key's id."""
-    doomed = stack.synthetic(20)
     gateway = stack.gateway(TOKENSPOUT_ADMIN_KEY=ADMIN_KEY)
     metrics_port = free_port()
     async with httpx.AsyncClient(timeout=30) as client:
         key = await make_key(client, gateway.url, "taken-over")
-        session = await keyed_session(client, gateway.url, key)
-        gid = (await post_turn(client, session, "carry on", max_tokens=60)).json()
-        follower = follow(client, session, gid["generation_id"])
-        await follower.until_tokens(10)
-        stack.synthetic(20, "--metrics-port", str(metrics_port))
-        await lease_trusted(stack.redis_url)
-        processes.kill(doomed)
-        await follower.until_end(60)
-        final = follower.reading.final(gid["generation_id"]).json()
+        survivor = ["--metrics-port", str(metrics_port)]
+        follower, final = await _killed_mid_reply(client, stack, gateway, key, 10, survivor)
         assert final["type"] == "done" and final["usage"]["completion_tokens"] == 60
         assert any(event.event == "resumed" for event in follower.reading.events)
         total = await usage_total(client, gateway.url, key.id)
@@ -176,24 +168,41 @@ async def test_a_lost_reply_that_cannot_go_on_bills_what_it_streamed(stack: Stac
     """With takeovers off, a worker SIGKILLed mid-reply ends it ``worker_lost``: the
     reaper reads back what it streamed, the error carries that usage, and the key is
     billed exactly the tokens its client received."""
-    doomed = stack.synthetic(20)
     gateway = stack.gateway(TOKENSPOUT_ADMIN_KEY=ADMIN_KEY, TOKENSPOUT_MAX_TAKEOVERS="0")
     async with httpx.AsyncClient(timeout=30) as client:
         key = await make_key(client, gateway.url, "lost")
-        session = await keyed_session(client, gateway.url, key)
-        gid = (await post_turn(client, session, "cut short", max_tokens=60)).json()
-        follower = follow(client, session, gid["generation_id"])
-        await follower.until_tokens(5)
-        await lease_trusted(stack.redis_url)
-        processes.kill(doomed)
-        await follower.until_end(60)
-        final = follower.reading.final(gid["generation_id"]).json()
+        follower, final = await _killed_mid_reply(client, stack, gateway, key, 5, None)
         assert final["type"] == "error" and final["code"] == "worker_lost"
         received = follower.tokens()
         assert final["usage"]["completion_tokens"] == received
         total = await usage_total(client, gateway.url, key.id)
         assert total["completion_tokens"] == received
         assert total["total_tokens"] == tokens_of(final["usage"])
+
+
+async def _killed_mid_reply(
+    client: httpx.AsyncClient,
+    stack: Stack,
+    gateway: Gateway,
+    key: Key,
+    tokens: int,
+    survivor: list[str] | None,
+) -> tuple[Follower, dict[str, Any]]:
+    """A 60-token reply of ``key``'s whose worker (the stack's first, started here) is
+    SIGKILLed after ``tokens`` tokens, with another started first (its ``survivor`` args)
+    or none: the reader's follower and the reply's final event."""
+    doomed = stack.synthetic(20)
+    session = await keyed_session(client, gateway.url, key)
+    gid = (await post_turn(client, session, "carry on", max_tokens=60)).json()["generation_id"]
+    follower = follow(client, session, gid)
+    await follower.until_tokens(tokens)
+    if survivor is not None:
+        stack.synthetic(20, *survivor)
+    await lease_trusted(stack.redis_url)
+    processes.kill(doomed)
+    await follower.until_end(60)
+    final: dict[str, Any] = follower.reading.final(gid).json()
+    return follower, final
 
 
 @pytest.mark.cluster

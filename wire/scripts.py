@@ -196,7 +196,7 @@ def counts_of(items: list[str]) -> Counts:
     return Counts(refused, *(int(value) for value in items[1:]))
 
 
-def _limits_args(limits: Limits | None, count_request: bool) -> list[Arg]:
+def limits_args(limits: Limits | None, count_request: bool) -> list[Arg]:
     """A key's limits as admit_tenant takes them (none: no arguments, no admission)."""
     if limits is None:
         return []
@@ -363,6 +363,21 @@ class NewSession:
     bill: Bill = "all"
 
 
+def _admitting(admission: Admission) -> tuple[list[str], list[Arg]]:
+    """SUBMIT's KEYS and ARGV after its own, to admit a request and queue it (``Admission``)."""
+    return admission.queues, [
+        admission.limit,
+        admission.model_limit,
+        admission.target + 1,
+        admission.request,
+        SHARED_KEY_TTL_S,
+        CONSUMER_GROUP,
+        admission.tenant,
+        admission.weight,
+        *limits_args(admission.limits, admission.count_request),
+    ]
+
+
 class Submit(Script):
     """Queue a generation in a session: message, limits, queued event (wire/lua/submit.lua)."""
 
@@ -467,22 +482,7 @@ class Submit(Script):
         """Submit's KEYS and ARGV, the one place they are listed (the defaults: what a
         stateless session made by ``create_in`` has: no message, token, key or history)."""
         keys = self.keys
-        admitting: tuple[list[str], list[Arg]] = ([], [])
-        if admission is not None:
-            admitting = (
-                admission.queues,
-                [
-                    admission.limit,
-                    admission.model_limit,
-                    admission.target + 1,
-                    admission.request,
-                    SHARED_KEY_TTL_S,
-                    CONSUMER_GROUP,
-                    admission.tenant,
-                    admission.weight,
-                    *_limits_args(admission.limits, admission.count_request),
-                ],
-            )
+        admitting = _admitting(admission) if admission is not None else ([], [])
         return [
             keys.meta(session_id),
             keys.history(session_id),

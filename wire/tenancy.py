@@ -21,10 +21,18 @@ import redis.asyncio as aioredis
 
 from wire.connect import is_cluster
 from wire.keys import Keys
-from wire.limits import RUNNING_HOLD_S, Counts, Limits
+from wire.limits import Counts, Limits
 from wire.messages import Usage, decode_final
 from wire.replies import text
-from wire.scripts import ADMIT_CORE, USAGE_CORE, Bill, Script, counts_of, lua_source
+from wire.scripts import (
+    ADMIT_CORE,
+    USAGE_CORE,
+    Bill,
+    Script,
+    counts_of,
+    limits_args,
+    lua_source,
+)
 
 HOUR_S, DAY_S = 3_600, 86_400
 USAGE_KEPT_S = {"hour": 45 * DAY_S, "day": 400 * DAY_S}
@@ -55,15 +63,7 @@ class Admit(Script):
         False for another choice of a request counted already."""
         reply = await self._run(
             _tenant_keys(self.keys, tenant_id),
-            [
-                " ".join(generation_ids),
-                "1" if count_request else "0",
-                limits.concurrent,
-                limits.requests_per_minute,
-                limits.tokens_per_minute,
-                limits.tokens_per_day,
-                RUNNING_HOLD_S * 1000,
-            ],
+            [" ".join(generation_ids), *limits_args(limits, count_request)],
             None,
         )
         if not isinstance(reply, list):

@@ -265,15 +265,12 @@ class SessionStore:
         """Queue one generation in a throwaway session (the OpenAI/TGI/OIP adapters) for
         ``model`` (a name or alias; None: the default model), serving the key of the
         request being served (gateway/core/tenancy.py): on one Redis in one round trip,
-        the SUBMIT script admitting it (the capacity check), making the session and its
-        generation and queueing the request, and admitting its key's limits; elsewhere in
-        two, the capacity check first, and a key with limits admitted in a round trip of
-        its own before.
+        SUBMIT admitting it (the capacity, the key's limits), making the session and its
+        generation and queueing the request; elsewhere the checks come first.
         ``session_id``: the new session's id, when the caller subscribed to it first.
-        ``kept``: a session that outlives its request (a stored response), with its TTL,
-        its meta fields and whether it runs on with no reader. ``choice``: which of a
-        request's ``n`` choices it is (only the first counts as a request, and bills the
-        prompt)."""
+        ``kept``: a session that outlives its request (a stored response): its TTL, meta
+        fields and whether it runs on with no reader. ``choice``: which of a request's
+        ``n`` choices it is (only the first counts as a request and bills the prompt)."""
         tenant = self.tenants.caller_tenant()
         queue = await self.models.resolve(model)
         self.tenants.check_model(tenant, model or queue, queue)
@@ -281,26 +278,19 @@ class SessionStore:
             self._check_content(message.content, allow_empty=True)
         if prompt is not None:
             self._check_content(prompt)
-        session_id, generation_id = session_id or new_id("s"), new_id("g")
         ttl_s = kept.ttl_s if kept is not None else STATELESS_TTL_S
         request = msgspec.structs.replace(
-            self._request(session_id, generation_id, params, messages or [], prompt, ttl_s),
+            self._request(
+                session_id or new_id("s"), new_id("g"), params, messages or [], prompt, ttl_s
+            ),
             tools=tools,
             task=task,
             token_ids=token_ids or [],
             tenant=tenant.id,
             choice=choice,
         )
-        bill: Bill = "none" if task != "generate" else "completion" if choice else "all"
-        new = scripts.NewSession(
-            session_id,
-            generation_id,
-            self.settings.events_maxlen,
-            ttl_s,
-            self.watch_ttl_s,
-            tenant.id,
-            bill,
-        )
+        session_id, generation_id = request.session_id, request.generation_id
+        new = self._new_session(request, ttl_s)
         in_submit = kept is None and not is_cluster(self.redis)
         admitted = False
         if not in_submit:
@@ -318,6 +308,21 @@ class SessionStore:
         if self.observer is not None:
             self.observer.submitted(session_id, generation_id, reply.queued_id, queue)
         return Submitted(generation_id, session_id, reply.queued_id)
+
+    def _new_session(self, request: GenerationRequest, ttl_s: int) -> scripts.NewSession:
+        """The stateless session SUBMIT makes for ``request``: its tenant billed its prompt
+        and completion (another choice of a request: its completion; tokenize: nothing)."""
+        task, choice = request.task, request.choice
+        bill: Bill = "none" if task != "generate" else "completion" if choice else "all"
+        return scripts.NewSession(
+            request.session_id,
+            request.generation_id,
+            self.settings.events_maxlen,
+            ttl_s,
+            self.watch_ttl_s,
+            request.tenant,
+            bill,
+        )
 
     async def _create_stateless(
         self,

@@ -241,9 +241,7 @@ class Takeover:
             )
             log.warning("worker lost while running %s; %s", gid, why)
             message = f"the engine worker running this generation stopped ({why})"
-            # Billed to its tenant: what it streamed, read back.
-            spent = streamed.usage() if streamed is not None else None
-            await self._end(request, Error(gid, "worker_lost", message, spent))
+            await self._end(request, Error(gid, "worker_lost", message, _billed(streamed)))
             return "worker_lost"
         resumed = continuation(request, reply, streamed)
         await self.redis.hset(gen_key, "usage", wire.encode(streamed.usage()))
@@ -269,3 +267,8 @@ class Takeover:
             final=True,
         )
         await self._usage.after_final(request.session_id, request.generation_id)
+
+
+def _billed(streamed: Streamed | None) -> Usage | None:
+    """What a reply that ends here billed its tenant: what it streamed, read back."""
+    return streamed.usage() if streamed is not None else None
