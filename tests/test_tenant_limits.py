@@ -21,6 +21,7 @@ from huggingface_hub.errors import OverloadedError
 from tritonclient.utils import InferenceServerException
 
 from tests.support.http import all_of, cancel, follow
+from tests.support.metrics import sample, scrape
 from tests.support.stack import Gateway, Stack
 from tests.support.tenants import (
     ADMIN_KEY,
@@ -56,9 +57,16 @@ async def test_five_a_minute_across_two_gateways_admits_exactly_five(stack: Stac
                 for i in range(12)
             )
         )
+        scraped = [await scrape(client, f"{gateway.url}/metrics") for gateway in gateways]
     served = [a for a in answers if a.status_code == 200]
     refused = [a for a in answers if a.status_code == 429]
     assert len(served) == 5 and len(refused) == 7, [a.status_code for a in answers]
+    # Each gateway counts what it admitted and refused, by the key's name and the limit.
+    admitted = "tokenspout_gateway_key_requests_total"
+    refusals = "tokenspout_gateway_key_refusals_total"
+    limit = {"key": "five", "limit": "requests_per_minute"}
+    assert sum(sample(samples, admitted, key="five") or 0 for samples in scraped) == 5
+    assert sum(sample(samples, refusals, **limit) or 0 for samples in scraped) == 7
     remaining = sorted(int(a.headers["x-ratelimit-remaining-requests"]) for a in served)
     assert remaining == [0, 1, 2, 3, 4]
     for answer in [*served, *refused]:
