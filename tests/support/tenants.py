@@ -61,6 +61,18 @@ async def usage_total(client: httpx.AsyncClient, base: str, key_id: str) -> dict
     return total
 
 
+async def until_usage(
+    client: httpx.AsyncClient, base: str, key_id: str, total_tokens: int, within_s: float = 10
+) -> dict[str, int]:
+    """``usage_total`` once it reaches ``total_tokens`` (on a Redis Cluster a generation's
+    usage is counted right after its final event, which a reader may see first)."""
+    async with asyncio.timeout(within_s):
+        while (total := await usage_total(client, base, key_id))["total_tokens"] < total_tokens:
+            await asyncio.sleep(0.02)
+    assert total["total_tokens"] == total_tokens, total
+    return total
+
+
 def rate_headers(response: httpx.Response) -> dict[str, str]:
     """A response's ``x-ratelimit-*`` headers."""
     return {k: v for k, v in response.headers.items() if k.startswith("x-ratelimit-")}
