@@ -35,7 +35,7 @@ from engine.job import Job, epoch_of
 from engine.metrics import WorkerMetrics
 from engine.publisher import Publisher
 from wire import GenerationRequest
-from wire.queue import RequestQueue, ServedTokens, estimated_tokens
+from wire.queue import RequestQueue, ServedTokens
 
 log = logging.getLogger("tokenspout.worker")
 _request_decoder = msgspec.json.Decoder(GenerationRequest)
@@ -132,7 +132,7 @@ class Intake:
             ttl_s=request.session_ttl_s,
             maxlen=request.events_maxlen,
         )
-        job = Job(request, entry_id, target, estimated_tokens=estimated_tokens(fields[b"r"]))
+        job = Job(request, entry_id, target, estimated_tokens=int(fields.get(b"e", 0)))
         running = self.jobs.get(request.generation_id)
         if running is not None and running.epoch >= job.epoch and not running.claimed:
             running.second_copy = job  # settled once its claim is answered

@@ -589,7 +589,7 @@ class HoldReaperLock(Script):
 
 
 @dataclass(frozen=True, slots=True)
-class Waiting:
+class WaitingRequest:
     """A request for its tenant's list of a model's queue (``FairEnqueue``)."""
 
     base: str
@@ -600,14 +600,23 @@ class Waiting:
     """Its slot (``wire.keys.tenant_slot``)."""
     weight: float
     request: bytes
+    estimate: int
+    """The tokens its prompt is guessed at (``wire.queue.estimated_tokens``): charged to its
+    tenant when it leaves the list; the worker charges the difference once it knows."""
     note: bytes = b""
     """The note of its submit to cross off with it (b"": none)."""
+
+    @property
+    def element(self) -> bytes:
+        """The request as its tenant's list holds it: its estimate, ``|``, the request
+        (fair_take.lua moves the estimate into the stream entry's ``e`` field)."""
+        return b"%d|%s" % (self.estimate, self.request)
 
     def keys_args(self) -> tuple[list[str], list[Arg]]:
         return [self.base, self.submitting], [
             self.tenant,
             self.weight,
-            self.request,
+            self.element,
             SHARED_KEY_TTL_S,
             self.note,
         ]
@@ -618,10 +627,10 @@ class FairEnqueue(Script):
 
     source = FAIR_CORE + lua_source("fair_enqueue")
 
-    async def __call__(self, waiting: Waiting) -> None:
+    async def __call__(self, waiting: WaitingRequest) -> None:
         await self._run(*waiting.keys_args(), None)
 
-    def enqueue_in(self, pipe: Pipeline, waiting: Waiting) -> None:
+    def enqueue_in(self, pipe: Pipeline, waiting: WaitingRequest) -> None:
         """``__call__`` queued in ``pipe`` (a bare EVALSHA: on NoScriptError, ``load`` and
         send it again)."""
         self._queue_evalsha(pipe, *waiting.keys_args())
