@@ -147,12 +147,6 @@ def markdown_tables() -> str:
     return "\n".join(rows) + "\n"
 
 
-def on_cpu() -> bool:
-    import torch
-
-    return not torch.cuda.is_available()
-
-
 def served_names(args: argparse.Namespace) -> list[str]:
     """``--served-model-name a b --served-model-name c,d`` as ``[a, b, c, d]`` (first: the
     model's name; the rest: aliases), each checked (SystemExit naming the bad one)."""
@@ -187,17 +181,23 @@ def _backend(args: argparse.Namespace) -> Backend:
             prepare_delay_s=args.prepare_delay_s,
             model=names[0] if names else "synthetic",
         )
+    from engine.backends import vllm_api
     from engine.model import MODEL_NAME, model_problem, prepare_default_model
 
-    if args.model != "default" and (problem := model_problem(args.model)):
+    found = vllm_api.installed()
+    problem = vllm_api.version_problem(found)  # before a model takes minutes to load
+    if problem is None and args.model != "default":
+        problem = model_problem(args.model)
+    if problem is not None or found is None:
         raise SystemExit(f"tokenspout engine: cannot start: {problem}")
+    log.info("vLLM: %s %s", *found)
     from engine.backends.vllm_backend import VllmBackend
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     model, served = args.model, names[0] if names else None
     if model == "default":
         model, served = str(prepare_default_model()), served or MODEL_NAME
-    cpu = on_cpu()
+    cpu = vllm_api.on_cpu()
     return VllmBackend(
         model,
         served_name=served,
