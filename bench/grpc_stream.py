@@ -13,7 +13,7 @@ import grpc
 
 from bench.loadgen import StreamRecord, TaskStream
 from bench.rig import Rig
-from gateway.grpc.protocol import pb
+from gateway.apis.oip.grpc.protocol import pb
 
 METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
 

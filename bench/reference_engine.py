@@ -75,7 +75,7 @@ class Choice(msgspec.Struct):
 
 
 class Chunk(msgspec.Struct):
-    """The gateway's ``ChatCompletionChunk`` (gateway/routes/openai_schema.py), field for
+    """The gateway's ``ChatCompletionChunk`` (gateway/apis/openai/schema.py), field for
     field, so both paths put the same bytes on the wire."""
 
     id: str

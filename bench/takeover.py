@@ -35,7 +35,7 @@ import httpx
 import redis.asyncio as aioredis
 
 from bench.loadgen import sse_events
-from gateway.takeover import LEASE_GRACE_S
+from gateway.recovery.takeover import LEASE_GRACE_S
 from stack import processes
 from stack.rig import Rig as ProcessRig
 from stack.rig import on_embedded_redis

@@ -1,7 +1,7 @@
 """SIGTERM with other workers serving: a running reply moves to one of them at once.
 
 Its own module because it is its own transition, not part of running a generation: the
-one the gateways' reaper makes for a lost worker (wire/handoff.py, gateway/takeover.py).
+one the gateways' reaper makes for a lost worker (wire/handoff.py, gateway/recovery/takeover.py).
 The worker's lease says whether another worker serves; the TAKEOVER script takes the
 generation from this worker atomically (so a reaper that thinks this worker lost cannot
 hand it on a second time), then its ``continuation`` goes back on the queue, and the next

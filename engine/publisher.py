@@ -186,7 +186,7 @@ class Publisher:
 
         ``final``: it ends the generation (``assistant`` joins the history). ``ack``: the
         request's entry id, acknowledged in the same round trip, so "in flight"
-        (gateway/generations.py) drops the moment it ends."""
+        (gateway/core/generations.py) drops the moment it ends."""
         batch = self._batch
         if batch.open_tokens:
             batch.open_tokens.pop(target, None)  # no token joins one before this event

@@ -1,7 +1,7 @@
 """``python -m gateway --host H --port P [--grpc-port G] [--workers N]``: serve the gateway
 (configuration from the env), and its gRPC inference service on the same host
-(gateway/grpc/); ``--workers N`` (or ``auto``): N processes on those ports
-(gateway/supervisor.py).
+(gateway/apis/oip/grpc/); ``--workers N`` (or ``auto``): N processes on those ports
+(gateway/server/supervisor.py).
 
 SIGTERM drains: the listening socket closes, idle event streams end at once, streams with a
 generation in flight end right after its final event, and whatever is still open after
@@ -24,15 +24,15 @@ from typing import TYPE_CHECKING
 import msgspec
 import uvicorn
 
-from gateway.settings import Settings
-from gateway.supervisor import OrphanWatch, Supervisor, auto_workers
-from gateway.transport import HttpProtocol
+from gateway.core.settings import Settings
+from gateway.server.supervisor import OrphanWatch, Supervisor, auto_workers
+from gateway.server.transport import HttpProtocol
 from wire.connect import misconfiguration
 from wire.logs import configure_logging
 from wire.runtime import tune_gc
 
 if TYPE_CHECKING:
-    from gateway.app import Services
+    from gateway.server.app import Services
 
 log = logging.getLogger("tokenspout.gateway")
 
@@ -110,8 +110,8 @@ def workers(value: str) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    from gateway.app import create_asgi_app  # here: the parser alone stays cheap to import
-    from gateway.auth import ConfigError
+    from gateway.core.auth import ConfigError
+    from gateway.server.app import create_asgi_app  # here: the parser alone stays cheap to import
 
     settings = Settings.from_env()
     if args.grpc_port is not None:

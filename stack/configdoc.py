@@ -1,7 +1,7 @@
 """docs/configuration.md's generated tables: ``python -m stack.configdoc`` rewrites them.
 
 The document is prose plus blocks between ``<!-- generated: NAME -->`` and
-``<!-- end: NAME -->``; each block is rendered from the code (gateway/settings.py, the
+``<!-- end: NAME -->``; each block is rendered from the code (gateway/core/settings.py, the
 engine's argument parser and variables), and tests/test_configuration_doc.py fails when
 the file and the code disagree.
 """
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from engine.__main__ import markdown_tables as engine_tables
-from gateway.settings import markdown_table as gateway_table
+from gateway.core.settings import markdown_table as gateway_table
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 BLOCKS: dict[str, Callable[[], str]] = {"gateway": gateway_table, "engine": engine_tables}

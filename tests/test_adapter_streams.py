@@ -1,6 +1,6 @@
 """Every API adapter's stream (OpenAI, TGI, OIP) read raw: valid, uncompressed SSE framed
 the way its clients expect, and a client that disconnects aborts its generation in the
-engine (gateway/generation_stream.py)."""
+engine (gateway/core/generation_stream.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Cancel semantics (gateway/sessions.py cancel, engine/worker.py) that need the synthetic
+"""Cancel semantics (gateway/core/sessions.py cancel, engine/worker.py) that need the synthetic
 engine's control, over real gateway processes and real Redis. Cancel on every path with both
 backends (REST, WebSocket, gateway B, twice, after done, abandoned, queued) is in
 tests/test_backend_cancels.py."""

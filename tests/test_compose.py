@@ -29,7 +29,7 @@ from engine.__main__ import ENVIRONMENT as ENGINE_ENVIRONMENT
 from engine.__main__ import build_parser as engine_parser
 from engine.backends import vllm_api
 from gateway.__main__ import parser as gateway_parser
-from gateway.settings import Settings, env_name
+from gateway.core.settings import Settings, env_name
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = json.loads((ROOT / "tests" / "data" / "compose-spec.json").read_text())
@@ -393,7 +393,7 @@ def test_the_gateway_image_installs_only_the_base_dependencies_and_no_torch_or_v
 
 def test_the_gateway_process_imports_neither_torch_nor_vllm() -> None:
     probe = (
-        "import sys, gateway.__main__, gateway.app; gateway.app.create_app(); "
+        "import sys, gateway.__main__, gateway.server.app; gateway.server.app.create_app(); "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm')))"
     )
     result = subprocess.run(

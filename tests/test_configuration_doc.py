@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from engine.__main__ import ENVIRONMENT, build_parser
-from gateway.settings import Settings, env_name, markdown_table
+from gateway.core.settings import Settings, env_name, markdown_table
 from stack.configdoc import DOC, render
 
 
@@ -33,7 +33,7 @@ def test_every_gateway_setting_and_engine_flag_and_variable_is_in_the_doc() -> N
 
 def test_python_m_gateway_settings_prints_the_gateway_table() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "gateway.settings"],
+        [sys.executable, "-m", "gateway.core.settings"],
         capture_output=True,
         text=True,
         check=True,

@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from websockets.asyncio.client import connect
 
 import wire
-from gateway.watchdog import READER_CHECK_S, READER_GRACE_S, REQUEUE_AFTER_S
+from gateway.recovery.reaper import READER_CHECK_S, READER_GRACE_S, REQUEUE_AFTER_S
 from stack import processes
 from stack.redis_server import EmbeddedRedis
 from tests.support.http import (
@@ -124,7 +124,7 @@ async def test_a_gateway_killed_mid_stream_is_resumed_on_another(stack: Stack) -
 
 WORKER_TIMEOUT_S = 2.0
 REAPER_PASS_S = 1.0
-"""gateway/watchdog.py's pass interval: a dead worker is found within one pass of its
+"""gateway/recovery/reaper.py's pass interval: a dead worker is found within one pass of its
 heartbeat going stale."""
 
 

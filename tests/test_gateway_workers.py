@@ -1,5 +1,6 @@
-"""``python -m gateway --workers N``: N gateway processes on one port (gateway/supervisor.py),
-``/metrics`` answering for all of them (gateway/federation.py); real processes and Redis."""
+"""``python -m gateway --workers N``: N gateway processes on one port
+(gateway/server/supervisor.py), ``/metrics`` answering for all of them
+(gateway/server/federation.py); real processes and Redis."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.supervisor import auto_workers
+from gateway.server.supervisor import auto_workers
 from stack import processes
 from stack.processes import ROOT
 from stack.redis_server import free_port

@@ -1,4 +1,4 @@
-"""One gateway, many models (gateway/models.py): two synthetic workers serving two names on
+"""One gateway, many models (gateway/core/models.py): two synthetic workers serving two names on
 one Redis, driven by the official ``openai`` client and plain HTTP."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The Open Inference Protocol generate extension (gateway/routes/oip.py) over httpx, against
+"""The Open Inference Protocol generate extension (gateway/apis/oip/routes.py) over httpx, against
 a real gateway, real Redis and the synthetic engine."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible API (gateway/routes/openai.py) driven by the official ``openai`` SDK,
+"""The OpenAI-compatible API (gateway/apis/openai/routes.py) driven by the official ``openai`` SDK,
 sync and async, against a real gateway process, real Redis and the synthetic engine."""
 
 from __future__ import annotations
@@ -469,7 +469,7 @@ async def test_a_hot_route_answers_what_the_app_answers_and_is_counted_alike(
     piece: Callable[[dict[str, Any]], str],
     whole_text: Callable[[dict[str, Any]], str],
 ) -> None:
-    """A chat or (legacy) completion takes its hot route (gateway/routes/hot.py); with CORS
+    """A chat or (legacy) completion takes its hot route (gateway/apis/openai/hot.py); with CORS
     configured, a browser's cross-origin one goes through Litestar. Both answer the same
     headers (but CORS's) and the same chunks, or the same whole answer (but their ids and
     times), and both are counted under the route's template."""

@@ -1,5 +1,5 @@
 """The gateway's background loops outlive any failure of one pass, and two of them never
-hand one lost reply on twice (gateway/watchdog.py, gateway/takeover.py)."""
+hand one lost reply on twice (gateway/recovery/reaper.py, gateway/recovery/takeover.py)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 import wire
-from gateway import watchdog
-from gateway.takeover import REAPER_PREFIX
-from gateway.watchdog import Reaper, RepeatedFailures
+from gateway.recovery import reaper
+from gateway.recovery.reaper import Reaper, RepeatedFailures
+from gateway.recovery.takeover import REAPER_PREFIX
 from stack.redis_server import free_port
 from wire import CONSUMER_GROUP, GenerationRequest, Keys, SamplingParams, Started, Token
 from wire.queue import RequestQueue
@@ -239,7 +239,7 @@ def test_a_failure_that_repeats_is_logged_once_per_interval_then_its_recovery(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     now = [100.0]
-    monkeypatch.setattr(watchdog.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(reaper.time, "monotonic", lambda: now[0])
     caplog.set_level(logging.INFO, "tokenspout.watchdog")
     failures = RepeatedFailures(every_s=10)
     for _ in range(5):  # a pass every 0.1 s for half a second

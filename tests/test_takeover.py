@@ -20,7 +20,7 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.takeover import Takeover
+from gateway.recovery.takeover import Takeover
 from stack import processes
 from stack.redis_server import free_port
 from tests.support.http import TERMINAL, Session, cancel, create_session, follow, send

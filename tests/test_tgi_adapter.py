@@ -1,4 +1,4 @@
-"""The TGI-compatible API (gateway/routes/tgi.py) driven by ``huggingface_hub``'s
+"""The TGI-compatible API (gateway/apis/tgi.py) driven by ``huggingface_hub``'s
 ``InferenceClient`` and ``AsyncInferenceClient``, against a real gateway, real Redis and the
 synthetic engine."""
 

@@ -1,5 +1,5 @@
-"""``WS /v1/ws`` (gateway/routes/ws.py, gateway/ws_protocol.py) over a real gateway process,
-real Redis and the synthetic engine."""
+"""``WS /v1/ws`` (gateway/apis/sessions/socket.py, gateway/apis/sessions/protocol.py) over a
+real gateway process, real Redis and the synthetic engine."""
 
 from __future__ import annotations
 

@@ -10,6 +10,9 @@ keys. Version 2: the ``resumed`` event and ``GenerationRequest.resume`` (takeove
 version-1 gateway could not decode and a version-1 worker would run from the start.
 Version 3: structured outputs, ``logit_bias`` and top logprobs in ``SamplingParams`` (a
 version-2 worker would ignore them and stream unconstrained text as if it were valid).
+Version 4: tenants (``GenerationRequest.tenant``) and a model's queue shared between them
+by the tokens each is served (wire/queue.py): a version-3 worker would never see a request
+waiting in a tenant's share of the queue.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any, Literal, TypeVar
 
 import msgspec
 
-WIRE_VERSION = 3
+WIRE_VERSION = 4
 T = TypeVar("T")
 
 Role = Literal["system", "user", "assistant", "tool"]
@@ -159,6 +162,10 @@ class GenerationRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     choice: int = 0
     """Which choice of a session's turn it is (a message with ``n`` > 1): only choice 0's
     reply joins the session's history."""
+    tenant: str = ""
+    """The tenant (API key) the generation serves and is billed to: its model's queue
+    shares the engine between tenants by the tokens each is served (docs/tenants.md);
+    "": anonymous."""
 
     @property
     def engine_request_id(self) -> str:

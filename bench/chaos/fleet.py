@@ -40,7 +40,7 @@ GATEWAY_PROCESSES = (1, 2)
 """Per gateway, its processes (``--workers``)."""
 SERVING_AFTER_S = 10.0
 """A gateway process this old has served: killed, it is replaced (one killed before it
-served stops its whole gateway, by design: gateway/supervisor.py)."""
+served stops its whole gateway, by design: gateway/server/supervisor.py)."""
 TOKENS_PER_S = 40
 
 

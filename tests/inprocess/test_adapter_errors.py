@@ -1,6 +1,6 @@
 """What every adapter shares, in this process: a step's text on its first token, the final
 error of an unfinished generation, the mapping of failures to gateway errors and the error
-an adapter writes after what it sent (gateway/errors.py, generation_stream.py)."""
+an adapter writes after what it sent (gateway/core/errors.py, generation_stream.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from litestar.exceptions import HTTPException, ValidationException
 from litestar.testing import TestClient
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from gateway.errors import (
+from gateway.apis.openai.routes import openai_error
+from gateway.core.errors import (
     HANDLED,
     BadRequest,
     GatewayError,
@@ -22,8 +23,7 @@ from gateway.errors import (
     as_gateway_error,
     ending_with_error,
 )
-from gateway.generation_stream import TokenPiece, final_error, per_token
-from gateway.routes.openai import openai_error
+from gateway.core.generation_stream import TokenPiece, final_error, per_token
 from tests.support.adapter_events import tok, written
 from wire import Cancelled, Error, Usage
 

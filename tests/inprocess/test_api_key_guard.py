@@ -1,4 +1,4 @@
-"""gateway/auth.py's ``api_key_check`` on the routers and handlers that want a key: every
+"""gateway/core/auth.py's ``api_key_check`` on the routers and handlers that want a key: every
 one answers 401 in its own protocol's error format without a key, before the body is
 read, and lets a keyed request through to the body's check. The app runs without its
 lifespan: nothing here reaches Redis (tests/test_auth.py and the adapters' tests send
@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import pytest
 from litestar.testing import TestClient
 
-from gateway.app import create_app
-from gateway.settings import Settings
+from gateway.core.settings import Settings
+from gateway.server.app import create_app
 
 pytestmark = [
     pytest.mark.timeout(60),

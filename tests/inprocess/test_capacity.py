@@ -1,4 +1,4 @@
-"""gateway/generations.py: the capacity check under a burst of requests, against the
+"""gateway/core/generations.py: the capacity check under a burst of requests, against the
 session's real Redis. Checks that come while a read of the queue counts is on its way share
 it (one read, not one each) and count each other's admissions, so the limit still holds."""
 
@@ -10,10 +10,10 @@ import secrets
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.errors import Overloaded
-from gateway.generations import GenerationQueue
-from gateway.models import ModelDirectory
-from gateway.settings import Settings
+from gateway.core.errors import Overloaded
+from gateway.core.generations import GenerationQueue
+from gateway.core.models import ModelDirectory
+from gateway.core.settings import Settings
 from tests.support.redis_probes import command_calls
 from wire import GenerationRequest, Keys, SamplingParams
 

@@ -1,4 +1,4 @@
-"""gateway/grpc/tensors.py against tritonclient's own request and result code, in one
+"""gateway/apis/oip/grpc/tensors.py against tritonclient's own request and result code, in one
 process: the gateway's messages are tritonclient's (Triton's generated stubs from its PyPI
 package), so what tritonclient sends is read as it is and what the gateway answers decodes
 with tritonclient's ``InferResult``."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2
 
-from gateway.grpc.protocol import pb
-from gateway.grpc.tensors import TokenResponses, read_request, text_response
+from gateway.apis.oip.grpc.protocol import pb
+from gateway.apis.oip.grpc.tensors import TokenResponses, read_request, text_response
 from tests.support.triton import FINAL, llm_inputs, parameters, sent, text_of
 
 

@@ -1,4 +1,4 @@
-"""gateway/routes/hot.py: which requests the hot routes take and which go on to the app
+"""gateway/apis/openai/hot.py: which requests the hot routes take and which go on to the app
 behind it (here one that records what reached it), with their body handed on whole. The
 requests it takes are answered by the gateway's own functions against the session's real
 Redis; with no worker ever registered the submit is refused, so each answer here is the
@@ -16,9 +16,9 @@ import httpx
 import pytest
 from litestar.types import Receive, Scope, Send
 
-from gateway.app import Services, create_app
-from gateway.routes.hot import HotRoutes
-from gateway.settings import Settings
+from gateway.apis.openai.hot import HotRoutes
+from gateway.core.settings import Settings
+from gateway.server.app import Services, create_app
 from stack.redis_server import EmbeddedRedis
 
 pytestmark = [

@@ -1,4 +1,4 @@
-"""gateway/ids.py: ids and secrets cut from a buffer of the OS's randomness: the formats of
+"""gateway/core/ids.py: ids and secrets cut from a buffer of the OS's randomness: the formats of
 ``secrets``, no bytes handed out twice, none shared with a forked child."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 import re
 
-from gateway import ids
-from gateway.ids import RandomPool
+from gateway.core import ids
+from gateway.core.ids import RandomPool
 
 
 def test_ids_have_the_formats_of_secrets() -> None:

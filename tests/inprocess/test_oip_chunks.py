@@ -1,10 +1,10 @@
 """The Open Inference Protocol adapter's wire output, built from contract events in this
-process: its stream events (gateway/routes/oip.py), byte for byte."""
+process: its stream events (gateway/apis/oip/routes.py), byte for byte."""
 
 from __future__ import annotations
 
-from gateway.generation_stream import Heartbeat
-from gateway.routes import oip
+from gateway.apis.oip import routes as oip
+from gateway.core.generation_stream import Heartbeat
 from tests.support.adapter_events import DONE_STOP, HELLO, KEEP_ALIVE, STARTED, Items, data, written
 from wire import Cancelled, Usage
 

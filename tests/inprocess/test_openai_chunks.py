@@ -1,5 +1,5 @@
 """The OpenAI adapter's wire output, built from contract events in this process: chat and
-(legacy) completion stream chunks and whole answers (gateway/routes/openai.py), byte for
+(legacy) completion stream chunks and whole answers (gateway/apis/openai/routes.py), byte for
 byte."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from typing import Any
 import msgspec
 import pytest
 
-from gateway.errors import BadEngineOutput, Overloaded, ending_with_error
-from gateway.generation_stream import GenerationItem, Heartbeat
-from gateway.routes import openai
+from gateway.apis.openai import routes as openai
+from gateway.core.errors import BadEngineOutput, Overloaded, ending_with_error
+from gateway.core.generation_stream import GenerationItem, Heartbeat
 from tests.support.adapter_events import (
     CREATED,
     DONE,

@@ -1,4 +1,4 @@
-"""The relay's connection to one cluster shard (gateway/shards.py), over a real socket."""
+"""The relay's connection to one cluster shard (gateway/core/shards.py), over a real socket."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from gateway.shards import Shard, ShardedLive
+from gateway.core.shards import Shard, ShardedLive
 from stack.redis_server import free_port
 
 

@@ -1,4 +1,4 @@
-"""gateway/response_events.py: a response's Responses events as a pure function of its
+"""gateway/apis/openai/responses/events.py: a response's Responses events as a pure function of its
 session's events. Takeover events and repeated starts add nothing, a cancel before the start
 and an engine error end it with one final event, and a stream whose first events were
 trimmed is refused instead of renumbered."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.errors import EventsExpired
-from gateway.response_events import ResponseRecord, ResponseRenderer
+from gateway.apis.openai.responses.events import ResponseRecord, ResponseRenderer
+from gateway.core.errors import EventsExpired
 from wire import (
     Cancelled,
     Done,

@@ -1,4 +1,4 @@
-"""gateway/sse.py: the SSE wire format, and ``LeanStreamingResponse`` driven through a tiny
+"""gateway/server/sse.py: the SSE wire format, and ``LeanStreamingResponse`` driven through a tiny
 ASGI receive/send pair."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 import pytest
 from litestar.types import Message
 
-from gateway import sse
-from gateway.feed import RelayEvent
+from gateway.core.feed import RelayEvent
+from gateway.server import sse
 
 
 def test_frame_is_data_alone_or_with_id_and_event_first() -> None:

@@ -1,5 +1,5 @@
 """The TGI adapter's wire output, built from contract events in this process: stream events
-and the whole ``generate`` answer (gateway/routes/tgi.py), byte for byte."""
+and the whole ``generate`` answer (gateway/apis/tgi.py), byte for byte."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from typing import Any
 import msgspec
 import pytest
 
-from gateway.errors import BadEngineOutput
-from gateway.generation_stream import Heartbeat
-from gateway.routes import tgi
+from gateway.apis import tgi
+from gateway.core.errors import BadEngineOutput
+from gateway.core.generation_stream import Heartbeat
 from tests.support.adapter_events import (
     DONE_STOP,
     HELLO,

@@ -1,4 +1,4 @@
-"""gateway/ws_protocol.py: client frames decoded into types or refused with a typed error
+"""gateway/apis/sessions/protocol.py: client frames decoded into types or refused with a typed error
 naming what is wrong; server frames encoded to the exact JSON the docs show."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 import wire
-from gateway import ws_protocol as ws
-from gateway.errors import BadRequest, GatewayError, PayloadTooLarge
+from gateway.apis.sessions import protocol as ws
+from gateway.core.errors import BadRequest, GatewayError, PayloadTooLarge
 from wire import Usage
 
 LIMIT = 4096

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 
-from gateway.generation_stream import Collected, GenerationItem, TokenPiece
+from gateway.core.generation_stream import Collected, GenerationItem, TokenPiece
 from wire import Done, Started, Token, Usage
 
 CREATED = 1_700_000_000

@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.cluster import RedisCluster
 
-from gateway.takeover import LEASE_GRACE_S
+from gateway.recovery.takeover import LEASE_GRACE_S
 from stack.rig import sync_client
 from wire import Keys
 from wire.connect import connect
@@ -156,7 +156,7 @@ def wait_running(redis_url: str, prefix: str, count: int, within_s: float = 30.0
 
 async def lease_trusted(redis_url: str) -> None:
     """Wait until Redis has run LEASE_GRACE_S: before that, a lost lease proves nothing
-    (gateway/takeover.py) and the heartbeat timeout decides."""
+    (gateway/recovery/takeover.py) and the heartbeat timeout decides."""
     redis = aioredis.Redis.from_url(redis_url)
     try:
         async with asyncio.timeout(LEASE_GRACE_S + 5):

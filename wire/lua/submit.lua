@@ -7,12 +7,12 @@
 --       companion ('1': another choice of the turn just submitted (a message with n > 1):
 --       no message, no busy check, not the session's active generation),
 --       note (its request without its conversation: what queues it again should Redis
---       lose it, gateway/waiting.py; '' for none), queue (the model's queue it goes to),
+--       lose it, gateway/core/waiting.py; '' for none), queue (the model's queue it goes to),
 --       then, only to admit and queue it here: the in-flight limit, the model's own
 --       limit (0: none), the model's queue's place among KEYS[8..], the request, the
 --       queues' cap and TTL, the workers' consumer group.
 -- KEYS[8..] (admitted here, on one Redis): every model's request queue, counted as the
---       gateway's capacity check counts them (gateway/generations.py, wire/queue.py).
+--       gateway's capacity check counts them (gateway/core/generations.py, wire/queue.py).
 -- Returns {'ok', queued id, history...} | {'missing'} | {'forbidden'} | {'duplicate', gid}
 --         | {'busy', gid} | {'history_full'} | {'overloaded', 'all' or 'model', count}
 -- A session made here is fresh (a new random id): nothing to look up in it, no history.

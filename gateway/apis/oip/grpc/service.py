@@ -1,0 +1,255 @@
+"""``inference.GRPCInferenceService`` (KServe v2, with Triton's streaming ``ModelStreamInfer``)
+over ``GenerationStream``: the same sessions, relay, cancel and takeover as every transport.
+
+- ``ServerLive``: the process runs; ``ServerReady``: Redis answers and a worker is alive.
+- ``ModelReady`` / ``ModelMetadata``: from the workers' registry (``store.models``).
+- ``ModelInfer``: one request, the whole text in one ``text_output``; errors are statuses.
+- ``ModelStreamInfer``: any number of requests on one stream, each answered by one response
+  per delivery of the relay (a token, or the tokens that arrived together;
+  ``triton_final_response`` false) and a final one (true) with the last text, the finish
+  reason and usage; a request's error is a response's ``error_message`` and the stream goes
+  on. ``stream`` false: one whole response. Cancelling the RPC aborts every generation the
+  stream still runs; a client that only closes its side gets every answer first.
+
+The other RPCs of the service (model repository, shared memory, statistics, trace, logs)
+answer ``UNIMPLEMENTED``: gRPC's own answer for a method no handler serves. The server
+under it is the gateway's own (gateway/server/http2.py); the messages are Triton's, the
+token responses serialized by hand (``TokenResponses``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from google.protobuf.message import DecodeError
+
+from gateway import __version__
+from gateway.apis.oip.grpc.metadata import model_metadata
+from gateway.apis.oip.grpc.protocol import pb
+from gateway.apis.oip.grpc.tensors import LlmRequest, TokenResponses, read_request, text_response
+from gateway.apis.oip.routes import sampling_of
+from gateway.core.auth import ApiKeys, bearer
+from gateway.core.errors import BadRequest, GatewayError, Unavailable, as_gateway_error
+from gateway.core.generation_stream import GenerationItem, GenerationStream, final_error
+from gateway.core.readiness import check_readiness
+from gateway.core.relay import RelayHub
+from gateway.core.sessions import SessionStore
+from gateway.core.settings import Settings
+from gateway.server.http2 import Call, GrpcError, Method, StatusCode
+from wire import Cancelled, Done, Error, Token
+
+SERVICE = "inference.GRPCInferenceService"
+
+Send = Callable[[bytes], Awaitable[None]]
+Metadata = dict[str, str]
+
+
+class InferenceService:
+    def __init__(
+        self, store: SessionStore, hub: RelayHub, settings: Settings, api_keys: ApiKeys
+    ) -> None:
+        self.store = store
+        self.hub = hub
+        self.settings = settings
+        self.api_keys = api_keys
+
+    def methods(self) -> dict[str, Method]:
+        """The service's methods by path, for the server (gateway/server/http2.py)."""
+        unary: dict[str, tuple[Any, Callable[[Any, Metadata], Awaitable[Any]]]] = {
+            "ServerLive": (pb.ServerLiveRequest, self.server_live),
+            "ServerReady": (pb.ServerReadyRequest, self.server_ready),
+            "ServerMetadata": (pb.ServerMetadataRequest, self.server_metadata),
+            "ModelReady": (pb.ModelReadyRequest, self.model_ready),
+            "ModelMetadata": (pb.ModelMetadataRequest, self.model_metadata),
+            "ModelInfer": (pb.ModelInferRequest, self.model_infer),
+        }
+        methods = {
+            f"/{SERVICE}/{name}": _unary(message, method)
+            for name, (message, method) in unary.items()
+        }
+        methods[f"/{SERVICE}/ModelStreamInfer"] = self.model_stream_infer
+        return methods
+
+    async def server_live(self, _: pb.ServerLiveRequest, __: Metadata) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    async def server_ready(self, _: pb.ServerReadyRequest, __: Metadata) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=(await check_readiness(self.store)).ready)
+
+    async def server_metadata(
+        self, _: pb.ServerMetadataRequest, __: Metadata
+    ) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(name="tokenspout", version=__version__)
+
+    async def model_ready(
+        self, request: pb.ModelReadyRequest, metadata: Metadata
+    ) -> pb.ModelReadyResponse:
+        """Ready: a live worker serves the name; not ready: it was registered but its last
+        worker left; ``NOT_FOUND``: no worker ever registered it."""
+        self.authorize(metadata)
+        _named(request.name)
+        try:
+            await self.store.models.resolve(request.name)
+        except Unavailable:
+            return pb.ModelReadyResponse(ready=False)
+        return pb.ModelReadyResponse(ready=True)
+
+    async def model_metadata(
+        self, request: pb.ModelMetadataRequest, metadata: Metadata
+    ) -> pb.ModelMetadataResponse:
+        self.authorize(metadata)
+        model = await self.store.models.resolve(_named(request.name))
+        workers = (await self.store.models.snapshot()).live.get(model, [])
+        backend = workers[0].backend if workers else ""
+        return model_metadata(request.name, backend)
+
+    async def model_infer(
+        self, request: pb.ModelInferRequest, metadata: Metadata
+    ) -> pb.ModelInferResponse:
+        self.authorize(metadata)
+        llm = read_request(request)
+        generation = await self._submit(llm)
+        whole = await generation.collect()
+        return text_response(
+            llm,
+            llm.model,
+            whole.text,
+            finish_reason=whole.final.finish_reason,
+            prompt_tokens=whole.final.usage.prompt_tokens,
+            completion_tokens=whole.final.usage.completion_tokens,
+        )
+
+    async def model_stream_infer(self, call: Call) -> None:
+        """Answers of every request the client sends on ``call``, as they come. A stream
+        without a valid API key ends ``UNAUTHENTICATED`` before any; every other error is
+        a request's own, in its ``error_message``."""
+        try:
+            self.authorize(call.metadata)
+        except GatewayError as error:
+            raise _status(error) from None
+        running: set[asyncio.Task[None]] = set()
+        try:
+            while (message := await call.receive()) is not None:
+                task = asyncio.create_task(self._stream_one(message, call.send))
+                running.add(task)
+                task.add_done_callback(running.discard)
+            while running:  # the client closed its side: answer what it asked first
+                await asyncio.wait(set(running))
+        finally:
+            # The client cancelled the call (or went away): stop what it still runs.
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+
+    async def _stream_one(self, message: bytes, send: Send) -> None:
+        """One request of a stream, answered on it; never raises (the stream goes on)."""
+        try:
+            request = _decoded(pb.ModelInferRequest, message)
+        except GatewayError as error:
+            await send(_error("", "", error))
+            return
+        try:
+            llm = read_request(request)
+            generation = await self._submit(llm)
+        except Exception as exc:
+            await send(_error(request.model_name, request.id, as_gateway_error(exc)))
+            return
+        try:
+            if llm.parameters.stream is False:
+                whole = await generation.collect()
+                await send(_final(llm, whole.final, whole.text))
+                return
+            tokens = TokenResponses(llm, llm.model)
+            async for items in generation.batches():
+                await _answer(llm, tokens, items, send)
+        except Exception as exc:
+            await send(_error(llm.model, llm.id, as_gateway_error(exc)))
+        finally:
+            await generation.close()
+
+    async def _submit(self, llm: LlmRequest) -> GenerationStream:
+        params = sampling_of(self.store, llm.parameters)
+        return await GenerationStream.submit(
+            self.store, self.hub, self.settings, params, model=llm.model, prompt=llm.prompt
+        )
+
+    def authorize(self, metadata: Metadata) -> None:
+        self.api_keys.require(bearer(metadata.get("authorization")))
+
+
+def _named(name: str) -> str:
+    if not name:
+        raise BadRequest("`name` is required", field="name")
+    return name
+
+
+async def _answer(
+    llm: LlmRequest, tokens: TokenResponses, items: list[GenerationItem], send: Send
+) -> None:
+    """What arrived together in as few responses as it takes: one for the tokens' joined
+    text, carried by the final response when the generation ends with them (as Triton's
+    decoupled models send their last output), unless the client asked for an empty final
+    response. A reader that fell behind gets its tokens in fewer responses. Started and
+    Heartbeat say nothing here (HTTP/2 keeps its connection alive itself)."""
+    text = "".join(item.text for item in items if isinstance(item, Token))
+    end = items[-1]
+    if isinstance(end, Done) and not llm.empty_final:
+        await send(_final(llm, end, text))
+        return
+    if text:
+        await send(tokens.token(text))
+    if isinstance(end, Done):
+        await send(_final(llm, end, None))
+    elif isinstance(end, Cancelled | Error):
+        await send(_error(llm.model, llm.id, final_error(end)))
+
+
+def _final(llm: LlmRequest, done: Done, text: str | None) -> bytes:
+    response = text_response(
+        llm,
+        llm.model,
+        text,
+        final=True,
+        finish_reason=done.finish_reason,
+        prompt_tokens=done.usage.prompt_tokens,
+        completion_tokens=done.usage.completion_tokens,
+    )
+    return bytes(pb.ModelStreamInferResponse(infer_response=response).SerializeToString())
+
+
+def _error(model: str, request_id: str, error: GatewayError) -> bytes:
+    """A request's error on the stream; its response names the request, and is its last."""
+    response = pb.ModelInferResponse(model_name=model, id=request_id)
+    response.parameters["triton_final_response"].bool_param = True
+    message = pb.ModelStreamInferResponse(error_message=error.message, infer_response=response)
+    return bytes(message.SerializeToString())
+
+
+def _status(error: GatewayError) -> GrpcError:
+    return GrpcError(StatusCode[error.grpc_code], error.message)
+
+
+def _decoded(message_type: Any, message: bytes) -> Any:
+    try:
+        return message_type.FromString(message)
+    except DecodeError:
+        name = message_type.DESCRIPTOR.name
+        raise BadRequest(f"the request is not a {name} message") from None
+
+
+def _unary(message_type: Any, method: Callable[[Any, Metadata], Awaitable[Any]]) -> Method:
+    """A method of one request and one response; its errors end the call with their status."""
+
+    async def call_method(call: Call) -> None:
+        message = await call.receive()
+        if message is None:
+            raise GrpcError(StatusCode.INVALID_ARGUMENT, "the call sent no request message")
+        try:
+            response = await method(_decoded(message_type, message), call.metadata)
+        except Exception as exc:
+            raise _status(as_gateway_error(exc)) from None
+        await call.send(response.SerializeToString())
+
+    return call_method

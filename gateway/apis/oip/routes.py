@@ -1,0 +1,154 @@
+"""Open Inference Protocol (KServe v2 / Triton) generate extension:
+``POST /v2/models/{model}/generate``, ``POST /v2/models/{model}/generate_stream`` and
+``GET /v2/models/{model}/ready``.
+
+A thin adapter over ``GenerationStream``: ``text_input`` in, ``text_output`` out (the whole
+text, or one SSE event per engine step). Errors are the protocol's ``{"error": "..."}``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterable, AsyncIterator
+from typing import Annotated
+
+import msgspec
+from litestar import Response, Router, get, post
+from litestar.response import Stream
+
+from gateway.core.auth import api_key_check
+from gateway.core.errors import (
+    HANDLED,
+    AnyRequest,
+    BadRequest,
+    Unavailable,
+    as_gateway_error,
+    ending_with_error,
+)
+from gateway.core.generation_stream import GenerationItem, GenerationStream, Heartbeat, final_error
+from gateway.core.relay import RelayHub
+from gateway.core.sessions import SessionStore
+from gateway.core.settings import Settings
+from gateway.server import sse
+from wire import Done, SamplingParams, Started, Token
+
+
+class Parameters(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    max_tokens: int | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None
+    stop: str | Annotated[list[str], msgspec.Meta(max_length=8)] | None = None
+    seed: int | None = None
+    stream: bool | None = None
+    """Triton clients send it; the path decides whether the answer streams."""
+
+
+class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
+    text_input: str
+    parameters: Parameters = msgspec.field(default_factory=Parameters)
+    id: str | None = None
+
+
+class GenerateResponse(msgspec.Struct, omit_defaults=True):
+    model_name: str
+    text_output: str
+    finish_reason: str | None = None
+    id: str | None = None
+
+
+class Ready(msgspec.Struct):
+    name: str
+    ready: bool
+
+
+class OipError(msgspec.Struct):
+    error: str
+
+
+def oip_error(_: AnyRequest, exc: Exception) -> Response[OipError]:
+    error = as_gateway_error(exc)
+    return Response(OipError(error.message), status_code=error.status, headers=error.headers())
+
+
+def sampling_of(store: SessionStore, given: Parameters) -> SamplingParams:
+    """The generate extension's parameters (REST body or gRPC tensors) as sampling
+    parameters, with the gateway's defaults and limits."""
+    return store.queue.sampling(
+        max_tokens=given.max_tokens,
+        temperature=given.temperature,
+        top_p=given.top_p,
+        top_k=given.top_k,
+        stop=[given.stop] if isinstance(given.stop, str) else given.stop,
+        seed=given.seed,
+    )
+
+
+async def _start(
+    store: SessionStore, hub: RelayHub, settings: Settings, model: str, data: GenerateRequest
+) -> GenerationStream:
+    if not data.text_input.strip():
+        raise BadRequest("`text_input` must not be empty", field="text_input")
+    params = sampling_of(store, data.parameters)
+    return await GenerationStream.submit(
+        store, hub, settings, params, model=model, prompt=data.text_input
+    )
+
+
+@post("/{model:str}/generate", summary="OIP generate", status_code=200)
+async def generate(
+    store: SessionStore, hub: RelayHub, settings: Settings, model: str, data: GenerateRequest
+) -> GenerateResponse:
+    generation = await _start(store, hub, settings, model, data)
+    whole = await generation.collect()
+    return GenerateResponse(whole.model or model, whole.text, whole.final.finish_reason, data.id)
+
+
+async def _events(
+    items: AsyncIterable[GenerationItem], model: str, request_id: str | None
+) -> AsyncIterator[bytes]:
+    async for item in items:
+        if isinstance(item, Heartbeat):
+            yield sse.HEARTBEAT
+        elif isinstance(item, Started):
+            model = item.model
+        elif isinstance(item, Token):
+            event = GenerateResponse(model, item.text, None, request_id)
+            yield sse.frame(msgspec.json.encode(event))
+        elif isinstance(item, Done):
+            event = GenerateResponse(model, "", item.finish_reason, request_id)
+            yield sse.frame(msgspec.json.encode(event))
+        else:
+            error = OipError(final_error(item).message)
+            yield sse.frame(msgspec.json.encode(error))
+
+
+@post("/{model:str}/generate_stream", summary="OIP generate_stream", status_code=200)
+async def generate_stream(
+    store: SessionStore, hub: RelayHub, settings: Settings, model: str, data: GenerateRequest
+) -> Stream:
+    generation = await _start(store, hub, settings, model, data)
+    chunks = ending_with_error(
+        _events(generation.events(), model, data.id),
+        lambda error: sse.frame(msgspec.json.encode(OipError(error.message))),
+    )
+    return sse.response(chunks, background=generation.on_response_end())
+
+
+@get("/{model:str}/ready", summary="OIP model readiness: a live worker serves the model")
+async def model_ready(store: SessionStore, model: str) -> Response[Ready]:
+    """200 when a live worker serves ``model`` (a name or alias); 503 when its last worker
+    left; 404 for a name no worker ever registered."""
+    try:
+        await store.models.resolve(model)
+    except Unavailable:
+        return Response(Ready(model, False), status_code=503)
+    return Response(Ready(model, True), status_code=200)
+
+
+oip_router = Router(
+    path="/v2/models",
+    route_handlers=[generate, generate_stream, model_ready],
+    before_request=api_key_check,
+    tags=["open-inference-protocol"],
+    exception_handlers={kind: oip_error for kind in HANDLED},
+)

@@ -1,0 +1,205 @@
+"""The hot routes: ``POST /v1/chat/completions`` and ``POST /v1/completions``, served by a
+bare ASGI handler in front of the Litestar app.
+
+Most of a gateway's requests are those, and Litestar's part of one (routing, dependency
+resolution, the handler's signature model, the response objects) was a large share of the
+gateway's CPU per request (docs/bench.md, issue 27). Here a request takes none of it: its
+body is decoded into the same request struct, it is submitted and answered by the same
+functions as the Litestar route's (``streamed_chat`` and ``send_stream`` for a stream,
+``whole_chat`` for a whole answer, and their completion twins), and an error answers in the
+same format (``error_answer``).
+
+Only a request this handler can take whole is taken; every other one goes on to Litestar
+as it came (its body, already read, handed on unchanged), so every error the app answers
+is answered there, once: a body that is not a valid request, over the size limit or not
+JSON; a missing or wrong API key; a browser's cross-origin request when CORS is configured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import msgspec
+from litestar.enums import ScopeType
+from litestar.types import (
+    ASGIApp,
+    HTTPRequestEvent,
+    HTTPResponseStartEvent,
+    Receive,
+    ReceiveMessage,
+    Scope,
+    Send,
+)
+
+from gateway.apis.openai.choices import Choices
+from gateway.apis.openai.routes import (
+    CHAT_COMPLETIONS,
+    COMPLETIONS,
+    PREFIX,
+    error_answer,
+    streamed_chat,
+    streamed_completion,
+    whole_chat,
+    whole_completion,
+)
+from gateway.apis.openai.schema import ChatCompletionRequest, CompletionRequest
+from gateway.core.auth import ApiKeys, bearer
+from gateway.core.relay import RelayHub
+from gateway.core.sessions import SessionStore
+from gateway.core.settings import Settings
+from gateway.server import sse
+
+Request = TypeVar("Request", ChatCompletionRequest, CompletionRequest)
+
+
+@dataclass(frozen=True)
+class HotRoute(Generic[Request]):
+    """One hot route: its request's strict decoder, and the Litestar route's own functions
+    that answer it streamed and whole."""
+
+    decode: Callable[[bytes], Request]
+    streamed: Callable[
+        [SessionStore, RelayHub, Settings, Request],
+        Awaitable[tuple[AsyncIterator[bytes], Choices]],
+    ]
+    whole: Callable[[SessionStore, RelayHub, Settings, Request], Awaitable[msgspec.Struct]]
+
+    def decoded(self, body: bytes) -> Request | None:
+        """The request; None when the body is not one (Litestar answers it)."""
+        try:
+            return self.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
+
+
+ROUTES: dict[str, HotRoute[Any]] = {
+    PREFIX + CHAT_COMPLETIONS: HotRoute(
+        msgspec.json.Decoder(ChatCompletionRequest).decode, streamed_chat, whole_chat
+    ),
+    PREFIX + COMPLETIONS: HotRoute(
+        msgspec.json.Decoder(CompletionRequest).decode, streamed_completion, whole_completion
+    ),
+}
+
+
+def _encoded(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
+    """Headers as ASGI sends them: lower-case names, bytes."""
+    return [(name.lower().encode(), value.encode()) for name, value in headers.items()]
+
+
+_STREAM_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    *_encoded(sse.HEADERS),
+]
+
+
+class HotRoutes:
+    """The ASGI app: the hot routes' requests, and ``app`` (Litestar) for the rest."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        store: SessionStore,
+        hub: RelayHub,
+        settings: Settings,
+        api_keys: ApiKeys,
+    ) -> None:
+        self.app = app
+        self.store = store
+        self.hub = hub
+        self.settings = settings
+        self.api_keys = api_keys
+        self.cors = bool(settings.cors_origin_list())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = None
+        if scope["type"] == ScopeType.HTTP and scope["method"] == "POST":
+            route = ROUTES.get(scope["path"])
+        if route is None:
+            await self.app(scope, receive, send)
+            return
+        authorization: str | None = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                authorization = value.decode("latin-1")
+            elif (name == b"origin" and self.cors) or (
+                name == b"content-type" and not value.startswith(b"application/json")
+            ):
+                await self.app(scope, receive, send)
+                return
+        body, whole = await self._read_body(receive)
+        data = route.decoded(body) if whole and len(body) <= self.settings.max_body_bytes else None
+        if data is None or not self.api_keys.valid(bearer(authorization)):
+            await self.app(scope, _replaying(body, whole, receive), send)
+            return
+        scope["path_template"] = scope["path"]  # what Litestar sets: the metric's label
+        try:
+            if not data.stream:
+                answer = await route.whole(self.store, self.hub, self.settings, data)
+                await _send_json(send, 200, msgspec.json.encode(answer))
+                return
+            chunks, choices = await route.streamed(self.store, self.hub, self.settings, data)
+        except Exception as exc:  # answered as Litestar's exception handler answers it
+            status, error, headers = error_answer(exc)
+            await _send_json(send, status, msgspec.json.encode(error), headers)
+            return
+        try:
+            start: HTTPResponseStartEvent = {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": _STREAM_HEADERS,
+            }
+            await send(start)
+            await sse.send_stream(chunks, send, receive)
+        finally:
+            await choices.close()
+
+    async def _read_body(self, receive: Receive) -> tuple[bytes, bool]:
+        """The body, up to the size limit; and whether it is whole (else more follows)."""
+        pieces: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: Litestar's to see
+                return b"".join(pieces), False
+            piece = message.get("body", b"")
+            pieces.append(piece)
+            size += len(piece)
+            if not message.get("more_body", False):
+                return (piece if len(pieces) == 1 else b"".join(pieces)), True
+            if size > self.settings.max_body_bytes:
+                return b"".join(pieces), False
+
+
+def _replaying(body: bytes, whole: bool, receive: Receive) -> Receive:
+    """``receive`` for the app, giving it first the body already read."""
+    given = False
+
+    async def replay() -> ReceiveMessage:
+        nonlocal given
+        if given:
+            return await receive()
+        given = True
+        read: HTTPRequestEvent = {"type": "http.request", "body": body, "more_body": not whole}
+        return read
+
+    return replay
+
+
+async def _send_json(
+    send: Send, status: int, body: bytes, headers: Mapping[str, str] | None = None
+) -> None:
+    """A JSON answer, with the headers Litestar's ``Response`` gives it."""
+    start: HTTPResponseStartEvent = {
+        "type": "http.response.start",
+        "status": status,
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            *_encoded(headers or {}),
+        ],
+    }
+    await send(start)
+    await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -1,0 +1,308 @@
+"""``WS /v1/ws``: generations and cancels over one WebSocket, several at once.
+
+Each ``generate`` queues a message in a session (a new one, or one named with its token)
+and opens a relay feed on that session; the feed's events of that generation go to the
+client as frames tagged with the client's ``id``. ``cancel`` goes through the same
+``SessionStore.cancel`` as the REST route, so it reaches whichever worker runs it.
+
+With API keys configured, a ``generate`` that creates a session needs one: the connect
+request's ``Authorization: Bearer <key>`` or the frame's ``api_key`` (all a browser can
+send); else an ``invalid_api_key`` error frame. A named session needs its token only.
+
+Sending never buffers without bound: a generation's frames are sent one at a time and the
+next batch is taken from its feed only when the last send went through. While a client
+does not read, its feeds stop draining; a feed that falls behind drops its buffer and later
+re-reads the session stream from Redis, and the tokens it then finds are sent as one
+coalesced ``token`` frame. Replies to the client's own frames (acks, pongs, errors) wait in
+a small queue; a client that keeps sending while it reads none of them is disconnected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import Coroutine
+from typing import Any
+
+from litestar import WebSocket, websocket
+from litestar.exceptions import WebSocketDisconnect
+from redis.exceptions import RedisError
+
+import wire
+from gateway.apis.sessions.protocol import (
+    Ack,
+    Cancel,
+    ClientFrame,
+    ErrorFrame,
+    Generate,
+    Ping,
+    Pong,
+    ServerFrame,
+    client_id_of,
+    decode_client_frame,
+    encode_frame,
+    event_frames,
+)
+from gateway.apis.sessions.routes import TokenQuery
+from gateway.core.auth import ApiKeys, bearer
+from gateway.core.errors import BadRequest, GatewayError, NotFound, Overloaded, ProtocolViolation
+from gateway.core.relay import RelayHub
+from gateway.core.sessions import SessionStore
+from gateway.core.settings import Settings
+
+log = logging.getLogger("tokenspout.ws")
+
+MAX_BAD_FRAMES = 10
+"""Malformed frames one socket may send; the next one closes it with 4400."""
+MAX_GENERATIONS = 32
+"""Generations one socket may have running at once."""
+MAX_PENDING_REPLIES = 64
+"""Acks, pongs and errors waiting for an unread socket; past it, the socket closes (4400)."""
+REMEMBERED = 1024
+"""Finished generations (and session tokens) a socket remembers for ``cancel`` by id."""
+CLOSE_TIMEOUT_S = 5.0
+
+AnyWebSocket = WebSocket[Any, Any, Any]
+
+
+class Connection:
+    """One client socket: reads frames, runs forwarders, writes frames one at a time."""
+
+    def __init__(
+        self,
+        socket: AnyWebSocket,
+        store: SessionStore,
+        hub: RelayHub,
+        settings: Settings,
+        token: str | None,
+        api_keys: ApiKeys,
+    ) -> None:
+        self.socket = socket
+        self.store = store
+        self.hub = hub
+        self.settings = settings
+        self.token = token
+        self.api_keys = api_keys
+        # A socket shows a valid key once (connect header or a frame) for all its sessions.
+        self._key_shown = api_keys.valid(bearer(socket.headers.get("authorization")))
+        self._send_lock = asyncio.Lock()
+        self._replies: asyncio.Queue[ServerFrame] = asyncio.Queue(MAX_PENDING_REPLIES)
+        self._running: dict[str, asyncio.Task[None]] = {}
+        self._known: OrderedDict[str, tuple[str, list[str]]] = OrderedDict()
+        self._tokens: OrderedDict[str, str] = OrderedDict()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._bad_frames = 0
+
+    async def serve(self) -> None:
+        await self.socket.accept()
+        self._spawn(self._write_replies())
+        try:
+            while True:
+                message = await self.socket.receive()
+                if message["type"] == "websocket.disconnect":
+                    return
+                text, binary = message.get("text"), message.get("bytes")
+                data = text if isinstance(text, str) else binary
+                await self._handle(data if isinstance(data, str | bytes) else b"")
+        except WebSocketDisconnect:
+            return
+        except ProtocolViolation as exc:
+            log.info("closing a WebSocket: %s", exc.message)
+            await self._close(exc)
+        except Exception:
+            # A bug, not the client's fault: say so in the log, close with 4500.
+            log.exception("WebSocket connection failed")
+            await self._close(GatewayError("internal error"))
+        finally:
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # --- reading ---------------------------------------------------------------------------
+
+    async def _handle(self, data: str | bytes) -> None:
+        try:
+            frame: ClientFrame = decode_client_frame(data, self.settings.max_body_bytes)
+        except GatewayError as exc:
+            self._bad_frames += 1
+            client_id = client_id_of(data) if len(data) <= self.settings.max_body_bytes else None
+            self._reply(ErrorFrame(exc.code, exc.message, id=client_id, field=exc.field))
+            if self._bad_frames >= MAX_BAD_FRAMES:
+                raise ProtocolViolation(
+                    f"{self._bad_frames} malformed frames", code="too_many_bad_frames"
+                ) from None
+            return
+        try:
+            match frame:
+                case Ping(id=ping_id):
+                    self._reply(Pong(ping_id))
+                case Generate():
+                    await self._generate(frame)
+                case Cancel():
+                    await self._cancel(frame)
+        except GatewayError as exc:
+            self._reply(
+                ErrorFrame(
+                    exc.code,
+                    exc.message,
+                    id=frame.id,
+                    field=exc.field,
+                    retry_after_s=exc.retry_after_s,
+                )
+            )
+        except RedisError as exc:
+            log.warning("redis error on a WebSocket frame: %s", exc)
+            self._reply(
+                ErrorFrame(
+                    "unavailable", "Redis is unavailable; try again", id=frame.id, retry_after_s=1
+                )
+            )
+
+    async def _generate(self, frame: Generate) -> None:
+        if frame.id in self._running:
+            raise BadRequest(f"generation {frame.id!r} is still running", code="duplicate_id")
+        if len(self._running) >= MAX_GENERATIONS:
+            raise Overloaded(
+                f"at most {MAX_GENERATIONS} generations per socket at once", retry_after_s=1
+            )
+        params = self.store.queue.sampling(**frame.asked())
+        new_token: str | None = None
+        token: str | None
+        if frame.session_id is None:
+            if not self._key_shown:
+                self.api_keys.require(frame.api_key)
+                self._key_shown = True
+            created = await self.store.create_session(frame.model)
+            session_id, token = created.session_id, created.token
+            new_token = token
+            _remember(self._tokens, session_id, created.token)
+        else:
+            session_id = frame.session_id
+            token = frame.token or self._tokens.get(session_id) or self.token
+        submitted = await self.store.submit_message(
+            session_id, token, frame.content, params, n=frame.n
+        )
+        gid = submitted.generation_id
+        gids = submitted.choices or [gid]
+        _remember(self._known, frame.id, (session_id, gids))
+        ack = Ack(
+            frame.id, "generate", gid, session_id, "queued", new_token, submitted.choices or None
+        )
+        self._reply(ack)
+        assert submitted.queued_event_id is not None  # no Idempotency-Key over WebSocket
+        after = wire.just_before(submitted.queued_event_id)
+        self._running[frame.id] = self._spawn(self._forward(frame.id, session_id, gids, after))
+
+    async def _cancel(self, frame: Cancel) -> None:
+        if frame.session_id is None and frame.generation_id is None:
+            known = self._known.get(frame.id)
+            if known is None:
+                raise NotFound(f"this socket started no generation {frame.id!r}", field="id")
+            session_id, gids = known
+            outcomes = [await self.store.cancel(session_id, gid) for gid in gids]
+            # The forwarder delivers the final events (``cancelled``, or how each ended).
+            self._reply(Ack(frame.id, "cancel", gids[0], session_id, outcomes[0].state))
+            return
+        if frame.session_id is None or frame.generation_id is None:
+            field = "session_id" if frame.session_id is None else "generation_id"
+            raise BadRequest("give both session_id and generation_id, or neither", field=field)
+        session_id, gid = frame.session_id, frame.generation_id
+        token = frame.token or self._tokens.get(session_id) or self.token
+        await self.store.authorise(session_id, token)
+        outcome = await self.store.cancel(session_id, gid)
+        if outcome.final is not None:
+            self._reply(Ack(frame.id, "cancel", gid, session_id, outcome.state))
+        elif len(self._tasks) > 2 * MAX_GENERATIONS:
+            raise Overloaded("too many cancels waiting on this socket; wait for their acks")
+        else:
+            self._spawn(self._ack_when_final(frame.id, session_id, gid))
+
+    async def _ack_when_final(self, client_id: str, session_id: str, gid: str) -> None:
+        final = await self.hub.wait_final(session_id, gid, self.settings.cancel_wait_s)
+        state = "cancelling" if final is None else wire.final_state(final)
+        await self._replies.put(Ack(client_id, "cancel", gid, session_id, state))
+
+    # --- writing ---------------------------------------------------------------------------
+
+    async def _forward(self, client_id: str, session_id: str, gids: list[str], after: str) -> None:
+        """Frames of a ``generate``'s generations (its ``n`` choices) until each has ended."""
+        choice_of = {gid: choice for choice, gid in enumerate(gids)} if len(gids) > 1 else None
+        running = set(gids)
+        try:
+            async with self.hub.open(session_id, after) as feed:
+                while running:
+                    batch = await feed.next_batch(self.settings.sse_heartbeat_s)
+                    mine = [event for event in batch if event.generation_id in running]
+                    decoded = [(event.id, wire.decode_event(event.data)) for event in mine]
+                    for frame in event_frames(client_id, decoded, choice_of):
+                        await self._send(frame)
+                    running -= {event.generation_id for event in mine if event.is_final}
+        except GatewayError as exc:  # SessionLost: Redis lost the session's data
+            await self._replies.put(ErrorFrame(exc.code, exc.message, client_id))
+        except RedisError as exc:
+            log.warning("relay failed for %s: %s", ", ".join(gids), exc)
+            error = ErrorFrame("unavailable", "lost the event stream; resume over SSE", client_id)
+            await self._replies.put(error)
+        finally:
+            self._running.pop(client_id, None)
+
+    def _reply(self, frame: ServerFrame) -> None:
+        """Queue a reply from the reading loop (tasks ``await self._replies.put``)."""
+        try:
+            self._replies.put_nowait(frame)
+        except asyncio.QueueFull:
+            raise ProtocolViolation(
+                f"{MAX_PENDING_REPLIES} replies are waiting unread", code="replies_not_read"
+            ) from None
+
+    async def _write_replies(self) -> None:
+        while True:
+            await self._send(await self._replies.get())
+
+    async def _send(self, frame: ServerFrame) -> None:
+        async with self._send_lock:
+            await self.socket.send_data(encode_frame(frame))
+
+    async def _close(self, error: GatewayError) -> None:
+        """Send what replies wait (the error that explains the close), then the close."""
+        try:
+            async with asyncio.timeout(CLOSE_TIMEOUT_S):
+                while not self._replies.empty():
+                    await self._send(self._replies.get_nowait())
+                await self.socket.close(error.ws_close_code, error.code)
+        except TimeoutError:
+            log.info("a WebSocket that reads nothing was dropped without a close frame")
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            error = task.exception()
+            if not isinstance(error, WebSocketDisconnect | OSError):
+                log.error("WebSocket task failed", exc_info=error)
+
+
+def _remember(store: OrderedDict[str, Any], key: str, value: Any) -> None:
+    store[key] = value
+    store.move_to_end(key)
+    while len(store) > REMEMBERED:
+        store.popitem(last=False)
+
+
+@websocket("/v1/ws", name="ws")
+async def ws_endpoint(
+    socket: AnyWebSocket,
+    store: SessionStore,
+    hub: RelayHub,
+    settings: Settings,
+    token: TokenQuery,
+    api_keys: ApiKeys,
+) -> None:
+    """Typed JSON frames both ways; see docs/api.md, "WebSocket"."""
+    await Connection(socket, store, hub, settings, token, api_keys).serve()

@@ -1,0 +1,361 @@
+"""Text Generation Inference (TGI) compatible API: ``/generate``, ``/generate_stream``, and
+TGI's root routes: ``POST /`` (either, by the body's ``stream``) and ``GET /info``, which
+TGI's documentation points clients at (``InferenceClient("http://host:port")``). TGI has
+one model; requests here go to the default model (``TOKENSPOUT_DEFAULT_MODEL``).
+
+A thin adapter over ``GenerationStream``. TGI's last stream event is a token event that also
+carries ``generated_text`` and ``details``, so each token is written when the next event
+shows whether it was the last. Logprobs are always asked of the engine: TGI's token has one.
+Errors are TGI's ``{"error": ..., "error_type": ...}`` (``huggingface_hub`` raises
+``ValidationError``, ``OverloadedError``, ``GenerationError`` from them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterable, AsyncIterator
+from typing import Annotated, Any
+
+import msgspec
+from litestar import Response, Router, get, post
+from litestar.response import Stream
+
+from gateway import __version__
+from gateway.core.auth import api_key_check
+from gateway.core.errors import (
+    HANDLED,
+    AnyRequest,
+    BadEngineOutput,
+    BadRequest,
+    as_gateway_error,
+    ending_with_error,
+)
+from gateway.core.generation_stream import (
+    Collected,
+    GenerationItem,
+    GenerationStream,
+    Heartbeat,
+    TokenPiece,
+    final_error,
+    per_token,
+)
+from gateway.core.relay import RelayHub
+from gateway.core.sessions import SessionStore
+from gateway.core.settings import Settings
+from gateway.server import sse
+from wire import Done, SamplingParams, Started, Token
+
+STOP_SEQUENCES = 8
+
+
+class Parameters(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    max_new_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    temperature: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    top_k: Annotated[int, msgspec.Meta(gt=0)] | None = None
+    stop: Annotated[list[str], msgspec.Meta(max_length=STOP_SEQUENCES)] | None = None
+    seed: int | None = None
+    details: bool = False
+    return_full_text: bool | None = False
+    do_sample: bool = False
+    frequency_penalty: Annotated[float, msgspec.Meta(ge=-2, le=2)] | None = None
+    repetition_penalty: float | None = None
+    decoder_input_details: bool = False
+    best_of: int | None = None
+    watermark: bool = False
+    grammar: Any | None = None
+    top_n_tokens: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    truncate: int | None = None
+    typical_p: float | None = None
+    adapter_id: str | None = None
+
+
+class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
+    inputs: str
+    parameters: Parameters = msgspec.field(default_factory=Parameters)
+    stream: bool = False
+
+
+class TokenOut(msgspec.Struct):
+    id: int
+    text: str
+    logprob: float
+    special: bool
+
+
+class StreamDetails(msgspec.Struct):
+    finish_reason: str
+    generated_tokens: int
+    input_length: int
+    seed: int | None
+
+
+class StreamEvent(msgspec.Struct):
+    index: int
+    token: TokenOut
+    generated_text: str | None
+    details: StreamDetails | None
+    top_tokens: list[TokenOut] | None = None
+    """With ``top_n_tokens``: the most likely tokens at this position."""
+
+
+class Details(msgspec.Struct, omit_defaults=True):
+    finish_reason: str
+    generated_tokens: int
+    seed: int | None
+    prefill: list[TokenOut]
+    tokens: list[TokenOut]
+    top_tokens: list[list[TokenOut]] = []
+    """With ``top_n_tokens``: per token, the most likely tokens at its position."""
+
+
+class Generated(msgspec.Struct, omit_defaults=True):
+    generated_text: str
+    details: Details | None = None
+
+
+class Info(msgspec.Struct):
+    """TGI's ``GET /info`` fields (router v3), as far as they mean something here."""
+
+    model_id: str
+    model_sha: str | None
+    model_pipeline_tag: str | None
+    max_concurrent_requests: int
+    max_best_of: int
+    max_stop_sequences: int
+    max_input_tokens: int
+    max_total_tokens: int
+    validation_workers: int
+    max_client_batch_size: int
+    router: str
+    version: str
+    sha: str | None
+    docker_label: str | None
+
+
+class TgiError(msgspec.Struct):
+    error: str
+    error_type: str
+
+
+UNSUPPORTED: dict[str, object] = {
+    "decoder_input_details": False,
+    "best_of": 1,
+    "watermark": False,
+    "grammar": None,
+    "truncate": None,
+    "typical_p": None,
+    "adapter_id": None,
+}
+"""Parameters accepted only at their neutral value (or left out); others answer 422."""
+
+ERROR_TYPES = {422: "validation", 413: "validation", 429: "overloaded"}
+
+
+def tgi_error(_: AnyRequest, exc: Exception) -> Response[TgiError]:
+    error = as_gateway_error(exc)
+    kind = ERROR_TYPES.get(error.status, "generation" if error.status >= 500 else error.code)
+    return Response(
+        TgiError(error.message, kind), status_code=error.status, headers=error.headers()
+    )
+
+
+def _params(store: SessionStore, given: Parameters) -> SamplingParams:
+    for name, neutral in UNSUPPORTED.items():
+        value = getattr(given, name)
+        if value is not None and value != neutral:
+            raise BadRequest(f"`{name}` is not supported", code="unsupported_parameter", field=name)
+    sampling = given.do_sample or any(
+        value is not None for value in (given.temperature, given.top_p, given.top_k)
+    )
+    # TGI decodes greedily unless asked to sample (do_sample, or a sampling parameter).
+    temperature = (given.temperature or 1.0) if sampling else 0.0
+    return store.queue.sampling(
+        max_tokens=given.max_new_tokens,
+        temperature=temperature,
+        top_p=given.top_p,
+        top_k=given.top_k,
+        stop=given.stop,
+        seed=given.seed,
+        frequency_penalty=given.frequency_penalty,
+        repetition_penalty=given.repetition_penalty,
+        logprobs=True,
+        top_logprobs=given.top_n_tokens,
+    )
+
+
+def _finish_reason(engine_reason: str, stop: list[str] | None) -> str:
+    """TGI names three endings; the engine says ``stop`` for both EOS and a stop string."""
+    if engine_reason == "length":
+        return "length"
+    return "stop_sequence" if stop else "eos_token"
+
+
+def _token(piece: TokenPiece) -> TokenOut:
+    if piece.logprob is None:
+        raise BadEngineOutput("logprobs were requested from the engine but it sent none")
+    return TokenOut(piece.id, piece.text, piece.logprob, special=False)
+
+
+def _top_tokens(piece: TokenPiece) -> list[TokenOut] | None:
+    if piece.top is None:
+        return None
+    return [TokenOut(top.id, top.token, top.logprob, special=False) for top in piece.top]
+
+
+async def _start(
+    store: SessionStore, hub: RelayHub, settings: Settings, data: GenerateRequest
+) -> GenerationStream:
+    if not data.inputs.strip():
+        raise BadRequest("`inputs` must not be empty", field="inputs")
+    params = _params(store, data.parameters)
+    return await GenerationStream.submit(store, hub, settings, params, prompt=data.inputs)
+
+
+def _generated(whole: Collected, data: GenerateRequest) -> Generated:
+    """The answer of a ``/generate`` that does not stream."""
+    prefix = data.inputs if data.parameters.return_full_text else ""
+    if not data.parameters.details:
+        return Generated(prefix + whole.text)
+    tokens = [_token(piece) for piece in whole.pieces]
+    tops = (
+        [_top_tokens(piece) or [] for piece in whole.pieces] if data.parameters.top_n_tokens else []
+    )
+    details = Details(
+        _finish_reason(whole.final.finish_reason, data.parameters.stop),
+        whole.final.usage.completion_tokens,
+        data.parameters.seed,
+        [],
+        tokens,
+        tops,
+    )
+    return Generated(prefix + whole.text, details)
+
+
+async def _events(
+    items: AsyncIterable[GenerationItem], data: GenerateRequest
+) -> AsyncIterator[bytes]:
+    held: TokenPiece | None = None
+    index, text, input_length = 0, [data.inputs] if data.parameters.return_full_text else [], 0
+    async for item in items:
+        if isinstance(item, Heartbeat):
+            yield sse.HEARTBEAT
+        elif isinstance(item, Started):
+            input_length = item.prompt_tokens
+        elif isinstance(item, Token):
+            text.append(item.text)
+            for piece in per_token(item):
+                if held is not None:
+                    index += 1
+                    yield _frame(StreamEvent(index, _token(held), None, None, _top_tokens(held)))
+                held = piece
+        elif isinstance(item, Done) and held is not None:
+            details = StreamDetails(
+                _finish_reason(item.finish_reason, data.parameters.stop),
+                item.usage.completion_tokens,
+                input_length,
+                data.parameters.seed,
+            )
+            last = StreamEvent(index + 1, _token(held), "".join(text), details, _top_tokens(held))
+            yield _frame(last)
+        elif isinstance(item, Done):
+            yield _frame(TgiError("the engine produced no tokens", "incomplete_generation"))
+        else:
+            if held is not None:  # what the engine made before it failed still counts
+                yield _frame(StreamEvent(index + 1, _token(held), None, None, _top_tokens(held)))
+            yield _frame(TgiError(final_error(item).message, "generation"))
+
+
+def _frame(event: msgspec.Struct) -> bytes:
+    return sse.frame(msgspec.json.encode(event))
+
+
+def _stream_response(generation: GenerationStream, data: GenerateRequest) -> Stream:
+    # Inside a stream every failure is a `generation` error, as the engine's own are.
+    chunks = ending_with_error(
+        _events(generation.events(), data),
+        lambda error: _frame(TgiError(error.message, "generation")),
+    )
+    return sse.response(chunks, background=generation.on_response_end())
+
+
+async def _generate_or_stream(
+    store: SessionStore, hub: RelayHub, settings: Settings, data: GenerateRequest
+) -> Response[Generated] | Stream:
+    generation = await _start(store, hub, settings, data)
+    if data.stream:
+        return _stream_response(generation, data)
+    return Response(_generated(await generation.collect(), data), status_code=200)
+
+
+@post(
+    "/",
+    summary="TGI's root: generate, or generate_stream with `stream: true`",
+    status_code=200,
+    before_request=api_key_check,
+    tags=["tgi"],
+    exception_handlers={kind: tgi_error for kind in HANDLED},
+)
+async def compat_generate(
+    store: SessionStore, hub: RelayHub, settings: Settings, data: GenerateRequest
+) -> Response[Generated] | Stream:
+    """Where ``InferenceClient("http://host:port")`` posts, as TGI's own ``POST /`` (the
+    web chat is ``GET /``). Not in ``tgi_router``: two routers on one path would each bring
+    an OPTIONS handler, which Litestar refuses; gateway/server/app.py registers it after the web
+    chat's router."""
+    return await _generate_or_stream(store, hub, settings, data)
+
+
+@post(
+    "/generate", summary="TGI generate (streams when the body says `stream: true`)", status_code=200
+)
+async def generate(
+    store: SessionStore, hub: RelayHub, settings: Settings, data: GenerateRequest
+) -> Response[Generated] | Stream:
+    """``stream: true`` makes it ``generate_stream``, as TGI's ``POST /`` does."""
+    return await _generate_or_stream(store, hub, settings, data)
+
+
+@post("/generate_stream", summary="TGI generate_stream (text/event-stream)", status_code=200)
+async def generate_stream(
+    store: SessionStore, hub: RelayHub, settings: Settings, data: GenerateRequest
+) -> Stream:
+    generation = await _start(store, hub, settings, data)
+    return _stream_response(generation, data)
+
+
+@get("/info", summary="TGI info: the default model and this gateway's limits")
+async def info(store: SessionStore, settings: Settings) -> Info:
+    model = await store.models.resolve(None)
+    workers = (await store.models.snapshot()).live.get(model, [])
+    contexts = [w.max_model_len for w in workers if w.max_model_len is not None]
+    if contexts:
+        max_total = min(contexts)
+        max_input = max_total - 1
+    else:  # no fixed context (synthetic): what the gateway itself lets in
+        max_input = settings.max_message_chars
+        max_total = max_input + settings.max_tokens_limit
+    return Info(
+        model_id=model,
+        model_sha=None,
+        model_pipeline_tag="text-generation",
+        max_concurrent_requests=settings.max_inflight_per_model or settings.max_inflight,
+        max_best_of=1,
+        max_stop_sequences=STOP_SEQUENCES,
+        max_input_tokens=max_input,
+        max_total_tokens=max_total,
+        validation_workers=1,
+        max_client_batch_size=1,
+        router="tokenspout",
+        version=__version__,
+        sha=None,
+        docker_label=None,
+    )
+
+
+tgi_router = Router(
+    path="/",
+    route_handlers=[generate, generate_stream, info],
+    before_request=api_key_check,
+    tags=["tgi"],
+    exception_handlers={kind: tgi_error for kind in HANDLED},
+)

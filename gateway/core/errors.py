@@ -1,0 +1,242 @@
+"""The gateway's errors, the one table that maps them to HTTP and WebSocket, and the one
+translation of every other error a request can end with (``as_gateway_error``).
+
+GatewayError               HTTP status (WebSocket close code); gRPC status in ``grpc_code``
+ ├── ProtocolViolation     400  a WebSocket client broke the protocol past a limit (4400)
+ ├── BadRequest            422  a field is wrong (names the field)
+ ├── PayloadTooLarge       413  body or message over its limit
+ ├── Unauthorized          401  API key missing or wrong
+ ├── Forbidden             403  session token missing or wrong
+ ├── NotFound              404  unknown session or generation
+ ├── Conflict              409  the session is already generating
+ ├── Overloaded            429  too many generations in flight (Retry-After)
+ ├── Gone                  410  a stream's events are no longer there (4410)
+ │    ├── EventsExpired         trimmed past the reader's last id (``events_expired``)
+ │    └── SessionLost           Redis lost the session while a reader was attached
+ ├── BadEngineOutput       502  the engine sent what it must not (no logprobs when asked)
+ ├── Unavailable           503  Redis unreachable or no engine can take work
+ └── FrameworkError        its own status: an HTTP error Litestar raised itself (405 ...)
+
+Every error body is ``{"error": {"code": ..., "message": ..., "field": ...}}``; the
+OpenAI, TGI and OIP adapters spell the same ``GatewayError`` in their own clients' error
+formats (their ``*_error`` handlers in gateway/apis/; the gRPC service's status codes and
+``error_message``, gateway/apis/oip/grpc/service.py), over ``as_gateway_error``; a stream
+that fails after its headers ends in that format too (``ending_with_error``).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+from litestar.connection import Request
+from litestar.exceptions import HTTPException, ValidationException
+from redis.exceptions import RedisError
+
+log = logging.getLogger("tokenspout.errors")
+AnyRequest = Request[Any, Any, Any]
+"""What an exception handler gets (the app's and each adapter router's)."""
+UNKNOWN_FIELD = re.compile(r"unknown field `([^`]+)`")
+
+
+class ErrorBody(msgspec.Struct, omit_defaults=True):
+    code: str
+    message: str
+    field: str | None = None
+
+
+class ErrorEnvelope(msgspec.Struct):
+    error: ErrorBody
+
+
+class GatewayError(Exception):
+    status: int = 500
+    ws_close_code: int = 4500
+    default_code: str = "internal_error"
+    grpc_code: str = "INTERNAL"
+    """The gRPC status (a ``grpc.StatusCode`` name) of the gRPC service (gateway/apis/oip/grpc/)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        field: str | None = None,
+        retry_after_s: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code or self.default_code
+        self.field = field
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> ErrorEnvelope:
+        return ErrorEnvelope(ErrorBody(code=self.code, message=self.message, field=self.field))
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after_s is None:
+            return {}
+        return {"Retry-After": str(self.retry_after_s)}
+
+
+class ProtocolViolation(GatewayError):
+    status = 400
+    ws_close_code = 4400
+    default_code = "protocol_violation"
+    grpc_code = "INVALID_ARGUMENT"
+
+
+class BadRequest(GatewayError):
+    status = 422
+    ws_close_code = 4422
+    default_code = "invalid_request"
+    grpc_code = "INVALID_ARGUMENT"
+
+
+class PayloadTooLarge(GatewayError):
+    status = 413
+    ws_close_code = 4413
+    default_code = "too_large"
+    grpc_code = "RESOURCE_EXHAUSTED"
+
+
+class Unauthorized(GatewayError):
+    status = 401
+    ws_close_code = 4401
+    default_code = "unauthorized"
+    grpc_code = "UNAUTHENTICATED"
+
+
+class Forbidden(GatewayError):
+    status = 403
+    ws_close_code = 4403
+    default_code = "forbidden"
+    grpc_code = "PERMISSION_DENIED"
+
+
+class NotFound(GatewayError):
+    status = 404
+    ws_close_code = 4404
+    default_code = "not_found"
+    grpc_code = "NOT_FOUND"
+
+
+class Conflict(GatewayError):
+    status = 409
+    ws_close_code = 4409
+    default_code = "busy"
+    grpc_code = "ABORTED"
+
+
+class Overloaded(GatewayError):
+    status = 429
+    ws_close_code = 4429
+    default_code = "overloaded"
+    grpc_code = "RESOURCE_EXHAUSTED"
+
+
+class BadEngineOutput(GatewayError):
+    status = 502
+    default_code = "bad_engine_output"
+    grpc_code = "INTERNAL"
+
+
+class Unavailable(GatewayError):
+    status = 503
+    ws_close_code = 4503
+    default_code = "unavailable"
+    grpc_code = "UNAVAILABLE"
+
+
+class ShuttingDown(Unavailable):
+    """The gateway is draining and this request outlasted it: another replica takes it."""
+
+    default_code = "shutting_down"
+
+
+class Gone(GatewayError):
+    status = 410
+    ws_close_code = 4410
+    default_code = "gone"
+    grpc_code = "DATA_LOSS"
+
+
+class EventsExpired(Gone):
+    """Events after the reader's last id were trimmed (``TOKENSPOUT_EVENTS_MAXLEN``)."""
+
+    default_code = "events_expired"
+
+
+class SessionLost(Gone):
+    """The session's keys vanished while a reader was attached (Redis lost its data)."""
+
+    default_code = "session_lost"
+
+
+class FrameworkError(GatewayError):
+    """An HTTP error Litestar raised itself, at its own status and with its headers."""
+
+    def __init__(self, exc: HTTPException) -> None:
+        code = "method_not_allowed" if exc.status_code == 405 else "http_error"
+        super().__init__(str(exc.detail), code=code)
+        self.status = exc.status_code
+        self._headers = dict(exc.headers or {})
+
+    def headers(self) -> dict[str, str]:
+        return self._headers
+
+
+HANDLED = (GatewayError, ValidationException, HTTPException, RedisError, RecursionError, Exception)
+"""The exception types the app and each adapter router hand to ``as_gateway_error``.
+``Exception`` last: anything unexpected is logged with its traceback and answered in the
+gateway's format (Litestar's own answer, a bare 500, would go unlogged: the app leaves
+logging to the gateway)."""
+
+
+def as_gateway_error(exc: Exception) -> GatewayError:
+    """Any exception a request can end with, as one of the gateway's own errors."""
+    if isinstance(exc, GatewayError):
+        return exc
+    if isinstance(exc, ValidationException):
+        details = exc.extra if isinstance(exc.extra, list) else []
+        first = details[0] if details and isinstance(details[0], dict) else {}
+        message = str(first.get("message") or exc.detail)
+        unknown = UNKNOWN_FIELD.search(message)
+        field = unknown.group(1) if unknown else first.get("key") or None
+        return BadRequest(message, field=field)
+    if isinstance(exc, HTTPException):
+        if exc.status_code in (400, 422):
+            return BadRequest(str(exc.detail))
+        if exc.status_code == 413:
+            return PayloadTooLarge(str(exc.detail))
+        if exc.status_code == 404:
+            return NotFound(str(exc.detail))
+        return FrameworkError(exc)
+    if isinstance(exc, RecursionError):
+        # Litestar decodes JSON bodies before validating them; absurd nesting ends up here.
+        return BadRequest("the JSON body is nested too deeply", code="too_deep")
+    if isinstance(exc, RedisError):
+        log.warning("redis error while handling a request: %s", exc)
+        return Unavailable("Redis is unavailable; try again", retry_after_s=1)
+    log.exception("unexpected error while handling a request", exc_info=exc)
+    return GatewayError(f"internal error: {type(exc).__name__}")
+
+
+async def ending_with_error(
+    chunks: AsyncIterator[bytes], error_frames: Callable[[GatewayError], bytes]
+) -> AsyncIterator[bytes]:
+    """A streamed answer whose failures end it in the adapter's own error format.
+
+    Once the headers are out, an exception can no longer become an error response: left
+    alone it would cut the stream off with no error and no end marker, which clients read
+    as a network fault. A cancelled task (client gone) is no ``Exception`` and passes."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except Exception as exc:
+        error = as_gateway_error(exc)
+        log.warning("a streamed answer ended early: %s (%s)", error.message, error.code)
+        yield error_frames(error)

@@ -1,0 +1,267 @@
+"""One stateless generation as a stream of typed events: what every API adapter builds on.
+
+The OpenAI, TGI and Open Inference Protocol adapters differ only in how they spell a token,
+an ending and an error. Submitting the generation, following its session's feed, keeping
+the connection alive while it waits, and aborting it when the client goes away happen here
+once, for all of them.
+
+    generation = await GenerationStream.submit(store, hub, settings, params, prompt="Hi")
+    async for item in generation.events():     # Started | Token | Heartbeat | final event
+        ...
+    # generation.close() (a background task of the response) cancels it if it did not end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import NamedTuple
+
+import anyio
+import msgspec
+from litestar.background_tasks import BackgroundTask
+
+from gateway.core.errors import BadRequest, GatewayError, NotFound, Unavailable
+from gateway.core.feed import Feed
+from gateway.core.relay import RelayHub
+from gateway.core.sessions import SessionStore, Submitted
+from gateway.core.settings import Settings
+from gateway.core.tools import add_to_call
+from wire import (
+    Cancelled,
+    ChatMessage,
+    Done,
+    Error,
+    FinalEvent,
+    SamplingParams,
+    Started,
+    Task,
+    Token,
+    ToolCall,
+    Tools,
+    TopLogprob,
+    decode_event,
+)
+
+log = logging.getLogger("tokenspout.generations")
+
+
+class Heartbeat(msgspec.Struct, frozen=True):
+    """Nothing happened for ``heartbeat_s``: write a keep-alive so proxies keep the stream."""
+
+
+GenerationItem = Started | Token | Heartbeat | Done | Cancelled | Error
+
+
+class TokenPiece(NamedTuple):
+    id: int
+    text: str
+    """Its share of the delta's text: the pieces' texts add up to exactly the reply."""
+    logprob: float | None
+    token: str
+    """The token's own text (``Token.tokens``; the piece's text when the engine sent none)."""
+    top: list[TopLogprob] | None = None
+
+
+def per_token(token: Token) -> list[TokenPiece]:
+    """A token event as one piece per token id. An engine step can hold several tokens in
+    one text delta; its whole text goes with the first of them, so the texts still add up
+    to exactly what the engine produced. Each token's own text, for the logprob formats,
+    comes from ``Token.tokens`` when the request asked for logprobs."""
+    ids = token.token_ids
+    logprobs: list[float | None] = list(token.logprobs or [])
+    logprobs += [None] * (len(ids) - len(logprobs))
+    own = token.tokens if token.tokens is not None and len(token.tokens) == len(ids) else None
+    tops = token.top_logprobs if token.top_logprobs is not None else None
+    pieces = []
+    for index, token_id in enumerate(ids):
+        text = token.text if index == 0 else ""
+        pieces.append(
+            TokenPiece(
+                token_id,
+                text,
+                logprobs[index],
+                own[index] if own is not None else text,
+                tops[index] if tops is not None and index < len(tops) else None,
+            )
+        )
+    return pieces
+
+
+class Collected(msgspec.Struct):
+    """A whole generation, for the non-streaming answers."""
+
+    model: str
+    prompt_tokens: int
+    text: str
+    pieces: list[TokenPiece]
+    """The tokens, with their text as the engine's steps delivered it (see ``per_token``)."""
+    final: Done
+    tool_calls: list[ToolCall] = []
+    """The calls the reply made (``text`` is then its content only)."""
+    prompt_token_ids: list[int] | None = None
+    """The prompt's tokens, when the request only tokenized (``Started.prompt_token_ids``)."""
+
+
+ENGINE_ERROR_STATUS = {
+    "prompt_too_long": 422,
+    "auto_tool_choice_unsupported": 422,
+    "unsupported_constraint": 422,
+    "invalid_constraint": 422,
+    "unsupported_task": 422,
+    "invalid_tokens": 422,
+}
+"""Engine error codes that are the client's fault; every other one is a 503."""
+
+
+def final_error(final: Error | Cancelled) -> GatewayError:
+    """A generation that did not finish, as the error a non-streaming answer raises."""
+    if isinstance(final, Cancelled):
+        return Unavailable(f"the generation was cancelled ({final.reason})", code="cancelled")
+    if ENGINE_ERROR_STATUS.get(final.code) == 422:
+        return BadRequest(final.message, code=final.code)
+    return Unavailable(final.message, code=final.code)
+
+
+class GenerationStream:
+    """The events of one submitted generation, in order, ending with its final event."""
+
+    def __init__(
+        self,
+        store: SessionStore,
+        hub: RelayHub,
+        submitted: Submitted,
+        heartbeat_s: float,
+        feed: Feed,
+        feed_open: contextlib.AsyncExitStack,
+    ) -> None:
+        self.store = store
+        self.hub = hub
+        self.submitted = submitted
+        self.heartbeat_s = heartbeat_s
+        self.final: FinalEvent | None = None
+        self._feed = feed
+        self._feed_open = feed_open
+        """Holds the feed open from before the submit until ``close``."""
+
+    @classmethod
+    async def submit(
+        cls,
+        store: SessionStore,
+        hub: RelayHub,
+        settings: Settings,
+        params: SamplingParams,
+        *,
+        model: str | None = None,
+        messages: list[ChatMessage] | None = None,
+        prompt: str | None = None,
+        tools: Tools | None = None,
+        task: Task = "generate",
+        token_ids: list[int] | None = None,
+    ) -> GenerationStream:
+        """Queue it for ``model`` (a name or alias; None: the default model).
+
+        The new session's feed opens first, so its events come live from the first one,
+        with no read of the session's stream (``RelayHub.open_new_session``)."""
+        feed_open = contextlib.AsyncExitStack()
+        try:
+            feed = await feed_open.enter_async_context(hub.open_new_session())
+            submitted = await store.submit_stateless(
+                params,
+                model=model,
+                messages=messages,
+                prompt=prompt,
+                session_id=feed.session_id,
+                tools=tools,
+                task=task,
+                token_ids=token_ids,
+            )
+        except BaseException:
+            await feed_open.aclose()
+            raise
+        return cls(store, hub, submitted, settings.sse_heartbeat_s, feed, feed_open)
+
+    @property
+    def generation_id(self) -> str:
+        return self.submitted.generation_id
+
+    async def events(self) -> AsyncIterator[GenerationItem]:
+        """Started, tokens and heartbeats, then exactly one final event (and nothing after)."""
+        async for items in self.batches():
+            for item in items:
+                yield item
+
+    async def batches(self) -> AsyncIterator[list[GenerationItem]]:
+        """``events`` as the feed delivers them: what arrived together comes in one list
+        (several tokens when the reader fell behind), so a transport writes it at once."""
+        async with self._feed_open:
+            feed = self._feed
+            while self.final is None:
+                batch = await feed.next_batch(self.heartbeat_s)
+                self.hub.raise_if_cut()
+                if not batch:
+                    yield [Heartbeat()]
+                    continue
+                items: list[GenerationItem] = []
+                for relayed in batch:
+                    if relayed.generation_id != self.generation_id:
+                        continue
+                    event = decode_event(relayed.data)
+                    if isinstance(event, Done | Cancelled | Error):
+                        self.final = event
+                        items.append(event)
+                        break
+                    if isinstance(event, Started | Token):
+                        items.append(event)
+                    # ``queued`` and ``resumed`` (a takeover: the tokens simply go on) have
+                    # no place in the API formats: skipped.
+                if items:
+                    yield items
+
+    async def collect(self) -> Collected:
+        """Wait for the whole generation; raise the adapter's error if it did not finish."""
+        model, prompt_tokens, text, prompt_ids = "", 0, [], None
+        pieces: list[TokenPiece] = []
+        calls: dict[int, ToolCall] = {}
+        try:
+            async for item in self.events():
+                if isinstance(item, Started):
+                    model, prompt_tokens = item.model, item.prompt_tokens
+                    prompt_ids = item.prompt_token_ids
+                elif isinstance(item, Token):
+                    text.append(item.visible)
+                    pieces.extend(per_token(item))
+                    for delta in item.tool_calls or ():
+                        calls[delta.index] = add_to_call(calls.get(delta.index), delta)
+                elif isinstance(item, Done):
+                    whole = "".join(text)
+                    made = [calls[index] for index in sorted(calls)]
+                    return Collected(model, prompt_tokens, whole, pieces, item, made, prompt_ids)
+                elif isinstance(item, Cancelled | Error):
+                    raise final_error(item)
+        finally:
+            await self.close()
+        raise AssertionError("a generation's events end with a final event")  # pragma: no cover
+
+    async def close(self) -> None:
+        """Abort the generation in the engine unless it already ended (client gone)."""
+        await self._feed_open.aclose()
+        if self.final is not None:
+            return
+        with anyio.CancelScope(shield=True):
+            try:
+                outcome = await self.store.cancel(
+                    self.submitted.session_id, self.generation_id, reason="disconnected"
+                )
+            except NotFound:
+                # Its keys are gone (Redis lost them): a worker that still runs it is
+                # stopped by Redis refusing its next event (engine/worker.py _on_rejected).
+                log.info("no generation %s left to abort", self.generation_id)
+                return
+        if outcome.final is not None:
+            self.final = outcome.final
+
+    def on_response_end(self) -> BackgroundTask:
+        """Runs after the streamed response ends, however it ends (done or disconnected)."""
+        return BackgroundTask(self.close)

@@ -1,0 +1,653 @@
+"""Sessions in Redis: create, authorise, submit a message, cancel a generation.
+
+Every transport (SSE, WebSocket, OpenAI, TGI, OIP) goes through ``SessionStore``, so they
+all share one set of limits, one queue and one cancel path. It holds the two other owners
+of gateway state in Redis: ``queue`` (gateway/core/generations.py: sampling limits, capacity,
+the models' queues, cancel signals) and ``models`` (gateway/core/models.py: which models and
+workers are live). With ``relay.py`` (reading events) these are the only gateway code that
+talks to Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
+
+import wire
+from gateway.core.errors import BadRequest, Conflict, Forbidden, NotFound, Overloaded, Unavailable
+from gateway.core.generations import GenerationQueue
+from gateway.core.ids import new_id, token_urlsafe
+from gateway.core.models import ModelDirectory
+from gateway.core.settings import Settings
+from wire import (
+    CancelReason,
+    CancelSignal,
+    ChatMessage,
+    FinalEvent,
+    GenerationRequest,
+    Keys,
+    SamplingParams,
+    Task,
+    Tools,
+    scripts,
+)
+from wire import outcomes as script
+from wire.connect import is_cluster, when_redis_answers
+from wire.queue import RequestQueue
+
+log = logging.getLogger("tokenspout.sessions")
+_message_decoder = msgspec.json.Decoder(ChatMessage)
+_request_decoder = msgspec.json.Decoder(GenerationRequest)
+
+REQUEUE_WAIT_S = 10.0
+"""How long a submit waits for Redis to take the request of a generation it has written."""
+STRANDED_AFTER_S = 3.0
+"""A session turn noted on its way to the queue this long ago and still not there: its
+gateway died before queueing it, and the reaper does (``queue_stranded``). A gateway only
+slow meanwhile (its Redis away) sends a second copy, which runs once."""
+STRANDED_PAGE = 100
+STATELESS_TTL_S = 600
+"""Lifetime of the throwaway session behind one stateless API request."""
+BUSY_RETRY_AFTER_S = 1
+"""``Retry-After`` of a 409 ``generation_running``: a hint only (a reply may run for minutes;
+a client that follows the session's stream knows exactly when it ends)."""
+
+
+class CreatedSession(msgspec.Struct, frozen=True):
+    session_id: str
+    token: str
+    model: str | None = None
+    """None: no worker was alive to pick the default model; the first message picks it."""
+
+
+class Submitted(msgspec.Struct, frozen=True):
+    generation_id: str
+    session_id: str
+    queued_event_id: str | None
+    """None when an Idempotency-Key matched an earlier submission."""
+    choices: list[str] = []
+    """With ``n`` > 1: every choice's generation id, in choice order (the first is
+    ``generation_id``)."""
+
+
+class KeptSession(msgspec.Struct, frozen=True):
+    """A one-generation session kept past its request (a stored ``/v1/responses`` one)."""
+
+    ttl_s: int
+    meta: dict[str, str]
+    """Fields for its meta hash (the response's request, as the adapter stores it)."""
+    background: bool = False
+    """Workers treat it as read (a ``keep`` key): no abandonment while nobody reads."""
+
+
+class CancelOutcome(msgspec.Struct, frozen=True):
+    generation_id: str
+    state: str
+    """``cancelled``, ``done`` or ``error`` when final; ``cancelling`` while the worker aborts."""
+    final: FinalEvent | None = None
+
+
+class StoreObserver(Protocol):
+    """Told when a generation is queued or a cancel is sent (gateway/server/metrics.py)."""
+
+    def submitted(
+        self, session_id: str, generation_id: str, queued_event_id: str, model: str
+    ) -> None: ...
+
+    def cancel_sent(self, session_id: str, generation_id: str, began: float) -> None: ...
+
+    def cancel_stopped(self, generation_id: str, seconds: float) -> None: ...
+
+
+def _digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def _bad_token() -> Forbidden:
+    return Forbidden("a valid session token is required", code="bad_session_token")
+
+
+class SessionStore:
+    def __init__(
+        self, redis: aioredis.Redis, settings: Settings, observer: StoreObserver | None = None
+    ) -> None:
+        self.redis = redis
+        self.settings = settings
+        self.observer = observer
+        self.keys = Keys(settings.key_prefix)
+        self.models = ModelDirectory(redis, self.keys, settings)
+        self._submit = scripts.Submit(redis, self.keys)
+        self._cancel = scripts.Cancel(redis, self.keys)
+        self.queue = GenerationQueue(redis, self.keys, settings, self.models)
+
+    # --- sessions ------------------------------------------------------------------------
+
+    async def create_session(self, model: str | None = None) -> CreatedSession:
+        """A session bound to ``model`` (a name or alias; None: the default model) for
+        its whole life."""
+        if model:
+            resolved = await self.models.resolve(model)
+        else:
+            try:
+                resolved = await self.models.resolve(None)
+            except Unavailable as exc:
+                if exc.code != "no_worker":
+                    raise
+                resolved = ""  # no worker yet: the first message picks the default
+        session_id, token = new_id("s"), token_urlsafe(32)
+        meta = self.keys.meta(session_id)
+        fields = {"token": _digest(token), "created": time.time(), "model": resolved}
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(meta, mapping=fields)  # type: ignore[arg-type]
+            pipe.expire(meta, self.settings.session_ttl_s)
+            await pipe.execute()
+        return CreatedSession(session_id, token, resolved or None)
+
+    async def session_model(self, session_id: str, token: str | None) -> str:
+        """The model of a session, checked live (404, 403, then the model's own errors);
+        a session created while no worker was alive takes the default model now, for good."""
+        meta = self.keys.meta(session_id)
+        stored_token, stored_model = await self.redis.hmget(meta, ["token", "model"])
+        if stored_token is None:
+            raise NotFound(f"no session {session_id!r}", code="unknown_session")
+        if token is None or not hmac.compare_digest(wire.text(stored_token), _digest(token)):
+            raise _bad_token()
+        if stored_model:
+            return await self.models.resolve(wire.text(stored_model))
+        model = await self.models.resolve(None)
+        await self.redis.hset(meta, "model", model)
+        return model
+
+    async def authorise(self, session_id: str, token: str | None) -> None:
+        """404 for an unknown session, 403 for a missing or wrong token."""
+        stored = await self.redis.hget(self.keys.meta(session_id), "token")
+        if stored is None:
+            raise NotFound(f"no session {session_id!r}", code="unknown_session")
+        expected = stored.decode() if isinstance(stored, bytes) else str(stored)
+        if token is None or not hmac.compare_digest(expected, _digest(token)):
+            raise _bad_token()
+
+    async def history(self, session_id: str) -> list[ChatMessage]:
+        raw = await self.redis.lrange(self.keys.history(session_id), 0, -1)
+        return [_message_decoder.decode(item) for item in raw]
+
+    # --- generations ---------------------------------------------------------------------
+
+    async def submit_message(
+        self,
+        session_id: str,
+        token: str | None,
+        content: str,
+        params: SamplingParams,
+        idempotency_key: str | None = None,
+        n: int = 1,
+    ) -> Submitted:
+        """Append a user message to the session and queue the reply (``n`` replies: the
+        first is the turn's and joins the history; the others are queued beside it).
+
+        Authorises like ``authorise`` (404, then 403), in the same round trip as the submit.
+        """
+        self._check_content(content)
+        if not 1 <= n <= self.settings.max_choices:
+            raise BadRequest(
+                f"n must be between 1 and {self.settings.max_choices} (TOKENSPOUT_MAX_CHOICES)",
+                code="too_many_choices",
+                field="n",
+            )
+        model = await self.session_model(session_id, token)
+        message = ChatMessage("user", content)
+        # No token never matches: a digest is never "-".
+        digest = _digest(token) if token is not None else "-"
+        return await self._submit_to_session(
+            session_id, model, message, params, idempotency_key, digest, n
+        )
+
+    async def submit_stateless(
+        self,
+        params: SamplingParams,
+        model: str | None = None,
+        messages: list[ChatMessage] | None = None,
+        prompt: str | None = None,
+        session_id: str | None = None,
+        tools: Tools | None = None,
+        task: Task = "generate",
+        token_ids: list[int] | None = None,
+        kept: KeptSession | None = None,
+    ) -> Submitted:
+        """Queue one generation in a throwaway session (the OpenAI/TGI/OIP adapters) for
+        ``model`` (a name or alias; None: the default model): on one Redis in one round
+        trip, the SUBMIT script admitting it (the capacity check), making the session and
+        its generation and queueing the request; elsewhere in two, the capacity check
+        first.
+        ``session_id``: the new session's id, when the caller subscribed to it first.
+        ``kept``: a session that outlives its request (a stored response), with its TTL,
+        its meta fields and whether it runs on with no reader."""
+        ttl_s = kept.ttl_s if kept is not None else STATELESS_TTL_S
+        queue = await self.models.resolve(model)
+        for message in messages or []:
+            self._check_content(message.content, allow_empty=True)
+        if prompt is not None:
+            self._check_content(prompt)
+        session_id, generation_id = session_id or new_id("s"), new_id("g")
+        # On one Redis the SUBMIT script admits the request, makes its session and its
+        # generation, and queues it: one call, every key on that node. A session kept
+        # past its request is made by commands after the script, in the same pipeline,
+        # which would run on a refusal too: it is admitted first, as on a cluster.
+        in_order = not is_cluster(self.redis)
+        admit_in_script = in_order and kept is None
+        if not admit_in_script:
+            await self.queue.guard_capacity(queue)
+        request = msgspec.structs.replace(
+            self._request(session_id, generation_id, params, messages or [], prompt, ttl_s),
+            tools=tools,
+            task=task,
+            token_ids=token_ids or [],
+        )
+        new = scripts.NewSession(
+            session_id, generation_id, self.settings.events_maxlen, ttl_s, self.watch_ttl_s
+        )
+        if admit_in_script:
+            admission = await self.queue.admission(queue, request)
+            reply = await self._submit.create_admitted(new, admission)
+        else:
+            # Admitted before, the request goes after the script: on one Redis in the same
+            # pipeline (a fresh session cannot refuse it, and one Redis runs a pipeline in
+            # order: no worker can take the request before its generation exists). A
+            # cluster runs each node's part at once: a worker could take the request (on
+            # its queue's shard) before the generation (on the session's) is written, and
+            # skip it as ended, leaving its client waiting. There it goes in after the
+            # reply.
+
+            def fill(pipe: Any) -> None:
+                self._submit.create_in(pipe, new)
+                if kept is not None:
+                    self._keep_in(pipe, session_id, kept)
+                if in_order:
+                    # Sent twice after a restarted Redis's NOSCRIPT: the first copy, with
+                    # no generation to claim, is skipped by the worker that takes it.
+                    self.queue.enqueue_in(pipe, queue, request)
+
+            reply = scripts.Submit.replied((await self._run_submitting(fill))[0])
+        if isinstance(reply, script.OverCapacity):
+            raise self.queue.overloaded(reply, queue)
+        if not isinstance(reply, script.Accepted):
+            raise Unavailable(f"queueing a stateless generation failed: {reply!r}")
+        if not in_order:
+            await self.queue.enqueue(queue, request)
+        if self.observer is not None:
+            self.observer.submitted(session_id, generation_id, reply.queued_id, queue)
+        return Submitted(generation_id, session_id, reply.queued_id)
+
+    def _keep_in(self, pipe: Any, session_id: str, kept: KeptSession) -> None:
+        meta = self.keys.meta(session_id)
+        pipe.hset(meta, mapping=kept.meta)
+        pipe.expire(meta, kept.ttl_s)
+        if kept.background:
+            pipe.set(self.keys.keep(session_id), 1, ex=kept.ttl_s)
+
+    async def meta_field(self, session_id: str, field: str) -> str | None:
+        """One field of a session's meta hash (None: no such session or field)."""
+        raw = await self.redis.hget(self.keys.meta(session_id), field)
+        return None if raw is None else wire.text(raw)
+
+    async def has_generation(self, session_id: str, generation_id: str) -> bool:
+        return bool(await self.redis.exists(self.keys.generation(session_id, generation_id)))
+
+    async def forget(self, session_id: str, generation_id: str) -> None:
+        """Delete a one-generation session's keys (a deleted or unstored response)."""
+        keys = self.keys
+        await self.redis.delete(
+            keys.meta(session_id),
+            keys.history(session_id),
+            keys.events(session_id),
+            keys.generation(session_id, generation_id),
+            keys.active(session_id),
+            keys.watch(session_id),
+            keys.keep(session_id),
+        )
+
+    async def stop_keeping(self, session_id: str) -> None:
+        """A background response's generation no longer runs on without a reader."""
+        await self.redis.delete(self.keys.keep(session_id))
+
+    async def _submit_to_session(
+        self,
+        session_id: str,
+        model: str,
+        user_message: ChatMessage | None,
+        params: SamplingParams,
+        idempotency_key: str | None,
+        token_digest: str,
+        n: int = 1,
+    ) -> Submitted:
+        keys, generation_id = self.keys, new_id("g")
+        idem_key = keys.idempotency(session_id, idempotency_key) if idempotency_key else ""
+        try:
+            for _ in range(n):  # every choice takes room (the checks count each other)
+                await self.queue.guard_capacity(model)
+        except Overloaded:
+            # A retried POST whose generation exists takes no new capacity: it must get
+            # that generation back (from the script, after the token check), not a 429.
+            if not (idem_key and await self.redis.exists(idem_key)):
+                raise
+        request = self._request(
+            session_id, generation_id, params, [], None, self.settings.session_ttl_s
+        )
+        note = wire.encode(request)  # its messages: the history the script returns
+        reply = await self._submit_noted(
+            model,
+            note,
+            session_id=session_id,
+            generation_id=generation_id,
+            user_message=user_message,
+            token_digest=token_digest,
+            idempotency_key=idempotency_key,
+            maxlen=self.settings.events_maxlen,
+            ttl_s=self.settings.session_ttl_s,
+            max_history=self.settings.max_history_messages,
+            watch_ttl_s=self.watch_ttl_s,
+        )
+        match reply:
+            case script.SessionMissing():
+                raise NotFound(f"no session {session_id!r}", code="unknown_session")
+            case script.Forbidden():
+                raise _bad_token()
+            case script.Duplicate(generation_id=earlier):
+                await self._requeue_if_lost(session_id, model, earlier, params)
+                return Submitted(earlier, session_id, None)
+            case script.Busy(generation_id=running):
+                raise Conflict(
+                    f"generation {running} is still running in this session",
+                    code="generation_running",
+                    retry_after_s=BUSY_RETRY_AFTER_S,
+                )
+            case script.HistoryFull():
+                raise BadRequest(
+                    f"the session holds {self.settings.max_history_messages} messages; "
+                    "start a new session",
+                    code="history_full",
+                )
+            case script.OverCapacity():  # not asked to admit here (guard_capacity did)
+                raise self.queue.overloaded(reply, model)
+        request = msgspec.structs.replace(request, messages=reply.history)
+        await self._enqueue_written(model, request, note)
+        if self.observer is not None:
+            self.observer.submitted(session_id, generation_id, reply.queued_id, model)
+        choices = [generation_id]
+        for choice in range(1, n):
+            choices.append(await self._submit_choice(session_id, model, request, choice))
+        return Submitted(generation_id, session_id, reply.queued_id, choices if n > 1 else [])
+
+    async def _submit_choice(
+        self, session_id: str, model: str, first: GenerationRequest, choice: int
+    ) -> str:
+        """Queue another choice of the turn ``first`` began: the same conversation, its
+        own seed; it is not the session's running generation and never joins the history."""
+        generation_id = new_id("g")
+        request = msgspec.structs.replace(
+            first,
+            generation_id=generation_id,
+            params=first.params.for_choice(choice),
+            choice=choice,
+            enqueued_at=time.time(),
+        )
+        note = wire.encode(msgspec.structs.replace(request, messages=[]))
+        reply = await self._submit_noted(
+            model,
+            note,
+            session_id=session_id,
+            generation_id=generation_id,
+            user_message=None,
+            token_digest="",
+            idempotency_key=None,
+            maxlen=self.settings.events_maxlen,
+            ttl_s=self.settings.session_ttl_s,
+            max_history=self.settings.max_history_messages,
+            watch_ttl_s=self.watch_ttl_s,
+            choice=choice,
+        )
+        if not isinstance(reply, script.Accepted):  # the session was there a moment ago
+            raise Unavailable(f"queueing choice {choice} failed: {reply!r}")
+        await self._enqueue_written(model, request, note)
+        if self.observer is not None:
+            self.observer.submitted(session_id, generation_id, reply.queued_id, model)
+        return generation_id
+
+    async def _submit_noted(self, model: str, note: bytes, **submit: Any) -> script.SubmitReply:
+        """The SUBMIT script (``submit``: its arguments), after a note that the turn's
+        request is on its way to ``model``'s queue (``RequestQueue.note_submitting``): should
+        this process die before queueing it, the reaper does (``queue_stranded``). One
+        Redis runs them as one pipeline, the note first. A cluster runs a pipeline's nodes
+        at once, so there the note is a round trip of its own, before."""
+        queue = self.queue.of(model)
+        submit = {**submit, "note": note, "queue": model}  # kept with the generation too
+        if is_cluster(self.redis):
+            await queue.note_submitting(note)
+            return await self._submit(**submit)
+
+        def fill(pipe: Any) -> None:
+            queue.note_submitting_in(pipe, note)
+            self._submit.submit_in(pipe, **submit)
+
+        return scripts.Submit.replied((await self._run_submitting(fill))[-1])
+
+    async def _run_submitting(self, fill: Callable[[Any], None]) -> list[Any]:
+        """Run a pipeline that ``fill`` fills, a bare SUBMIT among its commands. A Redis
+        that lost its scripts (a restart) gets it loaded and the pipeline again: the other
+        commands of the first one ran, and run again, so they must not mind."""
+        for attempt in (1, 2):
+            try:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    fill(pipe)
+                    return list(await pipe.execute())
+            except NoScriptError:
+                if attempt == 2:
+                    raise
+                await self._submit.load()
+        raise AssertionError("unreachable")
+
+    async def _enqueue_written(
+        self, model: str, request: GenerationRequest, note: bytes | None = None
+    ) -> None:
+        """Queue the request of a generation the SUBMIT script has written, crossing off
+        its ``note``. Without it no worker would run that generation until the reaper found
+        the note, so a Redis that went away between the two round trips (a restart) is
+        waited for, up to ``REQUEUE_WAIT_S``. A copy sent twice (the first one's reply
+        lost) runs once: a worker claims a generation only while it is queued."""
+        try:
+            async with asyncio.timeout(REQUEUE_WAIT_S):
+                await when_redis_answers(
+                    lambda: self.queue.enqueue(model, request, note),
+                    f"queueing {request.generation_id}",
+                )
+        except TimeoutError:
+            raise Unavailable(
+                "Redis went away while the request was queued; send it again with the "
+                "same Idempotency-Key",
+                retry_after_s=1,
+            ) from None
+
+    async def _requeue_if_lost(
+        self, session_id: str, model: str, generation_id: str, params: SamplingParams
+    ) -> None:
+        """A message sent again with its Idempotency-Key: if its generation is still
+        waiting for a worker, its request may never have reached the queue (the gateway
+        died, or Redis went away, between the two round trips of the first send), so it is
+        queued again; a second copy runs once. One round trip more, on retries only."""
+        if not await self._still_queued(session_id, generation_id):
+            return
+        request = self._request(
+            session_id, generation_id, params, [], None, self.settings.session_ttl_s
+        )
+        await self._enqueue_written(model, await self._with_turn(request))
+
+    async def queue_stranded(self, queue: RequestQueue, older_than_s: float) -> int:
+        """Queue the session turns noted on their way to ``queue`` over ``older_than_s``
+        ago and never queued: their gateway died between the submit's two round trips (a
+        client that sends again with its Idempotency-Key repairs it sooner; a WebSocket's
+        ``generate`` has no such key). A turn still ``queued`` gets its request; any other
+        note (the submit was refused, or its request came another way) is crossed off. A
+        copy sent twice (its gateway only slow) runs once. Returns how many were queued."""
+        queued = 0
+        for note in await queue.submitting_since(time.time() - older_than_s, STRANDED_PAGE):
+            try:
+                request = _request_decoder.decode(note)
+            except msgspec.DecodeError as exc:
+                log.error("unreadable note in %s: %r", queue.submitting_key, exc)
+                await queue.cross_off(note)
+                continue
+            if await self._still_queued(request.session_id, request.generation_id):
+                stranded = await self._with_turn(request)
+                await self.queue.enqueue(queue.model, stranded, note)
+                queued += 1
+            else:
+                await queue.cross_off(note)
+        if queued:
+            log.warning(
+                "queued %d session turns whose request was not in the queue %g s after their"
+                " submit (their gateway died, or waits for Redis: then a copy runs once)",
+                queued,
+                older_than_s,
+            )
+        return queued
+
+    async def requeue_lost(self, session_id: str, generation_id: str) -> bool:
+        """Queue again a session turn still ``queued`` whose request seems lost: no request
+        waits in its queue (none after its consumer group's last delivered one, or the
+        queue is gone), so none of them is its. Its request comes from the note the submit
+        kept with the generation (none for a one-shot API request: then False). A copy
+        that was not lost after all (taken by a worker stopped before its claim) runs once.
+        Returns whether it queued."""
+        key = self.keys.generation(session_id, generation_id)
+        state, note, model = await self.redis.hmget(key, ["state", "note", "queue"])
+        if state is None or wire.text(state) != "queued" or not note or not model:
+            return False
+        queue = self.queue.of(wire.text(model))
+        after = await queue.waiting_after()  # its group's lag is nil after a deletion: read
+        if after is not None and await queue.read_after(after, 1):
+            return False  # requests wait there: it may be one of them (the deadline decides)
+        request = await self._with_turn(_request_decoder.decode(note))
+        await self.queue.enqueue(queue.model, request)
+        return True
+
+    async def waiting_generations(self, session_ids: list[str]) -> list[tuple[str, str, float]]:
+        """(session, generation, when submitted) of the sessions' running generations that
+        no worker has started: two round trips, whatever the number of sessions."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for session_id in session_ids:
+                pipe.get(self.keys.active(session_id))
+            actives = await pipe.execute()
+        running = [
+            (session_id, wire.text(active))
+            for session_id, active in zip(session_ids, actives, strict=True)
+            if active is not None
+        ]
+        if not running:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for session_id, generation_id in running:
+                pipe.hmget(self.keys.generation(session_id, generation_id), ["state", "created"])
+            states = await pipe.execute()
+        return [
+            (session_id, generation_id, float(created))
+            for (session_id, generation_id), (state, created) in zip(running, states, strict=True)
+            if state is not None and wire.text(state) == "queued" and created is not None
+        ]
+
+    async def _still_queued(self, session_id: str, generation_id: str) -> bool:
+        state = await self.redis.hget(self.keys.generation(session_id, generation_id), "state")
+        return state is not None and wire.text(state) == "queued"
+
+    async def _with_turn(self, request: GenerationRequest) -> GenerationRequest:
+        """``request`` with the conversation its turn answers: the session's history up to
+        its last user message (another choice of the turn may have added its reply since)."""
+        history = await self.history(request.session_id)
+        last_user = max((i for i, m in enumerate(history) if m.role == "user"), default=-1)
+        return msgspec.structs.replace(request, messages=history[: last_user + 1])
+
+    def _request(
+        self,
+        session_id: str,
+        generation_id: str,
+        params: SamplingParams,
+        messages: list[ChatMessage],
+        prompt: str | None,
+        ttl_s: int,
+    ) -> GenerationRequest:
+        """What the engine gets: the conversation (or prompt) to continue, and how."""
+        return GenerationRequest(
+            generation_id=generation_id,
+            session_id=session_id,
+            params=params,
+            messages=messages,
+            prompt=prompt,
+            enqueued_at=time.time(),
+            session_ttl_s=ttl_s,
+            events_maxlen=self.settings.events_maxlen,
+        )
+
+    def _check_content(self, content: str, *, allow_empty: bool = False) -> None:
+        if not content.strip() and not allow_empty:
+            raise BadRequest("content must not be empty", field="content")
+        if len(content) > self.settings.max_message_chars:
+            raise BadRequest(
+                f"content is longer than {self.settings.max_message_chars} characters",
+                code="message_too_long",
+                field="content",
+            )
+
+    async def cancel(
+        self, session_id: str, generation_id: str, reason: CancelReason = "user"
+    ) -> CancelOutcome:
+        """Stop a generation wherever it runs; idempotent (a final one reports its end)."""
+        began = time.monotonic()
+        reply = await self._cancel(
+            session_id=session_id,
+            generation_id=generation_id,
+            reason=reason,
+            maxlen=self.settings.events_maxlen,
+            ttl_s=self.settings.session_ttl_s,
+        )
+        match reply:
+            case script.UnknownGeneration():
+                raise NotFound(f"no generation {generation_id!r}", code="unknown_generation")
+            case script.EndedBefore(final=final):
+                return CancelOutcome(generation_id, wire.final_state(final), final)
+            case script.CancelledQueued(final=final):
+                if self.observer is not None:
+                    self.observer.cancel_stopped(generation_id, time.monotonic() - began)
+                # Its usage: zero, or what it streamed before a takeover queued it again.
+                return CancelOutcome(generation_id, "cancelled", final)
+        if self.observer is not None:
+            self.observer.cancel_sent(session_id, generation_id, began)
+        await self.queue.signal_cancel(CancelSignal(generation_id, session_id, reason))
+        return CancelOutcome(generation_id, "cancelling")
+
+    async def generation_final(self, session_id: str, generation_id: str) -> FinalEvent | None:
+        raw = await self.redis.hget(self.keys.generation(session_id, generation_id), "final")
+        return None if raw is None else wire.decode_final(raw)
+
+    @property
+    def watch_ttl_s(self) -> int:
+        """Lifetime of a session's watch mark: the grace plus the refresh interval (a third
+        of it), so a generation is abandoned no sooner than the grace after its last reader
+        left, and no later than 4/3 of it (plus a worker's 1 s check)."""
+        return math.ceil(self.settings.abandon_grace_s * 4 / 3)
+
+    async def mark_watched(self, session_ids: list[str]) -> None:
+        """Tell workers these sessions have a reader (see abandonment in engine/worker.py)."""
+        ttl = self.watch_ttl_s
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for session_id in session_ids:
+                pipe.set(self.keys.watch(session_id), 1, ex=ttl)
+            await pipe.execute()

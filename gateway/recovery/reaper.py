@@ -1,0 +1,447 @@
+"""Background duties of every gateway process.
+
+- ``refresh_watches``: tells workers which sessions this process has readers for, so a
+  generation nobody reads is aborted after the grace period (engine/worker.py checks).
+- ``Reaper``: one gateway at a time (a Redis lock) makes sure no client waits forever, in
+  every model's queue (each model registered in ``Keys.models``).
+  - A lost worker (its lease connection closed, or no heartbeat for
+    ``TOKENSPOUT_WORKER_TIMEOUT_S``) leaves requests in the consumer group's pending list:
+    a request that never started goes back on the queue for a surviving worker; one that
+    was running is taken over (gateway/recovery/takeover.py): it goes back on the queue with what
+    it streamed, and another worker continues the reply. Checked every ``REAP_PASS_S``.
+  - A request no worker takes within ``TOKENSPOUT_QUEUE_TIMEOUT_S`` (none alive, or all
+    busy) ends with an ``error`` event (``queue_timeout``); a worker that dequeues it later
+    finds it final and skips it.
+  - A session turn whose gateway died between writing it and queueing its request (the
+    two round trips of a submit) is queued ``STRANDED_AFTER_S`` after (gateway/core/sessions.py).
+  Each duty survives any failure of one pass (logged): a bad entry in the requests stream
+  must not stop the reaper for the life of the process.
+- ``ReaderDeadline``: every gateway process also looks after the generations its readers
+  saw queued and never saw start, whose request may be in no queue the reaper reads
+  (gateway/core/waiting.py says how that happens): ``REQUEUE_AFTER_S`` on, a session turn whose
+  queue has no request waiting is queued again; ``READER_GRACE_S`` after the queue
+  deadline, what still waits is ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError, RedisError
+
+import wire
+from gateway.core.relay import RelayHub
+from gateway.core.sessions import STRANDED_AFTER_S, SessionStore
+from gateway.recovery.takeover import REAPER_PREFIX, Takeover, live_workers
+from wire import Error, GenerationRequest, Keys, entry_id_key
+from wire.queue import QueueLook, RequestQueue
+from wire.scripts import EndQueued, HoldReaperLock
+
+log = logging.getLogger("tokenspout.watchdog")
+_request_decoder = msgspec.json.Decoder(GenerationRequest)
+
+
+WATCH_BATCH = 256
+"""Sessions marked per pipeline: one pipeline for 10,000 open streams would hold the event
+loop (packing and parsing every reply) long enough to stall every stream of the process."""
+
+QUEUE_SCAN_PAGE = 200
+QUEUE_SCAN_MAX = 2_000
+"""Queued requests the queue deadline looks at per pass (the oldest first)."""
+REAP_PASS_S = 0.1
+"""How often the reaper looks for lost workers: a killed worker's reply goes on in another
+within about this long (plus the new worker's prefill)."""
+LOCK_MS = 2_000
+FAILURE_LOG_EVERY_S = 10.0
+"""A duty that keeps failing the same way is logged once per this long, not every pass."""
+STALE_CLAIM_MS = 5_000
+"""An entry a reaper claimed and has not handed on for this long: that reaper stopped."""
+READER_GRACE_S = 2.0
+"""The readers' deadline comes this long after the reaper's: a request the reaper can see
+in its queue is ended (and counted) there first."""
+READER_CHECK_S = 1.0
+REQUEUE_AFTER_S = 5.0
+"""A session turn still queued this long with no request waiting in its queue lost its
+request: queued again. After the stranded-turn repair's ``STRANDED_AFTER_S``, which
+queues the turns of a gateway that died mid-submit from the notes beside the queue."""
+
+
+def queue_timeout(generation_id: str, timeout_s: float) -> Error:
+    """The final event of a generation no worker took within the queue deadline."""
+    return Error(
+        generation_id,
+        "queue_timeout",
+        f"no engine worker took this generation within {timeout_s:g} s",
+    )
+
+
+async def refresh_watches(store: SessionStore, hub: RelayHub, interval_s: float) -> None:
+    while True:
+        try:
+            sessions = hub.watched_sessions()
+            for start in range(0, len(sessions), WATCH_BATCH):
+                await store.mark_watched(sessions[start : start + WATCH_BATCH])
+        except (RedisError, OSError) as exc:
+            log.warning("could not refresh session watches: %s", exc)
+        except Exception:
+            log.exception("refreshing session watches failed; retrying in %.1f s", interval_s)
+        await asyncio.sleep(interval_s)
+
+
+def decode_request(entry_id: bytes | str, fields: dict[bytes, bytes]) -> GenerationRequest | None:
+    """The request of a ``requests`` entry, or None (logged) for one nobody can read."""
+    try:
+        return _request_decoder.decode(fields[b"r"])
+    except (KeyError, msgspec.DecodeError) as exc:
+        log.error("unreadable entry %s in the requests stream: %r", wire.text(entry_id), exc)
+        return None
+
+
+class RepeatedFailures:
+    """The reaper's failures, logged without a flood: a duty's first failure, then that
+    duty's failures at most once per ``every_s`` (with how many went unlogged), and one
+    line once it works again. With Redis away, a pass every ``REAP_PASS_S`` logged ten
+    warnings a second per gateway process."""
+
+    def __init__(self, every_s: float = FAILURE_LOG_EVERY_S) -> None:
+        self.every_s = every_s
+        self._failing: dict[str, tuple[float, int]] = {}
+        """A failing duty -> when it was last logged, and its failures since."""
+
+    def failed(self, what: str, exc: BaseException) -> None:
+        now = time.monotonic()
+        last = self._failing.get(what)
+        if last is None or now - last[0] >= self.every_s:
+            more = f" ({last[1]} more like it unlogged)" if last is not None and last[1] else ""
+            log.warning("reaper: %s failed: %s%s", what, exc, more)
+            self._failing[what] = (now, 0)
+        else:
+            self._failing[what] = (last[0], last[1] + 1)
+
+    def worked(self, what: str) -> None:
+        if self._failing and self._failing.pop(what, None) is not None:
+            log.info("reaper: %s works again", what)
+
+
+class Reaper:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        worker_timeout_s: float,
+        events_maxlen: int,
+        ttl_s: int,
+        queue_timeout_s: float = 120.0,
+        requests_maxlen: int = 5_120,
+        max_takeovers: int = 3,
+        default_model: str = "",
+        store: SessionStore | None = None,
+    ) -> None:
+        self.redis = redis
+        self.store = store
+        """Whose session turns stranded on their way to a queue it queues (None: not that
+        duty)."""
+        self.keys = keys
+        self.default_model = default_model
+        """Queued for before any worker of it registered (TOKENSPOUT_DEFAULT_MODEL), so its
+        queue needs the deadline too."""
+        self.worker_timeout_s = worker_timeout_s
+        self.events_maxlen = events_maxlen
+        self.ttl_s = ttl_s
+        self.queue_timeout_s = queue_timeout_s
+        self.requests_maxlen = requests_maxlen
+        self._end_queued = EndQueued(redis, keys)
+        self._hold_lock = HoldReaperLock(redis, keys)
+        self._owner = f"{REAPER_PREFIX}{time.monotonic_ns()}"
+        self.takeover = Takeover(
+            redis,
+            keys,
+            max_takeovers=max_takeovers,
+            events_maxlen=events_maxlen,
+            ttl_s=ttl_s,
+            requests_maxlen=requests_maxlen,
+        )
+        self._expired_through: dict[str, str] = {}
+        """Queue -> every queued entry up to this id has been looked at by the deadline."""
+        self.failures = RepeatedFailures()
+
+    async def run_forever(self, interval_s: float = REAP_PASS_S) -> None:
+        while True:
+            await self.pass_once()
+            await asyncio.sleep(interval_s)
+
+    async def pass_once(self) -> None:
+        """The lock (taken or kept); then one look at every queue (one round trip for
+        all); then each duty on the queues where it has something to do. At rest a pass
+        is 3 round trips (it was 10, every 100 ms): the lock, the model list, the look."""
+        if not await self._guarded("acquiring the reaper lock", self._acquire):
+            return
+        looks = await self._guarded("looking at the queues", self._look)
+        if not isinstance(looks, list):
+            return
+        for duty, queues in (
+            (self.reap_once, [queue for queue, look in looks if look.pending]),
+            (self.expire_queued, [queue for queue, look in looks if look.waiting]),
+            (self.queue_stranded, [queue for queue, look in looks if look.noted]),
+        ):
+            await self._guarded(duty.__name__, functools.partial(duty, queues))
+
+    async def _look(self) -> list[tuple[RequestQueue, QueueLook]]:
+        queues = await self._queues()
+        async with self.redis.pipeline(transaction=False) as pipe:
+            noted_before = time.time() - STRANDED_AFTER_S
+            for queue in queues:
+                queue.look_in(pipe, noted_before)
+            replies = await pipe.execute(raise_on_error=False)
+        return [
+            (queue, RequestQueue.looked(*replies[3 * index : 3 * index + 3]))
+            for index, queue in enumerate(queues)
+        ]
+
+    async def _guarded(self, what: str, duty: Callable[[], Awaitable[object]]) -> object:
+        """Run one duty; log whatever it raises (the next pass tries again)."""
+        try:
+            done = await duty()
+        except (RedisError, OSError) as exc:
+            self.failures.failed(what, exc)
+        except Exception:
+            log.exception("reaper: %s failed; the next pass tries again", what)
+        else:
+            self.failures.worked(what)
+            return done
+        return None
+
+    async def _acquire(self) -> bool:
+        return await self._hold_lock(owner=self._owner, ttl_ms=LOCK_MS)
+
+    async def _queues(self) -> list[RequestQueue]:
+        """Every registered model's queue, and the default model's."""
+        models = {wire.text(model) for model in await self.redis.hvals(self.keys.models)}
+        models |= {self.default_model} if self.default_model else set()
+        return [RequestQueue(self.redis, self.keys, model) for model in sorted(models)]
+
+    async def _each_queue(
+        self,
+        what: str,
+        duty: Callable[[RequestQueue], Awaitable[int]],
+        queues: list[RequestQueue],
+    ) -> int:
+        """``duty`` on each queue; one queue's failure (logged) does not skip the others."""
+        done = 0
+        for queue in queues:
+            result = await self._guarded(f"{what} {queue.key}", functools.partial(duty, queue))
+            done += result if isinstance(result, int) else 0
+        return done
+
+    # --- dead workers --------------------------------------------------------------------
+
+    async def reap_once(self, queues: list[RequestQueue]) -> int:
+        """Hand on the pending requests of lost workers in ``queues``; returns how many."""
+        return await self._each_queue("reaping", self._reap_queue, queues)
+
+    async def _reap_queue(self, queue: RequestQueue) -> int:
+        consumers = await queue.pending_consumers()
+        if not consumers:
+            return 0
+        alive = await live_workers(self.redis, self.keys, consumers, self.worker_timeout_s)
+        handled = 0
+        for consumer in consumers:
+            if consumer in alive or consumer == self._owner:
+                continue
+            stale = STALE_CLAIM_MS if consumer.startswith(REAPER_PREFIX) else None
+            pending = await queue.pending_of(consumer, stale)
+            # Judged again after reading what it holds, so the verdict is younger than
+            # every entry it hands on: this pass may have waited out a Redis write pause
+            # while the worker heartbeat and read new work, none of it lost.
+            if pending and await live_workers(
+                self.redis, self.keys, [consumer], self.worker_timeout_s
+            ):
+                continue
+            for message_id, idle in pending:
+                # Claimed only if still idle as long as seen: an entry another reaper
+                # claimed meanwhile (its idle time reset) is left to that one.
+                await self._take_over(queue, message_id, consumer, idle)
+            handled += len(pending)
+        return handled
+
+    async def _take_over(
+        self, queue: RequestQueue, message_id: str, consumer: str, idle_ms: int
+    ) -> None:
+        for entry_id, fields in await queue.claim(self._owner, idle_ms, message_id):
+            request = decode_request(entry_id, fields) if fields else None
+            if request is not None:  # else trimmed away meanwhile, or unreadable: drop it
+                await self.takeover.hand_on(queue, request, fields[b"r"], consumer)
+            await queue.ack(entry_id)
+        await queue.forget_consumer(self._owner)
+
+    # --- session turns stranded on their way to a queue ------------------------------------
+
+    async def queue_stranded(self, queues: list[RequestQueue]) -> int:
+        """Queue the session turns whose gateway died between writing them and queueing
+        their requests, in ``queues``; returns how many."""
+        if self.store is None:
+            return 0
+        stranded = functools.partial(self.store.queue_stranded, older_than_s=STRANDED_AFTER_S)
+        return await self._each_queue("queueing stranded turns of", stranded, queues)
+
+    # --- the queue deadline --------------------------------------------------------------
+
+    async def expire_queued(self, queues: list[RequestQueue]) -> int:
+        """End the requests no worker took within the queue deadline in ``queues``;
+        returns how many."""
+        return await self._each_queue("expiring queued requests in", self._expire_queue, queues)
+
+    async def _expire_queue(self, queue: RequestQueue) -> int:
+        """Looks at the entries after the consumer group's last-delivered id (none
+        delivered: the whole stream), oldest first, and stops at the first one in time;
+        at none when no request waits."""
+        start = await queue.waiting_after()
+        if start is None:
+            return 0
+        through = self._expired_through.get(queue.key)
+        if through is not None and (start == "" or entry_id_key(through) > entry_id_key(start)):
+            start = through
+        deadline = time.time() - self.queue_timeout_s
+        ended = scanned = 0
+        in_time = False
+        while not in_time and scanned < QUEUE_SCAN_MAX:
+            page = await queue.read_after(start, QUEUE_SCAN_PAGE)
+            expired: list[GenerationRequest] = []
+            for entry_id, fields in page:
+                request = decode_request(entry_id, fields)
+                added_s = wire.entry_ms(wire.text(entry_id)) / 1000
+                if added_s > deadline or (request is not None and request.enqueued_at > deadline):
+                    in_time = True
+                    break
+                if request is not None:
+                    expired.append(request)
+                start = wire.text(entry_id)
+            ended += await self._end_expired(expired)
+            if start:
+                self._expired_through[queue.key] = start
+            scanned += len(page)
+            if len(page) < QUEUE_SCAN_PAGE:
+                break
+        return ended
+
+    async def _end_expired(self, requests: list[GenerationRequest]) -> int:
+        if not requests:
+            return 0
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for request in requests:
+                await self._end_queued(
+                    session_id=request.session_id,
+                    event=queue_timeout(request.generation_id, self.queue_timeout_s),
+                    maxlen=self.events_maxlen,
+                    ttl_s=self.ttl_s,
+                    pipe=pipe,
+                )
+            try:
+                replies: list[object] = await pipe.execute()
+            except NoScriptError:  # a shard new since (a failover): the next pass sends it
+                await self._end_queued.load()
+                raise
+        ended = sum(1 for reply in replies if EndQueued.reply(reply))
+        if ended:
+            log.warning("%d queued generations timed out: no engine worker took them", ended)
+        return ended
+
+
+class ReaderDeadline:
+    """Looks after the generations this process's readers wait on that never started
+    (gateway/core/waiting.py): queues a session turn again ``REQUEUE_AFTER_S`` on when nothing
+    waits in its queue (``SessionStore.requeue_lost``), and ends with ``queue_timeout``
+    what still waits ``READER_GRACE_S`` past the queue deadline, through the reaper's
+    script: it ends only a generation still queued, and a worker that finds its request
+    later skips it."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        hub: RelayHub,
+        store: SessionStore,
+        queue_timeout_s: float,
+        events_maxlen: int,
+        ttl_s: int,
+    ) -> None:
+        self.waiting = hub.waiting
+        self.store = store
+        self.queue_timeout_s = queue_timeout_s
+        self.events_maxlen = events_maxlen
+        self.ttl_s = ttl_s
+        self._end_queued = EndQueued(redis, keys)
+
+    async def run_forever(self, interval_s: float = READER_CHECK_S) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            for what, duty in (
+                ("looking at quiet sessions for", self.book_quiet),
+                ("requeueing", self.requeue_lost),
+                ("ending", self.end_overdue),
+            ):
+                try:
+                    await duty()
+                except (RedisError, OSError) as exc:
+                    log.warning("readers' deadline: %s a generation failed: %s", what, exc)
+                except Exception:
+                    log.exception("readers' deadline: %s failed; the next check tries again", what)
+
+    async def book_quiet(self) -> int:
+        """Book the waiting generations of the sessions whose readers heard nothing for a
+        heartbeat (a reader that resumed after a ``queued`` event never saw it); returns
+        how many it found."""
+        quiet = self.waiting.take_quiet()
+        found = await self.store.waiting_generations(quiet) if quiet else []
+        for session_id, generation_id, submitted_s in found:
+            self.waiting.book(session_id, generation_id, submitted_s)
+        return len(found)
+
+    async def requeue_lost(self) -> int:
+        """Queue again the session turns waiting ``REQUEUE_AFTER_S`` whose request is in
+        no queue; each is looked at once. Returns how many were queued again."""
+        requeued = 0
+        since = time.time() - REQUEUE_AFTER_S
+        for session_id, generation_id in self.waiting.queued_before(since, requeued=False):
+            self.waiting.requeued(session_id, generation_id)
+            if await self.store.requeue_lost(session_id, generation_id):
+                requeued += 1
+                log.warning(
+                    "generation %s of session %s was still queued %g s on with no request"
+                    " waiting in its queue (Redis lost it): queued again",
+                    generation_id,
+                    session_id,
+                    REQUEUE_AFTER_S,
+                )
+        return requeued
+
+    async def end_overdue(self) -> int:
+        """End the overdue ones; returns how many were still queued (the others started
+        or ended meanwhile). One that fails stays, for the next check."""
+        overdue = self.waiting.queued_before(time.time() - self.queue_timeout_s - READER_GRACE_S)
+        ended = 0
+        for session_id, generation_id in overdue:
+            final_id = await self._end_queued(
+                session_id=session_id,
+                event=queue_timeout(generation_id, self.queue_timeout_s),
+                maxlen=self.events_maxlen,
+                ttl_s=self.ttl_s,
+            )
+            self.waiting.settled(session_id, generation_id)
+            if final_id is not None:
+                ended += 1
+                log.warning(
+                    "generation %s of session %s was still queued %g s after its queue"
+                    " deadline, with its request in no queue (lost by Redis): ended with"
+                    " queue_timeout",
+                    generation_id,
+                    session_id,
+                    READER_GRACE_S,
+                )
+        return ended

@@ -1,0 +1,266 @@
+"""Takeover: a lost worker's running reply goes on in another worker, from where it was.
+
+The reaper (gateway/recovery/reaper.py) finds requests pending under a worker that is gone and
+hands each to ``Takeover.hand_on``, which makes the transition a stopping worker makes
+for its own replies (wire/handoff.py):
+
+1. The TAKEOVER script (``wire.scripts.Takeover``) takes the generation from the lost
+   worker atomically: ``running`` under that worker becomes ``queued`` at the next epoch
+   (``takeovers``), and from then on Redis refuses every event of the old worker (EMIT
+   checks the owner), so a worker that was only slow can never write into the reply again.
+   Two reapers racing both run the script; only one sees ``takeover``.
+2. What was streamed is read back from the session's event stream (everything after the
+   transition is written by nobody, so this read is exact): the prompt's token count, the
+   text and token ids of every ``token`` event.
+3. The request goes back on the queue with ``resume`` set; the worker that takes it
+   claims the generation with a ``resumed`` event and streams on from the next token.
+
+A generation is not continued when a cancel was asked for (it ends ``cancelled``), when it
+was taken over ``TOKENSPOUT_MAX_TAKEOVERS`` times already, or when its early events were
+trimmed from the stream (both end with ``error`` ``worker_lost``). A request whose worker
+died before claiming it goes back on the queue as it was, but not more than
+``TOKENSPOUT_MAX_TAKEOVERS`` times either: a request that kills every worker that prepares
+it ends ``worker_lost`` too, instead of taking down one worker after another.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError, ResponseError
+
+import wire
+from wire import (
+    Cancelled,
+    Error,
+    GenerationRequest,
+    Keys,
+    Started,
+    Token,
+    Usage,
+    scripts,
+)
+from wire.connect import mget, node_by_address
+from wire.handoff import Streamed, continuation
+from wire.outcomes import (
+    AlreadyFinal,
+    CancelAsked,
+    Exhausted,
+    Moved,
+    NotStarted,
+    TakenOver,
+)
+from wire.queue import RequestQueue
+
+log = logging.getLogger("tokenspout.takeover")
+_info_decoder = msgspec.json.Decoder(wire.WorkerInfo)
+
+REAPER_PREFIX = "reaper-"
+"""Consumer names the reaper claims entries under while it hands them on."""
+READ_BACK_PAGE = 512
+LOST_BEFORE_START = "lost_before_start"
+"""Field of the generation's hash: how often its worker died before claiming it."""
+LEASE_GRACE_S = 3
+"""For this long after Redis starts, a missing lease proves nothing (heartbeats decide)."""
+
+
+async def live_workers(
+    redis: aioredis.Redis, keys: Keys, names: list[str], timeout_s: float
+) -> set[str]:
+    """Which of ``names`` are alive: a heartbeat within ``timeout_s``, and the lease
+    connection still open where the worker names one (engine/lease.py)."""
+    since = time.time() - timeout_s
+    fresh = {wire.text(w) for w in await redis.zrangebyscore(keys.workers, since, "+inf")}
+    candidates = [name for name in names if name in fresh]
+    if not candidates:
+        return set()
+    alive: set[str] = set()
+    leases: dict[str, dict[int, str]] = {}
+    """Node address ("": the one Redis) -> lease client id -> worker."""
+    for name, raw in zip(
+        candidates, await mget(redis, [keys.worker(n) for n in candidates]), strict=True
+    ):
+        info = _info_decoder.decode(raw) if raw is not None else None
+        if info is None or not info.lease_id:
+            alive.add(name)  # nothing better to go on than its heartbeat
+        else:
+            leases.setdefault(info.lease_node, {})[info.lease_id] = name
+    for node, ids in leases.items():
+        alive |= await _leases_open(redis, node, ids)
+    return alive
+
+
+async def _leases_open(redis: aioredis.Redis, node: str, leases: dict[int, str]) -> set[str]:
+    """The workers whose lease connection (by client id) is open on ``node``."""
+    if not node:
+        return await _leases_open_on(redis, leases)
+    client = node_by_address(redis, node)
+    if client is None:  # not a cluster node now (failed over, removed): heartbeats decide
+        return set(leases.values())
+    try:
+        return await _leases_open_on(client, leases)
+    except (RedisError, OSError) as exc:  # the node is down: its replica takes over
+        log.warning("lease check on %s failed (%s): liveness by heartbeat", node, exc)
+        return set(leases.values())
+    finally:
+        await client.aclose()
+        await client.connection_pool.disconnect()
+
+
+async def _leases_open_on(redis: aioredis.Redis, leases: dict[int, str]) -> set[str]:
+    alive: set[str] = set()
+    try:
+        clients = await redis.client_list(client_id=list(leases))
+    except ResponseError as exc:  # a Redis without CLIENT LIST ID (before 6.2)
+        log.warning("CLIENT LIST ID failed (%s): liveness by heartbeat only", exc)
+        return set(leases.values())
+    for client in clients:
+        worker = leases.get(int(client.get("id", 0)))
+        if worker is not None and client.get("name") == wire.lease_name(worker):
+            alive.add(worker)
+    missing = set(leases.values()) - alive
+    if missing:
+        alive |= await _reconnected(redis, missing)
+    return alive
+
+
+async def _reconnected(redis: aioredis.Redis, missing: set[str]) -> set[str]:
+    """Of the workers whose published lease connection is gone, those that may only have
+    reconnected: a lease connection under their name (the id changes with a reconnect, the
+    name does not), or any of them while Redis itself has just restarted (a lease takes up
+    to a heartbeat to come back)."""
+    uptime = int((await redis.info("server")).get("uptime_in_seconds", 0))
+    if uptime < LEASE_GRACE_S:
+        return missing
+    names = {client.get("name") for client in await redis.client_list()}
+    return {worker for worker in missing if wire.lease_name(worker) in names}
+
+
+async def streamed_so_far(
+    redis: aioredis.Redis, keys: Keys, session_id: str, generation_id: str
+) -> Streamed | None:
+    """The generation's ``started`` and ``token`` events, read newest first back to its
+    start; None when they are not all there (trimmed) or do not add up."""
+    gid = generation_id.encode()
+    tokens: list[Token] = []
+    end = "+"
+    while True:
+        page = wire.entries_of(
+            await redis.xrevrange(keys.events(session_id), max=end, count=READ_BACK_PAGE)
+        )
+        for _entry_id, fields in page:
+            if fields.get(b"g") != gid:
+                continue
+            event = wire.decode_event(fields[b"d"])
+            if isinstance(event, Token):
+                tokens.append(event)
+            elif isinstance(event, Started):
+                tokens.reverse()
+                streamed = Streamed(
+                    prompt_tokens=event.prompt_tokens,
+                    completion_tokens=tokens[-1].count if tokens else 0,
+                    text="".join(token.text for token in tokens),
+                    token_ids=[i for token in tokens for i in token.token_ids],
+                )
+                return streamed if len(streamed.token_ids) == streamed.completion_tokens else None
+        if len(page) < READ_BACK_PAGE:
+            return None
+        end = f"({wire.text(page[-1][0])}"
+
+
+class Takeover:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        *,
+        max_takeovers: int,
+        events_maxlen: int,
+        ttl_s: int,
+        requests_maxlen: int,
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.max_takeovers = max_takeovers
+        self.events_maxlen = events_maxlen
+        self.ttl_s = ttl_s
+        self.requests_maxlen = requests_maxlen
+        self._emit = scripts.Emit(redis, keys)
+        self._takeover = scripts.Takeover(redis, keys)
+
+    async def hand_on(
+        self, queue: RequestQueue, request: GenerationRequest, raw: bytes, consumer: str
+    ) -> str:
+        """Hand on a request left pending in ``queue`` (its model's) by a lost ``consumer``;
+        returns what was done."""
+        sid, gid = request.session_id, request.generation_id
+        gen_key = self.keys.generation(sid, gid)
+        owner = consumer
+        if consumer.startswith(REAPER_PREFIX):  # a reaper that stopped mid-way: redo it
+            owner = wire.text(await self.redis.hget(gen_key, "worker") or b"")
+        reply = await self._takeover(
+            session_id=sid, generation_id=gid, worker=owner, max_takeovers=self.max_takeovers
+        )
+        match reply:
+            case AlreadyFinal():
+                return "final"
+            case Moved():
+                return "moved"
+        epoch = reply.takeovers if isinstance(reply, NotStarted | TakenOver) else 0
+        if isinstance(reply, NotStarted):
+            # Its worker died before it claimed it (while preparing it): counted, so that
+            # a request that kills every worker that takes it ends instead of going round.
+            lost = int(await self.redis.hincrby(gen_key, LOST_BEFORE_START, 1))
+            if lost > self.max_takeovers:
+                log.warning("%s: %d workers died before starting it; ending it", gid, lost)
+                message = (
+                    "the engine worker taking this generation stopped before it started"
+                    f" ({lost} times)"
+                )
+                await self._end(request, Error(gid, "worker_lost", message))
+                return "worker_lost"
+        if isinstance(reply, NotStarted) and epoch == 0:
+            log.info("requeueing %s from a dead worker", gid)
+            await self._queue(queue, raw)
+            return "requeued"
+        streamed = await streamed_so_far(self.redis, self.keys, sid, gid)
+        if isinstance(reply, CancelAsked):
+            usage = streamed.usage() if streamed is not None else Usage(0, 0)
+            await self._end(request, Cancelled(gid, reply.reason, usage))
+            return "cancelled"
+        if isinstance(reply, Exhausted) or streamed is None:
+            why = (
+                f"it was taken over {self.max_takeovers} times already"
+                if isinstance(reply, Exhausted)
+                else "its events were trimmed, so it cannot be continued"
+            )
+            log.warning("worker lost while running %s; %s", gid, why)
+            message = f"the engine worker running this generation stopped ({why})"
+            await self._end(request, Error(gid, "worker_lost", message))
+            return "worker_lost"
+        resumed = continuation(request, reply, streamed)
+        await self.redis.hset(gen_key, "usage", wire.encode(streamed.usage()))
+        log.info(
+            "taking over %s from %s after %d tokens (takeover %d)",
+            gid,
+            reply.from_worker,
+            streamed.completion_tokens,
+            epoch,
+        )
+        await self._queue(queue, wire.encode(resumed))
+        return "taken_over"
+
+    async def _queue(self, queue: RequestQueue, raw: bytes) -> None:
+        await queue.add({"r": raw}, maxlen=self.requests_maxlen)
+
+    async def _end(self, request: GenerationRequest, event: wire.FinalEvent) -> None:
+        await self._emit(
+            session_id=request.session_id,
+            event=event,
+            maxlen=self.events_maxlen,
+            ttl_s=self.ttl_s,
+            final=True,
+        )

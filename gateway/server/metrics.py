@@ -1,0 +1,283 @@
+"""Prometheus metrics of one gateway process, served at ``/metrics``.
+
+Each process has its own ``CollectorRegistry`` (no module-level state). Most numbers come
+from hooks that cost a dict look-up per event:
+
+- ``RelayHub`` reports every live event once per process (not once per reader), when the
+  last reader of a session in this process leaves, and when a slow reader's feed overflows;
+- ``SessionStore`` reports each queued generation (with its ``queued`` event id, whose first
+  part is Redis' clock in milliseconds) and each cancel it sends;
+- ``RequestMetrics`` (gateway/server/middleware.py) counts requests by route and status.
+
+Time to first token is measured from the ``queued`` event's Redis timestamp to the moment
+this process receives the first token, so it covers queueing, prefill and the relay; it
+assumes the gateway's clock and Redis' agree (one host, or NTP). It is observed for
+generations this process queued or saw queued. Inter-token latency is the gap between two
+tokens of one generation arriving here. Queue depths are read from Redis at scrape time.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from bisect import bisect_left
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+import wire
+from gateway.core.feed import RelayEvent
+from gateway.server.federation import MetricsPeers
+from wire import TERMINAL_EVENTS
+
+log = logging.getLogger("tokenspout.generations")
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+MAX_TRACKED = 50_000
+"""Generations followed at once; past it the oldest are forgotten (never unbounded)."""
+
+
+class PlainHistogram(Collector):
+    """A histogram observed once per token: plain counters, no lock, turned into the
+    Prometheus histogram at scrape. ``Histogram.observe`` takes a lock per bucket count
+    and per sum (the gateway observes from its event loop thread only): 17 % of the
+    gateway's busy samples at 500 streams was that, with the GC passes it triggered."""
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.bounds = buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.sum = 0.0
+
+    def observe(self, amount: float) -> None:
+        self.counts[bisect_left(self.bounds, amount)] += 1
+        self.sum += amount
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        cumulative, buckets = 0, []
+        for bound, count in zip((*self.bounds, math.inf), self.counts, strict=True):
+            cumulative += count
+            buckets.append(("+Inf" if bound == math.inf else repr(float(bound)), cumulative))
+        yield HistogramMetricFamily(
+            self.name, self.documentation, buckets=buckets, sum_value=self.sum
+        )
+
+
+@dataclass(slots=True)
+class _Live:
+    session_id: str
+    queued_ms: int | None = None
+    started: bool = False
+    last_token_at: float | None = None
+    cancel_began: float | None = None
+
+
+class GatewayMetrics:
+    """The registry, its metrics, and the hooks that feed them."""
+
+    def __init__(self, peers_dir: Path | None = None, process_index: int = 0) -> None:
+        self.registry = r = CollectorRegistry()
+        self.active_streams = Gauge(
+            "tokenspout_gateway_active_streams",
+            "Open event feeds in this process (SSE streams, WebSocket subscriptions, "
+            "API requests waiting on a generation).",
+            registry=r,
+        )
+        self.requests = Counter(
+            "tokenspout_gateway_requests",
+            "HTTP requests and WebSocket connections, by method, route and status.",
+            ["method", "route", "status"],
+            registry=r,
+        )
+        self.generations_submitted = Counter(
+            "tokenspout_gateway_generations_submitted",
+            "Generations this process queued.",
+            registry=r,
+        )
+        self.generations_ended = Counter(
+            "tokenspout_gateway_generations_ended",
+            "Final events relayed by this process, by event type.",
+            ["type"],
+            registry=r,
+        )
+        self.time_to_first_token = Histogram(
+            "tokenspout_gateway_time_to_first_token_seconds",
+            "From a generation's queued event to its first token reaching this process.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inter_token = PlainHistogram(
+            "tokenspout_gateway_inter_token_seconds",
+            "Gap between consecutive tokens of one generation reaching this process.",
+            _TOKEN_GAP_BUCKETS,
+        )
+        r.register(self.inter_token)
+        self.cancel_to_stop = Histogram(
+            "tokenspout_gateway_cancel_to_stop_seconds",
+            "From a cancel request to the generation's final event reaching this process.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.abandoned = Counter(
+            "tokenspout_gateway_abandoned_generations",
+            "Running generations whose last reader in this process left before the final "
+            "event (the engine aborts them after the abandon grace unless a reader returns).",
+            registry=r,
+        )
+        self.redis_errors = Counter(
+            "tokenspout_gateway_redis_errors",
+            "Redis failures, by where they happened.",
+            ["where"],
+            registry=r,
+        )
+        self.fell_behind_feeds = Counter(
+            "tokenspout_gateway_relay_fell_behind",
+            "Times a feed's buffer (TOKENSPOUT_STREAM_BUFFER_EVENTS) overflowed because its "
+            "reader was slow: the buffer is dropped and the feed re-reads Redis.",
+            registry=r,
+        )
+        self.queued = Gauge(
+            "tokenspout_gateway_generations_queued",
+            "Generations waiting for a worker, all workers (read from Redis at scrape).",
+            registry=r,
+        )
+        self.running = Gauge(
+            "tokenspout_gateway_generations_running",
+            "Generations a worker has taken and not finished, all workers (at scrape).",
+            registry=r,
+        )
+        self.model_submitted = Counter(
+            "tokenspout_gateway_model_generations_submitted",
+            "Generations this process queued, by model.",
+            ["model"],
+            registry=r,
+        )
+        self.model_queued = Gauge(
+            "tokenspout_gateway_model_generations_queued",
+            "Generations waiting for a worker, by model (read from Redis at scrape).",
+            ["model"],
+            registry=r,
+        )
+        self.model_running = Gauge(
+            "tokenspout_gateway_model_generations_running",
+            "Generations a worker of the model has taken and not finished (at scrape).",
+            ["model"],
+            registry=r,
+        )
+        from_redis = (self.queued, self.running, self.model_queued, self.model_running)
+        shared = frozenset(family.name for gauge in from_redis for family in gauge.describe())
+        self.peers = (
+            None if peers_dir is None else MetricsPeers(peers_dir, process_index, r, shared)
+        )
+        """The sibling processes of ``python -m gateway --workers N``
+        (gateway/server/federation.py); ``shared``: the gauges read from Redis at
+        scrape, the same in every process."""
+        self._live: dict[str, _Live] = {}
+        self._by_session: dict[str, set[str]] = {}
+
+    # --- bookkeeping ---------------------------------------------------------------------
+
+    def _track(self, session_id: str, generation_id: str) -> _Live:
+        live = self._live.get(generation_id)
+        if live is None:
+            while len(self._live) >= MAX_TRACKED:
+                self._forget(next(iter(self._live)))
+            live = self._live[generation_id] = _Live(session_id)
+            self._by_session.setdefault(session_id, set()).add(generation_id)
+        return live
+
+    def _forget(self, generation_id: str) -> _Live | None:
+        live = self._live.pop(generation_id, None)
+        if live is not None:
+            gids = self._by_session.get(live.session_id)
+            if gids is not None:
+                gids.discard(generation_id)
+                if not gids:
+                    del self._by_session[live.session_id]
+        return live
+
+    # --- SessionStore hooks --------------------------------------------------------------
+
+    def submitted(
+        self, session_id: str, generation_id: str, queued_event_id: str, model: str
+    ) -> None:
+        self.generations_submitted.inc()
+        self.model_submitted.labels(model).inc()
+        self._track(session_id, generation_id).queued_ms = wire.entry_ms(queued_event_id)
+        log.info(
+            "generation queued",
+            extra={"session_id": session_id, "generation_id": generation_id, "model": model},
+        )
+
+    async def exposition(self) -> bytes:
+        """What ``/metrics`` answers: this process's registry, or with sibling processes
+        every one's."""
+        if self.peers is None:
+            return generate_latest(self.registry)
+        return await self.peers.exposition()
+
+    def queue_depths(self, counts: dict[str, tuple[int, int]]) -> None:
+        """Set the queue gauges from ``SessionStore.queue_counts``."""
+        self.queued.set(sum(queued for queued, _ in counts.values()))
+        self.running.set(sum(running for _, running in counts.values()))
+        for model, (queued, running) in counts.items():
+            self.model_queued.labels(model).set(queued)
+            self.model_running.labels(model).set(running)
+
+    def cancel_sent(self, session_id: str, generation_id: str, began: float) -> None:
+        self._track(session_id, generation_id).cancel_began = began
+        log.info(
+            "cancel sent",
+            extra={"session_id": session_id, "generation_id": generation_id},
+        )
+
+    def cancel_stopped(self, generation_id: str, seconds: float) -> None:
+        self.cancel_to_stop.observe(seconds)
+        self._forget(generation_id)
+
+    # --- RelayHub hooks ------------------------------------------------------------------
+
+    def event(self, session_id: str, event: RelayEvent) -> None:
+        kind = event.type
+        if kind in TERMINAL_EVENTS:
+            self.generations_ended.labels(kind).inc()
+            live = self._forget(event.generation_id)
+            if live is not None and live.cancel_began is not None:
+                self.cancel_to_stop.observe(time.monotonic() - live.cancel_began)
+            return
+        live = self._track(session_id, event.generation_id)
+        if kind == "token":
+            now = time.monotonic()
+            if live.last_token_at is not None:
+                self.inter_token.observe(now - live.last_token_at)
+            elif live.queued_ms is not None:
+                self.time_to_first_token.observe(max(0.0, time.time() - live.queued_ms / 1000))
+            live.last_token_at = now
+            live.started = True
+        elif kind == "queued":
+            live.queued_ms = wire.entry_ms(event.id)
+        elif kind == "started":
+            live.started = True
+
+    def unwatched(self, session_id: str) -> None:
+        for generation_id in list(self._by_session.get(session_id, ())):
+            live = self._forget(generation_id)
+            if live is not None and live.started and live.cancel_began is None:
+                self.abandoned.inc()
+                log.info(
+                    "last reader left a running generation",
+                    extra={"session_id": session_id, "generation_id": generation_id},
+                )
+
+    def redis_error(self, where: str) -> None:
+        self.redis_errors.labels(where).inc()
+
+    def fell_behind(self) -> None:
+        self.fell_behind_feeds.inc()

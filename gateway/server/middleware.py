@@ -1,0 +1,90 @@
+"""The outermost ASGI layer: a request id, one log line and one metric count per request.
+
+It wraps the whole Litestar app, so requests that match no route (404, 405) are counted
+too. Routes are labelled by their template (``/v1/sessions/{session_id}/events``), never
+by the raw path, so the metric's label set stays small. The log line carries the ids in the
+path (session, generation) and no body: message text never reaches the logs.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from typing import Any
+
+from litestar.enums import ScopeType
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.core.ids import token_hex
+from gateway.server.metrics import GatewayMetrics
+
+log = logging.getLogger("tokenspout.http")
+
+REQUEST_ID_HEADER = b"x-request-id"
+_REQUEST_ID = re.compile(rb"^[A-Za-z0-9._:-]{1,128}$")
+QUIET_ROUTES = frozenset({"/health", "/ready", "/metrics"})
+"""Probes and scrapes: logged at DEBUG only, so they do not flood the logs."""
+UNMATCHED = "unmatched"
+
+
+def request_id_of(scope: Scope) -> str:
+    """The client's or proxy's ``X-Request-ID`` when it is sane, else a fresh one."""
+    for name, value in scope.get("headers", ()):
+        if name == REQUEST_ID_HEADER and _REQUEST_ID.match(value):
+            return str(value.decode())
+    return token_hex(8)
+
+
+class RequestMetrics:
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in (ScopeType.HTTP, ScopeType.WEBSOCKET):
+            await self.app(scope, receive, send)
+            return
+        websocket = scope["type"] == ScopeType.WEBSOCKET
+        request_id = request_id_of(scope)
+        began = time.monotonic()
+        status = "101" if websocket else "500"
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = str(message["status"])
+                headers = list(message.get("headers", ()))
+                headers.append((REQUEST_ID_HEADER, request_id.encode()))
+                message = {**message, "headers": headers}
+            elif message["type"] == "websocket.close" and status == "101":
+                status = "403"  # closed before it was accepted
+            elif message["type"] == "websocket.accept":
+                status = "101"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            self._record(scope, websocket, status, request_id, time.monotonic() - began)
+
+    def _record(
+        self, scope: Scope, websocket: bool, status: str, request_id: str, seconds: float
+    ) -> None:
+        route = str(scope.get("path_template") or UNMATCHED)
+        method = "WS" if websocket else str(scope.get("method", ""))
+        self.metrics.requests.labels(method, route, status).inc()
+        params: dict[str, Any] = scope.get("path_params") or {}
+        level = logging.DEBUG if route in QUIET_ROUTES else logging.INFO
+        if log.isEnabledFor(level):
+            extra = {
+                "request_id": request_id,
+                "method": method,
+                "route": route,
+                "status": status,
+                "duration_ms": round(seconds * 1000, 1),
+            }
+            for key in ("session_id", "generation_id"):
+                if key in params:
+                    extra[key] = params[key]
+            log.log(level, "request", extra=extra)
