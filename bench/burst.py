@@ -209,7 +209,8 @@ def plot(results: dict[str, Any], png: Path) -> None:
             values = p["ttft_ms"][mode]
             ax.plot(values, [i / max(1, len(values) - 1) for i in range(len(values))], label=label)
         ax.set_title(f"{p['streams']} streams within {p['start_spread_s']} s")
-        ax.set_xlabel("time to first token, ms")
+        ax.set_xscale("log")
+        ax.set_xlabel("time to first token, ms (log scale)")
         ax.set_ylabel("share of streams")
         ax.grid(alpha=0.3)
         ax.legend()
