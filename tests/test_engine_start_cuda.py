@@ -61,7 +61,9 @@ def test_the_worker_touches_no_cuda_before_the_engine_starts(
     """Before the fix it failed: ``torch.cuda.is_available nvml=0 <- engine/__main__.py``."""
     env = {"REDIS_URL": redis_server.url, **probed(tmp_path)}
     log = tmp_path / "engine.log"
-    engine = processes.engine(["--backend", "vllm", "--model", "default"], env, log)
+    # --tool-call-parser: its check imports vLLM's parsers before the engine, too.
+    args = ["--backend", "vllm", "--model", "default", "--tool-call-parser", "hermes"]
+    engine = processes.engine(args, env, log)
     try:
         code = engine.wait(timeout=200)
     finally:
