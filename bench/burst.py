@@ -26,14 +26,13 @@ import argparse
 import asyncio
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from bench import profile_top, report, stats
 from bench.report import fmt
-from bench.rig import Rig, rig
+from bench.rig import Rig, rig, run_logs
 from bench.runner import run_once
 from bench.stats import Run, added, summarise
 
@@ -238,10 +237,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    args.logs = Path(tempfile.mkdtemp(prefix="tokenspout-burst-"))
-    say(f"process logs in {args.logs}; load average {os.getloadavg()[0]:.2f}")
-    if args.profile is not None:
-        args.profile.mkdir(parents=True, exist_ok=True)
+    args.logs = run_logs("burst", args.profile, say)
     results = asyncio.run(suite(args))
     png = args.out / f"{args.name}.png"
     report.write(

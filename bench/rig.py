@@ -14,7 +14,8 @@ import fcntl
 import os
 import secrets
 import subprocess
-from collections.abc import AsyncIterator
+import tempfile
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -88,6 +89,16 @@ class Rig:
         named |= self.more_engines
         pids = {name: process.pid for name, process in named.items()}
         return pids | {name: s.pid for name, s in self.servers.items()} | {"loadgen": os.getpid()}
+
+
+def run_logs(kind: str, profile: Path | None, say: Callable[[str], None]) -> Path:
+    """A fresh folder for a run's process logs (said, with the load average it starts at),
+    and the profile's folder made if one is asked for."""
+    logs = Path(tempfile.mkdtemp(prefix=f"tokenspout-{kind}-"))
+    say(f"process logs in {logs}; load average {os.getloadavg()[0]:.2f}")
+    if profile is not None:
+        profile.mkdir(parents=True, exist_ok=True)
+    return logs
 
 
 @contextlib.asynccontextmanager
