@@ -190,6 +190,7 @@ class Worker:
         """Run one generation the intake took, to its end."""
         gid = job.generation_id
         try:
+            await self.intake.turn_to_prepare()
             if job.request.task != "generate":
                 await self._run_tokenizer_task(job)
                 return

@@ -29,6 +29,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 from redis.commands.core import AsyncScript
 
+from wire.batched import Arg, BatchedCalls
 from wire.connect import is_cluster
 from wire.keys import CONSUMER_GROUP, SHARED_KEY_TTL_S, Keys
 from wire.limits import RUNNING_HOLD_S, Counts, LimitName, Limits
@@ -108,7 +109,6 @@ EMIT_EVENT = lua_source("emit_event")
 """Lua function ``emit_event``: one writer's event, checked (after ``EMIT_CORE``)."""
 
 
-Arg = str | bytes | int | float
 Bill = Literal["all", "completion", "none"]
 """What a generation's final event bills its tenant: prompt and completion tokens, the
 completion only (another choice of a request: the prompt is billed with choice 0), or
@@ -382,6 +382,8 @@ class Submit(Script):
     """Queue a generation in a session: message, limits, queued event (wire/lua/submit.lua)."""
 
     source = EMIT_CORE + FAIR_CORE + ADMIT_CORE + lua_source("submit")
+    _admitted: BatchedCalls | None = None
+    """``create_admitted``'s calls (one Redis only: admitting in the script needs it)."""
 
     async def __call__(
         self,
@@ -436,9 +438,13 @@ class Submit(Script):
 
     async def create_admitted(self, new: NewSession, admission: Admission) -> SubmitReply:
         """Admit a request (or answer ``OverCapacity``), make ``new`` and queue the request
-        after its generation, in one call on one Redis. That call is the whole round trip:
-        no pipeline (redis-py's costs about 20 us of CPU a call)."""
-        return submit_reply(await self._run(*self._new_session(new, admission), None))
+        after its generation, in one call on one Redis. A lone call is the whole round trip
+        (no pipeline: redis-py's costs about 20 us of CPU a call); the calls made while one
+        is under way (a burst) go together in one pipeline when it is back
+        (wire/batched.py)."""
+        if self._admitted is None:
+            self._admitted = BatchedCalls(self._redis, self._script, self.load)
+        return submit_reply(await self._admitted(*self._new_session(new, admission)))
 
     def _new_session(
         self, new: NewSession, admission: Admission | None
