@@ -5,9 +5,12 @@ memory plot."""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import itertools
 import json
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +27,22 @@ def fmt(value: object, digits: int = 1, sign: bool = False) -> str:
     if isinstance(value, int):
         return f"{value:+,}" if sign else f"{value:,}"
     return str(value)
+
+
+def run(
+    args: argparse.Namespace,
+    measure: Callable[[argparse.Namespace], Coroutine[Any, Any, dict[str, Any]]],
+    markdown: Callable[[dict[str, Any]], str],
+    say: Callable[[str], None],
+) -> None:
+    """A benchmark's run from its arguments: its processes' logs in ``args.logs`` (a fresh
+    folder unless given), its results measured, written (NAME.json, NAME.md) and shown."""
+    args.logs = args.logs or Path(tempfile.mkdtemp(prefix="tokenspout-bench-"))
+    args.logs.mkdir(parents=True, exist_ok=True)
+    say(f"process logs in {args.logs}")
+    results = asyncio.run(measure(args))
+    write(args.out, args.name, results, markdown(results))
+    print(markdown(results))
 
 
 def write(

@@ -32,7 +32,6 @@ import contextlib
 import itertools
 import json
 import sys
-import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -44,7 +43,11 @@ from bench import profile_top, report, stats
 from bench.loadgen import OpenAIStream, SSEStream, StreamRecord, open_stream, sse_request
 from bench.rig import Rig, rig
 from bench.runner import chat_body
+from gateway.tenants.keystore import KeyStore
+from gateway.tenants.records import NewKey
 from stack.rig import HOST
+from wire import Keys
+from wire.limits import Limits
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE = "engine"
@@ -110,6 +113,61 @@ def send_in_process(
     return outcomes, time.process_time() - began
 
 
+@dataclass(frozen=True)
+class Side:
+    """Where a side's requests go: its port, the processes on its path, its headers."""
+
+    port: int
+    path: list[str]
+    headers: dict[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class LimitedKey:
+    """A key made for the bench with every limit set, none ever reached (each request is
+    admitted against them: gateway/tenants/limits.py; the gateway, open to every request,
+    serves a known key as its tenant)."""
+
+    store: KeyStore
+    id: str
+    headers: dict[str, str]
+
+    @classmethod
+    async def make(cls, the_rig: Rig) -> LimitedKey:
+        huge = 10**12
+        limits = Limits(
+            concurrent=huge, requests_per_minute=huge, tokens_per_minute=huge, tokens_per_day=huge
+        )
+        server = next(iter(the_rig.servers.values()))
+        store = KeyStore(server.client, Keys(the_rig.prefix))
+        record, secret = await store.create(NewKey(name="bench", limits=limits))
+        await asyncio.sleep(1.0)  # the gateway reads the keys every 250 ms
+        return cls(store, record.id, {"Authorization": f"Bearer {secret}"})
+
+    async def generations(self) -> int:
+        """The generations its usage counts (today's and yesterday's)."""
+        now = int(time.time())
+        days = await self.store.usage(self.id, "day", now - 86_400, now + 1)
+        return sum(day.generations for day in days)
+
+
+async def sides_of(
+    the_rig: Rig, args: argparse.Namespace
+) -> tuple[dict[str, Side], LimitedKey | None]:
+    """The sides a run measures, by name (and the key of ``--limited-key``'s)."""
+    behind = [*the_rig.engine_workers, *the_rig.servers]
+    sides: dict[str, Side] = {ENGINE: Side(the_rig.engine_port, [ENGINE])}
+    if 1 in args.gateways:
+        sides["gateway x1"] = Side(the_rig.gateway_port, ["gateway", *behind])
+    key = await LimitedKey.make(the_rig) if args.limited_key else None
+    if key is not None:
+        path = ["gateway", *behind]
+        sides["gateway x1, limited key"] = Side(the_rig.gateway_port, path, key.headers)
+    for name, (_, port) in the_rig.more_gateways.items():
+        sides[name] = Side(port, [name, *behind])
+    return sides, key
+
+
 def shares(total: int, parts: int) -> list[int]:
     """``total`` split into ``parts`` near-equal whole shares."""
     return [total // parts + (i < total % parts) for i in range(parts)]
@@ -121,13 +179,16 @@ async def run_side(
     args: argparse.Namespace,
     kept: bool = False,
     load: ProcessPoolExecutor | None = None,
+    headers: dict[str, str] | None = None,
 ) -> tuple[list[Outcome], dict[str, float], float]:
     """``args.requests`` requests to ``port``, ``args.concurrency`` at a time (``kept``: each
     client on one kept-alive connection), sent from this process or split over the
     processes of ``load``: their outcomes, the CPU seconds of every process of the rig
     meanwhile (``loadgen``: this process and the load processes; ``LOAD_PROCESSES``: the
-    load processes' part, each timing itself), and the wall time."""
-    request = sse_request(HOST, port, "/v1/chat/completions", {}, chat_body(the_rig, args.tokens))
+    load processes' part, each timing itself), and the wall time. ``headers``: the
+    requests' own (an API key's)."""
+    body = chat_body(the_rig, args.tokens)
+    request = sse_request(HOST, port, "/v1/chat/completions", headers or {}, body)
     pids = the_rig.pids()
     before, began = stats.cpu_of(pids), time.perf_counter()
     load_cpu_s = 0.0
@@ -189,6 +250,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             "load_processes": args.load_processes,
             "engines": args.engines,
             "cluster": args.cluster,
+            "limited_key": args.limited_key,
         },
         "sides": {},
     }
@@ -210,34 +272,32 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 engines=args.engines,
             )
         )
-        behind = [*the_rig.engine_workers, *the_rig.servers]
-        sides: dict[str, tuple[int, list[str]]] = {ENGINE: (the_rig.engine_port, [ENGINE])}
-        if 1 in args.gateways:
-            sides["gateway x1"] = (the_rig.gateway_port, ["gateway", *behind])
-        for name, (_, port) in the_rig.more_gateways.items():
-            sides[name] = (port, [name, *behind])
+        sides, key = await sides_of(the_rig, args)
         kinds = [(side, connection) for side in sides for connection in args.connections]
         runs: dict[tuple[str, str], list[Any]] = {kind: [] for kind in kinds}
         warm = argparse.Namespace(**{**vars(args), "requests": 50})
-        for port, _ in sides.values():  # warm up: imports, caches, pools, load processes
-            await run_side(the_rig, port, warm, load=load)
+        for side in sides.values():  # warm up: imports, caches, pools, load processes
+            await run_side(the_rig, side.port, warm, load=load, headers=side.headers)
         for round_ in range(1, args.rounds + 1):
-            for side, connection in kinds:
-                port = sides[side][0]
-                runs[side, connection].append(
-                    await run_side(the_rig, port, args, kept=connection == KEPT, load=load)
+            for name, connection in kinds:
+                side = sides[name]
+                kept = connection == KEPT
+                runs[name, connection].append(
+                    await run_side(the_rig, side.port, args, kept, load, side.headers)
                 )
-                outcomes, _, wall = runs[side, connection][-1]
+                outcomes, _, wall = runs[name, connection][-1]
                 say(
-                    f"round {round_}, {side}, {connection} connections:"
+                    f"round {round_}, {name}, {connection} connections:"
                     f" {len(outcomes) / wall:,.0f} requests/s"
                 )
-        for side, connection in kinds:
-            results["sides"][f"{side}, {connection}"] = {
-                "side": side,
+        for name, connection in kinds:
+            results["sides"][f"{name}, {connection}"] = {
+                "side": name,
                 "connections": connection,
-                **summary(runs[side, connection], sides[side][1]),
+                **summary(runs[name, connection], sides[name].path),
             }
+        if key is not None:  # the key's usage: every request of its side served it
+            results["limited_key_generations"] = await key.generations()
         if args.profile is not None:
             results["profile"] = await profile(the_rig, args)
     return results
@@ -308,6 +368,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--cluster", type=int, default=0, metavar="PRIMARIES", help="on a Redis Cluster of these"
     )
     parser.add_argument("--connections", nargs="+", choices=[NEW, KEPT], default=[NEW, KEPT])
+    parser.add_argument(
+        "--limited-key",
+        action="store_true",
+        help="a side through one gateway with a key that has limits (never reached): what "
+        "its admission costs, in turns with the side without a key",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "bench")
     parser.add_argument("--name", default="requests", help="file names: NAME.json, NAME.md")
     parser.add_argument("--logs", type=Path, default=None)
@@ -319,6 +385,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--render", type=Path, default=None, help="only write NAME.md from this results JSON"
     )
     args = parser.parse_args(argv)
+    if args.limited_key and args.cluster:
+        parser.error("--limited-key runs on one Redis (its key is made there)")
     if args.concurrency < args.load_processes:
         parser.error("--concurrency must be at least --load-processes (a client or more each)")
     return args
@@ -330,11 +398,7 @@ def main(argv: list[str] | None = None) -> None:
         results = json.loads(args.render.read_text())
         report.write(args.out, args.name, results, markdown(results))
         return
-    args.logs = args.logs or Path(tempfile.mkdtemp(prefix="tokenspout-bench-"))
-    say(f"process logs in {args.logs}")
-    results = asyncio.run(measure(args))
-    report.write(args.out, args.name, results, markdown(results))
-    print(markdown(results))
+    report.run(args, measure, markdown, say)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,37 @@ class PlainCounter(Collector):
         yield CounterMetricFamily(self.name, self.documentation, value=self.value)
 
 
+TENANT_LABELS = 100
+"""Tenants with a label of their own in ``tenant_tokens``; the rest count as ``other``."""
+
+
+class TenantLabels:
+    """A tenant's label: its id for the first ``TENANT_LABELS`` tenants this worker bills,
+    ``other`` after them, so the metric's series stay bounded however many keys there are."""
+
+    def __init__(self, limit: int = TENANT_LABELS) -> None:
+        self.limit = limit
+        self.seen: set[str] = set()
+
+    def __call__(self, tenant: str) -> str:
+        if tenant in self.seen:
+            return tenant
+        if len(self.seen) >= self.limit:
+            return "other"
+        self.seen.add(tenant)
+        return tenant
+
+
+def _tenant_tokens(registry: CollectorRegistry) -> Counter:
+    return Counter(
+        "tokenspout_engine_tenant_tokens",
+        "Tokens billed to a tenant by the generations this worker ended (kind: prompt or"
+        " completion; tenant: its id, the first 100 tenants, then 'other').",
+        ["tenant", "kind"],
+        registry=registry,
+    )
+
+
 class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
@@ -127,6 +158,15 @@ class WorkerMetrics:
             ["where"],
             registry=r,
         )
+        self.tenant_tokens, self.tenant_label = _tenant_tokens(r), TenantLabels()
+
+    def billed(self, tenant: str, prompt_tokens: int, completion_tokens: int) -> None:
+        """A generation this worker ended billed its tenant these tokens."""
+        label = self.tenant_label(tenant or "anonymous")
+        if prompt_tokens:
+            self.tenant_tokens.labels(label, "prompt").inc(prompt_tokens)
+        if completion_tokens:
+            self.tenant_tokens.labels(label, "completion").inc(completion_tokens)
 
     def first_token(self, since_enqueued: float, engine_s: float) -> None:
         """A reply's first token is out: ``since_enqueued`` after the gateway queued it,

@@ -38,6 +38,7 @@ from wire import Keys, SessionEvent, Token
 from wire.connect import is_cluster, slot_of
 from wire.emit_step import EmitStep, EmitTarget, StepCall
 from wire.queue import RequestQueue
+from wire.tenancy import UsageCounter
 
 log = logging.getLogger("tokenspout.publisher")
 
@@ -127,6 +128,7 @@ class Publisher:
         self.join_tokens = join_tokens
         """Join a generation's tokens that wait for the next write (see the module's doc)."""
         self._script = EmitStep(redis, keys)
+        self._usage = UsageCounter(redis, keys)
         self._acks_after = is_cluster(redis)
         """On a cluster, acknowledge in a round trip after the events (see ``_write``);
         on one Redis the step's last call acknowledges them itself."""
@@ -207,6 +209,12 @@ class Publisher:
         future: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
         batch.waiters[where] = future
         return future
+
+    async def count_usage(self, session_id: str, generation_id: str) -> None:
+        """After a final event's write (written or refused: the script that refuses a write
+        may have ended the generation, ``events_lost``), count its usage to its tenant on a
+        Redis Cluster, once (one Redis counted it in the script)."""
+        await self._usage.after_final(session_id, generation_id)
 
     def written(self) -> asyncio.Future[None]:
         """Resolves once every event emitted so far is in Redis (written in order)."""

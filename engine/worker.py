@@ -190,6 +190,7 @@ class Worker:
         """Run one generation the intake took, to its end."""
         gid = job.generation_id
         try:
+            await self.intake.turn_to_prepare()
             if job.request.task != "generate":
                 await self._run_tokenizer_task(job)
                 return
@@ -198,7 +199,7 @@ class Worker:
                 prepared = await self.backend.prepare(job.request)
                 job.prepare_s = time.monotonic() - began
             except BackendError as exc:
-                await self._finish(job, Error(gid, exc.code, exc.message))
+                await self._finish(job, Error(gid, exc.code, exc.message, job.usage()))
                 return
             if job.request.resume is None:
                 job.prompt_tokens = len(prepared.prompt_token_ids)
@@ -216,10 +217,12 @@ class Worker:
             if not job.stopped:
                 await self._stream(job, prepared)
         except BackendError as exc:
-            await self._finish(job, Error(gid, exc.code, exc.message))
+            await self._finish(job, Error(gid, exc.code, exc.message, job.usage()))
         except Exception as exc:
             log.exception("generation %s failed", gid)
-            await self._finish(job, Error(gid, "engine_error", f"{type(exc).__name__}: {exc}"))
+            await self._finish(
+                job, Error(gid, "engine_error", f"{type(exc).__name__}: {exc}", job.usage())
+            )
         finally:
             # Only now, the engine's run over, may a second copy run (the same engine
             # request id); one that ended before its claim was answered drops it.
@@ -319,7 +322,7 @@ class Worker:
                 job.prompt_tokens = len(request.token_ids)
                 claim = Started(gid, model, job.prompt_tokens)
         except BackendError as exc:
-            await self._finish(job, Error(gid, exc.code, exc.message))
+            await self._finish(job, Error(gid, exc.code, exc.message, job.usage()))
             return
         if await self.emit_waited(job, claim) is None:
             job.claim_answered(held=False)
@@ -362,11 +365,13 @@ class Worker:
             assistant=assistant if job.request.prompt is None and not job.request.choice else None,
             ack=job.entry_id,
         )
+        await self.publisher.count_usage(job.session_id, job.generation_id)  # a cluster's
         state = wire.final_state(event)
         if written is None:  # it ended elsewhere, or is not this worker's: not counted here
             log.info("%s: its %s event was refused", job.generation_id, state)
             return
         self.metrics.generations.labels(state).inc()
+        self._bill(job)
         log.info(
             "generation ended",
             extra={
@@ -378,6 +383,14 @@ class Worker:
                 "completion_tokens": job.emitted_tokens,
             },
         )
+
+    def _bill(self, job: Job) -> None:
+        """The metric of the tokens its final event billed its tenant (usage_core.lua):
+        another choice of a request bills no prompt, a tokenizer task nothing."""
+        request = job.request
+        if request.task == "generate":
+            prompt = job.prompt_tokens if request.choice == 0 else 0
+            self.metrics.billed(request.tenant, prompt, job.emitted_tokens)
 
     def emit_waited(
         self,

@@ -7,6 +7,9 @@ SIGTERM drains: the listening socket closes, idle event streams end at once, str
 generation in flight end right after its final event, and whatever is still open after
 ``TOKENSPOUT_SHUTDOWN_GRACE_S`` is cut (clients resume on another replica with
 ``Last-Event-ID``); the gRPC server takes no new RPC and gives running ones as long.
+
+``python -m gateway keys ...``: make, list, change and revoke API keys, and read their
+usage, on the Redis of ``REDIS_URL`` (gateway/tenants/cli.py; ``keys --help``).
 """
 
 from __future__ import annotations
@@ -109,6 +112,12 @@ def workers(value: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
+    given = sys.argv[1:] if argv is None else argv
+    if given[:1] == ["keys"]:
+        from gateway.tenants.cli import main as keys  # the server's imports are not needed
+
+        keys(given[1:])
+        return
     args = parser().parse_args(argv)
     from gateway.core.auth import ConfigError
     from gateway.server.app import create_asgi_app  # here: the parser alone stays cheap to import

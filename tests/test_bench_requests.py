@@ -50,3 +50,22 @@ def test_every_side_answers_every_request_and_its_path_cpu_is_read(tmp_path: Pat
     assert sides["engine, new"]["path"] == ["engine"]
     report = (tmp_path / "requests.md").read_text()
     assert "| gateway x2 | kept |" in report and "gateway x2 " in report
+
+
+def test_a_side_with_a_key_that_has_limits_serves_the_key_with_every_request(
+    tmp_path: Path,
+) -> None:
+    """``--limited-key``: a side through the same gateway whose requests show a key with
+    limits (admitted inside SUBMIT on one Redis): every request answered, none refused, and
+    the key's usage counts each of them (the warm-up's 50 too)."""
+    requests = 100
+    run_bench(
+        "bench.requests",
+        tmp_path,
+        *("--requests", str(requests), "--rounds", "1", "--gateways", "1"),
+        *("--connections", "kept", "--limited-key"),
+    )
+    results = json.loads((tmp_path / "requests.json").read_text())
+    side = results["sides"]["gateway x1, limited key, kept"]
+    assert side["requests"] == requests and side["failed"] == 0, side
+    assert results["limited_key_generations"] == requests + 50

@@ -20,21 +20,27 @@ from stack.redis_sentinel import EmbeddedSentinel
 from tests.support.cluster import check_reply, outage_s
 from tests.support.http import create_session, follow, send
 from tests.support.stack import Stack
+from tests.support.tenants import ADMIN_KEY, keyed_session, make_key, usage_total
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.sentinel]
 
 
 async def test_a_reply_streams_whole_through_sentinel(sentinel_stack: Stack) -> None:
+    """A key's session turn streams whole; its key's limits are admitted and its usage is
+    counted on the primary, as on one Redis (in the scripts that admit and end it)."""
     stack = sentinel_stack
     stack.synthetic(200)
-    gateway = stack.gateway()
+    gateway = stack.gateway(TOKENSPOUT_ADMIN_KEY=ADMIN_KEY)
     content, max_tokens = "ask the sentinels", 60
     async with httpx.AsyncClient(timeout=60) as client:
-        session = await create_session(client, gateway.url)
+        key = await make_key(client, gateway.url, "watched", limits={"requests_per_minute": 9})
+        session = await keyed_session(client, gateway.url, key)
         gid = await send(client, session, content, max_tokens=max_tokens)
         follower = follow(client, session, gid)
         await follower.until_end(60)
-    assert check_reply(follower.reading.events, gid, content, max_tokens)["usage"]
+        usage = check_reply(follower.reading.events, gid, content, max_tokens)["usage"]
+        total = await usage_total(client, gateway.url, key.id)
+    assert total["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"] > 0
 
 
 async def test_the_primary_killed_mid_stream_the_replica_promoted_the_stream_goes_on(

@@ -50,9 +50,30 @@ Redis layout (every key with a TTL, every stream capped):
     {prefix}:{<sid>}:watch            string, EX grace: someone is reading the session
     {prefix}:{<sid>}:keep             string, EX session TTL: a background response, run on
                                       with no reader (workers count it as a reader)
+    {{prefix}:tenants}:records        hash key id -> its record (JSON: name, the SHA-256
+                                      digest of its secret, models, weight, limits, when
+                                      made, changed, revoked); no TTL: keys live until
+                                      revoked, and revoked ones stay for the books
+    {{prefix}:tenants}:version        counter, bumped with every change of the records
+                                      (gateways reload them when it moves)
+    {prefix}:tenant:{<tid>}:requests  sorted set generation id -> unix ms: the tenant's
+                                      requests admitted in the last minute (PX 61 s)
+    {prefix}:tenant:{<tid>}:running   sorted set generation id -> unix ms it stops counting:
+                                      the tenant's generations not ended (the final event's
+                                      script removes it; PX the longest it may count)
+    {prefix}:tenant:{<tid>}:tpm       hash unix second -> tokens: its last minute's (EX 120 s)
+    {prefix}:tenant:{<tid>}:tpd:<day> string: its tokens of UTC day <day> (days since the
+                                      epoch; EX 2 days)
+    {prefix}:tenant:{<tid>}:usage:hour:<hour>, ...:usage:day:<day>
+                                      hash prompt_tokens, completion_tokens, generations: its
+                                      usage per UTC hour and day (hours and days since the
+                                      epoch; EX 45 and 400 days)
+    {prefix}:tenant:{<tid>}:counted   sorted set generation id -> unix seconds: generations
+                                      whose usage was counted on a Redis Cluster (one day)
 
 The ``{<sid>}`` hash tag keeps a session's keys in one Redis Cluster slot, so every script
-(wire/scripts.py) touches one slot only.
+(wire/scripts.py) touches one slot only; ``{<tid>}`` does the same for a tenant's keys
+(wire/tenancy.py), and the keys store is one slot of its own (gateway/tenants/keystore.py).
 """
 
 from __future__ import annotations
@@ -69,6 +90,8 @@ write: submits, cancels, worker heartbeats. They only expire once nothing has us
 that long; a worker recreates a lost consumer group by itself."""
 
 
+TENANT_ID = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+"""A tenant's id: it becomes the hash tag of its keys, so no braces and no spaces."""
 MODEL_NAME = re.compile(r"[^\s{}]{1,128}")
 """A served model name: it becomes part of a key, so no hash-tag braces and no spaces."""
 
@@ -146,6 +169,20 @@ class Keys:
 
     def keep(self, session_id: str) -> str:
         return f"{self._session(session_id)}:keep"
+
+    def tenant(self, tenant_id: str, name: str) -> str:
+        """One of a tenant's keys (``requests``, ``running``, ``tpm``, ``tpd:<day>``,
+        ``usage:hour:<hour>``, ...), in its own hash slot. wire/lua/usage_core.lua builds
+        the same names from a generation's key and its tenant."""
+        return f"{self.prefix}:tenant:{{{tenant_id}}}:{name}"
+
+    @property
+    def tenant_records(self) -> str:
+        return f"{{{self.prefix}:tenants}}:records"
+
+    @property
+    def tenant_version(self) -> str:
+        return f"{{{self.prefix}:tenants}}:version"
 
     def session_id_of_channel(self, channel: str) -> str:
         start = channel.index("{") + 1

@@ -301,10 +301,13 @@ class Cancelled(msgspec.Struct, frozen=True, tag="cancelled"):
     usage: Usage
 
 
-class Error(msgspec.Struct, frozen=True, tag="error"):
+class Error(msgspec.Struct, frozen=True, tag="error", omit_defaults=True):
     generation_id: str
     code: str
     message: str
+    usage: Usage | None = None
+    """What the generation had used when it failed, where its writer knows it (a worker's
+    own error, a lost worker's reply read back by the reaper): billed to its tenant."""
 
 
 class Resumed(msgspec.Struct, frozen=True, tag="resumed"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import msgspec
 
+from wire.limits import Counts
 from wire.messages import CancelReason, ChatMessage, FinalEvent
 
 
@@ -96,7 +97,30 @@ class OverCapacity(msgspec.Struct, frozen=True, tag="overloaded"):
     count: int
 
 
-SubmitReply = Accepted | SessionMissing | Forbidden | Duplicate | Busy | HistoryFull | OverCapacity
+class Admitted(msgspec.Struct, frozen=True, tag="admitted"):
+    """Queued, its key's limits admitted in the same call (one Redis): the key's counts."""
+
+    queued_id: str
+    counts: Counts
+
+
+class Limited(msgspec.Struct, frozen=True, tag="limited"):
+    """Not admitted: the key is at one of its limits (``counts.refused``)."""
+
+    counts: Counts
+
+
+SubmitReply = (
+    Accepted
+    | Admitted
+    | SessionMissing
+    | Forbidden
+    | Duplicate
+    | Busy
+    | HistoryFull
+    | OverCapacity
+    | Limited
+)
 
 
 # --- CANCEL (wire/lua/cancel.lua) ----------------------------------------------------

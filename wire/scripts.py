@@ -22,15 +22,17 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib.resources import files
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar, Literal, cast
 
 import msgspec
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 from redis.commands.core import AsyncScript
 
+from wire.batched import Arg, BatchedCalls
 from wire.connect import is_cluster
 from wire.keys import CONSUMER_GROUP, SHARED_KEY_TTL_S, Keys
+from wire.limits import RUNNING_HOLD_S, Counts, LimitName, Limits
 from wire.messages import (
     Cancelled,
     CancelReason,
@@ -47,6 +49,7 @@ from wire.messages import (
 )
 from wire.outcomes import (
     Accepted,
+    Admitted,
     AlreadyFinal,
     Busy,
     CancelAsked,
@@ -57,6 +60,7 @@ from wire.outcomes import (
     Exhausted,
     Forbidden,
     HistoryFull,
+    Limited,
     Moved,
     NotStarted,
     OverCapacity,
@@ -77,25 +81,38 @@ def lua_source(name: str) -> str:
     return (_LUA / f"{name}.lua").read_text(encoding="utf-8")
 
 
-EMIT_CORE = lua_source("emit_core")
-"""Lua functions ``emit`` (append an event and publish it) and ``finish`` (end a generation)."""
+USAGE_CORE = lua_source("usage_core")
+"""Lua functions ``add_usage`` (count a generation's usage to its tenant) and
+``count_usage`` (the same, from its final event, where one Redis holds every key)."""
+EMIT_CORE = USAGE_CORE + lua_source("emit_core")
+"""Lua functions ``emit`` (append an event and publish it) and ``finish`` (end a generation,
+counting its usage: ``count_usage``)."""
 _PUBLISH = "local publish = 'PUBLISH'\n"
 _SPUBLISH = "local publish = 'SPUBLISH'\n"
+_COUNT_HERE = "local count_here = true\n"
+_COUNT_AFTER = "local count_here = false\n"
 
 
 def for_cluster(source: str) -> str:
     """A script's source as it runs on a Redis Cluster: live events by SPUBLISH (sharded
-    pub/sub: only the shard of the session's slot carries them)."""
-    return source.replace(_PUBLISH, _SPUBLISH)
+    pub/sub: only the shard of the session's slot carries them), and a final event's usage
+    counted by its writer right after (the tenant's keys are on another slot:
+    ``wire.tenancy.UsageCounter``)."""
+    return source.replace(_PUBLISH, _SPUBLISH).replace(_COUNT_HERE, _COUNT_AFTER)
 
 
+ADMIT_CORE = lua_source("admit_core")
+"""Lua function ``admit_tenant``: a key's admission against its limits."""
 FAIR_CORE = lua_source("fair_core")
 """Lua functions of a model's fair share (``fair_enqueue``, ``fair_charge``, ...)."""
 EMIT_EVENT = lua_source("emit_event")
 """Lua function ``emit_event``: one writer's event, checked (after ``EMIT_CORE``)."""
 
 
-Arg = str | bytes | int | float
+Bill = Literal["all", "completion", "none"]
+"""What a generation's final event bills its tenant: prompt and completion tokens, the
+completion only (another choice of a request: the prompt is billed with choice 0), or
+nothing (tokenize, detokenize)."""
 
 
 class Script:
@@ -169,8 +186,36 @@ def takeover_reply(reply: object) -> TakeoverReply:
     raise ScriptReplyError(f"TAKEOVER answered {reply!r}")
 
 
+def counts_of(items: list[str]) -> Counts:
+    """A key's counts as admit_tenant answers them (wire/lua/admit_core.lua)."""
+    if len(items) != 9:
+        raise ScriptReplyError(f"a key's admission answered {items!r}")
+    refused: LimitName | None = None
+    if items[0] != "ok":
+        refused = msgspec.convert(items[0], LimitName)
+    return Counts(refused, *(int(value) for value in items[1:]))
+
+
+def limits_args(limits: Limits | None, count_request: bool) -> list[Arg]:
+    """A key's limits as admit_tenant takes them (none: no arguments, no admission)."""
+    if limits is None:
+        return []
+    return [
+        "1" if count_request else "0",
+        limits.concurrent,
+        limits.requests_per_minute,
+        limits.tokens_per_minute,
+        limits.tokens_per_day,
+        RUNNING_HOLD_S * 1000,
+    ]
+
+
 def submit_reply(reply: object) -> SubmitReply:
     match _texts(reply):
+        case ["admitted", queued_id, *counts]:
+            return Admitted(queued_id, counts_of(counts))
+        case ["limited", *counts]:
+            return Limited(counts_of(counts))
         case ["ok", queued_id, *history]:
             return Accepted(queued_id, [_message_decoder.decode(item) for item in history])
         case ["missing"]:
@@ -296,19 +341,11 @@ class Admission:
     """Its place in the queue's fair share (``wire.keys.tenant_slot``)."""
     weight: float
     """The tenant's weight: its share of the engine against the others'."""
-
-    def args(self) -> list[Arg]:
-        """SUBMIT's ARGV after its own: the admission's, in wire/lua/submit.lua's order."""
-        return [
-            self.limit,
-            self.model_limit,
-            self.target + 1,
-            self.request,
-            SHARED_KEY_TTL_S,
-            CONSUMER_GROUP,
-            self.tenant,
-            self.weight,
-        ]
+    limits: Limits | None = None
+    """The limits of the key the request serves, admitted in the same call (one Redis holds
+    the key's keys too); None: none, or admitted before."""
+    count_request: bool = True
+    """False for another choice of a request counted already (``Admit``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,12 +358,32 @@ class NewSession:
     """Its events stream's cap."""
     ttl_s: int
     watch_ttl_s: int
+    tenant: str = ""
+    """Who it serves and is billed to (``GenerationRequest.tenant``)."""
+    bill: Bill = "all"
+
+
+def _admitting(admission: Admission) -> tuple[list[str], list[Arg]]:
+    """SUBMIT's KEYS and ARGV after its own, to admit a request and queue it (``Admission``)."""
+    return admission.queues, [
+        admission.limit,
+        admission.model_limit,
+        admission.target + 1,
+        admission.request,
+        SHARED_KEY_TTL_S,
+        CONSUMER_GROUP,
+        admission.tenant,
+        admission.weight,
+        *limits_args(admission.limits, admission.count_request),
+    ]
 
 
 class Submit(Script):
     """Queue a generation in a session: message, limits, queued event (wire/lua/submit.lua)."""
 
-    source = EMIT_CORE + FAIR_CORE + lua_source("submit")
+    source = EMIT_CORE + FAIR_CORE + ADMIT_CORE + lua_source("submit")
+    _admitted: BatchedCalls | None = None
+    """``create_admitted``'s calls (one Redis only: admitting in the script needs it)."""
 
     async def __call__(
         self,
@@ -343,11 +400,14 @@ class Submit(Script):
         choice: int = 0,
         note: bytes = b"",
         queue: str = "",
+        tenant: str = "",
+        bill: Bill = "all",
     ) -> SubmitReply:
         """``token_digest`` "": no token check. ``choice`` > 0: another choice of the turn
         just submitted (no ``user_message``): queued beside it, not the session's active
         generation. ``note``: its request without its conversation, kept with the
-        generation with the ``queue`` it goes to (to queue it again, should Redis lose it)."""
+        generation with the ``queue`` it goes to (to queue it again, should Redis lose it).
+        ``tenant``: who it serves, billed ``bill`` when its final event is written."""
         keys, args = self._keys_args(
             session_id,
             generation_id,
@@ -361,6 +421,8 @@ class Submit(Script):
             choice=choice,
             note=note,
             queue=queue,
+            tenant=tenant,
+            bill=bill,
         )
         return submit_reply(await self._run(keys, args, None))
 
@@ -376,9 +438,13 @@ class Submit(Script):
 
     async def create_admitted(self, new: NewSession, admission: Admission) -> SubmitReply:
         """Admit a request (or answer ``OverCapacity``), make ``new`` and queue the request
-        after its generation, in one call on one Redis. That call is the whole round trip:
-        no pipeline (redis-py's costs about 20 us of CPU a call)."""
-        return submit_reply(await self._run(*self._new_session(new, admission), None))
+        after its generation, in one call on one Redis. A lone call is the whole round trip
+        (no pipeline: redis-py's costs about 20 us of CPU a call); the calls made while one
+        is under way (a burst) go together in one pipeline when it is back
+        (wire/batched.py)."""
+        if self._admitted is None:
+            self._admitted = BatchedCalls(self._redis, self._script, self.load)
+        return submit_reply(await self._admitted(*self._new_session(new, admission)))
 
     def _new_session(
         self, new: NewSession, admission: Admission | None
@@ -391,6 +457,8 @@ class Submit(Script):
             watch_ttl_s=new.watch_ttl_s,
             create=True,
             admission=admission,
+            tenant=new.tenant,
+            bill=new.bill,
         )
 
     @staticmethod
@@ -414,11 +482,13 @@ class Submit(Script):
         note: bytes = b"",
         queue: str = "",
         admission: Admission | None = None,
+        tenant: str = "",
+        bill: Bill = "all",
     ) -> tuple[list[str], list[Arg]]:
         """Submit's KEYS and ARGV, the one place they are listed (the defaults: what a
         stateless session made by ``create_in`` has: no message, token, key or history)."""
         keys = self.keys
-        admitting = ([], []) if admission is None else (admission.queues, admission.args())
+        admitting = _admitting(admission) if admission is not None else ([], [])
         return [
             keys.meta(session_id),
             keys.history(session_id),
@@ -444,6 +514,8 @@ class Submit(Script):
             "1" if choice else "",
             note,
             queue,
+            tenant,
+            bill,
             *admitting[1],
         ]
 
@@ -523,7 +595,7 @@ class HoldReaperLock(Script):
 
 
 @dataclass(frozen=True, slots=True)
-class Waiting:
+class WaitingRequest:
     """A request for its tenant's list of a model's queue (``FairEnqueue``)."""
 
     base: str
@@ -534,14 +606,23 @@ class Waiting:
     """Its slot (``wire.keys.tenant_slot``)."""
     weight: float
     request: bytes
+    estimate: int
+    """The tokens its prompt is guessed at (``wire.queue.estimated_tokens``): charged to its
+    tenant when it leaves the list; the worker charges the difference once it knows."""
     note: bytes = b""
     """The note of its submit to cross off with it (b"": none)."""
+
+    @property
+    def element(self) -> bytes:
+        """The request as its tenant's list holds it: its estimate, ``|``, the request
+        (fair_take.lua moves the estimate into the stream entry's ``e`` field)."""
+        return b"%d|%s" % (self.estimate, self.request)
 
     def keys_args(self) -> tuple[list[str], list[Arg]]:
         return [self.base, self.submitting], [
             self.tenant,
             self.weight,
-            self.request,
+            self.element,
             SHARED_KEY_TTL_S,
             self.note,
         ]
@@ -552,10 +633,10 @@ class FairEnqueue(Script):
 
     source = FAIR_CORE + lua_source("fair_enqueue")
 
-    async def __call__(self, waiting: Waiting) -> None:
+    async def __call__(self, waiting: WaitingRequest) -> None:
         await self._run(*waiting.keys_args(), None)
 
-    def enqueue_in(self, pipe: Pipeline, waiting: Waiting) -> None:
+    def enqueue_in(self, pipe: Pipeline, waiting: WaitingRequest) -> None:
         """``__call__`` queued in ``pipe`` (a bare EVALSHA: on NoScriptError, ``load`` and
         send it again)."""
         self._queue_evalsha(pipe, *waiting.keys_args())

@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import re
+import time
 import zlib
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -190,6 +191,7 @@ class SyntheticBackend(Backend):
         capacity: int = 256,
         prepare_delay_s: float = 0.0,
         model: str = "synthetic",
+        prepare_cpu_s: float = 0.0,
     ) -> None:
         self.model = model
         self.tokens_per_s = tokens_per_s
@@ -197,6 +199,9 @@ class SyntheticBackend(Backend):
         self.prepare_delay_s = prepare_delay_s
         """Time each request spends taken but not started (fault tests: a worker that dies
         holding requests it never started)."""
+        self.prepare_cpu_s = prepare_cpu_s
+        """CPU each prepare spends on the caller's event loop, as vLLM's chat template and
+        tokenizer do: a burst of requests is admitted one after another, as with vLLM."""
         self._runs: dict[str, _Run] = {}
         self._stepper: asyncio.Task[None] | None = None
         self._crashing = False
@@ -220,6 +225,8 @@ class SyntheticBackend(Backend):
             structured_reply(request.params.structured)  # one it cannot script ends here
         if CRASH_PREPARING in reply_words(request):
             os._exit(17)
+        if self.prepare_cpu_s:
+            spend_cpu(self.prepare_cpu_s)
         if self.prepare_delay_s:
             await asyncio.sleep(self.prepare_delay_s)
         done = request.resume.completion_tokens if request.resume else 0
@@ -442,6 +449,14 @@ class _Run:
         waiter = self.waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+
+def spend_cpu(seconds: float) -> None:
+    """Keep this thread busy for ``seconds`` of its own CPU time (time taken from it by
+    other processes does not count, as it would not for real work)."""
+    until = time.thread_time() + seconds
+    while time.thread_time() < until:
+        pass
 
 
 def _set_fields(params: SamplingParams, names: frozenset[str]) -> list[str]:

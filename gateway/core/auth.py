@@ -1,13 +1,18 @@
-"""API keys: read once at start-up, compared in constant time, never logged.
+"""API keys: who a request serves (its tenant), checked in memory, never logged.
 
-With no key configured every endpoint is open. With keys, the API endpoints (OpenAI, TGI,
-OIP) and the creation of a session (``POST /v1/sessions``, a WebSocket ``generate`` without
-``session_id``) want one; a session's own endpoints want only its token, which only a key
-holder was given.
+The keys are the ones made at run time (``/v1/admin/keys``, ``python -m gateway keys``)
+and those of ``TOKENSPOUT_API_KEYS`` / ``TOKENSPOUT_API_KEYS_FILE`` (read once at
+start-up); every gateway process keeps them in memory (gateway/tenants/directory.py). A
+key is required once a static key or ``TOKENSPOUT_ADMIN_KEY`` is configured; then the API
+endpoints (OpenAI, TGI, OIP) and the creation of a session (``POST /v1/sessions``, a
+WebSocket ``generate`` without ``session_id``) want one; a session's own endpoints want
+only its token, which only a key holder was given, and its turns serve the key that made
+it. Without a required key, a request serves the key it shows, else ``anonymous``.
 
 An HTTP router or handler that wants a key says so once, with
 ``before_request=api_key_check``; a WebSocket one with ``guards=[api_key_guard]``. Either
-check runs before the request's body (or the socket's first frame) is read.
+check runs before the request's body (or the socket's first frame) is read, and makes the
+key's tenant the request's (gateway/tenants/caller.py).
 """
 
 from __future__ import annotations
@@ -16,11 +21,16 @@ import hmac
 from pathlib import Path
 from typing import Any
 
+import redis.asyncio as aioredis
 from litestar.connection import ASGIConnection, Request
 from litestar.handlers import BaseRouteHandler
 
-from gateway.core.errors import Unauthorized
+from gateway.core.errors import Forbidden, Unauthorized
 from gateway.core.settings import Settings, env_name
+from gateway.tenants import caller
+from gateway.tenants.directory import TenantDirectory
+from gateway.tenants.records import ANONYMOUS, Tenant
+from wire import Keys
 
 
 class ConfigError(Exception):
@@ -28,45 +38,76 @@ class ConfigError(Exception):
 
 
 class ApiKeys:
-    """The configured keys (``repr`` shows how many, never which)."""
+    """The key check every transport makes, over the process's ``TenantDirectory``
+    (``repr`` shows how many keys, never which)."""
 
-    def __init__(self, keys: frozenset[str]) -> None:
-        self._keys = tuple(key.encode() for key in sorted(keys))
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> ApiKeys:
-        keys = {key.strip() for key in settings.api_keys.split(",") if key.strip()}
-        if settings.api_keys_file:
-            keys |= read_key_file(settings.api_keys_file)
-        return cls(frozenset(keys))
+    def __init__(self, directory: TenantDirectory, admin_key: str = "") -> None:
+        self.directory = directory
+        self._admin = admin_key.encode()
 
     @property
     def required(self) -> bool:
-        return bool(self._keys)
+        return self.directory.required
 
     def __repr__(self) -> str:
-        return f"ApiKeys({len(self._keys)} keys)"
+        return f"ApiKeys({self.directory!r})"
 
-    def valid(self, given: str | None) -> bool:
-        """True when no key is configured, or ``given`` is one of the keys."""
-        if not self._keys:
-            return True
-        candidate = (given or "").encode()
-        # Compare with every key (no early exit), so timing tells nothing about which matched.
-        matches = [hmac.compare_digest(candidate, key) for key in self._keys]
-        return bool(given) and any(matches)
+    def tenant(self, given: str | None) -> Tenant | None:
+        """The tenant ``given`` (a key, or None) serves; None when it is refused."""
+        found = self.directory.find(given)
+        if isinstance(found, Tenant):
+            return found
+        return None if self.required else ANONYMOUS
+
+    def serve(self, given: str | None) -> bool:
+        """The request being served serves ``given``'s tenant, unless it is refused
+        (False)."""
+        tenant = self.tenant(given)
+        if tenant is None:
+            return False
+        caller.serve(tenant)
+        return True
 
     def require(self, given: str | None) -> None:
-        if not self.valid(given):
+        """``serve``, or 401 when ``given`` is refused."""
+        if not self.serve(given):
+            revoked = self.directory.find(given) == "revoked"
             raise Unauthorized(
-                "a valid API key is required (Authorization: Bearer <key>)",
+                "this API key was revoked"
+                if revoked
+                else "a valid API key is required (Authorization: Bearer <key>)",
                 code="invalid_api_key",
             )
 
+    def require_admin(self, given: str | None) -> None:
+        """403 while no admin key is configured, 401 unless ``given`` is it (compared in
+        constant time)."""
+        if not self._admin:
+            raise Forbidden(
+                f"the admin API is off: set {env_name('admin_key')} to use it",
+                code="admin_api_off",
+            )
+        if not hmac.compare_digest((given or "").encode(), self._admin):
+            raise Unauthorized(
+                f"the admin key ({env_name('admin_key')}) is required "
+                "(Authorization: Bearer <admin key>)",
+                code="invalid_admin_key",
+            )
+
+
+def tenant_directory(redis: aioredis.Redis, settings: Settings) -> TenantDirectory:
+    """The process's keys: the static ones read now (ConfigError for a key file that is
+    missing, unreadable or empty), the run-time ones loaded from Redis by the lifespan."""
+    static = {key.strip() for key in settings.api_keys.split(",") if key.strip()}
+    if settings.api_keys_file:
+        static |= read_key_file(settings.api_keys_file)
+    required = bool(static) or bool(settings.admin_key)
+    return TenantDirectory(redis, Keys(settings.key_prefix), frozenset(static), required=required)
+
 
 def require_api_key(connection: ASGIConnection[Any, Any, Any, Any], api_keys: ApiKeys) -> None:
-    """401 unless ``Authorization: Bearer <key>`` names a configured key (none configured:
-    open)."""
+    """401 unless ``Authorization: Bearer <key>`` names a key (none required: its tenant,
+    or anonymous)."""
     api_keys.require(bearer(connection.headers.get("authorization")))
 
 
@@ -90,6 +131,11 @@ async def api_key_guard(
     """``api_key_check`` as a Litestar guard, for WebSocket routes (which have no
     ``before_request``): once per connection. A coroutine function for the same reason."""
     require_api_key(connection, _app_keys(connection))
+
+
+async def admin_key_check(request: Request[Any, Any, Any]) -> None:
+    """``api_key_check`` for the admin API: the admin key (``TOKENSPOUT_ADMIN_KEY``)."""
+    _app_keys(request).require_admin(bearer(request.headers.get("authorization")))
 
 
 def _app_keys(connection: ASGIConnection[Any, Any, Any, Any]) -> ApiKeys:

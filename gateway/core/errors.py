@@ -10,6 +10,7 @@ GatewayError               HTTP status (WebSocket close code); gRPC status in ``
  ├── NotFound              404  unknown session or generation
  ├── Conflict              409  the session is already generating
  ├── Overloaded            429  too many generations in flight (Retry-After)
+ │    └── RateLimited           a key at one of its limits (``rate_limit_exceeded``)
  ├── Gone                  410  a stream's events are no longer there (4410)
  │    ├── EventsExpired         trimmed past the reader's last id (``events_expired``)
  │    ├── EventsLost            the reader's last id is ahead of the stream (``events_lost``)
@@ -145,6 +146,20 @@ class Overloaded(GatewayError):
     ws_close_code = 4429
     default_code = "overloaded"
     grpc_code = "RESOURCE_EXHAUSTED"
+
+
+class RateLimited(Overloaded):
+    """A key at one of its limits (gateway/tenants/limits.py): the message names the limit,
+    its value and when it admits again; ``Retry-After`` says it too, and the response's
+    ``x-ratelimit-*`` headers the key's counts (written where it starts, like every one of
+    the key's responses: gateway/server/middleware.py)."""
+
+    default_code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, limit: str, retry_after_s: int) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+        self.limit = limit
+        """Its name in a key's limits (``requests_per_minute``, ...)."""
 
 
 class BadEngineOutput(GatewayError):

@@ -189,14 +189,15 @@ class GenerationStream:
         heartbeat_s: float,
         choice: int = 0,
     ) -> GenerationStream:
-        """Queue it (``ask.model``: a name or alias; None: the default model).
+        """Queue it (``ask.model``: a name or alias; None: the default model); ``choice``:
+        which of a request's choices it is (``SessionStore.submit_stateless``).
 
         The new session's feed opens first, so its events come live from the first one,
         with no read of the session's stream (``RelayHub.open_new_session``)."""
         feed_open = contextlib.AsyncExitStack()
         try:
             feed = await feed_open.enter_async_context(hub.open_new_session())
-            submitted = await store.submit_stateless(ask, session_id=feed.session_id)
+            submitted = await store.submit_stateless(ask, session_id=feed.session_id, choice=choice)
         except BaseException:
             await feed_open.aclose()
             raise

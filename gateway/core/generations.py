@@ -27,10 +27,11 @@ from gateway.core.errors import BadRequest, Overloaded
 from gateway.core.models import ModelDirectory
 from gateway.core.settings import Settings
 from wire import CancelSignal, GenerationRequest, Keys, SamplingParams
+from wire.limits import Limits
 from wire.outcomes import OverCapacity
-from wire.queue import RequestQueue, count_all
+from wire.queue import RequestQueue, count_all, estimated_tokens
 from wire.runtime import shared_read
-from wire.scripts import Admission, Waiting
+from wire.scripts import Admission, WaitingRequest
 
 CANCELS_MAXLEN = 10_000
 AT_FIELD = re.compile(r"at `\$\.([a-z_]+)")
@@ -72,12 +73,18 @@ class GenerationQueue:
             queue = self._queues[model] = RequestQueue(self.redis, self.keys, model)
         return queue
 
-    def waiting(self, model: str, request: GenerationRequest, note: bytes | None = None) -> Waiting:
+    def waiting(
+        self, model: str, request: GenerationRequest, note: bytes | None = None
+    ) -> WaitingRequest:
         """``request`` for its tenant's list of ``model``'s queue (all in one list, first
         come first served, with ``TOKENSPOUT_SCHEDULER=fifo``)."""
         tenant = request.tenant if self.settings.scheduler == "fair" else ""
         return self.of(model).waiting(
-            wire.encode(request), tenant=tenant, weight=self.weight_of(tenant), submitted=note
+            wire.encode(request),
+            estimate=estimated_tokens(request),
+            tenant=tenant,
+            weight=self.weight_of(tenant),
+            submitted=note,
         )
 
     def sampling(self, *, named: Mapping[str, str] | None = None, **given: Any) -> SamplingParams:
@@ -134,9 +141,16 @@ class GenerationQueue:
             raise self.overloaded(OverCapacity("model", of_model), model)
         read.admitted[model] = read.admitted.get(model, 0) + 1
 
-    async def admission(self, model: str, request: GenerationRequest) -> Admission:
+    async def admission(
+        self,
+        model: str,
+        request: GenerationRequest,
+        limits: Limits | None = None,
+        count_request: bool = True,
+    ) -> Admission:
         """``guard_capacity``'s check, for the SUBMIT script to make as it queues
-        ``request`` (one Redis: every queue counted is on the node the session is)."""
+        ``request`` (one Redis: every queue counted is on the node the session is), and the
+        ``limits`` of its key with it (none: no such check)."""
         models = await self._models_to_count([model])
         waiting = self.waiting(model, request)
         return Admission(
@@ -144,9 +158,11 @@ class GenerationQueue:
             target=models.index(model),
             limit=self.settings.max_inflight,
             model_limit=self.settings.max_inflight_per_model,
-            request=waiting.request,
+            request=waiting.element,
             tenant=waiting.tenant,
             weight=waiting.weight,
+            limits=limits,
+            count_request=count_request,
         )
 
     def overloaded(self, refusal: OverCapacity, model: str) -> Overloaded:

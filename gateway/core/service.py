@@ -33,6 +33,7 @@ from gateway.core.sessions import (
     Submitted,
 )
 from gateway.core.settings import Settings
+from gateway.tenants.directory import TenantDirectory
 from wire import CancelReason, ChatMessage, FinalEvent, SamplingParams, WorkerInfo
 
 
@@ -177,6 +178,11 @@ class GatewayService:
     async def readiness(self) -> Readiness:
         """Redis answers and an engine worker is alive (``/ready``, gRPC ``ServerReady``)."""
         return await check_readiness(self.store)
+
+    @property
+    def tenant_directory(self) -> TenantDirectory:
+        """The keys in force, and the keys store the admin API changes (gateway/tenants/)."""
+        return self.store.tenants.directory
 
     async def queue_counts(self) -> Counts:
         """Model -> (queued, running), in one round trip (``/metrics``)."""

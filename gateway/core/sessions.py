@@ -17,27 +17,24 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
+import anyio
 import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 
 import wire
 from gateway.core.ask import GenerationAsk, KeptSession
-from gateway.core.errors import (
-    BadRequest,
-    Conflict,
-    Forbidden,
-    GatewayError,
-    NotFound,
-    Overloaded,
-    Unavailable,
-)
+from gateway.core.auth import tenant_directory
+from gateway.core.errors import BadRequest, Conflict, Forbidden, NotFound, Overloaded, Unavailable
 from gateway.core.generations import GenerationQueue
 from gateway.core.ids import new_id, token_urlsafe
 from gateway.core.models import ModelDirectory
 from gateway.core.settings import Settings
+from gateway.core.tenancy import TenantGate, TenantObserver
+from gateway.tenants.records import Tenant
 from wire import (
     CancelReason,
     CancelSignal,
@@ -50,10 +47,11 @@ from wire import (
 )
 from wire import outcomes as script
 from wire.connect import is_cluster, when_redis_answers
+from wire.scripts import Bill
+from wire.tenancy import UsageCounter
 
 log = logging.getLogger("tokenspout.sessions")
 _message_decoder = msgspec.json.Decoder(ChatMessage)
-_request_decoder = msgspec.json.Decoder(GenerationRequest)
 
 REQUEUE_WAIT_S = 10.0
 """How long a submit waits for Redis to take the request of a generation it has written."""
@@ -81,16 +79,15 @@ class Submitted(msgspec.Struct, frozen=True):
     ``generation_id``)."""
 
 
-class SessionTurn(NamedTuple):
-    """A user message on its way into a session, authorised: what its submit needs."""
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """A session turn on its way to the queue: its model, the tenant it serves, and the
+    generation id of each of its choices (the first is the turn's own)."""
 
     session_id: str
     model: str
-    message: ChatMessage
-    params: SamplingParams
-    idempotency_key: str | None
-    token_digest: str
-    """The digest of the token given ("-", which no digest is, when none was)."""
+    tenant: Tenant
+    generation_ids: list[str]
 
 
 class CancelOutcome(msgspec.Struct, frozen=True):
@@ -100,8 +97,9 @@ class CancelOutcome(msgspec.Struct, frozen=True):
     final: FinalEvent | None = None
 
 
-class StoreObserver(Protocol):
-    """Told when a generation is queued or a cancel is sent (gateway/server/metrics.py)."""
+class StoreObserver(TenantObserver, Protocol):
+    """Told when a generation is queued or a cancel is sent, and of each key's admissions
+    and refusals (gateway/server/metrics.py)."""
 
     def submitted(
         self, session_id: str, generation_id: str, queued_event_id: str, model: str
@@ -149,15 +147,20 @@ class SessionStore:
         self.observer = observer
         self.keys = Keys(settings.key_prefix)
         self.models = ModelDirectory(redis, self.keys, settings)
+        self.tenants = TenantGate(redis, self.keys, tenant_directory(redis, settings), observer)
+        """Whom each generation serves, and its key's limits (gateway/core/tenancy.py)."""
         self._submit = scripts.Submit(redis, self.keys)
         self._cancel = scripts.Cancel(redis, self.keys)
+        self._usage = UsageCounter(redis, self.keys)
         self.queue = GenerationQueue(redis, self.keys, settings, self.models)
+        self.queue.weight_of = self.tenants.weight_of  # each key's share of a model's engine
 
     # --- sessions ------------------------------------------------------------------------
 
     async def create_session(self, model: str | None = None) -> CreatedSession:
         """A session bound to ``model`` (a name or alias; None: the default model) for
-        its whole life."""
+        its whole life, serving (and billed to) the key of the request that makes it."""
+        tenant = self.tenants.caller_tenant()
         if model:
             resolved = await self.models.resolve(model)
         else:
@@ -167,29 +170,43 @@ class SessionStore:
                 if exc.code != "no_worker":
                     raise
                 resolved = ""  # no worker yet: the first message picks the default
+        if resolved:
+            self.tenants.check_model(tenant, model or resolved, resolved)
         session_id, token = new_id("s"), token_urlsafe(32)
         meta = self.keys.meta(session_id)
-        fields = {"token": _digest(token), "created": time.time(), "model": resolved}
+        fields = {
+            "token": _digest(token),
+            "created": time.time(),
+            "model": resolved,
+            "tenant": tenant.id,
+        }
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(meta, mapping=fields)  # type: ignore[arg-type]
             pipe.expire(meta, self.settings.session_ttl_s)
             await pipe.execute()
         return CreatedSession(session_id, token, resolved or None)
 
-    async def session_model(self, session_id: str, token: str | None) -> str:
-        """The model of a session, checked live (404, 403, then the model's own errors);
-        a session created while no worker was alive takes the default model now, for good."""
+    async def session_route(self, session_id: str, token: str | None) -> tuple[str, Tenant]:
+        """The model of a session, checked live (404, 403, then the model's own errors),
+        and the tenant its turns serve (401 once its key is revoked, 403 when the key may
+        not use the model); a session created while no worker was alive takes the default
+        model now, for good."""
         meta = self.keys.meta(session_id)
-        stored_token, stored_model = await self.redis.hmget(meta, ["token", "model"])
+        stored_token, stored_model, tenant_id = await self.redis.hmget(
+            meta, ["token", "model", "tenant"]
+        )
         if stored_token is None:
             raise _unknown_session(session_id)
         if token is None or not hmac.compare_digest(wire.text(stored_token), _digest(token)):
             raise _bad_token()
+        tenant = self.tenants.of_session(wire.text(tenant_id) if tenant_id else None)
         if stored_model:
-            return await self.models.resolve(wire.text(stored_model))
-        model = await self.models.resolve(None)
-        await self.redis.hset(meta, "model", model)
-        return model
+            model = await self.models.resolve(wire.text(stored_model))
+        else:
+            model = await self.models.resolve(None)
+            await self.redis.hset(meta, "model", model)
+        self.tenants.check_model(tenant, model, model)
+        return model, tenant
 
     async def authorise(self, session_id: str, token: str | None) -> None:
         """404 for an unknown session, 403 for a missing or wrong token."""
@@ -221,41 +238,37 @@ class SessionStore:
         """
         message = ask.message
         self._check_content(message.content)
-        model = await self.session_model(session_id, token)
+        model, tenant = await self.session_route(session_id, token)
         # No token never matches: a digest is never "-".
         digest = _digest(token) if token is not None else "-"
-        turn = SessionTurn(session_id, model, message, ask.sampling, idempotency_key, digest)
-        return await self._submit_to_session(turn, ask.n)
+        turn = Turn(session_id, model, tenant, [new_id("g") for _ in range(ask.n)])
+        return await self._submit_to_session(turn, message, ask.sampling, idempotency_key, digest)
 
     async def submit_stateless(
         self,
         ask: GenerationAsk,
         session_id: str | None = None,
         kept: KeptSession | None = None,
+        choice: int = 0,
     ) -> Submitted:
         """Queue one generation in a throwaway session (the OpenAI/TGI/OIP adapters) for
-        ``ask.model`` (a name or alias; None: the default model): on one Redis in one round
-        trip, the SUBMIT script admitting it (the capacity check), making the session and
-        its generation and queueing the request; elsewhere in two, the capacity check
-        first.
+        ``ask.model`` (a name or alias; None: the default model), serving the key of the
+        request being served (gateway/core/tenancy.py): on one Redis in one round trip,
+        SUBMIT admitting it (the capacity, the key's limits), making the session and its
+        generation and queueing the request; elsewhere the checks come first.
         ``session_id``: the new session's id, when the caller subscribed to it first.
-        ``kept``: a session that outlives its request (a stored response), with its TTL,
-        its meta fields and whether it runs on with no reader."""
-        ttl_s = kept.ttl_s if kept is not None else STATELESS_TTL_S
+        ``kept``: a session that outlives its request (a stored response): its TTL, meta
+        fields and whether it runs on with no reader. ``choice``: which of a request's
+        ``n`` choices it is (only the first counts as a request and bills the prompt)."""
+        tenant = self.tenants.caller_tenant()
         queue = await self.models.resolve(ask.model)
+        self.tenants.check_model(tenant, ask.model or queue, queue)
         for message in ask.messages or []:
             self._check_content(message.content, allow_empty=True)
         if ask.prompt is not None:
             self._check_content(ask.prompt)
+        ttl_s = kept.ttl_s if kept is not None else STATELESS_TTL_S
         session_id, generation_id = session_id or new_id("s"), new_id("g")
-        # On one Redis the SUBMIT script admits the request, makes its session and its
-        # generation, and queues it: one call, every key on that node. A session kept
-        # past its request is made by commands after the script, in the same pipeline,
-        # which would run on a refusal too: it is admitted first, as on a cluster.
-        in_order = not is_cluster(self.redis)
-        admit_in_script = in_order and kept is None
-        if not admit_in_script:
-            await self.queue.guard_capacity(queue)
         request = msgspec.structs.replace(
             self._request(
                 session_id, generation_id, ask.sampling, ask.messages or [], ask.prompt, ttl_s
@@ -263,56 +276,95 @@ class SessionStore:
             tools=ask.tools,
             task=ask.task,
             token_ids=ask.token_ids or [],
+            tenant=tenant.id,
+            choice=choice,
         )
-        new = scripts.NewSession(
-            session_id, generation_id, self.settings.events_maxlen, ttl_s, self.watch_ttl_s
+        new = self._new_session(request, ttl_s)
+        in_submit = kept is None and not is_cluster(self.redis)
+        admitted = False
+        if not in_submit:
+            admitted = await self.tenants.admit(tenant, [generation_id], count_request=not choice)
+        try:
+            reply = await self._create_stateless(
+                queue, new, request, kept, tenant if in_submit else None, not choice
+            )
+        except BaseException:
+            if admitted:
+                await self._give_back(tenant, [generation_id], count_request=not choice)
+            raise
+        if is_cluster(self.redis):
+            await self.queue.enqueue(queue, request)
+        if self.observer is not None:
+            self.observer.submitted(session_id, generation_id, reply.queued_id, queue)
+        return Submitted(generation_id, session_id, reply.queued_id)
+
+    def _new_session(self, request: GenerationRequest, ttl_s: int) -> scripts.NewSession:
+        """The stateless session SUBMIT makes for ``request``: its tenant billed its prompt
+        and completion (another choice of a request: its completion; tokenize: nothing)."""
+        task, choice = request.task, request.choice
+        bill: Bill = "none" if task != "generate" else "completion" if choice else "all"
+        return scripts.NewSession(
+            request.session_id,
+            request.generation_id,
+            self.settings.events_maxlen,
+            ttl_s,
+            self.watch_ttl_s,
+            request.tenant,
+            bill,
         )
-        if admit_in_script:
-            admission = await self.queue.admission(queue, request)
+
+    async def _create_stateless(
+        self,
+        queue: str,
+        new: scripts.NewSession,
+        request: GenerationRequest,
+        kept: KeptSession | None,
+        tenant: Tenant | None,
+        count_request: bool,
+    ) -> script.Accepted:
+        """Make a stateless session with its generation and (on one Redis) queue its
+        request; 429 past the capacity. On a cluster its caller queues the request.
+        ``tenant``: the key whose limits SUBMIT admits too (None: admitted before)."""
+        # On one Redis the SUBMIT script admits the request, makes its session and its
+        # generation, and queues it: one call, every key on that node. A session kept
+        # past its request is made by commands after the script, in the same pipeline,
+        # which would run on a refusal too: it is admitted first, as on a cluster.
+        in_order = not is_cluster(self.redis)
+        if in_order and kept is None:
+            limits = self.tenants.in_submit(tenant) if tenant is not None else None
+            admission = await self.queue.admission(queue, request, limits, count_request)
             reply = await self._submit.create_admitted(new, admission)
+            if tenant is not None and not isinstance(reply, script.OverCapacity):
+                admitting = script.Admitted | script.Limited
+                counts = reply.counts if isinstance(reply, admitting) else None
+                self.tenants.settle(tenant, counts, count_request=count_request)  # 429?
+                if isinstance(reply, script.Admitted):
+                    reply = script.Accepted(reply.queued_id, [])
         else:
-            reply = await self._create_then_queue(new, queue, request, kept, in_order)
+            await self.queue.guard_capacity(queue)
+            # Admitted before, the request goes after the script: on one Redis in the same
+            # pipeline (a fresh session cannot refuse it, and one Redis runs a pipeline in
+            # order: no worker can take the request before its generation exists). A
+            # cluster runs each node's part at once: a worker could take the request (on
+            # its queue's shard) before the generation (on the session's) is written, and
+            # skip it as ended, leaving its client waiting. There it goes in after the
+            # reply.
+
+            def fill(pipe: Any) -> None:
+                self._submit.create_in(pipe, new)
+                if kept is not None:
+                    self._keep_in(pipe, new.session_id, kept)
+                if in_order:
+                    # Sent twice after a restarted Redis's NOSCRIPT: the first copy, with
+                    # no generation to claim, is skipped by the worker that takes it.
+                    self.queue.enqueue_in(pipe, queue, request)
+
+            reply = scripts.Submit.replied((await self._run_submitting(fill, queue))[0])
         if isinstance(reply, script.OverCapacity):
             raise self.queue.overloaded(reply, queue)
         if not isinstance(reply, script.Accepted):
             raise Unavailable(f"queueing a stateless generation failed: {reply!r}")
-        if not in_order:
-            await self.queue.enqueue(queue, request)
-        self._submitted(session_id, generation_id, reply.queued_id, queue)
-        return Submitted(generation_id, session_id, reply.queued_id)
-
-    async def _create_then_queue(
-        self,
-        new: scripts.NewSession,
-        model: str,
-        request: GenerationRequest,
-        kept: KeptSession | None,
-        in_order: bool,
-    ) -> script.SubmitReply:
-        """A stateless session made by the SUBMIT script, its capacity checked before.
-        Its request goes after the script: on one Redis in the same pipeline (a fresh
-        session cannot refuse it, and one Redis runs a pipeline in order: no worker can
-        take the request before its generation exists). A cluster runs each node's part at
-        once: a worker could take the request (on its queue's shard) before the generation
-        (on the session's) is written, and skip it as ended, leaving its client waiting.
-        There (``in_order`` false) it is the caller's to queue after the reply."""
-
-        def fill(pipe: Any) -> None:
-            self._submit.create_in(pipe, new)
-            if kept is not None:
-                self._keep_in(pipe, new.session_id, kept)
-            if in_order:
-                # Sent twice after a restarted Redis's NOSCRIPT: the first copy, with
-                # no generation to claim, is skipped by the worker that takes it.
-                self.queue.enqueue_in(pipe, model, request)
-
-        return scripts.Submit.replied((await self._run_submitting(fill, model))[0])
-
-    def _submitted(
-        self, session_id: str, generation_id: str, queued_event_id: str, model: str
-    ) -> None:
-        if self.observer is not None:
-            self.observer.submitted(session_id, generation_id, queued_event_id, model)
+        return reply
 
     def _keep_in(self, pipe: Any, session_id: str, kept: KeptSession) -> None:
         meta = self.keys.meta(session_id)
@@ -342,81 +394,111 @@ class SessionStore:
             keys.keep(session_id),
         )
 
-    async def _submit_to_session(self, turn: SessionTurn, n: int) -> Submitted:
-        session_id, model, generation_id = turn.session_id, turn.model, new_id("g")
-        await self._guard_turn_capacity(turn, n)
+    async def _submit_to_session(
+        self,
+        turn: Turn,
+        user_message: ChatMessage | None,
+        params: SamplingParams,
+        idempotency_key: str | None,
+        token_digest: str,
+    ) -> Submitted:
+        session_id, model, generation_id = turn.session_id, turn.model, turn.generation_ids[0]
+        admitted = await self._admit_turn(turn, idempotency_key)
         request = self._request(
-            session_id, generation_id, turn.params, [], None, self.settings.session_ttl_s
+            session_id, generation_id, params, [], None, self.settings.session_ttl_s
         )
+        request = msgspec.structs.replace(request, tenant=turn.tenant.id)
         note = wire.encode(request)  # its messages: the history the script returns
-        reply = await self._submit_noted(
-            model,
-            note,
-            session_id=session_id,
-            generation_id=generation_id,
-            user_message=turn.message,
-            token_digest=turn.token_digest,
-            idempotency_key=turn.idempotency_key,
-            maxlen=self.settings.events_maxlen,
-            ttl_s=self.settings.session_ttl_s,
-            max_history=self.settings.max_history_messages,
-            watch_ttl_s=self.watch_ttl_s,
-        )
-        if isinstance(reply, script.Duplicate):
-            await self._requeue_if_lost(session_id, model, reply.generation_id, turn.params)
-            return Submitted(reply.generation_id, session_id, None)
-        if not isinstance(reply, script.Accepted):
-            raise self._turn_refused(turn, reply)
-        request = msgspec.structs.replace(request, messages=reply.history)
-        await self._enqueue_written(model, request, note)
-        self._submitted(session_id, generation_id, reply.queued_id, model)
-        choices = [generation_id]
-        for choice in range(1, n):
-            choices.append(await self._submit_choice(session_id, model, request, choice))
-        return Submitted(generation_id, session_id, reply.queued_id, choices if n > 1 else [])
-
-    async def _guard_turn_capacity(self, turn: SessionTurn, n: int) -> None:
-        """429 past the in-flight limits, counting every choice (the checks count each
-        other); never for a retried POST whose generation exists: it takes no new capacity
-        and must get that generation back (from the script, after the token check)."""
         try:
-            for _ in range(n):
-                await self.queue.guard_capacity(turn.model)
-        except Overloaded:
-            key = turn.idempotency_key
-            idem_key = self.keys.idempotency(turn.session_id, key) if key else ""
-            if not (idem_key and await self.redis.exists(idem_key)):
-                raise
+            reply = await self._submit_noted(
+                model,
+                note,
+                session_id=session_id,
+                generation_id=generation_id,
+                user_message=user_message,
+                token_digest=token_digest,
+                idempotency_key=idempotency_key,
+                maxlen=self.settings.events_maxlen,
+                ttl_s=self.settings.session_ttl_s,
+                max_history=self.settings.max_history_messages,
+                watch_ttl_s=self.watch_ttl_s,
+                tenant=turn.tenant.id,
+            )
+            accepted = self._accepted(turn, reply)
+        except BaseException:
+            if admitted:
+                await self._give_back(turn.tenant, turn.generation_ids)
+            raise
+        if isinstance(accepted, str):  # a resend: no new generation
+            if admitted:
+                await self._give_back(turn.tenant, turn.generation_ids)
+            await self._requeue_if_lost(session_id, model, accepted, params)
+            return Submitted(accepted, session_id, None)
+        request = msgspec.structs.replace(request, messages=accepted.history)
+        await self._enqueue_written(model, request, note)
+        if self.observer is not None:
+            self.observer.submitted(session_id, generation_id, accepted.queued_id, model)
+        for choice in range(1, len(turn.generation_ids)):
+            await self._submit_choice(turn, request, choice)
+        choices = turn.generation_ids if len(turn.generation_ids) > 1 else []
+        return Submitted(generation_id, session_id, accepted.queued_id, choices)
 
-    def _turn_refused(self, turn: SessionTurn, reply: script.SubmitReply) -> GatewayError:
-        """The error of a session turn the SUBMIT script refused."""
+    async def _admit_turn(self, turn: Turn, idempotency_key: str | None) -> bool:
+        """Room for every choice of the turn (the capacity checks count each other), then
+        the admission of its key (``TenantGate.admit``): whether the key's counts took it."""
+        idem = self.keys.idempotency(turn.session_id, idempotency_key) if idempotency_key else ""
+        try:
+            for _ in turn.generation_ids:
+                await self.queue.guard_capacity(turn.model)
+            return await self.tenants.admit(turn.tenant, turn.generation_ids)
+        except Overloaded:  # the capacity, or a limit of the key (RateLimited)
+            # A retried POST whose generation exists takes no new capacity: it must get
+            # that generation back (from the script, after the token check), not a 429.
+            if not (idem and await self.redis.exists(idem)):
+                raise
+            return False
+
+    def _accepted(self, turn: Turn, reply: script.SubmitReply) -> script.Accepted | str:
+        """SUBMIT's answer to a turn: accepted, or the generation an Idempotency-Key made
+        before (its id); every other answer as the gateway's error."""
         match reply:
+            case script.Accepted():
+                return reply
+            case script.Duplicate(generation_id=earlier):
+                return earlier
             case script.SessionMissing():
-                return _unknown_session(turn.session_id)
+                raise _unknown_session(turn.session_id)
             case script.Forbidden():
-                return _bad_token()
+                raise _bad_token()
             case script.Busy(generation_id=running):
-                return Conflict(
+                raise Conflict(
                     f"generation {running} is still running in this session",
                     code="generation_running",
                     retry_after_s=BUSY_RETRY_AFTER_S,
                 )
             case script.HistoryFull():
-                return BadRequest(
+                raise BadRequest(
                     f"the session holds {self.settings.max_history_messages} messages, the "
                     "limit set by TOKENSPOUT_MAX_HISTORY_MESSAGES; start a new session",
                     code="history_full",
                 )
-            case script.OverCapacity():  # not asked to admit here (guard_capacity did)
-                return self.queue.overloaded(reply, turn.model)
-        return Unavailable(f"queueing a session turn failed: {reply!r}")
+        if isinstance(reply, script.OverCapacity):  # not asked here (guard_capacity did)
+            raise self.queue.overloaded(reply, turn.model)
+        raise Unavailable(f"SUBMIT answered a session turn {reply!r}")  # never asked to
 
-    async def _submit_choice(
-        self, session_id: str, model: str, first: GenerationRequest, choice: int
-    ) -> str:
+    async def _give_back(
+        self, tenant: Tenant, generation_ids: list[str], *, count_request: bool = True
+    ) -> None:
+        """What the key's admission took, for generations that were not queued after all;
+        given back even when the request is being cancelled (its client left)."""
+        with anyio.CancelScope(shield=True):
+            await self.tenants.release(tenant, generation_ids, count_request=count_request)
+
+    async def _submit_choice(self, turn: Turn, first: GenerationRequest, choice: int) -> None:
         """Queue another choice of the turn ``first`` began: the same conversation, its
-        own seed; it is not the session's running generation and never joins the history."""
-        generation_id = new_id("g")
+        own seed; it is not the session's running generation and never joins the history,
+        and its prompt is billed with the first choice's."""
+        session_id, generation_id = turn.session_id, turn.generation_ids[choice]
         request = msgspec.structs.replace(
             first,
             generation_id=generation_id,
@@ -426,7 +508,7 @@ class SessionStore:
         )
         note = wire.encode(msgspec.structs.replace(request, messages=[]))
         reply = await self._submit_noted(
-            model,
+            turn.model,
             note,
             session_id=session_id,
             generation_id=generation_id,
@@ -438,13 +520,15 @@ class SessionStore:
             max_history=self.settings.max_history_messages,
             watch_ttl_s=self.watch_ttl_s,
             choice=choice,
+            tenant=turn.tenant.id,
+            bill="completion",
         )
         if not isinstance(reply, script.Accepted):  # the session was there a moment ago
+            await self._give_back(turn.tenant, [generation_id], count_request=False)
             raise Unavailable(f"queueing choice {choice} failed: {reply!r}")
-        await self._enqueue_written(model, request, note)
+        await self._enqueue_written(turn.model, request, note)
         if self.observer is not None:
-            self.observer.submitted(session_id, generation_id, reply.queued_id, model)
-        return generation_id
+            self.observer.submitted(session_id, generation_id, reply.queued_id, turn.model)
 
     async def _submit_noted(self, model: str, note: bytes, **submit: Any) -> script.SubmitReply:
         """The SUBMIT script (``submit``: its arguments), after a note that the turn's
@@ -580,6 +664,7 @@ class SessionStore:
             case script.EndedBefore(final=final):
                 return CancelOutcome(generation_id, wire.final_state(final), final)
             case script.CancelledQueued(final=final):
+                await self._usage.after_final(session_id, generation_id)  # a cluster's
                 if self.observer is not None:
                     self.observer.cancel_stopped(generation_id, time.monotonic() - began)
                 # Its usage: zero, or what it streamed before a takeover queued it again.

@@ -142,6 +142,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             "start-up; missing or empty: the gateway does not start."
         ),
     ] = ""
+    admin_key: Annotated[
+        str,
+        _D(
+            description="The Bearer key of the admin API (`/v1/admin/keys`, "
+            "`/v1/admin/usage`: keys made, changed and revoked at run time, and their "
+            "usage); set, every API endpoint wants a key; empty: no admin API."
+        ),
+    ] = ""
     cors_origins: Annotated[
         str, _D(description="Comma-separated origins allowed by CORS; empty: same origin only.")
     ] = ""

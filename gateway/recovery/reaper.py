@@ -44,6 +44,7 @@ from gateway.recovery.takeover import REAPER_PREFIX, LostRequests, live_workers
 from wire import Error, GenerationRequest, Keys, entry_id_key
 from wire.queue import QueueLook, RequestQueue, look_at
 from wire.scripts import EndQueued, HoldReaperLock
+from wire.tenancy import UsageCounter
 
 log = logging.getLogger("tokenspout.watchdog")
 _request_decoder = msgspec.json.Decoder(GenerationRequest)
@@ -159,6 +160,7 @@ class Reaper:
         self.queue_timeout_s = queue_timeout_s
         self.requests_maxlen = requests_maxlen
         self._end_queued = EndQueued(redis, keys)
+        self._usage = UsageCounter(redis, keys)
         self._hold_lock = HoldReaperLock(redis, keys)
         self._owner = f"{REAPER_PREFIX}{time.monotonic_ns()}"
         self.lost = LostRequests(
@@ -354,7 +356,11 @@ class Reaper:
             except NoScriptError:  # a shard new since (a failover): the next pass sends it
                 await self._end_queued.load()
                 raise
-        ended = sum(1 for reply in replies if EndQueued.reply(reply))
+        ended = 0
+        for request, reply in zip(requests, replies, strict=True):
+            if EndQueued.reply(reply):
+                ended += 1
+                await self._usage.after_final(request.session_id, request.generation_id)
         if ended:
             log.warning("%d queued generations timed out: no engine worker took them", ended)
         return ended
@@ -384,6 +390,7 @@ class ReaderDeadline:
         self.events_maxlen = events_maxlen
         self.ttl_s = ttl_s
         self._end_queued = EndQueued(redis, keys)
+        self._usage = UsageCounter(redis, keys)
 
     async def run_forever(self, interval_s: float = READER_CHECK_S) -> None:
         while True:
@@ -443,6 +450,7 @@ class ReaderDeadline:
             self.waiting.settled(session_id, generation_id)
             if final_id is not None:
                 ended += 1
+                await self._usage.after_final(session_id, generation_id)
                 log.warning(
                     "generation %s of session %s was still queued %g s after its queue"
                     " deadline, with its request in no queue (lost by Redis): ended with"

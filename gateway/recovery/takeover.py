@@ -54,6 +54,7 @@ from wire.outcomes import (
     TakenOver,
 )
 from wire.queue import RequestQueue
+from wire.tenancy import UsageCounter
 
 log = logging.getLogger("tokenspout.takeover")
 _info_decoder = msgspec.json.Decoder(wire.WorkerInfo)
@@ -193,6 +194,7 @@ class LostRequests:
         self.requests_maxlen = requests_maxlen
         self._emit = scripts.Emit(redis, keys)
         self._takeover = scripts.Takeover(redis, keys)
+        self._usage = UsageCounter(redis, keys)
 
     async def hand_on(
         self, queue: RequestQueue, request: GenerationRequest, raw: bytes, consumer: str
@@ -232,7 +234,7 @@ class LostRequests:
             )
             log.warning("worker lost while running %s; %s", gid, why)
             message = f"the engine worker running this generation stopped ({why})"
-            await self._end(request, Error(gid, "worker_lost", message))
+            await self._end(request, Error(gid, "worker_lost", message, _billed(streamed)))
             return "worker_lost"
         resumed = continuation(request, reply, streamed)
         await self.redis.hset(gen_key, "usage", wire.encode(streamed.usage()))
@@ -273,3 +275,9 @@ class LostRequests:
             ttl_s=self.ttl_s,
             final=True,
         )
+        await self._usage.after_final(request.session_id, request.generation_id)
+
+
+def _billed(streamed: Streamed | None) -> Usage | None:
+    """What a reply that ends here billed its tenant: what it streamed, read back."""
+    return streamed.usage() if streamed is not None else None

@@ -78,8 +78,6 @@ class Services:
         ``python -m gateway --workers N`` (gateway/server/supervisor.py): its gRPC listening socket,
         and where its siblings' metrics are (gateway/server/federation.py)."""
         self.settings = settings
-        # Read once, here: a missing key file stops the start (ConfigError), not each request.
-        self.api_keys = ApiKeys.from_settings(settings)
         self.redis = connect(
             settings.redis_url,
             max_connections=REDIS_POOL_SIZE,
@@ -88,7 +86,9 @@ class Services:
         )
         self.keys = Keys(settings.key_prefix)
         self.metrics = GatewayMetrics(peers_dir, process_index)
+        # The static keys are read here: a missing key file stops the start (ConfigError).
         self.store = SessionStore(self.redis, settings, observer=self.metrics)
+        self.api_keys = ApiKeys(self.store.tenants.directory, settings.admin_key)
         self.hub = RelayHub(
             self.redis, self.keys, settings.stream_buffer_events, observer=self.metrics
         )
@@ -171,6 +171,8 @@ class Services:
     @contextlib.asynccontextmanager
     async def lifespan(self, _: Litestar) -> AsyncIterator[None]:
         await when_redis_answers(lambda: ready(self.redis), "gateway start")
+        keys = self.store.tenants.directory
+        await when_redis_answers(keys.load, "loading the API keys")
         await self.hub.start()
         if self.grpc is not None:
             await self.grpc.start()
@@ -183,6 +185,7 @@ class Services:
             asyncio.create_task(self.reaper.run_forever()),
             asyncio.create_task(self.reader_deadline.run_forever()),
             asyncio.create_task(self.store.models.refresh_forever()),
+            asyncio.create_task(keys.refresh_forever()),
         ]
         try:
             yield

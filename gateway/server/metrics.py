@@ -79,6 +79,25 @@ class _Live:
     cancel_began: float | None = None
 
 
+def _key_counters(registry: CollectorRegistry) -> tuple[Counter, Counter]:
+    """Requests admitted, and refused, by API key (gateway/core/tenancy.py)."""
+    admitted = Counter(
+        "tokenspout_gateway_key_requests",
+        "Requests admitted, by API key (its name: the first 100 keys by name, then "
+        "'other'; a key of TOKENSPOUT_API_KEYS: its id; no key: 'anonymous').",
+        ["key"],
+        registry=registry,
+    )
+    refused = Counter(
+        "tokenspout_gateway_key_refusals",
+        "Requests refused by a key's limits, by key (as key_requests) and limit "
+        "(concurrent, requests_per_minute, tokens_per_minute, tokens_per_day, models).",
+        ["key", "limit"],
+        registry=registry,
+    )
+    return admitted, refused
+
+
 class GatewayMetrics:
     """The registry, its metrics, and the hooks that feed them."""
 
@@ -88,6 +107,7 @@ class GatewayMetrics:
         self._time_generations(r)
         self._count_troubles(r)
         self._gauge_the_queues(r)
+        self.key_requests, self.key_refusals = _key_counters(r)
         from_redis = (self.queued, self.running, self.model_queued, self.model_running)
         shared = frozenset(family.name for gauge in from_redis for family in gauge.describe())
         self.peers = (
@@ -287,6 +307,12 @@ class GatewayMetrics:
                     "last reader left a running generation",
                     extra={"session_id": session_id, "generation_id": generation_id},
                 )
+
+    def admitted(self, key: str) -> None:
+        self.key_requests.labels(key).inc()
+
+    def refused(self, key: str, limit: str) -> None:
+        self.key_refusals.labels(key, limit).inc()
 
     def redis_error(self, where: str) -> None:
         self.redis_errors.labels(where).inc()

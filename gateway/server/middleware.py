@@ -1,4 +1,5 @@
-"""The outermost ASGI layer: a request id, one log line and one metric count per request.
+"""The outermost ASGI layer: a request id, one log line and one metric count per request,
+and the ``x-ratelimit-*`` headers of a key with limits (its caller, gateway/tenants/caller.py).
 
 It wraps the whole Litestar app, so requests that match no route (404, 405) are counted
 too. Routes are labelled by their template (``/v1/sessions/{session_id}/events``), never
@@ -18,6 +19,7 @@ from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.core.ids import token_hex
 from gateway.server.metrics import GatewayMetrics
+from gateway.tenants import caller
 
 log = logging.getLogger("tokenspout.http")
 
@@ -49,6 +51,8 @@ class RequestMetrics:
         request_id = request_id_of(scope)
         began = time.monotonic()
         status = "101" if websocket else "500"
+        # Who it serves: the key check fills it in, an admission leaves the key's counts.
+        serving = caller.begin()
 
         async def send_with_id(message: Message) -> None:
             nonlocal status
@@ -56,6 +60,8 @@ class RequestMetrics:
                 status = str(message["status"])
                 headers = list(message.get("headers", ()))
                 headers.append((REQUEST_ID_HEADER, request_id.encode()))
+                if serving.quota is not None:
+                    headers += [(k.encode(), v.encode()) for k, v in serving.headers()]
                 message = {**message, "headers": headers}
             elif message["type"] == "websocket.close" and status == "101":
                 status = "403"  # closed before it was accepted

@@ -14,6 +14,7 @@ from gateway.apis.sessions.socket import ws_endpoint
 from gateway.apis.tgi import tgi_router
 from gateway.server.health import health, ready
 from gateway.server.metrics_endpoint import metrics_endpoint
+from gateway.tenants.admin import admin_router
 
 ROUTES: list[ControllerRouterHandler] = [
     health,
@@ -27,4 +28,5 @@ ROUTES: list[ControllerRouterHandler] = [
     tgi_router,
     oip_router,
     tokenize_router,
+    admin_router,
 ]

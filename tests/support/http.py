@@ -162,6 +162,13 @@ class Follower:
         assert self.task is not None, "follow() starts the reader"
         await asyncio.wait_for(self.task, timeout_s)
 
+    async def until_event(self, name: str, timeout_s: float = 30) -> None:
+        """Wait until the stream has brought an event of type ``name``."""
+        async with asyncio.timeout(timeout_s):
+            while not any(event.event == name for event in self.reading.events):
+                assert self.task is None or not self.task.done(), "the stream ended"
+                await asyncio.sleep(0.01)
+
     async def until_tokens(self, count: int, timeout_s: float = 30) -> None:
         async with asyncio.timeout(timeout_s):
             while self.tokens() < count:

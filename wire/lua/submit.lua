@@ -8,17 +8,26 @@
 --       no message, no busy check, not the session's active generation),
 --       note (its request without its conversation: what queues it again should Redis
 --       lose it, gateway/core/waiting.py; '' for none), queue (the model's queue it goes to),
+--       tenant (who it serves and is billed to: kept with the generation, whose final event
+--       counts its usage, usage_core.lua), bill ('all', 'completion': another choice of a
+--       request, its prompt billed once; 'none': tokenize, detokenize),
 --       then, only to admit and queue it here: the in-flight limit, the model's own
 --       limit (0: none), the model's queue's place among KEYS[8..], the request, the
 --       queues' TTL, the workers' consumer group, the request's tenant (its slot
---       in the queue's fair share, wire/lua/fair_core.lua) and the tenant's weight.
+--       in the queue's fair share, wire/lua/fair_core.lua) and the tenant's weight,
+--       then, only to admit the tenant's limits here too: '1' to count the request ('0':
+--       another choice of a request counted already), its limits (concurrent, requests
+--       per minute, tokens per minute, tokens per day) and how long a running generation
+--       counts at most (ms) (admit_core.lua).
 -- KEYS[8..] (admitted here, on one Redis): every model's request queue, counted as the
 --       gateway's capacity check counts them (gateway/core/generations.py, wire/queue.py).
 -- Returns {'ok', queued id, history...} | {'missing'} | {'forbidden'} | {'duplicate', gid}
 --         | {'busy', gid} | {'history_full'} | {'overloaded', 'all' or 'model', count}
+--         | {'admitted', queued id, counts...} | {'limited', counts...} (the tenant's
+--         limits admitted here: admit_tenant's answer)
 -- A session made here is fresh (a new random id): nothing to look up in it, no history.
-local admit = ARGV[16] ~= nil
-local target = admit and tonumber(ARGV[18]) or 0
+local admit = ARGV[18] ~= nil
+local target = admit and tonumber(ARGV[20]) or 0
 if admit then
   -- A queue's requests in flight: not yet taken (its group's lag; nil after a trim: 0)
   -- and taken but not acknowledged (pending); with no group yet, all it holds; with no
@@ -34,7 +43,7 @@ if admit then
         elseif field == 'lag' then lag = group[i + 1]
         elseif field == 'pending' then pending = group[i + 1] end
       end
-      if name == ARGV[21] then return (tonumber(lag) or 0) + pending + fair_waiting(queue) end
+      if name == ARGV[23] then return (tonumber(lag) or 0) + pending + fair_waiting(queue) end
     end
     return redis.call('XLEN', queue) + fair_waiting(queue)
   end
@@ -44,9 +53,18 @@ if admit then
     all = all + count
     if i - 7 == target then of_model = count end
   end
-  if all >= tonumber(ARGV[16]) then return {'overloaded', 'all', all} end
-  local model_limit = tonumber(ARGV[17])
+  if all >= tonumber(ARGV[18]) then return {'overloaded', 'all', all} end
+  local model_limit = tonumber(ARGV[19])
   if model_limit > 0 and of_model >= model_limit then return {'overloaded', 'model', of_model} end
+end
+-- One Redis holds the tenant's keys too: its limits are admitted in this round trip. A
+-- fresh session refuses nothing after this, so nothing admitted is given back.
+local counts = nil
+if admit and ARGV[26] then
+  counts = admit_tenant(tenant_base(KEYS[4], ARGV[16]), ARGV[4], ARGV[26] == '1',
+                        tonumber(ARGV[27]), tonumber(ARGV[28]), tonumber(ARGV[29]),
+                        tonumber(ARGV[30]), tonumber(ARGV[31]))
+  if counts[1] ~= 'ok' then return {'limited', unpack(counts)} end
 end
 local create = ARGV[12] == '1'
 if create then
@@ -77,7 +95,8 @@ if not companion then
   redis.call('SET', KEYS[3], ARGV[4], 'EX', ttl)
   if ARGV[11] == '1' then redis.call('SET', KEYS[7], ARGV[4], 'EX', ttl) end
 end
-redis.call('HSET', KEYS[4], 'state', 'queued', 'created', ARGV[6])
+redis.call('HSET', KEYS[4], 'state', 'queued', 'created', ARGV[6], 'tenant', ARGV[16],
+           'bill', ARGV[17])
 if ARGV[14] ~= '' then redis.call('HSET', KEYS[4], 'note', ARGV[14], 'queue', ARGV[15]) end
 redis.call('EXPIRE', KEYS[4], ttl)
 redis.call('SET', KEYS[6], '1', 'EX', ARGV[8])
@@ -85,9 +104,10 @@ local id = emit(KEYS[5], KEYS[4], ARGV[1], ARGV[2], ttl, 'queued', ARGV[4], ARGV
 redis.call('EXPIRE', KEYS[1], ttl)
 redis.call('EXPIRE', KEYS[5], ttl)
 if admit then  -- after its generation, so no worker finds a request with none
-  fair_enqueue('{' .. KEYS[7 + target] .. '}:fair', ARGV[22], ARGV[23], ARGV[19], ARGV[20])
+  fair_enqueue('{' .. KEYS[7 + target] .. '}:fair', ARGV[24], ARGV[25], ARGV[21], ARGV[22])
 end
 local reply = {'ok', id}
+if counts then reply = {'admitted', id, unpack(counts)} end
 if create and ARGV[5] == '' then return reply end  -- no history to keep or return
 redis.call('EXPIRE', KEYS[2], ttl)
 for _, message in ipairs(redis.call('LRANGE', KEYS[2], 0, -1)) do table.insert(reply, message) end

@@ -13,6 +13,7 @@ Only a request this handler can take whole is taken; every other one goes on to 
 as it came (its body, already read, handed on unchanged), so every error the app answers
 is answered there, once: a body that is not a valid request, over the size limit or not
 JSON; a missing or wrong API key; a browser's cross-origin request when CORS is configured.
+A request taken here serves its key's tenant, as ``api_key_check`` would make it.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ class HotRoutes:
                 return
         body, whole = await self._read_body(receive)
         data = route.decoded(body) if whole and len(body) <= self.max_body_bytes else None
-        if data is None or not self.api_keys.valid(bearer(authorization)):
+        if data is None or not self.api_keys.serve(bearer(authorization)):
             await self.app(scope, _replaying(body, whole, receive), send)
             return
         scope["path_template"] = scope["path"]  # what Litestar sets: the metric's label

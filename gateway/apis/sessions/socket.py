@@ -90,8 +90,9 @@ class Connection:
         self.settings = service.settings
         self.token = token
         self.api_keys = api_keys
-        # A socket shows a valid key once (connect header or a frame) for all its sessions.
-        self._key_shown = api_keys.valid(bearer(socket.headers.get("authorization")))
+        # A socket shows a valid key once (connect header or a frame) for all its sessions,
+        # which serve that key (a later frame's key serves from then on).
+        self._key_shown = api_keys.serve(bearer(socket.headers.get("authorization")))
         self._send_lock = asyncio.Lock()
         self._replies: asyncio.Queue[ServerFrame] = asyncio.Queue(MAX_PENDING_REPLIES)
         self._running: dict[str, asyncio.Task[None]] = {}
@@ -184,7 +185,7 @@ class Connection:
         new_token: str | None = None
         token: str | None
         if frame.session_id is None:
-            if not self._key_shown:
+            if not self._key_shown or frame.api_key is not None:
                 self.api_keys.require(frame.api_key)
                 self._key_shown = True
             created = await self.service.create_session(frame.model)

@@ -38,6 +38,7 @@ from gateway.core.generation_stream import final_error
 from gateway.core.service import GatewayService
 from gateway.core.walk import Spelling, walk
 from gateway.server.http2 import Call, GrpcError, Method, StatusCode
+from gateway.tenants import caller
 from wire import Cancelled, Done, Error, Token
 
 SERVICE = "inference.GRPCInferenceService"
@@ -170,6 +171,9 @@ class InferenceService:
         return await self.service.generate(ask)
 
     def authorize(self, metadata: Metadata) -> None:
+        """401 without a valid key; the call (and every request sent on it) serves the
+        key's tenant."""
+        caller.begin()  # a call of its own, whatever the connection's task held
         self.api_keys.require(bearer(metadata.get("authorization")))
 
 

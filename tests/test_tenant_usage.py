@@ -1,0 +1,254 @@
+"""Usage you can bill: every generation's tokens counted once, to the key it served, where
+its final event is written (wire/lua/usage_core.lua), whatever ends it.
+
+Real processes (Redis, gateways, synthetic workers); the usage is read back through the
+admin API and compared with what the clients were told: each final event's usage (the
+prompt of a request with ``n`` choices once).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from stack import processes
+from stack.redis_server import free_port
+from tests.support.http import Follower, Session, cancel, follow, read_events
+from tests.support.metrics import scrape, until_sample, value
+from tests.support.redis_probes import lease_trusted
+from tests.support.stack import Gateway, Stack
+from tests.support.tenants import (
+    ADMIN_KEY,
+    Key,
+    keyed_session,
+    make_key,
+    until_usage,
+    usage_total,
+)
+from wire import Keys
+from wire.connect import connect
+from wire.tenancy import UsageCounter
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def tokens_of(usage: dict[str, Any], *, prompt: bool = True) -> int:
+    return (usage["prompt_tokens"] if prompt else 0) + usage["completion_tokens"]
+
+
+async def post_turn(
+    client: httpx.AsyncClient,
+    session: Session,
+    content: str,
+    headers: dict[str, str] | None = None,
+    **params: Any,
+) -> httpx.Response:
+    sent = await client.post(
+        f"{session.base}/v1/sessions/{session.session_id}/messages",
+        json={"content": content, **params},
+        headers={**session.headers, **(headers or {})},
+    )
+    assert sent.status_code == 202, sent.text
+    return sent
+
+
+async def turn_final(
+    client: httpx.AsyncClient, base: str, key: Key, content: str, **params: Any
+) -> dict[str, Any]:
+    """A session turn of ``key``'s, read to its final event: that event's data."""
+    session = await keyed_session(client, base, key)
+    gid = (await post_turn(client, session, content, **params)).json()["generation_id"]
+    reading = await read_events(client, session, until_final_of=gid)
+    final: dict[str, Any] = reading.final(gid).json()
+    return final
+
+
+async def test_every_ending_is_counted_once_to_its_key(stack: Stack) -> None:
+    """Done (OpenAI, streamed and whole), ``n`` = 2 (the prompt once), a resend with the
+    same Idempotency-Key (no new generation), a cancel while running and while queued,
+    and an engine error after 3 tokens (its final event carries its usage): the key's
+    usage is the sum of what the clients were told, and its generations are counted."""
+    stack.synthetic(200, "--capacity", "2")
+    gateway = stack.gateway(TOKENSPOUT_ADMIN_KEY=ADMIN_KEY)
+    async with httpx.AsyncClient(timeout=30) as client:
+        key = await make_key(client, gateway.url, "billed")
+        other = await make_key(client, gateway.url, "bystander")
+        told = await _openai_told(key, f"{gateway.url}/v1")
+        # Sent twice with one Idempotency-Key: one generation.
+        session = await keyed_session(client, gateway.url, key)
+        again = {"Idempotency-Key": "once"}
+        first = await post_turn(client, session, "resend", again, max_tokens=6)
+        gid = first.json()["generation_id"]
+        reading = await read_events(client, session, until_final_of=gid)
+        resent = await post_turn(client, session, "resend", again, max_tokens=6)
+        assert resent.json()["duplicate"] and resent.json()["generation_id"] == gid
+        told.append(tokens_of(reading.final(gid).json()["usage"]))
+        failed = await turn_final(client, gateway.url, key, "[[fail:3]] boom", max_tokens=9)
+        assert failed["type"] == "error" and failed["usage"]["completion_tokens"] == 3
+        told.append(tokens_of(failed["usage"]))
+        told += await _cancelled(client, gateway.url, key)
+        other_told = tokens_of(
+            (await turn_final(client, gateway.url, other, "elsewhere", max_tokens=3))["usage"]
+        )
+        total = await usage_total(client, gateway.url, key.id)
+        assert total["total_tokens"] == sum(told), (total, told)
+        assert total["generations"] == 1 + 2 + 1 + 1 + 1 + 3
+        assert (await usage_total(client, gateway.url, other.id))["total_tokens"] == other_told
+
+
+async def _openai_told(key: Key, base_url: str) -> list[int]:
+    """OpenAI requests of ``key``'s: whole, two choices, streamed with usage; the tokens
+    each response said it used (the two choices' prompt once)."""
+    told: list[int] = []
+    async with openai.AsyncOpenAI(api_key=key.secret, base_url=base_url, max_retries=0) as sdk:
+        whole = await sdk.chat.completions.create(
+            model="synthetic", messages=[{"role": "user", "content": "one"}], max_tokens=7
+        )
+        assert whole.usage is not None
+        told.append(whole.usage.total_tokens)
+        two = await sdk.chat.completions.create(
+            model="synthetic", messages=[{"role": "user", "content": "two"}], max_tokens=5, n=2
+        )
+        assert two.usage is not None and two.usage.completion_tokens == 10
+        told.append(two.usage.total_tokens)  # the prompt once
+        streamed = await sdk.completions.create(
+            model="synthetic",
+            prompt="three",
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        async for chunk in streamed:
+            if chunk.usage is not None:
+                told.append(chunk.usage.total_tokens)
+    return told
+
+
+async def _cancelled(client: httpx.AsyncClient, base: str, key: Key) -> list[int]:
+    """Two generations stall the worker's two slots: a third waits queued and is cancelled
+    there (usage 0), then the two are cancelled running; the tokens each was told."""
+    stalled = [await keyed_session(client, base, key) for _ in range(2)]
+    running = []
+    for session in stalled:
+        gid = (await post_turn(client, session, "[[stall]] hold", max_tokens=50)).json()[
+            "generation_id"
+        ]
+        running.append((session, gid, follow(client, session, gid)))
+    for _, _, follower in running:
+        await follower.until_event("started")
+    waiting = await keyed_session(client, base, key)
+    queued = (await post_turn(client, waiting, "queued", max_tokens=5)).json()["generation_id"]
+    told = [tokens_of((await cancel(client, waiting, queued))["final"]["usage"])]
+    assert told == [0]
+    for session, gid, follower in running:
+        await cancel(client, session, gid)
+        await follower.until_end()
+        told.append(tokens_of(follower.reading.final(gid).json()["usage"]))
+    return told
+
+
+async def test_a_reply_taken_over_is_counted_once_whole(stack: Stack) -> None:
+    """A worker SIGKILLed mid-reply: another continues it, and the key is billed the whole
+    reply once (the dead worker billed nothing, having written no final event); the
+    worker that ended it counts the tokens in its metric, under the key's id."""
+    gateway = stack.gateway(TOKENSPOUT_ADMIN_KEY=ADMIN_KEY)
+    metrics_port = free_port()
+    async with httpx.AsyncClient(timeout=30) as client:
+        key = await make_key(client, gateway.url, "taken-over")
+        survivor = ["--metrics-port", str(metrics_port)]
+        follower, final = await _killed_mid_reply(client, stack, gateway, key, 10, survivor)
+        assert final["type"] == "done" and final["usage"]["completion_tokens"] == 60
+        assert any(event.event == "resumed" for event in follower.reading.events)
+        total = await usage_total(client, gateway.url, key.id)
+        assert total["total_tokens"] == tokens_of(final["usage"])
+        assert total["generations"] == 1
+        # The worker counts its metric once its final event is written: the reader may see
+        # the event first.
+        url, name = (
+            f"http://127.0.0.1:{metrics_port}/metrics",
+            "tokenspout_engine_tenant_tokens_total",
+        )
+        await until_sample(
+            client, url, 60, name, "completion tokens", tenant=key.id, kind="completion"
+        )
+        samples = await scrape(client, url)
+    assert value(samples, name, tenant=key.id, kind="prompt") == final["usage"]["prompt_tokens"]
+
+
+async def test_a_lost_reply_that_cannot_go_on_bills_what_it_streamed(stack: Stack) -> None:
+    """With takeovers off, a worker SIGKILLed mid-reply ends it ``worker_lost``: the
+    reaper reads back what it streamed, the error carries that usage, and the key is
+    billed exactly the tokens its client received."""
+    gateway = stack.gateway(TOKENSPOUT_ADMIN_KEY=ADMIN_KEY, TOKENSPOUT_MAX_TAKEOVERS="0")
+    async with httpx.AsyncClient(timeout=30) as client:
+        key = await make_key(client, gateway.url, "lost")
+        follower, final = await _killed_mid_reply(client, stack, gateway, key, 5, None)
+        assert final["type"] == "error" and final["code"] == "worker_lost"
+        received = follower.tokens()
+        assert final["usage"]["completion_tokens"] == received
+        total = await usage_total(client, gateway.url, key.id)
+        assert total["completion_tokens"] == received
+        assert total["total_tokens"] == tokens_of(final["usage"])
+
+
+async def _killed_mid_reply(
+    client: httpx.AsyncClient,
+    stack: Stack,
+    gateway: Gateway,
+    key: Key,
+    tokens: int,
+    survivor: list[str] | None,
+) -> tuple[Follower, dict[str, Any]]:
+    """A 60-token reply of ``key``'s whose worker (the stack's first, started here) is
+    SIGKILLed after ``tokens`` tokens, with another started first (its ``survivor`` args)
+    or none: the reader's follower and the reply's final event."""
+    doomed = stack.synthetic(20)
+    session = await keyed_session(client, gateway.url, key)
+    gid = (await post_turn(client, session, "carry on", max_tokens=60)).json()["generation_id"]
+    follower = follow(client, session, gid)
+    await follower.until_tokens(tokens)
+    if survivor is not None:
+        stack.synthetic(20, *survivor)
+    await lease_trusted(stack.redis_url)
+    processes.kill(doomed)
+    await follower.until_end(60)
+    final: dict[str, Any] = follower.reading.final(gid).json()
+    return follower, final
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+async def test_on_a_cluster_the_writer_counts_once_after_the_final_event(
+    cluster_stack: Stack,
+) -> None:
+    """On a Redis Cluster a key's usage and counts live on its own slot, so each final
+    event's writer counts them right after it (the worker for a reply, the gateway for a
+    queued cancel): the key is billed what its clients were told, its concurrency count
+    drops back to 0, and a second count of a generation counts nothing."""
+    stack = cluster_stack
+    stack.synthetic(200, "--capacity", "2")
+    gateway = stack.gateway(TOKENSPOUT_ADMIN_KEY=ADMIN_KEY)
+    limits = {"concurrent": 4, "requests_per_minute": 1000, "tokens_per_day": 10**6}
+    async with httpx.AsyncClient(timeout=30) as client:
+        key = await make_key(client, gateway.url, "sharded", limits=limits)
+        told = await _openai_told(key, f"{gateway.url}/v1")
+        told += await _cancelled(client, gateway.url, key)
+        session = await keyed_session(client, gateway.url, key)
+        gid = (await post_turn(client, session, "one more", max_tokens=3)).json()
+        reading = await read_events(client, session, until_final_of=gid["generation_id"])
+        told.append(tokens_of(reading.final(gid["generation_id"]).json()["usage"]))
+        # Each is counted right after its final event: a reader may see the event first.
+        total = await until_usage(client, gateway.url, key.id, sum(told))
+        assert total["generations"] == 1 + 2 + 1 + 3 + 1
+    redis = connect(stack.redis_url)
+    try:
+        keys = Keys(stack.prefix)
+        # Counted with the usage: none of its generations counts as running any more.
+        assert await redis.zcard(keys.tenant(key.id, "running")) == 0
+        counter = UsageCounter(redis, keys)
+        assert not await counter.after_final(session.session_id, gid["generation_id"])
+    finally:
+        await redis.aclose()
