@@ -10,6 +10,8 @@ keys. Version 2: the ``resumed`` event and ``GenerationRequest.resume`` (takeove
 version-1 gateway could not decode and a version-1 worker would run from the start.
 Version 3: structured outputs, ``logit_bias`` and top logprobs in ``SamplingParams`` (a
 version-2 worker would ignore them and stream unconstrained text as if it were valid).
+Version 4: ``GenerationRequest.continue_final_message`` (a version-3 worker would answer a
+new reply where the client asked it to extend the last one).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any, Literal, TypeVar
 
 import msgspec
 
-WIRE_VERSION = 3
+WIRE_VERSION = 4
 T = TypeVar("T")
 
 Role = Literal["system", "user", "assistant", "tool"]
@@ -159,6 +161,17 @@ class GenerationRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     choice: int = 0
     """Which choice of a session's turn it is (a message with ``n`` > 1): only choice 0's
     reply joins the session's history."""
+    continue_final_message: bool = False
+    """Version 4. The conversation ends with an assistant message the engine extends (vLLM's
+    ``continue_final_message``: no new turn is opened); the reply joins the history as
+    that message made longer, not as a message of its own."""
+
+    @property
+    def continued(self) -> str:
+        """The text of the assistant message this request extends ("" for a new reply)."""
+        if not self.continue_final_message or not self.messages:
+            return ""
+        return self.messages[-1].content
 
     @property
     def engine_request_id(self) -> str:

@@ -96,7 +96,16 @@ class OverCapacity(msgspec.Struct, frozen=True, tag="overloaded"):
     count: int
 
 
-SubmitReply = Accepted | SessionMissing | Forbidden | Duplicate | Busy | HistoryFull | OverCapacity
+class BadTurn(msgspec.Struct, frozen=True, tag="bad_turn"):
+    """The history has nothing the turn can be: no user message at the ``edit`` index, none
+    to ``regenerate`` from, no assistant message last to ``continue``."""
+
+    kind: str
+
+
+SubmitReply = (
+    Accepted | SessionMissing | Forbidden | Duplicate | Busy | HistoryFull | OverCapacity | BadTurn
+)
 
 
 # --- CANCEL (wire/lua/cancel.lua) ----------------------------------------------------

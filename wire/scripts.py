@@ -48,6 +48,7 @@ from wire.messages import (
 from wire.outcomes import (
     Accepted,
     AlreadyFinal,
+    BadTurn,
     Busy,
     CancelAsked,
     CancelledQueued,
@@ -183,6 +184,8 @@ def submit_reply(reply: object) -> SubmitReply:
             return HistoryFull()
         case ["overloaded", scope, count]:
             return OverCapacity(scope, int(count))
+        case ["bad_turn", kind]:
+            return BadTurn(kind)
     raise ScriptReplyError(f"SUBMIT answered {reply!r}")
 
 
@@ -326,11 +329,14 @@ class Submit(Script):
         choice: int = 0,
         note: bytes = b"",
         queue: str = "",
+        turn: str = "",
     ) -> SubmitReply:
         """``token_digest`` "": no token check. ``choice`` > 0: another choice of the turn
         just submitted (no ``user_message``): queued beside it, not the session's active
         generation. ``note``: its request without its conversation, kept with the
-        generation with the ``queue`` it goes to (to queue it again, should Redis lose it)."""
+        generation with the ``queue`` it goes to (to queue it again, should Redis lose it).
+        ``turn``: how it changes the history first (wire/lua/submit.lua: "" a new message,
+        ``edit <i>``, ``regenerate``, ``continue``)."""
         keys, args = self._keys_args(
             session_id,
             generation_id,
@@ -344,6 +350,7 @@ class Submit(Script):
             choice=choice,
             note=note,
             queue=queue,
+            turn=turn,
         )
         return submit_reply(await self._run(keys, args, None))
 
@@ -396,6 +403,7 @@ class Submit(Script):
         choice: int = 0,
         note: bytes = b"",
         queue: str = "",
+        turn: str = "",
         admission: Admission | None = None,
     ) -> tuple[list[str], list[Arg]]:
         """Submit's KEYS and ARGV, the one place they are listed (the defaults: what a
@@ -440,6 +448,7 @@ class Submit(Script):
             "1" if choice else "",
             note,
             queue,
+            turn,
             *admitting[1],
         ]
 

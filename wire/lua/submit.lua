@@ -8,6 +8,9 @@
 --       no message, no busy check, not the session's active generation),
 --       note (its request without its conversation: what queues it again should Redis
 --       lose it, gateway/core/waiting.py; '' for none), queue (the model's queue it goes to),
+--       turn ('': a new message; 'edit <i>': history message i, a user message, and all
+--       after it are cut before the new one; 'regenerate': the history is cut after its
+--       last user message; 'continue': its last message, an assistant one, is extended),
 --       then, only to admit and queue it here: the in-flight limit, the model's own
 --       limit (0: none), the model's queue's place among KEYS[8..], the request, the
 --       queues' cap and TTL, the workers' consumer group.
@@ -15,9 +18,10 @@
 --       gateway's capacity check counts them (gateway/core/generations.py, wire/queue.py).
 -- Returns {'ok', queued id, history...} | {'missing'} | {'forbidden'} | {'duplicate', gid}
 --         | {'busy', gid} | {'history_full'} | {'overloaded', 'all' or 'model', count}
+--         | {'bad_turn', 'edit' or 'regenerate' or 'continue'} (the history has no such turn)
 -- A session made here is fresh (a new random id): nothing to look up in it, no history.
-local admit = ARGV[16] ~= nil
-local target = admit and tonumber(ARGV[18]) or 0
+local admit = ARGV[17] ~= nil
+local target = admit and tonumber(ARGV[19]) or 0
 if admit then
   -- A queue's requests in flight: not yet taken (its group's lag; nil after a trim: 0)
   -- and taken but not acknowledged (pending); with no group yet, all it holds; with no
@@ -33,7 +37,7 @@ if admit then
         elseif field == 'lag' then lag = group[i + 1]
         elseif field == 'pending' then pending = group[i + 1] end
       end
-      if name == ARGV[22] then return (tonumber(lag) or 0) + pending end
+      if name == ARGV[23] then return (tonumber(lag) or 0) + pending end
     end
     return redis.call('XLEN', queue)
   end
@@ -43,8 +47,8 @@ if admit then
     all = all + count
     if i - 7 == target then of_model = count end
   end
-  if all >= tonumber(ARGV[16]) then return {'overloaded', 'all', all} end
-  local model_limit = tonumber(ARGV[17])
+  if all >= tonumber(ARGV[17]) then return {'overloaded', 'all', all} end
+  local model_limit = tonumber(ARGV[18])
   if model_limit > 0 and of_model >= model_limit then return {'overloaded', 'model', of_model} end
 end
 local create = ARGV[12] == '1'
@@ -67,6 +71,25 @@ if not companion and not create then
   local running = redis.call('GET', KEYS[3])
   if running then return {'busy', running} end
 end
+local turn = ARGV[16]
+if turn ~= '' then
+  local history = redis.call('LRANGE', KEYS[2], 0, -1)
+  local function role(i) return cjson.decode(history[i]).role end  -- i from 1
+  if turn == 'continue' then
+    if #history == 0 or role(#history) ~= 'assistant' then return {'bad_turn', turn} end
+  elseif turn == 'regenerate' then
+    local last = 0
+    for i = #history, 1, -1 do
+      if role(i) == 'user' then last = i break end
+    end
+    if last == 0 then return {'bad_turn', turn} end
+    redis.call('LTRIM', KEYS[2], 0, last - 1)
+  else
+    local at = tonumber(string.match(turn, '^edit (%d+)$'))
+    if not at or at >= #history or role(at + 1) ~= 'user' then return {'bad_turn', 'edit'} end
+    if at == 0 then redis.call('DEL', KEYS[2]) else redis.call('LTRIM', KEYS[2], 0, at - 1) end
+  end
+end
 if ARGV[5] ~= '' then
   if redis.call('LLEN', KEYS[2]) >= tonumber(ARGV[7]) then return {'history_full'} end
   redis.call('RPUSH', KEYS[2], ARGV[5])
@@ -85,8 +108,8 @@ redis.call('EXPIRE', KEYS[1], ttl)
 redis.call('EXPIRE', KEYS[5], ttl)
 if admit then  -- after its generation, so no worker finds a request with none
   local queue = KEYS[7 + target]
-  redis.call('XADD', queue, 'MAXLEN', '~', ARGV[20], '*', 'r', ARGV[19])
-  redis.call('EXPIRE', queue, ARGV[21])
+  redis.call('XADD', queue, 'MAXLEN', '~', ARGV[21], '*', 'r', ARGV[20])
+  redis.call('EXPIRE', queue, ARGV[22])
 end
 local reply = {'ok', id}
 if create and ARGV[5] == '' then return reply end  -- no history to keep or return
