@@ -24,6 +24,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 
 import wire
+from gateway.core.conversations import Conversation, Conversations, ConversationSettings
 from gateway.core.errors import BadRequest, Conflict, Forbidden, NotFound, Overloaded, Unavailable
 from gateway.core.generations import GenerationQueue
 from gateway.core.ids import new_id, token_urlsafe
@@ -61,6 +62,27 @@ STATELESS_TTL_S = 600
 BUSY_RETRY_AFTER_S = 1
 """``Retry-After`` of a 409 ``generation_running``: a hint only (a reply may run for minutes;
 a client that follows the session's stream knows exactly when it ends)."""
+
+
+TURNS = ("", "regenerate", "continue")
+"""Turns besides a new message (""): ``edit <i>`` too (wire/lua/submit.lua)."""
+_BAD_TURNS = {
+    "edit": ("edit must be the index of a user message of the history", "bad_edit"),
+    "regenerate": ("the history has no user message to answer again", "nothing_to_regenerate"),
+    "continue": ("the history does not end with an assistant message", "nothing_to_continue"),
+}
+
+
+class SessionMeta(msgspec.Struct, frozen=True):
+    """What a turn needs of its session: the model (checked live), who owns it and the
+    conversation's settings."""
+
+    model: str
+    owner: str | None
+    """The owner's digest (None: made without an owner cookie)."""
+    settings: ConversationSettings
+    by_owner: bool
+    """Authorised by the owner's cookie (not the session's token)."""
 
 
 class CreatedSession(msgspec.Struct, frozen=True):
@@ -117,6 +139,32 @@ def _bad_token() -> Forbidden:
     return Forbidden("a valid session token is required", code="bad_session_token")
 
 
+def _conversation(system: str, history: list[ChatMessage]) -> list[ChatMessage]:
+    """What the engine gets: the conversation's system prompt, then its history."""
+    return [ChatMessage("system", system), *history] if system else history
+
+
+def _check_credentials(
+    session_id: str,
+    stored_token: str | None,
+    stored_owner: str | None,
+    token: str | None,
+    owner: str | None,
+) -> bool:
+    """404 for a session with no token stored (none), 403 unless ``token`` is its token or,
+    with no token given, ``owner`` is its owner's secret (a token given is what counts: a
+    wrong one is refused whatever cookie comes with it). Returns whether the owner's
+    secret was what matched."""
+    if stored_token is None:
+        raise NotFound(f"no session {session_id!r}", code="unknown_session")
+    if token is not None:
+        if hmac.compare_digest(stored_token, _digest(token)):
+            return False
+    elif owner and stored_owner and hmac.compare_digest(stored_owner, _digest(owner)):
+        return True
+    raise _bad_token()
+
+
 class SessionStore:
     def __init__(
         self, redis: aioredis.Redis, settings: Settings, observer: StoreObserver | None = None
@@ -129,12 +177,23 @@ class SessionStore:
         self._submit = scripts.Submit(redis, self.keys)
         self._cancel = scripts.Cancel(redis, self.keys)
         self.queue = GenerationQueue(redis, self.keys, settings, self.models)
+        self.conversations = Conversations(redis, self.keys, settings)
 
     # --- sessions ------------------------------------------------------------------------
 
-    async def create_session(self, model: str | None = None) -> CreatedSession:
-        """A session bound to ``model`` (a name or alias; None: the default model) for
-        its whole life."""
+    async def create_session(
+        self,
+        model: str | None = None,
+        owner: str | None = None,
+        settings: ConversationSettings | None = None,
+        title: str | None = None,
+    ) -> CreatedSession:
+        """A session bound to ``model`` (a name or alias; None: the default model) until a
+        change of its settings; ``owner``: the owner cookie's secret, whose conversations
+        it joins (409 past ``TOKENSPOUT_MAX_CONVERSATIONS``)."""
+        owner_digest = _digest(owner) if owner else None
+        if owner_digest:
+            await self.conversations.make_room(owner_digest)
         if model:
             resolved = await self.models.resolve(model)
         else:
@@ -144,38 +203,86 @@ class SessionStore:
                 if exc.code != "no_worker":
                     raise
                 resolved = ""  # no worker yet: the first message picks the default
-        session_id, token = new_id("s"), token_urlsafe(32)
+        session_id, token, now = new_id("s"), token_urlsafe(32), time.time()
         meta = self.keys.meta(session_id)
-        fields = {"token": _digest(token), "created": time.time(), "model": resolved}
+        fields: dict[str, Any] = {"token": _digest(token), "created": now, "model": resolved}
+        fields.update(settings.fields() if settings else {})
+        if owner_digest:
+            fields["owner"] = owner_digest
+        if title:
+            fields["title"] = title
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(meta, mapping=fields)  # type: ignore[arg-type]
             pipe.expire(meta, self.settings.session_ttl_s)
             await pipe.execute()
+        if owner_digest:
+            await self.conversations.record(session_id, owner_digest, now)
         return CreatedSession(session_id, token, resolved or None)
 
-    async def session_model(self, session_id: str, token: str | None) -> str:
-        """The model of a session, checked live (404, 403, then the model's own errors);
-        a session created while no worker was alive takes the default model now, for good."""
-        meta = self.keys.meta(session_id)
-        stored_token, stored_model = await self.redis.hmget(meta, ["token", "model"])
-        if stored_token is None:
-            raise NotFound(f"no session {session_id!r}", code="unknown_session")
-        if token is None or not hmac.compare_digest(wire.text(stored_token), _digest(token)):
-            raise _bad_token()
-        if stored_model:
-            return await self.models.resolve(wire.text(stored_model))
-        model = await self.models.resolve(None)
-        await self.redis.hset(meta, "model", model)
-        return model
+    @staticmethod
+    def owner_digest(owner: str) -> str:
+        """What Redis keeps of an owner's secret (its conversations' index is named by it)."""
+        return _digest(owner)
 
-    async def authorise(self, session_id: str, token: str | None) -> None:
-        """404 for an unknown session, 403 for a missing or wrong token."""
-        stored = await self.redis.hget(self.keys.meta(session_id), "token")
-        if stored is None:
-            raise NotFound(f"no session {session_id!r}", code="unknown_session")
-        expected = stored.decode() if isinstance(stored, bytes) else str(stored)
-        if token is None or not hmac.compare_digest(expected, _digest(token)):
-            raise _bad_token()
+    async def session_meta(
+        self, session_id: str, token: str | None, owner: str | None = None
+    ) -> SessionMeta:
+        """What a turn needs of the session, authorised as ``authorise`` does; its model
+        checked live (then the model's own errors): a session created while no worker was
+        alive takes the default model now, for good."""
+        meta = self.keys.meta(session_id)
+        fields = ["token", "owner", "model", "system", "temperature", "max_tokens"]
+        row = [None if v is None else wire.text(v) for v in await self.redis.hmget(meta, fields)]
+        stored_token, stored_owner, stored_model = row[:3]
+        by_owner = _check_credentials(session_id, stored_token, stored_owner, token, owner)
+        settings = ConversationSettings.of(dict(zip(fields[3:], row[3:], strict=True)))
+        if stored_model:
+            model = await self.models.resolve(stored_model)
+        else:
+            model = await self.models.resolve(None)
+            await self.redis.hset(meta, "model", model)
+        return SessionMeta(model, stored_owner, settings, by_owner)
+
+    async def authorise(
+        self, session_id: str, token: str | None, owner: str | None = None
+    ) -> str | None:
+        """404 for an unknown session, 403 unless the session's token or its owner's
+        cookie (``owner``) is given. Returns the session's owner digest (None: none)."""
+        stored_token, stored_owner = await self.redis.hmget(
+            self.keys.meta(session_id), ["token", "owner"]
+        )
+        expected = None if stored_token is None else wire.text(stored_token)
+        owner_digest = None if stored_owner is None else wire.text(stored_owner)
+        _check_credentials(session_id, expected, owner_digest, token, owner)
+        return owner_digest
+
+    async def change(
+        self,
+        session_id: str,
+        token: str | None,
+        owner: str | None,
+        fields: dict[str, str | None],
+    ) -> Conversation:
+        """Set a conversation's title or settings (``fields``: meta field -> value, None to
+        clear it; a ``model`` must be served: its own errors else)."""
+        owner_digest = await self.authorise(session_id, token, owner)
+        model = fields.get("model")
+        if model is not None:
+            fields = {**fields, "model": await self.models.resolve(model)}
+        set_fields = {name: value for name, value in fields.items() if value is not None}
+        unset = [name for name, value in fields.items() if value is None and name != "model"]
+        await self.conversations.change(session_id, owner_digest, set_fields, unset)
+        return await self.conversations.read(session_id)
+
+    async def delete(self, session_id: str, token: str | None, owner: str | None) -> None:
+        """Delete a session: its running generation is stopped first (its worker's events
+        are refused from then on: its generation's hash goes too)."""
+        owner_digest = await self.authorise(session_id, token, owner)
+        active = await self.redis.get(self.keys.active(session_id))
+        running = [wire.text(active)] if active is not None else []
+        for generation_id in running:
+            await self.cancel(session_id, generation_id)
+        await self.conversations.forget(session_id, owner_digest, running)
 
     async def history(self, session_id: str) -> list[ChatMessage]:
         raw = await self.redis.lrange(self.keys.history(session_id), 0, -1)
@@ -191,26 +298,64 @@ class SessionStore:
         params: SamplingParams,
         idempotency_key: str | None = None,
         n: int = 1,
+        *,
+        owner: str | None = None,
+        turn: str = "",
+        given: frozenset[str] = frozenset(),
     ) -> Submitted:
         """Append a user message to the session and queue the reply (``n`` replies: the
         first is the turn's and joins the history; the others are queued beside it).
 
-        Authorises like ``authorise`` (404, then 403), in the same round trip as the submit.
+        ``turn``: "" a new message; ``edit <i>``: it replaces history message ``i`` (a user
+        message) and everything after it; ``regenerate`` (no ``content``): the last user
+        message is answered again, its reply cut off; ``continue`` (no ``content``): the
+        last message, an assistant one, is extended. The conversation's settings fill the
+        sampling fields the request did not set (``given``), its system prompt goes first.
+        Authorises like ``authorise`` (404, then 403).
         """
-        self._check_content(content)
+        if turn in ("regenerate", "continue"):
+            content = ""
+        else:
+            self._check_content(content)
         if not 1 <= n <= self.settings.max_choices:
             raise BadRequest(
                 f"n must be between 1 and {self.settings.max_choices} (TOKENSPOUT_MAX_CHOICES)",
                 code="too_many_choices",
                 field="n",
             )
-        model = await self.session_model(session_id, token)
-        message = ChatMessage("user", content)
-        # No token never matches: a digest is never "-".
-        digest = _digest(token) if token is not None else "-"
-        return await self._submit_to_session(
-            session_id, model, message, params, idempotency_key, digest, n
+        meta = await self.session_meta(session_id, token, owner)
+        params = self._with_settings(params, meta.settings, given)
+        message = ChatMessage("user", content) if content else None
+        # Checked again in the script. No token never matches: a digest is never "-"; an
+        # owner's cookie was checked just now (an owner never changes).
+        digest = "" if meta.by_owner else _digest(token) if token is not None else "-"
+        submitted = await self._submit_to_session(
+            session_id,
+            meta.model,
+            message,
+            params,
+            idempotency_key,
+            digest,
+            n,
+            turn=turn,
+            system=meta.settings.system,
         )
+        if submitted.queued_event_id is not None:
+            await self.conversations.touched(session_id, meta.owner, content)
+        return submitted
+
+    def _with_settings(
+        self, params: SamplingParams, settings: ConversationSettings, given: frozenset[str]
+    ) -> SamplingParams:
+        """``params`` with the conversation's temperature and max tokens where the request
+        left them to it (a lowered ``TOKENSPOUT_MAX_TOKENS_LIMIT`` still caps them)."""
+        changes: dict[str, Any] = {}
+        if settings.temperature is not None and "temperature" not in given:
+            changes["temperature"] = settings.temperature
+        if settings.max_tokens is not None and "max_tokens" not in given:
+            changes["max_tokens"] = min(settings.max_tokens, self.settings.max_tokens_limit)
+            changes["min_tokens"] = min(params.min_tokens, changes["max_tokens"])
+        return msgspec.structs.replace(params, **changes) if changes else params
 
     async def submit_stateless(
         self,
@@ -329,6 +474,9 @@ class SessionStore:
         idempotency_key: str | None,
         token_digest: str,
         n: int = 1,
+        *,
+        turn: str = "",
+        system: str = "",
     ) -> Submitted:
         keys, generation_id = self.keys, new_id("g")
         idem_key = keys.idempotency(session_id, idempotency_key) if idempotency_key else ""
@@ -340,8 +488,9 @@ class SessionStore:
             # that generation back (from the script, after the token check), not a 429.
             if not (idem_key and await self.redis.exists(idem_key)):
                 raise
-        request = self._request(
-            session_id, generation_id, params, [], None, self.settings.session_ttl_s
+        request = msgspec.structs.replace(
+            self._request(session_id, generation_id, params, [], None, self.settings.session_ttl_s),
+            continue_final_message=turn == "continue",
         )
         note = wire.encode(request)  # its messages: the history the script returns
         reply = await self._submit_noted(
@@ -356,6 +505,7 @@ class SessionStore:
             ttl_s=self.settings.session_ttl_s,
             max_history=self.settings.max_history_messages,
             watch_ttl_s=self.watch_ttl_s,
+            turn=turn,
         )
         match reply:
             case script.SessionMissing():
@@ -379,7 +529,12 @@ class SessionStore:
                 )
             case script.OverCapacity():  # not asked to admit here (guard_capacity did)
                 raise self.queue.overloaded(reply, model)
-        request = msgspec.structs.replace(request, messages=reply.history)
+            case script.BadTurn(kind=kind):
+                message, code = _BAD_TURNS[kind]
+                if kind == "edit":
+                    raise BadRequest(message, code=code, field="edit")
+                raise Conflict(message, code=code)
+        request = msgspec.structs.replace(request, messages=_conversation(system, reply.history))
         await self._enqueue_written(model, request, note)
         if self.observer is not None:
             self.observer.submitted(session_id, generation_id, reply.queued_id, model)
@@ -570,10 +725,14 @@ class SessionStore:
 
     async def _with_turn(self, request: GenerationRequest) -> GenerationRequest:
         """``request`` with the conversation its turn answers: the session's history up to
-        its last user message (another choice of the turn may have added its reply since)."""
+        its last user message (another choice of the turn may have added its reply since),
+        or all of it for a turn that continues the last message; its system prompt first."""
         history = await self.history(request.session_id)
-        last_user = max((i for i, m in enumerate(history) if m.role == "user"), default=-1)
-        return msgspec.structs.replace(request, messages=history[: last_user + 1])
+        if not request.continue_final_message:
+            last_user = max((i for i, m in enumerate(history) if m.role == "user"), default=-1)
+            history = history[: last_user + 1]
+        system = await self.meta_field(request.session_id, "system")
+        return msgspec.structs.replace(request, messages=_conversation(system or "", history))
 
     def _request(
         self,
