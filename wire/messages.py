@@ -10,7 +10,10 @@ keys. Version 2: the ``resumed`` event and ``GenerationRequest.resume`` (takeove
 version-1 gateway could not decode and a version-1 worker would run from the start.
 Version 3: structured outputs, ``logit_bias`` and top logprobs in ``SamplingParams`` (a
 version-2 worker would ignore them and stream unconstrained text as if it were valid).
-Version 4: ``GenerationRequest.continue_final_message`` (a version-3 worker would answer a
+Version 4: tenants (``GenerationRequest.tenant``) and a model's queue shared between them
+by the tokens each is served (wire/queue.py): a version-3 worker would never see a request
+waiting in a tenant's share of the queue.
+Version 5: ``GenerationRequest.continue_final_message`` (a version-4 worker would answer a
 new reply where the client asked it to extend the last one).
 """
 
@@ -20,7 +23,7 @@ from typing import Any, Literal, TypeVar
 
 import msgspec
 
-WIRE_VERSION = 4
+WIRE_VERSION = 5
 T = TypeVar("T")
 
 Role = Literal["system", "user", "assistant", "tool"]
@@ -161,8 +164,12 @@ class GenerationRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     choice: int = 0
     """Which choice of a session's turn it is (a message with ``n`` > 1): only choice 0's
     reply joins the session's history."""
+    tenant: str = ""
+    """The tenant (API key) the generation serves and is billed to: its model's queue
+    shares the engine between tenants by the tokens each is served (docs/tenants.md);
+    "": anonymous."""
     continue_final_message: bool = False
-    """Version 4. The conversation ends with an assistant message the engine extends (vLLM's
+    """Version 5. The conversation ends with an assistant message the engine extends (vLLM's
     ``continue_final_message``: no new turn is opened); the reply joins the history as
     that message made longer, not as a message of its own."""
 
