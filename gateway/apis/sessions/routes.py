@@ -9,11 +9,13 @@ their tokens do, and lists, renames, sets and deletes them.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import msgspec
 from litestar import Controller, Response, delete, get, patch, post
 from litestar.connection import Request
+from litestar.di import Provide
 from litestar.params import HeaderParameter, QueryParameter
 from litestar.response import Stream
 
@@ -112,9 +114,24 @@ def session_token(request: AnyRequest, query: str | None, header: str | None) ->
     return query
 
 
+@dataclass(frozen=True, slots=True)
+class Credentials:
+    """What a request about a session shows: its token, and the owner cookie's secret."""
+
+    token: str | None
+    owner: str | None
+
+
+async def credentials_of(
+    request: AnyRequest, token: TokenQuery, x_session_token: TokenHeader
+) -> Credentials:
+    return Credentials(session_token(request, token, x_session_token), owner_of(request))
+
+
 class SessionController(Controller):
     path = "/v1/sessions"
     tags = ["sessions"]
+    dependencies = {"credentials": Provide(credentials_of)}
 
     @post("/", status_code=201, summary="Create a session", before_request=api_key_check)
     async def create(
@@ -159,42 +176,33 @@ class SessionController(Controller):
     @patch("/{session_id:str}", summary="Rename a conversation or change its settings")
     async def change(
         self,
-        request: AnyRequest,
         store: SessionStore,
         settings: Settings,
         session_id: str,
         data: ConversationChange,
-        token: TokenQuery,
-        x_session_token: TokenHeader,
+        credentials: Credentials,
     ) -> Conversation:
-        credential = session_token(request, token, x_session_token)
         fields = data.fields(settings)
-        return await store.change(session_id, credential, owner_of(request), fields)
+        return await store.change(session_id, credentials.token, credentials.owner, fields)
 
     @delete("/{session_id:str}", status_code=204, summary="Delete a conversation")
     async def remove(
         self,
-        request: AnyRequest,
         store: SessionStore,
         session_id: str,
-        token: TokenQuery,
-        x_session_token: TokenHeader,
+        credentials: Credentials,
     ) -> None:
         """Its running reply is stopped; its messages and events are gone (404 after)."""
-        credential = session_token(request, token, x_session_token)
-        await store.delete(session_id, credential, owner_of(request))
+        await store.delete(session_id, credentials.token, credentials.owner)
 
     @get("/{session_id:str}", summary="The session's messages")
     async def read(
         self,
-        request: AnyRequest,
         store: SessionStore,
         session_id: str,
-        token: TokenQuery,
-        x_session_token: TokenHeader,
+        credentials: Credentials,
     ) -> SessionView:
-        credential = session_token(request, token, x_session_token)
-        await store.authorise(session_id, credential, owner_of(request))
+        await store.authorise(session_id, credentials.token, credentials.owner)
         about = await store.conversations.read(session_id)
         return SessionView(
             session_id,
@@ -210,47 +218,39 @@ class SessionController(Controller):
     @post("/{session_id:str}/messages", status_code=202, summary="Send a message")
     async def send(
         self,
-        request: AnyRequest,
         store: SessionStore,
         session_id: str,
         data: MessageIn,
-        token: TokenQuery,
-        x_session_token: TokenHeader,
+        credentials: Credentials,
         idempotency_key: IdempotencyKey,
     ) -> GenerationAccepted:
         turn = f"edit {data.edit}" if data.edit is not None else ""
-        credential = session_token(request, token, x_session_token)
         return await _submit(
-            request, store, session_id, data, data.content, turn, idempotency_key, credential
+            store, session_id, data, data.content, turn, idempotency_key, credentials
         )
 
     @post("/{session_id:str}/regenerate", status_code=202, summary="Answer the last message again")
     async def regenerate(
         self,
-        request: AnyRequest,
         store: SessionStore,
         session_id: str,
-        token: TokenQuery,
-        x_session_token: TokenHeader,
+        credentials: Credentials,
         idempotency_key: IdempotencyKey,
         data: TurnIn | None = None,
     ) -> GenerationAccepted:
         """The reply to the last user message is cut from the history and made again
         (409 ``nothing_to_regenerate`` without a user message)."""
         given = data or TurnIn()
-        credential = session_token(request, token, x_session_token)
         return await _submit(
-            request, store, session_id, given, "", "regenerate", idempotency_key, credential
+            store, session_id, given, "", "regenerate", idempotency_key, credentials
         )
 
     @post("/{session_id:str}/continue", status_code=202, summary="Continue the last reply")
     async def continue_reply(
         self,
-        request: AnyRequest,
         store: SessionStore,
         session_id: str,
-        token: TokenQuery,
-        x_session_token: TokenHeader,
+        credentials: Credentials,
         idempotency_key: IdempotencyKey,
         data: TurnIn | None = None,
     ) -> GenerationAccepted:
@@ -258,28 +258,22 @@ class SessionController(Controller):
         limit, say); its tokens extend that message in the history (409
         ``nothing_to_continue`` when the history does not end with one)."""
         given = data or TurnIn()
-        credential = session_token(request, token, x_session_token)
-        return await _submit(
-            request, store, session_id, given, "", "continue", idempotency_key, credential
-        )
+        return await _submit(store, session_id, given, "", "continue", idempotency_key, credentials)
 
     @get("/{session_id:str}/events", summary="The session's events (text/event-stream)")
     async def events(
         self,
-        request: AnyRequest,
         store: SessionStore,
         hub: RelayHub,
         settings: Settings,
         session_id: str,
-        token: TokenQuery,
-        x_session_token: TokenHeader,
+        credentials: Credentials,
         last_event_id: Annotated[str | None, QueryParameter(name="last_event_id", required=False)],
         last_event_id_header: Annotated[
             str | None, HeaderParameter(name="Last-Event-ID", required=False)
         ],
     ) -> Stream:
-        credential = session_token(request, token, x_session_token)
-        await store.authorise(session_id, credential, owner_of(request))
+        await store.authorise(session_id, credentials.token, credentials.owner)
         after = last_event_id_header or last_event_id or None
         await hub.check_resumable(session_id, after)
 
@@ -313,17 +307,14 @@ class SessionController(Controller):
     )
     async def cancel(
         self,
-        request: AnyRequest,
         store: SessionStore,
         hub: RelayHub,
         settings: Settings,
         session_id: str,
         generation_id: str,
-        token: TokenQuery,
-        x_session_token: TokenHeader,
+        credentials: Credentials,
     ) -> CancelResult:
-        credential = session_token(request, token, x_session_token)
-        await store.authorise(session_id, credential, owner_of(request))
+        await store.authorise(session_id, credentials.token, credentials.owner)
         outcome = await store.cancel(session_id, generation_id)
         final = outcome.final
         if final is None:
@@ -334,25 +325,24 @@ class SessionController(Controller):
 
 
 async def _submit(
-    request: AnyRequest,
     store: SessionStore,
     session_id: str,
     data: SamplingIn,
     content: str,
     turn: str,
     idempotency_key: str | None,
-    credential: str | None,
+    credentials: Credentials,
 ) -> GenerationAccepted:
     """A turn of the session (a message, an edit, a regenerate or a continue), queued."""
     params = store.queue.sampling(**data.asked())
     submitted: Submitted = await store.submit_message(
         session_id,
-        credential,
+        credentials.token,
         content,
         params,
         idempotency_key,
         data.n,
-        owner=owner_of(request),
+        owner=credentials.owner,
         turn=turn,
         given=data.given(),
     )
