@@ -312,7 +312,7 @@ async def test_a_too_long_message_offers_edit_not_retry_and_stays_above_the_comp
     status = await chat.status()
     assert str(MAX_CHARS) in status, status
     actions = chat.last_reply.locator(".actions button")
-    assert await actions.evaluate_all("(buttons) => buttons.map((b) => b.ariaLabel)") == [
+    assert await actions.evaluate_all("(buttons) => buttons.map((b) => b.textContent)") == [
         "Edit message"
     ]
     row = await chat.last_reply.bounding_box()

@@ -100,7 +100,7 @@ function describeError(err) {
         ? "A reply is still running in this conversation. Stop it or wait for it to finish."
         : err.message;
     case 413:
-      return "That message is larger than the gateway accepts.";
+      return "That message is larger than the gateway accepts. Shorten it and send it again.";
     case 429: {
       const wait = err.retryAfter ? ` Try again in ${Math.ceil(err.retryAfter)} s.` : "";
       return `The gateway is busy with other replies right now.${wait}`;
@@ -108,6 +108,9 @@ function describeError(err) {
     case 503:
       return `The service is unavailable for a moment (${err.message}).`;
     default:
+      if (err.code === "message_too_long") {
+        return `That message is too long to send (${err.message}). Shorten it and send it again.`;
+      }
       return err.message || `The request failed (HTTP ${err.status}).`;
   }
 }
@@ -217,6 +220,16 @@ function actionButton(label, icon, onClick) {
   button.title = label;
   button.dataset.action = icon;
   button.innerHTML = `<svg viewBox="0 0 24 24" aria-hidden="true"><path d="${ICONS[icon]}"/></svg>`;
+  button.addEventListener("click", onClick);
+  return button;
+}
+
+// The way out of a failure, said in words (not an icon): Edit message, Retry, New chat.
+function remedyButton(label, onClick) {
+  const button = document.createElement("button");
+  button.type = "button";
+  button.className = "remedy";
+  button.textContent = label;
   button.addEventListener("click", onClick);
   return button;
 }
@@ -470,11 +483,11 @@ class AssistantRow extends Row {
       buttons.push(actionButton("Continue the reply", "continue", () => continueReply()));
     }
     if (last && !this.committed && this.remedy === "retry") {
-      buttons.push(actionButton("Retry", "regenerate", () => regenerate()));
+      buttons.push(remedyButton("Retry", () => regenerate()));
     }
     const user = chat.rows[chat.rows.indexOf(this) - 1];
     if (last && !this.committed && this.remedy === "edit" && user instanceof UserRow) {
-      buttons.push(actionButton("Edit message", "edit", () => user.startEdit()));
+      buttons.push(remedyButton("Edit message", () => user.startEdit()));
     }
     if (this.model || this.count) {
       const info = actionButton("Reply details", "info", () => {
@@ -625,11 +638,11 @@ function turnRefused(row, err) {
   const buttons = [];
   const user = chat.rows[chat.rows.indexOf(row) - 1];
   if (remedy === "edit" && user instanceof UserRow) {
-    buttons.push(actionButton("Edit message", "edit", () => user.startEdit()));
+    buttons.push(remedyButton("Edit message", () => user.startEdit()));
   } else if (remedy === "retry") {
-    buttons.push(actionButton("Retry", "regenerate", () => retry(row)));
+    buttons.push(remedyButton("Retry", () => retry(row)));
   } else if (err.status === 404 && err.code === "unknown_session") {
-    buttons.push(actionButton("Start a new chat", "continue", () => newChat()));
+    buttons.push(remedyButton("Start a new chat", () => newChat()));
   }
   row.actions.replaceChildren(...buttons);
   scrollToEnd(true);
