@@ -1048,6 +1048,7 @@ ui.keyForm.addEventListener("submit", async (event) => {
     setConn("connected");
     updateComposer();
     ui.input.focus();
+    if (location.hash.length > 1) openConversation(location.hash.slice(1));
   }
 });
 
@@ -1141,10 +1142,12 @@ async function start() {
   setConn("connecting");
   ui.input.focus();
   const unlocked = await loadModels();
-  if (unlocked) setConn("connected");
   const id = location.hash.slice(1);
-  if (id) await openConversation(id);
-  else refreshList();
+  // Connected: the conversation is shown and its stream open (its session says so), or,
+  // for a new chat, the gateway answered.
+  if (unlocked && id) await openConversation(id);
+  else if (unlocked) setConn("connected");
+  if (!id) refreshList();
   updateComposer();
 }
 
