@@ -35,7 +35,7 @@ from engine.job import Job, epoch_of
 from engine.metrics import WorkerMetrics
 from engine.publisher import Publisher
 from wire import GenerationRequest
-from wire.queue import RequestQueue
+from wire.queue import RequestQueue, ServedTokens, estimated_tokens
 
 log = logging.getLogger("tokenspout.worker")
 _request_decoder = msgspec.json.Decoder(GenerationRequest)
@@ -55,6 +55,7 @@ class Intake:
         worker_id: str,
         run_job: RunJob,
         before_taking: Callable[[], Coroutine[Any, Any, None]],
+        served: ServedTokens,
     ) -> None:
         self.queue = queue
         self.publisher = publisher
@@ -65,6 +66,8 @@ class Intake:
         self.before_taking = before_taking
         """Called before each read of the queue: the worker makes sure the others see it
         alive before it takes work (engine/worker.py, ``announce_if_silent``)."""
+        self.served = served
+        """The tokens this worker served since it last told its queue (with each take)."""
         self.jobs: dict[str, Job] = {}
         """The generations running here, by id."""
         self.accepting = True
@@ -93,7 +96,7 @@ class Intake:
                 continue
             try:
                 await self.before_taking()
-                entries = await self.queue.take(self.worker_id, free, block_ms=1000)
+                entries = await self.queue.take(self.worker_id, free, 1000, self.served)
             except ResponseError as exc:
                 if "NOGROUP" not in str(exc):
                     raise
@@ -129,7 +132,7 @@ class Intake:
             ttl_s=request.session_ttl_s,
             maxlen=request.events_maxlen,
         )
-        job = Job(request, entry_id, target)
+        job = Job(request, entry_id, target, estimated_tokens=estimated_tokens(fields[b"r"]))
         running = self.jobs.get(request.generation_id)
         if running is not None and running.epoch >= job.epoch and not running.claimed:
             running.second_copy = job  # settled once its claim is answered

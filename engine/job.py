@@ -56,6 +56,9 @@ class Job:
     """The same request taken again while this one's claim was on its way (engine/intake.py)."""
     tool_calls: ToolCallWriter | None = None
     """With tools: turns what the model writes into content and calls (engine/tools.py)."""
+    estimated_tokens: int = 0
+    """What its queue charged its tenant for its prompt before anyone knew its tokens
+    (``wire.queue.estimated_tokens``); the worker charges the difference once it knows."""
 
     def __post_init__(self) -> None:
         resume = self.request.resume

@@ -56,7 +56,7 @@ from wire import (
     WorkerInfo,
 )
 from wire.connect import when_redis_answers
-from wire.queue import RequestQueue
+from wire.queue import RequestQueue, ServedTokens
 from wire.scripts import Takeover
 
 log = logging.getLogger("tokenspout.worker")
@@ -85,6 +85,9 @@ class Worker:
             wire.check_model_name(name)
         self.queue = RequestQueue(redis, self.keys, backend.model)
         """This worker's model's queue: it never sees another model's requests."""
+        self.served = ServedTokens()
+        """Tokens served per tenant, told to the queue with each take and each heartbeat:
+        the queue shares the engine between tenants by them (docs/tenants.md)."""
         self.requests_key = self.queue.key
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.metrics = metrics or WorkerMetrics()
@@ -105,6 +108,7 @@ class Worker:
             worker_id=self.worker_id,
             run_job=self.run_job,
             before_taking=self.announce_if_silent,
+            served=self.served,
         )
         self.jobs = self.intake.jobs
         """The generations running here (the intake's), by id."""
@@ -198,6 +202,9 @@ class Worker:
                 return
             if job.request.resume is None:
                 job.prompt_tokens = len(prepared.prompt_token_ids)
+                # Its queue charged an estimate when it left the tenant's list; a
+                # continuation's prompt was served (and charged) by its first run.
+                self.served.add(job.request.tenant, job.prompt_tokens - job.estimated_tokens)
             job.tool_calls = self._tool_call_writer(job)
             claim = job.claim_event(self.backend.model, self.worker_id)
             # The engine starts while the claim is on its way, so the first token does not
@@ -270,6 +277,7 @@ class Worker:
                 content, calls = job.tool_calls.step(delta.text, final=ending)
             if delta.text or delta.token_ids or content or calls:
                 job.emitted_tokens += len(delta.token_ids)
+                self.served.add(job.request.tenant, len(delta.token_ids))
                 job.text.append(delta.text)
                 job.token_ids.extend(delta.token_ids)
                 token = Token(
@@ -462,6 +470,7 @@ class Worker:
             try:
                 await self._heartbeat_once()
                 await self.intake.retry_acks()
+                await self.queue.charge(self.served)
             except (RedisError, OSError) as exc:
                 log.warning("heartbeat failed (%s)", exc)
                 self.metrics.redis_errors.labels("heartbeat").inc()

@@ -11,6 +11,23 @@ Redis layout (every key with a TTL, every stream capped):
                                       unix seconds: session turns written but whose
                                       request has not reached the queue yet (same TTL);
                                       on the queue's slot (its hash tag is the queue's key)
+    {{prefix}:requests:{model}}:fair    hash: ``waiting`` (requests in the tenants' lists
+                                      below), ``floor`` (the counter of the tenant served
+                                      last); the base of the names below, all on the
+                                      queue's slot (wire/queue.py, docs/tenants.md)
+    {{prefix}:requests:{model}}:fair:t:{tenant}
+                                      list of requests a tenant has waiting, oldest first
+    {{prefix}:requests:{model}}:fair:ready
+                                      sorted set tenant -> its virtual token counter: the
+                                      tenants with requests waiting
+    {{prefix}:requests:{model}}:fair:vtc
+                                      hash tenant -> its virtual token counter (tokens
+                                      served / weight)
+    {{prefix}:requests:{model}}:fair:weights
+                                      hash tenant -> its weight
+    {{prefix}:requests:{model}}:fair:bell
+                                      list, at most one entry: rung when a request waits,
+                                      an idle worker of the model waits on it
     {prefix}:models                   hash served name (or alias) -> model (its queue's name),
                                       written by every worker heartbeat (same TTL): the names
                                       a gateway knows, live or not
@@ -97,6 +114,10 @@ class Keys:
         queue's Redis Cluster slot, so one pipeline queues a request and crosses it off."""
         return f"{{{self.requests(model)}}}:submitting"
 
+    def fair(self, model: str) -> str:
+        """The base of the names of ``model``'s tenants' waiting lists (``FairNames``)."""
+        return f"{{{self.requests(model)}}}:fair"
+
     def worker(self, worker_id: str) -> str:
         return f"{self.prefix}:worker:{worker_id}"
 
@@ -138,3 +159,27 @@ class Keys:
     def session_id_of_channel(self, channel: str) -> str:
         start = channel.index("{") + 1
         return channel[start : channel.index("}", start)]
+
+
+ANONYMOUS = "-"
+"""The tenant of a request made with no key (``GenerationRequest.tenant`` "")."""
+
+
+def tenant_slot(tenant: str) -> str:
+    """A tenant's name in its model's fair-queue keys (``FairNames.waiting``)."""
+    return tenant or ANONYMOUS
+
+
+class FairNames:
+    """The names of one model's fair-queue keys, from its base (``Keys.fair``): the Lua
+    scripts derive the same ones from the base by the same suffixes (wire/lua/fair_core.lua)."""
+
+    def __init__(self, base: str) -> None:
+        self.base = base
+        self.ready = f"{base}:ready"
+        self.vtc = f"{base}:vtc"
+        self.weights = f"{base}:weights"
+        self.bell = f"{base}:bell"
+
+    def waiting(self, tenant: str) -> str:
+        return f"{self.base}:t:{tenant_slot(tenant)}"

@@ -1,9 +1,17 @@
-"""A model's generation queue: its ``requests`` stream and the consumer group on it.
+"""A model's generation queue: its ``requests`` stream, the consumer group on it, and the
+tenants' waiting lists in front of it.
 
-The one owner of the consumer group's commands, for everyone who uses it: gateways add
-requests (and read the queue's depth), workers take, acknowledge and give back, the
-gateways' reaper claims what a lost worker left pending and puts it on the queue again.
-Beside it, the notes of session turns on their way to it (``note_submitting``).
+The one owner of the queue's commands, for everyone who uses it: gateways submit requests
+(and read the queue's depth), workers take, acknowledge and give back, the gateways' reaper
+claims what a lost worker left pending and puts it on the queue again. Beside it, the notes
+of session turns on their way to it (``note_submitting``).
+
+A new request waits in its tenant's list; a worker with free slots takes from the stream
+first (work admitted before: a reply taken over, a request given back) and then the
+tenants' requests, the tenant served least (tokens served / weight) first: the Virtual
+Token Counter (docs/tenants.md). The worker tells what it served with its takes
+(``ServedTokens``). A worker with nothing to take waits on the queue's bell, which every
+submit and every request put straight into the stream rings.
 """
 
 from __future__ import annotations
@@ -18,16 +26,51 @@ from redis.asyncio.client import Pipeline
 from redis.exceptions import RedisError, ResponseError
 
 from wire.connect import on_key_node
-from wire.keys import CONSUMER_GROUP, SHARED_KEY_TTL_S, Keys
-from wire.replies import StreamEntry, entries_of, read_entries, text
+from wire.keys import CONSUMER_GROUP, SHARED_KEY_TTL_S, FairNames, Keys, tenant_slot
+from wire.replies import StreamEntry, entries_of, text
+from wire.scripts import FairCharge, FairEnqueue, FairExpire, FairTake, Waiting
 
 Fields = Mapping[bytes, bytes] | Mapping[str, bytes]
+DEFAULT_STREAM_CAP = 5_120
+"""The requests stream's cap when the taker names none (approximate, whole nodes): it holds
+what workers took and have not acknowledged, and what waits for a worker in it."""
 
 
 def _missing(exc: RedisError) -> bool:
     """The stream or its group does not exist (nothing queued yet, or Redis lost it)."""
     message = str(exc).lower()
     return "no such key" in message or "nogroup" in message
+
+
+def estimated_tokens(request: bytes) -> int:
+    """What a request's prompt is charged when it leaves its tenant's list, before anyone
+    knows its tokens: a quarter of its size, as fair_take.lua reckons it (the worker charges
+    the difference once it has the prompt's tokens)."""
+    return len(request) // 4
+
+
+class ServedTokens:
+    """Tokens a worker served, per tenant, until it next tells its queue (``take``,
+    ``charge``): one script call carries them all."""
+
+    __slots__ = ("_served",)
+
+    def __init__(self) -> None:
+        self._served: dict[str, int] = {}
+
+    def add(self, tenant: str, tokens: int) -> None:
+        slot = tenant_slot(tenant)
+        self._served[slot] = self._served.get(slot, 0) + tokens
+
+    def drain(self) -> list[tuple[str, int]]:
+        """What was served since the last drain (nothing: an empty list)."""
+        served, self._served = list(self._served.items()), {}
+        return [(tenant, tokens) for tenant, tokens in served if tokens]
+
+    def give_back(self, served: list[tuple[str, int]]) -> None:
+        """A drain whose script call failed: told again with the next one."""
+        for tenant, tokens in served:
+            self.add(tenant, tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +81,9 @@ class QueueLook:
     pending: bool
     """Requests taken and not acknowledged (a lost worker's, maybe)."""
     waiting: bool
-    """Requests no worker took yet (past their deadline, maybe)."""
+    """Requests in the stream no worker took yet (past their deadline, maybe)."""
+    waiting_fair: bool
+    """Requests in the tenants' lists (past their deadline, maybe)."""
     noted: bool
     """Session turns noted on their way here long enough ago (stranded, maybe)."""
 
@@ -73,33 +118,76 @@ def _some_waiting(groups: object) -> bool:
 
 
 class RequestQueue:
+    LOOKS = 4
+    """How many replies ``look_in`` asks for (``looked`` reads them)."""
+
     def __init__(self, redis: aioredis.Redis, keys: Keys, model: str) -> None:
         self.redis = redis
         self.model = model
         self.key = keys.requests(model)
         self.submitting_key = keys.submitting(model)
+        self.fair = FairNames(keys.fair(model))
+        self._enqueue = FairEnqueue(redis, keys)
+        self._take = FairTake(redis, keys)
+        self._charge = FairCharge(redis, keys)
+        self._expire = FairExpire(redis, keys)
 
     # --- gateways and the reaper ---------------------------------------------------------
+
+    def waiting(
+        self, request: bytes, *, tenant: str, weight: float, submitted: bytes | None = None
+    ) -> Waiting:
+        """A new request for ``tenant``'s list, whose share of the engine follows
+        ``weight``; ``submitted``: the note ``note_submitting`` made of it, crossed off with
+        it (a request is never crossed off without being queued)."""
+        return Waiting(
+            self.fair.base,
+            self.submitting_key,
+            tenant_slot(tenant),
+            weight,
+            request,
+            submitted or b"",
+        )
+
+    async def submit(self, waiting: Waiting) -> None:
+        """Queue a new request in its tenant's list (one script call)."""
+        await self._enqueue(waiting)
+
+    def submit_in(self, pipe: Pipeline, waiting: Waiting) -> None:
+        """``submit`` queued in ``pipe``: after what the caller queued there first on one
+        Redis; on a cluster each node's part runs at once, so not after anything there.
+        A bare EVALSHA: on NoScriptError the caller calls ``load_scripts`` and sends the
+        pipeline again."""
+        self._enqueue.enqueue_in(pipe, waiting)
+
+    async def load_scripts(self) -> None:
+        """Load the submit's script (a Redis that restarted lost it)."""
+        await self._enqueue.load()
 
     async def add(
         self, fields: Fields, *, maxlen: int | None = None, submitted: bytes | None = None
     ) -> None:
-        """Queue a request (capped at about ``maxlen``), renewing the stream's TTL in the
-        same round trip (``SHARED_KEY_TTL_S``); ``submitted``: the note ``note_submitting``
-        made of it, crossed off after it (on the same node, in order: a request is never
-        crossed off without being queued)."""
+        """Queue a request straight into the stream, ahead of the tenants' lists (a reply
+        taken over, a request that waited its turn already), capped at about ``maxlen``,
+        renewing the stream's TTL in the same round trip (``SHARED_KEY_TTL_S``);
+        ``submitted``: the note to cross off after it (as ``submit``)."""
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xadd(self.key, fields, maxlen=maxlen, approximate=True)  # type: ignore[arg-type]
-            pipe.expire(self.key, SHARED_KEY_TTL_S)
+            self.add_in(pipe, fields, maxlen=maxlen)
             if submitted is not None:
                 pipe.zrem(self.submitting_key, submitted)
             await pipe.execute()
 
     def add_in(self, pipe: Pipeline, fields: Fields, *, maxlen: int | None = None) -> None:
-        """``add`` queued in ``pipe``: after what the caller queued there first on one
-        Redis; on a cluster each node's part runs at once, so not after anything there."""
+        """``add`` queued in ``pipe`` (the same order as ``submit_in``)."""
         pipe.xadd(self.key, fields, maxlen=maxlen, approximate=True)  # type: ignore[arg-type]
         pipe.expire(self.key, SHARED_KEY_TTL_S)
+        self._ring_in(pipe)
+
+    def _ring_in(self, pipe: Pipeline) -> None:
+        """Wake an idle worker: the bell holds at most one ring (fair_core.lua's fair_ring)."""
+        pipe.rpush(self.fair.bell, 1)
+        pipe.ltrim(self.fair.bell, 0, 0)
+        pipe.expire(self.fair.bell, SHARED_KEY_TTL_S)
 
     def note_submitting_in(self, pipe: Pipeline, note: bytes) -> None:
         """Note in ``pipe`` a session turn whose request is on its way here: its gateway
@@ -121,39 +209,62 @@ class RequestQueue:
     async def cross_off(self, note: bytes) -> None:
         await self.redis.zrem(self.submitting_key, note)
 
+    COUNTS = 3
+    """How many replies ``count_in`` asks for (``counted`` reads them)."""
+
     def count_in(self, pipe: Pipeline) -> None:
-        """Queue XINFO GROUPS and XLEN in ``pipe``; ``counted`` reads their two replies."""
+        """Queue XINFO GROUPS, XLEN and the tenants' waiting count in ``pipe``; ``counted``
+        reads their replies."""
         pipe.xinfo_groups(self.key)
         pipe.xlen(self.key)
+        pipe.hget(self.fair.base, "waiting")
 
     @staticmethod
-    def counted(groups: object, length: object) -> tuple[int, int]:
-        """(queued, running): requests no worker took yet, and taken but not acknowledged,
-        from the replies ``count_in`` asked for (run with ``raise_on_error=False``)."""
+    def counted(groups: object, length: object, fair_waiting: object) -> tuple[int, int]:
+        """(queued, running): requests no worker took yet (in the stream or the tenants'
+        lists), and taken but not acknowledged, from the replies ``count_in`` asked for
+        (run with ``raise_on_error=False``)."""
+        if isinstance(fair_waiting, RedisError):
+            raise fair_waiting
+        in_lists = int(cast(bytes, fair_waiting) or 0)
         if isinstance(groups, RedisError):
             if _missing(groups):
-                return 0, 0
+                return in_lists, 0
             raise groups
         if isinstance(length, RedisError):
             raise length
         group = _workers_group(groups)
         if group is None:
-            return int(cast(int, length)), 0
-        return int(group.get("lag") or 0), int(group["pending"])
+            return int(cast(int, length)) + in_lists, 0
+        return int(group.get("lag") or 0) + in_lists, int(group["pending"])
 
     def look_in(self, pipe: Pipeline, noted_before_s: float) -> None:
-        """Queue in ``pipe`` what ``looked`` reads: the pending summary, the group's lag,
-        the notes made before ``noted_before_s`` (unix seconds)."""
+        """Queue in ``pipe`` what ``looked`` reads (``LOOKS`` replies): the pending
+        summary, the group's lag, the tenants' waiting count, the notes made before
+        ``noted_before_s`` (unix seconds)."""
         pipe.xpending(self.key, CONSUMER_GROUP)
         pipe.xinfo_groups(self.key)
+        pipe.hget(self.fair.base, "waiting")
         pipe.zcount(self.submitting_key, "-inf", noted_before_s)
 
     @staticmethod
-    def looked(summary: object, groups: object, noted: object) -> QueueLook:
+    def looked(summary: object, groups: object, fair_waiting: object, noted: object) -> QueueLook:
         """The replies ``look_in`` asked for (run with ``raise_on_error=False``)."""
         return QueueLook(
-            pending=_some_pending(summary), waiting=_some_waiting(groups), noted=noted != 0
+            pending=_some_pending(summary),
+            waiting=_some_waiting(groups),
+            waiting_fair=isinstance(fair_waiting, RedisError) or int(fair_waiting or 0) > 0,  # type: ignore[call-overload]
+            noted=noted != 0,
         )
+
+    async def fair_waiting(self) -> int:
+        """Requests waiting in the tenants' lists."""
+        return int(await self.redis.hget(self.fair.base, "waiting") or 0)
+
+    async def expire_waiting(self, deadline_s: float, most: int) -> list[bytes]:
+        """Take out of the tenants' lists the requests queued before ``deadline_s`` (unix
+        seconds), up to ``most``, for the caller to end (wire/lua/fair_expire.lua)."""
+        return await self._expire(base=self.fair.base, deadline_s=deadline_s, most=most)
 
     async def pending_consumers(self) -> list[str]:
         """The consumers that hold unacknowledged requests."""
@@ -221,25 +332,64 @@ class RequestQueue:
         # MKSTREAM made a key without a TTL; workers' heartbeats refresh it from now on.
         await self.redis.expire(self.key, SHARED_KEY_TTL_S)
 
-    async def take(self, consumer: str, count: int, block_ms: int) -> list[StreamEntry]:
-        """Up to ``count`` new requests for ``consumer``, waiting up to ``block_ms``;
-        raises ``ResponseError`` (NOGROUP) when the group is gone."""
-        reply = await on_key_node(
-            self.redis,
-            self.key,
-            *("XREADGROUP", "GROUP", CONSUMER_GROUP, consumer, "COUNT", count),
-            *("BLOCK", block_ms, "STREAMS", self.key, ">"),
+    async def take(
+        self,
+        consumer: str,
+        count: int,
+        block_ms: int,
+        served: ServedTokens,
+        maxlen: int | None = None,
+    ) -> list[StreamEntry]:
+        """Up to ``count`` requests for ``consumer`` (the stream's first, then the tenants'
+        in VTC order), telling what it ``served`` since it last said; with none waiting,
+        waits up to ``block_ms`` for the bell and looks once more. Raises
+        ``ResponseError`` (NOGROUP) when the group is gone."""
+        taken = await self._take_charging(consumer, count, served, maxlen)
+        if taken:
+            return taken
+        rung = await on_key_node(
+            self.redis, self.fair.bell, "BLPOP", self.fair.bell, str(block_ms / 1000)
         )
-        return read_entries(reply)
+        return await self._take_charging(consumer, count, served, maxlen) if rung else []
+
+    async def _take_charging(
+        self, consumer: str, count: int, served: ServedTokens, maxlen: int | None
+    ) -> list[StreamEntry]:
+        charges = served.drain()
+        try:
+            return await self._take(
+                stream=self.key,
+                base=self.fair.base,
+                consumer=consumer,
+                count=count,
+                maxlen=maxlen or DEFAULT_STREAM_CAP,
+                served=charges,
+            )
+        except BaseException:
+            served.give_back(charges)
+            raise
+
+    async def charge(self, served: ServedTokens) -> None:
+        """Tell what was served since the last take (a worker with no free slot takes
+        nothing for a while; its tenants' counters must still grow)."""
+        charges = served.drain()
+        if not charges:
+            return
+        try:
+            await self._charge(base=self.fair.base, served=charges)
+        except BaseException:
+            served.give_back(charges)
+            raise
 
     async def ack(self, *entry_ids: bytes | str) -> None:
         await self.redis.xack(self.key, CONSUMER_GROUP, *entry_ids)
 
     async def requeue(self, entries: Sequence[tuple[bytes, Fields]]) -> None:
-        """Put taken requests back for the others (as new entries) and acknowledge the
-        taken ones, in one transaction."""
+        """Put taken requests back for the others (as new entries of the stream: their
+        turn came already) and acknowledge the taken ones, in one transaction."""
         async with self.redis.pipeline(transaction=True) as pipe:
             for entry_id, fields in entries:
                 pipe.xadd(self.key, fields)  # type: ignore[arg-type]
                 pipe.xack(self.key, CONSUMER_GROUP, entry_id)
+            self._ring_in(pipe)
             await pipe.execute()

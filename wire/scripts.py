@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib.resources import files
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import msgspec
 import redis.asyncio as aioredis
@@ -90,6 +90,8 @@ def for_cluster(source: str) -> str:
     return source.replace(_PUBLISH, _SPUBLISH)
 
 
+FAIR_CORE = lua_source("fair_core")
+"""Lua functions of a model's fair share (``fair_enqueue``, ``fair_charge``, ...)."""
 EMIT_EVENT = lua_source("emit_event")
 """Lua function ``emit_event``: one writer's event, checked (after ``EMIT_CORE``)."""
 
@@ -293,8 +295,10 @@ class Admission:
     """Generations in flight of the request's model that refuse one more (0: none)."""
     request: bytes
     """The encoded ``GenerationRequest``, the queue entry's ``r`` field."""
-    maxlen: int
-    """The queue's cap (approximate, as ``RequestQueue.add``)."""
+    tenant: str
+    """Its place in the queue's fair share (``wire.keys.tenant_slot``)."""
+    weight: float
+    """The tenant's weight: its share of the engine against the others'."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,7 +316,7 @@ class NewSession:
 class Submit(Script):
     """Queue a generation in a session: message, limits, queued event (wire/lua/submit.lua)."""
 
-    source = EMIT_CORE + lua_source("submit")
+    source = EMIT_CORE + FAIR_CORE + lua_source("submit")
 
     async def __call__(
         self,
@@ -418,9 +422,10 @@ class Submit(Script):
                     admission.model_limit,
                     admission.target + 1,
                     admission.request,
-                    admission.maxlen,
                     SHARED_KEY_TTL_S,
                     CONSUMER_GROUP,
+                    admission.tenant,
+                    admission.weight,
                 ],
             )
         return [
@@ -522,3 +527,90 @@ class HoldReaperLock(Script):
     async def __call__(self, *, owner: str, ttl_ms: int) -> bool:
         """Whether ``owner`` holds the lock now (for ``ttl_ms`` more)."""
         return await self._run([self.keys.reaper_lock], [owner, ttl_ms], None) == 1
+
+
+# --- a model's queue shared between tenants (wire/queue.py) ---------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Waiting:
+    """A request for its tenant's list of a model's queue (``FairEnqueue``)."""
+
+    base: str
+    """The model's fair base (``Keys.fair``)."""
+    submitting: str
+    """The model's notes of submits (``Keys.submitting``)."""
+    tenant: str
+    """Its slot (``wire.keys.tenant_slot``)."""
+    weight: float
+    request: bytes
+    note: bytes = b""
+    """The note of its submit to cross off with it (b"": none)."""
+
+    def keys_args(self) -> tuple[list[str], list[Arg]]:
+        return [self.base, self.submitting], [
+            self.tenant,
+            self.weight,
+            self.request,
+            SHARED_KEY_TTL_S,
+            self.note,
+        ]
+
+
+class FairEnqueue(Script):
+    """A request into its tenant's list of a model's queue (wire/lua/fair_enqueue.lua)."""
+
+    source = FAIR_CORE + lua_source("fair_enqueue")
+
+    async def __call__(self, waiting: Waiting) -> None:
+        await self._run(*waiting.keys_args(), None)
+
+    def enqueue_in(self, pipe: Pipeline, waiting: Waiting) -> None:
+        """``__call__`` queued in ``pipe`` (a bare EVALSHA: on NoScriptError, ``load`` and
+        send it again)."""
+        self._queue_evalsha(pipe, *waiting.keys_args())
+
+
+class FairTake(Script):
+    """A worker's take: what it served charged, then up to ``count`` requests, the stream's
+    first, then the tenants' by their counters (wire/lua/fair_take.lua)."""
+
+    source = FAIR_CORE + lua_source("fair_take")
+
+    async def __call__(
+        self,
+        *,
+        stream: str,
+        base: str,
+        consumer: str,
+        count: int,
+        maxlen: int,
+        served: Sequence[tuple[str, int]] = (),
+    ) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        charges = [item for pair in served for item in pair]
+        args = [CONSUMER_GROUP, consumer, count, maxlen, SHARED_KEY_TTL_S, *charges]
+        reply = await self._run([stream, base], args, None)
+        return [
+            (entry_id, dict(zip(fields[::2], fields[1::2], strict=True)))
+            for entry_id, fields in reply or []  # type: ignore[attr-defined]
+        ]
+
+
+class FairCharge(Script):
+    """Tokens served to tenants, charged to their counters (wire/lua/fair_charge.lua)."""
+
+    source = FAIR_CORE + lua_source("fair_charge")
+
+    async def __call__(self, *, base: str, served: Sequence[tuple[str, int]]) -> None:
+        await self._run([base], [item for pair in served for item in pair], None)
+
+
+class FairExpire(Script):
+    """The requests of the tenants' lists queued before a deadline, taken out for the
+    reaper to end (wire/lua/fair_expire.lua)."""
+
+    source = FAIR_CORE + lua_source("fair_expire")
+
+    async def __call__(self, *, base: str, deadline_s: float, most: int) -> list[bytes]:
+        reply = await self._run([base], [deadline_s, most], None)
+        return cast(list[bytes], reply or [])

@@ -14,7 +14,7 @@ there is room for it, and the queues of the models it goes to (``wire.queue``).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import msgspec
@@ -29,7 +29,7 @@ from wire import CancelSignal, GenerationRequest, Keys, SamplingParams
 from wire.outcomes import OverCapacity
 from wire.queue import RequestQueue
 from wire.runtime import shared_read
-from wire.scripts import Admission
+from wire.scripts import Admission, Waiting
 
 CANCELS_MAXLEN = 10_000
 Counts = dict[str, tuple[int, int]]
@@ -58,10 +58,25 @@ class GenerationQueue:
         self.models = models
         self.requests_maxlen = settings.max_inflight * 20
         """Cap of each model's requests stream (approximate, whole nodes)."""
+        self.weight_of: Callable[[str], float] = lambda tenant: 1.0
+        """A tenant's weight: its share of a model's engine against the others' (the
+        tenants' directory sets it; every tenant weighs 1 until then)."""
         self._read: CountsRead | None = None
+        self._queues: dict[str, RequestQueue] = {}
 
     def of(self, model: str) -> RequestQueue:
-        return RequestQueue(self.redis, self.keys, model)
+        queue = self._queues.get(model)
+        if queue is None:
+            queue = self._queues[model] = RequestQueue(self.redis, self.keys, model)
+        return queue
+
+    def waiting(self, model: str, request: GenerationRequest, note: bytes | None = None) -> Waiting:
+        """``request`` for its tenant's list of ``model``'s queue (all in one list, first
+        come first served, with ``TOKENSPOUT_SCHEDULER=fifo``)."""
+        tenant = request.tenant if self.settings.scheduler == "fair" else ""
+        return self.of(model).waiting(
+            wire.encode(request), tenant=tenant, weight=self.weight_of(tenant), submitted=note
+        )
 
     def sampling(self, **given: Any) -> SamplingParams:
         """Sampling parameters with the gateway's defaults and limits applied."""
@@ -109,13 +124,15 @@ class GenerationQueue:
         """``guard_capacity``'s check, for the SUBMIT script to make as it queues
         ``request`` (one Redis: every queue counted is on the node the session is)."""
         models = await self._models_to_count([model])
+        waiting = self.waiting(model, request)
         return Admission(
             queues=[self.of(name).key for name in models],
             target=models.index(model),
             limit=self.settings.max_inflight,
             model_limit=self.settings.max_inflight_per_model,
-            request=wire.encode(request),
-            maxlen=self.requests_maxlen,
+            request=waiting.request,
+            tenant=waiting.tenant,
+            weight=waiting.weight,
         )
 
     def overloaded(self, refusal: OverCapacity, model: str) -> Overloaded:
@@ -147,22 +164,27 @@ class GenerationQueue:
             for model in models:
                 self.of(model).count_in(pipe)
             replies = await pipe.execute(raise_on_error=False)
+        width = RequestQueue.COUNTS
         return {
-            model: RequestQueue.counted(replies[2 * index], replies[2 * index + 1])
+            model: RequestQueue.counted(*replies[width * index : width * (index + 1)])
             for index, model in enumerate(models)
         }
 
     async def enqueue(
         self, model: str, request: GenerationRequest, submitted: bytes | None = None
     ) -> None:
-        """``submitted``: the note of this request to cross off (``RequestQueue.add``)."""
-        await self.of(model).add(
-            {"r": wire.encode(request)}, maxlen=self.requests_maxlen, submitted=submitted
-        )
+        """A new request into its tenant's list of ``model``'s queue; ``submitted``: the
+        note of this request to cross off with it (``RequestQueue.waiting``)."""
+        await self.of(model).submit(self.waiting(model, request, submitted))
 
     def enqueue_in(self, pipe: Pipeline, model: str, request: GenerationRequest) -> None:
-        """``enqueue`` queued in ``pipe``."""
-        self.of(model).add_in(pipe, {"r": wire.encode(request)}, maxlen=self.requests_maxlen)
+        """``enqueue`` queued in ``pipe`` (a bare EVALSHA: on NoScriptError, ``load_scripts``
+        and send the pipeline again)."""
+        self.of(model).submit_in(pipe, self.waiting(model, request))
+
+    async def load_scripts(self, model: str) -> None:
+        """What ``enqueue_in`` sends, loaded (a Redis that restarted lost its scripts)."""
+        await self.of(model).load_scripts()
 
     async def signal_cancel(self, signal: CancelSignal) -> None:
         """Tell every worker (the one running it aborts), renewing the stream's TTL."""

@@ -422,7 +422,7 @@ class SessionStore:
                     # no generation to claim, is skipped by the worker that takes it.
                     self.queue.enqueue_in(pipe, queue, request)
 
-            reply = scripts.Submit.replied((await self._run_submitting(fill))[0])
+            reply = scripts.Submit.replied((await self._run_submitting(fill, queue))[0])
         if isinstance(reply, script.OverCapacity):
             raise self.queue.overloaded(reply, queue)
         if not isinstance(reply, script.Accepted):
@@ -596,10 +596,13 @@ class SessionStore:
 
         return scripts.Submit.replied((await self._run_submitting(fill))[-1])
 
-    async def _run_submitting(self, fill: Callable[[Any], None]) -> list[Any]:
-        """Run a pipeline that ``fill`` fills, a bare SUBMIT among its commands. A Redis
-        that lost its scripts (a restart) gets it loaded and the pipeline again: the other
-        commands of the first one ran, and run again, so they must not mind."""
+    async def _run_submitting(
+        self, fill: Callable[[Any], None], enqueuing: str | None = None
+    ) -> list[Any]:
+        """Run a pipeline that ``fill`` fills, a bare SUBMIT among its commands (and the
+        queue's submit to model ``enqueuing``'s queue, if it names one). A Redis that lost
+        its scripts (a restart) gets them loaded and the pipeline again: the other commands
+        of the first one ran, and run again, so they must not mind."""
         for attempt in (1, 2):
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
@@ -609,6 +612,8 @@ class SessionStore:
                 if attempt == 2:
                     raise
                 await self._submit.load()
+                if enqueuing is not None:
+                    await self.queue.load_scripts(enqueuing)
         raise AssertionError("unreachable")
 
     async def _enqueue_written(
@@ -689,7 +694,7 @@ class SessionStore:
             return False
         queue = self.queue.of(wire.text(model))
         after = await queue.waiting_after()  # its group's lag is nil after a deletion: read
-        if after is not None and await queue.read_after(after, 1):
+        if (after is not None and await queue.read_after(after, 1)) or await queue.fair_waiting():
             return False  # requests wait there: it may be one of them (the deadline decides)
         request = await self._with_turn(_request_decoder.decode(note))
         await self.queue.enqueue(queue.model, request)

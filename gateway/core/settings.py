@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -81,6 +81,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         int,
         _D(ge=1, description="Queued plus running generations, all workers; past it, 429."),
     ] = 256
+    scheduler: Annotated[
+        Literal["fair", "fifo"],
+        _D(
+            description="How a model's waiting requests are served: fair (each tenant, an "
+            "API key, gets a share of the engine by the tokens it is served, its weight "
+            "times the others'; docs/tenants.md) or fifo (first come, first served)."
+        ),
+    ] = "fair"
     max_inflight_per_model: Annotated[
         int,
         _D(

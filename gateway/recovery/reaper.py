@@ -188,6 +188,7 @@ class Reaper:
         for duty, queues in (
             (self.reap_once, [queue for queue, look in looks if look.pending]),
             (self.expire_queued, [queue for queue, look in looks if look.waiting]),
+            (self.expire_waiting, [queue for queue, look in looks if look.waiting_fair]),
             (self.queue_stranded, [queue for queue, look in looks if look.noted]),
         ):
             await self._guarded(duty.__name__, functools.partial(duty, queues))
@@ -199,8 +200,9 @@ class Reaper:
             for queue in queues:
                 queue.look_in(pipe, noted_before)
             replies = await pipe.execute(raise_on_error=False)
+        width = RequestQueue.LOOKS
         return [
-            (queue, RequestQueue.looked(*replies[3 * index : 3 * index + 3]))
+            (queue, RequestQueue.looked(*replies[width * index : width * (index + 1)]))
             for index, queue in enumerate(queues)
         ]
 
@@ -329,6 +331,17 @@ class Reaper:
             if len(page) < QUEUE_SCAN_PAGE:
                 break
         return ended
+
+    async def expire_waiting(self, queues: list[RequestQueue]) -> int:
+        """End the requests of the tenants' lists in ``queues`` that waited past the queue
+        deadline; returns how many."""
+        return await self._each_queue("expiring waiting requests in", self._expire_fair, queues)
+
+    async def _expire_fair(self, queue: RequestQueue) -> int:
+        deadline = time.time() - self.queue_timeout_s
+        taken_out = await queue.expire_waiting(deadline, QUEUE_SCAN_MAX)
+        expired = [decode_request(b"waiting", {b"r": raw}) for raw in taken_out]
+        return await self._end_expired([request for request in expired if request is not None])
 
     async def _end_expired(self, requests: list[GenerationRequest]) -> int:
         if not requests:

@@ -12,10 +12,12 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.cluster import RedisCluster
 
+import wire
 from gateway.recovery.takeover import LEASE_GRACE_S
 from stack.rig import sync_client
 from wire import Keys
 from wire.connect import connect
+from wire.keys import FairNames
 
 
 def async_client(redis_url: str) -> aioredis.Redis:
@@ -164,3 +166,31 @@ async def lease_trusted(redis_url: str) -> None:
                 await asyncio.sleep(0.1)
     finally:
         await redis.aclose()
+
+
+async def waiting_requests(redis: aioredis.Redis, keys: Keys, model: str) -> list[bytes]:
+    """The requests waiting in ``model``'s tenants' lists (wire/queue.py), every tenant's."""
+    names = FairNames(keys.fair(model))
+    waiting: list[bytes] = []
+    for tenant in await redis.zrange(names.ready, 0, -1):
+        waiting += await redis.lrange(names.waiting(wire.text(tenant)), 0, -1)
+    return waiting
+
+
+async def waiting_of(redis: aioredis.Redis, keys: Keys, model: str, generation_id: str) -> int:
+    """How many of ``model``'s waiting requests carry ``generation_id``'s."""
+    return sum(generation_id.encode() in raw for raw in await waiting_requests(redis, keys, model))
+
+
+async def lose_waiting(redis: aioredis.Redis, keys: Keys, model: str, generation_id: str) -> int:
+    """Lose ``generation_id``'s waiting request as a Redis failover can (the list entry
+    and its count together); returns how many went."""
+    names = FairNames(keys.fair(model))
+    lost = 0
+    for tenant in await redis.zrange(names.ready, 0, -1):
+        waiting = names.waiting(wire.text(tenant))
+        for raw in await redis.lrange(waiting, 0, -1):
+            if generation_id.encode() in raw:
+                lost += await redis.lrem(waiting, 0, raw)
+    await redis.hincrby(names.base, "waiting", -lost)
+    return lost

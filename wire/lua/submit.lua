@@ -13,7 +13,8 @@
 --       last user message; 'continue': its last message, an assistant one, is extended),
 --       then, only to admit and queue it here: the in-flight limit, the model's own
 --       limit (0: none), the model's queue's place among KEYS[8..], the request, the
---       queues' cap and TTL, the workers' consumer group.
+--       queues' TTL, the workers' consumer group, the request's tenant (its slot
+--       in the queue's fair share, wire/lua/fair_core.lua) and the tenant's weight.
 -- KEYS[8..] (admitted here, on one Redis): every model's request queue, counted as the
 --       gateway's capacity check counts them (gateway/core/generations.py, wire/queue.py).
 -- Returns {'ok', queued id, history...} | {'missing'} | {'forbidden'} | {'duplicate', gid}
@@ -28,7 +29,7 @@ if admit then
   -- queue yet (XINFO's error), none.
   local function in_flight(queue)
     local groups = redis.pcall('XINFO', 'GROUPS', queue)
-    if groups.err then return 0 end
+    if groups.err then return fair_waiting(queue) end
     for _, group in ipairs(groups) do
       local name, lag, pending  -- a flat list: field, value, field, value...
       for i = 1, #group, 2 do
@@ -37,9 +38,9 @@ if admit then
         elseif field == 'lag' then lag = group[i + 1]
         elseif field == 'pending' then pending = group[i + 1] end
       end
-      if name == ARGV[23] then return (tonumber(lag) or 0) + pending end
+      if name == ARGV[22] then return (tonumber(lag) or 0) + pending + fair_waiting(queue) end
     end
-    return redis.call('XLEN', queue)
+    return redis.call('XLEN', queue) + fair_waiting(queue)
   end
   local all, of_model = 0, 0
   for i = 8, #KEYS do
@@ -107,9 +108,7 @@ local id = emit(KEYS[5], KEYS[4], ARGV[1], ARGV[2], ttl, 'queued', ARGV[4], ARGV
 redis.call('EXPIRE', KEYS[1], ttl)
 redis.call('EXPIRE', KEYS[5], ttl)
 if admit then  -- after its generation, so no worker finds a request with none
-  local queue = KEYS[7 + target]
-  redis.call('XADD', queue, 'MAXLEN', '~', ARGV[21], '*', 'r', ARGV[20])
-  redis.call('EXPIRE', queue, ARGV[22])
+  fair_enqueue('{' .. KEYS[7 + target] .. '}:fair', ARGV[23], ARGV[24], ARGV[20], ARGV[21])
 end
 local reply = {'ok', id}
 if create and ARGV[5] == '' then return reply end  -- no history to keep or return

@@ -1,0 +1,51 @@
+-- A model's waiting requests, shared between tenants by the tokens each is served (the
+-- Virtual Token Counter; docs/tenants.md). Loaded in front of the fair_* scripts and SUBMIT.
+-- base: the model's fair hash (Keys.fair: fields 'waiting' and 'floor'); its sibling keys
+-- are named from it by the suffixes FairNames uses (wire/keys.py), all on the queue's slot.
+
+local function fair_ring(base, ttl)
+  local bell = base .. ':bell'
+  if redis.call('LLEN', bell) == 0 then
+    redis.call('RPUSH', bell, 1)
+    redis.call('EXPIRE', bell, ttl)
+  end
+end
+
+-- `tokens` served to `tenant`: its counter grows by tokens / its weight, and a tenant with
+-- requests waiting moves back among them accordingly.
+local function fair_charge(base, tenant, tokens)
+  local weight = tonumber(redis.call('HGET', base .. ':weights', tenant) or '1')
+  local counter = redis.call('HINCRBYFLOAT', base .. ':vtc', tenant, tokens / weight)
+  if redis.call('ZSCORE', base .. ':ready', tenant) then
+    redis.call('ZADD', base .. ':ready', 'XX', counter, tenant)
+  end
+end
+
+-- A request waits at the end of its tenant's list. A tenant that had none waiting is lifted
+-- to the smallest counter of those waiting (none waiting: the counter of the tenant served
+-- last), so a tenant cannot bank credit while it sends nothing.
+local function fair_enqueue(base, tenant, weight, request, ttl)
+  local list, ready, vtc = base .. ':t:' .. tenant, base .. ':ready', base .. ':vtc'
+  if redis.call('RPUSH', list, request) == 1 then
+    local counter = tonumber(redis.call('HGET', vtc, tenant) or '0')
+    local lowest = redis.call('ZRANGE', ready, 0, 0, 'WITHSCORES')[2]
+    local floor = tonumber(lowest or redis.call('HGET', base, 'floor') or '0')
+    if floor > counter then
+      counter = floor
+      redis.call('HSET', vtc, tenant, counter)
+    end
+    redis.call('ZADD', ready, counter, tenant)
+  end
+  redis.call('HSET', base .. ':weights', tenant, weight)
+  redis.call('HINCRBY', base, 'waiting', 1)
+  for _, key in ipairs({list, ready, vtc, base .. ':weights', base}) do
+    redis.call('EXPIRE', key, ttl)
+  end
+  fair_ring(base, ttl)
+end
+
+-- Requests waiting in the tenants' lists of the queue `queue` (its fair base is named after
+-- it: Keys.fair), for the in-flight counts.
+local function fair_waiting(queue)
+  return tonumber(redis.call('HGET', '{' .. queue .. '}:fair', 'waiting') or '0')
+end
