@@ -25,7 +25,15 @@ from redis.exceptions import NoScriptError
 
 import wire
 from gateway.core.conversations import Conversation, Conversations, ConversationSettings
-from gateway.core.errors import BadRequest, Conflict, Forbidden, NotFound, Overloaded, Unavailable
+from gateway.core.errors import (
+    BadRequest,
+    Conflict,
+    Forbidden,
+    GatewayError,
+    NotFound,
+    Overloaded,
+    Unavailable,
+)
 from gateway.core.generations import GenerationQueue
 from gateway.core.ids import new_id, token_urlsafe
 from gateway.core.models import ModelDirectory
@@ -507,33 +515,11 @@ class SessionStore:
             watch_ttl_s=self.watch_ttl_s,
             turn=turn,
         )
-        match reply:
-            case script.SessionMissing():
-                raise NotFound(f"no session {session_id!r}", code="unknown_session")
-            case script.Forbidden():
-                raise _bad_token()
-            case script.Duplicate(generation_id=earlier):
-                await self._requeue_if_lost(session_id, model, earlier, params)
-                return Submitted(earlier, session_id, None)
-            case script.Busy(generation_id=running):
-                raise Conflict(
-                    f"generation {running} is still running in this session",
-                    code="generation_running",
-                    retry_after_s=BUSY_RETRY_AFTER_S,
-                )
-            case script.HistoryFull():
-                raise BadRequest(
-                    f"the session holds {self.settings.max_history_messages} messages; "
-                    "start a new session",
-                    code="history_full",
-                )
-            case script.OverCapacity():  # not asked to admit here (guard_capacity did)
-                raise self.queue.overloaded(reply, model)
-            case script.BadTurn(kind=kind):
-                message, code = _BAD_TURNS[kind]
-                if kind == "edit":
-                    raise BadRequest(message, code=code, field="edit")
-                raise Conflict(message, code=code)
+        if isinstance(reply, script.Duplicate):
+            await self._requeue_if_lost(session_id, model, reply.generation_id, params)
+            return Submitted(reply.generation_id, session_id, None)
+        if not isinstance(reply, script.Accepted):
+            raise self._refusal(reply, session_id, model)
         request = msgspec.structs.replace(request, messages=_conversation(system, reply.history))
         await self._enqueue_written(model, request, note)
         if self.observer is not None:
@@ -542,6 +528,34 @@ class SessionStore:
         for choice in range(1, n):
             choices.append(await self._submit_choice(session_id, model, request, choice))
         return Submitted(generation_id, session_id, reply.queued_id, choices if n > 1 else [])
+
+    def _refusal(self, reply: script.SubmitReply, session_id: str, model: str) -> GatewayError:
+        """What a client is told when SUBMIT refused a session turn."""
+        match reply:
+            case script.SessionMissing():
+                return NotFound(f"no session {session_id!r}", code="unknown_session")
+            case script.Forbidden():
+                return _bad_token()
+            case script.Busy(generation_id=running):
+                return Conflict(
+                    f"generation {running} is still running in this session",
+                    code="generation_running",
+                    retry_after_s=BUSY_RETRY_AFTER_S,
+                )
+            case script.HistoryFull():
+                return BadRequest(
+                    f"the session holds {self.settings.max_history_messages} messages; "
+                    "start a new session",
+                    code="history_full",
+                )
+            case script.OverCapacity():  # not asked to admit here (guard_capacity did)
+                return self.queue.overloaded(reply, model)
+            case script.BadTurn(kind=kind):
+                message, code = _BAD_TURNS[kind]
+                if kind == "edit":
+                    return BadRequest(message, code=code, field="edit")
+                return Conflict(message, code=code)
+        return Unavailable(f"SUBMIT answered {reply!r}")
 
     async def _submit_choice(
         self, session_id: str, model: str, first: GenerationRequest, choice: int
