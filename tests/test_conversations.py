@@ -258,3 +258,24 @@ async def test_continue_extends_the_last_reply_as_one_longer_reply(
         "assistant",
         synthetic_text("go on and on", 10),
     )
+
+
+@pytest.mark.cluster
+async def test_an_owners_conversations_on_a_redis_cluster(cluster_stack: Stack) -> None:
+    """The owner's index lives in a slot of its own, apart from its sessions' slots: the
+    list, a continue and a delete still hold."""
+    cluster_stack.synthetic(tokens_per_s=400)
+    gateway = cluster_stack.gateway()
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+        sessions = [await create(client, title=f"chat {n}") for n in range(3)]
+        await turn(client, sessions[0], "messages", content="on a cluster", max_tokens=3)
+        await turn(client, sessions[0], "continue", max_tokens=2)
+        assert await history(client, sessions[0]) == [
+            ("user", "on a cluster"),
+            ("assistant", synthetic_text("on a cluster", 5)),
+        ]
+        listed = (await client.get("/v1/sessions")).json()["sessions"]
+        assert [c["title"] for c in listed] == ["chat 0", "chat 2", "chat 1"]
+        assert (await client.delete(f"/v1/sessions/{sessions[1].session_id}")).status_code == 204
+        listed = (await client.get("/v1/sessions")).json()["sessions"]
+        assert [c["title"] for c in listed] == ["chat 0", "chat 2"]
