@@ -177,6 +177,8 @@ async def test_the_page_requests_nothing_but_the_gateway(stack: Stack, browser: 
         if not url.startswith(f"{gateway.url}/") and urlsplit(url).scheme != "data"
     ]
     assert elsewhere == [], elsewhere
+    # The owner cookie authorises the page's session: no token in any URL (nor proxy logs).
+    assert [url for url in requests if "token=" in url] == []
     paths = {urlsplit(url).path for url in requests if url.startswith(gateway.url)}
     session_id = await chat.session_id()
     assert {

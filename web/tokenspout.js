@@ -110,13 +110,23 @@ export class Reply extends EventTarget {
   }
 }
 
+/** True when `base` is this page's own origin: there the owner cookie authorises. */
+function sameOrigin(base) {
+  return new URL(base || "/", location.href).origin === location.origin;
+}
+
 /** A session: its event stream (one EventSource, resumed by event id) and its turns. */
 export class Session extends EventTarget {
+  #sendToken;
+
   constructor(id, { base = "", token = null, after = null, apiKey = null } = {}) {
     super();
     this.id = id;
     this.base = base;
     this.token = token;
+    // The token goes out (a header, ?token= on the stream) only where the owner cookie
+    // cannot serve: another origin, or a session opened with its token.
+    this.#sendToken = Boolean(token);
     this.apiKey = apiKey;
     this.lastEventId = after; // the last event applied: a reconnect resumes after it
     this.replies = new Map(); // generation id -> Reply
@@ -131,6 +141,7 @@ export class Session extends EventTarget {
     const headers = apiKey ? { Authorization: `Bearer ${apiKey}` } : {};
     const made = await request(base, "POST", "/v1/sessions", { body: settings, headers });
     const session = new Session(made.session_id, { base, token: made.token, apiKey });
+    session.#sendToken = !sameOrigin(base);
     session.model = made.model;
     return session;
   }
@@ -146,7 +157,7 @@ export class Session extends EventTarget {
   }
 
   call(method, path, body, headers = {}) {
-    const auth = this.token ? { "X-Session-Token": this.token } : {};
+    const auth = this.#sendToken ? { "X-Session-Token": this.token } : {};
     return request(this.base, method, path, { body, headers: { ...auth, ...headers } });
   }
 
@@ -209,7 +220,7 @@ export class Session extends EventTarget {
 
   #url(after) {
     const url = new URL(`${this.base}${this.path}/events`, location.href);
-    if (this.token) url.searchParams.set("token", this.token);
+    if (this.#sendToken) url.searchParams.set("token", this.token);
     if (after) url.searchParams.set("last_event_id", after);
     return url;
   }
