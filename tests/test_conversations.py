@@ -16,6 +16,7 @@ from stack.redis_server import EmbeddedRedis
 from tests.support.http import Session, read_events
 from tests.support.oracle import synthetic_text
 from tests.support.stack import Gateway, Stack
+from tests.support.ws import open_ws
 
 pytestmark = pytest.mark.timeout(120)
 OWNER = "tokenspout_owner"
@@ -258,6 +259,23 @@ async def test_continue_extends_the_last_reply_as_one_longer_reply(
         "assistant",
         synthetic_text("go on and on", 10),
     )
+
+
+async def test_a_websocket_turn_on_a_conversation_keeps_its_own_sampling_fields(
+    browser: httpx.AsyncClient, gateway: Gateway
+) -> None:
+    made = await browser.post("/v1/sessions", json={"max_tokens": 4})
+    session_id, token = made.json()["session_id"], made.json()["token"]
+    ws = await open_ws(gateway.url, token)
+    try:
+        await ws.generate("own", "its own limit", session_id=session_id, max_tokens=2)
+        assert (await ws.final_of("own"))["type"] == "done"
+        assert ws.text("own") == synthetic_text("its own limit", 2)
+        await ws.generate("set", "the conversation's", session_id=session_id)
+        assert (await ws.final_of("set"))["type"] == "done"
+        assert ws.text("set") == synthetic_text("the conversation's", 4)
+    finally:
+        await ws.conn.close()
 
 
 @pytest.mark.cluster
