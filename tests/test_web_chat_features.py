@@ -136,6 +136,31 @@ async def test_conversations_are_kept_on_the_server_renamed_and_deleted(
     assert (await page.request.get(f"{page.url.split('#')[0]}v1/sessions/{first}")).status == 404
 
 
+async def test_another_tab_sees_a_running_reply_and_ends_with_all_of_it(
+    chat: ChatPage, shared: tuple[Stack, Gateway]
+) -> None:
+    page = chat.page
+    await reply_done(chat, "short first")
+    session_id = await chat.session_id()
+    longer = await page.request.patch(
+        f"{shared[1].url}/v1/sessions/{session_id}", data={"max_tokens": 90}
+    )
+    assert longer.ok
+    await chat.send("a longer one")
+    await chat.wait_words(4)
+    other = await page.context.new_page()
+    await other.goto(f"{shared[1].url}/#{session_id}")
+    await other.wait_for_function(
+        "() => document.querySelectorAll('li.msg.assistant').length === 2"
+        " && document.querySelector('li.msg.assistant:last-child').dataset.state === 'done'",
+        timeout=30_000,
+    )
+    await chat.wait_reply_state("done")
+    shown = await other.locator("li.msg.assistant .content").last.text_content()
+    assert (shown or "").strip() == synthetic_text("a longer one", 90)
+    await other.close()
+
+
 async def test_message_actions_continue_copy_regenerate_and_edit(
     chat: ChatPage, shots: Path
 ) -> None:
@@ -352,6 +377,7 @@ async def test_keyboard_only_with_a_polite_live_region_for_the_reply(
                                                           characterData: true});
     }"""
     )
+    await accessible(chat)  # the empty page
     assert await page.get_attribute("#announcer", "aria-live") == "polite"
     assert await page.evaluate("document.activeElement.id") == "input"
     await page.keyboard.type("keys only [[stall:3]]")

@@ -459,6 +459,23 @@ class AssistantRow extends Row {
     }
     announce(type === "done" ? `Reply finished. ${this.text}` : this.status.textContent);
     replyEnded(this);
+    if (this.kind === "followed" && type !== "error") this.settleFromHistory();
+  }
+
+  // A reply another tab started was seen from the moment this tab opened the conversation:
+  // once it ends, the history has all of it.
+  async settleFromHistory() {
+    const session = chat.session;
+    try {
+      const view = await session.read();
+      const last = view.messages[view.messages.length - 1];
+      if (chat.session === session && last?.role === "assistant") {
+        this.text = last.content;
+        this.render(true);
+      }
+    } catch (err) {
+      console.warn("could not read the finished reply back", err);
+    }
   }
 
   showError(data) {
