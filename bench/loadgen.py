@@ -14,6 +14,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import cast
 
 import httpx
 
@@ -88,9 +89,10 @@ class SSEStream(asyncio.Protocol):
         self.transport.write(self.request)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-        transport.write(self.request)
+        # A stream's transport (uvloop's is no subclass of asyncio.Transport: the load
+        # processes of bench.gpu run on uvloop).
+        self.transport = cast(asyncio.Transport, transport)
+        self.transport.write(self.request)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.record.end(failure=f"connection closed ({exc})")

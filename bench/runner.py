@@ -47,17 +47,22 @@ MODES = ("engine", "openai", "session", "grpc", "responses", "ws")
 def chat_body(rig: Rig, max_tokens: int, top_logprobs: int | None = None) -> bytes:
     """A streamed chat completion of ``rig``'s prompt, greedy (vLLM: the same tokens on
     every path)."""
+    extra = {} if top_logprobs is None else {"logprobs": True, "top_logprobs": top_logprobs}
+    return chat_request(rig.model, rig.prompt, max_tokens, **extra)
+
+
+def chat_request(model: str, prompt: str, max_tokens: int, **extra: object) -> bytes:
+    """The body of a streamed, greedy chat completion of ``prompt`` (usage at the end),
+    with ``extra`` fields (``ignore_eos``, ``logprobs``...)."""
     body: dict[str, object] = {
-        "model": rig.model,
-        "messages": [{"role": "user", "content": rig.prompt}],
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    if top_logprobs is not None:
-        body |= {"logprobs": True, "top_logprobs": top_logprobs}
-    return json.dumps(body).encode()
+    return json.dumps(body | extra).encode()
 
 
 async def create_session(rig: Rig) -> tuple[str, str]:

@@ -152,8 +152,11 @@ class Run:
     """The growth of ``WORKER_TTFT`` over the run (empty: the engine alone's)."""
 
 
-def summarise(mode: str, runs: list[Run], max_tokens: int) -> dict[str, Any]:
-    """One mode's figures over its rounds (rounds pool their streams)."""
+def summarise(
+    mode: str, runs: list[Run], max_tokens: int, processes: tuple[str, ...] = PROCESSES
+) -> dict[str, Any]:
+    """One mode's figures over its rounds (rounds pool their streams); the CPU of
+    ``processes``, the names the runs' ``cpu_s`` holds."""
     records = [r for run in runs for r in run.records]
     tokens = sum(len(r.arrivals) for r in records)
     ttft = [r.arrivals[0] - r.submitted_at for r in records if r.arrivals]
@@ -166,7 +169,7 @@ def summarise(mode: str, runs: list[Run], max_tokens: int) -> dict[str, Any]:
     ]
     gaps = [b - a for r in records for a, b in zip(r.arrivals, r.arrivals[1:], strict=False)]
     span = sum(run.span_s for run in runs)
-    cpu = {name: sum(run.cpu_s[name] for run in runs) for name in PROCESSES}
+    cpu = {name: sum(run.cpu_s[name] for run in runs) for name in processes}
     calls = sum(sum(c.values()) for run in runs for c in run.redis_calls.values())
     complete = sum(1 for r in records if r.final == "done" and len(r.arrivals) == max_tokens)
     wall = sum(run.wall_s for run in runs)

@@ -46,29 +46,44 @@ TOKENS_PER_S = 50
 TOKENS_BEFORE = 20
 
 
-class Rig:
-    """stack/rig.py's processes, the workers by id, and a client of their Redis."""
+SYNTHETIC = ["--backend", "synthetic", "--tokens-per-s", str(TOKENS_PER_S), "--drain-s", "30"]
 
-    def __init__(self, procs: ProcessRig) -> None:
+
+class Rig:
+    """stack/rig.py's processes, the workers by id, and a client of their Redis; a new
+    worker runs ``python -m engine WORKER_ARGS`` (by default the synthetic engine)."""
+
+    def __init__(self, procs: ProcessRig, worker_args: list[str] | None = None) -> None:
         self.procs = procs
         self.keys = Keys(procs.prefix)
         self.workers: dict[str, subprocess.Popen[bytes]] = {}
         self.redis = aioredis.Redis.from_url(procs.redis_url)
+        self.worker_args = worker_args or SYNTHETIC
 
     async def start_worker(self) -> None:
         worker_id = f"w-{secrets.token_hex(4)}"
-        start = functools.partial(self.procs.synthetic, worker_id=worker_id)
-        self.workers[worker_id] = await asyncio.to_thread(start, TOKENS_PER_S, "--drain-s", "30")
+        start = functools.partial(self.procs.engine, *self.worker_args, worker_id=worker_id)
+        self.workers[worker_id] = await asyncio.to_thread(start)
 
 
-async def one_run(rig: Rig, client: httpx.AsyncClient, base: str, how: str) -> float:
-    """Seconds from stopping the worker to the first token of its successor, as read."""
+async def one_run(
+    rig: Rig,
+    client: httpx.AsyncClient,
+    base: str,
+    how: str,
+    asked: dict[str, Any] | None = None,
+    tokens_before: int = TOKENS_BEFORE,
+) -> float:
+    """Seconds from stopping the worker to the first token of its successor, as read: the
+    worker running a reply is stopped (``how``) after ``tokens_before`` tokens of it; the
+    message asks for 2,000 tokens and what ``asked`` adds (vLLM: ``ignore_eos``). The
+    stopped worker is not replaced (``replaced_run`` does)."""
     created = (await client.post(f"{base}/v1/sessions")).json()
     sid, token = created["session_id"], created["token"]
     headers = {"Authorization": f"Bearer {token}"}
     sent = await client.post(
         f"{base}/v1/sessions/{sid}/messages",
-        json={"content": f"bench {how}", "max_tokens": 2000},
+        json={"content": f"bench {how}", "max_tokens": 2000, **(asked or {})},
         headers=headers,
     )
     gid = sent.json()["generation_id"]
@@ -84,7 +99,7 @@ async def one_run(rig: Rig, client: httpx.AsyncClient, base: str, how: str) -> f
                 if resumed:
                     gap = time.monotonic() - stopped_at
                     break
-                if tokens == TOKENS_BEFORE:
+                if tokens == tokens_before:
                     owner = await rig.redis.hget(rig.keys.generation(sid, gid), "worker")
                     worker_id = (owner or b"").decode()
                     process = rig.workers.pop(worker_id)
@@ -100,6 +115,12 @@ async def one_run(rig: Rig, client: httpx.AsyncClient, base: str, how: str) -> f
     await client.post(f"{base}/v1/sessions/{sid}/generations/{gid}/cancel", headers=headers)
     if how == "sigterm":
         await asyncio.to_thread(process.wait, 30)
+    return gap
+
+
+async def replaced_run(rig: Rig, client: httpx.AsyncClient, base: str, how: str) -> float:
+    """``one_run``, then a new worker in the stopped one's place."""
+    gap = await one_run(rig, client, base, how)
     await rig.start_worker()
     return gap
 
@@ -131,8 +152,8 @@ async def _measure(rig: Rig, runs: int) -> dict[str, Any]:
             while await redis_uptime(rig.redis) < LEASE_GRACE_S:
                 await asyncio.sleep(0.1)
             for how in ("sigkill", "sigterm"):
-                await one_run(rig, client, base, how)  # warm-up, not counted
-                gaps = [await one_run(rig, client, base, how) for _ in range(runs)]
+                await replaced_run(rig, client, base, how)  # warm-up, not counted
+                gaps = [await replaced_run(rig, client, base, how) for _ in range(runs)]
                 results[how] = summary(gaps)
                 print(how, results[how])
     finally:

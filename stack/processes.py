@@ -16,6 +16,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def child_env(env: dict[str, str]) -> dict[str, str]:
+    """This process's environment for a child run from the repository root, ``env`` added:
+    the root first on ``PYTHONPATH``, what was there kept after it (a machine whose
+    packages lie in a folder of their own, as the lent GPU's in /tmp/site, docs/bench.md)."""
+    path = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(path)), **env}
+
+
 def spawn(
     args: list[str], env: dict[str, str], log_path: Path | None = None
 ) -> subprocess.Popen[bytes]:
@@ -25,7 +33,7 @@ def spawn(
         return subprocess.Popen(
             [sys.executable, *args],
             cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+            env=child_env(env),
             stdout=out,
             stderr=subprocess.STDOUT if out else None,
             start_new_session=True,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from pathlib import Path
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -120,3 +121,21 @@ def pin(pid: int, cpu: int, *, children: bool = True) -> bool:
     except OSError:
         return False
     return True
+
+
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    """Wait until none of ``pids`` runs (a stopped server's children may outlive it: vLLM's
+    engine core, still holding the GPU's memory); those left at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while (left := [pid for pid in pids if running(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
