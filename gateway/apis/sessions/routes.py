@@ -229,36 +229,28 @@ class SessionController(Controller):
             store, session_id, data, data.content, turn, idempotency_key, credentials
         )
 
-    @post("/{session_id:str}/regenerate", status_code=202, summary="Answer the last message again")
-    async def regenerate(
+    @post(
+        ["/{session_id:str}/regenerate", "/{session_id:str}/continue"],
+        status_code=202,
+        summary="Regenerate or continue the last reply",
+    )
+    async def rework(
         self,
+        request: AnyRequest,
         store: SessionStore,
         session_id: str,
         credentials: Credentials,
         idempotency_key: IdempotencyKey,
         data: TurnIn | None = None,
     ) -> GenerationAccepted:
-        """The reply to the last user message is cut from the history and made again
-        (409 ``nothing_to_regenerate`` without a user message)."""
+        """``regenerate``: the reply to the last user message is cut from the history and
+        made again (409 ``nothing_to_regenerate`` without a user message). ``continue``:
+        the engine goes on with the last assistant message (one that hit its token limit,
+        say); its tokens extend that message in the history (409 ``nothing_to_continue``
+        when the history does not end with one)."""
+        turn = request.url.path.rsplit("/", 1)[-1]  # one of the two paths above
         given = data or TurnIn()
-        return await _submit(
-            store, session_id, given, "", "regenerate", idempotency_key, credentials
-        )
-
-    @post("/{session_id:str}/continue", status_code=202, summary="Continue the last reply")
-    async def continue_reply(
-        self,
-        store: SessionStore,
-        session_id: str,
-        credentials: Credentials,
-        idempotency_key: IdempotencyKey,
-        data: TurnIn | None = None,
-    ) -> GenerationAccepted:
-        """The engine goes on with the last assistant message (one that hit its token
-        limit, say); its tokens extend that message in the history (409
-        ``nothing_to_continue`` when the history does not end with one)."""
-        given = data or TurnIn()
-        return await _submit(store, session_id, given, "", "continue", idempotency_key, credentials)
+        return await _submit(store, session_id, given, "", turn, idempotency_key, credentials)
 
     @get("/{session_id:str}/events", summary="The session's events (text/event-stream)")
     async def events(
