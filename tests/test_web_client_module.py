@@ -51,12 +51,13 @@ async def test_the_example_resumes_after_a_reload_sees_a_takeover_and_stops(
     await page.goto(f"{gateway.url}/example.html")
     await page.click("#ask")
     await wait_shown(page, " colours.")
-    # A reload: the page starts empty and the reply goes on right after its last event
-    # (what was shown is noted in the same task as the reload: no event falls between).
+    # A reload: the page starts empty and the reply goes on right after its last event.
+    # What it showed is noted as it goes away (the old page applies events until then).
     async with page.expect_navigation():
         await page.evaluate(
             """() => {
-            sessionStorage.setItem("shown", document.getElementById("out").textContent);
+            addEventListener("pagehide", () =>
+                sessionStorage.setItem("shown", document.getElementById("out").textContent));
             location.reload();
         }"""
         )
