@@ -32,6 +32,15 @@ def _closes_an_async_generator(task: asyncio.Task[object]) -> bool:
     return type(task.get_coro()).__name__ == "async_generator_athrow"
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What collection imported lives as long as the session: frozen, the collector no
+    longer walks it, so the collection each test ends with (``no_task_outlives_its_test``)
+    looks at what the tests made only. It walked some 140,000 objects each time: 60 to
+    230 ms a test, a third to a half of the in-process tier's time."""
+    gc.collect()
+    gc.freeze()
+
+
 @pytest.fixture(autouse=True)
 async def no_task_outlives_its_test() -> AsyncIterator[None]:
     """A test ends with every task it started ended, and its garbage collected.
@@ -60,6 +69,16 @@ async def no_task_outlives_its_test() -> AsyncIterator[None]:
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[EmbeddedRedis]:
     with EmbeddedRedis() as server:
+        yield server
+
+
+@pytest.fixture
+def restartable_redis(tmp_path: Path) -> Iterator[EmbeddedRedis]:
+    """A Redis of the test's own, with its data on disk (AOF): the test may stop, kill or
+    wipe it and start it again."""
+    server = EmbeddedRedis(data_dir=tmp_path / "redis", persist=True)
+    server.data_dir.mkdir()
+    with server:
         yield server
 
 

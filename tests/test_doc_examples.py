@@ -35,6 +35,10 @@ STREAM_LIMIT_S = 90
 stopped, as a person would stop it once the reply has ended: it is stopped when it has
 shown the reply's end (``event: done``), and fails if it has not within this long."""
 STREAM_END = "event: done"
+SAYS = {"hf.chat_completion(": "Paris"}
+"""What an example whose code holds the key must print: a first output that looks right
+(greedy, so the same every run), where the README's first huggingface_hub example printed
+"-and-go-to-the-party-party-party" (a raw prompt, continued greedily)."""
 
 
 def examples() -> list[tuple[str, str, str]]:
@@ -84,6 +88,10 @@ def test_the_example_runs_as_written(
             return
     assert returncode == 0, f"{where} failed:\n{printed}{errors}"
     assert printed.strip(), f"{where} printed nothing"
+    print(f"\n{where} printed: {printed.strip()[:240]!r}")
+    for marker, said in SAYS.items():
+        if marker in code:
+            assert said in printed, f"{where} printed {printed!r}"
 
 
 def run_shell(code: str, cwd: Path) -> tuple[bool, int, str, str]:

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.support.hostile import json_values
+from tests.support.hostile import json_values, names_the_fix
 from tests.support.http import Session, create_session, read_events, send
 from tests.support.oracle import synthetic_text
 from tests.support.stack import Stack
@@ -116,6 +116,8 @@ def hostile_bodies(base: str, bystander: Session) -> int:
             sent += 1
             assert response.status_code < 500, (body[:200], response.text)
             assert response.headers["content-type"].startswith("application/json")
+            if response.status_code >= 400:
+                names_the_fix(response)  # the field, the limit, or where the JSON breaks
             if response.status_code == 202:  # a valid one got through: stop it again
                 generation = response.json()["generation_id"]
                 cancel = client.post(
@@ -134,4 +136,7 @@ def hostile_bodies(base: str, bystander: Session) -> int:
             ) as response:
                 sent += 1
                 assert response.status_code < 500
+                if response.status_code >= 400:
+                    response.read()
+                    names_the_fix(response)
     return sent

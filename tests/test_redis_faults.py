@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -39,14 +38,6 @@ from tests.support.stack import Stack
 from wire import Keys
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture
-def restartable_redis(tmp_path: Path) -> Iterator[EmbeddedRedis]:
-    server = EmbeddedRedis(data_dir=tmp_path / "redis", persist=True)
-    server.data_dir.mkdir()
-    with server:
-        yield server
 
 
 async def test_redis_restart_with_persistence_resumes_every_stream(

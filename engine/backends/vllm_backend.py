@@ -87,7 +87,8 @@ class VllmBackend(Backend):
         if len(ids) >= budget:
             raise BackendError(
                 "prompt_too_long",
-                f"the prompt has {len(ids)} tokens; the model's context is {self.max_model_len}",
+                f"the prompt has {len(ids)} tokens; the model's context is {self.max_model_len}"
+                " for prompt and reply together: shorten the message",
             )
         params = request.params
         if request.tools is not None and request.tools.choice == "auto":

@@ -26,8 +26,8 @@ from gateway.core.errors import (
     AnyRequest,
     BadEngineOutput,
     BadRequest,
-    as_gateway_error,
     ending_with_error,
+    request_error,
 )
 from gateway.core.generation_stream import (
     Collected,
@@ -151,8 +151,8 @@ UNSUPPORTED: dict[str, object] = {
 ERROR_TYPES = {422: "validation", 413: "validation", 429: "overloaded"}
 
 
-def tgi_error(_: AnyRequest, exc: Exception) -> Response[TgiError]:
-    error = as_gateway_error(exc)
+def tgi_error(request: AnyRequest, exc: Exception) -> Response[TgiError]:
+    error = request_error(request, exc)
     kind = ERROR_TYPES.get(error.status, "generation" if error.status >= 500 else error.code)
     return Response(
         TgiError(error.message, kind), status_code=error.status, headers=error.headers()
@@ -170,6 +170,7 @@ def _params(store: SessionStore, given: Parameters) -> SamplingParams:
     # TGI decodes greedily unless asked to sample (do_sample, or a sampling parameter).
     temperature = (given.temperature or 1.0) if sampling else 0.0
     return store.queue.sampling(
+        named={"max_tokens": "max_new_tokens", "top_logprobs": "top_n_tokens"},
         max_tokens=given.max_new_tokens,
         temperature=temperature,
         top_p=given.top_p,

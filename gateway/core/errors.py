@@ -12,6 +12,7 @@ GatewayError               HTTP status (WebSocket close code); gRPC status in ``
  ├── Overloaded            429  too many generations in flight (Retry-After)
  ├── Gone                  410  a stream's events are no longer there (4410)
  │    ├── EventsExpired         trimmed past the reader's last id (``events_expired``)
+ │    ├── EventsLost            the reader's last id is ahead of the stream (``events_lost``)
  │    └── SessionLost           Redis lost the session while a reader was attached
  ├── BadEngineOutput       502  the engine sent what it must not (no logprobs when asked)
  ├── Unavailable           503  Redis unreachable or no engine can take work
@@ -20,8 +21,11 @@ GatewayError               HTTP status (WebSocket close code); gRPC status in ``
 Every error body is ``{"error": {"code": ..., "message": ..., "field": ...}}``; the
 OpenAI, TGI and OIP adapters spell the same ``GatewayError`` in their own clients' error
 formats (their ``*_error`` handlers in gateway/apis/; the gRPC service's status codes and
-``error_message``, gateway/apis/oip/grpc/service.py), over ``as_gateway_error``; a stream
-that fails after its headers ends in that format too (``ending_with_error``).
+``error_message``, gateway/apis/oip/grpc/service.py), over ``request_error`` (a handler's:
+it has the request) or ``as_gateway_error``; a stream that fails after its headers ends in
+that format too (``ending_with_error``). The wording that says what to change lives here
+too: a limit and its setting (``over_body_limit``), where a body stops being JSON
+(``not_json``), what an event id looks like (``bad_event_id``).
 """
 
 from __future__ import annotations
@@ -34,12 +38,17 @@ from typing import Any
 import msgspec
 from litestar.connection import Request
 from litestar.exceptions import HTTPException, ValidationException
+from litestar.utils.scope.state import ScopeState
 from redis.exceptions import RedisError
 
 log = logging.getLogger("tokenspout.errors")
 AnyRequest = Request[Any, Any, Any]
 """What an exception handler gets (the app's and each adapter router's)."""
 UNKNOWN_FIELD = re.compile(r"unknown field `([^`]+)`")
+MISSING_FIELD = re.compile(r"missing required field `([^`]+)`")
+BODY_KEY = "data"
+"""Litestar's name, in a validation error, for the request body as a whole."""
+MALFORMED_AT = re.compile(r"JSON is malformed: (.+) \(byte ([0-9]+)\)")
 
 
 class ErrorBody(msgspec.Struct, omit_defaults=True):
@@ -170,6 +179,25 @@ class EventsExpired(Gone):
     default_code = "events_expired"
 
 
+class EventsLost(Gone):
+    """A resume point past the stream's last event: Redis lost the events after that one
+    (a restart without them, a failover), or the id is none of this stream's. A reader
+    that waited after it would wait for ever (later events sort before it): it is told,
+    and starts over from the stream's beginning."""
+
+    default_code = "events_lost"
+
+    def __init__(self, given: str, last: str | None, *, field: str = "last_event_id") -> None:
+        last_known = f"its last event is {last}" if last else "it has no event"
+        super().__init__(
+            f"{field} {given} is ahead of this stream ({last_known}): Redis lost the events "
+            "after that one, or it is not from this stream; start over from the beginning "
+            f"(leave {field} out)",
+            field=field,
+        )
+        self.given = given
+
+
 class SessionLost(Gone):
     """The session's keys vanished while a reader was attached (Redis lost its data)."""
 
@@ -189,11 +217,92 @@ class FrameworkError(GatewayError):
         return self._headers
 
 
+def bad_event_id(given: str, field: str = "last_event_id") -> BadRequest:
+    return BadRequest(
+        f"{field} {given[:64]!r} is not an event id: an event id is the `id:` of one of this "
+        "stream's events, `<milliseconds>-<sequence>` (two whole numbers below 2^64, as "
+        "1795319999764-0); leave it out to read from the beginning",
+        code="bad_event_id",
+        field=field,
+    )
+
+
 HANDLED = (GatewayError, ValidationException, HTTPException, RedisError, RecursionError, Exception)
-"""The exception types the app and each adapter router hand to ``as_gateway_error``.
+"""The exception types the app and each adapter router hand to ``request_error``.
 ``Exception`` last: anything unexpected is logged with its traceback and answered in the
 gateway's format (Litestar's own answer, a bare 500, would go unlogged: the app leaves
 logging to the gateway)."""
+
+
+def over_body_limit(what: str, limit: int) -> str:
+    """What was too large, the limit and its setting (bodies, frames, gRPC messages)."""
+    kib = f" ({limit // 1024} KiB)" if limit % 1024 == 0 else ""
+    return f"{what} is over the limit of {limit} bytes{kib}, set by TOKENSPOUT_MAX_BODY_BYTES"
+
+
+def body_too_large(limit: int) -> PayloadTooLarge:
+    return PayloadTooLarge(over_body_limit("the request body", limit), code="too_large")
+
+
+def not_json(data: bytes, what: str = "the body") -> BadRequest:
+    """``invalid_json``: what is wrong with ``data`` as JSON, and where (line, column and
+    byte offset)."""
+    try:
+        data.decode()
+    except UnicodeDecodeError as exc:
+        return BadRequest(
+            f"{what} is not valid JSON: {_where(data, exc.start, 'it is not UTF-8')}",
+            code="invalid_json",
+        )
+    try:
+        msgspec.json.decode(data)
+    except msgspec.DecodeError as exc:
+        malformed = MALFORMED_AT.fullmatch(str(exc))
+        if malformed is not None:
+            reason, at = malformed.group(1), int(malformed.group(2))
+        elif data.strip():
+            reason, at = "it ends before the JSON value does", len(data)
+        else:
+            reason, at = "it is empty", len(data)
+        return BadRequest(
+            f"{what} is not valid JSON: {_where(data, at, reason)}", code="invalid_json"
+        )
+    return BadRequest(f"{what} is not a JSON object", code="invalid_json")
+
+
+def _where(data: bytes, at: int, reason: str) -> str:
+    before = data[:at]
+    line_start = before.rfind(b"\n") + 1
+    line = before.count(b"\n") + 1
+    column = len(before[line_start:].decode(errors="replace")) + 1
+    return f"{reason}, at line {line}, column {column} (byte {at})"
+
+
+def is_json_syntax_error(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it was raised from: Litestar wraps msgspec's error) says a
+    body is not JSON at all, as opposed to JSON of the wrong shape."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, UnicodeDecodeError):
+            return True
+        if isinstance(seen, msgspec.DecodeError) and not isinstance(seen, msgspec.ValidationError):
+            return str(seen).startswith(("Input data was truncated", "JSON is malformed"))
+        seen = seen.__cause__
+    return False
+
+
+def request_error(request: AnyRequest, exc: Exception) -> GatewayError:
+    """``as_gateway_error`` for an exception handler, which has the request: a body over
+    the limit is told the limit and its setting, one that is not JSON where it breaks."""
+    if isinstance(exc, HTTPException) and exc.status_code == 413:
+        limit = request.route_handler.resolve_request_max_body_size()
+        if limit:
+            return body_too_large(limit)
+    if is_json_syntax_error(exc):
+        body = ScopeState.from_scope(request.scope).body
+        if isinstance(body, bytes):
+            return not_json(body)
+    return as_gateway_error(exc)
 
 
 def as_gateway_error(exc: Exception) -> GatewayError:
@@ -204,9 +313,17 @@ def as_gateway_error(exc: Exception) -> GatewayError:
         details = exc.extra if isinstance(exc.extra, list) else []
         first = details[0] if details and isinstance(details[0], dict) else {}
         message = str(first.get("message") or exc.detail)
-        unknown = UNKNOWN_FIELD.search(message)
-        field = unknown.group(1) if unknown else first.get("key") or None
+        named = UNKNOWN_FIELD.search(message) or MISSING_FIELD.search(message)
+        field = named.group(1) if named else first.get("key") or None
+        if field == BODY_KEY:  # the body itself is not the object the route takes
+            return BadRequest(f"the body must be a JSON object of the request's fields: {message}")
+        if field and field not in message:
+            message = f"{field}: {message}"
         return BadRequest(message, field=field)
+    if isinstance(exc, UnicodeDecodeError):
+        return BadRequest(
+            f"the body is not valid JSON: it is not UTF-8 ({exc.reason})", code="invalid_json"
+        )
     if isinstance(exc, HTTPException):
         if exc.status_code in (400, 422):
             return BadRequest(str(exc.detail))

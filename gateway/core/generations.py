@@ -14,7 +14,8 @@ there is room for it, and the queues of the models it goes to (``wire.queue``).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
+import re
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
 import msgspec
@@ -32,6 +33,7 @@ from wire.runtime import shared_read
 from wire.scripts import Admission, Waiting
 
 CANCELS_MAXLEN = 10_000
+AT_FIELD = re.compile(r"at `\$\.([a-z_]+)")
 Counts = dict[str, tuple[int, int]]
 """Model -> (queued, running)."""
 
@@ -78,23 +80,34 @@ class GenerationQueue:
             wire.encode(request), tenant=tenant, weight=self.weight_of(tenant), submitted=note
         )
 
-    def sampling(self, **given: Any) -> SamplingParams:
-        """Sampling parameters with the gateway's defaults and limits applied."""
+    def sampling(self, *, named: Mapping[str, str] | None = None, **given: Any) -> SamplingParams:
+        """Sampling parameters with the gateway's defaults and limits applied; ``named``:
+        the client's own names of those its API spells otherwise (TGI's ``max_new_tokens``
+        is ``max_tokens`` here), for errors to name the field as the client sent it."""
+        names = named or {}
         params = {key: value for key, value in given.items() if value is not None}
         max_tokens = params.setdefault("max_tokens", self.settings.default_max_tokens)
         if not 1 <= max_tokens <= self.settings.max_tokens_limit:
+            field = names.get("max_tokens", "max_tokens")
             raise BadRequest(
-                f"max_tokens must be between 1 and {self.settings.max_tokens_limit}",
-                field="max_tokens",
+                f"{field} must be between 1 and {self.settings.max_tokens_limit} "
+                "(TOKENSPOUT_MAX_TOKENS_LIMIT)",
+                field=field,
             )
         if params.get("min_tokens", 0) > max_tokens:
             raise BadRequest(
-                f"min_tokens must not exceed max_tokens ({max_tokens})", field="min_tokens"
+                f"min_tokens must not exceed {names.get('max_tokens', 'max_tokens')} "
+                f"({max_tokens})",
+                field="min_tokens",
             )
         try:
             return msgspec.convert(params, SamplingParams)
         except msgspec.ValidationError as exc:
-            raise BadRequest(str(exc)) from exc
+            at = AT_FIELD.search(str(exc))
+            if at is None:
+                raise BadRequest(str(exc)) from exc
+            sent = names.get(at.group(1), at.group(1))
+            raise BadRequest(f"{sent}: {exc}", field=sent) from exc
 
     async def guard_capacity(self, model: str) -> None:
         """429 past the global in-flight limit, or past the model's own.
@@ -140,11 +153,14 @@ class GenerationQueue:
         if refusal.scope == "all":
             limit = self.settings.max_inflight
             return Overloaded(
-                f"{refusal.count} generations are in flight (limit {limit})", retry_after_s=1
+                f"{refusal.count} generations are in flight (limit {limit}, "
+                "TOKENSPOUT_MAX_INFLIGHT); try again shortly",
+                retry_after_s=1,
             )
         limit = self.settings.max_inflight_per_model
         return Overloaded(
-            f"{refusal.count} generations of {model!r} are in flight (limit {limit} per model)",
+            f"{refusal.count} generations of {model!r} are in flight (limit {limit} per "
+            "model, TOKENSPOUT_MAX_INFLIGHT_PER_MODEL); try again shortly",
             retry_after_s=1,
         )
 

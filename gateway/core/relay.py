@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Protocol, cast
@@ -29,7 +30,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 import wire
-from gateway.core.errors import BadRequest, EventsExpired, ShuttingDown
+from gateway.core.errors import EventsExpired, EventsLost, ShuttingDown, bad_event_id
 from gateway.core.feed import CATCH_UP_PAGE, LIVE_ONLY, NEW_SESSION, Feed, RelayEvent
 from gateway.core.ids import new_id
 from gateway.core.live import LiveSource, PlainLive
@@ -56,10 +57,27 @@ class RelayObserver(Protocol):
         """A feed's buffer overflowed (its reader is slow): dropped, re-read from Redis."""
 
 
-def _raise_if_trimmed(stream_info: dict[str, object], after_id: str) -> None:
-    """Events after ``after_id`` are gone when it lies before the oldest entry kept and the
-    stream has been trimmed (an id at the exact trim boundary counts as gone too: a
-    needless reload is better than a silent gap)."""
+EVENT_ID = re.compile(r"([0-9]{1,20})-([0-9]{1,20})")
+NO_STREAM: dict[str, object] = {"last-generated-id": b"0-0"}
+"""What ``XINFO STREAM`` would say of a stream that was never written."""
+
+
+def check_event_id(given: str) -> None:
+    """``BadRequest`` unless ``given`` is an id Redis could have made (``<ms>-<seq>``)."""
+    match = EVENT_ID.fullmatch(given)
+    if match is None or any(int(part) >= 1 << 64 for part in match.groups()):
+        raise bad_event_id(given)
+
+
+def _check_position(stream_info: dict[str, object], after_id: str) -> None:
+    """Raise ``EventsLost`` when ``after_id`` is past the last id the stream ever made (it
+    could only have come from a stream Redis since lost, or from nowhere: a reader would
+    wait for ever, every later event sorting before it), ``EventsExpired`` when events
+    after it were trimmed (an id at the exact trim boundary counts as gone too: a needless
+    reload is better than a silent gap)."""
+    last = stream_info.get("last-generated-id")
+    if last is not None and entry_id_key(after_id) > entry_id_key(wire.text(last)):
+        raise EventsLost(after_id, None if wire.text(last) == "0-0" else wire.text(last))
     first = stream_info.get("first-entry")
     if not isinstance(first, (tuple, list)) or not first:
         return
@@ -67,7 +85,10 @@ def _raise_if_trimmed(stream_info: dict[str, object], after_id: str) -> None:
         cast(int, stream_info.get("length", 0))
     )
     if trimmed and entry_id_key(after_id) < entry_id_key(wire.text(first[0])):
-        raise EventsExpired(f"events after {after_id} were trimmed; reload the session history")
+        raise EventsExpired(
+            f"events after {after_id} were trimmed (a session keeps its last "
+            "TOKENSPOUT_EVENTS_MAXLEN); reload the session's history"
+        )
 
 
 class RelayHub:
@@ -209,7 +230,7 @@ class RelayHub:
                     if "no such key" not in str(exc).lower():
                         raise
                     return []
-            _raise_if_trimmed(info, after_id)
+            _check_position(info, after_id)
             entries = wire.entries_of(page)
         events = [
             RelayEvent(
@@ -256,24 +277,19 @@ class RelayHub:
         return None
 
     async def check_resumable(self, session_id: str, after_id: str | None) -> None:
-        """Raise ``EventsExpired`` when events after ``after_id`` are no longer kept."""
-        if after_id not in (None, LIVE_ONLY):
-            await self._check_not_trimmed(session_id, after_id)
-
-    async def _check_not_trimmed(self, session_id: str, after_id: str) -> None:
-        try:
-            entry_id_key(after_id)
-        except ValueError:
-            raise BadRequest(
-                f"{after_id!r} is not an event id", code="bad_event_id", field="last_event_id"
-            ) from None
+        """Whether a reader can resume after ``after_id``: ``BadRequest`` when it is no
+        event id, ``EventsExpired`` when events after it are no longer kept, ``EventsLost``
+        when it is ahead of the stream (a session with no stream has made no id)."""
+        if after_id in (None, LIVE_ONLY):
+            return
+        check_event_id(after_id)
         try:
             info = await self.redis.xinfo_stream(self.keys.events(session_id))
         except RedisError as exc:
-            if "no such key" in str(exc).lower():
-                return
-            raise
-        _raise_if_trimmed(info, after_id)
+            if "no such key" not in str(exc).lower():
+                raise
+            info = NO_STREAM
+        _check_position(info, after_id)
 
     def _connection_lost(self) -> None:
         """The plain source's pub/sub connection broke (it reports each channel lost)."""

@@ -144,7 +144,27 @@ def _digest(token: str) -> str:
 
 
 def _bad_token() -> Forbidden:
-    return Forbidden("a valid session token is required", code="bad_session_token")
+    return Forbidden(
+        "a valid session token is required (X-Session-Token, Authorization: Bearer or "
+        "?token=, as POST /v1/sessions gave it)",
+        code="bad_session_token",
+    )
+
+
+def unknown_generation(generation_id: str) -> NotFound:
+    return NotFound(
+        f"generation_id {generation_id!r} names no generation of this session",
+        code="unknown_generation",
+        field="generation_id",
+    )
+
+
+def _unknown_session(session_id: str) -> NotFound:
+    return NotFound(
+        f"no session {session_id!r}: it never existed, it expired (TOKENSPOUT_SESSION_TTL_S "
+        "after its last message), or Redis lost it; create a new one (POST /v1/sessions)",
+        code="unknown_session",
+    )
 
 
 def _conversation(system: str, history: list[ChatMessage]) -> list[ChatMessage]:
@@ -164,7 +184,7 @@ def _check_credentials(
     wrong one is refused whatever cookie comes with it). Returns whether the owner's
     secret was what matched."""
     if stored_token is None:
-        raise NotFound(f"no session {session_id!r}", code="unknown_session")
+        raise _unknown_session(session_id)
     if token is not None:
         if hmac.compare_digest(stored_token, _digest(token)):
             return False
@@ -533,7 +553,7 @@ class SessionStore:
         """What a client is told when SUBMIT refused a session turn."""
         match reply:
             case script.SessionMissing():
-                return NotFound(f"no session {session_id!r}", code="unknown_session")
+                return _unknown_session(session_id)
             case script.Forbidden():
                 return _bad_token()
             case script.Busy(generation_id=running):
@@ -544,8 +564,8 @@ class SessionStore:
                 )
             case script.HistoryFull():
                 return BadRequest(
-                    f"the session holds {self.settings.max_history_messages} messages; "
-                    "start a new session",
+                    f"the session holds {self.settings.max_history_messages} messages, the "
+                    "limit set by TOKENSPOUT_MAX_HISTORY_MESSAGES; start a new session",
                     code="history_full",
                 )
             case script.OverCapacity():  # not asked to admit here (guard_capacity did)
@@ -779,7 +799,8 @@ class SessionStore:
             raise BadRequest("content must not be empty", field="content")
         if len(content) > self.settings.max_message_chars:
             raise BadRequest(
-                f"content is longer than {self.settings.max_message_chars} characters",
+                f"content is longer than {self.settings.max_message_chars} characters "
+                "(TOKENSPOUT_MAX_MESSAGE_CHARS)",
                 code="message_too_long",
                 field="content",
             )
@@ -798,7 +819,7 @@ class SessionStore:
         )
         match reply:
             case script.UnknownGeneration():
-                raise NotFound(f"no generation {generation_id!r}", code="unknown_generation")
+                raise unknown_generation(generation_id)
             case script.EndedBefore(final=final):
                 return CancelOutcome(generation_id, wire.final_state(final), final)
             case script.CancelledQueued(final=final):
@@ -810,6 +831,15 @@ class SessionStore:
             self.observer.cancel_sent(session_id, generation_id, began)
         await self.queue.signal_cancel(CancelSignal(generation_id, session_id, reason))
         return CancelOutcome(generation_id, "cancelling")
+
+    async def generation_end(self, session_id: str, generation_id: str) -> tuple[str, str | None]:
+        """The generation's state, and the id of its final event (None while it runs); 404
+        for a generation the session does not have."""
+        key = self.keys.generation(session_id, generation_id)
+        state, final_id = await self.redis.hmget(key, "state", "final_id")
+        if state is None:
+            raise unknown_generation(generation_id)
+        return wire.text(state), None if final_id is None else wire.text(final_id)
 
     async def generation_final(self, session_id: str, generation_id: str) -> FinalEvent | None:
         raw = await self.redis.hget(self.keys.generation(session_id, generation_id), "final")

@@ -14,22 +14,21 @@ from litestar import Litestar, Response
 from litestar.config.cors import CORSConfig
 from litestar.datastructures import State
 from litestar.di import Provide
-from litestar.openapi import OpenAPIConfig
 from litestar.static_files import create_static_files_router
 from litestar.types import ControllerRouterHandler
 from redis.exceptions import RedisError
 
-from gateway import __version__
 from gateway.apis.openai.hot import HotRoutes
 from gateway.apis.tgi import compat_generate
 from gateway.core.auth import API_KEYS_STATE, ApiKeys
-from gateway.core.errors import HANDLED, AnyRequest, ErrorEnvelope, as_gateway_error
+from gateway.core.errors import HANDLED, AnyRequest, ErrorEnvelope, request_error
 from gateway.core.relay import RelayHub
 from gateway.core.sessions import SessionStore
 from gateway.core.settings import Settings
 from gateway.recovery.reaper import ReaderDeadline, Reaper, refresh_watches
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.middleware import RequestMetrics
+from gateway.server.openapi import openapi_config
 from gateway.server.routes import ROUTES
 from wire import Keys
 from wire.connect import connect, ready, when_redis_answers
@@ -198,11 +197,11 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
     services = services or Services(settings)
     metrics = services.metrics
 
-    def handle_error(_: AnyRequest, exc: Exception) -> Response[ErrorEnvelope]:
+    def handle_error(request: AnyRequest, exc: Exception) -> Response[ErrorEnvelope]:
         """Every error a handler raises, in the gateway's own format (gateway/core/errors.py)."""
         if isinstance(exc, RedisError):
             metrics.redis_error("request")
-        error = as_gateway_error(exc)
+        error = request_error(request, exc)
         return Response(error.body(), status_code=error.status, headers=error.headers())
 
     handlers: list[ControllerRouterHandler] = list(ROUTES)
@@ -223,7 +222,7 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
         exception_handlers={kind: handle_error for kind in HANDLED},
         request_max_body_size=settings.max_body_bytes,
         cors_config=CORSConfig(allow_origins=origins) if origins else None,
-        openapi_config=OpenAPIConfig(title="tokenspout", version=__version__, path="/schema"),
+        openapi_config=openapi_config(),
         logging_config=None,
     )
 

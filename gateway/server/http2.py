@@ -40,6 +40,8 @@ import h2.events
 import h2.exceptions
 import h2.settings
 
+from gateway.core.errors import over_body_limit
+
 log = logging.getLogger("tokenspout.grpc")
 
 MAX_CONCURRENT_STREAMS = 4096
@@ -169,7 +171,7 @@ class Call:
             if length > max_message_bytes:
                 raise GrpcError(
                     StatusCode.RESOURCE_EXHAUSTED,
-                    f"a message of {length} bytes is over the limit of {max_message_bytes}",
+                    over_body_limit(f"a message of {length} bytes", max_message_bytes),
                 )
             if len(self._received) < 5 + length:
                 return

@@ -14,6 +14,7 @@ import asyncio
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from typing import Any
 
+import msgspec
 from litestar.background_tasks import BackgroundTask, BackgroundTasks
 from litestar.connection import Request
 from litestar.datastructures.cookie import Cookie
@@ -48,6 +49,14 @@ def session_frames(events: Iterable[RelayEvent]) -> bytes:
         b"id: %s\nevent: %s\ndata: %s\n\n" % (e.id.encode(), e.type.encode(), e.data)
         for e in events
     )
+
+
+def events_lost(given: str, message: str) -> bytes:
+    """The ``events_lost`` event: the reader's resume point ``given`` is ahead of the
+    stream. Its empty ``id:`` clears an EventSource's last event id, so that its next
+    reconnect, too, reads from the beginning instead of sending ``given`` again."""
+    data = msgspec.json.encode({"type": "events_lost", "last_event_id": given, "message": message})
+    return b"id:\n" + frame(data, event="events_lost")
 
 
 class Last(bytes):

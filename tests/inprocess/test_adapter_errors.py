@@ -5,15 +5,19 @@ an adapter writes after what it sent (gateway/core/errors.py, generation_stream.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
+import msgspec
 import pytest
-from litestar import Litestar, get
+from litestar import Litestar, get, post
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.testing import TestClient
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from gateway.apis.oip.routes import oip_error
 from gateway.apis.openai.routes import openai_error
+from gateway.apis.tgi import tgi_error
 from gateway.core.errors import (
     HANDLED,
     BadRequest,
@@ -115,3 +119,58 @@ def test_an_unexpected_exception_is_logged_and_answered_in_the_adapters_format(
     assert answer.json()["error"]["code"] == "internal_error"
     assert answer.json()["error"]["type"] == "server_error"
     assert "RuntimeError: something nobody expected" in caplog.text
+
+
+class Body(msgspec.Struct):
+    a: str | None = None
+
+
+@post("/echo", sync_to_thread=False)
+def echo(data: Body) -> Body:
+    return data
+
+
+ADAPTERS: dict[str, tuple[Callable[..., Any], Callable[[Any], str]]] = {
+    "openai": (openai_error, lambda body: body["error"]["message"]),
+    "tgi": (tgi_error, lambda body: body["error"]),
+    "oip": (oip_error, lambda body: body["error"]),
+}
+
+
+# The handler takes its body as the gateway's do (``data: Struct``, no body marker), which
+# Litestar 2.25 warns about (as tests/inprocess/test_api_key_guard.py says).
+@pytest.mark.filterwarnings(
+    "ignore::litestar.exceptions.base_exceptions.LitestarDeprecationWarning"
+)
+@pytest.mark.parametrize("adapter", ADAPTERS)
+@pytest.mark.parametrize(
+    ("body", "status", "said"),
+    [
+        (b'{"a": "' + b"x" * 300 + b'"}', 413, "over the limit of 256 bytes, set by "
+         "TOKENSPOUT_MAX_BODY_BYTES"),
+        (b'{"inputs": "hi",', 0, "not valid JSON: it ends before the JSON value does, at line 1, "
+         "column 17 (byte 16)"),
+        (b'{\n "a": 1,\n "b": }', 0, "not valid JSON: invalid character, at line 3, column 7 "
+         "(byte 17)"),
+        (b'{"a": "\xff"}', 0, "not valid JSON: it is not UTF-8, at line 1, column 8 (byte 7)"),
+    ],
+    ids=["too-large", "truncated", "malformed", "not-utf-8"],
+)  # fmt: skip
+def test_a_body_too_large_or_not_json_is_told_the_limit_or_where_it_breaks(
+    adapter: str, body: bytes, status: int, said: str
+) -> None:
+    """Litestar's own words were "Request Entity Too Large" and msgspec's "Input data was
+    truncated" (and invalid UTF-8 a 500); every adapter now names the limit and its
+    setting, or says the body is not JSON and where, in its own error format."""
+    handler, message_of = ADAPTERS[adapter]
+    app = Litestar(
+        [echo],
+        exception_handlers={kind: handler for kind in HANDLED},
+        request_max_body_size=256,
+        logging_config=None,
+    )
+    with TestClient(app) as client:
+        answer = client.post("/echo", content=body, headers={"content-type": "application/json"})
+    expected = status or (400 if adapter == "openai" else 422)
+    assert answer.status_code == expected, answer.text
+    assert said in message_of(answer.json())

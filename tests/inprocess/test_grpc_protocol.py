@@ -5,11 +5,13 @@ with tritonclient's ``InferResult``."""
 
 from __future__ import annotations
 
+import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2
 
 from gateway.apis.oip.grpc.protocol import pb
 from gateway.apis.oip.grpc.tensors import TokenResponses, read_request, text_response
+from gateway.core.errors import BadRequest
 from tests.support.triton import FINAL, llm_inputs, parameters, sent, text_of
 
 
@@ -46,3 +48,14 @@ def test_a_token_response_written_by_hand_is_the_message_protobuf_writes() -> No
         assert by_hand == by_protobuf
         result = grpcclient.InferResult(by_hand.infer_response)
         assert text_of(result) == text and parameters(result) == {FINAL: False}
+
+
+def test_sampling_parameters_that_are_not_json_are_refused_saying_where() -> None:
+    """vLLM's backend takes ``sampling_parameters`` as JSON text in a request parameter."""
+    with pytest.raises(BadRequest) as refused:
+        read_request(sent(llm_inputs("hi", 5), sampling_parameters='{"temperature": 0.5,'))
+    assert refused.value.field == "sampling_parameters"
+    assert refused.value.message == (
+        "`sampling_parameters` is not valid JSON: it ends before the JSON value does, "
+        "at line 1, column 21 (byte 20)"
+    )

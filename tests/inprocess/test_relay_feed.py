@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 
 import wire
 from gateway.core import live
-from gateway.core.errors import BadRequest, EventsExpired
+from gateway.core.errors import BadRequest, EventsExpired, EventsLost
 from gateway.core.feed import LIVE_ONLY, NEW_SESSION, Feed, FeedState, RelayEvent
 from gateway.core.relay import RelayHub
 from gateway.core.spares import BATCH as SPARE_BATCH
@@ -342,16 +342,69 @@ async def test_an_old_id_of_a_stream_never_trimmed_is_fine(
     hub = await make_hub()
     written = await session.tokens(2)
     await hub.check_resumable(SESSION, "0-1")
-    await hub.check_resumable("no-such-session", "1-0")  # no stream: nothing was trimmed
+    await hub.check_resumable(SESSION, written[-1])  # the last event: nothing is missing
+    await hub.check_resumable("no-such-session", "0-0")  # no stream: only 0-0 is not ahead
     async with hub.open(SESSION, "0-1") as feed:
         assert ids(await read(feed, 2)) == written
 
 
-async def test_a_malformed_event_id_is_a_bad_request(make_hub: HubFactory) -> None:
+async def test_a_resume_point_ahead_of_the_stream_is_events_lost_not_a_silent_wait(
+    make_hub: HubFactory, session: Session
+) -> None:
+    """An id past the last one the stream made (Redis lost the events after it, or it is
+    from nowhere) would wait for ever: later events sort before it. It is said at once."""
+    hub = await make_hub()
+    written = await session.tokens(2)
+    ms, _ = wire.entry_id_key(written[-1])
+    for ahead in (f"{ms}-99", f"{ms + 60_000}-0", "99999999999999-0"):
+        with pytest.raises(EventsLost) as caught:
+            await hub.check_resumable(SESSION, ahead)
+        lost = caught.value
+        assert (lost.code, lost.field, lost.given, lost.status) == (
+            "events_lost",
+            "last_event_id",
+            ahead,
+            410,
+        )
+        assert written[-1] in lost.message and "start over from the beginning" in lost.message
+        async with hub.open(SESSION, ahead) as feed:  # a feed finds it as it reads
+            with pytest.raises(EventsLost):
+                await read(feed, 1)
+    with pytest.raises(EventsLost) as caught:
+        await hub.check_resumable("no-such-session", written[0])
+    assert "it has no event" in caught.value.message
+
+
+async def test_a_feed_whose_stream_came_back_without_its_last_events_raises_events_lost(
+    make_hub: HubFactory, session: Session, redis: aioredis.Redis
+) -> None:
+    """Redis came back from an older copy (a restart that lost its last writes, a failover
+    to a replica behind): the feed's last id is ahead of the stream, so it says so instead
+    of waiting for events that sort before its position."""
+    hub = await make_hub()
+    async with hub.open(SESSION, None) as feed:
+        await subscribed(feed, session)
+        key = session.keys.events(SESSION)
+        first = (await redis.xrange(key, count=1))[0]
+        await redis.delete(key)
+        await redis.xadd(key, first[1], id=first[0])
+        feed.confirmed(False)  # what the hub does when its connection breaks, and is back
+        feed.confirmed(True)
+        with pytest.raises(EventsLost):
+            await read(feed, 1)
+
+
+@pytest.mark.parametrize(
+    "given", ["yesterday", "1", "1-", "-1-1", "1-2-3", "18446744073709551616-0", " 1-0", "1-0\n"]
+)
+async def test_a_malformed_event_id_is_a_bad_request_saying_what_an_id_looks_like(
+    make_hub: HubFactory, given: str
+) -> None:
     hub = await make_hub()
     with pytest.raises(BadRequest) as caught:
-        await hub.check_resumable(SESSION, "yesterday")
+        await hub.check_resumable(SESSION, given)
     assert (caught.value.code, caught.value.field) == ("bad_event_id", "last_event_id")
+    assert "`<milliseconds>-<sequence>`" in caught.value.message
 
 
 async def test_wait_final_returns_the_generations_final_event_or_none(

@@ -69,7 +69,9 @@ def test_an_oversized_frame_is_refused_before_it_is_parsed() -> None:
     error = refusal(b"x" * 11, max_bytes=10)  # not JSON either: size is checked first
     assert isinstance(error, PayloadTooLarge)
     assert (error.code, error.status, error.ws_close_code) == ("frame_too_large", 413, 4413)
-    assert error.message == "a frame may hold at most 10 bytes"
+    assert (
+        error.message == "the frame is over the limit of 10 bytes, set by TOKENSPOUT_MAX_BODY_BYTES"
+    )
     assert isinstance(ws.decode_client_frame(b'{"type":"ping"}', 15), ws.Ping)  # at the limit
 
 
@@ -107,12 +109,20 @@ def test_an_invalid_field_is_invalid_frame_naming_the_field(data: str, field: st
     assert (error.code, error.field) == ("invalid_frame", field)
 
 
-@pytest.mark.parametrize("data", ["{", "not json", '{"type":"ping"} trailing', b"\xff"])
-def test_malformed_json_is_invalid_json(data: str | bytes) -> None:
+@pytest.mark.parametrize(
+    ("data", "where"),
+    [
+        ("{", "it ends before the JSON value does, at line 1, column 2 (byte 1)"),
+        ('{"type":"ping"} trailing', "trailing characters, at line 1, column 18 (byte 17)"),
+        (b"\xff", "it is not UTF-8, at line 1, column 1 (byte 0)"),
+        ('{\n  "type": "ping",\n  "id": x\n}', "invalid character, at line 3, column 9 (byte 28)"),
+    ],
+)
+def test_malformed_json_is_invalid_json_saying_where(data: str | bytes, where: str) -> None:
     error = refusal(data)
     assert isinstance(error, BadRequest)
     assert error.code == "invalid_json" and error.field is None
-    assert error.message.startswith("not a JSON object: ")
+    assert error.message == f"the frame is not valid JSON: {where}"
 
 
 def test_a_frame_that_is_not_an_object_is_refused() -> None:

@@ -21,8 +21,8 @@ from gateway.core.errors import (
     AnyRequest,
     BadRequest,
     Unavailable,
-    as_gateway_error,
     ending_with_error,
+    request_error,
 )
 from gateway.core.generation_stream import GenerationItem, GenerationStream, Heartbeat, final_error
 from gateway.core.relay import RelayHub
@@ -65,8 +65,8 @@ class OipError(msgspec.Struct):
     error: str
 
 
-def oip_error(_: AnyRequest, exc: Exception) -> Response[OipError]:
-    error = as_gateway_error(exc)
+def oip_error(request: AnyRequest, exc: Exception) -> Response[OipError]:
+    error = request_error(request, exc)
     return Response(OipError(error.message), status_code=error.status, headers=error.headers())
 
 

@@ -70,7 +70,7 @@ class HotRoute(Generic[Request]):
         """The request; None when the body is not one (Litestar answers it)."""
         try:
             return self.decode(body)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
             return None
 
 

@@ -52,6 +52,7 @@ from gateway.core.errors import (
     GatewayError,
     as_gateway_error,
     ending_with_error,
+    request_error,
 )
 from gateway.core.generation_stream import (
     Collected,
@@ -157,9 +158,9 @@ def _chat_messages(body: ChatCompletionRequest, max_messages: int) -> list[ChatM
     if not body.messages:
         raise BadRequest("messages must not be empty", field="messages")
     if len(body.messages) > max_messages:
-        # The same bound as a session's history (TOKENSPOUT_MAX_HISTORY_MESSAGES).
         raise BadRequest(
-            f"messages may hold at most {max_messages} entries",
+            f"messages may hold at most {max_messages} entries "
+            "(TOKENSPOUT_MAX_HISTORY_MESSAGES, as a session's history)",
             code="too_many_messages",
             field="messages",
         )
@@ -221,7 +222,10 @@ def _chat_params(
             )
         shared["structured"] = forced
     return store.queue.sampling(
-        **shared, logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0
+        named={"max_tokens": "max_completion_tokens"} if body.max_completion_tokens else None,
+        **shared,
+        logprobs=bool(body.logprobs),
+        top_logprobs=body.top_logprobs or 0,
     )
 
 
@@ -234,7 +238,10 @@ def _completion_params(store: SessionStore, body: CompletionRequest) -> Sampling
         raise _refuse("suffix", "suffix is not supported")
     shared = _sampling(body, body.max_tokens)
     return store.queue.sampling(
-        **shared, logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0
+        named={"top_logprobs": "logprobs"},
+        **shared,
+        logprobs=body.logprobs is not None,
+        top_logprobs=body.logprobs or 0,
     )
 
 
@@ -310,8 +317,8 @@ def error_answer(exc: Exception) -> tuple[int, ErrorOut, dict[str, str]]:
     return status, error_body(error), error.headers()
 
 
-def openai_error(_: AnyRequest, exc: Exception) -> Response[ErrorOut]:
-    status, body, headers = error_answer(exc)
+def openai_error(request: AnyRequest, exc: Exception) -> Response[ErrorOut]:
+    status, body, headers = error_answer(request_error(request, exc))
     return Response(body, status_code=status, headers=headers)
 
 

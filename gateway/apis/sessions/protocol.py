@@ -1,9 +1,10 @@
 """The WebSocket protocol's frames: typed JSON both ways, decoded in one place.
 
 Every frame is a JSON object with a ``type``. Client frames: ``generate``, ``cancel``,
-``ping``. Server frames: ``ack``, ``queued``, ``started``, ``token``, ``done``,
-``cancelled``, ``error``, ``pong``. Each frame about a generation carries the client's own
-``id`` for it, so several generations can share one socket. docs/api.md shows examples.
+``resume``, ``ping``. Server frames: ``ack``, ``queued``, ``started``, ``token``,
+``resumed``, ``done``, ``cancelled``, ``error``, ``events_lost``, ``pong``. Each frame
+about a generation carries the client's own ``id`` for it, so several generations can share
+one socket. docs/api.md shows examples.
 
 New fields go at the end with defaults, as in wire/messages.py.
 """
@@ -18,7 +19,7 @@ import msgspec
 
 import wire
 from gateway.apis.sessions.sampling import SamplingIn
-from gateway.core.errors import BadRequest, PayloadTooLarge
+from gateway.core.errors import BadRequest, PayloadTooLarge, not_json, over_body_limit
 from wire import CancelReason, Usage
 
 ClientId = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
@@ -56,11 +57,23 @@ class Cancel(msgspec.Struct, frozen=True, tag="cancel", forbid_unknown_fields=Tr
     token: str | None = None
 
 
+class Resume(msgspec.Struct, frozen=True, tag="resume", forbid_unknown_fields=True):
+    """Follow a generation again (after a lost socket, on any replica): its frames after
+    ``last_event_id`` (left out: from its first), tagged ``id``, up to its final one."""
+
+    id: ClientId
+    session_id: str
+    generation_id: str
+    last_event_id: str | None = None
+    """The ``event_id`` of the last frame the client got."""
+    token: str | None = None
+
+
 class Ping(msgspec.Struct, frozen=True, tag="ping", forbid_unknown_fields=True):
     id: str | None = None
 
 
-ClientFrame = Generate | Cancel | Ping
+ClientFrame = Generate | Cancel | Resume | Ping
 
 
 # --- gateway -> client -------------------------------------------------------------------
@@ -71,7 +84,7 @@ class Ack(msgspec.Struct, frozen=True, tag="ack", omit_defaults=True):
     (``state``: "cancelling" while the worker aborts, else the final state)."""
 
     id: str
-    op: Literal["generate", "cancel"]
+    op: Literal["generate", "cancel", "resume"]
     generation_id: str
     session_id: str
     state: str
@@ -160,6 +173,16 @@ class ErrorFrame(msgspec.Struct, frozen=True, tag="error", omit_defaults=True):
     choice: int = 0
 
 
+class EventsLostFrame(msgspec.Struct, frozen=True, tag="events_lost"):
+    """A ``resume``'s ``last_event_id`` is ahead of the session's stream (Redis lost the
+    events after it, or it is none of this stream's): the generation's frames follow from
+    its first, so the client starts its reply over."""
+
+    id: str
+    last_event_id: str
+    message: str
+
+
 class Pong(msgspec.Struct, frozen=True, tag="pong", omit_defaults=True):
     id: str | None = None
 
@@ -184,6 +207,7 @@ ServerFrame = (
     | ErrorFrame
     | Pong
     | ResumedFrame
+    | EventsLostFrame
 )
 
 _decoder = msgspec.json.Decoder(ClientFrame)
@@ -196,7 +220,7 @@ _NAMED_FIELD = re.compile(r"field `([^`]+)`")
 def decode_client_frame(data: str | bytes, max_bytes: int) -> ClientFrame:
     """The frame, or ``BadRequest`` / ``PayloadTooLarge`` naming what is wrong."""
     if len(data) > max_bytes:
-        raise PayloadTooLarge(f"a frame may hold at most {max_bytes} bytes", code="frame_too_large")
+        raise PayloadTooLarge(over_body_limit("the frame", max_bytes), code="frame_too_large")
     try:
         frame: ClientFrame = _decoder.decode(data)
     except msgspec.ValidationError as exc:
@@ -204,8 +228,8 @@ def decode_client_frame(data: str | bytes, max_bytes: int) -> ClientFrame:
         if message.endswith("at `$.type`") or "missing required field `type`" in message:
             raise BadRequest(message, code="unknown_type", field="type") from None
         raise BadRequest(message, code="invalid_frame", field=_field_of(message)) from None
-    except msgspec.DecodeError as exc:
-        raise BadRequest(f"not a JSON object: {exc}", code="invalid_json") from None
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        raise not_json(data.encode() if isinstance(data, str) else data, "the frame") from None
     except RecursionError:
         # msgspec recurses even to skip a value: a frame nested past Python's limit.
         raise BadRequest("the frame is nested too deeply", code="too_deep") from None
@@ -216,7 +240,7 @@ def client_id_of(data: str | bytes) -> str | None:
     """The ``id`` of a frame that failed to decode, if it has a readable one."""
     try:
         raw = _loose.decode(data)
-    except (msgspec.DecodeError, RecursionError):
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
         return None
     value = raw.get("id") if isinstance(raw, dict) else None
     return value if isinstance(value, str) and 0 < len(value) <= 64 else None

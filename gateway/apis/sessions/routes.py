@@ -31,7 +31,7 @@ from gateway.apis.sessions.owner import (
 from gateway.apis.sessions.sampling import SamplingIn
 from gateway.core.auth import api_key_check
 from gateway.core.conversations import Conversation, check_title
-from gateway.core.errors import EventsExpired, SessionLost
+from gateway.core.errors import EventsExpired, EventsLost, SessionLost
 from gateway.core.relay import RelayHub
 from gateway.core.sessions import SessionStore, Submitted
 from gateway.core.settings import Settings
@@ -267,30 +267,12 @@ class SessionController(Controller):
     ) -> Stream:
         await store.authorise(session_id, credentials.token, credentials.owner)
         after = last_event_id_header or last_event_id or None
-        await hub.check_resumable(session_id, after)
-
-        async def chunks() -> AsyncIterator[bytes]:
-            yield sse.retry(settings.sse_retry_ms)
-            unfinished: set[str] = set()
-            try:
-                async with hub.open(session_id, after) as feed:
-                    async for batch in feed.events(settings.sse_heartbeat_s):
-                        if batch:
-                            yield sse.session_frames(batch)
-                        elif not hub.draining:
-                            yield sse.HEARTBEAT
-                        for event in batch:
-                            if event.is_final:
-                                unfinished.discard(event.generation_id)
-                            else:
-                                unfinished.add(event.generation_id)
-                        if hub.draining and not unfinished:
-                            return  # shutting down: end after the last final event
-            except (SessionLost, EventsExpired) as exc:
-                # Not a generation's error event: the stream itself ends, with no id.
-                yield sse.frame(msgspec.json.encode(exc.body()), event="error")
-
-        return sse.response(chunks())
+        lost: EventsLost | None = None
+        try:
+            await hub.check_resumable(session_id, after)
+        except EventsLost as exc:
+            lost, after = exc, None  # said in the stream, which starts over
+        return sse.response(_session_events(hub, settings, session_id, after, lost))
 
     @post(
         "/{session_id:str}/generations/{generation_id:str}/cancel",
@@ -347,3 +329,47 @@ async def _submit(
         duplicate=submitted.queued_event_id is None,
         generation_ids=submitted.choices or None,
     )
+
+
+async def _session_events(
+    hub: RelayHub, settings: Settings, session_id: str, after: str | None, lost: EventsLost | None
+) -> AsyncIterator[bytes]:
+    """The session's stream after ``after``. A resume point ahead of the stream (``lost``,
+    or found so after Redis came back without the last events) is never waited on: an
+    ``events_lost`` event says so, and the stream starts over from its beginning."""
+    yield sse.retry(settings.sse_retry_ms)
+    while True:
+        if lost is not None:
+            yield sse.events_lost(lost.given, lost.message)
+            after = None
+        try:
+            async for chunk in _followed(hub, settings, session_id, after):
+                yield chunk
+            return
+        except EventsLost as exc:
+            lost = exc
+        except (SessionLost, EventsExpired) as exc:
+            # Not a generation's error event: the stream itself ends, with no id.
+            yield sse.frame(msgspec.json.encode(exc.body()), event="error")
+            return
+
+
+async def _followed(
+    hub: RelayHub, settings: Settings, session_id: str, after: str | None
+) -> AsyncIterator[bytes]:
+    """Every event after ``after`` as SSE, heartbeats while there is none; while the
+    process drains, the stream ends after the last final event."""
+    unfinished: set[str] = set()
+    async with hub.open(session_id, after) as feed:
+        async for batch in feed.events(settings.sse_heartbeat_s):
+            if batch:
+                yield sse.session_frames(batch)
+            elif not hub.draining:
+                yield sse.HEARTBEAT
+            for event in batch:
+                if event.is_final:
+                    unfinished.discard(event.generation_id)
+                else:
+                    unfinished.add(event.generation_id)
+            if hub.draining and not unfinished:
+                return

@@ -2,7 +2,8 @@
 
 Each ``generate`` queues a message in a session (a new one, or one named with its token)
 and opens a relay feed on that session; the feed's events of that generation go to the
-client as frames tagged with the client's ``id``. ``cancel`` goes through the same
+client as frames tagged with the client's ``id``. ``resume`` follows a generation again
+from an event id (a client whose socket dropped, on any replica). ``cancel`` goes through the same
 ``SessionStore.cancel`` as the REST route, so it reaches whichever worker runs it.
 
 With API keys configured, a ``generate`` that creates a session needs one: the connect
@@ -35,9 +36,11 @@ from gateway.apis.sessions.protocol import (
     Cancel,
     ClientFrame,
     ErrorFrame,
+    EventsLostFrame,
     Generate,
     Ping,
     Pong,
+    Resume,
     ServerFrame,
     client_id_of,
     decode_client_frame,
@@ -46,7 +49,14 @@ from gateway.apis.sessions.protocol import (
 )
 from gateway.apis.sessions.routes import TokenQuery
 from gateway.core.auth import ApiKeys, bearer
-from gateway.core.errors import BadRequest, GatewayError, NotFound, Overloaded, ProtocolViolation
+from gateway.core.errors import (
+    BadRequest,
+    EventsLost,
+    GatewayError,
+    NotFound,
+    Overloaded,
+    ProtocolViolation,
+)
 from gateway.core.relay import RelayHub
 from gateway.core.sessions import SessionStore
 from gateway.core.settings import Settings
@@ -141,6 +151,8 @@ class Connection:
                     await self._generate(frame)
                 case Cancel():
                     await self._cancel(frame)
+                case Resume():
+                    await self._resume(frame)
         except GatewayError as exc:
             self._reply(
                 ErrorFrame(
@@ -159,13 +171,17 @@ class Connection:
                 )
             )
 
-    async def _generate(self, frame: Generate) -> None:
-        if frame.id in self._running:
-            raise BadRequest(f"generation {frame.id!r} is still running", code="duplicate_id")
+    def _check_room(self, client_id: str) -> None:
+        """A new ``id`` to follow: refused while that ``id`` runs, or past the socket's limit."""
+        if client_id in self._running:
+            raise BadRequest(f"generation {client_id!r} is still running", code="duplicate_id")
         if len(self._running) >= MAX_GENERATIONS:
             raise Overloaded(
                 f"at most {MAX_GENERATIONS} generations per socket at once", retry_after_s=1
             )
+
+    async def _generate(self, frame: Generate) -> None:
+        self._check_room(frame.id)
         params = self.store.queue.sampling(**frame.asked())
         new_token: str | None = None
         token: str | None
@@ -193,6 +209,27 @@ class Connection:
         assert submitted.queued_event_id is not None  # no Idempotency-Key over WebSocket
         after = wire.just_before(submitted.queued_event_id)
         self._running[frame.id] = self._spawn(self._forward(frame.id, session_id, gids, after))
+
+    async def _resume(self, frame: Resume) -> None:
+        """Follow a generation again from ``last_event_id``; one ahead of the stream gets
+        ``events_lost`` and its frames from the first, as the SSE stream starts over."""
+        self._check_room(frame.id)
+        session_id, gid = frame.session_id, frame.generation_id
+        token = frame.token or self._tokens.get(session_id) or self.token
+        await self.store.authorise(session_id, token)
+        state, final_id = await self.store.generation_end(session_id, gid)
+        after, lost = frame.last_event_id, None
+        try:
+            await self.hub.check_resumable(session_id, after)
+        except EventsLost as exc:
+            after, lost = None, exc
+        _remember(self._known, frame.id, (session_id, [gid]))
+        self._reply(Ack(frame.id, "resume", gid, session_id, state))
+        if after and final_id and wire.entry_id_key(after) >= wire.entry_id_key(final_id):
+            return  # it has ended, and the client has its final frame
+        self._running[frame.id] = self._spawn(
+            self._forward(frame.id, session_id, [gid], after, lost)
+        )
 
     async def _cancel(self, frame: Cancel) -> None:
         if frame.session_id is None and frame.generation_id is None:
@@ -225,19 +262,27 @@ class Connection:
 
     # --- writing ---------------------------------------------------------------------------
 
-    async def _forward(self, client_id: str, session_id: str, gids: list[str], after: str) -> None:
-        """Frames of a ``generate``'s generations (its ``n`` choices) until each has ended."""
-        choice_of = {gid: choice for choice, gid in enumerate(gids)} if len(gids) > 1 else None
-        running = set(gids)
+    async def _forward(
+        self,
+        client_id: str,
+        session_id: str,
+        gids: list[str],
+        after: str | None,
+        lost: EventsLost | None = None,
+    ) -> None:
+        """Frames of a ``generate``'s generations (its ``n`` choices) until each has ended.
+        A position ahead of the stream (``lost``, or found so after Redis came back without
+        its last events) is said with ``events_lost``, then they start over."""
         try:
-            async with self.hub.open(session_id, after) as feed:
-                while running:
-                    batch = await feed.next_batch(self.settings.sse_heartbeat_s)
-                    mine = [event for event in batch if event.generation_id in running]
-                    decoded = [(event.id, wire.decode_event(event.data)) for event in mine]
-                    for frame in event_frames(client_id, decoded, choice_of):
-                        await self._send(frame)
-                    running -= {event.generation_id for event in mine if event.is_final}
+            while True:
+                if lost is not None:
+                    await self._send(EventsLostFrame(client_id, lost.given, lost.message))
+                    after = None
+                try:
+                    await self._follow(client_id, session_id, gids, after)
+                    return
+                except EventsLost as exc:
+                    lost = exc
         except GatewayError as exc:  # SessionLost: Redis lost the session's data
             await self._replies.put(ErrorFrame(exc.code, exc.message, client_id))
         except RedisError as exc:
@@ -246,6 +291,20 @@ class Connection:
             await self._replies.put(error)
         finally:
             self._running.pop(client_id, None)
+
+    async def _follow(
+        self, client_id: str, session_id: str, gids: list[str], after: str | None
+    ) -> None:
+        choice_of = {gid: choice for choice, gid in enumerate(gids)} if len(gids) > 1 else None
+        running = set(gids)
+        async with self.hub.open(session_id, after) as feed:
+            while running:
+                batch = await feed.next_batch(self.settings.sse_heartbeat_s)
+                mine = [event for event in batch if event.generation_id in running]
+                decoded = [(event.id, wire.decode_event(event.data)) for event in mine]
+                for frame in event_frames(client_id, decoded, choice_of):
+                    await self._send(frame)
+                running -= {event.generation_id for event in mine if event.is_final}
 
     def _reply(self, frame: ServerFrame) -> None:
         """Queue a reply from the reading loop (tasks ``await self._replies.put``)."""

@@ -22,7 +22,7 @@ import msgspec
 
 from gateway.apis.oip.grpc.protocol import pb
 from gateway.apis.oip.routes import Parameters
-from gateway.core.errors import BadRequest
+from gateway.core.errors import BadRequest, not_json
 
 TEXT_INPUT = "text_input"
 TEXT_OUTPUT = "text_output"
@@ -158,7 +158,8 @@ def _sampling_parameters(value: Any) -> dict[str, Any]:
     try:
         given = json.loads(value) if isinstance(value, str) else None
     except json.JSONDecodeError:
-        given = None
+        where = not_json(value.encode(), "`sampling_parameters`")
+        raise BadRequest(where.message, field="sampling_parameters") from None
     if not isinstance(given, dict):
         raise BadRequest("`sampling_parameters` must be a JSON object", field="sampling_parameters")
     return given

@@ -102,7 +102,8 @@ class ResponseRenderer:
             if not isinstance(event, Queued):
                 # Its first event is always ``queued``: without it, numbering would shift.
                 raise EventsExpired(
-                    f"the first events of {self.response_id} were trimmed from its stream"
+                    f"the first events of {self.response_id} were trimmed from its stream "
+                    "(a session keeps its last TOKENSPOUT_EVENTS_MAXLEN)"
                 )
             self.created = True
             out.append(self._event("response.created", response=self.response()))

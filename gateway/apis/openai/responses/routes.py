@@ -23,7 +23,7 @@ from gateway.apis.openai.responses.store import Heartbeat, StoredResponse, now
 from gateway.apis.openai.routes import ROLES, openai_error
 from gateway.core import structured, tools
 from gateway.core.auth import api_key_check
-from gateway.core.errors import HANDLED, BadRequest, GatewayError, ending_with_error
+from gateway.core.errors import HANDLED, BadRequest, EventsLost, GatewayError, ending_with_error
 from gateway.core.relay import RelayHub
 from gateway.core.sessions import SessionStore
 from gateway.core.settings import Settings
@@ -244,7 +244,7 @@ async def _conversation(
     carried over, as OpenAI documents)."""
     if previous_id is None:
         return []
-    previous = await StoredResponse.find(store, hub, previous_id)
+    previous = await StoredResponse.find(store, hub, previous_id, "previous_response_id")
     rendered = await previous.snapshot()
     if not rendered.ended:
         raise BadRequest(
@@ -311,9 +311,9 @@ async def open_response(
         raise BadRequest("input must not be empty", field="input")
     conversation = [*await _conversation(store, hub, data.previous_response_id), *_messages(items)]
     if len(conversation) > settings.max_history_messages:
-        # The same bound as a session's history (TOKENSPOUT_MAX_HISTORY_MESSAGES).
         raise BadRequest(
-            f"the conversation may hold at most {settings.max_history_messages} messages",
+            f"the conversation may hold at most {settings.max_history_messages} messages "
+            "(TOKENSPOUT_MAX_HISTORY_MESSAGES, as a session's history)",
             code="too_many_messages",
             field="input",
         )
@@ -328,6 +328,7 @@ async def open_response(
             field="tool_choice",
         )
     params = store.queue.sampling(
+        named={"max_tokens": "max_output_tokens"},
         max_tokens=data.max_output_tokens,
         temperature=data.temperature,
         top_p=data.top_p,
@@ -398,8 +399,20 @@ async def retrieve_response(
 ) -> Response[dict[str, Any]] | Stream:
     response = await StoredResponse.find(store, hub, response_id)
     if stream:
+        if starting_after >= 0:
+            await _check_starting_after(response, starting_after)
         return _stream(response, settings, starting_after=starting_after, owner=False)
     return Response((await response.snapshot()).response())
+
+
+async def _check_starting_after(response: StoredResponse, starting_after: int) -> None:
+    """A number past the end of a response that has ended is none it ever sent (Redis lost
+    its events, or it is not this response's): its stream would say nothing, so it is
+    refused at once. Past the events of a running one it is only early: they will come."""
+    so_far = await response.snapshot()
+    last = so_far.sequence - 1
+    if so_far.ended and starting_after > last:
+        raise EventsLost(str(starting_after), str(last), field="starting_after")
 
 
 @post("/responses/{response_id:str}/cancel", summary="OpenAI Responses: cancel", status_code=200)

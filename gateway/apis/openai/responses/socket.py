@@ -34,7 +34,14 @@ from gateway.apis.openai.responses.routes import ResponseRequest, after_owner, o
 from gateway.apis.openai.responses.store import Heartbeat
 from gateway.apis.openai.routes import error_body
 from gateway.core.auth import api_key_guard
-from gateway.core.errors import BadRequest, GatewayError, Unavailable, as_gateway_error
+from gateway.core.errors import (
+    BadRequest,
+    GatewayError,
+    Unavailable,
+    as_gateway_error,
+    not_json,
+    over_body_limit,
+)
 from gateway.core.relay import RelayHub
 from gateway.core.sessions import SessionStore
 from gateway.core.settings import Settings
@@ -105,11 +112,11 @@ class ResponsesSocket:
     def _read(self, data: str | bytes) -> tuple[Lane, ResponseRequest]:
         """The frame's lane and request; ``BadRequest`` naming what is wrong."""
         if len(data) > self.settings.max_body_bytes:
-            raise BadRequest(f"a frame may be at most {self.settings.max_body_bytes} bytes")
+            raise BadRequest(over_body_limit("the frame", self.settings.max_body_bytes))
         try:
             frame = msgspec.json.decode(data)
-        except msgspec.DecodeError as exc:
-            raise BadRequest(f"a frame must be a JSON object: {exc}") from None
+        except (msgspec.DecodeError, UnicodeDecodeError):
+            raise not_json(data.encode() if isinstance(data, str) else data, "the frame") from None
         if not isinstance(frame, dict):
             raise BadRequest("a frame must be a JSON object")
         lane = frame.pop("stream_id", None)

@@ -33,11 +33,20 @@ def response_id(session_id: str, generation_id: str) -> str:
     return f"resp_{session_id}.{generation_id}"
 
 
-def parse_id(given: str) -> tuple[str, str]:
+def not_found(given: str, field: str = "response_id") -> NotFound:
+    return NotFound(
+        f"{field} {given!r} names no response: it never existed, it was deleted, or it "
+        "outlived TOKENSPOUT_RESPONSES_TTL_S",
+        code="response_not_found",
+        field=field,
+    )
+
+
+def parse_id(given: str, field: str = "response_id") -> tuple[str, str]:
     """The session and generation a response id names; 404 for anything else."""
     session_id, dot, generation_id = given.removeprefix("resp_").partition(".")
     if not given.startswith("resp_") or not dot or not session_id or not generation_id:
-        raise NotFound(f"no response {given!r}", code="response_not_found")
+        raise not_found(given, field)
     return session_id, generation_id
 
 
@@ -58,13 +67,14 @@ class StoredResponse:
         self.record = record
 
     @classmethod
-    async def find(cls, store: SessionStore, hub: RelayHub, rid: str) -> StoredResponse:
-        session_id, generation_id = parse_id(rid)
+    async def find(
+        cls, store: SessionStore, hub: RelayHub, rid: str, field: str = "response_id"
+    ) -> StoredResponse:
+        """``field``: where the client gave the id (a 404 names it)."""
+        session_id, generation_id = parse_id(rid, field)
         raw = await store.meta_field(session_id, RECORD_FIELD)
-        if raw is None:
-            raise NotFound(f"no response {rid!r}", code="response_not_found")
-        if not await store.has_generation(session_id, generation_id):
-            raise NotFound(f"no response {rid!r}", code="response_not_found")
+        if raw is None or not await store.has_generation(session_id, generation_id):
+            raise not_found(rid, field)
         return cls(store, hub, rid, _record_decoder.decode(raw))
 
     @classmethod
