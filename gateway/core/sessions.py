@@ -72,15 +72,6 @@ BUSY_RETRY_AFTER_S = 1
 a client that follows the session's stream knows exactly when it ends)."""
 
 
-TURNS = ("", "regenerate", "continue")
-"""Turns besides a new message (""): ``edit <i>`` too (wire/lua/submit.lua)."""
-_BAD_TURNS = {
-    "edit": ("edit must be the index of a user message of the history", "bad_edit"),
-    "regenerate": ("the history has no user message to answer again", "nothing_to_regenerate"),
-    "continue": ("the history does not end with an assistant message", "nothing_to_continue"),
-}
-
-
 class SessionMeta(msgspec.Struct, frozen=True):
     """What a turn needs of its session: the model (checked live), who owns it and the
     conversation's settings."""
@@ -570,11 +561,24 @@ class SessionStore:
                 )
             case script.OverCapacity():  # not asked to admit here (guard_capacity did)
                 return self.queue.overloaded(reply, model)
-            case script.BadTurn(kind=kind):
-                message, code = _BAD_TURNS[kind]
-                if kind == "edit":
-                    return BadRequest(message, code=code, field="edit")
-                return Conflict(message, code=code)
+            case script.BadTurn(kind="edit"):
+                return BadRequest(
+                    "edit must be the index of a user message of the history (GET "
+                    "/v1/sessions/{id} lists them)",
+                    code="bad_edit",
+                    field="edit",
+                )
+            case script.BadTurn(kind="regenerate"):
+                return Conflict(
+                    "the history has no user message to answer again: send a message",
+                    code="nothing_to_regenerate",
+                )
+            case script.BadTurn():
+                return Conflict(
+                    "the history does not end with an assistant message to continue: send "
+                    "a message",
+                    code="nothing_to_continue",
+                )
         return Unavailable(f"SUBMIT answered {reply!r}")
 
     async def _submit_choice(
