@@ -164,6 +164,33 @@ async def test_another_tab_sees_a_running_reply_and_ends_with_all_of_it(
     await other.close()
 
 
+async def test_a_resume_point_redis_lost_shows_the_history_and_goes_on(chat: ChatPage) -> None:
+    """A tab whose place in the stream is ahead of it (Redis restarted without its data)
+    is told so by the gateway (``events_lost``): the page shows the saved history again,
+    says what happened, and the next reply streams as usual."""
+    page = chat.page
+    await reply_done(chat, "before the loss")
+    session_id = await chat.session_id()
+    await page.evaluate(
+        """(id) => {
+        const runs = JSON.parse(sessionStorage.getItem("tokenspout.run.v1"));
+        runs[id] = { lastEventId: "99999999999999-0", running: null };
+        sessionStorage.setItem("tokenspout.run.v1", JSON.stringify(runs));
+    }""",
+        session_id,
+    )
+    await page.reload()
+    await page.wait_for_function(
+        "() => document.getElementById('banner-text').textContent.includes('lost part')"
+    )
+    await chat.wait_connected()
+    assert await chat.user_texts() == ["before the loss"]
+    assert await chat.replies.count() == 1
+    await reply_done(chat, "after the loss")
+    assert await chat.user_texts() == ["before the loss", "after the loss"]
+    assert await chat.reply_text() == synthetic_text("after the loss", 4)
+
+
 async def test_message_actions_continue_copy_regenerate_and_edit(
     chat: ChatPage, shots: Path
 ) -> None:

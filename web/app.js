@@ -66,6 +66,7 @@ function attach(session) {
   session.addEventListener("event", () => saveRun());
   session.addEventListener("reply", (e) => adoptReply(e.detail));
   session.addEventListener("lost", (e) => onLost(e.detail));
+  session.addEventListener("reset", () => reopen(session));
   session.addEventListener("unreadable", (e) => {
     showBanner(`The gateway sent a ${e.detail.type} event this page could not read; the reply ` +
       "shown may be incomplete. Reloading the page shows the saved conversation.");
@@ -381,6 +382,7 @@ async function openConversation(id) {
   const session = Session.open(id);
   chat.session = null;
   clearRows();
+  setConn("connecting"); // until its history is shown and its stream open
   let view;
   try {
     view = await session.read();
@@ -434,6 +436,21 @@ function showHistory(messages, running) {
   }
   for (const row of chat.rows) if (row instanceof AssistantRow) row.renderActions();
   scrollToEnd(true);
+}
+
+// Redis lost the events after this tab's place (a restart without its data): the stream
+// would start over from the beginning; the conversation is shown again from its history,
+// and new events followed from now.
+async function reopen(session) {
+  if (chat.session !== session) return;
+  session.close();
+  chat.session = null;
+  const runs = readStore(sessionStorage, RUN_STORE, {});
+  delete runs[session.id];
+  writeStore(sessionStorage, RUN_STORE, runs);
+  showBanner("The gateway lost part of this conversation's events; it is shown from its " +
+    "saved history.");
+  await openConversation(session.id);
 }
 
 function onLost(detail) {

@@ -15,6 +15,8 @@
 // Served by the gateway, the page's owner cookie authorises its sessions, so no token goes in
 // a URL. From elsewhere, pass { token } (Session.create gives one) and it goes as a header, or
 // as ?token= on the EventSource, which cannot send headers. docs/web.md has the whole API.
+// If Redis lost the events after the resume point, the session says `reset` and the stream
+// starts over from the session's beginning (its finished replies come again).
 
 const EVENT_TYPES = ["queued", "started", "token", "resumed", "done", "cancelled", "error"];
 const FINAL = new Set(["done", "cancelled", "error"]);
@@ -258,6 +260,20 @@ export class Session extends EventTarget {
       }
     });
     for (const type of EVENT_TYPES) source.addEventListener(type, (e) => this.#onEvent(e));
+    source.addEventListener("events_lost", (e) => this.#onEventsLost(e));
+  }
+
+  // The resume point is ahead of the stream (Redis lost events): the gateway says so, then
+  // streams the session from its beginning, whose ids are all older than ours.
+  #onEventsLost(event) {
+    let detail = {};
+    try {
+      detail = JSON.parse(event.data);
+    } catch (err) {
+      console.warn("tokenspout: an unreadable events_lost event", event.data, err);
+    }
+    this.lastEventId = null; // what follows is the session from its start
+    this.dispatchEvent(new CustomEvent("reset", { detail }));
   }
 
   close() {
