@@ -356,7 +356,9 @@ class Worker:
             return
         assistant = None
         if not isinstance(event, Error):
-            assistant = ChatMessage("assistant", "".join(job.text))
+            # A continued reply's message is the one it extends, made longer (the history
+            # keeps it in that message's place).
+            assistant = ChatMessage("assistant", job.request.continued + "".join(job.text))
         written = await self.emit_waited(
             job,
             event,

@@ -51,6 +51,7 @@ from wire.outcomes import (
     Accepted,
     Admitted,
     AlreadyFinal,
+    BadTurn,
     Busy,
     CancelAsked,
     CancelledQueued,
@@ -230,6 +231,8 @@ def submit_reply(reply: object) -> SubmitReply:
             return HistoryFull()
         case ["overloaded", scope, count]:
             return OverCapacity(scope, int(count))
+        case ["bad_turn", kind]:
+            return BadTurn(kind)
     raise ScriptReplyError(f"SUBMIT answered {reply!r}")
 
 
@@ -402,12 +405,15 @@ class Submit(Script):
         queue: str = "",
         tenant: str = "",
         bill: Bill = "all",
+        turn: str = "",
     ) -> SubmitReply:
         """``token_digest`` "": no token check. ``choice`` > 0: another choice of the turn
         just submitted (no ``user_message``): queued beside it, not the session's active
         generation. ``note``: its request without its conversation, kept with the
         generation with the ``queue`` it goes to (to queue it again, should Redis lose it).
-        ``tenant``: who it serves, billed ``bill`` when its final event is written."""
+        ``tenant``: who it serves, billed ``bill`` when its final event is written.
+        ``turn``: how it changes the history first (wire/lua/submit.lua: "" a new message,
+        ``edit <i>``, ``regenerate``, ``continue``)."""
         keys, args = self._keys_args(
             session_id,
             generation_id,
@@ -423,6 +429,7 @@ class Submit(Script):
             queue=queue,
             tenant=tenant,
             bill=bill,
+            turn=turn,
         )
         return submit_reply(await self._run(keys, args, None))
 
@@ -481,6 +488,7 @@ class Submit(Script):
         choice: int = 0,
         note: bytes = b"",
         queue: str = "",
+        turn: str = "",
         admission: Admission | None = None,
         tenant: str = "",
         bill: Bill = "all",
@@ -516,6 +524,7 @@ class Submit(Script):
             queue,
             tenant,
             bill,
+            turn,
             *admitting[1],
         ]
 

@@ -22,6 +22,10 @@ and ``choice`` with its first string, a few characters a token, ending ``stop``;
 and ``grammar`` cannot be scripted and end the request with an ``error``. Logprobs: each
 token's own, and as top logprobs the token itself then other words, each less likely.
 
+A request that continues the conversation's last (assistant) message goes on with the
+script where that message's words end, so a reply and its continuation read exactly as
+one longer reply.
+
 Faults for tests, written into the message: ``[[fail:N]]`` fails the request after N tokens,
 ``[[stall]]`` stops producing tokens (the request stays running until aborted),
 ``[[crash:N]]`` ends the whole worker process after N tokens, ``[[crash:prepare]]`` while it
@@ -347,6 +351,7 @@ class _Run:
         "gid",
         "index",
         "last",
+        "offset",
         "params",
         "pending",
         "script",
@@ -368,6 +373,8 @@ class _Run:
         self.fault_at = int(fault.group(2) or 0) if fault is not None else 0
         self.params = prepared.params
         self.index = prepared.resumed_tokens
+        self.offset = len(source.continued.split())
+        """Words of the message it continues: its script goes on after them."""
         self.last = self.index + prepared.params.max_tokens - 1
         self.text = source.resume.text if source.resume is not None else ""
         self.pending: list[Delta] = []
@@ -399,7 +406,7 @@ class _Run:
         if self.structured is not None:
             self._put(self._structured_delta(index))
             return True
-        token = scripted_token(self.script, index)
+        token = scripted_token(self.script, index + self.offset)
         piece, ids, logprobs = token.text, [token.id], [token.logprob]
         self.text += piece
         text = self.text
@@ -431,7 +438,7 @@ class _Run:
     def _put(self, delta: Delta) -> None:
         if delta.token_ids and self.params.logprobs:
             # One token a step: its text is the delta's (a stop string may have cut it).
-            index = self.index - 1
+            index = self.index - 1 + self.offset
             delta.tokens = [delta.text]
             top = self.params.top_logprobs
             if top:

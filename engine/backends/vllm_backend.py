@@ -81,9 +81,10 @@ class VllmBackend(Backend):
         else:
             messages = list(request.messages)
             tools = _template_tools(request.tools)
-            ids = self._chat_ids(messages, tools)
+            extend = request.continue_final_message
+            ids = self._chat_ids(messages, tools, extend)
             while len(ids) + min(request.params.max_tokens, 64) > budget and _drop_oldest(messages):
-                ids = self._chat_ids(messages, tools)
+                ids = self._chat_ids(messages, tools, extend)
         if len(ids) >= budget:
             raise BackendError(
                 "prompt_too_long",
@@ -128,13 +129,17 @@ class VllmBackend(Backend):
         )
 
     def _chat_ids(
-        self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None
+        self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None, extend: bool
     ) -> list[int]:
+        """The conversation's prompt: opening the assistant's next turn, or with ``extend``
+        ending inside its last message, which the reply continues (as vLLM's server does
+        for ``continue_final_message``)."""
         text = self._tokenizer.apply_chat_template(
             [_template_message(m) for m in messages],
             tools=tools,
             tokenize=False,
-            add_generation_prompt=True,
+            add_generation_prompt=not extend,
+            continue_final_message=extend,
         )
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 

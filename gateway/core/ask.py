@@ -11,6 +11,9 @@ import msgspec
 
 from wire import ChatMessage, SamplingParams, Task, Tools
 
+REWORK_TURNS = ("regenerate", "continue")
+"""Session turns with no message of their own: they answer the history as it is."""
+
 
 class GenerationAsk(msgspec.Struct, frozen=True, kw_only=True):
     sampling: SamplingParams
@@ -27,18 +30,37 @@ class GenerationAsk(msgspec.Struct, frozen=True, kw_only=True):
     """The ids to detokenize (``task`` ``detokenize``)."""
     n: int = 1
     """How many choices: each a generation of its own, sampled with its own seed."""
+    turn: str = ""
+    """How a session turn changes the history first (wire/lua/submit.lua): "" a new
+    message; ``edit <i>`` its message replaces history message ``i``; ``regenerate`` (no
+    message) the last user message is answered again; ``continue`` (no message) the last
+    reply is extended."""
+    given: frozenset[str] = frozenset()
+    """The sampling fields the request set itself: a conversation's settings fill the others
+    (a session turn)."""
 
     @classmethod
     def message_to_session(
-        cls, content: str, sampling: SamplingParams, n: int = 1
+        cls,
+        content: str,
+        sampling: SamplingParams,
+        n: int = 1,
+        *,
+        turn: str = "",
+        given: frozenset[str] = frozenset(),
     ) -> GenerationAsk:
-        """A session turn's ask: one user message (the session holds the conversation and
-        its model)."""
-        return cls(sampling=sampling, messages=[ChatMessage("user", content)], n=n)
+        """A session turn's ask: one user message, or none for a turn that answers the
+        history again (``regenerate``, ``continue``; ``content`` is not used). The session
+        holds the conversation, its model and its settings."""
+        messages = [] if turn in REWORK_TURNS else [ChatMessage("user", content)]
+        return cls(sampling=sampling, messages=messages, n=n, turn=turn, given=given)
 
     @property
-    def message(self) -> ChatMessage:
-        """The one message of a session turn's ask (``message_to_session``)."""
+    def message(self) -> ChatMessage | None:
+        """The one message of a session turn's ask (``message_to_session``); None for a
+        ``regenerate`` or ``continue``."""
+        if self.turn in REWORK_TURNS and not self.messages:
+            return None
         if self.messages is None or len(self.messages) != 1:
             raise ValueError("a session turn asks with exactly one message")
         return self.messages[0]

@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Mapping
 
 from gateway.core.ask import GenerationAsk, KeptSession
 from gateway.core.choices import Choices
+from gateway.core.conversations import Conversation, ConversationSettings
 from gateway.core.errors import BadRequest
 from gateway.core.feed import Feed, RelayEvent
 from gateway.core.generation_stream import GenerationStream
@@ -87,23 +88,61 @@ class GatewayService:
 
     # --- sessions --------------------------------------------------------------------------
 
-    async def create_session(self, model: str | None) -> CreatedSession:
-        return await self.store.create_session(model)
+    async def create_session(
+        self,
+        model: str | None,
+        owner: str | None = None,
+        settings: ConversationSettings | None = None,
+        title: str | None = None,
+    ) -> CreatedSession:
+        """A session for ``model`` (None: the default); ``owner``: the owner cookie's
+        secret, whose conversations it joins, with its ``settings`` and ``title``."""
+        return await self.store.create_session(model, owner, settings, title)
 
-    async def authorise(self, session_id: str, token: str | None) -> None:
-        """404 for an unknown session, 403 for a missing or wrong token."""
-        await self.store.authorise(session_id, token)
+    async def authorise(self, session_id: str, token: str | None, owner: str | None = None) -> None:
+        """404 for an unknown session, 403 unless the session's token or, with no token
+        given, its owner's cookie secret (``owner``) is given."""
+        await self.store.authorise(session_id, token, owner)
 
     async def history(self, session_id: str) -> list[ChatMessage]:
         return await self.store.history(session_id)
 
     async def send_message(
-        self, session_id: str, token: str | None, ask: GenerationAsk, idempotency_key: str | None
+        self,
+        session_id: str,
+        token: str | None,
+        ask: GenerationAsk,
+        idempotency_key: str | None,
+        *,
+        owner: str | None = None,
     ) -> Submitted:
-        """The ask's one message as the session's next turn, its reply (``n`` replies)
-        queued; authorised in the same round trip (404, then 403)."""
+        """The ask's turn of the session (its one message, an edit, a regenerate or a
+        continue: ``ask.turn``), its reply (``n`` replies) queued, the conversation's
+        settings filling the sampling fields the request left (``ask.given``); authorised
+        by ``token`` or the ``owner``'s cookie (404, then 403)."""
         self._admit(ask)
-        return await self.store.submit_message(session_id, token, ask, idempotency_key)
+        return await self.store.submit_message(session_id, token, ask, idempotency_key, owner=owner)
+
+    # --- conversations (the owner cookie's sessions: gateway/core/conversations.py) --------
+
+    async def conversations(self, owner: str) -> list[Conversation]:
+        """The owner's conversations (``owner``: its cookie's secret), latest updated first."""
+        return await self.store.conversations.of_owner(self.store.owner_digest(owner))
+
+    async def conversation(self, session_id: str) -> Conversation:
+        """A session's title and settings, as a list shows them (authorise first)."""
+        return await self.store.conversations.read(session_id)
+
+    async def change(
+        self, session_id: str, token: str | None, owner: str | None, fields: dict[str, str | None]
+    ) -> Conversation:
+        """Rename a conversation or change its settings (``fields``: meta field -> value,
+        None to clear it); authorised by its token or its owner's cookie."""
+        return await self.store.change(session_id, token, owner, fields)
+
+    async def delete(self, session_id: str, token: str | None, owner: str | None) -> None:
+        """Delete a session, its running reply stopped first."""
+        await self.store.delete(session_id, token, owner)
 
     async def cancel(
         self, session_id: str, generation_id: str, reason: CancelReason = "user"

@@ -179,8 +179,9 @@ class Connection:
 
     async def _generate(self, frame: GenerateFrame) -> None:
         self._check_room(frame.id)
+        sampling = self.service.sampling(**frame.asked())
         ask = GenerationAsk.message_to_session(
-            frame.content, self.service.sampling(**frame.asked()), frame.n
+            frame.content, sampling, frame.n, given=frame.given()
         )
         new_token: str | None = None
         token: str | None
