@@ -100,6 +100,20 @@ def _model_flags(parser: Parser) -> None:
         default=None,
         help="no CUDA graphs (default: on a CPU only)",
     )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="the share of the GPU's memory vLLM takes (default: vLLM's, 0.9); lower it to "
+        "run two workers on one card",
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="the most tokens vLLM schedules in one step (default: vLLM's own for this "
+        "engine, which differs from vllm serve's)",
+    )
 
 
 def _synthetic_flags(parser: Parser) -> None:
@@ -228,7 +242,17 @@ def _backend(args: argparse.Namespace) -> Backend:
         capacity=args.capacity or (8 if cpu else 64),
         dtype=args.dtype or ("float32" if cpu else "auto"),
         enforce_eager=args.enforce_eager if args.enforce_eager is not None else cpu,
+        engine_options=vllm_options(args),
     )
+
+
+def vllm_options(args: argparse.Namespace) -> dict[str, float | int]:
+    """vLLM's engine arguments the flags set (the rest: vLLM's defaults)."""
+    given = {
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+    }
+    return {name: value for name, value in given.items() if value is not None}
 
 
 async def serve(args: argparse.Namespace) -> None:

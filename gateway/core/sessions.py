@@ -548,7 +548,6 @@ class SessionStore:
             tenant=turn.tenant.id,
             continue_final_message=turn.kind == "continue",
         )
-        request = msgspec.structs.replace(request, tenant=turn.tenant.id)
         note = wire.encode(request)  # its messages: the history the script returns
         try:
             reply = await self._submit_noted(
