@@ -393,6 +393,14 @@ async def announcements(page: Page) -> list[str]:
     return list(await page.evaluate("window.__announced ?? []"))
 
 
+async def wait_announced(page: Page, start: str) -> None:
+    """Until the last announcement starts with ``start``: the page announces on the frame
+    after the change (page.js ``announce``), so a reply's state comes a frame before it."""
+    await page.wait_for_function(
+        "(start) => (window.__announced ?? []).at(-1)?.startsWith(start)", arg=start
+    )
+
+
 async def test_keyboard_only_with_a_polite_live_region_for_the_reply(
     chat: ChatPage, shots: Path
 ) -> None:
@@ -420,6 +428,7 @@ async def test_keyboard_only_with_a_polite_live_region_for_the_reply(
     await chat.wait_reply_state("cancelled")
     assert await chat.status() == "Stopped"
     assert await page.evaluate("document.activeElement.id") == "input"
+    await wait_announced(page, "Stopped")
     assert (await announcements(page))[-1] == "Stopped"
     # Tab reaches the reply's actions; Enter on one works.
     await page.keyboard.press("Shift+Tab")
@@ -439,7 +448,8 @@ async def test_keyboard_only_with_a_polite_live_region_for_the_reply(
     await page.wait_for_function("() => !location.hash && !document.querySelector('li.msg')")
     assert await page.evaluate("document.activeElement.id") == "input"
     await reply_done(chat, "a second one")
-    assert (await announcements(page))[-1].startswith("Reply finished.")
+    await wait_announced(page, "Reply finished.")
+    assert (await announcements(page))[-1].startswith("Reply finished. You said: a second")
     await show_list(chat)
     await shoot(chat, shots, "keyboard")
     await accessible(chat)

@@ -25,7 +25,7 @@ import redis.asyncio as aioredis
 from litestar.connection import ASGIConnection, Request
 from litestar.handlers import BaseRouteHandler
 
-from gateway.core.errors import Forbidden, Unauthorized
+from gateway.core.errors import Forbidden, Unauthorized, Unavailable
 from gateway.core.settings import Settings, env_name
 from gateway.tenants import caller
 from gateway.tenants.directory import TenantDirectory
@@ -53,11 +53,12 @@ class ApiKeys:
         return f"ApiKeys({self.directory!r})"
 
     def tenant(self, given: str | None) -> Tenant | None:
-        """The tenant ``given`` (a key, or None) serves; None when it is refused."""
+        """The tenant ``given`` (a key, or None) serves; None when it is refused (or cannot
+        be told yet: no anonymous service for a key whose limits are not known)."""
         found = self.directory.find(given)
         if isinstance(found, Tenant):
             return found
-        return None if self.required else ANONYMOUS
+        return None if self.required or found == "unloaded" else ANONYMOUS
 
     def serve(self, given: str | None) -> bool:
         """The request being served serves ``given``'s tenant, unless it is refused
@@ -69,15 +70,24 @@ class ApiKeys:
         return True
 
     def require(self, given: str | None) -> None:
-        """``serve``, or 401 when ``given`` is refused."""
-        if not self.serve(given):
-            revoked = self.directory.find(given) == "revoked"
-            raise Unauthorized(
-                "this API key was revoked"
-                if revoked
-                else "a valid API key is required (Authorization: Bearer <key>)",
-                code="invalid_api_key",
+        """``serve``, or 401 when ``given`` is refused; 503 while the keys are not loaded
+        yet."""
+        if self.serve(given):
+            return
+        miss = self.directory.find(given)
+        if miss == "unloaded":
+            raise Unavailable(
+                "the API keys are not loaded yet (Redis has not answered since the gateway "
+                "started); try again",
+                code="keys_not_loaded",
+                retry_after_s=1,
             )
+        raise Unauthorized(
+            "this API key was revoked"
+            if miss == "revoked"
+            else "a valid API key is required (Authorization: Bearer <key>)",
+            code="invalid_api_key",
+        )
 
     def require_admin(self, given: str | None) -> None:
         """403 while no admin key is configured, 401 unless ``given`` is it (compared in

@@ -7,9 +7,12 @@ the owner's index (wire/keys.py ``owner``: session id -> last update). A convers
 title and settings (model, system prompt, temperature, max tokens) are fields of its meta
 hash; its messages are the session's history, as for any session.
 
-The index is bounded (``TOKENSPOUT_MAX_CONVERSATIONS``) and lives as long as a session
-does; a session that expired leaves its id in the index until the owner's next list or
-creation drops it.
+The index is bounded (``TOKENSPOUT_MAX_CONVERSATIONS``): past it, the conversation updated
+least recently leaves the list (its session lives on until its TTL, reachable by its id and
+token). Never a refusal: a program whose HTTP client keeps cookies (httpx, requests'
+Session) is an owner too, and its thousandth session must not fail. The index lives as long
+as a session does; a session that expired leaves its id in the index until the owner's
+next list drops it.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import msgspec
 import redis.asyncio as aioredis
 
 import wire
-from gateway.core.errors import BadRequest, Conflict
+from gateway.core.errors import BadRequest
 from gateway.core.settings import Settings
 from wire import Keys
 
@@ -99,26 +102,13 @@ class Conversations:
         self.keys = keys
         self.settings = settings
 
-    async def make_room(self, owner: str) -> None:
-        """409 ``too_many_conversations`` when the owner keeps the most allowed (expired
-        ones dropped from its index first)."""
-        limit = self.settings.max_conversations
-        if await self.redis.zcard(self.keys.owner(owner)) < limit:
-            return
-        await self._drop_expired(owner)
-        if await self.redis.zcard(self.keys.owner(owner)) >= limit:
-            raise Conflict(
-                f"this browser keeps {limit} conversations, the most allowed "
-                "(TOKENSPOUT_MAX_CONVERSATIONS): delete one (DELETE /v1/sessions/{id}) "
-                "to start another",
-                code="too_many_conversations",
-            )
-
     async def record(self, session_id: str, owner: str, at: float) -> None:
-        """``session_id`` joins its owner's index (its meta names the owner already)."""
+        """``session_id`` joins its owner's index (its meta names the owner already), and
+        the least recently updated beyond ``TOKENSPOUT_MAX_CONVERSATIONS`` leave it."""
         index = self.keys.owner(owner)
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.zadd(index, {session_id: at})
+            pipe.zremrangebyrank(index, 0, -self.settings.max_conversations - 1)
             pipe.expire(index, self.settings.session_ttl_s)
             await pipe.execute()
 
@@ -210,5 +200,3 @@ class Conversations:
         if owner:
             await self.redis.zrem(keys.owner(owner), session_id)
 
-    async def _drop_expired(self, owner: str) -> None:
-        await self.of_owner(owner)  # a list drops what no longer exists

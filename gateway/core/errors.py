@@ -236,7 +236,7 @@ def bad_event_id(given: str, field: str = "last_event_id") -> BadRequest:
     return BadRequest(
         f"{field} {given[:64]!r} is not an event id: an event id is the `id:` of one of this "
         "stream's events, `<milliseconds>-<sequence>` (two whole numbers below 2^64, as "
-        "1795319999764-0); leave it out to read from the beginning",
+        "1795319999764-0); leave it out (or send 0) to read from the beginning",
         code="bad_event_id",
         field=field,
     )

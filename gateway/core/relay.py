@@ -58,12 +58,16 @@ class RelayObserver(Protocol):
 
 
 EVENT_ID = re.compile(r"([0-9]{1,20})-([0-9]{1,20})")
+FROM_THE_START = "0"
+"""The id before every event (Redis's own spelling of it), as a resume point."""
 NO_STREAM: dict[str, object] = {"last-generated-id": b"0-0"}
 """What ``XINFO STREAM`` would say of a stream that was never written."""
 
 
 def check_event_id(given: str) -> None:
     """``BadRequest`` unless ``given`` is an id Redis could have made (``<ms>-<seq>``)."""
+    if given == FROM_THE_START:
+        return
     match = EVENT_ID.fullmatch(given)
     if match is None or any(int(part) >= 1 << 64 for part in match.groups()):
         raise bad_event_id(given)

@@ -221,12 +221,10 @@ class SessionStore:
     ) -> CreatedSession:
         """A session bound to ``model`` (a name or alias; None: the default model) until a
         change of its settings, serving (and billed to) the key of the request that makes
-        it; ``owner``: the owner cookie's secret, whose conversations it joins (409 past
-        ``TOKENSPOUT_MAX_CONVERSATIONS``)."""
+        it; ``owner``: the owner cookie's secret, whose conversations it joins (the least
+        recently updated one leaves them past ``TOKENSPOUT_MAX_CONVERSATIONS``)."""
         tenant = self.tenants.caller_tenant()
         owner_digest = _digest(owner) if owner else None
-        if owner_digest:
-            await self.conversations.make_room(owner_digest)
         if model:
             resolved = await self.models.resolve(model)
         else:

@@ -48,8 +48,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         int,
         _D(
             ge=1,
-            description="Conversations one browser (its owner cookie) keeps; past it, creating "
-            "one answers 409 `too_many_conversations` until one is deleted.",
+            description="Conversations one browser (its owner cookie) lists; past it, the one "
+            "updated least recently leaves the list (its session lives until its TTL).",
         ),
     ] = 200
     max_message_chars: Annotated[

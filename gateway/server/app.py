@@ -172,7 +172,6 @@ class Services:
     async def lifespan(self, _: Litestar) -> AsyncIterator[None]:
         await when_redis_answers(lambda: ready(self.redis), "gateway start")
         keys = self.store.tenants.directory
-        await when_redis_answers(keys.load, "loading the API keys")
         await self.hub.start()
         if self.grpc is not None:
             await self.grpc.start()

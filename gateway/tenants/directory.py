@@ -27,8 +27,10 @@ REFRESH_S = 0.25
 """How often each gateway process reads the keys' version."""
 LABELLED_KEYS = 100
 """Keys whose metrics carry their own name: the first ones by name; the rest: ``other``."""
-Miss = Literal["missing", "unknown", "revoked"]
-"""Why a request found no tenant: no key given, a key nobody made, a revoked one."""
+Miss = Literal["missing", "unknown", "revoked", "unloaded"]
+"""Why a request found no tenant: no key given, a key nobody made, a revoked one, or one
+that is not a static key while the run-time keys are not loaded yet (Redis has not
+answered since the process started)."""
 
 
 class TenantDirectory:
@@ -58,6 +60,8 @@ class TenantDirectory:
         tenant = self._by_digest.get(given)
         if tenant is not None:
             return tenant
+        if self.version < 0:
+            return "unloaded"
         return "revoked" if given in self._revoked else "unknown"
 
     def by_id(self, tenant_id: str) -> Tenant | None:
@@ -89,9 +93,11 @@ class TenantDirectory:
         self._labelled = frozenset([*(r.id for r in named), *(t.id for t in fixed)])
 
     async def refresh_forever(self, interval_s: float = REFRESH_S) -> None:
+        """Load the keys now and whenever their version moves. The process serves from its
+        start, Redis or not: until the first load, a key that is not a static one is told
+        to try again (``find``'s "unloaded")."""
         failing = False
         while True:
-            await asyncio.sleep(interval_s)
             try:
                 if await self.load():
                     log.info("keys reloaded", extra={"version": self.version})
@@ -102,3 +108,4 @@ class TenantDirectory:
                 failing = True
             except Exception:
                 log.exception("reading the keys failed; retrying")
+            await asyncio.sleep(interval_s)

@@ -40,11 +40,10 @@ def client() -> Iterator[TestClient]:  # type: ignore[type-arg]
 MALFORMED = b"{not json"
 
 
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}])
-def test_without_a_valid_key_every_guarded_endpoint_answers_401_in_its_format(
+def test_without_a_key_every_guarded_endpoint_answers_401_in_its_format(
     client: TestClient,  # type: ignore[type-arg]
-    headers: dict[str, str],
 ) -> None:
+    headers: dict[str, str] = {}
     for path in TGI:
         refused = client.post(path, json={"inputs": "hi"}, headers=headers)
         assert refused.status_code == 401, path
@@ -59,6 +58,29 @@ def test_without_a_valid_key_every_guarded_endpoint_answers_401_in_its_format(
         refused = client.post(path, json={}, headers=headers)
         assert refused.status_code == 401, path
         assert refused.json()["error"]["code"] == "invalid_api_key", path
+
+
+def test_a_key_that_is_not_static_before_the_keys_first_load_is_told_to_try_again(
+    client: TestClient,  # type: ignore[type-arg]
+) -> None:
+    """Without its lifespan the app never loaded the run-time keys (a gateway that started
+    while Redis was down): a key that is not a static one may be a valid run-time key, so
+    it is neither refused (401) nor served as anonymous, but told to try again."""
+    headers = {"Authorization": "Bearer wrong"}
+    for path in TGI:
+        answer = client.post(path, json={"inputs": "hi"}, headers=headers)
+        assert answer.status_code == 503, path
+        assert "not loaded yet" in answer.json()["error"], path  # TGI's own error_type
+        assert answer.headers["retry-after"] == "1"
+    for path in OIP:
+        answer = client.post(path, json={"text_input": "hi"}, headers=headers)
+        assert answer.status_code == 503, path
+        assert "not loaded yet" in answer.json()["error"]
+    for path in ["/v1/sessions", *OPENAI]:
+        answer = client.post(path, json={}, headers=headers)
+        assert answer.status_code == 503, path
+        assert answer.json()["error"]["code"] == "keys_not_loaded", path
+        assert answer.headers["retry-after"] == "1"
 
 
 def test_the_key_is_checked_before_the_body_is_read_and_a_keyed_request_passes(

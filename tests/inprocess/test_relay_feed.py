@@ -407,6 +407,12 @@ async def test_a_malformed_event_id_is_a_bad_request_saying_what_an_id_looks_lik
     assert "`<milliseconds>-<sequence>`" in caught.value.message
 
 
+async def test_zero_is_the_resume_point_before_every_event(make_hub: HubFactory) -> None:
+    """``0`` (Redis's spelling of the start) reads from the beginning, as no id does."""
+    hub = await make_hub()
+    await hub.check_resumable(SESSION, "0")
+
+
 async def test_wait_final_returns_the_generations_final_event_or_none(
     make_hub: HubFactory, session: Session
 ) -> None:
