@@ -199,4 +199,3 @@ class Conversations:
         )
         if owner:
             await self.redis.zrem(keys.owner(owner), session_id)
-
