@@ -8,14 +8,16 @@ from typing import Any
 
 from bench.chaos.check import check, oracle, session_events
 from bench.chaos.clients import Record
+from bench.chaos.tenants import ApiKey
 from engine.backends.synthetic import scripted_reply
 
 CONTENT, MAX_TOKENS = "c1.0 tide lamp", 6
+KEY = ApiKey("chaos-w1", "k_0123456789abcdef", "tsk_secret", 1.0)
 
 
 def session_record(**changes: Any) -> Record:
     """A clean session reply as an SSE client reads it: queued, started, tokens, done."""
-    record = Record("sse", "c1.0", "alpha", CONTENT, MAX_TOKENS, 0.0, generation_id="g1")
+    record = Record("sse", "c1.0", "alpha", CONTENT, MAX_TOKENS, 0.0, KEY, generation_id="g1")
     tokens = scripted_reply(CONTENT, MAX_TOKENS)
     events = [
         ("1-0", "queued", {"generation_id": "g1"}),
