@@ -212,18 +212,8 @@ class Takeover:
             case Moved():
                 return "moved"
         epoch = reply.takeovers if isinstance(reply, NotStarted | TakenOver) else 0
-        if isinstance(reply, NotStarted):
-            # Its worker died before it claimed it (while preparing it): counted, so that
-            # a request that kills every worker that takes it ends instead of going round.
-            lost = int(await self.redis.hincrby(gen_key, LOST_BEFORE_START, 1))
-            if lost > self.max_takeovers:
-                log.warning("%s: %d workers died before starting it; ending it", gid, lost)
-                message = (
-                    "the engine worker taking this generation stopped before it started"
-                    f" ({lost} times)"
-                )
-                await self._end(request, Error(gid, "worker_lost", message))
-                return "worker_lost"
+        if isinstance(reply, NotStarted) and await self._lost_too_often(request, gen_key):
+            return "worker_lost"
         if isinstance(reply, NotStarted) and epoch == 0:
             log.info("requeueing %s from a dead worker", gid)
             await self._queue(queue, raw)
@@ -254,6 +244,21 @@ class Takeover:
         )
         await self._queue(queue, wire.encode(resumed))
         return "taken_over"
+
+    async def _lost_too_often(self, request: GenerationRequest, gen_key: str) -> bool:
+        """Its worker died before it claimed it (while preparing it): counted, so that a
+        request that kills every worker that takes it ends (``worker_lost``, past
+        ``max_takeovers``: True) instead of going round."""
+        gid = request.generation_id
+        lost = int(await self.redis.hincrby(gen_key, LOST_BEFORE_START, 1))
+        if lost <= self.max_takeovers:
+            return False
+        log.warning("%s: %d workers died before starting it; ending it", gid, lost)
+        message = (
+            f"the engine worker taking this generation stopped before it started ({lost} times)"
+        )
+        await self._end(request, Error(gid, "worker_lost", message))
+        return True
 
     async def _queue(self, queue: RequestQueue, raw: bytes) -> None:
         await queue.add({"r": raw}, maxlen=self.requests_maxlen)
