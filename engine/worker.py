@@ -234,7 +234,9 @@ class Worker:
                 # reaper takes the reply over once this worker is gone.
                 log.warning("%s: its hand-over did not go through; left to the reaper", gid)
             elif not job.acked:
-                await self.intake.ack_or_retry_later(job.entry_id)
+                # Ended by another writer (a queued cancel, ``events_lost``), which may
+                # have been lost before it counted it: counted again, once.
+                await self.intake.count_then_ack(job)
 
     def _claim_answered(
         self, job: Job, claim: Started | Resumed, answer: asyncio.Future[str | None]
@@ -358,16 +360,18 @@ class Worker:
         assistant = None
         if not isinstance(event, Error):
             assistant = ChatMessage("assistant", "".join(job.text))
+        counts_after = self.publisher.counts_usage_after
+        job.acked = True  # by this final event's write, or (a cluster) once it is counted
         written = await self.emit_waited(
             job,
             event,
             final=True,
             # Only a chat turn's first choice joins the history (a message with n > 1).
             assistant=assistant if job.request.prompt is None and not job.request.choice else None,
-            ack=job.entry_id,
+            ack=None if counts_after else job.entry_id,
         )
-        job.acked = True
-        await self.publisher.count_usage(job.session_id, job.generation_id)  # a cluster's
+        if counts_after:
+            await self.intake.count_then_ack(job)
         state = wire.final_state(event)
         if written is None:  # it ended elsewhere, or is not this worker's: not counted here
             log.info("%s: its %s event was refused", job.generation_id, state)

@@ -8,6 +8,10 @@ prompt of a request with ``n`` choices once).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -15,7 +19,8 @@ import openai
 import pytest
 
 from stack import processes
-from stack.redis_server import free_port
+from stack.redis_cluster import EmbeddedCluster
+from stack.redis_server import EmbeddedRedis, free_port
 from tests.support.http import Follower, Session, cancel, follow, read_events
 from tests.support.metrics import scrape, until_sample, value
 from tests.support.redis_probes import lease_trusted
@@ -252,3 +257,122 @@ async def test_on_a_cluster_the_writer_counts_once_after_the_final_event(
         assert not await counter.after_final(session.session_id, gid["generation_id"])
     finally:
         await redis.aclose()
+
+
+async def _apart(
+    client: httpx.AsyncClient, base: str, cluster: EmbeddedCluster, keys: Keys
+) -> tuple[Key, Session, EmbeddedRedis]:
+    """A key whose slot's primary serves neither the synthetic model's queue nor a new
+    session of the key's, that session, and that primary: pausing its writes holds up the
+    key's usage count alone."""
+    queue_node = cluster.primary_of(keys.requests("synthetic")).port
+    for attempt in range(30):
+        key = await make_key(client, base, f"apart-{attempt}")
+        tenant_node = cluster.primary_of(keys.tenant(key.id, "requests"))
+        if tenant_node.port != queue_node:
+            break
+    for _ in range(30):
+        session = await keyed_session(client, base, key)
+        if cluster.primary_of(keys.events(session.session_id)).port != tenant_node.port:
+            return key, session, tenant_node
+    raise AssertionError("no session apart from its key's primary in 30 tries")
+
+
+@contextlib.contextmanager
+def _writes_paused(cluster: EmbeddedCluster, node: EmbeddedRedis) -> Iterator[None]:
+    with cluster.client(node) as client:
+        client.execute_command("CLIENT", "PAUSE", 60_000, "WRITE")
+        try:
+            yield
+        finally:
+            client.execute_command("CLIENT", "UNPAUSE")
+
+
+async def _until_final(redis: Any, keys: Keys, session_id: str, gid: str) -> dict[str, Any]:
+    """The generation's final event once Redis holds it, then a moment for its writer to
+    send the count that follows it."""
+    async with asyncio.timeout(20):
+        while (final := await redis.hget(keys.generation(session_id, gid), "final")) is None:
+            await asyncio.sleep(0.01)
+    await asyncio.sleep(0.3)
+    ended: dict[str, Any] = json.loads(final)
+    return ended
+
+
+async def _until_generations(
+    client: httpx.AsyncClient, base: str, key: Key, generations: int
+) -> dict[str, int]:
+    async with asyncio.timeout(30):
+        while (total := await usage_total(client, base, key.id))["generations"] < generations:
+            await asyncio.sleep(0.1)
+    return total
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+async def test_on_a_cluster_a_worker_lost_before_it_counted_is_counted_by_the_reaper(
+    cluster_stack: Stack, redis_cluster: EmbeddedCluster
+) -> None:
+    """The worker writes a reply's final event; its count waits on the key's primary,
+    whose writes are paused; SIGKILLed right then, it never counts. Its request, which it
+    acknowledges only after the count, is left pending: the reaper takes it, finds the
+    reply ended and counts it, once. (Before, the request was acknowledged with the final
+    event: nothing was left to find, and the key was never billed the reply.)"""
+    stack = cluster_stack
+    gateway = stack.gateway(TOKENSPOUT_ADMIN_KEY=ADMIN_KEY)
+    doomed = stack.synthetic(200)
+    keys, redis = Keys(stack.prefix), connect(stack.redis_url)
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            key, session, primary = await _apart(client, gateway.url, redis_cluster, keys)
+            with _writes_paused(redis_cluster, primary):
+                sent = await post_turn(client, session, "counted later", max_tokens=5)
+                gid = sent.json()["generation_id"]
+                final = await _until_final(redis, keys, session.session_id, gid)
+                processes.kill(doomed)
+            total = await _until_generations(client, gateway.url, key, 1)
+    finally:
+        await redis.aclose()
+    assert total["total_tokens"] == tokens_of(final["usage"]) > 0
+    assert total["generations"] == 1
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+async def test_on_a_cluster_a_queued_cancel_whose_gateway_was_lost_is_counted_by_a_worker(
+    cluster_stack: Stack, redis_cluster: EmbeddedCluster
+) -> None:
+    """A gateway ends a queued generation (a cancel) and is SIGKILLed while its count
+    waits on the key's paused primary. The worker that takes the request later finds it
+    ended (its claim refused) and counts it, once, before it acknowledges it. (Before, it
+    only acknowledged it: the key was never billed that generation.)"""
+    stack = cluster_stack
+    doomed = stack.gateway(TOKENSPOUT_ADMIN_KEY=ADMIN_KEY)
+    gateway = stack.gateway(TOKENSPOUT_ADMIN_KEY=ADMIN_KEY)
+    stack.synthetic(200, "--capacity", "1")
+    keys, redis = Keys(stack.prefix), connect(stack.redis_url)
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            key, session, primary = await _apart(client, gateway.url, redis_cluster, keys)
+            holder = await keyed_session(client, gateway.url, key)
+            sent = await post_turn(client, holder, "[[stall]] hold", max_tokens=50)
+            held = sent.json()["generation_id"]
+            follower = follow(client, holder, held)
+            await follower.until_event("started")  # the worker's one slot is taken
+            gid = (await post_turn(client, session, "queued", max_tokens=5)).json()["generation_id"]
+            through_doomed = Session(doomed.url, session.session_id, session.token)
+            with _writes_paused(redis_cluster, primary):
+                cancelling = asyncio.ensure_future(cancel(client, through_doomed, gid))
+                final = await _until_final(redis, keys, session.session_id, gid)
+                processes.kill(doomed.process)
+            with contextlib.suppress(httpx.TransportError):
+                await cancelling
+            await cancel(client, holder, held)  # the slot is free: the worker meets it
+            await follower.until_end()
+            stalled = follower.reading.final(held).json()["usage"]
+            total = await _until_generations(client, gateway.url, key, 2)
+    finally:
+        await redis.aclose()
+    assert final["type"] == "cancelled" and tokens_of(final["usage"]) == 0
+    assert total["total_tokens"] == tokens_of(stalled)
+    assert total["generations"] == 2
