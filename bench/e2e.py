@@ -27,14 +27,13 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 from bench import cancels, e2e_report, profile_top, report, stats
-from bench.rig import Rig, rig
+from bench.rig import Rig, rig, run_logs
 from bench.runner import MODES, run_once
 from bench.stats import Run, added, describe, summarise
 
@@ -297,10 +296,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    args.logs = Path(tempfile.mkdtemp(prefix="tokenspout-e2e-"))
-    say(f"process logs in {args.logs}; load average {os.getloadavg()[0]:.2f}")
-    if args.profile is not None:
-        args.profile.mkdir(parents=True, exist_ok=True)
+    args.logs = run_logs("e2e", args.profile, say)
     results = asyncio.run(suite(args))
     if "profile" in results:
         top = results["profile"]["top"]

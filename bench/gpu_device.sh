@@ -22,9 +22,9 @@ echo "[gpu_device] ${gone} s gone in this call (install.sh), ${left} s left for 
 mkdir -p "$out/logs"
 { nvidia-smi; python3 -c 'import sys, torch; print(sys.version, torch.__version__, torch.version.cuda)'; } \
   > "$out/machine.txt" 2>&1 || true
-# Until the worker starts vLLM without touching CUDA (GPU.md: a forked engine core cannot
-# use a CUDA the parent initialized), both sides start vLLM's engine core with spawn.
-export VLLM_WORKER_MULTIPROC_METHOD=${VLLM_WORKER_MULTIPROC_METHOD:-spawn}
+# Both sides start vLLM with its own defaults (its engine core forked): the worker touches
+# no CUDA before vLLM does (issue 44, engine/backends/vllm_api.py), and this run is the GPU's
+# check of that. VLLM_WORKER_MULTIPROC_METHOD=spawn in the environment still goes through.
 python3 -m bench.gpu --preflight --out "$out" --logs "$out/logs"
 left=$((left - SECONDS))  # SECONDS: this script's own time so far
 # No mode starts unless the last one's time still fits; SIGTERM at the end stops every

@@ -14,7 +14,8 @@ import fcntl
 import os
 import secrets
 import subprocess
-from collections.abc import AsyncIterator
+import tempfile
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,6 +91,16 @@ class Rig:
         return pids | {name: s.pid for name, s in self.servers.items()} | {"loadgen": os.getpid()}
 
 
+def run_logs(kind: str, profile: Path | None, say: Callable[[str], None]) -> Path:
+    """A fresh folder for a run's process logs (said, with the load average it starts at),
+    and the profile's folder made if one is asked for."""
+    logs = Path(tempfile.mkdtemp(prefix=f"tokenspout-{kind}-"))
+    say(f"process logs in {logs}; load average {os.getloadavg()[0]:.2f}")
+    if profile is not None:
+        profile.mkdir(parents=True, exist_ok=True)
+    return logs
+
+
 @contextlib.asynccontextmanager
 async def rig(
     tokens_per_s: float,
@@ -104,6 +115,7 @@ async def rig(
     workers: tuple[int, ...] = (),
     engines: int = 1,
     gateway_workers: int = 1,
+    backend_args: tuple[str, ...] = (),
 ) -> AsyncIterator[Rig]:
     """Everything, paced at ``tokens_per_s`` (0: unpaced; vLLM: its own pace); ``engine``:
     ``synthetic`` or ``vllm``; ``shards`` > 0: on an embedded
@@ -112,12 +124,15 @@ async def rig(
     over every CPU (``gateway_cpu`` None: the gateway too); ``workers``: one more gateway for
     each, on its own port, with that many processes (``python -m gateway --workers N``;
     floating); ``engines``: engine workers on the model's queue (the first with metrics);
-    ``gateway_workers``: the gateway's processes (``python -m gateway --workers``)."""
+    ``gateway_workers``: the gateway's processes (``python -m gateway --workers``);
+    ``backend_args``: more engine flags for both engines (the worker's and the engine
+    alone's), e.g. ``--prepare-cpu-ms``."""
     prefix = f"bench-{secrets.token_hex(3)}"
     backend = ["--backend", "synthetic", "--tokens-per-s", str(tokens_per_s)]
     backend += ["--capacity", str(MAX_STREAMS)]
     if engine == "vllm":
         backend, rest_cpu, gateway_cpu = VLLM, None, None
+    backend = [*backend, *backend_args]
     async with contextlib.AsyncExitStack() as stack:
         if engine == "vllm":
             lock = stack.enter_context(VLLM_LOCK.open("w"))

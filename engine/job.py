@@ -57,8 +57,9 @@ class Job:
     tool_calls: ToolCallWriter | None = None
     """With tools: turns what the model writes into content and calls (engine/tools.py)."""
     estimated_tokens: int = 0
-    """What its queue charged its tenant for its prompt before anyone knew its tokens
-    (``wire.queue.estimated_tokens``); the worker charges the difference once it knows."""
+    """What its queue charged its tenant for its prompt before anyone knew its tokens (the
+    entry's ``e``, ``wire.queue.estimated_tokens``; 0 for an entry that never waited in a
+    tenant's list); the worker charges the difference once it knows."""
 
     def __post_init__(self) -> None:
         resume = self.request.resume

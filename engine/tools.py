@@ -23,6 +23,7 @@ import json
 import logging
 from typing import Any, Protocol
 
+from engine.backends import vllm_api
 from wire import ToolCall, ToolCallDelta, Tools
 
 log = logging.getLogger("tokenspout.tools")
@@ -159,12 +160,9 @@ class VllmToolParser:
     """One of vLLM's tool parsers (``vllm serve --tool-call-parser``) as an ``AutoParser``."""
 
     def __init__(self, name: str, tokenizer: Any, tools: Tools) -> None:
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-        from vllm.tool_parsers.abstract_tool_parser import ToolParserManager
-
         self.name = name
-        self._parser = ToolParserManager.get_tool_parser(name)(tokenizer)
-        self._request = ChatCompletionRequest(
+        self._parser = vllm_api.tool_parser(name, tokenizer)
+        self._request = vllm_api.chat_request(
             model="tokenspout",
             messages=[{"role": "user", "content": ""}],
             tools=[
@@ -194,8 +192,6 @@ class VllmToolParser:
 
 def check_parser(name: str) -> None:
     """Fail at start-up, not on the first request, for a parser vLLM does not have."""
-    from vllm.tool_parsers.abstract_tool_parser import ToolParserManager
-
-    known = ToolParserManager.list_registered()
+    known = vllm_api.tool_parsers()
     if name not in known:
         raise SystemExit(f"--tool-call-parser {name!r} is not one of vLLM's: {', '.join(known)}")

@@ -190,6 +190,7 @@ class Worker:
         """Run one generation the intake took, to its end."""
         gid = job.generation_id
         try:
+            await self.intake.turn_to_prepare()
             if job.request.task != "generate":
                 await self._run_tokenizer_task(job)
                 return
@@ -359,7 +360,9 @@ class Worker:
         job.ended = True
         assistant = None
         if not isinstance(event, Error):
-            assistant = ChatMessage("assistant", "".join(job.text))
+            # A continued reply's message is the one it extends, made longer (the history
+            # keeps it in that message's place).
+            assistant = ChatMessage("assistant", job.request.continued + "".join(job.text))
         counts_after = self.publisher.counts_usage_after
         job.acked = True  # by this final event's write, or (a cluster) once it is counted
         written = await self.emit_waited(

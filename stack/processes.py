@@ -25,13 +25,18 @@ def child_env(env: dict[str, str]) -> dict[str, str]:
 
 
 def spawn(
-    args: list[str], env: dict[str, str], log_path: Path | None = None
+    args: list[str],
+    env: dict[str, str],
+    log_path: Path | None = None,
+    *,
+    python: str = sys.executable,
 ) -> subprocess.Popen[bytes]:
-    """A Python module run from the repository root, in its own process group."""
+    """A Python module run from the repository root, in its own process group (by
+    ``python``: another environment's, e.g. one with another vLLM)."""
     out = open(log_path, "ab") if log_path else None  # noqa: SIM115 - the child keeps a copy
     try:
         return subprocess.Popen(
-            [sys.executable, *args],
+            [python, *args],
             cwd=ROOT,
             env=child_env(env),
             stdout=out,
@@ -60,9 +65,13 @@ def gateway(
 
 
 def engine(
-    backend_args: list[str], env: dict[str, str], log_path: Path | None = None
+    backend_args: list[str],
+    env: dict[str, str],
+    log_path: Path | None = None,
+    *,
+    python: str = sys.executable,
 ) -> subprocess.Popen[bytes]:
-    return spawn(["-m", "engine", *backend_args], env, log_path)
+    return spawn(["-m", "engine", *backend_args], env, log_path, python=python)
 
 
 def wait_http(

@@ -1,18 +1,24 @@
-"""Take the README's screenshots of the web chat: mid-reply and after Stop.
+"""Take the web chat's screenshots (README.md, docs/web.md): mid-reply and after Stop, then
+one per feature at a desktop width in light and a phone width in dark.
 
     python -m tests.screenshots [--out docs/screenshots]
 
-Runs its own Redis, gateway and synthetic engine (the same real parts the tests use) and
-drives Debian's headless Chromium; nothing is downloaded.
+The first two come from here; the features' from tests/test_web_chat_features.py, run with
+TOKENSPOUT_SCREENSHOTS pointing at ``--out`` (each test takes its own). Everything runs its
+own Redis, gateway and synthetic engine (the same real parts the tests use) and drives
+Debian's headless Chromium; nothing is downloaded.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import secrets
 import tempfile
 from pathlib import Path
+
+import pytest
 
 from stack.redis_server import EmbeddedRedis
 from tests.support.browser import ChatPage, chromium
@@ -20,7 +26,7 @@ from tests.support.stack import Stack
 
 FIRST = "What makes **tokenspout** different from other gateways?"
 SECOND = "Explain how Stop works, in a few words."
-VIEWPORT = {"width": 900, "height": 640}
+VIEWPORT = {"width": 1000, "height": 640}
 
 
 async def take(stack: Stack, out: Path) -> None:
@@ -51,7 +57,11 @@ def main() -> None:
             asyncio.run(take(stack, args.out))
         finally:
             stack.stop()
-    print(f"wrote {args.out}/chat-streaming.png and {args.out}/chat-stopped.png")
+    os.environ["TOKENSPOUT_SCREENSHOTS"] = str(args.out.resolve())
+    features = Path(__file__).with_name("test_web_chat_features.py")
+    if pytest.main([str(features), "-q", "-p", "no:randomly"]) != 0:
+        raise SystemExit("a feature test failed: its screenshot may be missing")
+    print(f"wrote the screenshots in {args.out}")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from packaging.requirements import Requirement
 
 from engine.__main__ import ENVIRONMENT as ENGINE_ENVIRONMENT
 from engine.__main__ import build_parser as engine_parser
+from engine.backends import vllm_api
 from gateway.__main__ import parser as gateway_parser
 from gateway.core.settings import Settings, env_name
 
@@ -406,12 +407,23 @@ def test_the_gateway_process_imports_neither_torch_nor_vllm() -> None:
     assert result.stdout.strip() == "[]"
 
 
-def test_the_engine_images_match_the_pinned_vllm_and_install_the_engine_extras() -> None:
+def test_the_engine_images_build_on_a_vllm_the_worker_runs_on_and_install_the_extras() -> None:
+    """The GPU image's vLLM is a build argument (compose passes TOKENSPOUT_VLLM_VERSION,
+    with the Dockerfile's default); the engine-gpu extra allows the range the worker
+    checks at start (engine/backends/vllm_api.py), and the default lies in it."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
-    vllm_pin = next(Requirement(r) for r in extras["engine-gpu"] if r.startswith("vllm"))
+    allowed = next(Requirement(r) for r in extras["engine-gpu"] if r.startswith("vllm")).specifier
+    for version in ("0.25.0", "0.26.0", "0.32.0", "0.33.4", "0.24.9", "0.34.0"):
+        worker_runs = vllm_api.range_problem("vllm", version) is None
+        assert allowed.contains(version) == worker_runs, version
+    (arg,) = instructions("engine.Dockerfile", "ARG")
+    name, default = arg.split("=")
+    assert name == "VLLM_VERSION" and allowed.contains(default)
     (base,) = instructions("engine.Dockerfile", "FROM")
-    assert base == f"vllm/vllm-openai:v{next(iter(vllm_pin.specifier)).version}"
+    assert base == "vllm/vllm-openai:v${VLLM_VERSION}"
+    build_args = services()["engine"]["build"]["args"]
+    assert build_args == {"VLLM_VERSION": f"${{TOKENSPOUT_VLLM_VERSION:-{default}}}"}
     assert '".[engine-gpu]"' in " ".join(instructions("engine.Dockerfile", "RUN"))
     assert instructions("engine.Dockerfile", "ENTRYPOINT") == ["[]"]
     cpu_runs = " ".join(instructions("engine-cpu.Dockerfile", "RUN"))

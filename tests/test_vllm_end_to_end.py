@@ -57,3 +57,41 @@ async def test_vllm_streams_a_coherent_answer_and_the_second_turn_sees_the_first
         ).json()["messages"]
         assert [m["role"] for m in history] == ["user", "assistant", "user", "assistant"]
         assert history[1]["content"] == answer
+
+
+async def test_vllm_continues_a_reply_cut_at_its_limit_into_one_message(
+    vllm_stack: VllmStack,
+) -> None:
+    """Continue (POST .../continue): vLLM extends the last assistant message (its chat
+    template ends inside it) and the history keeps one longer message, greedy: the reply
+    cut at 10 tokens then continued for 10 reads as the reply made at once with 20."""
+    base = vllm_stack.gateway.url
+    question = "Name the planets of the solar system, in order."
+    async with httpx.AsyncClient(timeout=120) as client:
+        whole_session = await create_session(client, base)
+        whole = await send(client, whole_session, question, max_tokens=20, temperature=0)
+        whole_text = (
+            await read_events(client, whole_session, until_final_of=whole, timeout_s=300)
+        ).text(whole)
+
+        session = await create_session(client, base)
+        cut = await send(client, session, question, max_tokens=10, temperature=0)
+        reading = await read_events(client, session, until_final_of=cut, timeout_s=300)
+        assert reading.final(cut).json()["finish_reason"] == "length"
+        url = f"{base}/v1/sessions/{session.session_id}"
+        response = await client.post(
+            f"{url}/continue", json={"max_tokens": 10, "temperature": 0}, headers=session.headers
+        )
+        assert response.status_code == 202, response.text
+        more = response.json()["generation_id"]
+        continued = await read_events(
+            client, session, until_final_of=more, last_event_id=reading.events[-1].id
+        )
+        started = next(e.json() for e in continued.of(more) if e.event == "started")
+        first_started = next(e.json() for e in reading.of(cut) if e.event == "started")
+        # The prompt holds the cut reply (and no new turn's markers after it).
+        assert started["prompt_tokens"] > first_started["prompt_tokens"] + 5
+        history = (await client.get(url, headers=session.headers)).json()["messages"]
+        assert [m["role"] for m in history] == ["user", "assistant"]
+        assert history[1]["content"] == reading.text(cut) + continued.text(more)
+        assert history[1]["content"] == whole_text

@@ -62,9 +62,12 @@ async def test_with_api_keys_the_page_asks_for_one_and_says_when_it_is_wrong(
     await chat.send("keyed page")
     await chat.wait_reply_state("done")
     assert await chat.reply_text() == synthetic_text("keyed page", 4)
-    # The key stays with the tab: a new chat starts without asking again.
+    # The key stays with the tab: a new chat starts without asking again, and a reload too.
     await page.click("#new-chat")
     await chat.wait_connected()
+    await page.reload()
+    await chat.wait_connected()
+    assert await page.is_hidden("#key-form")
     assert await page.is_hidden("#key-form")
     await chat.send("second chat")
     await chat.wait_reply_state("done")
@@ -134,10 +137,10 @@ async def test_keyboard_only_tab_reaches_the_controls_enter_sends_escape_stops(
     assert await focused() == "input"  # the page opens ready to type
     await page.evaluate("document.activeElement.blur()")
     reached = []
-    for _ in range(8):
+    for _ in range(10):
         await keyboard.press("Tab")
         reached.append(await focused())
-    assert {"new-chat", "input"} <= set(reached), reached
+    assert {"new-chat", "open-settings", "input"} <= set(reached), reached
     await page.focus("#input")
     await keyboard.type("only keys")
     await keyboard.press("Tab")
@@ -163,7 +166,7 @@ async def test_the_page_requests_nothing_but_the_gateway(stack: Stack, browser: 
     chat = await ChatPage.open(browser, gateway.url, max_tokens=12, requests=requests)
     # Before any reply the top bar names the model the workers serve (GET /v1/models).
     await chat.page.wait_for_function(
-        "document.getElementById('model-name').textContent === 'synthetic'", timeout=15_000
+        "() => document.getElementById('model-picker').value === 'synthetic'", timeout=15_000
     )
     await chat.send("where do you go?")
     await chat.wait_reply_state("done")
@@ -174,11 +177,17 @@ async def test_the_page_requests_nothing_but_the_gateway(stack: Stack, browser: 
         if not url.startswith(f"{gateway.url}/") and urlsplit(url).scheme != "data"
     ]
     assert elsewhere == [], elsewhere
+    # The owner cookie authorises the page's session: no token in any URL (nor proxy logs).
+    assert [url for url in requests if "token=" in url] == []
     paths = {urlsplit(url).path for url in requests if url.startswith(gateway.url)}
-    session_id = (await chat.saved())["id"]
+    session_id = await chat.session_id()
     assert {
         "/",
         "/app.js",
+        "/tokenspout.js",
+        "/vendor/marked/marked.esm.js",
+        "/vendor/dompurify/purify.es.mjs",
+        "/vendor/highlight/highlight.min.js",
         "/style.css",
         "/v1/sessions",
         "/v1/models",
@@ -193,19 +202,26 @@ async def test_storage_refusals_and_unreadable_events_are_shown_not_fatal(
 ) -> None:
     stack.synthetic(tokens_per_s=200)
     gateway = stack.gateway()
+    # Storage that refuses writes, and every EventSource kept where the test can reach it.
     full = """Storage.prototype.setItem = function () {
         throw new DOMException("the quota has been exceeded", "QuotaExceededError");
+    };
+    window.__sources = [];
+    const Native = window.EventSource;
+    window.EventSource = class extends Native {
+        constructor(...args) { super(...args); window.__sources.push(this); }
     };"""
     chat = await ChatPage.open(browser, gateway.url, max_tokens=6, init_script=full)
-    banner = await chat.banner()
-    assert banner and "cannot save the conversation" in banner
     await chat.send("no storage")
     await chat.wait_reply_state("done")
     assert await chat.reply_text() == synthetic_text("no storage", 6)
+    banner = await chat.banner()
+    assert banner and "cannot save where a reply was" in banner
+    await chat.page.click("#banner-close")
 
     # An event whose data is not JSON (as a broken proxy might deliver it): a visible note.
     await chat.page.evaluate(
-        """chat.source.dispatchEvent(
+        """window.__sources.at(-1).dispatchEvent(
             new MessageEvent("token", { data: "{not json", lastEventId: "" }))"""
     )
     banner = await chat.banner()
@@ -214,7 +230,7 @@ async def test_storage_refusals_and_unreadable_events_are_shown_not_fatal(
     assert chat.errors == []
 
 
-async def test_with_two_models_the_page_offers_a_picker_and_each_chat_keeps_its_model(
+async def test_with_two_models_the_picker_sets_the_conversations_model(
     stack: Stack, browser: Browser
 ) -> None:
     stack.synthetic(200, "--served-model-name", "alpha")
@@ -222,28 +238,37 @@ async def test_with_two_models_the_page_offers_a_picker_and_each_chat_keeps_its_
     gateway = stack.gateway()
     chat = await ChatPage.open(browser, gateway.url, max_tokens=4)
     picker = chat.page.locator("#model-picker")
-    assert await picker.is_visible()
+    assert await picker.is_enabled()
     assert await picker.locator("option").all_text_contents() == ["alpha", "beta"]
     await chat.send("first")
     await chat.wait_reply_state("done")
-    assert (await chat.stats())["model"] == "alpha"
+    await (await chat.action("Reply details")).click()
+    assert "Modelalpha" in ((await chat.stats())["text"] or "")
 
-    await picker.select_option("beta")  # a new conversation with the other model
-    await chat.wait_connected()
+    await picker.select_option("beta")  # the conversation's next replies come from beta
+    await chat.page.wait_for_function(
+        "() => document.getElementById('announcer').textContent.includes('beta')"
+    )
     await chat.send("second")
     await chat.wait_reply_state("done")
-    assert await chat.user_texts() == ["second"]
-    assert (await chat.stats())["model"] == "beta"
+    assert await chat.user_texts() == ["first", "second"]
+    await (await chat.action("Reply details")).click()
+    assert "Modelbeta" in ((await chat.stats())["text"] or "")
     await chat.page.reload()
     await chat.wait_connected()
-    assert await picker.input_value() == "beta"
+    await chat.page.wait_for_function(
+        "() => document.getElementById('model-picker').value === 'beta'"
+    )
+    assert chat.errors == []
 
 
-async def test_with_one_model_there_is_no_picker(stack: Stack, browser: Browser) -> None:
+async def test_with_one_model_the_picker_names_it_and_offers_no_choice(
+    stack: Stack, browser: Browser
+) -> None:
     stack.synthetic(200)
     gateway = stack.gateway()
     chat = await ChatPage.open(browser, gateway.url, max_tokens=4)
     await chat.send("only one")
     await chat.wait_reply_state("done")
-    assert not await chat.page.locator("#model-picker").is_visible()
+    assert await chat.page.locator("#model-picker").is_disabled()
     assert (await chat.stats())["model"] == "synthetic"

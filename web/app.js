@@ -1,846 +1,525 @@
-// tokenspout web chat: one session, its messages POSTed, its event stream read with EventSource.
+// tokenspout web chat: conversations kept on the server (the owner cookie), replies streamed
+// through web/tokenspout.js; this module holds the turns (send, regenerate, continue, edit,
+// stop), the conversations, the settings and the page's wiring; chat/ holds the rest.
 //
-// Everything the model or the person writes reaches the page through textContent only: the
-// renderer below builds elements for a few markdown-ish forms and never parses HTML.
-//
-// The session (id, token), the id of the last event applied and the reply in progress are kept
-// in sessionStorage together, in one write per event, so a reload can show the history (GET),
-// put the partial reply back and resume the stream right after the last event it applied.
-//
-// A reply resumed after a reload cannot time its first token again, and its remaining events
-// may arrive as one fast replay: its time to first token is the one measured before the
-// reload (if a token had come), and its rate is taken from the event ids, which are the
-// Redis server's clock in ms, so a replay does not inflate it.
-//
-// A gateway with API keys answers 401 to creating a session without one: the page then asks
-// for the key (a password field), keeps it in sessionStorage (this tab only) and sends it as
-// `Authorization: Bearer` when it creates a session. The session's own requests need only
-// its token.
-"use strict";
+// The page's address names the conversation (#s_...), so a reload or another tab opens it
+// again; sessionStorage keeps, per conversation, where its event stream was and the reply
+// that was running, so a reload resumes that reply from its first event with no word lost
+// or repeated (a replay is fast, and tokens already counted are skipped).
 
-const STORE_KEY = "tokenspout.chat.v1";
-const API_KEY_STORE = "tokenspout.apiKey.v1";
-const MODEL_STORE = "tokenspout.model.v1"; // the model picked last (several served)
-const EVENT_TYPES = ["queued", "started", "token", "resumed", "done", "cancelled", "error"];
-const FINAL_TYPES = new Set(["done", "cancelled", "error"]);
-const RECONNECT_MAX_MS = 8000;
-const OFFLINE_AFTER_FAILURES = 3;
+import { request, Session } from "./tokenspout.js";
+import { API_KEY_STORE, chat, DEFAULTS_STORE, RUN_STORE, ui } from "./chat/state.js";
+import {
+  actionButton,
+  announce,
+  apiKey,
+  defaults,
+  describeError,
+  hideBanner,
+  keyHeaders,
+  readStore,
+  remedyButton,
+  remedyFor,
+  scrollToEnd,
+  setConn,
+  showBanner,
+  writeStore,
+} from "./chat/page.js";
+import { AssistantRow, turns, UserRow } from "./chat/rows.js";
 
-const query = new URLSearchParams(location.search);
-const MAX_TOKENS = positiveInt(query.get("max_tokens"));
-
-const ui = {
-  log: byId("log"),
-  messages: byId("messages"),
-  empty: byId("empty"),
-  form: byId("composer"),
-  input: byId("input"),
-  send: byId("send"),
-  stop: byId("stop"),
-  conn: byId("conn"),
-  connLabel: byId("conn-label"),
-  model: byId("model-name"),
-  picker: byId("model-picker"),
-  banner: byId("banner"),
-  bannerText: byId("banner-text"),
-  bannerRetry: byId("banner-retry"),
-  bannerClose: byId("banner-close"),
-  newChat: byId("new-chat"),
-  keyForm: byId("key-form"),
-  keyInput: byId("api-key"),
-  keyError: byId("key-error"),
-};
-
-const chat = {
-  session: null, // {id, token}
-  lastEventId: null, // the id of the last event applied to the page
-  source: null, // the EventSource
-  failures: 0, // failed connection attempts in a row
-  reconnectTimer: null,
-  turns: new Map(), // generation id -> Turn
-  waiting: [], // turns sent whose generation id is not known yet
-  active: null, // the turn whose reply runs (queued or streaming)
-  sending: false,
-  model: "", // the model that served the last reply (or the one the workers serve)
-  storageWarned: false, // a failed sessionStorage write was shown once already
-  apiKey: null, // the API key given in this page (also in sessionStorage when it takes it)
-};
-
-function byId(id) {
-  return document.getElementById(id);
-}
-
-function positiveInt(value) {
-  const n = Number.parseInt(value ?? "", 10);
-  return Number.isFinite(n) && n > 0 ? n : null;
-}
-
-// ---- event ids ------------------------------------------------------------------------------
-
-// Redis stream ids: "<ms>-<seq>". True when a comes strictly after b.
-function idAfter(a, b) {
-  const [am, as] = a.split("-").map(BigInt);
-  const [bm, bs] = b.split("-").map(BigInt);
-  return am > bm || (am === bm && as > bs);
-}
-
-// The Redis server's time (ms) an event was written, from its id; null without one.
-function idMs(id) {
-  const ms = Number.parseInt((id ?? "").split("-")[0], 10);
-  return Number.isFinite(ms) ? ms : null;
-}
-
-// ---- storage --------------------------------------------------------------------------------
-
-function loadSaved() {
-  try {
-    const saved = JSON.parse(sessionStorage.getItem(STORE_KEY) ?? "null");
-    return saved && saved.id && saved.token ? saved : null;
-  } catch (err) {
-    console.warn("ignoring an unreadable saved session", err);
-    return null;
-  }
-}
-
-function persist() {
-  if (!chat.session) return;
-  const turn = chat.active;
-  const active = turn && turn.gid ? turn.saved() : null;
-  store(
-    STORE_KEY,
-    JSON.stringify({ ...chat.session, lastEventId: chat.lastEventId, model: chat.model, active }),
-  );
-}
-
-// sessionStorage refuses writes when it is full or blocked (private modes, policies): the
-// page goes on, and says once that a reload will not bring the conversation back.
-function store(key, value) {
-  try {
-    sessionStorage.setItem(key, value);
-    return true;
-  } catch (err) {
-    console.warn("sessionStorage refused a write", key, err);
-    if (!chat.storageWarned) {
-      chat.storageWarned = true;
-      showBanner(
-        "This tab cannot save the conversation (browser storage is full or blocked): " +
-          "it goes on, but a reload will not bring it back.",
-      );
-    }
-    return false;
-  }
-}
-
-// ---- HTTP -----------------------------------------------------------------------------------
-
-class ApiError extends Error {
-  constructor(status, code, message, retryAfter) {
-    super(message);
-    this.status = status;
-    this.code = code;
-    this.retryAfter = retryAfter;
-  }
-}
-
-async function api(method, path, body, headers = {}) {
-  let response;
-  try {
-    response = await fetch(path, {
-      method,
-      headers: {
-        ...(body === undefined ? {} : { "Content-Type": "application/json" }),
-        ...(chat.session ? { "X-Session-Token": chat.session.token } : {}),
-        ...headers,
-      },
-      body: body === undefined ? undefined : JSON.stringify(body),
-    });
-  } catch (err) {
-    throw new ApiError(0, "network", "The gateway cannot be reached. Check your connection.");
-  }
-  const payload = await response.json().catch(() => null);
-  if (!response.ok) {
-    const error = payload?.error ?? {};
-    const retryAfter = Number.parseFloat(response.headers.get("Retry-After") ?? "");
-    throw new ApiError(
-      response.status,
-      error.code ?? `http_${response.status}`,
-      error.message ?? response.statusText,
-      Number.isFinite(retryAfter) ? retryAfter : null,
-    );
-  }
-  return payload;
-}
-
-function describeError(err) {
-  switch (err.status) {
-    case 0:
-      return err.message;
-    case 409:
-      return "A reply is still running. Stop it or wait for it to finish.";
-    case 429: {
-      const wait = err.retryAfter ? ` Try again in ${Math.ceil(err.retryAfter)} s.` : "";
-      return `The gateway is busy with other replies right now.${wait}`;
-    }
-    case 503:
-      return `The service is unavailable for a moment (${err.message}).`;
-    case 413:
-      return "That message is too long.";
-    default:
-      return err.message || `The request failed (HTTP ${err.status}).`;
-  }
-}
-
-function retryable(err) {
-  return err.status === 0 || err.status === 429 || err.status >= 500;
-}
-
-// ---- banner and connection state -----------------------------------------------------------
-
-function showBanner(text, retry) {
-  ui.bannerText.textContent = text;
-  ui.bannerRetry.hidden = !retry;
-  ui.bannerRetry.onclick = retry
-    ? () => {
-        hideBanner();
-        retry();
-      }
-    : null;
-  ui.banner.hidden = false;
-}
-
-function hideBanner() {
-  ui.banner.hidden = true;
-}
-
-const CONN_LABELS = {
-  connecting: "Connecting…",
-  connected: "Connected",
-  reconnecting: "Reconnecting…",
-  offline: "Offline",
-  locked: "API key needed",
-};
-
-// The model in the top bar: the one that served the last reply, or before any reply in this
-// tab, what the live workers serve (GET /v1/models).
-function showModel(model) {
-  chat.model = model;
-  ui.model.textContent = model;
-}
-
-async function showServedModel() {
-  if (chat.model) return;
-  const key = apiKey();
-  try {
-    const auth = key ? { Authorization: `Bearer ${key}` } : {};
-    const list = await api("GET", "/v1/models", undefined, auth);
-    const ids = (list?.data ?? []).map((card) => card.id).filter(Boolean);
-    if (!chat.model && ids.length) {
-      ui.model.textContent = ids.join(", ");
-    }
-  } catch (err) {
-    // Only a label: without it the page works the same; the next reply names its model.
-    console.warn("could not list the served models", err);
-  }
-}
-
-// ---- model picker ---------------------------------------------------------------------------
-// With more than one model served, the top bar offers a choice; a session keeps its model, so
-// choosing another starts a new conversation.
-
-async function servedModels() {
-  const key = apiKey();
-  try {
-    const auth = key ? { Authorization: `Bearer ${key}` } : {};
-    const list = await api("GET", "/v1/models", undefined, auth);
-    const roots = (list?.data ?? []).map((card) => card.root || card.id).filter(Boolean);
-    return [...new Set(roots)].sort();
-  } catch (err) {
-    console.warn("could not list the served models", err);
-    return [];
-  }
-}
-
-async function refreshPicker() {
-  const models = await servedModels();
-  const keep = [chat.model, sessionStorage.getItem(MODEL_STORE)].find((m) => models.includes(m));
-  ui.picker.replaceChildren(...models.map((model) => new Option(model, model)));
-  if (keep) ui.picker.value = keep;
-  ui.picker.hidden = models.length < 2;
-  ui.model.hidden = !ui.picker.hidden; // the picker names the model itself
-}
-
-function pickedModel() {
-  return ui.picker.hidden ? null : ui.picker.value || null;
-}
-
-function setConn(state) {
-  if (ui.conn.dataset.state === state) return;
-  ui.conn.dataset.state = state;
-  ui.connLabel.textContent = CONN_LABELS[state];
-}
-
-// ---- rendering ------------------------------------------------------------------------------
-
-// A few markdown-ish forms, built as elements: ``` fenced code ```, `code`, **bold**, blank
-// lines between paragraphs, line breaks. Text only ever goes in through text nodes.
-function renderRich(container, text) {
-  const fragment = document.createDocumentFragment();
-  const parts = text.split(/```/);
-  parts.forEach((part, index) => {
-    if (index % 2 === 1) {
-      const pre = document.createElement("pre");
-      const code = document.createElement("code");
-      const newline = part.indexOf("\n");
-      const language = newline > 0 ? part.slice(0, newline).trim() : "";
-      const body = language && /^[\w+-]+$/.test(language) ? part.slice(newline + 1) : part;
-      if (language && body !== part) pre.dataset.language = language;
-      code.textContent = body.replace(/^\n/, "");
-      pre.append(code);
-      fragment.append(pre);
-      return;
-    }
-    for (const paragraph of part.split(/\n{2,}/)) {
-      if (!paragraph.trim()) continue;
-      const p = document.createElement("p");
-      appendInline(p, paragraph.replace(/^\n+|\n+$/g, ""));
-      fragment.append(p);
-    }
-  });
-  container.replaceChildren(fragment);
-}
-
-function appendInline(parent, text) {
-  const pattern = /(`[^`\n]+`|\*\*[^*\n]+\*\*|\n)/g;
-  let last = 0;
-  for (const match of text.matchAll(pattern)) {
-    if (match.index > last) parent.append(text.slice(last, match.index));
-    const token = match[0];
-    if (token === "\n") {
-      parent.append(document.createElement("br"));
-    } else {
-      const element = document.createElement(token.startsWith("`") ? "code" : "strong");
-      element.textContent = token.startsWith("`") ? token.slice(1, -1) : token.slice(2, -2);
-      parent.append(element);
-    }
-    last = match.index + token.length;
-  }
-  if (last < text.length) parent.append(text.slice(last));
-}
-
-function scrollToEnd(force = false) {
-  const log = ui.log;
-  const nearEnd = log.scrollHeight - log.scrollTop - log.clientHeight < 120;
-  if (force || nearEnd) log.scrollTop = log.scrollHeight;
-}
-
-function addUserMessage(text) {
-  ui.empty.hidden = true;
-  const li = document.createElement("li");
-  li.className = "msg user";
-  const bubble = document.createElement("div");
-  bubble.className = "bubble";
-  bubble.textContent = text; // white-space: pre-wrap keeps the person's line breaks
-  li.append(bubble);
-  ui.messages.append(li);
-  scrollToEnd(true);
-  return li;
-}
-
-class Turn {
-  constructor(prompt, { sentAt = null } = {}) {
-    this.prompt = prompt;
-    this.gid = null;
-    this.text = "";
-    this.count = 0;
-    this.model = "";
-    this.state = "waiting";
-    this.sentAt = sentAt;
-    this.firstAt = null;
-    this.firstCount = 0;
-    this.lastAt = null;
-    this.ttftMs = null; // time to first token as measured live (kept across a reload)
-    this.resumed = false; // put back after a reload: rate from the event ids' clock
-    this.takeovers = 0; // times another engine worker took the reply over
-    this.firstMs = null; // server time (ms) and count of the first token event
-    this.firstMsCount = 0;
-    this.lastMs = null;
-    this.renderQueued = false;
-
-    ui.empty.hidden = true;
-    this.el = document.createElement("li");
-    this.el.className = "msg assistant";
-    this.el.setAttribute("aria-live", "polite");
-    this.el.setAttribute("aria-busy", "true");
-    const bubble = document.createElement("div");
-    bubble.className = "bubble";
-    this.content = document.createElement("div");
-    this.content.className = "content";
-    this.meta = document.createElement("div");
-    this.meta.className = "meta";
-    this.badge = document.createElement("span");
-    this.badge.className = "badge";
-    this.stats = document.createElement("span");
-    this.stats.className = "stats";
-    this.actions = document.createElement("span");
-    this.actions.className = "actions";
-    this.meta.append(this.badge, this.stats, this.actions);
-    bubble.append(this.content, this.meta);
-    this.el.append(bubble);
-    ui.messages.append(this.el);
-    this.setState("waiting");
-    scrollToEnd(true);
-  }
-
-  bind(gid) {
-    this.gid = gid;
-    this.el.dataset.generationId = gid;
-    chat.turns.set(gid, this);
-  }
-
-  get final() {
-    return FINAL_TYPES.has(this.state) || this.state === "settled";
-  }
-
-  setState(state, label = null) {
-    this.state = state;
-    this.el.dataset.state = state;
-    const labels = {
-      waiting: "Sending…",
-      queued: "Waiting for an engine…",
-      streaming: "",
-      done: "",
-      settled: "",
-      cancelled: "Stopped",
-      error: "Failed",
-    };
-    this.badge.textContent = label ?? labels[state] ?? "";
-    this.badge.hidden = !this.badge.textContent;
-    if (this.final) this.el.setAttribute("aria-busy", "false");
-  }
-
-  setModel(model) {
-    this.model = model;
-    if (model) showModel(model);
-    this.renderStats();
-  }
-
-  // What sessionStorage keeps of the reply in progress, for a reload to put it back.
-  saved() {
-    return {
-      gid: this.gid,
-      text: this.text,
-      count: this.count,
-      model: this.model,
-      state: this.state,
-      ttftMs: this.ttftMs,
-      firstMs: this.firstMs,
-      firstMsCount: this.firstMsCount,
-    };
-  }
-
-  restore(partial) {
-    this.resumed = true;
-    this.text = partial.text;
-    this.count = partial.count;
-    this.firstCount = partial.count;
-    this.ttftMs = partial.ttftMs ?? null;
-    this.firstMs = partial.firstMs ?? null;
-    this.firstMsCount = partial.firstMsCount ?? 0;
-    this.lastMs = this.firstMs;
-    this.setModel(partial.model ?? "");
-  }
-
-  addToken(text, count, at, serverMs) {
-    if (count <= this.count) return; // already shown (a replayed event)
-    if (this.firstAt === null) {
-      this.firstAt = at;
-      this.firstCount = count;
-      if (this.sentAt !== null && this.ttftMs === null) this.ttftMs = at - this.sentAt;
-    }
-    if (serverMs !== null) {
-      if (this.firstMs === null) {
-        this.firstMs = serverMs;
-        this.firstMsCount = count;
-      }
-      this.lastMs = serverMs;
-    }
-    this.lastAt = at;
-    this.text += text;
-    this.count = count;
-    if (this.state !== "streaming") this.setState("streaming");
-    this.scheduleRender();
-  }
-
-  scheduleRender() {
-    if (this.renderQueued) return;
-    this.renderQueued = true;
-    requestAnimationFrame(() => {
-      // A render since (the final event's) already drew this text, and maybe a note after
-      // it that drawing again would wipe.
-      if (this.renderQueued) this.render();
-    });
-  }
-
-  render() {
-    this.renderQueued = false;
-    renderRich(this.content, this.text);
-    this.renderStats();
-    scrollToEnd();
-  }
-
-  renderStats() {
-    const parts = [];
-    if (this.model) parts.push(this.model);
-    if (this.ttftMs !== null) {
-      this.stats.dataset.ttftMs = this.ttftMs.toFixed(0);
-      parts.push(`${(this.ttftMs / 1000).toFixed(2)} s to first token`);
-    }
-    const rate = this.rate();
-    if (rate !== null) {
-      this.stats.dataset.tokensPerS = rate.toFixed(1);
-      parts.push(`${rate.toFixed(1)} tokens/s`);
-    }
-    if (this.count) parts.push(`${this.count} token${this.count === 1 ? "" : "s"}`);
-    if (this.resumed) {
-      this.stats.dataset.resumed = "true";
-      parts.push("resumed after a reload");
-    }
-    if (this.takeovers) {
-      this.stats.dataset.takeovers = String(this.takeovers);
-      parts.push("continued on another engine");
-    }
-    this.stats.textContent = parts.join(" · ");
-  }
-
-  // Tokens per second after the first token. Live: the page's clock. Resumed: the event ids'
-  // clock, since what arrives after a reload may be a replay of tokens made long before.
-  rate() {
-    if (this.resumed) {
-      if (this.firstMs === null || !(this.lastMs > this.firstMs)) return null;
-      return (this.count - this.firstMsCount) / ((this.lastMs - this.firstMs) / 1000);
-    }
-    if (this.count > this.firstCount && this.lastAt > this.firstAt) {
-      return (this.count - this.firstCount) / ((this.lastAt - this.firstAt) / 1000);
-    }
-    return null;
-  }
-
-  addRetry(label = "Retry") {
-    const button = document.createElement("button");
-    button.type = "button";
-    button.className = "link";
-    button.textContent = label;
-    button.addEventListener("click", () => {
-      button.remove();
-      sendMessage(this.prompt);
-    });
-    this.actions.replaceChildren(button);
-  }
-
-  finish(type, data) {
-    this.render();
-    if (type === "done") {
-      const note = data.finish_reason === "length" ? "Reached the token limit" : "";
-      this.setState("done", note);
-    } else if (type === "cancelled") {
-      const why = {
-        user: "Stopped",
-        abandoned: "Stopped: nobody was reading",
-        disconnected: "Stopped: the client left",
-        shutdown: "Stopped: the engine shut down",
-      };
-      this.setState("cancelled", why[data.reason] ?? "Stopped");
-    } else {
-      this.setState("error", "Failed");
-      const message = document.createElement("p");
-      message.className = "error-text";
-      message.textContent = `The engine could not finish this reply: ${data.message} (${data.code}).`;
-      this.content.append(message);
-      if (this.prompt !== null) this.addRetry();
-    }
-    scrollToEnd();
-  }
-}
-
-// ---- the event stream -----------------------------------------------------------------------
-
-function eventsUrl(after) {
-  const url = new URL(`/v1/sessions/${encodeURIComponent(chat.session.id)}/events`, location.href);
-  url.searchParams.set("token", chat.session.token);
-  if (after) url.searchParams.set("last_event_id", after);
-  return url;
-}
-
-function openEvents(after) {
-  closeEvents();
-  const source = new EventSource(eventsUrl(after));
-  chat.source = source;
-  source.onopen = () => {
-    chat.failures = 0;
-    setConn("connected");
-  };
-  // The server's own `error` events are MessageEvents; connection errors are plain Events.
-  source.addEventListener("error", (event) => {
-    if (event instanceof MessageEvent) return;
-    if (source !== chat.source) return;
-    chat.failures += 1;
-    if (source.readyState === EventSource.CONNECTING) {
-      // The browser reconnects by itself and sends Last-Event-ID.
-      setConn(offlineNow() ? "offline" : "reconnecting");
-    } else {
-      scheduleReconnect();
-    }
-  });
-  for (const type of EVENT_TYPES) source.addEventListener(type, onStreamEvent);
-}
-
-function closeEvents() {
-  clearTimeout(chat.reconnectTimer);
-  chat.reconnectTimer = null;
-  if (chat.source) chat.source.close();
-  chat.source = null;
-}
-
-function offlineNow() {
-  return !navigator.onLine || chat.failures > OFFLINE_AFTER_FAILURES;
-}
-
-// The browser gave up on the stream (an HTTP error, or a failed reconnect). Find out why with
-// a plain fetch, then open a new stream from the last event applied.
-function scheduleReconnect() {
-  closeEvents();
-  setConn(offlineNow() ? "offline" : "reconnecting");
-  const delay = Math.min(500 * 2 ** Math.min(chat.failures, 5), RECONNECT_MAX_MS);
-  chat.reconnectTimer = setTimeout(reconnect, delay);
-}
-
-async function reconnect() {
-  const url = eventsUrl(chat.lastEventId);
-  const probe = new AbortController();
-  let status;
-  try {
-    const response = await fetch(url, { signal: probe.signal });
-    status = response.status;
-  } catch (err) {
-    chat.failures += 1;
-    scheduleReconnect();
-    return;
-  } finally {
-    probe.abort();
-  }
-  if (status === 200) {
-    openEvents(chat.lastEventId);
-  } else if (status === 410) {
-    // The events after our last one were trimmed: show the stored history, follow new events.
-    showBanner("Part of this reply was lost while offline; the saved conversation is shown.");
-    await loadHistory({ partial: null });
-    openEvents("$");
-  } else if (status === 401 || status === 403 || status === 404) {
-    showBanner("This conversation has expired. A new one was started.");
-    await startNewSession();
-  } else {
-    chat.failures += 1;
-    scheduleReconnect();
-  }
-}
-
-function onStreamEvent(event) {
-  const id = event.lastEventId;
-  if (id && chat.lastEventId && !idAfter(id, chat.lastEventId)) return; // seen already
-  let data;
-  try {
-    data = JSON.parse(event.data);
-  } catch (err) {
-    console.error("unreadable event", event.type, event.data, err);
-    showBanner(
-      `The gateway sent a ${event.type} event this page could not read; ` +
-        "the reply shown may be incomplete. Reloading the page shows the saved conversation.",
-    );
-    return;
-  }
-  if (id) chat.lastEventId = id;
-  const turn = turnFor(data.generation_id);
-  if (!turn.final) applyEvent(turn, event.type, data, id);
-  persist();
-}
-
-function turnFor(gid) {
-  const known = chat.turns.get(gid);
-  if (known) return known;
-  // An event of a generation this page has not bound yet: the one it just sent (the stream
-  // can be faster than the POST's answer), or one sent from elsewhere.
-  const turn = chat.waiting.shift() ?? new Turn(null);
-  turn.bind(gid);
-  return turn;
-}
-
-function applyEvent(turn, type, data, id = null) {
-  switch (type) {
-    case "queued":
-      if (turn.state === "waiting") turn.setState("queued");
-      markActive(turn);
-      break;
-    case "started":
-      turn.setModel(data.model);
-      if (turn.state === "waiting" || turn.state === "queued") turn.setState("streaming");
-      markActive(turn);
-      break;
-    case "token":
-      markActive(turn);
-      turn.addToken(data.text, data.count, performance.now(), idMs(id));
-      break;
-    case "resumed":
-      // Its engine worker was lost or stopped; another goes on from the next token. Said
-      // quietly, in the stats line: the reply itself is unchanged.
-      markActive(turn);
-      turn.takeovers = data.takeover;
-      turn.renderStats();
-      break;
-    default:
-      turn.finish(type, data);
-      if (chat.active === turn) chat.active = null;
-      updateComposer();
-  }
-}
-
-function markActive(turn) {
-  if (chat.active !== turn) {
-    chat.active = turn;
-    updateComposer();
-  }
-}
-
-// ---- sending and stopping -------------------------------------------------------------------
+// ---- turns --------------------------------------------------------------------------------------
 
 function busy() {
-  return chat.sending || chat.active !== null || chat.waiting.length > 0;
+  return chat.sending || chat.active !== null;
 }
 
 function updateComposer() {
   const running = busy();
   ui.stop.hidden = !running;
   ui.send.hidden = running;
-  ui.stop.disabled = chat.active === null || chat.active.gid === null;
-  ui.send.disabled = running || !chat.session || !ui.input.value.trim();
+  ui.stop.disabled = chat.active === null || chat.active.reply === null;
+  ui.send.disabled = running || !ui.input.value.trim() || ui.conn.dataset.state === "locked";
   ui.form.dataset.busy = String(running);
+  for (const button of ui.messages.querySelectorAll('[data-action="edit"], [data-action="regenerate"], [data-action="continue"]')) {
+    button.disabled = running;
+  }
   if (!running && document.activeElement === ui.stop) ui.input.focus();
 }
 
-async function sendMessage(text) {
-  if (busy() || !chat.session || !text.trim()) return;
+// Make the conversation at its first message: its settings are the new chat's.
+async function ensureSession() {
+  if (chat.session) return chat.session;
+  const settings = { ...defaults() };
+  for (const key of Object.keys(settings)) if (settings[key] === null) delete settings[key];
+  if (ui.picker.value) settings.model = ui.picker.value;
+  const session = await Session.create({ apiKey: apiKey(), ...settings });
+  attach(session);
+  session.connect(null); // a new session's stream starts at its first event
+  history.replaceState(null, "", `#${session.id}`);
+  chat.about = { session_id: session.id, title: "", ...settings };
+  return session;
+}
+
+function attach(session) {
+  chat.session = session;
+  session.addEventListener("state", (e) => setConn(e.detail));
+  session.addEventListener("event", () => saveRun());
+  session.addEventListener("reply", (e) => adoptReply(e.detail));
+  session.addEventListener("lost", (e) => onLost(e.detail));
+  session.addEventListener("reset", () => reopen(session));
+  session.addEventListener("unreadable", (e) => {
+    showBanner(`The gateway sent a ${e.detail.type} event this page could not read; the reply ` +
+      "shown may be incomplete. Reloading the page shows the saved conversation.");
+  });
+}
+
+// A reply the stream announced before this page bound it: the one it is sending (the stream
+// can be faster than the POST's answer), or one started elsewhere (another tab).
+function adoptReply(reply) {
+  if (chat.active && chat.active.reply === null) {
+    chat.active.follow(reply, chat.active.kind);
+    return;
+  }
+  if (chat.active) return; // one reply at a time in a session: this cannot be shown apart
+  const row = new AssistantRow();
+  chat.rows.push(row);
+  row.follow(reply, "followed");
+  chat.active = row;
+  updateComposer();
+}
+
+async function startTurn(kind, run, row) {
   hideBanner();
   chat.sending = true;
-  addUserMessage(text);
-  const turn = new Turn(text, { sentAt: performance.now() });
-  chat.waiting.push(turn);
+  chat.active = row;
+  row.kind = kind;
+  row.sentAt = performance.now();
+  row.el.dataset.state = "sending";
+  row.el.setAttribute("aria-busy", "true");
+  row.setStatus("Sending…");
   updateComposer();
-  const body = { content: text };
-  if (MAX_TOKENS) body.max_tokens = MAX_TOKENS;
+  scrollToEnd(true);
   try {
-    const accepted = await api(
-      "POST",
-      `/v1/sessions/${encodeURIComponent(chat.session.id)}/messages`,
-      body,
-      { "Idempotency-Key": crypto.randomUUID() },
-    );
-    if (turn.gid === null) {
-      chat.waiting.splice(chat.waiting.indexOf(turn), 1);
-      turn.bind(accepted.generation_id);
-      if (turn.state === "waiting") turn.setState("queued");
-      markActive(turn);
-    }
-    turn.cancelUrl = accepted.cancel_url;
-    persist();
+    const session = await ensureSession();
+    const reply = await run(session);
+    if (row.reply === null) row.follow(reply, kind);
+    saveRun();
+    return true;
   } catch (err) {
-    chat.waiting.splice(chat.waiting.indexOf(turn), 1);
-    turn.setState("error", "Not sent");
-    const message = document.createElement("p");
-    message.className = "error-text";
-    message.textContent = describeError(err);
-    turn.content.replaceChildren(message);
-    if (retryable(err)) turn.addRetry();
-    if (err.status === 401 || err.status === 404) {
-      showBanner("This conversation has expired.", () => startNewSession());
-    }
+    if (chat.active === row) chat.active = null;
+    turnRefused(row, err);
+    return false;
   } finally {
     chat.sending = false;
     updateComposer();
   }
 }
 
+function turnRefused(row, err) {
+  if (err.status === 401 && !chat.session) {
+    forgetApiKey();
+    askForKey("That API key was not accepted. Check it and try again.");
+  }
+  row.el.dataset.state = "refused";
+  row.el.setAttribute("aria-busy", "false");
+  row.setStatus(describeError(err), "error");
+  const remedy = remedyFor(err);
+  const buttons = [];
+  const user = chat.rows[chat.rows.indexOf(row) - 1];
+  if (remedy === "edit" && user instanceof UserRow) {
+    buttons.push(remedyButton("Edit message", () => user.startEdit()));
+  } else if (remedy === "retry") {
+    buttons.push(remedyButton("Retry", () => retry(row)));
+  } else if (err.status === 404 && err.code === "unknown_session") {
+    buttons.push(remedyButton("Start a new chat", () => newChat()));
+  }
+  row.actions.replaceChildren(...buttons);
+  scrollToEnd(true);
+}
+
+async function sendMessage(text) {
+  if (busy() || !text.trim()) return;
+  const user = new UserRow(text);
+  const row = new AssistantRow();
+  chat.rows.push(user, row);
+  row.retry = () => sendAgain(user, row);
+  const sent = await startTurn("message", (session) => session.send(text), row);
+  user.committed = sent;
+  if (sent) refreshList();
+}
+
+function sendAgain(user, row) {
+  // The refused message is not in the history: send it as new.
+  user.remove();
+  row.remove();
+  return sendMessage(user.text);
+}
+
+function retry(row) {
+  if (row.retry) return row.retry();
+  return regenerate();
+}
+
+async function regenerate() {
+  if (busy()) return;
+  const last = chat.rows[chat.rows.length - 1];
+  if (last instanceof AssistantRow) last.remove();
+  const row = new AssistantRow();
+  chat.rows.push(row);
+  await startTurn("regenerate", (session) => session.regenerate(), row);
+}
+
+async function continueReply() {
+  const row = chat.rows[chat.rows.length - 1];
+  if (busy() || !(row instanceof AssistantRow)) return;
+  row.base = row.text;
+  row.reply = null;
+  row.started = false;
+  row.count = 0;
+  row.firstAt = null;
+  row.actions.replaceChildren();
+  const ok = await startTurn("continue", (session) => session.continue(), row);
+  if (!ok) row.renderActions();
+}
+
+async function editTurn(user, text) {
+  if (busy()) return;
+  if (!user.committed) {
+    // A message the gateway refused is not in the history: it goes as a new one.
+    for (const row of chat.rows.slice(chat.rows.indexOf(user))) row.remove();
+    await sendMessage(text);
+    return;
+  }
+  const index = user.index;
+  for (const row of chat.rows.slice(chat.rows.indexOf(user))) row.remove();
+  const edited = new UserRow(text);
+  const row = new AssistantRow();
+  chat.rows.push(edited, row);
+  const sent = await startTurn("edit", (session) => session.send(text, { edit: index }), row);
+  edited.committed = sent;
+}
+
 async function stopReply() {
-  const turn = chat.active;
-  if (!turn || !turn.gid) return;
-  // A disabled button drops the focus to the page: keep a keyboard user in the box.
+  const row = chat.active;
+  if (!row || !row.reply || row.final) return;
   if (document.activeElement === ui.stop) ui.input.focus();
   ui.stop.disabled = true;
-  turn.setState(turn.state, "Stopping…");
-  const path =
-    turn.cancelUrl ??
-    `/v1/sessions/${encodeURIComponent(chat.session.id)}/generations/${encodeURIComponent(turn.gid)}/cancel`;
+  row.setStatus("Stopping…");
   try {
-    const result = await api("POST", path, {});
-    // Normally the `cancelled` event has arrived by now; if the stream is down, the answer
-    // tells how the reply ended.
-    if (!turn.final && result.final) {
-      const type = result.final.type ?? (result.state === "cancelled" ? "cancelled" : result.state);
-      applyEvent(turn, FINAL_TYPES.has(type) ? type : "cancelled", result.final);
-      persist();
-    }
+    await row.reply.stop();
   } catch (err) {
-    showBanner(`Could not stop the reply: ${describeError(err)}`, () => stopReply());
+    showBanner(`Could not stop the reply: ${describeError(err)}`, { label: "Retry", run: stopReply });
     ui.stop.disabled = false;
   }
 }
 
-// ---- sessions -------------------------------------------------------------------------------
-
-async function startNewSession() {
-  closeEvents();
-  chat.session = null;
-  chat.lastEventId = null;
-  chat.turns.clear();
-  chat.waiting = [];
-  chat.active = null;
-  ui.messages.replaceChildren();
-  ui.empty.hidden = false;
-  showModel("");
-  sessionStorage.removeItem(STORE_KEY);
+function replyEnded(row) {
+  if (chat.active === row) chat.active = null;
+  for (const other of chat.rows) {
+    if (other instanceof AssistantRow && other !== row && other.final) other.renderActions();
+  }
+  saveRun();
   updateComposer();
-  setConn("connecting");
-  const key = apiKey();
-  await refreshPicker();
-  const model = pickedModel();
+  refreshList();
+}
+
+// ---- where the stream was (reload resume) ---------------------------------------------------------
+
+function saveRun() {
+  const session = chat.session;
+  if (!session) return;
+  const runs = readStore(sessionStorage, RUN_STORE, {});
+  const row = chat.active;
+  const reply = row?.reply;
+  runs[session.id] = {
+    lastEventId: session.lastEventId,
+    // The running reply replays from its first event after a reload (`from`: the event
+    // before it), onto the text it continues when it is a continue.
+    running: reply && !reply.final
+      ? { gid: reply.generationId, kind: row.kind, base: row.base, from: reply.after }
+      : null,
+  };
+  writeStore(sessionStorage, RUN_STORE, runs);
+}
+
+// ---- conversations ----------------------------------------------------------------------------
+
+async function refreshList() {
   try {
-    const created = await api(
-      "POST",
-      "/v1/sessions",
-      model ? { model } : {},
-      key ? { Authorization: `Bearer ${key}` } : {},
-    );
-    hideKeyForm();
-    chat.session = { id: created.session_id, token: created.token };
-    persist();
-    openEvents(null); // a new session: its stream starts at its first event
-    showServedModel();
+    chat.conversations = await Session.list();
+  } catch (err) {
+    console.warn("could not list the conversations", err);
+    return;
+  }
+  const current = chat.session?.id;
+  ui.list.replaceChildren(...chat.conversations.map((c) => listItem(c, c.session_id === current)));
+  ui.listEmpty.hidden = chat.conversations.length > 0;
+  const about = chat.conversations.find((c) => c.session_id === current);
+  if (about) {
+    chat.about = about;
+    showTitle();
+  }
+}
+
+function listItem(conversation, current) {
+  const li = document.createElement("li");
+  li.className = "conversation";
+  li.dataset.sessionId = conversation.session_id;
+  const link = document.createElement("a");
+  link.href = `#${conversation.session_id}`;
+  link.className = "conversation-link";
+  link.textContent = conversation.title || "New chat";
+  if (current) link.setAttribute("aria-current", "page");
+  const rename = actionButton(`Rename “${link.textContent}”`, "edit", () => startRename(li, conversation));
+  const remove = document.createElement("button");
+  remove.type = "button";
+  remove.className = "action";
+  remove.dataset.action = "delete";
+  remove.setAttribute("aria-label", `Delete “${link.textContent}”`);
+  remove.title = "Delete";
+  remove.innerHTML = '<svg viewBox="0 0 24 24" aria-hidden="true"><path d="M5 7h14M10 7V4h4v3M7 7l1 13h8l1-13"/></svg>';
+  remove.addEventListener("click", () => confirmDelete(conversation));
+  li.append(link, rename, remove);
+  return li;
+}
+
+function startRename(li, conversation) {
+  const input = document.createElement("input");
+  input.type = "text";
+  input.value = conversation.title;
+  input.maxLength = 120;
+  input.className = "rename";
+  input.setAttribute("aria-label", "New title");
+  li.replaceChildren(input);
+  input.focus();
+  input.select();
+  let done = false;
+  const finish = async (save) => {
+    if (done) return;
+    done = true;
+    const title = input.value.trim();
+    if (save && title && title !== conversation.title) {
+      try {
+        await Session.open(conversation.session_id).update({ title });
+        announce(`Renamed to ${title}`);
+      } catch (err) {
+        showBanner(`Could not rename it: ${describeError(err)}`);
+      }
+    }
+    await refreshList();
+    ui.list.querySelector(`[data-session-id="${conversation.session_id}"] a`)?.focus();
+  };
+  input.addEventListener("keydown", (event) => {
+    if (event.key === "Enter") finish(true);
+    if (event.key === "Escape") {
+      event.stopPropagation();
+      finish(false);
+    }
+  });
+  input.addEventListener("blur", () => finish(true));
+}
+
+function confirmDelete(conversation) {
+  ui.deleteWhat.textContent = `“${conversation.title || "New chat"}” and its messages will be gone.`;
+  ui.confirmDelete.returnValue = "";
+  ui.confirmDelete.showModal();
+  ui.confirmDelete.onclose = async () => {
+    if (ui.confirmDelete.returnValue !== "delete") return;
+    try {
+      await Session.open(conversation.session_id).remove();
+      announce("Conversation deleted");
+    } catch (err) {
+      if (err.status !== 404) showBanner(`Could not delete it: ${describeError(err)}`);
+    }
+    if (chat.session?.id === conversation.session_id) newChat();
+    await refreshList();
+    ui.newChat.focus();
+  };
+}
+
+for (const dialog of [ui.confirmDelete, ui.settings]) {
+  // The page's CSP allows no form action: close dialogs here, with the button's value.
+  dialog.addEventListener("submit", (event) => {
+    event.preventDefault();
+    dialog.close(event.submitter?.value ?? "");
+  });
+}
+
+function showTitle() {
+  const title = chat.about?.title || "New chat";
+  ui.title.textContent = title;
+  document.title = `${title} · tokenspout`;
+  if (chat.about?.model && [...ui.picker.options].some((o) => o.value === chat.about.model)) {
+    ui.picker.value = chat.about.model;
+  }
+}
+
+function clearRows() {
+  ui.messages.replaceChildren();
+  chat.rows = [];
+  chat.active = null;
+  ui.empty.hidden = false;
+}
+
+function newChat() {
+  if (chat.session) chat.session.close();
+  chat.session = null;
+  chat.about = null;
+  clearRows();
+  if (location.hash) history.pushState(null, "", location.pathname + location.search);
+  showTitle();
+  setConn(ui.conn.dataset.state === "locked" ? "locked" : "connected");
+  ui.list.querySelectorAll("[aria-current]").forEach((a) => a.removeAttribute("aria-current"));
+  closeSidebar();
+  updateComposer();
+  ui.input.focus();
+}
+
+async function openConversation(id) {
+  if (chat.session?.id === id) return;
+  if (chat.session) chat.session.close();
+  const saved = readStore(sessionStorage, RUN_STORE, {})[id] ?? {};
+  const session = Session.open(id);
+  chat.session = null;
+  clearRows();
+  setConn("connecting"); // until its history is shown and its stream open
+  let view;
+  try {
+    view = await session.read();
+  } catch (err) {
+    if ([403, 404].includes(err.status)) {
+      newChat();
+      showBanner("That conversation is not there any more (deleted, or expired).");
+    } else {
+      showBanner(`Could not open the conversation. ${describeError(err)}`,
+        { label: "Retry", run: () => openConversation(id) });
+    }
+    return;
+  }
+  attach(session);
+  chat.about = { ...view, session_id: id };
+  showTitle();
+  showHistory(view.messages, saved.running);
+  // Resume where this tab was: a running reply from its first event; else new events only.
+  const running = saved.running;
+  session.connect(running ? running.from ?? null : saved.lastEventId ?? "$");
+  closeSidebar();
+  refreshList();
+  updateComposer();
+}
+
+function showHistory(messages, running) {
+  let shown = messages;
+  if (running && running.kind === "continue" && shown.length) {
+    // The reply it extends, as it was: the stream brings the continuation again.
+    shown = [...shown.slice(0, -1), { ...shown[shown.length - 1], content: running.base ?? "" }];
+  } else if (running) {
+    // A reply that ended while the page was away is in the history: the stream brings it again.
+    const lastUser = shown.map((m) => m.role).lastIndexOf("user");
+    shown = shown.slice(0, lastUser + 1);
+  }
+  for (const message of shown) {
+    if (message.role !== "user" && message.role !== "assistant") continue;
+    const row = message.role === "user" ? new UserRow(message.content) : new AssistantRow(message.content);
+    row.committed = true;
+    chat.rows.push(row);
+  }
+  const last = chat.rows[chat.rows.length - 1];
+  if (running && running.kind === "continue" && last instanceof AssistantRow) {
+    chat.active = last;
+    last.base = last.text;
+    last.kind = "continue";
+  } else if (running) {
+    chat.active = new AssistantRow();
+    chat.active.kind = running.kind;
+    chat.rows.push(chat.active);
+  }
+  for (const row of chat.rows) if (row instanceof AssistantRow) row.renderActions();
+  scrollToEnd(true);
+}
+
+// Redis lost the events after this tab's place (a restart without its data): the stream
+// would start over from the beginning; the conversation is shown again from its history,
+// and new events followed from now.
+async function reopen(session) {
+  if (chat.session !== session) return;
+  session.close();
+  chat.session = null;
+  const runs = readStore(sessionStorage, RUN_STORE, {});
+  delete runs[session.id];
+  writeStore(sessionStorage, RUN_STORE, runs);
+  showBanner("The gateway lost part of this conversation's events; it is shown from its " +
+    "saved history.");
+  await openConversation(session.id);
+}
+
+function onLost(detail) {
+  if (detail.status === 410) {
+    showBanner("Part of this conversation's events expired while the page was away; the saved " +
+      "conversation is shown.", { label: "Reload", run: () => location.reload() });
+  } else {
+    showBanner("This conversation is not there any more (deleted, or expired).",
+      { label: "New chat", run: newChat });
+  }
+}
+
+// ---- settings ---------------------------------------------------------------------------------
+
+function openSettings() {
+  const about = chat.about ?? defaults();
+  ui.system.value = about.system ?? "";
+  ui.temperature.value = String(about.temperature ?? 0.7);
+  ui.temperatureShown.textContent = ui.temperature.value;
+  ui.maxTokens.value = about.max_tokens ? String(about.max_tokens) : "";
+  ui.settingsError.hidden = true;
+  ui.settings.returnValue = "";
+  ui.settings.showModal();
+  ui.system.focus();
+}
+
+async function saveSettings() {
+  const maxTokens = ui.maxTokens.value ? Number.parseInt(ui.maxTokens.value, 10) : null;
+  const wanted = {
+    system: ui.system.value.trim() || null,
+    temperature: Number.parseFloat(ui.temperature.value),
+    max_tokens: Number.isFinite(maxTokens) ? maxTokens : null,
+  };
+  writeStore(localStorage, DEFAULTS_STORE, wanted); // the next new chat starts with them
+  if (!chat.session) {
+    chat.about = { ...(chat.about ?? {}), ...wanted };
+    return true;
+  }
+  try {
+    chat.about = await chat.session.update(wanted);
+    return true;
+  } catch (err) {
+    ui.settingsError.textContent = describeError(err);
+    ui.settingsError.hidden = false;
+    ui.settings.showModal();
+    return false;
+  }
+}
+
+async function loadModels() {
+  try {
+    const list = await request("", "GET", "/v1/models", { headers: keyHeaders() });
+    const roots = (list?.data ?? []).map((card) => card.root || card.id).filter(Boolean);
+    chat.models = [...new Set(roots)].sort();
   } catch (err) {
     if (err.status === 401) {
-      if (key) forgetApiKey();
-      askForKey(key ? "That API key was not accepted. Check it and try again." : "");
-    } else {
-      setConn(err.status === 0 ? "offline" : "reconnecting");
-      showBanner(`Could not start a conversation. ${describeError(err)}`, () => startNewSession());
+      askForKey(apiKey() ? "That API key was not accepted. Check it and try again." : "");
+      return false;
     }
+    console.warn("could not list the served models", err);
+    chat.models = [];
   }
-  updateComposer();
+  ui.picker.replaceChildren(...chat.models.map((model) => new Option(model, model)));
+  ui.picker.disabled = chat.models.length < 2;
+  showTitle();
+  return true;
 }
 
-// ---- API key --------------------------------------------------------------------------------
-
-// The key is kept in memory too, in case sessionStorage refuses it.
-function apiKey() {
-  return chat.apiKey ?? sessionStorage.getItem(API_KEY_STORE);
-}
+// ---- API key ----------------------------------------------------------------------------------
 
 function forgetApiKey() {
   chat.apiKey = null;
@@ -848,143 +527,141 @@ function forgetApiKey() {
 }
 
 function askForKey(problem) {
+  if (problem) forgetApiKey();
   setConn("locked");
   ui.keyError.textContent = problem;
   ui.keyError.hidden = !problem;
   ui.keyForm.hidden = false;
   ui.keyInput.focus();
+  updateComposer();
 }
 
-function hideKeyForm() {
-  ui.keyForm.hidden = true;
-  ui.keyError.hidden = true;
-  ui.keyInput.value = "";
-}
-
-ui.keyForm.addEventListener("submit", (event) => {
+ui.keyForm.addEventListener("submit", async (event) => {
   event.preventDefault();
   const key = ui.keyInput.value.trim();
   if (!key) return;
   chat.apiKey = key;
-  store(API_KEY_STORE, key);
   ui.keyInput.value = "";
-  ui.keyError.hidden = true;
-  hideBanner();
-  startNewSession();
+  if (await loadModels()) {
+    try {
+      sessionStorage.setItem(API_KEY_STORE, key); // this tab only, gone when it closes
+    } catch (err) {
+      console.warn("sessionStorage refused the key: it is kept in memory only", err);
+    }
+    ui.keyForm.hidden = true;
+    ui.keyError.hidden = true;
+    setConn("connected");
+    updateComposer();
+    ui.input.focus();
+    if (location.hash.length > 1) openConversation(location.hash.slice(1));
+  }
 });
 
-// Show the stored conversation. `partial` is the reply that was streaming when the page went
-// away ({gid, text, count, model, state}); its remaining events follow on the stream.
-async function loadHistory({ partial }) {
-  const view = await api("GET", `/v1/sessions/${encodeURIComponent(chat.session.id)}`);
-  ui.messages.replaceChildren();
-  chat.turns.clear();
-  chat.waiting = [];
-  chat.active = null;
-  let messages = view.messages;
-  // The partial reply's user message is the last user message; an assistant message after it
-  // is that same reply, finished while the page was away: the stream brings its end again.
-  const lastUser = messages.map((m) => m.role).lastIndexOf("user");
-  if (partial && lastUser >= 0) messages = messages.slice(0, lastUser + 1);
-  let prompt = null;
-  for (const message of messages) {
-    if (message.role === "user") {
-      prompt = message.content;
-      addUserMessage(message.content);
-    } else if (message.role === "assistant") {
-      const turn = new Turn(prompt);
-      turn.text = message.content;
-      turn.render();
-      turn.setState("settled");
-    }
-  }
-  if (partial) {
-    const turn = new Turn(prompt);
-    turn.bind(partial.gid);
-    turn.restore(partial);
-    turn.setState(partial.state === "waiting" ? "queued" : partial.state);
-    turn.render();
-    chat.active = turn;
-  }
-  ui.empty.hidden = ui.messages.childElementCount > 0;
-  scrollToEnd(true);
-}
-
-async function resume(saved) {
-  chat.session = { id: saved.id, token: saved.token };
-  chat.lastEventId = saved.lastEventId ?? null;
-  if (saved.model) showModel(saved.model);
-  setConn("connecting");
-  try {
-    await loadHistory({ partial: saved.active ?? null });
-  } catch (err) {
-    if (err.status === 401 || err.status === 403 || err.status === 404) {
-      await startNewSession();
-      showBanner("The previous conversation has expired. A new one was started.");
-      return;
-    }
-    setConn(err.status === 0 ? "offline" : "reconnecting");
-    showBanner(`Could not load the conversation. ${describeError(err)}`, () => resume(saved));
-    return;
-  }
-  updateComposer();
-  openEvents(chat.lastEventId);
-  showServedModel();
-  refreshPicker();
-}
-
-// ---- wiring ---------------------------------------------------------------------------------
+// ---- wiring -----------------------------------------------------------------------------------
 
 function autosize() {
   ui.input.style.height = "auto";
   ui.input.style.height = `${Math.min(ui.input.scrollHeight, 200)}px`;
 }
 
+function openSidebar() {
+  ui.app.dataset.sidebar = "open";
+  ui.scrim.hidden = false;
+  ui.openSidebar.setAttribute("aria-expanded", "true");
+  ui.newChat.focus();
+}
+
+function closeSidebar() {
+  if (ui.app.dataset.sidebar !== "open") return;
+  delete ui.app.dataset.sidebar;
+  ui.scrim.hidden = true;
+  ui.openSidebar.setAttribute("aria-expanded", "false");
+}
+
 ui.form.addEventListener("submit", (event) => {
   event.preventDefault();
   const text = ui.input.value;
-  if (busy() || !text.trim()) return;
+  if (busy() || !text.trim() || ui.conn.dataset.state === "locked") return;
   ui.input.value = "";
   autosize();
   sendMessage(text);
 });
-
 ui.input.addEventListener("keydown", (event) => {
   if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
     event.preventDefault();
     ui.form.requestSubmit();
   }
 });
-
 ui.input.addEventListener("input", () => {
   autosize();
   updateComposer();
 });
-
 ui.stop.addEventListener("click", () => stopReply());
-ui.picker.addEventListener("change", () => {
-  store(MODEL_STORE, ui.picker.value);
-  hideBanner();
-  startNewSession();
-  ui.input.focus();
-});
-ui.bannerClose.addEventListener("click", hideBanner);
 ui.newChat.addEventListener("click", () => {
   hideBanner();
-  startNewSession();
-  ui.input.focus();
+  newChat();
 });
-
+ui.bannerClose.addEventListener("click", hideBanner);
+ui.openSidebar.addEventListener("click", openSidebar);
+ui.closeSidebar.addEventListener("click", () => {
+  closeSidebar();
+  ui.openSidebar.focus();
+});
+ui.scrim.addEventListener("click", closeSidebar);
+ui.openSettings.addEventListener("click", openSettings);
+ui.settingsCancel.addEventListener("click", () => ui.settings.close("cancel"));
+ui.temperature.addEventListener("input", () => (ui.temperatureShown.textContent = ui.temperature.value));
+ui.settings.addEventListener("close", async () => {
+  if (ui.settings.returnValue === "save" && (await saveSettings())) announce("Settings saved");
+  if (!ui.settings.open) ui.openSettings.focus();
+});
+ui.picker.addEventListener("change", async () => {
+  const model = ui.picker.value;
+  if (!chat.session) return;
+  try {
+    chat.about = await chat.session.update({ model });
+    announce(`Replies now come from ${model}`);
+  } catch (err) {
+    showBanner(`Could not switch the model: ${describeError(err)}`);
+  }
+});
+window.addEventListener("hashchange", () => {
+  const id = location.hash.slice(1);
+  if (id) openConversation(id);
+  else if (chat.session) newChat();
+});
 window.addEventListener("offline", () => setConn("offline"));
-window.addEventListener("online", () => {
-  if (chat.source && chat.source.readyState === EventSource.OPEN) setConn("connected");
-  else if (chat.session && !chat.source) reconnect();
-});
 document.addEventListener("keydown", (event) => {
-  if (event.key === "Escape" && chat.active) stopReply();
+  if (event.key === "Escape" && chat.active && !document.querySelector("dialog[open]")) {
+    stopReply();
+  } else if (event.key === "Escape") {
+    closeSidebar();
+  }
+  if (event.ctrlKey && event.shiftKey && event.key.toLowerCase() === "o") {
+    event.preventDefault();
+    newChat();
+  }
 });
 
-const saved = loadSaved();
-if (saved) resume(saved);
-else startNewSession();
-ui.input.focus();
+Object.assign(turns, {
+  busy,
+  edit: editTurn,
+  regenerate,
+  continue: continueReply,
+  ended: replyEnded,
+});
+
+async function start() {
+  setConn("connecting");
+  ui.input.focus();
+  const unlocked = await loadModels();
+  const id = location.hash.slice(1);
+  // Connected: the conversation is shown and its stream open (its session says so), or,
+  // for a new chat, the gateway answered.
+  if (unlocked && id) await openConversation(id);
+  else if (unlocked) setConn("connected");
+  if (!id) refreshList();
+  updateComposer();
+}
+
+start();

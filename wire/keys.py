@@ -37,7 +37,12 @@ Redis layout (every key with a TTL, every stream capped):
     {prefix}:reaper-lock              string, PX: the gateway whose reaper runs now
     {prefix}:worker:{id}              hash, EX: a live worker's description (with the
                                       Redis client id of its lease connection)
-    {prefix}:{<sid>}:meta             hash: token digest, created, kind (chat | stateless)
+    {prefix}:owner:{digest}           sorted set session id -> last update (unix seconds):
+                                      the conversations of one owner (the web chat's
+                                      cookie, by its digest), TTL the session TTL, renewed
+    {prefix}:{<sid>}:meta             hash: token digest, created, kind (chat | stateless);
+                                      a conversation's owner digest, title, updated, and
+                                      settings (model, system, temperature, max_tokens)
     {prefix}:{<sid>}:history          list of ChatMessage JSON
     {prefix}:{<sid>}:events           stream of session events (the SSE ``id:`` is its entry id)
     {prefix}:{<sid>}:gen:{gid}        hash: generation state, worker (its owner), final
@@ -138,6 +143,10 @@ class Keys:
 
     def worker(self, worker_id: str) -> str:
         return f"{self.prefix}:worker:{worker_id}"
+
+    def owner(self, digest: str) -> str:
+        """The conversations of the owner whose secret has this digest (newest last)."""
+        return f"{self.prefix}:owner:{digest}"
 
     def _session(self, session_id: str) -> str:
         return f"{self.prefix}:{{{session_id}}}"

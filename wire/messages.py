@@ -12,7 +12,9 @@ Version 3: structured outputs, ``logit_bias`` and top logprobs in ``SamplingPara
 version-2 worker would ignore them and stream unconstrained text as if it were valid).
 Version 4: tenants (``GenerationRequest.tenant``) and a model's queue shared between them
 by the tokens each is served (wire/queue.py): a version-3 worker would never see a request
-waiting in a tenant's share of the queue.
+waiting in a tenant's share of the queue; and ``GenerationRequest.continue_final_message``
+(a version-3 worker would answer a new reply where the client asked it to extend the last
+one).
 """
 
 from __future__ import annotations
@@ -166,6 +168,17 @@ class GenerationRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     """The tenant (API key) the generation serves and is billed to: its model's queue
     shares the engine between tenants by the tokens each is served (docs/tenants.md);
     "": anonymous."""
+    continue_final_message: bool = False
+    """Version 4. The conversation ends with an assistant message the engine extends (vLLM's
+    ``continue_final_message``: no new turn is opened); the reply joins the history as
+    that message made longer, not as a message of its own."""
+
+    @property
+    def continued(self) -> str:
+        """The text of the assistant message this request extends ("" for a new reply)."""
+        if not self.continue_final_message or not self.messages:
+            return ""
+        return self.messages[-1].content
 
     @property
     def engine_request_id(self) -> str:

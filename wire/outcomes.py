@@ -110,6 +110,13 @@ class Limited(msgspec.Struct, frozen=True, tag="limited"):
     counts: Counts
 
 
+class BadTurn(msgspec.Struct, frozen=True, tag="bad_turn"):
+    """The history has nothing the turn can be: no user message at the ``edit`` index, none
+    to ``regenerate`` from, no assistant message last to ``continue``."""
+
+    kind: str
+
+
 SubmitReply = (
     Accepted
     | Admitted
@@ -120,6 +127,7 @@ SubmitReply = (
     | HistoryFull
     | OverCapacity
     | Limited
+    | BadTurn
 )
 
 

@@ -27,8 +27,9 @@ from redis.exceptions import RedisError, ResponseError
 
 from wire.connect import on_key_node
 from wire.keys import CONSUMER_GROUP, SHARED_KEY_TTL_S, FairNames, Keys, tenant_slot
+from wire.messages import GenerationRequest
 from wire.replies import StreamEntry, entries_of, text
-from wire.scripts import FairCharge, FairEnqueue, FairExpire, FairTake, Waiting
+from wire.scripts import FairCharge, FairEnqueue, FairExpire, FairTake, WaitingRequest
 
 Fields = Mapping[bytes, bytes] | Mapping[str, bytes]
 DEFAULT_STREAM_CAP = 5_120
@@ -42,11 +43,12 @@ def _missing(exc: RedisError) -> bool:
     return "no such key" in message or "nogroup" in message
 
 
-def estimated_tokens(request: bytes) -> int:
+def estimated_tokens(request: GenerationRequest) -> int:
     """What a request's prompt is charged when it leaves its tenant's list, before anyone
-    knows its tokens: a quarter of its size, as fair_take.lua reckons it (the worker charges
-    the difference once it has the prompt's tokens)."""
-    return len(request) // 4
+    knows its tokens: a quarter of its text, and a few tokens a message for the chat
+    template's markers (the worker charges the difference once it has the prompt's tokens)."""
+    text = sum(len(message.content) for message in request.messages) + len(request.prompt or "")
+    return text // 4 + 4 * len(request.messages)
 
 
 class ServedTokens:
@@ -135,25 +137,33 @@ class RequestQueue:
     # --- gateways and the reaper ---------------------------------------------------------
 
     def waiting(
-        self, request: bytes, *, tenant: str, weight: float, submitted: bytes | None = None
-    ) -> Waiting:
+        self,
+        request: bytes,
+        *,
+        estimate: int,
+        tenant: str,
+        weight: float,
+        submitted: bytes | None = None,
+    ) -> WaitingRequest:
         """A new request for ``tenant``'s list, whose share of the engine follows
-        ``weight``; ``submitted``: the note ``note_submitting`` made of it, crossed off with
-        it (a request is never crossed off without being queued)."""
-        return Waiting(
+        ``weight``, its prompt guessed at ``estimate`` tokens (``estimated_tokens``);
+        ``submitted``: the note ``note_submitting`` made of it, crossed off with it (a
+        request is never crossed off without being queued)."""
+        return WaitingRequest(
             self.fair.base,
             self.submitting_key,
             tenant_slot(tenant),
             weight,
             request,
+            estimate,
             submitted or b"",
         )
 
-    async def submit(self, waiting: Waiting) -> None:
+    async def submit(self, waiting: WaitingRequest) -> None:
         """Queue a new request in its tenant's list (one script call)."""
         await self._enqueue(waiting)
 
-    def submit_in(self, pipe: Pipeline, waiting: Waiting) -> None:
+    def submit_in(self, pipe: Pipeline, waiting: WaitingRequest) -> None:
         """``submit`` queued in ``pipe``: after what the caller queued there first on one
         Redis; on a cluster each node's part runs at once, so not after anything there.
         A bare EVALSHA: on NoScriptError the caller calls ``load_scripts`` and sends the

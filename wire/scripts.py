@@ -29,6 +29,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 from redis.commands.core import AsyncScript
 
+from wire.batched import Arg, BatchedCalls
 from wire.connect import is_cluster
 from wire.keys import CONSUMER_GROUP, SHARED_KEY_TTL_S, Keys
 from wire.limits import RUNNING_HOLD_S, Counts, LimitName, Limits
@@ -50,6 +51,7 @@ from wire.outcomes import (
     Accepted,
     Admitted,
     AlreadyFinal,
+    BadTurn,
     Busy,
     CancelAsked,
     CancelledQueued,
@@ -108,7 +110,6 @@ EMIT_EVENT = lua_source("emit_event")
 """Lua function ``emit_event``: one writer's event, checked (after ``EMIT_CORE``)."""
 
 
-Arg = str | bytes | int | float
 Bill = Literal["all", "completion", "none"]
 """What a generation's final event bills its tenant: prompt and completion tokens, the
 completion only (another choice of a request: the prompt is billed with choice 0), or
@@ -230,6 +231,8 @@ def submit_reply(reply: object) -> SubmitReply:
             return HistoryFull()
         case ["overloaded", scope, count]:
             return OverCapacity(scope, int(count))
+        case ["bad_turn", kind]:
+            return BadTurn(kind)
     raise ScriptReplyError(f"SUBMIT answered {reply!r}")
 
 
@@ -382,6 +385,8 @@ class Submit(Script):
     """Queue a generation in a session: message, limits, queued event (wire/lua/submit.lua)."""
 
     source = EMIT_CORE + FAIR_CORE + ADMIT_CORE + lua_source("submit")
+    _admitted: BatchedCalls | None = None
+    """``create_admitted``'s calls (one Redis only: admitting in the script needs it)."""
 
     async def __call__(
         self,
@@ -400,12 +405,15 @@ class Submit(Script):
         queue: str = "",
         tenant: str = "",
         bill: Bill = "all",
+        turn: str = "",
     ) -> SubmitReply:
         """``token_digest`` "": no token check. ``choice`` > 0: another choice of the turn
         just submitted (no ``user_message``): queued beside it, not the session's active
         generation. ``note``: its request without its conversation, kept with the
         generation with the ``queue`` it goes to (to queue it again, should Redis lose it).
-        ``tenant``: who it serves, billed ``bill`` when its final event is written."""
+        ``tenant``: who it serves, billed ``bill`` when its final event is written.
+        ``turn``: how it changes the history first (wire/lua/submit.lua: "" a new message,
+        ``edit <i>``, ``regenerate``, ``continue``)."""
         keys, args = self._keys_args(
             session_id,
             generation_id,
@@ -421,6 +429,7 @@ class Submit(Script):
             queue=queue,
             tenant=tenant,
             bill=bill,
+            turn=turn,
         )
         return submit_reply(await self._run(keys, args, None))
 
@@ -436,9 +445,13 @@ class Submit(Script):
 
     async def create_admitted(self, new: NewSession, admission: Admission) -> SubmitReply:
         """Admit a request (or answer ``OverCapacity``), make ``new`` and queue the request
-        after its generation, in one call on one Redis. That call is the whole round trip:
-        no pipeline (redis-py's costs about 20 us of CPU a call)."""
-        return submit_reply(await self._run(*self._new_session(new, admission), None))
+        after its generation, in one call on one Redis. A lone call is the whole round trip
+        (no pipeline: redis-py's costs about 20 us of CPU a call); the calls made while one
+        is under way (a burst) go together in one pipeline when it is back
+        (wire/batched.py)."""
+        if self._admitted is None:
+            self._admitted = BatchedCalls(self._redis, self._script, self.load)
+        return submit_reply(await self._admitted(*self._new_session(new, admission)))
 
     def _new_session(
         self, new: NewSession, admission: Admission | None
@@ -475,6 +488,7 @@ class Submit(Script):
         choice: int = 0,
         note: bytes = b"",
         queue: str = "",
+        turn: str = "",
         admission: Admission | None = None,
         tenant: str = "",
         bill: Bill = "all",
@@ -510,6 +524,7 @@ class Submit(Script):
             queue,
             tenant,
             bill,
+            turn,
             *admitting[1],
         ]
 
@@ -589,7 +604,7 @@ class HoldReaperLock(Script):
 
 
 @dataclass(frozen=True, slots=True)
-class Waiting:
+class WaitingRequest:
     """A request for its tenant's list of a model's queue (``FairEnqueue``)."""
 
     base: str
@@ -600,14 +615,23 @@ class Waiting:
     """Its slot (``wire.keys.tenant_slot``)."""
     weight: float
     request: bytes
+    estimate: int
+    """The tokens its prompt is guessed at (``wire.queue.estimated_tokens``): charged to its
+    tenant when it leaves the list; the worker charges the difference once it knows."""
     note: bytes = b""
     """The note of its submit to cross off with it (b"": none)."""
+
+    @property
+    def element(self) -> bytes:
+        """The request as its tenant's list holds it: its estimate, ``|``, the request
+        (fair_take.lua moves the estimate into the stream entry's ``e`` field)."""
+        return b"%d|%s" % (self.estimate, self.request)
 
     def keys_args(self) -> tuple[list[str], list[Arg]]:
         return [self.base, self.submitting], [
             self.tenant,
             self.weight,
-            self.request,
+            self.element,
             SHARED_KEY_TTL_S,
             self.note,
         ]
@@ -618,10 +642,10 @@ class FairEnqueue(Script):
 
     source = FAIR_CORE + lua_source("fair_enqueue")
 
-    async def __call__(self, waiting: Waiting) -> None:
+    async def __call__(self, waiting: WaitingRequest) -> None:
         await self._run(*waiting.keys_args(), None)
 
-    def enqueue_in(self, pipe: Pipeline, waiting: Waiting) -> None:
+    def enqueue_in(self, pipe: Pipeline, waiting: WaitingRequest) -> None:
         """``__call__`` queued in ``pipe`` (a bare EVALSHA: on NoScriptError, ``load`` and
         send it again)."""
         self._queue_evalsha(pipe, *waiting.keys_args())

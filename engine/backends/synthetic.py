@@ -22,6 +22,10 @@ and ``choice`` with its first string, a few characters a token, ending ``stop``;
 and ``grammar`` cannot be scripted and end the request with an ``error``. Logprobs: each
 token's own, and as top logprobs the token itself then other words, each less likely.
 
+A request that continues the conversation's last (assistant) message goes on with the
+script where that message's words end, so a reply and its continuation read exactly as
+one longer reply.
+
 Faults for tests, written into the message: ``[[fail:N]]`` fails the request after N tokens,
 ``[[stall]]`` stops producing tokens (the request stays running until aborted),
 ``[[crash:N]]`` ends the whole worker process after N tokens, ``[[crash:prepare]]`` while it
@@ -35,6 +39,7 @@ import json
 import logging
 import os
 import re
+import time
 import zlib
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -190,6 +195,7 @@ class SyntheticBackend(Backend):
         capacity: int = 256,
         prepare_delay_s: float = 0.0,
         model: str = "synthetic",
+        prepare_cpu_s: float = 0.0,
     ) -> None:
         self.model = model
         self.tokens_per_s = tokens_per_s
@@ -197,6 +203,9 @@ class SyntheticBackend(Backend):
         self.prepare_delay_s = prepare_delay_s
         """Time each request spends taken but not started (fault tests: a worker that dies
         holding requests it never started)."""
+        self.prepare_cpu_s = prepare_cpu_s
+        """CPU each prepare spends on the caller's event loop, as vLLM's chat template and
+        tokenizer do: a burst of requests is admitted one after another, as with vLLM."""
         self._runs: dict[str, _Run] = {}
         self._stepper: asyncio.Task[None] | None = None
         self._crashing = False
@@ -220,6 +229,8 @@ class SyntheticBackend(Backend):
             structured_reply(request.params.structured)  # one it cannot script ends here
         if CRASH_PREPARING in reply_words(request):
             os._exit(17)
+        if self.prepare_cpu_s:
+            spend_cpu(self.prepare_cpu_s)
         if self.prepare_delay_s:
             await asyncio.sleep(self.prepare_delay_s)
         done = request.resume.completion_tokens if request.resume else 0
@@ -340,6 +351,7 @@ class _Run:
         "gid",
         "index",
         "last",
+        "offset",
         "params",
         "pending",
         "script",
@@ -361,6 +373,8 @@ class _Run:
         self.fault_at = int(fault.group(2) or 0) if fault is not None else 0
         self.params = prepared.params
         self.index = prepared.resumed_tokens
+        self.offset = len(source.continued.split())
+        """Words of the message it continues: its script goes on after them."""
         self.last = self.index + prepared.params.max_tokens - 1
         self.text = source.resume.text if source.resume is not None else ""
         self.pending: list[Delta] = []
@@ -392,7 +406,7 @@ class _Run:
         if self.structured is not None:
             self._put(self._structured_delta(index))
             return True
-        token = scripted_token(self.script, index)
+        token = scripted_token(self.script, index + self.offset)
         piece, ids, logprobs = token.text, [token.id], [token.logprob]
         self.text += piece
         text = self.text
@@ -424,7 +438,7 @@ class _Run:
     def _put(self, delta: Delta) -> None:
         if delta.token_ids and self.params.logprobs:
             # One token a step: its text is the delta's (a stop string may have cut it).
-            index = self.index - 1
+            index = self.index - 1 + self.offset
             delta.tokens = [delta.text]
             top = self.params.top_logprobs
             if top:
@@ -442,6 +456,14 @@ class _Run:
         waiter = self.waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+
+def spend_cpu(seconds: float) -> None:
+    """Keep this thread busy for ``seconds`` of its own CPU time (time taken from it by
+    other processes does not count, as it would not for real work)."""
+    until = time.thread_time() + seconds
+    while time.thread_time() < until:
+        pass
 
 
 def _set_fields(params: SamplingParams, names: frozenset[str]) -> list[str]:

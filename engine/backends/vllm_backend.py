@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from engine.backends import vllm_api
 from engine.backends.base import Backend, BackendError, Delta, Prepared
 from wire import ChatMessage, GenerationRequest, StructuredOutput, Tools, TopLogprob
 
@@ -44,19 +45,19 @@ class VllmBackend(Backend):
         self.enforce_eager = enforce_eager
         self._engine: Any = None
         self._tokenizer: Any = None
+        self._running: set[str] = set()
+        """Requests handed to the engine whose output stream has not ended: a request
+        leaves the engine when its stream ends (finished, aborted, or closed early)."""
 
     async def start(self) -> None:
-        from vllm import AsyncEngineArgs, AsyncLLMEngine
-
-        args = AsyncEngineArgs(
-            model=self.model_path,
-            served_model_name=[self.model],
+        self._engine = vllm_api.start_engine(
+            self.model_path,
+            served_name=self.model,
             dtype=self.dtype,
             max_model_len=self.max_model_len,
             max_num_seqs=self.capacity,
             enforce_eager=self.enforce_eager,
         )
-        self._engine = AsyncLLMEngine.from_engine_args(args)
         self._tokenizer = self._engine.get_tokenizer()
 
     def tokenizer(self) -> Any:
@@ -80,9 +81,10 @@ class VllmBackend(Backend):
         else:
             messages = list(request.messages)
             tools = _template_tools(request.tools)
-            ids = self._chat_ids(messages, tools)
+            extend = request.continue_final_message
+            ids = self._chat_ids(messages, tools, extend)
             while len(ids) + min(request.params.max_tokens, 64) > budget and _drop_oldest(messages):
-                ids = self._chat_ids(messages, tools)
+                ids = self._chat_ids(messages, tools, extend)
         if len(ids) >= budget:
             raise BackendError(
                 "prompt_too_long",
@@ -127,27 +129,28 @@ class VllmBackend(Backend):
         )
 
     def _chat_ids(
-        self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None
+        self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None, extend: bool
     ) -> list[int]:
+        """The conversation's prompt: opening the assistant's next turn, or with ``extend``
+        ending inside its last message, which the reply continues (as vLLM's server does
+        for ``continue_final_message``)."""
         text = self._tokenizer.apply_chat_template(
             [_template_message(m) for m in messages],
             tools=tools,
             tokenize=False,
-            add_generation_prompt=True,
+            add_generation_prompt=not extend,
+            continue_final_message=extend,
         )
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
     async def generate(self, prepared: Prepared) -> AsyncGenerator[Delta, None]:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
         params = prepared.params
         room = self.max_model_len - len(prepared.prompt_token_ids)
         if room <= 0 or params.max_tokens <= 0:  # a takeover of a reply already at its end
             yield Delta("", finish_reason="length")
             return
         max_tokens = min(params.max_tokens, room)
-        sampling = SamplingParams(
+        sampling = vllm_api.sampling_params(
             n=1,
             max_tokens=max_tokens,
             temperature=params.temperature,
@@ -168,17 +171,19 @@ class VllmBackend(Backend):
             include_stop_str_in_output=params.include_stop_str_in_output,
             skip_special_tokens=params.skip_special_tokens,
             spaces_between_special_tokens=params.spaces_between_special_tokens,
-            output_kind=RequestOutputKind.DELTA,
         )
         prompt = {"prompt_token_ids": prepared.prompt_token_ids}
         top = params.top_logprobs
         outputs = self._engine.generate(prompt, sampling, prepared.generation_id)
+        self._running.add(prepared.generation_id)
         try:
             # Closed early (the worker stopped the run), vLLM's generator aborts the
             # request by the id vLLM gave it.
             async with contextlib.aclosing(outputs):
                 async for output in outputs:
                     completion = output.outputs[0]
+                    if output.finished:  # out of the engine (finished, or aborted)
+                        self._running.discard(prepared.generation_id)
                     delta = Delta(
                         completion.text,
                         list(completion.token_ids),
@@ -193,12 +198,14 @@ class VllmBackend(Backend):
             # A grammar or schema its structured-output backend cannot compile: the
             # client's to fix (the gateway checks what it can without the model).
             raise BackendError("invalid_constraint", f"the engine refused it: {exc}") from exc
+        finally:
+            self._running.discard(prepared.generation_id)
 
     async def abort(self, generation_id: str) -> None:
         await self._engine.abort(generation_id)
 
     def running(self) -> int:
-        return int(self._engine.get_num_unfinished_requests()) if self._engine else 0
+        return len(self._running)
 
 
 def _drop_oldest(messages: list[ChatMessage]) -> bool:
@@ -213,9 +220,7 @@ def _drop_oldest(messages: list[ChatMessage]) -> bool:
 def _structured(wanted: StructuredOutput | None) -> Any:
     if wanted is None:
         return None
-    from vllm.sampling_params import StructuredOutputsParams
-
-    return StructuredOutputsParams(
+    return vllm_api.structured_outputs(
         json=wanted.json,
         regex=wanted.regex,
         choice=wanted.choice,

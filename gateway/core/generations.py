@@ -29,9 +29,9 @@ from gateway.core.settings import Settings
 from wire import CancelSignal, GenerationRequest, Keys, SamplingParams
 from wire.limits import Limits
 from wire.outcomes import OverCapacity
-from wire.queue import RequestQueue
+from wire.queue import RequestQueue, estimated_tokens
 from wire.runtime import shared_read
-from wire.scripts import Admission, Waiting
+from wire.scripts import Admission, WaitingRequest
 
 CANCELS_MAXLEN = 10_000
 AT_FIELD = re.compile(r"at `\$\.([a-z_]+)")
@@ -73,12 +73,18 @@ class GenerationQueue:
             queue = self._queues[model] = RequestQueue(self.redis, self.keys, model)
         return queue
 
-    def waiting(self, model: str, request: GenerationRequest, note: bytes | None = None) -> Waiting:
+    def waiting(
+        self, model: str, request: GenerationRequest, note: bytes | None = None
+    ) -> WaitingRequest:
         """``request`` for its tenant's list of ``model``'s queue (all in one list, first
         come first served, with ``TOKENSPOUT_SCHEDULER=fifo``)."""
         tenant = request.tenant if self.settings.scheduler == "fair" else ""
         return self.of(model).waiting(
-            wire.encode(request), tenant=tenant, weight=self.weight_of(tenant), submitted=note
+            wire.encode(request),
+            estimate=estimated_tokens(request),
+            tenant=tenant,
+            weight=self.weight_of(tenant),
+            submitted=note,
         )
 
     def sampling(self, *, named: Mapping[str, str] | None = None, **given: Any) -> SamplingParams:
@@ -151,7 +157,7 @@ class GenerationQueue:
             target=models.index(model),
             limit=self.settings.max_inflight,
             model_limit=self.settings.max_inflight_per_model,
-            request=waiting.request,
+            request=waiting.element,
             tenant=waiting.tenant,
             weight=waiting.weight,
             limits=limits,

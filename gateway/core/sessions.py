@@ -27,7 +27,16 @@ from redis.exceptions import NoScriptError
 
 import wire
 from gateway.core.auth import tenant_directory
-from gateway.core.errors import BadRequest, Conflict, Forbidden, NotFound, Overloaded, Unavailable
+from gateway.core.conversations import Conversation, Conversations, ConversationSettings
+from gateway.core.errors import (
+    BadRequest,
+    Conflict,
+    Forbidden,
+    GatewayError,
+    NotFound,
+    Overloaded,
+    Unavailable,
+)
 from gateway.core.generations import GenerationQueue
 from gateway.core.ids import new_id, token_urlsafe
 from gateway.core.models import ModelDirectory
@@ -70,6 +79,20 @@ BUSY_RETRY_AFTER_S = 1
 a client that follows the session's stream knows exactly when it ends)."""
 
 
+class SessionMeta(msgspec.Struct, frozen=True):
+    """What a turn needs of its session: the model (checked live), who owns it and the
+    conversation's settings."""
+
+    model: str
+    owner: str | None
+    """The owner's digest (None: made without an owner cookie)."""
+    settings: ConversationSettings
+    by_owner: bool
+    """Authorised by the owner's cookie (not the session's token)."""
+    tenant: Tenant
+    """Whom its turns serve (the key that made it): gateway/core/tenancy.py."""
+
+
 class CreatedSession(msgspec.Struct, frozen=True):
     session_id: str
     token: str
@@ -96,6 +119,11 @@ class Turn:
     model: str
     tenant: Tenant
     generation_ids: list[str]
+    kind: str = ""
+    """How it changes the history first: "" a new message, ``edit <i>``, ``regenerate``,
+    ``continue`` (wire/lua/submit.lua)."""
+    system: str = ""
+    """The conversation's system prompt, sent to the engine first."""
 
 
 class KeptSession(msgspec.Struct, frozen=True):
@@ -156,6 +184,32 @@ def _unknown_session(session_id: str) -> NotFound:
     )
 
 
+def _conversation(system: str, history: list[ChatMessage]) -> list[ChatMessage]:
+    """What the engine gets: the conversation's system prompt, then its history."""
+    return [ChatMessage("system", system), *history] if system else history
+
+
+def _check_credentials(
+    session_id: str,
+    stored_token: str | None,
+    stored_owner: str | None,
+    token: str | None,
+    owner: str | None,
+) -> bool:
+    """404 for a session with no token stored (none), 403 unless ``token`` is its token or,
+    with no token given, ``owner`` is its owner's secret (a token given is what counts: a
+    wrong one is refused whatever cookie comes with it). Returns whether the owner's
+    secret was what matched."""
+    if stored_token is None:
+        raise _unknown_session(session_id)
+    if token is not None:
+        if hmac.compare_digest(stored_token, _digest(token)):
+            return False
+    elif owner and stored_owner and hmac.compare_digest(stored_owner, _digest(owner)):
+        return True
+    raise _bad_token()
+
+
 class SessionStore:
     def __init__(
         self, redis: aioredis.Redis, settings: Settings, observer: StoreObserver | None = None
@@ -172,13 +226,25 @@ class SessionStore:
         self._usage = UsageCounter(redis, self.keys)
         self.queue = GenerationQueue(redis, self.keys, settings, self.models)
         self.queue.weight_of = self.tenants.weight_of  # each key's share of a model's engine
+        self.conversations = Conversations(redis, self.keys, settings)
 
     # --- sessions ------------------------------------------------------------------------
 
-    async def create_session(self, model: str | None = None) -> CreatedSession:
-        """A session bound to ``model`` (a name or alias; None: the default model) for
-        its whole life, serving (and billed to) the key of the request that makes it."""
+    async def create_session(
+        self,
+        model: str | None = None,
+        owner: str | None = None,
+        settings: ConversationSettings | None = None,
+        title: str | None = None,
+    ) -> CreatedSession:
+        """A session bound to ``model`` (a name or alias; None: the default model) until a
+        change of its settings, serving (and billed to) the key of the request that makes
+        it; ``owner``: the owner cookie's secret, whose conversations it joins (409 past
+        ``TOKENSPOUT_MAX_CONVERSATIONS``)."""
         tenant = self.tenants.caller_tenant()
+        owner_digest = _digest(owner) if owner else None
+        if owner_digest:
+            await self.conversations.make_room(owner_digest)
         if model:
             resolved = await self.models.resolve(model)
         else:
@@ -190,50 +256,94 @@ class SessionStore:
                 resolved = ""  # no worker yet: the first message picks the default
         if resolved:
             self.tenants.check_model(tenant, model or resolved, resolved)
-        session_id, token = new_id("s"), token_urlsafe(32)
+        session_id, token, now = new_id("s"), token_urlsafe(32), time.time()
         meta = self.keys.meta(session_id)
-        fields = {
+        fields: dict[str, Any] = {
             "token": _digest(token),
-            "created": time.time(),
+            "created": now,
             "model": resolved,
             "tenant": tenant.id,
         }
+        fields.update(settings.fields() if settings else {})
+        if owner_digest:
+            fields["owner"] = owner_digest
+        if title:
+            fields["title"] = title
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(meta, mapping=fields)  # type: ignore[arg-type]
             pipe.expire(meta, self.settings.session_ttl_s)
             await pipe.execute()
+        if owner_digest:
+            await self.conversations.record(session_id, owner_digest, now)
         return CreatedSession(session_id, token, resolved or None)
 
-    async def session_route(self, session_id: str, token: str | None) -> tuple[str, Tenant]:
-        """The model of a session, checked live (404, 403, then the model's own errors),
-        and the tenant its turns serve (401 once its key is revoked, 403 when the key may
-        not use the model); a session created while no worker was alive takes the default
-        model now, for good."""
+    @staticmethod
+    def owner_digest(owner: str) -> str:
+        """What Redis keeps of an owner's secret (its conversations' index is named by it)."""
+        return _digest(owner)
+
+    async def session_meta(
+        self, session_id: str, token: str | None, owner: str | None = None
+    ) -> SessionMeta:
+        """What a turn needs of the session, authorised as ``authorise`` does; its model
+        checked live (then the model's own errors): a session created while no worker was
+        alive takes the default model now, for good; the tenant its turns serve (401 once
+        its key is revoked, 403 when the key may not use the model)."""
         meta = self.keys.meta(session_id)
-        stored_token, stored_model, tenant_id = await self.redis.hmget(
-            meta, ["token", "model", "tenant"]
-        )
-        if stored_token is None:
-            raise _unknown_session(session_id)
-        if token is None or not hmac.compare_digest(wire.text(stored_token), _digest(token)):
-            raise _bad_token()
-        tenant = self.tenants.of_session(wire.text(tenant_id) if tenant_id else None)
+        fields = ["token", "owner", "model", "tenant", "system", "temperature", "max_tokens"]
+        row = [None if v is None else wire.text(v) for v in await self.redis.hmget(meta, fields)]
+        stored_token, stored_owner, stored_model, tenant_id = row[:4]
+        by_owner = _check_credentials(session_id, stored_token, stored_owner, token, owner)
+        settings = ConversationSettings.of(dict(zip(fields[4:], row[4:], strict=True)))
+        tenant = self.tenants.of_session(tenant_id)
         if stored_model:
-            model = await self.models.resolve(wire.text(stored_model))
+            model = await self.models.resolve(stored_model)
         else:
             model = await self.models.resolve(None)
             await self.redis.hset(meta, "model", model)
         self.tenants.check_model(tenant, model, model)
-        return model, tenant
+        return SessionMeta(model, stored_owner, settings, by_owner, tenant)
 
-    async def authorise(self, session_id: str, token: str | None) -> None:
-        """404 for an unknown session, 403 for a missing or wrong token."""
-        stored = await self.redis.hget(self.keys.meta(session_id), "token")
-        if stored is None:
-            raise _unknown_session(session_id)
-        expected = stored.decode() if isinstance(stored, bytes) else str(stored)
-        if token is None or not hmac.compare_digest(expected, _digest(token)):
-            raise _bad_token()
+    async def authorise(
+        self, session_id: str, token: str | None, owner: str | None = None
+    ) -> str | None:
+        """404 for an unknown session, 403 unless the session's token or its owner's
+        cookie (``owner``) is given. Returns the session's owner digest (None: none)."""
+        stored_token, stored_owner = await self.redis.hmget(
+            self.keys.meta(session_id), ["token", "owner"]
+        )
+        expected = None if stored_token is None else wire.text(stored_token)
+        owner_digest = None if stored_owner is None else wire.text(stored_owner)
+        _check_credentials(session_id, expected, owner_digest, token, owner)
+        return owner_digest
+
+    async def change(
+        self,
+        session_id: str,
+        token: str | None,
+        owner: str | None,
+        fields: dict[str, str | None],
+    ) -> Conversation:
+        """Set a conversation's title or settings (``fields``: meta field -> value, None to
+        clear it; a ``model`` must be served: its own errors else)."""
+        owner_digest = await self.authorise(session_id, token, owner)
+        model = fields.get("model")
+        if model is not None:
+            fields = {**fields, "model": await self.models.resolve(model)}
+        set_fields = {name: value for name, value in fields.items() if value is not None}
+        unset = [name for name, value in fields.items() if value is None and name != "model"]
+        await self.conversations.change(session_id, owner_digest, set_fields, unset)
+        return await self.conversations.read(session_id)
+
+    async def delete(self, session_id: str, token: str | None, owner: str | None) -> None:
+        """Delete a session: its running generation is stopped first (its worker's events
+        are refused from then on: its generation's hash goes too)."""
+        owner_digest = await self.authorise(session_id, token, owner)
+        active = await self.redis.get(self.keys.active(session_id))
+        running = [wire.text(active)] if active is not None else []
+        for generation_id in running:
+            await self.cancel(session_id, generation_id)
+        await self.conversations.forget(session_id, owner_digest, running)
 
     async def history(self, session_id: str) -> list[ChatMessage]:
         raw = await self.redis.lrange(self.keys.history(session_id), 0, -1)
@@ -249,25 +359,56 @@ class SessionStore:
         params: SamplingParams,
         idempotency_key: str | None = None,
         n: int = 1,
+        *,
+        owner: str | None = None,
+        turn: str = "",
+        given: frozenset[str] = frozenset(),
     ) -> Submitted:
         """Append a user message to the session and queue the reply (``n`` replies: the
         first is the turn's and joins the history; the others are queued beside it).
 
-        Authorises like ``authorise`` (404, then 403), in the same round trip as the submit.
+        ``turn``: "" a new message; ``edit <i>``: it replaces history message ``i`` (a user
+        message) and everything after it; ``regenerate`` (no ``content``): the last user
+        message is answered again, its reply cut off; ``continue`` (no ``content``): the
+        last message, an assistant one, is extended. The conversation's settings fill the
+        sampling fields the request did not set (``given``), its system prompt goes first.
+        Authorises like ``authorise`` (404, then 403).
         """
-        self._check_content(content)
+        if turn in ("regenerate", "continue"):
+            content = ""
+        else:
+            self._check_content(content)
         if not 1 <= n <= self.settings.max_choices:
             raise BadRequest(
                 f"n must be between 1 and {self.settings.max_choices} (TOKENSPOUT_MAX_CHOICES)",
                 code="too_many_choices",
                 field="n",
             )
-        model, tenant = await self.session_route(session_id, token)
-        message = ChatMessage("user", content)
-        # No token never matches: a digest is never "-".
-        digest = _digest(token) if token is not None else "-"
-        turn = Turn(session_id, model, tenant, [new_id("g") for _ in range(n)])
-        return await self._submit_to_session(turn, message, params, idempotency_key, digest)
+        meta = await self.session_meta(session_id, token, owner)
+        params = self._with_settings(params, meta.settings, given)
+        message = ChatMessage("user", content) if content else None
+        # Checked again in the script. No token never matches: a digest is never "-"; an
+        # owner's cookie was checked just now (an owner never changes).
+        digest = "" if meta.by_owner else _digest(token) if token is not None else "-"
+        ids = [new_id("g") for _ in range(n)]
+        kind = Turn(session_id, meta.model, meta.tenant, ids, turn, meta.settings.system)
+        submitted = await self._submit_to_session(kind, message, params, idempotency_key, digest)
+        if submitted.queued_event_id is not None:
+            await self.conversations.touched(session_id, meta.owner, content)
+        return submitted
+
+    def _with_settings(
+        self, params: SamplingParams, settings: ConversationSettings, given: frozenset[str]
+    ) -> SamplingParams:
+        """``params`` with the conversation's temperature and max tokens where the request
+        left them to it (a lowered ``TOKENSPOUT_MAX_TOKENS_LIMIT`` still caps them)."""
+        changes: dict[str, Any] = {}
+        if settings.temperature is not None and "temperature" not in given:
+            changes["temperature"] = settings.temperature
+        if settings.max_tokens is not None and "max_tokens" not in given:
+            changes["max_tokens"] = min(settings.max_tokens, self.settings.max_tokens_limit)
+            changes["min_tokens"] = min(params.min_tokens, changes["max_tokens"])
+        return msgspec.structs.replace(params, **changes) if changes else params
 
     async def submit_stateless(
         self,
@@ -439,8 +580,10 @@ class SessionStore:
     ) -> Submitted:
         session_id, model, generation_id = turn.session_id, turn.model, turn.generation_ids[0]
         admitted = await self._admit_turn(turn, idempotency_key)
-        request = self._request(
-            session_id, generation_id, params, [], None, self.settings.session_ttl_s
+        request = msgspec.structs.replace(
+            self._request(session_id, generation_id, params, [], None, self.settings.session_ttl_s),
+            tenant=turn.tenant.id,
+            continue_final_message=turn.kind == "continue",
         )
         request = msgspec.structs.replace(request, tenant=turn.tenant.id)
         note = wire.encode(request)  # its messages: the history the script returns
@@ -458,6 +601,7 @@ class SessionStore:
                 max_history=self.settings.max_history_messages,
                 watch_ttl_s=self.watch_ttl_s,
                 tenant=turn.tenant.id,
+                turn=turn.kind,
             )
             accepted = self._accepted(turn, reply)
         except BaseException:
@@ -469,7 +613,9 @@ class SessionStore:
                 await self._give_back(turn.tenant, turn.generation_ids)
             await self._requeue_if_lost(session_id, model, accepted, params)
             return Submitted(accepted, session_id, None)
-        request = msgspec.structs.replace(request, messages=accepted.history)
+        request = msgspec.structs.replace(
+            request, messages=_conversation(turn.system, accepted.history)
+        )
         await self._enqueue_written(model, request, note)
         if self.observer is not None:
             self.observer.submitted(session_id, generation_id, accepted.queued_id, model)
@@ -495,31 +641,54 @@ class SessionStore:
 
     def _accepted(self, turn: Turn, reply: script.SubmitReply) -> script.Accepted | str:
         """SUBMIT's answer to a turn: accepted, or the generation an Idempotency-Key made
-        before (its id); every other answer as the gateway's error."""
+        before (its id); every other answer as the gateway's error (``_refusal``)."""
         match reply:
             case script.Accepted():
                 return reply
             case script.Duplicate(generation_id=earlier):
                 return earlier
+        raise self._refusal(reply, turn.session_id, turn.model)
+
+    def _refusal(self, reply: script.SubmitReply, session_id: str, model: str) -> GatewayError:
+        """What a client is told when SUBMIT refused a session turn."""
+        match reply:
             case script.SessionMissing():
-                raise _unknown_session(turn.session_id)
+                return _unknown_session(session_id)
             case script.Forbidden():
-                raise _bad_token()
+                return _bad_token()
             case script.Busy(generation_id=running):
-                raise Conflict(
+                return Conflict(
                     f"generation {running} is still running in this session",
                     code="generation_running",
                     retry_after_s=BUSY_RETRY_AFTER_S,
                 )
             case script.HistoryFull():
-                raise BadRequest(
+                return BadRequest(
                     f"the session holds {self.settings.max_history_messages} messages, the "
                     "limit set by TOKENSPOUT_MAX_HISTORY_MESSAGES; start a new session",
                     code="history_full",
                 )
-        if isinstance(reply, script.OverCapacity):  # not asked here (guard_capacity did)
-            raise self.queue.overloaded(reply, turn.model)
-        raise Unavailable(f"SUBMIT answered a session turn {reply!r}")  # never asked to
+            case script.OverCapacity():  # not asked to admit here (guard_capacity did)
+                return self.queue.overloaded(reply, model)
+            case script.BadTurn(kind="edit"):
+                return BadRequest(
+                    "edit must be the index of a user message of the history (GET "
+                    "/v1/sessions/{id} lists them)",
+                    code="bad_edit",
+                    field="edit",
+                )
+            case script.BadTurn(kind="regenerate"):
+                return Conflict(
+                    "the history has no user message to answer again: send a message",
+                    code="nothing_to_regenerate",
+                )
+            case script.BadTurn():
+                return Conflict(
+                    "the history does not end with an assistant message to continue: send "
+                    "a message",
+                    code="nothing_to_continue",
+                )
+        return Unavailable(f"SUBMIT answered {reply!r}")
 
     async def _give_back(
         self, tenant: Tenant, generation_ids: list[str], *, count_request: bool = True
@@ -717,10 +886,14 @@ class SessionStore:
 
     async def _with_turn(self, request: GenerationRequest) -> GenerationRequest:
         """``request`` with the conversation its turn answers: the session's history up to
-        its last user message (another choice of the turn may have added its reply since)."""
+        its last user message (another choice of the turn may have added its reply since),
+        or all of it for a turn that continues the last message; its system prompt first."""
         history = await self.history(request.session_id)
-        last_user = max((i for i, m in enumerate(history) if m.role == "user"), default=-1)
-        return msgspec.structs.replace(request, messages=history[: last_user + 1])
+        if not request.continue_final_message:
+            last_user = max((i for i, m in enumerate(history) if m.role == "user"), default=-1)
+            history = history[: last_user + 1]
+        system = await self.meta_field(request.session_id, "system")
+        return msgspec.structs.replace(request, messages=_conversation(system or "", history))
 
     def _request(
         self,

@@ -44,6 +44,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     max_history_messages: Annotated[
         int, _D(ge=2, description="Messages one session may hold; past it, 422.")
     ] = 200
+    max_conversations: Annotated[
+        int,
+        _D(
+            ge=1,
+            description="Conversations one browser (its owner cookie) keeps; past it, creating "
+            "one answers 409 `too_many_conversations` until one is deleted.",
+        ),
+    ] = 200
     max_message_chars: Annotated[
         int, _D(ge=1, description="Longest accepted message content, in characters.")
     ] = 32_000

@@ -15,7 +15,8 @@ import redis.asyncio as aioredis
 
 import wire
 from wire import GenerationRequest, Keys, SamplingParams
-from wire.queue import RequestQueue, ServedTokens, estimated_tokens
+from wire.queue import RequestQueue, ServedTokens
+from wire.scripts import WaitingRequest
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -38,9 +39,17 @@ def request(tenant: str, number: int, enqueued_at: float | None = None) -> bytes
     )
 
 
+ESTIMATE = 20
+"""What each test request's prompt is guessed at (``wire.queue.estimated_tokens``)."""
+
+
+def waiting(queue: RequestQueue, raw: bytes, tenant: str, weight: float = 1.0) -> WaitingRequest:
+    return queue.waiting(raw, estimate=ESTIMATE, tenant=tenant, weight=weight)
+
+
 async def submit(queue: RequestQueue, tenant: str, count: int, weight: float = 1.0) -> None:
     for number in range(count):
-        await queue.submit(queue.waiting(request(tenant, number), tenant=tenant, weight=weight))
+        await queue.submit(waiting(queue, request(tenant, number), tenant, weight))
 
 
 def tenant_of(entry: tuple[bytes, dict[bytes, bytes]]) -> str:
@@ -103,8 +112,9 @@ async def test_weights_share_the_tokens_served_in_their_ratio(redis: aioredis.Re
     for _ in range(140):
         (entry,) = await queue.take("w", 1, 10, served)
         tenant = tenant_of(entry)
-        # The take charged an estimate of its prompt; the worker corrects it, then serves.
-        served.add(tenant, 100 - estimated_tokens(entry[1][b"r"]))
+        # The take charged its prompt's estimate; the worker corrects it, then serves.
+        assert int(entry[1][b"e"]) == ESTIMATE
+        served.add(tenant, 100 - ESTIMATE)
         tokens[tenant] += 100
     total = sum(tokens.values())
     for tenant, weight in weights.items():
@@ -152,9 +162,9 @@ async def test_requests_past_the_deadline_are_taken_out_of_the_lists(
     queue = await fresh_queue(redis)
     old = time.time() - 60
     for number in range(3):
-        await queue.submit(queue.waiting(request("a", number, old), tenant="a", weight=1))
-    await queue.submit(queue.waiting(request("a", 9), tenant="a", weight=1))
-    await queue.submit(queue.waiting(request("b", 0, old), tenant="b", weight=1))
+        await queue.submit(waiting(queue, request("a", number, old), "a"))
+    await queue.submit(waiting(queue, request("a", 9), "a"))
+    await queue.submit(waiting(queue, request("b", 0, old), "b"))
     expired = await queue.expire_waiting(time.time() - 30, most=10)
     assert sorted(
         msgspec.json.decode(raw, type=GenerationRequest).generation_id for raw in expired

@@ -60,3 +60,13 @@ async def test_stop_ends_the_stepping_loop_an_aborted_run_left_asleep() -> None:
     began = time.monotonic()
     await backend.stop()
     assert not stepping() and time.monotonic() - began < PERIOD_S / 4
+
+
+async def test_a_prepare_spends_its_cpu_on_the_event_loop() -> None:
+    """``prepare_cpu_s``: each prepare holds the caller's thread for that much CPU, so a
+    burst is admitted one request after another, as vLLM's chat template and tokenizer do."""
+    backend = SyntheticBackend(1000, prepare_cpu_s=0.005)
+    request = GenerationRequest("g", "s", SamplingParams(max_tokens=1), [ChatMessage("user", "x")])
+    began = time.thread_time()
+    await asyncio.gather(*(backend.prepare(request) for _ in range(20)))
+    assert time.thread_time() - began >= 20 * 0.005

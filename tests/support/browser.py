@@ -12,7 +12,8 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 from playwright.async_api import Browser, Locator, Page, async_playwright
 
@@ -27,7 +28,11 @@ CHROMIUM_ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
-STORE_KEY = "tokenspout.chat.v1"
+DEFAULTS_STORE = "tokenspout.defaults.v1"
+"""Where the page keeps the settings a new chat starts with (max tokens, say)."""
+AXE = Path(__file__).resolve().parent.parent / "data" / "axe-core" / "axe.min.js"
+DESKTOP = {"width": 1100, "height": 760}
+PHONE = {"width": 375, "height": 740}
 
 
 @asynccontextmanager
@@ -49,6 +54,8 @@ class ChatPage:
     page: Page
     errors: list[str]
     """Uncaught exceptions of the page's scripts (a test asserts there are none)."""
+    view: str = "desktop-light"
+    """Its width and theme, for the names of its screenshots."""
 
     @classmethod
     async def open(
@@ -60,20 +67,29 @@ class ChatPage:
         connected: bool = True,
         requests: list[str] | None = None,
         init_script: str | None = None,
+        color_scheme: Literal["light", "dark"] = "light",
+        path: str = "/",
     ) -> ChatPage:
-        """The page at ``url``; with ``connected``, once its event stream is open. Every URL
-        the page requests is appended to ``requests``; ``init_script`` runs before the
-        page's own scripts."""
-        context = await browser.new_context(viewport=viewport or {"width": 1000, "height": 760})
+        """The page at ``url`` (a fresh browser profile: a new owner); with ``connected``,
+        once it can send. ``max_tokens``: the settings a new chat starts with (the page's
+        own, kept in localStorage). Every URL the page requests is appended to
+        ``requests``; ``init_script`` runs before the page's own scripts."""
+        context = await browser.new_context(viewport=viewport or DESKTOP, color_scheme=color_scheme)
+        await context.grant_permissions(["clipboard-read", "clipboard-write"])
         page = await context.new_page()
         errors: list[str] = []
         page.on("pageerror", lambda exc: errors.append(str(exc)))
         if requests is not None:
             page.on("request", lambda request: requests.append(request.url))
+        if max_tokens:
+            defaults = json.dumps({"max_tokens": max_tokens})
+            await page.add_init_script(
+                f"localStorage.getItem({json.dumps(DEFAULTS_STORE)}) ?? "
+                f"localStorage.setItem({json.dumps(DEFAULTS_STORE)}, {json.dumps(defaults)})"
+            )
         if init_script is not None:
             await page.add_init_script(init_script)
-        query = f"?max_tokens={max_tokens}" if max_tokens else ""
-        await page.goto(f"{url}/{query}")
+        await page.goto(f"{url}{path}")
         chat = cls(page, errors)
         if connected:
             await chat.wait_connected()
@@ -96,7 +112,8 @@ class ChatPage:
 
     async def reply_text(self, index: int = -1) -> str:
         reply = self.replies.nth(index) if index >= 0 else self.last_reply
-        return await reply.locator(".content").text_content() or ""
+        # Markdown's blocks end in a line break (text between the elements): not the text.
+        return (await reply.locator(".content").text_content() or "").strip()
 
     async def reply_state(self, index: int = -1) -> str:
         reply = self.replies.nth(index) if index >= 0 else self.last_reply
@@ -135,17 +152,51 @@ class ChatPage:
     async def conn_state(self) -> str:
         return await self.page.get_attribute("#conn", "data-state") or ""
 
-    async def saved(self) -> dict[str, Any]:
-        raw = await self.page.evaluate(f"sessionStorage.getItem({json.dumps(STORE_KEY)})")
-        assert raw, "the page keeps no session in sessionStorage"
-        saved: dict[str, Any] = json.loads(raw)
-        return saved
+    async def session_id(self) -> str:
+        """The open conversation's session (the page's address names it)."""
+        session_id = str(await self.page.evaluate("location.hash.slice(1)"))
+        assert session_id.startswith("s_"), session_id
+        return session_id
+
+    async def status(self, index: int = -1) -> str:
+        """The line under a reply (stopped, failed, its limit reached), "" for none."""
+        reply = self.replies.nth(index) if index >= 0 else self.last_reply
+        status = reply.locator(".status")
+        return "" if await status.is_hidden() else await status.text_content() or ""
 
     async def stats(self) -> dict[str, str | None]:
-        stats = self.last_reply.locator(".stats")
+        """The last reply's figures (in its details, one click away)."""
+        details = self.last_reply.locator(".details")
         return {
-            "text": await stats.text_content(),
-            "ttft_ms": await stats.get_attribute("data-ttft-ms"),
-            "tokens_per_s": await stats.get_attribute("data-tokens-per-s"),
-            "model": await self.page.text_content("#model-name"),
+            "text": await details.text_content(),
+            "ttft_ms": await details.get_attribute("data-ttft-ms"),
+            "tokens_per_s": await details.get_attribute("data-tokens-per-s"),
+            "model": await self.page.input_value("#model-picker"),
         }
+
+    async def action(self, name: str, index: int = -1) -> Locator:
+        """A message's action button by its label (Copy reply, Regenerate reply, ...)."""
+        row = (
+            self.page.locator("li.msg").nth(index)
+            if index >= 0
+            else self.page.locator("li.msg").last
+        )
+        return row.get_by_role("button", name=name, exact=True)
+
+    async def conversations(self) -> list[str]:
+        """The titles in the conversation list, as shown (newest first)."""
+        return await self.page.locator("#conversations .conversation-link").all_text_contents()
+
+    async def axe(self) -> list[dict[str, Any]]:
+        """axe-core's violations of serious or critical impact on the page as it is now."""
+        if not await self.page.evaluate("typeof window.axe === 'object'"):
+            # Evaluated by the DevTools protocol: the page's CSP (no inline script) stays on.
+            await self.page.evaluate(AXE.read_text() + "\n;undefined")
+        found = await self.page.evaluate(
+            """async () => (await axe.run(document, {resultTypes: ["violations"]})).violations
+                .filter((v) => v.impact === "serious" || v.impact === "critical")
+                .map((v) => ({id: v.id, impact: v.impact, help: v.help,
+                              nodes: v.nodes.map((n) => n.target.join(" ")).slice(0, 5)}))"""
+        )
+        assert isinstance(found, list)
+        return found

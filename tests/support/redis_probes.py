@@ -169,11 +169,13 @@ async def lease_trusted(redis_url: str) -> None:
 
 
 async def waiting_requests(redis: aioredis.Redis, keys: Keys, model: str) -> list[bytes]:
-    """The requests waiting in ``model``'s tenants' lists (wire/queue.py), every tenant's."""
+    """The requests waiting in ``model``'s tenants' lists (wire/queue.py), every tenant's
+    (each list entry is '<estimate>|<request>': the requests alone)."""
     names = FairNames(keys.fair(model))
     waiting: list[bytes] = []
     for tenant in await redis.zrange(names.ready, 0, -1):
-        waiting += await redis.lrange(names.waiting(wire.text(tenant)), 0, -1)
+        entries = await redis.lrange(names.waiting(wire.text(tenant)), 0, -1)
+        waiting += [entry.partition(b"|")[2] for entry in entries]
     return waiting
 
 

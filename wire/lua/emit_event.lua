@@ -2,7 +2,8 @@
 -- EMIT_STEP (every event of an engine step). Loaded after emit_core.lua.
 -- keys: events, gen, active, history (the last two only read for a final event)
 -- writer: the worker's id ('' for a gateway: no ownership check); final_state: '' unless
--- the event ends its generation; assistant: the message JSON for the history ('' none);
+-- the event ends its generation; assistant: the message JSON for the history ('' none; it
+-- replaces the last one for a turn that continues it);
 -- seq: the writer's 1, 2, 3... for this generation (nil: no check); epoch: the takeover its
 -- request carries.
 -- Returns the entry id, or false when the generation already ended (or expired), or the
@@ -51,7 +52,15 @@ local function emit_event(events, gen, active, history, channel, maxlen, ttl, et
   if final_state ~= '' then
     finish(gen, active, gid, final_state, id, data, ttl)
     if assistant ~= '' then
-      redis.call('RPUSH', history, assistant)
+      -- A continued reply (its turn's note says so) makes the history's last message, the
+      -- one it extends, longer: the session was busy meanwhile, so that is still the one.
+      local note = redis.call('HGET', gen, 'note')
+      if note and cjson.decode(note).continue_final_message and
+          redis.call('LLEN', history) > 0 then
+        redis.call('LSET', history, -1, assistant)
+      else
+        redis.call('RPUSH', history, assistant)
+      end
       redis.call('EXPIRE', history, ttl)
     end
     redis.call('EXPIRE', events, ttl)

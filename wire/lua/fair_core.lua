@@ -23,13 +23,16 @@ end
 
 -- A request waits at the end of its tenant's list. A tenant that had none waiting is lifted
 -- to the smallest counter of those waiting (none waiting: the counter of the tenant served
--- last), so a tenant cannot bank credit while it sends nothing.
+-- last), so a tenant cannot bank credit while it sends nothing; lifted, it goes a thousandth
+-- of a token below that counter, so it is next rather than behind the tie (a light tenant
+-- that comes back waits for one free slot, not two).
 local function fair_enqueue(base, tenant, weight, request, ttl)
   local list, ready, vtc = base .. ':t:' .. tenant, base .. ':ready', base .. ':vtc'
   if redis.call('RPUSH', list, request) == 1 then
     local counter = tonumber(redis.call('HGET', vtc, tenant) or '0')
     local lowest = redis.call('ZRANGE', ready, 0, 0, 'WITHSCORES')[2]
     local floor = tonumber(lowest or redis.call('HGET', base, 'floor') or '0')
+    if lowest then floor = floor - 0.001 end
     if floor > counter then
       counter = floor
       redis.call('HSET', vtc, tenant, counter)

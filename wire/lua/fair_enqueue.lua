@@ -1,5 +1,6 @@
 -- KEYS: the model's fair base (Keys.fair), its queue's notes of submits (Keys.submitting)
--- ARGV: tenant (its FairNames slot), weight, request (the queue entry's 'r'), TTL, the note
+-- ARGV: tenant (its FairNames slot), weight, the list entry ('<estimate>|<request>':
+--       WaitingRequest.element), TTL, the note
 --       of the submit to cross off ('' for none: RequestQueue.note_submitting)
 -- Queues a request in its tenant's list (fair_enqueue, wire/lua/fair_core.lua); a worker
 -- moves it into the requests stream when its turn comes (FAIR_TAKE). The note goes only

@@ -11,11 +11,12 @@ for _, tenant in ipairs(redis.call('ZRANGE', ready, 0, -1)) do
   while #expired < most do
     local head = redis.call('LINDEX', list, 0)
     if not head then break end
-    local queued_at = tonumber(cjson.decode(head)['enqueued_at'] or deadline)
+    local request = string.sub(head, string.find(head, '|', 1, true) + 1)
+    local queued_at = tonumber(cjson.decode(request)['enqueued_at'] or deadline)
     if queued_at >= deadline then break end
     redis.call('LPOP', list)
     redis.call('HINCRBY', base, 'waiting', -1)
-    table.insert(expired, head)
+    table.insert(expired, request)
   end
   if redis.call('LLEN', list) == 0 then redis.call('ZREM', ready, tenant) end
 end

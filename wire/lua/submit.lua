@@ -11,6 +11,9 @@
 --       tenant (who it serves and is billed to: kept with the generation, whose final event
 --       counts its usage, usage_core.lua), bill ('all', 'completion': another choice of a
 --       request, its prompt billed once; 'none': tokenize, detokenize),
+--       turn ('': a new message; 'edit <i>': history message i, a user message, and all
+--       after it are cut before the new one; 'regenerate': the history is cut after its
+--       last user message; 'continue': its last message, an assistant one, is extended),
 --       then, only to admit and queue it here: the in-flight limit, the model's own
 --       limit (0: none), the model's queue's place among KEYS[8..], the request, the
 --       queues' TTL, the workers' consumer group, the request's tenant (its slot
@@ -25,9 +28,10 @@
 --         | {'busy', gid} | {'history_full'} | {'overloaded', 'all' or 'model', count}
 --         | {'admitted', queued id, counts...} | {'limited', counts...} (the tenant's
 --         limits admitted here: admit_tenant's answer)
+--         | {'bad_turn', 'edit' or 'regenerate' or 'continue'} (the history has no such turn)
 -- A session made here is fresh (a new random id): nothing to look up in it, no history.
-local admit = ARGV[18] ~= nil
-local target = admit and tonumber(ARGV[20]) or 0
+local admit = ARGV[19] ~= nil
+local target = admit and tonumber(ARGV[21]) or 0
 if admit then
   -- A queue's requests in flight: not yet taken (its group's lag; nil after a trim: 0)
   -- and taken but not acknowledged (pending); with no group yet, all it holds; with no
@@ -43,7 +47,7 @@ if admit then
         elseif field == 'lag' then lag = group[i + 1]
         elseif field == 'pending' then pending = group[i + 1] end
       end
-      if name == ARGV[23] then return (tonumber(lag) or 0) + pending + fair_waiting(queue) end
+      if name == ARGV[24] then return (tonumber(lag) or 0) + pending + fair_waiting(queue) end
     end
     return redis.call('XLEN', queue) + fair_waiting(queue)
   end
@@ -53,17 +57,17 @@ if admit then
     all = all + count
     if i - 7 == target then of_model = count end
   end
-  if all >= tonumber(ARGV[18]) then return {'overloaded', 'all', all} end
-  local model_limit = tonumber(ARGV[19])
+  if all >= tonumber(ARGV[19]) then return {'overloaded', 'all', all} end
+  local model_limit = tonumber(ARGV[20])
   if model_limit > 0 and of_model >= model_limit then return {'overloaded', 'model', of_model} end
 end
 -- One Redis holds the tenant's keys too: its limits are admitted in this round trip. A
 -- fresh session refuses nothing after this, so nothing admitted is given back.
 local counts = nil
-if admit and ARGV[26] then
-  counts = admit_tenant(tenant_base(KEYS[4], ARGV[16]), ARGV[4], ARGV[26] == '1',
-                        tonumber(ARGV[27]), tonumber(ARGV[28]), tonumber(ARGV[29]),
-                        tonumber(ARGV[30]), tonumber(ARGV[31]))
+if admit and ARGV[27] then
+  counts = admit_tenant(tenant_base(KEYS[4], ARGV[16]), ARGV[4], ARGV[27] == '1',
+                        tonumber(ARGV[28]), tonumber(ARGV[29]), tonumber(ARGV[30]),
+                        tonumber(ARGV[31]), tonumber(ARGV[32]))
   if counts[1] ~= 'ok' then return {'limited', unpack(counts)} end
 end
 local create = ARGV[12] == '1'
@@ -86,6 +90,25 @@ if not companion and not create then
   local running = redis.call('GET', KEYS[3])
   if running then return {'busy', running} end
 end
+local turn = ARGV[18]
+if turn ~= '' then
+  local history = redis.call('LRANGE', KEYS[2], 0, -1)
+  local function role(i) return cjson.decode(history[i]).role end  -- i from 1
+  if turn == 'continue' then
+    if #history == 0 or role(#history) ~= 'assistant' then return {'bad_turn', turn} end
+  elseif turn == 'regenerate' then
+    local last = 0
+    for i = #history, 1, -1 do
+      if role(i) == 'user' then last = i break end
+    end
+    if last == 0 then return {'bad_turn', turn} end
+    redis.call('LTRIM', KEYS[2], 0, last - 1)
+  else
+    local at = tonumber(string.match(turn, '^edit (%d+)$'))
+    if not at or at >= #history or role(at + 1) ~= 'user' then return {'bad_turn', 'edit'} end
+    if at == 0 then redis.call('DEL', KEYS[2]) else redis.call('LTRIM', KEYS[2], 0, at - 1) end
+  end
+end
 if ARGV[5] ~= '' then
   if redis.call('LLEN', KEYS[2]) >= tonumber(ARGV[7]) then return {'history_full'} end
   redis.call('RPUSH', KEYS[2], ARGV[5])
@@ -104,7 +127,7 @@ local id = emit(KEYS[5], KEYS[4], ARGV[1], ARGV[2], ttl, 'queued', ARGV[4], ARGV
 redis.call('EXPIRE', KEYS[1], ttl)
 redis.call('EXPIRE', KEYS[5], ttl)
 if admit then  -- after its generation, so no worker finds a request with none
-  fair_enqueue('{' .. KEYS[7 + target] .. '}:fair', ARGV[24], ARGV[25], ARGV[21], ARGV[22])
+  fair_enqueue('{' .. KEYS[7 + target] .. '}:fair', ARGV[25], ARGV[26], ARGV[22], ARGV[23])
 end
 local reply = {'ok', id}
 if counts then reply = {'admitted', id, unpack(counts)} end

@@ -2,24 +2,38 @@
 
 EventSource can only GET and cannot send headers, so the session token is also accepted as
 ``?token=`` and the resume point as ``?last_event_id=`` (besides the ``Last-Event-ID`` header).
+A browser's owner cookie (gateway/apis/sessions/owner.py) authorises its own sessions as
+their tokens do, and lists, renames, sets and deletes them.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import msgspec
-from litestar import Controller, get, post
+from litestar import Controller, Response, delete, get, patch, post
 from litestar.connection import Request
+from litestar.di import Provide
 from litestar.params import HeaderParameter, QueryParameter
 from litestar.response import Stream
 
+from gateway.apis.sessions.owner import (
+    ConversationChange,
+    ConversationList,
+    MaxTokens,
+    Temperature,
+    creation_settings,
+    new_owner_cookie,
+    owner_of,
+)
 from gateway.apis.sessions.sampling import SamplingIn
 from gateway.core.auth import api_key_check
+from gateway.core.conversations import Conversation, check_title
 from gateway.core.errors import EventsExpired, EventsLost, SessionLost
 from gateway.core.relay import RelayHub
-from gateway.core.sessions import SessionStore
+from gateway.core.sessions import SessionStore, Submitted
 from gateway.core.settings import Settings
 from gateway.server import sse
 from wire import ChatMessage, FinalEvent, final_state
@@ -29,11 +43,24 @@ AnyRequest = Request[Any, Any, Any]
 
 class MessageIn(SamplingIn, frozen=True, forbid_unknown_fields=True):
     content: str
+    edit: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    """The index (in ``GET``'s ``messages``) of the user message this one replaces: the
+    history is cut back to before it, then this message and its reply follow."""
+
+
+class TurnIn(SamplingIn, frozen=True, forbid_unknown_fields=True):
+    """A regenerate or continue: no content, the sampling fields as for a message."""
 
 
 class SessionIn(msgspec.Struct, forbid_unknown_fields=True):
     model: str | None = None
     """A model name or alias; left out: the default model. The session keeps it."""
+    title: str | None = None
+    system: str | None = None
+    """The conversation's system prompt (the engine gets it first, every turn)."""
+    temperature: Temperature | None = None
+    """The conversation's temperature, for the turns that set none."""
+    max_tokens: MaxTokens | None = None
 
 
 class SessionCreated(msgspec.Struct):
@@ -57,6 +84,12 @@ class GenerationAccepted(msgspec.Struct):
 class SessionView(msgspec.Struct):
     session_id: str
     messages: list[ChatMessage]
+    title: str = ""
+    model: str | None = None
+    system: str = ""
+    temperature: float | None = None
+    max_tokens: int | None = None
+    updated: float = 0.0
 
 
 class CancelResult(msgspec.Struct):
@@ -67,6 +100,9 @@ class CancelResult(msgspec.Struct):
 
 TokenQuery = Annotated[str | None, QueryParameter(name="token", required=False)]
 TokenHeader = Annotated[str | None, HeaderParameter(name="X-Session-Token", required=False)]
+IdempotencyKey = Annotated[
+    str | None, HeaderParameter(name="Idempotency-Key", required=False, max_length=128)
+]
 
 
 def session_token(request: AnyRequest, query: str | None, header: str | None) -> str | None:
@@ -78,83 +114,158 @@ def session_token(request: AnyRequest, query: str | None, header: str | None) ->
     return query
 
 
+@dataclass(frozen=True, slots=True)
+class Credentials:
+    """What a request about a session shows: its token, and the owner cookie's secret."""
+
+    token: str | None
+    owner: str | None
+
+
+async def credentials_of(
+    request: AnyRequest, token: TokenQuery, x_session_token: TokenHeader
+) -> Credentials:
+    return Credentials(session_token(request, token, x_session_token), owner_of(request))
+
+
 class SessionController(Controller):
     path = "/v1/sessions"
     tags = ["sessions"]
+    dependencies = {"credentials": Provide(credentials_of)}
 
     @post("/", status_code=201, summary="Create a session", before_request=api_key_check)
-    async def create(self, store: SessionStore, data: SessionIn | None = None) -> SessionCreated:
+    async def create(
+        self,
+        request: AnyRequest,
+        store: SessionStore,
+        settings: Settings,
+        data: SessionIn | None = None,
+    ) -> Response[SessionCreated]:
         """With API keys configured, wants ``Authorization: Bearer <key>`` (else 401). The
         body (optional) names the model: 404 ``model_not_found`` for a name no worker
-        serves, 503 ``model_unavailable`` when its workers all left."""
-        created = await store.create_session(data.model if data is not None else None)
-        return SessionCreated(
+        serves, 503 ``model_unavailable`` when its workers all left; and the
+        conversation's title and settings. A request without an owner cookie gets one."""
+        given = data or SessionIn()
+        owner, cookies = owner_of(request), []
+        if owner is None:
+            owner, cookie = new_owner_cookie(request)
+            cookies.append(cookie)
+        created = await store.create_session(
+            given.model,
+            owner,
+            creation_settings(given.system, given.temperature, given.max_tokens, settings),
+            check_title(given.title) if given.title is not None else None,
+        )
+        body = SessionCreated(
             created.session_id,
             created.token,
             f"/v1/sessions/{created.session_id}/events",
             created.model,
         )
+        return Response(body, status_code=201, cookies=cookies)
+
+    @get("/", summary="The owner's conversations")
+    async def list_owned(self, request: AnyRequest, store: SessionStore) -> ConversationList:
+        """The sessions created with this request's owner cookie, the latest updated first
+        (none without the cookie)."""
+        owner = owner_of(request)
+        if owner is None:
+            return ConversationList([])
+        return ConversationList(await store.conversations.of_owner(store.owner_digest(owner)))
+
+    @patch("/{session_id:str}", summary="Rename a conversation or change its settings")
+    async def change(
+        self,
+        store: SessionStore,
+        settings: Settings,
+        session_id: str,
+        data: ConversationChange,
+        credentials: Credentials,
+    ) -> Conversation:
+        fields = data.fields(settings)
+        return await store.change(session_id, credentials.token, credentials.owner, fields)
+
+    @delete("/{session_id:str}", status_code=204, summary="Delete a conversation")
+    async def remove(
+        self,
+        store: SessionStore,
+        session_id: str,
+        credentials: Credentials,
+    ) -> None:
+        """Its running reply is stopped; its messages and events are gone (404 after)."""
+        await store.delete(session_id, credentials.token, credentials.owner)
 
     @get("/{session_id:str}", summary="The session's messages")
     async def read(
         self,
-        request: AnyRequest,
         store: SessionStore,
         session_id: str,
-        token: TokenQuery,
-        x_session_token: TokenHeader,
+        credentials: Credentials,
     ) -> SessionView:
-        await store.authorise(session_id, session_token(request, token, x_session_token))
-        return SessionView(session_id, await store.history(session_id))
+        await store.authorise(session_id, credentials.token, credentials.owner)
+        about = await store.conversations.read(session_id)
+        return SessionView(
+            session_id,
+            await store.history(session_id),
+            about.title,
+            about.model,
+            about.system,
+            about.temperature,
+            about.max_tokens,
+            about.updated,
+        )
 
     @post("/{session_id:str}/messages", status_code=202, summary="Send a message")
     async def send(
         self,
-        request: AnyRequest,
         store: SessionStore,
         session_id: str,
         data: MessageIn,
-        token: TokenQuery,
-        x_session_token: TokenHeader,
-        idempotency_key: Annotated[
-            str | None, HeaderParameter(name="Idempotency-Key", required=False, max_length=128)
-        ],
+        credentials: Credentials,
+        idempotency_key: IdempotencyKey,
     ) -> GenerationAccepted:
-        params = store.queue.sampling(**data.asked())
-        submitted = await store.submit_message(
-            session_id,
-            session_token(request, token, x_session_token),
-            data.content,
-            params,
-            idempotency_key,
-            data.n,
+        turn = f"edit {data.edit}" if data.edit is not None else ""
+        return await _submit(
+            store, session_id, data, data.content, turn, idempotency_key, credentials
         )
-        gid = submitted.generation_id
-        return GenerationAccepted(
-            generation_id=gid,
-            session_id=session_id,
-            events_url=f"/v1/sessions/{session_id}/events",
-            cancel_url=f"/v1/sessions/{session_id}/generations/{gid}/cancel",
-            duplicate=submitted.queued_event_id is None,
-            generation_ids=submitted.choices or None,
-        )
+
+    @post(
+        ["/{session_id:str}/regenerate", "/{session_id:str}/continue"],
+        status_code=202,
+        summary="Regenerate or continue the last reply",
+    )
+    async def rework(
+        self,
+        request: AnyRequest,
+        store: SessionStore,
+        session_id: str,
+        credentials: Credentials,
+        idempotency_key: IdempotencyKey,
+        data: TurnIn | None = None,
+    ) -> GenerationAccepted:
+        """``regenerate``: the reply to the last user message is cut from the history and
+        made again (409 ``nothing_to_regenerate`` without a user message). ``continue``:
+        the engine goes on with the last assistant message (one that hit its token limit,
+        say); its tokens extend that message in the history (409 ``nothing_to_continue``
+        when the history does not end with one)."""
+        turn = request.url.path.rsplit("/", 1)[-1]  # one of the two paths above
+        given = data or TurnIn()
+        return await _submit(store, session_id, given, "", turn, idempotency_key, credentials)
 
     @get("/{session_id:str}/events", summary="The session's events (text/event-stream)")
     async def events(
         self,
-        request: AnyRequest,
         store: SessionStore,
         hub: RelayHub,
         settings: Settings,
         session_id: str,
-        token: TokenQuery,
-        x_session_token: TokenHeader,
+        credentials: Credentials,
         last_event_id: Annotated[str | None, QueryParameter(name="last_event_id", required=False)],
         last_event_id_header: Annotated[
             str | None, HeaderParameter(name="Last-Event-ID", required=False)
         ],
     ) -> Stream:
-        await store.authorise(session_id, session_token(request, token, x_session_token))
+        await store.authorise(session_id, credentials.token, credentials.owner)
         after = last_event_id_header or last_event_id or None
         lost: EventsLost | None = None
         try:
@@ -170,16 +281,14 @@ class SessionController(Controller):
     )
     async def cancel(
         self,
-        request: AnyRequest,
         store: SessionStore,
         hub: RelayHub,
         settings: Settings,
         session_id: str,
         generation_id: str,
-        token: TokenQuery,
-        x_session_token: TokenHeader,
+        credentials: Credentials,
     ) -> CancelResult:
-        await store.authorise(session_id, session_token(request, token, x_session_token))
+        await store.authorise(session_id, credentials.token, credentials.owner)
         outcome = await store.cancel(session_id, generation_id)
         final = outcome.final
         if final is None:
@@ -187,6 +296,39 @@ class SessionController(Controller):
         if final is None:
             return CancelResult(generation_id, outcome.state)
         return CancelResult(generation_id, final_state(final), final)
+
+
+async def _submit(
+    store: SessionStore,
+    session_id: str,
+    data: SamplingIn,
+    content: str,
+    turn: str,
+    idempotency_key: str | None,
+    credentials: Credentials,
+) -> GenerationAccepted:
+    """A turn of the session (a message, an edit, a regenerate or a continue), queued."""
+    params = store.queue.sampling(**data.asked())
+    submitted: Submitted = await store.submit_message(
+        session_id,
+        credentials.token,
+        content,
+        params,
+        idempotency_key,
+        data.n,
+        owner=credentials.owner,
+        turn=turn,
+        given=data.given(),
+    )
+    gid = submitted.generation_id
+    return GenerationAccepted(
+        generation_id=gid,
+        session_id=session_id,
+        events_url=f"/v1/sessions/{session_id}/events",
+        cancel_url=f"/v1/sessions/{session_id}/generations/{gid}/cancel",
+        duplicate=submitted.queued_event_id is None,
+        generation_ids=submitted.choices or None,
+    )
 
 
 async def _session_events(

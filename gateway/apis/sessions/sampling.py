@@ -35,6 +35,11 @@ class SamplingIn(msgspec.Struct, frozen=True, kw_only=True):
     session whose events (a socket's frames) give its ``choice``; the first joins the
     history."""
 
+    def given(self) -> frozenset[str]:
+        """The sampling fields the request set itself (a conversation's settings fill the
+        others it has)."""
+        return frozenset(name for name, value in self.asked().items() if value is not None)
+
     def asked(self) -> dict[str, Any]:
         """The sampling parameters this request sets, for ``GenerationQueue.sampling`` (None:
         the default); its structured-output constraint checked (refused when it is bad)."""

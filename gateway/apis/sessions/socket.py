@@ -198,7 +198,7 @@ class Connection:
             session_id = frame.session_id
             token = frame.token or self._tokens.get(session_id) or self.token
         submitted = await self.store.submit_message(
-            session_id, token, frame.content, params, n=frame.n
+            session_id, token, frame.content, params, n=frame.n, given=frame.given()
         )
         gid = submitted.generation_id
         gids = submitted.choices or [gid]

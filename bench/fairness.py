@@ -1,0 +1,392 @@
+"""``python -m bench.fairness``: many tenants on one engine (issue 46), through the gateway.
+
+One synthetic engine worker with ``--capacity`` slots, replies of ``--reply-tokens`` tokens
+on average (half to one and a half times that) at ``--tokens-per-s``, one Redis, and two
+gateways: one serving each model's queue by the Virtual Token Counter
+(``TOKENSPOUT_SCHEDULER=fair``), one first come, first served (``fifo``). Each tenant is an
+API key made through the admin API; its client streams chat completions through the OpenAI
+endpoint with its key.
+
+The points, each ``--seconds`` long after a warm-up, in turns on the same processes:
+
+- ``quiet alone`` (fair): three quiet keys, each sending ``--quiet-rate`` requests a second
+  (Poisson arrivals): what a quiet key gets when nobody crowds it;
+- ``noisy, fifo`` and ``noisy, fair``: the same three, and a noisy key sending ten times
+  as many: more than the engine can serve, so requests wait;
+- ``weights 1:2:4`` (fair): three keys of weights 1, 2 and 4, each keeping
+  ``--backlog`` requests in flight (always more than its share): the tokens each is served.
+
+Per key it reports time to first token (p50, p99), tokens per second, its share of the
+tokens served and its fair share (max-min by weight: a key that asks less than its share
+gets all it asks, the rest is split among the others by weight); per point, the engine's
+tokens per second. Results: docs/bench/fairness.json, fairness.md, fairness.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import bisect
+import contextlib
+import json
+import random
+import secrets
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench import report
+from bench.loadgen import OpenAIStream, StreamRecord, http_request, open_stream
+from bench.stats import machine, pct
+from stack.rig import HOST, Gateway, on_embedded_redis
+
+ADMIN_KEY = "bench-admin-" + secrets.token_hex(8)
+QUIET = ("quiet-1", "quiet-2", "quiet-3")
+NOISY = "noisy"
+WEIGHTED = {"weight-1": 1.0, "weight-2": 2.0, "weight-4": 4.0}
+
+
+@dataclass
+class Options:
+    capacity: int = 8
+    tokens_per_s: float = 100.0
+    reply_tokens: int = 40
+    quiet_rate: float = 2.0
+    seconds: float = 30.0
+    warmup_s: float = 5.0
+    backlog: int = 12
+    out: Path | None = Path("docs/bench/fairness")
+
+
+@dataclass
+class KeyLoad:
+    """One key's client: its requests' records, by when they were sent, and the tokens
+    each asked for (replies vary in length, so the worker's slots free at different
+    times, as an engine's do)."""
+
+    name: str
+    secret: str
+    weight: float = 1.0
+    records: list[StreamRecord] = field(default_factory=list)
+    asked: list[int] = field(default_factory=list)
+    lengths: random.Random = field(default_factory=random.Random)
+
+    def reset(self) -> None:
+        self.records, self.asked = [], []
+        self.lengths = random.Random(self.name)
+
+    def demand(self, begin: float, end: float) -> float:
+        """Tokens per second the requests sent in [begin, end) asked for."""
+        sent = zip(self.records, self.asked, strict=True)
+        return sum(tokens for record, tokens in sent if begin <= record.submitted_at < end) / (
+            end - begin
+        )
+
+
+@dataclass
+class Point:
+    name: str
+    gateway: Gateway
+    loads: list[KeyLoad]
+    rates: dict[str, float]
+    """Key -> requests a second (Poisson); a key not here keeps ``backlog`` in flight."""
+
+
+def chat_request(gateway: Gateway, secret: str, reply_tokens: int) -> bytes:
+    body = {
+        "model": "synthetic",
+        "messages": [{"role": "user", "content": "fair"}],
+        "max_tokens": reply_tokens,
+        "stream": True,
+    }
+    headers = {"Authorization": f"Bearer {secret}", "Accept": "text/event-stream"}
+    path = "/v1/chat/completions"
+    return http_request("POST", HOST, gateway.port, path, headers, json.dumps(body).encode())
+
+
+async def one_request(gateway: Gateway, load: KeyLoad, options: Options) -> None:
+    record = StreamRecord()
+    tokens = load.lengths.randint(options.reply_tokens // 2, options.reply_tokens * 3 // 2)
+    load.records.append(record)
+    load.asked.append(tokens)
+    request = chat_request(gateway, load.secret, tokens)
+    stream = await open_stream(HOST, gateway.port, request, record, OpenAIStream)
+    try:
+        assert record.finished is not None
+        await record.finished
+    finally:
+        stream.close()
+
+
+async def poisson(gateway: Gateway, load: KeyLoad, rate: float, until: float, o: Options) -> None:
+    """Requests at ``rate`` a second on average, each on its own, until ``until``."""
+    pending: set[asyncio.Task[None]] = set()
+    gaps = random.Random(load.name)
+    while time.perf_counter() < until:
+        task = asyncio.create_task(one_request(gateway, load, o))
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+        await asyncio.sleep(gaps.expovariate(rate))
+    await asyncio.gather(*pending)
+
+
+async def closed_loop(gateway: Gateway, load: KeyLoad, until: float, o: Options) -> None:
+    """``backlog`` requests in flight, each followed by the next, until ``until``."""
+
+    async def loop() -> None:
+        while time.perf_counter() < until:
+            await one_request(gateway, load, o)
+
+    await asyncio.gather(*(loop() for _ in range(o.backlog)))
+
+
+def key_figures(load: KeyLoad, begin: float, end: float, frees: list[float]) -> dict[str, Any]:
+    """TTFT of the requests sent in [begin, end), tokens that arrived in it; and of each
+    request's TTFT, the part past the next slot the engine freed after it was sent (``frees``:
+    when every reply of the point ended, sorted): what no scheduler that lets a started reply
+    run to its end can take off, a request sent to an engine whose every slot is busy."""
+    sent = [r for r in load.records if begin <= r.submitted_at < end]
+    ttfts = [r.arrivals[0] - r.submitted_at for r in sent if r.arrivals]
+    beyond = [
+        r.arrivals[0] - frees[i]
+        for r in sent
+        if r.arrivals
+        and (i := bisect.bisect_left(frees, r.submitted_at)) < len(frees)
+        and frees[i] < r.arrivals[0]
+    ]
+    tokens = sum(1 for r in load.records for t in r.arrivals if begin <= t < end)
+    failed = sum(1 for r in sent if r.failure is not None)
+    return {
+        "requests": len(sent),
+        "failed": failed,
+        "ttft_p50_ms": round(1000 * (pct(ttfts, 50) or 0), 1),
+        "ttft_p99_ms": round(1000 * (pct(ttfts, 99) or 0), 1),
+        "after_free_slot_p50_ms": round(1000 * (pct(beyond, 50) or 0), 1),
+        "after_free_slot_p99_ms": round(1000 * (pct(beyond, 99) or 0), 1),
+        "tokens_per_s": round(tokens / (end - begin), 1),
+    }
+
+
+def fair_shares(
+    demand: dict[str, float | None], weights: dict[str, float], total: float
+) -> dict[str, float]:
+    """Max-min fair shares of ``total`` tokens/s by weight: a key asking less than its
+    share (``demand``; None: unbounded) gets what it asks, the rest is split again."""
+    shares: dict[str, float] = {}
+    left, open_keys = total, set(demand)
+    while open_keys:
+        unit = left / sum(weights[k] for k in open_keys)
+        capped = {k for k in open_keys if (d := demand[k]) is not None and d <= unit * weights[k]}
+        if not capped:
+            shares |= {k: round(unit * weights[k], 1) for k in open_keys}
+            break
+        for key in capped:
+            shares[key] = round(demand[key] or 0.0, 1)
+            left -= demand[key] or 0.0
+        open_keys -= capped
+    return shares
+
+
+async def run_point(point: Point, options: Options) -> dict[str, Any]:
+    print(f"[fairness] {point.name}: {options.warmup_s + options.seconds:.0f} s", flush=True)
+    start = time.perf_counter()
+    begin, end = start + options.warmup_s, start + options.warmup_s + options.seconds
+    clients = [
+        poisson(point.gateway, load, point.rates[load.name], end, options)
+        if load.name in point.rates
+        else closed_loop(point.gateway, load, end, options)
+        for load in point.loads
+    ]
+    await asyncio.gather(*clients)
+    frees = sorted(r.arrivals[-1] for load in point.loads for r in load.records if r.arrivals)
+    keys = {load.name: key_figures(load, begin, end, frees) for load in point.loads}
+    total = sum(figures["tokens_per_s"] for figures in keys.values())
+    demand = {
+        load.name: load.demand(begin, end) if load.name in point.rates else None
+        for load in point.loads
+    }
+    weights = {load.name: load.weight for load in point.loads}
+    for name, share in fair_shares(demand, weights, total).items():
+        keys[name]["fair_share_tokens_per_s"] = share
+        keys[name]["share"] = round(keys[name]["tokens_per_s"] / total, 4) if total else None
+    print(f"[fairness] {point.name}: {total:.0f} tokens/s: {json.dumps(keys)}", flush=True)
+    return {"name": point.name, "tokens_per_s": round(total, 1), "keys": keys}
+
+
+async def make_keys(gateway: Gateway, weights: dict[str, float]) -> dict[str, KeyLoad]:
+    loads = {}
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    async with httpx.AsyncClient(base_url=gateway.url, headers=headers, timeout=30) as admin:
+        for name, weight in weights.items():
+            made = await admin.post("/v1/admin/keys", json={"name": name, "weight": weight})
+            made.raise_for_status()
+            loads[name] = KeyLoad(name, made.json()["key"], weight)
+    return loads
+
+
+@contextlib.asynccontextmanager
+async def gateways(logs: Path, options: Options) -> AsyncIterator[tuple[Gateway, Gateway]]:
+    env = {"TOKENSPOUT_ADMIN_KEY": ADMIN_KEY, "TOKENSPOUT_LOG_LEVEL": "WARNING"}
+    env["TOKENSPOUT_MAX_INFLIGHT"] = "100000"
+    with on_embedded_redis(logs, f"fair-{secrets.token_hex(3)}", env) as (procs, _):
+        procs.synthetic(options.tokens_per_s, "--capacity", str(options.capacity))
+        fair = procs.gateway(TOKENSPOUT_SCHEDULER="fair")
+        fifo = procs.gateway(TOKENSPOUT_SCHEDULER="fifo")
+        yield fair, fifo
+
+
+async def run(options: Options) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="bench-fairness-") as logs:
+        async with gateways(Path(logs), options) as (fair, fifo):
+            every = {**dict.fromkeys((*QUIET, NOISY), 1.0), **WEIGHTED}
+            loads = await make_keys(fair, every)
+            quiet = [loads[name] for name in QUIET]
+            rates = dict.fromkeys(QUIET, options.quiet_rate) | {NOISY: 10 * options.quiet_rate}
+            points = [
+                Point("quiet alone", fair, quiet, rates),
+                Point("noisy, fifo", fifo, [*quiet, loads[NOISY]], rates),
+                Point("noisy, fair", fair, [*quiet, loads[NOISY]], rates),
+                Point("weights 1:2:4", fair, [loads[name] for name in WEIGHTED], {}),
+            ]
+            results = []
+            for point in points:
+                for load in point.loads:
+                    load.reset()
+                results.append(await run_point(point, options))
+    return {
+        "machine": machine(),
+        "options": {**vars(options), "out": str(options.out)},
+        "points": results,
+    }
+
+
+def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 46's targets, each with what was measured."""
+    points = {point["name"]: point for point in results["points"]}
+    alone, fair, fifo = points["quiet alone"], points["noisy, fair"], points["noisy, fifo"]
+    rows = []
+    for name in QUIET:
+        base, crowded = alone["keys"][name], fair["keys"][name]
+        rows.append(
+            {
+                "target": f"{name}: TTFT p99 within +20% of alone",
+                "measured": f"{crowded['ttft_p99_ms']} ms vs {base['ttft_p99_ms']} ms alone "
+                f"(fifo: {fifo['keys'][name]['ttft_p99_ms']} ms)",
+                "met": crowded["ttft_p99_ms"] <= 1.2 * base["ttft_p99_ms"],
+            }
+        )
+        share = crowded["fair_share_tokens_per_s"]
+        rows.append(
+            {
+                "target": f"{name}: tokens/s >= 0.95 of its fair share",
+                "measured": f"{crowded['tokens_per_s']} of {share}",
+                "met": crowded["tokens_per_s"] >= 0.95 * share,
+            }
+        )
+    rows.append(
+        {
+            "target": "engine tokens/s >= 0.97 of FIFO's",
+            "measured": f"{fair['tokens_per_s']} vs {fifo['tokens_per_s']}",
+            "met": fair["tokens_per_s"] >= 0.97 * fifo["tokens_per_s"],
+        }
+    )
+    weighted = points["weights 1:2:4"]["keys"]
+    for name, weight in WEIGHTED.items():
+        share = weighted[name]["share"] or 0.0
+        rows.append(
+            {
+                "target": f"{name}: share within ±5% of {weight:g}/7",
+                "measured": f"{share:.3f} (wanted {weight / 7:.3f})",
+                "met": abs(share - weight / 7) <= 0.05 * weight / 7,
+            }
+        )
+    return rows
+
+
+def markdown(results: dict[str, Any]) -> str:
+    o, m = results["options"], results["machine"]
+    lines = [
+        "# Many tenants on one engine (python -m bench.fairness)",
+        "",
+        f"One synthetic worker: {o['capacity']} slots, replies of {o['reply_tokens']} tokens "
+        "on average "
+        f"at {o['tokens_per_s']:g} tokens/s each; quiet keys {o['quiet_rate']:g} requests/s "
+        f"each, the noisy key ten times that; {o['seconds']:g} s a point after "
+        f"{o['warmup_s']:g} s of warm-up. {m['nproc']} CPUs ({m['cpu_model']}), load "
+        f"{m['loadavg_at_start']} at the start: the figures compare within this run.",
+        "",
+        "TTFT after a free slot: the part of a request's TTFT past the first slot the engine "
+        "freed after it was sent (only requests that waited for one).",
+        "",
+        "| point | key | requests | TTFT p50 | TTFT p99 | after a free slot p50 / p99 "
+        "| tokens/s | share | fair share tokens/s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for point in results["points"]:
+        for name, k in point["keys"].items():
+            lines.append(
+                f"| {point['name']} | {name} | {k['requests']} | {k['ttft_p50_ms']} ms "
+                f"| {k['ttft_p99_ms']} ms | {k['after_free_slot_p50_ms']} / "
+                f"{k['after_free_slot_p99_ms']} ms | {k['tokens_per_s']} | {k['share']} "
+                f"| {k['fair_share_tokens_per_s']} |"
+            )
+        lines.append(f"| {point['name']} | **engine** | | | | | **{point['tokens_per_s']}** | | |")
+    lines += ["", "| target | measured | met |", "| --- | --- | --- |"]
+    lines += [
+        f"| {t['target']} | {t['measured']} | {'yes' if t['met'] else 'no'} |"
+        for t in targets(results)
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    plt = report.pyplot()
+    fig, (ttft, shares) = plt.subplots(1, 2, figsize=(11, 4))
+    points = [p for p in results["points"] if p["name"] != "weights 1:2:4"]
+    for offset, point in enumerate(points):
+        names = list(QUIET)
+        values = [point["keys"][name]["ttft_p99_ms"] for name in names]
+        ttft.bar([i + offset * 0.27 for i in range(len(names))], values, 0.27, label=point["name"])
+    ttft.set_xticks(range(len(QUIET)), QUIET)
+    ttft.set_ylabel("quiet key TTFT p99 (ms)")
+    ttft.set_yscale("log")
+    ttft.legend()
+    weighted = next(p for p in results["points"] if p["name"] == "weights 1:2:4")["keys"]
+    shares.bar(list(WEIGHTED), [weighted[n]["share"] for n in WEIGHTED], label="measured")
+    shares.plot(list(WEIGHTED), [w / 7 for w in WEIGHTED.values()], "k_", ms=30, label="1:2:4")
+    shares.set_ylabel("share of the tokens served")
+    shares.legend()
+    report.save(fig, path)
+
+
+def parse(argv: list[str]) -> Options:
+    parser = argparse.ArgumentParser(prog="python -m bench.fairness", description=__doc__)
+    defaults = Options()
+    for name, value in vars(defaults).items():
+        flag = "--" + name.replace("_", "-")
+        kind = Path if name == "out" else type(value)
+        parser.add_argument(flag, type=kind, default=value)
+    return Options(**vars(parser.parse_args(argv)))
+
+
+def main(argv: list[str] | None = None) -> None:
+    options = parse(sys.argv[1:] if argv is None else argv)
+    results = asyncio.run(run(options))
+    results["targets"] = targets(results)
+    if options.out is not None:
+        options.out.parent.mkdir(parents=True, exist_ok=True)
+        options.out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
+        options.out.with_suffix(".md").write_text(markdown(results))
+        plot(results, options.out.with_suffix(".png"))
+        print(f"[fairness] results in {options.out}.json, .md, .png")
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()
