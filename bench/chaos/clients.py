@@ -32,6 +32,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from http.cookiejar import CookieJar, DefaultCookiePolicy
 from typing import Any
 
 import httpx
@@ -129,7 +130,11 @@ class Context:
         self.http = httpx.AsyncClient(
             timeout=httpx.Timeout(READ_TIMEOUT_S, connect=3.0),
             limits=httpx.Limits(max_connections=400, max_keepalive_connections=100),
+            cookies=CookieJar(DefaultCookiePolicy(allowed_domains=[])),
         )
+        """Keeps no cookie: the clients are many API programs sharing one HTTP client, no
+        browser. The session API's owner cookie makes its holder one browser, whose
+        conversations are bounded (``TOKENSPOUT_MAX_CONVERSATIONS``, 409 past them)."""
         self.open: dict[str, Record] = {}
         """Replies under way, by label: what a reply that hangs had got so far."""
         self.finished: list[tuple[str, str, str]] = []
