@@ -253,6 +253,7 @@ class Run:
             records=self.records,
             started_ms=int(fleet.started_unix * 1000),
             cluster=fleet.redis_kind == "cluster",
+            failovers=[f.at_s for f in fleet.faults if f.kind == "primary_kill"],
             end_s=fleet.now(),
         )
         for finding in findings:

@@ -226,6 +226,9 @@ class UsageCheck:
     started_ms: int
     """The run's start on Redis's clock (unix ms): a finding's second."""
     cluster: bool
+    failovers: list[float] = field(default_factory=list)
+    """When (the run's second) a cluster primary was killed: a write its replica had not
+    received yet is lost with it (replication is asynchronous)."""
     findings: list[Finding] = field(default_factory=list)
 
     def flag(self, at_s: float, label: str, what: str) -> None:
@@ -305,9 +308,7 @@ class UsageCheck:
             self.flag(end_s, label, f"counted {counted}, delivered {delivered}")
             for generation in mine:
                 if self.cluster and generation.generation_id not in sets.counted:
-                    # The writer of its final event never counted it (it died first?).
-                    what = f"ended, never counted on the cluster: {generation.describe()}"
-                    self.flag(self.at_s(generation), label, what)
+                    self.flag(self.at_s(generation), label, self._uncounted(generation))
         if key.limits and sets.running:
             what = f"{len(sets.running)} generations still count against its limits: "
             what += str(sets.running[:10])
@@ -326,6 +327,14 @@ class UsageCheck:
             ),
             "refused_by_limits": sum(r.rate_limited for r in self.records if r.key.id == key.id),
         }
+
+    def _uncounted(self, generation: Generation) -> str:
+        """A generation a cluster never counted, and the failover that may have lost its
+        count (else its writer was lost before it counted)."""
+        at = self.at_s(generation)
+        near = [f"{kill - at:+.1f} s" for kill in self.failovers if abs(kill - at) <= 2]
+        why = f"a primary killed {', '.join(near)} from its end" if near else "no failover near"
+        return f"ended, never counted on the cluster ({why}): {generation.describe()}"
 
 
 def _sum(pairs: Iterable[tuple[int, int]]) -> tuple[int, int]:
@@ -346,13 +355,14 @@ async def check_usage(
     records: list[Record],
     started_ms: int,
     cluster: bool,
+    failovers: list[float],
     end_s: float,
 ) -> tuple[list[dict[str, Any]], list[Finding]]:
     """The whole check, once the run is over and the engine idle: each key's figures, and
-    what differs."""
+    what differs. ``failovers``: when a cluster's primaries were killed."""
     generations = await asyncio.to_thread(read_generations, redis_url, keys)
     sets = await asyncio.to_thread(read_tenant_sets, redis_url, keys, api_keys)
-    check = UsageCheck(api_keys, generations, records, started_ms, cluster)
+    check = UsageCheck(api_keys, generations, records, started_ms, cluster, failovers)
     check.check_generations()
     seen = check.check_records()
     figures = []

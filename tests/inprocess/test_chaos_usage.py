@@ -53,11 +53,14 @@ def run(
     *,
     cluster: bool = False,
     sets: TenantSets | None = None,
+    failovers: tuple[float, ...] = (),
 ) -> tuple[UsageCheck, list[dict[str, Any]]]:
     """The check over ``generations`` and ``records``, with what Redis ``counted`` per key
     (``sets``: every key's counted and running generations)."""
     keys = [key for key, _ in counted]
-    check = UsageCheck(keys, {g.generation_id: g for g in generations}, records, 1_000_000, cluster)
+    check = UsageCheck(
+        keys, {g.generation_id: g for g in generations}, records, 1_000_000, cluster, [*failovers]
+    )
     check.check_generations()
     seen = check.check_records()
     figures = [
@@ -110,15 +113,27 @@ def test_a_generation_billed_other_than_it_delivered_is_named() -> None:
 
 
 def test_a_key_counted_short_names_what_a_cluster_never_counted() -> None:
+    """With the failover that may have lost its count, if one was near its end."""
     generations = [generation("g1"), generation("g2")]
     counted = TenantSets({"g1"}, [])
-    check, _ = run(generations, [], [(PLAIN, tally(3, 5, 1))], cluster=True, sets=counted)
-    whats = findings(check)
-    assert any(what.startswith("counted {") for what in whats)
-    assert [w for w in whats if "never counted on the cluster" in w] == [
-        "ended, never counted on the cluster: g2 (session s_g2, done): delivered 3+5, "
-        "its final billed 3+5"
-    ]
+    for failovers, why in [
+        ((0.0, 9.0), "a primary killed -0.5 s from its end"),
+        ((), "no failover near"),
+    ]:
+        check, _ = run(
+            generations,
+            [],
+            [(PLAIN, tally(3, 5, 1))],
+            cluster=True,
+            sets=counted,
+            failovers=failovers,
+        )
+        whats = findings(check)
+        assert any(what.startswith("counted {") for what in whats)
+        assert [w for w in whats if "never counted on the cluster" in w] == [
+            f"ended, never counted on the cluster ({why}): g2 (session s_g2, done): delivered "
+            "3+5, its final billed 3+5"
+        ]
 
 
 def test_a_reply_that_reported_other_usage_than_delivered_is_named() -> None:
