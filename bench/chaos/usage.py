@@ -311,8 +311,7 @@ class UsageCheck:
                     self.flag(self.at_s(generation), label, self._uncounted(generation))
         if key.limits and sets.running:
             what = f"{len(sets.running)} generations still count against its limits: "
-            what += str(sets.running[:10])
-            self.flag(end_s, label, what)
+            self.flag(end_s, label, what + ", ".join(map(self._running, sets.running[:10])))
         return {
             "name": key.name,
             "id": key.id,
@@ -327,6 +326,13 @@ class UsageCheck:
             ),
             "refused_by_limits": sum(r.rate_limited for r in self.records if r.key.id == key.id),
         }
+
+    def _running(self, generation_id: str) -> str:
+        """A generation left counting against its key's limits, and what became of it."""
+        generation = self.generations.get(generation_id)
+        if generation is None:
+            return f"{generation_id} (admitted, never submitted: no such generation)"
+        return f"{generation_id} ({generation.end})"
 
     def _uncounted(self, generation: Generation) -> str:
         """A generation a cluster never counted, and the failover that may have lost its

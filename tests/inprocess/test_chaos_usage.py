@@ -182,8 +182,16 @@ def test_numbering_a_second_final_and_a_key_nobody_made_are_named() -> None:
 def test_a_limited_key_left_counting_generations_is_named() -> None:
     _, figures = run([], [], [(LIMITED, tally(0, 0, 0))], sets=TenantSets(set(), []))
     assert figures[0]["limits"] == {"concurrent": 3}
-    check, _ = run([], [], [(LIMITED, tally(0, 0, 0))], sets=TenantSets(set(), ["g9"]))
-    assert findings(check) == ["1 generations still count against its limits: ['g9']"]
+    check, _ = run(
+        [generation("g8", key=LIMITED)],
+        [],
+        [(LIMITED, tally(3, 5, 1))],
+        sets=TenantSets(set(), ["g8", "g9"]),
+    )
+    assert findings(check) == [
+        "2 generations still count against its limits: g8 (done), g9 (admitted, never "
+        "submitted: no such generation)"
+    ]
 
 
 def test_a_refusal_by_limits_is_expected_of_a_limited_key_only() -> None:
