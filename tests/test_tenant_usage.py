@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,6 +31,7 @@ from tests.support.tenants import (
     Key,
     keyed_session,
     make_key,
+    until_known,
     until_usage,
     usage_total,
 )
@@ -260,14 +262,15 @@ async def test_on_a_cluster_the_writer_counts_once_after_the_final_event(
 
 
 async def _apart(
-    client: httpx.AsyncClient, base: str, cluster: EmbeddedCluster, keys: Keys
+    client: httpx.AsyncClient, base: str, cluster: EmbeddedCluster, keys: Keys, **fields: Any
 ) -> tuple[Key, Session, EmbeddedRedis]:
-    """A key whose slot's primary serves neither the synthetic model's queue nor a new
-    session of the key's, that session, and that primary: pausing its writes holds up the
-    key's usage count alone."""
+    """A key (``fields``: its limits) whose slot's primary serves neither the synthetic
+    model's queue nor a new session of the key's, that session, and that primary: pausing
+    its writes holds up the key's usage count alone, pausing the session's holds up the
+    session's writes alone."""
     queue_node = cluster.primary_of(keys.requests("synthetic")).port
     for attempt in range(30):
-        key = await make_key(client, base, f"apart-{attempt}")
+        key = await make_key(client, base, f"apart-{attempt}", **fields)
         tenant_node = cluster.primary_of(keys.tenant(key.id, "requests"))
         if tenant_node.port != queue_node:
             break
@@ -376,3 +379,76 @@ async def test_on_a_cluster_a_queued_cancel_whose_gateway_was_lost_is_counted_by
     assert final["type"] == "cancelled" and tokens_of(final["usage"]) == 0
     assert total["total_tokens"] == tokens_of(stalled)
     assert total["generations"] == 2
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+async def test_a_turn_admitted_by_a_gateway_lost_before_its_submit_is_given_back(
+    cluster_stack: Stack, redis_cluster: EmbeddedCluster
+) -> None:
+    """A key limited to one generation at a time: a gateway admits a turn of its (ADMIT,
+    on the key's slot) and is SIGKILLed while the SUBMIT that writes the generation waits
+    on the session's primary (its writes paused). The generation never exists, yet it
+    counted against the key: before, every request of the key was refused for the hour a
+    running entry lasts (the chaos run, seed 13 on a cluster: two of a key's three slots
+    lost). The reaper gives back an admission whose generation does not exist 10 s on."""
+    stack = cluster_stack
+    doomed = stack.gateway(TOKENSPOUT_ADMIN_KEY=ADMIN_KEY)
+    gateway = stack.gateway(TOKENSPOUT_ADMIN_KEY=ADMIN_KEY)
+    stack.synthetic(200)
+    keys, redis = Keys(stack.prefix), connect(stack.redis_url)
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            key, session, _ = await _apart(
+                client, gateway.url, redis_cluster, keys, limits={"concurrent": 1}
+            )
+            await until_known(client, doomed.url, key)  # it reads the keys every 250 ms
+            session_primary = redis_cluster.primary_of(keys.events(session.session_id))
+            url = f"{doomed.url}/v1/sessions/{session.session_id}/messages"
+            body = {"content": "never written", "max_tokens": 3}
+            with _writes_paused(redis_cluster, session_primary):
+                sending = asyncio.ensure_future(
+                    client.post(url, json=body, headers=session.headers)
+                )
+                async with asyncio.timeout(10):
+                    while not await redis.zcard(keys.tenant(key.id, "running")):
+                        await asyncio.sleep(0.01)
+                processes.kill(doomed.process)
+            with contextlib.suppress(httpx.TransportError):
+                await sending
+            lost = await redis.zrange(keys.tenant(key.id, "running"), 0, -1)
+            assert not await redis.exists(keys.generation(session.session_id, lost[0].decode()))
+            other = await keyed_session(client, gateway.url, key)
+            refused, began = 0, time.monotonic()
+            async with asyncio.timeout(40):
+                while (sent := await _send(client, other, "after")).status_code == 429:
+                    refused += 1
+                    await asyncio.sleep(0.25)
+            given_back_s = time.monotonic() - began
+            gid = sent.json()["generation_id"]
+            await read_events(client, other, until_final_of=gid)
+            running = await _until_no_running(redis, keys, key)
+    finally:
+        await redis.aclose()
+    assert sent.status_code == 202 and refused >= 1, (sent.text, refused)
+    assert given_back_s < 10 + 2 + 5, given_back_s  # SUBMITTED_WITHIN_S, a look's period
+    assert running == 0
+
+
+async def _send(
+    client: httpx.AsyncClient, session: Session, content: str, max_tokens: int = 3
+) -> httpx.Response:
+    return await client.post(
+        f"{session.base}/v1/sessions/{session.session_id}/messages",
+        json={"content": content, "max_tokens": max_tokens},
+        headers=session.headers,
+    )
+
+
+async def _until_no_running(redis: Any, keys: Keys, key: Key) -> int:
+    """The key's running generations once none is left (a cluster counts after a final
+    event, which a reader may see first), or after 10 s."""
+    async with asyncio.timeout(10):
+        while running := await redis.zcard(keys.tenant(key.id, "running")):
+            await asyncio.sleep(0.05)
+    return int(running)

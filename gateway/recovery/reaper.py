@@ -38,6 +38,7 @@ from redis.exceptions import NoScriptError, RedisError
 import wire
 from gateway.core.relay import RelayHub
 from gateway.core.sessions import STRANDED_AFTER_S, SessionStore
+from gateway.recovery.admissions import UnsubmittedAdmissions
 from gateway.recovery.takeover import REAPER_PREFIX, Takeover, live_workers
 from wire import Error, GenerationRequest, Keys, entry_id_key
 from wire.queue import QueueLook, RequestQueue
@@ -172,6 +173,10 @@ class Reaper:
         self._expired_through: dict[str, str] = {}
         """Queue -> every queued entry up to this id has been looked at by the deadline."""
         self.failures = RepeatedFailures()
+        self.admissions = (
+            UnsubmittedAdmissions(redis, keys, store.tenants) if store is not None else None
+        )
+        """Gives back what limited keys admitted for generations never submitted."""
 
     async def run_forever(self, interval_s: float = REAP_PASS_S) -> None:
         while True:
@@ -194,6 +199,8 @@ class Reaper:
             (self.queue_stranded, [queue for queue, look in looks if look.noted]),
         ):
             await self._guarded(duty.__name__, functools.partial(duty, queues))
+        if self.admissions is not None and self.admissions.due():
+            await self._guarded("giving back admissions never submitted", self.admissions.look)
 
     async def _look(self) -> list[tuple[RequestQueue, QueueLook]]:
         queues = await self._queues()
