@@ -19,6 +19,7 @@ import httpx
 import openai
 import pytest
 
+import wire
 from stack import processes
 from stack.redis_cluster import EmbeddedCluster
 from stack.redis_server import EmbeddedRedis, free_port
@@ -291,6 +292,14 @@ def _writes_paused(cluster: EmbeddedCluster, node: EmbeddedRedis) -> Iterator[No
             client.execute_command("CLIENT", "UNPAUSE")
 
 
+async def _first_generation(redis: Any, keys: Keys, session_id: str) -> str:
+    """The id of the session's first generation, once its ``queued`` event is written."""
+    async with asyncio.timeout(20):
+        while not (entries := await redis.xrange(keys.events(session_id), count=1)):
+            await asyncio.sleep(0.01)
+    return wire.text(entries[0][1][b"g"])
+
+
 async def _until_final(redis: Any, keys: Keys, session_id: str, gid: str) -> dict[str, Any]:
     """The generation's final event once Redis holds it, then a moment for its writer to
     send the count that follows it."""
@@ -329,10 +338,13 @@ async def test_on_a_cluster_a_worker_lost_before_it_counted_is_counted_by_the_re
         async with httpx.AsyncClient(timeout=30) as client:
             key, session, primary = await _apart(client, gateway.url, redis_cluster, keys)
             with _writes_paused(redis_cluster, primary):
-                sent = await post_turn(client, session, "counted later", max_tokens=5)
-                gid = sent.json()["generation_id"]
+                # Its answer may wait on the paused primary too (the conversation's index
+                # of its owner may live there): the generation is read from the session.
+                sending = asyncio.ensure_future(_send(client, session, "counted later", 5))
+                gid = await _first_generation(redis, keys, session.session_id)
                 final = await _until_final(redis, keys, session.session_id, gid)
                 processes.kill(doomed)
+            assert (await sending).status_code == 202
             total = await _until_generations(client, gateway.url, key, 1)
     finally:
         await redis.aclose()
