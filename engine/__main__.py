@@ -64,6 +64,14 @@ class Parser(argparse.ArgumentParser):
 
 def build_parser() -> Parser:
     parser = Parser(prog="python -m engine", description=__doc__)
+    _model_flags(parser)
+    _synthetic_flags(parser)
+    _worker_flags(parser)
+    return parser
+
+
+def _model_flags(parser: Parser) -> None:
+    """Which engine runs which model, and how."""
     parser.add_argument("--backend", choices=["vllm", "synthetic"], default="vllm")
     parser.add_argument(
         "--model",
@@ -92,6 +100,23 @@ def build_parser() -> Parser:
         default=None,
         help="no CUDA graphs (default: on a CPU only)",
     )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="the share of the GPU's memory vLLM takes (default: vLLM's, 0.9); lower it to "
+        "run two workers on one card",
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="the most tokens vLLM schedules in one step (default: vLLM's own for this "
+        "engine, which differs from vllm serve's)",
+    )
+
+
+def _synthetic_flags(parser: Parser) -> None:
     parser.add_argument("--tokens-per-s", type=float, default=50.0, help="synthetic speed")
     parser.add_argument(
         "--prepare-delay-s",
@@ -107,6 +132,10 @@ def build_parser() -> Parser:
         "vLLM's chat template and tokenizer do (here 0.08 ms for a short chat, 0.26 ms for "
         "170 tokens: docs/bench.md)",
     )
+
+
+def _worker_flags(parser: Parser) -> None:
+    """The worker around the engine: its name, metrics, drain and what it writes."""
     parser.add_argument("--metrics-port", type=int, default=0, help="0: no /metrics server")
     parser.add_argument(
         "--drain-s",
@@ -131,7 +160,6 @@ def build_parser() -> Parser:
         "write go as one event (Redis catches up; session and WebSocket clients count them, "
         "but OpenAI chunks and TGI events then hold several tokens' text in one)",
     )
-    return parser
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -214,7 +242,17 @@ def _backend(args: argparse.Namespace) -> Backend:
         capacity=args.capacity or (8 if cpu else 64),
         dtype=args.dtype or ("float32" if cpu else "auto"),
         enforce_eager=args.enforce_eager if args.enforce_eager is not None else cpu,
+        engine_options=vllm_options(args),
     )
+
+
+def vllm_options(args: argparse.Namespace) -> dict[str, float | int]:
+    """vLLM's engine arguments the flags set (the rest: vLLM's defaults)."""
+    given = {
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+    }
+    return {name: value for name, value in given.items() if value is not None}
 
 
 async def serve(args: argparse.Namespace) -> None:

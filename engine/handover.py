@@ -19,7 +19,7 @@ from redis.exceptions import RedisError
 
 import wire
 from engine.backends.base import Backend
-from engine.job import Job
+from engine.job import Job, JobState
 from engine.lease import Lease
 from engine.metrics import WorkerMetrics
 from engine.publisher import Publisher
@@ -59,11 +59,7 @@ class HandOver:
     async def hand_over_running(self, running: Iterable[Job]) -> None:
         """Hand every started generation of ``running`` to the others, when one serves
         (the last worker standing keeps them: they drain)."""
-        jobs = [
-            j
-            for j in running
-            if j.claimed and not j.ended and (j.handover_failed or not j.handing_over)
-        ]
+        jobs = [job for job in running if job.can_hand_over]
         if not jobs:
             return
         try:
@@ -72,7 +68,7 @@ class HandOver:
         except (RedisError, OSError) as exc:
             log.warning("looking for workers to hand over to failed (%s)", exc)
             return
-        failing = {job.generation_id for job in jobs if job.handover_failed}
+        failing = {job.generation_id for job in jobs if job.state is JobState.HANDOVER_FAILED}
         results = await asyncio.gather(*map(self.hand_over, jobs), return_exceptions=True)
         for job, result in zip(jobs, results, strict=True):
             if isinstance(result, BaseException) and job.generation_id not in failing:
@@ -91,7 +87,8 @@ class HandOver:
         A generation already taken over ``max_takeovers`` times stays here and drains.
         """
         gid, sid = job.generation_id, job.session_id
-        job.handing_over = True
+        if not job.begin_hand_over():
+            return False
         try:
             await self.publisher.written()  # every event emitted is in Redis, in order
             outcome = await self.takeover(
@@ -104,12 +101,11 @@ class HandOver:
         except BaseException:
             # Tokens made since are not emitted here, so this generation must move on or
             # end elsewhere: the drain tries again, and the reaper after this worker.
-            job.handover_failed = True
+            job.hand_over_failed()
             raise
-        job.handover_failed = False
         if not isinstance(outcome, TakenOver):
             log.info("not handing %s over: %s", gid, outcome.__struct_config__.tag)
-            job.handing_over = False
+            job.hand_over_declined()
             return False
         streamed = Streamed(
             prompt_tokens=job.prompt_tokens,
@@ -118,7 +114,7 @@ class HandOver:
             token_ids=list(job.token_ids),
         )
         request = continuation(job.request, outcome, streamed)
-        job.ended = job.acked = True
+        job.handed_over()
         await self.queue.requeue([(job.entry_id, {"r": wire.encode(request)})])
         await self.backend.abort(job.request.engine_request_id)
         self.metrics.handovers.inc()

@@ -12,19 +12,18 @@ session kept past its request) sends the session's SUBMIT script and the queue's
 one pipeline (a one-shot request's script queues its request itself). When Redis has lost its
 scripts (a restart), the script fails with NOSCRIPT but the XADD goes in: that first copy
 names a generation that does not exist yet, and its claim is refused. The gateway loads
-the script and sends both again, so a second copy follows. A worker that took the second
-copy while the first one's claim was still on its way used to drop it as a duplicate; the
-first was then refused, and the generation never ran (its stream waited forever). The
-second copy is now held until the claim is answered: dropped if the claim holds, run if it
-was refused (``settle_second_copy``).
+the script and sends both again, so a second copy follows. Dropped as a duplicate while the
+first copy's claim is on its way, it would leave the generation never run once that claim
+is refused (its stream would wait forever). So the second copy is held until the claim is
+answered: dropped if the claim holds, run if it was refused (``settle_second_copy``).
 
 A burst: one read of the queue can bring a thousand requests, and a request's prepare (the
 chat template and tokenizer, vLLM's ``prepare``) is CPU on the worker's event loop. Started
-all at once, every task prepared in the same turn of the loop, so no claim, engine step or
-first token went out until the last request was prepared (1,024 requests at 0.25 ms each:
-a quarter of a second of the loop's time, several times that on a shared core). Requests
-now prepare one per turn of the loop, in the order taken (``turn_to_prepare``): what the
-others need (the claims and first tokens of the requests prepared so far, the engine's
+all at once, every task would prepare in the same turn of the loop, so no claim, engine step
+or first token would go out until the last request was prepared (1,024 requests at 0.25 ms
+each: a quarter of a second of the loop's time, several times that on a shared core). So
+requests prepare one per turn of the loop, in the order taken (``turn_to_prepare``): what
+the others need (the claims and first tokens of the requests prepared so far, the engine's
 steps) goes out in between, as vLLM's own server admits a burst.
 """
 
@@ -150,8 +149,8 @@ class Intake:
         )
         job = Job(request, entry_id, target, estimated_tokens=int(fields.get(b"e", 0)))
         running = self.jobs.get(request.generation_id)
-        if running is not None and running.epoch >= job.epoch and not running.claimed:
-            running.second_copy = job  # settled once its claim is answered
+        if running is not None and running.epoch >= job.epoch and not running.claim_held:
+            running.hold_second_copy(job)  # settled once its claim is answered
             return
         if running is not None and running.epoch >= job.epoch:
             log.info("dropping a second copy of %s", request.generation_id)
@@ -164,7 +163,7 @@ class Intake:
     def settle_second_copy(self, job: Job, claimed: bool) -> None:
         """``job``'s claim is answered (``claimed``: it holds, or the first copy ended the
         generation otherwise): drop the copy held meanwhile, or run it in ``job``'s place."""
-        second, job.second_copy = job.second_copy, None
+        second = job.take_second_copy()
         if second is None:
             return
         if claimed:
@@ -207,9 +206,7 @@ class Intake:
 
     def stop_run(self, job: Job) -> None:
         """Abort a run whose events Redis no longer takes; no final event (not its own)."""
-        if job.cancel_reason is None:
-            job.cancel_reason = "user"
-            job.ended = True
+        if job.drop():
             self.spawn(self.backend.abort(job.request.engine_request_id))
 
     def spawn(self, work: Coroutine[Any, Any, None], name: str | None = None) -> None:

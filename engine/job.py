@@ -1,7 +1,15 @@
-"""One generation as a worker runs it: its request and what it has streamed so far."""
+"""One generation as a worker runs it: its request, what it has streamed so far, and where
+its run stands (``JobState``).
+
+The worker, its intake and its hand-over ask the job to move on (``claim_answered``,
+``stop``, ``drop``, ``begin_hand_over`` ...) and ask it what it may do (``streams``,
+``needs_ack`` ...); each move is one method, allowed from the states it names, so no
+caller sets a flag the others read.
+"""
 
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass, field
 
@@ -25,6 +33,41 @@ def epoch_of(request: GenerationRequest) -> int:
     return request.resume.takeover if request.resume is not None else 0
 
 
+class JobState(enum.Enum):
+    """Where a run stands. It starts ``PREPARING`` and ends ``ENDED``, ``HANDED_OVER`` or
+    ``DROPPED``; only a ``RUNNING`` or ``PREPARING`` run emits tokens."""
+
+    PREPARING = "preparing"
+    """Taken: the engine prepares it while its claim is on its way."""
+    RUNNING = "running"
+    """Its claim held: its tokens are emitted."""
+    HANDING_OVER = "handing over"
+    """SIGTERM with another worker serving: it moves there; its tokens are not emitted."""
+    HANDOVER_FAILED = "hand-over failed"
+    """The last hand-over attempt raised (Redis away): the drain tries again; if none goes
+    through, the request stays pending for the gateways' reaper (never acknowledged)."""
+    HANDED_OVER = "handed over"
+    """Another worker goes on with it: its request is back on the queue, this one's
+    acknowledged."""
+    STOPPING = "stopping"
+    """Cancelled, or the engine aborted it (``stop_reason``): its ``cancelled`` event is
+    still to write."""
+    DROPPED = "dropped"
+    """Stopped with no final event of its own (its claim refused, its events refused, or
+    a newer run of it took its place): its request is still to acknowledge."""
+    ENDED = "ended"
+    """Its final event is written (or on its way), acknowledging its request."""
+
+
+_HANDED_ON = {JobState.HANDING_OVER, JobState.HANDOVER_FAILED, JobState.HANDED_OVER}
+"""What the engine still makes is another worker's to make."""
+_UNREAD_ABANDONS = {JobState.RUNNING, JobState.HANDING_OVER, JobState.HANDOVER_FAILED}
+"""Claimed and not stopped: a run nobody reads is cancelled ``abandoned``."""
+_CAN_HAND_OVER = {JobState.RUNNING, JobState.HANDOVER_FAILED}
+_FINISHED = {JobState.ENDED, JobState.HANDED_OVER, JobState.DROPPED}
+"""No final event of this run is to come from here."""
+
+
 @dataclass
 class Job:
     request: GenerationRequest
@@ -35,31 +78,23 @@ class Job:
     prompt_tokens: int = 0
     emitted_tokens: int = 0
     text: list[str] = field(default_factory=list)
-    cancel_reason: CancelReason | None = None
-    cancelled_at: float | None = None
-    ended: bool = False
-    acked: bool = False
     events: int = 0
     """Events emitted so far: each one's number makes its write idempotent (EMIT's seq)."""
     token_ids: list[int] = field(default_factory=list)
-    handing_over: bool = False
-    """SIGTERM hand-over under way: what the engine still makes is not emitted."""
-    handover_failed: bool = False
-    """The last hand-over attempt raised (Redis away): tried again by the drain; if none
-    goes through, the request is left pending for the gateways' reaper (never acked)."""
-    claimed: bool = False
-    claim_refused: bool = False
-    """Redis refused its claim (it ended, or another worker has it): its run stops."""
     prepare_s: float = 0.0
     """How long the backend took to prepare it (tokenisation, the chat template)."""
-    second_copy: Job | None = None
-    """The same request taken again while this one's claim was on its way (engine/intake.py)."""
     tool_calls: ToolCallWriter | None = None
     """With tools: turns what the model writes into content and calls (engine/tools.py)."""
     estimated_tokens: int = 0
     """What its queue charged its tenant for its prompt before anyone knew its tokens (the
     entry's ``e``, ``wire.queue.estimated_tokens``; 0 for an entry that never waited in a
     tenant's list); the worker charges the difference once it knows."""
+    state: JobState = JobState.PREPARING
+    claim_held: bool | None = None
+    """Its claim's answer: None while it is on its way (or was never sent)."""
+    stop_reason: CancelReason | None = None
+    second_copy: Job | None = None
+    """The same request taken again while this one's claim was on its way (engine/intake.py)."""
 
     def __post_init__(self) -> None:
         resume = self.request.resume
@@ -81,6 +116,101 @@ class Job:
     @property
     def session_id(self) -> str:
         return self.request.session_id
+
+    # --- what it may do --------------------------------------------------------------------
+
+    @property
+    def stopped(self) -> bool:
+        """A cancel, an abort or a drop stopped it: what the engine makes is waste."""
+        return self.stop_reason is not None
+
+    @property
+    def handed_on(self) -> bool:
+        """Its hand-over has begun: what the engine makes is not emitted here."""
+        return self.state in _HANDED_ON
+
+    @property
+    def abandonable(self) -> bool:
+        """Claimed and not stopped: cancelled ``abandoned`` once nobody reads it."""
+        return self.state in _UNREAD_ABANDONS
+
+    @property
+    def can_hand_over(self) -> bool:
+        """Claimed and running here (or a hand-over to try again)."""
+        return self.state in _CAN_HAND_OVER
+
+    @property
+    def needs_ack(self) -> bool:
+        """Its run is over and its request not acknowledged by a final event or the queue."""
+        return self.state not in (JobState.ENDED, JobState.HANDED_OVER)
+
+    # --- its moves ---------------------------------------------------------------------------
+
+    def claim_answered(self, held: bool) -> None:
+        """Redis took its claim (``held``), or refused it (it ended, or another worker has
+        it: the caller drops it)."""
+        self.claim_held = held
+        if held and self.state is JobState.PREPARING:
+            self.state = JobState.RUNNING
+
+    def stop(self, reason: CancelReason) -> bool:
+        """A cancel (or the engine's abort) stops it: its ``cancelled`` event is to come.
+        False when it stopped or finished already."""
+        if self.stopped or self.state in _FINISHED:
+            return False
+        self.stop_reason, self.state = reason, JobState.STOPPING
+        return True
+
+    def drop(self) -> bool:
+        """Stop it with no final event of its own (not its to write); True when the caller
+        must abort its engine run (it had not stopped)."""
+        if self.stopped or self.state in _FINISHED:
+            return False
+        self.stop_reason, self.state = "user", JobState.DROPPED
+        return True
+
+    def end(self) -> bool:
+        """Its final event goes out now; False when one went, or none is its to write."""
+        if self.state in _FINISHED:
+            return False
+        self.state = JobState.ENDED
+        return True
+
+    def begin_hand_over(self) -> bool:
+        """Stop emitting: it moves to another worker. False when it no longer can (it
+        ended or stopped since it was picked)."""
+        if self.state not in _CAN_HAND_OVER:
+            return False
+        self.state = JobState.HANDING_OVER
+        return True
+
+    def hand_over_failed(self) -> None:
+        if self.state is JobState.HANDING_OVER:
+            self.state = JobState.HANDOVER_FAILED
+
+    def hand_over_declined(self) -> None:
+        """TAKEOVER would not take it (it ended, or went round too often): it runs on here."""
+        if self.state is JobState.HANDING_OVER:
+            self.state = JobState.RUNNING
+
+    def handed_over(self) -> None:
+        self.state = JobState.HANDED_OVER
+
+    def streamed(self, text: str, token_ids: list[int]) -> None:
+        """An engine step's output went out (``emitted_tokens`` counts its tokens)."""
+        self.emitted_tokens += len(token_ids)
+        self.text.append(text)
+        self.token_ids.extend(token_ids)
+
+    def hold_second_copy(self, copy: Job) -> None:
+        """Keep ``copy`` until this one's claim is answered (engine/intake.py)."""
+        self.second_copy = copy
+
+    def take_second_copy(self) -> Job | None:
+        copy, self.second_copy = self.second_copy, None
+        return copy
+
+    # --- its events ------------------------------------------------------------------------
 
     def claim_event(self, model: str, worker_id: str) -> Started | Resumed:
         """The event that claims the generation: ``started``, or ``resumed`` for a takeover."""

@@ -64,7 +64,11 @@ def _tenant_tokens(registry: CollectorRegistry) -> Counter:
 class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
-        r = self.registry
+        self._count_generations(self.registry)
+        self._time_generations(self.registry)
+        self._gauge_the_worker(self.registry)
+
+    def _count_generations(self, r: CollectorRegistry) -> None:
         self.tokens = PlainCounter("tokenspout_engine_tokens", "Tokens published.", r)
         self.generations = Counter(
             "tokenspout_engine_generations",
@@ -99,6 +103,8 @@ class WorkerMetrics:
             "Running generations this worker handed to the others on SIGTERM.",
             registry=r,
         )
+
+    def _time_generations(self, r: CollectorRegistry) -> None:
         self.queue_wait = Histogram(
             "tokenspout_engine_queue_wait_seconds",
             "Time from enqueue to start.",
@@ -124,6 +130,8 @@ class WorkerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+
+    def _gauge_the_worker(self, r: CollectorRegistry) -> None:
         self.engine_running = Gauge(
             "tokenspout_engine_running",
             "Requests the inference engine holds unfinished.",

@@ -38,7 +38,7 @@ from engine.backends.base import Backend, BackendError, Delta, Prepared
 from engine.cancels import cancel_signals
 from engine.handover import HandOver
 from engine.intake import Intake
-from engine.job import Job, final_reason
+from engine.job import Job, JobState, final_reason
 from engine.lease import HEARTBEAT_S, Lease
 from engine.metrics import WorkerMetrics
 from engine.publisher import Publisher
@@ -214,7 +214,7 @@ class Worker:
             # owner check); a refused claim stops the run (``_claim_answered``).
             answer = self.emit_waited(job, claim)
             answer.add_done_callback(functools.partial(self._claim_answered, job, claim))
-            if job.cancel_reason is None:
+            if not job.stopped:
                 await self._stream(job, prepared)
         except BackendError as exc:
             await self._finish(job, Error(gid, exc.code, exc.message, job.usage()))
@@ -226,17 +226,17 @@ class Worker:
         finally:
             # Only now, the engine's run over, may a second copy run (the same engine
             # request id); one that ended before its claim was answered drops it.
-            self.intake.settle_second_copy(job, claimed=not job.claim_refused)
-            if not job.ended and job.cancel_reason is not None:
-                await self._finish(job, Cancelled(gid, job.cancel_reason, job.usage()))
+            self.intake.settle_second_copy(job, claimed=job.claim_held is not False)
+            if job.state is JobState.STOPPING and job.stop_reason is not None:
+                await self._finish(job, Cancelled(gid, job.stop_reason, job.usage()))
             self.intake.finished(job)
-            if job.handover_failed and not job.ended:
+            if job.state is JobState.HANDOVER_FAILED:
                 # Its tokens stopped at the hand-over: the request stays pending, so the
                 # reaper takes the reply over once this worker is gone.
                 log.warning("%s: its hand-over did not go through; left to the reaper", gid)
-            elif not job.acked:
-                # Ended by another writer (a queued cancel, ``events_lost``), which may
-                # have been lost before it counted it: counted again, once.
+            elif job.needs_ack:
+                # Dropped: it may have ended by another writer (a queued cancel,
+                # ``events_lost``), lost before it counted it: counted again, once.
                 await self.intake.count_then_ack(job)
 
     def _claim_answered(
@@ -244,10 +244,10 @@ class Worker:
     ) -> None:
         if answer.cancelled() or answer.result() is None:
             log.info("skipping %s: it ended, or another worker has it", job.generation_id)
-            job.claim_refused = True
+            job.claim_answered(held=False)
             self.intake.stop_run(job)
             return
-        job.claimed = True
+        job.claim_answered(held=True)
         self.intake.settle_second_copy(job, claimed=True)
         if isinstance(claim, Resumed):
             self.metrics.takeovers.inc()
@@ -266,9 +266,9 @@ class Worker:
         first, engine_began = job.request.resume is None, time.monotonic()
         deltas = self.backend.generate(prepared)
         async for delta in deltas:
-            if job.handing_over:
-                continue  # handed on: another worker makes these tokens
-            if job.cancel_reason is not None:
+            if job.handed_on:
+                continue  # another worker makes these tokens
+            if job.stopped:
                 # Cancelled: the final event is out; what the engine made since is waste.
                 # Closing the run stops it even where the abort found nothing to stop:
                 # vLLM takes a request in an await of its own, and an abort (a refused
@@ -281,10 +281,8 @@ class Worker:
                 ending = delta.finish_reason not in (None, "abort")
                 content, calls = job.tool_calls.step(delta.text, final=ending)
             if delta.text or delta.token_ids or content or calls:
-                job.emitted_tokens += len(delta.token_ids)
+                job.streamed(delta.text, delta.token_ids)
                 self.served.add(job.request.tenant, len(delta.token_ids))
-                job.text.append(delta.text)
-                job.token_ids.extend(delta.token_ids)
                 token = Token(
                     gid,
                     delta.text,
@@ -307,7 +305,7 @@ class Worker:
                 self.metrics.tokens.inc(len(delta.token_ids))
             if delta.finish_reason is not None:
                 if delta.finish_reason == "abort":
-                    job.cancel_reason = job.cancel_reason or "shutdown"
+                    job.stop("shutdown")  # unless a cancel stopped it first
                     return
                 await self._finish(job, Done(gid, self._finish_reason(job, delta), job.usage()))
                 return
@@ -329,9 +327,10 @@ class Worker:
             await self._finish(job, Error(gid, exc.code, exc.message, job.usage()))
             return
         if await self.emit_waited(job, claim) is None:
-            job.ended = True
+            job.claim_answered(held=False)
+            job.drop()  # nothing runs in the engine: no abort
             return
-        job.claimed = True
+        job.claim_answered(held=True)
         if text is not None:
             job.events = self.publisher.emit(job.target, Token(gid, text, 0), job.events + 1)
         ended = "tokenized" if request.task == "tokenize" else "detokenized"
@@ -355,16 +354,16 @@ class Worker:
         return reason
 
     async def _finish(self, job: Job, event: wire.FinalEvent) -> None:
-        if job.ended:
+        if not job.end():
             return
-        job.ended = True
         assistant = None
         if not isinstance(event, Error):
             # A continued reply's message is the one it extends, made longer (the history
             # keeps it in that message's place).
             assistant = ChatMessage("assistant", job.request.continued + "".join(job.text))
+        # Its request is acknowledged by this final event's write, or (a cluster) once
+        # its usage is counted.
         counts_after = self.publisher.counts_usage_after
-        job.acked = True  # by this final event's write, or (a cluster) once it is counted
         written = await self.emit_waited(
             job,
             event,
@@ -422,12 +421,11 @@ class Worker:
     async def cancel(self, generation_id: str, reason: CancelReason) -> bool:
         """End a generation this worker runs: final event now, engine abort right after."""
         job = self.jobs.get(generation_id)
-        if job is None or job.cancel_reason is not None:
+        if job is None or not job.stop(reason):
             return False
-        job.cancel_reason = reason
-        job.cancelled_at = time.monotonic()
+        began = time.monotonic()
         await self._finish(job, Cancelled(generation_id, reason, job.usage()))
-        self.metrics.cancel_to_final.observe(time.monotonic() - job.cancelled_at)
+        self.metrics.cancel_to_final.observe(time.monotonic() - began)
         await self.backend.abort(job.request.engine_request_id)
         self.metrics.cancels.labels(reason).inc()
         return True
@@ -436,7 +434,7 @@ class Worker:
         # Redis refused an event: the generation was ended elsewhere (or expired), or taken
         # over by another worker (this one was thought lost). Stop it.
         job = self.jobs.get(generation_id)
-        if job is not None and job.epoch == epoch and not job.handing_over:
+        if job is not None and job.epoch == epoch and not job.handed_on:
             self.intake.stop_run(job)
 
     async def _cancels_forever(self) -> None:
@@ -450,7 +448,7 @@ class Worker:
             # Only claimed ones: before its claim a generation may not be in Redis yet (a
             # request queued twice after a Redis restart, its first copy taken before the
             # submit script ran), so no reader could have marked it watched.
-            jobs = [j for j in self.jobs.values() if j.claimed and j.cancel_reason is None]
+            jobs = [j for j in self.jobs.values() if j.abandonable]
             if not jobs:
                 continue
             try:
@@ -474,10 +472,10 @@ class Worker:
         """Heartbeat until the last one Redis took is at most two beats old (this process
         was stopped, Redis away, or its writes held up) before taking work. The gateways'
         reaper takes a silent worker's pending requests away; work it took before the
-        others saw it alive again would be taken away as soon as taken, over and over (the
-        chaos soak: a worker resumed after a SIGSTOP past the worker timeout burnt a reply's
-        takeovers in 0.4 s; later, a heartbeat held up by a write pause landed with its old
-        score while the worker counted it fresh, and the same happened on a cluster)."""
+        others saw it alive again would be taken away as soon as taken, over and over: a
+        worker resumed after a SIGSTOP past the worker timeout, or whose heartbeat a write
+        pause held up (it lands with its old score), would burn a reply's takeovers in
+        under a second."""
         while self.lease.silent_for() > 2 * HEARTBEAT_S:
             await self._heartbeat_once()
 

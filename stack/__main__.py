@@ -40,7 +40,7 @@ def first_model(base: str) -> str:
     return next((name for name, workers in sorted(models.items()) if workers), "MODEL")
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m stack", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
@@ -65,40 +65,103 @@ def main() -> None:
         metavar="ARGS",
         help="one more engine worker with these `python -m engine` arguments (repeatable)",
     )
-    args = parser.parse_args()
+    return parser
 
+
+class StopSignal:
+    """Ctrl-C (SIGINT) or SIGTERM: whatever is waited for stops waiting, and everything
+    started is stopped."""
+
+    def __init__(self) -> None:
+        self.given = False
+        signal.signal(signal.SIGINT, self.give)
+        signal.signal(signal.SIGTERM, self.give)
+
+    def give(self, *_: object) -> None:
+        self.given = True
+
+    def __call__(self) -> bool:
+        return self.given
+
+
+def start_redis(args: argparse.Namespace) -> tuple[EmbeddedRedis | None, str]:
+    """The embedded Redis, unless ``REDIS_URL`` names one; and the URL to use."""
+    url = os.environ.get("REDIS_URL")
+    if url is not None:
+        return None, url
+    redis = EmbeddedRedis(data_dir=args.persist, persist=args.persist is not None)
+    redis.start()
+    kept = f"kept in {args.persist}" if args.persist else "removed at exit"
+    say(f"embedded Redis (valkey) on {redis.url}, data in {redis.data_dir} ({kept})")
+    return redis, redis.url
+
+
+def start_engines(
+    args: argparse.Namespace, env: dict[str, str], children: list[subprocess.Popen[bytes]]
+) -> subprocess.Popen[bytes]:
+    """The engine worker, and each ``--add-engine``; returns the first."""
+    say(f"starting the engine worker ({args.backend}, model {args.model})")
+    # hermes: tool_choice auto works with the bundled model, as with
+    # `vllm serve --enable-auto-tool-choice --tool-call-parser hermes`.
+    tools = ["--tool-call-parser", "hermes"]
+    engine = processes.engine(
+        ["--backend", args.backend, "--model", args.model, *tools, "--drain-s", str(DRAIN_S)],
+        env,
+    )
+    children.append(engine)
+    for extra in args.add_engine:
+        say(f"starting another engine worker: {extra}")
+        children.append(processes.engine([*shlex.split(extra), "--drain-s", str(DRAIN_S)], env))
+    return engine
+
+
+def wait_ready(base: str, engine: subprocess.Popen[bytes], began: float, stop: StopSignal) -> bool:
+    """Until the gateway says an engine worker is ready (False: stopped first)."""
+    if not stop():
+        say("waiting for the engine to load the model (vLLM on a CPU: about a minute)")
+    deadline = time.monotonic() + 900
+    while not stop() and time.monotonic() < deadline:
+        try:
+            processes.wait_http(f"{base}/ready", engine, 5, stopped=stop)
+            break
+        except TimeoutError:
+            say(f"  still loading ({time.monotonic() - began:.0f} s)")
+    return not stop()
+
+
+def say_how_to_use(base: str) -> None:
+    model = first_model(base)
+    print(f"\n  tokenspout is running: {base}\n", flush=True)
+    print(
+        f"  try:  curl -N {base}/v1/chat/completions -H 'content-type: application/json'"
+        f' -d \'{{"model":"{model}","stream":true,"messages":[{{"role":"user",'
+        '"content":"Hi"}]}\'',
+        flush=True,
+    )
+    if os.environ.get("TOKENSPOUT_API_KEYS") or os.environ.get("TOKENSPOUT_API_KEYS_FILE"):
+        print(
+            "  API keys are on: add  -H 'Authorization: Bearer <key>'  to API calls"
+            " and session creation; the web chat asks for a key",
+            flush=True,
+        )
+    else:
+        print(
+            "  API endpoints are open: TOKENSPOUT_API_KEYS=key1,key2 make run requires Bearer keys",
+            flush=True,
+        )
+    print("  stop: Ctrl-C\n", flush=True)
+
+
+def main() -> None:
+    args = parser().parse_args()
     redis: EmbeddedRedis | None = None
     children: list[subprocess.Popen[bytes]] = []
-    stopping = False
-
-    def request_stop(*_: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGINT, request_stop)
-    signal.signal(signal.SIGTERM, request_stop)
+    stop = StopSignal()
     try:
-        url = os.environ.get("REDIS_URL")
-        if url is None:
-            redis = EmbeddedRedis(data_dir=args.persist, persist=args.persist is not None)
-            redis.start()
-            url = redis.url
-            kept = f"kept in {args.persist}" if args.persist else "removed at exit"
-            say(f"embedded Redis (valkey) on {url}, data in {redis.data_dir} ({kept})")
+        redis, url = start_redis(args)
         env = {"REDIS_URL": url}
         began = time.monotonic()
-        say(f"starting the engine worker ({args.backend}, model {args.model})")
-        # hermes: tool_choice auto works with the bundled model, as with
-        # `vllm serve --enable-auto-tool-choice --tool-call-parser hermes`.
-        tools = ["--tool-call-parser", "hermes"]
-        engine = processes.engine(
-            ["--backend", args.backend, "--model", args.model, *tools, "--drain-s", str(DRAIN_S)],
-            env,
-        )
-        children.append(engine)
-        for extra in args.add_engine:
-            say(f"starting another engine worker: {extra}")
-            children.append(processes.engine([*shlex.split(extra), "--drain-s", str(DRAIN_S)], env))
+        engine = start_engines(args, env, children)
         grpc = f" (gRPC on {args.host}:{args.grpc_port})" if args.grpc_port else ""
         say(f"starting the gateway on http://{args.host}:{args.port}{grpc}")
         gateway = processes.gateway(
@@ -106,43 +169,14 @@ def main() -> None:
         )
         children.append(gateway)
         base = f"http://{args.host}:{args.port}"
-        processes.wait_http(f"{base}/health", gateway, 60, stopped=lambda: stopping)
-        if not stopping:
-            say("waiting for the engine to load the model (vLLM on a CPU: about a minute)")
-        deadline = time.monotonic() + 900
-        while not stopping and time.monotonic() < deadline:
-            try:
-                processes.wait_http(f"{base}/ready", engine, 5, stopped=lambda: stopping)
-                break
-            except TimeoutError:
-                say(f"  still loading ({time.monotonic() - began:.0f} s)")
-        if not stopping:
+        processes.wait_http(f"{base}/health", gateway, 60, stopped=stop)
+        if wait_ready(base, engine, began, stop):
             say(f"ready in {time.monotonic() - began:.0f} s")
-            model = first_model(base)
-            print(f"\n  tokenspout is running: {base}\n", flush=True)
-            print(
-                f"  try:  curl -N {base}/v1/chat/completions -H 'content-type: application/json'"
-                f' -d \'{{"model":"{model}","stream":true,"messages":[{{"role":"user",'
-                '"content":"Hi"}]}\'',
-                flush=True,
-            )
-            if os.environ.get("TOKENSPOUT_API_KEYS") or os.environ.get("TOKENSPOUT_API_KEYS_FILE"):
-                print(
-                    "  API keys are on: add  -H 'Authorization: Bearer <key>'  to API calls"
-                    " and session creation; the web chat asks for a key",
-                    flush=True,
-                )
-            else:
-                print(
-                    "  API endpoints are open: TOKENSPOUT_API_KEYS=key1,key2 make run"
-                    " requires Bearer keys",
-                    flush=True,
-                )
-            print("  stop: Ctrl-C\n", flush=True)
-        while not stopping and all(child.poll() is None for child in children):
+            say_how_to_use(base)
+        while not stop() and all(child.poll() is None for child in children):
             time.sleep(0.2)
         for child in children:
-            if child.poll() is not None and not stopping:
+            if child.poll() is not None and not stop():
                 say(f"{child.args!r} exited with {child.returncode}; stopping")
     finally:
         say("stopping")

@@ -161,12 +161,6 @@ class EmbeddedCluster:
                     return next(node for node in self.nodes if node.port == port)
         raise LookupError(f"no node serves {key!r}")
 
-    def replicas_of(self, primary: EmbeddedRedis) -> list[EmbeddedRedis]:
-        with self.client(primary) as client:
-            info = client.info("replication")
-        ports = {int(value["port"]) for name, value in info.items() if name.startswith("slave")}
-        return [node for node in self.nodes if node.port in ports]
-
     def stop(self) -> None:
         for node in self.nodes:
             node.stop()

@@ -61,8 +61,11 @@ def test_the_worker_touches_no_cuda_before_the_engine_starts(
     """Before the fix it failed: ``torch.cuda.is_available nvml=0 <- engine/__main__.py``."""
     env = {"REDIS_URL": redis_server.url, **probed(tmp_path)}
     log = tmp_path / "engine.log"
-    # --tool-call-parser: its check imports vLLM's parsers before the engine, too.
+    # --tool-call-parser: its check imports vLLM's parsers before the engine, too; the
+    # memory share and the step's token budget are vLLM's engine arguments (bench.gpu
+    # starts two workers on one card and gives vLLM's server the worker's budget).
     args = ["--backend", "vllm", "--model", "default", "--tool-call-parser", "hermes"]
+    args += ["--gpu-memory-utilization", "0.45", "--max-num-batched-tokens", "4096"]
     engine = processes.engine(args, env, log)
     try:
         code = engine.wait(timeout=200)
@@ -72,3 +75,5 @@ def test_the_worker_touches_no_cuda_before_the_engine_starts(
     lines = record.read_text().splitlines() if record.exists() else []
     assert code == 0 and lines and lines[-1].startswith("engine-start"), log.read_text()
     assert calls_that_touch_cuda(record) == []
+    chosen = "'gpu_memory_utilization': 0.45, 'max_num_batched_tokens': 4096"
+    assert chosen in lines[-1], lines[-1]

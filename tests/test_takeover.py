@@ -20,7 +20,7 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.recovery.takeover import Takeover
+from gateway.recovery.takeover import LostRequests
 from stack import processes
 from stack.redis_server import free_port
 from tests.support.http import TERMINAL, Session, cancel, create_session, follow, send
@@ -323,7 +323,7 @@ async def test_a_worker_wrongly_taken_for_lost_never_writes_twice(stack: Stack) 
                 f[b"r"] for _id, f in await queue.read_after("", 100) if gid.encode() in f[b"r"]
             ]
             request = msgspec.json.decode(raw, type=GenerationRequest)
-            takeover = Takeover(
+            takeover = LostRequests(
                 redis, keys, max_takeovers=3, events_maxlen=1000, ttl_s=600, requests_maxlen=100
             )
             assert await takeover.hand_on(queue, request, raw, owner.decode()) == "taken_over"

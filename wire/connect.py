@@ -1,6 +1,6 @@
 """The one way gateway and engine open Redis, from ``REDIS_URL``, whatever serves it.
 
-- ``redis://`` or ``rediss://``: one Redis (or a proxy in front of several); as before.
+- ``redis://`` or ``rediss://``: one Redis (or a proxy in front of several).
 - ``unix:///path/to/redis.sock``: one Redis on this machine, over its Unix socket.
 - ``redis+cluster://host:port`` (``rediss+cluster://`` with TLS): a Redis Cluster, found
   from any one node (more seeds after a comma: ``redis+cluster://a:6379,b:6379``). Keys of
@@ -77,9 +77,9 @@ NO_MAINT_NOTIFICATIONS: dict[str, Any] = {
 """redis-py 8 speaks RESP3 and, on every new TCP connection, asks for Redis Enterprise's
 maintenance notifications (``CLIENT MAINT_NOTIFICATIONS``, an error on Redis and Valkey).
 Besides a failed round trip per connection, that handshake reads a reply inside a
-reconnect: on a pub/sub connection whose reader was waiting, the chaos soak saw it raise
-``RuntimeError: read() called while another coroutine is already waiting`` after a Redis
-restart, and a request answered 500."""
+reconnect: on a pub/sub connection whose reader is waiting, it raises ``RuntimeError:
+read() called while another coroutine is already waiting`` after a Redis restart, and a
+request is answered 500."""
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 SENTINEL_SCHEMES = {"redis+sentinel", "rediss+sentinel"}
 
@@ -205,9 +205,9 @@ class _ClosedIsLost:
     connection it is (``ConnectionError``: the caller's retry and failover handling take
     it): uvloop, the gateway's loop under uvicorn, refuses it with ``RuntimeError: unable
     to perform operation on <TCPTransport closed=True ...>; the handler is closed``, which
-    redis-py passes on, turning only ``OSError`` into ``ConnectionError``. The chaos soak
-    saw a request answered 500 for it, on a cluster whose primary was killed (one Redis's
-    pool finds such a connection closed before it hands it out, wire/pool.py)."""
+    redis-py passes on, turning only ``OSError`` into ``ConnectionError``: a request would
+    be answered 500 for it on a cluster whose primary is killed (one Redis's pool finds
+    such a connection closed before it hands it out, wire/pool.py)."""
 
     async def send_packed_command(
         self, command: bytes | str | Iterable[bytes], check_health: bool = True
@@ -223,9 +223,9 @@ class _ClosedIsLost:
 class _PackedByHiredis:
     """Commands packed by hiredis, in C, as redis-py's synchronous client packs them when
     hiredis is installed; its asyncio connections pack in Python. A script call of 23
-    arguments (the submit's) takes 24 us in Python and 4 in hiredis; packing was 13 % of
-    a gateway's loop time and 9 % of a worker's in a profile (docs/bench.md, "Commands
-    packed in C"). The same bytes: str as UTF-8 (the only encoding these clients use),
+    arguments (the submit's) takes 24 us in Python and 4 in hiredis; packed in Python,
+    packing is 13 % of a gateway's loop time and 9 % of a worker's (docs/bench.md,
+    "Commands packed in C"). The same bytes: str as UTF-8 (the only encoding these clients use),
     numbers as ``repr``; what neither takes (None, a bool) is the ``DataError`` redis-py
     raises."""
 

@@ -120,9 +120,6 @@ def _some_waiting(groups: object) -> bool:
 
 
 class RequestQueue:
-    LOOKS = 4
-    """How many replies ``look_in`` asks for (``looked`` reads them)."""
-
     def __init__(self, redis: aioredis.Redis, keys: Keys, model: str) -> None:
         self.redis = redis
         self.model = model
@@ -218,54 +215,6 @@ class RequestQueue:
 
     async def cross_off(self, note: bytes) -> None:
         await self.redis.zrem(self.submitting_key, note)
-
-    COUNTS = 3
-    """How many replies ``count_in`` asks for (``counted`` reads them)."""
-
-    def count_in(self, pipe: Pipeline) -> None:
-        """Queue XINFO GROUPS, XLEN and the tenants' waiting count in ``pipe``; ``counted``
-        reads their replies."""
-        pipe.xinfo_groups(self.key)
-        pipe.xlen(self.key)
-        pipe.hget(self.fair.base, "waiting")
-
-    @staticmethod
-    def counted(groups: object, length: object, fair_waiting: object) -> tuple[int, int]:
-        """(queued, running): requests no worker took yet (in the stream or the tenants'
-        lists), and taken but not acknowledged, from the replies ``count_in`` asked for
-        (run with ``raise_on_error=False``)."""
-        if isinstance(fair_waiting, RedisError):
-            raise fair_waiting
-        in_lists = int(cast(bytes, fair_waiting) or 0)
-        if isinstance(groups, RedisError):
-            if _missing(groups):
-                return in_lists, 0
-            raise groups
-        if isinstance(length, RedisError):
-            raise length
-        group = _workers_group(groups)
-        if group is None:
-            return int(cast(int, length)) + in_lists, 0
-        return int(group.get("lag") or 0) + in_lists, int(group["pending"])
-
-    def look_in(self, pipe: Pipeline, noted_before_s: float) -> None:
-        """Queue in ``pipe`` what ``looked`` reads (``LOOKS`` replies): the pending
-        summary, the group's lag, the tenants' waiting count, the notes made before
-        ``noted_before_s`` (unix seconds)."""
-        pipe.xpending(self.key, CONSUMER_GROUP)
-        pipe.xinfo_groups(self.key)
-        pipe.hget(self.fair.base, "waiting")
-        pipe.zcount(self.submitting_key, "-inf", noted_before_s)
-
-    @staticmethod
-    def looked(summary: object, groups: object, fair_waiting: object, noted: object) -> QueueLook:
-        """The replies ``look_in`` asked for (run with ``raise_on_error=False``)."""
-        return QueueLook(
-            pending=_some_pending(summary),
-            waiting=_some_waiting(groups),
-            waiting_fair=isinstance(fair_waiting, RedisError) or int(fair_waiting or 0) > 0,  # type: ignore[call-overload]
-            noted=noted != 0,
-        )
 
     async def fair_waiting(self) -> int:
         """Requests waiting in the tenants' lists."""
@@ -403,3 +352,69 @@ class RequestQueue:
                 pipe.xack(self.key, CONSUMER_GROUP, entry_id)
             self._ring_in(pipe)
             await pipe.execute()
+
+
+async def count_all(redis: aioredis.Redis, queues: list[RequestQueue]) -> list[tuple[int, int]]:
+    """(queued, running) of each of ``queues``, in one round trip: requests no worker took
+    yet (in the stream or the tenants' lists), and taken but not acknowledged."""
+    async with redis.pipeline(transaction=False) as pipe:
+        for queue in queues:
+            pipe.xinfo_groups(queue.key)
+            pipe.xlen(queue.key)
+            pipe.hget(queue.fair.base, "waiting")
+        replies = await pipe.execute(raise_on_error=False)
+    return [
+        _counted(groups, length, fair_waiting)
+        for groups, length, fair_waiting in zip(
+            replies[0::3], replies[1::3], replies[2::3], strict=True
+        )
+    ]
+
+
+def _counted(groups: object, length: object, fair_waiting: object) -> tuple[int, int]:
+    if isinstance(fair_waiting, RedisError):
+        raise fair_waiting
+    in_lists = int(cast(bytes, fair_waiting) or 0)
+    if isinstance(groups, RedisError):
+        if _missing(groups):
+            return in_lists, 0
+        raise groups
+    if isinstance(length, RedisError):
+        raise length
+    group = _workers_group(groups)
+    if group is None:
+        return int(cast(int, length)) + in_lists, 0
+    return int(group.get("lag") or 0) + in_lists, int(group["pending"])
+
+
+async def look_at(
+    redis: aioredis.Redis, queues: list[RequestQueue], noted_before_s: float
+) -> list[QueueLook]:
+    """One look at each of ``queues``, in one round trip, for the reaper's pass: the
+    pending summary, the group's lag, the tenants' waiting count, the notes made before
+    ``noted_before_s`` (unix seconds). A reply that cannot tell says there is something to
+    do."""
+    async with redis.pipeline(transaction=False) as pipe:
+        for queue in queues:
+            pipe.xpending(queue.key, CONSUMER_GROUP)
+            pipe.xinfo_groups(queue.key)
+            pipe.hget(queue.fair.base, "waiting")
+            pipe.zcount(queue.submitting_key, "-inf", noted_before_s)
+        replies = await pipe.execute(raise_on_error=False)
+    return [
+        QueueLook(
+            pending=_some_pending(summary),
+            waiting=_some_waiting(groups),
+            waiting_fair=_some_in_lists(fair_waiting),
+            noted=noted != 0,
+        )
+        for summary, groups, fair_waiting, noted in zip(
+            replies[0::4], replies[1::4], replies[2::4], replies[3::4], strict=True
+        )
+    ]
+
+
+def _some_in_lists(fair_waiting: object) -> bool:
+    if isinstance(fair_waiting, RedisError):
+        return True
+    return int(cast(bytes | None, fair_waiting) or 0) > 0

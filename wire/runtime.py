@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import resource
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -12,8 +13,8 @@ T = TypeVar("T")
 
 GC_YOUNG_THRESHOLD = 20_000
 """Allocations between two young-generation collections (CPython's default: 700). Each
-token allocates a few dozen short-lived objects; at the default the cyclic collector ran
-hundreds of times a second at load and was 12-20 % of a process's busy samples."""
+token allocates a few dozen short-lived objects; at the default the cyclic collector runs
+hundreds of times a second at load, 12-20 % of a process's busy samples (docs/bench.md)."""
 
 
 def tune_gc() -> None:
@@ -24,6 +25,18 @@ def tune_gc() -> None:
     gc.freeze()
     _, older, oldest = gc.get_threshold()
     gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
+
+
+def open_files_to_the_hard_limit() -> tuple[int, int]:
+    """Raise this process's limit of open files to the most it may have, and return the
+    limit before and after. The soft limit is often 1,024, and every client's connection is
+    one: a gateway holding a thousand streams (a burst at a GPU's rate) would refuse the
+    next connection, though the system allows far more (its processes inherit the limit)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        return soft, hard
+    return soft, soft
 
 
 def shared_read(read: Coroutine[Any, Any, T]) -> asyncio.Task[T]:

@@ -83,8 +83,11 @@ def start_engine(
     max_model_len: int,
     max_num_seqs: int,
     enforce_eager: bool,
+    **options: float | int,
 ) -> Any:
-    """vLLM's async engine (``AsyncLLM``), started: its engine core runs from here on."""
+    """vLLM's async engine (``AsyncLLM``), started: its engine core runs from here on;
+    ``options``: more ``AsyncEngineArgs`` fields (every version in range has those the
+    worker's flags set: ``gpu_memory_utilization``, ``max_num_batched_tokens``)."""
     from vllm import AsyncEngineArgs, AsyncLLMEngine
 
     args = AsyncEngineArgs(
@@ -94,6 +97,7 @@ def start_engine(
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
         enforce_eager=enforce_eager,
+        **options,
     )
     return AsyncLLMEngine.from_engine_args(args)
 

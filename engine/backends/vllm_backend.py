@@ -36,6 +36,7 @@ class VllmBackend(Backend):
         capacity: int = 16,
         dtype: str = "auto",
         enforce_eager: bool = False,
+        engine_options: dict[str, float | int] | None = None,
     ) -> None:
         self.model_path = model
         self.model = served_name or os.path.basename(model.rstrip("/"))
@@ -43,6 +44,8 @@ class VllmBackend(Backend):
         self.capacity = capacity
         self.dtype = dtype
         self.enforce_eager = enforce_eager
+        self.engine_options = engine_options or {}
+        """More of vLLM's engine arguments (``--gpu-memory-utilization``, ...)."""
         self._engine: Any = None
         self._tokenizer: Any = None
         self._running: set[str] = set()
@@ -57,6 +60,7 @@ class VllmBackend(Backend):
             max_model_len=self.max_model_len,
             max_num_seqs=self.capacity,
             enforce_eager=self.enforce_eager,
+            **self.engine_options,
         )
         self._tokenizer = self._engine.get_tokenizer()
 

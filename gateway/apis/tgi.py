@@ -3,16 +3,16 @@ TGI's root routes: ``POST /`` (either, by the body's ``stream``) and ``GET /info
 TGI's documentation points clients at (``InferenceClient("http://host:port")``). TGI has
 one model; requests here go to the default model (``TOKENSPOUT_DEFAULT_MODEL``).
 
-A thin adapter over ``GenerationStream``. TGI's last stream event is a token event that also
-carries ``generated_text`` and ``details``, so each token is written when the next event
-shows whether it was the last. Logprobs are always asked of the engine: TGI's token has one.
-Errors are TGI's ``{"error": ..., "error_type": ...}`` (``huggingface_hub`` raises
-``ValidationError``, ``OverloadedError``, ``GenerationError`` from them).
+A thin adapter over the gateway's service. TGI's last stream event is a token event that
+also carries ``generated_text`` and ``details``, so each token is written when the next
+event shows whether it was the last (``TgiStream``). Logprobs are always asked of the
+engine: TGI's token has one. Errors are TGI's ``{"error": ..., "error_type": ...}``
+(``huggingface_hub`` raises ``ValidationError``, ``OverloadedError``, ``GenerationError``
+from them).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, AsyncIterator
 from typing import Annotated, Any
 
 import msgspec
@@ -20,7 +20,9 @@ from litestar import Response, Router, get, post
 from litestar.response import Stream
 
 from gateway import __version__
+from gateway.core.ask import GenerationAsk
 from gateway.core.auth import api_key_check
+from gateway.core.choices import Choices
 from gateway.core.errors import (
     HANDLED,
     AnyRequest,
@@ -29,20 +31,11 @@ from gateway.core.errors import (
     ending_with_error,
     request_error,
 )
-from gateway.core.generation_stream import (
-    Collected,
-    GenerationItem,
-    GenerationStream,
-    Heartbeat,
-    TokenPiece,
-    final_error,
-    per_token,
-)
-from gateway.core.relay import RelayHub
-from gateway.core.sessions import SessionStore
-from gateway.core.settings import Settings
+from gateway.core.generation_stream import Collected, TokenPiece, final_error, per_token
+from gateway.core.service import GatewayService
+from gateway.core.walk import walk
 from gateway.server import sse
-from wire import Done, SamplingParams, Started, Token
+from wire import Cancelled, Done, Error, SamplingParams, Started, Token
 
 STOP_SEQUENCES = 8
 
@@ -159,7 +152,7 @@ def tgi_error(request: AnyRequest, exc: Exception) -> Response[TgiError]:
     )
 
 
-def _params(store: SessionStore, given: Parameters) -> SamplingParams:
+def _sampling(service: GatewayService, given: Parameters) -> SamplingParams:
     for name, neutral in UNSUPPORTED.items():
         value = getattr(given, name)
         if value is not None and value != neutral:
@@ -169,7 +162,7 @@ def _params(store: SessionStore, given: Parameters) -> SamplingParams:
     )
     # TGI decodes greedily unless asked to sample (do_sample, or a sampling parameter).
     temperature = (given.temperature or 1.0) if sampling else 0.0
-    return store.queue.sampling(
+    return service.sampling(
         named={"max_tokens": "max_new_tokens", "top_logprobs": "top_n_tokens"},
         max_tokens=given.max_new_tokens,
         temperature=temperature,
@@ -203,16 +196,14 @@ def _top_tokens(piece: TokenPiece) -> list[TokenOut] | None:
     return [TokenOut(top.id, top.token, top.logprob, special=False) for top in piece.top]
 
 
-async def _start(
-    store: SessionStore, hub: RelayHub, settings: Settings, data: GenerateRequest
-) -> GenerationStream:
+async def _start(service: GatewayService, data: GenerateRequest) -> Choices:
     if not data.inputs.strip():
         raise BadRequest("`inputs` must not be empty", field="inputs")
-    params = _params(store, data.parameters)
-    return await GenerationStream.submit(store, hub, settings, params, prompt=data.inputs)
+    sampling = _sampling(service, data.parameters)
+    return await service.generate(GenerationAsk(sampling=sampling, prompt=data.inputs))
 
 
-def _generated(whole: Collected, data: GenerateRequest) -> Generated:
+def generated(whole: Collected, data: GenerateRequest) -> Generated:
     """The answer of a ``/generate`` that does not stream."""
     prefix = data.inputs if data.parameters.return_full_text else ""
     if not data.parameters.details:
@@ -232,60 +223,74 @@ def _generated(whole: Collected, data: GenerateRequest) -> Generated:
     return Generated(prefix + whole.text, details)
 
 
-async def _events(
-    items: AsyncIterable[GenerationItem], data: GenerateRequest
-) -> AsyncIterator[bytes]:
-    held: TokenPiece | None = None
-    index, text, input_length = 0, [data.inputs] if data.parameters.return_full_text else [], 0
-    async for item in items:
-        if isinstance(item, Heartbeat):
-            yield sse.HEARTBEAT
-        elif isinstance(item, Started):
-            input_length = item.prompt_tokens
-        elif isinstance(item, Token):
-            text.append(item.text)
-            for piece in per_token(item):
-                if held is not None:
-                    index += 1
-                    yield _frame(StreamEvent(index, _token(held), None, None, _top_tokens(held)))
-                held = piece
-        elif isinstance(item, Done) and held is not None:
-            details = StreamDetails(
-                _finish_reason(item.finish_reason, data.parameters.stop),
-                item.usage.completion_tokens,
-                input_length,
-                data.parameters.seed,
-            )
-            last = StreamEvent(index + 1, _token(held), "".join(text), details, _top_tokens(held))
-            yield _frame(last)
-        elif isinstance(item, Done):
-            yield _frame(TgiError("the engine produced no tokens", "incomplete_generation"))
-        else:
-            if held is not None:  # what the engine made before it failed still counts
-                yield _frame(StreamEvent(index + 1, _token(held), None, None, _top_tokens(held)))
-            yield _frame(TgiError(final_error(item).message, "generation"))
+class TgiStream(sse.SseSpelling):
+    """TGI's stream events: each token is held until the next event says whether it was
+    the last, which carries the whole text and the details."""
+
+    def __init__(self, data: GenerateRequest) -> None:
+        self.data = data
+        self.held: TokenPiece | None = None
+        self.index = 0
+        self.text = [data.inputs] if data.parameters.return_full_text else []
+        self.input_length = 0
+
+    def started(self, choice: int, event: Started, out: list[bytes]) -> None:
+        self.input_length = event.prompt_tokens
+
+    def token(self, choice: int, event: Token, out: list[bytes]) -> None:
+        self.text.append(event.text)
+        for piece in per_token(event):
+            if self.held is not None:
+                self.index += 1
+                out.append(_frame(self._event(self.held, self.index)))
+            self.held = piece
+
+    def done(self, choice: int, event: Done, out: list[bytes]) -> None:
+        if self.held is None:
+            out.append(_frame(TgiError("the engine produced no tokens", "incomplete_generation")))
+            return
+        parameters = self.data.parameters
+        details = StreamDetails(
+            _finish_reason(event.finish_reason, parameters.stop),
+            event.usage.completion_tokens,
+            self.input_length,
+            parameters.seed,
+        )
+        last = self._event(self.held, self.index + 1)
+        last.generated_text, last.details = "".join(self.text), details
+        out.append(_frame(last))
+
+    def ended_early(self, choice: int, event: Cancelled | Error, out: list[bytes]) -> None:
+        if self.held is not None:  # what the engine made before it failed still counts
+            out.append(_frame(self._event(self.held, self.index + 1)))
+        out.append(_frame(TgiError(final_error(event).message, "generation")))
+
+    @staticmethod
+    def _event(piece: TokenPiece, index: int) -> StreamEvent:
+        return StreamEvent(index, _token(piece), None, None, _top_tokens(piece))
 
 
 def _frame(event: msgspec.Struct) -> bytes:
-    return sse.frame(msgspec.json.encode(event))
+    return sse.json_frame(event)
 
 
-def _stream_response(generation: GenerationStream, data: GenerateRequest) -> Stream:
+def _stream_response(choices: Choices, data: GenerateRequest) -> Stream:
     # Inside a stream every failure is a `generation` error, as the engine's own are.
     chunks = ending_with_error(
-        _events(generation.events(), data),
+        walk(choices.batches(), TgiStream(data)),
         lambda error: _frame(TgiError(error.message, "generation")),
     )
-    return sse.response(chunks, background=generation.on_response_end())
+    return sse.response(chunks, background=choices.on_response_end())
 
 
 async def _generate_or_stream(
-    store: SessionStore, hub: RelayHub, settings: Settings, data: GenerateRequest
+    service: GatewayService, data: GenerateRequest
 ) -> Response[Generated] | Stream:
-    generation = await _start(store, hub, settings, data)
+    choices = await _start(service, data)
     if data.stream:
-        return _stream_response(generation, data)
-    return Response(_generated(await generation.collect(), data), status_code=200)
+        return _stream_response(choices, data)
+    (whole,) = await choices.collect()
+    return Response(generated(whole, data), status_code=200)
 
 
 @post(
@@ -297,37 +302,33 @@ async def _generate_or_stream(
     exception_handlers={kind: tgi_error for kind in HANDLED},
 )
 async def compat_generate(
-    store: SessionStore, hub: RelayHub, settings: Settings, data: GenerateRequest
+    service: GatewayService, data: GenerateRequest
 ) -> Response[Generated] | Stream:
     """Where ``InferenceClient("http://host:port")`` posts, as TGI's own ``POST /`` (the
     web chat is ``GET /``). Not in ``tgi_router``: two routers on one path would each bring
     an OPTIONS handler, which Litestar refuses; gateway/server/app.py registers it after the web
     chat's router."""
-    return await _generate_or_stream(store, hub, settings, data)
+    return await _generate_or_stream(service, data)
 
 
 @post(
     "/generate", summary="TGI generate (streams when the body says `stream: true`)", status_code=200
 )
-async def generate(
-    store: SessionStore, hub: RelayHub, settings: Settings, data: GenerateRequest
-) -> Response[Generated] | Stream:
+async def generate(service: GatewayService, data: GenerateRequest) -> Response[Generated] | Stream:
     """``stream: true`` makes it ``generate_stream``, as TGI's ``POST /`` does."""
-    return await _generate_or_stream(store, hub, settings, data)
+    return await _generate_or_stream(service, data)
 
 
 @post("/generate_stream", summary="TGI generate_stream (text/event-stream)", status_code=200)
-async def generate_stream(
-    store: SessionStore, hub: RelayHub, settings: Settings, data: GenerateRequest
-) -> Stream:
-    generation = await _start(store, hub, settings, data)
-    return _stream_response(generation, data)
+async def generate_stream(service: GatewayService, data: GenerateRequest) -> Stream:
+    return _stream_response(await _start(service, data), data)
 
 
 @get("/info", summary="TGI info: the default model and this gateway's limits")
-async def info(store: SessionStore, settings: Settings) -> Info:
-    model = await store.models.resolve(None)
-    workers = (await store.models.snapshot()).live.get(model, [])
+async def info(service: GatewayService) -> Info:
+    settings = service.settings
+    model = await service.resolve_model(None)
+    workers = await service.workers_of(model)
     contexts = [w.max_model_len for w in workers if w.max_model_len is not None]
     if contexts:
         max_total = min(contexts)

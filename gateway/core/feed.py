@@ -130,8 +130,9 @@ class Feed:
 
     The heartbeat timeout is a timer that is moved lazily: a feed that gets events every
     few milliseconds only pushes its deadline forward (a float), and the timer, when it
-    fires before that deadline, re-arms itself once. An ``asyncio.timeout`` per wait cost a
-    timer, a cancel and an uncancel for every batch: a tenth of the relay's CPU at load.
+    fires before that deadline, re-arms itself once. An ``asyncio.timeout`` per wait would
+    cost a timer, a cancel and an uncancel for every batch: a tenth of the relay's CPU at
+    load.
     """
 
     __slots__ = (

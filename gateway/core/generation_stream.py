@@ -1,12 +1,12 @@
 """One stateless generation as a stream of typed events: what every API adapter builds on.
 
 The OpenAI, TGI and Open Inference Protocol adapters differ only in how they spell a token,
-an ending and an error. Submitting the generation, following its session's feed, keeping
-the connection alive while it waits, and aborting it when the client goes away happen here
-once, for all of them.
+an ending and an error (gateway/core/walk.py). Submitting the generation, following its
+session's feed, keeping the connection alive while it waits, and aborting it when the client
+goes away happen here once, for all of them.
 
-    generation = await GenerationStream.submit(store, hub, settings, params, prompt="Hi")
-    async for item in generation.events():     # Started | Token | Heartbeat | final event
+    generation = await GenerationStream.submit(store, hub, ask, heartbeat_s)
+    async for batch in generation.batches():     # [(choice, Started | Token | ...), ...]
         ...
     # generation.close() (a background task of the response) cancels it if it did not end.
 """
@@ -20,38 +20,27 @@ from typing import NamedTuple
 
 import anyio
 import msgspec
-from litestar.background_tasks import BackgroundTask
 
+from gateway.core.ask import GenerationAsk
 from gateway.core.errors import BadRequest, GatewayError, NotFound, Unavailable
 from gateway.core.feed import Feed
 from gateway.core.relay import RelayHub
 from gateway.core.sessions import SessionStore, Submitted
-from gateway.core.settings import Settings
 from gateway.core.tools import add_to_call
+from gateway.core.walk import Heartbeat, IndexedItem, Spelling, walk
 from wire import (
     Cancelled,
-    ChatMessage,
     Done,
     Error,
     FinalEvent,
-    SamplingParams,
     Started,
-    Task,
     Token,
     ToolCall,
-    Tools,
     TopLogprob,
     decode_event,
 )
 
 log = logging.getLogger("tokenspout.generations")
-
-
-class Heartbeat(msgspec.Struct, frozen=True):
-    """Nothing happened for ``heartbeat_s``: write a keep-alive so proxies keep the stream."""
-
-
-GenerationItem = Started | Token | Heartbeat | Done | Cancelled | Error
 
 
 class TokenPiece(NamedTuple):
@@ -124,6 +113,49 @@ def final_error(final: Error | Cancelled) -> GatewayError:
     return Unavailable(final.message, code=final.code)
 
 
+class Collector(Spelling[Collected, list[Collected]]):
+    """A whole generation, gathered from its events: ``Collected`` at its ``done``; a
+    generation that did not finish raises the error a non-streaming answer gives."""
+
+    def __init__(self) -> None:
+        self.model, self.prompt_tokens = "", 0
+        self.prompt_token_ids: list[int] | None = None
+        self.text: list[str] = []
+        self.pieces: list[TokenPiece] = []
+        self.calls: dict[int, ToolCall] = {}
+
+    def started(self, choice: int, event: Started, out: list[Collected]) -> None:
+        self.model, self.prompt_tokens = event.model, event.prompt_tokens
+        self.prompt_token_ids = event.prompt_token_ids
+
+    def token(self, choice: int, event: Token, out: list[Collected]) -> None:
+        self.text.append(event.visible)
+        self.pieces.extend(per_token(event))
+        for delta in event.tool_calls or ():
+            self.calls[delta.index] = add_to_call(self.calls.get(delta.index), delta)
+
+    def done(self, choice: int, event: Done, out: list[Collected]) -> None:
+        calls = [self.calls[index] for index in sorted(self.calls)]
+        whole = "".join(self.text)
+        out.append(
+            Collected(
+                self.model,
+                self.prompt_tokens,
+                whole,
+                self.pieces,
+                event,
+                calls,
+                self.prompt_token_ids,
+            )
+        )
+
+    def ended_early(self, choice: int, event: Cancelled | Error, out: list[Collected]) -> None:
+        raise final_error(event)
+
+    def write(self, out: list[Collected], last: bool) -> list[Collected]:
+        return out
+
+
 class GenerationStream:
     """The events of one submitted generation, in order, ending with its final event."""
 
@@ -135,11 +167,14 @@ class GenerationStream:
         heartbeat_s: float,
         feed: Feed,
         feed_open: contextlib.AsyncExitStack,
+        choice: int = 0,
     ) -> None:
         self.store = store
         self.hub = hub
         self.submitted = submitted
         self.heartbeat_s = heartbeat_s
+        self.choice = choice
+        """Which of its request's ``n`` choices it is: its items carry it."""
         self.final: FinalEvent | None = None
         self._feed = feed
         self._feed_open = feed_open
@@ -150,18 +185,11 @@ class GenerationStream:
         cls,
         store: SessionStore,
         hub: RelayHub,
-        settings: Settings,
-        params: SamplingParams,
-        *,
-        model: str | None = None,
-        messages: list[ChatMessage] | None = None,
-        prompt: str | None = None,
-        tools: Tools | None = None,
-        task: Task = "generate",
-        token_ids: list[int] | None = None,
+        ask: GenerationAsk,
+        heartbeat_s: float,
         choice: int = 0,
     ) -> GenerationStream:
-        """Queue it for ``model`` (a name or alias; None: the default model); ``choice``:
+        """Queue it (``ask.model``: a name or alias; None: the default model); ``choice``:
         which of a request's choices it is (``SessionStore.submit_stateless``).
 
         The new session's feed opens first, so its events come live from the first one,
@@ -169,54 +197,41 @@ class GenerationStream:
         feed_open = contextlib.AsyncExitStack()
         try:
             feed = await feed_open.enter_async_context(hub.open_new_session())
-            submitted = await store.submit_stateless(
-                params,
-                model=model,
-                messages=messages,
-                prompt=prompt,
-                session_id=feed.session_id,
-                tools=tools,
-                task=task,
-                token_ids=token_ids,
-                choice=choice,
-            )
+            submitted = await store.submit_stateless(ask, session_id=feed.session_id, choice=choice)
         except BaseException:
             await feed_open.aclose()
             raise
-        return cls(store, hub, submitted, settings.sse_heartbeat_s, feed, feed_open)
+        return cls(store, hub, submitted, heartbeat_s, feed, feed_open, choice)
 
     @property
     def generation_id(self) -> str:
         return self.submitted.generation_id
 
-    async def events(self) -> AsyncIterator[GenerationItem]:
-        """Started, tokens and heartbeats, then exactly one final event (and nothing after)."""
-        async for items in self.batches():
-            for item in items:
-                yield item
-
-    async def batches(self) -> AsyncIterator[list[GenerationItem]]:
-        """``events`` as the feed delivers them: what arrived together comes in one list
-        (several tokens when the reader fell behind), so a transport writes it at once."""
+    async def batches(self) -> AsyncIterator[list[IndexedItem]]:
+        """Started, tokens and heartbeats, then exactly one final event (and nothing after),
+        each with this generation's choice, as the feed delivers them: what arrived
+        together comes in one list (several tokens when the reader fell behind), so a
+        transport writes it at once."""
+        choice = self.choice
         async with self._feed_open:
             feed = self._feed
             while self.final is None:
                 batch = await feed.next_batch(self.heartbeat_s)
                 self.hub.raise_if_cut()
                 if not batch:
-                    yield [Heartbeat()]
+                    yield [(choice, Heartbeat())]
                     continue
-                items: list[GenerationItem] = []
+                items: list[IndexedItem] = []
                 for relayed in batch:
                     if relayed.generation_id != self.generation_id:
                         continue
                     event = decode_event(relayed.data)
                     if isinstance(event, Done | Cancelled | Error):
                         self.final = event
-                        items.append(event)
+                        items.append((choice, event))
                         break
                     if isinstance(event, Started | Token):
-                        items.append(event)
+                        items.append((choice, event))
                     # ``queued`` and ``resumed`` (a takeover: the tokens simply go on) have
                     # no place in the API formats: skipped.
                 if items:
@@ -224,28 +239,13 @@ class GenerationStream:
 
     async def collect(self) -> Collected:
         """Wait for the whole generation; raise the adapter's error if it did not finish."""
-        model, prompt_tokens, text, prompt_ids = "", 0, [], None
-        pieces: list[TokenPiece] = []
-        calls: dict[int, ToolCall] = {}
+        wholes: list[Collected] = []
         try:
-            async for item in self.events():
-                if isinstance(item, Started):
-                    model, prompt_tokens = item.model, item.prompt_tokens
-                    prompt_ids = item.prompt_token_ids
-                elif isinstance(item, Token):
-                    text.append(item.visible)
-                    pieces.extend(per_token(item))
-                    for delta in item.tool_calls or ():
-                        calls[delta.index] = add_to_call(calls.get(delta.index), delta)
-                elif isinstance(item, Done):
-                    whole = "".join(text)
-                    made = [calls[index] for index in sorted(calls)]
-                    return Collected(model, prompt_tokens, whole, pieces, item, made, prompt_ids)
-                elif isinstance(item, Cancelled | Error):
-                    raise final_error(item)
+            async for written in walk(self.batches(), Collector()):
+                wholes += written  # once: at its ``done``
         finally:
             await self.close()
-        raise AssertionError("a generation's events end with a final event")  # pragma: no cover
+        return wholes[0]
 
     async def close(self) -> None:
         """Abort the generation in the engine unless it already ended (client gone)."""
@@ -264,7 +264,3 @@ class GenerationStream:
                 return
         if outcome.final is not None:
             self.final = outcome.final
-
-    def on_response_end(self) -> BackgroundTask:
-        """Runs after the streamed response ends, however it ends (done or disconnected)."""
-        return BackgroundTask(self.close)

@@ -29,7 +29,7 @@ from gateway.core.settings import Settings
 from wire import CancelSignal, GenerationRequest, Keys, SamplingParams
 from wire.limits import Limits
 from wire.outcomes import OverCapacity
-from wire.queue import RequestQueue, estimated_tokens
+from wire.queue import RequestQueue, count_all, estimated_tokens
 from wire.runtime import shared_read
 from wire.scripts import Admission, WaitingRequest
 
@@ -121,9 +121,10 @@ class GenerationQueue:
 
         The counts come from the read on its way when there is one (``CountsRead``), plus
         the generations this process admitted on that read: a burst of requests costs one
-        read at a time (it cost 5 to 8 us of gateway CPU per token at 500 streams, a read
-        each). As before, a generation whose submit is still on its way is not seen by a
-        check that read before it landed; across gateways the check was never atomic."""
+        read at a time (a read each costs 5 to 8 us of gateway CPU per token at 500
+        streams). A generation whose submit is still on its way is not seen by a check that
+        read before it landed, and across gateways the check is not atomic: the SUBMIT
+        script's own check (``admission``) is, on one Redis."""
         models = await self._models_to_count([model])
         read = self._read
         if read is None or read.task.done() or read.models != models:
@@ -192,15 +193,8 @@ class GenerationQueue:
         return sorted(set(snapshot.models) | set(also) | set(default))
 
     async def _count(self, models: list[str]) -> Counts:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for model in models:
-                self.of(model).count_in(pipe)
-            replies = await pipe.execute(raise_on_error=False)
-        width = RequestQueue.COUNTS
-        return {
-            model: RequestQueue.counted(*replies[width * index : width * (index + 1)])
-            for index, model in enumerate(models)
-        }
+        counted = await count_all(self.redis, [self.of(model) for model in models])
+        return dict(zip(models, counted, strict=True))
 
     async def enqueue(
         self, model: str, request: GenerationRequest, submitted: bytes | None = None

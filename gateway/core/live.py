@@ -44,11 +44,11 @@ class RelayPubSub(PubSub):
     in place: it drops the connection and raises ``ConnectionError``. The relay's reader
     alone opens a fresh ``RelayPubSub``, after telling every feed its channel was lost.
 
-    In place, redis-py reconnected inside whichever task failed, reading the server's
-    handshake there: a request's (un)subscribe then read while the reader waited on the
+    In place, redis-py reconnects inside whichever task failed, reading the server's
+    handshake there: a request's (un)subscribe would read while the reader waits on the
     same connection (``RuntimeError: read() called while another coroutine is already
-    waiting``: a 500 in the chaos soak), and the resubscription it made was never reported
-    to the feeds. This overrides redis-py's ``_reconnect`` (redis is pinned)."""
+    waiting``, a 500), and the resubscription it makes would never reach the feeds. This
+    overrides redis-py's ``_reconnect`` (redis is pinned)."""
 
     async def _reconnect(self, conn: Any, error: BaseException | None = None, *_: Any) -> None:
         await conn.disconnect()

@@ -100,8 +100,8 @@ class ModelDirectory:
 
     async def refresh_forever(self, interval_s: float = REFRESH_S) -> None:
         """Keep the view younger than ``CACHE_S``, so no request waits for its read: a
-        lone request (a chat's next turn, seconds after the last) found it old every time,
-        two round trips on its way to the queue."""
+        lone request (a chat's next turn, seconds after the last) would find it old every
+        time, two round trips more on its way to the queue."""
         failing = False
         while True:
             try:

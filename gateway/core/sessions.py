@@ -26,6 +26,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 
 import wire
+from gateway.core.ask import GenerationAsk, KeptSession
 from gateway.core.auth import tenant_directory
 from gateway.core.conversations import Conversation, Conversations, ConversationSettings
 from gateway.core.errors import (
@@ -51,27 +52,18 @@ from wire import (
     GenerationRequest,
     Keys,
     SamplingParams,
-    Task,
-    Tools,
     scripts,
 )
 from wire import outcomes as script
 from wire.connect import is_cluster, when_redis_answers
-from wire.queue import RequestQueue
 from wire.scripts import Bill
 from wire.tenancy import UsageCounter
 
 log = logging.getLogger("tokenspout.sessions")
 _message_decoder = msgspec.json.Decoder(ChatMessage)
-_request_decoder = msgspec.json.Decoder(GenerationRequest)
 
 REQUEUE_WAIT_S = 10.0
 """How long a submit waits for Redis to take the request of a generation it has written."""
-STRANDED_AFTER_S = 3.0
-"""A session turn noted on its way to the queue this long ago and still not there: its
-gateway died before queueing it, and the reaper does (``queue_stranded``). A gateway only
-slow meanwhile (its Redis away) sends a second copy, which runs once."""
-STRANDED_PAGE = 100
 STATELESS_TTL_S = 600
 """Lifetime of the throwaway session behind one stateless API request."""
 BUSY_RETRY_AFTER_S = 1
@@ -124,16 +116,6 @@ class Turn:
     ``continue`` (wire/lua/submit.lua)."""
     system: str = ""
     """The conversation's system prompt, sent to the engine first."""
-
-
-class KeptSession(msgspec.Struct, frozen=True):
-    """A one-generation session kept past its request (a stored ``/v1/responses`` one)."""
-
-    ttl_s: int
-    meta: dict[str, str]
-    """Fields for its meta hash (the response's request, as the adapter stores it)."""
-    background: bool = False
-    """Workers treat it as read (a ``keep`` key): no abandonment while nobody reads."""
 
 
 class CancelOutcome(msgspec.Struct, frozen=True):
@@ -355,45 +337,36 @@ class SessionStore:
         self,
         session_id: str,
         token: str | None,
-        content: str,
-        params: SamplingParams,
+        ask: GenerationAsk,
         idempotency_key: str | None = None,
-        n: int = 1,
         *,
         owner: str | None = None,
-        turn: str = "",
-        given: frozenset[str] = frozenset(),
     ) -> Submitted:
-        """Append a user message to the session and queue the reply (``n`` replies: the
-        first is the turn's and joins the history; the others are queued beside it).
+        """Append the ask's user message to the session and queue the reply (``ask.n``
+        replies: the first is the turn's and joins the history; the others are queued
+        beside it).
 
-        ``turn``: "" a new message; ``edit <i>``: it replaces history message ``i`` (a user
-        message) and everything after it; ``regenerate`` (no ``content``): the last user
-        message is answered again, its reply cut off; ``continue`` (no ``content``): the
-        last message, an assistant one, is extended. The conversation's settings fill the
-        sampling fields the request did not set (``given``), its system prompt goes first.
-        Authorises like ``authorise`` (404, then 403).
+        ``ask.turn``: "" a new message; ``edit <i>``: it replaces history message ``i`` (a
+        user message) and everything after it; ``regenerate`` (no message): the last user
+        message is answered again, its reply cut off; ``continue`` (no message): the last
+        message, an assistant one, is extended. The conversation's settings fill the
+        sampling fields the request did not set (``ask.given``), its system prompt goes
+        first. Authorises like ``authorise``, by ``token`` or the ``owner``'s cookie (404,
+        then 403).
         """
-        if turn in ("regenerate", "continue"):
-            content = ""
-        else:
-            self._check_content(content)
-        if not 1 <= n <= self.settings.max_choices:
-            raise BadRequest(
-                f"n must be between 1 and {self.settings.max_choices} (TOKENSPOUT_MAX_CHOICES)",
-                code="too_many_choices",
-                field="n",
-            )
+        message = ask.message
+        if message is not None:
+            self._check_content(message.content)
         meta = await self.session_meta(session_id, token, owner)
-        params = self._with_settings(params, meta.settings, given)
-        message = ChatMessage("user", content) if content else None
+        params = self._with_settings(ask.sampling, meta.settings, ask.given)
         # Checked again in the script. No token never matches: a digest is never "-"; an
         # owner's cookie was checked just now (an owner never changes).
         digest = "" if meta.by_owner else _digest(token) if token is not None else "-"
-        ids = [new_id("g") for _ in range(n)]
-        kind = Turn(session_id, meta.model, meta.tenant, ids, turn, meta.settings.system)
-        submitted = await self._submit_to_session(kind, message, params, idempotency_key, digest)
+        ids = [new_id("g") for _ in range(ask.n)]
+        turn = Turn(session_id, meta.model, meta.tenant, ids, ask.turn, meta.settings.system)
+        submitted = await self._submit_to_session(turn, message, params, idempotency_key, digest)
         if submitted.queued_event_id is not None:
+            content = message.content if message is not None else ""
             await self.conversations.touched(session_id, meta.owner, content)
         return submitted
 
@@ -412,19 +385,13 @@ class SessionStore:
 
     async def submit_stateless(
         self,
-        params: SamplingParams,
-        model: str | None = None,
-        messages: list[ChatMessage] | None = None,
-        prompt: str | None = None,
+        ask: GenerationAsk,
         session_id: str | None = None,
-        tools: Tools | None = None,
-        task: Task = "generate",
-        token_ids: list[int] | None = None,
         kept: KeptSession | None = None,
         choice: int = 0,
     ) -> Submitted:
         """Queue one generation in a throwaway session (the OpenAI/TGI/OIP adapters) for
-        ``model`` (a name or alias; None: the default model), serving the key of the
+        ``ask.model`` (a name or alias; None: the default model), serving the key of the
         request being served (gateway/core/tenancy.py): on one Redis in one round trip,
         SUBMIT admitting it (the capacity, the key's limits), making the session and its
         generation and queueing the request; elsewhere the checks come first.
@@ -433,24 +400,24 @@ class SessionStore:
         fields and whether it runs on with no reader. ``choice``: which of a request's
         ``n`` choices it is (only the first counts as a request and bills the prompt)."""
         tenant = self.tenants.caller_tenant()
-        queue = await self.models.resolve(model)
-        self.tenants.check_model(tenant, model or queue, queue)
-        for message in messages or []:
+        queue = await self.models.resolve(ask.model)
+        self.tenants.check_model(tenant, ask.model or queue, queue)
+        for message in ask.messages or []:
             self._check_content(message.content, allow_empty=True)
-        if prompt is not None:
-            self._check_content(prompt)
+        if ask.prompt is not None:
+            self._check_content(ask.prompt)
         ttl_s = kept.ttl_s if kept is not None else STATELESS_TTL_S
+        session_id, generation_id = session_id or new_id("s"), new_id("g")
         request = msgspec.structs.replace(
             self._request(
-                session_id or new_id("s"), new_id("g"), params, messages or [], prompt, ttl_s
+                session_id, generation_id, ask.sampling, ask.messages or [], ask.prompt, ttl_s
             ),
-            tools=tools,
-            task=task,
-            token_ids=token_ids or [],
+            tools=ask.tools,
+            task=ask.task,
+            token_ids=ask.token_ids or [],
             tenant=tenant.id,
             choice=choice,
         )
-        session_id, generation_id = request.session_id, request.generation_id
         new = self._new_session(request, ttl_s)
         in_submit = kept is None and not is_cluster(self.redis)
         admitted = False
@@ -568,10 +535,6 @@ class SessionStore:
             keys.keep(session_id),
         )
 
-    async def stop_keeping(self, session_id: str) -> None:
-        """A background response's generation no longer runs on without a reader."""
-        await self.redis.delete(self.keys.keep(session_id))
-
     async def _submit_to_session(
         self,
         turn: Turn,
@@ -587,7 +550,6 @@ class SessionStore:
             tenant=turn.tenant.id,
             continue_final_message=turn.kind == "continue",
         )
-        request = msgspec.structs.replace(request, tenant=turn.tenant.id)
         note = wire.encode(request)  # its messages: the history the script returns
         try:
             reply = await self._submit_noted(
@@ -804,91 +766,18 @@ class SessionStore:
         waiting for a worker, its request may never have reached the queue (the gateway
         died, or Redis went away, between the two round trips of the first send), so it is
         queued again; a second copy runs once. One round trip more, on retries only."""
-        if not await self._still_queued(session_id, generation_id):
+        if not await self.still_queued(session_id, generation_id):
             return
         request = self._request(
             session_id, generation_id, params, [], None, self.settings.session_ttl_s
         )
-        await self._enqueue_written(model, await self._with_turn(request))
+        await self._enqueue_written(model, await self.with_turn(request))
 
-    async def queue_stranded(self, queue: RequestQueue, older_than_s: float) -> int:
-        """Queue the session turns noted on their way to ``queue`` over ``older_than_s``
-        ago and never queued: their gateway died between the submit's two round trips (a
-        client that sends again with its Idempotency-Key repairs it sooner; a WebSocket's
-        ``generate`` has no such key). A turn still ``queued`` gets its request; any other
-        note (the submit was refused, or its request came another way) is crossed off. A
-        copy sent twice (its gateway only slow) runs once. Returns how many were queued."""
-        queued = 0
-        for note in await queue.submitting_since(time.time() - older_than_s, STRANDED_PAGE):
-            try:
-                request = _request_decoder.decode(note)
-            except msgspec.DecodeError as exc:
-                log.error("unreadable note in %s: %r", queue.submitting_key, exc)
-                await queue.cross_off(note)
-                continue
-            if await self._still_queued(request.session_id, request.generation_id):
-                stranded = await self._with_turn(request)
-                await self.queue.enqueue(queue.model, stranded, note)
-                queued += 1
-            else:
-                await queue.cross_off(note)
-        if queued:
-            log.warning(
-                "queued %d session turns whose request was not in the queue %g s after their"
-                " submit (their gateway died, or waits for Redis: then a copy runs once)",
-                queued,
-                older_than_s,
-            )
-        return queued
-
-    async def requeue_lost(self, session_id: str, generation_id: str) -> bool:
-        """Queue again a session turn still ``queued`` whose request seems lost: no request
-        waits in its queue (none after its consumer group's last delivered one, or the
-        queue is gone), so none of them is its. Its request comes from the note the submit
-        kept with the generation (none for a one-shot API request: then False). A copy
-        that was not lost after all (taken by a worker stopped before its claim) runs once.
-        Returns whether it queued."""
-        key = self.keys.generation(session_id, generation_id)
-        state, note, model = await self.redis.hmget(key, ["state", "note", "queue"])
-        if state is None or wire.text(state) != "queued" or not note or not model:
-            return False
-        queue = self.queue.of(wire.text(model))
-        after = await queue.waiting_after()  # its group's lag is nil after a deletion: read
-        if (after is not None and await queue.read_after(after, 1)) or await queue.fair_waiting():
-            return False  # requests wait there: it may be one of them (the deadline decides)
-        request = await self._with_turn(_request_decoder.decode(note))
-        await self.queue.enqueue(queue.model, request)
-        return True
-
-    async def waiting_generations(self, session_ids: list[str]) -> list[tuple[str, str, float]]:
-        """(session, generation, when submitted) of the sessions' running generations that
-        no worker has started: two round trips, whatever the number of sessions."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for session_id in session_ids:
-                pipe.get(self.keys.active(session_id))
-            actives = await pipe.execute()
-        running = [
-            (session_id, wire.text(active))
-            for session_id, active in zip(session_ids, actives, strict=True)
-            if active is not None
-        ]
-        if not running:
-            return []
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for session_id, generation_id in running:
-                pipe.hmget(self.keys.generation(session_id, generation_id), ["state", "created"])
-            states = await pipe.execute()
-        return [
-            (session_id, generation_id, float(created))
-            for (session_id, generation_id), (state, created) in zip(running, states, strict=True)
-            if state is not None and wire.text(state) == "queued" and created is not None
-        ]
-
-    async def _still_queued(self, session_id: str, generation_id: str) -> bool:
+    async def still_queued(self, session_id: str, generation_id: str) -> bool:
         state = await self.redis.hget(self.keys.generation(session_id, generation_id), "state")
         return state is not None and wire.text(state) == "queued"
 
-    async def _with_turn(self, request: GenerationRequest) -> GenerationRequest:
+    async def with_turn(self, request: GenerationRequest) -> GenerationRequest:
         """``request`` with the conversation its turn answers: the session's history up to
         its last user message (another choice of the turn may have added its reply since),
         or all of it for a turn that continues the last message; its system prompt first."""
@@ -967,10 +856,6 @@ class SessionStore:
         if state is None:
             raise unknown_generation(generation_id)
         return wire.text(state), None if final_id is None else wire.text(final_id)
-
-    async def generation_final(self, session_id: str, generation_id: str) -> FinalEvent | None:
-        raw = await self.redis.hget(self.keys.generation(session_id, generation_id), "final")
-        return None if raw is None else wire.decode_final(raw)
 
     @property
     def watch_ttl_s(self) -> int:

@@ -76,7 +76,7 @@ def constraint(
         found.append(("response_format", StructuredOutput(json_object=True)))
     elif form is not None and form.type == "json_schema":
         if form.json_schema is None or form.json_schema.schema is None:
-            raise _refuse("response_format.json_schema", "json_schema needs a schema")
+            raise _invalid_constraint("response_format.json_schema", "json_schema needs a schema")
         found.append(("response_format", json_schema("response_format", form.json_schema.schema)))
     wanted, field = structured_outputs, "structured_outputs"
     if wanted is not None:
@@ -92,7 +92,7 @@ def constraint(
         if wanted.json_object:
             found.append((f"{field}.json_object", StructuredOutput(json_object=True)))
         if len(found) == before:
-            raise _refuse(field, "set one of json, regex, choice, grammar, json_object")
+            raise _invalid_constraint(field, "set one of json, regex, choice, grammar, json_object")
     if guided is not None:
         if guided.guided_json is not None:
             found.append(("guided_json", json_schema("guided_json", guided.guided_json)))
@@ -104,14 +104,16 @@ def constraint(
             found.append(("guided_grammar", grammar("guided_grammar", guided.guided_grammar)))
     if len(found) > 1:
         names = ", ".join(name for name, _ in found)
-        raise _refuse(found[1][0], f"only one structured-output constraint may be set ({names})")
+        raise _invalid_constraint(
+            found[1][0], f"only one structured-output constraint may be set ({names})"
+        )
     return found[0][1] if found else None
 
 
 # --- checks ------------------------------------------------------------------------------
 
 
-def _refuse(field: str, message: str) -> BadRequest:
+def _invalid_constraint(field: str, message: str) -> BadRequest:
     return BadRequest(message, code="invalid_structured_output", field=field)
 
 
@@ -121,16 +123,16 @@ def json_schema(field: str, schema: dict[str, Any] | str) -> StructuredOutput:
         try:
             schema = json.loads(schema)
         except ValueError as exc:
-            raise _refuse(field, f"the JSON schema is not valid JSON: {exc}") from None
+            raise _invalid_constraint(field, f"the JSON schema is not valid JSON: {exc}") from None
         if not isinstance(schema, dict):
-            raise _refuse(field, "a JSON schema must be an object")
+            raise _invalid_constraint(field, "a JSON schema must be an object")
     text = json.dumps(schema)
     _check_size(field, text)
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.exceptions.SchemaError as exc:
         where = "/".join(str(part) for part in exc.absolute_path) or "(root)"
-        raise _refuse(field, f"invalid JSON schema at {where}: {exc.message}") from None
+        raise _invalid_constraint(field, f"invalid JSON schema at {where}: {exc.message}") from None
     return StructuredOutput(json=text)
 
 
@@ -139,24 +141,26 @@ def regex(field: str, pattern: str) -> StructuredOutput:
     try:
         re.compile(pattern)
     except re.error as exc:
-        raise _refuse(field, f"invalid regex: {exc}") from None
+        raise _invalid_constraint(field, f"invalid regex: {exc}") from None
     return StructuredOutput(regex=pattern)
 
 
 def choice(field: str, choices: list[str]) -> StructuredOutput:
     if not choices or any(not option for option in choices):
-        raise _refuse(field, "choice must be a list of non-empty strings")
+        raise _invalid_constraint(field, "choice must be a list of non-empty strings")
     _check_size(field, json.dumps(choices))
     return StructuredOutput(choice=list(choices))
 
 
 def grammar(field: str, text: str) -> StructuredOutput:
     if not text.strip():
-        raise _refuse(field, "the grammar is empty")
+        raise _invalid_constraint(field, "the grammar is empty")
     _check_size(field, text)
     return StructuredOutput(grammar=text)
 
 
 def _check_size(field: str, text: str) -> None:
     if len(text.encode()) > MAX_CONSTRAINT_BYTES:
-        raise _refuse(field, f"the constraint is larger than {MAX_CONSTRAINT_BYTES} bytes")
+        raise _invalid_constraint(
+            field, f"the constraint is larger than {MAX_CONSTRAINT_BYTES} bytes"
+        )

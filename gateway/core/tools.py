@@ -25,7 +25,7 @@ FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
-def _refuse(field: str, message: str) -> BadRequest:
+def _invalid_tools(field: str, message: str) -> BadRequest:
     return BadRequest(message, code="invalid_tools", field=field)
 
 
@@ -39,19 +39,21 @@ def tools_of(
     ``tool_choice`` is ``none`` and it offers none)."""
     if not specs:
         if choice in ("required", "named"):
-            raise _refuse("tool_choice", f"tool_choice {choice} needs tools")
+            raise _invalid_tools("tool_choice", f"tool_choice {choice} needs tools")
         return None
     seen: set[str] = set()
     for index, spec in enumerate(specs):
         field = f"tools[{index}].function"
         if not FUNCTION_NAME.fullmatch(spec.name):
-            raise _refuse(f"{field}.name", "a function's name is 1-64 of a-z, A-Z, 0-9, _ and -")
+            raise _invalid_tools(
+                f"{field}.name", "a function's name is 1-64 of a-z, A-Z, 0-9, _ and -"
+            )
         if spec.name in seen:
-            raise _refuse(f"{field}.name", f"two functions are named {spec.name!r}")
+            raise _invalid_tools(f"{field}.name", f"two functions are named {spec.name!r}")
         seen.add(spec.name)
         structured.json_schema(f"{field}.parameters", spec.parameters or ANY_OBJECT)
     if choice == "named" and name not in seen:
-        raise _refuse("tool_choice", f"tool_choice names {name!r}, which is not in tools")
+        raise _invalid_tools("tool_choice", f"tool_choice names {name!r}, which is not in tools")
     return Tools(specs, choice or "auto", name, parallel is not False)
 
 

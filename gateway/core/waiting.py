@@ -1,15 +1,16 @@
 """The generations this process's readers wait on that no worker has started yet.
 
-The reaper's queue deadline (gateway/recovery/reaper.py) reads the queues, so it cannot end a
-request that is in none: on a Redis Cluster a failover can drop a request its primary
-acknowledged (replication is asynchronous; docs/reliability.md has the case the chaos
-minute found). The generation itself, on its session's slot, stays ``queued``, and its
-reader would wait forever. So each process also watches where its clients wait: the
-hub tells this book of every ``queued`` event its readers get, and of the event that ends
-the wait (the generation started or ended), and ``ReaderDeadline`` (gateway/recovery/reaper.py)
-queues a session turn still waiting a few seconds on with nothing waiting in its queue
-again, and ends those still waiting past the deadline. Nothing is read from Redis for it unless one
-waits that long; it costs the hub a dict operation per event that is not a token.
+The reaper's queue deadline (gateway/recovery/reaper.py) reads the queues, so it cannot
+end a request that is in none: on a Redis Cluster a failover can drop a request its primary
+acknowledged (replication is asynchronous; docs/reliability.md has the case). The
+generation itself, on its session's slot, stays ``queued``, and its reader would wait
+forever. So each process also watches where its clients wait: the hub tells this book of
+every ``queued`` event its readers get, and of the event that ends the wait (the generation
+started or ended), and ``ReaderDeadline`` (gateway/recovery/reaper.py) queues again a
+session turn still waiting a few seconds on with nothing waiting in its queue
+(gateway/recovery/stranded.py), and ends those still waiting past the deadline. Nothing is
+read from Redis for it unless one waits that long; it costs the hub a dict operation per
+event that is not a token.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@
     busy) ends with an ``error`` event (``queue_timeout``); a worker that dequeues it later
     finds it final and skips it.
   - A session turn whose gateway died between writing it and queueing its request (the
-    two round trips of a submit) is queued ``STRANDED_AFTER_S`` after (gateway/core/sessions.py).
+    two round trips of a submit) is queued ``STRANDED_AFTER_S`` after
+    (gateway/recovery/stranded.py).
   Each duty survives any failure of one pass (logged): a bad entry in the requests stream
   must not stop the reaper for the life of the process.
 - ``ReaderDeadline``: every gateway process also looks after the generations its readers
@@ -37,11 +38,13 @@ from redis.exceptions import NoScriptError, RedisError
 
 import wire
 from gateway.core.relay import RelayHub
-from gateway.core.sessions import STRANDED_AFTER_S, SessionStore
+from gateway.core.sessions import SessionStore
+from gateway.core.tenancy import TenantGate
 from gateway.recovery.admissions import UnsubmittedAdmissions
-from gateway.recovery.takeover import REAPER_PREFIX, Takeover, live_workers
+from gateway.recovery.stranded import STRANDED_AFTER_S, StrandedTurns
+from gateway.recovery.takeover import REAPER_PREFIX, LostRequests, live_workers
 from wire import Error, GenerationRequest, Keys, entry_id_key
-from wire.queue import QueueLook, RequestQueue
+from wire.queue import QueueLook, RequestQueue, look_at
 from wire.scripts import EndQueued, HoldReaperLock
 from wire.tenancy import UsageCounter
 
@@ -108,7 +111,7 @@ def decode_request(entry_id: bytes | str, fields: dict[bytes, bytes]) -> Generat
 class RepeatedFailures:
     """The reaper's failures, logged without a flood: a duty's first failure, then that
     duty's failures at most once per ``every_s`` (with how many went unlogged), and one
-    line once it works again. With Redis away, a pass every ``REAP_PASS_S`` logged ten
+    line once it works again: with Redis away, a pass every ``REAP_PASS_S`` would log ten
     warnings a second per gateway process."""
 
     def __init__(self, every_s: float = FAILURE_LOG_EVERY_S) -> None:
@@ -143,12 +146,18 @@ class Reaper:
         requests_maxlen: int = 5_120,
         max_takeovers: int = 3,
         default_model: str = "",
-        store: SessionStore | None = None,
+        stranded: StrandedTurns | None = None,
+        tenants: TenantGate | None = None,
     ) -> None:
         self.redis = redis
-        self.store = store
-        """Whose session turns stranded on their way to a queue it queues (None: not that
+        self.stranded = stranded
+        """Queues the session turns stranded on their way to a queue (None: not that
         duty)."""
+        self.admissions = (
+            UnsubmittedAdmissions(redis, keys, tenants) if tenants is not None else None
+        )
+        """Gives back what limited keys admitted for generations never submitted (None:
+        not that duty)."""
         self.keys = keys
         self.default_model = default_model
         """Queued for before any worker of it registered (TOKENSPOUT_DEFAULT_MODEL), so its
@@ -162,7 +171,7 @@ class Reaper:
         self._usage = UsageCounter(redis, keys)
         self._hold_lock = HoldReaperLock(redis, keys)
         self._owner = f"{REAPER_PREFIX}{time.monotonic_ns()}"
-        self.takeover = Takeover(
+        self.lost = LostRequests(
             redis,
             keys,
             max_takeovers=max_takeovers,
@@ -173,10 +182,6 @@ class Reaper:
         self._expired_through: dict[str, str] = {}
         """Queue -> every queued entry up to this id has been looked at by the deadline."""
         self.failures = RepeatedFailures()
-        self.admissions = (
-            UnsubmittedAdmissions(redis, keys, store.tenants) if store is not None else None
-        )
-        """Gives back what limited keys admitted for generations never submitted."""
 
     async def run_forever(self, interval_s: float = REAP_PASS_S) -> None:
         while True:
@@ -186,7 +191,7 @@ class Reaper:
     async def pass_once(self) -> None:
         """The lock (taken or kept); then one look at every queue (one round trip for
         all); then each duty on the queues where it has something to do. At rest a pass
-        is 3 round trips (it was 10, every 100 ms): the lock, the model list, the look."""
+        is 3 round trips: the lock, the model list, and one look at every queue."""
         if not await self._guarded("acquiring the reaper lock", self._acquire):
             return
         looks = await self._guarded("looking at the queues", self._look)
@@ -204,16 +209,8 @@ class Reaper:
 
     async def _look(self) -> list[tuple[RequestQueue, QueueLook]]:
         queues = await self._queues()
-        async with self.redis.pipeline(transaction=False) as pipe:
-            noted_before = time.time() - STRANDED_AFTER_S
-            for queue in queues:
-                queue.look_in(pipe, noted_before)
-            replies = await pipe.execute(raise_on_error=False)
-        width = RequestQueue.LOOKS
-        return [
-            (queue, RequestQueue.looked(*replies[width * index : width * (index + 1)]))
-            for index, queue in enumerate(queues)
-        ]
+        looks = await look_at(self.redis, queues, time.time() - STRANDED_AFTER_S)
+        return list(zip(queues, looks, strict=True))
 
     async def _guarded(self, what: str, duty: Callable[[], Awaitable[object]]) -> object:
         """Run one duty; log whatever it raises (the next pass tries again)."""
@@ -287,7 +284,7 @@ class Reaper:
         for entry_id, fields in await queue.claim(self._owner, idle_ms, message_id):
             request = decode_request(entry_id, fields) if fields else None
             if request is not None:  # else trimmed away meanwhile, or unreadable: drop it
-                await self.takeover.hand_on(queue, request, fields[b"r"], consumer)
+                await self.lost.hand_on(queue, request, fields[b"r"], consumer)
             await queue.ack(entry_id)
         await queue.forget_consumer(self._owner)
 
@@ -296,9 +293,9 @@ class Reaper:
     async def queue_stranded(self, queues: list[RequestQueue]) -> int:
         """Queue the session turns whose gateway died between writing them and queueing
         their requests, in ``queues``; returns how many."""
-        if self.store is None:
+        if self.stranded is None:
             return 0
-        stranded = functools.partial(self.store.queue_stranded, older_than_s=STRANDED_AFTER_S)
+        stranded = functools.partial(self.stranded.queue_stranded, older_than_s=STRANDED_AFTER_S)
         return await self._each_queue("queueing stranded turns of", stranded, queues)
 
     # --- the queue deadline --------------------------------------------------------------
@@ -382,7 +379,7 @@ class Reaper:
 class ReaderDeadline:
     """Looks after the generations this process's readers wait on that never started
     (gateway/core/waiting.py): queues a session turn again ``REQUEUE_AFTER_S`` on when nothing
-    waits in its queue (``SessionStore.requeue_lost``), and ends with ``queue_timeout``
+    waits in its queue (``StrandedTurns.requeue_lost``), and ends with ``queue_timeout``
     what still waits ``READER_GRACE_S`` past the queue deadline, through the reaper's
     script: it ends only a generation still queued, and a worker that finds its request
     later skips it."""
@@ -392,13 +389,13 @@ class ReaderDeadline:
         redis: aioredis.Redis,
         keys: Keys,
         hub: RelayHub,
-        store: SessionStore,
+        stranded: StrandedTurns,
         queue_timeout_s: float,
         events_maxlen: int,
         ttl_s: int,
     ) -> None:
         self.waiting = hub.waiting
-        self.store = store
+        self.stranded = stranded
         self.queue_timeout_s = queue_timeout_s
         self.events_maxlen = events_maxlen
         self.ttl_s = ttl_s
@@ -425,7 +422,7 @@ class ReaderDeadline:
         heartbeat (a reader that resumed after a ``queued`` event never saw it); returns
         how many it found."""
         quiet = self.waiting.take_quiet()
-        found = await self.store.waiting_generations(quiet) if quiet else []
+        found = await self.stranded.waiting_generations(quiet) if quiet else []
         for session_id, generation_id, submitted_s in found:
             self.waiting.book(session_id, generation_id, submitted_s)
         return len(found)
@@ -437,7 +434,7 @@ class ReaderDeadline:
         since = time.time() - REQUEUE_AFTER_S
         for session_id, generation_id in self.waiting.queued_before(since, requeued=False):
             self.waiting.requeued(session_id, generation_id)
-            if await self.store.requeue_lost(session_id, generation_id):
+            if await self.stranded.requeue_lost(session_id, generation_id):
                 requeued += 1
                 log.warning(
                     "generation %s of session %s was still queued %g s on with no request"

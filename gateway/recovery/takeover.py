@@ -1,7 +1,7 @@
 """Takeover: a lost worker's running reply goes on in another worker, from where it was.
 
 The reaper (gateway/recovery/reaper.py) finds requests pending under a worker that is gone and
-hands each to ``Takeover.hand_on``, which makes the transition a stopping worker makes
+hands each to ``LostRequests.hand_on``, which makes the transition a stopping worker makes
 for its own replies (wire/handoff.py):
 
 1. The TAKEOVER script (``wire.scripts.Takeover``) takes the generation from the lost
@@ -172,7 +172,10 @@ async def streamed_so_far(
         end = f"({wire.text(page[-1][0])}"
 
 
-class Takeover:
+class LostRequests:
+    """The requests a lost worker left pending, each handed on: queued again as it was,
+    continued by another worker (taken over), or ended."""
+
     def __init__(
         self,
         redis: aioredis.Redis,
@@ -215,7 +218,7 @@ class Takeover:
             case Moved():
                 return "moved"
         epoch = reply.takeovers if isinstance(reply, NotStarted | TakenOver) else 0
-        if isinstance(reply, NotStarted) and await self._lost_too_often(request, gen_key):
+        if isinstance(reply, NotStarted) and await self._killed_too_many(request):
             return "worker_lost"
         if isinstance(reply, NotStarted) and epoch == 0:
             log.info("requeueing %s from a dead worker", gid)
@@ -248,11 +251,12 @@ class Takeover:
         await self._queue(queue, wire.encode(resumed))
         return "taken_over"
 
-    async def _lost_too_often(self, request: GenerationRequest, gen_key: str) -> bool:
+    async def _killed_too_many(self, request: GenerationRequest) -> bool:
         """Its worker died before it claimed it (while preparing it): counted, so that a
-        request that kills every worker that takes it ends (``worker_lost``, past
-        ``max_takeovers``: True) instead of going round."""
+        request that kills every worker that takes it ends (``worker_lost``, True) instead
+        of going round."""
         gid = request.generation_id
+        gen_key = self.keys.generation(request.session_id, gid)
         lost = int(await self.redis.hincrby(gen_key, LOST_BEFORE_START, 1))
         if lost <= self.max_takeovers:
             return False

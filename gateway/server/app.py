@@ -23,9 +23,11 @@ from gateway.apis.tgi import compat_generate
 from gateway.core.auth import API_KEYS_STATE, ApiKeys
 from gateway.core.errors import HANDLED, AnyRequest, ErrorEnvelope, request_error
 from gateway.core.relay import RelayHub
+from gateway.core.service import GatewayService
 from gateway.core.sessions import SessionStore
 from gateway.core.settings import Settings
 from gateway.recovery.reaper import ReaderDeadline, Reaper, refresh_watches
+from gateway.recovery.stranded import StrandedTurns
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.middleware import RequestMetrics
 from gateway.server.openapi import openapi_config
@@ -91,7 +93,17 @@ class Services:
             self.redis, self.keys, settings.stream_buffer_events, observer=self.metrics
         )
         self.metrics.active_streams.set_function(lambda: self.hub.open_feeds)
-        self.reaper = Reaper(
+        self.service = GatewayService(self.store, self.hub, settings)
+        self.reaper, self.reader_deadline = self._recovery()
+        self.grpc: GrpcServer | None = None
+        if settings.grpc_port:
+            self.grpc = self._grpc_server(grpc_host, grpc_socket)
+
+    def _recovery(self) -> tuple[Reaper, ReaderDeadline]:
+        """The reaper (one gateway at a time) and this process's readers' deadline."""
+        settings = self.settings
+        stranded = StrandedTurns(self.store, self.store.queue)
+        reaper = Reaper(
             self.redis,
             self.keys,
             settings.worker_timeout_s,
@@ -101,33 +113,34 @@ class Services:
             requests_maxlen=self.store.queue.requests_maxlen,
             max_takeovers=settings.max_takeovers,
             default_model=settings.default_model,
-            store=self.store,
+            stranded=stranded,
+            tenants=self.store.tenants,
         )
-        self.reader_deadline = ReaderDeadline(
+        reader_deadline = ReaderDeadline(
             self.redis,
             self.keys,
             self.hub,
-            self.store,
+            stranded,
             settings.queue_timeout_s,
             settings.events_maxlen,
             settings.session_ttl_s,
         )
-        self.grpc: GrpcServer | None = None
-        if settings.grpc_port:
-            # Imported only here: the gRPC stack (grpc, tritonclient, numpy) is a third of
-            # a second of every start, and most gateways serve no gRPC.
-            from gateway.apis.oip.grpc.service import InferenceService
-            from gateway.server.grpc import GrpcServer
+        return reaper, reader_deadline
 
-            service = InferenceService(self.store, self.hub, settings, self.api_keys)
-            self.grpc = GrpcServer(
-                service,
-                grpc_host,
-                settings.grpc_port,
-                max_message_bytes=settings.max_body_bytes,
-                grace_s=settings.shutdown_grace_s,
-                sock=grpc_socket,
-            )
+    def _grpc_server(self, host: str, sock: socket.socket | None) -> GrpcServer:
+        # Imported only here: the gRPC stack (grpc, tritonclient, numpy) is a third of a
+        # second of every start, and most gateways serve no gRPC.
+        from gateway.apis.oip.grpc.service import InferenceService
+        from gateway.server.grpc import GrpcServer
+
+        return GrpcServer(
+            InferenceService(self.service, self.api_keys),
+            host,
+            self.settings.grpc_port,
+            max_message_bytes=self.settings.max_body_bytes,
+            grace_s=self.settings.shutdown_grace_s,
+            sock=sock,
+        )
 
     def begin_drain(self) -> None:
         """The shutdown signal came: streams end as their generations do, no new RPC."""
@@ -144,22 +157,16 @@ class Services:
         level holds one and resolves inline: no task group on the way to a handler.
         """
 
-        def settings() -> Settings:
-            return self.settings
+        def service() -> GatewayService:
+            return self.service
 
-        def store(settings: Settings) -> SessionStore:
-            return self.store
-
-        def hub(store: SessionStore) -> RelayHub:
-            return self.hub
-
-        def metrics(hub: RelayHub) -> GatewayMetrics:
+        def metrics(service: GatewayService) -> GatewayMetrics:
             return self.metrics
 
         def api_keys(metrics: GatewayMetrics) -> ApiKeys:
             return self.api_keys
 
-        providers: list[Callable[..., object]] = [settings, store, hub, metrics, api_keys]
+        providers: list[Callable[..., object]] = [service, metrics, api_keys]
         return {p.__name__: Provide(p, sync_to_thread=False) for p in providers}
 
     @contextlib.asynccontextmanager
@@ -237,11 +244,5 @@ def create_asgi_app(
     gRPC server on ``grpc_host``, the HTTP server's host, started by its lifespan);
     ``place``: ``Services``' arguments for one of several processes."""
     services = Services(settings, grpc_host, **place)
-    app = HotRoutes(
-        create_app(settings, services),
-        services.store,
-        services.hub,
-        settings,
-        services.api_keys,
-    )
+    app = HotRoutes(create_app(settings, services), services.service, services.api_keys)
     return RequestMetrics(app, services.metrics), services

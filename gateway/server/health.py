@@ -5,8 +5,8 @@ from __future__ import annotations
 from litestar import get
 from litestar.response import Response
 
-from gateway.core.readiness import Readiness, check_readiness
-from gateway.core.sessions import SessionStore
+from gateway.core.readiness import Readiness
+from gateway.core.service import GatewayService
 
 
 @get("/health", tags=["operations"], summary="Liveness")
@@ -15,6 +15,6 @@ async def health() -> dict[str, str]:
 
 
 @get("/ready", tags=["operations"], summary="Redis reachable and an engine worker alive")
-async def ready(store: SessionStore) -> Response[Readiness]:
-    readiness = await check_readiness(store)
+async def ready(service: GatewayService) -> Response[Readiness]:
+    readiness = await service.readiness()
     return Response(readiness, status_code=200 if readiness.ready else 503)

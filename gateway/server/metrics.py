@@ -46,8 +46,8 @@ MAX_TRACKED = 50_000
 class PlainHistogram(Collector):
     """A histogram observed once per token: plain counters, no lock, turned into the
     Prometheus histogram at scrape. ``Histogram.observe`` takes a lock per bucket count
-    and per sum (the gateway observes from its event loop thread only): 17 % of the
-    gateway's busy samples at 500 streams was that, with the GC passes it triggered."""
+    and per sum (the gateway observes from its event loop thread only): with the GC
+    passes it triggers, 17 % of the gateway's busy samples at 500 streams."""
 
     def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]) -> None:
         self.name = name
@@ -103,6 +103,23 @@ class GatewayMetrics:
 
     def __init__(self, peers_dir: Path | None = None, process_index: int = 0) -> None:
         self.registry = r = CollectorRegistry()
+        self._count_requests_and_generations(r)
+        self._time_generations(r)
+        self._count_troubles(r)
+        self._gauge_the_queues(r)
+        self.key_requests, self.key_refusals = _key_counters(r)
+        from_redis = (self.queued, self.running, self.model_queued, self.model_running)
+        shared = frozenset(family.name for gauge in from_redis for family in gauge.describe())
+        self.peers = (
+            None if peers_dir is None else MetricsPeers(peers_dir, process_index, r, shared)
+        )
+        """The sibling processes of ``python -m gateway --workers N``
+        (gateway/server/federation.py); ``shared``: the gauges read from Redis at
+        scrape, the same in every process."""
+        self._live: dict[str, _Live] = {}
+        self._by_session: dict[str, set[str]] = {}
+
+    def _count_requests_and_generations(self, r: CollectorRegistry) -> None:
         self.active_streams = Gauge(
             "tokenspout_gateway_active_streams",
             "Open event feeds in this process (SSE streams, WebSocket subscriptions, "
@@ -126,6 +143,14 @@ class GatewayMetrics:
             ["type"],
             registry=r,
         )
+        self.model_submitted = Counter(
+            "tokenspout_gateway_model_generations_submitted",
+            "Generations this process queued, by model.",
+            ["model"],
+            registry=r,
+        )
+
+    def _time_generations(self, r: CollectorRegistry) -> None:
         self.time_to_first_token = Histogram(
             "tokenspout_gateway_time_to_first_token_seconds",
             "From a generation's queued event to its first token reaching this process.",
@@ -144,6 +169,8 @@ class GatewayMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+
+    def _count_troubles(self, r: CollectorRegistry) -> None:
         self.abandoned = Counter(
             "tokenspout_gateway_abandoned_generations",
             "Running generations whose last reader in this process left before the final "
@@ -162,6 +189,8 @@ class GatewayMetrics:
             "reader was slow: the buffer is dropped and the feed re-reads Redis.",
             registry=r,
         )
+
+    def _gauge_the_queues(self, r: CollectorRegistry) -> None:
         self.queued = Gauge(
             "tokenspout_gateway_generations_queued",
             "Generations waiting for a worker, all workers (read from Redis at scrape).",
@@ -170,12 +199,6 @@ class GatewayMetrics:
         self.running = Gauge(
             "tokenspout_gateway_generations_running",
             "Generations a worker has taken and not finished, all workers (at scrape).",
-            registry=r,
-        )
-        self.model_submitted = Counter(
-            "tokenspout_gateway_model_generations_submitted",
-            "Generations this process queued, by model.",
-            ["model"],
             registry=r,
         )
         self.model_queued = Gauge(
@@ -190,17 +213,6 @@ class GatewayMetrics:
             ["model"],
             registry=r,
         )
-        self.key_requests, self.key_refusals = _key_counters(r)
-        from_redis = (self.queued, self.running, self.model_queued, self.model_running)
-        shared = frozenset(family.name for gauge in from_redis for family in gauge.describe())
-        self.peers = (
-            None if peers_dir is None else MetricsPeers(peers_dir, process_index, r, shared)
-        )
-        """The sibling processes of ``python -m gateway --workers N``
-        (gateway/server/federation.py); ``shared``: the gauges read from Redis at
-        scrape, the same in every process."""
-        self._live: dict[str, _Live] = {}
-        self._by_session: dict[str, set[str]] = {}
 
     # --- bookkeeping ---------------------------------------------------------------------
 

@@ -10,16 +10,16 @@ from litestar.response import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from redis.exceptions import RedisError
 
-from gateway.core.sessions import SessionStore
+from gateway.core.service import GatewayService
 from gateway.server.metrics import GatewayMetrics
 
 log = logging.getLogger("tokenspout.metrics")
 
 
 @get("/metrics", tags=["operations"], summary="Prometheus metrics", include_in_schema=False)
-async def metrics_endpoint(store: SessionStore, metrics: GatewayMetrics) -> Response[bytes]:
+async def metrics_endpoint(service: GatewayService, metrics: GatewayMetrics) -> Response[bytes]:
     try:
-        counts = await store.queue.counts()
+        counts = await service.queue_counts()
     except (RedisError, OSError) as exc:
         # A scrape still answers while Redis is down; the queue gauges keep their last value.
         log.warning("could not read queue depths: %s", exc)

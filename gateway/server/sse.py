@@ -25,6 +25,7 @@ from litestar.response.streaming import ASGIStreamingResponse
 from litestar.types import HTTPResponseBodyEvent, Receive, Send, TypeEncodersMap
 
 from gateway.core.feed import RelayEvent
+from gateway.core.walk import Spelling
 
 HEADERS = {
     "Cache-Control": "no-cache",
@@ -65,6 +66,23 @@ class Last(bytes):
     marker with the last chunk when they come in one message). Nothing may follow it."""
 
     __slots__ = ()
+
+
+class SseSpelling(Spelling[bytes, bytes]):
+    """A spelling whose pieces are SSE frames: a heartbeat is a comment line, what arrived
+    together is one write, the last one a ``Last``."""
+
+    def heartbeat(self, out: list[bytes]) -> None:
+        out.append(HEARTBEAT)
+
+    def write(self, out: list[bytes], last: bool) -> bytes:
+        chunk = out[0] if len(out) == 1 else b"".join(out)
+        return Last(chunk) if last else chunk
+
+
+def json_frame(body: object) -> bytes:
+    """One ``data:`` frame of ``body`` as compact JSON."""
+    return frame(msgspec.json.encode(body))
 
 
 def retry(milliseconds: int) -> bytes:

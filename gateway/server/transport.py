@@ -8,9 +8,10 @@ there). Here a head waits for the rest of its turn of the event loop: a body sen
 same turn (a whole answer, or a stream whose first chunk is ready) goes out with it in one
 write; otherwise it is written alone at the turn's end.
 
-It waits no longer than that, so a client gets a stream's headers when it got them before
-(an EventSource's ``onopen``, a ``fetch`` resolving). Holding a stream's head for its first
-token was tried: it saved a write per short reply, within this VM's noise (docs/bench.md).
+It waits no longer than that, so a client gets a stream's headers as soon as the app sends
+them (an EventSource's ``onopen``, a ``fetch`` resolving). Holding a stream's head for its
+first token would save a write per short reply, within this VM's noise (docs/bench.md): not
+worth a client's later ``onopen``.
 """
 
 from __future__ import annotations

@@ -30,45 +30,45 @@ from gateway.core.errors import (
     GatewayError,
     NotFound,
 )
-from gateway.core.sessions import SessionStore
+from gateway.core.service import GatewayService
 from gateway.tenants.keystore import KeyRevoked, KeyStore, TenantsError, UnknownKey
 from gateway.tenants.records import KEY_ID_PREFIX, KeyChange, NewKey
 from gateway.tenants.views import KeyList, KeyView, UsageReport, usage_report
 
 
-def _keys(store: SessionStore) -> KeyStore:
-    return store.tenants.directory.store
+def _keys(service: GatewayService) -> KeyStore:
+    return service.tenant_directory.store
 
 
 @post("/keys", status_code=201, summary="Make an API key (its secret is shown once)")
-async def create_key(store: SessionStore, data: NewKey) -> KeyView:
-    record, secret = await _keys(store).create(data)
+async def create_key(service: GatewayService, data: NewKey) -> KeyView:
+    record, secret = await _keys(service).create(data)
     return KeyView.of(record, secret)
 
 
 @get("/keys", summary="Every API key made at run time, revoked ones too")
-async def list_keys(store: SessionStore) -> KeyList:
-    return KeyList([KeyView.of(record) for record in await _keys(store).all()])
+async def list_keys(service: GatewayService) -> KeyList:
+    return KeyList([KeyView.of(record) for record in await _keys(service).all()])
 
 
 @get("/keys/{key_id:str}", summary="One API key")
-async def show_key(store: SessionStore, key_id: str) -> KeyView:
-    return KeyView.of(await _keys(store).get(key_id))
+async def show_key(service: GatewayService, key_id: str) -> KeyView:
+    return KeyView.of(await _keys(service).get(key_id))
 
 
 @patch("/keys/{key_id:str}", summary="Change an API key's name, models, weight or limits")
-async def update_key(store: SessionStore, key_id: str, data: KeyChange) -> KeyView:
-    return KeyView.of(await _keys(store).update(key_id, data))
+async def update_key(service: GatewayService, key_id: str, data: KeyChange) -> KeyView:
+    return KeyView.of(await _keys(service).update(key_id, data))
 
 
 @delete("/keys/{key_id:str}", status_code=200, summary="Revoke an API key")
-async def revoke_key(store: SessionStore, key_id: str) -> KeyView:
-    return KeyView.of(await _keys(store).revoke(key_id))
+async def revoke_key(service: GatewayService, key_id: str) -> KeyView:
+    return KeyView.of(await _keys(service).revoke(key_id))
 
 
 @get("/usage", summary="A key's usage per UTC hour or day")
 async def usage(
-    store: SessionStore,
+    service: GatewayService,
     key: Annotated[str, Parameter(description="a key's id, a static key's, or anonymous")],
     start: str | None = None,
     end: str | None = None,
@@ -76,9 +76,9 @@ async def usage(
 ) -> UsageReport:
     """``start``, ``end``: unix seconds or ISO 8601 (UTC unless it says otherwise); the
     default range is the last day by hour, the last 30 days by day."""
-    if not key.startswith(KEY_ID_PREFIX) and store.tenants.directory.by_id(key) is None:
+    if not key.startswith(KEY_ID_PREFIX) and service.tenant_directory.by_id(key) is None:
         raise UnknownKey(key)  # neither made at run time, static, nor anonymous
-    return await usage_report(_keys(store), key, granularity, start, end)
+    return await usage_report(_keys(service), key, granularity, start, end)
 
 
 def _as_gateway_error(exc: TenantsError) -> GatewayError:

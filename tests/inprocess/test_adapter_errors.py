@@ -16,7 +16,7 @@ from litestar.testing import TestClient
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.apis.oip.routes import oip_error
-from gateway.apis.openai.routes import openai_error
+from gateway.apis.openai.errors import openai_error
 from gateway.apis.tgi import tgi_error
 from gateway.core.errors import (
     HANDLED,

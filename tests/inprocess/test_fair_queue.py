@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 
 import wire
 from wire import GenerationRequest, Keys, SamplingParams
-from wire.queue import RequestQueue, ServedTokens
+from wire.queue import RequestQueue, ServedTokens, count_all
 from wire.scripts import WaitingRequest
 
 pytestmark = pytest.mark.timeout(60)
@@ -80,10 +80,7 @@ async def test_a_take_serves_the_stream_first_then_the_tenant_served_least(
 
 
 async def counts(redis: aioredis.Redis, queue: RequestQueue) -> list[tuple[int, int]]:
-    async with redis.pipeline(transaction=False) as pipe:
-        queue.count_in(pipe)
-        replies = await pipe.execute(raise_on_error=False)
-    return [RequestQueue.counted(*replies)]
+    return await count_all(redis, [queue])
 
 
 async def test_waiting_requests_count_as_queued_and_a_taken_one_is_pending_in_the_group(

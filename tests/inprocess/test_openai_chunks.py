@@ -1,5 +1,5 @@
 """The OpenAI adapter's wire output, built from contract events in this process: chat and
-(legacy) completion stream chunks and whole answers (gateway/apis/openai/routes.py), byte for
+(legacy) completion stream chunks and whole answers (gateway/apis/openai/chunks.py), byte for
 byte."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from typing import Any
 import msgspec
 import pytest
 
-from gateway.apis.openai import routes as openai
+from gateway.apis.openai import chunks as openai
 from gateway.core.errors import BadEngineOutput, Overloaded, ending_with_error
-from gateway.core.generation_stream import GenerationItem, Heartbeat
+from gateway.core.walk import GenerationItem, Heartbeat, walk
 from tests.support.adapter_events import (
     CREATED,
     DONE,
@@ -53,7 +53,8 @@ def chat_stream(
     *events: GenerationItem, include_usage: bool = False, logprobs: bool = False
 ) -> AsyncIterator[bytes]:
     chunks = openai.ChatChunks("chatcmpl-g", CREATED, logprobs)
-    return openai.stream_chunks(Indexed(*events), chunks, "asked-for", include_usage=include_usage)
+    stream = openai.ChunkStream(chunks, "asked-for", include_usage=include_usage)
+    return walk(Indexed(*events), stream)
 
 
 async def test_chat_stream_role_first_then_deltas_then_finish_then_done() -> None:
@@ -108,7 +109,7 @@ async def test_chat_stream_missing_logprobs_end_in_a_bad_engine_output_error_fra
     with pytest.raises(BadEngineOutput):
         await written(chunks)
     chunks = chat_stream(STARTED, tok("a", 1, [1]), DONE_STOP, logprobs=True)
-    sent = await written(ending_with_error(chunks, openai._failure_frames))
+    sent = await written(ending_with_error(chunks, openai.failure_frames))
     error = {
         "message": "logprobs were requested from the engine but it sent none",
         "type": "server_error",
@@ -154,7 +155,7 @@ async def test_chat_stream_ending_without_finishing_sends_an_error_then_done(
 
 def test_failure_frames_spell_an_overload_as_a_rate_limit_error() -> None:
     assert (
-        openai._failure_frames(Overloaded("too many", retry_after_s=2))
+        openai.failure_frames(Overloaded("too many", retry_after_s=2))
         == data(
             {
                 "error": {
@@ -227,7 +228,7 @@ async def test_completion_stream_with_running_logprob_offsets_and_usage() -> Non
     events = Indexed(
         STARTED, tok("Hel", 1, [10], [-0.5]), tok("lo!", 3, [11, 12], [-0.25, -2.0]), DONE_STOP
     )
-    sent = await written(openai.stream_chunks(events, chunks, "x", include_usage=True))
+    sent = await written(walk(events, openai.ChunkStream(chunks, "x", include_usage=True)))
     usage = {
         "id": "cmpl-g",
         "object": "text_completion",
@@ -260,7 +261,7 @@ async def test_completion_stream_with_running_logprob_offsets_and_usage() -> Non
 
 async def test_completion_stream_without_logprobs_or_usage() -> None:
     chunks = openai.CompletionChunks("cmpl-g", CREATED, False)
-    sent = await written(openai.stream_chunks(Indexed(STARTED, *HELLO, DONE_STOP), chunks, "x"))
+    sent = await written(walk(Indexed(STARTED, *HELLO, DONE_STOP), openai.ChunkStream(chunks, "x")))
     assert sent == [
         completion_chunk("Hel", None),
         completion_chunk("lo", None),

@@ -10,13 +10,13 @@ import pytest
 
 from gateway.apis import tgi
 from gateway.core.errors import BadEngineOutput
-from gateway.core.generation_stream import Heartbeat
+from gateway.core.walk import Heartbeat, walk
 from tests.support.adapter_events import (
     DONE_STOP,
     HELLO,
     KEEP_ALIVE,
     STARTED,
-    Items,
+    Indexed,
     collected,
     compact,
     data,
@@ -49,9 +49,9 @@ def tgi_event(
 
 async def test_tgi_stream_holds_each_token_until_it_knows_whether_it_is_the_last() -> None:
     sent = await written(
-        tgi._events(
-            Items(STARTED, HELLO[0], Heartbeat(), HELLO[1], DONE_STOP),
-            tgi_request(seed=7, return_full_text=True),
+        walk(
+            Indexed(STARTED, HELLO[0], Heartbeat(), HELLO[1], DONE_STOP),
+            tgi.TgiStream(tgi_request(seed=7, return_full_text=True)),
         )
     )
     details = {"finish_reason": "eos_token", "generated_tokens": 2, "input_length": 3, "seed": 7}
@@ -70,13 +70,14 @@ async def test_tgi_finish_reasons(
     engine_reason: str, stop: list[str] | None, tgi_reason: str
 ) -> None:
     done = Done("g", engine_reason, Usage(3, 1))
-    sent = await written(tgi._events(Items(STARTED, HELLO[0], done), tgi_request(stop=stop)))
+    stream = tgi.TgiStream(tgi_request(stop=stop))
+    sent = await written(walk(Indexed(STARTED, HELLO[0], done), stream))
     details = {"finish_reason": tgi_reason, "generated_tokens": 1, "input_length": 3, "seed": None}
     assert sent == [tgi_event(1, tgi_token(10, "Hel", -0.5), "Hel", details)]
 
 
 async def test_tgi_stream_of_a_generation_without_tokens_is_an_error() -> None:
-    sent = await written(tgi._events(Items(STARTED, DONE_STOP), tgi_request()))
+    sent = await written(walk(Indexed(STARTED, DONE_STOP), tgi.TgiStream(tgi_request())))
     assert sent == [
         data({"error": "the engine produced no tokens", "error_type": "incomplete_generation"})
     ]
@@ -84,7 +85,7 @@ async def test_tgi_stream_of_a_generation_without_tokens_is_an_error() -> None:
 
 async def test_tgi_stream_that_fails_flushes_the_held_token_then_the_error() -> None:
     failed = Error("g", "engine_failed", "out of memory")
-    sent = await written(tgi._events(Items(STARTED, *HELLO, failed), tgi_request()))
+    sent = await written(walk(Indexed(STARTED, *HELLO, failed), tgi.TgiStream(tgi_request())))
     assert sent == [
         tgi_event(1, tgi_token(10, "Hel", -0.5)),
         tgi_event(2, tgi_token(11, "lo", -0.25)),
@@ -94,12 +95,12 @@ async def test_tgi_stream_that_fails_flushes_the_held_token_then_the_error() -> 
 
 def test_tgi_generated_whole_with_and_without_details() -> None:
     whole = collected(logprobs=[-0.5, -0.25])
-    plain = tgi._generated(whole, tgi.GenerateRequest("Say"))
+    plain = tgi.generated(whole, tgi.GenerateRequest("Say"))
     assert msgspec.json.encode(plain) == compact({"generated_text": "Hello"})
     request = tgi.GenerateRequest(
         "Say", tgi.Parameters(details=True, return_full_text=True, stop=["."], seed=1)
     )
-    assert msgspec.json.encode(tgi._generated(whole, request)) == compact(
+    assert msgspec.json.encode(tgi.generated(whole, request)) == compact(
         {
             "generated_text": "SayHello",
             "details": {
@@ -112,4 +113,4 @@ def test_tgi_generated_whole_with_and_without_details() -> None:
         }
     )
     with pytest.raises(BadEngineOutput):
-        tgi._generated(collected(), request)
+        tgi.generated(collected(), request)

@@ -27,7 +27,7 @@ def refusal(data: str | bytes, max_bytes: int = LIMIT) -> GatewayError:
 
 
 def test_generate_with_only_the_required_fields() -> None:
-    assert decode('{"type":"generate","id":"a","content":"hi"}') == ws.Generate("a", "hi")
+    assert decode('{"type":"generate","id":"a","content":"hi"}') == ws.GenerateFrame("a", "hi")
 
 
 def test_generate_with_every_field() -> None:
@@ -36,7 +36,7 @@ def test_generate_with_every_field() -> None:
         b'"max_tokens":5,"temperature":0.5,"top_p":0.9,"top_k":-1,"stop":["\\n"],'
         b'"seed":7,"min_tokens":3,"ignore_eos":true,"api_key":"k"}'
     )
-    assert frame == ws.Generate(
+    assert frame == ws.GenerateFrame(
         "a",
         "hi",
         "s",
@@ -54,15 +54,15 @@ def test_generate_with_every_field() -> None:
 
 
 def test_cancel_by_client_id_or_by_session_and_generation() -> None:
-    assert decode('{"type":"cancel","id":"a"}') == ws.Cancel("a")
+    assert decode('{"type":"cancel","id":"a"}') == ws.CancelFrame("a")
     assert decode(
         '{"type":"cancel","id":"c","session_id":"s","generation_id":"g","token":"t"}'
-    ) == ws.Cancel("c", "s", "g", "t")
+    ) == ws.CancelFrame("c", "s", "g", "t")
 
 
 def test_ping_with_and_without_id() -> None:
-    assert decode('{"type":"ping"}') == ws.Ping()
-    assert decode('{"type":"ping","id":"p"}') == ws.Ping("p")
+    assert decode('{"type":"ping"}') == ws.PingFrame()
+    assert decode('{"type":"ping","id":"p"}') == ws.PingFrame("p")
 
 
 def test_an_oversized_frame_is_refused_before_it_is_parsed() -> None:
@@ -72,7 +72,7 @@ def test_an_oversized_frame_is_refused_before_it_is_parsed() -> None:
     assert (
         error.message == "the frame is over the limit of 10 bytes, set by TOKENSPOUT_MAX_BODY_BYTES"
     )
-    assert isinstance(ws.decode_client_frame(b'{"type":"ping"}', 15), ws.Ping)  # at the limit
+    assert isinstance(ws.decode_client_frame(b'{"type":"ping"}', 15), ws.PingFrame)  # at the limit
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 
-from gateway.core.generation_stream import Collected, GenerationItem, TokenPiece
+from gateway.core.generation_stream import Collected, TokenPiece
+from gateway.core.walk import GenerationItem
 from wire import Done, Started, Token, Usage
 
 CREATED = 1_700_000_000
@@ -24,36 +25,10 @@ def data(body: object) -> bytes:
     return b"data: " + compact(body) + b"\n\n"
 
 
-class Items(AsyncIterator[GenerationItem]):
-    """The events a ``GenerationStream`` yields; no async generator, so nothing is left to
-    finalise when a writer stops early."""
-
-    def __init__(self, *events: GenerationItem) -> None:
-        self.events = iter(events)
-
-    async def __anext__(self) -> GenerationItem:
-        try:
-            return next(self.events)
-        except StopIteration:
-            raise StopAsyncIteration from None
-
-
-class Batches(AsyncIterator[list[GenerationItem]]):
-    """``Items`` as ``GenerationStream.batches`` yields them: one event per batch."""
-
-    def __init__(self, *events: GenerationItem) -> None:
-        self.events = iter(events)
-
-    async def __anext__(self) -> list[GenerationItem]:
-        try:
-            return [next(self.events)]
-        except StopIteration:
-            raise StopAsyncIteration from None
-
-
 class Indexed(AsyncIterator[list[tuple[int, GenerationItem]]]):
     """What ``Choices.batches`` yields: ``(choice, event)`` pairs, one per batch; an event
-    given alone belongs to choice 0."""
+    given alone belongs to choice 0. No async generator, so nothing is left to finalise
+    when a writer stops early."""
 
     def __init__(self, *events: GenerationItem | tuple[int, GenerationItem]) -> None:
         self.events = iter(events)

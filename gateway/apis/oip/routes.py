@@ -2,20 +2,21 @@
 ``POST /v2/models/{model}/generate``, ``POST /v2/models/{model}/generate_stream`` and
 ``GET /v2/models/{model}/ready``.
 
-A thin adapter over ``GenerationStream``: ``text_input`` in, ``text_output`` out (the whole
+A thin adapter over the gateway's service: ``text_input`` in, ``text_output`` out (the whole
 text, or one SSE event per engine step). Errors are the protocol's ``{"error": "..."}``.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, AsyncIterator
 from typing import Annotated
 
 import msgspec
 from litestar import Response, Router, get, post
 from litestar.response import Stream
 
+from gateway.core.ask import GenerationAsk
 from gateway.core.auth import api_key_check
+from gateway.core.choices import Choices
 from gateway.core.errors import (
     HANDLED,
     AnyRequest,
@@ -24,12 +25,11 @@ from gateway.core.errors import (
     ending_with_error,
     request_error,
 )
-from gateway.core.generation_stream import GenerationItem, GenerationStream, Heartbeat, final_error
-from gateway.core.relay import RelayHub
-from gateway.core.sessions import SessionStore
-from gateway.core.settings import Settings
+from gateway.core.generation_stream import final_error
+from gateway.core.service import GatewayService
+from gateway.core.walk import walk
 from gateway.server import sse
-from wire import Done, SamplingParams, Started, Token
+from wire import Cancelled, Done, Error, SamplingParams, Started, Token
 
 
 class Parameters(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -70,10 +70,10 @@ def oip_error(request: AnyRequest, exc: Exception) -> Response[OipError]:
     return Response(OipError(error.message), status_code=error.status, headers=error.headers())
 
 
-def sampling_of(store: SessionStore, given: Parameters) -> SamplingParams:
+def sampling_of(service: GatewayService, given: Parameters) -> SamplingParams:
     """The generate extension's parameters (REST body or gRPC tensors) as sampling
     parameters, with the gateway's defaults and limits."""
-    return store.queue.sampling(
+    return service.sampling(
         max_tokens=given.max_tokens,
         temperature=given.temperature,
         top_p=given.top_p,
@@ -83,63 +83,59 @@ def sampling_of(store: SessionStore, given: Parameters) -> SamplingParams:
     )
 
 
-async def _start(
-    store: SessionStore, hub: RelayHub, settings: Settings, model: str, data: GenerateRequest
-) -> GenerationStream:
+async def _start(service: GatewayService, model: str, data: GenerateRequest) -> Choices:
     if not data.text_input.strip():
         raise BadRequest("`text_input` must not be empty", field="text_input")
-    params = sampling_of(store, data.parameters)
-    return await GenerationStream.submit(
-        store, hub, settings, params, model=model, prompt=data.text_input
+    sampling = sampling_of(service, data.parameters)
+    return await service.generate(
+        GenerationAsk(sampling=sampling, model=model, prompt=data.text_input)
     )
 
 
 @post("/{model:str}/generate", summary="OIP generate", status_code=200)
-async def generate(
-    store: SessionStore, hub: RelayHub, settings: Settings, model: str, data: GenerateRequest
-) -> GenerateResponse:
-    generation = await _start(store, hub, settings, model, data)
-    whole = await generation.collect()
+async def generate(service: GatewayService, model: str, data: GenerateRequest) -> GenerateResponse:
+    (whole,) = await (await _start(service, model, data)).collect()
     return GenerateResponse(whole.model or model, whole.text, whole.final.finish_reason, data.id)
 
 
-async def _events(
-    items: AsyncIterable[GenerationItem], model: str, request_id: str | None
-) -> AsyncIterator[bytes]:
-    async for item in items:
-        if isinstance(item, Heartbeat):
-            yield sse.HEARTBEAT
-        elif isinstance(item, Started):
-            model = item.model
-        elif isinstance(item, Token):
-            event = GenerateResponse(model, item.text, None, request_id)
-            yield sse.frame(msgspec.json.encode(event))
-        elif isinstance(item, Done):
-            event = GenerateResponse(model, "", item.finish_reason, request_id)
-            yield sse.frame(msgspec.json.encode(event))
-        else:
-            error = OipError(final_error(item).message)
-            yield sse.frame(msgspec.json.encode(error))
+class OipStream(sse.SseSpelling):
+    """The generate extension's stream: one event per delivery of tokens, then one with the
+    finish reason; ``model``: the path's, until a ``started`` event names the model."""
+
+    def __init__(self, model: str, request_id: str | None) -> None:
+        self.model = model
+        self.request_id = request_id
+
+    def started(self, choice: int, event: Started, out: list[bytes]) -> None:
+        self.model = event.model
+
+    def token(self, choice: int, event: Token, out: list[bytes]) -> None:
+        out.append(sse.json_frame(GenerateResponse(self.model, event.text, None, self.request_id)))
+
+    def done(self, choice: int, event: Done, out: list[bytes]) -> None:
+        finished = GenerateResponse(self.model, "", event.finish_reason, self.request_id)
+        out.append(sse.json_frame(finished))
+
+    def ended_early(self, choice: int, event: Cancelled | Error, out: list[bytes]) -> None:
+        out.append(sse.json_frame(OipError(final_error(event).message)))
 
 
 @post("/{model:str}/generate_stream", summary="OIP generate_stream", status_code=200)
-async def generate_stream(
-    store: SessionStore, hub: RelayHub, settings: Settings, model: str, data: GenerateRequest
-) -> Stream:
-    generation = await _start(store, hub, settings, model, data)
+async def generate_stream(service: GatewayService, model: str, data: GenerateRequest) -> Stream:
+    choices = await _start(service, model, data)
     chunks = ending_with_error(
-        _events(generation.events(), model, data.id),
-        lambda error: sse.frame(msgspec.json.encode(OipError(error.message))),
+        walk(choices.batches(), OipStream(model, data.id)),
+        lambda error: sse.json_frame(OipError(error.message)),
     )
-    return sse.response(chunks, background=generation.on_response_end())
+    return sse.response(chunks, background=choices.on_response_end())
 
 
 @get("/{model:str}/ready", summary="OIP model readiness: a live worker serves the model")
-async def model_ready(store: SessionStore, model: str) -> Response[Ready]:
+async def model_ready(service: GatewayService, model: str) -> Response[Ready]:
     """200 when a live worker serves ``model`` (a name or alias); 503 when its last worker
     left; 404 for a name no worker ever registered."""
     try:
-        await store.models.resolve(model)
+        await service.resolve_model(model)
     except Unavailable:
         return Response(Ready(model, False), status_code=503)
     return Response(Ready(model, True), status_code=200)

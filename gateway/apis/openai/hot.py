@@ -5,8 +5,8 @@ Most of a gateway's requests are those, and Litestar's part of one (routing, dep
 resolution, the handler's signature model, the response objects) was a large share of the
 gateway's CPU per request (docs/bench.md, issue 27). Here a request takes none of it: its
 body is decoded into the same request struct, it is submitted and answered by the same
-functions as the Litestar route's (``streamed_chat`` and ``send_stream`` for a stream,
-``whole_chat`` for a whole answer, and their completion twins), and an error answers in the
+functions as the Litestar route's (``open_stream`` and ``send_stream`` for a stream,
+``whole_answer`` for a whole one, with the same ``Endpoint``), and an error answers in the
 same format (``error_answer``).
 
 Only a request this handler can take whole is taken; every other one goes on to Litestar
@@ -18,7 +18,7 @@ A request taken here serves its key's tenant, as ``api_key_check`` would make it
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -34,22 +34,20 @@ from litestar.types import (
     Send,
 )
 
-from gateway.apis.openai.choices import Choices
+from gateway.apis.openai.errors import error_answer
 from gateway.apis.openai.routes import (
+    CHAT,
     CHAT_COMPLETIONS,
+    COMPLETION,
     COMPLETIONS,
     PREFIX,
-    error_answer,
-    streamed_chat,
-    streamed_completion,
-    whole_chat,
-    whole_completion,
+    Endpoint,
+    open_stream,
+    whole_answer,
 )
 from gateway.apis.openai.schema import ChatCompletionRequest, CompletionRequest
 from gateway.core.auth import ApiKeys, bearer
-from gateway.core.relay import RelayHub
-from gateway.core.sessions import SessionStore
-from gateway.core.settings import Settings
+from gateway.core.service import GatewayService
 from gateway.server import sse
 
 Request = TypeVar("Request", ChatCompletionRequest, CompletionRequest)
@@ -57,15 +55,10 @@ Request = TypeVar("Request", ChatCompletionRequest, CompletionRequest)
 
 @dataclass(frozen=True)
 class HotRoute(Generic[Request]):
-    """One hot route: its request's strict decoder, and the Litestar route's own functions
-    that answer it streamed and whole."""
+    """One hot route: its request's strict decoder, and the Litestar route's endpoint."""
 
     decode: Callable[[bytes], Request]
-    streamed: Callable[
-        [SessionStore, RelayHub, Settings, Request],
-        Awaitable[tuple[AsyncIterator[bytes], Choices]],
-    ]
-    whole: Callable[[SessionStore, RelayHub, Settings, Request], Awaitable[msgspec.Struct]]
+    endpoint: Endpoint[Request]
 
     def decoded(self, body: bytes) -> Request | None:
         """The request; None when the body is not one (Litestar answers it)."""
@@ -76,12 +69,8 @@ class HotRoute(Generic[Request]):
 
 
 ROUTES: dict[str, HotRoute[Any]] = {
-    PREFIX + CHAT_COMPLETIONS: HotRoute(
-        msgspec.json.Decoder(ChatCompletionRequest).decode, streamed_chat, whole_chat
-    ),
-    PREFIX + COMPLETIONS: HotRoute(
-        msgspec.json.Decoder(CompletionRequest).decode, streamed_completion, whole_completion
-    ),
+    PREFIX + CHAT_COMPLETIONS: HotRoute(msgspec.json.Decoder(ChatCompletionRequest).decode, CHAT),
+    PREFIX + COMPLETIONS: HotRoute(msgspec.json.Decoder(CompletionRequest).decode, COMPLETION),
 }
 
 
@@ -99,20 +88,12 @@ _STREAM_HEADERS = [
 class HotRoutes:
     """The ASGI app: the hot routes' requests, and ``app`` (Litestar) for the rest."""
 
-    def __init__(
-        self,
-        app: ASGIApp,
-        store: SessionStore,
-        hub: RelayHub,
-        settings: Settings,
-        api_keys: ApiKeys,
-    ) -> None:
+    def __init__(self, app: ASGIApp, service: GatewayService, api_keys: ApiKeys) -> None:
         self.app = app
-        self.store = store
-        self.hub = hub
-        self.settings = settings
+        self.service = service
+        self.max_body_bytes = service.settings.max_body_bytes
         self.api_keys = api_keys
-        self.cors = bool(settings.cors_origin_list())
+        self.cors = bool(service.settings.cors_origin_list())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         route = None
@@ -131,17 +112,17 @@ class HotRoutes:
                 await self.app(scope, receive, send)
                 return
         body, whole = await self._read_body(receive)
-        data = route.decoded(body) if whole and len(body) <= self.settings.max_body_bytes else None
+        data = route.decoded(body) if whole and len(body) <= self.max_body_bytes else None
         if data is None or not self.api_keys.serve(bearer(authorization)):
             await self.app(scope, _replaying(body, whole, receive), send)
             return
         scope["path_template"] = scope["path"]  # what Litestar sets: the metric's label
         try:
             if not data.stream:
-                answer = await route.whole(self.store, self.hub, self.settings, data)
+                answer = await whole_answer(route.endpoint, self.service, data)
                 await _send_json(send, 200, msgspec.json.encode(answer))
                 return
-            chunks, choices = await route.streamed(self.store, self.hub, self.settings, data)
+            chunks, choices = await open_stream(route.endpoint, self.service, data)
         except Exception as exc:  # answered as Litestar's exception handler answers it
             status, error, headers = error_answer(exc)
             await _send_json(send, status, msgspec.json.encode(error), headers)
@@ -170,7 +151,7 @@ class HotRoutes:
             size += len(piece)
             if not message.get("more_body", False):
                 return (piece if len(pieces) == 1 else b"".join(pieces)), True
-            if size > self.settings.max_body_bytes:
+            if size > self.max_body_bytes:
                 return b"".join(pieces), False
 
 

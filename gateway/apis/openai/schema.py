@@ -2,7 +2,7 @@
 
 Requests name every field the adapter knows; any other field is refused with a 400 that
 names it (``forbid_unknown_fields``), as OpenAI's own API does. Fields that are known but
-not supported beyond their default value are checked in ``openai.py``. vLLM's own extra
+not supported beyond their default value are checked in ``asks.py``. vLLM's own extra
 sampling fields are known too: clients moving from ``vllm serve`` send them.
 """
 
@@ -72,7 +72,7 @@ class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True):
     function: FunctionName
 
 
-class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -118,7 +118,7 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         )
 
 
-class ChatCompletionRequest(_Sampling, kw_only=True):
+class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: list[MessageIn]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
@@ -128,7 +128,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     parallel_tool_calls: bool | None = None
 
 
-class CompletionRequest(_Sampling, kw_only=True):
+class CompletionRequest(SamplingFields, kw_only=True):
     prompt: str | list[str]
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=5)] | None = None
     echo: bool | None = None

@@ -12,16 +12,18 @@ from typing import Annotated, Any
 import msgspec
 from litestar import Router, post
 
-from gateway.apis.openai.routes import ROLES, openai_error
+from gateway.apis.openai.asks import ROLES
+from gateway.apis.openai.errors import openai_error
+from gateway.core.ask import GenerationAsk
 from gateway.core.auth import api_key_check
 from gateway.core.errors import HANDLED, BadRequest
-from gateway.core.generation_stream import Collected, GenerationStream
-from gateway.core.relay import RelayHub
-from gateway.core.sessions import SessionStore
-from gateway.core.settings import Settings
-from wire import ChatMessage, SamplingParams, Task
+from gateway.core.generation_stream import Collected
+from gateway.core.service import GatewayService
+from wire import ChatMessage, SamplingParams
 
 MAX_TOKEN_IDS = 65_536
+ONE_TOKEN = SamplingParams(max_tokens=1)
+"""A tokenizer task samples nothing; its request still carries parameters."""
 
 
 class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -63,19 +65,10 @@ def _messages(given: list[dict[str, Any]]) -> list[ChatMessage]:
     return messages
 
 
-async def _ask_worker(
-    store: SessionStore,
-    hub: RelayHub,
-    settings: Settings,
-    model: str | None,
-    task: Task,
-    **given: Any,
-) -> Collected:
-    params = SamplingParams(max_tokens=1)
-    stream = await GenerationStream.submit(
-        store, hub, settings, params, model=model, task=task, **given
-    )
-    return await stream.collect()
+async def _ask_worker(service: GatewayService, ask: GenerationAsk) -> Collected:
+    """The ask's one generation, whole: the worker answers a tokenizer task as one."""
+    (whole,) = await (await service.generate(ask)).collect()
+    return whole
 
 
 @post(
@@ -83,34 +76,27 @@ async def _ask_worker(
     status_code=200,
     summary="vLLM's tokenize: a prompt or messages as the model's token ids",
 )
-async def tokenize(
-    store: SessionStore,
-    hub: RelayHub,
-    settings: Settings,
-    data: TokenizeRequest,
-) -> TokenizeResponse:
+async def tokenize(service: GatewayService, data: TokenizeRequest) -> TokenizeResponse:
     if (data.prompt is None) == (data.messages is None):
         raise BadRequest("give either prompt or messages", field="prompt")
     if data.return_token_strs:
         raise BadRequest("return_token_strs is not supported", field="return_token_strs")
-    if data.messages is not None:
-        given: dict[str, Any] = {"messages": _messages(data.messages)}
-    else:
-        given = {"prompt": data.prompt}
-    whole = await _ask_worker(store, hub, settings, data.model, "tokenize", **given)
+    messages = _messages(data.messages) if data.messages is not None else None
+    ask = GenerationAsk(
+        sampling=ONE_TOKEN, model=data.model, messages=messages, prompt=data.prompt, task="tokenize"
+    )
+    whole = await _ask_worker(service, ask)
     ids = whole.prompt_token_ids or []
-    max_model_len = await store.models.max_model_len(whole.model)
+    max_model_len = await service.max_model_len(whole.model)
     return TokenizeResponse(len(ids), max_model_len, ids, None)
 
 
 @post("/detokenize", status_code=200, summary="vLLM's detokenize: token ids as the model's text")
-async def detokenize(
-    store: SessionStore,
-    hub: RelayHub,
-    settings: Settings,
-    data: DetokenizeRequest,
-) -> DetokenizeResponse:
-    whole = await _ask_worker(store, hub, settings, data.model, "detokenize", token_ids=data.tokens)
+async def detokenize(service: GatewayService, data: DetokenizeRequest) -> DetokenizeResponse:
+    ask = GenerationAsk(
+        sampling=ONE_TOKEN, model=data.model, token_ids=data.tokens, task="detokenize"
+    )
+    whole = await _ask_worker(service, ask)
     return DetokenizeResponse(whole.text)
 
 

@@ -28,7 +28,7 @@ ClientId = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 # --- client -> gateway -------------------------------------------------------------------
 
 
-class Generate(SamplingIn, frozen=True, tag="generate", forbid_unknown_fields=True):
+class GenerateFrame(SamplingIn, frozen=True, tag="generate", forbid_unknown_fields=True):
     """Send ``content`` as the next user message of a session and stream the reply; the
     sampling fields as for a session message (gateway/apis/sessions/sampling.py)."""
 
@@ -47,7 +47,7 @@ class Generate(SamplingIn, frozen=True, tag="generate", forbid_unknown_fields=Tr
     keeps its own."""
 
 
-class Cancel(msgspec.Struct, frozen=True, tag="cancel", forbid_unknown_fields=True):
+class CancelFrame(msgspec.Struct, frozen=True, tag="cancel", forbid_unknown_fields=True):
     """Stop the generation this socket started as ``id``; or, with ``session_id`` and
     ``generation_id``, any generation of a session (one started over HTTP, say)."""
 
@@ -57,9 +57,10 @@ class Cancel(msgspec.Struct, frozen=True, tag="cancel", forbid_unknown_fields=Tr
     token: str | None = None
 
 
-class Resume(msgspec.Struct, frozen=True, tag="resume", forbid_unknown_fields=True):
+class ResumeFrame(msgspec.Struct, frozen=True, tag="resume", forbid_unknown_fields=True):
     """Follow a generation again (after a lost socket, on any replica): its frames after
-    ``last_event_id`` (left out: from its first), tagged ``id``, up to its final one."""
+    ``last_event_id`` (left out: from its first), tagged ``id``, up to its final one. (The
+    server's ``resumed`` frame, ``ResumedFrame``, says another worker took a reply over.)"""
 
     id: ClientId
     session_id: str
@@ -69,11 +70,11 @@ class Resume(msgspec.Struct, frozen=True, tag="resume", forbid_unknown_fields=Tr
     token: str | None = None
 
 
-class Ping(msgspec.Struct, frozen=True, tag="ping", forbid_unknown_fields=True):
+class PingFrame(msgspec.Struct, frozen=True, tag="ping", forbid_unknown_fields=True):
     id: str | None = None
 
 
-ClientFrame = Generate | Cancel | Resume | Ping
+ClientFrame = GenerateFrame | CancelFrame | ResumeFrame | PingFrame
 
 
 # --- gateway -> client -------------------------------------------------------------------

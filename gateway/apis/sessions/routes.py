@@ -29,12 +29,11 @@ from gateway.apis.sessions.owner import (
     owner_of,
 )
 from gateway.apis.sessions.sampling import SamplingIn
+from gateway.core.ask import GenerationAsk
 from gateway.core.auth import api_key_check
 from gateway.core.conversations import Conversation, check_title
 from gateway.core.errors import EventsExpired, EventsLost, SessionLost
-from gateway.core.relay import RelayHub
-from gateway.core.sessions import SessionStore, Submitted
-from gateway.core.settings import Settings
+from gateway.core.service import GatewayService
 from gateway.server import sse
 from wire import ChatMessage, FinalEvent, final_state
 
@@ -137,8 +136,7 @@ class SessionController(Controller):
     async def create(
         self,
         request: AnyRequest,
-        store: SessionStore,
-        settings: Settings,
+        service: GatewayService,
         data: SessionIn | None = None,
     ) -> Response[SessionCreated]:
         """With API keys configured, wants ``Authorization: Bearer <key>`` (else 401). The
@@ -150,7 +148,8 @@ class SessionController(Controller):
         if owner is None:
             owner, cookie = new_owner_cookie(request)
             cookies.append(cookie)
-        created = await store.create_session(
+        settings = service.settings
+        created = await service.create_session(
             given.model,
             owner,
             creation_settings(given.system, given.temperature, given.max_tokens, settings),
@@ -165,48 +164,47 @@ class SessionController(Controller):
         return Response(body, status_code=201, cookies=cookies)
 
     @get("/", summary="The owner's conversations")
-    async def list_owned(self, request: AnyRequest, store: SessionStore) -> ConversationList:
+    async def list_owned(self, request: AnyRequest, service: GatewayService) -> ConversationList:
         """The sessions created with this request's owner cookie, the latest updated first
         (none without the cookie)."""
         owner = owner_of(request)
         if owner is None:
             return ConversationList([])
-        return ConversationList(await store.conversations.of_owner(store.owner_digest(owner)))
+        return ConversationList(await service.conversations(owner))
 
     @patch("/{session_id:str}", summary="Rename a conversation or change its settings")
     async def change(
         self,
-        store: SessionStore,
-        settings: Settings,
+        service: GatewayService,
         session_id: str,
         data: ConversationChange,
         credentials: Credentials,
     ) -> Conversation:
-        fields = data.fields(settings)
-        return await store.change(session_id, credentials.token, credentials.owner, fields)
+        fields = data.fields(service.settings)
+        return await service.change(session_id, credentials.token, credentials.owner, fields)
 
     @delete("/{session_id:str}", status_code=204, summary="Delete a conversation")
     async def remove(
         self,
-        store: SessionStore,
+        service: GatewayService,
         session_id: str,
         credentials: Credentials,
     ) -> None:
         """Its running reply is stopped; its messages and events are gone (404 after)."""
-        await store.delete(session_id, credentials.token, credentials.owner)
+        await service.delete(session_id, credentials.token, credentials.owner)
 
     @get("/{session_id:str}", summary="The session's messages")
     async def read(
         self,
-        store: SessionStore,
+        service: GatewayService,
         session_id: str,
         credentials: Credentials,
     ) -> SessionView:
-        await store.authorise(session_id, credentials.token, credentials.owner)
-        about = await store.conversations.read(session_id)
+        await service.authorise(session_id, credentials.token, credentials.owner)
+        about = await service.conversation(session_id)
         return SessionView(
             session_id,
-            await store.history(session_id),
+            await service.history(session_id),
             about.title,
             about.model,
             about.system,
@@ -218,7 +216,7 @@ class SessionController(Controller):
     @post("/{session_id:str}/messages", status_code=202, summary="Send a message")
     async def send(
         self,
-        store: SessionStore,
+        service: GatewayService,
         session_id: str,
         data: MessageIn,
         credentials: Credentials,
@@ -226,7 +224,7 @@ class SessionController(Controller):
     ) -> GenerationAccepted:
         turn = f"edit {data.edit}" if data.edit is not None else ""
         return await _submit(
-            store, session_id, data, data.content, turn, idempotency_key, credentials
+            service, session_id, data, data.content, turn, idempotency_key, credentials
         )
 
     @post(
@@ -237,7 +235,7 @@ class SessionController(Controller):
     async def rework(
         self,
         request: AnyRequest,
-        store: SessionStore,
+        service: GatewayService,
         session_id: str,
         credentials: Credentials,
         idempotency_key: IdempotencyKey,
@@ -250,14 +248,12 @@ class SessionController(Controller):
         when the history does not end with one)."""
         turn = request.url.path.rsplit("/", 1)[-1]  # one of the two paths above
         given = data or TurnIn()
-        return await _submit(store, session_id, given, "", turn, idempotency_key, credentials)
+        return await _submit(service, session_id, given, "", turn, idempotency_key, credentials)
 
     @get("/{session_id:str}/events", summary="The session's events (text/event-stream)")
     async def events(
         self,
-        store: SessionStore,
-        hub: RelayHub,
-        settings: Settings,
+        service: GatewayService,
         session_id: str,
         credentials: Credentials,
         last_event_id: Annotated[str | None, QueryParameter(name="last_event_id", required=False)],
@@ -265,14 +261,14 @@ class SessionController(Controller):
             str | None, HeaderParameter(name="Last-Event-ID", required=False)
         ],
     ) -> Stream:
-        await store.authorise(session_id, credentials.token, credentials.owner)
+        await service.authorise(session_id, credentials.token, credentials.owner)
         after = last_event_id_header or last_event_id or None
         lost: EventsLost | None = None
         try:
-            await hub.check_resumable(session_id, after)
+            await service.check_resumable(session_id, after)
         except EventsLost as exc:
             lost, after = exc, None  # said in the stream, which starts over
-        return sse.response(_session_events(hub, settings, session_id, after, lost))
+        return sse.response(_session_events(service, session_id, after, lost))
 
     @post(
         "/{session_id:str}/generations/{generation_id:str}/cancel",
@@ -281,25 +277,23 @@ class SessionController(Controller):
     )
     async def cancel(
         self,
-        store: SessionStore,
-        hub: RelayHub,
-        settings: Settings,
+        service: GatewayService,
         session_id: str,
         generation_id: str,
         credentials: Credentials,
     ) -> CancelResult:
-        await store.authorise(session_id, credentials.token, credentials.owner)
-        outcome = await store.cancel(session_id, generation_id)
+        await service.authorise(session_id, credentials.token, credentials.owner)
+        outcome = await service.cancel(session_id, generation_id)
         final = outcome.final
         if final is None:
-            final = await hub.wait_final(session_id, generation_id, settings.cancel_wait_s)
+            final = await service.wait_final(session_id, generation_id)
         if final is None:
             return CancelResult(generation_id, outcome.state)
         return CancelResult(generation_id, final_state(final), final)
 
 
 async def _submit(
-    store: SessionStore,
+    service: GatewayService,
     session_id: str,
     data: SamplingIn,
     content: str,
@@ -308,17 +302,10 @@ async def _submit(
     credentials: Credentials,
 ) -> GenerationAccepted:
     """A turn of the session (a message, an edit, a regenerate or a continue), queued."""
-    params = store.queue.sampling(**data.asked())
-    submitted: Submitted = await store.submit_message(
-        session_id,
-        credentials.token,
-        content,
-        params,
-        idempotency_key,
-        data.n,
-        owner=credentials.owner,
-        turn=turn,
-        given=data.given(),
+    sampling = service.sampling(**data.asked())
+    ask = GenerationAsk.message_to_session(content, sampling, data.n, turn=turn, given=data.given())
+    submitted = await service.send_message(
+        session_id, credentials.token, ask, idempotency_key, owner=credentials.owner
     )
     gid = submitted.generation_id
     return GenerationAccepted(
@@ -332,18 +319,18 @@ async def _submit(
 
 
 async def _session_events(
-    hub: RelayHub, settings: Settings, session_id: str, after: str | None, lost: EventsLost | None
+    service: GatewayService, session_id: str, after: str | None, lost: EventsLost | None
 ) -> AsyncIterator[bytes]:
     """The session's stream after ``after``. A resume point ahead of the stream (``lost``,
     or found so after Redis came back without the last events) is never waited on: an
     ``events_lost`` event says so, and the stream starts over from its beginning."""
-    yield sse.retry(settings.sse_retry_ms)
+    yield sse.retry(service.settings.sse_retry_ms)
     while True:
         if lost is not None:
             yield sse.events_lost(lost.given, lost.message)
             after = None
         try:
-            async for chunk in _followed(hub, settings, session_id, after):
+            async for chunk in _followed(service, session_id, after):
                 yield chunk
             return
         except EventsLost as exc:
@@ -355,21 +342,21 @@ async def _session_events(
 
 
 async def _followed(
-    hub: RelayHub, settings: Settings, session_id: str, after: str | None
+    service: GatewayService, session_id: str, after: str | None
 ) -> AsyncIterator[bytes]:
     """Every event after ``after`` as SSE, heartbeats while there is none; while the
     process drains, the stream ends after the last final event."""
     unfinished: set[str] = set()
-    async with hub.open(session_id, after) as feed:
-        async for batch in feed.events(settings.sse_heartbeat_s):
+    async with service.open_feed(session_id, after) as feed:
+        async for batch in feed.events(service.settings.sse_heartbeat_s):
             if batch:
                 yield sse.session_frames(batch)
-            elif not hub.draining:
+            elif not service.draining:
                 yield sse.HEARTBEAT
             for event in batch:
                 if event.is_final:
                     unfinished.discard(event.generation_id)
                 else:
                     unfinished.add(event.generation_id)
-            if hub.draining and not unfinished:
+            if service.draining and not unfinished:
                 return

@@ -4,7 +4,7 @@ Each ``generate`` queues a message in a session (a new one, or one named with it
 and opens a relay feed on that session; the feed's events of that generation go to the
 client as frames tagged with the client's ``id``. ``resume`` follows a generation again
 from an event id (a client whose socket dropped, on any replica). ``cancel`` goes through the same
-``SessionStore.cancel`` as the REST route, so it reaches whichever worker runs it.
+``GatewayService.cancel`` as the REST route, so it reaches whichever worker runs it.
 
 With API keys configured, a ``generate`` that creates a session needs one: the connect
 request's ``Authorization: Bearer <key>`` or the frame's ``api_key`` (all a browser can
@@ -33,14 +33,14 @@ from redis.exceptions import RedisError
 import wire
 from gateway.apis.sessions.protocol import (
     Ack,
-    Cancel,
+    CancelFrame,
     ClientFrame,
     ErrorFrame,
     EventsLostFrame,
-    Generate,
-    Ping,
+    GenerateFrame,
+    PingFrame,
     Pong,
-    Resume,
+    ResumeFrame,
     ServerFrame,
     client_id_of,
     decode_client_frame,
@@ -48,6 +48,7 @@ from gateway.apis.sessions.protocol import (
     event_frames,
 )
 from gateway.apis.sessions.routes import TokenQuery
+from gateway.core.ask import GenerationAsk
 from gateway.core.auth import ApiKeys, bearer
 from gateway.core.errors import (
     BadRequest,
@@ -57,9 +58,7 @@ from gateway.core.errors import (
     Overloaded,
     ProtocolViolation,
 )
-from gateway.core.relay import RelayHub
-from gateway.core.sessions import SessionStore
-from gateway.core.settings import Settings
+from gateway.core.service import GatewayService
 
 log = logging.getLogger("tokenspout.ws")
 
@@ -82,16 +81,13 @@ class Connection:
     def __init__(
         self,
         socket: AnyWebSocket,
-        store: SessionStore,
-        hub: RelayHub,
-        settings: Settings,
+        service: GatewayService,
         token: str | None,
         api_keys: ApiKeys,
     ) -> None:
         self.socket = socket
-        self.store = store
-        self.hub = hub
-        self.settings = settings
+        self.service = service
+        self.settings = service.settings
         self.token = token
         self.api_keys = api_keys
         # A socket shows a valid key once (connect header or a frame) for all its sessions,
@@ -146,13 +142,13 @@ class Connection:
             return
         try:
             match frame:
-                case Ping(id=ping_id):
+                case PingFrame(id=ping_id):
                     self._reply(Pong(ping_id))
-                case Generate():
+                case GenerateFrame():
                     await self._generate(frame)
-                case Cancel():
+                case CancelFrame():
                     await self._cancel(frame)
-                case Resume():
+                case ResumeFrame():
                     await self._resume(frame)
         except GatewayError as exc:
             self._reply(
@@ -181,25 +177,26 @@ class Connection:
                 f"at most {MAX_GENERATIONS} generations per socket at once", retry_after_s=1
             )
 
-    async def _generate(self, frame: Generate) -> None:
+    async def _generate(self, frame: GenerateFrame) -> None:
         self._check_room(frame.id)
-        params = self.store.queue.sampling(**frame.asked())
+        sampling = self.service.sampling(**frame.asked())
+        ask = GenerationAsk.message_to_session(
+            frame.content, sampling, frame.n, given=frame.given()
+        )
         new_token: str | None = None
         token: str | None
         if frame.session_id is None:
             if not self._key_shown or frame.api_key is not None:
                 self.api_keys.require(frame.api_key)
                 self._key_shown = True
-            created = await self.store.create_session(frame.model)
+            created = await self.service.create_session(frame.model)
             session_id, token = created.session_id, created.token
             new_token = token
             _remember(self._tokens, session_id, created.token)
         else:
             session_id = frame.session_id
             token = frame.token or self._tokens.get(session_id) or self.token
-        submitted = await self.store.submit_message(
-            session_id, token, frame.content, params, n=frame.n, given=frame.given()
-        )
+        submitted = await self.service.send_message(session_id, token, ask, None)
         gid = submitted.generation_id
         gids = submitted.choices or [gid]
         _remember(self._known, frame.id, (session_id, gids))
@@ -211,17 +208,17 @@ class Connection:
         after = wire.just_before(submitted.queued_event_id)
         self._running[frame.id] = self._spawn(self._forward(frame.id, session_id, gids, after))
 
-    async def _resume(self, frame: Resume) -> None:
+    async def _resume(self, frame: ResumeFrame) -> None:
         """Follow a generation again from ``last_event_id``; one ahead of the stream gets
         ``events_lost`` and its frames from the first, as the SSE stream starts over."""
         self._check_room(frame.id)
         session_id, gid = frame.session_id, frame.generation_id
         token = frame.token or self._tokens.get(session_id) or self.token
-        await self.store.authorise(session_id, token)
-        state, final_id = await self.store.generation_end(session_id, gid)
+        await self.service.authorise(session_id, token)
+        state, final_id = await self.service.generation_end(session_id, gid)
         after, lost = frame.last_event_id, None
         try:
-            await self.hub.check_resumable(session_id, after)
+            await self.service.check_resumable(session_id, after)
         except EventsLost as exc:
             after, lost = None, exc
         _remember(self._known, frame.id, (session_id, [gid]))
@@ -232,13 +229,13 @@ class Connection:
             self._forward(frame.id, session_id, [gid], after, lost)
         )
 
-    async def _cancel(self, frame: Cancel) -> None:
+    async def _cancel(self, frame: CancelFrame) -> None:
         if frame.session_id is None and frame.generation_id is None:
             known = self._known.get(frame.id)
             if known is None:
                 raise NotFound(f"this socket started no generation {frame.id!r}", field="id")
             session_id, gids = known
-            outcomes = [await self.store.cancel(session_id, gid) for gid in gids]
+            outcomes = [await self.service.cancel(session_id, gid) for gid in gids]
             # The forwarder delivers the final events (``cancelled``, or how each ended).
             self._reply(Ack(frame.id, "cancel", gids[0], session_id, outcomes[0].state))
             return
@@ -247,8 +244,8 @@ class Connection:
             raise BadRequest("give both session_id and generation_id, or neither", field=field)
         session_id, gid = frame.session_id, frame.generation_id
         token = frame.token or self._tokens.get(session_id) or self.token
-        await self.store.authorise(session_id, token)
-        outcome = await self.store.cancel(session_id, gid)
+        await self.service.authorise(session_id, token)
+        outcome = await self.service.cancel(session_id, gid)
         if outcome.final is not None:
             self._reply(Ack(frame.id, "cancel", gid, session_id, outcome.state))
         elif len(self._tasks) > 2 * MAX_GENERATIONS:
@@ -257,7 +254,7 @@ class Connection:
             self._spawn(self._ack_when_final(frame.id, session_id, gid))
 
     async def _ack_when_final(self, client_id: str, session_id: str, gid: str) -> None:
-        final = await self.hub.wait_final(session_id, gid, self.settings.cancel_wait_s)
+        final = await self.service.wait_final(session_id, gid)
         state = "cancelling" if final is None else wire.final_state(final)
         await self._replies.put(Ack(client_id, "cancel", gid, session_id, state))
 
@@ -298,7 +295,7 @@ class Connection:
     ) -> None:
         choice_of = {gid: choice for choice, gid in enumerate(gids)} if len(gids) > 1 else None
         running = set(gids)
-        async with self.hub.open(session_id, after) as feed:
+        async with self.service.open_feed(session_id, after) as feed:
             while running:
                 batch = await feed.next_batch(self.settings.sse_heartbeat_s)
                 mine = [event for event in batch if event.generation_id in running]
@@ -357,12 +354,7 @@ def _remember(store: OrderedDict[str, Any], key: str, value: Any) -> None:
 
 @websocket("/v1/ws", name="ws")
 async def ws_endpoint(
-    socket: AnyWebSocket,
-    store: SessionStore,
-    hub: RelayHub,
-    settings: Settings,
-    token: TokenQuery,
-    api_keys: ApiKeys,
+    socket: AnyWebSocket, service: GatewayService, token: TokenQuery, api_keys: ApiKeys
 ) -> None:
     """Typed JSON frames both ways; see docs/api.md, "WebSocket"."""
-    await Connection(socket, store, hub, settings, token, api_keys).serve()
+    await Connection(socket, service, token, api_keys).serve()

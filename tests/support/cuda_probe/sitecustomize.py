@@ -7,8 +7,9 @@ box each of them initializes CUDA or poisons a fork (``is_available`` and ``devi
 ask the CUDA runtime): vLLM then forks an engine core that cannot use CUDA.
 With ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` (vLLM sets it when imported) ``is_available`` and
 ``device_count`` ask NVML instead, which initializes nothing: each line says which (``nvml=``).
-When vLLM's engine is about to start, it writes ``engine-start`` and ends the process: the
-worker's start-up is what is under test, not vLLM's.
+When vLLM's engine is about to start, it writes ``engine-start`` with some of the engine
+arguments it was given, and ends the process: the worker's start-up is what is under test,
+not vLLM's.
 """
 
 from __future__ import annotations
@@ -76,8 +77,13 @@ def patch_torch_cuda(module: ModuleType) -> None:
 
 
 def engine_starts(_original: Any) -> Callable[..., Any]:
-    def started(*_args: Any, **_kwargs: Any) -> Any:
-        write(f"engine-start <- {caller()}")
+    def started(*args: Any, **_kwargs: Any) -> Any:
+        engine_args = next((a for a in args if hasattr(a, "max_num_seqs")), None)
+        chosen = {
+            name: getattr(engine_args, name, None)
+            for name in ("max_num_seqs", "gpu_memory_utilization", "max_num_batched_tokens")
+        }
+        write(f"engine-start {chosen} <- {caller()}")
         os._exit(0)
 
     return started

@@ -1,8 +1,8 @@
 """``inference.GRPCInferenceService`` (KServe v2, with Triton's streaming ``ModelStreamInfer``)
-over ``GenerationStream``: the same sessions, relay, cancel and takeover as every transport.
+over the gateway's service: the same sessions, relay, cancel and takeover as every transport.
 
 - ``ServerLive``: the process runs; ``ServerReady``: Redis answers and a worker is alive.
-- ``ModelReady`` / ``ModelMetadata``: from the workers' registry (``store.models``).
+- ``ModelReady`` / ``ModelMetadata``: from the workers' registry.
 - ``ModelInfer``: one request, the whole text in one ``text_output``; errors are statuses.
 - ``ModelStreamInfer``: any number of requests on one stream, each answered by one response
   per delivery of the relay (a token, or the tokens that arrived together;
@@ -30,13 +30,13 @@ from gateway.apis.oip.grpc.metadata import model_metadata
 from gateway.apis.oip.grpc.protocol import pb
 from gateway.apis.oip.grpc.tensors import LlmRequest, TokenResponses, read_request, text_response
 from gateway.apis.oip.routes import sampling_of
+from gateway.core.ask import GenerationAsk
 from gateway.core.auth import ApiKeys, bearer
+from gateway.core.choices import Choices
 from gateway.core.errors import BadRequest, GatewayError, Unavailable, as_gateway_error
-from gateway.core.generation_stream import GenerationItem, GenerationStream, final_error
-from gateway.core.readiness import check_readiness
-from gateway.core.relay import RelayHub
-from gateway.core.sessions import SessionStore
-from gateway.core.settings import Settings
+from gateway.core.generation_stream import final_error
+from gateway.core.service import GatewayService
+from gateway.core.walk import Spelling, walk
 from gateway.server.http2 import Call, GrpcError, Method, StatusCode
 from gateway.tenants import caller
 from wire import Cancelled, Done, Error, Token
@@ -48,12 +48,8 @@ Metadata = dict[str, str]
 
 
 class InferenceService:
-    def __init__(
-        self, store: SessionStore, hub: RelayHub, settings: Settings, api_keys: ApiKeys
-    ) -> None:
-        self.store = store
-        self.hub = hub
-        self.settings = settings
+    def __init__(self, service: GatewayService, api_keys: ApiKeys) -> None:
+        self.service = service
         self.api_keys = api_keys
 
     def methods(self) -> dict[str, Method]:
@@ -77,7 +73,7 @@ class InferenceService:
         return pb.ServerLiveResponse(live=True)
 
     async def server_ready(self, _: pb.ServerReadyRequest, __: Metadata) -> pb.ServerReadyResponse:
-        return pb.ServerReadyResponse(ready=(await check_readiness(self.store)).ready)
+        return pb.ServerReadyResponse(ready=(await self.service.readiness()).ready)
 
     async def server_metadata(
         self, _: pb.ServerMetadataRequest, __: Metadata
@@ -92,7 +88,7 @@ class InferenceService:
         self.authorize(metadata)
         _named(request.name)
         try:
-            await self.store.models.resolve(request.name)
+            await self.service.resolve_model(request.name)
         except Unavailable:
             return pb.ModelReadyResponse(ready=False)
         return pb.ModelReadyResponse(ready=True)
@@ -101,8 +97,8 @@ class InferenceService:
         self, request: pb.ModelMetadataRequest, metadata: Metadata
     ) -> pb.ModelMetadataResponse:
         self.authorize(metadata)
-        model = await self.store.models.resolve(_named(request.name))
-        workers = (await self.store.models.snapshot()).live.get(model, [])
+        model = await self.service.resolve_model(_named(request.name))
+        workers = await self.service.workers_of(model)
         backend = workers[0].backend if workers else ""
         return model_metadata(request.name, backend)
 
@@ -111,8 +107,7 @@ class InferenceService:
     ) -> pb.ModelInferResponse:
         self.authorize(metadata)
         llm = read_request(request)
-        generation = await self._submit(llm)
-        whole = await generation.collect()
+        (whole,) = await (await self._submit(llm)).collect()
         return text_response(
             llm,
             llm.model,
@@ -153,28 +148,27 @@ class InferenceService:
             return
         try:
             llm = read_request(request)
-            generation = await self._submit(llm)
+            choices = await self._submit(llm)
         except Exception as exc:
             await send(_error(request.model_name, request.id, as_gateway_error(exc)))
             return
         try:
             if llm.parameters.stream is False:
-                whole = await generation.collect()
+                (whole,) = await choices.collect()
                 await send(_final(llm, whole.final, whole.text))
                 return
-            tokens = TokenResponses(llm, llm.model)
-            async for items in generation.batches():
-                await _answer(llm, tokens, items, send)
+            async for responses in walk(choices.batches(), StreamResponses(llm)):
+                for response in responses:
+                    await send(response)
         except Exception as exc:
             await send(_error(llm.model, llm.id, as_gateway_error(exc)))
         finally:
-            await generation.close()
+            await choices.close()
 
-    async def _submit(self, llm: LlmRequest) -> GenerationStream:
-        params = sampling_of(self.store, llm.parameters)
-        return await GenerationStream.submit(
-            self.store, self.hub, self.settings, params, model=llm.model, prompt=llm.prompt
-        )
+    async def _submit(self, llm: LlmRequest) -> Choices:
+        sampling = sampling_of(self.service, llm.parameters)
+        ask = GenerationAsk(sampling=sampling, model=llm.model, prompt=llm.prompt)
+        return await self.service.generate(ask)
 
     def authorize(self, metadata: Metadata) -> None:
         """401 without a valid key; the call (and every request sent on it) serves the
@@ -189,25 +183,46 @@ def _named(name: str) -> str:
     return name
 
 
-async def _answer(
-    llm: LlmRequest, tokens: TokenResponses, items: list[GenerationItem], send: Send
-) -> None:
-    """What arrived together in as few responses as it takes: one for the tokens' joined
-    text, carried by the final response when the generation ends with them (as Triton's
-    decoupled models send their last output), unless the client asked for an empty final
-    response. A reader that fell behind gets its tokens in fewer responses. Started and
-    Heartbeat say nothing here (HTTP/2 keeps its connection alive itself)."""
-    text = "".join(item.text for item in items if isinstance(item, Token))
-    end = items[-1]
-    if isinstance(end, Done) and not llm.empty_final:
-        await send(_final(llm, end, text))
-        return
-    if text:
-        await send(tokens.token(text))
-    if isinstance(end, Done):
-        await send(_final(llm, end, None))
-    elif isinstance(end, Cancelled | Error):
-        await send(_error(llm.model, llm.id, final_error(end)))
+class StreamResponses(Spelling[bytes, list[bytes]]):
+    """A request's responses on a ``ModelStreamInfer`` stream: what arrived together in as
+    few as it takes: one for the tokens' joined text, carried by the final response when
+    the generation ends with them (as Triton's decoupled models send their last output),
+    unless the client asked for an empty final response. A reader that fell behind gets
+    its tokens in fewer responses. Started and heartbeats say nothing here (HTTP/2 keeps
+    its connection alive itself)."""
+
+    def __init__(self, llm: LlmRequest) -> None:
+        self.llm = llm
+        self.tokens = TokenResponses(llm, llm.model)
+        self.text: list[str] = []
+        """The text of this delivery's tokens, not answered yet."""
+
+    def token(self, choice: int, event: Token, out: list[bytes]) -> None:
+        self.text.append(event.text)
+
+    def done(self, choice: int, event: Done, out: list[bytes]) -> None:
+        if not self.llm.empty_final:
+            out.append(_final(self.llm, event, self._take_text()))
+            return
+        self.delivered(out)
+        out.append(_final(self.llm, event, None))
+
+    def ended_early(self, choice: int, event: Cancelled | Error, out: list[bytes]) -> None:
+        self.delivered(out)
+        out.append(_error(self.llm.model, self.llm.id, final_error(event)))
+
+    def delivered(self, out: list[bytes]) -> None:
+        text = self._take_text()
+        if text:
+            out.append(self.tokens.token(text))
+
+    def write(self, out: list[bytes], last: bool) -> list[bytes]:
+        return out
+
+    def _take_text(self) -> str:
+        text = "".join(self.text)
+        self.text.clear()
+        return text
 
 
 def _final(llm: LlmRequest, done: Done, text: str | None) -> bytes:

@@ -18,17 +18,18 @@ from litestar.background_tasks import BackgroundTask
 from litestar.params import Parameter
 from litestar.response import Stream
 
+from gateway.apis.openai.asks import ROLES
+from gateway.apis.openai.errors import openai_error
 from gateway.apis.openai.responses.events import ResponseRecord
-from gateway.apis.openai.responses.store import Heartbeat, StoredResponse, now
-from gateway.apis.openai.routes import ROLES, openai_error
+from gateway.apis.openai.responses.store import StoredResponse, now
 from gateway.core import structured, tools
+from gateway.core.ask import GenerationAsk
 from gateway.core.auth import api_key_check
 from gateway.core.errors import HANDLED, BadRequest, EventsLost, GatewayError, ending_with_error
-from gateway.core.relay import RelayHub
-from gateway.core.sessions import SessionStore
-from gateway.core.settings import Settings
+from gateway.core.service import GatewayService
+from gateway.core.walk import Heartbeat
 from gateway.server import sse
-from wire import ChatMessage, ToolCall, Tools, ToolSpec
+from wire import ChatMessage, SamplingParams, ToolCall, Tools, ToolSpec
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
@@ -237,14 +238,12 @@ def _text_format(
     return shown, structured.ResponseFormat("json_schema", schema)
 
 
-async def _conversation(
-    store: SessionStore, hub: RelayHub, previous_id: str | None
-) -> list[ChatMessage]:
+async def _conversation(service: GatewayService, previous_id: str | None) -> list[ChatMessage]:
     """What the previous response continued, and its output (its instructions are not
     carried over, as OpenAI documents)."""
     if previous_id is None:
         return []
-    previous = await StoredResponse.find(store, hub, previous_id, "previous_response_id")
+    previous = await StoredResponse.find(service, previous_id, "previous_response_id")
     rendered = await previous.snapshot()
     if not rendered.ended:
         raise BadRequest(
@@ -276,29 +275,56 @@ def _failure_frame(error: GatewayError) -> bytes:
 
 @post("/responses", summary="OpenAI Responses: create a response", status_code=200)
 async def create_response(
-    store: SessionStore, hub: RelayHub, settings: Settings, data: ResponseRequest
+    service: GatewayService, data: ResponseRequest
 ) -> Response[dict[str, Any]] | Stream:
-    response = await open_response(store, hub, settings, data)
+    response = await open_response(service, data)
+    heartbeat_s = service.settings.sse_heartbeat_s
     if data.stream:
-        return _stream(response, settings, starting_after=-1, owner=True)
+        return _stream(response, heartbeat_s, starting_after=-1, owner=True)
     if data.background:
         return Response((await response.snapshot()).response())
     rendered = None
     try:
-        rendered = await response.wait(settings.sse_heartbeat_s)
+        rendered = await response.wait(heartbeat_s)
     finally:
         await after_owner(response, rendered is not None)
     return Response(rendered.response())
 
 
-async def open_response(
-    store: SessionStore, hub: RelayHub, settings: Settings, data: ResponseRequest
-) -> StoredResponse:
+async def open_response(service: GatewayService, data: ResponseRequest) -> StoredResponse:
     """The request checked, its conversation gathered and its generation queued: what
     every transport of ``POST /v1/responses`` (HTTP, WebSocket mode) starts with."""
     functions = _functions(data)
     if data.background and not data.store:
         raise BadRequest("a background response must be stored", field="store")
+    want_logprobs = _wants_logprobs(data)
+    items = _items(data.input)
+    if not items:
+        raise BadRequest("input must not be empty", field="input")
+    previous = await _conversation(service, data.previous_response_id)
+    conversation = [*previous, *_messages(items)]
+    max_messages = service.settings.max_history_messages
+    if len(conversation) > max_messages:
+        raise BadRequest(
+            f"the conversation may hold at most {max_messages} messages "
+            "(TOKENSPOUT_MAX_HISTORY_MESSAGES, as a session's history)",
+            code="too_many_messages",
+            field="input",
+        )
+    shown_format, response_format = _text_format(data.text)
+    sampling = _sampling(service, data, functions, response_format, want_logprobs)
+    record = _record(data, conversation, items, shown_format, want_logprobs)
+    system = [ChatMessage("system", data.instructions)] if data.instructions else []
+    ask = GenerationAsk(
+        sampling=sampling,
+        model=data.model or None,
+        messages=[*system, *conversation],
+        tools=functions,
+    )
+    return await StoredResponse.create(service, record, ask)
+
+
+def _wants_logprobs(data: ResponseRequest) -> bool:
     include = set(data.include or ())
     if include - {LOGPROBS_INCLUDE}:
         raise BadRequest(
@@ -306,19 +332,16 @@ async def open_response(
             code="unsupported_parameter",
             field="include",
         )
-    items = _items(data.input)
-    if not items:
-        raise BadRequest("input must not be empty", field="input")
-    conversation = [*await _conversation(store, hub, data.previous_response_id), *_messages(items)]
-    if len(conversation) > settings.max_history_messages:
-        raise BadRequest(
-            f"the conversation may hold at most {settings.max_history_messages} messages "
-            "(TOKENSPOUT_MAX_HISTORY_MESSAGES, as a session's history)",
-            code="too_many_messages",
-            field="input",
-        )
-    shown_format, response_format = _text_format(data.text)
-    want_logprobs = LOGPROBS_INCLUDE in include
+    return LOGPROBS_INCLUDE in include
+
+
+def _sampling(
+    service: GatewayService,
+    data: ResponseRequest,
+    functions: Tools | None,
+    response_format: structured.ResponseFormat | None,
+    want_logprobs: bool,
+) -> SamplingParams:
     forced = tools.constraint(functions)
     if forced is not None and response_format is not None:
         raise BadRequest(
@@ -327,7 +350,7 @@ async def open_response(
             code="invalid_tools",
             field="tool_choice",
         )
-    params = store.queue.sampling(
+    return service.sampling(
         named={"max_tokens": "max_output_tokens"},
         max_tokens=data.max_output_tokens,
         temperature=data.temperature,
@@ -336,7 +359,17 @@ async def open_response(
         top_logprobs=data.top_logprobs if want_logprobs else None,
         structured=forced or structured.constraint(response_format),
     )
-    record = ResponseRecord(
+
+
+def _record(
+    data: ResponseRequest,
+    conversation: list[ChatMessage],
+    items: list[dict[str, Any]],
+    shown_format: dict[str, Any],
+    want_logprobs: bool,
+) -> ResponseRecord:
+    """What the request was, kept with the response."""
+    return ResponseRecord(
         model=data.model or "",
         created_at=now(),
         conversation=conversation,
@@ -355,14 +388,10 @@ async def open_response(
         tool_choice=msgspec.to_builtins(data.tool_choice or "auto"),
         parallel_tool_calls=data.parallel_tool_calls is not False,
     )
-    system = [ChatMessage("system", data.instructions)] if data.instructions else []
-    return await StoredResponse.create(
-        store, hub, settings, record, params, [*system, *conversation], functions
-    )
 
 
 def _stream(
-    response: StoredResponse, settings: Settings, *, starting_after: int, owner: bool
+    response: StoredResponse, heartbeat_s: float, *, starting_after: int, owner: bool
 ) -> Stream:
     """The events after ``starting_after``. When the creating request's stream (``owner``)
     ends before the response does, a foreground response is cancelled; an unstored one is
@@ -373,7 +402,7 @@ def _stream(
         if owner:
             await after_owner(response, renderer.ended)
 
-    events = response.events(settings.sse_heartbeat_s, starting_after, renderer)
+    events = response.events(heartbeat_s, starting_after, renderer)
     chunks = ending_with_error(_sse(events), _failure_frame)
     return sse.response(chunks, background=BackgroundTask(ended))
 
@@ -390,18 +419,17 @@ async def after_owner(response: StoredResponse, ended: bool) -> None:
 
 @get("/responses/{response_id:str}", summary="OpenAI Responses: retrieve or resume a response")
 async def retrieve_response(
-    store: SessionStore,
-    hub: RelayHub,
-    settings: Settings,
+    service: GatewayService,
     response_id: str,
     stream: bool = False,
     starting_after: Annotated[int, Parameter(ge=-1)] = -1,
 ) -> Response[dict[str, Any]] | Stream:
-    response = await StoredResponse.find(store, hub, response_id)
+    response = await StoredResponse.find(service, response_id)
     if stream:
+        heartbeat_s = service.settings.sse_heartbeat_s
         if starting_after >= 0:
             await _check_starting_after(response, starting_after)
-        return _stream(response, settings, starting_after=starting_after, owner=False)
+        return _stream(response, heartbeat_s, starting_after=starting_after, owner=False)
     return Response((await response.snapshot()).response())
 
 
@@ -416,31 +444,28 @@ async def _check_starting_after(response: StoredResponse, starting_after: int) -
 
 
 @post("/responses/{response_id:str}/cancel", summary="OpenAI Responses: cancel", status_code=200)
-async def cancel_response(
-    store: SessionStore, hub: RelayHub, settings: Settings, response_id: str
-) -> dict[str, Any]:
-    response = await StoredResponse.find(store, hub, response_id)
+async def cancel_response(service: GatewayService, response_id: str) -> dict[str, Any]:
+    response = await StoredResponse.find(service, response_id)
     if not (await response.snapshot()).ended:
         await response.cancel()
-        await hub.wait_final(response.session_id, response.generation_id, settings.cancel_wait_s)
+        await service.wait_final(response.session_id, response.generation_id)
     return (await response.snapshot()).response()
 
 
 @delete("/responses/{response_id:str}", summary="OpenAI Responses: delete", status_code=200)
-async def delete_response(store: SessionStore, hub: RelayHub, response_id: str) -> dict[str, Any]:
-    response = await StoredResponse.find(store, hub, response_id)
+async def delete_response(service: GatewayService, response_id: str) -> dict[str, Any]:
+    response = await StoredResponse.find(service, response_id)
     await response.delete()
     return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 
 @get("/responses/{response_id:str}/input_items", summary="OpenAI Responses: input items")
 async def input_items(
-    store: SessionStore,
-    hub: RelayHub,
+    service: GatewayService,
     response_id: str,
     order: Literal["asc", "desc"] = "desc",
 ) -> dict[str, Any]:
-    response = await StoredResponse.find(store, hub, response_id)
+    response = await StoredResponse.find(service, response_id)
     items = list(response.record.input_items)
     if order == "desc":
         items.reverse()

@@ -30,9 +30,8 @@ from litestar import Router, WebSocket, websocket
 from litestar.exceptions import WebSocketDisconnect
 from redis.exceptions import RedisError
 
+from gateway.apis.openai.errors import error_body
 from gateway.apis.openai.responses.routes import ResponseRequest, after_owner, open_response
-from gateway.apis.openai.responses.store import Heartbeat
-from gateway.apis.openai.routes import error_body
 from gateway.core.auth import api_key_guard
 from gateway.core.errors import (
     BadRequest,
@@ -42,9 +41,8 @@ from gateway.core.errors import (
     not_json,
     over_body_limit,
 )
-from gateway.core.relay import RelayHub
-from gateway.core.sessions import SessionStore
-from gateway.core.settings import Settings
+from gateway.core.service import GatewayService
+from gateway.core.walk import Heartbeat
 
 log = logging.getLogger("tokenspout.responses_ws")
 
@@ -58,13 +56,10 @@ Lane = str | None
 class ResponsesSocket:
     """One client socket: reads frames, runs one task per lane, writes events in order."""
 
-    def __init__(
-        self, socket: AnyWebSocket, store: SessionStore, hub: RelayHub, settings: Settings
-    ) -> None:
+    def __init__(self, socket: AnyWebSocket, service: GatewayService) -> None:
         self.socket = socket
-        self.store = store
-        self.hub = hub
-        self.settings = settings
+        self.service = service
+        self.settings = service.settings
         self._lanes: dict[Lane, asyncio.Queue[ResponseRequest]] = {}
         self._workers: set[asyncio.Task[None]] = set()
         self._waiting = 0
@@ -162,7 +157,7 @@ class ResponsesSocket:
     async def _answer(self, lane: Lane, request: ResponseRequest) -> None:
         """One response's events, then the next frame of the lane; an error is an event."""
         try:
-            response = await open_response(self.store, self.hub, self.settings, request)
+            response = await open_response(self.service, request)
         except (GatewayError, RedisError) as exc:
             await self._send_error(_as_error(exc), lane)
             return
@@ -199,11 +194,9 @@ def _as_error(exc: GatewayError | RedisError) -> GatewayError:
 
 
 @websocket("/responses", name="responses_ws")
-async def responses_socket(
-    socket: AnyWebSocket, store: SessionStore, hub: RelayHub, settings: Settings
-) -> None:
+async def responses_socket(socket: AnyWebSocket, service: GatewayService) -> None:
     """OpenAI's Responses WebSocket mode; see docs/api.md, "OpenAI Responses"."""
-    await ResponsesSocket(socket, store, hub, settings).serve()
+    await ResponsesSocket(socket, service).serve()
 
 
 responses_socket_router = Router(

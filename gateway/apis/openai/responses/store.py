@@ -19,11 +19,11 @@ import anyio
 import msgspec
 
 from gateway.apis.openai.responses.events import Event, ResponseRecord, ResponseRenderer
+from gateway.core.ask import GenerationAsk, KeptSession
 from gateway.core.errors import NotFound
-from gateway.core.relay import RelayHub
-from gateway.core.sessions import KeptSession, SessionStore
-from gateway.core.settings import Settings
-from wire import ChatMessage, SamplingParams, Tools, decode_event
+from gateway.core.service import GatewayService
+from gateway.core.walk import Heartbeat
+from wire import decode_event
 
 RECORD_FIELD = "response"
 _record_decoder = msgspec.json.Decoder(ResponseRecord)
@@ -50,55 +50,39 @@ def parse_id(given: str, field: str = "response_id") -> tuple[str, str]:
     return session_id, generation_id
 
 
-class Heartbeat:
-    """Nothing happened for the heartbeat interval (a keep-alive comment goes out)."""
-
-
 class StoredResponse:
     """One response found in Redis: its request, and its events from any position."""
 
-    def __init__(
-        self, store: SessionStore, hub: RelayHub, rid: str, record: ResponseRecord
-    ) -> None:
-        self.store = store
-        self.hub = hub
+    def __init__(self, service: GatewayService, rid: str, record: ResponseRecord) -> None:
+        self.service = service
         self.id = rid
         self.session_id, self.generation_id = parse_id(rid)
         self.record = record
 
     @classmethod
     async def find(
-        cls, store: SessionStore, hub: RelayHub, rid: str, field: str = "response_id"
+        cls, service: GatewayService, rid: str, field: str = "response_id"
     ) -> StoredResponse:
         """``field``: where the client gave the id (a 404 names it)."""
         session_id, generation_id = parse_id(rid, field)
-        raw = await store.meta_field(session_id, RECORD_FIELD)
-        if raw is None or not await store.has_generation(session_id, generation_id):
+        raw = await service.meta_field(session_id, RECORD_FIELD)
+        if raw is None or not await service.has_generation(session_id, generation_id):
             raise not_found(rid, field)
-        return cls(store, hub, rid, _record_decoder.decode(raw))
+        return cls(service, rid, _record_decoder.decode(raw))
 
     @classmethod
     async def create(
-        cls,
-        store: SessionStore,
-        hub: RelayHub,
-        settings: Settings,
-        record: ResponseRecord,
-        params: SamplingParams,
-        messages: list[ChatMessage],
-        functions: Tools | None = None,
+        cls, service: GatewayService, record: ResponseRecord, ask: GenerationAsk
     ) -> StoredResponse:
         """Queue the response's generation in a new session that keeps ``record``."""
         kept = KeptSession(
-            settings.responses_ttl_s,
+            service.settings.responses_ttl_s,
             {RECORD_FIELD: msgspec.json.encode(record).decode()},
             background=record.background,
         )
-        submitted = await store.submit_stateless(
-            params, model=record.model or None, messages=messages, tools=functions, kept=kept
-        )
+        submitted = await service.generate_kept(ask, kept)
         rid = response_id(submitted.session_id, submitted.generation_id)
-        return cls(store, hub, rid, record)
+        return cls(service, rid, record)
 
     def renderer(self) -> ResponseRenderer:
         return ResponseRenderer(self.record, self.id, self.generation_id)
@@ -107,7 +91,7 @@ class StoredResponse:
         """Every event stored so far, rendered: ``.response()`` is the object as it stands."""
         renderer = self.renderer()
         after: str | None = None
-        while page := await self.hub.read_after(self.session_id, after):
+        while page := await self.service.read_after(self.session_id, after):
             for relayed in page:
                 renderer.render(decode_event(relayed.data))
             after = page[-1].id
@@ -123,10 +107,10 @@ class StoredResponse:
         (``response.completed``, ``.incomplete`` or ``.failed``); ``renderer``: one to
         render with (a fresh one), to read the response from when they have ended."""
         renderer = renderer or self.renderer()
-        async with self.hub.open(self.session_id, None) as feed:
+        async with self.service.open_feed(self.session_id, None) as feed:
             while not renderer.ended:
                 batch = await feed.next_batch(heartbeat_s)
-                self.hub.raise_if_cut()
+                self.service.raise_if_cut()
                 if not batch:
                     yield Heartbeat()
                     continue
@@ -141,7 +125,7 @@ class StoredResponse:
 
     async def cancel(self) -> None:
         """Stop the generation (idempotent); a background one stops being kept."""
-        await self.store.cancel(self.session_id, self.generation_id)
+        await self.service.cancel(self.session_id, self.generation_id)
 
     async def wait(self, heartbeat_s: float) -> ResponseRenderer:
         """The response once it has ended."""
@@ -153,14 +137,14 @@ class StoredResponse:
     async def delete(self) -> None:
         """Stop it if it runs, and forget it."""
         with contextlib.suppress(NotFound):  # an ended or vanished generation: nothing to stop
-            await self.store.cancel(self.session_id, self.generation_id, reason="user")
-        await self.store.forget(self.session_id, self.generation_id)
+            await self.service.cancel(self.session_id, self.generation_id, reason="user")
+        await self.service.forget(self.session_id, self.generation_id)
 
     async def abandon(self) -> None:
         """The client of a foreground response left before its end: cancel it."""
         with anyio.CancelScope(shield=True):
             try:
-                await self.store.cancel(self.session_id, self.generation_id, "disconnected")
+                await self.service.cancel(self.session_id, self.generation_id, "disconnected")
             except NotFound:
                 return
 

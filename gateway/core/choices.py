@@ -1,42 +1,28 @@
-"""The ``n`` choices of one OpenAI request, each a generation of its own.
+"""The ``n`` choices of one request, each a generation of its own.
 
 A request with ``n=3`` queues three generations; each has its own stateless session, queue
 entry, cancel and takeover, so every guarantee of one generation holds for each choice
 unchanged (a worker lost mid-reply is taken over per choice; closing the response cancels
 all of them). Workers may run the choices side by side. A request with a ``seed`` gives
 choice ``i`` the seed ``seed + i``: the choices differ, and the same request gives the same
-choices again.
+choices again. A request of one choice (most) is one generation, with nothing added.
 
-    choices = await Choices.submit(store, hub, settings, params, n=2, prompt="Hi")
-    async for batch in choices.batches():     # [(choice index, GenerationItem), ...]
+    choices = await Choices.submit(open_choice, n=2)  # open_choice(i): choice i, queued
+    async for batch in choices.batches():             # [(choice index, GenerationItem), ...]
         ...
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Coroutine
-from typing import Any, NamedTuple
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from litestar.background_tasks import BackgroundTask
 
-from gateway.core.generation_stream import Collected, GenerationItem, GenerationStream
-from gateway.core.relay import RelayHub
-from gateway.core.sessions import SessionStore
-from gateway.core.settings import Settings
-from wire import ChatMessage, SamplingParams, Tools
+from gateway.core.generation_stream import Collected, GenerationStream
+from gateway.core.walk import IndexedItem
 
-IndexedItem = tuple[int, GenerationItem]
 _END = object()
-
-
-class Arrived(NamedTuple):
-    """A batch of one choice's items, on its way from that choice's pump to the reader."""
-
-    choice: int
-    items: list[GenerationItem]
-
-
 """What a choice's pump puts on the queue after its final event."""
 
 
@@ -46,37 +32,13 @@ class Choices:
 
     @classmethod
     async def submit(
-        cls,
-        store: SessionStore,
-        hub: RelayHub,
-        settings: Settings,
-        params: SamplingParams,
-        n: int,
-        *,
-        model: str | None = None,
-        messages: list[ChatMessage] | None = None,
-        prompt: str | None = None,
-        tools: Tools | None = None,
+        cls, open_choice: Callable[[int], Awaitable[GenerationStream]], n: int
     ) -> Choices:
-        """Queue ``n`` generations; if one cannot be queued, those that were are cancelled
-        and its error is raised."""
-
-        def submit(index: int) -> Coroutine[Any, Any, GenerationStream]:
-            return GenerationStream.submit(
-                store,
-                hub,
-                settings,
-                params.for_choice(index),
-                model=model,
-                messages=messages,
-                prompt=prompt,
-                tools=tools,
-                choice=index,
-            )
-
+        """Queue ``n`` generations (``open_choice(i)`` queues choice ``i``); if one cannot
+        be queued, those that were are cancelled and its error is raised."""
         if n == 1:  # the common case: awaited here, not in a task of ``gather``'s own
-            return cls([await submit(0)])
-        results = await asyncio.gather(*map(submit, range(n)), return_exceptions=True)
+            return cls([await open_choice(0)])
+        results = await asyncio.gather(*map(open_choice, range(n)), return_exceptions=True)
         streams = [result for result in results if isinstance(result, GenerationStream)]
         failed = [result for result in results if isinstance(result, BaseException)]
         if failed:
@@ -89,16 +51,17 @@ class Choices:
         """The first choice's generation id: the one the response's id is made from."""
         return self.streams[0].generation_id
 
-    async def batches(self) -> AsyncIterator[list[IndexedItem]]:
+    def batches(self) -> AsyncIterator[list[IndexedItem]]:
         """The choices' items as they arrive, each with its choice index; it ends when
         every choice has ended (each with exactly one final event)."""
-        if len(self.streams) == 1:  # the common case: no task, no queue
-            async for items in self.streams[0].batches():
-                yield [(0, item) for item in items]
-            return
+        if len(self.streams) == 1:  # the common case: the generation's own, no task
+            return self.streams[0].batches()
+        return self._merged()
+
+    async def _merged(self) -> AsyncIterator[list[IndexedItem]]:
         arrived: asyncio.Queue[object] = asyncio.Queue()
         pumps = [
-            asyncio.create_task(self._pump(index, stream, arrived), name=f"choice-{index}")
+            asyncio.create_task(self._pump(stream, arrived), name=f"choice-{index}")
             for index, stream in enumerate(self.streams)
         ]
         running = len(pumps)
@@ -110,18 +73,18 @@ class Choices:
                     continue
                 if isinstance(got, BaseException):
                     raise got
-                assert isinstance(got, Arrived)
-                yield [(got.choice, item) for item in got.items]
+                assert isinstance(got, list)
+                yield got
         finally:
             for pump in pumps:
                 pump.cancel()
             await asyncio.gather(*pumps, return_exceptions=True)
 
     @staticmethod
-    async def _pump(index: int, stream: GenerationStream, arrived: asyncio.Queue[object]) -> None:
+    async def _pump(stream: GenerationStream, arrived: asyncio.Queue[object]) -> None:
         try:
             async for items in stream.batches():
-                arrived.put_nowait(Arrived(index, items))
+                arrived.put_nowait(items)
         except Exception as exc:  # handed to the reader, which raises it
             arrived.put_nowait(exc)
         finally:
@@ -149,4 +112,5 @@ class Choices:
             await asyncio.gather(*(stream.close() for stream in self.streams))
 
     def on_response_end(self) -> BackgroundTask:
+        """Runs after the streamed response ends, however it ends (done or disconnected)."""
         return BackgroundTask(self.close)
