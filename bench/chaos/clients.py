@@ -64,6 +64,10 @@ WORDS = [
     "harbor",
 ]
 SESSION_FINALS = {"done", "cancelled", "error"}
+FAILING_SHARE = 0.05
+"""Of the session readers' turns, those the engine fails after some tokens."""
+ENGINE_ERROR = "engine_error"
+"""The code of the synthetic engine's failure on request (engine/backends/synthetic.py)."""
 SHUTTING_DOWN = "shutting_down"
 """The error a gateway stopped by SIGTERM ends a request with when it outlasts the grace."""
 RESPONSE_FINALS = {"response.completed", "response.incomplete", "response.failed"}
@@ -104,6 +108,9 @@ class Record:
     """Refusals by its key's limits (429 ``rate_limit_exceeded``), each waited out."""
     choices: int = 1
     """``n``: the generations the request asked for (an OpenAI request's choices)."""
+    fails_after: int | None = None
+    """The engine fails the reply after this many tokens (``[[fail:N]]`` in its content:
+    engine/backends/synthetic.py): its right end is that ``error``."""
     usage_told: dict[str, int] | None = None
     """The usage its reply reported (prompt_tokens, completion_tokens), if it saw one."""
     trail: list[str] = field(default_factory=list)
@@ -328,7 +335,8 @@ async def follow_session(
 async def session_reader(
     ctx: Context, rng: random.Random, label: str, model: str, key: ApiKey, slow: bool
 ) -> list[Record]:
-    """One session, 1 to 3 turns, each read with drops and resumes across replicas."""
+    """One session, 1 to 3 turns, each read with drops and resumes across replicas; one turn
+    in 20 asks the engine to fail after some of its tokens (an error that bills them)."""
     records: list[Record] = []
     session: tuple[str, str] | None = None
     after: str | None = None
@@ -337,6 +345,9 @@ async def session_reader(
         record = Record(
             kind, f"{label}.{turn}", model, words(rng, label), rng.randint(10, 60), ctx.clock(), key
         )
+        if rng.random() < FAILING_SHARE:
+            record.fails_after = rng.randint(1, record.max_tokens - 1)
+            record.content += f" [[fail:{record.fails_after}]]"
         records.append(ctx.track(record))
         session = session or await create_session(ctx, rng, record)
         record.session = session
