@@ -83,6 +83,9 @@ class Intake:
         self.unacked: set[bytes] = set()
         """Requests whose acknowledgement failed; retried with each heartbeat (a request
         left pending under a live worker would count as in flight forever)."""
+        self.uncounted: dict[bytes, tuple[str, str]] = {}
+        """Requests (their session and generation) whose usage count failed on a Redis
+        Cluster: counted, then acknowledged, with each heartbeat."""
         self._tasks: set[asyncio.Task[None]] = set()
         self._slot_freed = asyncio.Event()
         self._turn_taken = False
@@ -224,7 +227,33 @@ class Intake:
             self.metrics.redis_errors.labels("ack").inc()
             self.unacked.add(entry_id)
 
+    async def count_then_ack(self, job: Job) -> None:
+        """Acknowledge ``job``'s request once its generation's usage is counted. On a
+        Redis Cluster that count follows the final event, by whoever wrote it or met it
+        ended, once per generation (one Redis counts it in the script that writes the
+        event: nothing to wait for); a worker lost before it counts leaves the request
+        pending, and the reaper that takes it counts it (gateway/recovery/takeover.py).
+        A count that fails is tried again with each heartbeat, the acknowledgement after."""
+        if self.publisher.counts_usage_after:
+            try:
+                await self.publisher.count_usage(job.session_id, job.generation_id)
+            except (RedisError, OSError) as exc:
+                log.warning(
+                    "counting the usage of %s failed (%s); retrying with the next heartbeat",
+                    job.generation_id,
+                    exc,
+                )
+                self.metrics.redis_errors.labels("usage").inc()
+                self.uncounted[job.entry_id] = (job.session_id, job.generation_id)
+                return
+        await self.ack_or_retry_later(job.entry_id)
+
     async def retry_acks(self) -> None:
+        """The counts, then the acknowledgements, that failed before."""
+        for entry_id, (session_id, generation_id) in list(self.uncounted.items()):
+            await self.publisher.count_usage(session_id, generation_id)
+            del self.uncounted[entry_id]
+            self.unacked.add(entry_id)
         if not self.unacked:
             return
         entry_ids = list(self.unacked)

@@ -210,6 +210,12 @@ class Publisher:
         batch.waiters[where] = future
         return future
 
+    @property
+    def counts_usage_after(self) -> bool:
+        """A generation's usage is counted after its final event (a Redis Cluster), by
+        ``count_usage``; on one Redis the script that writes the event counts it."""
+        return self._usage.needed
+
     async def count_usage(self, session_id: str, generation_id: str) -> None:
         """After a final event's write (written or refused: the script that refuses a write
         may have ended the generation, ``events_lost``), count its usage to its tenant on a

@@ -235,7 +235,9 @@ class Worker:
                 # reaper takes the reply over once this worker is gone.
                 log.warning("%s: its hand-over did not go through; left to the reaper", gid)
             elif job.needs_ack:
-                await self.intake.ack_or_retry_later(job.entry_id)
+                # Dropped: it may have ended by another writer (a queued cancel,
+                # ``events_lost``), lost before it counted it: counted again, once.
+                await self.intake.count_then_ack(job)
 
     def _claim_answered(
         self, job: Job, claim: Started | Resumed, answer: asyncio.Future[str | None]
@@ -359,15 +361,19 @@ class Worker:
             # A continued reply's message is the one it extends, made longer (the history
             # keeps it in that message's place).
             assistant = ChatMessage("assistant", job.request.continued + "".join(job.text))
+        # Its request is acknowledged by this final event's write, or (a cluster) once
+        # its usage is counted.
+        counts_after = self.publisher.counts_usage_after
         written = await self.emit_waited(
             job,
             event,
             final=True,
             # Only a chat turn's first choice joins the history (a message with n > 1).
             assistant=assistant if job.request.prompt is None and not job.request.choice else None,
-            ack=job.entry_id,
+            ack=None if counts_after else job.entry_id,
         )
-        await self.publisher.count_usage(job.session_id, job.generation_id)  # a cluster's
+        if counts_after:
+            await self.intake.count_then_ack(job)
         state = wire.final_state(event)
         if written is None:  # it ended elsewhere, or is not this worker's: not counted here
             log.info("%s: its %s event was refused", job.generation_id, state)

@@ -1,6 +1,8 @@
 """The short seeded chaos run (bench/chaos): a minute of every fault kind under mixed load,
 every reply checked, on one Redis with persistence and on a Redis Cluster. ``make soak``
-runs the same for ten minutes. An anomaly here is a bug to fix at its root."""
+runs the same for ten minutes. Every client sends with one of the run's API keys, and each
+key's usage as Redis counted it must equal what its clients received (bench/chaos/usage.py).
+An anomaly here is a bug to fix at its root."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from bench.chaos.faults import KINDS
+from bench.chaos.tenants import KEY_PLAN
 from stack.processes import ROOT
 
 pytestmark = pytest.mark.timeout(480)
@@ -69,3 +72,11 @@ def test_a_minute_of_faults_under_load_loses_repeats_and_hangs_nothing(
     assert report["replies"] >= 300
     assert report["takeovers_seen"] >= 1 and report["reconnects"] >= 100
     assert report["finals"].get("ws_cancel:cancelled", 0) >= 5
+    # Every key's usage as Redis counted it is what its clients received (an anomaly
+    # otherwise), and each key served a share of the load; the one with a limit was
+    # refused at times and waited those out.
+    assert [key["name"] for key in report["usage"]] == [name for name, _, _ in KEY_PLAN]
+    for key in report["usage"]:
+        assert key["counted"] == key["delivered"], key
+        assert key["delivered"]["completion_tokens"] > 0, key
+    assert sum(key["refused_by_limits"] for key in report["usage"] if key["limits"]) >= 1

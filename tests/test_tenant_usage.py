@@ -8,14 +8,21 @@ prompt of a request with ``n`` choices once).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
+import wire
 from stack import processes
-from stack.redis_server import free_port
+from stack.redis_cluster import EmbeddedCluster
+from stack.redis_server import EmbeddedRedis, free_port
 from tests.support.http import Follower, Session, cancel, follow, read_events
 from tests.support.metrics import scrape, until_sample, value
 from tests.support.redis_probes import lease_trusted
@@ -25,6 +32,7 @@ from tests.support.tenants import (
     Key,
     keyed_session,
     make_key,
+    until_known,
     until_usage,
     usage_total,
 )
@@ -252,3 +260,207 @@ async def test_on_a_cluster_the_writer_counts_once_after_the_final_event(
         assert not await counter.after_final(session.session_id, gid["generation_id"])
     finally:
         await redis.aclose()
+
+
+async def _apart(
+    client: httpx.AsyncClient, base: str, cluster: EmbeddedCluster, keys: Keys, **fields: Any
+) -> tuple[Key, Session, EmbeddedRedis]:
+    """A key (``fields``: its limits) whose slot's primary serves neither the synthetic
+    model's queue nor a new session of the key's, that session, and that primary: pausing
+    its writes holds up the key's usage count alone, pausing the session's holds up the
+    session's writes alone."""
+    queue_node = cluster.primary_of(keys.requests("synthetic")).port
+    for attempt in range(30):
+        key = await make_key(client, base, f"apart-{attempt}", **fields)
+        tenant_node = cluster.primary_of(keys.tenant(key.id, "requests"))
+        if tenant_node.port != queue_node:
+            break
+    for _ in range(30):
+        session = await keyed_session(client, base, key)
+        if cluster.primary_of(keys.events(session.session_id)).port != tenant_node.port:
+            return key, session, tenant_node
+    raise AssertionError("no session apart from its key's primary in 30 tries")
+
+
+@contextlib.contextmanager
+def _writes_paused(cluster: EmbeddedCluster, node: EmbeddedRedis) -> Iterator[None]:
+    with cluster.client(node) as client:
+        client.execute_command("CLIENT", "PAUSE", 60_000, "WRITE")
+        try:
+            yield
+        finally:
+            client.execute_command("CLIENT", "UNPAUSE")
+
+
+async def _first_generation(redis: Any, keys: Keys, session_id: str) -> str:
+    """The id of the session's first generation, once its ``queued`` event is written."""
+    async with asyncio.timeout(20):
+        while not (entries := await redis.xrange(keys.events(session_id), count=1)):
+            await asyncio.sleep(0.01)
+    return wire.text(entries[0][1][b"g"])
+
+
+async def _until_final(redis: Any, keys: Keys, session_id: str, gid: str) -> dict[str, Any]:
+    """The generation's final event once Redis holds it, then a moment for its writer to
+    send the count that follows it."""
+    async with asyncio.timeout(20):
+        while (final := await redis.hget(keys.generation(session_id, gid), "final")) is None:
+            await asyncio.sleep(0.01)
+    await asyncio.sleep(0.3)
+    ended: dict[str, Any] = json.loads(final)
+    return ended
+
+
+async def _until_generations(
+    client: httpx.AsyncClient, base: str, key: Key, generations: int
+) -> dict[str, int]:
+    async with asyncio.timeout(30):
+        while (total := await usage_total(client, base, key.id))["generations"] < generations:
+            await asyncio.sleep(0.1)
+    return total
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+async def test_on_a_cluster_a_worker_lost_before_it_counted_is_counted_by_the_reaper(
+    cluster_stack: Stack, redis_cluster: EmbeddedCluster
+) -> None:
+    """The worker writes a reply's final event; its count waits on the key's primary,
+    whose writes are paused; SIGKILLed right then, it never counts. Its request, which it
+    acknowledges only after the count, is left pending: the reaper takes it, finds the
+    reply ended and counts it, once. (Before, the request was acknowledged with the final
+    event: nothing was left to find, and the key was never billed the reply.)"""
+    stack = cluster_stack
+    gateway = stack.gateway(TOKENSPOUT_ADMIN_KEY=ADMIN_KEY)
+    doomed = stack.synthetic(200)
+    keys, redis = Keys(stack.prefix), connect(stack.redis_url)
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            key, session, primary = await _apart(client, gateway.url, redis_cluster, keys)
+            with _writes_paused(redis_cluster, primary):
+                # Its answer may wait on the paused primary too (the conversation's index
+                # of its owner may live there): the generation is read from the session.
+                sending = asyncio.ensure_future(_send(client, session, "counted later", 5))
+                gid = await _first_generation(redis, keys, session.session_id)
+                final = await _until_final(redis, keys, session.session_id, gid)
+                processes.kill(doomed)
+            assert (await sending).status_code == 202
+            total = await _until_generations(client, gateway.url, key, 1)
+    finally:
+        await redis.aclose()
+    assert total["total_tokens"] == tokens_of(final["usage"]) > 0
+    assert total["generations"] == 1
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+async def test_on_a_cluster_a_queued_cancel_whose_gateway_was_lost_is_counted_by_a_worker(
+    cluster_stack: Stack, redis_cluster: EmbeddedCluster
+) -> None:
+    """A gateway ends a queued generation (a cancel) and is SIGKILLed while its count
+    waits on the key's paused primary. The worker that takes the request later finds it
+    ended (its claim refused) and counts it, once, before it acknowledges it. (Before, it
+    only acknowledged it: the key was never billed that generation.)"""
+    stack = cluster_stack
+    doomed = stack.gateway(TOKENSPOUT_ADMIN_KEY=ADMIN_KEY)
+    gateway = stack.gateway(TOKENSPOUT_ADMIN_KEY=ADMIN_KEY)
+    stack.synthetic(200, "--capacity", "1")
+    keys, redis = Keys(stack.prefix), connect(stack.redis_url)
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            key, session, primary = await _apart(client, gateway.url, redis_cluster, keys)
+            holder = await keyed_session(client, gateway.url, key)
+            sent = await post_turn(client, holder, "[[stall]] hold", max_tokens=50)
+            held = sent.json()["generation_id"]
+            follower = follow(client, holder, held)
+            await follower.until_event("started")  # the worker's one slot is taken
+            gid = (await post_turn(client, session, "queued", max_tokens=5)).json()["generation_id"]
+            through_doomed = Session(doomed.url, session.session_id, session.token)
+            with _writes_paused(redis_cluster, primary):
+                cancelling = asyncio.ensure_future(cancel(client, through_doomed, gid))
+                final = await _until_final(redis, keys, session.session_id, gid)
+                processes.kill(doomed.process)
+            with contextlib.suppress(httpx.TransportError):
+                await cancelling
+            await cancel(client, holder, held)  # the slot is free: the worker meets it
+            await follower.until_end()
+            stalled = follower.reading.final(held).json()["usage"]
+            total = await _until_generations(client, gateway.url, key, 2)
+    finally:
+        await redis.aclose()
+    assert final["type"] == "cancelled" and tokens_of(final["usage"]) == 0
+    assert total["total_tokens"] == tokens_of(stalled)
+    assert total["generations"] == 2
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+async def test_a_turn_admitted_by_a_gateway_lost_before_its_submit_is_given_back(
+    cluster_stack: Stack, redis_cluster: EmbeddedCluster
+) -> None:
+    """A key limited to one generation at a time: a gateway admits a turn of its (ADMIT,
+    on the key's slot) and is SIGKILLed while the SUBMIT that writes the generation waits
+    on the session's primary (its writes paused). The generation never exists, yet it
+    counted against the key: before, every request of the key was refused for the hour a
+    running entry lasts (the chaos run, seed 13 on a cluster: two of a key's three slots
+    lost). The reaper gives back an admission whose generation does not exist 10 s on."""
+    stack = cluster_stack
+    doomed = stack.gateway(TOKENSPOUT_ADMIN_KEY=ADMIN_KEY)
+    gateway = stack.gateway(TOKENSPOUT_ADMIN_KEY=ADMIN_KEY)
+    stack.synthetic(200)
+    keys, redis = Keys(stack.prefix), connect(stack.redis_url)
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            key, session, _ = await _apart(
+                client, gateway.url, redis_cluster, keys, limits={"concurrent": 1}
+            )
+            await until_known(client, doomed.url, key)  # it reads the keys every 250 ms
+            session_primary = redis_cluster.primary_of(keys.events(session.session_id))
+            url = f"{doomed.url}/v1/sessions/{session.session_id}/messages"
+            body = {"content": "never written", "max_tokens": 3}
+            with _writes_paused(redis_cluster, session_primary):
+                sending = asyncio.ensure_future(
+                    client.post(url, json=body, headers=session.headers)
+                )
+                async with asyncio.timeout(10):
+                    while not await redis.zcard(keys.tenant(key.id, "running")):
+                        await asyncio.sleep(0.01)
+                processes.kill(doomed.process)
+            with contextlib.suppress(httpx.TransportError):
+                await sending
+            lost = await redis.zrange(keys.tenant(key.id, "running"), 0, -1)
+            assert not await redis.exists(keys.generation(session.session_id, lost[0].decode()))
+            other = await keyed_session(client, gateway.url, key)
+            refused, began = 0, time.monotonic()
+            async with asyncio.timeout(40):
+                while (sent := await _send(client, other, "after")).status_code == 429:
+                    refused += 1
+                    await asyncio.sleep(0.25)
+            given_back_s = time.monotonic() - began
+            gid = sent.json()["generation_id"]
+            await read_events(client, other, until_final_of=gid)
+            running = await _until_no_running(redis, keys, key)
+    finally:
+        await redis.aclose()
+    assert sent.status_code == 202 and refused >= 1, (sent.text, refused)
+    assert given_back_s < 10 + 2 + 5, given_back_s  # SUBMITTED_WITHIN_S, a look's period
+    assert running == 0
+
+
+async def _send(
+    client: httpx.AsyncClient, session: Session, content: str, max_tokens: int = 3
+) -> httpx.Response:
+    return await client.post(
+        f"{session.base}/v1/sessions/{session.session_id}/messages",
+        json={"content": content, "max_tokens": max_tokens},
+        headers=session.headers,
+    )
+
+
+async def _until_no_running(redis: Any, keys: Keys, key: Key) -> int:
+    """The key's running generations once none is left (a cluster counts after a final
+    event, which a reader may see first), or after 10 s."""
+    async with asyncio.timeout(10):
+        while running := await redis.zcard(keys.tenant(key.id, "running")):
+            await asyncio.sleep(0.05)
+    return int(running)

@@ -66,6 +66,11 @@ Redis layout (every key with a TTL, every stream capped):
     {prefix}:tenant:{<tid>}:running   sorted set generation id -> unix ms it stops counting:
                                       the tenant's generations not ended (the final event's
                                       script removes it; PX the longest it may count)
+    {prefix}:tenant:{<tid>}:sessions  hash generation id -> session id: the running ones
+                                      ADMIT admitted before their SUBMIT (a round trip of
+                                      its own), dropped with their running entry; the reaper
+                                      gives back one whose generation never came (PX as
+                                      running)
     {prefix}:tenant:{<tid>}:tpm       hash unix second -> tokens: its last minute's (EX 120 s)
     {prefix}:tenant:{<tid>}:tpd:<day> string: its tokens of UTC day <day> (days since the
                                       epoch; EX 2 days)

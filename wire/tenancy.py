@@ -2,7 +2,9 @@
 
 - ``Admit`` (wire/lua/admit.lua): admit a request's generations against the tenant's
   limits, or refuse them at the first limit reached, in one step (exact across gateways);
-  ``Release`` gives back what it took when the submit was refused after all.
+  ``Release`` gives back what it took when the submit was refused after all, and
+  ``Admitted`` lists what it took a while ago, for the reaper to give back what was never
+  submitted (its gateway lost in between).
 - Usage is counted where a generation's final event is written (wire/lua/usage_core.lua,
   inside every script that writes one); on a Redis Cluster the tenant's keys are on another
   slot, so the writer counts it right after, once per generation: ``UsageCounter``.
@@ -21,7 +23,7 @@ import redis.asyncio as aioredis
 
 from wire.connect import is_cluster
 from wire.keys import Keys
-from wire.limits import Counts, Limits
+from wire.limits import RUNNING_HOLD_S, Counts, Limits
 from wire.messages import Usage, decode_final
 from wire.replies import text
 from wire.scripts import (
@@ -58,12 +60,15 @@ class Admit(Script):
         generation_ids: Sequence[str],
         count_request: bool,
         limits: Limits,
+        session_id: str,
     ) -> Counts:
         """``generation_ids``: the request's (the first one names it); ``count_request``:
-        False for another choice of a request counted already."""
+        False for another choice of a request counted already; ``session_id``: where they
+        are submitted next (a gateway lost before that leaves an admission whose
+        generations never exist: ``Admitted`` finds it)."""
         reply = await self._run(
             _tenant_keys(self.keys, tenant_id),
-            [" ".join(generation_ids), *limits_args(limits, count_request)],
+            [" ".join(generation_ids), *limits_args(limits, count_request), session_id],
             None,
         )
         if not isinstance(reply, list):
@@ -84,6 +89,25 @@ class Release(Script):
             [" ".join(generation_ids), "1" if count_request else "0"],
             None,
         )
+
+
+class Admitted(Script):
+    """The generations ``Admit`` admitted at least ``after_s`` ago that still count as
+    running, with their sessions (wire/lua/admitted.lua), oldest first."""
+
+    source = lua_source("admitted")
+
+    async def __call__(self, *, tenant_id: str, after_s: float, most: int) -> list[tuple[str, str]]:
+        """(generation id, session id) pairs."""
+        reply = await self._run(
+            _tenant_keys(self.keys, tenant_id)[1:2],
+            [RUNNING_HOLD_S * 1000, int(after_s * 1000), most],
+            None,
+        )
+        if not isinstance(reply, list):
+            raise TypeError(f"ADMITTED answered {reply!r}")
+        found = [text(item) for item in reply]
+        return list(zip(found[::2], found[1::2], strict=True))
 
 
 class CountUsage(Script):

@@ -30,9 +30,10 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from bench.chaos import check, clients, faults
+from bench.chaos import check, clients, faults, usage
 from bench.chaos.clients import Context, Record
 from bench.chaos.fleet import MODELS, Fleet, fleet
+from bench.chaos.tenants import ApiKey
 from stack.rig import sync_client
 
 T = TypeVar("T")
@@ -55,6 +56,8 @@ class Run:
         self.records: list[Record] = []
         self.anomalies: list[dict[str, Any]] = []
         self.extra: set[asyncio.Task[None]] = set()
+        self.usage: list[dict[str, Any]] = []
+        """Per key: what Redis counted and what its clients received (bench/chaos/usage.py)."""
 
     def anomaly(self, at_s: float, label: str, what: str, trail: list[str] | None = None) -> None:
         near = [
@@ -108,28 +111,32 @@ class Run:
             )
         return "; ".join(states) or "no reply begun"
 
-    def one_client(self, rng: random.Random, label: str) -> Callable[[], Awaitable[list[Record]]]:
+    def one_client(
+        self, rng: random.Random, label: str, key: ApiKey
+    ) -> Callable[[], Awaitable[list[Record]]]:
         kind = rng.choices(list(CLIENT_MIX), weights=list(CLIENT_MIX.values()))[0]
         model = rng.choice(MODELS)
-        ctx = self.ctx
+        ctx, faults_on = self.ctx, self.fleet.faults_on
 
         async def job() -> list[Record]:
             if kind == "sse":
-                return await clients.session_reader(ctx, rng, label, model, slow=False)
+                return await clients.session_reader(ctx, rng, label, model, key, slow=False)
             if kind == "ws_cancel":
-                return [await clients.ws_canceller(ctx, rng, label, model)]
+                return [await clients.ws_canceller(ctx, rng, label, model, key)]
             if kind == "openai":
-                return [await clients.openai_client(ctx, rng, label, model, self.fleet.faults_on)]
-            return [await clients.responses_reader(ctx, rng, label, model, self.fleet.faults_on)]
+                return [await clients.openai_client(ctx, rng, label, model, key, faults_on)]
+            return [await clients.responses_reader(ctx, rng, label, model, key, faults_on)]
 
         return job
 
     async def client_loop(self, index: int) -> None:
+        """Replies one after another, all with the key of ``index`` (modulo the keys)."""
         rng = random.Random(f"client-{self.seed}-{index}")
+        key = self.fleet.api_keys[index % len(self.fleet.api_keys)]
         count = 0
         while self.fleet.now() < self.duration_s:
             label = f"c{index}.{count}"
-            await self.bounded(label, self.one_client(rng, label))
+            await self.bounded(label, self.one_client(rng, label, key))
             count += 1
 
     async def fire(self, planned: faults.Planned) -> None:
@@ -155,10 +162,13 @@ class Run:
                 for n in range(2):
                     label = f"slow{planned.at_s}.{n}"
                     rng = random.Random(f"{self.seed}-{label}")
+                    key = rng.choice(fleet.api_keys)
 
-                    async def slow(rng: random.Random = rng, label: str = label) -> list[Record]:
+                    async def slow(
+                        rng: random.Random = rng, label: str = label, key: ApiKey = key
+                    ) -> list[Record]:
                         return await clients.session_reader(
-                            self.ctx, rng, label, rng.choice(MODELS), slow=True
+                            self.ctx, rng, label, rng.choice(MODELS), key, slow=True
                         )
 
                     self.spawn(self.bounded(label, slow))
@@ -230,6 +240,25 @@ class Run:
             for problem in await check.check_against_redis(self.ctx, records):
                 self.anomaly(records[0].started_s, records[0].label, problem)
 
+    async def check_usage(self) -> None:
+        """Each key's counted usage against what its clients received (bench/chaos/usage.py)."""
+        fleet = self.fleet
+        self.usage, findings = await usage.check_usage(
+            self.ctx.http,
+            gateway=fleet.gateway_urls[0],
+            admin=fleet.admin,
+            redis_url=fleet.rig.redis_url,
+            keys=fleet.keys,
+            api_keys=fleet.api_keys,
+            records=self.records,
+            started_ms=int(fleet.started_unix * 1000),
+            cluster=fleet.redis_kind == "cluster",
+            failovers=[f.at_s for f in fleet.faults if f.kind == "primary_kill"],
+            end_s=fleet.now(),
+        )
+        for finding in findings:
+            self.anomaly(finding.at_s, finding.label, finding.what)
+
     async def run(self) -> None:
         reporter = asyncio.create_task(self.progress())
         injector = asyncio.create_task(self.inject())
@@ -241,6 +270,7 @@ class Run:
                 await asyncio.gather(*self.extra)
             await self.engine_idle()
             await self.check_all()
+            await self.check_usage()
         finally:
             reporter.cancel()
             injector.cancel()
@@ -267,6 +297,7 @@ class Run:
             "reconnects": sum(r.reconnects for r in self.records),
             "retries": sum(r.retries for r in self.records),
             "interrupted": sum(r.interrupted is not None for r in self.records),
+            "usage": self.usage,
             "anomalies": self.anomalies,
             "fault_log": [vars(f) for f in self.fleet.faults],
         }
@@ -295,6 +326,16 @@ def table(report: dict[str, Any]) -> str:
         f"{report['events']}, interrupted {report['interrupted']}, "
         f"anomalies {len(report['anomalies'])}"
     )
+    for key in report["usage"]:
+        counted, delivered = key["counted"], key["delivered"]
+        rows.append(
+            f"  key {key['name']:<14} counted {counted['prompt_tokens']}+"
+            f"{counted['completion_tokens']} tokens in {counted['generations']} generations, "
+            f"received {delivered['prompt_tokens']}+{delivered['completion_tokens']} in "
+            f"{delivered['generations']} ({key['ended_unseen_by_clients']} ends no client saw, "
+            f"{key['other_choices']} second choices, "
+            f"{key['refused_by_limits']} refusals by its limits)"
+        )
     return "\n".join(rows)
 
 

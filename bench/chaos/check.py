@@ -10,7 +10,7 @@ import itertools
 import json
 from typing import Any
 
-from bench.chaos.clients import RESPONSE_FINALS, SESSION_FINALS, Context, Record
+from bench.chaos.clients import ENGINE_ERROR, RESPONSE_FINALS, SESSION_FINALS, Context, Record
 from bench.loadgen import sse_events
 from engine.backends.synthetic import scripted_reply
 
@@ -67,7 +67,18 @@ def reply_text(record: Record, expected_kinds: tuple[str, ...]) -> list[str]:
 
 
 def check_session_reply(record: Record) -> list[str]:
-    return reply_text(record, ("done",))
+    if record.fails_after is None:
+        return reply_text(record, ("done",))
+    # Asked to fail after some tokens: an engine error there, its text the script's first
+    # tokens (whatever takeover came between).
+    expected = "".join(t.text for t in scripted_reply(record.content, record.fails_after))
+    code = record.final_data.get("code")
+    if record.final == "error" and code == ENGINE_ERROR and record.text == expected:
+        return []
+    return [
+        f"{record.label}: asked to fail after {record.fails_after} tokens, ended "
+        f"{record.final} ({code}) with {record.text[:80]!r}"
+    ]
 
 
 def check_ws_cancel(record: Record) -> list[str]:

@@ -14,7 +14,12 @@ everything it got into a ``Record`` for the checker (bench/chaos/check.py).
   on another replica when it breaks or its gateway ends it ``shutting_down``.
 
 A request refused before it started (a 429 or 503 with ``Retry-After``, a gateway that
-is down) is sent again after the hint; any other 5xx is noted as a problem.
+is down) is sent again after the hint; any other 5xx is noted as a problem, and so is a
+refusal by a key's limits for a key that has none.
+
+Every client sends with one of the run's API keys (bench/chaos/tenants.py): a session is
+made with it (its turns bill it), a one-shot request carries it as Bearer. A record keeps
+the key and what the reply said it used, for the usage check (bench/chaos/usage.py).
 """
 
 from __future__ import annotations
@@ -27,12 +32,14 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from http.cookiejar import CookieJar, DefaultCookiePolicy
 from typing import Any
 
 import httpx
 from websockets.asyncio.client import connect
 from websockets.exceptions import WebSocketException
 
+from bench.chaos.tenants import RATE_LIMITED, ApiKey
 from bench.loadgen import sse_events
 
 SETTLE_S = 5.0
@@ -57,6 +64,10 @@ WORDS = [
     "harbor",
 ]
 SESSION_FINALS = {"done", "cancelled", "error"}
+FAILING_SHARE = 0.05
+"""Of the session readers' turns, those the engine fails after some tokens."""
+ENGINE_ERROR = "engine_error"
+"""The code of the synthetic engine's failure on request (engine/backends/synthetic.py)."""
 SHUTTING_DOWN = "shutting_down"
 """The error a gateway stopped by SIGTERM ends a request with when it outlasts the grace."""
 RESPONSE_FINALS = {"response.completed", "response.incomplete", "response.failed"}
@@ -74,6 +85,8 @@ class Record:
     content: str
     max_tokens: int
     started_s: float
+    key: ApiKey
+    """The API key it sends with (its session's, for the session API)."""
     events: list[tuple[str, str, dict[str, Any]]] = field(default_factory=list)
     """(id, event, data) in the order read, across every reconnect."""
     text: str = ""
@@ -91,6 +104,15 @@ class Record:
     cancel_sent: bool = False
     tokens_after_final: int = 0
     retries: int = 0
+    rate_limited: int = 0
+    """Refusals by its key's limits (429 ``rate_limit_exceeded``), each waited out."""
+    choices: int = 1
+    """``n``: the generations the request asked for (an OpenAI request's choices)."""
+    fails_after: int | None = None
+    """The engine fails the reply after this many tokens (``[[fail:N]]`` in its content:
+    engine/backends/synthetic.py): its right end is that ``error``."""
+    usage_told: dict[str, int] | None = None
+    """The usage its reply reported (prompt_tokens, completion_tokens), if it saw one."""
     trail: list[str] = field(default_factory=list)
     """What the client did, with the run's second: the story of a reply that hangs."""
 
@@ -115,7 +137,11 @@ class Context:
         self.http = httpx.AsyncClient(
             timeout=httpx.Timeout(READ_TIMEOUT_S, connect=3.0),
             limits=httpx.Limits(max_connections=400, max_keepalive_connections=100),
+            cookies=CookieJar(DefaultCookiePolicy(allowed_domains=[])),
         )
+        """Keeps no cookie: the clients are many API programs sharing one HTTP client, no
+        browser. The session API's owner cookie makes its holder one browser, whose
+        conversations are bounded (``TOKENSPOUT_MAX_CONVERSATIONS``, 409 past them)."""
         self.open: dict[str, Record] = {}
         """Replies under way, by label: what a reply that hangs had got so far."""
         self.finished: list[tuple[str, str, str]] = []
@@ -140,6 +166,34 @@ def error_code(answer: dict[str, Any]) -> str | None:
     return error.get("code") if isinstance(error, dict) else None
 
 
+def _code_of(response: httpx.Response) -> str | None:
+    try:
+        answer = response.json()
+    except ValueError:
+        return None
+    return error_code(answer) if isinstance(answer, dict) else None
+
+
+def rate_limited(record: Record, what: str) -> None:
+    """A refusal by the key's limits: expected of a key with limits, waited out."""
+    record.rate_limited += 1
+    if not record.key.limits:
+        name = record.key.name
+        record.problems.append(f"refused by the limits of {name}, which has none: {what}")
+
+
+def usage_of(answer: Any) -> dict[str, int] | None:
+    """``{"prompt_tokens", "completion_tokens"}`` of a usage object in any API's spelling
+    (a session event's, OpenAI's, the Responses API's ``input_tokens``/``output_tokens``)."""
+    if not isinstance(answer, dict):
+        return None
+    prompt = answer.get("prompt_tokens", answer.get("input_tokens"))
+    completion = answer.get("completion_tokens", answer.get("output_tokens"))
+    if prompt is None or completion is None:
+        return None
+    return {"prompt_tokens": int(prompt), "completion_tokens": int(completion)}
+
+
 def refusal(response: httpx.Response, record: Record) -> None:
     """Raise ``Retry`` for a documented refusal, note anything else 5xx as a problem."""
     status = response.status_code
@@ -147,6 +201,8 @@ def refusal(response: httpx.Response, record: Record) -> None:
         hint = response.headers.get("retry-after")
         if hint is None:
             record.problems.append(f"{status} without Retry-After: {response.text[:200]}")
+        if status == 429 and _code_of(response) == RATE_LIMITED:
+            rate_limited(record, response.text[:200])
         raise Retry(min(float(hint or 1), 2.0))
     if status >= 500:
         record.problems.append(f"{status}: {response.text[:200]}")
@@ -183,7 +239,9 @@ def words(rng: random.Random, label: str) -> str:
 
 async def create_session(ctx: Context, rng: random.Random, record: Record) -> tuple[str, str]:
     async def attempt(url: str) -> tuple[str, str]:
-        response = await ctx.http.post(f"{url}/v1/sessions", json={"model": record.model})
+        response = await ctx.http.post(
+            f"{url}/v1/sessions", json={"model": record.model}, headers=record.key.bearer
+        )
         refusal(response, record)
         if response.status_code != 201:
             raise RuntimeError(f"create session: {response.status_code} {response.text[:300]}")
@@ -259,6 +317,7 @@ async def follow_session(
                                 await on_token(tokens)
                         elif event in SESSION_FINALS:
                             record.final, record.final_data = event, payload
+                            record.usage_told = usage_of(payload.get("usage"))
                             return
                     if slow:
                         await asyncio.sleep(rng.uniform(0.01, 0.08))
@@ -274,17 +333,21 @@ async def follow_session(
 
 
 async def session_reader(
-    ctx: Context, rng: random.Random, label: str, model: str, slow: bool
+    ctx: Context, rng: random.Random, label: str, model: str, key: ApiKey, slow: bool
 ) -> list[Record]:
-    """One session, 1 to 3 turns, each read with drops and resumes across replicas."""
+    """One session, 1 to 3 turns, each read with drops and resumes across replicas; one turn
+    in 20 asks the engine to fail after some of its tokens (an error that bills them)."""
     records: list[Record] = []
     session: tuple[str, str] | None = None
     after: str | None = None
     for turn in range(rng.randint(1, 3)):
         kind = "sse_slow" if slow else "sse"
         record = Record(
-            kind, f"{label}.{turn}", model, words(rng, label), rng.randint(10, 60), ctx.clock()
+            kind, f"{label}.{turn}", model, words(rng, label), rng.randint(10, 60), ctx.clock(), key
         )
+        if rng.random() < FAILING_SHARE:
+            record.fails_after = rng.randint(1, record.max_tokens - 1)
+            record.content += f" [[fail:{record.fails_after}]]"
         records.append(ctx.track(record))
         session = session or await create_session(ctx, rng, record)
         record.session = session
@@ -302,12 +365,14 @@ async def session_reader(
 # --- WebSocket: generate, then cancel ----------------------------------------------------
 
 
-async def ws_canceller(ctx: Context, rng: random.Random, label: str, model: str) -> Record:
+async def ws_canceller(
+    ctx: Context, rng: random.Random, label: str, model: str, key: ApiKey
+) -> Record:
     """``generate`` on a socket, ``cancel`` after a random count of tokens (sometimes past
     the end: then ``done`` is the right answer); a broken socket goes on over SSE."""
     max_tokens = rng.randint(10, 60)
     record = ctx.track(
-        Record("ws_cancel", label, model, words(rng, label), max_tokens, ctx.clock())
+        Record("ws_cancel", label, model, words(rng, label), max_tokens, ctx.clock(), key)
     )
     record.cancel_after = rng.randint(1, max_tokens + 10)
     record.session = await create_session(ctx, rng, record)
@@ -333,9 +398,12 @@ async def ws_canceller(ctx: Context, rng: random.Random, label: str, model: str)
                 frame = json.loads(await asyncio.wait_for(ws.recv(), READ_TIMEOUT_S))
                 kind = frame["type"]
                 if kind == "error" and "event_id" not in frame:
-                    if frame.get("code") in ("overloaded", "unavailable", "model_unavailable"):
+                    code = frame.get("code")
+                    if code in ("overloaded", "unavailable", "model_unavailable", RATE_LIMITED):
                         if "retry_after_s" not in frame:
                             record.problems.append(f"refused without retry_after_s: {frame}")
+                        if code == RATE_LIMITED:
+                            rate_limited(record, str(frame)[:200])
                         raise Retry(float(frame.get("retry_after_s") or 1))
                     record.problems.append(f"refused: {frame}")
                     return record
@@ -349,6 +417,7 @@ async def ws_canceller(ctx: Context, rng: random.Random, label: str, model: str)
                         await ws.send(json.dumps({"type": "cancel", "id": "g"}))
                 elif kind in SESSION_FINALS and "event_id" in frame:
                     record.final, record.final_data = kind, frame
+                    record.usage_told = usage_of(frame.get("usage"))
                     # A short look for frames of this generation after its final one.
                     await ws.send(json.dumps({"type": "ping", "id": "after"}))
                     while (pong := json.loads(await asyncio.wait_for(ws.recv(), 10)))[
@@ -440,22 +509,32 @@ async def cancel_over_http(ctx: Context, rng: random.Random, record: Record) -> 
 
 
 async def openai_client(
-    ctx: Context, rng: random.Random, label: str, model: str, faults_of: Callable[[str, float], int]
+    ctx: Context,
+    rng: random.Random,
+    label: str,
+    model: str,
+    key: ApiKey,
+    faults_of: Callable[[str, float], int],
 ) -> Record:
-    """One chat completion, streamed or whole. ``faults_of(url, until_s)`` counts the faults
+    """One chat completion, streamed (half of them asking for usage) or whole (some with
+    two choices, whose prompt is billed once). ``faults_of(url, until_s)`` counts the faults
     that gateway had up to ``until_s``: one from ``SETTLE_S`` before the request's start to
     its break explains the break."""
     stream = rng.random() < 0.6
     kind = "openai_stream" if stream else "openai_whole"
     record = ctx.track(
-        Record(kind, label, model, words(rng, label), rng.randint(5, 40), ctx.clock())
+        Record(kind, label, model, words(rng, label), rng.randint(5, 40), ctx.clock(), key)
     )
-    body = {
+    body: dict[str, Any] = {
         "model": model,
         "messages": [{"role": "user", "content": record.content}],
         "max_tokens": record.max_tokens,
         "stream": stream,
     }
+    if stream and rng.random() < 0.5:
+        body["stream_options"] = {"include_usage": True}
+    if not stream and rng.random() < 0.3:
+        record.choices = body["n"] = 2
 
     async def attempt(url: str) -> None:
         faults_before = faults_of(url, ctx.clock() - SETTLE_S)
@@ -466,7 +545,10 @@ async def openai_client(
                 # No read timeout: nothing comes before the whole answer, which may take a
                 # while across faults; the run's bound (90 s) tells a slow one from a hang.
                 response = await ctx.http.post(
-                    f"{url}/v1/chat/completions", json=body, timeout=WHOLE_TIMEOUT
+                    f"{url}/v1/chat/completions",
+                    json=body,
+                    headers=key.bearer,
+                    timeout=WHOLE_TIMEOUT,
                 )
                 record.step(
                     ctx.clock(),
@@ -478,9 +560,7 @@ async def openai_client(
                 if response.status_code != 200:
                     record.final, record.final_data = "error", answer
                     return
-                choice = answer["choices"][0]
-                record.text = choice["message"]["content"]
-                record.final, record.final_data = choice["finish_reason"], answer
+                _whole_answer(record, answer)
         except (httpx.ReadError, httpx.RemoteProtocolError, httpx.ReadTimeout) as exc:
             if faults_of(url, math.inf) > faults_before:
                 record.interrupted = f"its gateway had a fault: {type(exc).__name__}"
@@ -496,8 +576,28 @@ async def openai_client(
     return record
 
 
+def _whole_answer(record: Record, answer: dict[str, Any]) -> None:
+    """A whole chat completion: its first choice's text; every choice the same (one
+    script, the same ``max_tokens``)."""
+    record.generation_id = str(answer["id"]).removeprefix("chatcmpl-")
+    record.usage_told = usage_of(answer.get("usage"))
+    first, *others = answer["choices"]
+    record.text = first["message"]["content"]
+    record.final, record.final_data = first["finish_reason"], answer
+    if len(answer["choices"]) != record.choices:
+        record.problems.append(f"{len(answer['choices'])} choices, {record.choices} asked for")
+    for other in others:
+        if (other["message"]["content"], other["finish_reason"]) != (
+            record.text,
+            record.final,
+        ):
+            record.problems.append(f"choice {other['index']} differs from choice 0: {other}")
+
+
 async def _openai_stream(ctx: Context, url: str, body: dict[str, Any], record: Record) -> None:
-    async with ctx.http.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+    async with ctx.http.stream(
+        "POST", f"{url}/v1/chat/completions", json=body, headers=record.key.bearer
+    ) as response:
         if response.status_code != 200:
             await response.aread()
             refusal(response, record)
@@ -514,6 +614,9 @@ async def _openai_stream(ctx: Context, url: str, body: dict[str, Any], record: R
             if "error" in chunk:
                 record.final, record.final_data = "error", chunk
                 continue
+            record.generation_id = str(chunk["id"]).removeprefix("chatcmpl-")
+            if chunk.get("usage"):
+                record.usage_told = usage_of(chunk["usage"])
             for choice in chunk["choices"]:
                 record.text += choice["delta"].get("content") or ""
                 if choice.get("finish_reason"):
@@ -524,10 +627,15 @@ async def _openai_stream(ctx: Context, url: str, body: dict[str, Any], record: R
 
 
 async def responses_reader(
-    ctx: Context, rng: random.Random, label: str, model: str, faults_of: Callable[[str, float], int]
+    ctx: Context,
+    rng: random.Random,
+    label: str,
+    model: str,
+    key: ApiKey,
+    faults_of: Callable[[str, float], int],
 ) -> Record:
     record = ctx.track(
-        Record("responses", label, model, words(rng, label), rng.randint(5, 40), ctx.clock())
+        Record("responses", label, model, words(rng, label), rng.randint(5, 40), ctx.clock(), key)
     )
     body = {
         "model": model,
@@ -561,17 +669,21 @@ async def responses_reader(
             sequence = payload.get("sequence_number", sequence)
             if event == "response.created":
                 response_id = payload["response"]["id"]
+                record.generation_id = response_id.partition(".")[2]
             elif event == "response.output_text.delta":
                 record.text += payload["delta"]
             elif event in RESPONSE_FINALS or event == "error":
                 record.final, record.final_data = event, payload
+                record.usage_told = usage_of((payload.get("response") or {}).get("usage"))
                 return
             if rng.random() < 0.05:
                 return  # the reader drops the stream and resumes elsewhere
 
     async def start(url: str) -> None:
         try:
-            async with ctx.http.stream("POST", f"{url}/v1/responses", json=body) as response:
+            async with ctx.http.stream(
+                "POST", f"{url}/v1/responses", json=body, headers=key.bearer
+            ) as response:
                 await read(url, response)
         except BROKEN:
             if response_id is None:
@@ -588,6 +700,7 @@ async def responses_reader(
                 "GET",
                 f"{url}/v1/responses/{response_id}",
                 params={"stream": "true", "starting_after": str(sequence)},
+                headers=key.bearer,
             ) as response:
                 await read(url, response)
         except Retry as retry:

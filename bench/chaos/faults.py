@@ -67,9 +67,11 @@ def schedule(seed: int, redis_kind: str, duration_s: float) -> list[Planned]:
 
 
 async def hostile_burst(ctx: Context, fleet: Fleet, rng: random.Random) -> list[str]:
-    """Bad requests at one replica: each must get a 4xx (or a 503 with ``Retry-After``
-    while Redis is away), never another 5xx and never a hang."""
+    """Bad requests at one replica, sent with one of the run's keys (so they reach what
+    they test) but one with a key nobody made: each must get a 4xx (or a 503 with
+    ``Retry-After`` while Redis is away), never another 5xx and never a hang."""
     url = rng.choice(ctx.urls)
+    key = rng.choice(fleet.api_keys)
     fleet.note("hostile_burst", url.rsplit(":", 1)[1])
     unknown = secrets.token_hex(8)
     finished = rng.choice(ctx.finished) if ctx.finished else None
@@ -94,6 +96,14 @@ async def hostile_burst(ctx: Context, fleet: Fleet, rng: random.Random) -> list[
             {"json": {"model": "alpha", "input": [], "max_output_tokens": -1}},
         ),
         ("GET", f"/v1/responses/resp_{unknown}", {}),
+        (
+            "POST",
+            "/v1/chat/completions",
+            {
+                "json": {"model": "alpha", "messages": [{"role": "user", "content": "x"}]},
+                "headers": {"Authorization": f"Bearer tsk_{unknown}"},
+            },
+        ),
     ]
     if finished is not None:
         sid, token, gid = finished
@@ -106,8 +116,9 @@ async def hostile_burst(ctx: Context, fleet: Fleet, rng: random.Random) -> list[
         )
     problems: list[str] = []
     for method, path, options in requests:
+        headers = {**key.bearer, **options.pop("headers", {})}  # type: ignore[dict-item]
         try:
-            response = await ctx.http.request(method, url + path, **options)  # type: ignore[arg-type]
+            response = await ctx.http.request(method, url + path, headers=headers, **options)  # type: ignore[arg-type]
         except BROKEN:
             continue  # that replica is down or being replaced: nothing to judge
         if response.status_code >= 500 and not (

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import redis
 
+from bench.chaos.tenants import ApiKey, admin_key, make_keys
 from stack import processes, procfs
 from stack.redis_cluster import EmbeddedCluster
 from stack.redis_server import EmbeddedRedis, free_port
@@ -72,7 +73,13 @@ class Fleet:
     to it) or ``cluster`` (3 primaries, 3 replicas)."""
     server: EmbeddedRedis | None
     cluster: EmbeddedCluster | None
+    admin: str = ""
+    """``TOKENSPOUT_ADMIN_KEY`` of its gateways."""
+    api_keys: list[ApiKey] = field(default_factory=list)
+    """The keys its clients send with (bench/chaos/tenants.py), made once it serves."""
     started: float = field(default_factory=time.monotonic)
+    started_unix: float = field(default_factory=time.time)
+    """The same instant on the wall clock (Redis's stream ids are unix ms)."""
     gateway_ports: list[int] = field(default_factory=list)
     gateways: dict[int, Gateway] = field(default_factory=dict)
     gateway_processes: dict[int, int] = field(default_factory=dict)
@@ -109,7 +116,9 @@ class Fleet:
             self.start_worker(model)
         for port in self.gateway_ports:
             self.start_gateway(port)
+        self.api_keys = make_keys(self.gateway_urls, self.admin)
         self.started = time.monotonic()
+        self.started_unix = time.time()
 
     def start_gateway(self, port: int) -> None:
         self.gateways[port] = self.rig.gateway(port, workers=self.gateway_processes[port])
@@ -282,7 +291,9 @@ def _signal_all(pids: list[int], sig: int) -> None:
 def fleet(redis_kind: str, logs: Path) -> Iterator[Fleet]:
     """A fleet on a Redis of its own, stopped with it (every process, the Redis last)."""
     prefix = f"chaos-{secrets.token_hex(3)}"
+    admin = admin_key()
     env = {
+        "TOKENSPOUT_ADMIN_KEY": admin,  # every request then wants a key: the run's own
         "TOKENSPOUT_LOG_LEVEL": "INFO",  # an anomaly's story: every start, end, takeover
         "TOKENSPOUT_SHUTDOWN_GRACE_S": "3",
     }
@@ -297,7 +308,7 @@ def fleet(redis_kind: str, logs: Path) -> Iterator[Fleet]:
         cluster = EmbeddedCluster().__enter__()
         url = cluster.url
     rig = Rig(url, prefix, logs, env)
-    the_fleet = Fleet(rig, redis_kind, server, cluster)
+    the_fleet = Fleet(rig, redis_kind, server, cluster, admin)
     try:
         the_fleet.start()
         yield the_fleet

@@ -420,7 +420,9 @@ class SessionStore:
         in_submit = kept is None and not is_cluster(self.redis)
         admitted = False
         if not in_submit:
-            admitted = await self.tenants.admit(tenant, [generation_id], count_request=not choice)
+            admitted = await self.tenants.admit(
+                tenant, [generation_id], session_id=session_id, count_request=not choice
+            )
         try:
             reply = await self._create_stateless(
                 queue, new, request, kept, tenant if in_submit else None, not choice
@@ -591,7 +593,9 @@ class SessionStore:
         try:
             for _ in turn.generation_ids:
                 await self.queue.guard_capacity(turn.model)
-            return await self.tenants.admit(turn.tenant, turn.generation_ids)
+            return await self.tenants.admit(
+                turn.tenant, turn.generation_ids, session_id=turn.session_id
+            )
         except Overloaded:  # the capacity, or a limit of the key (RateLimited)
             # A retried POST whose generation exists takes no new capacity: it must get
             # that generation back (from the script, after the token check), not a 429.

@@ -6,7 +6,7 @@ The sessions store makes these calls and nothing else of tenants:
     tenant = gate.caller_tenant()              # a new session or one-shot request's
     tenant = gate.of_session(tenant_id)        # a session turn's: the key that made it
     gate.check_model(tenant, asked, model)     # 403 model_not_allowed
-    admitted = await gate.admit(tenant, [gid]) # 429 rate_limit_exceeded, or the key's counts
+    admitted = await gate.admit(tenant, [gid], session_id=sid)  # 429, or the key's counts
     await gate.release(tenant, [gid])          # it was admitted, and not queued after all
 
 or, on one Redis, a one-shot request's admission inside SUBMIT: ``in_submit`` gives the
@@ -85,15 +85,24 @@ class TenantGate:
         )
 
     async def admit(
-        self, tenant: Tenant, generation_ids: Sequence[str], *, count_request: bool = True
+        self,
+        tenant: Tenant,
+        generation_ids: Sequence[str],
+        *,
+        session_id: str,
+        count_request: bool = True,
     ) -> bool:
-        """Admit the generations against the key's limits in a round trip of their own
-        (429 ``rate_limit_exceeded`` at one of them), the key's counts left for the
-        response's headers. Whether anything was taken that ``release`` gives back."""
+        """Admit the generations, submitted to ``session_id`` next, against the key's
+        limits in a round trip of their own (429 ``rate_limit_exceeded`` at one of them),
+        the key's counts left for the response's headers. Whether anything was taken that
+        ``release`` gives back (or, the gateway lost before its submit, the reaper:
+        gateway/recovery/admissions.py)."""
         if not tenant.limits.any:
             self.settle(tenant, None, count_request=count_request)
             return False
-        counts = await self.limits.counts(tenant, generation_ids, count_request=count_request)
+        counts = await self.limits.counts(
+            tenant, generation_ids, session_id=session_id, count_request=count_request
+        )
         self.settle(tenant, counts, count_request=count_request)
         return True
 
@@ -125,3 +134,7 @@ class TenantGate:
         self, tenant: Tenant, generation_ids: Sequence[str], *, count_request: bool = True
     ) -> None:
         await self.limits.release(tenant, generation_ids, count_request=count_request)
+
+    def with_concurrency_limit(self) -> list[Tenant]:
+        """The keys whose running generations are counted (a concurrent limit)."""
+        return [tenant for tenant in self.directory.tenants() if tenant.limits.concurrent]

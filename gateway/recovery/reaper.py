@@ -39,6 +39,8 @@ from redis.exceptions import NoScriptError, RedisError
 import wire
 from gateway.core.relay import RelayHub
 from gateway.core.sessions import SessionStore
+from gateway.core.tenancy import TenantGate
+from gateway.recovery.admissions import UnsubmittedAdmissions
 from gateway.recovery.stranded import STRANDED_AFTER_S, StrandedTurns
 from gateway.recovery.takeover import REAPER_PREFIX, LostRequests, live_workers
 from wire import Error, GenerationRequest, Keys, entry_id_key
@@ -145,11 +147,17 @@ class Reaper:
         max_takeovers: int = 3,
         default_model: str = "",
         stranded: StrandedTurns | None = None,
+        tenants: TenantGate | None = None,
     ) -> None:
         self.redis = redis
         self.stranded = stranded
         """Queues the session turns stranded on their way to a queue (None: not that
         duty)."""
+        self.admissions = (
+            UnsubmittedAdmissions(redis, keys, tenants) if tenants is not None else None
+        )
+        """Gives back what limited keys admitted for generations never submitted (None:
+        not that duty)."""
         self.keys = keys
         self.default_model = default_model
         """Queued for before any worker of it registered (TOKENSPOUT_DEFAULT_MODEL), so its
@@ -196,6 +204,8 @@ class Reaper:
             (self.queue_stranded, [queue for queue, look in looks if look.noted]),
         ):
             await self._guarded(duty.__name__, functools.partial(duty, queues))
+        if self.admissions is not None and self.admissions.due():
+            await self._guarded("giving back admissions never submitted", self.admissions.look)
 
     async def _look(self) -> list[tuple[RequestQueue, QueueLook]]:
         queues = await self._queues()

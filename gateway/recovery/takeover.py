@@ -211,6 +211,9 @@ class LostRequests:
         )
         match reply:
             case AlreadyFinal():
+                # Its writer may have been lost between the final event and the count that
+                # follows it on a Redis Cluster (leaving its request pending): counted, once.
+                await self._usage.after_final(sid, gid)
                 return "final"
             case Moved():
                 return "moved"

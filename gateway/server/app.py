@@ -114,6 +114,7 @@ class Services:
             max_takeovers=settings.max_takeovers,
             default_model=settings.default_model,
             stranded=stranded,
+            tenants=self.store.tenants,
         )
         reader_deadline = ReaderDeadline(
             self.redis,

@@ -68,6 +68,10 @@ class TenantDirectory:
         """A tenant by its id (a session's), None once its key is revoked (or gone)."""
         return self._by_id.get(tenant_id)
 
+    def tenants(self) -> list[Tenant]:
+        """Every tenant in force (revoked keys' are gone)."""
+        return list(self._by_id.values())
+
     def label(self, tenant: Tenant) -> str:
         """Its name in the metrics: bounded, whatever the number of keys."""
         return tenant.name if tenant.id in self._labelled else "other"

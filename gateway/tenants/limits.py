@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from gateway.tenants.records import Tenant
 from wire import Keys
 from wire.limits import Counts, LimitName, Limits
-from wire.tenancy import Admit, Release
+from wire.tenancy import Admit, Admitted, Release
 
 LIMIT_NAMES: dict[LimitName, str] = {
     "concurrent": "concurrent",
@@ -103,18 +103,31 @@ class TenantLimits:
     def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
         self._admit = Admit(redis, keys)
         self._release = Release(redis, keys)
+        self._admitted = Admitted(redis, keys)
 
     async def counts(
-        self, tenant: Tenant, generation_ids: Sequence[str], *, count_request: bool = True
+        self,
+        tenant: Tenant,
+        generation_ids: Sequence[str],
+        *,
+        session_id: str,
+        count_request: bool = True,
     ) -> Counts:
-        """Admit a request's generations against the key's limits, or refuse them
-        (``count_request`` False: more choices of a request already counted)."""
+        """Admit a request's generations, to be submitted to ``session_id``, against the
+        key's limits, or refuse them (``count_request`` False: more choices of a request
+        already counted)."""
         return await self._admit(
             tenant_id=tenant.id,
             generation_ids=generation_ids,
             count_request=count_request,
             limits=tenant.limits,
+            session_id=session_id,
         )
+
+    async def admitted(self, tenant: Tenant, after_s: float, most: int) -> list[tuple[str, str]]:
+        """The (generation id, session id) ``counts`` admitted at least ``after_s`` ago
+        that still count as running, oldest first."""
+        return await self._admitted(tenant_id=tenant.id, after_s=after_s, most=most)
 
     @staticmethod
     def quota(tenant: Tenant, counts: Counts) -> Quota:

@@ -1,4 +1,5 @@
-"""wire/lua/admit_core.lua, a key's admission (``wire.tenancy.Admit``, ``Release``), against
+"""wire/lua/admit_core.lua, a key's admission (``wire.tenancy.Admit``, ``Release``,
+``Admitted``), against
 the session's real Redis: what each limit counts, when it admits again, and what a refusal
 leaves. The keys' counts are set the way the scripts that count usage set them
 (usage_core.lua: per-second token buckets, the day's counter), on Redis's own clock."""
@@ -6,13 +7,15 @@ leaves. The keys' counts are set the way the scripts that count usage set them
 from __future__ import annotations
 
 import secrets
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 
 from wire import Keys
-from wire.limits import Limits
-from wire.tenancy import Admit, Release
+from wire.limits import RUNNING_HOLD_S, Counts, Limits
+from wire.messages import Usage
+from wire.tenancy import Admit, Admitted, CountUsage, Release
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -24,8 +27,12 @@ class Key:
         self.redis = redis
         self.keys = Keys(f"admit-{secrets.token_hex(3)}")
         self.id = "k_" + secrets.token_hex(4)
-        self.admit = Admit(redis, self.keys)
+        self._admit = Admit(redis, self.keys)
         self.release = Release(redis, self.keys)
+        self.admitted = Admitted(redis, self.keys)
+
+    async def admit(self, session_id: str = "s_1", **given: Any) -> Counts:
+        return await self._admit(session_id=session_id, **given)
 
     def key(self, name: str) -> str:
         return self.keys.tenant(self.id, name)
@@ -131,3 +138,34 @@ async def test_a_day_and_concurrency_refuse_and_the_longest_wait_is_named(
     )
     assert freed.refused is None and freed.running == 1
     assert await redis.zrange(key.key("running"), 0, -1) == [b"w"]
+
+
+async def test_an_admission_keeps_its_session_until_its_generation_ends_or_is_given_back(
+    redis: aioredis.Redis,
+) -> None:
+    """ADMIT notes the session each admitted generation goes to (its SUBMIT comes a round
+    trip later); ADMITTED answers those admitted at least a while ago that still count;
+    RELEASE and the usage count drop them with their running entry."""
+    key, limits = Key(redis), Limits(concurrent=5)
+    await key.admit(
+        session_id="s_a",
+        tenant_id=key.id,
+        generation_ids=["g1", "g2"],
+        count_request=True,
+        limits=limits,
+    )
+    assert await redis.hgetall(key.key("sessions")) == {b"g1": b"s_a", b"g2": b"s_a"}
+    assert 0 < await redis.pttl(key.key("sessions")) <= RUNNING_HOLD_S * 1000
+    assert await key.admitted(tenant_id=key.id, after_s=60, most=10) == []  # just now
+    assert await key.admitted(tenant_id=key.id, after_s=0, most=10) == [
+        ("g1", "s_a"),
+        ("g2", "s_a"),
+    ]
+    await redis.zadd(key.key("running"), {"unnoted": 10**15})  # SUBMIT's own admission
+    await key.release(tenant_id=key.id, generation_ids=["g1"], count_request=False)
+    assert await key.admitted(tenant_id=key.id, after_s=0, most=10) == [("g2", "s_a")]
+    counted = CountUsage(redis, key.keys)
+    assert await counted(tenant_id=key.id, generation_id="g2", bill="all", usage=Usage(2, 3))
+    assert await key.admitted(tenant_id=key.id, after_s=0, most=10) == []
+    assert await redis.hgetall(key.key("sessions")) == {}
+    assert await redis.zrange(key.key("running"), 0, -1) == [b"unnoted"]

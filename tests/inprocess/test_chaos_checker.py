@@ -8,14 +8,16 @@ from typing import Any
 
 from bench.chaos.check import check, oracle, session_events
 from bench.chaos.clients import Record
+from bench.chaos.tenants import ApiKey
 from engine.backends.synthetic import scripted_reply
 
 CONTENT, MAX_TOKENS = "c1.0 tide lamp", 6
+KEY = ApiKey("chaos-w1", "k_0123456789abcdef", "tsk_secret", 1.0)
 
 
 def session_record(**changes: Any) -> Record:
     """A clean session reply as an SSE client reads it: queued, started, tokens, done."""
-    record = Record("sse", "c1.0", "alpha", CONTENT, MAX_TOKENS, 0.0, generation_id="g1")
+    record = Record("sse", "c1.0", "alpha", CONTENT, MAX_TOKENS, 0.0, KEY, generation_id="g1")
     tokens = scripted_reply(CONTENT, MAX_TOKENS)
     events = [
         ("1-0", "queued", {"generation_id": "g1"}),
@@ -100,3 +102,16 @@ def test_a_responses_stream_with_a_sequence_gap_is_named() -> None:
 def test_what_a_client_noted_is_an_anomaly() -> None:
     record = session_record(problems=["500: internal error"])
     assert check(record) == ["[sse] c1.0: 500: internal error"]
+
+
+def test_a_reply_asked_to_fail_must_end_in_that_error_after_its_tokens() -> None:
+    """``[[fail:N]]``: an ``engine_error`` after exactly the script's first N tokens."""
+    content = f"{CONTENT} [[fail:2]]"
+    failed = session_record(content=content, fails_after=2, final="error")
+    failed.final_data = {"code": "engine_error", "usage": {}}
+    failed.text = "".join(t.text for t in scripted_reply(content, 2))
+    assert check(failed) == []
+    failed.text += "x"
+    assert any("asked to fail after 2 tokens" in problem for problem in check(failed))
+    whole = session_record(content=content, fails_after=2)  # ended done: wrong
+    assert any("asked to fail after 2 tokens, ended done" in problem for problem in check(whole))

@@ -48,14 +48,18 @@ end
 -- base: the tenant's key prefix (<prefix>:tenant:{<id>}:); gids: the generation ids,
 -- space-separated (the first names the request); count_request: false for another choice
 -- of a request counted already; the limits (0: none); hold: how long a running generation
--- counts at most, in ms (should its final event never come: Redis lost it).
+-- counts at most, in ms (should its final event never come: Redis lost it); session: the
+-- generations' session when they are written in a round trip after this one (ADMIT's),
+-- nil when in this one (SUBMIT's): a gateway lost in between leaves an admission whose
+-- generation never exists, which the reaper gives back (gateway/recovery/admissions.py).
 -- Admits the generations, or refuses them all when a limit is reached (the one that waits
 -- longest is named): read and written in one step, so a limit holds exactly across
 -- gateways. Returns {'ok' or the limit reached ('concurrent', 'requests', 'tokens',
 -- 'tokens_day'), ms until it admits again (0 when admitted), requests in the last minute,
 -- ms until they all left it, tokens in the last minute, ms until they all left it, tokens
 -- today, ms until the UTC day ends, generations running}
-local function admit_tenant(base, gids_given, count_request, concurrent, rpm, tpm, tpd, hold)
+local function admit_tenant(base, gids_given, count_request, concurrent, rpm, tpm, tpd, hold,
+                            session)
   local gids = {}
   for gid in string.gmatch(gids_given, '%S+') do gids[#gids + 1] = gid end
   local clock = redis.call('TIME')
@@ -92,8 +96,12 @@ local function admit_tenant(base, gids_given, count_request, concurrent, rpm, tp
       requests, requests_reset = requests + 1, 60000
     end
     if concurrent > 0 then
-      for _, gid in ipairs(gids) do redis.call('ZADD', base .. 'running', now + hold, gid) end
+      for _, gid in ipairs(gids) do
+        redis.call('ZADD', base .. 'running', now + hold, gid)
+        if session then redis.call('HSET', base .. 'sessions', gid, session) end
+      end
       redis.call('PEXPIRE', base .. 'running', hold)
+      if session then redis.call('PEXPIRE', base .. 'sessions', hold) end
       running = running + #gids
     end
   end

@@ -13,6 +13,7 @@ local HOUR_TTL, DAY_TTL, TPM_TTL, TPD_TTL = 3888000, 34560000, 120, 172800
 -- (per-second buckets) and of the day, and drops the generation from the running ones.
 local function add_usage(base, gid, bill, usage)
   redis.call('ZREM', base .. 'running', gid)
+  redis.call('HDEL', base .. 'sessions', gid)
   if bill == 'none' then return end
   local prompt, completion = 0, 0
   if type(usage) == 'table' then
