@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,6 +19,7 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
+from stack.redis_server import EmbeddedRedis
 from tests.support.http import all_of, read_events, send
 from tests.support.stack import Stack
 from tests.support.tenants import (
@@ -301,3 +303,32 @@ async def _completion(client: httpx.AsyncClient, base: str, key: Key) -> None:
         headers=key.headers,
     )
     assert answer.status_code == 200, answer.text
+
+
+async def test_a_gateway_started_while_redis_is_down_serves_and_tells_keys_to_try_again(
+    restartable_redis: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """A gateway that starts while Redis is away answers /health and serves, but cannot judge
+    a key made at run time before it has read the keys: 503 keys_not_loaded with Retry-After
+    (not 401, not anonymous), until Redis answers and the key is served. The CI run before
+    this fix: the gateway waited for the keys before serving, and make run's Ctrl-C test and
+    the late-worker test timed out on /health."""
+    stack = Stack(restartable_redis.url, "late-keys", tmp_path)
+    try:
+        first = stack.gateway(TOKENSPOUT_ADMIN_KEY=ADMIN_KEY)
+        async with httpx.AsyncClient(timeout=30) as client:
+            key = await make_key(client, first.url, "late")
+            restartable_redis.stop()
+            second = stack.gateway(TOKENSPOUT_ADMIN_KEY=ADMIN_KEY)  # waits for its /health
+            told = await client.get(f"{second.url}/v1/models", headers=key.headers)
+            assert told.status_code == 503, told.text
+            assert told.json()["error"]["code"] == "keys_not_loaded"
+            assert told.headers["retry-after"] == "1"
+            restartable_redis.start()
+            async with asyncio.timeout(5):
+                while (
+                    await client.get(f"{second.url}/v1/models", headers=key.headers)
+                ).status_code != 200:
+                    await asyncio.sleep(0.05)
+    finally:
+        stack.stop()

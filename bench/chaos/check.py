@@ -100,7 +100,7 @@ def check_openai(record: Record) -> list[str]:
     if record.interrupted:
         return []
     found = reply_text(record, ("length",))
-    if record.kind == "openai_stream" and record.final is not None:
+    if record.kind == "openai_stream" and record.final is not None and record.events:
         done = [e for _, e, _ in record.events if e == "[DONE]"]
         if len(done) != 1 or record.events[-1][1] != "[DONE]":
             found.append(f"{record.label}: {len(done)} [DONE] markers, last {record.events[-1][1]}")

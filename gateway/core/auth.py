@@ -25,7 +25,7 @@ import redis.asyncio as aioredis
 from litestar.connection import ASGIConnection, Request
 from litestar.handlers import BaseRouteHandler
 
-from gateway.core.errors import Forbidden, Unauthorized, Unavailable
+from gateway.core.errors import Forbidden, Unauthorized, keys_not_loaded
 from gateway.core.settings import Settings, env_name
 from gateway.tenants import caller
 from gateway.tenants.directory import TenantDirectory
@@ -76,12 +76,7 @@ class ApiKeys:
             return
         miss = self.directory.find(given)
         if miss == "unloaded":
-            raise Unavailable(
-                "the API keys are not loaded yet (Redis has not answered since the gateway "
-                "started); try again",
-                code="keys_not_loaded",
-                retry_after_s=1,
-            )
+            raise keys_not_loaded()
         raise Unauthorized(
             "this API key was revoked"
             if miss == "revoked"

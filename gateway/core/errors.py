@@ -232,6 +232,17 @@ class FrameworkError(GatewayError):
         return self._headers
 
 
+def keys_not_loaded() -> Unavailable:
+    """A key (or a session's) the gateway cannot judge yet: it has not read the run-time keys
+    since it started (Redis did not answer)."""
+    return Unavailable(
+        "the API keys are not loaded yet (Redis has not answered since the gateway "
+        "started); try again",
+        code="keys_not_loaded",
+        retry_after_s=1,
+    )
+
+
 def bad_event_id(given: str, field: str = "last_event_id") -> BadRequest:
     return BadRequest(
         f"{field} {given[:64]!r} is not an event id: an event id is the `id:` of one of this "

@@ -20,7 +20,7 @@ from typing import Protocol
 
 import redis.asyncio as aioredis
 
-from gateway.core.errors import Forbidden, RateLimited, Unauthorized
+from gateway.core.errors import Forbidden, RateLimited, Unauthorized, keys_not_loaded
 from gateway.tenants import caller
 from gateway.tenants.directory import TenantDirectory
 from gateway.tenants.limits import LimitReached, TenantLimits
@@ -56,10 +56,13 @@ class TenantGate:
 
     def of_session(self, tenant_id: str | None) -> Tenant:
         """The tenant a session's turns serve: the one that made it (401 once its key is
-        revoked: a key holder's session tokens stop with the key)."""
+        revoked: a key holder's session tokens stop with the key; 503 while this process
+        has not read the keys yet)."""
         if not tenant_id:
             return ANONYMOUS  # made by a gateway from before tenants
         tenant = self.directory.by_id(tenant_id)
+        if tenant is None and not self.directory.loaded:
+            raise keys_not_loaded()
         if tenant is None:
             raise Unauthorized(
                 "the API key this session was made with was revoked", code="invalid_api_key"

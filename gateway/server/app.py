@@ -173,6 +173,7 @@ class Services:
     async def lifespan(self, _: Litestar) -> AsyncIterator[None]:
         await when_redis_answers(lambda: ready(self.redis), "gateway start")
         keys = self.store.tenants.directory
+        await keys.first_load()
         await self.hub.start()
         if self.grpc is not None:
             await self.grpc.start()

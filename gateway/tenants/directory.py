@@ -52,6 +52,11 @@ class TenantDirectory:
     def __repr__(self) -> str:
         return f"TenantDirectory({len(self._by_digest)} keys, version {self.version})"
 
+    @property
+    def loaded(self) -> bool:
+        """Whether the run-time keys were read since the process started."""
+        return self.version >= 0
+
     def find(self, secret: str | None) -> Tenant | Miss:
         """The tenant of a key, or why there is none."""
         if not secret:
@@ -60,7 +65,7 @@ class TenantDirectory:
         tenant = self._by_digest.get(given)
         if tenant is not None:
             return tenant
-        if self.version < 0:
+        if not self.loaded:
             return "unloaded"
         return "revoked" if given in self._revoked else "unknown"
 
@@ -96,12 +101,24 @@ class TenantDirectory:
         named = sorted(records, key=lambda record: (record.name, record.id))[:LABELLED_KEYS]
         self._labelled = frozenset([*(r.id for r in named), *(t.id for t in fixed)])
 
+    async def first_load(self) -> None:
+        """Load the keys before the process serves, when Redis answers; when it does not,
+        the process serves without them (``refresh_forever`` loads them once it does)."""
+        try:
+            await self.load()
+        except (RedisError, OSError) as exc:
+            log.warning(
+                "the run-time API keys are not loaded: Redis does not answer (%s); serving, "
+                "with keys other than static ones told to try again until they load",
+                exc,
+            )
+
     async def refresh_forever(self, interval_s: float = REFRESH_S) -> None:
-        """Load the keys now and whenever their version moves. The process serves from its
-        start, Redis or not: until the first load, a key that is not a static one is told
-        to try again (``find``'s "unloaded")."""
+        """Load the keys whenever their version moves (until the first load, a key that is
+        not a static one is told to try again: ``find``'s "unloaded")."""
         failing = False
         while True:
+            await asyncio.sleep(interval_s)
             try:
                 if await self.load():
                     log.info("keys reloaded", extra={"version": self.version})
@@ -112,4 +129,3 @@ class TenantDirectory:
                 failing = True
             except Exception:
                 log.exception("reading the keys failed; retrying")
-            await asyncio.sleep(interval_s)

@@ -87,6 +87,14 @@ def test_an_openai_stream_with_two_done_markers_is_named() -> None:
     assert any("[DONE] markers" in problem for problem in check(clean))
 
 
+def test_an_openai_stream_refused_before_its_first_event_is_named_without_a_crash() -> None:
+    """A refusal other than 429/503 (a 4xx) leaves the stream with no event: the checker
+    names its end (it raised IndexError on the events' last, and the run wrote no report)."""
+    refused = session_record(kind="openai_stream", final="error", text="")
+    refused.events, refused.final_data = [], {"error": {"code": "invalid_api_key"}}
+    assert [p for p in check(refused) if "ended error" in p and "invalid_api_key" in p]
+
+
 def test_a_responses_stream_with_a_sequence_gap_is_named() -> None:
     record = session_record(kind="responses", final="response.completed")
     record.events = [
