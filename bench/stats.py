@@ -11,6 +11,7 @@ import contextlib
 import os
 import platform
 import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,9 +51,14 @@ def steady_rate(records: list[StreamRecord]) -> float | None:
 
 
 def cpu_of(pids: dict[str, int]) -> dict[str, float]:
-    """CPU seconds per process tree; the load generator's own (its tree is the whole rig)."""
+    """CPU seconds per process tree; the load generator's own process alone (its tree is
+    the whole rig), read to the nanosecond: /proc counts in 10 ms ticks, more than a tiny
+    run's client spends (a test's 4-stream burst read 0.0)."""
     own = os.getpid()
-    return {name: procfs.cpu_seconds(pid, children=pid != own) for name, pid in pids.items()}
+    return {
+        name: time.process_time() if pid == own else procfs.cpu_seconds(pid)
+        for name, pid in pids.items()
+    }
 
 
 def per_token_us(cpu_s: float | None, tokens: int) -> float | None:

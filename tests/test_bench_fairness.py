@@ -25,8 +25,18 @@ async def test_a_short_fairness_run_shows_the_quiet_keys_first_and_the_weights_i
         assert fair[name]["ttft_p50_ms"] * 2 < fifo[name]["ttft_p50_ms"], (fair, fifo)
         assert fair[name]["tokens_per_s"] >= 0.8 * fair[name]["fair_share_tokens_per_s"]
     assert points["noisy, fair"]["tokens_per_s"] >= 0.9 * points["noisy, fifo"]["tokens_per_s"]
-    shares = [points["weights 1:2:4"]["keys"][name]["share"] for name in fairness.WEIGHTED]
+    weighted = points["weights 1:2:4"]["keys"]
+    shares = [weighted[name]["share"] for name in fairness.WEIGHTED]
     assert shares == sorted(shares), shares
-    for share, weight in zip(shares, fairness.WEIGHTED.values(), strict=True):
-        assert share == pytest.approx(weight / 7, rel=0.25), shares
+    # Tokens served per unit of weight: VTC keeps backlogged keys within 2U of each other
+    # (U: the most one request costs; Sheng et al., OSDI 2024), and a window's two edges
+    # cut one reply of each key. In a 5 s window that is up to a quarter of the weight-1
+    # key's tokens (the full run's 60 s: docs/bench/fairness.md, within 5 %); first come,
+    # first served would give the keys equal tokens, 1,000 apart per unit of weight here.
+    most_per_request = options.reply_tokens * 3 // 2 + 8  # the longest reply, its prompt
+    per_weight = [
+        weighted[name]["tokens_per_s"] * options.seconds / weight
+        for name, weight in fairness.WEIGHTED.items()
+    ]
+    assert max(per_weight) - min(per_weight) <= 4 * most_per_request, (per_weight, shares)
     assert fairness.markdown(results).count("| weights 1:2:4 |") == 4
