@@ -94,11 +94,14 @@ async def test_conversations_are_kept_on_the_server_renamed_and_deleted(
     await reply_done(chat, "first chat")
     first = await chat.session_id()
     await show_list(chat)
-    assert await chat.conversations() == ["first chat"]
+    assert await chat.wait_conversations(["first chat"]) == ["first chat"]
     await page.click("#new-chat")  # the old one stays in the list
     await reply_done(chat, "second chat")
     await show_list(chat)
-    assert await chat.conversations() == ["second chat", "first chat"]
+    assert await chat.wait_conversations(["second chat", "first chat"]) == [
+        "second chat",
+        "first chat",
+    ]
 
     # Another tab of the same browser (its owner cookie) opens the first one from its link.
     other = await page.context.new_page()

@@ -7,6 +7,7 @@ installs it). Shared by tests/test_web_chat_*.py and tests/screenshots.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from playwright.async_api import Browser, Locator, Page, async_playwright
+from playwright.async_api import TimeoutError as PlaywrightTimeout
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -186,6 +188,21 @@ class ChatPage:
     async def conversations(self) -> list[str]:
         """The titles in the conversation list, as shown (newest first)."""
         return await self.page.locator("#conversations .conversation-link").all_text_contents()
+
+    async def wait_conversations(self, titles: list[str]) -> list[str]:
+        """The list's titles once they are ``titles``: the page reads the list from the
+        server after a turn is sent and after a reply ends, so it comes a round trip after
+        the reply's state (a read at that moment found it still empty). After 10 s, the
+        titles as they are, for the caller's assertion to show."""
+        with contextlib.suppress(PlaywrightTimeout):
+            await self.page.wait_for_function(
+                """(titles) => JSON.stringify([...document.querySelectorAll(
+                    "#conversations .conversation-link")].map((a) => a.textContent))
+                    === JSON.stringify(titles)""",
+                arg=titles,
+                timeout=10_000,
+            )
+        return await self.conversations()
 
     async def axe(self) -> list[dict[str, Any]]:
         """axe-core's violations of serious or critical impact on the page as it is now."""
