@@ -19,7 +19,6 @@ streams, 10 x 20 readers; under a minute.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
 import tempfile
@@ -27,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import profile_top, report, stats
+from bench import profile_top, report, stats, stuck
 from bench.hold import hold_sweep
 from bench.rig import Rig, rig
 from bench.runner import run_once
@@ -116,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.logs = Path(tempfile.mkdtemp(prefix="tokenspout-bench-"))
     say(f"process logs in {args.logs}")
-    results = asyncio.run(suite(args))
+    results = stuck.run(suite(args))
     plot = None if args.no_plots else (lambda out: report.memory_plot(results, out))
     report.write(args.out, "results", results, report.markdown(results), plot)
     say(f"done in {results['suite_s']} s: {args.out}/results.md")

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import profile_top, report, stats
+from bench import profile_top, report, stats, stuck
 from bench.report import fmt
 from bench.rig import Rig, rig, run_logs
 from bench.runner import run_once
@@ -238,7 +238,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.logs = run_logs("burst", args.profile, say)
-    results = asyncio.run(suite(args))
+    results = stuck.run(suite(args))
     png = args.out / f"{args.name}.png"
     report.write(
         args.out,

@@ -31,6 +31,9 @@ AFTER_CANCEL = "tokenspout_engine_tokens_after_cancel_total"
 RUNNING = "tokenspout_engine_running"
 MAX_TOKENS = 400
 """Past any cancel point: every generation is still running when its cancel goes."""
+FRAME_WAIT_S = 60.0
+"""The longest wait for one frame (vLLM on a busy CPU: a first token within seconds)."""
+ENDS = {"done", "cancelled", "error"}
 
 
 async def worker_metric(http: httpx.AsyncClient, rig: Rig, name: str) -> float:
@@ -45,16 +48,34 @@ async def frame_of(ws: ClientConnection, cid: str) -> dict[str, Any]:
             return frame
 
 
+async def wait_for_frame(
+    ws: ClientConnection, cid: str, kind: str, min_count: int = 0
+) -> dict[str, Any]:
+    """The first frame of ``cid`` of type ``kind`` (a ``token`` frame: with ``count`` at
+    least ``min_count``). A generation that ends or is refused first, or sends nothing
+    more for ``FRAME_WAIT_S``, is an error that names the frame it sent instead."""
+    last: dict[str, Any] | None = None
+    try:
+        async with asyncio.timeout(FRAME_WAIT_S):
+            while True:
+                last = frame = await frame_of(ws, cid)
+                if frame["type"] == kind and frame.get("count", 0) >= min_count:
+                    return frame
+                if frame["type"] in ENDS:
+                    raise AssertionError(f"{cid}: waiting for {kind!r}, it sent {frame}")
+    except TimeoutError:
+        raise AssertionError(
+            f"{cid}: no {kind!r} frame in {FRAME_WAIT_S:g} s; the last one: {last}"
+        ) from None
+
+
 async def one(
     rig: Rig, ws: ClientConnection, http: httpx.AsyncClient, cid: str, via: str, after: int
 ) -> dict[str, Any]:
     asked = {"type": "generate", "id": cid, "content": rig.prompt}
     await ws.send(json.dumps(asked | {"max_tokens": MAX_TOKENS, "temperature": 0}))
-    while (frame := await frame_of(ws, cid))["type"] != "ack":
-        pass
-    ack = frame
-    while (frame := await frame_of(ws, cid))["type"] != "token" or frame["count"] < after:
-        pass
+    ack = await wait_for_frame(ws, cid, "ack")
+    await wait_for_frame(ws, cid, "token", min_count=after)
     before = await worker_metric(http, rig, AFTER_CANCEL)
     started = time.perf_counter()
     if via == "ws":
@@ -64,8 +85,7 @@ async def one(
         generation = f"/v1/sessions/{ack['session_id']}/generations/{ack['generation_id']}"
         url = f"http://{HOST}:{rig.gateway_port}{generation}/cancel"
         posted = asyncio.create_task(http.post(url, headers={"X-Session-Token": ack["token"]}))
-    while (frame := await frame_of(ws, cid))["type"] != "cancelled":
-        pass
+    frame = await wait_for_frame(ws, cid, "cancelled")
     latency = time.perf_counter() - started
     if posted is not None:
         assert (await posted).status_code == 200

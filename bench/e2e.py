@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from bench import cancels, e2e_report, profile_top, report, stats
+from bench import cancels, e2e_report, profile_top, report, stats, stuck
 from bench.rig import Rig, rig, run_logs
 from bench.runner import MODES, run_once
 from bench.stats import Run, added, describe, summarise
@@ -297,7 +297,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.logs = run_logs("e2e", args.profile, say)
-    results = asyncio.run(suite(args))
+    results = stuck.run(suite(args))
     if "profile" in results:
         top = results["profile"]["top"]
         (args.profile / "summary.json").write_text(json.dumps(top, indent=1) + "\n")

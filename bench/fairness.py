@@ -41,7 +41,7 @@ from typing import Any
 
 import httpx
 
-from bench import report
+from bench import report, stuck
 from bench.loadgen import OpenAIStream, StreamRecord, http_request, open_stream
 from bench.stats import machine, pct
 from stack.rig import HOST, Gateway, on_embedded_redis
@@ -377,7 +377,7 @@ def parse(argv: list[str]) -> Options:
 
 def main(argv: list[str] | None = None) -> None:
     options = parse(sys.argv[1:] if argv is None else argv)
-    results = asyncio.run(run(options))
+    results = stuck.run(run(options))
     results["targets"] = targets(results)
     if options.out is not None:
         options.out.parent.mkdir(parents=True, exist_ok=True)

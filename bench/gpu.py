@@ -26,7 +26,6 @@ docs/bench.md has the method; bench/gpu_device.sh runs it on a lent GPU.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import fcntl
 import importlib.util
@@ -39,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import engine_stop, gpu_report, random_model, stats, takeover
+from bench import engine_stop, gpu_report, random_model, stats, stuck, takeover
 from bench.clients import Clients
 from bench.loadgen import sse_request
 from bench.rig import VLLM_PROMPT
@@ -437,7 +436,7 @@ def run(args: argparse.Namespace) -> None:
     args.logs = args.logs or Path(tempfile.mkdtemp(prefix="tokenspout-gpu-"))
     if args.preflight:
         (args.logs / "preflight").mkdir(parents=True, exist_ok=True)
-        checked = asyncio.run(preflight(args))
+        checked = stuck.run(preflight(args))
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "preflight.json").write_text(json.dumps(checked, indent=1) + "\n")
         say(f"preflight {'passed' if checked['passed'] else 'FAILED'}: {args.out}/preflight.json")
@@ -446,7 +445,7 @@ def run(args: argparse.Namespace) -> None:
         results, modes = plan(args, began)
         args.name = args.name or f"vllm-serve-{results['device']['kind']}"
         say(f"process logs in {args.logs}; results: {args.out}/{args.name}.*")
-        results = asyncio.run(measure(args, results, modes))
+        results = stuck.run(measure(args, results, modes))
     plot = not args.no_plot and importlib.util.find_spec("matplotlib") is not None
     gpu_report.write(args.out, args.name, results, plot=plot)
     say(

@@ -6,13 +6,14 @@ memory plot."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import itertools
 import json
 import tempfile
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from bench import stuck
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -40,7 +41,7 @@ def run(
     args.logs = args.logs or Path(tempfile.mkdtemp(prefix="tokenspout-bench-"))
     args.logs.mkdir(parents=True, exist_ok=True)
     say(f"process logs in {args.logs}")
-    results = asyncio.run(measure(args))
+    results = stuck.run(measure(args))
     write(args.out, args.name, results, markdown(results))
     print(markdown(results))
 

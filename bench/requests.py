@@ -39,7 +39,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from bench import profile_top, report, stats
+from bench import profile_top, report, stats, stuck
 from bench.loadgen import OpenAIStream, SSEStream, StreamRecord, open_stream, sse_request
 from bench.rig import Rig, rig
 from bench.runner import chat_body
@@ -109,7 +109,7 @@ def send_in_process(
     in the main process (the readers are asyncio protocols); with the CPU seconds it took,
     the load generator's share."""
     began = time.process_time()
-    outcomes = asyncio.run(send(port, request, requests, concurrency, kept))
+    outcomes = stuck.run(send(port, request, requests, concurrency, kept))
     return outcomes, time.process_time() - began
 
 

@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 import redis.asyncio as aioredis
 
+from bench import stuck
 from bench.loadgen import sse_events
 from gateway.recovery.takeover import LEASE_GRACE_S
 from stack import processes
@@ -185,6 +186,6 @@ if __name__ == "__main__":
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--logs", type=Path, default=None, help="keep the processes' logs here")
     args = parser.parse_args()
-    report = asyncio.run(main(args.runs, args.logs))
+    report = stuck.run(main(args.runs, args.logs))
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -139,3 +139,17 @@ def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
     while (left := [pid for pid in pids if running(pid)]) and time.monotonic() < deadline:
         time.sleep(0.05)
     return left
+
+
+def holding_files_under(folder: Path) -> list[int]:
+    """Live processes with a file under ``folder`` open (a rig's processes each write their
+    log there): what outlived whatever started them."""
+    folder = folder.resolve()
+    holders = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or not running(int(entry.name)):
+            continue
+        with contextlib.suppress(OSError):  # gone meanwhile, or not ours to read
+            if any(Path(os.readlink(fd)).is_relative_to(folder) for fd in (entry / "fd").iterdir()):
+                holders.append(int(entry.name))
+    return holders

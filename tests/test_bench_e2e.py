@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from pathlib import Path
 
 import httpx
 import pytest
 
 from engine.backends.synthetic import SyntheticBackend
-from stack import processes
+from stack import processes, procfs
 from stack.redis_server import free_port
 from tests.support.bench import run_bench
 from wire import ChatMessage, GenerationRequest, SamplingParams
@@ -86,7 +87,7 @@ def test_with_vllm_on_both_sides_every_path_delivers_every_token(tmp_path: Path)
         *("--engine", "vllm", "--rate", "0", "--no-plot", "--streams", "1", "2"),
         *("--tokens", "8", "--rounds-single", "1", "--saturation", "0", "0"),
         *("--modes", *modes, "--cancels", "2"),
-        timeout_s=450,
+        timeout_s=400,
     )
     results = json.loads((tmp_path / "e2e.json").read_text())
     assert results["settings"]["engine"] == "vllm" and not results["pinned"]
@@ -138,3 +139,19 @@ def test_the_reference_engine_streams_the_synthetic_engines_text(tmp_path: Path)
     assert "".join(pieces).startswith("You said: hi there |")
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_bench_past_its_time_says_where_it_waits_and_leaves_no_process(tmp_path: Path) -> None:
+    """A bench past its time (here: starting its rig, or warming it up) names the line it
+    waited on, with its thread's stack and its tasks' awaits, and its processes stop with
+    it."""
+    with pytest.raises(AssertionError) as failed:
+        run_bench("bench.e2e", tmp_path, "--no-plot", "--streams", "1", timeout_s=2)
+    said = str(failed.value)
+    assert "bench.e2e ran past 2 s" in said
+    assert "Current thread" in said and 'bench/e2e.py", line' in said, said
+    tasks = said.partition("[stuck] ")[2]
+    assert re.match(r"\d+ pending asyncio task\(s\):", tasks) and ", in suite" in tasks, said
+    logs = Path(said.split("process logs in ", 1)[1].split(";", 1)[0])
+    assert list(logs.glob("*.log")), "it had started processes"
+    assert procfs.holding_files_under(logs) == []

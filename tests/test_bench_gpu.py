@@ -38,7 +38,7 @@ def running_with(text: str) -> list[str]:
 
 @pytest.mark.vllm
 @pytest.mark.own_vllm
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(480)
 def test_against_vllm_serve_on_the_cpu_every_stream_is_counted_on_both_sides(
     tmp_path: Path,
 ) -> None:
