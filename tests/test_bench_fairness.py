@@ -2,7 +2,8 @@
 gateway against the first-come one, and three weighted keys. The figures themselves are
 docs/bench/fairness.md's (a full run); this proves the bench works and that the scheduler
 does what the figures show: a quiet key no longer waits behind a noisy one's backlog, the
-engine serves as many tokens, and the weighted keys' shares come in their order."""
+engine serves as many tokens, and the weighted keys' shares come in their order; and that
+the point with slots to spare caps the noisy key and serves the quiet ones."""
 
 from __future__ import annotations
 
@@ -39,4 +40,13 @@ async def test_a_short_fairness_run_shows_the_quiet_keys_first_and_the_weights_i
         for name, weight in fairness.WEIGHTED.items()
     ]
     assert max(per_weight) - min(per_weight) <= 4 * most_per_request, (per_weight, shares)
-    assert fairness.markdown(results).count("| weights 1:2:4 |") == 4
+    report = fairness.markdown(results)
+    assert report.count("| weights 1:2:4 |") == 4
+    # With slots to spare the capped noisy key is refused past its slots, and each quiet
+    # key is served all it asks (its TTFT there: the full run's figures).
+    spare = points[fairness.SPARE_POINT]["keys"]
+    assert spare[fairness.CAPPED]["refused"] > 0, spare
+    for name in fairness.QUIET:
+        assert spare[name]["tokens_per_s"] >= 0.8 * spare[name]["fair_share_tokens_per_s"]
+    assert [row["key"] for row in fairness.bound(results)] == list(fairness.QUIET)
+    assert "| key | TTFT p99, never waiting for a slot | alone |" in report
