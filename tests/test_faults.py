@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 from websockets.asyncio.client import connect
 
 import wire
-from gateway.recovery.reaper import READER_CHECK_S, READER_GRACE_S, REQUEUE_AFTER_S
+from gateway.recovery.reader_deadline import READER_CHECK_S, READER_GRACE_S, REQUEUE_AFTER_S
 from stack import processes
 from stack.redis_server import EmbeddedRedis
 from tests.support.http import (

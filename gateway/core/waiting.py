@@ -6,7 +6,7 @@ acknowledged (replication is asynchronous; docs/reliability.md has the case). Th
 generation itself, on its session's slot, stays ``queued``, and its reader would wait
 forever. So each process also watches where its clients wait: the hub tells this book of
 every ``queued`` event its readers get, and of the event that ends the wait (the generation
-started or ended), and ``ReaderDeadline`` (gateway/recovery/reaper.py) queues again a
+started or ended), and ``ReaderDeadline`` (gateway/recovery/reader_deadline.py) queues again a
 session turn still waiting a few seconds on with nothing waiting in its queue
 (gateway/recovery/stranded.py), and ends those still waiting past the deadline. Nothing is
 read from Redis for it unless one waits that long; it costs the hub a dict operation per

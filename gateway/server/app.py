@@ -26,7 +26,8 @@ from gateway.core.relay import RelayHub
 from gateway.core.service import GatewayService
 from gateway.core.sessions import SessionStore
 from gateway.core.settings import Settings
-from gateway.recovery.reaper import ReaderDeadline, Reaper, refresh_watches
+from gateway.recovery.reader_deadline import ReaderDeadline
+from gateway.recovery.reaper import Reaper, refresh_watches
 from gateway.recovery.stranded import StrandedTurns
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.middleware import RequestMetrics

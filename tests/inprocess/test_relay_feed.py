@@ -441,7 +441,7 @@ async def test_the_hub_books_what_its_readers_wait_on_until_it_starts_or_nobody_
     """gateway/core/waiting.py: a generation a reader saw ``queued`` (read from the stream or
     live) is booked, at the queued event's time, until an event of it says it started,
     or the session's last reader leaves. What this book holds is what the readers'
-    deadline (gateway/recovery/reaper.py ``ReaderDeadline``) may end."""
+    deadline (gateway/recovery/reader_deadline.py ``ReaderDeadline``) may end."""
     hub = await make_hub()
     waiting = hub.waiting
     early = await session.emit(wire.Queued("g1"))

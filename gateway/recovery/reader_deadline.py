@@ -1,0 +1,130 @@
+"""``ReaderDeadline``: every gateway process looks after the generations its readers saw
+queued and never saw start, whose request may be in no queue the reaper reads
+(gateway/core/waiting.py says how that happens): ``REQUEUE_AFTER_S`` on, a session turn whose
+queue has no request waiting is queued again; ``READER_GRACE_S`` after the queue
+deadline, what still waits is ended (the reaper's own deadline, gateway/recovery/reaper.py,
+comes first for what it can see).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from gateway.core.relay import RelayHub
+from gateway.recovery.reaper import queue_timeout
+from gateway.recovery.stranded import StrandedTurns
+from wire import Keys
+from wire.scripts import EndQueued
+from wire.tenancy import UsageCounter
+
+log = logging.getLogger("tokenspout.watchdog")
+
+READER_GRACE_S = 2.0
+"""The readers' deadline comes this long after the reaper's: a request the reaper can see
+in its queue is ended (and counted) there first."""
+READER_CHECK_S = 1.0
+REQUEUE_AFTER_S = 5.0
+"""A session turn still queued this long with no request waiting in its queue lost its
+request: queued again. After the stranded-turn repair's ``STRANDED_AFTER_S``, which
+queues the turns of a gateway that died mid-submit from the notes beside the queue."""
+
+
+class ReaderDeadline:
+    """Looks after the generations this process's readers wait on that never started
+    (gateway/core/waiting.py): queues a session turn again ``REQUEUE_AFTER_S`` on when nothing
+    waits in its queue (``StrandedTurns.requeue_lost``), and ends with ``queue_timeout``
+    what still waits ``READER_GRACE_S`` past the queue deadline, through the reaper's
+    script: it ends only a generation still queued, and a worker that finds its request
+    later skips it."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        hub: RelayHub,
+        stranded: StrandedTurns,
+        queue_timeout_s: float,
+        events_maxlen: int,
+        ttl_s: int,
+    ) -> None:
+        self.waiting = hub.waiting
+        self.stranded = stranded
+        self.queue_timeout_s = queue_timeout_s
+        self.events_maxlen = events_maxlen
+        self.ttl_s = ttl_s
+        self._end_queued = EndQueued(redis, keys)
+        self._usage = UsageCounter(redis, keys)
+
+    async def run_forever(self, interval_s: float = READER_CHECK_S) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            for what, duty in (
+                ("looking at quiet sessions for", self.book_quiet),
+                ("requeueing", self.requeue_lost),
+                ("ending", self.end_overdue),
+            ):
+                try:
+                    await duty()
+                except (RedisError, OSError) as exc:
+                    log.warning("readers' deadline: %s a generation failed: %s", what, exc)
+                except Exception:
+                    log.exception("readers' deadline: %s failed; the next check tries again", what)
+
+    async def book_quiet(self) -> int:
+        """Book the waiting generations of the sessions whose readers heard nothing for a
+        heartbeat (a reader that resumed after a ``queued`` event never saw it); returns
+        how many it found."""
+        quiet = self.waiting.take_quiet()
+        found = await self.stranded.waiting_generations(quiet) if quiet else []
+        for session_id, generation_id, submitted_s in found:
+            self.waiting.book(session_id, generation_id, submitted_s)
+        return len(found)
+
+    async def requeue_lost(self) -> int:
+        """Queue again the session turns waiting ``REQUEUE_AFTER_S`` whose request is in
+        no queue; each is looked at once. Returns how many were queued again."""
+        requeued = 0
+        since = time.time() - REQUEUE_AFTER_S
+        for session_id, generation_id in self.waiting.queued_before(since, requeued=False):
+            self.waiting.requeued(session_id, generation_id)
+            if await self.stranded.requeue_lost(session_id, generation_id):
+                requeued += 1
+                log.warning(
+                    "generation %s of session %s was still queued %g s on with no request"
+                    " waiting in its queue (Redis lost it): queued again",
+                    generation_id,
+                    session_id,
+                    REQUEUE_AFTER_S,
+                )
+        return requeued
+
+    async def end_overdue(self) -> int:
+        """End the overdue ones; returns how many were still queued (the others started
+        or ended meanwhile). One that fails stays, for the next check."""
+        overdue = self.waiting.queued_before(time.time() - self.queue_timeout_s - READER_GRACE_S)
+        ended = 0
+        for session_id, generation_id in overdue:
+            final_id = await self._end_queued(
+                session_id=session_id,
+                event=queue_timeout(generation_id, self.queue_timeout_s),
+                maxlen=self.events_maxlen,
+                ttl_s=self.ttl_s,
+            )
+            self.waiting.settled(session_id, generation_id)
+            if final_id is not None:
+                ended += 1
+                await self._usage.after_final(session_id, generation_id)
+                log.warning(
+                    "generation %s of session %s was still queued %g s after its queue"
+                    " deadline, with its request in no queue (lost by Redis): ended with"
+                    " queue_timeout",
+                    generation_id,
+                    session_id,
+                    READER_GRACE_S,
+                )
+        return ended
