@@ -81,10 +81,12 @@ class HandOver:
                     result,
                 )
 
-    async def hand_over(self, job: Job) -> bool:
+    async def hand_over(self, job: Job, *, preempted: bool = False) -> bool:
         """Put ``job`` back on the queue for another worker; True when it was handed on.
 
-        A generation already taken over ``max_takeovers`` times stays here and drains.
+        A generation already taken over ``max_takeovers`` times stays here and drains;
+        ``preempted``: stopped for another tenant's request (engine/preempt.py), which
+        never counts against ``max_takeovers``.
         """
         gid, sid = job.generation_id, job.session_id
         if not job.begin_hand_over():
@@ -97,6 +99,7 @@ class HandOver:
                 worker=self.worker_id,
                 max_takeovers=self.max_takeovers,
                 usage=job.usage(),
+                preempted=preempted,
             )
         except BaseException:
             # Tokens made since are not emitted here, so this generation must move on or
@@ -117,9 +120,10 @@ class HandOver:
         job.handed_over()
         await self.queue.requeue([(job.entry_id, {"r": wire.encode(request)})])
         await self.backend.abort(job.request.engine_request_id)
-        self.metrics.handovers.inc()
-        log.info(
-            "generation handed over",
-            extra={"generation_id": gid, "completion_tokens": job.emitted_tokens},
-        )
+        if not preempted:
+            self.metrics.handovers.inc()
+            log.info(
+                "generation handed over",
+                extra={"generation_id": gid, "completion_tokens": job.emitted_tokens},
+            )
         return True

@@ -88,9 +88,23 @@ class Intake:
         Cluster: counted, then acknowledged, with each heartbeat."""
         self._tasks: set[asyncio.Task[None]] = set()
         self._slot_freed = asyncio.Event()
+        self._filled = asyncio.Event()
         self._turn_taken = False
         """A request prepares in this turn of the event loop: the others wait for theirs."""
         self._waiting_turns: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    @property
+    def full(self) -> bool:
+        """Every slot runs a generation (or more: a preemption's newcomer, for a moment)."""
+        return len(self.jobs) >= self.backend.capacity
+
+    async def until_full(self, timeout_s: float) -> None:
+        """Until every slot is busy, or ``timeout_s`` has passed."""
+        if self.full:
+            return
+        self._filled.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._filled.wait(), timeout_s)
 
     @property
     def busy(self) -> bool:
@@ -263,4 +277,6 @@ class Intake:
 
     def _run(self, job: Job) -> None:
         self.jobs[job.generation_id] = job
+        if self.full:
+            self._filled.set()
         self.spawn(self.run_job(job), name=job.generation_id)

@@ -41,6 +41,7 @@ from engine.intake import Intake
 from engine.job import Job, JobState, final_reason
 from engine.lease import HEARTBEAT_S, Lease
 from engine.metrics import WorkerMetrics
+from engine.preempt import Preemptor
 from engine.publisher import Publisher
 from engine.tools import ToolCallWriter
 from wire import (
@@ -76,6 +77,7 @@ class Worker:
         aliases: list[str] | None = None,
         max_takeovers: int = 3,
         join_tokens: bool = False,
+        preempt: bool = False,
     ) -> None:
         self.redis = redis
         self.backend = backend
@@ -122,6 +124,18 @@ class Worker:
             worker_id=self.worker_id,
             max_takeovers=max_takeovers,
         )
+        self.preemptor = (
+            Preemptor(
+                intake=self.intake,
+                handover=self.handover,
+                queue=self.queue,
+                metrics=self.metrics,
+                worker_id=self.worker_id,
+            )
+            if preempt
+            else None
+        )
+        """With ``--preempt``: stops a reply for a tenant served less (engine/preempt.py)."""
         self._started_at = time.time()
         self.metrics.generations_running.set_function(lambda: len(self.jobs))
         self.metrics.capacity.set_function(lambda: self.backend.capacity)
@@ -145,6 +159,8 @@ class Worker:
             asyncio.create_task(self._heartbeat_forever(), name="heartbeat"),
             asyncio.create_task(self._abandon_forever(), name="abandon"),
         ]
+        if self.preemptor is not None:
+            loops.append(asyncio.create_task(self.preemptor.run_forever(), name="preempt"))
         log.info(
             "worker %s ready: backend=%s model=%s aliases=%s",
             self.worker_id,
