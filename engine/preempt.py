@@ -5,17 +5,18 @@ With every slot busy, a request waits for a slot to free, whatever order the fai
 gives it: hundreds of milliseconds for a quiet key behind a noisy one's replies
 (docs/tenants.md, "What the fairness bench shows"). So, while every slot is busy, the worker
 waits on its queue's newcomer bell (rung when a tenant that had nothing waiting queues a
-request) and asks the queue's script (wire/lua/fair_preempt.lua) whether the tenant served
-least waits while a tenant served more runs more replies here, per unit of weight, than it
-would with one more. If so the script hands it that request, which starts at once, and the
-newest reply of the tenant served more goes
+request) and asks the queue's script (wire/lua/fair_preempt.lua) whether a waiting tenant
+(the least served first) would, with one more slot, still hold fewer here per unit of
+weight than a running tenant does. If so the script hands it that request, which starts at
+once, and the newest reply of the tenant holding the most goes
 back to the queue as a drain hands a reply on (engine/handover.py): it goes on from where
 it stopped at the next free slot, before any other request (a takeover that never counts
 against ``TOKENSPOUT_MAX_TAKEOVERS``). A reply's reader sees a ``resumed`` event, as after
 a takeover; an OpenAI stream goes on without a sign.
 
 One full worker acts per ring (BLPOP hands it to one), and nothing is stopped while a
-stopped reply still waits for its next slot.
+stopped reply still waits for its next slot. Between rings a full worker looks again every
+``RECHECK_MS``: a request may become the least served after it came.
 """
 
 from __future__ import annotations
@@ -34,7 +35,11 @@ from wire.queue import RequestQueue
 
 log = logging.getLogger("tokenspout.preempt")
 
-RING_WAIT_MS = 1_000
+RECHECK_MS = 20
+"""While every slot is busy, a look at the queue at least this often besides each ring: a
+request that was not the least served when it came (its tenant had just been charged for
+a reply), or came while a stopped reply still waited for its slot, may be owed one later."""
+FILL_WAIT_S = 1.0
 RETRY_S = 0.5
 
 
@@ -59,8 +64,10 @@ class Preemptor:
             try:
                 await self._retry_failed()
                 if not self.intake.full:
-                    await self.intake.until_full(RING_WAIT_MS / 1000)
-                elif await self.queue.newcomer(RING_WAIT_MS) and self.intake.full:
+                    await self.intake.until_full(FILL_WAIT_S)
+                    continue
+                await self.queue.newcomer(RECHECK_MS)
+                if self.intake.full:
                     await self.preempt_once()
             except (RedisError, OSError) as exc:
                 log.warning("preempting failed (%s); retrying", exc)

@@ -348,9 +348,8 @@ class RequestQueue:
         self, consumer: str, running: Sequence[str], maxlen: int | None = None
     ) -> tuple[str, StreamEntry] | None:
         """For a full worker running generations of the tenants ``running`` (one name per
-        generation): the request of the tenant served least, taken for ``consumer``, and the
-        tenant (its slot name) to stop a reply of; None when no stop is due
-        (wire/lua/fair_preempt.lua)."""
+        generation): a waiting tenant's request, taken for ``consumer``, and the tenant (its
+        slot name) to stop a reply of; None when no stop is due (wire/lua/fair_preempt.lua)."""
         return await self._preempt(
             stream=self.key,
             base=self.fair.base,

@@ -680,9 +680,9 @@ class FairTake(Script):
 
 
 class FairPreempt(Script):
-    """A full worker's preemption: the waiting tenant's request and the tenant to stop a
-    reply of, when the one served least waits and runs nothing here
-    (wire/lua/fair_preempt.lua)."""
+    """A full worker's preemption: a waiting tenant's request and the tenant to stop a
+    reply of, when the slots the tenants hold here are further apart than their weights
+    allow (wire/lua/fair_preempt.lua)."""
 
     source = FAIR_CORE + lua_source("fair_preempt")
 

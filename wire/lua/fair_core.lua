@@ -60,19 +60,16 @@ local function fair_waiting(queue)
   return tonumber(redis.call('HGET', '{' .. queue .. '}:fair', 'waiting') or '0')
 end
 
--- The first request of the tenant with the lowest counter, moved from its list into the
+-- The first request of `tenant` (its counter `counter`), moved from its list into the
 -- requests stream, its prompt charged by the estimate its list entry starts with
 -- ('<estimate>|<request>': wire.queue.estimated_tokens), which goes into the stream entry's
 -- 'e' field for the worker to correct once it knows. Returns 1 when one moved, 0 when the
--- lowest tenant's list was empty, false when no tenant waits.
-local function fair_move_lowest(base, stream, maxlen)
-  local ready = base .. ':ready'
-  local lowest = redis.call('ZRANGE', ready, 0, 0, 'WITHSCORES')
-  if not lowest[1] then return false end
-  local tenant, list = lowest[1], base .. ':t:' .. lowest[1]
+-- tenant's list was empty.
+local function fair_move(base, stream, maxlen, tenant, counter)
+  local list = base .. ':t:' .. tenant
   local element = redis.call('LPOP', list)
-  if redis.call('LLEN', list) == 0 then redis.call('ZREM', ready, tenant) end
-  redis.call('HSET', base, 'floor', lowest[2])
+  if redis.call('LLEN', list) == 0 then redis.call('ZREM', base .. ':ready', tenant) end
+  redis.call('HSET', base, 'floor', counter)
   if not element then return 0 end
   local bar = string.find(element, '|', 1, true)
   local estimate = string.sub(element, 1, bar - 1)
@@ -81,4 +78,11 @@ local function fair_move_lowest(base, stream, maxlen)
   redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'r', string.sub(element, bar + 1),
              'e', estimate)
   return 1
+end
+
+-- fair_move of the tenant with the lowest counter; false when no tenant waits.
+local function fair_move_lowest(base, stream, maxlen)
+  local lowest = redis.call('ZRANGE', base .. ':ready', 0, 0, 'WITHSCORES')
+  if not lowest[1] then return false end
+  return fair_move(base, stream, maxlen, lowest[1], lowest[2])
 end
