@@ -44,20 +44,14 @@ RETRY_S = 0.5
 
 
 class Preemptor:
-    def __init__(
-        self,
-        *,
-        intake: Intake,
-        handover: HandOver,
-        queue: RequestQueue,
-        metrics: WorkerMetrics,
-        worker_id: str,
-    ) -> None:
+    """A worker's preemption: its intake's jobs and queue, stopped through its hand-over."""
+
+    def __init__(self, intake: Intake, handover: HandOver) -> None:
         self.intake = intake
         self.handover = handover
-        self.queue = queue
-        self.metrics = metrics
-        self.worker_id = worker_id
+        self.queue: RequestQueue = intake.queue
+        self.metrics: WorkerMetrics = intake.metrics
+        self.worker_id: str = intake.worker_id
 
     async def run_forever(self) -> None:
         while True:

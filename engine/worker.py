@@ -112,8 +112,7 @@ class Worker:
             before_taking=self.announce_if_silent,
             served=self.served,
         )
-        self.jobs = self.intake.jobs
-        """The generations running here (the intake's), by id."""
+        self.jobs = self.intake.jobs  # the generations running here (the intake's), by id
         self.handover = HandOver(
             takeover=Takeover(redis, self.keys),
             lease=self.lease,
@@ -124,19 +123,11 @@ class Worker:
             worker_id=self.worker_id,
             max_takeovers=max_takeovers,
         )
-        self.preemptor = (
-            Preemptor(
-                intake=self.intake,
-                handover=self.handover,
-                queue=self.queue,
-                metrics=self.metrics,
-                worker_id=self.worker_id,
-            )
-            if preempt
-            else None
-        )
-        """With ``--preempt``: stops a reply for a tenant served less (engine/preempt.py)."""
+        self.preemptor = Preemptor(self.intake, self.handover) if preempt else None
         self._started_at = time.time()
+        self._export_gauges()
+
+    def _export_gauges(self) -> None:
         self.metrics.generations_running.set_function(lambda: len(self.jobs))
         self.metrics.capacity.set_function(lambda: self.backend.capacity)
 
