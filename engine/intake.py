@@ -39,6 +39,7 @@ from typing import Any
 import msgspec
 from redis.exceptions import RedisError, ResponseError
 
+import wire
 from engine.backends.base import Backend
 from engine.job import Job, epoch_of
 from engine.metrics import WorkerMetrics
@@ -89,6 +90,7 @@ class Intake:
         self._tasks: set[asyncio.Task[None]] = set()
         self._slot_freed = asyncio.Event()
         self._filled = asyncio.Event()
+        self._kept: collections.deque[tuple[bytes, GenerationRequest]] = collections.deque()
         self._turn_taken = False
         """A request prepares in this turn of the event loop: the others wait for theirs."""
         self._waiting_turns: collections.deque[asyncio.Future[None]] = collections.deque()
@@ -116,12 +118,31 @@ class Intake:
         self.accepting = False
         self._slot_freed.set()
 
+    def keep(self, entry_id: bytes, request: GenerationRequest) -> None:
+        """A reply this worker stopped for another tenant's request (engine/preempt.py),
+        its continuation: it goes on here at the next free slot, before anything is taken
+        from the queue. Its request stays pending under this worker until then, so if the
+        worker is lost the reaper takes it over as it would a running one."""
+        self._kept.append((entry_id, request))
+        self._slot_freed.set()
+
+    async def give_back_kept(self) -> None:
+        """The drain: the stopped replies still kept go back to the queue for the others."""
+        if self._kept:
+            kept = [(entry_id, {b"r": wire.encode(request)}) for entry_id, request in self._kept]
+            await self.queue.requeue(kept)
+            self._kept.clear()
+
     async def consume_forever(self) -> None:
         while True:
             free = self.backend.capacity - len(self.jobs)
             if free <= 0 or not self.accepting:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
+                continue
+            if self._kept:
+                entry_id, request = self._kept.popleft()
+                self.take(entry_id, {b"r": wire.encode(request)})
                 continue
             try:
                 await self.before_taking()

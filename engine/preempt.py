@@ -1,22 +1,24 @@
 """Preemption (``python -m engine --preempt``): a full worker makes room at once for a
-tenant served less than one it runs.
+tenant that holds fewer slots than its weight says.
 
 With every slot busy, a request waits for a slot to free, whatever order the fair queue
 gives it: hundreds of milliseconds for a quiet key behind a noisy one's replies
 (docs/tenants.md, "What the fairness bench shows"). So, while every slot is busy, the worker
 waits on its queue's newcomer bell (rung when a tenant that had nothing waiting queues a
-request) and asks the queue's script (wire/lua/fair_preempt.lua) whether a waiting tenant
-(the least served first) would, with one more slot, still hold fewer here per unit of
-weight than a running tenant does. If so the script hands it that request, which starts at
-once, and the newest reply of the tenant holding the most goes
-back to the queue as a drain hands a reply on (engine/handover.py): it goes on from where
-it stopped at the next free slot, before any other request (a takeover that never counts
-against ``TOKENSPOUT_MAX_TAKEOVERS``). A reply's reader sees a ``resumed`` event, as after
-a takeover; an OpenAI stream goes on without a sign.
+request), and looks every ``RECHECK_MS`` between rings (a request may become owed after it
+came). It asks the queue's script (wire/lua/fair_preempt.lua) whether a waiting tenant (the
+least served first) would, with one more slot, still hold fewer here per unit of weight
+than a running tenant does. If so the script hands it that request, which starts at once,
+and the newest reply of the tenant holding the most stops as a drain's hand-over stops one
+(engine/handover.py: its events in Redis, its generation at its next epoch, a stop never
+counted against ``TOKENSPOUT_MAX_TAKEOVERS``). Its continuation is kept here and goes on at
+this worker's next free slot, before anything is taken from the queue; its request stays
+pending under this worker meanwhile, so a lost worker's stopped replies are taken over as
+its running ones are. A reply's reader sees a ``resumed`` event, as after a takeover; an
+OpenAI stream goes on without a sign.
 
-One full worker acts per ring (BLPOP hands it to one), and nothing is stopped while a
-stopped reply still waits for its next slot. Between rings a full worker looks again every
-``RECHECK_MS``: a request may become the least served after it came.
+One full worker acts per ring (BLPOP hands it to one); nothing is stopped while work
+admitted before (a takeover, a request given back) waits in the queue's stream.
 """
 
 from __future__ import annotations
@@ -80,14 +82,22 @@ class Preemptor:
         victim = self._newest_of(stopped_tenant)
         if victim is None:  # it ended meanwhile: its slot is free anyway
             return True
-        if await self.handover.hand_over(victim, preempted=True):
-            self.metrics.preemptions.inc()
-            log.info(
-                "stopped %s for another tenant's request",
-                victim.generation_id,
-                extra={"generation_id": victim.generation_id, "tenant": stopped_tenant},
-            )
+        await self._stop(victim)
         return True
+
+    async def _stop(self, job: Job) -> None:
+        """Stop ``job``'s run and keep its continuation for this worker's next free slot."""
+        request = await self.handover.stop(job, preempted=True)
+        if request is None:
+            return
+        self.intake.keep(job.entry_id, request)
+        await self.intake.backend.abort(job.request.engine_request_id)
+        self.metrics.preemptions.inc()
+        log.info(
+            "stopped %s for another tenant's request; it goes on at the next free slot",
+            job.generation_id,
+            extra={"generation_id": job.generation_id, "tenant": job.request.tenant},
+        )
 
     def _newest_of(self, slot: str) -> Job | None:
         """The reply of tenant ``slot`` that streamed least: the least to recompute."""
@@ -102,5 +112,4 @@ class Preemptor:
         """A stop whose hand-over raised (Redis away) froze its reply: hand it on again."""
         frozen = [j for j in self.intake.jobs.values() if j.state is JobState.HANDOVER_FAILED]
         for job in frozen if self.intake.accepting else []:
-            if await self.handover.hand_over(job, preempted=True):
-                self.metrics.preemptions.inc()
+            await self._stop(job)

@@ -178,6 +178,8 @@ class Worker:
         """Take no new work; hand running generations over to the other workers at once
         (while one serves); let the rest finish up to ``timeout_s``, then cancel them."""
         self.intake.stop_accepting()
+        with contextlib.suppress(RedisError, OSError):  # else pending: the reaper's, later
+            await self.intake.give_back_kept()
         self.metrics.draining.set(1)
         log.info("draining", extra={"running": len(self.jobs), "drain_s": timeout_s})
         with contextlib.suppress(RedisError, OSError):
