@@ -20,8 +20,10 @@ import httpx
 import pytest
 
 from engine.backends.synthetic import scripted_reply
+from stack import processes
 from stack.redis_server import EmbeddedRedis, free_port
 from tests.support.metrics import scrape, value
+from tests.support.redis_probes import lease_trusted
 from tests.support.stack import Stack
 from tests.support.tenants import ADMIN_KEY, Key, make_key, until_usage
 from wire import Keys
@@ -151,3 +153,48 @@ async def test_a_stop_for_another_tenant_never_counts_against_the_takeover_budge
     finally:
         await redis.delete(gen)
         await redis.aclose()
+
+
+async def until_tokens(reply: Reply, tokens: int) -> None:
+    async with asyncio.timeout(30):
+        while reply.tokens < tokens:
+            await asyncio.sleep(0.01)
+
+
+async def test_a_worker_lost_with_a_stopped_reply_has_both_replies_taken_over_whole(
+    stack: Stack,
+) -> None:
+    """SIGKILL the worker while it keeps the reply it stopped (its request pending there)
+    and runs the quiet one: the reaper hands both on to another worker, and each ends with
+    exactly the engine's script, billed once."""
+    gateway = stack.gateway(TOKENSPOUT_ADMIN_KEY=ADMIN_KEY)
+    doomed = stack.synthetic(TOKENS_PER_S, "--capacity", "1", "--preempt")
+    async with httpx.AsyncClient(timeout=30) as client:
+        noisy = await make_key(client, gateway.url, "noisy")
+        quiet = await make_key(client, gateway.url, "quiet")
+        long, short = Reply(), Reply()
+        replies = [
+            asyncio.create_task(
+                stream_chat(client, gateway.url, noisy, "a long one", NOISY_TOKENS, long)
+            )
+        ]
+        await until_tokens(long, BEFORE)
+        replies.append(
+            asyncio.create_task(stream_chat(client, gateway.url, quiet, "a short one", 40, short))
+        )
+        await until_tokens(short, 3)
+        stopped_at = long.tokens
+        await until_tokens(short, 6)
+        assert long.tokens == stopped_at < NOISY_TOKENS, "the long reply waits, stopped"
+        stack.synthetic(TOKENS_PER_S, "--capacity", "1")
+        await lease_trusted(stack.redis_url)
+        processes.kill(doomed)
+        async with asyncio.timeout(60):
+            await asyncio.gather(*replies)
+        for reply, content, tokens, key in (
+            (long, "a long one", NOISY_TOKENS, noisy),
+            (short, "a short one", 40, quiet),
+        ):
+            assert reply.text == "".join(t.text for t in scripted_reply(content, tokens))
+            assert reply.usage["completion_tokens"] == tokens, reply.usage
+            await until_usage(client, gateway.url, key.id, reply.usage["total_tokens"])
