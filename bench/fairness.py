@@ -3,7 +3,9 @@
 One synthetic engine worker with ``--capacity`` slots, replies of ``--reply-tokens`` tokens
 on average (half to one and a half times that) at ``--tokens-per-s``, one Redis, and two
 gateways: one serving each model's queue by the Virtual Token Counter
-(``TOKENSPOUT_SCHEDULER=fair``), one first come, first served (``fifo``). Each tenant is an
+(``TOKENSPOUT_SCHEDULER=fair``), one first come, first served (``fifo``). The worker
+preempts (``--preempt``; ``--no-preempt``: it does not): with every slot busy it stops a
+noisy reply for a quiet request, which only the fair queue asks of it. Each tenant is an
 API key made through the admin API; its client streams chat completions through the OpenAI
 endpoint with its key.
 
@@ -72,7 +74,9 @@ class Options:
     warmup_s: float = 5.0
     backlog: int = 12
     bound: bool = True
-    """Also the point no scheduler beats (``SPARE``): off in the short test."""
+    """Also the point no scheduler beats (``SPARE_POINT``)."""
+    preempt: bool = True
+    """The worker stops a noisy reply for a quiet request (``python -m engine --preempt``)."""
     out: Path | None = Path("docs/bench/fairness")
 
 
@@ -261,7 +265,8 @@ async def gateways(logs: Path, options: Options) -> AsyncIterator[tuple[Gateway,
     env = {"TOKENSPOUT_ADMIN_KEY": ADMIN_KEY, "TOKENSPOUT_LOG_LEVEL": "WARNING"}
     env["TOKENSPOUT_MAX_INFLIGHT"] = "100000"
     with on_embedded_redis(logs, f"fair-{secrets.token_hex(3)}", env) as (procs, _):
-        procs.synthetic(options.tokens_per_s, "--capacity", str(options.capacity))
+        preempt = ["--preempt"] if options.preempt else []
+        procs.synthetic(options.tokens_per_s, "--capacity", str(options.capacity), *preempt)
         if options.bound:  # twice the slots: a quiet request never waits for one
             spare = ["--capacity", str(2 * options.capacity), "--served-model-name", SPARE]
             procs.synthetic(options.tokens_per_s, *spare)

@@ -160,6 +160,15 @@ def _worker_flags(parser: Parser) -> None:
         "write go as one event (Redis catches up; session and WebSocket clients count them, "
         "but OpenAI chunks and TGI events then hold several tokens' text in one)",
     )
+    parser.add_argument(
+        "--preempt",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="with every slot busy, stop the newest reply of the tenant holding the most "
+        "slots per unit of weight for a waiting tenant that, with one more, would still hold "
+        "fewer; the stopped reply goes on at the next free slot, recomputing its prompt and "
+        "what it streamed (TOKENSPOUT_SCHEDULER=fair; docs/tenants.md, 'Preemption')",
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -282,6 +291,7 @@ async def serve(args: argparse.Namespace) -> None:
         aliases=served_names(args)[1:],
         max_takeovers=int(os.environ.get("TOKENSPOUT_MAX_TAKEOVERS", "3")),
         join_tokens=args.join_tokens,
+        preempt=args.preempt,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -23,6 +23,7 @@ from engine.job import Job, JobState
 from engine.lease import Lease
 from engine.metrics import WorkerMetrics
 from engine.publisher import Publisher
+from wire import GenerationRequest
 from wire.handoff import Streamed, continuation
 from wire.outcomes import TakenOver
 from wire.queue import RequestQueue
@@ -86,9 +87,26 @@ class HandOver:
 
         A generation already taken over ``max_takeovers`` times stays here and drains.
         """
+        request = await self.stop(job)
+        if request is None:
+            return False
+        await self.queue.requeue([(job.entry_id, {"r": wire.encode(request)})])
+        await self.backend.abort(job.request.engine_request_id)
+        self.metrics.handovers.inc()
+        log.info(
+            "generation handed over",
+            extra={"generation_id": job.generation_id, "completion_tokens": job.emitted_tokens},
+        )
+        return True
+
+    async def stop(self, job: Job, *, preempted: bool = False) -> GenerationRequest | None:
+        """Take ``job``'s generation to its next epoch and return its continuation (None:
+        declined, and it runs on here), for the caller to queue; the engine's run is the
+        caller's to abort. ``preempted``: stopped for another tenant's request
+        (engine/preempt.py), which never counts against ``max_takeovers``."""
         gid, sid = job.generation_id, job.session_id
         if not job.begin_hand_over():
-            return False
+            return None
         try:
             await self.publisher.written()  # every event emitted is in Redis, in order
             outcome = await self.takeover(
@@ -97,6 +115,7 @@ class HandOver:
                 worker=self.worker_id,
                 max_takeovers=self.max_takeovers,
                 usage=job.usage(),
+                preempted=preempted,
             )
         except BaseException:
             # Tokens made since are not emitted here, so this generation must move on or
@@ -106,20 +125,12 @@ class HandOver:
         if not isinstance(outcome, TakenOver):
             log.info("not handing %s over: %s", gid, outcome.__struct_config__.tag)
             job.hand_over_declined()
-            return False
+            return None
         streamed = Streamed(
             prompt_tokens=job.prompt_tokens,
             completion_tokens=job.emitted_tokens,
             text="".join(job.text),
             token_ids=list(job.token_ids),
         )
-        request = continuation(job.request, outcome, streamed)
         job.handed_over()
-        await self.queue.requeue([(job.entry_id, {"r": wire.encode(request)})])
-        await self.backend.abort(job.request.engine_request_id)
-        self.metrics.handovers.inc()
-        log.info(
-            "generation handed over",
-            extra={"generation_id": gid, "completion_tokens": job.emitted_tokens},
-        )
-        return True
+        return continuation(job.request, outcome, streamed)

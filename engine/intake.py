@@ -39,6 +39,7 @@ from typing import Any
 import msgspec
 from redis.exceptions import RedisError, ResponseError
 
+import wire
 from engine.backends.base import Backend
 from engine.job import Job, epoch_of
 from engine.metrics import WorkerMetrics
@@ -88,9 +89,24 @@ class Intake:
         Cluster: counted, then acknowledged, with each heartbeat."""
         self._tasks: set[asyncio.Task[None]] = set()
         self._slot_freed = asyncio.Event()
+        self._filled = asyncio.Event()
+        self._kept: collections.deque[tuple[bytes, GenerationRequest]] = collections.deque()
         self._turn_taken = False
         """A request prepares in this turn of the event loop: the others wait for theirs."""
         self._waiting_turns: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    @property
+    def full(self) -> bool:
+        """Every slot runs a generation (or more: a preemption's newcomer, for a moment)."""
+        return len(self.jobs) >= self.backend.capacity
+
+    async def until_full(self, timeout_s: float) -> None:
+        """Until every slot is busy, or ``timeout_s`` has passed."""
+        if self.full:
+            return
+        self._filled.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._filled.wait(), timeout_s)
 
     @property
     def busy(self) -> bool:
@@ -102,12 +118,31 @@ class Intake:
         self.accepting = False
         self._slot_freed.set()
 
+    def keep(self, entry_id: bytes, request: GenerationRequest) -> None:
+        """A reply this worker stopped for another tenant's request (engine/preempt.py),
+        its continuation: it goes on here at the next free slot, before anything is taken
+        from the queue. Its request stays pending under this worker until then, so if the
+        worker is lost the reaper takes it over as it would a running one."""
+        self._kept.append((entry_id, request))
+        self._slot_freed.set()
+
+    async def give_back_kept(self) -> None:
+        """The drain: the stopped replies still kept go back to the queue for the others."""
+        if self._kept:
+            kept = [(entry_id, {b"r": wire.encode(request)}) for entry_id, request in self._kept]
+            await self.queue.requeue(kept)
+            self._kept.clear()
+
     async def consume_forever(self) -> None:
         while True:
             free = self.backend.capacity - len(self.jobs)
             if free <= 0 or not self.accepting:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
+                continue
+            if self._kept:
+                entry_id, request = self._kept.popleft()
+                self.take(entry_id, {b"r": wire.encode(request)})
                 continue
             try:
                 await self.before_taking()
@@ -263,4 +298,6 @@ class Intake:
 
     def _run(self, job: Job) -> None:
         self.jobs[job.generation_id] = job
+        if self.full:
+            self._filled.set()
         self.spawn(self.run_job(job), name=job.generation_id)

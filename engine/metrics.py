@@ -103,6 +103,12 @@ class WorkerMetrics:
             "Running generations this worker handed to the others on SIGTERM.",
             registry=r,
         )
+        self.preemptions = Counter(
+            "tokenspout_engine_preemptions",
+            "Replies this worker stopped, to go on at the next free slot, for a tenant "
+            "served less (--preempt).",
+            registry=r,
+        )
 
     def _time_generations(self, r: CollectorRegistry) -> None:
         self.queue_wait = Histogram(

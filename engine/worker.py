@@ -41,6 +41,7 @@ from engine.intake import Intake
 from engine.job import Job, JobState, final_reason
 from engine.lease import HEARTBEAT_S, Lease
 from engine.metrics import WorkerMetrics
+from engine.preempt import Preemptor
 from engine.publisher import Publisher
 from engine.tools import ToolCallWriter
 from wire import (
@@ -76,6 +77,7 @@ class Worker:
         aliases: list[str] | None = None,
         max_takeovers: int = 3,
         join_tokens: bool = False,
+        preempt: bool = False,
     ) -> None:
         self.redis = redis
         self.backend = backend
@@ -110,8 +112,7 @@ class Worker:
             before_taking=self.announce_if_silent,
             served=self.served,
         )
-        self.jobs = self.intake.jobs
-        """The generations running here (the intake's), by id."""
+        self.jobs = self.intake.jobs  # the generations running here (the intake's), by id
         self.handover = HandOver(
             takeover=Takeover(redis, self.keys),
             lease=self.lease,
@@ -122,7 +123,11 @@ class Worker:
             worker_id=self.worker_id,
             max_takeovers=max_takeovers,
         )
+        self.preemptor = Preemptor(self.intake, self.handover) if preempt else None
         self._started_at = time.time()
+        self._export_gauges()
+
+    def _export_gauges(self) -> None:
         self.metrics.generations_running.set_function(lambda: len(self.jobs))
         self.metrics.capacity.set_function(lambda: self.backend.capacity)
 
@@ -145,6 +150,8 @@ class Worker:
             asyncio.create_task(self._heartbeat_forever(), name="heartbeat"),
             asyncio.create_task(self._abandon_forever(), name="abandon"),
         ]
+        if self.preemptor is not None:
+            loops.append(asyncio.create_task(self.preemptor.run_forever(), name="preempt"))
         log.info(
             "worker %s ready: backend=%s model=%s aliases=%s",
             self.worker_id,
@@ -171,6 +178,8 @@ class Worker:
         """Take no new work; hand running generations over to the other workers at once
         (while one serves); let the rest finish up to ``timeout_s``, then cancel them."""
         self.intake.stop_accepting()
+        with contextlib.suppress(RedisError, OSError):  # else pending: the reaper's, later
+            await self.intake.give_back_kept()
         self.metrics.draining.set(1)
         log.info("draining", extra={"running": len(self.jobs), "drain_s": timeout_s})
         with contextlib.suppress(RedisError, OSError):

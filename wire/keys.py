@@ -222,6 +222,9 @@ class FairNames:
         self.vtc = f"{base}:vtc"
         self.weights = f"{base}:weights"
         self.bell = f"{base}:bell"
+        self.newcomer = f"{base}:newcomer"
+        """Rung when a tenant that had nothing waiting queues a request (a full worker
+        that preempts waits on it: engine/preempt.py)."""
 
     def waiting(self, tenant: str) -> str:
         return f"{self.base}:t:{tenant_slot(tenant)}"

@@ -29,7 +29,14 @@ from wire.connect import on_key_node
 from wire.keys import CONSUMER_GROUP, SHARED_KEY_TTL_S, FairNames, Keys, tenant_slot
 from wire.messages import GenerationRequest
 from wire.replies import StreamEntry, entries_of, text
-from wire.scripts import FairCharge, FairEnqueue, FairExpire, FairTake, WaitingRequest
+from wire.scripts import (
+    FairCharge,
+    FairEnqueue,
+    FairExpire,
+    FairPreempt,
+    FairTake,
+    WaitingRequest,
+)
 
 Fields = Mapping[bytes, bytes] | Mapping[str, bytes]
 DEFAULT_STREAM_CAP = 5_120
@@ -128,6 +135,7 @@ class RequestQueue:
         self.fair = FairNames(keys.fair(model))
         self._enqueue = FairEnqueue(redis, keys)
         self._take = FairTake(redis, keys)
+        self._preempt = FairPreempt(redis, keys)
         self._charge = FairCharge(redis, keys)
         self._expire = FairExpire(redis, keys)
 
@@ -327,6 +335,28 @@ class RequestQueue:
         except BaseException:
             served.give_back(charges)
             raise
+
+    async def newcomer(self, block_ms: int) -> bool:
+        """Wait up to ``block_ms`` for a tenant that had nothing waiting to queue a request
+        (True: one did, since the last ring was taken)."""
+        rung = await on_key_node(
+            self.redis, self.fair.newcomer, "BLPOP", self.fair.newcomer, str(block_ms / 1000)
+        )
+        return bool(rung)
+
+    async def preempt_for(
+        self, consumer: str, running: Sequence[str], maxlen: int | None = None
+    ) -> tuple[str, StreamEntry] | None:
+        """For a full worker running generations of the tenants ``running`` (one name per
+        generation): a waiting tenant's request, taken for ``consumer``, and the tenant (its
+        slot name) to stop a reply of; None when no stop is due (wire/lua/fair_preempt.lua)."""
+        return await self._preempt(
+            stream=self.key,
+            base=self.fair.base,
+            consumer=consumer,
+            maxlen=maxlen or DEFAULT_STREAM_CAP,
+            running=[tenant_slot(tenant) for tenant in running],
+        )
 
     async def charge(self, served: ServedTokens) -> None:
         """Tell what was served since the last take (a worker with no free slot takes

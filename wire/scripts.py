@@ -31,7 +31,7 @@ from redis.commands.core import AsyncScript
 
 from wire.batched import Arg, BatchedCalls
 from wire.connect import is_cluster
-from wire.keys import CONSUMER_GROUP, SHARED_KEY_TTL_S, Keys
+from wire.keys import ANONYMOUS, CONSUMER_GROUP, SHARED_KEY_TTL_S, Keys
 from wire.limits import RUNNING_HOLD_S, Counts, LimitName, Limits
 from wire.messages import (
     Cancelled,
@@ -314,12 +314,15 @@ class Takeover(Script):
         worker: str,
         max_takeovers: int,
         usage: Usage | None = None,
+        preempted: bool = False,
     ) -> TakeoverReply:
         """``worker``: the one lost or stopping; ``usage``: what it streamed so far, when
-        known."""
+        known; ``preempted``: its worker stops it for another tenant's request (never
+        counted against ``max_takeovers``)."""
+        used = encode(usage) if usage is not None else ""
         reply = await self._run(
             [self.keys.generation(session_id, generation_id)],
-            [worker, max_takeovers, encode(usage) if usage is not None else ""],
+            [worker, max_takeovers, used, "1" if preempted else ""],
             None,
         )
         return takeover_reply(reply)
@@ -674,6 +677,26 @@ class FairTake(Script):
             (entry_id, dict(zip(fields[::2], fields[1::2], strict=True)))
             for entry_id, fields in reply or []  # type: ignore[attr-defined]
         ]
+
+
+class FairPreempt(Script):
+    """A full worker's preemption: a waiting tenant's request and the tenant to stop a
+    reply of, when the slots the tenants hold here are further apart than their weights
+    allow (wire/lua/fair_preempt.lua)."""
+
+    source = FAIR_CORE + lua_source("fair_preempt")
+
+    async def __call__(
+        self, *, stream: str, base: str, consumer: str, maxlen: int, running: Sequence[str]
+    ) -> tuple[str, tuple[bytes, dict[bytes, bytes]]] | None:
+        args: list[Arg] = [CONSUMER_GROUP, consumer, maxlen, SHARED_KEY_TTL_S, ANONYMOUS]
+        args += running
+        reply = await self._run([stream, base], args, None)
+        if not reply:
+            return None
+        victim, entries = cast(tuple[bytes, list[tuple[bytes, list[bytes]]]], reply)
+        entry_id, fields = entries[0]
+        return text(victim), (entry_id, dict(zip(fields[::2], fields[1::2], strict=True)))
 
 
 class FairCharge(Script):

@@ -29,6 +29,13 @@ end
 local function fair_enqueue(base, tenant, weight, request, ttl)
   local list, ready, vtc = base .. ':t:' .. tenant, base .. ':ready', base .. ':vtc'
   if redis.call('RPUSH', list, request) == 1 then
+    -- A tenant that had nothing waiting: a full worker that preempts may make room for it
+    -- (engine/preempt.py waits on this bell; it holds at most one ring).
+    local newcomer = base .. ':newcomer'
+    if redis.call('LLEN', newcomer) == 0 then
+      redis.call('RPUSH', newcomer, 1)
+      redis.call('EXPIRE', newcomer, ttl)
+    end
     local counter = tonumber(redis.call('HGET', vtc, tenant) or '0')
     local lowest = redis.call('ZRANGE', ready, 0, 0, 'WITHSCORES')[2]
     local floor = tonumber(lowest or redis.call('HGET', base, 'floor') or '0')
@@ -51,4 +58,31 @@ end
 -- it: Keys.fair), for the in-flight counts.
 local function fair_waiting(queue)
   return tonumber(redis.call('HGET', '{' .. queue .. '}:fair', 'waiting') or '0')
+end
+
+-- The first request of `tenant` (its counter `counter`), moved from its list into the
+-- requests stream, its prompt charged by the estimate its list entry starts with
+-- ('<estimate>|<request>': wire.queue.estimated_tokens), which goes into the stream entry's
+-- 'e' field for the worker to correct once it knows. Returns 1 when one moved, 0 when the
+-- tenant's list was empty.
+local function fair_move(base, stream, maxlen, tenant, counter)
+  local list = base .. ':t:' .. tenant
+  local element = redis.call('LPOP', list)
+  if redis.call('LLEN', list) == 0 then redis.call('ZREM', base .. ':ready', tenant) end
+  redis.call('HSET', base, 'floor', counter)
+  if not element then return 0 end
+  local bar = string.find(element, '|', 1, true)
+  local estimate = string.sub(element, 1, bar - 1)
+  redis.call('HINCRBY', base, 'waiting', -1)
+  fair_charge(base, tenant, tonumber(estimate))
+  redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'r', string.sub(element, bar + 1),
+             'e', estimate)
+  return 1
+end
+
+-- fair_move of the tenant with the lowest counter; false when no tenant waits.
+local function fair_move_lowest(base, stream, maxlen)
+  local lowest = redis.call('ZRANGE', base .. ':ready', 0, 0, 'WITHSCORES')
+  if not lowest[1] then return false end
+  return fair_move(base, stream, maxlen, lowest[1], lowest[2])
 end

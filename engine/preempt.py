@@ -1,0 +1,115 @@
+"""Preemption (``python -m engine --preempt``): a full worker makes room at once for a
+tenant that holds fewer slots than its weight says.
+
+With every slot busy, a request waits for a slot to free, whatever order the fair queue
+gives it: hundreds of milliseconds for a quiet key behind a noisy one's replies
+(docs/tenants.md, "What the fairness bench shows"). So, while every slot is busy, the worker
+waits on its queue's newcomer bell (rung when a tenant that had nothing waiting queues a
+request), and looks every ``RECHECK_MS`` between rings (a request may become owed after it
+came). It asks the queue's script (wire/lua/fair_preempt.lua) whether a waiting tenant (the
+least served first) would, with one more slot, still hold fewer here per unit of weight
+than a running tenant does. If so the script hands it that request, which starts at once,
+and the newest reply of the tenant holding the most stops as a drain's hand-over stops one
+(engine/handover.py: its events in Redis, its generation at its next epoch, a stop never
+counted against ``TOKENSPOUT_MAX_TAKEOVERS``). Its continuation is kept here and goes on at
+this worker's next free slot, before anything is taken from the queue; its request stays
+pending under this worker meanwhile, so a lost worker's stopped replies are taken over as
+its running ones are. A reply's reader sees a ``resumed`` event, as after a takeover; an
+OpenAI stream goes on without a sign.
+
+One full worker acts per ring (BLPOP hands it to one); nothing is stopped while work
+admitted before (a takeover, a request given back) waits in the queue's stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from redis.exceptions import RedisError
+
+from engine.handover import HandOver
+from engine.intake import Intake
+from engine.job import Job, JobState
+from engine.metrics import WorkerMetrics
+from wire.keys import tenant_slot
+from wire.queue import RequestQueue
+
+log = logging.getLogger("tokenspout.preempt")
+
+RECHECK_MS = 20
+"""While every slot is busy, a look at the queue at least this often besides each ring: a
+request that was not the least served when it came (its tenant had just been charged for
+a reply), or came while a stopped reply still waited for its slot, may be owed one later."""
+FILL_WAIT_S = 1.0
+RETRY_S = 0.5
+
+
+class Preemptor:
+    """A worker's preemption: its intake's jobs and queue, stopped through its hand-over."""
+
+    def __init__(self, intake: Intake, handover: HandOver) -> None:
+        self.intake = intake
+        self.handover = handover
+        self.queue: RequestQueue = intake.queue
+        self.metrics: WorkerMetrics = intake.metrics
+        self.worker_id: str = intake.worker_id
+
+    async def run_forever(self) -> None:
+        while True:
+            try:
+                await self._retry_failed()
+                if not self.intake.full:
+                    await self.intake.until_full(FILL_WAIT_S)
+                    continue
+                await self.queue.newcomer(RECHECK_MS)
+                if self.intake.full:
+                    await self.preempt_once()
+            except (RedisError, OSError) as exc:
+                log.warning("preempting failed (%s); retrying", exc)
+                self.metrics.redis_errors.labels("preempt").inc()
+                await asyncio.sleep(RETRY_S)
+
+    async def preempt_once(self) -> bool:
+        """Stop one reply for a tenant served less, when the queue says one is due; True
+        when a request was taken for it."""
+        running = [job.request.tenant for job in self.intake.jobs.values() if job.can_hand_over]
+        found = await self.queue.preempt_for(self.worker_id, running)
+        if found is None:
+            return False
+        stopped_tenant, (entry_id, fields) = found
+        self.intake.take(entry_id, fields)  # over capacity until the stopped one leaves
+        victim = self._newest_of(stopped_tenant)
+        if victim is None:  # it ended meanwhile: its slot is free anyway
+            return True
+        await self._stop(victim)
+        return True
+
+    async def _stop(self, job: Job) -> None:
+        """Stop ``job``'s run and keep its continuation for this worker's next free slot."""
+        request = await self.handover.stop(job, preempted=True)
+        if request is None:
+            return
+        self.intake.keep(job.entry_id, request)
+        await self.intake.backend.abort(job.request.engine_request_id)
+        self.metrics.preemptions.inc()
+        log.info(
+            "stopped %s for another tenant's request; it goes on at the next free slot",
+            job.generation_id,
+            extra={"generation_id": job.generation_id, "tenant": job.request.tenant},
+        )
+
+    def _newest_of(self, slot: str) -> Job | None:
+        """The reply of tenant ``slot`` that streamed least: the least to recompute."""
+        jobs = [
+            job
+            for job in self.intake.jobs.values()
+            if job.can_hand_over and tenant_slot(job.request.tenant) == slot
+        ]
+        return min(jobs, key=lambda job: job.emitted_tokens, default=None)
+
+    async def _retry_failed(self) -> None:
+        """A stop whose hand-over raised (Redis away) froze its reply: hand it on again."""
+        frozen = [j for j in self.intake.jobs.values() if j.state is JobState.HANDOVER_FAILED]
+        for job in frozen if self.intake.accepting else []:
+            await self._stop(job)
