@@ -45,12 +45,22 @@ class ApiKey:
         return {"Authorization": f"Bearer {self.secret}"}
 
 
+IN_FORCE_S = 1.0
+"""A new key is in force on every process of every gateway within this long (each process
+reads the keys every 250 ms: gateway/tenants/directory.py)."""
+CHECKS_PER_URL = 8
+"""New connections per gateway and key in the check: a port served by several processes
+(``--workers``) hands each connection to one of them."""
+
+
 def make_keys(urls: list[str], admin: str, within_s: float = 10.0) -> list[ApiKey]:
     """The run's keys, made through ``POST /v1/admin/keys`` at the first gateway, once
-    every gateway at ``urls`` takes them (each reads the keys every 250 ms)."""
+    every gateway at ``urls`` takes them. A check through a port reaches one of its
+    processes, so the run also waits the second the product promises for every process
+    (a run that did not: clients of the two-process gateway refused with 401 at 0.05 s)."""
     headers = {"Authorization": f"Bearer {admin}"}
     keys: list[ApiKey] = []
-    with httpx.Client(timeout=10) as client:
+    with httpx.Client(timeout=10, headers={"Connection": "close"}) as client:
         for name, weight, limits in KEY_PLAN:
             body: dict[str, Any] = {"name": name, "weight": weight, "limits": limits}
             made = client.post(f"{urls[0]}/v1/admin/keys", json=body, headers=headers)
@@ -58,11 +68,17 @@ def make_keys(urls: list[str], admin: str, within_s: float = 10.0) -> list[ApiKe
                 raise RuntimeError(f"making key {name}: {made.status_code} {made.text[:300]}")
             answer = made.json()
             keys.append(ApiKey(name, answer["id"], answer["key"], weight, limits))
-        deadline = time.monotonic() + within_s
+        made_at = time.monotonic()
+        deadline = made_at + within_s
         for url in urls:
             for key in keys:
-                while client.get(f"{url}/v1/models", headers=key.bearer).status_code == 401:
-                    if time.monotonic() > deadline:
+                taken = 0
+                while taken < CHECKS_PER_URL:
+                    ok = client.get(f"{url}/v1/models", headers=key.bearer).status_code != 401
+                    taken = taken + 1 if ok else 0
+                    if not ok and time.monotonic() > deadline:
                         raise TimeoutError(f"{url} did not take key {key.name} in {within_s} s")
-                    time.sleep(0.05)
+                    if not ok:
+                        time.sleep(0.05)
+        time.sleep(max(0.0, made_at + IN_FORCE_S - time.monotonic()))
     return keys
