@@ -140,9 +140,8 @@ class Intake:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
                 continue
-            if self._kept:
-                entry_id, request = self._kept.popleft()
-                self.take(entry_id, {b"r": wire.encode(request)})
+            if self._kept:  # a continuation: its prompt was charged by its first run
+                self.start(*self._kept.popleft(), estimated_tokens=0)
                 continue
             try:
                 await self.before_taking()
@@ -175,6 +174,11 @@ class Intake:
             log.error("dropping an unreadable request %s: %s", entry_id, exc)
             self.spawn(self.ack_or_retry_later(entry_id))
             return
+        self.start(entry_id, request, estimated_tokens=int(fields.get(b"e", 0)))
+
+    def start(self, entry_id: bytes, request: GenerationRequest, estimated_tokens: int) -> None:
+        """Start ``request`` (its queue entry ``entry_id``), or hold it, or drop it as a
+        copy; ``estimated_tokens``: what its queue charged its tenant for its prompt."""
         target = self.publisher.target(
             request.session_id,
             request.generation_id,
@@ -182,7 +186,7 @@ class Intake:
             ttl_s=request.session_ttl_s,
             maxlen=request.events_maxlen,
         )
-        job = Job(request, entry_id, target, estimated_tokens=int(fields.get(b"e", 0)))
+        job = Job(request, entry_id, target, estimated_tokens=estimated_tokens)
         running = self.jobs.get(request.generation_id)
         if running is not None and running.epoch >= job.epoch and not running.claim_held:
             running.hold_second_copy(job)  # settled once its claim is answered

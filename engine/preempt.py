@@ -91,7 +91,7 @@ class Preemptor:
         if request is None:
             return
         self.intake.keep(job.entry_id, request)
-        await self.intake.backend.abort(job.request.engine_request_id)
+        await self.handover.backend.abort(job.request.engine_request_id)
         self.metrics.preemptions.inc()
         log.info(
             "stopped %s for another tenant's request; it goes on at the next free slot",
