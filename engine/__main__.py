@@ -164,10 +164,11 @@ def _worker_flags(parser: Parser) -> None:
         "--preempt",
         action=argparse.BooleanOptionalAction,
         default=False,
-        help="with every slot busy, stop the newest reply of the tenant holding the most "
-        "slots per unit of weight for a waiting tenant that, with one more, would still hold "
-        "fewer; the stopped reply goes on at the next free slot, recomputing its prompt and "
-        "what it streamed (TOKENSPOUT_SCHEDULER=fair; docs/tenants.md, 'Preemption')",
+        help="with every slot busy, stop the newest reply of the tenant served most lately "
+        "(per unit of weight, above the level of those here and waiting) for a waiting "
+        "tenant served less than half as much; the stopped reply goes on at the next free "
+        "slot, recomputing its prompt and what it streamed (TOKENSPOUT_SCHEDULER=fair; "
+        "docs/tenants.md, 'Preemption')",
     )
 
 

@@ -126,6 +126,11 @@ class Intake:
         self._kept.append((entry_id, request))
         self._slot_freed.set()
 
+    @property
+    def kept_tenants(self) -> list[str]:
+        """The tenant of each stopped reply kept here."""
+        return [request.tenant for _, request in self._kept]
+
     async def give_back_kept(self) -> None:
         """The drain: the stopped replies still kept go back to the queue for the others."""
         if self._kept:
@@ -140,8 +145,8 @@ class Intake:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
                 continue
-            if self._kept:  # a continuation: its prompt was charged by its first run
-                self.start(*self._kept.popleft(), estimated_tokens=0)
+            if self._kept:
+                await self._start_owed_or_kept()
                 continue
             try:
                 await self.before_taking()
@@ -165,6 +170,23 @@ class Intake:
                 continue
             for entry_id, fields in entries:
                 self.take(entry_id, fields)
+
+    async def _start_owed_or_kept(self) -> None:
+        """A free slot, and replies stopped for other tenants kept: a waiting tenant served
+        far less lately than theirs goes first, by the rule that stopped them
+        (wire/lua/fair_preempt.lua); else the oldest continuation, whose prompt was charged
+        by its first run."""
+        running = [job.request.tenant for job in self.jobs.values()]
+        try:
+            owed = await self.queue.preempt_for(self.worker_id, self.kept_tenants, running)
+        except (RedisError, OSError) as exc:
+            log.warning("asking the queue for a tenant owed a slot failed (%s)", exc)
+            self.metrics.redis_errors.labels("preempt").inc()
+            owed = None
+        if owed is None:
+            self.start(*self._kept.popleft(), estimated_tokens=0)
+        else:
+            self.take(*owed[1])
 
     def take(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
         """Start the request read from the queue (or hold it, or drop it as a copy)."""

@@ -1,21 +1,22 @@
 """Preemption (``python -m engine --preempt``): a full worker makes room at once for a
-tenant that holds fewer slots than its weight says.
+tenant that asks less than its share.
 
 With every slot busy, a request waits for a slot to free, whatever order the fair queue
 gives it: hundreds of milliseconds for a quiet key behind a noisy one's replies
 (docs/tenants.md, "What the fairness bench shows"). So, while every slot is busy, the worker
 waits on its queue's newcomer bell (rung when a tenant that had nothing waiting queues a
 request), and looks every ``RECHECK_MS`` between rings (a request may become owed after it
-came). It asks the queue's script (wire/lua/fair_preempt.lua) whether a waiting tenant (the
-least served first) would, with one more slot, still hold fewer here per unit of weight
-than a running tenant does. If so the script hands it that request, which starts at once,
-and the newest reply of the tenant holding the most stops as a drain's hand-over stops one
+came). It asks the queue's script (wire/lua/fair_preempt.lua) whether the tenant running
+here that was served most lately was served more than its share, and a waiting tenant (the
+least served first) less than half as much. If so the script hands it that request, which
+starts at once, and that tenant's newest reply stops as a drain's hand-over stops one
 (engine/handover.py: its events in Redis, its generation at its next epoch, a stop never
 counted against ``TOKENSPOUT_MAX_TAKEOVERS``). Its continuation is kept here and goes on at
-this worker's next free slot, before anything is taken from the queue; its request stays
-pending under this worker meanwhile, so a lost worker's stopped replies are taken over as
-its running ones are. A reply's reader sees a ``resumed`` event, as after a takeover; an
-OpenAI stream goes on without a sign.
+this worker's next free slot, before anything is taken from the queue unless a tenant served
+far less waits (the same script: engine/intake.py); its request stays pending under this
+worker meanwhile, so a lost worker's stopped replies are taken over as its running ones
+are. A reply's reader sees a ``resumed`` event, as after a takeover; an OpenAI stream goes
+on without a sign.
 
 One full worker acts per ring (BLPOP hands it to one); nothing is stopped while work
 admitted before (a takeover, a request given back) waits in the queue's stream.
@@ -39,8 +40,8 @@ log = logging.getLogger("tokenspout.preempt")
 
 RECHECK_MS = 20
 """While every slot is busy, a look at the queue at least this often besides each ring: a
-request that was not the least served when it came (its tenant had just been charged for
-a reply), or came while a stopped reply still waited for its slot, may be owed one later."""
+request whose tenant was not owed a slot when it came (what the running tenants were served
+reaches the queue with the worker's next charge, once a second) may be owed one later."""
 FILL_WAIT_S = 1.0
 RETRY_S = 0.5
 
@@ -59,10 +60,12 @@ class Preemptor:
         while True:
             try:
                 await self._retry_failed()
-                if not self.intake.full:
+                if self.intake.full:
+                    await self.queue.newcomer(RECHECK_MS)
+                else:
+                    # Full again, it looks at once: a ring it took while a slot was free
+                    # (and a request that came meanwhile) would wait for the next recheck.
                     await self.intake.until_full(FILL_WAIT_S)
-                    continue
-                await self.queue.newcomer(RECHECK_MS)
                 if self.intake.full:
                     await self.preempt_once()
             except (RedisError, OSError) as exc:
@@ -73,8 +76,11 @@ class Preemptor:
     async def preempt_once(self) -> bool:
         """Stop one reply for a tenant served less, when the queue says one is due; True
         when a request was taken for it."""
-        running = [job.request.tenant for job in self.intake.jobs.values() if job.can_hand_over]
-        found = await self.queue.preempt_for(self.worker_id, running)
+        jobs = self.intake.jobs.values()
+        running = [job.request.tenant for job in jobs if job.can_hand_over]
+        others = [job.request.tenant for job in jobs if not job.can_hand_over]
+        others += self.intake.kept_tenants
+        found = await self.queue.preempt_for(self.worker_id, running, others)
         if found is None:
             return False
         stopped_tenant, (entry_id, fields) = found

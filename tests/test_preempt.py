@@ -46,6 +46,8 @@ class Reply:
     text: str = ""
     tokens: int = 0
     first_token_at: float | None = None
+    arrivals: list[float] = field(default_factory=list)
+    """When each token arrived (monotonic)."""
     usage: dict[str, int] = field(default_factory=dict)
     streaming: asyncio.Event = field(default_factory=asyncio.Event)
     """Set once the reply has streamed ``BEFORE`` tokens."""
@@ -72,7 +74,8 @@ async def stream_chat(
                 reply.usage = chunk["usage"]
             for choice in chunk["choices"]:
                 if text := choice["delta"].get("content"):
-                    reply.first_token_at = reply.first_token_at or time.monotonic()
+                    reply.arrivals.append(time.monotonic())
+                    reply.first_token_at = reply.first_token_at or reply.arrivals[0]
                     reply.text += text
                     reply.tokens += 1
                     if reply.tokens == BEFORE:
@@ -198,3 +201,38 @@ async def test_a_worker_lost_with_a_stopped_reply_has_both_replies_taken_over_wh
             assert reply.text == "".join(t.text for t in scripted_reply(content, tokens))
             assert reply.usage["completion_tokens"] == tokens, reply.usage
             await until_usage(client, gateway.url, key.id, reply.usage["total_tokens"])
+
+
+async def test_a_light_key_never_stops_another_and_a_free_slot_goes_to_it_before_a_stopped_reply(
+    stack: Stack,
+) -> None:
+    """One slot. The noisy reply stops for quiet key A's; quiet key B's request comes while
+    A's runs: A's reply is not stopped for it (A asks no more than its share), and when A's
+    ends, the free slot goes to B before the noisy reply's continuation (the noisy key was
+    served far more lately). Every reply whole, one stop in all."""
+    gateway = stack.gateway(TOKENSPOUT_ADMIN_KEY=ADMIN_KEY)
+    metrics = free_port()
+    stack.synthetic(TOKENS_PER_S, "--capacity", "1", "--metrics-port", str(metrics), "--preempt")
+    async with httpx.AsyncClient(timeout=30) as client:
+        noisy, a, b = [await make_key(client, gateway.url, name) for name in ("noisy", "a", "b")]
+        long, first, second = Reply(), Reply(), Reply()
+        asks = [(noisy, "a long one", NOISY_TOKENS, long)]
+        tasks = [asyncio.create_task(stream_chat(client, gateway.url, *asks[0]))]
+        await until_tokens(long, BEFORE)
+        asks.append((a, "quiet a", 20, first))
+        tasks.append(asyncio.create_task(stream_chat(client, gateway.url, *asks[1])))
+        await until_tokens(first, 5)
+        asks.append((b, "quiet b", 10, second))
+        tasks.append(asyncio.create_task(stream_chat(client, gateway.url, *asks[2])))
+        async with asyncio.timeout(60):
+            await asyncio.gather(*tasks)
+        assert second.arrivals[0] > first.arrivals[-1], "B waited for A's reply to end"
+        # From A's second token (its first may race the stop's last noisy token) to B's last.
+        during = [t for t in long.arrivals if first.arrivals[1] < t < second.arrivals[-1]]
+        assert during == [], "the noisy reply waited for A's and then B's"
+        for key, content, tokens, reply in asks:
+            assert reply.text == "".join(t.text for t in scripted_reply(content, tokens))
+            assert reply.usage["completion_tokens"] == tokens, reply.usage
+            await until_usage(client, gateway.url, key.id, reply.usage["total_tokens"])
+        samples = await scrape(client, f"http://127.0.0.1:{metrics}/metrics")
+        assert value(samples, "tokenspout_engine_preemptions_total") == 1

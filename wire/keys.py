@@ -23,6 +23,9 @@ Redis layout (every key with a TTL, every stream capped):
     {{prefix}:requests:{model}}:fair:vtc
                                       hash tenant -> its virtual token counter (tokens
                                       served / weight)
+    {{prefix}:requests:{model}}:fair:recent
+                                      hash tenant -> '<sum> <ms>': tokens served lately
+                                      per unit of weight, each halving every 5 s
     {{prefix}:requests:{model}}:fair:weights
                                       hash tenant -> its weight
     {{prefix}:requests:{model}}:fair:bell
@@ -220,6 +223,9 @@ class FairNames:
         self.base = base
         self.ready = f"{base}:ready"
         self.vtc = f"{base}:vtc"
+        self.recent = f"{base}:recent"
+        """What each tenant was served lately, per unit of weight (wire/lua/fair_core.lua,
+        ``fair_recent``)."""
         self.weights = f"{base}:weights"
         self.bell = f"{base}:bell"
         self.newcomer = f"{base}:newcomer"

@@ -345,17 +345,23 @@ class RequestQueue:
         return bool(rung)
 
     async def preempt_for(
-        self, consumer: str, running: Sequence[str], maxlen: int | None = None
+        self,
+        consumer: str,
+        yielding: Sequence[str],
+        others: Sequence[str] = (),
+        maxlen: int | None = None,
     ) -> tuple[str, StreamEntry] | None:
-        """For a full worker running generations of the tenants ``running`` (one name per
-        generation): a waiting tenant's request, taken for ``consumer``, and the tenant (its
-        slot name) to stop a reply of; None when no stop is due (wire/lua/fair_preempt.lua)."""
+        """For a worker whose replies of the tenants ``yielding`` (one name per reply) may
+        give way, beside replies of ``others``: a waiting tenant's request, taken for
+        ``consumer``, and the tenant (its slot name) that gives way; None when none is owed
+        (wire/lua/fair_preempt.lua)."""
         return await self._preempt(
             stream=self.key,
             base=self.fair.base,
             consumer=consumer,
             maxlen=maxlen or DEFAULT_STREAM_CAP,
-            running=[tenant_slot(tenant) for tenant in running],
+            yielding=[tenant_slot(tenant) for tenant in yielding],
+            others=[tenant_slot(tenant) for tenant in others],
         )
 
     async def charge(self, served: ServedTokens) -> None:

@@ -680,17 +680,23 @@ class FairTake(Script):
 
 
 class FairPreempt(Script):
-    """A full worker's preemption: a waiting tenant's request and the tenant to stop a
-    reply of, when the slots the tenants hold here are further apart than their weights
-    allow (wire/lua/fair_preempt.lua)."""
+    """Whether a reply here gives way to a waiting tenant served far less lately: that
+    tenant's request, taken, and the tenant that gives way (wire/lua/fair_preempt.lua)."""
 
     source = FAIR_CORE + lua_source("fair_preempt")
 
     async def __call__(
-        self, *, stream: str, base: str, consumer: str, maxlen: int, running: Sequence[str]
+        self,
+        *,
+        stream: str,
+        base: str,
+        consumer: str,
+        maxlen: int,
+        yielding: Sequence[str],
+        others: Sequence[str],
     ) -> tuple[str, tuple[bytes, dict[bytes, bytes]]] | None:
         args: list[Arg] = [CONSUMER_GROUP, consumer, maxlen, SHARED_KEY_TTL_S, ANONYMOUS]
-        args += running
+        args += [len(yielding), *yielding, *others]
         reply = await self._run([stream, base], args, None)
         if not reply:
             return None

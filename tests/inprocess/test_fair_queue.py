@@ -173,3 +173,89 @@ async def test_requests_past_the_deadline_are_taken_out_of_the_lists(
     ]
     assert await queue.fair_waiting() == 1
     assert await take(queue, 5) == ["a"]
+
+
+async def served_lately(queue: RequestQueue, **tokens: int) -> None:
+    """Charge each tenant ``tokens`` (a worker's charge: what it served lately)."""
+    served = ServedTokens()
+    for tenant, count in tokens.items():
+        served.add(tenant, count)
+    await queue.charge(served)
+
+
+@pytest.mark.parametrize(
+    ("charged", "waiting_tenant", "yielding", "gives_way"),
+    [
+        # A light tenant waits behind a heavy one: the heavy one gives way.
+        ({"heavy": 400, "light": 20}, "light", ["heavy", "heavy", "light-b"], "heavy"),
+        # A tenant never served: the same, whatever it runs.
+        ({"heavy": 400}, "new", ["heavy"], "heavy"),
+        # A free slot with a heavy tenant's stopped reply kept: the light one goes first.
+        ({"heavy": 400, "light": 20}, "light", ["heavy"], "heavy"),
+        # Light tenants, one holding three slots for a moment: served less than the level
+        # (the heavy one waits, so it counts there), none of its replies stops, though
+        # the other was served a quarter as much.
+        ({"heavy": 400, "light-a": 40, "light-b": 10}, "light-b", ["light-a"] * 3, None),
+        # Two heavy tenants, one served less but more than half as much: no stop by turns.
+        ({"heavy": 200, "b": 200}, "b", ["heavy"] * 4, None),
+        # Nothing served lately by anyone: nobody is owed.
+        ({}, "b", ["a"] * 4, None),
+        # A request with no tenant (anonymous, or fifo's one list) is owed no share.
+        ({"heavy": 400}, "", ["heavy"], None),
+    ],
+    ids=[
+        "heavy-gives-way",
+        "new-tenant",
+        "kept-reply",
+        "light-alike",
+        "heavy-alike",
+        "idle",
+        "anonymous",
+    ],
+)
+async def test_the_tenant_served_most_lately_gives_way_to_one_served_far_less(
+    redis: aioredis.Redis,
+    charged: dict[str, int],
+    waiting_tenant: str,
+    yielding: list[str],
+    gives_way: str | None,
+) -> None:
+    queue = await fresh_queue(redis)
+    await submit(queue, "heavy", 4)  # backlogged: one waits after these three
+    await take(queue, 3)
+    await served_lately(queue, **charged)
+    await submit(queue, waiting_tenant, 1)
+    found = await queue.preempt_for("w", yielding)
+    if gives_way is None:
+        assert found is None
+        return
+    assert found is not None
+    assert found[0] == gives_way
+    assert tenant_of(found[1]) == waiting_tenant
+    pending = await redis.xpending(queue.key, wire.CONSUMER_GROUP)
+    assert pending["pending"] == 4  # the three taken and this one, all under "w"
+
+
+async def test_served_lately_is_per_unit_of_weight_and_halves_every_five_seconds(
+    redis: aioredis.Redis,
+) -> None:
+    """Weight 4 and 400 tokens is 100 a unit: not twice a light tenant's 60; 400 tokens
+    served 20 s ago count 25, not twice 20."""
+    queue = await fresh_queue(redis)
+    await submit(queue, "heavy", 1, weight=4.0)
+    await take(queue, 1)
+    await served_lately(queue, heavy=400 - ESTIMATE, light=60)
+    await submit(queue, "light", 1)
+    assert await queue.preempt_for("w", ["heavy"]) is None
+    await served_lately(queue, heavy=800)  # 300 a unit now: the light one is owed
+    found = await queue.preempt_for("w", ["heavy"])
+    assert found is not None and found[0] == "heavy"
+
+    older = await fresh_queue(redis)
+    await submit(older, "heavy", 1)
+    await take(older, 1)
+    twenty_s_ago = int(time.time() * 1000) - 20_000
+    await redis.hset(older.fair.recent, "heavy", f"400 {twenty_s_ago}")
+    await served_lately(older, light=20)
+    await submit(older, "light", 1)
+    assert await older.preempt_for("w", ["heavy"]) is None

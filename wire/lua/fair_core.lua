@@ -11,11 +11,30 @@ local function fair_ring(base, ttl)
   end
 end
 
+-- What a tenant was served lately, per unit of weight: its tokens, each counting half as
+-- much every FAIR_RECENT_HALF_LIFE_MS (stored as '<sum> <when, in ms>'). The counter cannot
+-- say it: a tenant that comes back is lifted to the counters of those waiting, so a light
+-- tenant looks as served as a heavy one there. Preemption compares these (fair_preempt.lua).
+local FAIR_RECENT_HALF_LIFE_MS = 5000
+local function fair_now_ms()
+  local now = redis.call('TIME')
+  return tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+end
+local function fair_recent(base, tenant, now)
+  local kept = redis.call('HGET', base .. ':recent', tenant)
+  if not kept then return 0 end
+  local sum, at = string.match(kept, '^(%S+) (%S+)$')
+  return tonumber(sum) * 2 ^ ((tonumber(at) - now) / FAIR_RECENT_HALF_LIFE_MS)
+end
+
 -- `tokens` served to `tenant`: its counter grows by tokens / its weight, and a tenant with
 -- requests waiting moves back among them accordingly.
 local function fair_charge(base, tenant, tokens)
   local weight = tonumber(redis.call('HGET', base .. ':weights', tenant) or '1')
   local counter = redis.call('HINCRBYFLOAT', base .. ':vtc', tenant, tokens / weight)
+  local now = fair_now_ms()
+  local recent = math.max(0, fair_recent(base, tenant, now) + tokens / weight)
+  redis.call('HSET', base .. ':recent', tenant, string.format('%.17g %d', recent, now))
   if redis.call('ZSCORE', base .. ':ready', tenant) then
     redis.call('ZADD', base .. ':ready', 'XX', counter, tenant)
   end
@@ -48,7 +67,7 @@ local function fair_enqueue(base, tenant, weight, request, ttl)
   end
   redis.call('HSET', base .. ':weights', tenant, weight)
   redis.call('HINCRBY', base, 'waiting', 1)
-  for _, key in ipairs({list, ready, vtc, base .. ':weights', base}) do
+  for _, key in ipairs({list, ready, vtc, base .. ':recent', base .. ':weights', base}) do
     redis.call('EXPIRE', key, ttl)
   end
   fair_ring(base, ttl)

@@ -1,20 +1,25 @@
 -- KEYS: the model's requests stream, its fair base (Keys.fair)
--- ARGV: consumer group, consumer, the stream's cap, TTL, the anonymous slot's name, then
---       the tenant (its FairNames slot) of each generation the worker runs, one per
---       generation
--- A full worker's preemption (engine/preempt.py). VTC orders who goes next at each free
--- slot; a stop keeps the slots the tenants hold here close to their weights: the first
--- waiting tenant, in counter order, that with one more slot would hold fewer per unit of
--- weight than some running tenant holds (or as many, that tenant served more: a higher
--- counter), has its first request moved into the stream and read by this consumer at once,
--- and the running tenant that holds the most per unit of weight is named, to stop a reply
--- of. Nothing while work admitted before waits in
--- the stream: a reply stopped for another goes on at the next free slot. Nothing for a
--- request with no tenant: anonymous requests, or every request with
+-- ARGV: consumer group, consumer, the stream's cap, TTL, the anonymous slot's name, how
+--       many tenants follow that may give way, those tenants (FairNames slots: one per
+--       reply), then the tenants of the other replies here (they count in the level only)
+-- Whether a reply here gives way to a waiting tenant served far less lately (engine/
+-- preempt.py): a full worker stops a running reply for it, and a free slot goes to it
+-- before a stopped reply's continuation (engine/intake.py). VTC orders who goes next at a
+-- free slot; this serves at once a tenant that asks less than its share:
+-- - the tenant served most lately (fair_recent: per unit of weight) among those that may
+--   give way gives way, if it was served more than the level: the tokens served lately to
+--   the tenants here and waiting, per unit of their weights. A tenant that asks for no
+--   more than its share stays at or under the level, and its replies are never stopped,
+--   however many it has running for a moment.
+-- - the first waiting tenant, in counter order, served less than half as much as that
+--   tenant has its first request moved into the stream and read by this consumer at once.
+--   The half keeps two tenants served alike from stopping each other's replies by turns.
+-- Nothing while work admitted before waits in the stream (a takeover, a request given
+-- back). Nothing for a request with no tenant: anonymous requests, or every request with
 -- TOKENSPOUT_SCHEDULER=fifo (one list, first come first served), have no share to be owed.
--- Returns {} | {tenant to stop, {{id, {field, value, ...}}}}
+-- Returns {} | {tenant that gives way, {{id, {field, value, ...}}}}
 local stream, base = KEYS[1], KEYS[2]
-local group, consumer = ARGV[1], ARGV[2]
+local group, consumer, yielding = ARGV[1], ARGV[2], tonumber(ARGV[6])
 local last = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)[1]
 if last then
   for _, info in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
@@ -23,41 +28,33 @@ if last then
     if fields['name'] == group and fields['last-delivered-id'] ~= last[1] then return {} end
   end
 end
-local weights = {}
-local function weight(tenant)
-  if not weights[tenant] then
-    weights[tenant] = tonumber(redis.call('HGET', base .. ':weights', tenant) or '1')
+local now, lately, weight = fair_now_ms(), {}, {}
+local tokens, weights = 0, 0
+local function present(tenant)
+  if not lately[tenant] then
+    lately[tenant] = fair_recent(base, tenant, now)
+    weight[tenant] = tonumber(redis.call('HGET', base .. ':weights', tenant) or '1')
+    tokens, weights = tokens + lately[tenant] * weight[tenant], weights + weight[tenant]
   end
-  return weights[tenant]
+  return lately[tenant]
 end
-local running, order = {}, {}
-for i = 6, #ARGV do
-  if not running[ARGV[i]] then table.insert(order, ARGV[i]) end
-  running[ARGV[i]] = (running[ARGV[i]] or 0) + 1
+local victim, most = nil, 0
+for i = 7, 6 + yielding do
+  if present(ARGV[i]) > most then victim, most = ARGV[i], lately[ARGV[i]] end
 end
-local function counter(tenant)
-  return tonumber(redis.call('HGET', base .. ':vtc', tenant) or '0')
-end
+if not victim then return {} end
+for i = 7 + yielding, #ARGV do present(ARGV[i]) end
 local waiting = redis.call('ZRANGE', base .. ':ready', 0, 15, 'WITHSCORES')
+for i = 1, #waiting, 2 do present(waiting[i]) end
+if most <= tokens / weights then return {} end
 for i = 1, #waiting, 2 do
   local tenant = waiting[i]
-  if tenant ~= ARGV[5] then
-    -- At a tie the tenant served more gives way, and never takes it back.
-    local victim, most = nil, ((running[tenant] or 0) + 1) / weight(tenant)
-    local served = tonumber(waiting[i + 1])
-    for _, other in ipairs(order) do
-      local held = running[other] / weight(other)
-      if other ~= tenant and (held > most or (held == most and counter(other) > served)) then
-        victim, most, served = other, held, counter(other)
-      end
-    end
-    if victim then
-      if fair_move(base, stream, ARGV[3], tenant, waiting[i + 1]) ~= 1 then return {} end
-      local reply = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', 1,
-                               'STREAMS', stream, '>')
-      redis.call('EXPIRE', stream, ARGV[4])
-      return {victim, reply[1][2]}
-    end
+  if tenant ~= ARGV[5] and 2 * lately[tenant] < most then
+    if fair_move(base, stream, ARGV[3], tenant, waiting[i + 1]) ~= 1 then return {} end
+    local reply = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', 1,
+                             'STREAMS', stream, '>')
+    redis.call('EXPIRE', stream, ARGV[4])
+    return {victim, reply[1][2]}
   end
 end
 return {}
