@@ -1,6 +1,7 @@
 """``python -m bench.chaos``: faults under load, every reply's whole history checked.
 
-Two gateways, four synthetic workers of two models (``alpha``, ``beta``) and a Redis: one
+Two gateways, four synthetic workers of two models (``alpha``, ``beta``: its workers have
+few slots and preempt, so replies are also stopped for tenants served less) and a Redis: one
 server with AOF persistence (``--redis single``), one keeping nothing on disk
 (``volatile``: not restarted), or 3 primaries and 3 replicas (``cluster``).
 ``--clients`` loops of mixed clients (bench/chaos/clients.py) keep it loaded while a
@@ -42,6 +43,7 @@ BOUND_S = 90.0
 IDLE_WITHIN_S = 30.0
 CLIENT_MIX = {"sse": 4, "ws_cancel": 2, "openai": 3, "responses": 1}
 RUNNING = re.compile(rb"^tokenspout_engine_(?:generations_)?running (\S+)$", re.M)
+PREEMPTIONS = re.compile(rb"^tokenspout_engine_preemptions_total (\S+)$", re.M)
 
 
 class Run:
@@ -58,6 +60,9 @@ class Run:
         self.extra: set[asyncio.Task[None]] = set()
         self.usage: list[dict[str, Any]] = []
         """Per key: what Redis counted and what its clients received (bench/chaos/usage.py)."""
+        self.preemptions = 0
+        """Replies the live workers stopped for another tenant (a killed worker's are lost
+        with its counters)."""
 
     def anomaly(self, at_s: float, label: str, what: str, trail: list[str] | None = None) -> None:
         near = [
@@ -211,12 +216,13 @@ class Run:
         deadline = time.monotonic() + IDLE_WITHIN_S
         busy: list[str] = []
         while time.monotonic() < deadline:
-            busy = []
+            busy, self.preemptions = [], 0
             for worker in self.fleet.live_workers():
                 url = f"http://127.0.0.1:{worker.metrics_port}/metrics"
                 body = (await self.ctx.http.get(url)).content
                 if any(float(value) for value in RUNNING.findall(body)):
                     busy.append(worker.worker_id)
+                self.preemptions += sum(int(float(v)) for v in PREEMPTIONS.findall(body))
             if not busy:
                 return
             await asyncio.sleep(0.5)
@@ -294,6 +300,7 @@ class Run:
             "takeovers_seen": sum(
                 event == "resumed" for r in self.records for _, event, _ in r.events
             ),
+            "preemptions": self.preemptions,
             "reconnects": sum(r.reconnects for r in self.records),
             "retries": sum(r.retries for r in self.records),
             "interrupted": sum(r.interrupted is not None for r in self.records),

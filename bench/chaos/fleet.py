@@ -36,6 +36,10 @@ from stack.rig import HOST, Gateway, Rig
 from wire import Keys
 
 MODELS = ("alpha", "beta")
+PREEMPTING = "beta"
+PREEMPTING_SLOTS = 4
+"""The workers of ``PREEMPTING`` have this few slots, full under the run's load, and
+preempt (``--preempt``): replies are stopped for tenants served less, under every fault."""
 WORKERS_PER_MODEL = 2
 GATEWAY_PROCESSES = (1, 2)
 """Per gateway, its processes (``--workers``)."""
@@ -126,6 +130,7 @@ class Fleet:
     def start_worker(self, model: str) -> None:
         worker_id = f"{model}-{secrets.token_hex(3)}"
         metrics_port = free_port()
+        preempting = ["--capacity", str(PREEMPTING_SLOTS), "--preempt"]
         process = self.rig.synthetic(
             TOKENS_PER_S,
             "--served-model-name",
@@ -134,6 +139,7 @@ class Fleet:
             str(metrics_port),
             "--drain-s",
             "5",
+            *(preempting if model == PREEMPTING else []),
             worker_id=worker_id,
         )
         self.workers.append(Worker(model, worker_id, process, metrics_port))
