@@ -7,9 +7,13 @@ the point with slots to spare caps the noisy key and serves the quiet ones."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
-from bench import fairness
+from bench import fairness, preempt_cost
+from tests.support.bench import run_bench
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -50,3 +54,26 @@ async def test_a_short_fairness_run_shows_the_quiet_keys_first_and_the_weights_i
         assert spare[name]["tokens_per_s"] >= 0.8 * spare[name]["fair_share_tokens_per_s"]
     assert [row["key"] for row in fairness.bound(results)] == list(fairness.QUIET)
     assert "| key | TTFT p99, never waiting for a slot | alone |" in report
+
+
+def test_the_preemption_cost_bench_measures_each_process_both_ways(tmp_path: Path) -> None:
+    """``python -m bench.preempt_cost``, two short turns: the worker that preempts stops
+    replies and the other none, each turn has every process's CPU per token, and the
+    report has both."""
+    out = tmp_path / "preempt-cost"
+    run_bench(
+        "bench.preempt_cost",
+        out,
+        *("--seconds", "4", "--warmup-s", "1", "--turns", "2"),
+        timeout_s=150,
+    )
+    results = json.loads(out.with_suffix(".json").read_text())
+    preempting, plain = results["turns"]
+    assert preempting["preempt"] and not plain["preempt"]
+    assert preempting["preemptions"] > 0 and plain["preemptions"] == 0, results["turns"]
+    for turn in results["turns"]:
+        assert turn["tokens"] > 0
+        assert all(turn["cpu_us_per_token"][name] > 0 for name in preempt_cost.PROCESSES)
+    assert set(results["summary"]) == set(preempt_cost.PROCESSES)
+    assert "| worker |" in out.with_suffix(".md").read_text()
+    assert out.with_suffix(".png").stat().st_size > 0
