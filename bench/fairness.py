@@ -260,11 +260,24 @@ def capped_slots(options: Options) -> int:
     return max(1, options.capacity - math.ceil(quiet_slots))
 
 
+def rig_env() -> dict[str, str]:
+    """Every process of a fairness rig: keys made through the admin API, warnings only,
+    no cap on the requests in flight (the noisy key's backlog is the point)."""
+    return {
+        "TOKENSPOUT_ADMIN_KEY": ADMIN_KEY,
+        "TOKENSPOUT_LOG_LEVEL": "WARNING",
+        "TOKENSPOUT_MAX_INFLIGHT": "100000",
+    }
+
+
+def crowded_rates(options: Options) -> dict[str, float]:
+    """Requests a second of each quiet key, and of the noisy key: ten times as many."""
+    return dict.fromkeys(QUIET, options.quiet_rate) | {NOISY: 10 * options.quiet_rate}
+
+
 @contextlib.asynccontextmanager
 async def gateways(logs: Path, options: Options) -> AsyncIterator[tuple[Gateway, Gateway]]:
-    env = {"TOKENSPOUT_ADMIN_KEY": ADMIN_KEY, "TOKENSPOUT_LOG_LEVEL": "WARNING"}
-    env["TOKENSPOUT_MAX_INFLIGHT"] = "100000"
-    with on_embedded_redis(logs, f"fair-{secrets.token_hex(3)}", env) as (procs, _):
+    with on_embedded_redis(logs, f"fair-{secrets.token_hex(3)}", rig_env()) as (procs, _):
         preempt = ["--preempt"] if options.preempt else []
         procs.synthetic(options.tokens_per_s, "--capacity", str(options.capacity), *preempt)
         if options.bound:  # twice the slots: a quiet request never waits for one
@@ -281,7 +294,7 @@ async def run(options: Options) -> dict[str, Any]:
             every = {**dict.fromkeys((*QUIET, NOISY, CAPPED), 1.0), **WEIGHTED}
             loads = await make_keys(fair, every, {CAPPED: {"concurrent": capped_slots(options)}})
             quiet = [loads[name] for name in QUIET]
-            rates = dict.fromkeys(QUIET, options.quiet_rate) | {NOISY: 10 * options.quiet_rate}
+            rates = crowded_rates(options)
             points = [
                 Point("quiet alone", fair, quiet, rates),
                 Point("noisy, fifo", fifo, [*quiet, loads[NOISY]], rates),

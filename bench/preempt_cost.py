@@ -47,9 +47,7 @@ async def preemptions(metrics_port: int) -> int:
 
 async def one_turn(preempt: bool, options: fairness.Options, logs: Path) -> dict[str, Any]:
     """The crowded point on a fresh rig whose worker preempts (or not)."""
-    env = {"TOKENSPOUT_ADMIN_KEY": fairness.ADMIN_KEY, "TOKENSPOUT_LOG_LEVEL": "WARNING"}
-    env["TOKENSPOUT_MAX_INFLIGHT"] = "100000"
-    with on_embedded_redis(logs, "preempt-cost", env) as (procs, embedded):
+    with on_embedded_redis(logs, "preempt-cost", fairness.rig_env()) as (procs, embedded):
         metrics = free_port()
         flags = ["--capacity", str(options.capacity), "--metrics-port", str(metrics)]
         flags.append("--preempt" if preempt else "--no-preempt")
@@ -57,8 +55,7 @@ async def one_turn(preempt: bool, options: fairness.Options, logs: Path) -> dict
         gateway = procs.gateway(TOKENSPOUT_SCHEDULER="fair")
         names = (*fairness.QUIET, fairness.NOISY)
         loads = await fairness.make_keys(gateway, dict.fromkeys(names, 1.0), {})
-        rates = dict.fromkeys(fairness.QUIET, options.quiet_rate)
-        rates[fairness.NOISY] = 10 * options.quiet_rate
+        rates = fairness.crowded_rates(options)
         point = fairness.Point("noisy, fair", gateway, [loads[n] for n in names], rates)
         assert embedded.process is not None
         pids = {"worker": worker.pid, "redis": embedded.process.pid, "gateway": gateway.process.pid}
