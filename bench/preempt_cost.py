@@ -20,29 +20,20 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import httpx
 import redis
 
 from bench import fairness, report, stuck
-from bench.stats import machine
+from bench.stats import machine, metrics_of
 from stack import procfs
 from stack.redis_server import free_port
 from stack.rig import on_embedded_redis
 
 PROCESSES = ("worker", "redis", "gateway")
-PREEMPTIONS = b"tokenspout_engine_preemptions_total "
 
 
 def script_calls(client: redis.Redis) -> int:
     stats: dict[str, dict[str, int]] = client.info("commandstats")
     return stats.get("cmdstat_evalsha", {}).get("calls", 0)
-
-
-async def preemptions(metrics_port: int) -> int:
-    async with httpx.AsyncClient(timeout=10) as client:
-        body = (await client.get(f"http://127.0.0.1:{metrics_port}/metrics")).content
-    line = next(line for line in body.splitlines() if line.startswith(PREEMPTIONS))
-    return int(float(line[len(PREEMPTIONS) :]))
 
 
 async def one_turn(preempt: bool, options: fairness.Options, logs: Path) -> dict[str, Any]:
@@ -65,7 +56,8 @@ async def one_turn(preempt: bool, options: fairness.Options, logs: Path) -> dict
             measured = await fairness.run_point(point, options)
             cpu = {name: procfs.cpu_seconds(pid) - cpu_before[name] for name, pid in pids.items()}
             calls = script_calls(client) - calls_before
-        stops = await preemptions(metrics)
+        samples = await metrics_of(f"http://127.0.0.1:{metrics}/metrics")
+    stops = int(samples["tokenspout_engine_preemptions_total"])
     # Every token of the point, its warm-up and its last replies too, as the CPU counts.
     tokens = sum(len(record.arrivals) for load in point.loads for record in load.records)
     return {

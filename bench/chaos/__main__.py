@@ -21,7 +21,6 @@ import asyncio
 import collections
 import json
 import random
-import re
 import signal
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from bench.chaos import check, clients, faults, usage
 from bench.chaos.clients import Context, Record
 from bench.chaos.fleet import MODELS, Fleet, fleet
 from bench.chaos.tenants import ApiKey
+from bench.stats import metrics_of
 from stack.rig import sync_client
 
 T = TypeVar("T")
@@ -42,8 +42,8 @@ BOUND_S = 90.0
 """Every reply ends within this, faults and all (else it hung)."""
 IDLE_WITHIN_S = 30.0
 CLIENT_MIX = {"sse": 4, "ws_cancel": 2, "openai": 3, "responses": 1}
-RUNNING = re.compile(rb"^tokenspout_engine_(?:generations_)?running (\S+)$", re.M)
-PREEMPTIONS = re.compile(rb"^tokenspout_engine_preemptions_total (\S+)$", re.M)
+RUNNING = ("tokenspout_engine_running", "tokenspout_engine_generations_running")
+PREEMPTIONS = "tokenspout_engine_preemptions_total"
 
 
 class Run:
@@ -219,10 +219,10 @@ class Run:
             busy, self.preemptions = [], 0
             for worker in self.fleet.live_workers():
                 url = f"http://127.0.0.1:{worker.metrics_port}/metrics"
-                body = (await self.ctx.http.get(url)).content
-                if any(float(value) for value in RUNNING.findall(body)):
+                samples = await metrics_of(url, self.ctx.http)
+                if any(samples.get(name) for name in RUNNING):
                     busy.append(worker.worker_id)
-                self.preemptions += sum(int(float(v)) for v in PREEMPTIONS.findall(body))
+                self.preemptions += int(samples.get(PREEMPTIONS, 0))
             if not busy:
                 return
             await asyncio.sleep(0.5)
