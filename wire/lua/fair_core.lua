@@ -27,10 +27,14 @@ local function fair_recent(base, tenant, now)
   return tonumber(sum) * 2 ^ ((tonumber(at) - now) / FAIR_RECENT_HALF_LIFE_MS)
 end
 
+local function fair_weight(base, tenant)
+  return tonumber(redis.call('HGET', base .. ':weights', tenant) or '1')
+end
+
 -- `tokens` served to `tenant`: its counter grows by tokens / its weight, and a tenant with
 -- requests waiting moves back among them accordingly.
 local function fair_charge(base, tenant, tokens)
-  local weight = tonumber(redis.call('HGET', base .. ':weights', tenant) or '1')
+  local weight = fair_weight(base, tenant)
   local counter = redis.call('HINCRBYFLOAT', base .. ':vtc', tenant, tokens / weight)
   local now = fair_now_ms()
   local recent = math.max(0, fair_recent(base, tenant, now) + tokens / weight)

@@ -33,7 +33,7 @@ local tokens, weights = 0, 0
 local function present(tenant)
   if not lately[tenant] then
     lately[tenant] = fair_recent(base, tenant, now)
-    weight[tenant] = tonumber(redis.call('HGET', base .. ':weights', tenant) or '1')
+    weight[tenant] = fair_weight(base, tenant)
     tokens, weights = tokens + lately[tenant] * weight[tenant], weights + weight[tenant]
   end
   return lately[tenant]
