@@ -37,7 +37,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 import msgspec
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
 import wire
 from engine.backends.base import Backend
@@ -151,6 +151,9 @@ class Intake:
             try:
                 await self.before_taking()
                 entries = await self.queue.take(self.worker_id, free, 1000, self.served)
+            except OutOfMemoryError as exc:  # refused at its maxmemory: waited out, as away
+                await self._take_failed(exc)
+                continue
             except ResponseError as exc:
                 if "NOGROUP" not in str(exc):
                     raise
@@ -159,9 +162,7 @@ class Intake:
                     await self.queue.ensure_group()
                 continue
             except (RedisError, OSError) as exc:
-                log.warning("reading requests failed (%s); retrying", exc)
-                self.metrics.redis_errors.labels("requests").inc()
-                await asyncio.sleep(0.5)
+                await self._take_failed(exc)
                 continue
             if entries and not self.accepting:
                 # Read while the drain began (a hand-over may be among them): give them back.
@@ -170,6 +171,11 @@ class Intake:
                 continue
             for entry_id, fields in entries:
                 self.take(entry_id, fields)
+
+    async def _take_failed(self, exc: Exception) -> None:
+        log.warning("reading requests failed (%s); retrying", exc)
+        self.metrics.redis_errors.labels("requests").inc()
+        await asyncio.sleep(0.5)
 
     async def _start_owed_or_kept(self) -> None:
         """A free slot, and replies stopped for other tenants kept: a waiting tenant served

@@ -406,3 +406,57 @@ async def test_a_worker_whose_heartbeat_a_write_pause_held_up_announces_itself_b
     finally:
         admin.close()
         stack.stop()
+
+
+async def test_a_redis_at_its_maxmemory_holds_replies_refuses_new_ones_then_serves(
+    restartable_redis: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """Redis at its ``maxmemory`` (no eviction, the default) refuses every write that needs
+    memory (``OOM``): a running reply waits (its worker retries its writes), a new message
+    is answered 503 with ``Retry-After``; once memory is free again the reply goes on,
+    whole, and new work is served. Found by the chaos run: a worker whose request-taking
+    script was refused with ``OOM`` ended (its consume loop let the error through)."""
+    stack = Stack(restartable_redis.url, "full", tmp_path)
+    admin = redis.Redis(port=restartable_redis.port)
+    try:
+        worker = stack.synthetic(25)
+        gateway = stack.gateway()
+        async with httpx.AsyncClient(timeout=30) as client:
+            _, gid, reader = await reply_under_way(
+                client, gateway.url, "a full Redis", 10, max_tokens=100
+            )
+            used = int(admin.info("memory")["used_memory"])
+            admin.config_set("maxmemory", used + 64 * 1024)
+            try:
+                async with asyncio.timeout(10):  # the reply's writes fill what is left
+                    refused = await _refused_at_maxmemory(client, gateway.url)
+                assert refused.status_code == 503 and "retry-after" in refused.headers
+                await asyncio.sleep(3)  # the worker meets OOM on every take meanwhile
+                assert worker.poll() is None, "the worker ended at Redis's maxmemory"
+            finally:
+                admin.config_set("maxmemory", 0)
+            await reader.until_end(60)
+            await _a_new_session_works(client, gateway.url)
+        assert reader.reading.final(gid).event == "done"
+        assert reader.reading.text(gid) == synthetic_text("a full Redis", 100)
+        assert worker.poll() is None
+    finally:
+        admin.close()
+        stack.stop()
+
+
+async def _refused_at_maxmemory(client: httpx.AsyncClient, base: str) -> httpx.Response:
+    """New sessions and messages until one is refused (a write that needs memory)."""
+    while True:
+        made = await client.post(f"{base}/v1/sessions")
+        if made.status_code != 201:
+            return made
+        sid, token = made.json()["session_id"], made.json()["token"]
+        sent = await client.post(
+            f"{base}/v1/sessions/{sid}/messages",
+            json={"content": "no room", "max_tokens": 2},
+            headers={"X-Session-Token": token},
+        )
+        if sent.status_code != 202:
+            return sent
+        await asyncio.sleep(0.1)
