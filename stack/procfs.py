@@ -86,9 +86,15 @@ def tcp_connections_to(pid: int, port: int) -> int:
 def tcp_local_ports_to(pid: int, port: int) -> list[int]:
     """The local ports of ``pid``'s open TCP connections to 127.0.0.1:``port`` (what
     ``CLIENT LIST`` shows as each one's ``addr``)."""
+    return sorted(tcp_local_ports([pid], {port}))
+
+
+def tcp_local_ports(pids: list[int], remote_ports: set[int]) -> set[int]:
+    """The local ports of the open TCP connections of ``pids``' trees to 127.0.0.1 on any
+    of ``remote_ports``."""
     inodes = set()
     fds: list[Path] = []
-    for p in tree(pid):
+    for p in (member for pid in pids for member in tree(pid)):
         with contextlib.suppress(OSError):
             fds += Path(f"/proc/{p}/fd").iterdir()
     for fd in fds:
@@ -98,13 +104,13 @@ def tcp_local_ports_to(pid: int, port: int) -> list[int]:
             continue
         if target.startswith("socket:["):
             inodes.add(target[8:-1])
-    remote = f"0100007F:{port:04X}"
-    ports = []
+    remotes = {f"0100007F:{port:04X}" for port in remote_ports}
+    ports = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
             parts = line.split()
-            if parts[2] == remote and parts[9] in inodes:
-                ports.append(int(parts[1].rsplit(":", 1)[1], 16))
+            if parts[2] in remotes and parts[9] in inodes:
+                ports.add(int(parts[1].rsplit(":", 1)[1], 16))
     return ports
 
 
