@@ -50,15 +50,27 @@ def cluster_port() -> int:
 
 
 class EmbeddedCluster:
-    def __init__(self, primaries: int = 3, replicas: int = 1) -> None:
+    def __init__(
+        self, primaries: int = 3, replicas: int = 1, reach: Callable[[int], int] | None = None
+    ) -> None:
+        """``reach``: the port clients reach a node at, from its own (a proxy in front of
+        each, bench/chaos/proxy.py): the nodes announce it (``cluster-announce-port``), so
+        clients and replicas connect through it; the nodes' bus stays direct."""
         self.data_dir = Path(tempfile.mkdtemp(prefix="tokenspout-cluster-"))
         self.nodes: list[EmbeddedRedis] = []
         for index in range(primaries * (1 + replicas)):
             folder = self.data_dir / f"node{index}"
             folder.mkdir()
+            port = cluster_port()
+            announce = []
+            if reach is not None:
+                announce = [
+                    *("--cluster-announce-port", str(reach(port))),
+                    *("--cluster-announce-bus-port", str(port + 10_000)),
+                ]
             self.nodes.append(
                 EmbeddedRedis(
-                    port=cluster_port(),
+                    port=port,
                     data_dir=folder,
                     extra_args=[
                         "--cluster-enabled",
@@ -77,14 +89,16 @@ class EmbeddedCluster:
                         # A replica's first sync starts at once (the default waits 5 s).
                         "--repl-diskless-sync-delay",
                         "0",
+                        *announce,
                     ],
                 )
             )
         self.primaries = primaries
+        self.reach = reach or (lambda port: port)
 
     @property
     def url(self) -> str:
-        return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
+        return f"redis+cluster://127.0.0.1:{self.reach(self.nodes[0].port)}"
 
     def client(self, node: EmbeddedRedis) -> redis.Redis:
         return redis.Redis(port=node.port, socket_timeout=5, decode_responses=True)
@@ -158,7 +172,7 @@ class EmbeddedCluster:
             slot = int(_cmd(client, "CLUSTER KEYSLOT", key))
             for start, end, (_host, port, *_), *_replicas in _cmd(client, "CLUSTER SLOTS"):
                 if start <= slot <= end:
-                    return next(node for node in self.nodes if node.port == port)
+                    return next(node for node in self.nodes if self.reach(node.port) == port)
         raise LookupError(f"no node serves {key!r}")
 
     def stop(self) -> None:

@@ -44,26 +44,39 @@ def _wait(what: str, check: Callable[[], bool], timeout_s: float) -> None:
 
 
 class EmbeddedSentinel:
-    def __init__(self, replicas: int = 1, sentinels: int = 3, service: str = SERVICE) -> None:
+    def __init__(
+        self,
+        replicas: int = 1,
+        sentinels: int = 3,
+        service: str = SERVICE,
+        reach: Callable[[int], int] | None = None,
+    ) -> None:
+        """``reach``: the port clients reach a server at, from its own (a proxy in front of
+        each, bench/chaos/proxy.py): the Sentinels watch it there and name it to clients,
+        replicas announce and follow it there; the Sentinels themselves are reached
+        directly."""
         self.service = service
+        self.reach = reach or (lambda port: port)
         self.data_dir = Path(tempfile.mkdtemp(prefix="tokenspout-sentinel-"))
         # A replica's first sync starts at once (the default waits 5 s).
         quick_sync = ["--repl-diskless-sync-delay", "0"]
-        self.primary = EmbeddedRedis(data_dir=self._folder("primary"), extra_args=quick_sync)
+        self.primary = EmbeddedRedis(data_dir=self._folder("primary"), extra_args=[*quick_sync])
         self.replicas = [
-            EmbeddedRedis(
-                data_dir=self._folder(f"replica{index}"),
-                extra_args=["--replicaof", "127.0.0.1", str(self.primary.port), *quick_sync],
-            )
+            EmbeddedRedis(data_dir=self._folder(f"replica{index}"), extra_args=[*quick_sync])
             for index in range(replicas)
         ]
+        primary_at = str(self.reach(self.primary.port))
+        for replica in self.replicas:
+            replica.extra_args += ["--replicaof", "127.0.0.1", primary_at]
+        for server in self.servers:
+            server.extra_args += ["--replica-announce-port", str(self.reach(server.port))]
         self.sentinels = []
         for index in range(sentinels):
             folder = self._folder(f"sentinel{index}")
             config = folder / "sentinel.conf"
             quorum = sentinels // 2 + 1
             config.write_text(
-                f"sentinel monitor {service} 127.0.0.1 {self.primary.port} {quorum}\n"
+                f"sentinel monitor {service} 127.0.0.1 {primary_at} {quorum}\n"
                 f"sentinel down-after-milliseconds {service} {DOWN_AFTER_MS}\n"
                 f"sentinel failover-timeout {service} 10000\n"
             )
@@ -126,7 +139,7 @@ class EmbeddedSentinel:
         """The server a Sentinel names as the primary now."""
         with self.client(self.sentinels[0]) as client:
             _host, port = _cmd(client, "SENTINEL GET-MASTER-ADDR-BY-NAME", self.service)
-        return next(node for node in self.servers if node.port == int(port))
+        return next(node for node in self.servers if self.reach(node.port) == int(port))
 
     def wait_promoted(self, old: EmbeddedRedis, timeout_s: float = 60.0) -> EmbeddedRedis:
         """Until every Sentinel names a primary other than ``old`` and that server says it
@@ -139,7 +152,7 @@ class EmbeddedSentinel:
                     ports.add(
                         int(_cmd(client, "SENTINEL GET-MASTER-ADDR-BY-NAME", self.service)[1])
                     )
-            if len(ports) != 1 or old.port in ports:
+            if len(ports) != 1 or self.reach(old.port) in ports:
                 return False
             with self.client(self.primary_now()) as client:
                 return bool(client.info("replication")["role"] == "master")

@@ -159,13 +159,14 @@ class Rig:
         grpc: bool = False,
         cpu: int | None = None,
         workers: int = 1,
+        grpc_port: int = 0,
         **env: str,
     ) -> Gateway:
-        """A gateway process; ``grpc``: with its gRPC server, on a free port (listening by
-        the time ``/health`` answers: the app's lifespan starts it); ``workers``: processes
-        on its ports (``python -m gateway --workers``)."""
+        """A gateway process; ``grpc``: with its gRPC server, on ``grpc_port`` or a free
+        port (listening by the time ``/health`` answers: the app's lifespan starts it);
+        ``workers``: processes on its ports (``python -m gateway --workers``)."""
         port = port or free_port()
-        grpc_port = free_port() if grpc else 0
+        grpc_port = grpc_port or (free_port() if grpc else 0)
         log = self.logs / f"gateway-{port}.log"
         env = self.base_env(**env)
         process = processes.gateway(port, env, log, grpc_port=grpc_port, workers=str(workers))
