@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 LOCK   := constraints.txt
 PORT   ?= 8000
 
-.PHONY: run test check setup lock model browser lint typecheck pytest bench soak clean check-vllm
+.PHONY: run test check setup lock model browser lint typecheck pytest bench soak soak-vllm clean check-vllm
 
 run: setup
 	$(PY) -m stack --port $(PORT)
@@ -91,9 +91,10 @@ check-vllm: model
 
 # Ten minutes of faults under load (bench/chaos), every reply checked; one report per seed
 # in docs/bench/chaos/. `make soak SEEDS="1 2 3"` runs three in a row, stopping at the
-# first with an anomaly; SOAK_REDIS=cluster (or volatile: no persistence) changes the
-# Redis; every process's log stays in SOAK_LOGS. `make test` runs a one-minute seeded run
-# on one Redis and on a cluster (tests/test_chaos.py).
+# first with an anomaly; SOAK_REDIS=cluster (3 primaries, 3 replicas), sentinel (a primary,
+# a replica, 3 Sentinels) or volatile (no persistence) changes the Redis; every process's
+# log stays in SOAK_LOGS. `make test` runs a one-minute seeded run on one Redis and on a
+# cluster (tests/test_chaos.py).
 SEEDS      ?= 1
 SOAK_S     ?= 600
 SOAK_REDIS ?= single
@@ -104,6 +105,14 @@ soak: setup
 	    --redis $(SOAK_REDIS) --out docs/bench/chaos/soak-$(SOAK_REDIS)-$$seed.json \
 	    --logs $(SOAK_LOGS)/$(SOAK_REDIS)-$$seed || exit 1; \
 	done
+
+# The real engine under faults (bench/chaos/vllm.py): one vLLM worker on the CPU, greedy,
+# killed, stopped and cut off from Redis mid-reply for VLLM_SOAK_S; every reply must be the
+# uninterrupted one token for token. Not part of `make test` (some ten minutes).
+VLLM_SOAK_S ?= 300
+soak-vllm: model
+	$(PY) -m bench.chaos.vllm --seed $(firstword $(SEEDS)) --duration-s $(VLLM_SOAK_S) \
+	  --out docs/bench/chaos/soak-vllm-$(firstword $(SEEDS)).json --logs $(SOAK_LOGS)/vllm
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache

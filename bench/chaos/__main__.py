@@ -30,9 +30,10 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from bench.chaos import check, clients, faults, usage
+from bench.chaos import adapters, check, clients, faults, usage
 from bench.chaos.clients import Context, Record
 from bench.chaos.fleet import MODELS, Fleet, fleet
+from bench.chaos.redises import KINDS
 from bench.chaos.tenants import ApiKey
 from bench.stats import metrics_of
 from stack.rig import sync_client
@@ -41,7 +42,7 @@ T = TypeVar("T")
 BOUND_S = 90.0
 """Every reply ends within this, faults and all (else it hung)."""
 IDLE_WITHIN_S = 30.0
-CLIENT_MIX = {"sse": 4, "ws_cancel": 2, "openai": 3, "responses": 1}
+CLIENT_MIX = {"sse": 4, "ws_cancel": 2, "openai": 3, "responses": 1, "tgi": 1, "oip": 1, "grpc": 1}
 RUNNING = ("tokenspout_engine_running", "tokenspout_engine_generations_running")
 PREEMPTIONS = "tokenspout_engine_preemptions_total"
 
@@ -54,12 +55,15 @@ class Run:
         self.duration_s = duration_s
         self.fleet = fleet
         self.client_loops = client_loops
-        self.ctx = Context(fleet.gateway_urls, fleet.now)
+        self.ctx = Context(fleet.client_urls, fleet.now, fleet.grpc_urls)
         self.records: list[Record] = []
         self.anomalies: list[dict[str, Any]] = []
         self.extra: set[asyncio.Task[None]] = set()
         self.usage: list[dict[str, Any]] = []
         """Per key: what Redis counted and what its clients received (bench/chaos/usage.py)."""
+        self.checked_against_redis = 0
+        """Replies compared with what Redis holds afterwards (those Redis lost writes
+        since are not)."""
         self.preemptions = 0
         """Replies the live workers stopped for another tenant (a killed worker's are lost
         with its counters)."""
@@ -129,8 +133,14 @@ class Run:
             if kind == "ws_cancel":
                 return [await clients.ws_canceller(ctx, rng, label, model, key)]
             if kind == "openai":
-                return [await clients.openai_client(ctx, rng, label, model, key, faults_on)]
-            return [await clients.responses_reader(ctx, rng, label, model, key, faults_on)]
+                return [await adapters.openai_client(ctx, rng, label, model, key, faults_on)]
+            if kind == "tgi":  # TGI names no model: the default one's
+                return [await adapters.tgi_client(ctx, rng, label, key, MODELS[0], faults_on)]
+            if kind == "oip":
+                return [await adapters.oip_client(ctx, rng, label, key, model, faults_on)]
+            if kind == "grpc":
+                return [await adapters.grpc_client(ctx, rng, label, model, key, faults_on)]
+            return [await adapters.responses_reader(ctx, rng, label, model, key, faults_on)]
 
         return job
 
@@ -145,9 +155,18 @@ class Run:
             count += 1
 
     async def fire(self, planned: faults.Planned) -> None:
-        fleet, kind = self.fleet, planned.kind
+        fleet, kind, cut = self.fleet, planned.kind, planned.cut
         try:
-            if kind.startswith("worker_"):
+            if cut is not None and kind.startswith("worker_"):
+                worker = await self.target(lambda: fleet.worker_target(planned.pick))
+                await fleet.cut_worker(worker, cut)
+            elif cut is not None and kind.startswith("gateway_"):
+                port = await self.target(lambda: fleet.gateway_target(planned.pick))
+                await fleet.cut_gateway(port, cut)
+            elif cut is not None:
+                port = fleet.gateway_ports[planned.pick % len(fleet.gateway_ports)]
+                await fleet.cut_clients(port, cut, planned.share)
+            elif kind.startswith("worker_"):
                 worker = await self.target(lambda: fleet.worker_target(planned.pick))
                 await fleet.signal_worker(worker, kind[7:], planned.held_s)
             elif kind == "gateway_process_kill":
@@ -156,33 +175,38 @@ class Run:
             elif kind.startswith("gateway_"):
                 port = await self.target(lambda: fleet.gateway_target(planned.pick))
                 await fleet.signal_gateway(port, kind[8:], planned.held_s)
-            elif kind == "redis_restart":
-                await fleet.restart_redis(planned.held_s)
+            elif kind in ("redis_restart", "redis_crash", "redis_wipe"):
+                await fleet.redis_down(kind[6:], planned.held_s)
             elif kind == "redis_pause":
                 await fleet.pause_redis(planned.held_s)
-            elif kind == "primary_kill":
-                await fleet.fail_over_primary(planned.pick)
+            elif kind == "redis_full":
+                await fleet.fill_redis(planned.held_s)
+            elif kind in ("primary_kill", "sentinel_failover"):
+                await fleet.fail_over(planned.pick)
             elif kind == "slow_readers":
-                fleet.note("slow_readers", "2 readers")
-                for n in range(2):
-                    label = f"slow{planned.at_s}.{n}"
-                    rng = random.Random(f"{self.seed}-{label}")
-                    key = rng.choice(fleet.api_keys)
-
-                    async def slow(
-                        rng: random.Random = rng, label: str = label, key: ApiKey = key
-                    ) -> list[Record]:
-                        return await clients.session_reader(
-                            self.ctx, rng, label, rng.choice(MODELS), key, slow=True
-                        )
-
-                    self.spawn(self.bounded(label, slow))
+                self.slow_readers(planned)
             elif kind == "hostile_burst":
                 rng = random.Random(f"{self.seed}-burst-{planned.at_s}")
                 for problem in await faults.hostile_burst(self.ctx, fleet, rng):
                     self.anomaly(fleet.now(), "hostile_burst", problem)
         except Exception as exc:
             self.anomaly(fleet.now(), f"fault {kind}", f"injecting it failed: {exc!r}")
+
+    def slow_readers(self, planned: faults.Planned) -> None:
+        self.fleet.note("slow_readers", "2 readers")
+        for n in range(2):
+            label = f"slow{planned.at_s}.{n}"
+            rng = random.Random(f"{self.seed}-{label}")
+            key = rng.choice(self.fleet.api_keys)
+
+            async def slow(
+                rng: random.Random = rng, label: str = label, key: ApiKey = key
+            ) -> list[Record]:
+                return await clients.session_reader(
+                    self.ctx, rng, label, rng.choice(MODELS), key, slow=True
+                )
+
+            self.spawn(self.bounded(label, slow))
 
     @staticmethod
     async def target(pick: Callable[[], T | None]) -> T:
@@ -235,16 +259,24 @@ class Run:
     async def check_all(self) -> None:
         by_session: dict[tuple[str, str], list[Record]] = collections.defaultdict(list)
         for record in self.records:
-            for problem in check.check(record):
+            for problem in check.check(record, self.fleet.losses, self.fleet.held_until):
                 self.anomaly(record.started_s, record.label, problem, record.trail)
+            if self.redis_lost_since(record):
+                continue  # Redis may no longer hold what its client read: checked above only
             if record.session is not None and record.kind in ("sse", "sse_slow"):
                 by_session[record.session].append(record)
             elif record.kind == "ws_cancel":
+                self.checked_against_redis += 1
                 for problem in await check.check_ws_against_redis(self.ctx, record):
                     self.anomaly(record.started_s, record.label, problem)
         for records in by_session.values():
+            self.checked_against_redis += len(records)
             for problem in await check.check_against_redis(self.ctx, records):
                 self.anomaly(records[0].started_s, records[0].label, problem)
+
+    def redis_lost_since(self, record: Record) -> bool:
+        """Redis lost writes since the record's session (or request) began."""
+        return any(loss.at_s >= record.began_s - check.BEFORE_S for loss in self.fleet.losses)
 
     async def check_usage(self) -> None:
         """Each key's counted usage against what its clients received (bench/chaos/usage.py)."""
@@ -260,6 +292,7 @@ class Run:
             started_ms=int(fleet.started_unix * 1000),
             cluster=fleet.redis_kind == "cluster",
             failovers=[f.at_s for f in fleet.faults if f.kind == "primary_kill"],
+            losses=fleet.losses,
             end_s=fleet.now(),
         )
         for finding in findings:
@@ -281,6 +314,8 @@ class Run:
             reporter.cancel()
             injector.cancel()
             await self.ctx.close()
+            await self.fleet.store.proxy.control.close()
+            await self.fleet.client_proxy.control.close()
 
     def report(self) -> dict[str, Any]:
         by_kind = collections.Counter(f.kind for f in self.fleet.faults)
@@ -304,6 +339,21 @@ class Run:
             "reconnects": sum(r.reconnects for r in self.records),
             "retries": sum(r.retries for r in self.records),
             "interrupted": sum(r.interrupted is not None for r in self.records),
+            "resent": sum(r.resent for r in self.records),
+            "checked_against_redis": self.checked_against_redis,
+            "losses": [vars(loss) for loss in self.fleet.losses],
+            "told_lost": dict(
+                sorted(collections.Counter(t.what for r in self.records for t in r.lost).items())
+            ),
+            "told_lost_after_s": max(
+                (
+                    check.told_after_s(told, causes[-1], self.fleet.held_until)
+                    for r in self.records
+                    for told in r.lost
+                    if (causes := check.causes_of(r, told, self.fleet.losses))
+                ),
+                default=0.0,
+            ),
             "usage": self.usage,
             "anomalies": self.anomalies,
             "fault_log": [vars(f) for f in self.fleet.faults],
@@ -354,7 +404,7 @@ if __name__ == "__main__":
     )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--duration-s", type=float, default=60)
-    parser.add_argument("--redis", choices=["single", "volatile", "cluster"], default="single")
+    parser.add_argument("--redis", choices=KINDS, default="single")
     parser.add_argument("--clients", type=int, default=24, help="client loops at once")
     parser.add_argument("--out", type=Path, default=None, help="write the report (JSON) here")
     parser.add_argument("--logs", type=Path, default=None, help="keep the processes' logs here")

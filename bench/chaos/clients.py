@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import random
 import secrets
 import time
@@ -73,6 +72,14 @@ SHUTTING_DOWN = "shutting_down"
 RESPONSE_FINALS = {"response.completed", "response.incomplete", "response.failed"}
 BROKEN = (httpx.TransportError, WebSocketException, OSError, asyncio.TimeoutError)
 """How a connection to a gateway fails: refused, reset, cut, or silent past the timeout."""
+LOSSES = frozenset(
+    {"events_lost", "session_lost", "unknown_session", "unknown_generation", "response_not_found"}
+)
+"""What a client may be told when Redis lost what it was reading (docs/api.md, "Resume
+never goes silent"): the only ends a reply may have besides its own, and only after a
+fault that loses writes (docs/reliability.md)."""
+LOSS_WORDS = ("Redis lost", "was lost")
+"""How the APIs with no error code (TGI, OIP, gRPC) say the same, in their message."""
 
 
 @dataclass
@@ -115,9 +122,42 @@ class Record:
     """The usage its reply reported (prompt_tokens, completion_tokens), if it saw one."""
     trail: list[str] = field(default_factory=list)
     """What the client did, with the run's second: the story of a reply that hangs."""
+    lost: list[Lost] = field(default_factory=list)
+    """What it was told Redis lost (``LOSSES``), each time it was told."""
+    resent: int = 0
+    """Times a one-shot request was sent again (cut by a fault, or lost by Redis)."""
+    began_s: float = -1.0
+    """When what it reads began: its session's first turn, or the record itself."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """Sampling parameters its request sends besides ``max_tokens`` (``temperature``)."""
+
+    def __post_init__(self) -> None:
+        if self.began_s < 0:
+            self.began_s = self.started_s
 
     def step(self, at_s: float, what: str) -> None:
         self.trail.append(f"{at_s:.1f} {what}")
+
+    def told_lost(self, at_s: float, what: str, since_s: float, via: str) -> None:
+        self.lost.append(Lost(round(at_s, 2), what, round(since_s, 2), via))
+        self.step(at_s, f"told lost: {what} ({via})")
+
+    def start_again(self) -> None:
+        """Forget the answer so far: the request is sent again (a one-shot API's resume)."""
+        self.events, self.text, self.final, self.final_data = [], "", None, {}
+        self.usage_told, self.generation_id = None, None
+
+
+@dataclass(frozen=True)
+class Lost:
+    """A client told that Redis lost what it was reading: ``what`` (a code of ``LOSSES``)
+    at ``at_s``, on a connection or request it had since ``since_s``, by the gateway at
+    ``via``."""
+
+    at_s: float
+    what: str
+    since_s: float
+    via: str
 
 
 class Retry(Exception):
@@ -131,8 +171,12 @@ class Retry(Exception):
 class Context:
     """What every client shares: the run's clock, the gateways, one HTTP client."""
 
-    def __init__(self, urls: list[str], clock: Callable[[], float]) -> None:
+    def __init__(
+        self, urls: list[str], clock: Callable[[], float], grpc: dict[str, str] | None = None
+    ) -> None:
         self.urls = urls
+        self.grpc = grpc or {}
+        """A gateway's URL -> its gRPC server's ``host:port``."""
         self.clock = clock
         self.http = httpx.AsyncClient(
             timeout=httpx.Timeout(READ_TIMEOUT_S, connect=3.0),
@@ -252,24 +296,93 @@ async def create_session(ctx: Context, rng: random.Random, record: Record) -> tu
     return created
 
 
+class SessionGone(Exception):
+    """404 ``unknown_session``: Redis lost the session (a Redis back without its data)."""
+
+
+def lost_code(response: httpx.Response) -> str | None:
+    """The code of a 404 or 410 that says Redis lost what was asked for (``LOSSES``)."""
+    if response.status_code not in (404, 410):
+        return None
+    code = _code_of(response)
+    return code if code in LOSSES else None
+
+
 async def send_message(
     ctx: Context, rng: random.Random, record: Record, session: tuple[str, str]
 ) -> str:
+    """Send the record's turn; ``SessionGone`` when Redis lost the session (told)."""
     sid, token = session
     headers = {"X-Session-Token": token, "Idempotency-Key": secrets.token_hex(8)}
-    body = {"content": record.content, "max_tokens": record.max_tokens}
+    body = {"content": record.content, "max_tokens": record.max_tokens, **record.params}
 
     async def attempt(url: str) -> str:
+        since = ctx.clock()
         response = await ctx.http.post(
             f"{url}/v1/sessions/{sid}/messages", json=body, headers=headers
         )
         refusal(response, record)
+        if code := lost_code(response):
+            record.told_lost(ctx.clock(), code, since, url)
+            record.final = "lost"
+            raise SessionGone(code)
         if response.status_code != 202:
             raise RuntimeError(f"send: {response.status_code} {response.text[:200]}")
         return str(response.json()["generation_id"])
 
     gid: str = await with_retries(ctx, rng, record, attempt)
     return gid
+
+
+class SessionStream:
+    """One session's SSE stream as a client follows one generation on it: what it read,
+    where to resume, and what it was told Redis lost. After ``events_lost`` the stream
+    starts over from the session's first event kept, so what the client had read of the
+    session (``view``: the session's records, every turn) is forgotten and read again."""
+
+    def __init__(
+        self,
+        ctx: Context,
+        record: Record,
+        view: list[Record],
+        on_token: Callable[[int], Any] | None,
+    ) -> None:
+        self.ctx, self.record, self.view, self.on_token = ctx, record, view, on_token
+        self.tokens = 0
+        self.since = ctx.clock()
+        self.url = ""
+        """The gateway the stream is read from now."""
+
+    async def take(self, event: str, payload: dict[str, Any]) -> bool:
+        """One event read; True when the record's generation has ended."""
+        record = self.record
+        if event == "events_lost":
+            record.told_lost(self.ctx.clock(), event, self.since, self.url)
+            for turn in self.view:
+                turn.events.clear()
+            record.text, self.tokens = "", 0
+            return False
+        gid = payload.get("generation_id")
+        if gid is None and event == "error":  # the stream's own: session_lost
+            self.ended("lost", payload.get("error") or payload)
+            return True
+        if gid != record.generation_id:
+            return False
+        if event == "token":
+            record.text += payload["text"]
+            self.tokens += 1
+            if self.on_token is not None:
+                await self.on_token(self.tokens)
+        elif event in SESSION_FINALS:
+            self.ended(event, payload)
+            record.usage_told = usage_of(payload.get("usage"))
+            return True
+        return False
+
+    def ended(self, final: str, payload: dict[str, Any]) -> None:
+        self.record.final, self.record.final_data = final, payload
+        if payload.get("code") in LOSSES:
+            self.record.told_lost(self.ctx.clock(), str(payload["code"]), self.since, self.url)
 
 
 async def follow_session(
@@ -281,20 +394,22 @@ async def follow_session(
     drop_every: int | None,
     slow: bool,
     on_token: Callable[[int], Any] | None = None,
+    view: list[Record] | None = None,
 ) -> None:
     """Read the session's stream from ``after`` until ``record.generation_id`` ends,
     dropping the stream every ``drop_every`` events (about) and whenever it breaks, each
-    time resuming with ``Last-Event-ID`` on a replica picked at random."""
+    time resuming with ``Last-Event-ID`` on a replica picked at random. A session Redis
+    lost ends the record ``lost``."""
     assert record.session is not None and record.generation_id is not None
     sid, token = record.session
+    stream = SessionStream(ctx, record, view or [record], on_token)
     url: str | None = None
-    tokens = 0
     while record.final is None:
         url = ctx.other(rng, url)
         headers = {"X-Session-Token": token}
         if after:
             headers["Last-Event-ID"] = after
-        read = 0
+        read, stream.since, stream.url = 0, ctx.clock(), url
         budget = rng.randint(1, 2 * drop_every) if drop_every else None
         try:
             async with ctx.http.stream(
@@ -303,22 +418,18 @@ async def follow_session(
                 if response.status_code != 200:
                     body = await response.aread()  # before ``refusal`` reads its text
                     refusal(response, record)
+                    if code := lost_code(response):
+                        stream.ended("lost", {"code": code})
+                        return
                     raise RuntimeError(f"events: {response.status_code} {body!r}")
                 async for event_id, event, data in sse_events(response):
                     payload = json.loads(data)
-                    record.events.append((event_id, event, payload))
-                    after = event_id or after
+                    if event != "events_lost":
+                        record.events.append((event_id, event, payload))
+                    after = event_id if event == "events_lost" else event_id or after
                     read += 1
-                    if payload.get("generation_id") == record.generation_id:
-                        if event == "token":
-                            record.text += payload["text"]
-                            tokens += 1
-                            if on_token is not None:
-                                await on_token(tokens)
-                        elif event in SESSION_FINALS:
-                            record.final, record.final_data = event, payload
-                            record.usage_told = usage_of(payload.get("usage"))
-                            return
+                    if await stream.take(event, payload):
+                        return
                     if slow:
                         await asyncio.sleep(rng.uniform(0.01, 0.08))
                     if budget is not None and read >= budget:
@@ -348,12 +459,22 @@ async def session_reader(
         if rng.random() < FAILING_SHARE:
             record.fails_after = rng.randint(1, record.max_tokens - 1)
             record.content += f" [[fail:{record.fails_after}]]"
+        record.began_s = records[0].started_s if records else record.started_s
         records.append(ctx.track(record))
         session = session or await create_session(ctx, rng, record)
         record.session = session
-        record.generation_id = await send_message(ctx, rng, record, session)
+        try:
+            record.generation_id = await send_message(ctx, rng, record, session)
+        except SessionGone:
+            break
         await follow_session(
-            ctx, rng, record, after, drop_every=rng.choice([None, 4, 15]), slow=slow
+            ctx,
+            rng,
+            record,
+            after,
+            drop_every=rng.choice([None, 4, 15]),
+            slow=slow,
+            view=records,
         )
         after = record.events[-1][0] if record.events else after
         ctx.finished.append((*session, record.generation_id))
@@ -379,6 +500,7 @@ async def ws_canceller(
     sid, token = record.session
     url = ctx.other(rng)
     record.step(ctx.clock(), f"socket {url}")
+    since = ctx.clock()
     try:
         async with connect(url.replace("http://", "ws://") + "/v1/ws", open_timeout=5) as ws:
             await ws.send(
@@ -405,6 +527,10 @@ async def ws_canceller(
                         if code == RATE_LIMITED:
                             rate_limited(record, str(frame)[:200])
                         raise Retry(float(frame.get("retry_after_s") or 1))
+                    if code in LOSSES:  # the session Redis lost
+                        record.told_lost(ctx.clock(), str(code), since, url)
+                        record.final, record.final_data = "lost", frame
+                        return record
                     record.problems.append(f"refused: {frame}")
                     return record
                 if kind == "ack" and frame["op"] == "generate":
@@ -418,6 +544,8 @@ async def ws_canceller(
                 elif kind in SESSION_FINALS and "event_id" in frame:
                     record.final, record.final_data = kind, frame
                     record.usage_told = usage_of(frame.get("usage"))
+                    if frame.get("code") in LOSSES:
+                        record.told_lost(ctx.clock(), str(frame["code"]), since, url)
                     # A short look for frames of this generation after its final one.
                     await ws.send(json.dumps({"type": "ping", "id": "after"}))
                     while (pong := json.loads(await asyncio.wait_for(ws.recv(), 10)))[
@@ -439,10 +567,13 @@ async def _finish_over_sse(ctx: Context, rng: random.Random, record: Record) -> 
     before its ``ack`` may or may not have queued it), cancel it over HTTP when due, and
     read it to its end."""
     assert record.session is not None
-    if record.generation_id is None:
-        record.generation_id = await _queued_generation(ctx, rng, record)
+    try:
+        if record.generation_id is None:
+            record.generation_id = await _queued_generation(ctx, rng, record)
         if record.generation_id is None:  # never queued: send it over HTTP instead
             record.generation_id = await send_message(ctx, rng, record, record.session)
+    except SessionGone:
+        return
 
     async def cancel_when_due(tokens: int) -> None:
         if (
@@ -469,10 +600,17 @@ async def _queued_generation(ctx: Context, rng: random.Random, record: Record) -
     while time.monotonic() < deadline:
         url = ctx.other(rng)
         record.step(ctx.clock(), f"looking for the generation at {url}")
+        since = ctx.clock()
         try:
             async with ctx.http.stream(
                 "GET", f"{url}/v1/sessions/{sid}/events", headers={"X-Session-Token": token}
             ) as response:
+                if response.status_code != 200:
+                    await response.aread()
+                if code := lost_code(response):
+                    record.told_lost(ctx.clock(), code, since, url)
+                    record.final = "lost"
+                    raise SessionGone(code)
                 if response.status_code != 200:
                     record.step(ctx.clock(), f"{response.status_code}")
                     await asyncio.sleep(0.5)
@@ -503,208 +641,3 @@ async def cancel_over_http(ctx: Context, rng: random.Random, record: Record) -> 
             record.problems.append(f"cancel: {response.status_code} {response.text[:200]}")
 
     await with_retries(ctx, rng, record, attempt)
-
-
-# --- OpenAI chat completions -------------------------------------------------------------
-
-
-async def openai_client(
-    ctx: Context,
-    rng: random.Random,
-    label: str,
-    model: str,
-    key: ApiKey,
-    faults_of: Callable[[str, float], int],
-) -> Record:
-    """One chat completion, streamed (half of them asking for usage) or whole (some with
-    two choices, whose prompt is billed once). ``faults_of(url, until_s)`` counts the faults
-    that gateway had up to ``until_s``: one from ``SETTLE_S`` before the request's start to
-    its break explains the break."""
-    stream = rng.random() < 0.6
-    kind = "openai_stream" if stream else "openai_whole"
-    record = ctx.track(
-        Record(kind, label, model, words(rng, label), rng.randint(5, 40), ctx.clock(), key)
-    )
-    body: dict[str, Any] = {
-        "model": model,
-        "messages": [{"role": "user", "content": record.content}],
-        "max_tokens": record.max_tokens,
-        "stream": stream,
-    }
-    if stream and rng.random() < 0.5:
-        body["stream_options"] = {"include_usage": True}
-    if not stream and rng.random() < 0.3:
-        record.choices = body["n"] = 2
-
-    async def attempt(url: str) -> None:
-        faults_before = faults_of(url, ctx.clock() - SETTLE_S)
-        try:
-            if stream:
-                await _openai_stream(ctx, url, body, record)
-            else:
-                # No read timeout: nothing comes before the whole answer, which may take a
-                # while across faults; the run's bound (90 s) tells a slow one from a hang.
-                response = await ctx.http.post(
-                    f"{url}/v1/chat/completions",
-                    json=body,
-                    headers=key.bearer,
-                    timeout=WHOLE_TIMEOUT,
-                )
-                record.step(
-                    ctx.clock(),
-                    f"{url} {response.status_code} after {response.elapsed.total_seconds():.1f} s"
-                    f" (request {response.headers.get('x-request-id')})",
-                )
-                refusal(response, record)
-                answer = response.json()
-                if response.status_code != 200:
-                    record.final, record.final_data = "error", answer
-                    return
-                _whole_answer(record, answer)
-        except (httpx.ReadError, httpx.RemoteProtocolError, httpx.ReadTimeout) as exc:
-            if faults_of(url, math.inf) > faults_before:
-                record.interrupted = f"its gateway had a fault: {type(exc).__name__}"
-            else:
-                record.problems.append(f"cut off with no fault of its gateway: {exc!r}")
-        if record.final == "error" and error_code(record.final_data) == SHUTTING_DOWN:
-            if faults_of(url, math.inf) > faults_before:  # its gateway was stopped mid-stream
-                record.interrupted = "its gateway shut down mid-stream (shutting_down)"
-            else:
-                record.problems.append("shutting_down with no fault of its gateway")
-
-    await with_retries(ctx, rng, record, attempt)
-    return record
-
-
-def _whole_answer(record: Record, answer: dict[str, Any]) -> None:
-    """A whole chat completion: its first choice's text; every choice the same (one
-    script, the same ``max_tokens``)."""
-    record.generation_id = str(answer["id"]).removeprefix("chatcmpl-")
-    record.usage_told = usage_of(answer.get("usage"))
-    first, *others = answer["choices"]
-    record.text = first["message"]["content"]
-    record.final, record.final_data = first["finish_reason"], answer
-    if len(answer["choices"]) != record.choices:
-        record.problems.append(f"{len(answer['choices'])} choices, {record.choices} asked for")
-    for other in others:
-        if (other["message"]["content"], other["finish_reason"]) != (
-            record.text,
-            record.final,
-        ):
-            record.problems.append(f"choice {other['index']} differs from choice 0: {other}")
-
-
-async def _openai_stream(ctx: Context, url: str, body: dict[str, Any], record: Record) -> None:
-    async with ctx.http.stream(
-        "POST", f"{url}/v1/chat/completions", json=body, headers=record.key.bearer
-    ) as response:
-        if response.status_code != 200:
-            await response.aread()
-            refusal(response, record)
-            record.final, record.final_data = "error", response.json()
-            return
-        async for _id, _event, data in sse_events(response):
-            if data == "[DONE]":
-                if record.final is None:
-                    record.problems.append("[DONE] before a finish_reason")
-                record.events.append(("", "[DONE]", {}))
-                return
-            chunk = json.loads(data)
-            record.events.append(("", "chunk", chunk))
-            if "error" in chunk:
-                record.final, record.final_data = "error", chunk
-                continue
-            record.generation_id = str(chunk["id"]).removeprefix("chatcmpl-")
-            if chunk.get("usage"):
-                record.usage_told = usage_of(chunk["usage"])
-            for choice in chunk["choices"]:
-                record.text += choice["delta"].get("content") or ""
-                if choice.get("finish_reason"):
-                    record.final = choice["finish_reason"]
-
-
-# --- Responses: a background stream resumed with starting_after --------------------------
-
-
-async def responses_reader(
-    ctx: Context,
-    rng: random.Random,
-    label: str,
-    model: str,
-    key: ApiKey,
-    faults_of: Callable[[str, float], int],
-) -> Record:
-    record = ctx.track(
-        Record("responses", label, model, words(rng, label), rng.randint(5, 40), ctx.clock(), key)
-    )
-    body = {
-        "model": model,
-        "input": record.content,
-        "max_output_tokens": record.max_tokens,
-        "stream": True,
-        "background": True,
-    }
-    response_id: str | None = None
-    sequence = -1
-
-    async def read(url: str, response: httpx.Response) -> None:
-        nonlocal response_id, sequence
-        if response.status_code != 200:
-            await response.aread()
-            refusal(response, record)
-            record.final, record.final_data = "error", response.json()
-            return
-        faults_before = faults_of(url, ctx.clock() - SETTLE_S)
-        async for _id, event, data in sse_events(response):
-            payload = json.loads(data)
-            if event == "error" and payload.get("code") == SHUTTING_DOWN:
-                # Its gateway was stopped: the response runs on; read it elsewhere.
-                record.step(ctx.clock(), f"{url} shutting_down")
-                if faults_of(url, math.inf) == faults_before:
-                    record.problems.append("shutting_down with no fault of its gateway")
-                if response_id is None:
-                    raise Retry(1.0)
-                return
-            record.events.append(("", event, payload))
-            sequence = payload.get("sequence_number", sequence)
-            if event == "response.created":
-                response_id = payload["response"]["id"]
-                record.generation_id = response_id.partition(".")[2]
-            elif event == "response.output_text.delta":
-                record.text += payload["delta"]
-            elif event in RESPONSE_FINALS or event == "error":
-                record.final, record.final_data = event, payload
-                record.usage_told = usage_of((payload.get("response") or {}).get("usage"))
-                return
-            if rng.random() < 0.05:
-                return  # the reader drops the stream and resumes elsewhere
-
-    async def start(url: str) -> None:
-        try:
-            async with ctx.http.stream(
-                "POST", f"{url}/v1/responses", json=body, headers=key.bearer
-            ) as response:
-                await read(url, response)
-        except BROKEN:
-            if response_id is None:
-                raise  # nothing of it reached this client: send it again
-            record.reconnects += 1  # it runs in the background: resumed below
-
-    await with_retries(ctx, rng, record, start)
-    url: str | None = None
-    while record.final is None:
-        url = ctx.other(rng, url)
-        record.reconnects += 1
-        try:
-            async with ctx.http.stream(
-                "GET",
-                f"{url}/v1/responses/{response_id}",
-                params={"stream": "true", "starting_after": str(sequence)},
-                headers=key.bearer,
-            ) as response:
-                await read(url, response)
-        except Retry as retry:
-            await asyncio.sleep(retry.after_s)
-        except BROKEN:
-            await asyncio.sleep(rng.uniform(0.05, 0.3))
-    return record

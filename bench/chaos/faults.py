@@ -16,8 +16,9 @@ from websockets.asyncio.client import connect
 
 from bench.chaos.clients import BROKEN, Context
 from bench.chaos.fleet import Fleet
+from bench.chaos.network import HOWS, Cut
 
-COMMON = [
+PROCESS = [
     "worker_kill",
     "worker_term",
     "worker_stop",
@@ -25,15 +26,27 @@ COMMON = [
     "gateway_term",
     "gateway_stop",
     "gateway_process_kill",
-    "redis_pause",
-    "slow_readers",
-    "hostile_burst",
 ]
+PARTITIONS = [f"{side}_{how}" for side in ("worker", "gateway", "client") for how in HOWS]
+"""A worker's or a gateway's links to Redis, or the clients' links to a gateway, cut as
+bench/chaos/network.py says."""
+COMMON = [*PROCESS, *PARTITIONS, "redis_pause", "redis_full", "slow_readers", "hostile_burst"]
 KINDS = {
-    "single": [*COMMON, "redis_restart"],
-    "volatile": COMMON,
+    "single": [*COMMON, "redis_restart", "redis_crash", "redis_wipe"],
+    "volatile": [*COMMON, "redis_wipe"],
     "cluster": [*COMMON, "primary_kill"],
+    "sentinel": [*COMMON, "sentinel_failover"],
 }
+GAP_S = (0.6, 2.0)
+"""Between two faults: every kind (some 30) comes round about every 40 s."""
+PAUSE_S = {"sentinel": (0.3, 0.8)}
+"""A pause's length on a Redis kind, if not 0.5 to 3 s. Sentinel calls a primary that
+pauses its writes past ``down-after-milliseconds`` (1 s here) down and fails over, and
+two primaries then take writes until it is converted (measured: still two after 9 s):
+that is a failover, ``sentinel_failover``'s part, with a split brain no client of Redis
+can be kept from losing writes in (docs/reliability.md)."""
+CLIENT_SHARE = (0.3, 1.0)
+"""Of the clients' links to a gateway, the share a client partition strikes."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +56,9 @@ class Planned:
     pick: int
     """Which target, as an index taken modulo the candidates when the fault fires."""
     held_s: float
+    cut: Cut | None = None
+    """A partition's: how, how long, how late (bench/chaos/network.py)."""
+    share: float = 1.0
 
 
 def schedule(seed: int, redis_kind: str, duration_s: float) -> list[Planned]:
@@ -58,11 +74,17 @@ def schedule(seed: int, redis_kind: str, duration_s: float) -> list[Planned]:
         held = {
             "worker_stop": rng.uniform(1.0, 8.0),  # past the 5 s worker timeout at times
             "gateway_stop": rng.uniform(1.0, 6.0),
-            "redis_pause": rng.uniform(0.5, 3.0),
+            "redis_pause": rng.uniform(*PAUSE_S.get(redis_kind, (0.5, 3.0))),
+            "redis_full": rng.uniform(0.5, 3.0),
             "redis_restart": rng.uniform(0.5, 2.0),
+            "redis_crash": rng.uniform(0.5, 2.0),
+            "redis_wipe": rng.uniform(0.5, 2.0),
         }.get(kind, 0.0)
-        planned.append(Planned(round(at, 2), kind, rng.randrange(1 << 16), held))
-        at += rng.uniform(1.0, 3.0)
+        side, _, how = kind.partition("_")
+        cut = Cut.draw(how, rng) if kind in PARTITIONS else None
+        share = rng.uniform(*CLIENT_SHARE) if side == "client" else 1.0
+        planned.append(Planned(round(at, 2), kind, rng.randrange(1 << 16), held, cut, share))
+        at += rng.uniform(*GAP_S)
     return planned
 
 

@@ -1,11 +1,13 @@
-"""The processes a chaos run breaks: a Redis (one server with persistence, or a cluster),
+"""The processes a chaos run breaks: a Redis (bench/chaos/redises.py) behind a fault proxy,
 gateways on fixed ports (the second one ``python -m gateway --workers 2``, the shape
-``make run`` and compose start on a box with spare cores), synthetic workers of two models;
-and every fault as one method.
+``make run`` and compose start on a box with spare cores), each with its gRPC server, behind
+another proxy that the clients go through, synthetic workers of two models; and every fault
+as one method.
 
 Each fault leaves the fleet whole again: a killed or stopped process is replaced on the
 same port (a gateway) or by a fresh worker of the same model, a stopped one is resumed,
-Redis is started again; a gateway process killed alone is replaced by its gateway's parent.
+Redis is started again, a partition heals; a gateway process killed alone is replaced by
+its gateway's parent.
 A gateway is its whole process tree (its children have sessions of their own): a kill or a
 stop strikes every process of it, as a container's would. ``faults`` records what was done
 and when, for the report and for the checker (a client cut off while its gateway died was
@@ -26,12 +28,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import redis
-
+from bench.chaos.network import Cut, Proxy, listeners_for
+from bench.chaos.redises import LOSES_WRITES, Datastore, datastore
 from bench.chaos.tenants import ApiKey, admin_key, make_keys
 from stack import processes, procfs
-from stack.redis_cluster import EmbeddedCluster
-from stack.redis_server import EmbeddedRedis, free_port
+from stack.redis_server import free_port
 from stack.rig import HOST, Gateway, Rig
 from wire import Keys
 
@@ -47,6 +48,10 @@ SERVING_AFTER_S = 10.0
 """A gateway process this old has served: killed, it is replaced (one killed before it
 served stops its whole gateway, by design: gateway/server/supervisor.py)."""
 TOKENS_PER_S = 40
+HOLDS_A_GATEWAY = {
+    f"{side}_{how}" for side in ("gateway", "client") for how in ("blackhole", "oneway", "latency")
+} | {"gateway_stop"}
+"""Faults that hold what a gateway answers until they end."""
 
 
 @dataclass
@@ -60,6 +65,16 @@ class Fault:
     note: str = ""
 
 
+@dataclass(frozen=True)
+class Loss:
+    """A fault after which Redis may lack writes it had acknowledged: from ``at_s`` until
+    it answered again, ``back_s``."""
+
+    at_s: float
+    back_s: float
+    kind: str
+
+
 @dataclass
 class Worker:
     model: str
@@ -71,12 +86,12 @@ class Worker:
 @dataclass
 class Fleet:
     rig: Rig
-    redis_kind: str
-    """``single`` (one server, AOF), ``volatile`` (one server keeping nothing on disk, as
-    the embedded default: never restarted, docs/reliability.md 4b says what a restart does
-    to it) or ``cluster`` (3 primaries, 3 replicas)."""
-    server: EmbeddedRedis | None
-    cluster: EmbeddedCluster | None
+    store: Datastore
+    client_proxy: Proxy
+    """Between the run's clients and the gateways (their HTTP and gRPC ports)."""
+    gateway_ports: list[int]
+    grpc_ports: dict[int, int]
+    """Gateway port -> its gRPC port (kept across restarts)."""
     admin: str = ""
     """``TOKENSPOUT_ADMIN_KEY`` of its gateways."""
     api_keys: list[ApiKey] = field(default_factory=list)
@@ -84,11 +99,11 @@ class Fleet:
     started: float = field(default_factory=time.monotonic)
     started_unix: float = field(default_factory=time.time)
     """The same instant on the wall clock (Redis's stream ids are unix ms)."""
-    gateway_ports: list[int] = field(default_factory=list)
     gateways: dict[int, Gateway] = field(default_factory=dict)
     gateway_processes: dict[int, int] = field(default_factory=dict)
     workers: list[Worker] = field(default_factory=list)
     faults: list[Fault] = field(default_factory=list)
+    losses: list[Loss] = field(default_factory=list)
     restarting: set[int] = field(default_factory=set)
     """Gateway ports between a kill or SIGTERM and their new process serving."""
     ending: set[str] = field(default_factory=set)
@@ -101,6 +116,11 @@ class Fleet:
     a different experiment."""
 
     @property
+    def redis_kind(self) -> str:
+        """``single``, ``volatile``, ``cluster`` or ``sentinel`` (bench/chaos/redises.py)."""
+        return self.store.kind
+
+    @property
     def keys(self) -> Keys:
         return Keys(self.rig.prefix)
 
@@ -109,23 +129,42 @@ class Fleet:
 
     @property
     def gateway_urls(self) -> list[str]:
+        """The gateways, reached directly (the checks after the run, the admin API)."""
         return [f"http://{HOST}:{port}" for port in self.gateway_ports]
+
+    @property
+    def client_urls(self) -> list[str]:
+        """The gateways as the clients reach them: through the client proxy."""
+        return [f"http://{HOST}:{self.client_proxy.port_for(p)}" for p in self.gateway_ports]
+
+    @property
+    def grpc_urls(self) -> dict[str, str]:
+        """A client URL -> its gateway's gRPC server, through the client proxy."""
+        return {
+            f"http://{HOST}:{self.client_proxy.port_for(port)}": (
+                f"{HOST}:{self.client_proxy.port_for(self.grpc_ports[port])}"
+            )
+            for port in self.gateway_ports
+        }
 
     # --- starting ------------------------------------------------------------------------
 
     def start(self) -> None:
-        self.gateway_ports = [free_port() for _ in GATEWAY_PROCESSES]
         self.gateway_processes = dict(zip(self.gateway_ports, GATEWAY_PROCESSES, strict=True))
         for model, _ in itertools.product(MODELS, range(WORKERS_PER_MODEL)):
             self.start_worker(model)
         for port in self.gateway_ports:
             self.start_gateway(port)
         self.api_keys = make_keys(self.gateway_urls, self.admin)
+        if self.redis_kind in ("single", "volatile"):
+            self.store.provision(self.keys)
         self.started = time.monotonic()
         self.started_unix = time.time()
 
     def start_gateway(self, port: int) -> None:
-        self.gateways[port] = self.rig.gateway(port, workers=self.gateway_processes[port])
+        self.gateways[port] = self.rig.gateway(
+            port, workers=self.gateway_processes[port], grpc_port=self.grpc_ports[port]
+        )
 
     def start_worker(self, model: str) -> None:
         worker_id = f"{model}-{secrets.token_hex(3)}"
@@ -183,6 +222,8 @@ class Fleet:
     def note(self, kind: str, target: str, held_s: float = 0.0, note: str = "") -> Fault:
         fault = Fault(round(self.now(), 2), kind, target, round(held_s, 2), note)
         self.faults.append(fault)
+        held = f" for {held_s:.1f} s" if held_s else ""
+        print(f"[chaos] {fault.at_s:6.1f} s {kind} {target}{held} {note}".rstrip(), flush=True)
         return fault
 
     async def signal_worker(self, worker: Worker, how: str, held_s: float) -> None:
@@ -227,67 +268,110 @@ class Fleet:
 
     def _kill_tree(self, process: subprocess.Popen[bytes]) -> None:
         """SIGKILL a process and all its descendants at once, then reap it."""
-        _signal_all(procfs.tree(process.pid), signal.SIGKILL)
+        signal_all(procfs.tree(process.pid), signal.SIGKILL)
         process.wait()
 
     def faults_on(self, url: str, until_s: float = math.inf) -> int:
-        """Faults on the gateway at ``url`` injected up to ``until_s`` (all so far)."""
-        target = f"gateway:{url.rsplit(':', 1)[1]}"
+        """Faults on the gateway at ``url`` (direct, or through the client proxy), or on
+        the clients' links to it, injected up to ``until_s`` (all so far)."""
+        target = self._target_of(url)
         return sum(fault.target == target and fault.at_s <= until_s for fault in self.faults)
+
+    def held_until(self, url: str, from_s: float, to_s: float) -> float:
+        """When the last fault that held the gateway at ``url`` from Redis (or its clients
+        from it) between ``from_s`` and ``to_s`` ended (0.0: none did)."""
+        target = self._target_of(url) if url else ""
+        return max(
+            (
+                fault.at_s + fault.held_s
+                for fault in self.faults
+                if fault.target == target
+                and fault.kind in HOLDS_A_GATEWAY
+                and fault.at_s <= to_s
+                and fault.at_s + fault.held_s >= from_s
+            ),
+            default=0.0,
+        )
+
+    def _target_of(self, url: str) -> str:
+        port = int(url.rsplit(":", 1)[1])
+        through = {listen: up for up, listen in self.client_proxy.listen.items()}
+        return f"gateway:{through.get(port, port)}"
 
     async def _hold(self, process: subprocess.Popen[bytes], held_s: float) -> None:
         held = self.stopped[process.pid] = procfs.tree(process.pid)
-        _signal_all(held, signal.SIGSTOP)
+        signal_all(held, signal.SIGSTOP)
         try:
             await asyncio.sleep(held_s)
         finally:
             del self.stopped[process.pid]
-            _signal_all(held, signal.SIGCONT)
+            signal_all(held, signal.SIGCONT)
 
-    async def restart_redis(self, down_s: float) -> None:
-        """Stop the one Redis (SIGTERM: its AOF is written whole), wait, start it again."""
-        assert self.server is not None
+    async def cut_worker(self, worker: Worker, cut: Cut) -> None:
+        """Partition a worker from Redis (its links only) as ``cut`` says."""
+        fault = self.note(f"worker_{cut.how}", worker.worker_id, cut.held_s, cut.describe())
+        links = await self.store.proxy.cut(cut, pids=[worker.process.pid])
+        fault.note += f", {links} links"
+
+    async def cut_gateway(self, port: int, cut: Cut) -> None:
+        """Partition a gateway (every process of it) from Redis as ``cut`` says."""
+        fault = self.note(f"gateway_{cut.how}", f"gateway:{port}", cut.held_s, cut.describe())
+        links = await self.store.proxy.cut(cut, pids=[self.gateways[port].process.pid])
+        fault.note += f", {links} links"
+
+    async def cut_clients(self, port: int, cut: Cut, share: float) -> None:
+        """Partition a ``share`` of the clients' links to a gateway (HTTP and gRPC)."""
+        fault = self.note(f"client_{cut.how}", f"gateway:{port}", cut.held_s, cut.describe())
+        listeners = [self.client_proxy.port_for(p) for p in (port, self.grpc_ports[port])]
+        links = await self.client_proxy.cut(cut, listeners=listeners, share=share)
+        fault.note += f", {links} of the clients' links ({share:.0%})"
+
+    async def redis_down(self, kind: str, down_s: float) -> None:
+        """``restart``, ``crash`` or ``wipe`` the one Redis (bench/chaos/redises.py)."""
         async with self.redis_lock:
-            self.note("redis_restart", "redis", down_s)
-            await asyncio.to_thread(self.server.stop)
-            await asyncio.sleep(down_s)
-            await asyncio.to_thread(self.server.start)
+            fault = self.note(f"redis_{kind}", "redis", down_s)
+            await asyncio.to_thread(getattr(self.store, kind), down_s)
+            self._answered_again(fault, kind)
+
+    async def fail_over(self, pick: int) -> None:
+        """SIGKILL a primary (a cluster's, or the one Sentinel names); its replica is
+        promoted; the old one comes back as its replica."""
+        kind = "primary_kill" if self.redis_kind == "cluster" else "sentinel_failover"
+        async with self.redis_lock:
+            fault = self.note(kind, "redis")
+            fault.target = await asyncio.to_thread(self.store.fail_over, pick)
+            self._answered_again(fault, "fail_over")
+
+    def _answered_again(self, fault: Fault, kind: str) -> None:
+        back_s = round(self.now(), 2)
+        fault.note = f"answered again at {back_s} s"
+        if kind in LOSES_WRITES:
+            self.losses.append(Loss(fault.at_s, back_s, fault.kind))
 
     async def pause_redis(self, held_s: float) -> None:
-        """``CLIENT PAUSE`` writes for ``held_s`` on the one Redis, or on every primary."""
+        """``CLIENT PAUSE`` writes for ``held_s`` on every primary."""
         async with self.redis_lock:
             self.note("redis_pause", "redis", held_s)
-            for port in self._primary_ports():
-                with redis.Redis(host=HOST, port=port, socket_timeout=5) as client:
-                    client.execute_command("CLIENT", "PAUSE", int(held_s * 1000), "WRITE")
+            await asyncio.to_thread(self.store.pause, held_s)
             await asyncio.sleep(held_s)
 
-    async def fail_over_primary(self, index: int) -> None:
-        """SIGKILL one cluster primary; its replica is promoted; the old one comes back as
-        the new primary's replica once the cluster is healthy."""
-        assert self.cluster is not None
+    async def fill_redis(self, held_s: float) -> None:
+        """Every primary at its ``maxmemory`` for ``held_s``: writes refused with OOM."""
         async with self.redis_lock:
-            ports = self._primary_ports()
-            victim = next(n for n in self.cluster.nodes if n.port == ports[index % len(ports)])
-            self.note("primary_kill", f"redis:{victim.port}")
-            await asyncio.to_thread(victim.kill)
-            await asyncio.to_thread(self.cluster.wait_healthy, 90)
-            await asyncio.to_thread(victim.start)
-            await asyncio.to_thread(self.cluster.wait_healthy, 90)
-
-    def _primary_ports(self) -> list[int]:
-        if self.server is not None:
-            return [self.server.port]
-        assert self.cluster is not None
-        return [node.port for node in self.cluster.primaries_now()]
+            self.note("redis_full", "redis", held_s)
+            await asyncio.to_thread(self.store.fill, True)
+            try:
+                await asyncio.sleep(held_s)
+            finally:
+                await asyncio.to_thread(self.store.fill, False)
 
     def resume_all(self) -> None:
         """SIGCONT whatever a fault still holds (the run is ending)."""
         for held in list(self.stopped.values()):
-            _signal_all(held, signal.SIGCONT)
+            signal_all(held, signal.SIGCONT)
 
 
-def _signal_all(pids: list[int], sig: int) -> None:
+def signal_all(pids: list[int], sig: int) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
@@ -295,33 +379,28 @@ def _signal_all(pids: list[int], sig: int) -> None:
 
 @contextlib.contextmanager
 def fleet(redis_kind: str, logs: Path) -> Iterator[Fleet]:
-    """A fleet on a Redis of its own, stopped with it (every process, the Redis last)."""
+    """A fleet on a Redis of its own, stopped with it (every process, then the proxies and
+    the Redis)."""
     prefix = f"chaos-{secrets.token_hex(3)}"
     admin = admin_key()
     env = {
         "TOKENSPOUT_ADMIN_KEY": admin,  # every request then wants a key: the run's own
         "TOKENSPOUT_LOG_LEVEL": "INFO",  # an anomaly's story: every start, end, takeover
         "TOKENSPOUT_SHUTDOWN_GRACE_S": "3",
+        "TOKENSPOUT_DEFAULT_MODEL": MODELS[0],  # TGI's requests name no model
     }
-    server: EmbeddedRedis | None = None
-    cluster: EmbeddedCluster | None = None
-    if redis_kind in ("single", "volatile"):
-        server = EmbeddedRedis(data_dir=logs / "redis", persist=redis_kind == "single")
-        server.data_dir.mkdir(parents=True, exist_ok=True)
-        server.start()
-        url = server.url
-    else:
-        cluster = EmbeddedCluster().__enter__()
-        url = cluster.url
-    rig = Rig(url, prefix, logs, env)
-    the_fleet = Fleet(rig, redis_kind, server, cluster, admin)
+    store = datastore(redis_kind, logs)
+    ports = [free_port() for _ in GATEWAY_PROCESSES]
+    grpc_ports = {port: free_port() for port in ports}
+    client_proxy = Proxy("clients", listeners_for([*ports, *grpc_ports.values()]), logs)
+    rig = Rig(store.url, prefix, logs, env)
+    the_fleet = Fleet(rig, store, client_proxy, ports, grpc_ports, admin)
     try:
+        client_proxy.start()
         the_fleet.start()
         yield the_fleet
     finally:
         the_fleet.resume_all()
         rig.stop()
-        if server is not None:
-            server.cleanup()
-        if cluster is not None:
-            cluster.cleanup()
+        client_proxy.stop()
+        store.cleanup()

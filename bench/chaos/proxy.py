@@ -99,8 +99,9 @@ class Link:
 
 @dataclass(frozen=True)
 class Scope:
-    """The links a fault strikes: those opened by the process trees of ``pids``, or a
-    ``share`` of those of the ``listeners`` (all listeners when none is named)."""
+    """The links a fault strikes: those of the ``listeners`` (all when none is named)
+    opened by the process trees of ``pids`` (any process when none is named), a ``share``
+    of them."""
 
     pids: tuple[int, ...] = ()
     listeners: tuple[int, ...] = ()
@@ -189,11 +190,12 @@ class FaultProxy:
         return len(struck)
 
     def _in_scope(self, scope: Scope, links: list[Link]) -> list[Link]:
-        if scope.pids:
-            ports = procfs.tcp_local_ports(list(scope.pids), set(self.routes))
-            return [link for link in links if link.peer_port in ports]
         listeners = set(scope.listeners or self.routes)
-        return [link for link in links if link.listener in listeners]
+        links = [link for link in links if link.listener in listeners]
+        if scope.pids:
+            ports = procfs.tcp_local_ports(list(scope.pids), listeners)
+            links = [link for link in links if link.peer_port in ports]
+        return links
 
     def _lasting(self, link: Link) -> None:
         """A new link gets the faults its scope is under now."""

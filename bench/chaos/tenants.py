@@ -42,7 +42,8 @@ class ApiKey:
 
     @property
     def bearer(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.secret}"}
+        """Its header (none for a key with no secret: requests to gateways that take none)."""
+        return {"Authorization": f"Bearer {self.secret}"} if self.secret else {}
 
 
 IN_FORCE_S = 1.0

@@ -43,7 +43,9 @@ from typing import Any
 
 import httpx
 
+from bench.chaos.check import BEFORE_S
 from bench.chaos.clients import Record
+from bench.chaos.fleet import Loss
 from bench.chaos.tenants import ApiKey
 from stack.rig import sync_client
 from wire import Keys
@@ -229,7 +231,14 @@ class UsageCheck:
     failovers: list[float] = field(default_factory=list)
     """When (the run's second) a cluster primary was killed: a write its replica had not
     received yet is lost with it (replication is asynchronous)."""
+    losses: list[Loss] = field(default_factory=list)
+    """The faults that lost writes: a reply that lived through one may be missing from
+    Redis, or lack its end there (bench/chaos/check.py says what its client must see)."""
     findings: list[Finding] = field(default_factory=list)
+
+    def lived_through_a_loss(self, record: Record) -> bool:
+        """Redis lost writes since its session (or request) began: it may be gone since."""
+        return any(record.began_s - BEFORE_S <= loss.at_s for loss in self.losses)
 
     def flag(self, at_s: float, label: str, what: str) -> None:
         self.findings.append(Finding(round(at_s, 2), label, what))
@@ -267,6 +276,8 @@ class UsageCheck:
             if record.generation_id is None:
                 continue  # refused, or cut before it had one: the scan finds what it left
             mine = self.generations.get(record.generation_id)
+            if self.lived_through_a_loss(record):
+                continue  # what Redis holds of it may lack what its client read
             if mine is None:
                 what = f"generation {record.generation_id} not in Redis"
                 self.flag(record.started_s, record.label, what)
@@ -362,13 +373,14 @@ async def check_usage(
     started_ms: int,
     cluster: bool,
     failovers: list[float],
+    losses: list[Loss],
     end_s: float,
 ) -> tuple[list[dict[str, Any]], list[Finding]]:
     """The whole check, once the run is over and the engine idle: each key's figures, and
     what differs. ``failovers``: when a cluster's primaries were killed."""
     generations = await asyncio.to_thread(read_generations, redis_url, keys)
     sets = await asyncio.to_thread(read_tenant_sets, redis_url, keys, api_keys)
-    check = UsageCheck(api_keys, generations, records, started_ms, cluster, failovers)
+    check = UsageCheck(api_keys, generations, records, started_ms, cluster, failovers, losses)
     check.check_generations()
     seen = check.check_records()
     figures = []

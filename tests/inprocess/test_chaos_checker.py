@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from bench.chaos.check import check, oracle, session_events
-from bench.chaos.clients import Record
+from bench.chaos.clients import Lost, Record
+from bench.chaos.fleet import Loss
 from bench.chaos.tenants import ApiKey
 from engine.backends.synthetic import scripted_reply
 
@@ -123,3 +124,57 @@ def test_a_reply_asked_to_fail_must_end_in_that_error_after_its_tokens() -> None
     assert any("asked to fail after 2 tokens" in problem for problem in check(failed))
     whole = session_record(content=content, fails_after=2)  # ended done: wrong
     assert any("asked to fail after 2 tokens, ended done" in problem for problem in check(whole))
+
+
+CRASH = Loss(at_s=10.0, back_s=11.0, kind="redis_crash")
+
+
+def lost_record(what: str, at_s: float, since_s: float = 5.0, **changes: Any) -> Record:
+    """A session reply whose client was told at ``at_s`` that Redis lost it (a session
+    begun at 5 s)."""
+    record = session_record(started_s=5.0, began_s=5.0, **changes)
+    record.lost = [Lost(at_s, what, since_s, "http://127.0.0.1:1")]
+    return record
+
+
+def test_a_loss_told_after_a_fault_that_loses_writes_and_in_time_passes() -> None:
+    for final, data in (("lost", {"code": "unknown_session"}), ("error", {"code": "events_lost"})):
+        record = lost_record(str(data["code"]), 12.5, final=final, final_data=data)
+        assert check(record, [CRASH]) == []
+
+
+def test_a_loss_told_with_no_fault_that_loses_writes_is_named() -> None:
+    record = lost_record("session_lost", 12.5, final="lost", final_data={"code": "session_lost"})
+    assert any("no loss before" in problem for problem in check(record, []))
+    begun_after = lost_record("session_lost", 30.0, final="lost")
+    begun_after.began_s = 20.0  # its session began after the crash: not lost in it
+    assert any("no loss before" in problem for problem in check(begun_after, [CRASH]))
+
+
+def test_a_loss_told_late_is_named_unless_its_gateway_was_held_meanwhile() -> None:
+    record = lost_record("session_lost", 14.0, final="lost")
+    assert any("3.0 s after Redis answered" in p for p in check(record, [CRASH]))
+    held = check(record, [CRASH], lambda url, start, end: 13.0)  # its gateway cut until 13 s
+    assert held == []
+
+
+def test_a_loss_is_no_excuse_for_a_reply_never_told_of_it() -> None:
+    """A reply that ended otherwise than its script is named, loss or not."""
+    record = session_record(final="error", final_data={"code": "worker_lost"})
+    assert any("ended error" in problem for problem in check(record, [CRASH]))
+
+
+def test_a_stream_read_again_after_events_lost_is_checked_from_its_new_start() -> None:
+    """After ``events_lost`` the client forgets what it read and reads the session from
+    its first kept event: what follows must be whole and numbered from 1 again."""
+    record = session_record()
+    record.lost = [Lost(12.0, "events_lost", 11.5, "")]
+    assert session_events([record]) == [] and check(record, [CRASH]) == []
+
+
+def test_the_streams_of_tgi_oip_and_grpc_must_be_whole() -> None:
+    for kind, final in (("tgi", "length"), ("oip", "length"), ("grpc", "end")):
+        whole = session_record(kind=kind, final=final)
+        assert check(whole) == []
+        cut = session_record(kind=kind, final=final, text=whole.text[:-3])
+        assert any("differs from the engine's script" in p for p in check(cut)), kind

@@ -1,0 +1,229 @@
+"""The Redis of a chaos run, behind the run's proxy (bench/chaos/network.py), and what it
+suffers. Four kinds:
+
+- ``single``: one server with AOF (``appendfsync everysec``, as compose.yaml runs it);
+- ``volatile``: one server keeping nothing on disk (the embedded default);
+- ``cluster``: 3 primaries with a replica each;
+- ``sentinel``: a primary and a replica, watched by 3 Sentinels.
+
+Every server is reached through a listener of the proxy (the cluster's nodes announce it,
+the Sentinels name it), so a partition can cut one process off from all of them. Each
+fault leaves Redis whole again: ``restart`` (SIGTERM: the AOF is written whole),
+``crash`` (SIGKILL: the AOF may lack its last second), ``wipe`` (back with nothing but the
+run's API keys, as an operator provisions them), ``fail_over`` (a primary SIGKILLed, its
+replica promoted, the old one back as a replica), ``pause`` (``CLIENT PAUSE WRITE``) and
+``fill`` (``maxmemory`` just above what it holds: writes refused with ``OOM``).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from bench.chaos.network import Proxy
+from stack.redis_cluster import EmbeddedCluster
+from stack.redis_sentinel import EmbeddedSentinel
+from stack.redis_server import EmbeddedRedis, free_port
+from stack.rig import sync_client
+from wire import Keys
+
+KINDS = ("single", "volatile", "cluster", "sentinel")
+LOSES_WRITES = {
+    "crash": "the AOF's last second (appendfsync everysec)",
+    "wipe": "everything but the API keys",
+    "fail_over": "what the replica had not received (replication is asynchronous)",
+}
+"""The faults after which Redis may lack writes it acknowledged, and which."""
+FILL_MARGIN_BYTES = 64 * 1024
+HOST = "127.0.0.1"
+
+
+def _client(port: int) -> redis.Redis:
+    return redis.Redis(host=HOST, port=port, socket_timeout=5)
+
+
+@dataclass
+class Datastore:
+    kind: str
+    proxy: Proxy
+    server: EmbeddedRedis | None = None
+    cluster: EmbeddedCluster | None = None
+    sentinel: EmbeddedSentinel | None = None
+    provisioned: Path | None = None
+    """An RDB file holding the run's API keys only (``provision``): a wiped Redis starts
+    from it."""
+    folder: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="chaos-redis-")))
+
+    @property
+    def url(self) -> str:
+        """``REDIS_URL`` of the run's processes: through the proxy."""
+        if self.cluster is not None:
+            return self.cluster.url
+        if self.sentinel is not None:
+            return self.sentinel.url
+        assert self.server is not None
+        return f"redis://{HOST}:{self.proxy.port_for(self.server.port)}/0"
+
+    def servers(self) -> list[EmbeddedRedis]:
+        if self.cluster is not None:
+            return self.cluster.nodes
+        if self.sentinel is not None:
+            return self.sentinel.servers
+        assert self.server is not None
+        return [self.server]
+
+    def primaries(self) -> list[EmbeddedRedis]:
+        if self.cluster is not None:
+            return self.cluster.primaries_now()
+        if self.sentinel is not None:
+            return [self.sentinel.primary_now()]
+        assert self.server is not None
+        return [self.server]
+
+    def cleanup(self) -> None:
+        if self.cluster is not None:
+            self.cluster.cleanup()
+        if self.sentinel is not None:
+            self.sentinel.cleanup()
+        if self.server is not None:
+            self.server.cleanup()
+        self.proxy.stop()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    # --- the faults (blocking: run them in a thread) -----------------------------------
+
+    def restart(self, down_s: float) -> None:
+        """SIGTERM the one server (its AOF written whole), ``down_s`` away, start it."""
+        assert self.server is not None
+        self.server.stop()
+        time.sleep(down_s)
+        self.server.start()
+
+    def crash(self, down_s: float) -> None:
+        """SIGKILL the one server, ``down_s`` away, start it from what its AOF kept."""
+        assert self.server is not None
+        self.server.kill()
+        time.sleep(down_s)
+        self.server.start()
+
+    def wipe(self, down_s: float) -> None:
+        """SIGKILL the one server and start it ``down_s`` later with nothing but the run's
+        API keys (``provision``)."""
+        assert self.server is not None and self.provisioned is not None
+        self.server.kill(wipe=True)
+        if self.server.persist:  # the AOF's base is the provisioned snapshot
+            folder = self.server.data_dir / "appendonlydir"
+            folder.mkdir()
+            shutil.copy(self.provisioned, folder / "appendonly.aof.1.base.rdb")
+            (folder / "appendonly.aof.1.incr.aof").touch()
+            (folder / "appendonly.aof.manifest").write_text(
+                "file appendonly.aof.1.base.rdb seq 1 type b\n"
+                "file appendonly.aof.1.incr.aof seq 1 type i\n"
+            )
+        else:
+            shutil.copy(self.provisioned, self.server.data_dir / "dump.rdb")
+        time.sleep(down_s)
+        self.server.start()
+
+    def fail_over(self, pick: int) -> str:
+        """SIGKILL a primary (the cluster's ``pick``-th, or Sentinel's); returns once its
+        replica serves and the old one is back as a replica. Says which it killed."""
+        if self.cluster is not None:
+            primaries = sorted(self.cluster.primaries_now(), key=lambda node: node.port)
+            victim = primaries[pick % len(primaries)]
+            victim.kill()
+            self.cluster.wait_healthy(90)
+            victim.start()
+            self.cluster.wait_healthy(90)
+            return f"redis:{victim.port}"
+        assert self.sentinel is not None
+        victim = self.sentinel.primary_now()
+        victim.kill()
+        self.sentinel.wait_promoted(victim, 90)
+        victim.start()  # the Sentinels make it a replica of the new primary
+        self._wait_replica(victim, 90)
+        return f"redis:{victim.port}"
+
+    def _wait_replica(self, server: EmbeddedRedis, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                with _client(server.port) as client:
+                    info = client.info("replication")
+                if info["role"] == "slave" and info.get("master_link_status") == "up":
+                    return
+            except redis.RedisError:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError(f"redis:{server.port} did not follow the new primary in {timeout_s} s")
+
+    def pause(self, held_s: float) -> None:
+        """``CLIENT PAUSE`` writes for ``held_s`` on every primary (returns at once)."""
+        for node in self.primaries():
+            with _client(node.port) as client:
+                client.execute_command("CLIENT", "PAUSE", int(held_s * 1000), "WRITE")
+
+    def fill(self, full: bool) -> None:
+        """Every primary's ``maxmemory`` just above what it holds now (``full``: writes
+        that need memory are refused, ``OOM``), or none again."""
+        for node in self.primaries():
+            with _client(node.port) as client:
+                used = int(client.info("memory")["used_memory"]) if full else 0
+                limit = used + FILL_MARGIN_BYTES if full else 0
+                client.config_set("maxmemory", limit)
+
+    def provision(self, keys: Keys) -> None:
+        """Keep the run's API keys (their records and version) as an RDB file of their
+        own, what a wiped Redis starts from."""
+        with sync_client(self.url) as live:
+            records = live.hgetall(keys.tenant_records)
+            version = live.get(keys.tenant_version)
+        (self.folder / "provision").mkdir()
+        with EmbeddedRedis(data_dir=self.folder / "provision") as side:
+            with _client(side.port) as client:
+                if records:
+                    client.hset(keys.tenant_records, mapping=records)
+                if version is not None:
+                    client.set(keys.tenant_version, version)
+                client.save()
+            shutil.copy(side.data_dir / "dump.rdb", self.folder / "provisioned.rdb")
+        self.provisioned = self.folder / "provisioned.rdb"
+
+
+def datastore(kind: str, logs: Path) -> Datastore:
+    """A started Redis of ``kind`` behind a started proxy (``cleanup`` stops both)."""
+    listen: dict[int, int] = {}
+
+    def reach(port: int) -> int:
+        return listen.setdefault(port, free_port())
+
+    server = cluster = sentinel = None
+    if kind in ("single", "volatile"):
+        server = EmbeddedRedis(data_dir=logs / "redis", persist=kind == "single")
+        server.data_dir.mkdir(parents=True, exist_ok=True)
+        servers = [server]
+    elif kind == "cluster":
+        cluster = EmbeddedCluster(reach=reach)
+        servers = cluster.nodes
+    else:
+        sentinel = EmbeddedSentinel(replicas=1, sentinels=3, reach=reach)
+        servers = sentinel.servers
+    proxy = Proxy("redis", {node.port: reach(node.port) for node in servers}, logs)
+    store = Datastore(kind, proxy, server, cluster, sentinel)
+    try:
+        proxy.start()
+        if server is not None:
+            server.start()
+        elif cluster is not None:
+            cluster.start()
+        elif sentinel is not None:
+            sentinel.start()
+    except BaseException:
+        store.cleanup()
+        raise
+    return store
