@@ -15,10 +15,12 @@ import asyncio
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
 
+from bench.chaos.network import Proxy
 from stack import processes
 from stack.redis_cluster import EmbeddedCluster
 from stack.redis_server import free_port
@@ -296,3 +298,77 @@ def test_waiting_for_a_worker_outlasts_the_node_the_url_names_being_down(
             revive(redis_cluster, named)
         stand_in.kill()
         stand_in.wait()
+
+
+async def test_a_one_shot_request_whose_gateway_died_before_queueing_it_still_ends(
+    tmp_path: Path,
+) -> None:
+    """On a cluster a one-shot request takes two round trips: SUBMIT writes its generation
+    on its session's shard, then the request goes into its queue's. Its gateway SIGKILLed
+    between the two (here: SUBMIT's answer held by a one-way partition of that gateway from
+    every shard but the queue's) left the generation ``queued``, with no request, for its
+    whole TTL, counting against its key's concurrent limit. Now the request is noted, whole,
+    before SUBMIT, and another gateway's reaper queues it: it runs, and ends. Found by the
+    chaos run (seed 3 on a cluster): a key limited to 3 concurrent generations kept one."""
+    listen: dict[int, int] = {}
+    cluster = EmbeddedCluster(reach=lambda port: listen.setdefault(port, free_port()))
+    proxy = Proxy("redis", {node.port: listen[node.port] for node in cluster.nodes}, tmp_path)
+    stack = Stack(cluster.url, "stranded", tmp_path)
+    try:
+        proxy.start()
+        await asyncio.to_thread(cluster.start)
+        keys = Keys(stack.prefix)
+        queue_node = cluster.primary_of(keys.submitting("synthetic"))
+        elsewhere = [listen[n.port] for n in cluster.nodes if n.port != queue_node.port]
+        stack.synthetic(50)
+        victim, reaper = stack.gateway(), stack.gateway()
+        body = {"model": "synthetic", "prompt": "stranded", "max_tokens": 5}
+        async with httpx.AsyncClient(timeout=60) as client:
+            # Its answers from the other shards late, so the queue's shard can be cut off
+            # once SUBMIT has run and before the request follows.
+            await proxy.control.strike(
+                "latency",
+                pids=[victim.process.pid],
+                listeners=elsewhere,
+                held_s=120,
+                delay_s=0.3,
+            )
+            seen: set[bytes] = set()
+            for _ in range(10):  # until a session lands on another shard than the queue's
+                sent = asyncio.create_task(client.post(f"{victim.url}/v1/completions", json=body))
+                async with asyncio.timeout(30):
+                    while not (made := _generations(cluster.url, keys) - seen):
+                        await asyncio.sleep(0.01)
+                seen |= made
+                (stranded,) = made
+                if cluster.primary_of(stranded.decode()).port != queue_node.port:
+                    break
+                assert (await sent).status_code == 200
+            await proxy.control.strike(
+                "oneway",
+                pids=[victim.process.pid],
+                listeners=[listen[queue_node.port]],
+                held_s=120,
+                direction="up",
+            )
+            await asyncio.sleep(1)
+            assert not sent.done(), "the request was queued before the cut"
+            processes.kill(victim.process)  # between SUBMIT and the queueing
+            with pytest.raises(httpx.TransportError):
+                await sent
+        with sync_client(cluster.url) as redis:
+            async with asyncio.timeout(30):
+                while redis.hget(stranded, "state") in (b"queued", b"running"):
+                    await asyncio.sleep(0.2)
+            assert redis.hget(stranded, "final") is not None
+        assert reaper.process.poll() is None
+    finally:
+        stack.stop()
+        await proxy.control.close()
+        proxy.stop()
+        cluster.cleanup()
+
+
+def _generations(url: str, keys: Keys) -> set[bytes]:
+    with sync_client(url) as redis:
+        return set(redis.scan_iter(match=f"{keys.prefix}:{{*}}:gen:*", count=1000))

@@ -418,6 +418,13 @@ class SessionStore:
         )
         new = self._new_session(request, ttl_s)
         in_submit = kept is None and not is_cluster(self.redis)
+        note = None
+        if is_cluster(self.redis):
+            # Queued in a round trip after SUBMIT's: noted first, whole (no session
+            # history holds its conversation), so that the reaper queues it should this
+            # process die between the two (gateway/recovery/stranded.py).
+            note = wire.encode(request)
+            await self.queue.of(queue).note_submitting(note)
         admitted = False
         if not in_submit:
             admitted = await self.tenants.admit(
@@ -431,8 +438,8 @@ class SessionStore:
             if admitted:
                 await self._give_back(tenant, [generation_id], count_request=not choice)
             raise
-        if is_cluster(self.redis):
-            await self.queue.enqueue(queue, request)
+        if note is not None:
+            await self.queue.enqueue(queue, request, note)
         if self.observer is not None:
             self.observer.submitted(session_id, generation_id, reply.queued_id, queue)
         return Submitted(generation_id, session_id, reply.queued_id)

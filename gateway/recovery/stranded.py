@@ -6,7 +6,8 @@ request is queued, crossing the note off (gateway/core/sessions.py). Two things 
 turn ``queued`` with no request in any queue:
 
 - its gateway died between the two (``queue_stranded``: the reaper queues the turns whose
-  note is ``STRANDED_AFTER_S`` old, from the note itself);
+  note is ``STRANDED_AFTER_S`` old, from the note itself); the same holds for a one-shot
+  API request on a Redis Cluster, whose note carries its whole request;
 - Redis lost the request (a cluster's failover drops what its primary acknowledged;
   gateway/core/waiting.py): ``requeue_lost``, for the turns this process's readers wait on
   (``waiting_generations`` finds those of readers that resumed past the ``queued``).
@@ -38,6 +39,12 @@ slow meanwhile (its Redis away) sends a second copy, which runs once."""
 STRANDED_PAGE = 100
 
 
+def _whole(request: GenerationRequest) -> bool:
+    """A one-shot request's note carries its conversation (its session keeps none); a
+    session turn's is read from the session's history."""
+    return bool(request.messages or request.prompt is not None or request.token_ids)
+
+
 class StrandedTurns:
     """The session turns left ``queued`` with no request in their queue, queued again."""
 
@@ -63,7 +70,7 @@ class StrandedTurns:
                 await queue.cross_off(note)
                 continue
             if await self.store.still_queued(request.session_id, request.generation_id):
-                stranded = await self.store.with_turn(request)
+                stranded = request if _whole(request) else await self.store.with_turn(request)
                 await self.queue.enqueue(queue.model, stranded, note)
                 queued += 1
             else:
