@@ -416,11 +416,12 @@ async def test_a_redis_at_its_maxmemory_holds_replies_refuses_new_ones_then_serv
     is answered 503 with ``Retry-After``; once memory is free again the reply goes on,
     whole, and new work is served. Found by the chaos run: a worker whose request-taking
     script was refused with ``OOM`` ended (its consume loop let the error through)."""
-    stack = Stack(restartable_redis.url, "full", tmp_path)
-    admin = redis.Redis(port=restartable_redis.port)
+    stack, admin = (
+        Stack(restartable_redis.url, "full", tmp_path),
+        redis.Redis(port=restartable_redis.port),
+    )
     try:
-        worker = stack.synthetic(25)
-        gateway = stack.gateway()
+        gateway, worker = stack.gateway(), stack.synthetic(25)
         async with httpx.AsyncClient(timeout=30) as client:
             _, gid, reader = await reply_under_way(
                 client, gateway.url, "a full Redis", 10, max_tokens=100

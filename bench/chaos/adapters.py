@@ -189,34 +189,26 @@ def _whole_answer(record: Record, answer: dict[str, Any]) -> None:
 
 
 async def _openai_stream(ctx: Context, url: str, body: dict[str, Any], record: Record) -> None:
-    async with ctx.http.stream(
-        "POST", f"{url}/v1/chat/completions", json=body, headers=record.key.bearer
-    ) as response:
-        if response.status_code != 200:
-            await response.aread()
-            refusal(response, record)
-            record.final, record.final_data = "error", response.json()
+    async for data in _stream(ctx, f"{url}/v1/chat/completions", body, record):
+        if data == "[DONE]":
+            if record.final is None:
+                record.problems.append("[DONE] before a finish_reason")
+            record.events.append(("", "[DONE]", {}))
+            if error_code(record.final_data) in LOSSES:
+                raise Lost(error_code(record.final_data))
             return
-        async for _id, _event, data in sse_events(response):
-            if data == "[DONE]":
-                if record.final is None:
-                    record.problems.append("[DONE] before a finish_reason")
-                record.events.append(("", "[DONE]", {}))
-                if error_code(record.final_data) in LOSSES:
-                    raise Lost(error_code(record.final_data))
-                return
-            chunk = json.loads(data)
-            record.events.append(("", "chunk", chunk))
-            if "error" in chunk:
-                record.final, record.final_data = "error", chunk
-                continue
-            record.generation_id = str(chunk["id"]).removeprefix("chatcmpl-")
-            if chunk.get("usage"):
-                record.usage_told = usage_of(chunk["usage"])
-            for choice in chunk["choices"]:
-                record.text += choice["delta"].get("content") or ""
-                if choice.get("finish_reason"):
-                    record.final = choice["finish_reason"]
+        chunk = json.loads(data)
+        record.events.append(("", "chunk", chunk))
+        if "error" in chunk:
+            record.final, record.final_data = "error", chunk
+            continue
+        record.generation_id = str(chunk["id"]).removeprefix("chatcmpl-")
+        if chunk.get("usage"):
+            record.usage_told = usage_of(chunk["usage"])
+        for choice in chunk["choices"]:
+            record.text += choice["delta"].get("content") or ""
+            if choice.get("finish_reason"):
+                record.final = choice["finish_reason"]
 
 
 # --- TGI and the Open Inference Protocol: one SSE stream each ----------------------------
@@ -233,7 +225,9 @@ async def tgi_client(
     body = {"inputs": record.content, "parameters": {"max_new_tokens": record.max_tokens}}
 
     async def attempt(url: str) -> None:
-        async for event in _stream(ctx, f"{url}/generate_stream", body, record):
+        async for data in _stream(ctx, f"{url}/generate_stream", body, record):
+            event = json.loads(data)
+            record.events.append(("", "chunk", event))
             if "error" in event:
                 _error(record, event["error"])
                 return
@@ -259,7 +253,9 @@ async def oip_client(
 
     async def attempt(url: str) -> None:
         path = f"{url}/v2/models/{model}/generate_stream"
-        async for event in _stream(ctx, path, body, record):
+        async for data in _stream(ctx, path, body, record):
+            event = json.loads(data)
+            record.events.append(("", "chunk", event))
             if "error" in event:
                 _error(record, event["error"])
                 return
@@ -273,7 +269,9 @@ async def oip_client(
 
 async def _stream(
     ctx: Context, url: str, body: dict[str, Any], record: Record
-) -> AsyncIterator[dict[str, Any]]:
+) -> AsyncIterator[str]:
+    """The ``data`` of each event of a streamed answer (a refusal raises ``Retry``; another
+    error answer is the record's final)."""
     async with ctx.http.stream("POST", url, json=body, headers=record.key.bearer) as response:
         if response.status_code != 200:
             await response.aread()
@@ -281,9 +279,7 @@ async def _stream(
             record.final, record.final_data = "error", response.json()
             return
         async for _id, _event, data in sse_events(response):
-            event = json.loads(data)
-            record.events.append(("", "chunk", event))
-            yield event
+            yield data
 
 
 def _error(record: Record, message: str) -> None:

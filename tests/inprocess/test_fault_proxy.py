@@ -63,35 +63,22 @@ async def test_a_blackhole_holds_both_ways_then_delivers_everything_in_order(
         await direct.aclose()
 
 
-async def test_one_way_down_runs_the_command_and_holds_its_answer(
-    proxy: FaultProxy, redis_server: EmbeddedRedis
+@pytest.mark.parametrize(("direction", "seen_meanwhile"), [("down", b"after"), ("up", b"before")])
+async def test_one_way_holds_one_direction_only(
+    proxy: FaultProxy, redis_server: EmbeddedRedis, direction: str, seen_meanwhile: bytes
 ) -> None:
+    """Down: the command runs, its answer waits. Up: the command itself waits."""
     client, direct = through(proxy), aioredis.Redis(port=redis_server.port)
+    key = f"proxy:{direction}"
     try:
-        await client.set("proxy:oneway", "before")
-        proxy.strike("oneway", MINE, held_s=HELD_S, direction="down")
-        write = asyncio.create_task(client.set("proxy:oneway", "after"))
+        await client.set(key, "before")
+        proxy.strike("oneway", MINE, held_s=HELD_S, direction=direction)
+        write = asyncio.create_task(client.set(key, "after"))
         await asyncio.sleep(HELD_S / 3)
-        assert await direct.get("proxy:oneway") == b"after"  # it ran...
-        assert not write.done()  # ...and its answer waits
+        assert await direct.get(key) == seen_meanwhile
+        assert not write.done()
         assert await write is True
-    finally:
-        await client.aclose()
-        await direct.aclose()
-
-
-async def test_one_way_up_holds_the_command_until_the_fault_ends(
-    proxy: FaultProxy, redis_server: EmbeddedRedis
-) -> None:
-    client, direct = through(proxy), aioredis.Redis(port=redis_server.port)
-    try:
-        await client.set("proxy:up", "before")
-        proxy.strike("oneway", MINE, held_s=HELD_S, direction="up")
-        write = asyncio.create_task(client.set("proxy:up", "after"))
-        await asyncio.sleep(HELD_S / 3)
-        assert await direct.get("proxy:up") == b"before"  # not there yet
-        assert await write is True
-        assert await direct.get("proxy:up") == b"after"
+        assert await direct.get(key) == b"after"
     finally:
         await client.aclose()
         await direct.aclose()
