@@ -11,6 +11,8 @@ never hangs.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import httpx
@@ -21,6 +23,7 @@ from tests.support.cluster import check_reply, outage_s
 from tests.support.http import create_session, follow, send
 from tests.support.stack import Stack
 from tests.support.tenants import ADMIN_KEY, keyed_session, make_key, usage_total
+from wire import Keys
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.sentinel]
 
@@ -41,6 +44,43 @@ async def test_a_reply_streams_whole_through_sentinel(sentinel_stack: Stack) -> 
         usage = check_reply(follower.reading.events, gid, content, max_tokens)["usage"]
         total = await usage_total(client, gateway.url, key.id)
     assert total["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"] > 0
+
+
+async def test_a_submit_is_answered_once_a_replica_holds_it_when_asked(
+    sentinel_stack: Stack, redis_sentinel: EmbeddedSentinel
+) -> None:
+    """``TOKENSPOUT_WAIT_REPLICAS=1``: a message is answered (202) once a replica holds its
+    submit (``WAIT``), so a failover right after cannot lose what its client was told of.
+    With the replica frozen for 1 s the 202 waits for it, and the replica then holds the
+    generation; past ``TOKENSPOUT_WAIT_TIMEOUT_MS`` it is answered anyway (a replica that
+    is down does not stop service); without the setting it is answered at once. (Runs
+    before the failover below, which leaves no replica.)"""
+    stack = sentinel_stack
+    stack.synthetic(200)
+    sides = [
+        (stack.gateway(), True),
+        (stack.gateway(TOKENSPOUT_WAIT_REPLICAS="1", TOKENSPOUT_WAIT_TIMEOUT_MS="5000"), False),
+        (stack.gateway(TOKENSPOUT_WAIT_REPLICAS="1", TOKENSPOUT_WAIT_TIMEOUT_MS="200"), True),
+    ]
+    primary = redis_sentinel.primary_now()
+    (replica,) = [server for server in redis_sentinel.servers if server is not primary]
+    assert replica.process is not None
+    async with httpx.AsyncClient(timeout=60) as client:
+        for gateway, answered_at_once in sides:
+            session = await create_session(client, gateway.url)
+            os.kill(replica.process.pid, signal.SIGSTOP)
+            try:
+                sent = asyncio.create_task(send(client, session, "kept", max_tokens=3))
+                await asyncio.sleep(1.0)
+                answered_while_frozen = sent.done()
+            finally:
+                os.kill(replica.process.pid, signal.SIGCONT)
+            gid = await sent
+            assert answered_while_frozen is answered_at_once, gateway.url
+            if not answered_at_once:
+                key = Keys(stack.prefix).generation(session.session_id, gid)
+                with redis_sentinel.client(replica) as on_replica:
+                    assert on_replica.exists(key)
 
 
 async def test_the_primary_killed_mid_stream_the_replica_promoted_the_stream_goes_on(

@@ -29,6 +29,7 @@ import wire
 from gateway.core.ask import GenerationAsk, KeptSession
 from gateway.core.auth import tenant_directory
 from gateway.core.conversations import Conversation, Conversations, ConversationSettings
+from gateway.core.durable import DurableSubmits
 from gateway.core.errors import (
     BadRequest,
     Conflict,
@@ -207,6 +208,7 @@ class SessionStore:
         self._cancel = scripts.Cancel(redis, self.keys)
         self._usage = UsageCounter(redis, self.keys)
         self.queue = GenerationQueue(redis, self.keys, settings, self.models)
+        self.durable = DurableSubmits(redis, settings)
         self.queue.weight_of = self.tenants.weight_of  # each key's share of a model's engine
         self.conversations = Conversations(redis, self.keys, settings)
 
@@ -440,6 +442,7 @@ class SessionStore:
             raise
         if note is not None:
             await self.queue.enqueue(queue, request, note)
+        await self.durable.confirm(self.keys.events(session_id), self.queue.of(queue).key)
         if self.observer is not None:
             self.observer.submitted(session_id, generation_id, reply.queued_id, queue)
         return Submitted(generation_id, session_id, reply.queued_id)
@@ -586,6 +589,7 @@ class SessionStore:
             request, messages=_conversation(turn.system, accepted.history)
         )
         await self._enqueue_written(model, request, note)
+        await self.durable.confirm(self.keys.events(session_id), self.queue.of(model).key)
         if self.observer is not None:
             self.observer.submitted(session_id, generation_id, accepted.queued_id, model)
         for choice in range(1, len(turn.generation_ids)):

@@ -133,6 +133,32 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             "an `error` event (`queue_timeout`).",
         ),
     ] = 120.0
+    wait_replicas: Annotated[
+        int,
+        _D(
+            ge=0,
+            description="Replicas that must hold a request's submit before the client is "
+            "answered (`WAIT`, after the submit's writes): a failover then cannot lose a "
+            "request the client was told of. 0: none (Redis's own asynchronous "
+            "replication).",
+        ),
+    ] = 0
+    wait_aof: Annotated[
+        bool,
+        _D(
+            description="The primary's AOF must hold a request's submit on disk before the "
+            "client is answered (`WAITAOF`): a crash of Redis then cannot lose it "
+            "(`appendfsync everysec` may lose its last second).",
+        ),
+    ] = False
+    wait_timeout_ms: Annotated[
+        int,
+        _D(
+            ge=1,
+            description="How long a submit waits for `wait_replicas` / `wait_aof`; past it, "
+            "it is answered anyway (logged): a replica that is down does not stop service.",
+        ),
+    ] = 200
     cancel_wait_s: Annotated[
         float, _D(ge=0, description="How long a cancel request waits for the final event.")
     ] = 5.0
