@@ -44,6 +44,12 @@ class Lease:
         """When the last heartbeat Redis took was sent (monotonic: it runs on while stopped).
         Its send, not its reply: the score the others judge by is the time it was sent, and a
         write held up (a ``CLIENT PAUSE``, a failover's retries) lands that old."""
+        self.lease_id: int | None = None
+        """The lease connection's client id at the last heartbeat."""
+        self.reconnected = False
+        """The last heartbeat went over a connection other than the one before it: Redis
+        restarted or failed over, or the connection was cut (what was written just before
+        may be lost: engine/ends.py)."""
         self.redis = self._open()
         """The lease connection. One connection: callers (the heartbeat, a drain's look for
         others) take turns."""
@@ -72,6 +78,8 @@ class Lease:
         """Publish ``info`` (with this connection's client id) and refresh the shared keys."""
         # Asked every time: a reconnect gives the connection a new id.
         lease_id = await self._lease_id()
+        self.reconnected = self.lease_id is not None and lease_id != self.lease_id
+        self.lease_id = lease_id
         info = msgspec.structs.replace(
             info, lease_id=lease_id, lease_node=address_of(self.redis) if self.cluster else ""
         )

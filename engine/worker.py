@@ -36,6 +36,7 @@ from redis.exceptions import RedisError
 import wire
 from engine.backends.base import Backend, BackendError, Delta, Prepared
 from engine.cancels import cancel_signals
+from engine.ends import RecentEnds
 from engine.handover import HandOver
 from engine.intake import Intake
 from engine.job import Job, JobState, final_reason
@@ -124,6 +125,8 @@ class Worker:
             max_takeovers=max_takeovers,
         )
         self.preemptor = Preemptor(self.intake, self.handover) if preempt else None
+        self.ends = RecentEnds(self.publisher, self.intake)
+        """Final events written lately: written again when Redis was away (engine/ends.py)."""
         self._started_at = time.time()
         self._export_gauges()
 
@@ -373,20 +376,18 @@ class Worker:
         # Its request is acknowledged by this final event's write, or (a cluster) once
         # its usage is counted.
         counts_after = self.publisher.counts_usage_after
-        written = await self.emit_waited(
-            job,
-            event,
-            final=True,
-            # Only a chat turn's first choice joins the history (a message with n > 1).
-            assistant=assistant if job.request.prompt is None and not job.request.choice else None,
-            ack=None if counts_after else job.entry_id,
-        )
+        # Only a chat turn's first choice joins the history (a message with n > 1).
+        if job.request.prompt is not None or job.request.choice:
+            assistant = None
+        ack = None if counts_after else job.entry_id
+        written = await self.emit_waited(job, event, final=True, assistant=assistant, ack=ack)
         if counts_after:
             await self.intake.count_then_ack(job)
         state = wire.final_state(event)
         if written is None:  # it ended elsewhere, or is not this worker's: not counted here
             log.info("%s: its %s event was refused", job.generation_id, state)
             return
+        self.ends.add(job, event, job.events, assistant, ack)
         self.metrics.generations.labels(state).inc()
         self._bill(job)
         log.info(
@@ -489,13 +490,18 @@ class Worker:
             await self._heartbeat_once()
 
     async def _heartbeat_forever(self) -> None:
+        away = False
         while True:
             await asyncio.sleep(HEARTBEAT_S)
             try:
                 await self._heartbeat_once()
+                if away or self.lease.reconnected:  # it may have lost what was written
+                    self.ends.restate_soon()
+                away = False
                 await self.intake.retry_acks()
                 await self.queue.charge(self.served)
             except (RedisError, OSError) as exc:
+                away = True
                 log.warning("heartbeat failed (%s)", exc)
                 self.metrics.redis_errors.labels("heartbeat").inc()
 

@@ -18,6 +18,7 @@ import pytest
 import redis
 
 import wire
+from bench.chaos.redises import aof_incr_file
 from stack.procfs import tcp_local_ports_to
 from stack.redis_server import EmbeddedRedis, free_port
 from stack.rig import wait_worker
@@ -461,3 +462,43 @@ async def _refused_at_maxmemory(client: httpx.AsyncClient, base: str) -> httpx.R
         if sent.status_code != 202:
             return sent
         await asyncio.sleep(0.1)
+
+
+async def test_a_reply_whose_end_a_crashed_redis_lost_is_ended_again_by_its_worker(
+    restartable_redis: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """Redis's host crashes right after a reply ended: back from its AOF, Redis lacks what
+    the last fsync did not cover (here: the reply's last tokens and its end, cut from the
+    AOF as a crash would). Its worker, finding Redis was away, writes its recent final
+    events again: the reply, which would otherwise run for ever with no end (its worker
+    moved on), ends ``events_lost`` after the tokens Redis kept, and a reader is told at
+    once. Found by the chaos run's host crashes."""
+    stack = Stack(restartable_redis.url, "crashed", tmp_path)
+    try:
+        gateway, _ = stack.gateway(), stack.synthetic(50)
+        async with httpx.AsyncClient(timeout=30) as client:
+            session, gid, reader = await reply_under_way(
+                client, gateway.url, "lost at the end", 10, max_tokens=40
+            )
+            incr = aof_incr_file(restartable_redis.data_dir)
+            assert incr is not None
+            synced = incr.stat().st_size  # the last fsync, 30 tokens before the end
+            await reader.until_end(30)
+            restartable_redis.kill()
+            with incr.open("r+b") as aof:
+                aof.truncate(synced)
+            restartable_redis.start()
+            back = time.monotonic()
+            key = Keys(stack.prefix).generation(session.session_id, gid)
+            with redis.Redis(port=restartable_redis.port) as admin:
+                async with asyncio.timeout(10):
+                    while admin.hget(key, "final") is None:
+                        await asyncio.sleep(0.05)
+            print(f"\nended again {time.monotonic() - back:.2f} s after Redis was back")
+            again = await read_events(client, session, until_final_of=gid, timeout_s=10)
+        final = again.final(gid)
+        assert (final.event, final.json()["code"]) == ("error", "events_lost"), final
+        counts = [e.json()["count"] for e in again.of(gid) if e.event == "token"]
+        assert counts == list(range(1, len(counts) + 1)) and 0 < len(counts) < 40
+    finally:
+        stack.stop()

@@ -330,8 +330,10 @@ class Fleet:
         """``restart``, ``crash`` or ``wipe`` the one Redis (bench/chaos/redises.py)."""
         async with self.redis_lock:
             fault = self.note(f"redis_{kind}", "redis", down_s)
-            await asyncio.to_thread(getattr(self.store, kind), down_s)
+            lost = await asyncio.to_thread(getattr(self.store, kind), down_s)
             self._answered_again(fault, kind)
+            if kind == "crash":
+                fault.note += f", {lost} bytes of AOF lost"
 
     async def fail_over(self, pick: int) -> None:
         """SIGKILL a primary (a cluster's, or the one Sentinel names); its replica is
