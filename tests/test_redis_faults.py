@@ -502,3 +502,34 @@ async def test_a_reply_whose_end_a_crashed_redis_lost_is_ended_again_by_its_work
         assert counts == list(range(1, len(counts) + 1)) and 0 < len(counts) < 40
     finally:
         stack.stop()
+
+
+async def test_a_turn_whose_submit_a_crashed_redis_lost_is_submitted_again(
+    restartable_redis: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """A message answered 202, then Redis's host crashes before its AOF was synced: Redis
+    comes back without the turn (its generation, its message, its request), and its reader
+    has no event to tell it so. The gateway that answered it looks once more 2.5 s later,
+    finds the generation gone and submits it again as it was: the reader gets the whole
+    reply, under the generation id it was given. Found by the chaos run's host crashes."""
+    stack = Stack(restartable_redis.url, "resubmit", tmp_path)
+    try:
+        gateway = stack.gateway()
+        # It takes the request and prepares it 3 s: the crash comes before its claim.
+        stack.synthetic(50, "--prepare-delay-s", "3")
+        async with httpx.AsyncClient(timeout=30) as client:
+            session = await create_session(client, gateway.url)
+            await asyncio.sleep(1.5)  # the session itself is on disk
+            incr = aof_incr_file(restartable_redis.data_dir)
+            assert incr is not None
+            synced = incr.stat().st_size
+            gid = await send(client, session, "lost in the crash", max_tokens=12)
+            restartable_redis.kill()
+            with incr.open("r+b") as aof:
+                aof.truncate(synced)
+            restartable_redis.start()
+            reading = await read_events(client, session, until_final_of=gid, timeout_s=20)
+        assert reading.final(gid).event == "done"
+        assert reading.text(gid) == synthetic_text("lost in the crash", 12)
+    finally:
+        stack.stop()

@@ -11,6 +11,7 @@ talks to Redis.
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
 import hmac
 import logging
@@ -119,6 +120,24 @@ class Turn:
     """The conversation's system prompt, sent to the engine first."""
 
 
+ANSWERED_KEPT = 20_000
+"""Session turns answered lately kept at most (a few seconds' worth, looked at each second)."""
+
+
+@dataclass(frozen=True)
+class AnsweredTurn:
+    """A session turn this process answered 202 for: what submitting it again takes
+    (gateway/recovery/lost_submits.py)."""
+
+    at: float
+    turn: Turn
+    request: GenerationRequest
+    """Its request, without the conversation (the history SUBMIT returns)."""
+    note: bytes
+    submit: dict[str, Any]
+    """SUBMIT's arguments."""
+
+
 class CancelOutcome(msgspec.Struct, frozen=True):
     generation_id: str
     state: str
@@ -209,6 +228,9 @@ class SessionStore:
         self._usage = UsageCounter(redis, self.keys)
         self.queue = GenerationQueue(redis, self.keys, settings, self.models)
         self.durable = DurableSubmits(redis, settings)
+        self.answered: collections.deque[AnsweredTurn] = collections.deque(maxlen=ANSWERED_KEPT)
+        """The session turns answered lately, oldest first: a Redis that lost one after its
+        answer (a crash, a failover) gets it again (gateway/recovery/lost_submits.py)."""
         self.queue.weight_of = self.tenants.weight_of  # each key's share of a model's engine
         self.conversations = Conversations(redis, self.keys, settings)
 
@@ -527,6 +549,23 @@ class SessionStore:
         raw = await self.redis.hget(self.keys.meta(session_id), field)
         return None if raw is None else wire.text(raw)
 
+    async def submit_again(self, answered: AnsweredTurn) -> bool:
+        """Submit a turn again as it was, its generation gone from Redis (lost after its
+        answer); whether it was (a session gone too is not: its readers get
+        ``session_lost`` or 404, gateway/core/errors.py)."""
+        turn = answered.turn
+        reply = await self._submit_noted(turn.model, answered.note, **answered.submit)
+        if isinstance(reply, script.SessionMissing):
+            return False
+        accepted = self._accepted(turn, reply)
+        if isinstance(accepted, str):  # its Idempotency-Key's generation is there after all
+            return False
+        request = msgspec.structs.replace(
+            answered.request, messages=_conversation(turn.system, accepted.history)
+        )
+        await self._enqueue_written(turn.model, request, answered.note)
+        return True
+
     async def has_generation(self, session_id: str, generation_id: str) -> bool:
         return bool(await self.redis.exists(self.keys.generation(session_id, generation_id)))
 
@@ -559,22 +598,21 @@ class SessionStore:
             continue_final_message=turn.kind == "continue",
         )
         note = wire.encode(request)  # its messages: the history the script returns
+        submit = {
+            "session_id": session_id,
+            "generation_id": generation_id,
+            "user_message": user_message,
+            "token_digest": token_digest,
+            "idempotency_key": idempotency_key,
+            "maxlen": self.settings.events_maxlen,
+            "ttl_s": self.settings.session_ttl_s,
+            "max_history": self.settings.max_history_messages,
+            "watch_ttl_s": self.watch_ttl_s,
+            "tenant": turn.tenant.id,
+            "turn": turn.kind,
+        }
         try:
-            reply = await self._submit_noted(
-                model,
-                note,
-                session_id=session_id,
-                generation_id=generation_id,
-                user_message=user_message,
-                token_digest=token_digest,
-                idempotency_key=idempotency_key,
-                maxlen=self.settings.events_maxlen,
-                ttl_s=self.settings.session_ttl_s,
-                max_history=self.settings.max_history_messages,
-                watch_ttl_s=self.watch_ttl_s,
-                tenant=turn.tenant.id,
-                turn=turn.kind,
-            )
+            reply = await self._submit_noted(model, note, **submit)
             accepted = self._accepted(turn, reply)
         except BaseException:
             if admitted:
@@ -585,6 +623,7 @@ class SessionStore:
                 await self._give_back(turn.tenant, turn.generation_ids)
             await self._requeue_if_lost(session_id, model, accepted, params)
             return Submitted(accepted, session_id, None)
+        self.answered.append(AnsweredTurn(time.monotonic(), turn, request, note, submit))
         request = msgspec.structs.replace(
             request, messages=_conversation(turn.system, accepted.history)
         )

@@ -26,6 +26,7 @@ from gateway.core.relay import RelayHub
 from gateway.core.service import GatewayService
 from gateway.core.sessions import SessionStore
 from gateway.core.settings import Settings
+from gateway.recovery.lost_submits import LostSubmits
 from gateway.recovery.reader_deadline import ReaderDeadline
 from gateway.recovery.reaper import Reaper, refresh_watches
 from gateway.recovery.stranded import StrandedTurns
@@ -186,6 +187,7 @@ class Services:
             ),
             asyncio.create_task(self.reaper.run_forever()),
             asyncio.create_task(self.reader_deadline.run_forever()),
+            asyncio.create_task(LostSubmits(self.store).run_forever()),
             asyncio.create_task(self.store.models.refresh_forever()),
             asyncio.create_task(keys.refresh_forever()),
         ]
