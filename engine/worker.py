@@ -125,10 +125,13 @@ class Worker:
             max_takeovers=max_takeovers,
         )
         self.preemptor = Preemptor(self.intake, self.handover) if preempt else None
-        self.ends = RecentEnds(self.publisher, self.intake)
-        """Final events written lately: written again when Redis was away (engine/ends.py)."""
         self._started_at = time.time()
         self._export_gauges()
+
+    @functools.cached_property
+    def ends(self) -> RecentEnds:
+        """Final events written lately: written again after a Redis loss (engine/ends.py)."""
+        return RecentEnds(self.publisher, self.intake)
 
     def _export_gauges(self) -> None:
         self.metrics.generations_running.set_function(lambda: len(self.jobs))

@@ -442,13 +442,7 @@ class SessionStore:
         )
         new = self._new_session(request, ttl_s)
         in_submit = kept is None and not is_cluster(self.redis)
-        note = None
-        if is_cluster(self.redis):
-            # Queued in a round trip after SUBMIT's: noted first, whole (no session
-            # history holds its conversation), so that the reaper queues it should this
-            # process die between the two (gateway/recovery/stranded.py).
-            note = wire.encode(request)
-            await self.queue.of(queue).note_submitting(note)
+        note = await self._noted_if_cluster(queue, request)
         admitted = False
         if not in_submit:
             admitted = await self.tenants.admit(
@@ -468,6 +462,17 @@ class SessionStore:
         if self.observer is not None:
             self.observer.submitted(session_id, generation_id, reply.queued_id, queue)
         return Submitted(generation_id, session_id, reply.queued_id)
+
+    async def _noted_if_cluster(self, queue: str, request: GenerationRequest) -> bytes | None:
+        """On a cluster a one-shot request is queued in a round trip after SUBMIT's: it is
+        noted first, whole (no session history holds its conversation), so that the reaper
+        queues it should this process die between the two (gateway/recovery/stranded.py).
+        Its note, crossed off as it is queued (None: one Redis queues it in SUBMIT)."""
+        if not is_cluster(self.redis):
+            return None
+        note = wire.encode(request)
+        await self.queue.of(queue).note_submitting(note)
+        return note
 
     def _new_session(self, request: GenerationRequest, ttl_s: int) -> scripts.NewSession:
         """The stateless session SUBMIT makes for ``request``: its tenant billed its prompt
