@@ -6,7 +6,9 @@ What a fault may cost is the rule: a reply must come whole, unless Redis lost wr
 fault of ``LOSES_WRITES``: a crash, a wipe, a failover) while its session or request
 lived. Then, and only then, its client may be told so, in one of the ways its API
 documents (``LOSSES``: ``events_lost``, ``session_lost``, a 404 with its code), within
-``TOLD_WITHIN_S`` of Redis answering again (or of its connection, if later). A reply that
+``TOLD_WITHIN_S`` of Redis answering again (of its gateway reaching Redis again, and the
+worker writing its reply being back, where a partition or a stop held them longer; of the
+client's connection, if later). A reply that
 ends any other way, is told of a loss no fault explains, or is told late, is an anomaly;
 one that is never told hangs (the run's bound).
 

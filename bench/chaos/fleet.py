@@ -52,6 +52,8 @@ HOLDS_A_GATEWAY = {
     f"{side}_{how}" for side in ("gateway", "client") for how in ("blackhole", "oneway", "latency")
 } | {"gateway_stop"}
 """Faults that hold what a gateway answers until they end."""
+HOLDS_A_WORKER = {"worker_stop", "worker_blackhole", "worker_oneway", "worker_latency"}
+"""Faults that hold what a worker writes until they end."""
 
 
 @dataclass
@@ -278,15 +280,17 @@ class Fleet:
         return sum(fault.target == target and fault.at_s <= until_s for fault in self.faults)
 
     def held_until(self, url: str, from_s: float, to_s: float) -> float:
-        """When the last fault that held the gateway at ``url`` from Redis (or its clients
-        from it) between ``from_s`` and ``to_s`` ended (0.0: none did)."""
+        """When the last fault between ``from_s`` and ``to_s`` that held what a client of
+        the gateway at ``url`` is told ended (0.0: none did): one that held that gateway
+        from Redis (or its clients from it), or a worker (stopped or cut off: the end of a
+        reply it wrote comes once it is back)."""
         target = self._target_of(url) if url else ""
         return max(
             (
                 fault.at_s + fault.held_s
                 for fault in self.faults
-                if fault.target == target
-                and fault.kind in HOLDS_A_GATEWAY
+                if (fault.kind in HOLDS_A_WORKER or fault.kind in HOLDS_A_GATEWAY)
+                and (fault.target == target or fault.kind in HOLDS_A_WORKER)
                 and fault.at_s <= to_s
                 and fault.at_s + fault.held_s >= from_s
             ),
