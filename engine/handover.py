@@ -24,10 +24,10 @@ from engine.lease import Lease
 from engine.metrics import WorkerMetrics
 from engine.publisher import Publisher
 from wire import GenerationRequest
+from wire.generations import Generations
 from wire.handoff import Streamed, continuation
 from wire.outcomes import TakenOver
 from wire.queue import RequestQueue
-from wire.scripts import Takeover
 
 log = logging.getLogger("tokenspout.handover")
 
@@ -38,7 +38,7 @@ class HandOver:
     def __init__(
         self,
         *,
-        takeover: Takeover,
+        generations: Generations,
         lease: Lease,
         publisher: Publisher,
         queue: RequestQueue,
@@ -47,7 +47,7 @@ class HandOver:
         worker_id: str,
         max_takeovers: int,
     ) -> None:
-        self.takeover = takeover
+        self.generations = generations
         self.lease = lease
         self.publisher = publisher
         self.queue = queue
@@ -109,9 +109,9 @@ class HandOver:
             return None
         try:
             await self.publisher.written()  # every event emitted is in Redis, in order
-            outcome = await self.takeover(
-                session_id=sid,
-                generation_id=gid,
+            outcome = await self.generations.take_over(
+                sid,
+                gid,
                 worker=self.worker_id,
                 max_takeovers=self.max_takeovers,
                 usage=job.usage(),

@@ -81,12 +81,10 @@ class Intake:
         self.jobs: dict[str, Job] = {}
         """The generations running here, by id."""
         self.accepting = True
-        self.unacked: set[bytes] = set()
-        """Requests whose acknowledgement failed; retried with each heartbeat (a request
-        left pending under a live worker would count as in flight forever)."""
-        self.uncounted: dict[bytes, tuple[str, str]] = {}
-        """Requests (their session and generation) whose usage count failed on a Redis
-        Cluster: counted, then acknowledged, with each heartbeat."""
+        self.unacked: dict[bytes, tuple[str, str]] = {}
+        """Requests (entry id -> their session and generation) whose acknowledgement
+        failed; retried with each heartbeat (a request left pending under a live worker
+        would count as in flight forever)."""
         self._tasks: set[asyncio.Task[None]] = set()
         self._slot_freed = asyncio.Event()
         self._filled = asyncio.Event()
@@ -276,9 +274,15 @@ class Intake:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def ack_or_retry_later(self, entry_id: bytes) -> None:
+    async def ack_or_retry_later(
+        self, entry_id: bytes, session_id: str = "", generation_id: str = ""
+    ) -> None:
+        """Acknowledge a request (of ``generation_id``, counted first where the topology
+        needs it: ``Generations.acknowledge``); one that fails is tried again with each
+        heartbeat."""
+        ended = (entry_id, session_id, generation_id)
         try:
-            await self.queue.ack(entry_id)
+            await self.publisher.generations.acknowledge(self.queue, [ended])
         except (RedisError, OSError) as exc:
             log.warning(
                 "acknowledging request %s failed (%s); retrying with the next heartbeat",
@@ -286,41 +290,22 @@ class Intake:
                 exc,
             )
             self.metrics.redis_errors.labels("ack").inc()
-            self.unacked.add(entry_id)
+            self.unacked[entry_id] = (session_id, generation_id)
 
-    async def count_then_ack(self, job: Job) -> None:
-        """Acknowledge ``job``'s request once its generation's usage is counted. On a
-        Redis Cluster that count follows the final event, by whoever wrote it or met it
-        ended, once per generation (one Redis counts it in the script that writes the
-        event: nothing to wait for); a worker lost before it counts leaves the request
-        pending, and the reaper that takes it counts it (gateway/recovery/takeover.py).
-        A count that fails is tried again with each heartbeat, the acknowledgement after."""
-        if self.publisher.counts_usage_after:
-            try:
-                await self.publisher.count_usage(job.session_id, job.generation_id)
-            except (RedisError, OSError) as exc:
-                log.warning(
-                    "counting the usage of %s failed (%s); retrying with the next heartbeat",
-                    job.generation_id,
-                    exc,
-                )
-                self.metrics.redis_errors.labels("usage").inc()
-                self.uncounted[job.entry_id] = (job.session_id, job.generation_id)
-                return
-        await self.ack_or_retry_later(job.entry_id)
+    async def acknowledge(self, job: Job) -> None:
+        """Acknowledge the request of ``job``, whose run ended with no final event of its
+        own (another writer may have ended it: a queued cancel, ``events_lost``)."""
+        await self.ack_or_retry_later(job.entry_id, job.session_id, job.generation_id)
 
     async def retry_acks(self) -> None:
-        """The counts, then the acknowledgements, that failed before."""
-        for entry_id, (session_id, generation_id) in list(self.uncounted.items()):
-            await self.publisher.count_usage(session_id, generation_id)
-            del self.uncounted[entry_id]
-            self.unacked.add(entry_id)
+        """The acknowledgements that failed before."""
         if not self.unacked:
             return
-        entry_ids = list(self.unacked)
-        await self.queue.ack(*entry_ids)
-        self.unacked.difference_update(entry_ids)
-        log.info("acknowledged %d requests on a retry", len(entry_ids))
+        ended = [(entry_id, sid, gid) for entry_id, (sid, gid) in self.unacked.items()]
+        await self.publisher.generations.acknowledge(self.queue, ended)
+        for entry_id, _, _ in ended:
+            del self.unacked[entry_id]
+        log.info("acknowledged %d requests on a retry", len(ended))
 
     def _run(self, job: Job) -> None:
         self.jobs[job.generation_id] = job

@@ -57,8 +57,8 @@ from wire import (
     WorkerInfo,
 )
 from wire.connect import when_redis_answers
+from wire.generations import Generations
 from wire.queue import RequestQueue, ServedTokens
-from wire.scripts import Takeover
 
 log = logging.getLogger("tokenspout.worker")
 
@@ -94,9 +94,9 @@ class Worker:
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.metrics = metrics or WorkerMetrics()
         self.lease = Lease(redis, self.keys, self.worker_id, backend.model)
+        self.generations = Generations(redis, self.keys)  # every transition it makes
         self.publisher = Publisher(
-            redis,
-            self.keys,
+            self.generations,
             queue=self.queue,
             writer=self.worker_id,
             on_rejected=self._on_rejected,
@@ -114,7 +114,7 @@ class Worker:
         )
         self.jobs = self.intake.jobs  # the generations running here (the intake's), by id
         self.handover = HandOver(
-            takeover=Takeover(redis, self.keys),
+            generations=self.generations,
             lease=self.lease,
             publisher=self.publisher,
             queue=self.queue,
@@ -246,7 +246,7 @@ class Worker:
             elif job.needs_ack:
                 # Dropped: it may have ended by another writer (a queued cancel,
                 # ``events_lost``), lost before it counted it: counted again, once.
-                await self.intake.count_then_ack(job)
+                await self.intake.acknowledge(job)
 
     def _claim_answered(
         self, job: Job, claim: Started | Resumed, answer: asyncio.Future[str | None]
@@ -370,19 +370,14 @@ class Worker:
             # A continued reply's message is the one it extends, made longer (the history
             # keeps it in that message's place).
             assistant = ChatMessage("assistant", job.request.continued + "".join(job.text))
-        # Its request is acknowledged by this final event's write, or (a cluster) once
-        # its usage is counted.
-        counts_after = self.publisher.counts_usage_after
         written = await self.emit_waited(
             job,
             event,
             final=True,
             # Only a chat turn's first choice joins the history (a message with n > 1).
             assistant=assistant if job.request.prompt is None and not job.request.choice else None,
-            ack=None if counts_after else job.entry_id,
+            ack=job.entry_id,  # acknowledged once the event is written
         )
-        if counts_after:
-            await self.intake.count_then_ack(job)
         state = wire.final_state(event)
         if written is None:  # it ended elsewhere, or is not this worker's: not counted here
             log.info("%s: its %s event was refused", job.generation_id, state)

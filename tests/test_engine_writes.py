@@ -32,6 +32,7 @@ from tests.support.http import create_session, follow, send
 from tests.support.redis_probes import async_client
 from tests.support.stack import Stack
 from wire import Done, Keys, Started, Token, Usage
+from wire.generations import Generations
 from wire.outcomes import NotStarted, TakenOver, TakeoverReply
 from wire.queue import RequestQueue
 from wire.scripts import Emit, Takeover
@@ -77,8 +78,7 @@ def publisher_writing(
     if write == "several calls":
         monkeypatch.setattr(publisher_module, "MAX_EVENTS_PER_CALL", 3)
     return Publisher(
-        redis,
-        keys,
+        Generations(redis, keys),
         queue=RequestQueue(redis, keys, "m"),
         writer="",
         on_rejected=lambda gid, epoch: None,

@@ -21,7 +21,6 @@ from typing import Literal
 import msgspec
 import redis.asyncio as aioredis
 
-from wire.connect import is_cluster
 from wire.keys import Keys
 from wire.limits import RUNNING_HOLD_S, Counts, Limits
 from wire.messages import Usage, decode_final
@@ -35,6 +34,7 @@ from wire.scripts import (
     limits_args,
     lua_source,
 )
+from wire.topology import Topology, topology_of
 
 HOUR_S, DAY_S = 3_600, 86_400
 USAGE_KEPT_S = {"hour": 45 * DAY_S, "day": 400 * DAY_S}
@@ -131,23 +131,25 @@ _usage_decoder = msgspec.json.Decoder(Usage)
 
 
 class UsageCounter:
-    """The count a Redis Cluster needs after a final event is written (one Redis counts it
-    inside the script that writes it: ``after_final`` does nothing there).
+    """The count a topology that does not count in the script that writes a final event
+    needs right after it (a Redis Cluster: ``wire.topology``); on one Redis
+    ``after_final`` does nothing.
 
-    Every writer of final events calls ``after_final`` once its script answered, whether it
-    wrote the final event or was refused (an ``events_lost`` end is written by the script
-    that refuses the write): it reads the generation's final event and tenant, and counts
-    the usage once per generation id, however many writers call it."""
+    The owner of a generation's transitions (wire/generations.py) calls ``after_final``
+    once a script that writes or may write a final event answered, whether it wrote it or
+    was refused (an ``events_lost`` end is written by the script that refuses the write):
+    it reads the generation's final event and tenant, and counts the usage once per
+    generation id, however many writers call it."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, topology: Topology | None = None) -> None:
         self.redis = redis
         self.keys = keys
-        self.needed = is_cluster(redis)
-        self._count = CountUsage(redis, keys)
+        self.topology = topology or topology_of(redis)
+        self._count = CountUsage(redis, keys, self.topology)
 
     async def after_final(self, session_id: str, generation_id: str) -> bool:
         """Whether this call counted it (False on one Redis, where the script did)."""
-        if not self.needed:
+        if self.topology.counts_in_script:
             return False
         tenant, bill, recorded, final = await self.redis.hmget(
             self.keys.generation(session_id, generation_id),

@@ -7,8 +7,7 @@ there is room for it, and the queues of the models it goes to (``wire.queue``).
   the SUBMIT script itself, for a stateless session on one Redis (one round trip, and
   atomic across gateways);
 - ``counts``: queued and running generations per model (also for /metrics);
-- ``enqueue`` and ``signal_cancel``: a request onto its model's queue, a cancel onto the
-  stream every worker reads.
+- ``enqueue``: a request onto its model's queue.
 """
 
 from __future__ import annotations
@@ -20,20 +19,18 @@ from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
-from redis.asyncio.client import Pipeline
 
 import wire
 from gateway.core.errors import BadRequest, Overloaded
 from gateway.core.models import ModelDirectory
 from gateway.core.settings import Settings
-from wire import CancelSignal, GenerationRequest, Keys, SamplingParams
+from wire import GenerationRequest, Keys, SamplingParams
 from wire.limits import Limits
 from wire.outcomes import OverCapacity
 from wire.queue import RequestQueue, count_all, estimated_tokens
 from wire.runtime import shared_read
 from wire.scripts import Admission, WaitingRequest
 
-CANCELS_MAXLEN = 10_000
 AT_FIELD = re.compile(r"at `\$\.([a-z_]+)")
 Counts = dict[str, tuple[int, int]]
 """Model -> (queued, running)."""
@@ -59,8 +56,6 @@ class GenerationQueue:
         self.keys = keys
         self.settings = settings
         self.models = models
-        self.requests_maxlen = settings.max_inflight * 20
-        """Cap of each model's requests stream (approximate, whole nodes)."""
         self.weight_of: Callable[[str], float] = lambda tenant: 1.0
         """A tenant's weight: its share of a model's engine against the others' (the
         tenants' directory sets it; every tenant weighs 1 until then)."""
@@ -202,19 +197,3 @@ class GenerationQueue:
         """A new request into its tenant's list of ``model``'s queue; ``submitted``: the
         note of this request to cross off with it (``RequestQueue.waiting``)."""
         await self.of(model).submit(self.waiting(model, request, submitted))
-
-    def enqueue_in(self, pipe: Pipeline, model: str, request: GenerationRequest) -> None:
-        """``enqueue`` queued in ``pipe`` (a bare EVALSHA: on NoScriptError, ``load_scripts``
-        and send the pipeline again)."""
-        self.of(model).submit_in(pipe, self.waiting(model, request))
-
-    async def load_scripts(self, model: str) -> None:
-        """What ``enqueue_in`` sends, loaded (a Redis that restarted lost its scripts)."""
-        await self.of(model).load_scripts()
-
-    async def signal_cancel(self, signal: CancelSignal) -> None:
-        """Tell every worker (the one running it aborts), renewing the stream's TTL."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xadd(self.keys.cancels, {"c": wire.encode(signal)}, maxlen=CANCELS_MAXLEN)
-            pipe.expire(self.keys.cancels, wire.SHARED_KEY_TTL_S)
-            await pipe.execute()

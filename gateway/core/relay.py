@@ -38,7 +38,7 @@ from gateway.core.shards import ShardedLive
 from gateway.core.spares import SpareSessions
 from gateway.core.waiting import WaitingGenerations
 from wire import FinalEvent, Keys, entry_id_key
-from wire.connect import is_cluster
+from wire.topology import topology_of
 
 log = logging.getLogger("tokenspout.relay")
 
@@ -114,7 +114,7 @@ class RelayHub:
         self._cut_at: float | None = None
         self.live: LiveSource = (
             ShardedLive(redis, self._deliver, self._confirm)
-            if is_cluster(redis)
+            if topology_of(redis).sharded
             else PlainLive(redis, self._deliver, self._confirm, self._connection_lost)
         )
         self.spares = SpareSessions(keys, self.live) if isinstance(self.live, PlainLive) else None

@@ -11,19 +11,18 @@ talks to Redis.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import logging
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import anyio
 import msgspec
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError
 
 import wire
 from gateway.core.ask import GenerationAsk, KeptSession
@@ -55,9 +54,9 @@ from wire import (
     scripts,
 )
 from wire import outcomes as script
-from wire.connect import is_cluster, when_redis_answers
+from wire.connect import when_redis_answers
+from wire.generations import Generations
 from wire.scripts import Bill
-from wire.tenancy import UsageCounter
 
 log = logging.getLogger("tokenspout.sessions")
 _message_decoder = msgspec.json.Decoder(ChatMessage)
@@ -203,9 +202,11 @@ class SessionStore:
         self.models = ModelDirectory(redis, self.keys, settings)
         self.tenants = TenantGate(redis, self.keys, tenant_directory(redis, settings), observer)
         """Whom each generation serves, and its key's limits (gateway/core/tenancy.py)."""
-        self._submit = scripts.Submit(redis, self.keys)
-        self._cancel = scripts.Cancel(redis, self.keys)
-        self._usage = UsageCounter(redis, self.keys)
+        self.generations = Generations(
+            redis, self.keys, events_maxlen=settings.events_maxlen, ttl_s=settings.session_ttl_s
+        )
+        """Every transition of a generation this gateway makes (wire/generations.py)."""
+        self.one_node = self.generations.topology.one_node
         self.queue = GenerationQueue(redis, self.keys, settings, self.models)
         self.queue.weight_of = self.tenants.weight_of  # each key's share of a model's engine
         self.conversations = Conversations(redis, self.keys, settings)
@@ -417,7 +418,7 @@ class SessionStore:
             choice=choice,
         )
         new = self._new_session(request, ttl_s)
-        in_submit = kept is None and not is_cluster(self.redis)
+        in_submit = kept is None and self.one_node
         admitted = False
         if not in_submit:
             admitted = await self.tenants.admit(
@@ -431,8 +432,6 @@ class SessionStore:
             if admitted:
                 await self._give_back(tenant, [generation_id], count_request=not choice)
             raise
-        if is_cluster(self.redis):
-            await self.queue.enqueue(queue, request)
         if self.observer is not None:
             self.observer.submitted(session_id, generation_id, reply.queued_id, queue)
         return Submitted(generation_id, session_id, reply.queued_id)
@@ -461,18 +460,17 @@ class SessionStore:
         tenant: Tenant | None,
         count_request: bool,
     ) -> script.Accepted:
-        """Make a stateless session with its generation and (on one Redis) queue its
-        request; 429 past the capacity. On a cluster its caller queues the request.
-        ``tenant``: the key whose limits SUBMIT admits too (None: admitted before)."""
-        # On one Redis the SUBMIT script admits the request, makes its session and its
-        # generation, and queues it: one call, every key on that node. A session kept
-        # past its request is made by commands after the script, in the same pipeline,
-        # which would run on a refusal too: it is admitted first, as on a cluster.
-        in_order = not is_cluster(self.redis)
-        if in_order and kept is None:
+        """Make a stateless session with its generation and queue its request; 429 past the
+        capacity. ``tenant``: the key whose limits SUBMIT admits too (None: admitted
+        before)."""
+        # Where one node holds every key the SUBMIT script admits the request, makes its
+        # session and its generation, and queues it: one call. A session kept past its
+        # request is made by commands after the script, which would run on a refusal too:
+        # it is admitted first, as on a cluster.
+        if self.one_node and kept is None:
             limits = self.tenants.in_submit(tenant) if tenant is not None else None
             admission = await self.queue.admission(queue, request, limits, count_request)
-            reply = await self._submit.create_admitted(new, admission)
+            reply = await self.generations.create_admitted(new, admission)
             if tenant is not None and not isinstance(reply, script.OverCapacity):
                 admitting = script.Admitted | script.Limited
                 counts = reply.counts if isinstance(reply, admitting) else None
@@ -481,31 +479,19 @@ class SessionStore:
                     reply = script.Accepted(reply.queued_id, [])
         else:
             await self.queue.guard_capacity(queue)
-            # Admitted before, the request goes after the script: on one Redis in the same
-            # pipeline (a fresh session cannot refuse it, and one Redis runs a pipeline in
-            # order: no worker can take the request before its generation exists). A
-            # cluster runs each node's part at once: a worker could take the request (on
-            # its queue's shard) before the generation (on the session's) is written, and
-            # skip it as ended, leaving its client waiting. There it goes in after the
-            # reply.
-
-            def fill(pipe: Any) -> None:
-                self._submit.create_in(pipe, new)
-                if kept is not None:
-                    self._keep_in(pipe, new.session_id, kept)
-                if in_order:
-                    # Sent twice after a restarted Redis's NOSCRIPT: the first copy, with
-                    # no generation to claim, is skipped by the worker that takes it.
-                    self.queue.enqueue_in(pipe, queue, request)
-
-            reply = scripts.Submit.replied((await self._run_submitting(fill, queue))[0])
+            keep = None
+            if kept is not None:
+                keep = functools.partial(self._keep_in, session_id=new.session_id, kept=kept)
+            reply = await self.generations.create_queued(
+                new, self.queue.of(queue), self.queue.waiting(queue, request), keep
+            )
         if isinstance(reply, script.OverCapacity):
             raise self.queue.overloaded(reply, queue)
         if not isinstance(reply, script.Accepted):
             raise Unavailable(f"queueing a stateless generation failed: {reply!r}")
         return reply
 
-    def _keep_in(self, pipe: Any, session_id: str, kept: KeptSession) -> None:
+    def _keep_in(self, pipe: Any, *, session_id: str, kept: KeptSession) -> None:
         meta = self.keys.meta(session_id)
         pipe.hset(meta, mapping=kept.meta)
         pipe.expire(meta, kept.ttl_s)
@@ -700,41 +686,9 @@ class SessionStore:
 
     async def _submit_noted(self, model: str, note: bytes, **submit: Any) -> script.SubmitReply:
         """The SUBMIT script (``submit``: its arguments), after a note that the turn's
-        request is on its way to ``model``'s queue (``RequestQueue.note_submitting``): should
-        this process die before queueing it, the reaper does (``queue_stranded``). One
-        Redis runs them as one pipeline, the note first. A cluster runs a pipeline's nodes
-        at once, so there the note is a round trip of its own, before."""
-        queue = self.queue.of(model)
-        submit = {**submit, "note": note, "queue": model}  # kept with the generation too
-        if is_cluster(self.redis):
-            await queue.note_submitting(note)
-            return await self._submit(**submit)
-
-        def fill(pipe: Any) -> None:
-            queue.note_submitting_in(pipe, note)
-            self._submit.submit_in(pipe, **submit)
-
-        return scripts.Submit.replied((await self._run_submitting(fill))[-1])
-
-    async def _run_submitting(
-        self, fill: Callable[[Any], None], enqueuing: str | None = None
-    ) -> list[Any]:
-        """Run a pipeline that ``fill`` fills, a bare SUBMIT among its commands (and the
-        queue's submit to model ``enqueuing``'s queue, if it names one). A Redis that lost
-        its scripts (a restart) gets them loaded and the pipeline again: the other commands
-        of the first one ran, and run again, so they must not mind."""
-        for attempt in (1, 2):
-            try:
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    fill(pipe)
-                    return list(await pipe.execute())
-            except NoScriptError:
-                if attempt == 2:
-                    raise
-                await self._submit.load()
-                if enqueuing is not None:
-                    await self.queue.load_scripts(enqueuing)
-        raise AssertionError("unreachable")
+        request is on its way to ``model``'s queue: should this process die before queueing
+        it, the reaper does (``queue_stranded``)."""
+        return await self.generations.submit_noted(self.queue.of(model), note, **submit)
 
     async def _enqueue_written(
         self, model: str, request: GenerationRequest, note: bytes | None = None
@@ -823,27 +777,20 @@ class SessionStore:
     ) -> CancelOutcome:
         """Stop a generation wherever it runs; idempotent (a final one reports its end)."""
         began = time.monotonic()
-        reply = await self._cancel(
-            session_id=session_id,
-            generation_id=generation_id,
-            reason=reason,
-            maxlen=self.settings.events_maxlen,
-            ttl_s=self.settings.session_ttl_s,
-        )
+        reply = await self.generations.cancel(session_id, generation_id, reason)
         match reply:
             case script.UnknownGeneration():
                 raise unknown_generation(generation_id)
             case script.EndedBefore(final=final):
                 return CancelOutcome(generation_id, wire.final_state(final), final)
             case script.CancelledQueued(final=final):
-                await self._usage.after_final(session_id, generation_id)  # a cluster's
                 if self.observer is not None:
                     self.observer.cancel_stopped(generation_id, time.monotonic() - began)
                 # Its usage: zero, or what it streamed before a takeover queued it again.
                 return CancelOutcome(generation_id, "cancelled", final)
         if self.observer is not None:
             self.observer.cancel_sent(session_id, generation_id, began)
-        await self.queue.signal_cancel(CancelSignal(generation_id, session_id, reason))
+        await self.generations.signal_cancel(CancelSignal(generation_id, session_id, reason))
         return CancelOutcome(generation_id, "cancelling")
 
     async def generation_end(self, session_id: str, generation_id: str) -> tuple[str, str | None]:

@@ -18,12 +18,9 @@ from __future__ import annotations
 import logging
 import time
 
-import redis.asyncio as aioredis
-
 from gateway.core.tenancy import TenantGate
 from gateway.tenants.records import Tenant
-from wire import Keys
-from wire.tenancy import UsageCounter
+from wire.generations import Generations
 
 log = logging.getLogger("tokenspout.reaper")
 
@@ -37,11 +34,10 @@ MOST_PER_KEY = 200
 
 
 class UnsubmittedAdmissions:
-    def __init__(self, redis: aioredis.Redis, keys: Keys, tenants: TenantGate) -> None:
-        self.redis = redis
-        self.keys = keys
+    def __init__(self, generations: Generations, tenants: TenantGate) -> None:
+        self.generations = generations
+        self.redis, self.keys = generations.redis, generations.keys
         self.tenants = tenants
-        self._usage = UsageCounter(redis, keys)
         self._next_s = 0.0
 
     def due(self) -> bool:
@@ -79,7 +75,7 @@ class UnsubmittedAdmissions:
                 )
                 await self.tenants.release(tenant, [gid], count_request=False)
                 settled += 1
-            elif final is not None and await self._usage.after_final(sid, gid):
+            elif final is not None and await self.generations.count_usage(sid, gid):
                 log.warning("generation %s of key %s ended uncounted: counted", gid, tenant.id)
                 settled += 1
         return settled

@@ -12,15 +12,12 @@ import asyncio
 import logging
 import time
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from gateway.core.relay import RelayHub
 from gateway.recovery.reaper import queue_timeout
 from gateway.recovery.stranded import StrandedTurns
-from wire import Keys
-from wire.scripts import EndQueued
-from wire.tenancy import UsageCounter
+from wire.generations import Generations
 
 log = logging.getLogger("tokenspout.watchdog")
 
@@ -44,21 +41,15 @@ class ReaderDeadline:
 
     def __init__(
         self,
-        redis: aioredis.Redis,
-        keys: Keys,
+        generations: Generations,
         hub: RelayHub,
         stranded: StrandedTurns,
         queue_timeout_s: float,
-        events_maxlen: int,
-        ttl_s: int,
     ) -> None:
+        self.generations = generations
         self.waiting = hub.waiting
         self.stranded = stranded
         self.queue_timeout_s = queue_timeout_s
-        self.events_maxlen = events_maxlen
-        self.ttl_s = ttl_s
-        self._end_queued = EndQueued(redis, keys)
-        self._usage = UsageCounter(redis, keys)
 
     async def run_forever(self, interval_s: float = READER_CHECK_S) -> None:
         while True:
@@ -109,16 +100,11 @@ class ReaderDeadline:
         overdue = self.waiting.queued_before(time.time() - self.queue_timeout_s - READER_GRACE_S)
         ended = 0
         for session_id, generation_id in overdue:
-            final_id = await self._end_queued(
-                session_id=session_id,
-                event=queue_timeout(generation_id, self.queue_timeout_s),
-                maxlen=self.events_maxlen,
-                ttl_s=self.ttl_s,
-            )
+            event = queue_timeout(generation_id, self.queue_timeout_s)
+            [done] = await self.generations.end_queued([(session_id, event)])
             self.waiting.settled(session_id, generation_id)
-            if final_id is not None:
+            if done:
                 ended += 1
-                await self._usage.after_final(session_id, generation_id)
                 log.warning(
                     "generation %s of session %s was still queued %g s after its queue"
                     " deadline, with its request in no queue (lost by Redis): ended with"

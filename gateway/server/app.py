@@ -26,6 +26,7 @@ from gateway.core.relay import RelayHub
 from gateway.core.service import GatewayService
 from gateway.core.sessions import SessionStore
 from gateway.core.settings import Settings
+from gateway.recovery.admissions import UnsubmittedAdmissions
 from gateway.recovery.reader_deadline import ReaderDeadline
 from gateway.recovery.reaper import Reaper, refresh_watches
 from gateway.recovery.stranded import StrandedTurns
@@ -103,30 +104,12 @@ class Services:
     def _recovery(self) -> tuple[Reaper, ReaderDeadline]:
         """The reaper (one gateway at a time) and this process's readers' deadline."""
         settings = self.settings
+        generations = self.store.generations
         stranded = StrandedTurns(self.store, self.store.queue)
-        reaper = Reaper(
-            self.redis,
-            self.keys,
-            settings.worker_timeout_s,
-            settings.events_maxlen,
-            settings.session_ttl_s,
-            queue_timeout_s=settings.queue_timeout_s,
-            requests_maxlen=self.store.queue.requests_maxlen,
-            max_takeovers=settings.max_takeovers,
-            default_model=settings.default_model,
-            stranded=stranded,
-            tenants=self.store.tenants,
-        )
-        reader_deadline = ReaderDeadline(
-            self.redis,
-            self.keys,
-            self.hub,
-            stranded,
-            settings.queue_timeout_s,
-            settings.events_maxlen,
-            settings.session_ttl_s,
-        )
-        return reaper, reader_deadline
+        admissions = UnsubmittedAdmissions(generations, self.store.tenants)
+        reaper = Reaper(generations, settings, stranded=stranded, admissions=admissions)
+        deadline = ReaderDeadline(generations, self.hub, stranded, settings.queue_timeout_s)
+        return reaper, deadline
 
     def _grpc_server(self, host: str, sock: socket.socket | None) -> GrpcServer:
         # Imported only here: the gRPC stack (grpc, tritonclient, numpy) is a third of a
