@@ -37,7 +37,7 @@ from wire.outcomes import (
 )
 from wire.queue import RequestQueue
 from wire.scripts import (
-    Admission,
+    AdmitInSubmit,
     Cancel,
     Emit,
     EndQueued,
@@ -95,7 +95,7 @@ class Generations:
         replies = await self._in_order(fills, self._submit.load)
         return Submit.replied(replies[-1])
 
-    async def create_admitted(self, new: NewSession, admission: Admission) -> SubmitReply:
+    async def create_admitted(self, new: NewSession, admission: AdmitInSubmit) -> SubmitReply:
         """Admit a one-shot request (or answer ``OverCapacity`` or ``Limited``), make its
         session ``new`` and queue the request after its generation, in one call: only
         where one node holds every key (``Topology.one_node``)."""

@@ -50,6 +50,7 @@ from wire.outcomes import (
     Accepted,
     Admitted,
     AlreadyFinal,
+    BadToken,
     BadTurn,
     Busy,
     CancelAsked,
@@ -58,7 +59,6 @@ from wire.outcomes import (
     Duplicate,
     EndedBefore,
     Exhausted,
-    Forbidden,
     HistoryFull,
     Limited,
     Moved,
@@ -208,7 +208,7 @@ def submit_reply(reply: object) -> SubmitReply:
         case ["missing"]:
             return SessionMissing()
         case ["forbidden"]:
-            return Forbidden()
+            return BadToken()
         case ["duplicate", generation_id]:
             return Duplicate(generation_id)
         case ["busy", generation_id]:
@@ -315,7 +315,7 @@ class Takeover(Script):
 
 
 @dataclass(frozen=True, slots=True)
-class Admission:
+class AdmitInSubmit:
     """What SUBMIT needs to admit a stateless session's request and queue it, in the same
     call (one Redis: every key on one node): the queues counted, the limits, the request."""
 
@@ -355,8 +355,8 @@ class NewSession:
     bill: Bill = "all"
 
 
-def _admitting(admission: Admission) -> tuple[list[str], list[Arg]]:
-    """SUBMIT's KEYS and ARGV after its own, to admit a request and queue it (``Admission``)."""
+def _admitting(admission: AdmitInSubmit) -> tuple[list[str], list[Arg]]:
+    """SUBMIT's KEYS and ARGV after its own, to admit a request and queue it (``AdmitInSubmit``)."""
     return admission.queues, [
         admission.limit,
         admission.model_limit,
@@ -432,7 +432,7 @@ class Submit(Script):
         ``load`` and send it again); ``replied`` reads its reply."""
         self.queue_evalsha(pipe, *self._new_session(new, None))
 
-    async def create_admitted(self, new: NewSession, admission: Admission) -> SubmitReply:
+    async def create_admitted(self, new: NewSession, admission: AdmitInSubmit) -> SubmitReply:
         """Admit a request (or answer ``OverCapacity``), make ``new`` and queue the request
         after its generation, in one call on one Redis. A lone call is the whole round trip
         (no pipeline: redis-py's costs about 20 us of CPU a call); the calls made while one
@@ -443,7 +443,7 @@ class Submit(Script):
         return submit_reply(await self._admitted(*self._new_session(new, admission)))
 
     def _new_session(
-        self, new: NewSession, admission: Admission | None
+        self, new: NewSession, admission: AdmitInSubmit | None
     ) -> tuple[list[str], list[Arg]]:
         return self._keys_args(
             new.session_id,
@@ -478,7 +478,7 @@ class Submit(Script):
         note: bytes = b"",
         queue: str = "",
         turn: str = "",
-        admission: Admission | None = None,
+        admission: AdmitInSubmit | None = None,
         tenant: str = "",
         bill: Bill = "all",
     ) -> tuple[list[str], list[Arg]]:

@@ -3,7 +3,7 @@
 - ``Admit`` (wire/lua/admit.lua): admit a request's generations against the tenant's
   limits, or refuse them at the first limit reached, in one step (exact across gateways);
   ``Release`` gives back what it took when the submit was refused after all, and
-  ``Admitted`` lists what it took a while ago, for the reaper to give back what was never
+  ``OldAdmissions`` lists what it took a while ago, for the reaper to give back what was never
   submitted (its gateway lost in between).
 - Usage is counted where a generation's final event is written (wire/lua/usage_core.lua,
   inside every script that writes one); on a Redis Cluster the tenant's keys are on another
@@ -65,7 +65,7 @@ class Admit(Script):
         """``generation_ids``: the request's (the first one names it); ``count_request``:
         False for another choice of a request counted already; ``session_id``: where they
         are submitted next (a gateway lost before that leaves an admission whose
-        generations never exist: ``Admitted`` finds it)."""
+        generations never exist: ``OldAdmissions`` finds it)."""
         reply = await self._run(
             _tenant_keys(self.keys, tenant_id),
             [" ".join(generation_ids), *limits_args(limits, count_request), session_id],
@@ -91,7 +91,7 @@ class Release(Script):
         )
 
 
-class Admitted(Script):
+class OldAdmissions(Script):
     """The generations ``Admit`` admitted at least ``after_s`` ago that still count as
     running, with their sessions (wire/lua/admitted.lua), oldest first."""
 

@@ -1,65 +1,49 @@
-"""The generation queue, as the gateway sees it: what a generation may ask for, whether
-there is room for it, and the queues of the models it goes to (``wire.queue``).
+"""The generation queue, as the gateway sees it: what a generation may ask for, and the
+queues of the models it goes to (``wire.queue``).
 
 - ``sampling``: sampling parameters with the gateway's defaults and limits (422 past one);
-- ``guard_capacity``: 429 past ``TOKENSPOUT_MAX_INFLIGHT`` generations in flight, or past
-  ``TOKENSPOUT_MAX_INFLIGHT_PER_MODEL`` of one model; ``admission``: the same check made by
-  the SUBMIT script itself, for a stateless session on one Redis (one round trip, and
-  atomic across gateways);
-- ``counts``: queued and running generations per model (also for /metrics);
-- ``enqueue``: a request onto its model's queue.
+- ``counts``: queued and running generations per model (the capacity's, gateway/core/
+  admission.py, and /metrics');
+- ``waiting``, ``enqueue``: a request for its tenant's list of its model's queue.
 """
 
 from __future__ import annotations
 
-import asyncio
 import re
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
 
 import wire
-from gateway.core.errors import BadRequest, Overloaded
+from gateway.core.errors import BadRequest
 from gateway.core.models import ModelDirectory
 from gateway.core.settings import Settings
 from wire import GenerationRequest, Keys, SamplingParams
-from wire.limits import Limits
-from wire.outcomes import OverCapacity
 from wire.queue import RequestQueue, count_all, estimated_tokens
-from wire.runtime import shared_read
-from wire.scripts import Admission, WaitingRequest
+from wire.scripts import WaitingRequest
 
 AT_FIELD = re.compile(r"at `\$\.([a-z_]+)")
-Counts = dict[str, tuple[int, int]]
+QueueCounts = dict[str, tuple[int, int]]
 """Model -> (queued, running)."""
-
-
-class CountsRead:
-    """One read of the queue counts, on its way or done, that the capacity checks arriving
-    while it is on its way share; ``admitted``: the generations they let in, per model."""
-
-    __slots__ = ("admitted", "models", "task")
-
-    def __init__(self, models: list[str], read: Coroutine[Any, Any, Counts]) -> None:
-        self.models = models
-        self.task = shared_read(read)
-        self.admitted: dict[str, int] = {}
 
 
 class GenerationQueue:
     def __init__(
-        self, redis: aioredis.Redis, keys: Keys, settings: Settings, models: ModelDirectory
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        settings: Settings,
+        models: ModelDirectory,
+        weight_of: Callable[[str], float],
     ) -> None:
         self.redis = redis
         self.keys = keys
         self.settings = settings
         self.models = models
-        self.weight_of: Callable[[str], float] = lambda tenant: 1.0
-        """A tenant's weight: its share of a model's engine against the others' (the
-        tenants' directory sets it; every tenant weighs 1 until then)."""
-        self._read: CountsRead | None = None
+        self.weight_of = weight_of
+        """A tenant's weight: its share of a model's engine against the others'."""
         self._queues: dict[str, RequestQueue] = {}
 
     def of(self, model: str) -> RequestQueue:
@@ -111,83 +95,19 @@ class GenerationQueue:
             sent = names.get(at.group(1), at.group(1))
             raise BadRequest(f"{sent}: {exc}", field=sent) from exc
 
-    async def guard_capacity(self, model: str) -> None:
-        """429 past the global in-flight limit, or past the model's own.
-
-        The counts come from the read on its way when there is one (``CountsRead``), plus
-        the generations this process admitted on that read: a burst of requests costs one
-        read at a time (a read each costs 5 to 8 us of gateway CPU per token at 500
-        streams). A generation whose submit is still on its way is not seen by a check that
-        read before it landed, and across gateways the check is not atomic: the SUBMIT
-        script's own check (``admission``) is, on one Redis."""
-        models = await self._models_to_count([model])
-        read = self._read
-        if read is None or read.task.done() or read.models != models:
-            read = self._read = CountsRead(models, self._count(models))
-        counts = await asyncio.shield(read.task)
-        inflight = sum(queued + running for queued, running in counts.values())
-        inflight += sum(read.admitted.values())
-        if inflight >= self.settings.max_inflight:
-            raise self.overloaded(OverCapacity("all", inflight), model)
-        limit = self.settings.max_inflight_per_model
-        queued, running = counts.get(model, (0, 0))
-        of_model = queued + running + read.admitted.get(model, 0)
-        if limit and of_model >= limit:
-            raise self.overloaded(OverCapacity("model", of_model), model)
-        read.admitted[model] = read.admitted.get(model, 0) + 1
-
-    async def admission(
-        self,
-        model: str,
-        request: GenerationRequest,
-        limits: Limits | None = None,
-        count_request: bool = True,
-    ) -> Admission:
-        """``guard_capacity``'s check, for the SUBMIT script to make as it queues
-        ``request`` (one Redis: every queue counted is on the node the session is), and the
-        ``limits`` of its key with it (none: no such check)."""
-        models = await self._models_to_count([model])
-        waiting = self.waiting(model, request)
-        return Admission(
-            queues=[self.of(name).key for name in models],
-            target=models.index(model),
-            limit=self.settings.max_inflight,
-            model_limit=self.settings.max_inflight_per_model,
-            request=waiting.element,
-            tenant=waiting.tenant,
-            weight=waiting.weight,
-            limits=limits,
-            count_request=count_request,
-        )
-
-    def overloaded(self, refusal: OverCapacity, model: str) -> Overloaded:
-        """The 429 for a check that found the limit reached."""
-        if refusal.scope == "all":
-            limit = self.settings.max_inflight
-            return Overloaded(
-                f"{refusal.count} generations are in flight (limit {limit}, "
-                "TOKENSPOUT_MAX_INFLIGHT); try again shortly",
-                retry_after_s=1,
-            )
-        limit = self.settings.max_inflight_per_model
-        return Overloaded(
-            f"{refusal.count} generations of {model!r} are in flight (limit {limit} per "
-            "model, TOKENSPOUT_MAX_INFLIGHT_PER_MODEL); try again shortly",
-            retry_after_s=1,
-        )
-
-    async def counts(self, also: list[str] | None = None) -> Counts:
+    async def counts(self, also: list[str] | None = None) -> QueueCounts:
         """Model -> (queued, running): requests no worker took yet, and taken but not
         finished, for every registered model (and ``also``), in one round trip."""
-        return await self._count(await self._models_to_count(also or []))
+        return await self.count(await self.models_to_count(also or []))
 
-    async def _models_to_count(self, also: list[str]) -> list[str]:
+    async def models_to_count(self, also: list[str]) -> list[str]:
+        """Every registered model's name, and ``also``'s, and the default model's."""
         snapshot = await self.models.snapshot()
         # The default model may be queued for before any worker of it registered.
         default = [self.settings.default_model] if self.settings.default_model else []
         return sorted(set(snapshot.models) | set(also) | set(default))
 
-    async def _count(self, models: list[str]) -> Counts:
+    async def count(self, models: list[str]) -> QueueCounts:
         counted = await count_all(self.redis, [self.of(model) for model in models])
         return dict(zip(models, counted, strict=True))
 

@@ -1,73 +1,35 @@
-"""Sessions in Redis: create, authorise, submit a message, cancel a generation.
+"""Sessions in Redis: create one, authorise a request for it, read its history, change
+or forget its conversation.
 
-Every transport (SSE, WebSocket, OpenAI, TGI, OIP) goes through ``SessionStore``, so they
-all share one set of limits, one queue and one cancel path. It holds the two other owners
-of gateway state in Redis: ``queue`` (gateway/core/generations.py: sampling limits, capacity,
-the models' queues, cancel signals) and ``models`` (gateway/core/models.py: which models and
-workers are live). With ``relay.py`` (reading events) these are the only gateway code that
-talks to Redis.
+``Sessions`` owns a session's own keys (its meta, history, events' reading, watch marks);
+what is submitted to a session and cancelled in it is the submitter's
+(gateway/core/submitter.py), whose turns ask here what a turn needs (``session_meta``) and
+the conversation it answers (``with_turn``).
 """
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import hashlib
 import hmac
-import logging
 import math
 import time
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-import anyio
 import msgspec
 import redis.asyncio as aioredis
 
 import wire
-from gateway.core.ask import GenerationAsk, KeptSession
-from gateway.core.auth import tenant_directory
+from gateway.core.admission import Admission
 from gateway.core.conversations import Conversation, Conversations, ConversationSettings
-from gateway.core.errors import (
-    BadRequest,
-    Conflict,
-    Forbidden,
-    GatewayError,
-    NotFound,
-    Overloaded,
-    Unavailable,
-)
-from gateway.core.generations import GenerationQueue
+from gateway.core.errors import Forbidden, NotFound, Unavailable
 from gateway.core.ids import new_id, token_urlsafe
 from gateway.core.models import ModelDirectory
 from gateway.core.settings import Settings
-from gateway.core.tenancy import TenantGate, TenantObserver
+from gateway.tenants.caller import Caller
 from gateway.tenants.records import Tenant
-from wire import (
-    CancelReason,
-    CancelSignal,
-    ChatMessage,
-    FinalEvent,
-    GenerationRequest,
-    Keys,
-    SamplingParams,
-    scripts,
-)
-from wire import outcomes as script
-from wire.connect import when_redis_answers
-from wire.generations import Generations
-from wire.scripts import Bill
+from wire import ChatMessage, GenerationRequest, Keys
 
-log = logging.getLogger("tokenspout.sessions")
 _message_decoder = msgspec.json.Decoder(ChatMessage)
-
-REQUEUE_WAIT_S = 10.0
-"""How long a submit waits for Redis to take the request of a generation it has written."""
-STATELESS_TTL_S = 600
-"""Lifetime of the throwaway session behind one stateless API request."""
-BUSY_RETRY_AFTER_S = 1
-"""``Retry-After`` of a 409 ``generation_running``: a hint only (a reply may run for minutes;
-a client that follows the session's stream knows exactly when it ends)."""
 
 
 class SessionMeta(msgspec.Struct, frozen=True):
@@ -81,7 +43,7 @@ class SessionMeta(msgspec.Struct, frozen=True):
     by_owner: bool
     """Authorised by the owner's cookie (not the session's token)."""
     tenant: Tenant
-    """Whom its turns serve (the key that made it): gateway/core/tenancy.py."""
+    """Whom its turns serve (the key that made it): gateway/core/admission.py."""
 
 
 class CreatedSession(msgspec.Struct, frozen=True):
@@ -91,57 +53,11 @@ class CreatedSession(msgspec.Struct, frozen=True):
     """None: no worker was alive to pick the default model; the first message picks it."""
 
 
-class Submitted(msgspec.Struct, frozen=True):
-    generation_id: str
-    session_id: str
-    queued_event_id: str | None
-    """None when an Idempotency-Key matched an earlier submission."""
-    choices: list[str] = []
-    """With ``n`` > 1: every choice's generation id, in choice order (the first is
-    ``generation_id``)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Turn:
-    """A session turn on its way to the queue: its model, the tenant it serves, and the
-    generation id of each of its choices (the first is the turn's own)."""
-
-    session_id: str
-    model: str
-    tenant: Tenant
-    generation_ids: list[str]
-    kind: str = ""
-    """How it changes the history first: "" a new message, ``edit <i>``, ``regenerate``,
-    ``continue`` (wire/lua/submit.lua)."""
-    system: str = ""
-    """The conversation's system prompt, sent to the engine first."""
-
-
-class CancelOutcome(msgspec.Struct, frozen=True):
-    generation_id: str
-    state: str
-    """``cancelled``, ``done`` or ``error`` when final; ``cancelling`` while the worker aborts."""
-    final: FinalEvent | None = None
-
-
-class StoreObserver(TenantObserver, Protocol):
-    """Told when a generation is queued or a cancel is sent, and of each key's admissions
-    and refusals (gateway/server/metrics.py)."""
-
-    def submitted(
-        self, session_id: str, generation_id: str, queued_event_id: str, model: str
-    ) -> None: ...
-
-    def cancel_sent(self, session_id: str, generation_id: str, began: float) -> None: ...
-
-    def cancel_stopped(self, generation_id: str, seconds: float) -> None: ...
-
-
-def _digest(token: str) -> str:
+def digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def _bad_token() -> Forbidden:
+def bad_token() -> Forbidden:
     return Forbidden(
         "a valid session token is required (X-Session-Token, Authorization: Bearer or "
         "?token=, as POST /v1/sessions gave it)",
@@ -157,7 +73,7 @@ def unknown_generation(generation_id: str) -> NotFound:
     )
 
 
-def _unknown_session(session_id: str) -> NotFound:
+def unknown_session(session_id: str) -> NotFound:
     return NotFound(
         f"no session {session_id!r}: it never existed, it expired (TOKENSPOUT_SESSION_TTL_S "
         "after its last message), or Redis lost it; create a new one (POST /v1/sessions)",
@@ -165,7 +81,7 @@ def _unknown_session(session_id: str) -> NotFound:
     )
 
 
-def _conversation(system: str, history: list[ChatMessage]) -> list[ChatMessage]:
+def conversation(system: str, history: list[ChatMessage]) -> list[ChatMessage]:
     """What the engine gets: the conversation's system prompt, then its history."""
     return [ChatMessage("system", system), *history] if system else history
 
@@ -182,50 +98,46 @@ def _check_credentials(
     wrong one is refused whatever cookie comes with it). Returns whether the owner's
     secret was what matched."""
     if stored_token is None:
-        raise _unknown_session(session_id)
+        raise unknown_session(session_id)
     if token is not None:
-        if hmac.compare_digest(stored_token, _digest(token)):
+        if hmac.compare_digest(stored_token, digest(token)):
             return False
-    elif owner and stored_owner and hmac.compare_digest(stored_owner, _digest(owner)):
+    elif owner and stored_owner and hmac.compare_digest(stored_owner, digest(owner)):
         return True
-    raise _bad_token()
+    raise bad_token()
 
 
-class SessionStore:
+class Sessions:
     def __init__(
-        self, redis: aioredis.Redis, settings: Settings, observer: StoreObserver | None = None
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        settings: Settings,
+        models: ModelDirectory,
+        admission: Admission,
     ) -> None:
         self.redis = redis
+        self.keys = keys
         self.settings = settings
-        self.observer = observer
-        self.keys = Keys(settings.key_prefix)
-        self.models = ModelDirectory(redis, self.keys, settings)
-        self.tenants = TenantGate(redis, self.keys, tenant_directory(redis, settings), observer)
-        """Whom each generation serves, and its key's limits (gateway/core/tenancy.py)."""
-        self.generations = Generations(
-            redis, self.keys, events_maxlen=settings.events_maxlen, ttl_s=settings.session_ttl_s
-        )
-        """Every transition of a generation this gateway makes (wire/generations.py)."""
-        self.one_node = self.generations.topology.one_node
-        self.queue = GenerationQueue(redis, self.keys, settings, self.models)
-        self.queue.weight_of = self.tenants.weight_of  # each key's share of a model's engine
-        self.conversations = Conversations(redis, self.keys, settings)
-
-    # --- sessions ------------------------------------------------------------------------
+        self.models = models
+        self.admission = admission
+        """Whom a session serves, and whether its key may use the model."""
+        self.conversations = Conversations(redis, keys, settings)
 
     async def create_session(
         self,
+        caller: Caller,
         model: str | None = None,
         owner: str | None = None,
         settings: ConversationSettings | None = None,
         title: str | None = None,
     ) -> CreatedSession:
         """A session bound to ``model`` (a name or alias; None: the default model) until a
-        change of its settings, serving (and billed to) the key of the request that makes
-        it; ``owner``: the owner cookie's secret, whose conversations it joins (the least
-        recently updated one leaves them past ``TOKENSPOUT_MAX_CONVERSATIONS``)."""
-        tenant = self.tenants.caller_tenant()
-        owner_digest = _digest(owner) if owner else None
+        change of its settings, serving (and billed to) ``caller``'s key; ``owner``: the
+        owner cookie's secret, whose conversations it joins (the least recently updated
+        one leaves them past ``TOKENSPOUT_MAX_CONVERSATIONS``)."""
+        tenant = caller.tenant
+        owner_digest = digest(owner) if owner else None
         if model:
             resolved = await self.models.resolve(model)
         else:
@@ -236,11 +148,11 @@ class SessionStore:
                     raise
                 resolved = ""  # no worker yet: the first message picks the default
         if resolved:
-            self.tenants.check_model(tenant, model or resolved, resolved)
+            self.admission.check_model(tenant, model or resolved, resolved)
         session_id, token, now = new_id("s"), token_urlsafe(32), time.time()
         meta = self.keys.meta(session_id)
         fields: dict[str, Any] = {
-            "token": _digest(token),
+            "token": digest(token),
             "created": now,
             "model": resolved,
             "tenant": tenant.id,
@@ -261,7 +173,7 @@ class SessionStore:
     @staticmethod
     def owner_digest(owner: str) -> str:
         """What Redis keeps of an owner's secret (its conversations' index is named by it)."""
-        return _digest(owner)
+        return digest(owner)
 
     async def session_meta(
         self, session_id: str, token: str | None, owner: str | None = None
@@ -276,13 +188,13 @@ class SessionStore:
         stored_token, stored_owner, stored_model, tenant_id = row[:4]
         by_owner = _check_credentials(session_id, stored_token, stored_owner, token, owner)
         settings = ConversationSettings.of(dict(zip(fields[4:], row[4:], strict=True)))
-        tenant = self.tenants.of_session(tenant_id)
+        tenant = self.admission.of_session(tenant_id)
         if stored_model:
             model = await self.models.resolve(stored_model)
         else:
             model = await self.models.resolve(None)
             await self.redis.hset(meta, "model", model)
-        self.tenants.check_model(tenant, model, model)
+        self.admission.check_model(tenant, model, model)
         return SessionMeta(model, stored_owner, settings, by_owner, tenant)
 
     async def authorise(
@@ -316,187 +228,14 @@ class SessionStore:
         await self.conversations.change(session_id, owner_digest, set_fields, unset)
         return await self.conversations.read(session_id)
 
-    async def delete(self, session_id: str, token: str | None, owner: str | None) -> None:
-        """Delete a session: its running generation is stopped first (its worker's events
-        are refused from then on: its generation's hash goes too)."""
-        owner_digest = await self.authorise(session_id, token, owner)
+    async def running(self, session_id: str) -> list[str]:
+        """The generation that runs in the session now (none, or one)."""
         active = await self.redis.get(self.keys.active(session_id))
-        running = [wire.text(active)] if active is not None else []
-        for generation_id in running:
-            await self.cancel(session_id, generation_id)
-        await self.conversations.forget(session_id, owner_digest, running)
+        return [wire.text(active)] if active is not None else []
 
     async def history(self, session_id: str) -> list[ChatMessage]:
         raw = await self.redis.lrange(self.keys.history(session_id), 0, -1)
         return [_message_decoder.decode(item) for item in raw]
-
-    # --- generations ---------------------------------------------------------------------
-
-    async def submit_message(
-        self,
-        session_id: str,
-        token: str | None,
-        ask: GenerationAsk,
-        idempotency_key: str | None = None,
-        *,
-        owner: str | None = None,
-    ) -> Submitted:
-        """Append the ask's user message to the session and queue the reply (``ask.n``
-        replies: the first is the turn's and joins the history; the others are queued
-        beside it).
-
-        ``ask.turn``: "" a new message; ``edit <i>``: it replaces history message ``i`` (a
-        user message) and everything after it; ``regenerate`` (no message): the last user
-        message is answered again, its reply cut off; ``continue`` (no message): the last
-        message, an assistant one, is extended. The conversation's settings fill the
-        sampling fields the request did not set (``ask.given``), its system prompt goes
-        first. Authorises like ``authorise``, by ``token`` or the ``owner``'s cookie (404,
-        then 403).
-        """
-        message = ask.message
-        if message is not None:
-            self._check_content(message.content)
-        meta = await self.session_meta(session_id, token, owner)
-        params = self._with_settings(ask.sampling, meta.settings, ask.given)
-        # Checked again in the script. No token never matches: a digest is never "-"; an
-        # owner's cookie was checked just now (an owner never changes).
-        digest = "" if meta.by_owner else _digest(token) if token is not None else "-"
-        ids = [new_id("g") for _ in range(ask.n)]
-        turn = Turn(session_id, meta.model, meta.tenant, ids, ask.turn, meta.settings.system)
-        submitted = await self._submit_to_session(turn, message, params, idempotency_key, digest)
-        if submitted.queued_event_id is not None:
-            content = message.content if message is not None else ""
-            await self.conversations.touched(session_id, meta.owner, content)
-        return submitted
-
-    def _with_settings(
-        self, params: SamplingParams, settings: ConversationSettings, given: frozenset[str]
-    ) -> SamplingParams:
-        """``params`` with the conversation's temperature and max tokens where the request
-        left them to it (a lowered ``TOKENSPOUT_MAX_TOKENS_LIMIT`` still caps them)."""
-        changes: dict[str, Any] = {}
-        if settings.temperature is not None and "temperature" not in given:
-            changes["temperature"] = settings.temperature
-        if settings.max_tokens is not None and "max_tokens" not in given:
-            changes["max_tokens"] = min(settings.max_tokens, self.settings.max_tokens_limit)
-            changes["min_tokens"] = min(params.min_tokens, changes["max_tokens"])
-        return msgspec.structs.replace(params, **changes) if changes else params
-
-    async def submit_stateless(
-        self,
-        ask: GenerationAsk,
-        session_id: str | None = None,
-        kept: KeptSession | None = None,
-        choice: int = 0,
-    ) -> Submitted:
-        """Queue one generation in a throwaway session (the OpenAI/TGI/OIP adapters) for
-        ``ask.model`` (a name or alias; None: the default model), serving the key of the
-        request being served (gateway/core/tenancy.py): on one Redis in one round trip,
-        SUBMIT admitting it (the capacity, the key's limits), making the session and its
-        generation and queueing the request; elsewhere the checks come first.
-        ``session_id``: the new session's id, when the caller subscribed to it first.
-        ``kept``: a session that outlives its request (a stored response): its TTL, meta
-        fields and whether it runs on with no reader. ``choice``: which of a request's
-        ``n`` choices it is (only the first counts as a request and bills the prompt)."""
-        tenant = self.tenants.caller_tenant()
-        queue = await self.models.resolve(ask.model)
-        self.tenants.check_model(tenant, ask.model or queue, queue)
-        for message in ask.messages or []:
-            self._check_content(message.content, allow_empty=True)
-        if ask.prompt is not None:
-            self._check_content(ask.prompt)
-        ttl_s = kept.ttl_s if kept is not None else STATELESS_TTL_S
-        session_id, generation_id = session_id or new_id("s"), new_id("g")
-        request = msgspec.structs.replace(
-            self._request(
-                session_id, generation_id, ask.sampling, ask.messages or [], ask.prompt, ttl_s
-            ),
-            tools=ask.tools,
-            task=ask.task,
-            token_ids=ask.token_ids or [],
-            tenant=tenant.id,
-            choice=choice,
-        )
-        new = self._new_session(request, ttl_s)
-        in_submit = kept is None and self.one_node
-        admitted = False
-        if not in_submit:
-            admitted = await self.tenants.admit(
-                tenant, [generation_id], session_id=session_id, count_request=not choice
-            )
-        try:
-            reply = await self._create_stateless(
-                queue, new, request, kept, tenant if in_submit else None, not choice
-            )
-        except BaseException:
-            if admitted:
-                await self._give_back(tenant, [generation_id], count_request=not choice)
-            raise
-        if self.observer is not None:
-            self.observer.submitted(session_id, generation_id, reply.queued_id, queue)
-        return Submitted(generation_id, session_id, reply.queued_id)
-
-    def _new_session(self, request: GenerationRequest, ttl_s: int) -> scripts.NewSession:
-        """The stateless session SUBMIT makes for ``request``: its tenant billed its prompt
-        and completion (another choice of a request: its completion; tokenize: nothing)."""
-        task, choice = request.task, request.choice
-        bill: Bill = "none" if task != "generate" else "completion" if choice else "all"
-        return scripts.NewSession(
-            request.session_id,
-            request.generation_id,
-            self.settings.events_maxlen,
-            ttl_s,
-            self.watch_ttl_s,
-            request.tenant,
-            bill,
-        )
-
-    async def _create_stateless(
-        self,
-        queue: str,
-        new: scripts.NewSession,
-        request: GenerationRequest,
-        kept: KeptSession | None,
-        tenant: Tenant | None,
-        count_request: bool,
-    ) -> script.Accepted:
-        """Make a stateless session with its generation and queue its request; 429 past the
-        capacity. ``tenant``: the key whose limits SUBMIT admits too (None: admitted
-        before)."""
-        # Where one node holds every key the SUBMIT script admits the request, makes its
-        # session and its generation, and queues it: one call. A session kept past its
-        # request is made by commands after the script, which would run on a refusal too:
-        # it is admitted first, as on a cluster.
-        if self.one_node and kept is None:
-            limits = self.tenants.in_submit(tenant) if tenant is not None else None
-            admission = await self.queue.admission(queue, request, limits, count_request)
-            reply = await self.generations.create_admitted(new, admission)
-            if tenant is not None and not isinstance(reply, script.OverCapacity):
-                admitting = script.Admitted | script.Limited
-                counts = reply.counts if isinstance(reply, admitting) else None
-                self.tenants.settle(tenant, counts, count_request=count_request)  # 429?
-                if isinstance(reply, script.Admitted):
-                    reply = script.Accepted(reply.queued_id, [])
-        else:
-            await self.queue.guard_capacity(queue)
-            keep = None
-            if kept is not None:
-                keep = functools.partial(self._keep_in, session_id=new.session_id, kept=kept)
-            reply = await self.generations.create_queued(
-                new, self.queue.of(queue), self.queue.waiting(queue, request), keep
-            )
-        if isinstance(reply, script.OverCapacity):
-            raise self.queue.overloaded(reply, queue)
-        if not isinstance(reply, script.Accepted):
-            raise Unavailable(f"queueing a stateless generation failed: {reply!r}")
-        return reply
-
-    def _keep_in(self, pipe: Any, *, session_id: str, kept: KeptSession) -> None:
-        meta = self.keys.meta(session_id)
-        pipe.hset(meta, mapping=kept.meta)
-        pipe.expire(meta, kept.ttl_s)
-        if kept.background:
-            pipe.set(self.keys.keep(session_id), 1, ex=kept.ttl_s)
 
     async def meta_field(self, session_id: str, field: str) -> str | None:
         """One field of a session's meta hash (None: no such session or field)."""
@@ -519,212 +258,6 @@ class SessionStore:
             keys.keep(session_id),
         )
 
-    async def _submit_to_session(
-        self,
-        turn: Turn,
-        user_message: ChatMessage | None,
-        params: SamplingParams,
-        idempotency_key: str | None,
-        token_digest: str,
-    ) -> Submitted:
-        session_id, model, generation_id = turn.session_id, turn.model, turn.generation_ids[0]
-        admitted = await self._admit_turn(turn, idempotency_key)
-        request = msgspec.structs.replace(
-            self._request(session_id, generation_id, params, [], None, self.settings.session_ttl_s),
-            tenant=turn.tenant.id,
-            continue_final_message=turn.kind == "continue",
-        )
-        note = wire.encode(request)  # its messages: the history the script returns
-        try:
-            reply = await self._submit_noted(
-                model,
-                note,
-                session_id=session_id,
-                generation_id=generation_id,
-                user_message=user_message,
-                token_digest=token_digest,
-                idempotency_key=idempotency_key,
-                maxlen=self.settings.events_maxlen,
-                ttl_s=self.settings.session_ttl_s,
-                max_history=self.settings.max_history_messages,
-                watch_ttl_s=self.watch_ttl_s,
-                tenant=turn.tenant.id,
-                turn=turn.kind,
-            )
-            accepted = self._accepted(turn, reply)
-        except BaseException:
-            if admitted:
-                await self._give_back(turn.tenant, turn.generation_ids)
-            raise
-        if isinstance(accepted, str):  # a resend: no new generation
-            if admitted:
-                await self._give_back(turn.tenant, turn.generation_ids)
-            await self._requeue_if_lost(session_id, model, accepted, params)
-            return Submitted(accepted, session_id, None)
-        request = msgspec.structs.replace(
-            request, messages=_conversation(turn.system, accepted.history)
-        )
-        await self._enqueue_written(model, request, note)
-        if self.observer is not None:
-            self.observer.submitted(session_id, generation_id, accepted.queued_id, model)
-        for choice in range(1, len(turn.generation_ids)):
-            await self._submit_choice(turn, request, choice)
-        choices = turn.generation_ids if len(turn.generation_ids) > 1 else []
-        return Submitted(generation_id, session_id, accepted.queued_id, choices)
-
-    async def _admit_turn(self, turn: Turn, idempotency_key: str | None) -> bool:
-        """Room for every choice of the turn (the capacity checks count each other), then
-        the admission of its key (``TenantGate.admit``): whether the key's counts took it."""
-        idem = self.keys.idempotency(turn.session_id, idempotency_key) if idempotency_key else ""
-        try:
-            for _ in turn.generation_ids:
-                await self.queue.guard_capacity(turn.model)
-            return await self.tenants.admit(
-                turn.tenant, turn.generation_ids, session_id=turn.session_id
-            )
-        except Overloaded:  # the capacity, or a limit of the key (RateLimited)
-            # A retried POST whose generation exists takes no new capacity: it must get
-            # that generation back (from the script, after the token check), not a 429.
-            if not (idem and await self.redis.exists(idem)):
-                raise
-            return False
-
-    def _accepted(self, turn: Turn, reply: script.SubmitReply) -> script.Accepted | str:
-        """SUBMIT's answer to a turn: accepted, or the generation an Idempotency-Key made
-        before (its id); every other answer as the gateway's error (``_refusal``)."""
-        match reply:
-            case script.Accepted():
-                return reply
-            case script.Duplicate(generation_id=earlier):
-                return earlier
-        raise self._refusal(reply, turn.session_id, turn.model)
-
-    def _refusal(self, reply: script.SubmitReply, session_id: str, model: str) -> GatewayError:
-        """What a client is told when SUBMIT refused a session turn."""
-        match reply:
-            case script.SessionMissing():
-                return _unknown_session(session_id)
-            case script.Forbidden():
-                return _bad_token()
-            case script.Busy(generation_id=running):
-                return Conflict(
-                    f"generation {running} is still running in this session",
-                    code="generation_running",
-                    retry_after_s=BUSY_RETRY_AFTER_S,
-                )
-            case script.HistoryFull():
-                return BadRequest(
-                    f"the session holds {self.settings.max_history_messages} messages, the "
-                    "limit set by TOKENSPOUT_MAX_HISTORY_MESSAGES; start a new session",
-                    code="history_full",
-                )
-            case script.OverCapacity():  # not asked to admit here (guard_capacity did)
-                return self.queue.overloaded(reply, model)
-            case script.BadTurn(kind="edit"):
-                return BadRequest(
-                    "edit must be the index of a user message of the history (GET "
-                    "/v1/sessions/{id} lists them)",
-                    code="bad_edit",
-                    field="edit",
-                )
-            case script.BadTurn(kind="regenerate"):
-                return Conflict(
-                    "the history has no user message to answer again: send a message",
-                    code="nothing_to_regenerate",
-                )
-            case script.BadTurn():
-                return Conflict(
-                    "the history does not end with an assistant message to continue: send "
-                    "a message",
-                    code="nothing_to_continue",
-                )
-        return Unavailable(f"SUBMIT answered {reply!r}")
-
-    async def _give_back(
-        self, tenant: Tenant, generation_ids: list[str], *, count_request: bool = True
-    ) -> None:
-        """What the key's admission took, for generations that were not queued after all;
-        given back even when the request is being cancelled (its client left)."""
-        with anyio.CancelScope(shield=True):
-            await self.tenants.release(tenant, generation_ids, count_request=count_request)
-
-    async def _submit_choice(self, turn: Turn, first: GenerationRequest, choice: int) -> None:
-        """Queue another choice of the turn ``first`` began: the same conversation, its
-        own seed; it is not the session's running generation and never joins the history,
-        and its prompt is billed with the first choice's."""
-        session_id, generation_id = turn.session_id, turn.generation_ids[choice]
-        request = msgspec.structs.replace(
-            first,
-            generation_id=generation_id,
-            params=first.params.for_choice(choice),
-            choice=choice,
-            enqueued_at=time.time(),
-        )
-        note = wire.encode(msgspec.structs.replace(request, messages=[]))
-        reply = await self._submit_noted(
-            turn.model,
-            note,
-            session_id=session_id,
-            generation_id=generation_id,
-            user_message=None,
-            token_digest="",
-            idempotency_key=None,
-            maxlen=self.settings.events_maxlen,
-            ttl_s=self.settings.session_ttl_s,
-            max_history=self.settings.max_history_messages,
-            watch_ttl_s=self.watch_ttl_s,
-            choice=choice,
-            tenant=turn.tenant.id,
-            bill="completion",
-        )
-        if not isinstance(reply, script.Accepted):  # the session was there a moment ago
-            await self._give_back(turn.tenant, [generation_id], count_request=False)
-            raise Unavailable(f"queueing choice {choice} failed: {reply!r}")
-        await self._enqueue_written(turn.model, request, note)
-        if self.observer is not None:
-            self.observer.submitted(session_id, generation_id, reply.queued_id, turn.model)
-
-    async def _submit_noted(self, model: str, note: bytes, **submit: Any) -> script.SubmitReply:
-        """The SUBMIT script (``submit``: its arguments), after a note that the turn's
-        request is on its way to ``model``'s queue: should this process die before queueing
-        it, the reaper does (``queue_stranded``)."""
-        return await self.generations.submit_noted(self.queue.of(model), note, **submit)
-
-    async def _enqueue_written(
-        self, model: str, request: GenerationRequest, note: bytes | None = None
-    ) -> None:
-        """Queue the request of a generation the SUBMIT script has written, crossing off
-        its ``note``. Without it no worker would run that generation until the reaper found
-        the note, so a Redis that went away between the two round trips (a restart) is
-        waited for, up to ``REQUEUE_WAIT_S``. A copy sent twice (the first one's reply
-        lost) runs once: a worker claims a generation only while it is queued."""
-        try:
-            async with asyncio.timeout(REQUEUE_WAIT_S):
-                await when_redis_answers(
-                    lambda: self.queue.enqueue(model, request, note),
-                    f"queueing {request.generation_id}",
-                )
-        except TimeoutError:
-            raise Unavailable(
-                "Redis went away while the request was queued; send it again with the "
-                "same Idempotency-Key",
-                retry_after_s=1,
-            ) from None
-
-    async def _requeue_if_lost(
-        self, session_id: str, model: str, generation_id: str, params: SamplingParams
-    ) -> None:
-        """A message sent again with its Idempotency-Key: if its generation is still
-        waiting for a worker, its request may never have reached the queue (the gateway
-        died, or Redis went away, between the two round trips of the first send), so it is
-        queued again; a second copy runs once. One round trip more, on retries only."""
-        if not await self.still_queued(session_id, generation_id):
-            return
-        request = self._request(
-            session_id, generation_id, params, [], None, self.settings.session_ttl_s
-        )
-        await self._enqueue_written(model, await self.with_turn(request))
-
     async def still_queued(self, session_id: str, generation_id: str) -> bool:
         state = await self.redis.hget(self.keys.generation(session_id, generation_id), "state")
         return state is not None and wire.text(state) == "queued"
@@ -738,60 +271,7 @@ class SessionStore:
             last_user = max((i for i, m in enumerate(history) if m.role == "user"), default=-1)
             history = history[: last_user + 1]
         system = await self.meta_field(request.session_id, "system")
-        return msgspec.structs.replace(request, messages=_conversation(system or "", history))
-
-    def _request(
-        self,
-        session_id: str,
-        generation_id: str,
-        params: SamplingParams,
-        messages: list[ChatMessage],
-        prompt: str | None,
-        ttl_s: int,
-    ) -> GenerationRequest:
-        """What the engine gets: the conversation (or prompt) to continue, and how."""
-        return GenerationRequest(
-            generation_id=generation_id,
-            session_id=session_id,
-            params=params,
-            messages=messages,
-            prompt=prompt,
-            enqueued_at=time.time(),
-            session_ttl_s=ttl_s,
-            events_maxlen=self.settings.events_maxlen,
-        )
-
-    def _check_content(self, content: str, *, allow_empty: bool = False) -> None:
-        if not content.strip() and not allow_empty:
-            raise BadRequest("content must not be empty", field="content")
-        if len(content) > self.settings.max_message_chars:
-            raise BadRequest(
-                f"content is longer than {self.settings.max_message_chars} characters "
-                "(TOKENSPOUT_MAX_MESSAGE_CHARS)",
-                code="message_too_long",
-                field="content",
-            )
-
-    async def cancel(
-        self, session_id: str, generation_id: str, reason: CancelReason = "user"
-    ) -> CancelOutcome:
-        """Stop a generation wherever it runs; idempotent (a final one reports its end)."""
-        began = time.monotonic()
-        reply = await self.generations.cancel(session_id, generation_id, reason)
-        match reply:
-            case script.UnknownGeneration():
-                raise unknown_generation(generation_id)
-            case script.EndedBefore(final=final):
-                return CancelOutcome(generation_id, wire.final_state(final), final)
-            case script.CancelledQueued(final=final):
-                if self.observer is not None:
-                    self.observer.cancel_stopped(generation_id, time.monotonic() - began)
-                # Its usage: zero, or what it streamed before a takeover queued it again.
-                return CancelOutcome(generation_id, "cancelled", final)
-        if self.observer is not None:
-            self.observer.cancel_sent(session_id, generation_id, began)
-        await self.generations.signal_cancel(CancelSignal(generation_id, session_id, reason))
-        return CancelOutcome(generation_id, "cancelling")
+        return msgspec.structs.replace(request, messages=conversation(system or "", history))
 
     async def generation_end(self, session_id: str, generation_id: str) -> tuple[str, str | None]:
         """The generation's state, and the id of its final event (None while it runs); 404

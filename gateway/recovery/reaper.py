@@ -34,7 +34,7 @@ from redis.exceptions import RedisError
 
 import wire
 from gateway.core.relay import RelayHub
-from gateway.core.sessions import SessionStore
+from gateway.core.sessions import Sessions
 from gateway.core.settings import Settings
 from gateway.recovery.admissions import UnsubmittedAdmissions
 from gateway.recovery.stranded import STRANDED_AFTER_S, StrandedTurns
@@ -74,12 +74,12 @@ def queue_timeout(generation_id: str, timeout_s: float) -> Error:
     )
 
 
-async def refresh_watches(store: SessionStore, hub: RelayHub, interval_s: float) -> None:
+async def refresh_watches(sessions: Sessions, hub: RelayHub, interval_s: float) -> None:
     while True:
         try:
-            sessions = hub.watched_sessions()
-            for start in range(0, len(sessions), WATCH_BATCH):
-                await store.mark_watched(sessions[start : start + WATCH_BATCH])
+            watched = hub.watched_sessions()
+            for start in range(0, len(watched), WATCH_BATCH):
+                await sessions.mark_watched(watched[start : start + WATCH_BATCH])
         except (RedisError, OSError) as exc:
             log.warning("could not refresh session watches: %s", exc)
         except Exception:

@@ -43,6 +43,7 @@ from gateway.core.errors import (
 )
 from gateway.core.service import GatewayService
 from gateway.core.walk import Heartbeat
+from gateway.tenants.caller import caller_of
 
 log = logging.getLogger("tokenspout.responses_ws")
 
@@ -60,6 +61,7 @@ class ResponsesSocket:
         self.socket = socket
         self.service = service
         self.settings = service.settings
+        self.caller = caller_of(socket.scope)
         self._lanes: dict[Lane, asyncio.Queue[ResponseRequest]] = {}
         self._workers: set[asyncio.Task[None]] = set()
         self._waiting = 0
@@ -157,7 +159,7 @@ class ResponsesSocket:
     async def _answer(self, lane: Lane, request: ResponseRequest) -> None:
         """One response's events, then the next frame of the lane; an error is an event."""
         try:
-            response = await open_response(self.service, request)
+            response = await open_response(self.service, request, self.caller)
         except (GatewayError, RedisError) as exc:
             await self._send_error(_as_error(exc), lane)
             return
