@@ -187,16 +187,19 @@ async def test_a_failed_ack_is_counted_and_retried(
         raise RedisConnectionError("connection lost")
 
     monkeypatch.setattr(redis, "xack", lost)
-    await worker.intake.ack_or_retry_later(entry_id)
+    worker.jobs.add(entry_id, {b"r": b"{}"})  # unreadable: dropped, its request acknowledged
+    async with asyncio.timeout(10):
+        while worker.jobs.busy:
+            await asyncio.sleep(0.01)
     assert (await redis.xpending(queue, wire.CONSUMER_GROUP))["pending"] == 1
     errors = worker.metrics.registry.get_sample_value(
         "tokenspout_engine_redis_errors_total", {"where": "ack"}
     )
     assert errors == 1
     monkeypatch.setattr(redis, "xack", xack)
-    await worker.intake.retry_acks()  # what the next heartbeat does
+    await worker.jobs.retry_acks()  # what the next heartbeat does
     assert (await redis.xpending(queue, wire.CONSUMER_GROUP))["pending"] == 0
-    assert not worker.intake.unacked
+    assert not worker.jobs.unacked
 
 
 async def test_after_a_takeover_only_the_new_epochs_writer_writes(redis: aioredis.Redis) -> None:
