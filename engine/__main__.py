@@ -209,7 +209,7 @@ def served_names(args: argparse.Namespace) -> list[str]:
 def make_backend(args: argparse.Namespace) -> Backend:
     backend = _backend(args)
     if args.tool_call_parser:
-        from engine.tools import check_parser
+        from engine.backends.tool_parsers import check_parser
 
         check_parser(args.tool_call_parser)
         backend.tool_call_parser = args.tool_call_parser

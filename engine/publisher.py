@@ -176,7 +176,7 @@ class Publisher:
 
         ``final``: it ends the generation (``assistant`` joins the history). ``ack``: the
         request's entry id, acknowledged once the event is written (one Redis: in the same
-        round trip, so "in flight", gateway/core/generations.py, drops the moment it
+        round trip, so "in flight", gateway/core/store/queue.py, drops the moment it
         ends)."""
         batch = self._batch
         if batch.open_tokens:

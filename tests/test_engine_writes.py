@@ -5,7 +5,7 @@
 - EMIT sees lost writes: an event whose sequence number skips some (Redis lost them in a
   failover) ends the generation with ``error`` ``events_lost`` instead of a silent gap.
 - A failed acknowledgement is counted, logged and retried, so the request does not stay
-  "in flight" (gateway/core/sessions.py counts pending requests) for the life of the worker.
+  "in flight" (gateway/core/store/sessions.py counts pending requests) for the life of the worker.
 """
 
 from __future__ import annotations

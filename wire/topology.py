@@ -24,16 +24,14 @@ one ``Topology`` (``topology_of``), never a test of the client's class in a call
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
+from redis.commands.core import AsyncScript
 
 from wire.batched import Arg
 from wire.connect import is_cluster, slot_of
-
-if TYPE_CHECKING:
-    from wire.scripts import Script
 
 Fill = Callable[[Pipeline], object]
 """Queues commands in a pipeline (its return value is not used)."""
@@ -44,6 +42,18 @@ _PUBLISH = "local publish = 'PUBLISH'\n"
 _SPUBLISH = "local publish = 'SPUBLISH'\n"
 _COUNT_HERE = "local count_here = true\n"
 _COUNT_AFTER = "local count_here = false\n"
+
+
+class Script(Protocol):
+    """A Lua script as ``wire.scripts.Script`` wraps it: what a topology queues."""
+
+    registered: AsyncScript
+
+    async def load_once(self) -> None: ...
+
+    def queue_evalsha(
+        self, pipe: Pipeline, keys: Sequence[str | bytes], args: Sequence[Arg]
+    ) -> None: ...
 
 
 class Topology:

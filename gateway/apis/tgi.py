@@ -34,8 +34,8 @@ from gateway.core.errors import (
 from gateway.core.generation_stream import Collected, TokenPiece, final_error, per_token
 from gateway.core.service import GatewayService
 from gateway.core.walk import walk
-from gateway.server import sse
 from gateway.tenants.caller import caller_of
+from gateway.transport import sse
 from wire import Cancelled, Done, Error, SamplingParams, Started, Token
 
 STOP_SEQUENCES = 8

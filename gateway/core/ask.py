@@ -1,7 +1,7 @@
 """What a client asks of a generation, whatever API it came through: one value.
 
 Each API checks its own request and builds a ``GenerationAsk``; the gateway's service
-(gateway/core/service.py) takes it from there: admits it (gateway/core/admission.py), queues
+(gateway/core/service.py) takes it from there: admits it (gateway/core/store/admission.py), queues
 ``n`` generations, and the submitter turns it into the engine's ``GenerationRequest``.
 """
 

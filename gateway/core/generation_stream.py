@@ -23,9 +23,9 @@ import msgspec
 
 from gateway.core.ask import GenerationAsk
 from gateway.core.errors import BadRequest, GatewayError, NotFound, Unavailable
-from gateway.core.feed import Feed
-from gateway.core.relay import RelayHub
-from gateway.core.submitter import Submitted, Submitter
+from gateway.core.relay.feed import Feed
+from gateway.core.relay.hub import RelayHub
+from gateway.core.store.submitter import Submitted, Submitter
 from gateway.core.tools import add_to_call
 from gateway.core.walk import Heartbeat, IndexedItem, Spelling, walk
 from wire import (

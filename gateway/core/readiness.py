@@ -9,7 +9,7 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from gateway.core.models import ModelDirectory
+from gateway.core.store.models import ModelDirectory
 from wire import WorkerInfo
 
 READY_PING_S = 5.0

@@ -10,7 +10,7 @@ one value, ``GenerationAsk`` (gateway/core/ask.py), whatever API it came through
     async for write in walk(choices.batches(), spelling, ask.n):   # gateway/core/walk.py
         ...
 
-Every ask is judged first, in one place (gateway/core/admission.py): its ``n``, whether the
+Every ask is judged first, in one place (gateway/core/store/admission.py): its ``n``, whether the
 key it serves (``ask.caller``) may use the model, the key's limits and the capacity.
 """
 
@@ -21,20 +21,20 @@ from collections.abc import Awaitable, Mapping
 
 import redis.asyncio as aioredis
 
-from gateway.core.admission import Admission
 from gateway.core.ask import GenerationAsk, KeptSession
 from gateway.core.auth import tenant_directory
 from gateway.core.choices import Choices
 from gateway.core.conversations import Conversation, ConversationSettings
-from gateway.core.feed import Feed, RelayEvent
 from gateway.core.generation_stream import GenerationStream
-from gateway.core.generations import GenerationQueue, QueueCounts
-from gateway.core.models import ModelDirectory
 from gateway.core.readiness import Readiness, check_readiness
-from gateway.core.relay import RelayHub
-from gateway.core.sessions import CreatedSession, Sessions
+from gateway.core.relay.feed import Feed, RelayEvent
+from gateway.core.relay.hub import RelayHub
 from gateway.core.settings import Settings
-from gateway.core.submitter import CancelOutcome, SubmitObserver, Submitted, Submitter
+from gateway.core.store.admission import Admission
+from gateway.core.store.models import ModelDirectory
+from gateway.core.store.queue import GenerationQueue, QueueCounts
+from gateway.core.store.sessions import CreatedSession, Sessions
+from gateway.core.store.submitter import CancelOutcome, SubmitObserver, Submitted, Submitter
 from gateway.tenants.caller import Caller
 from gateway.tenants.directory import TenantDirectory
 from wire import CancelReason, ChatMessage, FinalEvent, Keys, SamplingParams, WorkerInfo
@@ -56,7 +56,7 @@ class GatewayService:
         self.settings = settings
         keys = Keys(settings.key_prefix)
         self.models = ModelDirectory(redis, keys, settings)
-        """Which models and workers are live (gateway/core/models.py)."""
+        """Which models and workers are live (gateway/core/store/models.py)."""
         self.directory: TenantDirectory = tenant_directory(redis, settings)
         """The keys in force, and the keys store the admin API changes (gateway/tenants/)."""
         self.generations = Generations(
@@ -196,7 +196,7 @@ class GatewayService:
     def open_feed(
         self, session_id: str, after_id: str | None = None
     ) -> contextlib.AbstractAsyncContextManager[Feed]:
-        """The session's events after ``after_id`` (gateway/core/relay.py ``RelayHub.open``)."""
+        """The session's events after ``after_id`` (gateway/core/relay/hub.py ``RelayHub.open``)."""
         return self.hub.open(session_id, after_id)
 
     async def check_resumable(self, session_id: str, after_id: str | None) -> None:
@@ -232,7 +232,7 @@ class GatewayService:
 
     async def resolve_model(self, name: str | None) -> str:
         """The model that serves ``name`` (None: the default); 404 or 503 as
-        gateway/core/models.py says."""
+        gateway/core/store/models.py says."""
         return await self.models.resolve(name)
 
     async def live_workers(self) -> list[WorkerInfo]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 
-from gateway.core.admission import Admission
+from gateway.core.store.admission import Admission
 from gateway.tenants.records import Tenant
 from wire.generations import Generations
 

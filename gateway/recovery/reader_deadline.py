@@ -1,6 +1,6 @@
 """``ReaderDeadline``: every gateway process looks after the generations its readers saw
 queued and never saw start, whose request may be in no queue the reaper reads
-(gateway/core/waiting.py says how that happens): ``REQUEUE_AFTER_S`` on, a session turn whose
+(gateway/core/relay/waiting.py says how that happens): ``REQUEUE_AFTER_S`` on, a session turn whose
 queue has no request waiting is queued again; ``READER_GRACE_S`` after the queue
 deadline, what still waits is ended (the reaper's own deadline, gateway/recovery/reaper.py,
 comes first for what it can see).
@@ -14,7 +14,7 @@ import time
 
 from redis.exceptions import RedisError
 
-from gateway.core.relay import RelayHub
+from gateway.core.relay.hub import RelayHub
 from gateway.recovery.reaper import queue_timeout
 from gateway.recovery.stranded import StrandedTurns
 from wire.generations import Generations
@@ -33,7 +33,7 @@ queues the turns of a gateway that died mid-submit from the notes beside the que
 
 class ReaderDeadline:
     """Looks after the generations this process's readers wait on that never started
-    (gateway/core/waiting.py): queues a session turn again ``REQUEUE_AFTER_S`` on when nothing
+    (gateway/core/relay/waiting.py): queues a session turn again ``REQUEUE_AFTER_S`` on when nothing
     waits in its queue (``StrandedTurns.requeue_lost``), and ends with ``queue_timeout``
     what still waits ``READER_GRACE_S`` past the queue deadline, through the reaper's
     script: it ends only a generation still queued, and a worker that finds its request

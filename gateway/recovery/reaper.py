@@ -33,9 +33,9 @@ import msgspec
 from redis.exceptions import RedisError
 
 import wire
-from gateway.core.relay import RelayHub
-from gateway.core.sessions import Sessions
+from gateway.core.relay.hub import RelayHub
 from gateway.core.settings import Settings
+from gateway.core.store.sessions import Sessions
 from gateway.recovery.admissions import UnsubmittedAdmissions
 from gateway.recovery.stranded import STRANDED_AFTER_S, StrandedTurns
 from gateway.recovery.takeover import REAPER_PREFIX, LostRequests, live_workers

@@ -2,13 +2,13 @@
 
 A session turn is submitted in two round trips: the SUBMIT script writes the generation
 (and notes the turn beside its model's queue, ``RequestQueue.note_submitting``), then the
-request is queued, crossing the note off (gateway/core/submitter.py). Two things can leave a
+request is queued, crossing the note off (gateway/core/store/submitter.py). Two things can leave a
 turn ``queued`` with no request in any queue:
 
 - its gateway died between the two (``queue_stranded``: the reaper queues the turns whose
   note is ``STRANDED_AFTER_S`` old, from the note itself);
 - Redis lost the request (a cluster's failover drops what its primary acknowledged;
-  gateway/core/waiting.py): ``requeue_lost``, for the turns this process's readers wait on
+  gateway/core/relay/waiting.py): ``requeue_lost``, for the turns this process's readers wait on
   (``waiting_generations`` finds those of readers that resumed past the ``queued``).
 
 A copy sent twice (its gateway only slow, or the request not lost after all) runs once:
@@ -23,8 +23,8 @@ import time
 import msgspec
 
 import wire
-from gateway.core.generations import GenerationQueue
-from gateway.core.sessions import Sessions
+from gateway.core.store.queue import GenerationQueue
+from gateway.core.store.sessions import Sessions
 from wire import GenerationRequest
 from wire.queue import RequestQueue
 

@@ -22,7 +22,7 @@ from gateway.apis.openai.hot import HotRoutes
 from gateway.apis.tgi import compat_generate
 from gateway.core.auth import API_KEYS_STATE, ApiKeys
 from gateway.core.errors import HANDLED, AnyRequest, ErrorEnvelope, request_error
-from gateway.core.relay import RelayHub
+from gateway.core.relay.hub import RelayHub
 from gateway.core.service import GatewayService
 from gateway.core.settings import Settings
 from gateway.recovery.admissions import UnsubmittedAdmissions

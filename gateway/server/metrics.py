@@ -31,7 +31,7 @@ from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 import wire
-from gateway.core.feed import RelayEvent
+from gateway.core.relay.feed import RelayEvent
 from gateway.server.federation import MetricsPeers
 from wire import TERMINAL_EVENTS
 

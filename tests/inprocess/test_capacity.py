@@ -1,4 +1,4 @@
-"""gateway/core/admission.py: the capacity check under a burst of requests, against the
+"""gateway/core/store/admission.py: the capacity check under a burst of requests, against the
 session's real Redis. Checks that come while a read of the queue counts is on its way share
 it (one read, not one each) and count each other's admissions, so the limit still holds."""
 
@@ -10,11 +10,11 @@ import secrets
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.core.admission import Admission
 from gateway.core.errors import Overloaded
-from gateway.core.generations import GenerationQueue
-from gateway.core.models import ModelDirectory
 from gateway.core.settings import Settings
+from gateway.core.store.admission import Admission
+from gateway.core.store.models import ModelDirectory
+from gateway.core.store.queue import GenerationQueue
 from gateway.tenants.directory import TenantDirectory
 from tests.support.redis_probes import command_calls
 from wire import GenerationRequest, Keys, SamplingParams

@@ -28,8 +28,8 @@ from gateway.core.errors import (
 from gateway.core.generation_stream import final_error
 from gateway.core.service import GatewayService
 from gateway.core.walk import walk
-from gateway.server import sse
 from gateway.tenants.caller import caller_of
+from gateway.transport import sse
 from wire import Cancelled, Done, Error, SamplingParams, Started, Token
 
 

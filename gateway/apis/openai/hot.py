@@ -48,8 +48,8 @@ from gateway.apis.openai.routes import (
 from gateway.apis.openai.schema import ChatCompletionRequest, CompletionRequest
 from gateway.core.auth import ApiKeys, bearer
 from gateway.core.service import GatewayService
-from gateway.server import sse
 from gateway.tenants.caller import caller_of
+from gateway.transport import sse
 
 Request = TypeVar("Request", ChatCompletionRequest, CompletionRequest)
 

@@ -45,8 +45,8 @@ from gateway.core.errors import HANDLED, AnyRequest, ending_with_error
 from gateway.core.generation_stream import Collected
 from gateway.core.service import GatewayService
 from gateway.core.walk import walk
-from gateway.server import sse
 from gateway.tenants.caller import Caller, caller_of
+from gateway.transport import sse
 
 PREFIX, CHAT_COMPLETIONS, COMPLETIONS = "/v1", "/chat/completions", "/completions"
 """The routes' paths: the router's prefix and each route's own (gateway/apis/openai/hot.py

@@ -34,8 +34,8 @@ from gateway.core.auth import api_key_check
 from gateway.core.conversations import Conversation, check_title
 from gateway.core.errors import EventsExpired, EventsLost, SessionLost
 from gateway.core.service import GatewayService
-from gateway.server import sse
 from gateway.tenants.caller import Caller, caller_of
+from gateway.transport import sse
 from wire import ChatMessage, FinalEvent, final_state
 
 AnyRequest = Request[Any, Any, Any]

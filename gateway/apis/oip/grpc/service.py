@@ -13,7 +13,7 @@ over the gateway's service: the same sessions, relay, cancel and takeover as eve
 
 The other RPCs of the service (model repository, shared memory, statistics, trace, logs)
 answer ``UNIMPLEMENTED``: gRPC's own answer for a method no handler serves. The server
-under it is the gateway's own (gateway/server/http2.py); the messages are Triton's, the
+under it is the gateway's own (gateway/transport/http2.py); the messages are Triton's, the
 token responses serialized by hand (``TokenResponses``).
 """
 
@@ -37,8 +37,8 @@ from gateway.core.errors import BadRequest, GatewayError, Unavailable, as_gatewa
 from gateway.core.generation_stream import final_error
 from gateway.core.service import GatewayService
 from gateway.core.walk import Spelling, walk
-from gateway.server.http2 import Call, GrpcError, Method, StatusCode
 from gateway.tenants.caller import Caller
+from gateway.transport.http2 import Call, GrpcError, Method, StatusCode
 from wire import Cancelled, Done, Error, Token
 
 SERVICE = "inference.GRPCInferenceService"
@@ -53,7 +53,7 @@ class InferenceService:
         self.api_keys = api_keys
 
     def methods(self) -> dict[str, Method]:
-        """The service's methods by path, for the server (gateway/server/http2.py)."""
+        """The service's methods by path, for the server (gateway/transport/http2.py)."""
         unary: dict[str, tuple[Any, Callable[[Any, Metadata], Awaitable[Any]]]] = {
             "ServerLive": (pb.ServerLiveRequest, self.server_live),
             "ServerReady": (pb.ServerReadyRequest, self.server_ready),

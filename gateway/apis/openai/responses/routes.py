@@ -35,8 +35,8 @@ from gateway.core.errors import (
 )
 from gateway.core.service import GatewayService
 from gateway.core.walk import Heartbeat
-from gateway.server import sse
 from gateway.tenants.caller import Caller, caller_of
+from gateway.transport import sse
 from wire import ChatMessage, SamplingParams, ToolCall, Tools, ToolSpec
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"

@@ -3,7 +3,7 @@ or forget its conversation.
 
 ``Sessions`` owns a session's own keys (its meta, history, events' reading, watch marks);
 what is submitted to a session and cancelled in it is the submitter's
-(gateway/core/submitter.py), whose turns ask here what a turn needs (``session_meta``) and
+(gateway/core/store/submitter.py), whose turns ask here what a turn needs (``session_meta``) and
 the conversation it answers (``with_turn``).
 """
 
@@ -19,12 +19,12 @@ import msgspec
 import redis.asyncio as aioredis
 
 import wire
-from gateway.core.admission import Admission
 from gateway.core.conversations import Conversation, Conversations, ConversationSettings
 from gateway.core.errors import Forbidden, NotFound, Unavailable
 from gateway.core.ids import new_id, token_urlsafe
-from gateway.core.models import ModelDirectory
 from gateway.core.settings import Settings
+from gateway.core.store.admission import Admission
+from gateway.core.store.models import ModelDirectory
 from gateway.tenants.caller import Caller
 from gateway.tenants.records import Tenant
 from wire import ChatMessage, GenerationRequest, Keys
@@ -43,7 +43,7 @@ class SessionMeta(msgspec.Struct, frozen=True):
     by_owner: bool
     """Authorised by the owner's cookie (not the session's token)."""
     tenant: Tenant
-    """Whom its turns serve (the key that made it): gateway/core/admission.py."""
+    """Whom its turns serve (the key that made it): gateway/core/store/admission.py."""
 
 
 class CreatedSession(msgspec.Struct, frozen=True):

@@ -1,7 +1,7 @@
 """What a client submits, queued; and its cancel.
 
 Every API goes through ``Submitter``, so they all share one admission
-(gateway/core/admission.py), one queue and one cancel path:
+(gateway/core/store/admission.py), one queue and one cancel path:
 
 - ``submit_stateless``: one generation of a one-shot request (OpenAI, TGI, OIP, a stored
   response) in a throwaway session SUBMIT makes with it;
@@ -27,14 +27,15 @@ import msgspec
 from redis.asyncio.client import Pipeline
 
 import wire
-from gateway.core.admission import Admission, AdmissionObserver, Ticket
 from gateway.core.ask import GenerationAsk, KeptSession
 from gateway.core.conversations import ConversationSettings
 from gateway.core.errors import BadRequest, Conflict, GatewayError, Unavailable
-from gateway.core.generations import GenerationQueue
 from gateway.core.ids import new_id
-from gateway.core.models import ModelDirectory
-from gateway.core.sessions import (
+from gateway.core.settings import Settings
+from gateway.core.store.admission import Admission, AdmissionObserver, Ticket
+from gateway.core.store.models import ModelDirectory
+from gateway.core.store.queue import GenerationQueue
+from gateway.core.store.sessions import (
     Sessions,
     bad_token,
     conversation,
@@ -42,7 +43,6 @@ from gateway.core.sessions import (
     unknown_generation,
     unknown_session,
 )
-from gateway.core.settings import Settings
 from gateway.tenants.caller import Caller
 from gateway.tenants.records import Tenant
 from wire import (

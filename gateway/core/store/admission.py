@@ -42,8 +42,8 @@ from gateway.core.errors import (
     Unauthorized,
     keys_not_loaded,
 )
-from gateway.core.generations import GenerationQueue, QueueCounts
 from gateway.core.settings import Settings
+from gateway.core.store.queue import GenerationQueue, QueueCounts
 from gateway.tenants.caller import Caller
 from gateway.tenants.directory import TenantDirectory
 from gateway.tenants.limits import LimitReached, TenantLimits

@@ -18,8 +18,8 @@ import redis.asyncio as aioredis
 
 import wire
 from gateway.core.errors import BadRequest
-from gateway.core.models import ModelDirectory
 from gateway.core.settings import Settings
+from gateway.core.store.models import ModelDirectory
 from wire import GenerationRequest, Keys, SamplingParams
 from wire.queue import RequestQueue, count_all, estimated_tokens
 from wire.scripts import WaitingRequest
