@@ -3,7 +3,7 @@ bare ASGI handler in front of the Litestar app.
 
 Most of a gateway's requests are those, and Litestar's part of one (routing, dependency
 resolution, the handler's signature model, the response objects) was a large share of the
-gateway's CPU per request (docs/bench.md, issue 27). Here a request takes none of it: its
+gateway's CPU per request (docs/bench.md). Here a request takes none of it: its
 body is decoded into the same request struct, it is submitted and answered by the same
 functions as the Litestar route's (``open_stream`` and ``send_stream`` for a stream,
 ``whole_answer`` for a whole one, with the same ``Endpoint``), and an error answers in the

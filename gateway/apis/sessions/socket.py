@@ -60,6 +60,7 @@ from gateway.core.errors import (
 )
 from gateway.core.service import GatewayService
 from gateway.tenants.caller import caller_of
+from gateway.transport.websocket import received
 
 log = logging.getLogger("tokenspout.ws")
 
@@ -108,14 +109,9 @@ class Connection:
         await self.socket.accept()
         self._spawn(self._write_replies())
         try:
-            while True:
-                message = await self.socket.receive()
-                if message["type"] == "websocket.disconnect":
-                    return
-                text, binary = message.get("text"), message.get("bytes")
-                data = text if isinstance(text, str) else binary
-                await self._handle(data if isinstance(data, str | bytes) else b"")
-        except WebSocketDisconnect:
+            async for data in received(self.socket):
+                await self._handle(data)
+        except WebSocketDisconnect:  # a send found it gone
             return
         except ProtocolViolation as exc:
             log.info("closing a WebSocket: %s", exc.message)

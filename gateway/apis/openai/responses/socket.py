@@ -44,6 +44,7 @@ from gateway.core.errors import (
 from gateway.core.service import GatewayService
 from gateway.core.walk import Heartbeat
 from gateway.tenants.caller import caller_of
+from gateway.transport.websocket import received
 
 log = logging.getLogger("tokenspout.responses_ws")
 
@@ -70,14 +71,9 @@ class ResponsesSocket:
     async def serve(self) -> None:
         await self.socket.accept()
         try:
-            while True:
-                message = await self.socket.receive()
-                if message["type"] == "websocket.disconnect":
-                    return
-                text, binary = message.get("text"), message.get("bytes")
-                data = text if isinstance(text, str) else binary
-                await self._handle(data if isinstance(data, str | bytes) else b"")
-        except WebSocketDisconnect:
+            async for data in received(self.socket):
+                await self._handle(data)
+        except WebSocketDisconnect:  # a send found it gone
             return
         finally:
             # The client left: each lane's running response is abandoned by its task.
