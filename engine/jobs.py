@@ -193,7 +193,7 @@ class JobTable:
     def _start(self, entry_id: bytes, request: GenerationRequest, estimated_tokens: int) -> None:
         """Start ``request`` (its queue entry ``entry_id``), or hold it, or drop it as a
         copy; ``estimated_tokens``: what its queue charged its tenant for its prompt."""
-        target = self.publisher.target(
+        target = self.generations.target(
             request.session_id,
             request.generation_id,
             epoch=epoch_of(request),

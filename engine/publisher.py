@@ -128,14 +128,6 @@ class Publisher:
         self.pipelines = 0
         self.events = 0
 
-    def target(
-        self, session_id: str, generation_id: str, *, epoch: int, ttl_s: int, maxlen: int
-    ) -> EmitTarget:
-        """Where a generation's events go: work it out once per generation."""
-        return self.generations.target(
-            session_id, generation_id, epoch=epoch, maxlen=maxlen, ttl_s=ttl_s
-        )
-
     def emit(self, target: EmitTarget, token: Token, seq: int) -> int:
         """Queue a token: written with the step, nobody waits for it. Returns the number of
         the event that carries it.

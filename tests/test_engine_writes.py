@@ -113,8 +113,10 @@ async def test_a_write_resent_after_a_connection_loss_writes_nothing_twice(
         monkeypatch.setattr(redis, "evalsha", losing_the_first_reply(redis.evalsha))
     else:
         monkeypatch.setattr(Pipeline, "execute", losing_the_first_reply(Pipeline.execute))
-    target = publisher.target(sid, gid, epoch=0, ttl_s=600, maxlen=100)
-    control_target = publisher.target(control_sid, control_gid, epoch=0, ttl_s=600, maxlen=100)
+    target = publisher.generations.target(sid, gid, epoch=0, ttl_s=600, maxlen=100)
+    control_target = publisher.generations.target(
+        control_sid, control_gid, epoch=0, ttl_s=600, maxlen=100
+    )
     running = asyncio.create_task(publisher.run_forever())
     try:
         futures = []
@@ -150,7 +152,7 @@ async def test_a_final_event_acknowledges_its_request_in_the_same_write(
     for _ in range(2):
         sid, gid = await queued_generation(redis, keys)
         acks.append(await redis.xadd(publisher.queue.key, {"r": b"{}"}))
-        targets.append(publisher.target(sid, gid, epoch=0, ttl_s=600, maxlen=100))
+        targets.append(publisher.generations.target(sid, gid, epoch=0, ttl_s=600, maxlen=100))
     await redis.xreadgroup(wire.CONSUMER_GROUP, "w", {publisher.queue.key: ">"})
     assert (await redis.xpending(publisher.queue.key, wire.CONSUMER_GROUP))["pending"] == 2
     running = asyncio.create_task(publisher.run_forever())

@@ -95,9 +95,13 @@ class GatewayService:
         """Queue the ask's ``n`` generations, each in a throwaway session whose feed opens
         before it is queued; the caller walks them, then closes them (``Choices.close``)."""
         self.admission.check(ask)
+        heartbeat_s = self.settings.sse_heartbeat_s
+        if ask.n == 1:  # the common case: one generation, nothing to gather
+            return Choices(
+                [await GenerationStream.submit(self.submitter, self.hub, ask, heartbeat_s)]
+            )
 
         def open_choice(choice: int) -> Awaitable[GenerationStream]:
-            heartbeat_s = self.settings.sse_heartbeat_s
             chosen = ask.for_choice(choice)
             return GenerationStream.submit(self.submitter, self.hub, chosen, heartbeat_s, choice)
 

@@ -36,7 +36,7 @@ class Generation:
             on_rejected=lambda gid, epoch: self.rejected.append(gid),
             join_tokens=join_tokens,
         )
-        self.target: EmitTarget = self.publisher.target(
+        self.target: EmitTarget = self.publisher.generations.target(
             self.sid, self.gid, epoch=0, ttl_s=600, maxlen=1000
         )
 
