@@ -123,7 +123,7 @@ async def api_key_check(request: Request[Any, Any, Any]) -> None:
     """A Litestar ``before_request`` hook: ``require_api_key`` with the app's keys. Not a
     guard on HTTP routes: Litestar hands each guard a copy of its route handler, a shallow
     copy of a large object on every request (3 % of the gateway's CPU per one-shot
-    request, docs/bench.md "What a request costs"); the hook gets the request alone, and
+    request, docs/bench.md: bench.requests); the hook gets the request alone, and
     runs before the body is read as well. A coroutine function, though it awaits nothing:
     Litestar runs a plain function hook in a worker thread, a hop there and back."""
     require_api_key(request, _app_keys(request))
