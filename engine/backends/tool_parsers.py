@@ -9,6 +9,22 @@ from engine.backends import vllm_api
 from wire import ToolCall, Tools
 
 
+def openai_tools(tools: Tools) -> list[dict[str, Any]]:
+    """The functions as OpenAI's ``tools`` spells them (vLLM's requests and chat templates
+    take them so)."""
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": spec.name,
+                "description": spec.description,
+                "parameters": spec.parameters,
+            },
+        }
+        for spec in tools.specs
+    ]
+
+
 class VllmToolParser:
     """One of vLLM's tool parsers (``vllm serve --tool-call-parser``) as an ``AutoParser``."""
 
@@ -18,17 +34,7 @@ class VllmToolParser:
         self._request = vllm_api.chat_request(
             model="tokenspout",
             messages=[{"role": "user", "content": ""}],
-            tools=[
-                {
-                    "type": "function",
-                    "function": {
-                        "name": spec.name,
-                        "description": spec.description,
-                        "parameters": spec.parameters,
-                    },
-                }
-                for spec in tools.specs
-            ],
+            tools=openai_tools(tools),
             tool_choice="auto",
         )
         self.start_marker: str | None = getattr(self._parser, "tool_call_start_token", None)
