@@ -44,7 +44,7 @@ _COUNT_HERE = "local count_here = true\n"
 _COUNT_AFTER = "local count_here = false\n"
 
 
-class Script(Protocol):
+class QueuedScript(Protocol):
     """A Lua script as ``wire.scripts.Script`` wraps it: what a topology queues."""
 
     registered: AsyncScript
@@ -74,7 +74,7 @@ class Topology:
         return None
 
     async def queue_script(
-        self, pipe: Pipeline, script: Script, keys: Sequence[str | bytes], args: Sequence[Arg]
+        self, pipe: Pipeline, script: QueuedScript, keys: Sequence[str | bytes], args: Sequence[Arg]
     ) -> None:
         """Queue a call of ``script`` in ``pipe``: redis-py loads what the server lacks."""
         await script.registered(keys=keys, args=args, client=pipe)
@@ -102,7 +102,7 @@ class ClusterTopology(Topology):
         return slot_of(session_id)
 
     async def queue_script(
-        self, pipe: Pipeline, script: Script, keys: Sequence[str | bytes], args: Sequence[Arg]
+        self, pipe: Pipeline, script: QueuedScript, keys: Sequence[str | bytes], args: Sequence[Arg]
     ) -> None:
         """A bare EVALSHA (its caller loads the script and sends again on NoScriptError),
         loaded first once per process. The command, not ``pipe.evalsha``: redis-py's
