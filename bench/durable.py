@@ -1,5 +1,5 @@
 """``python -m bench.durable``: what keeping a request's submit costs
-(``TOKENSPOUT_WAIT_REPLICAS``, ``TOKENSPOUT_WAIT_AOF``: gateway/core/durable.py).
+(``TOKENSPOUT_WAIT_REPLICAS``, ``TOKENSPOUT_WAIT_AOF``: gateway/core/store/durable.py).
 
 One Redis primary with AOF (``appendfsync everysec``, as compose.yaml runs it) and a
 replica, one synthetic worker unpaced, and three gateways on them: ``plain`` (Redis's own

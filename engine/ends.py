@@ -10,7 +10,8 @@ writes the final events of the last ``RECENT_S`` again, each with its number in 
 generation (the EMIT script's rule, wire/lua/emit_event.lua): an end Redis kept is
 skipped; an end lost alone is written again (the reply ends whole); an end lost with
 events before it ends the generation ``events_lost`` instead of leaving a gap. Its
-request is acknowledged (and, on a cluster, its usage counted) again the same way.
+request is acknowledged (and, on a cluster, its usage counted) with it again, as the
+first write did (``Generations.emit_step``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import logging
 import time
 from dataclasses import dataclass
 
-from engine.intake import Intake
 from engine.job import Job
 from engine.publisher import Publisher
 from wire import ChatMessage, FinalEvent
@@ -39,13 +39,11 @@ class _End:
     event: FinalEvent
     seq: int
     assistant: ChatMessage | None
-    ack: bytes | None
 
 
 class RecentEnds:
-    def __init__(self, publisher: Publisher, intake: Intake) -> None:
+    def __init__(self, publisher: Publisher) -> None:
         self.publisher = publisher
-        self.intake = intake
         self._ends: collections.deque[_End] = collections.deque()
         self._restating: asyncio.Task[int] | None = None
 
@@ -62,11 +60,10 @@ class RecentEnds:
         event: FinalEvent,
         seq: int,
         assistant: ChatMessage | None,
-        ack: bytes | None,
     ) -> None:
         """A final event written (``seq``: its number in its generation)."""
         now = time.monotonic()
-        self._ends.append(_End(now, job, event, seq, assistant, ack))
+        self._ends.append(_End(now, job, event, seq, assistant))
         while self._ends and now - self._ends[0].at > RECENT_S:
             self._ends.popleft()
 
@@ -81,14 +78,11 @@ class RecentEnds:
                 end.seq,
                 final=True,
                 assistant=end.assistant,
-                ack=end.ack,
+                ack=end.job.entry_id,
             )
             for end in ends
         ]
         await asyncio.gather(*written)  # in one write
-        if self.publisher.counts_usage_after:
-            for end in ends:
-                await self.intake.count_then_ack(end.job)
         if ends:
             log.info("wrote the last %d final events again: Redis was away", len(ends))
         return len(ends)

@@ -20,10 +20,11 @@ import asyncio
 import logging
 import time
 
+import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from gateway.core.errors import GatewayError
-from gateway.core.sessions import SessionStore
+from gateway.core.store.submitter import Submitter
 
 log = logging.getLogger("tokenspout.sessions")
 
@@ -34,9 +35,10 @@ GIVE_UP_AFTER_S = 60.0
 
 
 class LostSubmits:
-    def __init__(self, store: SessionStore) -> None:
-        self.store = store
-        self.keys = store.keys
+    def __init__(self, redis: aioredis.Redis, submitter: Submitter) -> None:
+        self.redis = redis
+        self.submitter = submitter
+        self.keys = submitter.keys
 
     async def run_forever(self, every_s: float = 1.0) -> None:
         while True:
@@ -49,7 +51,7 @@ class LostSubmits:
     async def look(self) -> int:
         """The turns answered over ``CHECK_AFTER_S`` ago: any whose generation Redis no
         longer holds is submitted again. Returns how many were."""
-        answered, now = self.store.answered, time.monotonic()
+        answered, now = self.submitter.answered, time.monotonic()
         while answered and now - answered[0].at > GIVE_UP_AFTER_S:
             answered.popleft()
         due = []
@@ -58,7 +60,7 @@ class LostSubmits:
         if not due:
             return 0
         try:
-            async with self.store.redis.pipeline(transaction=False) as pipe:
+            async with self.redis.pipeline(transaction=False) as pipe:
                 for answer in due:
                     turn = answer.turn
                     pipe.exists(self.keys.generation(turn.session_id, turn.generation_ids[0]))
@@ -71,7 +73,7 @@ class LostSubmits:
             if exists:
                 continue
             try:
-                again += await self.store.submit_again(answer)
+                again += await self.submitter.submit_again(answer)
             except GatewayError as exc:  # refused now (its session is busy, or gone)
                 log.info("a lost turn of %s not submitted again: %s", answer.turn.session_id, exc)
         if again:

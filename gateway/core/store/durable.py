@@ -20,14 +20,15 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from gateway.core.settings import Settings
-from wire.connect import is_cluster
+from wire.topology import Topology
 
 log = logging.getLogger("tokenspout.durable")
 
 
 class DurableSubmits:
-    def __init__(self, redis: aioredis.Redis, settings: Settings) -> None:
+    def __init__(self, redis: aioredis.Redis, topology: Topology, settings: Settings) -> None:
         self.redis = redis
+        self.topology = topology
         self.replicas = settings.wait_replicas
         self.aof = settings.wait_aof
         self.timeout_ms = settings.wait_timeout_ms
@@ -40,7 +41,7 @@ class DurableSubmits:
         """Wait until the writes made so far on the nodes of ``keys`` are kept as asked."""
         if not self.on:
             return
-        if not is_cluster(self.redis):
+        if self.topology.one_node:
             await self._confirm_on({})
             return
         cluster: Any = self.redis
