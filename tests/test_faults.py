@@ -124,6 +124,45 @@ async def test_a_gateway_killed_mid_stream_is_resumed_on_another(stack: Stack) -
         assert text == synthetic_text(content, max_tokens)
 
 
+async def test_a_reader_come_back_through_another_gateway_marks_its_session_read_at_once(
+    stack: Stack,
+) -> None:
+    """A generation is abandoned no sooner than the grace after its last reader left: a
+    reader that comes back through another gateway counts from the moment it does, not
+    from that gateway's next refresh of its watch marks (up to a third of the grace later,
+    by when the mark of the gateway it left may be gone). Here that mark is gone."""
+    stack.synthetic(tokens_per_s=20)
+    first, second = stack.gateway(), stack.gateway()
+    redis = aioredis.Redis.from_url(stack.redis_url)
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            session = await create_session(client, first.url)
+            gid = await send(client, session, "come back", max_tokens=60)
+            before = await read_events(client, session, limit=4, timeout_s=20)
+            watch = Keys(stack.prefix).watch(session.session_id)
+            await redis.delete(watch)  # the first gateway's mark ran out
+            moved = Session(second.url, session.session_id, session.token)
+            after = Reading()
+            reader = asyncio.create_task(
+                read_events(
+                    client,
+                    moved,
+                    until_final_of=gid,
+                    last_event_id=before.events[-1].id,
+                    reading=after,
+                )
+            )
+            while not after.events:
+                assert not reader.done()
+                await asyncio.sleep(0.005)
+            assert await redis.exists(watch), "the reader on the second gateway went unmarked"
+            await reader
+        assert after.final(gid).event == "done", after.final(gid)
+        assert before.text(gid) + after.text(gid) == synthetic_text("come back", 60)
+    finally:
+        await redis.aclose()
+
+
 WORKER_TIMEOUT_S = 2.0
 REAPER_PASS_S = 1.0
 """gateway/recovery/reaper.py's pass interval: a dead worker is found within one pass of its

@@ -17,7 +17,7 @@ key it serves (``ask.caller``) may use the model, the key's limits and the capac
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
 
 import redis.asyncio as aioredis
 
@@ -197,11 +197,16 @@ class GatewayService:
 
     # --- a session's events ----------------------------------------------------------------
 
-    def open_feed(
-        self, session_id: str, after_id: str | None = None
-    ) -> contextlib.AbstractAsyncContextManager[Feed]:
-        """The session's events after ``after_id`` (gateway/core/relay/hub.py ``RelayHub.open``)."""
-        return self.hub.open(session_id, after_id)
+    @contextlib.asynccontextmanager
+    async def open_feed(self, session_id: str, after_id: str | None = None) -> AsyncIterator[Feed]:
+        """The session's events after ``after_id`` (gateway/core/relay/hub.py ``RelayHub.open``).
+        A reader new to this process marks the session watched at once: one that came back
+        through another gateway counts from now, not from this process's next refresh (up to
+        a third of the abandon grace later), so its generation is not abandoned under it."""
+        if not self.hub.watches(session_id):
+            await self.sessions.mark_watched([session_id])
+        async with self.hub.open(session_id, after_id) as feed:
+            yield feed
 
     async def check_resumable(self, session_id: str, after_id: str | None) -> None:
         """``EventsExpired`` when the events after ``after_id`` are no longer kept."""
