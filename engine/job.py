@@ -13,13 +13,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import wire
 from engine.tools import ToolCallWriter
 from wire import (
-    Cancelled,
     CancelReason,
-    Done,
-    Error,
     GenerationRequest,
     Resumed,
     Started,
@@ -228,14 +224,3 @@ class Job:
 
     def usage(self) -> Usage:
         return Usage(self.prompt_tokens, self.emitted_tokens)
-
-
-def final_reason(event: wire.FinalEvent) -> str:
-    match event:
-        case Done():
-            return event.finish_reason
-        case Cancelled():
-            return event.reason
-        case Error():
-            return event.code
-    return ""

@@ -38,7 +38,7 @@ from engine.backends.base import Backend, BackendError, Delta, Prepared
 from engine.cancels import cancel_signals
 from engine.handover import HandOver
 from engine.intake import Intake
-from engine.job import Job, JobState, final_reason
+from engine.job import Job, JobState
 from engine.lease import HEARTBEAT_S, Lease
 from engine.metrics import WorkerMetrics
 from engine.preempt import Preemptor
@@ -395,7 +395,7 @@ class Worker:
                 "session_id": job.session_id,
                 "generation_id": job.generation_id,
                 "state": state,
-                "reason": final_reason(event),
+                "reason": wire.final_reason(event),
                 "prompt_tokens": job.prompt_tokens,
                 "completion_tokens": job.emitted_tokens,
             },

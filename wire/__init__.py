@@ -1,13 +1,15 @@
 """What the gateway and the engine share, and all they share: the wire contract between
-them and the log format of their processes. Neither package imports the other; both
-import this one, which imports neither (the import-linter contract in pyproject.toml).
+them, the log format of their processes and how a request's trace crosses between them.
+Neither package imports the other; both import this one, which imports neither (the
+import-linter contract in pyproject.toml).
 
 - ``wire.messages``: the messages (msgspec Structs, JSON on the wire), versioned;
 - ``wire.keys``: every Redis key, from one prefix (the layout is in its docstring);
 - ``wire.scripts``: the Lua scripts (wire/lua/), one typed wrapper each (import them
   from there: ``from wire.scripts import Emit``);
 - ``wire.replies``: Redis replies and stream entry ids, read the same way on both sides;
-- ``wire.logs``: one ``key=value`` log line format for every process.
+- ``wire.logs``: one log line format for every process (``key=value``, or JSON);
+- ``wire.tracing``: OpenTelemetry's export and the ``traceparent`` a request carries.
 
 The names below are re-exported, so callers write ``wire.Keys``, ``wire.encode(...)``.
 """
@@ -57,6 +59,7 @@ from wire.messages import (
     decode_final,
     encode,
     event_type,
+    final_reason,
     final_state,
 )
 from wire.replies import (
@@ -114,6 +117,7 @@ __all__ = [
     "entry_id_key",
     "entry_ms",
     "event_type",
+    "final_reason",
     "final_state",
     "just_before",
     "lease_name",
