@@ -226,3 +226,9 @@ class GatewayService:
     async def queue_counts(self) -> Counts:
         """Model -> (queued, running), in one round trip (``/metrics``)."""
         return await self.store.queue.counts()
+
+    async def workers_by_model(self) -> dict[str, int]:
+        """Every model a worker ever registered -> its live workers now (``/metrics``)."""
+        snapshot = await self.store.models.snapshot()
+        live = snapshot.live
+        return {model: len(live.get(model, [])) for model in snapshot.models}

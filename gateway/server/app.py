@@ -89,6 +89,7 @@ class Services:
         self.metrics = GatewayMetrics(peers_dir, process_index)
         # The static keys are read here: a missing key file stops the start (ConfigError).
         self.store = SessionStore(self.redis, settings, observer=self.metrics)
+        self.metrics.tenant_label = self._tenant_label
         self.api_keys = ApiKeys(self.store.tenants.directory, settings.admin_key)
         self.hub = RelayHub(
             self.redis, self.keys, settings.stream_buffer_events, observer=self.metrics
@@ -99,6 +100,14 @@ class Services:
         self.grpc: GrpcServer | None = None
         if settings.grpc_port:
             self.grpc = self._grpc_server(grpc_host, grpc_socket)
+
+    def _tenant_label(self, tenant_id: str) -> str:
+        """A tenant's label in the metrics (the key directory's: bounded)."""
+        directory = self.store.tenants.directory
+        tenant = directory.by_id(tenant_id) if tenant_id else None
+        if tenant is None:  # anonymous, or a key gone since
+            return "other" if tenant_id else "anonymous"
+        return directory.label(tenant)
 
     def _recovery(self) -> tuple[Reaper, ReaderDeadline]:
         """The reaper (one gateway at a time) and this process's readers' deadline."""
