@@ -133,4 +133,6 @@ class HandOver:
             token_ids=list(job.token_ids),
         )
         job.handed_over()
+        if job.trace is not None:
+            job.trace.event("preempted" if preempted else "handed_over")
         return continuation(job.request, outcome, streamed)

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.tools import ToolCallWriter
+from engine.tracing import JobTrace
 from wire import (
     CancelReason,
     GenerationRequest,
@@ -91,6 +92,10 @@ class Job:
     stop_reason: CancelReason | None = None
     second_copy: Job | None = None
     """The same request taken again while this one's claim was on its way (engine/intake.py)."""
+    first_token_s: float | None = None
+    """From the gateway's enqueue to its first token here (None: none yet)."""
+    trace: JobTrace | None = None
+    """Its spans, when its trace is recorded (engine/tracing.py)."""
 
     def __post_init__(self) -> None:
         resume = self.request.resume

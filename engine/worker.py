@@ -29,6 +29,7 @@ import logging
 import os
 import socket
 import time
+from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -44,6 +45,7 @@ from engine.metrics import WorkerMetrics
 from engine.preempt import Preemptor
 from engine.publisher import Publisher
 from engine.tools import ToolCallWriter
+from engine.tracing import WorkerTracing, exemplar, follow
 from wire import (
     Cancelled,
     CancelReason,
@@ -59,6 +61,10 @@ from wire import (
 from wire.connect import when_redis_answers
 from wire.queue import RequestQueue, ServedTokens
 from wire.scripts import Takeover
+from wire.tracing import trace_id_of
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Tracer
 
 log = logging.getLogger("tokenspout.worker")
 
@@ -78,9 +84,9 @@ class Worker:
         max_takeovers: int = 3,
         join_tokens: bool = False,
         preempt: bool = False,
+        tracer: Tracer | None = None,
     ) -> None:
-        self.redis = redis
-        self.backend = backend
+        self.redis, self.backend = redis, backend
         self.keys = keys or Keys()
         self.aliases = [name for name in aliases or [] if name != backend.model]
         for name in [backend.model, *self.aliases]:
@@ -88,8 +94,7 @@ class Worker:
         self.queue = RequestQueue(redis, self.keys, backend.model)
         """This worker's model's queue: it never sees another model's requests."""
         self.served = ServedTokens()
-        """Tokens served per tenant, told to the queue with each take and each heartbeat:
-        the queue shares the engine between tenants by them (docs/tenants.md)."""
+        """Tokens served per tenant, told to the queue (its fair share: docs/tenants.md)."""
         self.requests_key = self.queue.key
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.metrics = metrics or WorkerMetrics()
@@ -124,6 +129,7 @@ class Worker:
             max_takeovers=max_takeovers,
         )
         self.preemptor = Preemptor(self.intake, self.handover) if preempt else None
+        self.tracing = WorkerTracing.of(tracer, self.worker_id, backend)  # None: tracing off
         self._started_at = time.time()
         self._export_gauges()
 
@@ -198,15 +204,15 @@ class Worker:
     async def run_job(self, job: Job) -> None:
         """Run one generation the intake took, to its end."""
         gid = job.generation_id
+        if job.request.traceparent:  # the gateway traces it: so does this run
+            job.trace = follow(job.request, job.started_at, self.tracing)
         try:
             await self.intake.turn_to_prepare()
             if job.request.task != "generate":
                 await self._run_tokenizer_task(job)
                 return
             try:
-                began = time.monotonic()
-                prepared = await self.backend.prepare(job.request)
-                job.prepare_s = time.monotonic() - began
+                prepared = await self._prepare(job)
             except BackendError as exc:
                 await self._finish(job, Error(gid, exc.code, exc.message, job.usage()))
                 return
@@ -239,6 +245,8 @@ class Worker:
             if job.state is JobState.STOPPING and job.stop_reason is not None:
                 await self._finish(job, Cancelled(gid, job.stop_reason, job.usage()))
             self.intake.finished(job)
+            if job.trace is not None:
+                job.trace.end(job.state.value)
             if job.state is JobState.HANDOVER_FAILED:
                 # Its tokens stopped at the hand-over: the request stays pending, so the
                 # reaper takes the reply over once this worker is gone.
@@ -247,6 +255,15 @@ class Worker:
                 # Dropped: it may have ended by another writer (a queued cancel,
                 # ``events_lost``), lost before it counted it: counted again, once.
                 await self.intake.count_then_ack(job)
+
+    async def _prepare(self, job: Job) -> Prepared:
+        """The engine's input for ``job`` (the chat template, the tokenizer), timed."""
+        began = time.monotonic()
+        prepared = await self.backend.prepare(job.request)
+        job.prepare_s = time.monotonic() - began
+        if self.tracing is not None:  # its span, and the trace vLLM's spans join
+            return self.tracing.prepared(prepared, job.request, job.trace, job.prepare_s)
+        return prepared
 
     def _claim_answered(
         self, job: Job, claim: Started | Resumed, answer: asyncio.Future[str | None]
@@ -260,7 +277,11 @@ class Worker:
         self.intake.settle_second_copy(job, claimed=True)
         if isinstance(claim, Resumed):
             self.metrics.takeovers.inc()
-        self.metrics.queue_wait.observe(max(0.0, time.time() - job.request.enqueued_at))
+        request, model = job.request, self.backend.model
+        waited_s = time.time() - request.enqueued_at
+        self.metrics.started(waited_s, model, request.tenant, exemplar(job.trace))
+        if job.trace is not None:
+            job.trace.event("claimed")
         log.debug(  # at INFO a generation is one line, at its end
             "generation started",
             extra={
@@ -308,8 +329,7 @@ class Worker:
                     self.metrics.tokens_joined.inc(len(delta.token_ids))
                 job.events = seq
                 if first:
-                    engine_s = job.prepare_s + time.monotonic() - engine_began
-                    self.metrics.first_token(time.time() - job.request.enqueued_at, engine_s)
+                    self._first_token(job, job.prepare_s + time.monotonic() - engine_began)
                     first = False
                 self.metrics.tokens.inc(len(delta.token_ids))
             if delta.finish_reason is not None:
@@ -318,6 +338,15 @@ class Worker:
                     return
                 await self._finish(job, Done(gid, self._finish_reason(job, delta), job.usage()))
                 return
+
+    def _first_token(self, job: Job, engine_s: float) -> None:
+        """A reply's first token is out, ``engine_s`` of it the engine's own."""
+        request = job.request
+        job.first_token_s = time.time() - request.enqueued_at
+        model, trace_id = self.backend.model, exemplar(job.trace)
+        self.metrics.first_token(job.first_token_s, engine_s, model, request.tenant, trace_id)
+        if job.trace is not None:
+            job.trace.first_token()
 
     async def _run_tokenizer_task(self, job: Job) -> None:
         """``/tokenize`` and ``/detokenize``: the model's tokenizer lives here, with vLLM,
@@ -389,17 +418,30 @@ class Worker:
             return
         self.metrics.generations.labels(state).inc()
         self._bill(job)
-        log.info(
-            "generation ended",
-            extra={
-                "session_id": job.session_id,
-                "generation_id": job.generation_id,
-                "state": state,
-                "reason": wire.final_reason(event),
-                "prompt_tokens": job.prompt_tokens,
-                "completion_tokens": job.emitted_tokens,
-            },
-        )
+        reason = wire.final_reason(event)
+        if job.trace is not None:
+            job.trace.ended(state, reason, job.prompt_tokens, job.emitted_tokens)
+        log.info("generation ended", extra=self._end_line(job, state, reason))
+
+    def _end_line(self, job: Job, state: str, reason: str) -> dict[str, object]:
+        """The fields of a generation's one line at its end, for a log store to query."""
+        request = job.request
+        line: dict[str, object] = {
+            "session_id": job.session_id,
+            "generation_id": job.generation_id,
+            "state": state,
+            "reason": reason,
+            "tenant": request.tenant or "anonymous",
+            "model": self.backend.model,
+            "prompt_tokens": job.prompt_tokens,
+            "completion_tokens": job.emitted_tokens,
+            "duration_ms": round((time.monotonic() - job.started_at) * 1000, 1),
+        }
+        if job.first_token_s is not None:
+            line["ttft_ms"] = round(job.first_token_s * 1000, 1)
+        if request.traceparent:  # a cancel's line is written outside the job's task
+            line["trace_id"] = trace_id_of(request.traceparent)
+        return line
 
     def _bill(self, job: Job) -> None:
         """The metric of the tokens its final event billed its tenant (usage_core.lua):
@@ -432,6 +474,8 @@ class Worker:
         job = self.jobs.get(generation_id)
         if job is None or not job.stop(reason):
             return False
+        if job.trace is not None:
+            job.trace.event("cancel", {"tokenspout.reason": reason})
         began = time.monotonic()
         await self._finish(job, Cancelled(generation_id, reason, job.usage()))
         self.metrics.cancel_to_final.observe(time.monotonic() - began)

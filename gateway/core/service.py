@@ -10,7 +10,9 @@ one value, ``GenerationAsk`` (gateway/core/ask.py), whatever API it came through
     async for write in walk(choices.batches(), spelling, ask.n):   # gateway/core/walk.py
         ...
 
-Every ask is admitted first (``_admit``): the place for who may ask for what.
+Every ask is admitted first (``_admit``): the place for who may ask for what. With tracing
+on, what the store does for it (the key's limits, the fair queue, the SUBMIT script) is the
+``tokenspout.admission`` span of the API call's trace (gateway/core/tracing.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Awaitable, Mapping
 
+from gateway.core import tracing
 from gateway.core.ask import GenerationAsk, KeptSession
 from gateway.core.choices import Choices
 from gateway.core.conversations import Conversation, ConversationSettings
@@ -78,13 +81,15 @@ class GatewayService:
             chosen = ask.for_choice(choice)
             return GenerationStream.submit(self.store, self.hub, chosen, heartbeat_s, choice)
 
-        return await Choices.submit(open_choice, ask.n)
+        with _admission(ask):
+            return await Choices.submit(open_choice, ask.n)
 
     async def generate_kept(self, ask: GenerationAsk, kept: KeptSession) -> Submitted:
         """Queue one generation in a session that outlives its request (a stored
         ``/v1/responses`` response), read later by its id: no feed is opened for it."""
         self._admit(ask)
-        return await self.store.submit_stateless(ask, kept=kept)
+        with _admission(ask):
+            return await self.store.submit_stateless(ask, kept=kept)
 
     # --- sessions --------------------------------------------------------------------------
 
@@ -121,7 +126,10 @@ class GatewayService:
         settings filling the sampling fields the request left (``ask.given``); authorised
         by ``token`` or the ``owner``'s cookie (404, then 403)."""
         self._admit(ask)
-        return await self.store.submit_message(session_id, token, ask, idempotency_key, owner=owner)
+        with _admission(ask, session_id):
+            return await self.store.submit_message(
+                session_id, token, ask, idempotency_key, owner=owner
+            )
 
     # --- conversations (the owner cookie's sessions: gateway/core/conversations.py) --------
 
@@ -232,3 +240,15 @@ class GatewayService:
         snapshot = await self.store.models.snapshot()
         live = snapshot.live
         return {model: len(live.get(model, [])) for model in snapshot.models}
+
+
+def _admission(
+    ask: GenerationAsk, session_id: str = ""
+) -> contextlib.AbstractContextManager[object]:
+    """The span of the ask's admission, when the API call's trace is recorded."""
+    if not tracing.recording():
+        return tracing.NO_SPAN
+    asked: dict[str, str | int] = {"gen_ai.request.model": ask.model or "", "tokenspout.n": ask.n}
+    if session_id:
+        asked["tokenspout.session_id"] = session_id
+    return tracing.span("tokenspout.admission", asked)

@@ -26,6 +26,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 
 import wire
+from gateway.core import tracing
 from gateway.core.ask import GenerationAsk, KeptSession
 from gateway.core.auth import tenant_directory
 from gateway.core.conversations import Conversation, Conversations, ConversationSettings
@@ -130,7 +131,12 @@ class StoreObserver(TenantObserver, Protocol):
     and refusals (gateway/server/metrics.py)."""
 
     def submitted(
-        self, session_id: str, generation_id: str, queued_event_id: str, model: str
+        self,
+        session_id: str,
+        generation_id: str,
+        queued_event_id: str,
+        model: str,
+        tenant_id: str = "",
     ) -> None: ...
 
     def cancel_sent(self, session_id: str, generation_id: str, began: float) -> None: ...
@@ -434,7 +440,9 @@ class SessionStore:
         if is_cluster(self.redis):
             await self.queue.enqueue(queue, request)
         if self.observer is not None:
-            self.observer.submitted(session_id, generation_id, reply.queued_id, queue)
+            self.observer.submitted(
+                session_id, generation_id, reply.queued_id, queue, request.tenant
+            )
         return Submitted(generation_id, session_id, reply.queued_id)
 
     def _new_session(self, request: GenerationRequest, ttl_s: int) -> scripts.NewSession:
@@ -580,7 +588,8 @@ class SessionStore:
         )
         await self._enqueue_written(model, request, note)
         if self.observer is not None:
-            self.observer.submitted(session_id, generation_id, accepted.queued_id, model)
+            queued_id = accepted.queued_id
+            self.observer.submitted(session_id, generation_id, queued_id, model, request.tenant)
         for choice in range(1, len(turn.generation_ids)):
             await self._submit_choice(turn, request, choice)
         choices = turn.generation_ids if len(turn.generation_ids) > 1 else []
@@ -696,7 +705,8 @@ class SessionStore:
             raise Unavailable(f"queueing choice {choice} failed: {reply!r}")
         await self._enqueue_written(turn.model, request, note)
         if self.observer is not None:
-            self.observer.submitted(session_id, generation_id, reply.queued_id, turn.model)
+            queued_id, model = reply.queued_id, turn.model
+            self.observer.submitted(session_id, generation_id, queued_id, model, request.tenant)
 
     async def _submit_noted(self, model: str, note: bytes, **submit: Any) -> script.SubmitReply:
         """The SUBMIT script (``submit``: its arguments), after a note that the turn's
@@ -805,6 +815,7 @@ class SessionStore:
             enqueued_at=time.time(),
             session_ttl_s=ttl_s,
             events_maxlen=self.settings.events_maxlen,
+            traceparent=tracing.traceparent(),
         )
 
     def _check_content(self, content: str, *, allow_empty: bool = False) -> None:

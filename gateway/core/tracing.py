@@ -154,7 +154,14 @@ class _ChildSpan:
         self.span.end()
 
 
-_NO_SPAN = contextlib.nullcontext()
+NO_SPAN: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+"""What a ``with`` gets where no span is made."""
+
+
+def recording() -> bool:
+    """Whether the API call being served is recorded (its child spans are made)."""
+    trace = _CURRENT.get()
+    return trace is not None and trace.context is not None
 
 
 def span(
@@ -164,7 +171,7 @@ def span(
     call's trace is not recorded."""
     trace = _CURRENT.get()
     if trace is None or trace.context is None or _tracer is None:
-        return _NO_SPAN
+        return NO_SPAN
     return _ChildSpan(_tracer.start_span(name, context=trace.context, attributes=attributes))
 
 

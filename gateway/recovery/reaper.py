@@ -34,6 +34,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, RedisError
 
 import wire
+from gateway.core import tracing
 from gateway.core.relay import RelayHub
 from gateway.core.sessions import SessionStore
 from gateway.core.tenancy import TenantGate
@@ -273,7 +274,9 @@ class Reaper:
         for entry_id, fields in await queue.claim(self._owner, idle_ms, message_id):
             request = decode_request(entry_id, fields) if fields else None
             if request is not None:  # else trimmed away meanwhile, or unreadable: drop it
-                await self.lost.hand_on(queue, request, fields[b"r"], consumer)
+                done = await self.lost.hand_on(queue, request, fields[b"r"], consumer)
+                lost = {"tokenspout.outcome": done, "tokenspout.from_worker": consumer}
+                tracing.detached_span(request.traceparent, "tokenspout.takeover", lost)
             await queue.ack(entry_id)
         await queue.forget_consumer(self._owner)
 
