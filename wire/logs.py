@@ -15,13 +15,11 @@ import logging
 import re
 import sys
 import time
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 
 from wire.tracing import LOG_TRACE_ID
-
-LogFormat = Literal["text", "json"]
 
 _STANDARD = frozenset(
     logging.LogRecord("", 0, "", 0, "", (), None).__dict__.keys()
@@ -99,7 +97,7 @@ class JsonFormatter(KeyValueFormatter):
         return self._encoder.encode(line).decode()
 
 
-def configure_logging(level: str, service: str, log_format: LogFormat = "text") -> None:
+def configure_logging(level: str, service: str, log_format: str = "text") -> None:
     """The process's logs on stderr: ``text`` (key=value) or ``json`` lines."""
     if log_format not in ("text", "json"):
         raise ValueError(f"TOKENSPOUT_LOG_FORMAT={log_format!r}: 'text' or 'json'")
