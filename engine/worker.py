@@ -293,7 +293,7 @@ class Worker:
 
     async def _stream(self, job: Job, prepared: Prepared) -> None:
         gid = job.generation_id
-        first, engine_began = job.request.resume is None, time.monotonic()
+        first, engine_began = True, time.monotonic()
         deltas = self.backend.generate(prepared)
         async for delta in deltas:
             if job.handed_on:
@@ -340,13 +340,16 @@ class Worker:
                 return
 
     def _first_token(self, job: Job, engine_s: float) -> None:
-        """A reply's first token is out, ``engine_s`` of it the engine's own."""
+        """A run's first token is out, ``engine_s`` of it the engine's own; a reply's
+        first (not a continuation's) is its time to first token."""
+        if job.trace is not None:
+            job.trace.first_token()
         request = job.request
+        if request.resume is not None:
+            return
         job.first_token_s = time.time() - request.enqueued_at
         model, trace_id = self.backend.model, exemplar(job.trace)
         self.metrics.first_token(job.first_token_s, engine_s, model, request.tenant, trace_id)
-        if job.trace is not None:
-            job.trace.first_token()
 
     async def _run_tokenizer_task(self, job: Job) -> None:
         """``/tokenize`` and ``/detokenize``: the model's tokenizer lives here, with vLLM,

@@ -189,18 +189,12 @@ def annotate(attributes: Attributes) -> None:
         trace.span.set_attributes(attributes)
 
 
-def detached_span(
-    traceparent: str,
-    name: str,
-    attributes: Attributes,
-    events: Mapping[str, Attributes] | None = None,
-) -> None:
-    """A span of a request's trace made outside its call (recovery: a takeover), under the
-    span its ``traceparent`` names; nothing when that trace is not recorded."""
+def detached_span(traceparent: str, name: str, attributes: Attributes, began_ns: int) -> None:
+    """A span of a request's trace made outside its call (recovery: a takeover, from
+    ``began_ns`` to now), under the span its ``traceparent`` names; nothing when that
+    trace is not recorded."""
     tracer = _tracer
     if tracer is None or not valid_traceparent(traceparent) or not sampled(traceparent):
         return
-    made = tracer.start_span(name, context=remote_parent(traceparent), attributes=attributes)
-    for event_name, event_attributes in (events or {}).items():
-        made.add_event(event_name, event_attributes)
-    made.end()
+    parent = remote_parent(traceparent)
+    tracer.start_span(name, parent, attributes=attributes, start_time=began_ns).end()

@@ -274,9 +274,10 @@ class Reaper:
         for entry_id, fields in await queue.claim(self._owner, idle_ms, message_id):
             request = decode_request(entry_id, fields) if fields else None
             if request is not None:  # else trimmed away meanwhile, or unreadable: drop it
+                began = time.time_ns()
                 done = await self.lost.hand_on(queue, request, fields[b"r"], consumer)
                 lost = {"tokenspout.outcome": done, "tokenspout.from_worker": consumer}
-                tracing.detached_span(request.traceparent, "tokenspout.takeover", lost)
+                tracing.detached_span(request.traceparent, "tokenspout.takeover", lost, began)
             await queue.ack(entry_id)
         await queue.forget_consumer(self._owner)
 

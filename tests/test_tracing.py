@@ -1,0 +1,88 @@
+"""One request's trace, as a collector receives it: the gateway and the workers export
+their spans over OTLP to a receiver in the test (tests/support/otlp.py), which decodes
+them with the protocol's own messages.
+
+The synthetic engine here: a ``curl`` request carrying ``traceparent`` continues that
+trace through Redis into the worker, and its worker is SIGKILLed mid-reply: the reaper's
+takeover and the next worker's run are in the same trace, the takeover an event; a
+request without one begins a trace of its own. With vLLM: tests/test_tracing_vllm.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from stack import processes
+from tests.support.otlp import OtlpReceiver, render_tree
+from tests.support.stack import Stack
+from tests.support.traces import API_SPAN, ENGINE, GATEWAY, Curl, Trace, has
+
+pytestmark = pytest.mark.timeout(120)
+
+CALLER = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+"""The caller's trace and span (W3C's example), sampled."""
+WORKER_SPANS = ("tokenspout.prepare", "tokenspout.prefill", "tokenspout.decode")
+
+
+async def until(check: object, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():  # type: ignore[operator]
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+
+
+async def test_a_traced_request_is_one_trace_through_redis_to_the_worker_and_its_takeover(
+    stack: Stack, tmp_path: Path
+) -> None:
+    with OtlpReceiver() as receiver:
+        engine_env = receiver.env(ENGINE)
+        lost = stack.synthetic(20, worker_id="lost-worker", **engine_env)
+        gateway = stack.gateway(**receiver.env(GATEWAY))
+        curl = Curl.chat(
+            gateway.url, tmp_path, "traced", model="synthetic", max_tokens=60, traceparent=CALLER
+        )
+        await until(lambda: curl.chunks() >= 5)
+        stack.synthetic(200, worker_id="next-worker", **engine_env)
+        processes.kill(lost)
+        curl.finish(60)
+        trace_id = curl.trace_id()
+        assert trace_id == CALLER[3:35]  # the caller's trace, continued
+        expected = (API_SPAN, "tokenspout.takeover", "tokenspout.generation", *WORKER_SPANS)
+        trace = Trace(receiver.wait_for_trace(trace_id, has(*expected)))
+        print(f"\n{render_tree(trace.spans)}")
+
+        api = trace.one(API_SPAN, GATEWAY)
+        assert api.parent_span_id == CALLER[36:52]  # under the caller's span
+        assert api.attributes["http.response.status_code"] == 200
+        for child in ("tokenspout.admission", "tokenspout.relay", "tokenspout.takeover"):
+            assert trace.parent(trace.one(child, GATEWAY)) is api, child
+        takeover = trace.one("tokenspout.takeover", GATEWAY)  # the reaper's, in the trace
+        assert takeover.attributes["tokenspout.outcome"] == "taken_over"
+        assert takeover.attributes["tokenspout.from_worker"] == "lost-worker"
+        # The next worker's run: under the API call, across Redis, its takeover an event.
+        (run,) = [s for s in trace.named("tokenspout.generation") if "takeover" in s.event_names()]
+        assert run.service == ENGINE and trace.parent(run) is api
+        assert run.attributes["tokenspout.worker_id"] == "next-worker"
+        assert run.attributes["tokenspout.outcome"] == "done"
+        event = dict(run.events)["takeover"]
+        assert event["tokenspout.from_worker"] == "lost-worker"
+        assert event["tokenspout.takeover"] == 1 and event["tokenspout.streamed_tokens"] >= 5
+        assert set(WORKER_SPANS) <= trace.children(run)
+        queues = trace.named("tokenspout.queue")  # at least the continuation's wait
+        assert queues and all(trace.parent(queue) is api for queue in queues)
+
+        # No traceparent: a trace of its own, begun at the API call.
+        fresh = Curl.chat(gateway.url, tmp_path, "fresh", model="synthetic", max_tokens=4)
+        fresh.finish(30)
+        trace_id = fresh.trace_id()
+        assert trace_id != CALLER[3:35]
+        expected = (API_SPAN, "tokenspout.queue", "tokenspout.generation", *WORKER_SPANS)
+        trace = Trace(receiver.wait_for_trace(trace_id, has(*expected)))
+        api = trace.one(API_SPAN, GATEWAY)
+        assert api.parent_span_id == ""  # the root
+        run = trace.one("tokenspout.generation", ENGINE)
+        assert trace.parent(run) is api and set(WORKER_SPANS) <= trace.children(run)
