@@ -19,7 +19,7 @@ carry the trace id of a recorded request as an exemplar (OpenMetrics scrapes onl
 depths, live workers per model and whether Redis answers are read at scrape time.
 
 At a generation's end this process writes one line for it (``generation ended``: its ids,
-trace, key, model, tokens, time to first token, duration and outcome).
+trace, key, model, tokens, time to first token, duration, state and reason).
 """
 
 from __future__ import annotations
@@ -429,7 +429,7 @@ class GatewayMetrics:
         extra: dict[str, object] = {
             "session_id": session_id,
             "generation_id": event.generation_id,
-            "outcome": wire.final_state(final),
+            "state": wire.final_state(final),
             "reason": wire.final_reason(final),
         }
         if final.usage is not None:
