@@ -67,8 +67,11 @@ async def test_info_logs_carry_ids_one_line_per_event_and_never_the_text(stack: 
             assert word not in line, line
     assert_structured(gateway_lines + engine_lines)
 
-    queued = [fields(line) for line in gateway_lines if "msg='generation queued'" in line]
-    assert queued == [{**queued[0], "session_id": session.session_id, "generation_id": generation}]
+    # One line per generation at INFO on each side, at its end: its queueing is DEBUG.
+    assert not [line for line in gateway_lines if "msg='generation queued'" in line]
+    ends = [fields(line) for line in gateway_lines if "msg='generation ended'" in line]
+    assert ends == [{**ends[0], "session_id": session.session_id, "generation_id": generation}]
+    assert ends[0]["state"] == "done" and ends[0]["completion_tokens"] == "12"
     requests = [fields(line) for line in gateway_lines if "msg='request'" in line]
     posted = [r for r in requests if r["route"] == "/v1/sessions/{session_id}/messages"]
     assert len(posted) == 1 and posted[0]["status"] == "202"

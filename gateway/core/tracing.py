@@ -31,19 +31,26 @@ from wire.tracing import LOG_TRACE_ID, remote_parent, sampled, traceparent_of, v
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
-    from opentelemetry.trace import Span, Tracer
+    from opentelemetry.trace import Span, SpanKind, Tracer
     from opentelemetry.util.types import AttributeValue
 
 Attributes = Mapping[str, "AttributeValue"]
 
 _CURRENT: ContextVar[RequestTrace | None] = ContextVar("tokenspout_trace", default=None)
 _tracer: Tracer | None = None
+_server: SpanKind | None = None
+"""The API call's span kind (imported with the tracer: OpenTelemetry's API is 60 ms of a
+start, which a process with tracing off does not pay)."""
 
 
 def configure(tracer: Tracer | None) -> None:
     """This process's tracer (wire.tracing.start_tracer); None: tracing off."""
-    global _tracer
+    global _tracer, _server
     _tracer = tracer
+    if tracer is not None:
+        from opentelemetry.trace import SpanKind
+
+        _server = SpanKind.SERVER
 
 
 def enabled() -> bool:
@@ -56,14 +63,16 @@ class RequestTrace:
     __slots__ = ("began_ns", "context", "responded_ns", "span", "trace_id", "traceparent")
 
     def __init__(self, span: Span) -> None:
-        from opentelemetry.trace import set_span_in_context
-
         self.span = span
         own = span.get_span_context()
         self.traceparent = traceparent_of(own)
-        self.trace_id = f"{own.trace_id:032x}"
-        self.context: Context | None = set_span_in_context(span) if span.is_recording() else None
+        self.trace_id = self.traceparent[3:35]
+        self.context: Context | None = None
         """The parent of its child spans; None: not recorded (no child is made)."""
+        if span.is_recording():
+            from opentelemetry.trace import set_span_in_context
+
+            self.context = set_span_in_context(span)
         self.began_ns = time.time_ns()
         self.responded_ns = 0
         """When the response began (its head went out); 0: not yet."""
@@ -101,13 +110,11 @@ class RequestTrace:
 def begin(name: str, incoming: str | None, attributes: Attributes) -> RequestTrace | None:
     """The trace of an API call beginning in this context: the caller's ``traceparent``
     (``incoming``, when valid) continued, else a new trace; None when tracing is off."""
-    tracer = _tracer
-    if tracer is None:
+    tracer, kind = _tracer, _server
+    if tracer is None or kind is None:
         return None
-    from opentelemetry.trace import SpanKind
-
     parent = remote_parent(incoming) if incoming and valid_traceparent(incoming) else None
-    span = tracer.start_span(name, context=parent, kind=SpanKind.SERVER, attributes=attributes)
+    span = tracer.start_span(name, context=parent, kind=kind, attributes=attributes)
     trace = RequestTrace(span)
     _CURRENT.set(trace)
     LOG_TRACE_ID.set(trace.trace_id)

@@ -336,7 +336,8 @@ class GatewayMetrics:
             if trace.recording:
                 live.exemplar = trace.trace_id
                 tracing.annotate({f"tokenspout.{key}": value for key, value in ids.items()})
-        log.info("generation queued", extra={**ids, "model": model})
+        # At INFO a generation is one line, at its end (``_log_end``), as in the worker.
+        log.debug("generation queued", extra={**ids, "model": model})
 
     async def exposition(self, openmetrics: bool = False) -> bytes:
         """What ``/metrics`` answers: this process's registry, or with sibling processes
