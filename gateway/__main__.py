@@ -34,7 +34,7 @@ from gateway.server.transport import HttpProtocol
 from wire.connect import misconfiguration
 from wire.logs import configure_logging
 from wire.runtime import open_files_to_the_hard_limit, tune_gc
-from wire.tracing import start_tracer, stop_tracer
+from wire.tracing import start_tracer
 
 if TYPE_CHECKING:
     from gateway.server.app import Services
@@ -177,10 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     tune_gc()
     server = DrainingServer(config, services, OrphanWatch() if child else None)
-    try:
-        server.run(sockets=None if args.fd is None else [socket.socket(fileno=args.fd)])
-    finally:
-        stop_tracer()  # what is left of the spans goes out
+    server.run(sockets=None if args.fd is None else [socket.socket(fileno=args.fd)])
 
 
 if __name__ == "__main__":

@@ -86,3 +86,22 @@ async def test_a_traced_request_is_one_trace_through_redis_to_the_worker_and_its
         assert api.parent_span_id == ""  # the root
         run = trace.one("tokenspout.generation", ENGINE)
         assert trace.parent(run) is api and set(WORKER_SPANS) <= trace.children(run)
+
+
+async def test_the_spans_a_stopped_process_holds_are_exported_before_it_ends(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """SIGTERM: what the batch exporter still holds goes out before each process exits
+    (uvicorn raises the signal again once the gateway's app has shut down)."""
+    with OtlpReceiver() as receiver:
+        held = {"OTEL_BSP_SCHEDULE_DELAY": "600000"}  # no export but the last one
+        stack.synthetic(200, **{**receiver.env(ENGINE), **held})
+        gateway = stack.gateway(**{**receiver.env(GATEWAY), **held})
+        curl = Curl.chat(gateway.url, tmp_path, "held", model="synthetic", max_tokens=3)
+        curl.finish(30)
+        await asyncio.sleep(0.5)
+        assert receiver.of_trace(curl.trace_id()) == []
+        stack.stop()
+        expected = (API_SPAN, "tokenspout.generation")
+        spans = receiver.wait_for_trace(curl.trace_id(), has(*expected), timeout_s=5)
+        assert {span.service for span in spans} == {GATEWAY, ENGINE}

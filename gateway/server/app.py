@@ -35,6 +35,7 @@ from gateway.server.openapi import openapi_config
 from gateway.server.routes import ROUTES
 from wire import Keys
 from wire.connect import connect, ready, when_redis_answers
+from wire.tracing import stop_tracer
 
 if TYPE_CHECKING:
     from gateway.server.grpc import GrpcServer
@@ -210,6 +211,9 @@ class Services:
             stop = asyncio.create_task(self.hub.stop(), name="relay hub stop")
             await _ended_within(STOP_WAIT_S, [*tasks, stop])
             await self.redis.aclose()
+            # The spans left go out here: after the app's shutdown, uvicorn raises the
+            # signal that stopped it again, and the process ends at once.
+            stop_tracer()
 
 
 def create_app(settings: Settings | None = None, services: Services | None = None) -> Litestar:
