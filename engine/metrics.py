@@ -111,11 +111,12 @@ class WorkerMetrics:
         )
 
     def _time_generations(self, r: CollectorRegistry) -> None:
+        labels = ["model", "tenant"]
         self.queue_wait = Histogram(
             "tokenspout_engine_queue_wait_seconds",
             "Time from enqueue to start, by model and tenant (the first 100, then 'other'); "
             "a recorded request's trace id as exemplar.",
-            ["model", "tenant"],
+            labels,
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
@@ -123,7 +124,7 @@ class WorkerMetrics:
             "tokenspout_engine_time_to_first_token_seconds",
             "Time from enqueue to the first token published, by model and tenant; a recorded "
             "request's trace id as exemplar.",
-            ["model", "tenant"],
+            labels,
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )

@@ -11,7 +11,6 @@ request without one begins a trace of its own. With vLLM: tests/test_tracing_vll
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 import pytest
@@ -19,20 +18,12 @@ import pytest
 from stack import processes
 from tests.support.otlp import OtlpReceiver, render_tree
 from tests.support.stack import Stack
-from tests.support.traces import API_SPAN, ENGINE, GATEWAY, Curl, Trace, has
+from tests.support.traces import API_SPAN, ENGINE, GATEWAY, WORKER_SPANS, Curl, Trace, has, until
 
 pytestmark = pytest.mark.timeout(120)
 
 CALLER = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 """The caller's trace and span (W3C's example), sampled."""
-WORKER_SPANS = ("tokenspout.prepare", "tokenspout.prefill", "tokenspout.decode")
-
-
-async def until(check: object, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():  # type: ignore[operator]
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.05)
 
 
 async def test_a_traced_request_is_one_trace_through_redis_to_the_worker_and_its_takeover(
@@ -45,7 +36,7 @@ async def test_a_traced_request_is_one_trace_through_redis_to_the_worker_and_its
         curl = Curl.chat(
             gateway.url, tmp_path, "traced", model="synthetic", max_tokens=60, traceparent=CALLER
         )
-        await until(lambda: curl.chunks() >= 5)
+        await until(lambda: curl.chunks() >= 5, 30)
         stack.synthetic(200, worker_id="next-worker", **engine_env)
         processes.kill(lost)
         curl.finish(60)

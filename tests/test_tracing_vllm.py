@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
-import time
 from pathlib import Path
 
 import pytest
@@ -21,19 +20,11 @@ from engine.model import MODEL_NAME
 from stack import processes
 from tests.support.otlp import OtlpReceiver, render_tree
 from tests.support.stack import VLLM_LOCK, Stack
-from tests.support.traces import API_SPAN, ENGINE, GATEWAY, Curl, Trace, has
+from tests.support.traces import API_SPAN, ENGINE, GATEWAY, WORKER_SPANS, Curl, Trace, has, until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.own_vllm, pytest.mark.timeout(600)]
 
 CALLER = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-WORKER_SPANS = ("tokenspout.prepare", "tokenspout.prefill", "tokenspout.decode")
-
-
-async def until(check: object, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():  # type: ignore[operator]
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.05)
 
 
 async def test_vllm_spans_join_the_callers_trace_and_a_hand_over_is_one_trace(

@@ -131,12 +131,7 @@ class StoreObserver(TenantObserver, Protocol):
     and refusals (gateway/server/metrics.py)."""
 
     def submitted(
-        self,
-        session_id: str,
-        generation_id: str,
-        queued_event_id: str,
-        model: str,
-        tenant_id: str = "",
+        self, session_id: str, generation_id: str, queued_event_id: str, model: str, tenant: str
     ) -> None: ...
 
     def cancel_sent(self, session_id: str, generation_id: str, began: float) -> None: ...

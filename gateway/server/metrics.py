@@ -126,6 +126,12 @@ class _Live:
     gaps: Gaps | None = None
 
 
+def _per_model_and_key(name: str, documentation: str, registry: CollectorRegistry) -> Histogram:
+    """A latency histogram by model and key; a recorded request's trace id its exemplar."""
+    labels = ["model", "tenant"]
+    return Histogram(name, documentation, labels, buckets=_LATENCY_BUCKETS, registry=registry)
+
+
 def _key_counters(registry: CollectorRegistry) -> tuple[Counter, Counter]:
     """Requests admitted, and refused, by API key (gateway/core/tenancy.py)."""
     admitted = Counter(
@@ -207,21 +213,17 @@ class GatewayMetrics:
         )
 
     def _time_generations(self, r: CollectorRegistry) -> None:
-        self.time_to_first_token = Histogram(
+        self.time_to_first_token = _per_model_and_key(
             "tokenspout_gateway_time_to_first_token_seconds",
             "From a generation's queued event to its first token reaching this process, by "
             "model and key (the first 100 keys by name, then 'other').",
-            ["model", "tenant"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            r,
         )
-        self.queue_wait = Histogram(
+        self.queue_wait = _per_model_and_key(
             "tokenspout_gateway_queue_wait_seconds",
             "From a generation's queued event to its started event reaching this process "
             "(waiting for a worker), by model and key.",
-            ["model", "tenant"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            r,
         )
         self.inter_token = PlainHistogram(
             "tokenspout_gateway_inter_token_seconds",
@@ -317,18 +319,13 @@ class GatewayMetrics:
     # --- SessionStore hooks --------------------------------------------------------------
 
     def submitted(
-        self,
-        session_id: str,
-        generation_id: str,
-        queued_event_id: str,
-        model: str,
-        tenant_id: str = "",
+        self, session_id: str, generation_id: str, queued_event_id: str, model: str, tenant: str
     ) -> None:
         self.generations_submitted.inc()
         self.model_submitted.labels(model).inc()
         live = self._track(session_id, generation_id)
         live.queued_ms = wire.entry_ms(queued_event_id)
-        live.model, live.tenant = model, self.tenant_label(tenant_id)
+        live.model, live.tenant = model, self.tenant_label(tenant)
         ids = {"session_id": session_id, "generation_id": generation_id}
         trace = tracing.current()
         if trace is not None:

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +15,15 @@ from tests.support.otlp import ReceivedSpan
 
 API_SPAN = "POST /v1/chat/completions"
 GATEWAY, ENGINE = "tokenspout-gateway", "tokenspout-engine"
+WORKER_SPANS = ("tokenspout.prepare", "tokenspout.prefill", "tokenspout.decode")
+"""A run's spans under its generation span, whatever its engine."""
+
+
+async def until(check: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
 
 
 @dataclass
