@@ -134,6 +134,12 @@ class Prometheus:
         result: list[dict[str, Any]] = data["result"]
         return result
 
+    def query_range(self, expr: str, start: float, end: float, step_s: float) -> list[Any]:
+        """A range query's series: each ``{"metric": labels, "values": [[t, "v"], ...]}``."""
+        data = self.api("query_range", query=expr, start=str(start), end=str(end), step=str(step_s))
+        series: list[Any] = data["result"]
+        return series
+
     def alerts(self) -> dict[str, str]:
         """Each alert's state now (pending or firing), by name."""
         alerts = self.api("alerts")["alerts"]
