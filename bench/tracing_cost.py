@@ -13,7 +13,8 @@ gateway process) on a fresh rig:
 
 Per side: each process's CPU per token (``e2e``) or per request (``requests``), the
 median over the rounds and every round's, and the ratios off/before and on/off of the
-path's (gateway + worker + Redis). Results: docs/bench/tracing-cost-BENCH.json and .md.
+path's (gateway + worker + Redis). Results: docs/bench/tracing-cost-BENCH.json and .md
+(``--name``).
 """
 
 from __future__ import annotations
@@ -205,10 +206,11 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=500, help="e2e: streams at once")
     parser.add_argument("--requests", type=int, default=1000, help="requests: per side")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "bench")
+    parser.add_argument("--name", default=None, help="NAME.json, NAME.md (tracing-cost-BENCH)")
     args = parser.parse_args()
     results = measure(args)
     text = markdown(results)
-    report.write(args.out, f"tracing-cost-{args.bench}", results, text)
+    report.write(args.out, args.name or f"tracing-cost-{args.bench}", results, text)
     print(text)
 
 
