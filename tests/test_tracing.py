@@ -14,11 +14,13 @@ import asyncio
 from pathlib import Path
 
 import pytest
+import tritonclient.grpc as grpcclient
 
 from stack import processes
 from tests.support.otlp import OtlpReceiver, render_tree
 from tests.support.stack import Stack
 from tests.support.traces import API_SPAN, ENGINE, GATEWAY, WORKER_SPANS, Curl, Trace, has, until
+from tests.support.triton import llm_inputs, text_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -96,3 +98,33 @@ async def test_the_spans_a_stopped_process_holds_are_exported_before_it_ends(
         expected = (API_SPAN, "tokenspout.generation")
         spans = receiver.wait_for_trace(curl.trace_id(), has(*expected), timeout_s=5)
         assert {span.service for span in spans} == {GATEWAY, ENGINE}
+
+
+async def test_a_grpc_call_continues_its_traceparent_metadata_into_the_worker(
+    stack: Stack,
+) -> None:
+    """The gRPC inference service (``ModelInfer``, tritonclient): the call's span continues
+    the caller's ``traceparent`` metadata, and the generation it queued is under it."""
+    caller = "00-1bf92f3577b34da6a3ce929d0e0e4736-10f067aa0ba902b7-01"
+    with OtlpReceiver() as receiver:
+        stack.synthetic(200, **receiver.env(ENGINE))
+        gateway = stack.gateway(grpc=True, **receiver.env(GATEWAY))
+        client = grpcclient.InferenceServerClient(gateway.grpc_url)
+        try:
+            result = await asyncio.to_thread(
+                client.infer,
+                "synthetic",
+                llm_inputs("trace me", 4),
+                headers={"traceparent": caller},
+            )
+        finally:
+            client.close()
+        assert text_of(result)
+        name = "inference.GRPCInferenceService/ModelInfer"
+        trace = Trace(receiver.wait_for_trace(caller[3:35], has(name, "tokenspout.generation")))
+        call = trace.one(name, GATEWAY)
+        assert call.parent_span_id == caller[36:52]
+        assert call.attributes["rpc.system"] == "grpc"
+        assert call.attributes["rpc.grpc.status_code"] == 0
+        assert trace.parent(trace.one("tokenspout.admission")) is call
+        assert trace.parent(trace.one("tokenspout.generation", ENGINE)) is call

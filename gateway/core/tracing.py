@@ -85,9 +85,9 @@ class RequestTrace:
         """The response's head goes out now: what follows is the relay to the client."""
         self.responded_ns = time.time_ns()
 
-    def end(self, name: str, status: str, attributes: Attributes) -> None:
-        """The call ended with ``status``: its span gets its name (the route's), the relay
-        to the client (from the response's head to now) and ends."""
+    def end(self, name: str, failed: bool, attributes: Attributes) -> None:
+        """The call ended (``failed``: the server's fault): its span gets its name (the
+        route's), the relay to the client (from the response's head to now) and ends."""
         span = self.span
         if self.context is None:
             span.end()
@@ -102,7 +102,7 @@ class RequestTrace:
                 "tokenspout.relay", context=self.context, start_time=self.responded_ns
             )
             relay.end(end_time=now)
-        if status.startswith("5"):
+        if failed:
             span.set_status(StatusCode.ERROR)
         span.end(end_time=now)
 

@@ -113,7 +113,7 @@ class RequestMetrics:
                 "http.response.status_code": int(status),
                 "tokenspout.request_id": request_id,
             }
-            trace.end(f"{method} {route}", status, attributes)
+            trace.end(f"{method} {route}", status.startswith("5"), attributes)
         level = logging.DEBUG if route in QUIET_ROUTES else logging.INFO
         if log.isEnabledFor(level):
             extra = {
