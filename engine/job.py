@@ -1,10 +1,10 @@
 """One generation as a worker runs it: its request, what it has streamed so far, and where
 its run stands (``JobState``).
 
-The worker, its intake and its hand-over ask the job to move on (``claim_answered``,
-``stop``, ``drop``, ``begin_hand_over`` ...) and ask it what it may do (``streams``,
-``needs_ack`` ...); each move is one method, allowed from the states it names, so no
-caller sets a flag the others read.
+The job table (engine/jobs.py), which alone holds the jobs, asks a job to move on
+(``claim_answered``, ``stop``, ``drop``, ``begin_hand_over`` ...) and asks it what it may
+do (``can_hand_over``, ``needs_ack`` ...); each move is one method, allowed from the states
+it names, so no caller sets a flag the others read.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from wire import (
     Usage,
 )
 from wire.emit_step import EmitTarget
+from wire.tracing import trace_id_of
 
 
 def epoch_of(request: GenerationRequest) -> int:
@@ -91,7 +92,7 @@ class Job:
     """Its claim's answer: None while it is on its way (or was never sent)."""
     stop_reason: CancelReason | None = None
     second_copy: Job | None = None
-    """The same request taken again while this one's claim was on its way (engine/intake.py)."""
+    """The same request taken again while this one's claim was on its way (engine/jobs.py)."""
     first_token_s: float | None = None
     """From the gateway's enqueue to its first token here (None: none yet)."""
     trace: JobTrace | None = None
@@ -204,7 +205,7 @@ class Job:
         self.token_ids.extend(token_ids)
 
     def hold_second_copy(self, copy: Job) -> None:
-        """Keep ``copy`` until this one's claim is answered (engine/intake.py)."""
+        """Keep ``copy`` until this one's claim is answered (engine/jobs.py)."""
         self.second_copy = copy
 
     def take_second_copy(self) -> Job | None:
@@ -229,3 +230,23 @@ class Job:
 
     def usage(self) -> Usage:
         return Usage(self.prompt_tokens, self.emitted_tokens)
+
+    def end_line(self, model: str, state: str, reason: str) -> dict[str, object]:
+        """The fields of its one log line at its end, for a log store to query."""
+        request = self.request
+        line: dict[str, object] = {
+            "session_id": self.session_id,
+            "generation_id": self.generation_id,
+            "state": state,
+            "reason": reason,
+            "tenant": request.tenant or "anonymous",
+            "model": model,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.emitted_tokens,
+            "duration_ms": round((time.monotonic() - self.started_at) * 1000, 1),
+        }
+        if self.first_token_s is not None:
+            line["ttft_ms"] = round(self.first_token_s * 1000, 1)
+        if request.traceparent:  # a cancel's line is written outside the job's task
+            line["trace_id"] = trace_id_of(request.traceparent)
+        return line
