@@ -25,6 +25,7 @@ from engine.worker import Worker
 from wire import DEFAULT_PREFIX, Keys, check_model_name
 from wire.connect import connect, misconfiguration, ready, when_redis_answers
 from wire.runtime import tune_gc
+from wire.tracing import TraceExport, start_tracer, stop_tracer
 
 log = logging.getLogger("tokenspout.engine")
 
@@ -35,6 +36,8 @@ ENVIRONMENT: dict[str, str] = {
     "TOKENSPOUT_KEY_PREFIX": f"Prefix of every Redis key; the gateway's must match "
     f"(default `{DEFAULT_PREFIX}`).",
     "TOKENSPOUT_LOG_LEVEL": "DEBUG, INFO, WARNING or ERROR (default `INFO`).",
+    "TOKENSPOUT_LOG_FORMAT": "`text` (key=value lines, the default) or `json` (one JSON "
+    "object per line).",
     "TOKENSPOUT_MAX_TAKEOVERS": "How often one reply may be handed on to another worker "
     "(SIGTERM hand-over or takeover after a loss), as the gateway's (default `3`).",
     "TOKENSPOUT_CACHE": "Where `--model default` keeps the converted bundled model "
@@ -241,6 +244,10 @@ def _backend(args: argparse.Namespace) -> Backend:
     from engine.backends.vllm_backend import VllmBackend
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    export = TraceExport.from_env()
+    if export is not None:  # vLLM's exporter reads these; its spans are the worker's
+        os.environ.setdefault("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", export.protocol)
+        os.environ.setdefault("OTEL_SERVICE_NAME", "tokenspout-engine")
     model, served = args.model, names[0] if names else None
     if model == "default":
         model, served = str(prepare_default_model()), served or MODEL_NAME
@@ -256,19 +263,28 @@ def _backend(args: argparse.Namespace) -> Backend:
     )
 
 
-def vllm_options(args: argparse.Namespace) -> dict[str, float | int]:
-    """vLLM's engine arguments the flags set (the rest: vLLM's defaults)."""
+def vllm_options(args: argparse.Namespace) -> dict[str, float | int | str]:
+    """vLLM's engine arguments the flags set (the rest: vLLM's defaults), and with tracing
+    on its own tracing, into the same collector (its request spans join the worker's)."""
     given = {
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "max_num_batched_tokens": args.max_num_batched_tokens,
     }
-    return {name: value for name, value in given.items() if value is not None}
+    options: dict[str, float | int | str] = {k: v for k, v in given.items() if v is not None}
+    export = TraceExport.from_env()
+    if export is not None:
+        options["otlp_traces_endpoint"] = export.endpoint
+    return options
 
 
 async def serve(args: argparse.Namespace) -> None:
     redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
     if problem := await misconfiguration(redis_url):  # before a model takes minutes to load
         raise SystemExit(f"tokenspout engine: cannot start: {problem}")
+    try:
+        tracer = start_tracer("tokenspout-engine")  # None: off (wire/tracing.py)
+    except ValueError as exc:  # an OTEL_ variable it cannot follow
+        raise SystemExit(f"tokenspout engine: cannot start: {exc}") from None
     backend = make_backend(args)
     began = time.monotonic()
     log.info("starting backend %s (%s)", backend.name, backend.model)
@@ -293,6 +309,7 @@ async def serve(args: argparse.Namespace) -> None:
         max_takeovers=int(os.environ.get("TOKENSPOUT_MAX_TAKEOVERS", "3")),
         join_tokens=args.join_tokens,
         preempt=args.preempt,
+        tracer=tracer,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -303,13 +320,18 @@ async def serve(args: argparse.Namespace) -> None:
     finally:
         await backend.stop()
         await redis.aclose()
+        stop_tracer()  # what is left of the spans goes out
         log.info("worker stopped")
 
 
 def main(argv: list[str] | None = None) -> None:
     from wire.logs import configure_logging
 
-    configure_logging(os.environ.get("TOKENSPOUT_LOG_LEVEL", "INFO"), "engine")
+    level = os.environ.get("TOKENSPOUT_LOG_LEVEL", "INFO")
+    try:
+        configure_logging(level, "engine", os.environ.get("TOKENSPOUT_LOG_FORMAT", "text"))
+    except ValueError as exc:
+        raise SystemExit(f"tokenspout engine: cannot start: {exc}") from None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # uvloop, the gateway's loop too (vLLM's own server runs on it).
     uvloop.run(serve(parse_args(argv)))

@@ -111,15 +111,20 @@ class WorkerMetrics:
         )
 
     def _time_generations(self, r: CollectorRegistry) -> None:
+        labels = ["model", "tenant"]
         self.queue_wait = Histogram(
             "tokenspout_engine_queue_wait_seconds",
-            "Time from enqueue to start.",
+            "Time from enqueue to start, by model and tenant (the first 100, then 'other'); "
+            "a recorded request's trace id as exemplar.",
+            labels,
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.time_to_first_token = Histogram(
             "tokenspout_engine_time_to_first_token_seconds",
-            "Time from enqueue to the first token published.",
+            "Time from enqueue to the first token published, by model and tenant; a recorded "
+            "request's trace id as exemplar.",
+            labels,
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
@@ -174,8 +179,17 @@ class WorkerMetrics:
         if completion_tokens:
             self.tenant_tokens.labels(label, "completion").inc(completion_tokens)
 
-    def first_token(self, since_enqueued: float, engine_s: float) -> None:
+    def started(self, waited_s: float, model: str, tenant: str, trace_id: str) -> None:
+        """A reply started ``waited_s`` after the gateway queued it (``trace_id``: its
+        recorded trace, or "")."""
+        labels = self.queue_wait.labels(model, self.tenant_label(tenant or "anonymous"))
+        labels.observe(max(0.0, waited_s), {"trace_id": trace_id} if trace_id else None)
+
+    def first_token(
+        self, since_enqueued: float, engine_s: float, model: str, tenant: str, trace_id: str
+    ) -> None:
         """A reply's first token is out: ``since_enqueued`` after the gateway queued it,
         ``engine_s`` of it the engine's own (``engine_first_token``)."""
-        self.time_to_first_token.observe(max(0.0, since_enqueued))
+        labels = self.time_to_first_token.labels(model, self.tenant_label(tenant or "anonymous"))
+        labels.observe(max(0.0, since_enqueued), {"trace_id": trace_id} if trace_id else None)
         self.engine_first_token.observe(engine_s)

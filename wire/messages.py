@@ -172,6 +172,10 @@ class GenerationRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     """Version 4. The conversation ends with an assistant message the engine extends (vLLM's
     ``continue_final_message``: no new turn is opened); the reply joins the history as
     that message made longer, not as a message of its own."""
+    traceparent: str = ""
+    """The W3C ``traceparent`` of the API call that queued it (wire/tracing.py): the worker's
+    spans join that trace and its log lines carry its id; "": tracing is off (nothing on
+    the wire)."""
 
     @property
     def continued(self) -> str:
@@ -356,6 +360,18 @@ def decode_event(data: bytes | str) -> SessionEvent:
 
 def final_state(event: FinalEvent) -> GenerationState:
     return "done" if isinstance(event, Done) else event_type(event)  # type: ignore[return-value]
+
+
+def final_reason(event: FinalEvent) -> str:
+    """Why it ended: the finish reason, the cancel's reason, or the error's code."""
+    match event:
+        case Done():
+            return event.finish_reason
+        case Cancelled():
+            return event.reason
+        case Error():
+            return event.code
+    return ""
 
 
 _final_decoder = msgspec.json.Decoder(FinalEvent)

@@ -51,6 +51,8 @@ class Prepared:
     resumed_tokens: int = 0
     """Completion tokens streamed before a takeover (``GenerationRequest.resume``): the
     engine continues after them, and ``params.max_tokens`` counts what is left."""
+    trace_headers: dict[str, str] | None = None
+    """The trace the engine's own spans join (vLLM's ``trace_headers``; engine/tracing.py)."""
 
 
 @dataclass
@@ -75,6 +77,8 @@ class Backend(abc.ABC):
     """How many requests it runs at once; the worker takes no more than this."""
     max_model_len: int | None = None
     """Longest prompt plus reply, in tokens; None: no fixed context."""
+    traced: bool = False
+    """Its engine exports spans of its own (vLLM started with an OTLP endpoint)."""
     tool_call_parser: str | None = None
     """vLLM's tool parser for ``tool_choice: auto`` (``--tool-call-parser``); None: none."""
     ignored_params: frozenset[str] = frozenset()

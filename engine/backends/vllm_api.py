@@ -83,11 +83,13 @@ def start_engine(
     max_model_len: int,
     max_num_seqs: int,
     enforce_eager: bool,
-    **options: float | int,
+    **options: float | int | str,
 ) -> Any:
     """vLLM's async engine (``AsyncLLM``), started: its engine core runs from here on;
     ``options``: more ``AsyncEngineArgs`` fields (every version in range has those the
-    worker's flags set: ``gpu_memory_utilization``, ``max_num_batched_tokens``)."""
+    worker sets: ``gpu_memory_utilization``, ``max_num_batched_tokens``, and
+    ``otlp_traces_endpoint``, whose requests' spans join the trace ``generate``'s
+    ``trace_headers`` name)."""
     from vllm import AsyncEngineArgs, AsyncLLMEngine
 
     args = AsyncEngineArgs(

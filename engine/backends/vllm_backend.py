@@ -37,7 +37,7 @@ class VllmBackend(Backend):
         capacity: int = 16,
         dtype: str = "auto",
         enforce_eager: bool = False,
-        engine_options: dict[str, float | int] | None = None,
+        engine_options: dict[str, float | int | str] | None = None,
     ) -> None:
         self.model_path = model
         self.model = served_name or os.path.basename(model.rstrip("/"))
@@ -47,6 +47,7 @@ class VllmBackend(Backend):
         self.enforce_eager = enforce_eager
         self.engine_options = engine_options or {}
         """More of vLLM's engine arguments (``--gpu-memory-utilization``, ...)."""
+        self.traced = "otlp_traces_endpoint" in self.engine_options
         self._engine: Any = None
         self._tokenizer: Any = None
         self._running: set[str] = set()
@@ -179,7 +180,8 @@ class VllmBackend(Backend):
         )
         prompt = {"prompt_token_ids": prepared.prompt_token_ids}
         top = params.top_logprobs
-        outputs = self._engine.generate(prompt, sampling, prepared.generation_id)
+        traced = {"trace_headers": prepared.trace_headers} if prepared.trace_headers else {}
+        outputs = self._engine.generate(prompt, sampling, prepared.generation_id, **traced)
         self._running.add(prepared.generation_id)
         try:
             # Closed early (the worker stopped the run), vLLM's generator aborts the

@@ -11,7 +11,9 @@ one value, ``GenerationAsk`` (gateway/core/ask.py), whatever API it came through
         ...
 
 Every ask is judged first, in one place (gateway/core/store/admission.py): its ``n``, whether the
-key it serves (``ask.caller``) may use the model, the key's limits and the capacity.
+key it serves (``ask.caller``) may use the model, the key's limits and the capacity. With
+tracing on, what the store does for it (the key's limits, the fair queue, the SUBMIT script)
+is the ``tokenspout.admission`` span of the API call's trace (gateway/core/tracing.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Mapping
 
 import redis.asyncio as aioredis
 
+from gateway.core import tracing
 from gateway.core.ask import GenerationAsk, KeptSession
 from gateway.core.auth import tenant_directory
 from gateway.core.choices import Choices
@@ -96,22 +99,24 @@ class GatewayService:
         before it is queued; the caller walks them, then closes them (``Choices.close``)."""
         self.admission.check(ask)
         heartbeat_s = self.settings.sse_heartbeat_s
-        if ask.n == 1:  # the common case: one generation, nothing to gather
-            return Choices(
-                [await GenerationStream.submit(self.submitter, self.hub, ask, heartbeat_s)]
-            )
 
         def open_choice(choice: int) -> Awaitable[GenerationStream]:
             chosen = ask.for_choice(choice)
             return GenerationStream.submit(self.submitter, self.hub, chosen, heartbeat_s, choice)
 
-        return await Choices.submit(open_choice, ask.n)
+        with _admission(ask):
+            if ask.n == 1:  # the common case: one generation, nothing to gather
+                return Choices(
+                    [await GenerationStream.submit(self.submitter, self.hub, ask, heartbeat_s)]
+                )
+            return await Choices.submit(open_choice, ask.n)
 
     async def generate_kept(self, ask: GenerationAsk, kept: KeptSession) -> Submitted:
         """Queue one generation in a session that outlives its request (a stored
         ``/v1/responses`` response), read later by its id: no feed is opened for it."""
         self.admission.check(ask)
-        return await self.submitter.submit_stateless(ask, kept=kept)
+        with _admission(ask):
+            return await self.submitter.submit_stateless(ask, kept=kept)
 
     # --- sessions --------------------------------------------------------------------------
 
@@ -150,9 +155,10 @@ class GatewayService:
         settings filling the sampling fields the request left (``ask.given``); authorised
         by ``token`` or the ``owner``'s cookie (404, then 403)."""
         self.admission.check(ask)
-        return await self.submitter.submit_message(
-            session_id, token, ask, idempotency_key, owner=owner
-        )
+        with _admission(ask, session_id):
+            return await self.submitter.submit_message(
+                session_id, token, ask, idempotency_key, owner=owner
+            )
 
     # --- conversations (the owner cookie's sessions: gateway/core/conversations.py) --------
 
@@ -267,3 +273,21 @@ class GatewayService:
     async def queue_counts(self) -> QueueCounts:
         """Model -> (queued, running), in one round trip (``/metrics``)."""
         return await self.queue.counts()
+
+    async def workers_by_model(self) -> dict[str, int]:
+        """Every model a worker ever registered -> its live workers now (``/metrics``)."""
+        snapshot = await self.models.snapshot()
+        live = snapshot.live
+        return {model: len(live.get(model, [])) for model in snapshot.models}
+
+
+def _admission(
+    ask: GenerationAsk, session_id: str = ""
+) -> contextlib.AbstractContextManager[object]:
+    """The span of the ask's admission, when the API call's trace is recorded."""
+    if not tracing.recording():
+        return tracing.NO_SPAN
+    asked: dict[str, str | int] = {"gen_ai.request.model": ask.model or "", "tokenspout.n": ask.n}
+    if session_id:
+        asked["tokenspout.session_id"] = session_id
+    return tracing.span("tokenspout.admission", asked)
