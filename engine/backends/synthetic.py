@@ -46,7 +46,7 @@ import os
 import re
 import time
 import zlib
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,6 +96,11 @@ CRASH_PREPARING = "[[crash:prepare]]"
 
 def _word_id(word: str) -> int:
     return zlib.crc32(word.encode()) % 50_000
+
+
+def prompt_token_ids(texts: Iterable[str | None]) -> list[int]:
+    """The prompt of a request whose messages (or prompt) are ``texts``: a word a token."""
+    return [_word_id(word) for text in texts for word in (text or "").split()]
 
 
 @dataclass(frozen=True)
@@ -229,8 +234,8 @@ class SyntheticBackend(Backend):
         return "synthetic"
 
     async def prepare(self, request: GenerationRequest) -> Prepared:
-        words = [m.content for m in request.messages] if request.messages else [request.prompt]
-        prompt_ids = [_word_id(word) for text in words for word in (text or "").split()]
+        texts = [m.content for m in request.messages] if request.messages else [request.prompt]
+        prompt_ids = prompt_token_ids(texts)
         ignored = _set_fields(request.params, self.ignored_params)
         if ignored:
             log.info(
