@@ -9,7 +9,8 @@ multi-turn chats, ``b`` a shared 2,000-token system prompt, ``c`` nothing shared
 
 The sides (``--sides``), each on W workers of its own beside the others': ``pull``, today's
 queue (whichever worker has a free slot takes the next request); ``oracle``, every request
-pushed to the warmest worker, its cache known exactly (bench/affinity_oracle.py); ``affinity``
+pushed to the warmest worker, its cache and prefill queue known exactly
+(bench/affinity_oracle.py); ``affinity``
 (a request goes to the worker that holds its prefix, after a bounded wait elsewhere) is the
 next step's (docs/affinity.md): named so the report keeps its place, not run yet.
 
@@ -51,7 +52,8 @@ MODEL = "synthetic"
 SIDES = {
     "pull": "today: whichever worker has a free slot takes the next request",
     "affinity": "the worker that holds the request's prefix takes it first (next step)",
-    "oracle": "every request pushed to the worker whose cache holds most of its prompt",
+    "oracle": "every request pushed to the worker where its first token comes soonest (its "
+    "cache and prefill queue known exactly)",
 }
 BUILT = ("pull", "oracle")
 PROMPT = "tokenspout_engine_prompt_tokens_total"
@@ -126,7 +128,8 @@ async def rig(options: Options, workers: int, logs: Path) -> AsyncIterator[list[
         if pull:
             sides.append(Side("pull", chat_sender(port, MODEL, options.reply_tokens), pull))
         if oracle:
-            warmest = Warmest(port, models, options.reply_tokens, options.kv_cache_tokens)
+            prefill = (options.prefill_tokens_per_s, options.kv_cache_tokens)
+            warmest = Warmest(port, models, options.reply_tokens, prefill)
             sides.append(Side("oracle", warmest.send, oracle, warmest))
         yield sides
 

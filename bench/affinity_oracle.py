@@ -1,18 +1,21 @@
-"""bench.affinity's ``oracle`` side: every request sent to the warmest worker, as the best push
-router would send it, knowing each worker's prefix cache exactly.
+"""bench.affinity's ``oracle`` side: every request pushed to the warmest worker, as the best push
+router would send it, knowing each worker's prefix cache and prefill queue exactly.
 
 Each of the side's workers serves a model of its own (``synthetic-1`` ... ``synthetic-W``), so
-the client chooses the worker by the model it names. The synthetic engine's cache is
-deterministic (engine/backends/prefill.py: the same blocks in the same order), so the client
-keeps a copy of each worker's: a request's prompt is looked up and stored when it is sent (the
-worker takes it at once while it has free slots), its prompt and reply when it ends. The
-warmest worker is the one whose cache holds most of the prompt; between equals, the one
-running fewest of the side's requests. It waits for nobody and spreads nothing on purpose:
-what it costs to always follow the cache is part of its figures.
+the client chooses the worker by the model it names. The synthetic engine is deterministic
+(engine/backends/prefill.py: the same blocks in the same order, one prefill after another at
+a known rate), so the client keeps a copy of each worker's: a request's prompt is taken by
+the copy when it is sent (the worker takes it at once while it has free slots), its prompt
+and reply when it ends. Warmest means the soonest first token: the worker whose cache holds
+most of the prompt, unless the prefills queued there would outlast what the cache saves;
+between equals, the one running fewest of the side's requests. (Warmest by the cache alone
+sends every request that shares a prompt to the one worker that held it first, which then
+serves them all while the others idle: the flood affinity must not make.)
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from bench.affinity_load import Send, Sent, chat_sender
@@ -34,28 +37,32 @@ class Worker:
 
 class Warmest:
     def __init__(
-        self, port: int, models: list[str], reply_tokens: int, kv_cache_tokens: int
+        self, port: int, models: list[str], reply_tokens: int, prefill: tuple[float, int]
     ) -> None:
+        """``prefill``: each worker's prefill tokens a second and KV cache tokens."""
         self.reply_tokens = reply_tokens
         self.workers = [
-            Worker(model, chat_sender(port, model, reply_tokens), Prefill(0, kv_cache_tokens))
+            Worker(model, chat_sender(port, model, reply_tokens), Prefill(*prefill))
             for model in models
         ]
         self.expected = 0
         """Prompt tokens the copies said a chosen worker's cache held: the side's engines'
         own count says how well the copies kept up."""
 
-    def choose(self, prompt: list[int]) -> Worker:
-        def warmth(worker: Worker) -> tuple[int, int]:
-            cache = worker.cache.cache
-            return cache.cached_tokens(len(prompt), cache.names(prompt)), -worker.running
+    def choose(self, prompt: list[int], now: float) -> Worker:
+        """The worker where ``prompt``'s first token would come soonest."""
+        names = self.workers[0].cache.cache.names(prompt)
 
-        return max(self.workers, key=warmth)
+        def wait(worker: Worker) -> tuple[float, int]:
+            return worker.cache.look(len(prompt), names, now).ready_at, worker.running
+
+        return min(self.workers, key=wait)
 
     async def send(self, messages: list[dict[str, str]], sent: Sent) -> None:
         prompt = prompt_token_ids(m["content"] for m in messages)
-        worker = self.choose(prompt)
-        self.expected += worker.cache.admit(prompt, 0.0).cached_tokens
+        now = time.monotonic()  # the copies' prefill lanes run on the client's clock
+        worker = self.choose(prompt, now)
+        self.expected += worker.cache.admit(prompt, now).cached_tokens
         worker.running += 1
         try:
             await worker.send(messages, sent)

@@ -52,14 +52,22 @@ class Prefill:
         """When the prefills taken so far are done."""
 
     def admit(self, prompt_ids: list[int], now: float) -> Admitted:
+        """Take a prompt at ``now``: its prefill queues in the lane, its blocks are cached."""
         names = self.cache.names(prompt_ids)
-        cached = self.cache.cached_tokens(len(prompt_ids), names)
+        admitted = self.look(len(prompt_ids), names, now)
+        if self.tokens_per_s:
+            self._lane_free_at = admitted.ready_at
+        self.cache.store(names)
+        return admitted
+
+    def look(self, prompt_tokens: int, names: list[int], now: float) -> Admitted:
+        """What taking a prompt of ``prompt_tokens`` whose blocks are ``names`` at ``now``
+        would give, changing nothing."""
+        cached = self.cache.cached_tokens(prompt_tokens, names)
         ready_at = now
         if self.tokens_per_s:
-            ready_at = max(now, self._lane_free_at) + (len(prompt_ids) - cached) / self.tokens_per_s
-            self._lane_free_at = ready_at
-        self.cache.store(names)
-        return Admitted(len(prompt_ids), cached, ready_at)
+            ready_at = max(now, self._lane_free_at) + (prompt_tokens - cached) / self.tokens_per_s
+        return Admitted(prompt_tokens, cached, ready_at)
 
     def ended(self, token_ids: list[int]) -> None:
         """A request ended: the blocks of its prompt and its reply (``token_ids``) stay."""
