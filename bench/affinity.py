@@ -60,9 +60,10 @@ PROMPT = "tokenspout_engine_prompt_tokens_total"
 CACHED = "tokenspout_engine_prompt_cached_tokens_total"
 TURNS = "tokenspout_engine_time_to_first_token_seconds_count"
 SLOWED = 3.0
-"""A point kept up when no request failed and its TTFT p50 is at most this many times the
-lowest load's (or under a second): past the knee, requests queue and TTFT grows without
-bound (open loop, b and c) or the conversations slow down (a)."""
+"""The ladder goes on while a side keeps up: no request failed and its TTFT p50 at most this
+many times its lowest load's (or under a second). Past the knee (bench/affinity_report.py
+``saturation``), requests queue and TTFT grows without bound (b and c) or the conversations
+slow down (a)."""
 DRAIN_S = 60.0
 """After a point, what is still under way may finish this long; then its streams close."""
 

@@ -27,13 +27,18 @@ def series(
         yield key, list(group)
 
 
+KNEE = 2.0
+"""A side saturates where its TTFT p50 passes this many times its lowest load's (and half a
+second): requests wait in a queue as long as they are served."""
+
+
 def saturation(points: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The highest-load point of a series that kept up, if the series went past it (else
-    the side did not fall behind at any load asked: None)."""
-    if all(point["kept_up"] for point in points):
-        return None
-    kept = [point for point in points if point["kept_up"]]
-    return kept[-1] if kept else points[0]
+    """The last point of a series (by load) before its knee; None if it never got there."""
+    limit = max(500.0, KNEE * points[0]["ttft_p50_ms"])
+    for before, point in zip([None, *points], points, strict=False):
+        if point["failed"] or point["ttft_p50_ms"] > limit:
+            return before or point
+    return None
 
 
 def hit_range(point: dict[str, Any]) -> str:
@@ -69,8 +74,10 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         "## The load each side kept up with",
         "",
-        "The highest load at which the side still served every request with a TTFT p50 under "
-        "three times its lowest load's (or under 1 s): past it requests queue.",
+        "The highest load at which the side still served every request with a TTFT p50 at most "
+        "twice its lowest load's (or half a second): past it, requests wait in a queue longer "
+        "than they are served. (For the chats, the turns asked a second are the rate at which "
+        "users would send them: a side that serves slowly gets fewer, done/s below.)",
         "",
         "| workload | W | side | saturation (requests/s) | TTFT p50 / p99 there | prefilled per "
         "request | cache hit share |",
@@ -94,9 +101,8 @@ def markdown(results: dict[str, Any]) -> str:
         "## Every point",
         "",
         "| workload | W | side | requests/s asked | done/s | TTFT p50 | TTFT p99 | tokens/s "
-        "| prefilled tokens/s | prefilled per request | cache hit share (per worker) | failed "
-        "| kept up |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| prefilled tokens/s | prefilled per request | cache hit share (per worker) | failed |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for (workload, workers, side), points in series(results["points"]):
         for p in points:
@@ -105,8 +111,7 @@ def markdown(results: dict[str, Any]) -> str:
                 f"{fmt(p['done_per_s'], 2)} | {fmt(p['ttft_p50_ms'], 0)} ms | "
                 f"{fmt(p['ttft_p99_ms'], 0)} ms | {fmt(p['tokens_per_s'], 0)} | "
                 f"{fmt(p['prefilled_per_s'])} | {fmt(p['prefilled_per_turn'])} | "
-                f"{fmt(p['cache_hit_share'], 3)} ({hit_range(p)}) | {p['failed']} | "
-                f"{'yes' if p['kept_up'] else 'no'} |"
+                f"{fmt(p['cache_hit_share'], 3)} ({hit_range(p)}) | {p['failed']} |"
             )
     return "\n".join(lines) + "\n"
 
