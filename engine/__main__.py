@@ -23,6 +23,7 @@ from engine.backends.base import Backend
 from engine.backends.prefill import KV_CACHE_TOKENS
 from engine.backends.prefix_cache import BLOCK_SIZE
 from engine.metrics import WorkerMetrics
+from engine.policies import AFFINITY_WAIT_MS
 from engine.worker import Worker
 from wire import DEFAULT_PREFIX, Keys, check_model_name
 from wire.connect import connect, misconfiguration, ready, when_redis_answers
@@ -39,6 +40,9 @@ ENVIRONMENT: dict[str, str] = {
     "TOKENSPOUT_LOG_LEVEL": "DEBUG, INFO, WARNING or ERROR (default `INFO`).",
     "TOKENSPOUT_MAX_TAKEOVERS": "How often one reply may be handed on to another worker "
     "(SIGTERM hand-over or takeover after a loss), as the gateway's (default `3`).",
+    "TOKENSPOUT_AFFINITY_WAIT_MS": "How long a request whose prompt's prefix another "
+    "worker's engine holds waits for that worker before any takes it; `0` turns cache "
+    f"affinity off (default `{AFFINITY_WAIT_MS}`; docs/affinity.md).",
     "TOKENSPOUT_CACHE": "Where `--model default` keeps the converted bundled model "
     "(default `~/.cache/tokenspout`).",
     "HF_HUB_OFFLINE": "`1` (the default here): never fetch from a model hub; set `0` to let "
@@ -321,6 +325,7 @@ async def serve(args: argparse.Namespace) -> None:
         max_takeovers=int(os.environ.get("TOKENSPOUT_MAX_TAKEOVERS", "3")),
         join_tokens=args.join_tokens,
         preempt=args.preempt,
+        affinity_wait_ms=int(os.environ.get("TOKENSPOUT_AFFINITY_WAIT_MS", str(AFFINITY_WAIT_MS))),
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -133,6 +133,14 @@ class WorkerMetrics:
             "Generations this worker continued after another worker was lost or stopped.",
             registry=r,
         )
+        self.affinity = Counter(
+            "tokenspout_engine_affinity",
+            "Requests taken that named a prefix a worker with a free slot held (docs/"
+            "affinity.md), by outcome: hit (this worker held it), miss (taken here after "
+            "the wait for affinity).",
+            ["outcome"],
+            registry=r,
+        )
         self.handovers = Counter(
             "tokenspout_engine_handovers",
             "Running generations this worker handed to the others on SIGTERM.",

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from wire.messages import ChatMessage, Tools
+from wire.messages import ChatMessage, GenerationRequest, Tools
 
 TEXT_BLOCK = 1024
 """Characters of a text prompt each name adds."""
@@ -89,3 +89,39 @@ def spread(prefixes: Sequence[Prefix], most: int = 8) -> list[Prefix]:
             step *= 2
         at -= step
     return [*kept, prefixes[0]]
+
+
+def prompt_prefixes(model: str, request: GenerationRequest) -> list[Prefix]:
+    """Every named prefix of ``request``'s prompt, first to last (none for a task that
+    prefills nothing)."""
+    if request.task != "generate":
+        return []
+    start = opening(model, request.tools)
+    if request.prompt is not None:
+        return text_prefixes(start, request.prompt)
+    return message_prefixes(start, request.messages)
+
+
+def asked(model: str, request: GenerationRequest) -> list[str]:
+    """The names a queued request is placed by: ``spread``'s, longest first."""
+    return [prefix.name for prefix in spread(prompt_prefixes(model, request))]
+
+
+HELD_MOST = 64
+"""The most names a worker says it holds for one request: a prompt's last ones and its first."""
+
+
+def held(model: str, request: GenerationRequest, reply: str) -> list[str]:
+    """The names of what running ``request`` with ``reply`` left in its engine's cache: its
+    prompt's, and the next turn's prefix that ends with the reply (a chat's new assistant
+    message; a text prompt's blocks that the reply completes)."""
+    prefixes = prompt_prefixes(model, request)
+    if not prefixes and request.task != "generate":
+        return []
+    if request.prompt is not None:
+        prefixes = text_prefixes(opening(model, request.tools), request.prompt + reply)
+    elif request.messages and not request.continue_final_message:
+        prefixes.append(continued(prefixes[-1], reply))
+    if len(prefixes) > HELD_MOST:
+        prefixes = [prefixes[0], *prefixes[1 - HELD_MOST :]]
+    return [prefix.name for prefix in prefixes]
