@@ -125,5 +125,6 @@ async def test_a_request_aborted_in_its_prefill_reports_no_prefill() -> None:
     await backend.abort("g1")
     ended = await taking
     await deltas.aclose()
+    await backend.stop()  # its stepping loop sleeps until the aborted prefill would have ended
     assert ended.finish_reason == "abort" and ended.cached_tokens is None
     assert backend.prefilled.prompt_tokens == 0
