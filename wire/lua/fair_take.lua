@@ -8,9 +8,10 @@
 -- list, claims and acknowledgements work as for any entry. Rings the bell when more waits,
 -- for another idle worker.
 -- With a wait for affinity (docs/affinity.md), a tenant's first FAIR_WINDOW requests are
--- looked at: the first whose prefix this consumer holds goes first ('hit'), else the first
--- that nobody with a free slot holds, or that has waited `wait` ms for its holders ('miss'
--- when it had holders); only when none of them may go here does the next tenant's turn come.
+-- looked at, in their order: the first that may go here goes, its prefix held by this
+-- consumer ('hit'), or by no worker with a free slot, or its `wait` ms for its holders over
+-- ('miss'); the others wait for their holders. Only when none of them may go here does the
+-- next tenant's turn come.
 -- Says how many slots the consumer has left free (fair_holders reads it).
 -- Returns {entries taken, as XREADGROUP gives them: {{id, {field, value, ...}}, ...},
 --          ms until a request waiting for another worker may go anywhere (0: none waits)}.
@@ -36,21 +37,15 @@ local function move_affine()
   local ready = redis.call('ZRANGE', base .. ':ready', 0, FAIR_TENANTS - 1, 'WITHSCORES')
   for t = 1, #ready, 2 do
     local tenant, counter = ready[t], ready[t + 1]
-    local window = redis.call('LRANGE', base .. ':t:' .. tenant, 0, FAIR_WINDOW - 1)
-    local first, outcome
-    for _, element in ipairs(window) do
+    for _, element in ipairs(redis.call('LRANGE', base .. ':t:' .. tenant, 0, FAIR_WINDOW - 1)) do
       local holders, mine, queued = fair_holders(base, element, consumer)
-      if mine then
-        return fair_move(base, stream, ARGV[4], tenant, counter, element, 'hit')
-      end
       local left = queued and (queued + wait - now) or 0
-      if not first and (#holders == 0 or left <= 0) then
-        first, outcome = element, queued and #holders > 0 and 'miss' or nil
-      elseif not first then
-        soonest = (soonest == 0 or left < soonest) and left or soonest
+      if mine or #holders == 0 or left <= 0 then
+        local outcome = mine and 'hit' or (#holders > 0 and 'miss' or nil)
+        return fair_move(base, stream, ARGV[4], tenant, counter, element, outcome)
       end
+      soonest = (soonest == 0 or left < soonest) and left or soonest
     end
-    if first then return fair_move(base, stream, ARGV[4], tenant, counter, first, outcome) end
   end
   return 0
 end
