@@ -7,12 +7,12 @@ sized like a GPU's KV cache (``--kv-cache-tokens``) and a prefill at a GPU's rat
 Redis, one gateway; the clients stream OpenAI chat completions (bench/affinity_load.py: ``a``
 multi-turn chats, ``b`` a shared 2,000-token system prompt, ``c`` nothing shared).
 
-The sides (``--sides``), each on W workers of its own beside the others': ``pull``, today's
-queue (whichever worker has a free slot takes the next request); ``oracle``, every request
-pushed to the warmest worker, its cache and prefill queue known exactly
-(bench/affinity_oracle.py); ``affinity``
-(a request goes to the worker that holds its prefix, after a bounded wait elsewhere) is the
-next step's (docs/affinity.md): named so the report keeps its place, not run yet.
+The sides (``--sides``), each on W workers of its own beside the others': ``pull``, the queue
+without affinity (``TOKENSPOUT_AFFINITY_WAIT_MS=0``: whichever worker has a free slot takes
+the next request); ``affinity``, the queue as it runs by default (a request is taken by the
+worker that holds its prefix, elsewhere only after ``--affinity-wait-ms``; docs/affinity.md);
+``oracle``, every request pushed to the warmest worker, its cache and prefill queue known
+exactly (bench/affinity_oracle.py).
 
 Each point runs at ``rate`` requests (turns) a second for ``--warmup-s`` then ``--seconds``,
 the sides in turns, each meeting the same requests at the same times; the load goes up from
@@ -50,15 +50,17 @@ from stack.rig import HOST, on_embedded_redis
 
 MODEL = "synthetic"
 SIDES = {
-    "pull": "today: whichever worker has a free slot takes the next request",
-    "affinity": "the worker that holds the request's prefix takes it first (next step)",
+    "pull": "no affinity: whichever worker has a free slot takes the next request",
+    "affinity": "the worker that holds the request's prefix takes it first; another only "
+    "after the wait for affinity, or at once when the holder has no free slot",
     "oracle": "every request pushed to the worker where its first token comes soonest (its "
     "cache and prefill queue known exactly)",
 }
-BUILT = ("pull", "oracle")
+AFFINITY_MODEL = "synthetic-affinity"
 PROMPT = "tokenspout_engine_prompt_tokens_total"
 CACHED = "tokenspout_engine_prompt_cached_tokens_total"
 TURNS = "tokenspout_engine_time_to_first_token_seconds_count"
+AFFINITY = "tokenspout_engine_affinity_total"
 SLOWED = 3.0
 """The ladder goes on while a side keeps up: no request failed and its TTFT p50 at most this
 many times its lowest load's (or under a second). Past the knee (bench/affinity_report.py
@@ -72,7 +74,7 @@ DRAIN_S = 60.0
 class Options:
     workers: list[int] = field(default_factory=lambda: [4, 8])
     workloads: list[str] = field(default_factory=lambda: list(WORKLOADS))
-    sides: list[str] = field(default_factory=lambda: list(BUILT))
+    sides: list[str] = field(default_factory=lambda: list(SIDES))
     rates: list[float] = field(default_factory=list)
     """Requests a second, each point's; none given: the ladder below."""
     start_rate: float = 0.75
@@ -87,6 +89,7 @@ class Options:
     capacity: int = 32
     reply_tokens: int = 64
     think_s: float = 1.0
+    affinity_wait_ms: int = 100
     out: Path | None = Path("docs/bench/affinity")
     fresh: bool = False
 
@@ -111,23 +114,28 @@ async def rig(options: Options, workers: int, logs: Path) -> AsyncIterator[list[
     env = {"TOKENSPOUT_LOG_LEVEL": "WARNING", "TOKENSPOUT_MAX_INFLIGHT": "100000"}
     with on_embedded_redis(logs, f"affinity-{secrets.token_hex(3)}", env) as (procs, _):
 
-        def worker(*served: str) -> str:
+        def worker(*served: str, wait_ms: int = 0) -> str:
             port = free_port()
             procs.synthetic(
                 options.tokens_per_s,
                 *("--capacity", str(options.capacity), "--metrics-port", str(port)),
                 *("--prefill-tokens-per-s", str(options.prefill_tokens_per_s)),
                 *("--kv-cache-tokens", str(options.kv_cache_tokens), *served),
+                TOKENSPOUT_AFFINITY_WAIT_MS=str(wait_ms),
             )
             return f"http://{HOST}:{port}/metrics"
 
         pull = [worker() for _ in range(workers)] if "pull" in options.sides else []
+        wait, named = options.affinity_wait_ms, ("--served-model-name", AFFINITY_MODEL)
+        on = "affinity" in options.sides
+        affine = [worker(*named, wait_ms=wait) for _ in range(workers)] if on else []
         models = oracle_models(MODEL, workers) if "oracle" in options.sides else []
         oracle = [worker("--served-model-name", model) for model in models]
         port = procs.gateway().port
         sides = []
-        if pull:
-            sides.append(Side("pull", chat_sender(port, MODEL, options.reply_tokens), pull))
+        for name, model, urls in (("pull", MODEL, pull), ("affinity", AFFINITY_MODEL, affine)):
+            if urls:
+                sides.append(Side(name, chat_sender(port, model, options.reply_tokens), urls))
         if oracle:
             prefill = (options.prefill_tokens_per_s, options.kv_cache_tokens)
             warmest = Warmest(port, models, options.reply_tokens, prefill)
@@ -195,6 +203,8 @@ def figures(
         "prefilled_per_s": round((prompt - cached) / seconds),
         "prefilled_per_turn": round((prompt - cached) / turns) if turns else None,
         "cache_hit_share": round(cached / prompt, 3) if prompt else None,
+        "affinity_hits": sum(w["affinity_hits"] for w in workers),
+        "affinity_misses": sum(w["affinity_misses"] for w in workers),
         "per_worker": workers,
     }
 
@@ -207,11 +217,18 @@ def counted(samples: dict[str, float], name: str) -> float:
 def worker_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
     prompt = counted(after, PROMPT) - counted(before, PROMPT)
     cached = counted(after, CACHED) - counted(before, CACHED)
+    hits, misses = (
+        after.get(f'{AFFINITY}{{outcome="{outcome}"}}', 0)
+        - before.get(f'{AFFINITY}{{outcome="{outcome}"}}', 0)
+        for outcome in ("hit", "miss")
+    )
     return {
         "turns": int(after.get(TURNS, 0) - before.get(TURNS, 0)),
         "prompt_tokens": int(prompt),
         "cached_tokens": int(cached),
         "cache_hit_share": round(cached / prompt, 3) if prompt else None,
+        "affinity_hits": int(hits),
+        "affinity_misses": int(misses),
     }
 
 
@@ -255,9 +272,6 @@ async def ladder(
 
 
 async def run(options: Options) -> list[dict[str, Any]]:
-    for side in options.sides:
-        if side not in BUILT:
-            raise SystemExit(f"--sides: {side} is not built yet ({SIDES[side]})")
     points: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-affinity-") as logs:
         say(f"process logs in {logs}; load average {os.getloadavg()[0]:.2f}")

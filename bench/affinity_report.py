@@ -101,8 +101,9 @@ def markdown(results: dict[str, Any]) -> str:
         "## Every point",
         "",
         "| workload | W | side | requests/s asked | done/s | TTFT p50 | TTFT p99 | tokens/s "
-        "| prefilled tokens/s | prefilled per request | cache hit share (per worker) | failed |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| prefilled tokens/s | prefilled per request | cache hit share (per worker) | failed "
+        "| affinity hits / misses |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for (workload, workers, side), points in series(results["points"]):
         for p in points:
@@ -111,7 +112,8 @@ def markdown(results: dict[str, Any]) -> str:
                 f"{fmt(p['done_per_s'], 2)} | {fmt(p['ttft_p50_ms'], 0)} ms | "
                 f"{fmt(p['ttft_p99_ms'], 0)} ms | {fmt(p['tokens_per_s'], 0)} | "
                 f"{fmt(p['prefilled_per_s'])} | {fmt(p['prefilled_per_turn'])} | "
-                f"{fmt(p['cache_hit_share'], 3)} ({hit_range(p)}) | {p['failed']} |"
+                f"{fmt(p['cache_hit_share'], 3)} ({hit_range(p)}) | {p['failed']} | "
+                f"{p.get('affinity_hits', '-')} / {p.get('affinity_misses', '-')} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -141,7 +143,7 @@ def against_pull(points: list[dict[str, Any]]) -> list[str]:
         return []
     return [
         "",
-        "## Against today's pull, at the same load",
+        "## Against pull (no affinity), at the same load",
         "",
         "TTFT: pull's over the side's (2.00: twice as fast); prefilled per request and tokens/s: "
         "the side's over pull's.",

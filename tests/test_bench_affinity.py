@@ -1,5 +1,5 @@
 """``python -m bench.affinity``, tiny: two synthetic workers a side with their prefix caches, the
-three workloads a few seconds each on today's pull and on the oracle. The figures are
+three workloads a few seconds each on pull (no affinity), affinity and the oracle. The figures are
 docs/bench/affinity.md's (full runs); this proves the bench runs, reads each worker's own
 counts, and that they say what the workloads are: a shared system prompt is found in the
 cache, prompts with nothing shared are prefilled whole, a conversation's history sometimes,
@@ -29,7 +29,8 @@ def test_a_short_run_of_the_three_workloads_reads_each_workers_prefix_cache(
     )
     results = json.loads(out.with_suffix(".json").read_text())
     points = {(point["side"], point["workload"]): point for point in results["points"]}
-    assert sorted(points) == [(side, w) for side in ("oracle", "pull") for w in ("a", "b", "c")]
+    sides = ("affinity", "oracle", "pull")
+    assert sorted(points) == [(side, w) for side in sides for w in ("a", "b", "c")]
     for point in points.values():
         assert point["workers"] == 2 and len(point["per_worker"]) == 2
         assert point["requests"] > 0 and point["failed"] == 0, point
@@ -49,6 +50,11 @@ def test_a_short_run_of_the_three_workloads_reads_each_workers_prefix_cache(
     assert oracle["cache_hit_share"] > pull["a"]["cache_hit_share"] + 0.1, (oracle, pull)
     cached = sum(worker["cached_tokens"] for worker in oracle["per_worker"])
     assert abs(oracle["oracle_expected_cached"] - cached) <= 0.25 * cached, oracle
+    # Affinity sends a turn where its history is, as the oracle does, from the workers' own
+    # word of what they hold; the workers count it (pull's never do).
+    affine = points["affinity", "a"]
+    assert affine["cache_hit_share"] > pull["a"]["cache_hit_share"] + 0.1, (affine, pull)
+    assert affine["affinity_hits"] > 0 and pull["a"]["affinity_hits"] == 0, (affine, pull)
     report = out.with_suffix(".md").read_text()
     assert "| b: a shared system prompt | 2 | pull |" in report
     assert "| a | 2 | oracle | 3.00 |" in report  # against pull, at the same load
