@@ -20,7 +20,10 @@ from typing import Any
 import uvloop
 
 from engine.backends.base import Backend
+from engine.backends.prefill import KV_CACHE_TOKENS
+from engine.backends.prefix_cache import BLOCK_SIZE
 from engine.metrics import WorkerMetrics
+from engine.policies import AFFINITY_WAIT_MS
 from engine.worker import Worker
 from wire import DEFAULT_PREFIX, Keys, check_model_name
 from wire.connect import connect, misconfiguration, ready, when_redis_answers
@@ -40,6 +43,9 @@ ENVIRONMENT: dict[str, str] = {
     "object per line).",
     "TOKENSPOUT_MAX_TAKEOVERS": "How often one reply may be handed on to another worker "
     "(SIGTERM hand-over or takeover after a loss), as the gateway's (default `3`).",
+    "TOKENSPOUT_AFFINITY_WAIT_MS": "How long a request whose prompt's prefix another "
+    "worker's engine holds waits for that worker before any takes it; `0` turns cache "
+    f"affinity off (default `{AFFINITY_WAIT_MS}`; docs/affinity.md).",
     "TOKENSPOUT_CACHE": "Where `--model default` keeps the converted bundled model "
     "(default `~/.cache/tokenspout`).",
     "HF_HUB_OFFLINE": "`1` (the default here): never fetch from a model hub; set `0` to let "
@@ -135,6 +141,28 @@ def _synthetic_flags(parser: Parser) -> None:
         "vLLM's chat template and tokenizer do (here 0.08 ms for a short chat, 0.26 ms for "
         "170 tokens: docs/bench.md)",
     )
+    parser.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=0.0,
+        help="synthetic: prompt tokens a second its prefill computes, one request after "
+        "another, of what its prefix cache did not hold (a GPU's for an 8B model: thousands "
+        "to tens of thousands); 0: prefill takes no time",
+    )
+    parser.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=KV_CACHE_TOKENS,
+        help="synthetic: tokens its KV cache holds for its prefix cache (least recently used "
+        "blocks go first; 0: no prefix cache)",
+    )
+    parser.add_argument(
+        "--kv-block-size",
+        type=int,
+        default=BLOCK_SIZE,
+        help="synthetic: tokens per KV cache block (vLLM's on a GPU); the prefix cache holds "
+        "whole blocks",
+    )
 
 
 def _worker_flags(parser: Parser) -> None:
@@ -229,6 +257,9 @@ def _backend(args: argparse.Namespace) -> Backend:
             capacity=args.capacity or 256,
             prepare_delay_s=args.prepare_delay_s,
             prepare_cpu_s=args.prepare_cpu_ms / 1000,
+            prefill_tokens_per_s=args.prefill_tokens_per_s,
+            kv_cache_tokens=args.kv_cache_tokens,
+            kv_block_size=args.kv_block_size,
             model=names[0] if names else "synthetic",
         )
     from engine.backends import vllm_api
@@ -292,6 +323,7 @@ async def serve(args: argparse.Namespace) -> None:
     log.info("backend started in %.1f s", time.monotonic() - began)
     tune_gc()
     metrics = WorkerMetrics()
+    metrics.watch_prefill(backend.model, backend.prefilled)
     if args.metrics_port:
         from prometheus_client import start_http_server
 
@@ -310,6 +342,7 @@ async def serve(args: argparse.Namespace) -> None:
         join_tokens=args.join_tokens,
         preempt=args.preempt,
         tracer=tracer,
+        affinity_wait_ms=int(os.environ.get("TOKENSPOUT_AFFINITY_WAIT_MS", str(AFFINITY_WAIT_MS))),
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

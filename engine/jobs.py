@@ -281,6 +281,9 @@ class JobTable:
         # continued reply's message is the one it extends, made longer.
         if not isinstance(event, Error) and request.prompt is None and not request.choice:
             assistant = ChatMessage("assistant", request.continued + "".join(job.text))
+        if not isinstance(event, Error) and request.task == "generate":
+            # Before the final event: the client's next turn finds where its prefix is.
+            await self._ran(request, "".join(job.text))
         written = await self._emit_waited(job, event, final=True, assistant=assistant)
         state = wire.final_state(event)
         if written is None:  # it ended elsewhere, or is not this worker's: not counted here
@@ -294,6 +297,18 @@ class JobTable:
         if job.trace is not None:
             job.trace.ended(state, reason, job.prompt_tokens, job.emitted_tokens)
         log.info("generation ended", extra=job.end_line(self.backend.model, state, reason))
+
+    async def _ran(self, request: GenerationRequest, reply: str) -> None:
+        """Tell the take policy what ran here (its engine's cache holds it now): a failure
+        costs the next turn its affinity, never a reply."""
+        try:
+            await self.take.ran(request, reply)
+        except (RedisError, OSError) as exc:
+            log.warning(
+                "%s: could not say which prefixes this worker holds (%s)",
+                request.generation_id,
+                exc,
+            )
 
     def _emit_waited(
         self,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
@@ -28,6 +29,40 @@ class PlainCounter(Collector):
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         yield CounterMetricFamily(self.name, self.documentation, value=self.value)
+
+
+class PrefillCounts(Protocol):
+    """What an engine counts of its prefills (``engine.backends.base.PrefillCounts``)."""
+
+    prompt_tokens: int
+    cached_tokens: int
+
+
+class PrefillCollector(Collector):
+    """The engine's own count of the prompt tokens it prefilled and of those its prefix cache
+    held, by model, read from the backend at each scrape (``Backend.prefilled``)."""
+
+    def __init__(self, model: str, counts: PrefillCounts, registry: CollectorRegistry) -> None:
+        self.model = model
+        self.counts = counts
+        registry.register(self)
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        prompt = CounterMetricFamily(
+            "tokenspout_engine_prompt_tokens",
+            "Prompt tokens of the requests the engine prefilled, in its own count.",
+            labels=["model"],
+        )
+        prompt.add_metric([self.model], self.counts.prompt_tokens)
+        cached = CounterMetricFamily(
+            "tokenspout_engine_prompt_cached_tokens",
+            "Of those prompt tokens, the ones the engine's prefix cache held (not computed"
+            " again; vLLM's num_cached_tokens).",
+            labels=["model"],
+        )
+        cached.add_metric([self.model], self.counts.cached_tokens)
+        yield prompt
+        yield cached
 
 
 TENANT_LABELS = 100
@@ -96,6 +131,14 @@ class WorkerMetrics:
         self.takeovers = Counter(
             "tokenspout_engine_takeovers",
             "Generations this worker continued after another worker was lost or stopped.",
+            registry=r,
+        )
+        self.affinity = Counter(
+            "tokenspout_engine_affinity",
+            "Requests taken that named a prefix a worker with a free slot held (docs/"
+            "affinity.md), by outcome: hit (this worker held it), miss (taken here after "
+            "the wait for affinity).",
+            ["outcome"],
             registry=r,
         )
         self.handovers = Counter(
@@ -170,6 +213,10 @@ class WorkerMetrics:
             registry=r,
         )
         self.tenant_tokens, self.tenant_label = _tenant_tokens(r), TenantLabels()
+
+    def watch_prefill(self, model: str, counts: PrefillCounts) -> None:
+        """Export what the engine serving ``model`` counts of its prefills (``counts``)."""
+        PrefillCollector(model, counts, self.registry)
 
     def billed(self, tenant: str, prompt_tokens: int, completion_tokens: int) -> None:
         """A generation this worker ended billed its tenant these tokens."""

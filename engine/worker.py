@@ -48,7 +48,13 @@ from engine.job import Job
 from engine.jobs import JobTable
 from engine.lease import HEARTBEAT_S, Lease
 from engine.metrics import WorkerMetrics
-from engine.policies import FairPreemption, QueueOrder
+from engine.policies import (
+    AFFINITY_WAIT_MS,
+    CacheAffinity,
+    FairPreemption,
+    QueueOrder,
+    TakePolicy,
+)
 from engine.publisher import Publisher
 from engine.tools import ToolCallWriter
 from engine.tracing import WorkerTracing, exemplar, follow
@@ -112,6 +118,7 @@ class Worker:
         join_tokens: bool = False,
         preempt: bool = False,
         tracer: Tracer | None = None,
+        affinity_wait_ms: int = AFFINITY_WAIT_MS,
     ) -> None:
         self.redis, self.backend = redis, backend
         self.keys = keys or Keys()
@@ -143,7 +150,7 @@ class Worker:
             max_takeovers=max_takeovers,
             run=self.run_job,
             before_taking=self.announce_if_silent,
-            take=QueueOrder(self.queue, self.worker_id, self.served),
+            take=self._take_policy(affinity_wait_ms),
             preempt=FairPreemption(self.queue, self.worker_id) if preempt else None,
         )
         """Every job this worker holds, and every move of one (engine/jobs.py)."""
@@ -152,6 +159,14 @@ class Worker:
         self._started_at = time.time()
         self.metrics.generations_running.set_function(lambda: len(self.jobs))
         self.metrics.capacity.set_function(lambda: self.backend.capacity)
+
+    def _take_policy(self, affinity_wait_ms: int) -> TakePolicy:
+        """The queue's order, this worker's cached prefixes first unless the wait is 0."""
+        if affinity_wait_ms <= 0:
+            return QueueOrder(self.queue, self.worker_id, self.served)
+        return CacheAffinity(
+            self.queue, self.worker_id, self.served, wait_ms=affinity_wait_ms, metrics=self.metrics
+        )
 
     # --- lifecycle -----------------------------------------------------------------------
 

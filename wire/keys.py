@@ -31,6 +31,14 @@ Redis layout (every key with a TTL, every stream capped):
     {{prefix}:requests:{model}}:fair:bell
                                       list, at most one entry: rung when a request waits,
                                       an idle worker of the model waits on it
+    {{prefix}:requests:{model}}:fair:bell:{worker}
+                                      list, at most one entry: rung when a request whose
+                                      prefix the worker holds waits (docs/affinity.md)
+    {{prefix}:requests:{model}}:fair:h:{name}
+                                      set, EX: the workers that hold the prompt prefix
+                                      named (wire/prefixes.py) in their engine's cache
+    {{prefix}:requests:{model}}:fair:free:{worker}
+                                      string, PX: the worker's free slots at its last take
     {prefix}:models                   hash served name (or alias) -> model (its queue's name),
                                       written by every worker heartbeat (same TTL): the names
                                       a gateway knows, live or not
@@ -231,6 +239,11 @@ class FairNames:
         self.newcomer = f"{base}:newcomer"
         """Rung when a tenant that had nothing waiting queues a request (a full worker
         that preempts waits on it: engine/policies.py)."""
+
+    def own_bell(self, worker: str) -> str:
+        """Rung for ``worker`` alone: a request whose prefix it holds was queued (fair_core.lua
+        ``fair_stamped``)."""
+        return f"{self.bell}:{worker}"
 
     def waiting(self, tenant: str) -> str:
         return f"{self.base}:t:{tenant_slot(tenant)}"

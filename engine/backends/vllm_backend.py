@@ -65,6 +65,7 @@ class VllmBackend(Backend):
             **self.engine_options,
         )
         self._tokenizer = self._engine.get_tokenizer()
+        self.kv_block_size, self.kv_cache_tokens = vllm_api.kv_cache_shape(self._engine)
 
     def tokenizer(self) -> Any:
         return self._tokenizer
@@ -183,6 +184,7 @@ class VllmBackend(Backend):
         traced = {"trace_headers": prepared.trace_headers} if prepared.trace_headers else {}
         outputs = self._engine.generate(prompt, sampling, prepared.generation_id, **traced)
         self._running.add(prepared.generation_id)
+        prefilled = False
         try:
             # Closed early (the worker stopped the run), vLLM's generator aborts the
             # request by the id vLLM gave it.
@@ -191,13 +193,10 @@ class VllmBackend(Backend):
                     completion = output.outputs[0]
                     if output.finished:  # out of the engine (finished, or aborted)
                         self._running.discard(prepared.generation_id)
-                    delta = Delta(
-                        completion.text,
-                        list(completion.token_ids),
-                        finish_reason=completion.finish_reason if output.finished else None,
-                    )
-                    if completion.logprobs is not None:
-                        _add_logprobs(delta, completion.logprobs, top)
+                    delta = _delta(completion, output.finished, top)
+                    if not prefilled and (delta.token_ids or output.finished):
+                        prefilled = True
+                        delta.cached_tokens = self._prefilled(prepared, output)
                     yield delta
         except ValueError as exc:  # vLLM's validation errors (VLLMValidationError among them)
             if params.structured is None:
@@ -207,6 +206,14 @@ class VllmBackend(Backend):
             raise BackendError("invalid_constraint", f"the engine refused it: {exc}") from exc
         finally:
             self._running.discard(prepared.generation_id)
+
+    def _prefilled(self, prepared: Prepared, output: Any) -> int | None:
+        """The engine's count of the prompt's tokens its prefix cache held, told with the
+        first output after the prefill (None: vLLM gave none, a request aborted before)."""
+        cached = output.num_cached_tokens
+        if cached is None or (output.finished and not output.outputs[0].token_ids):
+            return None
+        return self.prefilled.count(len(prepared.prompt_token_ids), cached)
 
     async def abort(self, generation_id: str) -> None:
         await self._engine.abort(generation_id)
@@ -234,6 +241,19 @@ def _structured(wanted: StructuredOutput | None) -> Any:
         grammar=wanted.grammar,
         json_object=True if wanted.kind == "json_object" else None,
     )
+
+
+def _delta(completion: Any, finished: bool, top: int) -> Delta:
+    """One output of vLLM's as the worker takes it (``top``: the most likely tokens to give
+    beside each sampled one)."""
+    delta = Delta(
+        completion.text,
+        list(completion.token_ids),
+        finish_reason=completion.finish_reason if finished else None,
+    )
+    if completion.logprobs is not None:
+        _add_logprobs(delta, completion.logprobs, top)
+    return delta
 
 
 def _add_logprobs(delta: Delta, steps: Any, top: int) -> None:

@@ -20,7 +20,7 @@ import wire
 from gateway.core.errors import BadRequest
 from gateway.core.settings import Settings
 from gateway.core.store.models import ModelDirectory
-from wire import GenerationRequest, Keys, SamplingParams
+from wire import GenerationRequest, Keys, SamplingParams, prefixes
 from wire.queue import RequestQueue, count_all, estimated_tokens
 from wire.scripts import WaitingRequest
 
@@ -64,6 +64,7 @@ class GenerationQueue:
             tenant=tenant,
             weight=self.weight_of(tenant),
             submitted=note,
+            names=prefixes.asked(model, request),
         )
 
     def sampling(self, *, named: Mapping[str, str] | None = None, **given: Any) -> SamplingParams:
