@@ -10,7 +10,7 @@ second (gateway/tenants/directory.py).
 | ``GET /v1/admin/keys`` | 200 ``{"keys": [...]}``, revoked ones too |
 | ``GET /v1/admin/keys/{id}`` | 200 the key |
 | ``PATCH /v1/admin/keys/{id}`` | 200 the key changed (name, models, weight, limits) |
-| ``DELETE /v1/admin/keys/{id}`` | 200 the key, revoked (its record and usage stay) |
+| ``DELETE /v1/admin/keys/{id}`` | 200 the key, revoked (its record and usage stay); 409 again |
 | ``GET /v1/admin/usage?key=&start=&end=&granularity=hour|day`` | 200 its usage |
 """
 
@@ -33,7 +33,7 @@ from gateway.core.errors import (
 from gateway.core.service import GatewayService
 from gateway.tenants.keystore import KeyRevoked, KeyStore, TenantsError, UnknownKey
 from gateway.tenants.records import KEY_ID_PREFIX, KeyChange, NewKey
-from gateway.tenants.views import KeyList, KeyView, UsageReport, usage_report
+from gateway.tenants.views import KeyList, KeyView, UsageReport, check_json_types, usage_report
 
 
 def _keys(service: GatewayService) -> KeyStore:
@@ -41,7 +41,8 @@ def _keys(service: GatewayService) -> KeyStore:
 
 
 @post("/keys", status_code=201, summary="Make an API key (its secret is shown once)")
-async def create_key(service: GatewayService, data: NewKey) -> KeyView:
+async def create_key(service: GatewayService, request: AnyRequest, data: NewKey) -> KeyView:
+    check_json_types(NewKey, await request.body())
     record, secret = await _keys(service).create(data)
     return KeyView.of(record, secret)
 
@@ -57,7 +58,10 @@ async def show_key(service: GatewayService, key_id: str) -> KeyView:
 
 
 @patch("/keys/{key_id:str}", summary="Change an API key's name, models, weight or limits")
-async def update_key(service: GatewayService, key_id: str, data: KeyChange) -> KeyView:
+async def update_key(
+    service: GatewayService, request: AnyRequest, key_id: str, data: KeyChange
+) -> KeyView:
+    check_json_types(KeyChange, await request.body())
     return KeyView.of(await _keys(service).update(key_id, data))
 
 
