@@ -26,4 +26,6 @@ async def metrics_endpoint(service: GatewayService, metrics: GatewayMetrics) -> 
         metrics.redis_error("metrics")
     else:
         metrics.queue_depths(counts)
-    return Response(await metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+    # As a header, not a media type: Litestar appends "; charset=utf-8" to every text/
+    # media type, and Prometheus's has its charset already (it went out twice).
+    return Response(await metrics.exposition(), headers={"content-type": CONTENT_TYPE_LATEST})
