@@ -102,6 +102,13 @@ def start_engine(
     return AsyncLLMEngine.from_engine_args(args)
 
 
+def sampling_defaults(engine: Any) -> dict[str, Any]:
+    """The sampling the model recommends, as vLLM's own server applies it to a request that
+    leaves a field unset: its ``generation_config.json``'s values that differ from vLLM's
+    neutral ones (``max_tokens`` among them)."""
+    return dict(engine.model_config.get_diff_sampling_param())
+
+
 def sampling_params(**fields: Any) -> Any:
     """vLLM's ``SamplingParams`` from ``fields``, streaming deltas (each output holds only
     what is new since the last)."""

@@ -47,12 +47,18 @@ class GatewayService:
     # --- what a generation may ask -------------------------------------------------------
 
     def sampling(
-        self, *, named: Mapping[str, str] | None = None, **given: object
+        self,
+        *,
+        named: Mapping[str, str] | None = None,
+        neutral: Mapping[str, object] | None = None,
+        **given: object,
     ) -> SamplingParams:
         """Sampling parameters with the gateway's defaults and limits (422 past one);
-        ``given``: the fields the request sets, None for the default; ``named``: the
-        client's own names of those its API spells otherwise, for errors to name them."""
-        return self.store.queue.sampling(named=named, **given)
+        ``given``: the fields the request sets, None for the default (the model's
+        recommended value where it has one, else ``neutral``'s or the gateway's);
+        ``named``: the client's own names of those its API spells otherwise, for errors to
+        name them."""
+        return self.store.queue.sampling(named=named, neutral=neutral, **given)
 
     def _admit(self, ask: GenerationAsk) -> None:
         """The one place an ask is judged before anything is written: today the bound on
