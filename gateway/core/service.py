@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Mapping
 
 from gateway.core.ask import GenerationAsk, KeptSession
 from gateway.core.choices import Choices
-from gateway.core.conversations import Conversation, ConversationSettings
+from gateway.core.conversations import Conversation, ConversationRecord, ConversationSettings
 from gateway.core.errors import BadRequest
 from gateway.core.feed import Feed, RelayEvent
 from gateway.core.generation_stream import GenerationStream
@@ -138,6 +138,11 @@ class GatewayService:
     async def conversation(self, session_id: str) -> Conversation:
         """A session's title and settings, as a list shows them (authorise first)."""
         return await self.store.conversations.read(session_id)
+
+    async def conversation_record(self, session_id: str) -> ConversationRecord:
+        """A session's messages, how each reply ended, earlier versions and the reply
+        running with where its events begin (authorise first)."""
+        return await self.store.conversations.record_of(session_id)
 
     async def change(
         self, session_id: str, token: str | None, owner: str | None, fields: dict[str, str | None]

@@ -28,7 +28,12 @@ from redis.exceptions import NoScriptError
 import wire
 from gateway.core.ask import GenerationAsk, KeptSession
 from gateway.core.auth import tenant_directory
-from gateway.core.conversations import Conversation, Conversations, ConversationSettings
+from gateway.core.conversations import (
+    NAMED,
+    Conversation,
+    Conversations,
+    ConversationSettings,
+)
 from gateway.core.errors import (
     BadRequest,
     Conflict,
@@ -249,6 +254,7 @@ class SessionStore:
             fields["owner"] = owner_digest
         if title:
             fields["title"] = title
+            fields[NAMED] = 1
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(meta, mapping=fields)  # type: ignore[arg-type]
             pipe.expire(meta, self.settings.session_ttl_s)
@@ -365,7 +371,8 @@ class SessionStore:
         submitted = await self._submit_to_session(turn, message, params, idempotency_key, digest)
         if submitted.queued_event_id is not None:
             content = message.content if message is not None else ""
-            await self.conversations.touched(session_id, meta.owner, content)
+            first = ask.turn == "edit 0"
+            await self.conversations.touched(session_id, meta.owner, content, first=first)
         return submitted
 
     def _with_settings(

@@ -31,7 +31,13 @@ from gateway.apis.sessions.owner import (
 from gateway.apis.sessions.sampling import SamplingIn
 from gateway.core.ask import GenerationAsk
 from gateway.core.auth import api_key_check
-from gateway.core.conversations import Conversation, check_title
+from gateway.core.conversations import (
+    Conversation,
+    ReplyRecord,
+    RunningReply,
+    Version,
+    check_title,
+)
 from gateway.core.errors import EventsExpired, EventsLost, SessionLost
 from gateway.core.service import GatewayService
 from gateway.server import sse
@@ -89,6 +95,16 @@ class SessionView(msgspec.Struct):
     temperature: float | None = None
     max_tokens: int | None = None
     updated: float = 0.0
+    replies: list[ReplyRecord] = []
+    """How each reply ended (its message's index ``at``): what a page shows under it."""
+    versions: list[Version] = []
+    """What regenerates and edits replaced, oldest first: earlier versions of the message
+    at ``at`` and what followed it."""
+    running: RunningReply | None = None
+    """The reply running now (not in ``messages`` yet; a continue's is the last message,
+    still short): read the event stream after ``running.after`` to see all of it."""
+    last_event_id: str | None = None
+    """The stream's last event when this was read: a reader after it misses nothing."""
 
 
 class CancelResult(msgspec.Struct):
@@ -202,15 +218,20 @@ class SessionController(Controller):
     ) -> SessionView:
         await service.authorise(session_id, credentials.token, credentials.owner)
         about = await service.conversation(session_id)
+        record = await service.conversation_record(session_id)
         return SessionView(
             session_id,
-            await service.history(session_id),
+            record.messages,
             about.title,
             about.model,
             about.system,
             about.temperature,
             about.max_tokens,
             about.updated,
+            record.replies,
+            record.versions,
+            record.running,
+            record.last_event_id,
         )
 
     @post("/{session_id:str}/messages", status_code=202, summary="Send a message")
