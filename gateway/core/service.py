@@ -35,7 +35,7 @@ from gateway.core.sessions import (
 )
 from gateway.core.settings import Settings
 from gateway.tenants.directory import TenantDirectory
-from wire import CancelReason, ChatMessage, FinalEvent, SamplingParams, WorkerInfo
+from wire import CancelReason, FinalEvent, SamplingParams, WorkerInfo
 
 
 class GatewayService:
@@ -109,9 +109,6 @@ class GatewayService:
         """404 for an unknown session, 403 unless the session's token or, with no token
         given, its owner's cookie secret (``owner``) is given."""
         await self.store.authorise(session_id, token, owner)
-
-    async def history(self, session_id: str) -> list[ChatMessage]:
-        return await self.store.history(session_id)
 
     async def send_message(
         self,
