@@ -83,12 +83,6 @@ async def way_in(
     return other
 
 
-async def cookies_only(first: ChatPage) -> dict[str, Any]:
-    """What a reopened browser keeps: its persistent cookies (the owner's), no tab's storage."""
-    state = await first.page.context.storage_state()
-    return {"cookies": state["cookies"], "origins": []}
-
-
 async def test_a_new_tab_opened_from_the_list_and_reloaded_shows_the_running_reply_whole(
     browser: Browser, shared: tuple[Stack, Gateway]
 ) -> None:
@@ -107,7 +101,7 @@ async def test_a_link_in_a_fresh_browser_context_and_a_reload_show_the_running_r
     contexts: list[BrowserContext] = []
 
     async def by_link(first: ChatPage, session_id: str) -> Any:
-        contexts.append(await browser.new_context(storage_state=await cookies_only(first)))
+        contexts.append(await browser.new_context(storage_state=await first.owner_only()))
         page = await contexts[0].new_page()
         await page.goto(f"{shared[1].url}/#{session_id}")
         return page
@@ -122,7 +116,7 @@ async def test_another_device_and_a_reload_show_the_running_reply_whole(
     contexts: list[BrowserContext] = []
 
     async def on_a_phone(first: ChatPage, session_id: str) -> Any:
-        state = await cookies_only(first)
+        state = await first.owner_only()
         contexts.append(await browser.new_context(**PHONE_DEVICE, storage_state=state))
         page = await contexts[0].new_page()
         await page.goto(f"{shared[1].url}/#{session_id}")

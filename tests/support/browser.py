@@ -160,6 +160,12 @@ class ChatPage:
             await asyncio.sleep(0.03)
         raise TimeoutError(f"the reply never showed {words} words")
 
+    async def owner_only(self) -> Any:
+        """What a reopened browser (or another device of the same person) keeps of this
+        one: its persistent cookies, the owner's among them; no tab's storage."""
+        state = await self.page.context.storage_state()
+        return {"cookies": state["cookies"], "origins": []}
+
     async def reply_words(self) -> list[str]:
         """The last reply's words as shown."""
         return (await self.reply_text()).split()
