@@ -23,7 +23,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from gateway.tenants.cli import STACK_PID, stack_env_path
+from gateway.apis.admin.cli import STACK_PID, stack_env_path
 from stack import processes, procfs
 from stack.redis_server import EmbeddedRedis
 

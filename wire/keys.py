@@ -248,7 +248,7 @@ class FairNames:
         self.bell = f"{base}:bell"
         self.newcomer = f"{base}:newcomer"
         """Rung when a tenant that had nothing waiting queues a request (a full worker
-        that preempts waits on it: engine/preempt.py)."""
+        that preempts waits on it: engine/policies.py)."""
 
     def waiting(self, tenant: str) -> str:
         return f"{self.base}:t:{tenant_slot(tenant)}"

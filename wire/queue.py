@@ -60,7 +60,8 @@ def estimated_tokens(request: GenerationRequest) -> int:
 
 class ServedTokens:
     """Tokens a worker served, per tenant, until it next tells its queue (``take``,
-    ``charge``): one script call carries them all."""
+    ``charge``): one script call carries them all. Counted by tenant id as served (once
+    per engine step), named by their queue slots once per drain."""
 
     __slots__ = ("_served",)
 
@@ -68,13 +69,16 @@ class ServedTokens:
         self._served: dict[str, int] = {}
 
     def add(self, tenant: str, tokens: int) -> None:
-        slot = tenant_slot(tenant)
-        self._served[slot] = self._served.get(slot, 0) + tokens
+        self._served[tenant] = self._served.get(tenant, 0) + tokens
 
     def drain(self) -> list[tuple[str, int]]:
-        """What was served since the last drain (nothing: an empty list)."""
-        served, self._served = list(self._served.items()), {}
-        return [(tenant, tokens) for tenant, tokens in served if tokens]
+        """What was served since the last drain, by tenant slot (nothing: an empty list)."""
+        served, self._served = self._served, {}
+        slots: dict[str, int] = {}
+        for tenant, tokens in served.items():
+            slot = tenant_slot(tenant)
+            slots[slot] = slots.get(slot, 0) + tokens
+        return [(slot, tokens) for slot, tokens in slots.items() if tokens]
 
     def give_back(self, served: list[tuple[str, int]]) -> None:
         """A drain whose script call failed: told again with the next one."""

@@ -53,7 +53,7 @@ local function fair_enqueue(base, tenant, weight, request, ttl)
   local list, ready, vtc = base .. ':t:' .. tenant, base .. ':ready', base .. ':vtc'
   if redis.call('RPUSH', list, request) == 1 then
     -- A tenant that had nothing waiting: a full worker that preempts may make room for it
-    -- (engine/preempt.py waits on this bell; it holds at most one ring).
+    -- (engine/policies.py waits on this bell; it holds at most one ring).
     local newcomer = base .. ':newcomer'
     if redis.call('LLEN', newcomer) == 0 then
       redis.call('RPUSH', newcomer, 1)
