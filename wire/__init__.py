@@ -26,6 +26,7 @@ from wire.keys import (
     relay_name,
 )
 from wire.messages import (
+    MODEL_DEFAULTS,
     TERMINAL_EVENTS,
     WIRE_VERSION,
     Cancelled,
@@ -76,6 +77,7 @@ from wire.replies import (
 __all__ = [
     "CONSUMER_GROUP",
     "DEFAULT_PREFIX",
+    "MODEL_DEFAULTS",
     "MODEL_NAME",
     "SHARED_KEY_TTL_S",
     "TERMINAL_EVENTS",

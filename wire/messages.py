@@ -125,6 +125,10 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     logit_bias: dict[int, float] = {}
     """Token id -> bias added to its logit before sampling (OpenAI's -100..100)."""
     structured: StructuredOutput | None = None
+    model_defaults: list[str] = []
+    """Fields the client left unset (of ``MODEL_DEFAULTS``): a worker takes its model's
+    recommended value for each where the model has one (vLLM's ``generation_config.json``,
+    as vLLM's own server does), else the value here (the gateway's default)."""
 
     def for_choice(self, index: int) -> SamplingParams:
         """Choice ``index``'s parameters (a request with ``n`` > 1): its own seed, when
@@ -132,6 +136,19 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
         if self.seed is None or index == 0:
             return self
         return msgspec.structs.replace(self, seed=self.seed + index)
+
+
+MODEL_DEFAULTS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+"""The sampling fields a model's generation config may recommend (vLLM reads them from its
+``generation_config.json``)."""
 
 
 class GenerationRequest(msgspec.Struct, frozen=True, omit_defaults=True):

@@ -115,6 +115,13 @@ def kv_cache_shape(engine: Any) -> tuple[int, int | None]:
     return cache.block_size, blocks * cache.block_size if blocks else None
 
 
+def sampling_defaults(engine: Any) -> dict[str, Any]:
+    """The sampling the model recommends, as vLLM's own server applies it to a request that
+    leaves a field unset: its ``generation_config.json``'s values that differ from vLLM's
+    neutral ones (``max_tokens`` among them)."""
+    return dict(engine.model_config.get_diff_sampling_param())
+
+
 def sampling_params(**fields: Any) -> Any:
     """vLLM's ``SamplingParams`` from ``fields``, streaming deltas (each output holds only
     what is new since the last)."""

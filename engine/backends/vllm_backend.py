@@ -19,7 +19,15 @@ import msgspec
 from engine.backends import vllm_api
 from engine.backends.base import Backend, BackendError, Delta, Prepared
 from engine.backends.tool_parsers import openai_tools
-from wire import ChatMessage, GenerationRequest, StructuredOutput, Tools, TopLogprob
+from wire import (
+    MODEL_DEFAULTS,
+    ChatMessage,
+    GenerationRequest,
+    SamplingParams,
+    StructuredOutput,
+    Tools,
+    TopLogprob,
+)
 
 log = logging.getLogger("tokenspout.vllm")
 
@@ -50,6 +58,9 @@ class VllmBackend(Backend):
         self.traced = "otlp_traces_endpoint" in self.engine_options
         self._engine: Any = None
         self._tokenizer: Any = None
+        self._recommended: dict[str, Any] = {}
+        """The model's sampling defaults (``vllm_api.sampling_defaults``), for the fields a
+        request leaves to it (``SamplingParams.model_defaults``)."""
         self._running: set[str] = set()
         """Requests handed to the engine whose output stream has not ended: a request
         leaves the engine when its stream ends (finished, aborted, or closed early)."""
@@ -66,6 +77,13 @@ class VllmBackend(Backend):
         )
         self._tokenizer = self._engine.get_tokenizer()
         self.kv_block_size, self.kv_cache_tokens = vllm_api.kv_cache_shape(self._engine)
+        recommended = vllm_api.sampling_defaults(self._engine)
+        self._recommended = {k: v for k, v in recommended.items() if k in MODEL_DEFAULTS}
+        if self._recommended:
+            log.info(
+                "the model's sampling defaults, for fields a request leaves unset: %s",
+                self._recommended,
+            )
 
     def tokenizer(self) -> Any:
         return self._tokenizer
@@ -150,8 +168,13 @@ class VllmBackend(Backend):
         )
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
+    def _with_model_defaults(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with the model's recommended value for each field left to it."""
+        chosen = {k: self._recommended[k] for k in params.model_defaults if k in self._recommended}
+        return msgspec.structs.replace(params, **chosen) if chosen else params
+
     async def generate(self, prepared: Prepared) -> AsyncGenerator[Delta, None]:
-        params = prepared.params
+        params = self._with_model_defaults(prepared.params)
         room = self.max_model_len - len(prepared.prompt_token_ids)
         if room <= 0 or params.max_tokens <= 0:  # a takeover of a reply already at its end
             yield Delta("", finish_reason="length")

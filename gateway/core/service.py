@@ -27,7 +27,7 @@ from gateway.core import tracing
 from gateway.core.ask import GenerationAsk, KeptSession
 from gateway.core.auth import tenant_directory
 from gateway.core.choices import Choices
-from gateway.core.conversations import Conversation, ConversationSettings
+from gateway.core.conversations import Conversation, ConversationRecord, ConversationSettings
 from gateway.core.generation_stream import GenerationStream
 from gateway.core.readiness import Readiness, check_readiness
 from gateway.core.relay.feed import Feed, RelayEvent
@@ -40,7 +40,7 @@ from gateway.core.store.sessions import CreatedSession, Sessions
 from gateway.core.store.submitter import CancelOutcome, SubmitObserver, Submitted, Submitter
 from gateway.tenants.caller import Caller
 from gateway.tenants.directory import TenantDirectory
-from wire import CancelReason, ChatMessage, FinalEvent, Keys, SamplingParams, WorkerInfo
+from wire import CancelReason, FinalEvent, Keys, SamplingParams, WorkerInfo
 from wire.generations import Generations
 
 
@@ -85,12 +85,18 @@ class GatewayService:
     # --- what a generation may ask -------------------------------------------------------
 
     def sampling(
-        self, *, named: Mapping[str, str] | None = None, **given: object
+        self,
+        *,
+        named: Mapping[str, str] | None = None,
+        neutral: Mapping[str, object] | None = None,
+        **given: object,
     ) -> SamplingParams:
         """Sampling parameters with the gateway's defaults and limits (422 past one);
-        ``given``: the fields the request sets, None for the default; ``named``: the
-        client's own names of those its API spells otherwise, for errors to name them."""
-        return self.queue.sampling(named=named, **given)
+        ``given``: the fields the request sets, None for the default (the model's
+        recommended value where it has one, else ``neutral``'s or the gateway's);
+        ``named``: the client's own names of those its API spells otherwise, for errors to
+        name them."""
+        return self.queue.sampling(named=named, neutral=neutral, **given)
 
     # --- stateless generations (the OpenAI, TGI and OIP APIs) -----------------------------
 
@@ -138,9 +144,6 @@ class GatewayService:
         given, its owner's cookie secret (``owner``) is given."""
         await self.sessions.authorise(session_id, token, owner)
 
-    async def history(self, session_id: str) -> list[ChatMessage]:
-        return await self.sessions.history(session_id)
-
     async def send_message(
         self,
         session_id: str,
@@ -169,6 +172,11 @@ class GatewayService:
     async def conversation(self, session_id: str) -> Conversation:
         """A session's title and settings, as a list shows them (authorise first)."""
         return await self.sessions.conversations.read(session_id)
+
+    async def conversation_record(self, session_id: str) -> ConversationRecord:
+        """A session's messages, how each reply ended, earlier versions and the reply
+        running with where its events begin (authorise first)."""
+        return await self.sessions.conversations.record_of(session_id)
 
     async def change(
         self, session_id: str, token: str | None, owner: str | None, fields: dict[str, str | None]

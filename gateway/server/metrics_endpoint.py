@@ -34,9 +34,9 @@ async def metrics_endpoint(
         metrics.queue_depths(counts)
         metrics.workers(workers)
         metrics.redis_up.set(1)
-    # Prometheus asks for OpenMetrics first: the format that carries exemplars.
+    # Prometheus asks for OpenMetrics first: the format that carries exemplars. As a
+    # header, not a media type: Litestar appends "; charset=utf-8" to every text/ media
+    # type, and these have their charset already (it went out twice).
     openmetrics = "application/openmetrics-text" in request.headers.get("accept", "")
-    return Response(
-        await metrics.exposition(openmetrics),
-        media_type=OPENMETRICS if openmetrics else CONTENT_TYPE_LATEST,
-    )
+    content_type = OPENMETRICS if openmetrics else CONTENT_TYPE_LATEST
+    return Response(await metrics.exposition(openmetrics), headers={"content-type": content_type})

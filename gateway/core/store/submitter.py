@@ -274,7 +274,8 @@ class Submitter:
         )
         if submitted.queued_event_id is not None:
             content = message.content if message is not None else ""
-            await self.sessions.conversations.touched(session_id, meta.owner, content)
+            first = ask.turn == "edit 0"
+            await self.sessions.conversations.touched(session_id, meta.owner, content, first=first)
         return submitted
 
     def _with_settings(
@@ -285,6 +286,8 @@ class Submitter:
         changes: dict[str, Any] = {}
         if settings.temperature is not None and "temperature" not in given:
             changes["temperature"] = settings.temperature
+            left = [name for name in params.model_defaults if name != "temperature"]
+            changes["model_defaults"] = left  # the conversation's, not the model's
         if settings.max_tokens is not None and "max_tokens" not in given:
             changes["max_tokens"] = min(settings.max_tokens, self.settings.max_tokens_limit)
             changes["min_tokens"] = min(params.min_tokens, changes["max_tokens"])
