@@ -44,7 +44,7 @@ from bench import stuck
 from bench.affinity_load import WORKLOADS, Load, Send, Sent, Shape, chat_sender
 from bench.affinity_oracle import Warmest, oracle_models
 from bench.affinity_report import markdown, plot
-from bench.stats import machine, metrics_of, pct
+from bench.stats import machine, metrics_of, pct, summed
 from stack.redis_server import free_port
 from stack.rig import HOST, on_embedded_redis
 
@@ -209,21 +209,16 @@ def figures(
     }
 
 
-def counted(samples: dict[str, float], name: str) -> float:
-    """A worker's counter, whatever model it serves (one a worker)."""
-    return sum(value for key, value in samples.items() if key.startswith(name + "{"))
-
-
 def worker_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
-    prompt = counted(after, PROMPT) - counted(before, PROMPT)
-    cached = counted(after, CACHED) - counted(before, CACHED)
+    prompt = summed(after, PROMPT) - summed(before, PROMPT)
+    cached = summed(after, CACHED) - summed(before, CACHED)
     hits, misses = (
         after.get(f'{AFFINITY}{{outcome="{outcome}"}}', 0)
         - before.get(f'{AFFINITY}{{outcome="{outcome}"}}', 0)
         for outcome in ("hit", "miss")
     )
     return {
-        "turns": int(after.get(TURNS, 0) - before.get(TURNS, 0)),
+        "turns": int(summed(after, TURNS) - summed(before, TURNS)),
         "prompt_tokens": int(prompt),
         "cached_tokens": int(cached),
         "cache_hit_share": round(cached / prompt, 3) if prompt else None,
