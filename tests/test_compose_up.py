@@ -233,9 +233,9 @@ async def test_compose_up_builds_the_images_and_serves_through_the_proxy(
         assert active_streams(run, next(g for g in gateways if g != serving[0])) == 0
         run.passed("a replica stopped mid-stream, the reply resumed through the proxy")
 
-        # The engine restarts mid-reply (SIGKILL 1 s after SIGTERM, before its drain ends):
-        # the reply survives it. The gateway's reaper sees the lease close and queues the
-        # continuation; the restarted engine claims it (`resumed`) and streams on to `done`.
+        # The engine is killed mid-reply and started again: the reply survives it. The
+        # gateway's reaper sees the lease close and queues the continuation; the restarted
+        # engine claims it (`resumed`) and streams on to `done`.
         # The engine is frozen first (SIGSTOP from the host, at once), so the restart finds
         # the reply running however long podman takes: on CI a 300-token reply once ended
         # `done` with no takeover, the restart having reached the engine only after it.
@@ -247,9 +247,15 @@ async def test_compose_up_builds_the_images_and_serves_through_the_proxy(
             read_events(client, session, until_final_of=gid, reading=reading, timeout_s=900)
         )
         await until_events(reading, 5, interrupted)
-        os.kill(engine_pid, signal.SIGSTOP)  # SIGTERM waits; podman's SIGKILL ends it
+        os.kill(engine_pid, signal.SIGSTOP)  # frozen at once; podman's SIGKILL ends it
         began = time.monotonic()
-        await asyncio.to_thread(run.podman, "restart", "--time", "1", engine, timeout=300)
+        # Killed, waited for, started: `podman restart` gives up ("given PIDs did not die
+        # within timeout") when a loaded machine takes seconds to tear a vLLM engine down.
+        await asyncio.to_thread(run.podman, "kill", engine)
+        await asyncio.to_thread(
+            wait_until, lambda: not run.running(engine), 120, "the killed engine to stop", 0.5
+        )
+        await asyncio.to_thread(run.podman, "start", engine)
         run.timings["engine_restart_command_s"] = time.monotonic() - began
         await interrupted
         final = reading.final(gid)
