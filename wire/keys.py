@@ -67,6 +67,7 @@ Redis layout (every key with a TTL, every stream capped):
     {prefix}:{<sid>}:gen:{gid}        hash: generation state, worker (its owner), final
                                       event, seq of the owner's last event (EMIT is
                                       idempotent per seq), takeovers (its epoch), usage,
+                                      prompt (its started event's prompt tokens),
                                       a session turn's note and queue (its request without
                                       the conversation: queued again should Redis lose it),
                                       and its turn, queued event id and reply's index
