@@ -204,8 +204,8 @@ async def test_compose_up_builds_the_images_and_serves_through_the_proxy(
         stopped = time.monotonic()
 
         # The client comes back at once, as EventSource does, while `podman stop` is on its
-        # way: waiting for the stop first (over 30 s under load on CI) left the reply unread
-        # past the abandon grace, and the engine rightly cancelled it `abandoned`.
+        # way: a reader that waits for the stop (seconds, or more, under load) leaves the
+        # reply unread, and past the abandon grace (30 s) the engine rightly cancels it.
         def stop_replica() -> float:
             run.podman("stop", "--time", "2", serving[0])
             return time.monotonic() - stopped
