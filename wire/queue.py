@@ -33,12 +33,17 @@ from wire.scripts import (
     FairCharge,
     FairEnqueue,
     FairExpire,
+    FairHold,
     FairPreempt,
     FairTake,
     WaitingRequest,
 )
 
 Fields = Mapping[bytes, bytes] | Mapping[str, bytes]
+HELD_TTL_S = 300
+"""How long a worker is taken to hold a prefix it served (unless it serves it again): about
+how long an engine under load keeps an idle conversation's blocks. A wrong guess costs a
+request the wait for affinity or a prefill, never a reply."""
 DEFAULT_STREAM_CAP = 5_120
 """The requests stream's cap when the taker names none (approximate, whole nodes): it holds
 what workers took and have not acknowledged, and what waits for a worker in it."""
@@ -142,6 +147,7 @@ class RequestQueue:
         self._preempt = FairPreempt(redis, keys)
         self._charge = FairCharge(redis, keys)
         self._expire = FairExpire(redis, keys)
+        self._hold = FairHold(redis, keys)
 
     # --- gateways and the reaper ---------------------------------------------------------
 
@@ -153,6 +159,7 @@ class RequestQueue:
         tenant: str,
         weight: float,
         submitted: bytes | None = None,
+        names: Sequence[str] = (),
     ) -> WaitingRequest:
         """A new request for ``tenant``'s list, whose share of the engine follows
         ``weight``, its prompt guessed at ``estimate`` tokens (``estimated_tokens``);
@@ -166,6 +173,7 @@ class RequestQueue:
             request,
             estimate,
             submitted or b"",
+            names,
         )
 
     async def submit(self, waiting: WaitingRequest) -> None:
@@ -310,22 +318,34 @@ class RequestQueue:
         block_ms: int,
         served: ServedTokens,
         maxlen: int | None = None,
+        affinity_ms: int = 0,
     ) -> list[StreamEntry]:
         """Up to ``count`` requests for ``consumer`` (the stream's first, then the tenants'
-        in VTC order), telling what it ``served`` since it last said; with none waiting,
-        waits up to ``block_ms`` for the bell and looks once more. Raises
+        in VTC order; with ``affinity_ms``, those whose prefix it holds first and those
+        another worker holds only after that wait), telling what it ``served`` since it last
+        said; with none to take, waits up to ``block_ms`` (or until a passed-over request's
+        wait ends) for the model's bell or its own and looks once more. Raises
         ``ResponseError`` (NOGROUP) when the group is gone."""
-        taken = await self._take_charging(consumer, count, served, maxlen)
+        taken, soonest = await self._take_charging(consumer, count, served, maxlen, affinity_ms)
         if taken:
             return taken
+        block_ms = min(block_ms, soonest) if soonest > 0 else block_ms
+        bells = [self.fair.bell, self.fair.own_bell(consumer)] if affinity_ms else [self.fair.bell]
         rung = await on_key_node(
-            self.redis, self.fair.bell, "BLPOP", self.fair.bell, str(block_ms / 1000)
+            self.redis, self.fair.bell, "BLPOP", *bells, str(max(block_ms, 1) / 1000)
         )
-        return await self._take_charging(consumer, count, served, maxlen) if rung else []
+        if not rung and not soonest:
+            return []
+        return (await self._take_charging(consumer, count, served, maxlen, affinity_ms))[0]
 
     async def _take_charging(
-        self, consumer: str, count: int, served: ServedTokens, maxlen: int | None
-    ) -> list[StreamEntry]:
+        self,
+        consumer: str,
+        count: int,
+        served: ServedTokens,
+        maxlen: int | None,
+        affinity_ms: int = 0,
+    ) -> tuple[list[StreamEntry], int]:
         charges = served.drain()
         try:
             return await self._take(
@@ -334,11 +354,18 @@ class RequestQueue:
                 consumer=consumer,
                 count=count,
                 maxlen=maxlen or DEFAULT_STREAM_CAP,
+                affinity_ms=affinity_ms,
                 served=charges,
             )
         except BaseException:
             served.give_back(charges)
             raise
+
+    async def hold(self, worker: str, names: Sequence[str]) -> None:
+        """``worker`` holds the prefixes ``names`` (what a request it ran left in its
+        engine's cache): requests that name one are taken by it first."""
+        if names:
+            await self._hold(base=self.fair.base, worker=worker, names=names, ttl_s=HELD_TTL_S)
 
     async def newcomer(self, block_ms: int) -> bool:
         """Wait up to ``block_ms`` for a tenant that had nothing waiting to queue a request

@@ -609,11 +609,17 @@ class WaitingRequest:
     tenant when it leaves the list; the worker charges the difference once it knows."""
     note: bytes = b""
     """The note of its submit to cross off with it (b"": none)."""
+    names: Sequence[str] = ()
+    """Its prompt's prefix names, longest first (``wire.prefixes.asked``): a worker that
+    holds one takes it first (docs/affinity.md)."""
 
     @property
     def element(self) -> bytes:
-        """The request as its tenant's list holds it: its estimate, ``|``, the request
-        (fair_take.lua moves the estimate into the stream entry's ``e`` field)."""
+        """The request as its tenant's list holds it: its estimate (and its prefix names),
+        ``|``, the request (fair_take.lua moves the estimate into the stream entry's ``e``
+        field; fair_core.lua's fair_holders reads the names)."""
+        if self.names:
+            return b"%d %s|%s" % (self.estimate, ",".join(self.names).encode(), self.request)
         return b"%d|%s" % (self.estimate, self.request)
 
     def keys_args(self) -> tuple[list[str], list[Arg]]:
@@ -642,7 +648,8 @@ class FairEnqueue(Script):
 
 class FairTake(Script):
     """A worker's take: what it served charged, then up to ``count`` requests, the stream's
-    first, then the tenants' by their counters (wire/lua/fair_take.lua)."""
+    first, then the tenants' by their counters, those whose prefix it holds first when
+    ``affinity_ms`` > 0 (wire/lua/fair_take.lua)."""
 
     source = FAIR_CORE + lua_source("fair_take")
 
@@ -654,15 +661,28 @@ class FairTake(Script):
         consumer: str,
         count: int,
         maxlen: int,
+        affinity_ms: int = 0,
         served: Sequence[tuple[str, int]] = (),
-    ) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    ) -> tuple[list[tuple[bytes, dict[bytes, bytes]]], int]:
+        """The entries taken, and the ms until a request passed over for its holder may
+        go anywhere (0: none was)."""
         charges = [item for pair in served for item in pair]
-        args = [CONSUMER_GROUP, consumer, count, maxlen, SHARED_KEY_TTL_S, *charges]
-        reply = await self._run([stream, base], args, None)
+        args = [CONSUMER_GROUP, consumer, count, maxlen, SHARED_KEY_TTL_S, affinity_ms, *charges]
+        entries, soonest = cast(list[Any], await self._run([stream, base], args, None))
         return [
             (entry_id, dict(zip(fields[::2], fields[1::2], strict=True)))
-            for entry_id, fields in reply or []  # type: ignore[attr-defined]
-        ]
+            for entry_id, fields in entries or []
+        ], int(soonest)
+
+
+class FairHold(Script):
+    """A worker among the holders of the prefixes a request it ran left in its engine's
+    cache (wire/lua/fair_hold.lua)."""
+
+    source = lua_source("fair_hold")
+
+    async def __call__(self, *, base: str, worker: str, names: Sequence[str], ttl_s: int) -> None:
+        await self._run([base], [ttl_s, worker, *names], None)
 
 
 class FairPreempt(Script):

@@ -3,8 +3,9 @@
 -- base: the model's fair hash (Keys.fair: fields 'waiting' and 'floor'); its sibling keys
 -- are named from it by the suffixes FairNames uses (wire/keys.py), all on the queue's slot.
 
-local function fair_ring(base, ttl)
-  local bell = base .. ':bell'
+-- The model's bell (one idle worker wakes), or `worker`'s own (the worker wakes).
+local function fair_ring(base, ttl, worker)
+  local bell = base .. ':bell' .. (worker and (':' .. worker) or '')
   if redis.call('LLEN', bell) == 0 then
     redis.call('RPUSH', bell, 1)
     redis.call('EXPIRE', bell, ttl)
@@ -44,6 +45,48 @@ local function fair_charge(base, tenant, tokens)
   end
 end
 
+-- Cache affinity (docs/affinity.md). A list entry may name its prompt's prefixes:
+-- '<estimate> <names, longest first, comma-separated>|<request>' as the gateway queues it,
+-- '<estimate> <queued, ms> <names>|<request>' once queued. A worker that ran a request adds
+-- itself to the holders of the names it left in its engine's cache ('<base>:h:<name>', a
+-- set, FAIR_HELD_TTL_S), and says with each take how many slots it has free
+-- ('<base>:free:<worker>', gone FAIR_FREE_TTL_MS after its last take: a vanished worker
+-- holds nothing). A holder without a free slot is no holder: nothing waits for it.
+local FAIR_FREE_TTL_MS = 3000
+
+-- The holders with a free slot of an entry's longest held prefix, whether `worker` is
+-- among them, and when the entry was queued (ms; nil for an entry without names).
+local function fair_holders(base, element, worker)
+  local head = string.sub(element, 1, string.find(element, '|', 1, true) - 1)
+  local queued, names = string.match(head, '^%d+ (%d+) (.*)$')
+  if not queued then return {}, false, nil end
+  for name in string.gmatch(names, '[^,]+') do
+    local members = redis.call('SMEMBERS', base .. ':h:' .. name)
+    if #members > 0 then
+      local free, mine = {}, false
+      for _, holder in ipairs(members) do
+        if holder == worker then mine = true end
+        if tonumber(redis.call('GET', base .. ':free:' .. holder) or '0') > 0 then
+          table.insert(free, holder)
+        end
+      end
+      return free, mine, tonumber(queued)
+    end
+  end
+  return {}, false, tonumber(queued)
+end
+
+-- An entry with names, stamped with the time it is queued, its free holders' own bells
+-- rung (each waits on it beside the model's: the holder takes it first).
+local function fair_stamped(base, element, ttl)
+  local space = string.find(element, ' ', 1, true)
+  if not space or space > string.find(element, '|', 1, true) then return element end
+  local stamped = string.sub(element, 1, space) .. fair_now_ms() .. string.sub(element, space)
+  local holders = fair_holders(base, stamped, '')
+  for _, holder in ipairs(holders) do fair_ring(base, ttl, holder) end
+  return stamped
+end
+
 -- A request waits at the end of its tenant's list. A tenant that had none waiting is lifted
 -- to the smallest counter of those waiting (none waiting: the counter of the tenant served
 -- last), so a tenant cannot bank credit while it sends nothing; lifted, it goes a thousandth
@@ -51,7 +94,7 @@ end
 -- that comes back waits for one free slot, not two).
 local function fair_enqueue(base, tenant, weight, request, ttl)
   local list, ready, vtc = base .. ':t:' .. tenant, base .. ':ready', base .. ':vtc'
-  if redis.call('RPUSH', list, request) == 1 then
+  if redis.call('RPUSH', list, fair_stamped(base, request, ttl)) == 1 then
     -- A tenant that had nothing waiting: a full worker that preempts may make room for it
     -- (engine/policies.py waits on this bell; it holds at most one ring).
     local newcomer = base .. ':newcomer'
@@ -83,23 +126,26 @@ local function fair_waiting(queue)
   return tonumber(redis.call('HGET', '{' .. queue .. '}:fair', 'waiting') or '0')
 end
 
--- The first request of `tenant` (its counter `counter`), moved from its list into the
--- requests stream, its prompt charged by the estimate its list entry starts with
--- ('<estimate>|<request>': wire.queue.estimated_tokens), which goes into the stream entry's
--- 'e' field for the worker to correct once it knows. Returns 1 when one moved, 0 when the
--- tenant's list was empty.
-local function fair_move(base, stream, maxlen, tenant, counter)
+-- The first request of `tenant` (its counter `counter`), or its request `chosen`, moved
+-- from its list into the requests stream, its prompt charged by the estimate its list entry
+-- starts with ('<estimate>|<request>': wire.queue.estimated_tokens, or '<estimate> ...|'
+-- with prefix names), which goes into the stream entry's 'e' field for the worker to
+-- correct once it knows; `affinity` ('hit', 'miss'), if given, into its 'a' field. Returns
+-- 1 when one moved, 0 when the tenant's list was empty.
+local function fair_move(base, stream, maxlen, tenant, counter, chosen, affinity)
   local list = base .. ':t:' .. tenant
-  local element = redis.call('LPOP', list)
+  local element = chosen
+  if chosen then redis.call('LREM', list, 1, chosen) else element = redis.call('LPOP', list) end
   if redis.call('LLEN', list) == 0 then redis.call('ZREM', base .. ':ready', tenant) end
   redis.call('HSET', base, 'floor', counter)
   if not element then return 0 end
   local bar = string.find(element, '|', 1, true)
-  local estimate = string.sub(element, 1, bar - 1)
+  local estimate = string.match(string.sub(element, 1, bar - 1), '^%d+')
   redis.call('HINCRBY', base, 'waiting', -1)
   fair_charge(base, tenant, tonumber(estimate))
-  redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'r', string.sub(element, bar + 1),
-             'e', estimate)
+  local fields = {'r', string.sub(element, bar + 1), 'e', estimate}
+  if affinity then table.insert(fields, 'a'); table.insert(fields, affinity) end
+  redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', unpack(fields))
   return 1
 end
 

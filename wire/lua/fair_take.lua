@@ -1,16 +1,25 @@
 -- KEYS: the model's requests stream, its fair base (Keys.fair)
--- ARGV: consumer group, consumer, count, the stream's cap, TTL, then what the worker served
---       since its last call: tenant, tokens, tenant, tokens...
+-- ARGV: consumer group, consumer, count, the stream's cap, TTL, the wait for affinity (ms;
+--       0: none), then what the worker served since its last call: tenant, tokens, ...
 -- Charges what was served, then takes up to `count` requests for `consumer`: first what
 -- waits in the stream itself (a reply taken over, a request given back: work admitted
 -- before), then the tenants' requests in counter order (the smallest first), each moved
--- into the stream (fair_move_lowest) and read at once by this consumer, so the group's
--- pending list, claims and acknowledgements work as for any entry. Rings the bell when more
--- waits, for another idle worker.
--- Returns the entries taken, as XREADGROUP gives them: {{id, {field, value, ...}}, ...}.
+-- into the stream (fair_move) and read at once by this consumer, so the group's pending
+-- list, claims and acknowledgements work as for any entry. Rings the bell when more waits,
+-- for another idle worker.
+-- With a wait for affinity (docs/affinity.md), a tenant's first FAIR_WINDOW requests are
+-- looked at, in their order: the first that may go here goes, its prefix held by this
+-- consumer ('hit'), or by no worker with a free slot, or its `wait` ms for its holders over
+-- ('miss'); the others wait for their holders. Only when none of them may go here does the
+-- next tenant's turn come.
+-- Says how many slots the consumer has left free (fair_holders reads it).
+-- Returns {entries taken, as XREADGROUP gives them: {{id, {field, value, ...}}, ...},
+--          ms until a request waiting for another worker may go anywhere (0: none waits)}.
 local stream, base = KEYS[1], KEYS[2]
 local group, consumer, count = ARGV[1], ARGV[2], tonumber(ARGV[3])
-for i = 6, #ARGV, 2 do fair_charge(base, ARGV[i], tonumber(ARGV[i + 1])) end
+local wait = tonumber(ARGV[6])
+local FAIR_WINDOW, FAIR_TENANTS = 8, 16
+for i = 7, #ARGV, 2 do fair_charge(base, ARGV[i], tonumber(ARGV[i + 1])) end
 local taken = {}
 local function read(n)
   local reply = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', n,
@@ -19,18 +28,44 @@ local function read(n)
   for _, entry in ipairs(reply[1][2]) do table.insert(taken, entry) end
   return #reply[1][2]
 end
+
+-- One request moved for this consumer with affinity: 1, or 0 when none may go here now;
+-- `soonest` lowered to the ms until a passed-over request's wait ends.
+local soonest = 0
+local function move_affine()
+  local now = fair_now_ms()
+  local ready = redis.call('ZRANGE', base .. ':ready', 0, FAIR_TENANTS - 1, 'WITHSCORES')
+  for t = 1, #ready, 2 do
+    local tenant, counter = ready[t], ready[t + 1]
+    for _, element in ipairs(redis.call('LRANGE', base .. ':t:' .. tenant, 0, FAIR_WINDOW - 1)) do
+      local holders, mine, queued = fair_holders(base, element, consumer)
+      local left = queued and (queued + wait - now) or 0
+      if mine or #holders == 0 or left <= 0 then
+        local outcome = mine and 'hit' or (#holders > 0 and 'miss' or nil)
+        return fair_move(base, stream, ARGV[4], tenant, counter, element, outcome)
+      end
+      soonest = (soonest == 0 or left < soonest) and left or soonest
+    end
+  end
+  return 0
+end
+
 local got = read(count)
 local ready, moved = base .. ':ready', 0
 while got + moved < count do
-  local one = fair_move_lowest(base, stream, ARGV[4])
-  if not one then break end
+  local one
+  if wait > 0 then one = move_affine() else one = fair_move_lowest(base, stream, ARGV[4]) end
+  if not one or one == 0 then break end
   moved = moved + one
 end
 if moved > 0 then
   read(moved)
   redis.call('EXPIRE', stream, ARGV[5])
 end
+if wait > 0 then
+  redis.call('SET', base .. ':free:' .. consumer, count - got - moved, 'PX', FAIR_FREE_TTL_MS)
+end
 if got + moved == count and (got == count or redis.call('ZCARD', ready) > 0) then
   fair_ring(base, ARGV[5])
 end
-return taken
+return {taken, soonest}
