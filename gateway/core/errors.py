@@ -195,19 +195,24 @@ class EventsExpired(Gone):
 
 
 class EventsLost(Gone):
-    """A resume point past the stream's last event: Redis lost the events after that one
-    (a restart without them, a failover), or the id is none of this stream's. A reader
+    """A resume point past the stream's last event, or one it no longer holds: Redis lost
+    the events after that one (a restart without them, a failover), or the id is none of
+    this stream's. A reader
     that waited after it would wait for ever (later events sort before it): it is told,
     and starts over from the stream's beginning."""
 
     default_code = "events_lost"
 
-    def __init__(self, given: str, last: str | None, *, field: str = "last_event_id") -> None:
+    def __init__(
+        self, given: str, last: str | None, *, field: str = "last_event_id", missing: bool = False
+    ) -> None:
+        """``missing``: ``given`` is within the stream but none of its events (Redis lost
+        that one, and wrote others since), not ahead of it."""
         last_known = f"its last event is {last}" if last else "it has no event"
+        where = "is no event of this stream" if missing else "is ahead of this stream"
         super().__init__(
-            f"{field} {given} is ahead of this stream ({last_known}): Redis lost the events "
-            "after that one, or it is not from this stream; start over from the beginning "
-            f"(leave {field} out)",
+            f"{field} {given} {where} ({last_known}): Redis lost the events after that one, "
+            f"or it is not from this stream; start over from the beginning (leave {field} out)",
             field=field,
         )
         self.given = given

@@ -395,6 +395,33 @@ async def test_a_feed_whose_stream_came_back_without_its_last_events_raises_even
             await read(feed, 1)
 
 
+async def test_a_resume_point_redis_lost_is_events_lost_though_new_events_follow_it(
+    make_hub: HubFactory, session: Session, redis: aioredis.Redis
+) -> None:
+    """Redis came back without the feed's last events, and wrote new ones before the feed
+    read again (a turn it lost submitted again, the same reply from its start): the
+    feed's last id is behind the stream's newest but no event of it. Read on from there,
+    its reader would see that reply start over after the part it had; it is told instead,
+    as is a client that resumes from there."""
+    hub = await make_hub()
+    async with hub.open(SESSION, None) as feed:
+        await subscribed(feed, session)
+        key = session.keys.events(SESSION)
+        kept, lost = await redis.xrange(key)
+        await redis.delete(key)
+        await redis.xadd(key, kept[1], id=kept[0])
+        again = await session.tokens(1)  # after the restart: a new id, past the lost one
+        assert wire.entry_id_key(again[0]) > wire.entry_id_key(wire.text(lost[0]))
+        with pytest.raises(EventsLost) as caught:
+            await hub.check_resumable(SESSION, wire.text(lost[0]))
+        assert "is no event of this stream" in caught.value.message
+        await hub.check_resumable(SESSION, wire.text(kept[0]))  # kept: nothing is missing
+        feed.confirmed(False)  # what the hub does when its connection breaks, and is back
+        feed.confirmed(True)
+        with pytest.raises(EventsLost):
+            await read(feed, 1)
+
+
 @pytest.mark.parametrize(
     "given", ["yesterday", "1", "1-", "-1-1", "1-2-3", "18446744073709551616-0", " 1-0", "1-0\n"]
 )

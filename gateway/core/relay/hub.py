@@ -74,26 +74,36 @@ def check_event_id(given: str) -> None:
         raise bad_event_id(given)
 
 
-def _check_position(stream_info: dict[str, object], after_id: str) -> None:
+def _check_position(stream_info: dict[str, object], after_id: str, held: bool) -> None:
     """Raise ``EventsLost`` when ``after_id`` is past the last id the stream ever made (it
     could only have come from a stream Redis since lost, or from nowhere: a reader would
-    wait for ever, every later event sorting before it), ``EventsExpired`` when events
-    after it were trimmed (an id at the exact trim boundary counts as gone too: a needless
-    reload is better than a silent gap)."""
+    wait for ever, every later event sorting before it), or is within the stream but none
+    of its events (``held``: the stream holds an event of that id): Redis lost it, and may
+    have written new events since (a lost turn submitted again, its reply from the start);
+    ``EventsExpired`` when events after it were trimmed (an id at the exact trim boundary
+    counts as gone too: a needless reload is better than a silent gap)."""
     last = stream_info.get("last-generated-id")
+    last_id = None if last is None or wire.text(last) == "0-0" else wire.text(last)
     if last is not None and entry_id_key(after_id) > entry_id_key(wire.text(last)):
-        raise EventsLost(after_id, None if wire.text(last) == "0-0" else wire.text(last))
+        raise EventsLost(after_id, last_id)
     first = stream_info.get("first-entry")
     if not isinstance(first, (tuple, list)) or not first:
         return
-    trimmed = int(cast(int, stream_info.get("entries-added", 1 << 62))) > int(
-        cast(int, stream_info.get("length", 0))
-    )
-    if trimmed and entry_id_key(after_id) < entry_id_key(wire.text(first[0])):
-        raise EventsExpired(
-            f"events after {after_id} were trimmed (a session keeps its last "
-            "TOKENSPOUT_EVENTS_MAXLEN); reload the session's history"
+    if entry_id_key(after_id) < entry_id_key(wire.text(first[0])):
+        trimmed = int(cast(int, stream_info.get("entries-added", 1 << 62))) > int(
+            cast(int, stream_info.get("length", 0))
         )
+        if trimmed:
+            raise EventsExpired(
+                f"events after {after_id} were trimmed (a session keeps its last "
+                "TOKENSPOUT_EVENTS_MAXLEN); reload the session's history"
+            )
+    elif not held:
+        raise EventsLost(after_id, last_id, missing=True)
+
+
+def _same_id(entry_id: bytes | str, event_id: str) -> bool:
+    return entry_id_key(wire.text(entry_id)) == entry_id_key(event_id)
 
 
 class RelayHub:
@@ -230,9 +240,10 @@ class RelayHub:
         if after_id is None:
             entries = wire.entries_of(await self.redis.xrange(key, count=CATCH_UP_PAGE))
         else:
-            # One transaction: the page and the trim mark describe the same moment.
+            # One transaction: the page and the trim mark describe the same moment. The
+            # page starts at ``after_id`` itself: whether the stream still holds it.
             async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.xrange(key, min=f"({after_id}", count=CATCH_UP_PAGE)
+                pipe.xrange(key, min=after_id, count=CATCH_UP_PAGE + 1)
                 pipe.xinfo_stream(key)
                 try:
                     page, info = await pipe.execute()
@@ -240,8 +251,10 @@ class RelayHub:
                     if "no such key" not in str(exc).lower():
                         raise
                     return []
-            _check_position(info, after_id)
             entries = wire.entries_of(page)
+            held = bool(entries) and _same_id(entries[0][0], after_id)
+            _check_position(info, after_id, held)
+            entries = entries[1:] if held else entries[:CATCH_UP_PAGE]
         events = [
             RelayEvent(
                 entry_id.decode(),
@@ -293,13 +306,18 @@ class RelayHub:
         if after_id in (None, LIVE_ONLY):
             return
         check_event_id(after_id)
-        try:
-            info = await self.redis.xinfo_stream(self.keys.events(session_id))
-        except RedisError as exc:
-            if "no such key" not in str(exc).lower():
-                raise
+        key = self.keys.events(session_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.xrange(key, min=after_id, max=after_id, count=1)
+            pipe.xinfo_stream(key)
+            held, info = await pipe.execute(raise_on_error=False)
+        if isinstance(info, RedisError):
+            if "no such key" not in str(info).lower():
+                raise info
             info = NO_STREAM
-        _check_position(info, after_id)
+        if isinstance(held, RedisError):
+            raise held
+        _check_position(info, after_id, bool(held))
 
     def _connection_lost(self) -> None:
         """The plain source's pub/sub connection broke (it reports each channel lost)."""
