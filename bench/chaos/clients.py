@@ -78,6 +78,12 @@ LOSSES = frozenset(
 """What a client may be told when Redis lost what it was reading (docs/api.md, "Resume
 never goes silent"): the only ends a reply may have besides its own, and only after a
 fault that loses writes (docs/reliability.md)."""
+RETRYABLE_CODES = frozenset(
+    {"overloaded", "unavailable", "model_unavailable", "no_worker", RATE_LIMITED}
+)
+"""A WebSocket ``generate`` refused before it started, with ``retry_after_s``: sent again.
+``no_worker`` is what a gateway says while no worker is registered, as after a wiped Redis
+until the workers' next heartbeat (docs/api.md)."""
 LOSS_WORDS = ("Redis lost", "was lost")
 """How the APIs with no error code (TGI, OIP, gRPC) say the same, in their message."""
 
@@ -521,7 +527,7 @@ async def ws_canceller(
                 kind = frame["type"]
                 if kind == "error" and "event_id" not in frame:
                     code = frame.get("code")
-                    if code in ("overloaded", "unavailable", "model_unavailable", RATE_LIMITED):
+                    if code in RETRYABLE_CODES:
                         if "retry_after_s" not in frame:
                             record.problems.append(f"refused without retry_after_s: {frame}")
                         if code == RATE_LIMITED:

@@ -191,8 +191,7 @@ class Datastore:
         if self.cluster is not None:
             primaries = sorted(self.cluster.primaries_now(), key=lambda node: node.port)
             victim = primaries[pick % len(primaries)]
-            victim.kill()
-            self.cluster.wait_healthy(90)
+            self.cluster.kill_primary(victim, 90)
             victim.start()
             self.cluster.wait_healthy(90)
             return f"redis:{victim.port}"
