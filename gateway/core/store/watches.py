@@ -29,7 +29,7 @@ loop (packing and parsing every reply) long enough to stall every stream of the 
 
 class WatchMarks:
     """The watch marks of one process's readers: all of them every ``interval_s``
-    (``refresh_forever``), and a new reader's at once (``reader_came``)."""
+    (``refresh_forever``), and a resuming reader's at once (``reader_came``)."""
 
     def __init__(
         self, sessions: Sessions, watched: Callable[[], list[str]], interval_s: float
