@@ -74,8 +74,12 @@ async def test_a_holder_that_is_full_or_gone_holds_nothing(redis: aioredis.Redis
     await submit(queue, chat("t3", "hello", "hi", "and you?"))
     assert await take(queue, "wb") == []  # waiting for wa, free
     began = time.monotonic()
-    assert await take(queue, "wb", block_ms=5_000) == ["t2", "t3"]  # the wait ran out
-    assert WAIT_MS / 1000 * 0.8 <= time.monotonic() - began < 2.0
+    taken = await take(queue, "wb", block_ms=5_000)  # the wait ran out
+    assert time.monotonic() - began >= WAIT_MS / 1000 * 0.8
+    while len(taken) < 2:  # t3 came a moment after t2: on a busy machine its wait ends later
+        taken += await take(queue, "wb", block_ms=5_000)
+    assert taken == ["t2", "t3"]
+    assert time.monotonic() - began < 2.0
     await submit(queue, chat("t4", "hello", "hi", "bye"))
     assert await take(queue, "wa", 1) == ["t4"]  # wa now full: nobody waits for it
     await submit(queue, chat("t5", "hello", "hi", "bye again"))
