@@ -61,6 +61,8 @@ PROMPT = "tokenspout_engine_prompt_tokens_total"
 CACHED = "tokenspout_engine_prompt_cached_tokens_total"
 TURNS = "tokenspout_engine_time_to_first_token_seconds_count"
 AFFINITY = "tokenspout_engine_affinity_total"
+WAITED = "tokenspout_engine_affinity_wait_seconds_sum"
+PREFILL_RATE = "tokenspout_engine_prefill_tokens_per_second"
 SLOWED = 3.0
 """The ladder goes on while a side keeps up: no request failed and its TTFT p50 at most this
 many times its lowest load's (or under a second). Past the knee (bench/affinity_report.py
@@ -205,25 +207,38 @@ def figures(
         "cache_hit_share": round(cached / prompt, 3) if prompt else None,
         "affinity_hits": sum(w["affinity_hits"] for w in workers),
         "affinity_misses": sum(w["affinity_misses"] for w in workers),
+        "affinity_wait_ms": {
+            outcome: mean_wait_ms(workers, outcome, count)
+            for outcome, count in (("hit", "affinity_hits"), ("miss", "affinity_misses"))
+        },
         "per_worker": workers,
     }
+
+
+def mean_wait_ms(workers: list[dict[str, Any]], outcome: str, count: str) -> float | None:
+    """The mean time queued of the requests taken with ``outcome``, over ``workers``."""
+    taken = sum(w[count] for w in workers)
+    waited = sum(w["affinity_waited_s"][outcome] for w in workers)
+    return round(1000 * waited / taken, 1) if taken else None
 
 
 def worker_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
     prompt = summed(after, PROMPT) - summed(before, PROMPT)
     cached = summed(after, CACHED) - summed(before, CACHED)
-    hits, misses = (
-        after.get(f'{AFFINITY}{{outcome="{outcome}"}}', 0)
-        - before.get(f'{AFFINITY}{{outcome="{outcome}"}}', 0)
-        for outcome in ("hit", "miss")
-    )
+
+    def grew(name: str, outcome: str) -> float:
+        sample = f'{name}{{outcome="{outcome}"}}'
+        return after.get(sample, 0) - before.get(sample, 0)
+
     return {
         "turns": int(summed(after, TURNS) - summed(before, TURNS)),
         "prompt_tokens": int(prompt),
         "cached_tokens": int(cached),
         "cache_hit_share": round(cached / prompt, 3) if prompt else None,
-        "affinity_hits": int(hits),
-        "affinity_misses": int(misses),
+        "affinity_hits": int(grew(AFFINITY, "hit")),
+        "affinity_misses": int(grew(AFFINITY, "miss")),
+        "affinity_waited_s": {outcome: grew(WAITED, outcome) for outcome in ("hit", "miss")},
+        "prefill_tokens_per_s": round(after.get(PREFILL_RATE, 0)),
     }
 
 

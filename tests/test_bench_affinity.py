@@ -55,6 +55,12 @@ def test_a_short_run_of_the_three_workloads_reads_each_workers_prefix_cache(
     affine = points["affinity", "a"]
     assert affine["cache_hit_share"] > pull["a"]["cache_hit_share"] + 0.1, (affine, pull)
     assert affine["affinity_hits"] > 0 and pull["a"]["affinity_hits"] == 0, (affine, pull)
+    # The hits' time queued, and each affinity worker's measured prefill (5,000 tokens/s at
+    # most: the synthetic engine's rate).
+    assert affine["affinity_wait_ms"]["hit"] is not None, affine
+    assert pull["a"]["affinity_wait_ms"] == {"hit": None, "miss": None}, pull["a"]
+    rates = [worker["prefill_tokens_per_s"] for worker in affine["per_worker"]]
+    assert all(0 < rate <= 5_000 for rate in rates), rates
     report = out.with_suffix(".md").read_text()
     assert "| b: a shared system prompt | 2 | pull |" in report
     assert "| a | 2 | oracle | 3.00 |" in report  # against pull, at the same load
