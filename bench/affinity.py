@@ -26,7 +26,6 @@ and the report and plot are made from all of them: a run may do one workload at 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -44,6 +43,7 @@ from bench import stuck
 from bench.affinity_load import WORKLOADS, Load, Send, Sent, Shape, chat_sender
 from bench.affinity_oracle import Warmest, oracle_models
 from bench.affinity_report import markdown, plot
+from bench.options import parse_options
 from bench.stats import machine, metrics_of, pct, summed
 from stack.redis_server import free_port
 from stack.rig import HOST, on_embedded_redis
@@ -317,23 +317,8 @@ def say(message: str) -> None:
 
 
 def parse(argv: list[str]) -> Options:
-    parser = argparse.ArgumentParser(prog="python -m bench.affinity", description=__doc__)
-    defaults = Options()
-    for name, value in vars(defaults).items():
-        flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
-        elif isinstance(value, list):
-            kind = str if name in ("workloads", "sides") else (int if name == "workers" else float)
-            parser.add_argument(flag, type=kind, nargs="+", default=value)
-        else:
-            parser.add_argument(flag, type=Path if name == "out" else type(value), default=value)
-    options = Options(**vars(parser.parse_args(argv)))
-    for name, allowed in (("workloads", WORKLOADS), ("sides", tuple(SIDES))):
-        wrong = [v for v in getattr(options, name) if v not in allowed]
-        if wrong:
-            parser.error(f"--{name}: {', '.join(wrong)} not among {', '.join(allowed)}")
-    return options
+    choices = {"workloads": WORKLOADS, "sides": tuple(SIDES)}
+    return parse_options(Options, argv, "python -m bench.affinity", __doc__, choices)
 
 
 def main(argv: list[str] | None = None) -> None:

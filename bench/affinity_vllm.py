@@ -22,7 +22,6 @@ Results: ``--out``.json and .md (docs/bench/affinity-vllm).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import fcntl
@@ -44,6 +43,7 @@ import redis.asyncio as aioredis
 
 from bench import stuck
 from bench.loadgen import TERMINAL, sse_events
+from bench.options import parse_options
 from bench.report import fmt
 from bench.stats import machine, metrics_of
 from engine.model import MODEL_NAME
@@ -311,15 +311,8 @@ def say(message: str) -> None:
 
 
 def parse(argv: list[str]) -> Options:
-    parser = argparse.ArgumentParser(prog="python -m bench.affinity_vllm", description=__doc__)
-    for name, value in vars(Options()).items():
-        flag = "--" + name.replace("_", "-")
-        if name == "sides":
-            parser.add_argument(flag, nargs="+", choices=list(SIDES), default=value)
-            continue
-        kind = Path if name == "out" else type(value)
-        parser.add_argument(flag, type=kind, default=value)
-    return Options(**vars(parser.parse_args(argv)))
+    prog = "python -m bench.affinity_vllm"
+    return parse_options(Options, argv, prog, __doc__, {"sides": tuple(SIDES)})
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -30,7 +30,6 @@ tokens per second. Results: docs/bench/fairness.json, fairness.md, fairness.png.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import bisect
 import contextlib
@@ -50,6 +49,7 @@ import httpx
 
 from bench import report, stuck
 from bench.loadgen import OpenAIStream, StreamRecord, http_request, open_stream
+from bench.options import parse_options
 from bench.stats import machine, pct
 from stack.rig import HOST, Gateway, on_embedded_redis
 
@@ -504,16 +504,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def parse(argv: list[str]) -> Options:
-    parser = argparse.ArgumentParser(prog="python -m bench.fairness", description=__doc__)
-    defaults = Options()
-    for name, value in vars(defaults).items():
-        flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
-            continue
-        kind = Path if name == "out" else type(value)
-        parser.add_argument(flag, type=kind, default=value)
-    return Options(**vars(parser.parse_args(argv)))
+    return parse_options(Options, argv, "python -m bench.fairness", __doc__)
 
 
 def main(argv: list[str] | None = None) -> None:
