@@ -218,10 +218,9 @@ class Run:
         kill the workers that preempt too, and their counters with them."""
         while True:
             for worker in self.fleet.live_workers():
-                url = f"http://127.0.0.1:{worker.metrics_port}/metrics"
                 try:
                     async with asyncio.timeout(2):
-                        samples = await metrics_of(url, self.ctx.http)
+                        samples = await metrics_of(worker.metrics_url, self.ctx.http)
                 except (httpx.HTTPError, TimeoutError):
                     continue  # stopped, killed or starting: its last count stands
                 self.preempted[worker.worker_id] = int(samples.get(PREEMPTIONS, 0))
@@ -234,8 +233,7 @@ class Run:
         while time.monotonic() < deadline:
             busy = []
             for worker in self.fleet.live_workers():
-                url = f"http://127.0.0.1:{worker.metrics_port}/metrics"
-                samples = await metrics_of(url, self.ctx.http)
+                samples = await metrics_of(worker.metrics_url, self.ctx.http)
                 if any(samples.get(name) for name in RUNNING):
                     busy.append(worker.worker_id)
                 self.preempted[worker.worker_id] = int(samples.get(PREEMPTIONS, 0))
