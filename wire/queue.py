@@ -28,8 +28,10 @@ from redis.exceptions import RedisError, ResponseError
 from wire.connect import on_key_node
 from wire.keys import CONSUMER_GROUP, SHARED_KEY_TTL_S, FairNames, Keys, tenant_slot
 from wire.messages import GenerationRequest
+from wire.prefixes import Prefix
 from wire.replies import StreamEntry, entries_of, text
 from wire.scripts import (
+    AffinityWait,
     FairCharge,
     FairEnqueue,
     FairExpire,
@@ -159,7 +161,7 @@ class RequestQueue:
         tenant: str,
         weight: float,
         submitted: bytes | None = None,
-        names: Sequence[str] = (),
+        prefixes: Sequence[Prefix] = (),
     ) -> WaitingRequest:
         """A new request for ``tenant``'s list, whose share of the engine follows
         ``weight``, its prompt guessed at ``estimate`` tokens (``estimated_tokens``);
@@ -173,7 +175,7 @@ class RequestQueue:
             request,
             estimate,
             submitted or b"",
-            names,
+            prefixes,
         )
 
     async def submit(self, waiting: WaitingRequest) -> None:
@@ -318,25 +320,25 @@ class RequestQueue:
         block_ms: int,
         served: ServedTokens,
         maxlen: int | None = None,
-        affinity_ms: int = 0,
+        affinity: AffinityWait | None = None,
     ) -> list[StreamEntry]:
         """Up to ``count`` requests for ``consumer`` (the stream's first, then the tenants'
-        in VTC order; with ``affinity_ms``, those whose prefix it holds first and those
-        another worker holds only after that wait), telling what it ``served`` since it last
-        said; with none to take, waits up to ``block_ms`` (or until a passed-over request's
-        wait ends) for the model's bell or its own and looks once more. Raises
-        ``ResponseError`` (NOGROUP) when the group is gone."""
-        taken, soonest = await self._take_charging(consumer, count, served, maxlen, affinity_ms)
+        in VTC order; with ``affinity``, those whose prefix it holds first and those another
+        worker holds only after their wait), telling what it ``served`` since it last said;
+        with none to take, waits up to ``block_ms`` (or until a passed-over request's wait
+        ends) for the model's bell or its own and looks once more. Raises ``ResponseError``
+        (NOGROUP) when the group is gone."""
+        taken, soonest = await self._take_charging(consumer, count, served, maxlen, affinity)
         if taken:
             return taken
         block_ms = min(block_ms, soonest) if soonest > 0 else block_ms
-        bells = [self.fair.bell, self.fair.own_bell(consumer)] if affinity_ms else [self.fair.bell]
+        bells = [self.fair.bell, self.fair.own_bell(consumer)] if affinity else [self.fair.bell]
         rung = await on_key_node(
             self.redis, self.fair.bell, "BLPOP", *bells, str(max(block_ms, 1) / 1000)
         )
         if not rung and not soonest:
             return []
-        return (await self._take_charging(consumer, count, served, maxlen, affinity_ms))[0]
+        return (await self._take_charging(consumer, count, served, maxlen, affinity))[0]
 
     async def _take_charging(
         self,
@@ -344,7 +346,7 @@ class RequestQueue:
         count: int,
         served: ServedTokens,
         maxlen: int | None,
-        affinity_ms: int = 0,
+        affinity: AffinityWait | None,
     ) -> tuple[list[StreamEntry], int]:
         charges = served.drain()
         try:
@@ -354,7 +356,7 @@ class RequestQueue:
                 consumer=consumer,
                 count=count,
                 maxlen=maxlen or DEFAULT_STREAM_CAP,
-                affinity_ms=affinity_ms,
+                affinity=affinity or AffinityWait(0),
                 served=charges,
             )
         except BaseException:

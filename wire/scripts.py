@@ -72,6 +72,7 @@ from wire.outcomes import (
     TakeoverReply,
     UnknownGeneration,
 )
+from wire.prefixes import Prefix
 from wire.replies import text
 from wire.topology import Topology, topology_of
 
@@ -609,17 +610,18 @@ class WaitingRequest:
     tenant when it leaves the list; the worker charges the difference once it knows."""
     note: bytes = b""
     """The note of its submit to cross off with it (b"": none)."""
-    names: Sequence[str] = ()
-    """Its prompt's prefix names, longest first (``wire.prefixes.asked``): a worker that
-    holds one takes it first (docs/affinity.md)."""
+    prefixes: Sequence[Prefix] = ()
+    """Its prompt's prefixes, longest first (``wire.prefixes.asked``): a worker that holds
+    one takes it first (docs/affinity.md)."""
 
     @property
     def element(self) -> bytes:
-        """The request as its tenant's list holds it: its estimate (and its prefix names),
-        ``|``, the request (fair_take.lua moves the estimate into the stream entry's ``e``
-        field; fair_core.lua's fair_holders reads the names)."""
-        if self.names:
-            return b"%d %s|%s" % (self.estimate, ",".join(self.names).encode(), self.request)
+        """The request as its tenant's list holds it: its estimate (and its prefixes, each
+        ``name:tokens``), ``|``, the request (fair_take.lua moves the estimate into the
+        stream entry's ``e`` field; fair_core.lua's fair_holders reads the prefixes)."""
+        if self.prefixes:
+            named = ",".join(f"{prefix.name}:{prefix.tokens}" for prefix in self.prefixes)
+            return b"%d %s|%s" % (self.estimate, named.encode(), self.request)
         return b"%d|%s" % (self.estimate, self.request)
 
     def keys_args(self) -> tuple[list[str], list[Arg]]:
@@ -646,10 +648,22 @@ class FairEnqueue(Script):
         self.queue_evalsha(pipe, *waiting.keys_args())
 
 
+@dataclass(frozen=True, slots=True)
+class AffinityWait:
+    """How long a request whose prefix another worker holds waits for that worker before a
+    worker taking with this wait may run it (docs/affinity.md)."""
+
+    most_ms: int
+    """The bound (``TOKENSPOUT_AFFINITY_WAIT_MS``); 0: no affinity, the queue's order."""
+    prefill_tokens_per_s: float = 0.0
+    """The taker's prefill rate as measured (0: not yet): a request waits no longer than
+    prefilling its held prefix here would take, since that is all the wait can save."""
+
+
 class FairTake(Script):
     """A worker's take: what it served charged, then up to ``count`` requests, the stream's
     first, then the tenants' by their counters, those whose prefix it holds first when
-    ``affinity_ms`` > 0 (wire/lua/fair_take.lua)."""
+    ``affinity`` has a wait (wire/lua/fair_take.lua)."""
 
     source = FAIR_CORE + lua_source("fair_take")
 
@@ -661,13 +675,16 @@ class FairTake(Script):
         consumer: str,
         count: int,
         maxlen: int,
-        affinity_ms: int = 0,
+        affinity: AffinityWait,
         served: Sequence[tuple[str, int]] = (),
     ) -> tuple[list[tuple[bytes, dict[bytes, bytes]]], int]:
         """The entries taken, and the ms until a request passed over for its holder may
         go anywhere (0: none was)."""
         charges = [item for pair in served for item in pair]
-        args = [CONSUMER_GROUP, consumer, count, maxlen, SHARED_KEY_TTL_S, affinity_ms, *charges]
+        args = [
+            *(CONSUMER_GROUP, consumer, count, maxlen, SHARED_KEY_TTL_S),
+            *(affinity.most_ms, round(affinity.prefill_tokens_per_s), *charges),
+        ]
         entries, soonest = cast(list[Any], await self._run([stream, base], args, None))
         return [
             (entry_id, dict(zip(fields[::2], fields[1::2], strict=True)))

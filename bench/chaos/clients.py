@@ -79,11 +79,12 @@ LOSSES = frozenset(
 never goes silent"): the only ends a reply may have besides its own, and only after a
 fault that loses writes (docs/reliability.md)."""
 RETRYABLE_CODES = frozenset(
-    {"overloaded", "unavailable", "model_unavailable", "no_worker", RATE_LIMITED}
+    {"overloaded", "unavailable", "model_unavailable", "no_worker", "keys_not_loaded", RATE_LIMITED}
 )
 """A WebSocket ``generate`` refused before it started, with ``retry_after_s``: sent again.
 ``no_worker`` is what a gateway says while no worker is registered, as after a wiped Redis
-until the workers' next heartbeat (docs/api.md)."""
+until the workers' next heartbeat; ``keys_not_loaded``: a gateway started while Redis was
+down has not read the run-time keys yet (docs/api.md)."""
 LOSS_WORDS = ("Redis lost", "was lost")
 """How the APIs with no error code (TGI, OIP, gRPC) say the same, in their message."""
 

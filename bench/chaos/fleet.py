@@ -84,6 +84,10 @@ class Worker:
     process: subprocess.Popen[bytes]
     metrics_port: int
 
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
 
 @dataclass
 class Fleet:

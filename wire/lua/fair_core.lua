@@ -55,12 +55,14 @@ end
 local FAIR_FREE_TTL_MS = 3000
 
 -- The holders with a free slot of an entry's longest held prefix, whether `worker` is
--- among them, and when the entry was queued (ms; nil for an entry without names).
+-- among them, when the entry was queued (ms; nil for an entry without prefixes), and the
+-- held prefix's tokens (nil: not told). The entry's prefixes are `name:tokens`, longest first.
 local function fair_holders(base, element, worker)
   local head = string.sub(element, 1, string.find(element, '|', 1, true) - 1)
-  local queued, names = string.match(head, '^%d+ (%d+) (.*)$')
+  local queued, named = string.match(head, '^%d+ (%d+) (.*)$')
   if not queued then return {}, false, nil end
-  for name in string.gmatch(names, '[^,]+') do
+  for prefix in string.gmatch(named, '[^,]+') do
+    local name, tokens = string.match(prefix, '^([^:]+):?(%d*)$')
     local members = redis.call('SMEMBERS', base .. ':h:' .. name)
     if #members > 0 then
       local free, mine = {}, false
@@ -70,7 +72,7 @@ local function fair_holders(base, element, worker)
           table.insert(free, holder)
         end
       end
-      return free, mine, tonumber(queued)
+      return free, mine, tonumber(queued), tonumber(tokens)
     end
   end
   return {}, false, tonumber(queued)
@@ -130,9 +132,10 @@ end
 -- from its list into the requests stream, its prompt charged by the estimate its list entry
 -- starts with ('<estimate>|<request>': wire.queue.estimated_tokens, or '<estimate> ...|'
 -- with prefix names), which goes into the stream entry's 'e' field for the worker to
--- correct once it knows; `affinity` ('hit', 'miss'), if given, into its 'a' field. Returns
--- 1 when one moved, 0 when the tenant's list was empty.
-local function fair_move(base, stream, maxlen, tenant, counter, chosen, affinity)
+-- correct once it knows; `affinity` ('hit', 'miss'), if given, into its 'a' field and the
+-- ms it was `waited` queued into its 'w'. Returns 1 when one moved, 0 when the tenant's list
+-- was empty.
+local function fair_move(base, stream, maxlen, tenant, counter, chosen, affinity, waited)
   local list = base .. ':t:' .. tenant
   local element = chosen
   if chosen then redis.call('LREM', list, 1, chosen) else element = redis.call('LPOP', list) end
@@ -144,7 +147,9 @@ local function fair_move(base, stream, maxlen, tenant, counter, chosen, affinity
   redis.call('HINCRBY', base, 'waiting', -1)
   fair_charge(base, tenant, tonumber(estimate))
   local fields = {'r', string.sub(element, bar + 1), 'e', estimate}
-  if affinity then table.insert(fields, 'a'); table.insert(fields, affinity) end
+  if affinity then
+    for _, item in ipairs({'a', affinity, 'w', waited}) do table.insert(fields, item) end
+  end
   redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', unpack(fields))
   return 1
 end

@@ -1,6 +1,7 @@
 -- KEYS: the model's requests stream, its fair base (Keys.fair)
--- ARGV: consumer group, consumer, count, the stream's cap, TTL, the wait for affinity (ms;
---       0: none), then what the worker served since its last call: tenant, tokens, ...
+-- ARGV: consumer group, consumer, count, the stream's cap, TTL, the most a request waits for
+--       affinity (ms; 0: none), the consumer's prefill rate (tokens/s; 0: not measured), then
+--       what the worker served since its last call: tenant, tokens, ...
 -- Charges what was served, then takes up to `count` requests for `consumer`: first what
 -- waits in the stream itself (a reply taken over, a request given back: work admitted
 -- before), then the tenants' requests in counter order (the smallest first), each moved
@@ -9,17 +10,19 @@
 -- for another idle worker.
 -- With a wait for affinity (docs/affinity.md), a tenant's first FAIR_WINDOW requests are
 -- looked at, in their order: the first that may go here goes, its prefix held by this
--- consumer ('hit'), or by no worker with a free slot, or its `wait` ms for its holders over
--- ('miss'); the others wait for their holders. Only when none of them may go here does the
--- next tenant's turn come.
+-- consumer ('hit'), or by no worker with a free slot, or its wait for its holders over
+-- ('miss'); the others wait for their holders. A request waits at most `wait` ms, and no
+-- longer than this consumer would take to prefill its held prefix (the most the wait can
+-- save). Only when none of them may go here does the next tenant's turn come.
+-- A request placed by affinity carries how long it was queued (ms) in its entry's `w`.
 -- Says how many slots the consumer has left free (fair_holders reads it).
 -- Returns {entries taken, as XREADGROUP gives them: {{id, {field, value, ...}}, ...},
 --          ms until a request waiting for another worker may go anywhere (0: none waits)}.
 local stream, base = KEYS[1], KEYS[2]
 local group, consumer, count = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local wait = tonumber(ARGV[6])
+local wait, prefill_rate = tonumber(ARGV[6]), tonumber(ARGV[7])
 local FAIR_WINDOW, FAIR_TENANTS = 8, 16
-for i = 7, #ARGV, 2 do fair_charge(base, ARGV[i], tonumber(ARGV[i + 1])) end
+for i = 8, #ARGV, 2 do fair_charge(base, ARGV[i], tonumber(ARGV[i + 1])) end
 local taken = {}
 local function read(n)
   local reply = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', n,
@@ -27,6 +30,12 @@ local function read(n)
   if not reply then return 0 end
   for _, entry in ipairs(reply[1][2]) do table.insert(taken, entry) end
   return #reply[1][2]
+end
+
+-- How long a request whose held prefix is `tokens` long waits for its holders (ms).
+local function waits_for(tokens)
+  if prefill_rate <= 0 or not tokens then return wait end
+  return math.min(wait, math.ceil(tokens * 1000 / prefill_rate))
 end
 
 -- One request moved for this consumer with affinity: 1, or 0 when none may go here now;
@@ -38,11 +47,12 @@ local function move_affine()
   for t = 1, #ready, 2 do
     local tenant, counter = ready[t], ready[t + 1]
     for _, element in ipairs(redis.call('LRANGE', base .. ':t:' .. tenant, 0, FAIR_WINDOW - 1)) do
-      local holders, mine, queued = fair_holders(base, element, consumer)
-      local left = queued and (queued + wait - now) or 0
+      local holders, mine, queued, tokens = fair_holders(base, element, consumer)
+      local left = queued and (queued + waits_for(tokens) - now) or 0
       if mine or #holders == 0 or left <= 0 then
         local outcome = mine and 'hit' or (#holders > 0 and 'miss' or nil)
-        return fair_move(base, stream, ARGV[4], tenant, counter, element, outcome)
+        local waited = outcome and (now - queued) or nil
+        return fair_move(base, stream, ARGV[4], tenant, counter, element, outcome, waited)
       end
       soonest = (soonest == 0 or left < soonest) and left or soonest
     end
