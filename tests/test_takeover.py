@@ -333,3 +333,47 @@ async def test_a_worker_wrongly_taken_for_lost_never_writes_twice(stack: Stack) 
     check_whole(follower.reading.events, gid, content, max_tokens)
     (resumed,) = [e.json() for e in follower.reading.events if e.event == "resumed"]
     assert resumed["from_worker"] == resumed["to_worker"] == owner.decode()
+
+
+async def test_a_continuation_redis_lost_is_queued_again_at_its_epoch(stack: Stack) -> None:
+    """A reply taken over whose continuation Redis lost (a Cluster failover can drop the
+    queue's write while the generation, on another shard, says ``queued``: the cluster
+    chaos minute, seed 14, hung a reply so) is queued again by its reader's gateway as the
+    continuation, at the takeover's epoch, from what it streamed: the reader gets the whole
+    reply. Queued again as its first request, every worker refused it (its epoch is past)
+    and the reader waited for ever."""
+    doomed = stack.synthetic(20)
+    gateway = stack.gateway(TOKENSPOUT_SSE_HEARTBEAT_S="1")
+    redis = aioredis.Redis.from_url(stack.redis_url)
+    stream = RequestQueue(redis, Keys(stack.prefix), "synthetic").key
+    content, max_tokens = "lost on its way over", 30
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            session = await create_session(client, gateway.url)
+            gid = await send(client, session, content, max_tokens=max_tokens)
+            follower = follow(client, session, gid)
+            await follower.until_tokens(5)
+            await lease_trusted(stack.redis_url)
+            processes.kill(doomed)
+            # No worker is left: the continuation waits in the queue, and Redis loses it
+            # (with the request it continues, acknowledged: the stream keeps no copy).
+            async with asyncio.timeout(20):
+                while (
+                    len(
+                        ours := [
+                            i for i, f in await redis.xrange(stream) if gid.encode() in f[b"r"]
+                        ]
+                    )
+                    < 2
+                ):
+                    await asyncio.sleep(0.05)
+            await redis.xdel(stream, *ours)
+            stack.synthetic(20)
+            await follower.until_end(30)
+        check_whole(follower.reading.events, gid, content, max_tokens)
+        resumed = [e.json() for e in follower.reading.events if e.event == "resumed"]
+        assert [r["takeover"] for r in resumed] == [1]
+        (gateway_log,) = stack.logs.glob("gateway-*.log")
+        assert f"generation {gid} of session" in gateway_log.read_text()
+    finally:
+        await redis.aclose()

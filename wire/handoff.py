@@ -15,9 +15,15 @@ from __future__ import annotations
 import time
 
 import msgspec
+import redis.asyncio as aioredis
 
-from wire.messages import GenerationRequest, Resume, Usage
+from wire.keys import Keys
+from wire.messages import GenerationRequest, Resume, Started, Token, Usage, decode_event
 from wire.outcomes import NotStarted, TakenOver
+from wire.replies import entries_of, text
+
+READ_BACK_PAGE = 512
+"""Events read a page at a time, newest first, back to a generation's start."""
 
 
 class Streamed(msgspec.Struct, frozen=True):
@@ -50,3 +56,35 @@ def continuation(
             token_ids=streamed.token_ids,
         ),
     )
+
+
+async def streamed_so_far(
+    redis: aioredis.Redis, keys: Keys, session_id: str, generation_id: str
+) -> Streamed | None:
+    """The generation's ``started`` and ``token`` events, read newest first back to its
+    start; None when they are not all there (trimmed) or do not add up."""
+    gid = generation_id.encode()
+    tokens: list[Token] = []
+    end = "+"
+    while True:
+        page = entries_of(
+            await redis.xrevrange(keys.events(session_id), max=end, count=READ_BACK_PAGE)
+        )
+        for _entry_id, fields in page:
+            if fields.get(b"g") != gid:
+                continue
+            event = decode_event(fields[b"d"])
+            if isinstance(event, Token):
+                tokens.append(event)
+            elif isinstance(event, Started):
+                tokens.reverse()
+                streamed = Streamed(
+                    prompt_tokens=event.prompt_tokens,
+                    completion_tokens=tokens[-1].count if tokens else 0,
+                    text="".join(token.text for token in tokens),
+                    token_ids=[i for token in tokens for i in token.token_ids],
+                )
+                return streamed if len(streamed.token_ids) == streamed.completion_tokens else None
+        if len(page) < READ_BACK_PAGE:
+            return None
+        end = f"({text(page[-1][0])}"

@@ -36,6 +36,7 @@ from bench.chaos.clients import (
     LOSSES,
     SETTLE_S,
     SHUTTING_DOWN,
+    UNAVAILABLE,
     WHOLE_TIMEOUT,
     Context,
     Record,
@@ -428,10 +429,12 @@ class ResponseReading:
         faults_before = self.faults_of(url, self.ctx.clock() - SETTLE_S)
         async for _id, event, data in sse_events(response):
             payload = json.loads(data)
-            if event == "error" and payload.get("code") == SHUTTING_DOWN:
-                # Its gateway was stopped: the response runs on; read it elsewhere.
-                record.step(self.ctx.clock(), f"{url} shutting_down")
-                if self.faults_of(url, math.inf) == faults_before:
+            if event == "error" and payload.get("code") in (SHUTTING_DOWN, UNAVAILABLE):
+                # Its gateway was stopped, or could not read Redis: the response runs on
+                # in the background; read it elsewhere (docs/api.md).
+                record.step(self.ctx.clock(), f"{url} {payload['code']}")
+                stopped = payload["code"] == SHUTTING_DOWN
+                if stopped and self.faults_of(url, math.inf) == faults_before:
                     record.problems.append("shutting_down with no fault of its gateway")
                 if self.response_id is None:
                     raise Retry(1.0)

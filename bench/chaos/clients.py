@@ -68,6 +68,8 @@ FAILING_SHARE = 0.05
 ENGINE_ERROR = "engine_error"
 """The code of the synthetic engine's failure on request (engine/backends/synthetic.py)."""
 SHUTTING_DOWN = "shutting_down"
+UNAVAILABLE = "unavailable"
+"""An open stream's end when its gateway could not read Redis: the reply runs on; resume it."""
 """The error a gateway stopped by SIGTERM ends a request with when it outlasts the grace."""
 RESPONSE_FINALS = {"response.completed", "response.incomplete", "response.failed"}
 BROKEN = (httpx.TransportError, WebSocketException, OSError, asyncio.TimeoutError)
@@ -79,7 +81,7 @@ LOSSES = frozenset(
 never goes silent"): the only ends a reply may have besides its own, and only after a
 fault that loses writes (docs/reliability.md)."""
 RETRYABLE_CODES = frozenset(
-    {"overloaded", "unavailable", "model_unavailable", "no_worker", "keys_not_loaded", RATE_LIMITED}
+    {"overloaded", UNAVAILABLE, "model_unavailable", "no_worker", "keys_not_loaded", RATE_LIMITED}
 )
 """A WebSocket ``generate`` refused before it started, with ``retry_after_s``: sent again.
 ``no_worker`` is what a gateway says while no worker is registered, as after a wiped Redis
@@ -639,12 +641,15 @@ async def cancel_over_http(ctx: Context, rng: random.Random, record: Record) -> 
     sid, token = record.session
 
     async def attempt(url: str) -> None:
+        since = ctx.clock()
         response = await ctx.http.post(
             f"{url}/v1/sessions/{sid}/generations/{record.generation_id}/cancel",
             headers={"X-Session-Token": token},
         )
         refusal(response, record)
-        if response.status_code != 200:
+        if code := lost_code(response):  # Redis lost the session: told, as its stream will
+            record.told_lost(ctx.clock(), code, since, url)
+        elif response.status_code != 200:
             record.problems.append(f"cancel: {response.status_code} {response.text[:200]}")
 
     await with_retries(ctx, rng, record, attempt)

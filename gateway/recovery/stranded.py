@@ -27,6 +27,8 @@ import wire
 from gateway.core.store.queue import GenerationQueue
 from gateway.core.store.sessions import Sessions
 from wire import GenerationRequest
+from wire.handoff import continuation, streamed_so_far
+from wire.outcomes import NotStarted
 from wire.queue import RequestQueue
 
 log = logging.getLogger("tokenspout.sessions")
@@ -90,9 +92,12 @@ class StrandedTurns:
         queue is gone), so none of them is its. Its request comes from the note the submit
         kept with the generation (none for a one-shot API request: then False). A copy
         that was not lost after all (taken by a worker stopped before its claim) runs once.
+        A reply taken over (its ``takeovers``) is queued as its continuation at that
+        epoch, from what it streamed: its first request would be refused by every worker.
         Returns whether it queued."""
         key = self.keys.generation(session_id, generation_id)
-        state, note, model = await self.redis.hmget(key, ["state", "note", "queue"])
+        fields = ["state", "note", "queue", "takeovers", "from"]
+        state, note, model, takeovers, last_worker = await self.redis.hmget(key, fields)
         if state is None or wire.text(state) != "queued" or not note or not model:
             return False
         queue = self.queue.of(wire.text(model))
@@ -100,6 +105,12 @@ class StrandedTurns:
         if (after is not None and await queue.read_after(after, 1)) or await queue.fair_waiting():
             return False  # requests wait there: it may be one of them (the deadline decides)
         request = await self.sessions.with_turn(_request_decoder.decode(note))
+        if epoch := int(takeovers or 0):
+            streamed = await streamed_so_far(self.redis, self.keys, session_id, generation_id)
+            if streamed is None:  # its events trimmed or lost: the deadline ends it
+                return False
+            taken = NotStarted(epoch, wire.text(last_worker or b""))
+            request = continuation(request, taken, streamed)
         await self.queue.enqueue(queue.model, request)
         return True
 

@@ -38,13 +38,11 @@ from wire import (
     Error,
     GenerationRequest,
     Keys,
-    Started,
-    Token,
     Usage,
 )
 from wire.connect import mget, node_by_address
 from wire.generations import Generations
-from wire.handoff import Streamed, continuation
+from wire.handoff import Streamed, continuation, streamed_so_far
 from wire.outcomes import (
     AlreadyFinal,
     CancelAsked,
@@ -60,7 +58,6 @@ _info_decoder = msgspec.json.Decoder(wire.WorkerInfo)
 
 REAPER_PREFIX = "reaper-"
 """Consumer names the reaper claims entries under while it hands them on."""
-READ_BACK_PAGE = 512
 LOST_BEFORE_START = "lost_before_start"
 """Field of the generation's hash: how often its worker died before claiming it."""
 LEASE_GRACE_S = 3
@@ -137,38 +134,6 @@ async def _reconnected(redis: aioredis.Redis, missing: set[str]) -> set[str]:
         return missing
     names = {client.get("name") for client in await redis.client_list()}
     return {worker for worker in missing if wire.lease_name(worker) in names}
-
-
-async def streamed_so_far(
-    redis: aioredis.Redis, keys: Keys, session_id: str, generation_id: str
-) -> Streamed | None:
-    """The generation's ``started`` and ``token`` events, read newest first back to its
-    start; None when they are not all there (trimmed) or do not add up."""
-    gid = generation_id.encode()
-    tokens: list[Token] = []
-    end = "+"
-    while True:
-        page = wire.entries_of(
-            await redis.xrevrange(keys.events(session_id), max=end, count=READ_BACK_PAGE)
-        )
-        for _entry_id, fields in page:
-            if fields.get(b"g") != gid:
-                continue
-            event = wire.decode_event(fields[b"d"])
-            if isinstance(event, Token):
-                tokens.append(event)
-            elif isinstance(event, Started):
-                tokens.reverse()
-                streamed = Streamed(
-                    prompt_tokens=event.prompt_tokens,
-                    completion_tokens=tokens[-1].count if tokens else 0,
-                    text="".join(token.text for token in tokens),
-                    token_ids=[i for token in tokens for i in token.token_ids],
-                )
-                return streamed if len(streamed.token_ids) == streamed.completion_tokens else None
-        if len(page) < READ_BACK_PAGE:
-            return None
-        end = f"({wire.text(page[-1][0])}"
 
 
 class LostRequests:
