@@ -583,7 +583,9 @@ class JobTable:
         job.handed_over()
         if job.trace is not None:
             job.trace.event("preempted" if preempted else "handed_over")
-        return continuation(job.request, outcome, streamed)
+        resumed = continuation(job.request, outcome, streamed)
+        await self.generations.keep_continuation(self.queue, resumed)
+        return resumed
 
     # --- the drain -----------------------------------------------------------------------------
 

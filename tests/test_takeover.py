@@ -335,44 +335,73 @@ async def test_a_worker_wrongly_taken_for_lost_never_writes_twice(stack: Stack) 
     assert resumed["from_worker"] == resumed["to_worker"] == owner.decode()
 
 
+async def lose_queued(redis: aioredis.Redis, stream: str, gid: str, copies: int) -> None:
+    """Wait for ``copies`` requests of ``gid`` in ``stream``, then lose them all (as a
+    Redis failover loses what the queue's primary had acknowledged)."""
+    async with asyncio.timeout(20):
+        while (
+            len(ours := [i for i, f in await redis.xrange(stream) if gid.encode() in f[b"r"]])
+            < copies
+        ):
+            await asyncio.sleep(0.05)
+    await redis.xdel(stream, *ours)
+
+
 async def test_a_continuation_redis_lost_is_queued_again_at_its_epoch(stack: Stack) -> None:
     """A reply taken over whose continuation Redis lost (a Cluster failover can drop the
     queue's write while the generation, on another shard, says ``queued``: the cluster
-    chaos minute, seed 14, hung a reply so) is queued again by its reader's gateway as the
-    continuation, at the takeover's epoch, from what it streamed: the reader gets the whole
-    reply. Queued again as its first request, every worker refused it (its epoch is past)
-    and the reader waited for ever."""
+    chaos minute, seed 14, hung a reply so) is queued again by its reader's gateway: the
+    continuation its taker kept beside the generation, at the takeover's epoch. The reader
+    of a session turn and of a one-shot OpenAI stream each get the whole reply. Queued
+    again as its first request, every worker refused it (its epoch is past) and the reader
+    waited for ever; a one-shot request was not queued again at all."""
     doomed = stack.synthetic(20)
     gateway = stack.gateway(TOKENSPOUT_SSE_HEARTBEAT_S="1")
     redis = aioredis.Redis.from_url(stack.redis_url)
     stream = RequestQueue(redis, Keys(stack.prefix), "synthetic").key
     content, max_tokens = "lost on its way over", 30
+    sdk = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
+    chunks: list[str] = []
+    completion_ids: set[str] = set()
+
+    async def one_shot() -> None:
+        answer = await sdk.chat.completions.create(
+            model="synthetic",
+            messages=[{"role": "user", "content": content}],
+            max_tokens=max_tokens,
+            stream=True,
+        )
+        async for chunk in answer:
+            completion_ids.add(chunk.id)
+            if chunk.choices:
+                chunks.append(chunk.choices[0].delta.content or "")
+
     try:
         async with httpx.AsyncClient(timeout=30) as client:
             session = await create_session(client, gateway.url)
             gid = await send(client, session, content, max_tokens=max_tokens)
             follower = follow(client, session, gid)
+            sdk_task = asyncio.create_task(one_shot())
             await follower.until_tokens(5)
+            async with asyncio.timeout(30):
+                while len(chunks) < 5:
+                    await asyncio.sleep(0.01)
+            (completion_id,) = completion_ids
+            one_shot_gid = completion_id.removeprefix("chatcmpl-")
             await lease_trusted(stack.redis_url)
             processes.kill(doomed)
-            # No worker is left: the continuation waits in the queue, and Redis loses it
-            # (with the request it continues, acknowledged: the stream keeps no copy).
-            async with asyncio.timeout(20):
-                while (
-                    len(
-                        ours := [
-                            i for i, f in await redis.xrange(stream) if gid.encode() in f[b"r"]
-                        ]
-                    )
-                    < 2
-                ):
-                    await asyncio.sleep(0.05)
-            await redis.xdel(stream, *ours)
+            # No worker is left: the continuations wait in the queue, and Redis loses them
+            # (with the requests they continue, acknowledged: the stream keeps no copy).
+            await lose_queued(redis, stream, gid, 2)
+            await lose_queued(redis, stream, one_shot_gid, 2)
             stack.synthetic(20)
             await follower.until_end(30)
+            await asyncio.wait_for(sdk_task, 30)
+        await sdk.close()
         check_whole(follower.reading.events, gid, content, max_tokens)
         resumed = [e.json() for e in follower.reading.events if e.event == "resumed"]
         assert [r["takeover"] for r in resumed] == [1]
+        assert "".join(chunks) == synthetic_text(content, max_tokens)
         (gateway_log,) = stack.logs.glob("gateway-*.log")
         assert f"generation {gid} of session" in gateway_log.read_text()
     finally:

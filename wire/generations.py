@@ -49,6 +49,8 @@ from wire.scripts import (
 from wire.tenancy import UsageCounter
 from wire.topology import Fill, Proceed, Topology, topology_of
 
+CONTINUATION = "continuation"
+"""The generation's field that keeps the request continuing it (``keep_continuation``)."""
 CANCELS_MAXLEN = 10_000
 """The cancels stream's cap: every worker reads every signal from its newest on."""
 
@@ -250,6 +252,17 @@ class Generations:
         if isinstance(reply, AlreadyFinal):
             await self._usage.after_final(session_id, generation_id)
         return reply
+
+    async def keep_continuation(self, queue: RequestQueue, request: GenerationRequest) -> None:
+        """Keep the request that continues a reply taken over (``request``, at its new
+        epoch, for ``queue``) beside its generation, in its ``continuation`` and ``queue``
+        fields: should Redis lose it from the queue (a Cluster failover drops what the
+        queue's primary acknowledged, while the generation, on another slot, stays
+        ``queued``), a reader's gateway queues it again from there
+        (gateway/recovery/stranded.py). A takeover is rare: one more write then costs
+        nothing on the way of a request."""
+        key = self.keys.generation(request.session_id, request.generation_id)
+        await self.redis.hset(key, mapping={CONTINUATION: encode(request), "queue": queue.model})
 
     # --- ends (the gateways' recovery) -------------------------------------------------------
 

@@ -42,6 +42,9 @@ from wire.scripts import (
 )
 
 Fields = Mapping[bytes, bytes] | Mapping[str, bytes]
+PENDING_LOOK = 1000
+"""The most of a queue's taken, unacknowledged requests read for one generation's (every
+worker's slots, in any deployment this gateway serves)."""
 HELD_TTL_S = 300
 """How long a worker is taken to hold a prefix it served (unless it serves it again): about
 how long an engine under load keeps an idle conversation's blocks. A wrong guess costs a
@@ -258,6 +261,27 @@ class RequestQueue:
         if not summary["pending"]:
             return []
         return [text(consumer["name"]) for consumer in summary["consumers"]]
+
+    async def holds_taken(self, generation_id: str) -> bool:
+        """Whether a worker holds a request of ``generation_id`` taken and not yet
+        acknowledged (preparing it, or stopped before its claim): its pending entries read
+        in one round trip besides the pending list."""
+        try:
+            pending = await self.redis.xpending_range(
+                self.key, CONSUMER_GROUP, min="-", max="+", count=PENDING_LOOK
+            )
+        except RedisError as exc:
+            if _missing(exc):
+                return False
+            raise
+        if not pending:
+            return False
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for entry in pending:
+                pipe.xrange(self.key, min=entry["message_id"], max=entry["message_id"])
+            found = await pipe.execute()
+        needle = generation_id.encode()
+        return any(needle in fields.get(b"r", b"") for entry in found for _, fields in entry)
 
     async def pending_of(self, consumer: str, idle_ms: int | None = None) -> list[tuple[str, int]]:
         """(entry id, ms since delivered) of what ``consumer`` holds (idle that long, if

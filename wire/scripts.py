@@ -354,6 +354,9 @@ class NewSession:
     tenant: str = ""
     """Who it serves and is billed to (``GenerationRequest.tenant``)."""
     bill: Bill = "all"
+    queue: str = ""
+    """The model's queue it goes to, kept with the generation: a reader's gateway that
+    finds that queue empty while the generation waits knows Redis lost its request."""
 
 
 def _admitting(admission: AdmitInSubmit) -> tuple[list[str], list[Arg]]:
@@ -400,7 +403,7 @@ class Submit(Script):
         """``token_digest`` "": no token check. ``choice`` > 0: another choice of the turn
         just submitted (no ``user_message``): queued beside it, not the session's active
         generation. ``note``: its request without its conversation, kept with the
-        generation with the ``queue`` it goes to (to queue it again, should Redis lose it).
+        generation (to queue it again, should Redis lose it); ``queue``: the one it goes to.
         ``tenant``: who it serves, billed ``bill`` when its final event is written.
         ``turn``: how it changes the history first (wire/lua/submit.lua: "" a new message,
         ``edit <i>``, ``regenerate``, ``continue``)."""
@@ -456,6 +459,7 @@ class Submit(Script):
             admission=admission,
             tenant=new.tenant,
             bill=new.bill,
+            queue=new.queue,
         )
 
     @staticmethod

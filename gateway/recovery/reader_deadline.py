@@ -1,9 +1,10 @@
 """``ReaderDeadline``: every gateway process looks after the generations its readers saw
 queued and never saw start, whose request may be in no queue the reaper reads
-(gateway/core/relay/waiting.py says how that happens): ``REQUEUE_AFTER_S`` on, a session turn whose
-queue has no request waiting is queued again; ``READER_GRACE_S`` after the queue
-deadline, what still waits is ended (the reaper's own deadline, gateway/recovery/reaper.py,
-comes first for what it can see).
+(gateway/core/relay/waiting.py says how that happens): ``REQUEUE_AFTER_S`` on, one whose
+queue has no request waiting is queued again (a session turn from its note, a reply taken
+over from its continuation), or ended ``events_lost`` when nothing of it is kept (a one-shot
+request's); ``READER_GRACE_S`` after the queue deadline, what still waits is ended (the
+reaper's own deadline, gateway/recovery/reaper.py, comes first for what it can see).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from redis.exceptions import RedisError
 
 from gateway.core.relay.hub import RelayHub
 from gateway.recovery.reaper import queue_timeout
-from gateway.recovery.stranded import StrandedTurns
+from gateway.recovery.stranded import NothingKept, StrandedTurns
+from wire import Error, Usage
 from wire.generations import Generations
 
 log = logging.getLogger("tokenspout.watchdog")
@@ -29,6 +31,18 @@ REQUEUE_AFTER_S = 5.0
 """A session turn still queued this long with no request waiting in its queue lost its
 request: queued again. After the stranded-turn repair's ``STRANDED_AFTER_S``, which
 queues the turns of a gateway that died mid-submit from the notes beside the queue."""
+
+
+def request_lost(generation_id: str, streamed: Usage | None) -> Error:
+    """The final event of a generation whose request Redis lost with no copy kept to queue
+    it again (a one-shot request's): billed what it ``streamed``, if it had begun."""
+    return Error(
+        generation_id,
+        "events_lost",
+        "Redis lost this generation's request (a failover or a crash lost its last writes);"
+        " send it again",
+        streamed,
+    )
 
 
 class ReaderDeadline:
@@ -77,14 +91,16 @@ class ReaderDeadline:
         return len(found)
 
     async def requeue_lost(self) -> int:
-        """Queue again the session turns waiting ``REQUEUE_AFTER_S`` whose request is in
-        no queue; each is looked at once. Returns how many were queued again."""
-        requeued = 0
+        """Queue again the generations waiting ``REQUEUE_AFTER_S`` whose request is in no
+        queue, and end those with nothing kept to queue again; each is looked at once.
+        Returns how many were queued again or ended."""
+        repaired = 0
         since = time.time() - REQUEUE_AFTER_S
         for session_id, generation_id in self.waiting.queued_before(since, requeued=False):
             self.waiting.requeued(session_id, generation_id)
-            if await self.stranded.requeue_lost(session_id, generation_id):
-                requeued += 1
+            repair = await self.stranded.requeue_lost(session_id, generation_id)
+            if repair == "requeued":
+                repaired += 1
                 log.warning(
                     "generation %s of session %s was still queued %g s on with no request"
                     " waiting in its queue (Redis lost it): queued again",
@@ -92,7 +108,19 @@ class ReaderDeadline:
                     session_id,
                     REQUEUE_AFTER_S,
                 )
-        return requeued
+            elif isinstance(repair, NothingKept):
+                event = request_lost(generation_id, repair.streamed)
+                [ended] = await self.generations.end_queued([(session_id, event)])
+                self.waiting.settled(session_id, generation_id)
+                repaired += ended
+                log.warning(
+                    "generation %s of session %s was still queued %g s on with its request"
+                    " in no queue (Redis lost it) and no copy kept: ended with events_lost",
+                    generation_id,
+                    session_id,
+                    REQUEUE_AFTER_S,
+                )
+        return repaired
 
     async def end_overdue(self) -> int:
         """End the overdue ones; returns how many were still queued (the others started

@@ -20,19 +20,21 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
+from typing import Literal, cast
 
 import msgspec
 
 import wire
 from gateway.core.store.queue import GenerationQueue
 from gateway.core.store.sessions import Sessions
-from wire import GenerationRequest
-from wire.handoff import continuation, streamed_so_far
-from wire.outcomes import NotStarted
+from wire import GenerationRequest, Usage
+from wire.generations import CONTINUATION
 from wire.queue import RequestQueue
 
 log = logging.getLogger("tokenspout.sessions")
 _request_decoder = msgspec.json.Decoder(GenerationRequest)
+_usage_decoder = msgspec.json.Decoder(Usage)
 
 STRANDED_AFTER_S = 3.0
 """A session turn noted on its way to the queue this long ago and still not there: its
@@ -45,6 +47,15 @@ def _whole(request: GenerationRequest) -> bool:
     """A one-shot request's note carries its conversation (its session keeps none); a
     session turn's is read from the session's history."""
     return bool(request.messages or request.prompt is not None or request.token_ids)
+
+
+@dataclass(frozen=True)
+class NothingKept:
+    """A generation whose request Redis lost, with nothing kept to queue it again (a
+    one-shot request's: its session keeps no conversation)."""
+
+    streamed: Usage | None
+    """What it streamed before it waited again (its takeover's count), if it had begun."""
 
 
 class StrandedTurns:
@@ -86,33 +97,38 @@ class StrandedTurns:
             )
         return queued
 
-    async def requeue_lost(self, session_id: str, generation_id: str) -> bool:
-        """Queue again a session turn still ``queued`` whose request seems lost: no request
-        waits in its queue (none after its consumer group's last delivered one, or the
-        queue is gone), so none of them is its. Its request comes from the note the submit
-        kept with the generation (none for a one-shot API request: then False). A copy
-        that was not lost after all (taken by a worker stopped before its claim) runs once.
-        A reply taken over (its ``takeovers``) is queued as its continuation at that
-        epoch, from what it streamed: its first request would be refused by every worker.
-        Returns whether it queued."""
+    async def requeue_lost(
+        self, session_id: str, generation_id: str
+    ) -> Literal["requeued"] | NothingKept | None:
+        """Repair a generation still ``queued`` whose request seems lost: none waits in its
+        queue (none after its consumer group's last delivered one, nor in the tenants'
+        lists). A session turn is queued again from the note the submit kept with the
+        generation; a reply taken over, as the continuation its taker kept beside it
+        (``Generations.keep_continuation``: at the takeover's epoch, from what it streamed;
+        queued again as its first request every worker would refuse it, its epoch past).
+        A copy that was not lost after all (taken by a worker stopped before its claim)
+        runs once. A one-shot request has nothing kept to queue again: unless a worker
+        holds it taken, ``NothingKept`` (its reader's gateway ends it). None: not lost, or
+        not queued (any more)."""
         key = self.keys.generation(session_id, generation_id)
-        fields = ["state", "note", "queue", "takeovers", "from"]
-        state, note, model, takeovers, last_worker = await self.redis.hmget(key, fields)
-        if state is None or wire.text(state) != "queued" or not note or not model:
-            return False
+        fields = ["state", "note", "queue", "takeovers", CONTINUATION, "usage"]
+        state, note, model, takeovers, resumed, usage = await self.redis.hmget(key, fields)
+        if state is None or wire.text(state) != "queued" or not model:
+            return None
         queue = self.queue.of(wire.text(model))
         after = await queue.waiting_after()  # its group's lag is nil after a deletion: read
         if (after is not None and await queue.read_after(after, 1)) or await queue.fair_waiting():
-            return False  # requests wait there: it may be one of them (the deadline decides)
-        request = await self.sessions.with_turn(_request_decoder.decode(note))
-        if epoch := int(takeovers or 0):
-            streamed = await streamed_so_far(self.redis, self.keys, session_id, generation_id)
-            if streamed is None:  # its events trimmed or lost: the deadline ends it
-                return False
-            taken = NotStarted(epoch, wire.text(last_worker or b""))
-            request = continuation(request, taken, streamed)
-        await self.queue.enqueue(queue.model, request)
-        return True
+            return None  # requests wait there: it may be one of them (the deadline decides)
+        if resumed and int(takeovers or 0) > 0:
+            await queue.add({"r": cast(bytes, resumed)})  # as its taker queued it
+            return "requeued"
+        if note:
+            request = await self.sessions.with_turn(_request_decoder.decode(note))
+            await self.queue.enqueue(queue.model, request)
+            return "requeued"
+        if await queue.holds_taken(generation_id):
+            return None
+        return NothingKept(_usage_decoder.decode(usage) if usage else None)
 
     async def waiting_generations(self, session_ids: list[str]) -> list[tuple[str, str, float]]:
         """(session, generation, when submitted) of the sessions' running generations that

@@ -190,6 +190,7 @@ class LostRequests:
             return "worker_lost"
         resumed = continuation(request, reply, streamed)
         await self.redis.hset(gen_key, "usage", wire.encode(streamed.usage()))
+        await self.generations.keep_continuation(queue, resumed)
         log.info(
             "taking over %s from %s after %d tokens (takeover %d)",
             gid,

@@ -229,7 +229,7 @@ class Submitter:
     ) -> script.SubmitReply:
         """Make the throwaway session with its generation and queue its request: admitted
         by SUBMIT itself (``ticket.in_submit``), or admitted before."""
-        new = self._new_session(request)
+        new = self._new_session(model, request)
         if ticket.in_submit is not None:
             return await self.generations.create_admitted(new, ticket.in_submit)
         keep = None
@@ -247,9 +247,10 @@ class Submitter:
         waiting = self.queue.waiting(model, request, note)
         return await self.generations.create_queued(new, self.queue.of(model), waiting, keep)
 
-    def _new_session(self, request: GenerationRequest) -> NewSession:
-        """The stateless session SUBMIT makes for ``request``: its tenant billed its prompt
-        and completion (another choice of a request: its completion; tokenize: nothing)."""
+    def _new_session(self, model: str, request: GenerationRequest) -> NewSession:
+        """The stateless session SUBMIT makes for ``request`` to ``model``'s queue: its
+        tenant billed its prompt and completion (another choice of a request: its
+        completion; tokenize: nothing)."""
         task, choice = request.task, request.choice
         bill: Bill = "none" if task != "generate" else "completion" if choice else "all"
         return NewSession(
@@ -260,6 +261,7 @@ class Submitter:
             self.sessions.watch_ttl_s,
             request.tenant,
             bill,
+            self.queue.of(model).model,
         )
 
     # --- session turns ----------------------------------------------------------------------
