@@ -68,6 +68,7 @@ FAILING_SHARE = 0.05
 ENGINE_ERROR = "engine_error"
 """The code of the synthetic engine's failure on request (engine/backends/synthetic.py)."""
 SHUTTING_DOWN = "shutting_down"
+GENERATION_RUNNING = "generation_running"
 UNAVAILABLE = "unavailable"
 """An open stream's end when its gateway could not read Redis: the reply runs on; resume it."""
 """The error a gateway stopped by SIGTERM ends a request with when it outlasts the grace."""
@@ -335,6 +336,12 @@ async def send_message(
             record.told_lost(ctx.clock(), code, since, url)
             record.final = "lost"
             raise SessionGone(code)
+        if response.status_code == 409 and _code_of(response) == GENERATION_RUNNING:
+            # The turn before ended for this client but Redis lost its end (a crash): the
+            # worker writes it again once Redis is back (docs/reliability.md). Told of a
+            # loss, so the checker asks for one before it; sent again after Retry-After.
+            record.told_lost(ctx.clock(), GENERATION_RUNNING, since, url)
+            raise Retry(min(float(response.headers.get("retry-after") or 1), 2.0))
         if response.status_code != 202:
             raise RuntimeError(f"send: {response.status_code} {response.text[:200]}")
         return str(response.json()["generation_id"])
