@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import sys
 import time
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import checkouts, report, requests, revisions_report, stats, stuck
+from bench import checkouts, profile_top, report, requests, revisions_report, stats, stuck
 from bench.checkouts import Checkout
 from bench.rig import Rig, rig, run_logs
 from bench.runner import run_once
@@ -235,6 +236,7 @@ async def measure_pace(
         for round_n in range(1, args.rounds + 1):
             for workload in pace.workloads:
                 rounds.append(await measure_round(workload, round_n, sides, runs, args))
+        profiles = await profile(sides, pace, args) if args.profile is not None else {}
     out: dict[str, Any] = {}
     for workload in pace.workloads:
         alone = figures(workload, runs[workload, ENGINE], args)
@@ -248,10 +250,31 @@ async def measure_pace(
             f |= compared(workload, f, alone)
         out[workload] = {
             "engine": alone,
+            "engine_flags": list(pace.backend_args),
             "sides": side_figures,
             "rounds": [r for r in rounds if r["workload"] == workload],
         }
+        if workload in profiles:
+            out[workload]["profiles"] = profiles[workload]
     return out
+
+
+async def profile(sides: list[Side], pace: Pace, args: argparse.Namespace) -> dict[str, Any]:
+    """py-spy on each side's gateway and worker during one more turn of each workload (not
+    counted in the figures: py-spy takes CPU too); speedscope files and their top frames
+    into ``args.profile``."""
+    args.profile.mkdir(parents=True, exist_ok=True)
+    found: dict[str, Any] = {}
+    for workload in pace.workloads:
+        for side in sides:
+            if workload == "keyed" and side.key_headers is None:
+                continue
+            pids = {name: side.rig.pids()[name] for name in ("gateway", "worker")}
+            stem = f"{workload}-{side.checkout.commit[:7]}"
+            async with profile_top.profiling(pids, args.profile, stem) as top:
+                await turn(side.rig, workload, args, headers=side.headers(workload))
+            found.setdefault(workload, {})[side.checkout.label] = top
+    return found
 
 
 async def measure_round(
@@ -324,7 +347,7 @@ async def suite(args: argparse.Namespace) -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.revisions", description=__doc__)
-    parser.add_argument("revisions", nargs="+", help="commits, branches, tags; '.': this checkout")
+    parser.add_argument("revisions", nargs="*", help="commits, branches, tags; '.': this checkout")
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--requests", type=int, default=2000, help="oneshot, keyed: per turn")
@@ -347,17 +370,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "bench")
     parser.add_argument("--name", default="revisions", help="NAME.json, NAME.md, NAME.png")
     parser.add_argument("--no-plot", action="store_true")
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--profile", type=Path, default=None, help="then py-spy each side once more, into DIR"
+    )
+    parser.add_argument(
+        "--render", type=Path, default=None, help="only write NAME.md and NAME.png from this JSON"
+    )
+    args = parser.parse_args(argv)
+    if not args.revisions and args.render is None:
+        parser.error("name at least one revision (or --render a results JSON)")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    args.logs = run_logs("revisions", None, say)
-    args.load_processes = 1
-    results = stuck.run(suite(args))
+    if args.render is not None:
+        results = json.loads(args.render.read_text())
+    else:
+        args.logs = run_logs("revisions", None, say)
+        args.load_processes = 1
+        results = stuck.run(suite(args))
     png = args.out / f"{args.name}.png"
     plot = None if args.no_plot else (lambda _out: revisions_report.plot(results, png))
     report.write(args.out, args.name, results, revisions_report.markdown(results), plot)
+    if args.profile is not None:
+        tops = {
+            f"{name}, {label}": top
+            for name, workload in results["workloads"].items()
+            for label, top in workload.get("profiles", {}).items()
+        }
+        (args.profile / "summary.txt").write_text(profile_top.text(tops))
     say(f"done in {results['suite_s']} s: {args.out}/{args.name}.md")
 
 

@@ -131,6 +131,18 @@ def per_round(workload: dict[str, Any]) -> list[str]:
     return out
 
 
+def lacking(workload: dict[str, Any]) -> list[str]:
+    """A note for each side whose engine worker had none of the workload's engine flags
+    (an older revision's: it ran without them, the engine alone with them)."""
+    flags = workload.get("engine_flags", [])[::2]
+    out = []
+    for label, f in workload["sides"].items():
+        missing = [flag for flag in flags if flag not in f["processes_from"]["worker_args"]]
+        if missing:
+            out.append(f"- {label}: its engine worker has no {', '.join(missing)}: ran without")
+    return ["", *out] if out else []
+
+
 def markdown(results: dict[str, Any]) -> str:
     s, m = results["settings"], results["machine"]
     revisions = ", ".join(f"{r['label']} `{r['commit'][:10]}`" for r in s["revisions"])
@@ -158,6 +170,7 @@ def markdown(results: dict[str, Any]) -> str:
         out += table(name, workload, baseline)
         rounds = per_round(workload)
         out += ["", *rounds] if rounds else []
+        out += lacking(workload)
     return "\n".join(out) + "\n"
 
 
