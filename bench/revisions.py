@@ -326,7 +326,7 @@ async def suite(args: argparse.Namespace) -> dict[str, Any]:
         say(f"{c.label}: {c.root}")
     results: dict[str, Any] = {
         "machine": stats.machine(),
-        "settings": {k: v for k, v in vars(args).items() if k not in ("logs", "out", "scratch")}
+        "settings": {k: v for k, v in vars(args).items() if not isinstance(v, Path)}
         | {
             "revisions": [
                 {"label": c.label, "ref": c.ref, "commit": c.commit, "root": str(c.root)}

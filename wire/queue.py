@@ -23,9 +23,9 @@ from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 
-from wire.connect import on_key_node
+from wire.connect import is_cluster, on_key_node
 from wire.keys import CONSUMER_GROUP, SHARED_KEY_TTL_S, FairNames, Keys, tenant_slot
 from wire.messages import GenerationRequest
 from wire.replies import StreamEntry, entries_of, text
@@ -138,6 +138,9 @@ class RequestQueue:
         self._preempt = FairPreempt(redis, keys)
         self._charge = FairCharge(redis, keys)
         self._expire = FairExpire(redis, keys)
+        self._drained = False
+        """This worker's last take found fewer requests than it asked for: its next waits
+        for the bell first."""
 
     # --- gateways and the reaper ---------------------------------------------------------
 
@@ -308,33 +311,71 @@ class RequestQueue:
         maxlen: int | None = None,
     ) -> list[StreamEntry]:
         """Up to ``count`` requests for ``consumer`` (the stream's first, then the tenants'
-        in VTC order), telling what it ``served`` since it last said; with none waiting,
-        waits up to ``block_ms`` for the bell and looks once more. Raises
+        in VTC order), telling what it ``served`` since it last said. After a take that
+        found fewer than it asked for (nothing else waited then), it first waits up to
+        ``block_ms`` for the bell, which every request queued since has rung: on one Redis
+        the wait and the take go in one pipeline, the take run as the bell rings (or the
+        wait ends), one round trip as a blocking read of the stream is. Raises
         ``ResponseError`` (NOGROUP) when the group is gone."""
-        taken = await self._take_charging(consumer, count, served, maxlen)
-        if taken:
-            return taken
-        rung = await on_key_node(
-            self.redis, self.fair.bell, "BLPOP", self.fair.bell, str(block_ms / 1000)
-        )
-        return await self._take_charging(consumer, count, served, maxlen) if rung else []
+        if not self._drained:
+            taken = await self._take_charging(consumer, count, served, maxlen)
+        elif is_cluster(self.redis):
+            rung = await on_key_node(
+                self.redis, self.fair.bell, "BLPOP", self.fair.bell, str(block_ms / 1000)
+            )
+            taken = await self._take_charging(consumer, count, served, maxlen) if rung else []
+        else:
+            taken = await self._take_at_ring(consumer, count, block_ms, served, maxlen)
+        self._drained = len(taken) < count
+        return taken
+
+    async def _take_at_ring(
+        self, consumer: str, count: int, block_ms: int, served: ServedTokens, maxlen: int | None
+    ) -> list[StreamEntry]:
+        """The bell's wait, then the take, in one pipeline (one Redis)."""
+        charges = served.drain()
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.blpop([self.fair.bell], block_ms / 1000)
+                await self._take_charged(consumer, count, charges, maxlen, pipe)
+                _, reply = await pipe.execute(raise_on_error=False)
+            if isinstance(reply, NoScriptError):  # Redis restarted: its scripts are gone
+                await self._take.load()
+                return await self._take_charged(consumer, count, charges, maxlen)
+            if isinstance(reply, Exception):
+                raise reply
+        except BaseException:
+            served.give_back(charges)
+            raise
+        return FairTake.entries(reply)
 
     async def _take_charging(
         self, consumer: str, count: int, served: ServedTokens, maxlen: int | None
     ) -> list[StreamEntry]:
         charges = served.drain()
         try:
-            return await self._take(
-                stream=self.key,
-                base=self.fair.base,
-                consumer=consumer,
-                count=count,
-                maxlen=maxlen or DEFAULT_STREAM_CAP,
-                served=charges,
-            )
+            return await self._take_charged(consumer, count, charges, maxlen)
         except BaseException:
             served.give_back(charges)
             raise
+
+    async def _take_charged(
+        self,
+        consumer: str,
+        count: int,
+        charges: list[tuple[str, int]],
+        maxlen: int | None,
+        pipe: Pipeline | None = None,
+    ) -> list[StreamEntry]:
+        return await self._take(
+            stream=self.key,
+            base=self.fair.base,
+            consumer=consumer,
+            count=count,
+            maxlen=maxlen or DEFAULT_STREAM_CAP,
+            served=charges,
+            pipe=pipe,
+        )
 
     async def newcomer(self, block_ms: int) -> bool:
         """Wait up to ``block_ms`` for a tenant that had nothing waiting to queue a request

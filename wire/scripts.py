@@ -669,10 +669,19 @@ class FairTake(Script):
         count: int,
         maxlen: int,
         served: Sequence[tuple[str, int]] = (),
+        pipe: Pipeline | None = None,
     ) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        """The entries taken; with ``pipe``, queued there as a bare EVALSHA (``entries``
+        reads its reply; on NoScriptError its caller calls ``load``) and nothing yet."""
         charges = [item for pair in served for item in pair]
         args = [CONSUMER_GROUP, consumer, count, maxlen, SHARED_KEY_TTL_S, *charges]
-        reply = await self._run([stream, base], args, None)
+        if pipe is not None:
+            self._queue_evalsha(pipe, [stream, base], args)
+            return []
+        return self.entries(await self._run([stream, base], args, None))
+
+    @staticmethod
+    def entries(reply: object) -> list[tuple[bytes, dict[bytes, bytes]]]:
         return [
             (entry_id, dict(zip(fields[::2], fields[1::2], strict=True)))
             for entry_id, fields in reply or []  # type: ignore[attr-defined]
