@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from redis.exceptions import RedisError
 
@@ -43,6 +44,8 @@ RECHECK_MS = 20
 request whose tenant was not owed a slot when it came (what the running tenants were served
 reaches the queue with the worker's next charge, once a second) may be owed one later."""
 FILL_WAIT_S = 1.0
+MARK_EVERY_S = 1.0
+"""How often the worker renews its queue's mark that a worker there preempts."""
 RETRY_S = 0.5
 
 
@@ -57,8 +60,12 @@ class Preemptor:
         self.worker_id: str = intake.worker_id
 
     async def run_forever(self) -> None:
+        marked_at = -MARK_EVERY_S
         while True:
             try:
+                if time.monotonic() - marked_at >= MARK_EVERY_S:
+                    await self.queue.mark_preempting()
+                    marked_at = time.monotonic()
                 await self._retry_failed()
                 if self.intake.full:
                     await self.queue.newcomer(RECHECK_MS)

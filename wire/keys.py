@@ -74,13 +74,13 @@ Redis layout (every key with a TTL, every stream capped):
                                       its own), dropped with their running entry; the reaper
                                       gives back one whose generation never came (PX as
                                       running)
-    {prefix}:tenant:{<tid>}:tpm       hash unix second -> tokens: its last minute's (EX 120 s)
-    {prefix}:tenant:{<tid>}:tpd:<day> string: its tokens of UTC day <day> (days since the
-                                      epoch; EX 2 days)
+    {prefix}:tenant:{<tid>}:tpm       hash unix second -> tokens: its last minute's, kept
+                                      for a key with a tokens-per-minute limit (EX 120 s)
     {prefix}:tenant:{<tid>}:usage:hour:<hour>, ...:usage:day:<day>
                                       hash prompt_tokens, completion_tokens, generations: its
                                       usage per UTC hour and day (hours and days since the
-                                      epoch; EX 45 and 400 days)
+                                      epoch; EX 45 and 400 days); a tokens-per-day limit
+                                      reads the day's
     {prefix}:tenant:{<tid>}:counted   sorted set generation id -> unix seconds: generations
                                       whose usage was counted on a Redis Cluster (one day)
 
@@ -188,8 +188,8 @@ class Keys:
         return f"{self._session(session_id)}:keep"
 
     def tenant(self, tenant_id: str, name: str) -> str:
-        """One of a tenant's keys (``requests``, ``running``, ``tpm``, ``tpd:<day>``,
-        ``usage:hour:<hour>``, ...), in its own hash slot. wire/lua/usage_core.lua builds
+        """One of a tenant's keys (``requests``, ``running``, ``tpm``, ``usage:hour:<hour>``,
+        ...), in its own hash slot. wire/lua/usage_core.lua builds
         the same names from a generation's key and its tenant."""
         return f"{self.prefix}:tenant:{{{tenant_id}}}:{name}"
 
@@ -231,6 +231,9 @@ class FairNames:
         self.newcomer = f"{base}:newcomer"
         """Rung when a tenant that had nothing waiting queues a request (a full worker
         that preempts waits on it: engine/preempt.py)."""
+        self.preempting = f"{base}:preempting"
+        """Set while a worker of the queue preempts: a new request then always waits in
+        its tenant's list (wire/lua/fair_core.lua ``fair_submit``)."""
 
     def waiting(self, tenant: str) -> str:
         return f"{self.base}:t:{tenant_slot(tenant)}"

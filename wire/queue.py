@@ -39,6 +39,8 @@ from wire.scripts import (
 )
 
 Fields = Mapping[bytes, bytes] | Mapping[str, bytes]
+PREEMPTING_TTL_S = 5
+"""How long a preempting worker's mark lasts; it renews it every second."""
 DEFAULT_STREAM_CAP = 5_120
 """The requests stream's cap when the taker names none (approximate, whole nodes): it holds
 what workers took and have not acknowledged, and what waits for a worker in it."""
@@ -384,6 +386,12 @@ class RequestQueue:
             self.redis, self.fair.newcomer, "BLPOP", self.fair.newcomer, str(block_ms / 1000)
         )
         return bool(rung)
+
+    async def mark_preempting(self) -> None:
+        """Say for ``PREEMPTING_TTL_S`` that a worker of this queue preempts: a new request
+        then waits in its tenant's list, where a preemption chooses from, rather than
+        straight in the stream when nothing waits (wire/lua/fair_core.lua ``fair_submit``)."""
+        await self.redis.set(self.fair.preempting, 1, ex=PREEMPTING_TTL_S)
 
     async def preempt_for(
         self,

@@ -32,7 +32,7 @@ from redis.commands.core import AsyncScript
 from wire.batched import Arg, BatchedCalls
 from wire.connect import is_cluster
 from wire.keys import ANONYMOUS, CONSUMER_GROUP, SHARED_KEY_TTL_S, Keys
-from wire.limits import RUNNING_HOLD_S, Counts, LimitName, Limits
+from wire.limits import RUNNING_HOLD_S, Counts, LimitName, Limits, usage_counts
 from wire.messages import (
     Cancelled,
     CancelReason,
@@ -342,11 +342,15 @@ class Admission:
     model_limit: int
     """Generations in flight of the request's model that refuse one more (0: none)."""
     request: bytes
-    """The encoded ``GenerationRequest``, the queue entry's ``r`` field."""
+    """The encoded ``GenerationRequest`` as its tenant's list holds it
+    (``WaitingRequest.element``: its prompt's estimate first)."""
     tenant: str
     """Its place in the queue's fair share (``wire.keys.tenant_slot``)."""
     weight: float
     """The tenant's weight: its share of the engine against the others'."""
+    stream_cap: int
+    """The requests stream's cap (approximate), should the request go straight into it
+    (nothing waiting for a worker: wire/lua/fair_core.lua ``fair_straight``)."""
     limits: Limits | None = None
     """The limits of the key the request serves, admitted in the same call (one Redis holds
     the key's keys too); None: none, or admitted before."""
@@ -367,6 +371,8 @@ class NewSession:
     tenant: str = ""
     """Who it serves and is billed to (``GenerationRequest.tenant``)."""
     bill: Bill = "all"
+    limits: Limits | None = None
+    """Its key's limits (what its end keeps for them: ``usage_counts``); None: not known."""
 
 
 def _admitting(admission: Admission) -> tuple[list[str], list[Arg]]:
@@ -380,6 +386,7 @@ def _admitting(admission: Admission) -> tuple[list[str], list[Arg]]:
         CONSUMER_GROUP,
         admission.tenant,
         admission.weight,
+        admission.stream_cap,
         *limits_args(admission.limits, admission.count_request),
     ]
 
@@ -409,12 +416,14 @@ class Submit(Script):
         tenant: str = "",
         bill: Bill = "all",
         turn: str = "",
+        limits: Limits | None = None,
     ) -> SubmitReply:
         """``token_digest`` "": no token check. ``choice`` > 0: another choice of the turn
         just submitted (no ``user_message``): queued beside it, not the session's active
         generation. ``note``: its request without its conversation, kept with the
         generation with the ``queue`` it goes to (to queue it again, should Redis lose it).
-        ``tenant``: who it serves, billed ``bill`` when its final event is written.
+        ``tenant``: who it serves, billed ``bill`` when its final event is written;
+        ``limits``: its key's (what that event keeps for them; None: not known).
         ``turn``: how it changes the history first (wire/lua/submit.lua: "" a new message,
         ``edit <i>``, ``regenerate``, ``continue``)."""
         keys, args = self._keys_args(
@@ -433,6 +442,7 @@ class Submit(Script):
             tenant=tenant,
             bill=bill,
             turn=turn,
+            limits=limits,
         )
         return submit_reply(await self._run(keys, args, None))
 
@@ -469,6 +479,7 @@ class Submit(Script):
             admission=admission,
             tenant=new.tenant,
             bill=new.bill,
+            limits=new.limits,
         )
 
     @staticmethod
@@ -495,6 +506,7 @@ class Submit(Script):
         admission: Admission | None = None,
         tenant: str = "",
         bill: Bill = "all",
+        limits: Limits | None = None,
     ) -> tuple[list[str], list[Arg]]:
         """Submit's KEYS and ARGV, the one place they are listed (the defaults: what a
         stateless session made by ``create_in`` has: no message, token, key or history)."""
@@ -528,6 +540,7 @@ class Submit(Script):
             tenant,
             bill,
             turn,
+            usage_counts(limits),
             *admitting[1],
         ]
 
@@ -720,7 +733,8 @@ class FairCharge(Script):
     source = FAIR_CORE + lua_source("fair_charge")
 
     async def __call__(self, *, base: str, served: Sequence[tuple[str, int]]) -> None:
-        await self._run([base], [item for pair in served for item in pair], None)
+        charges = [item for pair in served for item in pair]
+        await self._run([base], [SHARED_KEY_TTL_S, *charges], None)
 
 
 class FairExpire(Script):

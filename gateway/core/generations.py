@@ -161,6 +161,7 @@ class GenerationQueue:
             request=waiting.element,
             tenant=waiting.tenant,
             weight=waiting.weight,
+            stream_cap=self.requests_maxlen,
             limits=limits,
             count_request=count_request,
         )

@@ -416,7 +416,7 @@ class SessionStore:
             tenant=tenant.id,
             choice=choice,
         )
-        new = self._new_session(request, ttl_s)
+        new = self._new_session(request, ttl_s, tenant)
         in_submit = kept is None and not is_cluster(self.redis)
         admitted = False
         if not in_submit:
@@ -437,9 +437,12 @@ class SessionStore:
             self.observer.submitted(session_id, generation_id, reply.queued_id, queue)
         return Submitted(generation_id, session_id, reply.queued_id)
 
-    def _new_session(self, request: GenerationRequest, ttl_s: int) -> scripts.NewSession:
+    def _new_session(
+        self, request: GenerationRequest, ttl_s: int, tenant: Tenant
+    ) -> scripts.NewSession:
         """The stateless session SUBMIT makes for ``request``: its tenant billed its prompt
-        and completion (another choice of a request: its completion; tokenize: nothing)."""
+        and completion (another choice of a request: its completion; tokenize: nothing),
+        and what its end keeps for the tenant's limits."""
         task, choice = request.task, request.choice
         bill: Bill = "none" if task != "generate" else "completion" if choice else "all"
         return scripts.NewSession(
@@ -450,6 +453,7 @@ class SessionStore:
             self.watch_ttl_s,
             request.tenant,
             bill,
+            tenant.limits,
         )
 
     async def _create_stateless(
@@ -564,6 +568,7 @@ class SessionStore:
                 watch_ttl_s=self.watch_ttl_s,
                 tenant=turn.tenant.id,
                 turn=turn.kind,
+                limits=turn.tenant.limits,
             )
             accepted = self._accepted(turn, reply)
         except BaseException:
@@ -690,6 +695,7 @@ class SessionStore:
             choice=choice,
             tenant=turn.tenant.id,
             bill="completion",
+            limits=turn.tenant.limits,
         )
         if not isinstance(reply, script.Accepted):  # the session was there a moment ago
             await self._give_back(turn.tenant, [generation_id], count_request=False)

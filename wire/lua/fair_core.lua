@@ -31,24 +31,38 @@ local function fair_weight(base, tenant)
   return tonumber(redis.call('HGET', base .. ':weights', tenant) or '1')
 end
 
--- `tokens` served to `tenant`: its counter grows by tokens / its weight, and a tenant with
--- requests waiting moves back among them accordingly.
-local function fair_charge(base, tenant, tokens)
+-- `tokens` served to `tenant` at `now` (fair_now_ms): its counter grows by tokens / its
+-- weight, and a tenant with requests waiting moves back among them accordingly. One with
+-- none waiting (served straight: fair_straight) raises the floor past its counter: the
+-- floor is the highest counter served, so a tenant that starts waiting while none waits
+-- is lifted to it (fair_enqueue) and banks no credit from a time it did not ask.
+local function fair_charge(base, tenant, tokens, now)
   local weight = fair_weight(base, tenant)
-  local counter = redis.call('HINCRBYFLOAT', base .. ':vtc', tenant, tokens / weight)
-  local now = fair_now_ms()
+  local counter = tonumber(redis.call('HINCRBYFLOAT', base .. ':vtc', tenant, tokens / weight))
   local recent = math.max(0, fair_recent(base, tenant, now) + tokens / weight)
   redis.call('HSET', base .. ':recent', tenant, string.format('%.17g %d', recent, now))
   if redis.call('ZSCORE', base .. ':ready', tenant) then
     redis.call('ZADD', base .. ':ready', 'XX', counter, tenant)
+  elseif counter > tonumber(redis.call('HGET', base, 'floor') or '0') then
+    redis.call('HSET', base, 'floor', counter)
+  end
+end
+
+-- The keys a model's fair share keeps for its tenants, their TTL renewed by a tenant that
+-- starts waiting (fair_enqueue) and by a worker's charge beside its takes (FAIR_CHARGE).
+local function fair_renew(base, ttl)
+  for _, suffix in ipairs({'', ':ready', ':vtc', ':recent', ':weights'}) do
+    redis.call('EXPIRE', base .. suffix, ttl)
   end
 end
 
 -- A request waits at the end of its tenant's list. A tenant that had none waiting is lifted
--- to the smallest counter of those waiting (none waiting: the counter of the tenant served
--- last), so a tenant cannot bank credit while it sends nothing; lifted, it goes a thousandth
--- of a token below that counter, so it is next rather than behind the tie (a light tenant
--- that comes back waits for one free slot, not two).
+-- to the smallest counter of those waiting (none waiting: the floor, the highest counter
+-- served), so a tenant cannot bank credit while it sends nothing; lifted, it goes a
+-- thousandth of a token below that counter, so it is next rather than behind the tie (a
+-- light tenant that comes back waits for one free slot, not two). Its weight is taken as
+-- it starts waiting; the keys' TTLs are renewed then too, so a request that joins a list
+-- already waiting costs its list, the count and the bell.
 local function fair_enqueue(base, tenant, weight, request, ttl)
   local list, ready, vtc = base .. ':t:' .. tenant, base .. ':ready', base .. ':vtc'
   if redis.call('RPUSH', list, request) == 1 then
@@ -68,13 +82,41 @@ local function fair_enqueue(base, tenant, weight, request, ttl)
       redis.call('HSET', vtc, tenant, counter)
     end
     redis.call('ZADD', ready, counter, tenant)
+    redis.call('HSET', base .. ':weights', tenant, weight)
+    redis.call('EXPIRE', list, ttl)
+    fair_renew(base, ttl)
   end
-  redis.call('HSET', base .. ':weights', tenant, weight)
   redis.call('HINCRBY', base, 'waiting', 1)
-  for _, key in ipairs({list, ready, vtc, base .. ':recent', base .. ':weights', base}) do
-    redis.call('EXPIRE', key, ttl)
-  end
   fair_ring(base, ttl)
+end
+
+-- A new request straight into the requests stream, as though its turn had come at once:
+-- its gateway found nothing waiting for a worker (SUBMIT: the group's lag 0 and no list
+-- holding a request), where VTC would pick it next anyway. A worker charges its prompt and
+-- tokens as it serves it (fair_charge); its tenant's weight is kept for that (a weight of 1
+-- is the default). Its entry is as a reply taken over has it: the request alone.
+local function fair_straight(base, stream, maxlen, tenant, weight, request, ttl)
+  if tonumber(weight) ~= 1 and redis.call('HSET', base .. ':weights', tenant, weight) == 1 then
+    redis.call('EXPIRE', base .. ':weights', ttl)
+  end
+  redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'r', request)
+  redis.call('EXPIRE', stream, ttl)
+  fair_ring(base, ttl)
+end
+
+-- A new request of `tenant` (`element`: '<estimate>|<request>', as its list holds it) for
+-- the queue `stream`: straight in when `idle` (nothing waits for a worker there) and no
+-- worker of it preempts (one needs every new request in a list to choose from: its
+-- ``preempting`` mark, engine/preempt.py), else into its tenant's list. So a request pays
+-- for the fair share only when someone waits: the stream holds at most one request that
+-- came straight in ahead of the lists.
+local function fair_submit(base, stream, maxlen, tenant, weight, element, ttl, idle)
+  if idle and redis.call('EXISTS', base .. ':preempting') == 0 then
+    local bar = string.find(element, '|', 1, true)
+    fair_straight(base, stream, maxlen, tenant, weight, string.sub(element, bar + 1), ttl)
+  else
+    fair_enqueue(base, tenant, weight, element, ttl)
+  end
 end
 
 -- Requests waiting in the tenants' lists of the queue `queue` (its fair base is named after
@@ -83,29 +125,27 @@ local function fair_waiting(queue)
   return tonumber(redis.call('HGET', '{' .. queue .. '}:fair', 'waiting') or '0')
 end
 
--- The first request of `tenant` (its counter `counter`), moved from its list into the
--- requests stream, its prompt charged by the estimate its list entry starts with
+-- The first request of `tenant`, moved from its list into the requests stream at `now`, its prompt charged by the estimate its list entry starts with
 -- ('<estimate>|<request>': wire.queue.estimated_tokens), which goes into the stream entry's
 -- 'e' field for the worker to correct once it knows. Returns 1 when one moved, 0 when the
 -- tenant's list was empty.
-local function fair_move(base, stream, maxlen, tenant, counter)
+local function fair_move(base, stream, maxlen, tenant, now)
   local list = base .. ':t:' .. tenant
   local element = redis.call('LPOP', list)
   if redis.call('LLEN', list) == 0 then redis.call('ZREM', base .. ':ready', tenant) end
-  redis.call('HSET', base, 'floor', counter)
   if not element then return 0 end
   local bar = string.find(element, '|', 1, true)
   local estimate = string.sub(element, 1, bar - 1)
   redis.call('HINCRBY', base, 'waiting', -1)
-  fair_charge(base, tenant, tonumber(estimate))
+  fair_charge(base, tenant, tonumber(estimate), now)
   redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'r', string.sub(element, bar + 1),
              'e', estimate)
   return 1
 end
 
 -- fair_move of the tenant with the lowest counter; false when no tenant waits.
-local function fair_move_lowest(base, stream, maxlen)
+local function fair_move_lowest(base, stream, maxlen, now)
   local lowest = redis.call('ZRANGE', base .. ':ready', 0, 0, 'WITHSCORES')
   if not lowest[1] then return false end
-  return fair_move(base, stream, maxlen, lowest[1], lowest[2])
+  return fair_move(base, stream, maxlen, lowest[1], now)
 end

@@ -50,7 +50,7 @@ if most <= tokens / weights then return {} end
 for i = 1, #waiting, 2 do
   local tenant = waiting[i]
   if tenant ~= ARGV[5] and 2 * lately[tenant] < most then
-    if fair_move(base, stream, ARGV[3], tenant, waiting[i + 1]) ~= 1 then return {} end
+    if fair_move(base, stream, ARGV[3], tenant, now) ~= 1 then return {} end
     local reply = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', 1,
                              'STREAMS', stream, '>')
     redis.call('EXPIRE', stream, ARGV[4])

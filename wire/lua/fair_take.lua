@@ -10,7 +10,8 @@
 -- Returns the entries taken, as XREADGROUP gives them: {{id, {field, value, ...}}, ...}.
 local stream, base = KEYS[1], KEYS[2]
 local group, consumer, count = ARGV[1], ARGV[2], tonumber(ARGV[3])
-for i = 6, #ARGV, 2 do fair_charge(base, ARGV[i], tonumber(ARGV[i + 1])) end
+local now = fair_now_ms()
+for i = 6, #ARGV, 2 do fair_charge(base, ARGV[i], tonumber(ARGV[i + 1]), now) end
 local taken = {}
 local function read(n)
   local reply = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', n,
@@ -22,7 +23,7 @@ end
 local got = read(count)
 local ready, moved = base .. ':ready', 0
 while got + moved < count do
-  local one = fair_move_lowest(base, stream, ARGV[4])
+  local one = fair_move_lowest(base, stream, ARGV[4], now)
   if not one then break end
   moved = moved + one
 end

@@ -1,0 +1,174 @@
+"""A one-shot request's SUBMIT (wire/lua/submit.lua, wire/lua/fair_core.lua ``fair_submit``)
+against the session's real Redis: straight into the requests stream while nothing waits for
+a worker, into its tenant's list once anything does (so the fair share orders it), and
+always into the list while a worker of the queue preempts; a tenant served straight raises
+the floor a tenant that starts waiting is lifted to. And what its final event's script
+counts for its key (wire/lua/usage_core.lua): nothing but its usage for a key without
+limits, the running set and the minute's tokens for a key with those limits."""
+
+from __future__ import annotations
+
+import secrets
+
+import msgspec
+import pytest
+import redis.asyncio as aioredis
+
+import wire
+from wire import Done, GenerationRequest, Keys, SamplingParams, Usage
+from wire.limits import Limits
+from wire.outcomes import Accepted, Admitted
+from wire.queue import RequestQueue, ServedTokens, estimated_tokens
+from wire.scripts import Admission, Emit, NewSession, Submit
+
+pytestmark = pytest.mark.timeout(60)
+MODEL = "m"
+
+
+class Gateway:
+    """SUBMIT as a gateway sends a one-shot request on one Redis, with its queue."""
+
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self.keys = Keys(f"straight-{secrets.token_hex(3)}")
+        self.submit = Submit(redis, self.keys)
+        self.queue = RequestQueue(redis, self.keys, MODEL)
+        self.redis = redis
+        self.sent = 0
+
+    async def send(
+        self, tenant: str, weight: float = 1.0, limits: Limits | None = None
+    ) -> GenerationRequest:
+        self.sent += 1
+        request = GenerationRequest(
+            f"g{self.sent}", f"s{self.sent}", SamplingParams(), prompt="hello", tenant=tenant
+        )
+        waiting = self.queue.waiting(
+            wire.encode(request), estimate=estimated_tokens(request), tenant=tenant, weight=weight
+        )
+        admission = Admission(
+            queues=[self.queue.key],
+            target=0,
+            limit=1000,
+            model_limit=0,
+            request=waiting.element,
+            tenant=waiting.tenant,
+            weight=weight,
+            stream_cap=1000,
+            limits=limits,
+        )
+        new = NewSession(
+            request.session_id, request.generation_id, 100, 60, 60, tenant, "all", limits
+        )
+        reply = await self.submit.create_admitted(new, admission)
+        assert isinstance(reply, Accepted | Admitted), reply
+        return request
+
+    async def straight(self) -> list[str]:
+        """The tenants of the requests in the stream (came straight in), oldest first."""
+        return [tenant_of(fields) for _, fields in await self.redis.xrange(self.queue.key)]
+
+
+def tenant_of(fields: dict[bytes, bytes]) -> str:
+    return msgspec.json.decode(fields[b"r"], type=GenerationRequest).tenant
+
+
+async def gateway(redis: aioredis.Redis) -> Gateway:
+    made = Gateway(redis)
+    await made.queue.ensure_group()
+    return made
+
+
+async def test_with_nothing_waiting_a_request_goes_straight_in_and_after_that_waits(
+    redis: aioredis.Redis,
+) -> None:
+    g = await gateway(redis)
+    await g.send("a")
+    assert await g.straight() == ["a"] and await g.queue.fair_waiting() == 0
+    assert await redis.lrange(g.queue.fair.bell, 0, -1) == [b"1"]  # an idle worker is woken
+    await g.send("a")  # the first is not taken yet: this one waits in a's list
+    await g.send("b")
+    assert await g.straight() == ["a"] and await g.queue.fair_waiting() == 2
+    taken = await g.queue.take("w", 3, 10, ServedTokens())
+    assert [tenant_of(fields) for _, fields in taken] == ["a", "a", "b"]
+    assert b"e" not in taken[0][1]  # straight in: no estimate charged, the worker charges
+    await g.send("b")  # every request taken, none waiting: straight in again
+    assert (await g.straight())[-1] == "b" and await g.queue.fair_waiting() == 0
+
+
+async def test_another_tenant_waiting_in_a_list_keeps_the_next_request_in_its_list(
+    redis: aioredis.Redis,
+) -> None:
+    g = await gateway(redis)
+    await g.send("a")
+    await g.send("b")  # behind a's undelivered request: into b's list
+    await g.queue.take("w", 1, 10, ServedTokens())  # a's: the stream is empty again
+    await g.send("a")  # b still waits in its list: a's request waits in a's
+    assert await g.straight() == ["a"] and await g.queue.fair_waiting() == 2
+
+
+async def test_a_preempting_worker_keeps_every_request_in_a_list(redis: aioredis.Redis) -> None:
+    g = await gateway(redis)
+    await g.queue.mark_preempting()
+    await g.send("a")
+    assert await g.straight() == [] and await g.queue.fair_waiting() == 1
+    assert 0 < await redis.ttl(g.queue.fair.preempting) <= 5  # lapses with its worker
+
+
+async def test_a_tenant_served_straight_raises_the_floor_a_returning_tenant_is_lifted_to(
+    redis: aioredis.Redis,
+) -> None:
+    """Served alone, straight in, busy's counter grows with what the worker charges; a
+    tenant that then starts waiting is lifted to it (banks no credit from the time busy was
+    served alone), and a weight given straight in is the one its charge divides by."""
+    g = await gateway(redis)
+    await g.send("busy", weight=2.0)
+    served = ServedTokens()
+    assert len(await g.queue.take("w", 1, 10, served)) == 1
+    served.add("busy", 1_000)
+    await g.queue.charge(served)
+    assert float(await redis.hget(g.queue.fair.vtc, "busy")) == 500  # 1,000 / weight 2
+    assert float(await redis.hget(g.queue.fair.base, "floor")) == 500
+    await g.send("busy")  # straight in, undelivered: the next one waits in a list
+    await g.send("back")
+    assert float(await redis.hget(g.queue.fair.vtc, "back")) == 500
+
+
+async def final(g: Gateway, request: GenerationRequest, tokens: Usage) -> None:
+    """The worker's final event of ``request`` (its claim first)."""
+    emit = Emit(g.redis, g.keys)
+    sid, gid = request.session_id, request.generation_id
+    started = wire.Started(gid, MODEL, 0)
+    assert await emit(session_id=sid, event=started, writer="w", ttl_s=60, maxlen=100)
+    done = Done(gid, "stop", tokens)
+    assert await emit(session_id=sid, event=done, writer="w", ttl_s=60, maxlen=100, final=True)
+
+
+async def tenant_keys(g: Gateway, tenant: str) -> list[str]:
+    found = await g.redis.keys(g.keys.tenant(tenant, "*"))
+    return sorted(key.decode().rsplit("}:", 1)[1] for key in found)
+
+
+async def test_a_generation_of_a_key_without_limits_counts_its_usage_and_nothing_else(
+    redis: aioredis.Redis,
+) -> None:
+    g = await gateway(redis)
+    await final(g, await g.send("anonymous", limits=Limits()), Usage(7, 3))
+    day = await redis.time()
+    kept = await tenant_keys(g, "anonymous")
+    assert kept == [f"usage:day:{day[0] // 86_400}", f"usage:hour:{day[0] // 3_600}"], kept
+    usage = await redis.hgetall(g.keys.tenant("anonymous", kept[0]))
+    assert usage == {b"prompt_tokens": b"7", b"completion_tokens": b"3", b"generations": b"1"}
+    assert 0 < await redis.ttl(g.keys.tenant("anonymous", kept[0])) <= 34_560_000
+
+
+async def test_a_key_with_limits_has_its_running_set_and_minute_kept(
+    redis: aioredis.Redis,
+) -> None:
+    g = await gateway(redis)
+    limits = Limits(concurrent=5, tokens_per_minute=1_000, tokens_per_day=1_000)
+    request = await g.send("k_limited", limits=limits)
+    assert await redis.zcard(g.keys.tenant("k_limited", "running")) == 1
+    await final(g, request, Usage(7, 3))
+    assert await redis.zcard(g.keys.tenant("k_limited", "running")) == 0
+    assert sum(map(int, (await redis.hgetall(g.keys.tenant("k_limited", "tpm"))).values())) == 10
+    assert "tpm" in await tenant_keys(g, "k_limited")
