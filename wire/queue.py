@@ -143,6 +143,9 @@ class RequestQueue:
         self._drained = False
         """This worker's last take found fewer requests than it asked for: its next waits
         for the bell first."""
+        self._tenants_wait = True
+        """Its last take left requests in the tenants' lists: its next tells what it
+        served (a first take tells, to be sure)."""
 
     # --- gateways and the reaper ---------------------------------------------------------
 
@@ -313,53 +316,50 @@ class RequestQueue:
         maxlen: int | None = None,
     ) -> list[StreamEntry]:
         """Up to ``count`` requests for ``consumer`` (the stream's first, then the tenants'
-        in VTC order), telling what it ``served`` since it last said. After a take that
-        found fewer than it asked for (nothing else waited then), it first waits up to
-        ``block_ms`` for the bell, which every request queued since has rung: on one Redis
-        the wait and the take go in one pipeline, the take run as the bell rings (or the
-        wait ends), one round trip as a blocking read of the stream is. Raises
-        ``ResponseError`` (NOGROUP) when the group is gone."""
-        if not self._drained:
-            taken = await self._take_charging(consumer, count, served, maxlen)
-        elif is_cluster(self.redis):
-            rung = await on_key_node(
-                self.redis, self.fair.bell, "BLPOP", self.fair.bell, str(block_ms / 1000)
-            )
-            taken = await self._take_charging(consumer, count, served, maxlen) if rung else []
-        else:
-            taken = await self._take_at_ring(consumer, count, block_ms, served, maxlen)
-        self._drained = len(taken) < count
+        in VTC order). After a take that found fewer than it asked for (nothing else waited
+        then), it first waits up to ``block_ms`` for the bell, which every request queued
+        since has rung: on one Redis the wait and the take go in one pipeline, the take run
+        as the bell rings (or the wait ends), one round trip as a blocking read of the
+        stream is. What the worker ``served`` since it last told goes with a take while
+        tenants wait in lists (their counters order them), else with its heartbeat's
+        ``charge``. Raises ``ResponseError`` (NOGROUP) when the group is gone."""
+        charges = served.drain() if self._tenants_wait else []
+        try:
+            if not self._drained:
+                reply = await self._take_charged(consumer, count, charges, maxlen)
+            elif is_cluster(self.redis):  # rung or not, it looks once after the wait
+                await on_key_node(
+                    self.redis, self.fair.bell, "BLPOP", self.fair.bell, str(block_ms / 1000)
+                )
+                reply = await self._take_charged(consumer, count, charges, maxlen)
+            else:
+                reply = await self._take_at_ring(consumer, count, block_ms, charges, maxlen)
+        except BaseException:
+            served.give_back(charges)
+            raise
+        taken, waiting = reply
+        self._drained, self._tenants_wait = len(taken) < count, waiting > 0
         return taken
 
     async def _take_at_ring(
-        self, consumer: str, count: int, block_ms: int, served: ServedTokens, maxlen: int | None
-    ) -> list[StreamEntry]:
+        self,
+        consumer: str,
+        count: int,
+        block_ms: int,
+        charges: list[tuple[str, int]],
+        maxlen: int | None,
+    ) -> tuple[list[StreamEntry], int]:
         """The bell's wait, then the take, in one pipeline (one Redis)."""
-        charges = served.drain()
-        try:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.blpop([self.fair.bell], block_ms / 1000)
-                await self._take_charged(consumer, count, charges, maxlen, pipe)
-                _, reply = await pipe.execute(raise_on_error=False)
-            if isinstance(reply, NoScriptError):  # Redis restarted: its scripts are gone
-                await self._take.load()
-                return await self._take_charged(consumer, count, charges, maxlen)
-            if isinstance(reply, Exception):
-                raise reply
-        except BaseException:
-            served.give_back(charges)
-            raise
-        return FairTake.entries(reply)
-
-    async def _take_charging(
-        self, consumer: str, count: int, served: ServedTokens, maxlen: int | None
-    ) -> list[StreamEntry]:
-        charges = served.drain()
-        try:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.blpop([self.fair.bell], block_ms / 1000)
+            await self._take_charged(consumer, count, charges, maxlen, pipe)
+            _, reply = await pipe.execute(raise_on_error=False)
+        if isinstance(reply, NoScriptError):  # Redis restarted: its scripts are gone
+            await self._take.load()
             return await self._take_charged(consumer, count, charges, maxlen)
-        except BaseException:
-            served.give_back(charges)
-            raise
+        if isinstance(reply, Exception):
+            raise reply
+        return FairTake.taken(reply)
 
     async def _take_charged(
         self,
@@ -368,7 +368,7 @@ class RequestQueue:
         charges: list[tuple[str, int]],
         maxlen: int | None,
         pipe: Pipeline | None = None,
-    ) -> list[StreamEntry]:
+    ) -> tuple[list[StreamEntry], int]:
         return await self._take(
             stream=self.key,
             base=self.fair.base,

@@ -683,22 +683,24 @@ class FairTake(Script):
         maxlen: int,
         served: Sequence[tuple[str, int]] = (),
         pipe: Pipeline | None = None,
-    ) -> list[tuple[bytes, dict[bytes, bytes]]]:
-        """The entries taken; with ``pipe``, queued there as a bare EVALSHA (``entries``
-        reads its reply; on NoScriptError its caller calls ``load``) and nothing yet."""
+    ) -> tuple[list[tuple[bytes, dict[bytes, bytes]]], int]:
+        """The entries taken, and how many tenants still wait in their lists; with
+        ``pipe``, queued there as a bare EVALSHA (``taken`` reads its reply; on
+        NoScriptError its caller calls ``load``) and nothing yet."""
         charges = [item for pair in served for item in pair]
         args = [CONSUMER_GROUP, consumer, count, maxlen, SHARED_KEY_TTL_S, *charges]
         if pipe is not None:
             self._queue_evalsha(pipe, [stream, base], args)
-            return []
-        return self.entries(await self._run([stream, base], args, None))
+            return [], 0
+        return self.taken(await self._run([stream, base], args, None))
 
     @staticmethod
-    def entries(reply: object) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    def taken(reply: object) -> tuple[list[tuple[bytes, dict[bytes, bytes]]], int]:
+        entries, waiting = cast(tuple[list[tuple[bytes, list[bytes]]], int], reply)
         return [
             (entry_id, dict(zip(fields[::2], fields[1::2], strict=True)))
-            for entry_id, fields in reply or []  # type: ignore[attr-defined]
-        ]
+            for entry_id, fields in entries
+        ], int(waiting)
 
 
 class FairPreempt(Script):

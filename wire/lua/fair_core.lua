@@ -143,9 +143,10 @@ local function fair_move(base, stream, maxlen, tenant, now)
   return 1
 end
 
--- fair_move of the tenant with the lowest counter; false when no tenant waits.
+-- fair_move of the tenant with the lowest counter (at `now`; nil: Redis's clock now);
+-- false when no tenant waits.
 local function fair_move_lowest(base, stream, maxlen, now)
   local lowest = redis.call('ZRANGE', base .. ':ready', 0, 0, 'WITHSCORES')
   if not lowest[1] then return false end
-  return fair_move(base, stream, maxlen, lowest[1], now)
+  return fair_move(base, stream, maxlen, lowest[1], now or fair_now_ms())
 end

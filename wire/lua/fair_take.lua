@@ -1,16 +1,20 @@
 -- KEYS: the model's requests stream, its fair base (Keys.fair)
 -- ARGV: consumer group, consumer, count, the stream's cap, TTL, then what the worker served
---       since its last call: tenant, tokens, tenant, tokens...
+--       since it last told: tenant, tokens, tenant, tokens... (it tells with its takes
+--       while tenants wait in lists, where the counters order them; else with its
+--       heartbeat, FAIR_CHARGE)
 -- Charges what was served, then takes up to `count` requests for `consumer`: first what
 -- waits in the stream itself (a reply taken over, a request given back: work admitted
 -- before), then the tenants' requests in counter order (the smallest first), each moved
 -- into the stream (fair_move_lowest) and read at once by this consumer, so the group's
 -- pending list, claims and acknowledgements work as for any entry. Rings the bell when more
 -- waits, for another idle worker.
--- Returns the entries taken, as XREADGROUP gives them: {{id, {field, value, ...}}, ...}.
+-- Returns {the entries taken, as XREADGROUP gives them: {{id, {field, value, ...}}, ...},
+--          how many tenants still have requests waiting in their lists}.
 local stream, base = KEYS[1], KEYS[2]
 local group, consumer, count = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local now = fair_now_ms()
+local now = nil
+if #ARGV >= 6 then now = fair_now_ms() end
 for i = 6, #ARGV, 2 do fair_charge(base, ARGV[i], tonumber(ARGV[i + 1]), now) end
 local taken = {}
 local function read(n)
@@ -31,7 +35,6 @@ if moved > 0 then
   read(moved)
   redis.call('EXPIRE', stream, ARGV[5])
 end
-if got + moved == count and (got == count or redis.call('ZCARD', ready) > 0) then
-  fair_ring(base, ARGV[5])
-end
-return taken
+local waiting = redis.call('ZCARD', ready)
+if got + moved == count and (got == count or waiting > 0) then fair_ring(base, ARGV[5]) end
+return {taken, waiting}
