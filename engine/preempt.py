@@ -5,11 +5,14 @@ With every slot busy, a request waits for a slot to free, whatever order the fai
 gives it: hundreds of milliseconds for a quiet key behind a noisy one's replies
 (docs/tenants.md, "What the fairness bench shows"). So, while every slot is busy, the worker
 waits on its queue's newcomer bell (rung when a tenant that had nothing waiting queues a
-request), and looks every ``RECHECK_MS`` between rings (a request may become owed after it
-came). It asks the queue's script (wire/lua/fair_preempt.lua) whether the tenant running
-here that was served most lately was served more than its share, and a waiting tenant (the
-least served first) less than half as much. If so the script hands it that request, which
-starts at once, and that tenant's newest reply stops as a drain's hand-over stops one
+request), and while tenants wait in lists looks every ``RECHECK_MS`` between rings (a
+request may become owed after it came); while none waits it looks only at a ring. It marks
+its queue as preempted on (``RequestQueue.mark_preempting``): new requests then always wait
+in lists, where it chooses from. It asks the queue's script (wire/lua/fair_preempt.lua)
+whether the tenant running here that was served most lately was served more than its share,
+and a waiting tenant (the least served first) less than half as much. If so the script
+hands it that request, which starts at once, and that tenant's newest reply stops as a
+drain's hand-over stops one
 (engine/handover.py: its events in Redis, its generation at its next epoch, a stop never
 counted against ``TOKENSPOUT_MAX_TAKEOVERS``). Its continuation is kept here and goes on at
 this worker's next free slot, before anything is taken from the queue unless a tenant served
@@ -43,6 +46,8 @@ RECHECK_MS = 20
 """While every slot is busy, a look at the queue at least this often besides each ring: a
 request whose tenant was not owed a slot when it came (what the running tenants were served
 reaches the queue with the worker's next charge, once a second) may be owed one later."""
+IDLE_WAIT_MS = 1_000
+"""While no tenant waits, the longest wait for a newcomer's ring before the next."""
 FILL_WAIT_S = 1.0
 MARK_EVERY_S = 1.0
 """How often the worker renews its queue's mark that a worker there preempts."""
@@ -67,18 +72,34 @@ class Preemptor:
                     await self.queue.mark_preempting()
                     marked_at = time.monotonic()
                 await self._retry_failed()
-                if self.intake.full:
-                    await self.queue.newcomer(RECHECK_MS)
-                else:
-                    # Full again, it looks at once: a ring it took while a slot was free
-                    # (and a request that came meanwhile) would wait for the next recheck.
-                    await self.intake.until_full(FILL_WAIT_S)
-                if self.intake.full:
-                    await self.preempt_once()
+                await self._look_when_due()
             except (RedisError, OSError) as exc:
                 log.warning("preempting failed (%s); retrying", exc)
                 self.metrics.redis_errors.labels("preempt").inc()
                 await asyncio.sleep(RETRY_S)
+
+    async def _look_when_due(self) -> None:
+        """One look at the queue when one is due. While tenants wait in lists: at a
+        newcomer's ring or every ``RECHECK_MS``. While none does (the last take or look
+        found none), only at a ring, which a tenant's first waiting request makes: looks
+        cost nothing then. A ring this worker owed nothing for is rung again for another
+        full worker (once: a worker that looks every ``RECHECK_MS`` rings none)."""
+        if not self.intake.full:
+            await self.intake.until_full(FILL_WAIT_S)
+            # Full again, it looks at once: a ring it took while a slot was free (and a
+            # request that came meanwhile) would wait for the next recheck.
+            if self.intake.full and self.queue.tenants_wait:
+                await self.preempt_once()
+            return
+        if self.queue.tenants_wait:
+            await self.queue.newcomer(RECHECK_MS)
+            if self.intake.full:
+                await self.preempt_once()
+            return
+        if not await self.queue.newcomer(IDLE_WAIT_MS):
+            return
+        if self.intake.full and not await self.preempt_once() and self.queue.tenants_wait:
+            await self.queue.ring_newcomer()
 
     async def preempt_once(self) -> bool:
         """Stop one reply for a tenant served less, when the queue says one is due; True

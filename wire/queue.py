@@ -403,8 +403,8 @@ class RequestQueue:
         """For a worker whose replies of the tenants ``yielding`` (one name per reply) may
         give way, beside replies of ``others``: a waiting tenant's request, taken for
         ``consumer``, and the tenant (its slot name) that gives way; None when none is owed
-        (wire/lua/fair_preempt.lua)."""
-        return await self._preempt(
+        (wire/lua/fair_preempt.lua), ``tenants_wait`` saying whether any could be."""
+        found = await self._preempt(
             stream=self.key,
             base=self.fair.base,
             consumer=consumer,
@@ -412,6 +412,26 @@ class RequestQueue:
             yielding=[tenant_slot(tenant) for tenant in yielding],
             others=[tenant_slot(tenant) for tenant in others],
         )
+        if isinstance(found, bool):
+            self._tenants_wait = found
+            return None
+        self._tenants_wait = True
+        return found
+
+    @property
+    def tenants_wait(self) -> bool:
+        """Whether this worker's last take or look (``preempt_for``) left tenants waiting
+        in their lists."""
+        return self._tenants_wait
+
+    async def ring_newcomer(self) -> None:
+        """Ring the newcomer bell again (at most one ring waits): the worker that took a
+        ring owes none of the tenants waiting, another full worker may."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.rpush(self.fair.newcomer, 1)
+            pipe.ltrim(self.fair.newcomer, 0, 0)
+            pipe.expire(self.fair.newcomer, SHARED_KEY_TTL_S)
+            await pipe.execute()
 
     async def charge(self, served: ServedTokens) -> None:
         """Tell what was served since the last take (a worker with no free slot takes

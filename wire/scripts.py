@@ -718,12 +718,14 @@ class FairPreempt(Script):
         maxlen: int,
         yielding: Sequence[str],
         others: Sequence[str],
-    ) -> tuple[str, tuple[bytes, dict[bytes, bytes]]] | None:
+    ) -> tuple[str, tuple[bytes, dict[bytes, bytes]]] | bool:
+        """The tenant that gives way and the request taken for the one owed; else whether
+        any tenant waits in a list (False: none, so none can be owed until one comes)."""
         args: list[Arg] = [CONSUMER_GROUP, consumer, maxlen, SHARED_KEY_TTL_S, ANONYMOUS]
         args += [len(yielding), *yielding, *others]
-        reply = await self._run([stream, base], args, None)
-        if not reply:
-            return None
+        reply = cast(list[Any], await self._run([stream, base], args, None))
+        if len(reply) == 1:
+            return bool(reply[0])
         victim, entries = cast(tuple[bytes, list[tuple[bytes, list[bytes]]]], reply)
         entry_id, fields = entries[0]
         return text(victim), (entry_id, dict(zip(fields[::2], fields[1::2], strict=True)))

@@ -9,6 +9,7 @@ limits, the running set and the minute's tokens for a key with those limits."""
 from __future__ import annotations
 
 import secrets
+import time
 
 import msgspec
 import pytest
@@ -64,8 +65,10 @@ class Gateway:
         return request
 
     async def straight(self) -> list[str]:
-        """The tenants of the requests in the stream (came straight in), oldest first."""
-        return [tenant_of(fields) for _, fields in await self.redis.xrange(self.queue.key)]
+        """The tenants of the requests that came straight into the stream (no estimate: a
+        take moved none of them from a list), oldest first."""
+        entries = await self.redis.xrange(self.queue.key)
+        return [tenant_of(fields) for _, fields in entries if b"e" not in fields]
 
 
 def tenant_of(fields: dict[bytes, bytes]) -> str:
@@ -78,36 +81,67 @@ async def gateway(redis: aioredis.Redis) -> Gateway:
     return made
 
 
-async def test_with_nothing_waiting_a_request_goes_straight_in_and_after_that_waits(
+async def idle_worker(g: Gateway, slots: int) -> None:
+    """A worker with ``slots`` free has looked at the queue (its take records them)."""
+    assert await g.queue.take("w", slots, 10, ServedTokens()) == []
+
+
+async def test_a_request_goes_straight_in_while_a_slot_is_free_for_it_and_else_waits(
     redis: aioredis.Redis,
 ) -> None:
     g = await gateway(redis)
+    await g.send("a")  # no worker has said it has a free slot: it waits in a's list
+    assert await g.straight() == [] and await g.queue.fair_waiting() == 1
+    assert await take_tenants(g, 1) == ["a"]  # the take records the worker's free slots: 0
+
+    await idle_worker(g, 1)
     await g.send("a")
     assert await g.straight() == ["a"] and await g.queue.fair_waiting() == 0
-    assert await redis.lrange(g.queue.fair.bell, 0, -1) == [b"1"]  # an idle worker is woken
-    await g.send("a")  # the first is not taken yet: this one waits in a's list
+    assert await redis.lrange(g.queue.fair.bell, 0, -1) == [b"1"]  # the idle worker is woken
+    await g.send("a")  # the one free slot is the first's: this one waits in a's list
     await g.send("b")
     assert await g.straight() == ["a"] and await g.queue.fair_waiting() == 2
     taken = await g.queue.take("w", 3, 10, ServedTokens())
-    assert [tenant_of(fields) for _, fields in taken] == ["a", "a", "b"]
+    # The stream's first, then the lists by counter: b was served nothing yet.
+    assert [tenant_of(fields) for _, fields in taken] == ["a", "b", "a"]
     assert b"e" not in taken[0][1]  # straight in: no estimate charged, the worker charges
-    await g.send("b")  # every request taken, none waiting: straight in again
-    assert (await g.straight())[-1] == "b" and await g.queue.fair_waiting() == 0
+    await idle_worker(g, 2)
+    await g.send("b")  # every request taken, a slot free: straight in again
+    await g.send("b")  # and the second slot
+    assert (await g.straight())[-2:] == ["b", "b"] and await g.queue.fair_waiting() == 0
+
+
+async def take_tenants(g: Gateway, count: int) -> list[str]:
+    return [tenant_of(fields) for _, fields in await g.queue.take("w", count, 10, ServedTokens())]
 
 
 async def test_another_tenant_waiting_in_a_list_keeps_the_next_request_in_its_list(
     redis: aioredis.Redis,
 ) -> None:
     g = await gateway(redis)
+    await idle_worker(g, 1)
     await g.send("a")
-    await g.send("b")  # behind a's undelivered request: into b's list
-    await g.queue.take("w", 1, 10, ServedTokens())  # a's: the stream is empty again
-    await g.send("a")  # b still waits in its list: a's request waits in a's
+    await g.send("b")  # behind a's request, the one slot: into b's list
+    assert await take_tenants(g, 1) == ["a"]
+    # Another worker has slots free, but b still waits: a's request waits in a's list.
+    await redis.hset(g.queue.fair.free, "w2", f"4 {int(time.time()) + 60}")
+    await g.send("a")
     assert await g.straight() == ["a"] and await g.queue.fair_waiting() == 2
+
+
+async def test_a_lapsed_record_of_free_slots_counts_none_and_is_dropped(
+    redis: aioredis.Redis,
+) -> None:
+    g = await gateway(redis)
+    await redis.hset(g.queue.fair.free, "lost", f"4 {int(time.time()) - 1}")
+    await g.send("a")
+    assert await g.straight() == [] and await g.queue.fair_waiting() == 1
+    assert not await redis.hexists(g.queue.fair.free, "lost")
 
 
 async def test_a_preempting_worker_keeps_every_request_in_a_list(redis: aioredis.Redis) -> None:
     g = await gateway(redis)
+    await idle_worker(g, 4)
     await g.queue.mark_preempting()
     await g.send("a")
     assert await g.straight() == [] and await g.queue.fair_waiting() == 1
@@ -121,16 +155,16 @@ async def test_a_tenant_served_straight_raises_the_floor_a_returning_tenant_is_l
     tenant that then starts waiting is lifted to it (banks no credit from the time busy was
     served alone), and a weight given straight in is the one its charge divides by."""
     g = await gateway(redis)
+    await idle_worker(g, 1)
     await g.send("busy", weight=2.0)
     served = ServedTokens()
     assert len(await g.queue.take("w", 1, 10, served)) == 1
     served.add("busy", 1_000)
     await g.queue.charge(served)
-    assert float(await redis.hget(g.queue.fair.vtc, "busy")) == 500  # 1,000 / weight 2
-    assert float(await redis.hget(g.queue.fair.base, "floor")) == 500
-    await g.send("busy")  # straight in, undelivered: the next one waits in a list
-    await g.send("back")
-    assert float(await redis.hget(g.queue.fair.vtc, "back")) == 500
+    assert float(await redis.hget(g.queue.fair.vtc, "busy") or 0) == 500  # 1,000 / weight 2
+    assert float(await redis.hget(g.queue.fair.base, "floor") or 0) == 500
+    await g.send("back")  # no slot free (the take took its one): back waits, lifted
+    assert float(await redis.hget(g.queue.fair.vtc, "back") or 0) == 500
 
 
 async def final(g: Gateway, request: GenerationRequest, tokens: Usage) -> None:

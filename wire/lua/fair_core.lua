@@ -51,7 +51,7 @@ end
 -- The keys a model's fair share keeps for its tenants, their TTL renewed by a tenant that
 -- starts waiting (fair_enqueue) and by a worker's charge beside its takes (FAIR_CHARGE).
 local function fair_renew(base, ttl)
-  for _, suffix in ipairs({'', ':ready', ':vtc', ':recent', ':weights'}) do
+  for _, suffix in ipairs({'', ':ready', ':vtc', ':recent', ':weights', ':free'}) do
     redis.call('EXPIRE', base .. suffix, ttl)
   end
 end
@@ -90,9 +90,8 @@ local function fair_enqueue(base, tenant, weight, request, ttl)
   fair_ring(base, ttl)
 end
 
--- A new request straight into the requests stream, as though its turn had come at once:
--- its gateway found nothing waiting for a worker (SUBMIT: the group's lag 0 and no list
--- holding a request), where VTC would pick it next anyway. A worker charges its prompt and
+-- A new request straight into the requests stream, as though its turn had come at once
+-- (fair_submit: a free slot waits for it and nobody waits in a list; VTC would start it now). A worker charges its prompt and
 -- tokens as it serves it (fair_charge); its tenant's weight is kept for that (a weight of 1
 -- is the default). Its entry is as a reply taken over has it: the request alone.
 local function fair_straight(base, stream, maxlen, tenant, weight, request, ttl)
@@ -104,14 +103,35 @@ local function fair_straight(base, stream, maxlen, tenant, weight, request, ttl)
   fair_ring(base, ttl)
 end
 
+-- The free slots of the queue's workers as each one's last take left them (fair_take.lua
+-- records them with Redis's clock, for FAIR_FREE_S: a worker takes at least every second,
+-- so a lost one's lapse); a lapsed record is dropped. Slots freed since a take count from
+-- the next: a worker takes as one frees.
+local FAIR_FREE_S = 3
+local function fair_free(base)
+  local now, free, key = tonumber(redis.call('TIME')[1]), 0, base .. ':free'
+  local records = redis.call('HGETALL', key)
+  for i = 1, #records, 2 do
+    local slots, until_s = string.match(records[i + 1], '^(%d+) (%d+)$')
+    if tonumber(until_s) >= now then
+      free = free + tonumber(slots)
+    else
+      redis.call('HDEL', key, records[i])
+    end
+  end
+  return free
+end
+
 -- A new request of `tenant` (`element`: '<estimate>|<request>', as its list holds it) for
--- the queue `stream`: straight in when `idle` (nothing waits for a worker there) and no
--- worker of it preempts (one needs every new request in a list to choose from: its
--- ``preempting`` mark, engine/preempt.py), else into its tenant's list. So a request pays
--- for the fair share only when someone waits: the stream holds at most one request that
--- came straight in ahead of the lists.
-local function fair_submit(base, stream, maxlen, tenant, weight, element, ttl, idle)
-  if idle and redis.call('EXISTS', base .. ':preempting') == 0 then
+-- the queue `stream`, whose group has `lag` entries undelivered (nil: not known) and whose
+-- tenants' lists hold `waiting`: straight in when nothing waits in a list and a worker has
+-- a free slot for it and those undelivered before it (VTC, work-conserving, would start it
+-- now), unless a worker of the queue preempts (one needs every new request in a list to
+-- choose from: its ``preempting`` mark, engine/preempt.py); else into its tenant's list. So
+-- a request pays for the fair share only when requests wait for a slot.
+local function fair_submit(base, stream, maxlen, tenant, weight, element, ttl, lag, waiting)
+  if waiting == 0 and lag and lag < fair_free(base)
+      and redis.call('EXISTS', base .. ':preempting') == 0 then
     local bar = string.find(element, '|', 1, true)
     fair_straight(base, stream, maxlen, tenant, weight, string.sub(element, bar + 1), ttl)
   else

@@ -8,7 +8,7 @@
 -- before), then the tenants' requests in counter order (the smallest first), each moved
 -- into the stream (fair_move_lowest) and read at once by this consumer, so the group's
 -- pending list, claims and acknowledgements work as for any entry. Rings the bell when more
--- waits, for another idle worker.
+-- waits, for another idle worker, and records the slots `consumer` has left (fair_free).
 -- Returns {the entries taken, as XREADGROUP gives them: {{id, {field, value, ...}}, ...},
 --          how many tenants still have requests waiting in their lists}.
 local stream, base = KEYS[1], KEYS[2]
@@ -37,4 +37,7 @@ if moved > 0 then
 end
 local waiting = redis.call('ZCARD', ready)
 if got + moved == count and (got == count or waiting > 0) then fair_ring(base, ARGV[5]) end
+-- The slots this worker has free now, for a new request to see (fair_free).
+local until_s = tonumber(redis.call('TIME')[1]) + FAIR_FREE_S
+redis.call('HSET', base .. ':free', consumer, (count - got - moved) .. ' ' .. until_s)
 return {taken, waiting}

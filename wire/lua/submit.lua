@@ -34,36 +34,36 @@
 -- A session made here is fresh (a new random id): nothing to look up in it, no history.
 local admit = ARGV[20] ~= nil
 local target = admit and tonumber(ARGV[22]) or 0
-local idle = false  -- nothing waits for a worker in the target queue (fair_straight)
+local lag, waiting = nil, 0  -- of the target queue (fair_submit)
 if admit then
   -- A queue's requests in flight: not yet taken (its group's lag; nil after a trim: 0)
   -- and taken but not acknowledged (pending); with no group yet, all it holds; with no
-  -- queue yet (XINFO's error), none. And whether none of them waits for a worker: the
-  -- group has delivered every entry (lag 0) and no tenant's list holds a request.
+  -- queue yet (XINFO's error), none. Besides: its group's lag (nil: not known) and the
+  -- requests in its tenants' lists.
   local function in_flight(queue)
-    local waiting = fair_waiting(queue)
+    local listed = fair_waiting(queue)
     local groups = redis.pcall('XINFO', 'GROUPS', queue)
-    if groups.err then return waiting, waiting == 0 end
+    if groups.err then return listed, 0, listed end
     for _, group in ipairs(groups) do
-      local name, lag, pending  -- a flat list: field, value, field, value...
+      local name, behind, pending  -- a flat list: field, value, field, value...
       for i = 1, #group, 2 do
         local field = group[i]
         if field == 'name' then name = group[i + 1]
-        elseif field == 'lag' then lag = group[i + 1]
+        elseif field == 'lag' then behind = group[i + 1]
         elseif field == 'pending' then pending = group[i + 1] end
       end
       if name == ARGV[25] then
-        return (tonumber(lag) or 0) + pending + waiting, lag == 0 and waiting == 0
+        return (tonumber(behind) or 0) + pending + listed, tonumber(behind), listed
       end
     end
     local length = redis.call('XLEN', queue)
-    return length + waiting, length == 0 and waiting == 0
+    return length + listed, length, listed
   end
   local all, of_model = 0, 0
   for i = 8, #KEYS do
-    local count, none_waits = in_flight(KEYS[i])
+    local count, behind, listed = in_flight(KEYS[i])
     all = all + count
-    if i - 7 == target then of_model, idle = count, none_waits end
+    if i - 7 == target then of_model, lag, waiting = count, behind, listed end
   end
   if all >= tonumber(ARGV[20]) then return {'overloaded', 'all', all} end
   local model_limit = tonumber(ARGV[21])
@@ -137,7 +137,7 @@ redis.call('EXPIRE', KEYS[5], ttl)
 if admit then  -- after its generation, so no worker finds a request with none
   local queue = KEYS[7 + target]
   fair_submit('{' .. queue .. '}:fair', queue, ARGV[28], ARGV[26], ARGV[27], ARGV[23],
-              ARGV[24], idle)
+              ARGV[24], lag, waiting)
 end
 local reply = {'ok', id}
 if counts then reply = {'admitted', id, unpack(counts)} end
