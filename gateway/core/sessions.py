@@ -43,7 +43,7 @@ from gateway.core.ids import new_id, token_urlsafe
 from gateway.core.models import ModelDirectory
 from gateway.core.settings import Settings
 from gateway.core.tenancy import TenantGate, TenantObserver
-from gateway.tenants.records import Tenant
+from gateway.tenants.records import ANONYMOUS_ID, Tenant
 from wire import (
     CancelReason,
     CancelSignal,
@@ -451,10 +451,17 @@ class SessionStore:
             self.settings.events_maxlen,
             ttl_s,
             self.watch_ttl_s,
-            request.tenant,
+            self._billed(tenant),
             bill,
             tenant.limits,
         )
+
+    def _billed(self, tenant: Tenant) -> str:
+        """Whom a generation's final event counts the usage of ("": nobody): its tenant's
+        key; a request with no key only with ``TOKENSPOUT_ANONYMOUS_USAGE`` (else it pays
+        for no bookkeeping)."""
+        anonymous = tenant.id == ANONYMOUS_ID and not self.settings.anonymous_usage
+        return "" if anonymous else tenant.id
 
     async def _create_stateless(
         self,
@@ -566,7 +573,7 @@ class SessionStore:
                 ttl_s=self.settings.session_ttl_s,
                 max_history=self.settings.max_history_messages,
                 watch_ttl_s=self.watch_ttl_s,
-                tenant=turn.tenant.id,
+                tenant=self._billed(turn.tenant),
                 turn=turn.kind,
                 limits=turn.tenant.limits,
             )
@@ -693,7 +700,7 @@ class SessionStore:
             max_history=self.settings.max_history_messages,
             watch_ttl_s=self.watch_ttl_s,
             choice=choice,
-            tenant=turn.tenant.id,
+            tenant=self._billed(turn.tenant),
             bill="completion",
             limits=turn.tenant.limits,
         )

@@ -129,6 +129,7 @@ end
 redis.call('HSET', KEYS[4], 'state', 'queued', 'created', ARGV[6], 'tenant', ARGV[16],
            'bill', ARGV[17], 'counts', ARGV[19])
 if ARGV[14] ~= '' then redis.call('HSET', KEYS[4], 'note', ARGV[14], 'queue', ARGV[15]) end
+if turn == 'continue' then redis.call('HSET', KEYS[4], 'continues', 1) end
 redis.call('EXPIRE', KEYS[4], ttl)
 redis.call('SET', KEYS[6], '1', 'EX', ARGV[8])
 local id = emit(KEYS[5], KEYS[4], ARGV[1], ARGV[2], ttl, 'queued', ARGV[4], ARGV[9])
