@@ -7,7 +7,8 @@ names what it passes (``Emit(...)(session_id=..., event=..., writer=...)``) and 
 argument is one edit here and one in the .lua file.
 
 A live message on ``Keys.live_channel`` is "<entry id> <type> <generation id> <json>", the
-same event the stream holds, so a live reader needs no second round trip.
+same event the stream holds, so a live reader needs no second round trip; an engine step's
+events of one session go in one message, one a line (JSON holds no raw newline).
 
 Called with ``pipe=`` a wrapper queues the script in that pipeline and returns nothing;
 ``reply`` turns the pipeline's result for it into what the call would have returned.

@@ -1,11 +1,28 @@
--- Shared by the scripts that write a session event (loaded in front of each).
--- PUBLISH on one Redis; SPUBLISH on a cluster (wire/scripts.py swaps this line), so the
--- live channel, tagged like the session's keys, goes to this slot's shard only.
+-- Shared by the scripts that write a session event (loaded in front of each). A live
+-- message is one event ("<id> <type> <generation id> <json>") or several, one a line (JSON
+-- holds no raw newline). PUBLISH on one Redis; SPUBLISH on a cluster (wire/scripts.py swaps
+-- this line), so the live channel, tagged like the session's keys, goes to this slot's
+-- shard only.
 local publish = 'PUBLISH'
+-- A script that writes several events (EMIT_STEP) sets `held` to a table: each channel's
+-- events then go in one message, its lines in order, when it calls `publish_held`.
+local held = nil
 local function emit(events, gen, channel, maxlen, ttl, etype, gid, data)
   local id = redis.call('XADD', events, 'MAXLEN', '~', maxlen, '*', 't', etype, 'g', gid, 'd', data)
-  redis.call(publish, channel, id .. ' ' .. etype .. ' ' .. gid .. ' ' .. data)
+  local line = id .. ' ' .. etype .. ' ' .. gid .. ' ' .. data
+  if held == nil then
+    redis.call(publish, channel, line)
+  elseif held[channel] then
+    table.insert(held[channel], line)
+  else
+    held[channel] = {line}
+    table.insert(held, channel)
+  end
   return id
+end
+local function publish_held()
+  for _, channel in ipairs(held) do redis.call(publish, channel, table.concat(held[channel], '\n')) end
+  held = nil
 end
 -- Every script that writes a final event calls this, once per generation (a second final
 -- is refused before it), so the generation's usage is counted here (usage_core.lua).
