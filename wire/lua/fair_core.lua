@@ -48,6 +48,16 @@ local function fair_charge(base, tenant, tokens, now)
   end
 end
 
+-- A tenant's weight as its request gives it: kept when it is not 1 (fair_weight's default),
+-- else dropped (a key whose weight went back to 1). True when the hash got a new field.
+local function fair_weigh(base, tenant, weight)
+  if tonumber(weight) == 1 then
+    redis.call('HDEL', base .. ':weights', tenant)
+    return false
+  end
+  return redis.call('HSET', base .. ':weights', tenant, weight) == 1
+end
+
 -- The keys a model's fair share keeps for its tenants, their TTL renewed by a tenant that
 -- starts waiting (fair_enqueue) and by a worker's charge beside its takes (FAIR_CHARGE).
 local function fair_renew(base, ttl)
@@ -82,7 +92,7 @@ local function fair_enqueue(base, tenant, weight, request, ttl)
       redis.call('HSET', vtc, tenant, counter)
     end
     redis.call('ZADD', ready, counter, tenant)
-    redis.call('HSET', base .. ':weights', tenant, weight)
+    fair_weigh(base, tenant, weight)
     redis.call('EXPIRE', list, ttl)
     fair_renew(base, ttl)
   end
@@ -92,12 +102,9 @@ end
 
 -- A new request straight into the requests stream, as though its turn had come at once
 -- (fair_submit: a free slot waits for it and nobody waits in a list; VTC would start it now). A worker charges its prompt and
--- tokens as it serves it (fair_charge); its tenant's weight is kept for that (a weight of 1
--- is the default). Its entry is as a reply taken over has it: the request alone.
+-- tokens as it serves it (fair_charge); its tenant's weight is kept for that (fair_weigh). Its entry is as a reply taken over has it: the request alone.
 local function fair_straight(base, stream, maxlen, tenant, weight, request, ttl)
-  if tonumber(weight) ~= 1 and redis.call('HSET', base .. ':weights', tenant, weight) == 1 then
-    redis.call('EXPIRE', base .. ':weights', ttl)
-  end
+  if fair_weigh(base, tenant, weight) then redis.call('EXPIRE', base .. ':weights', ttl) end
   redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'r', request)
   redis.call('EXPIRE', stream, ttl)
   fair_ring(base, ttl)
