@@ -3,7 +3,7 @@
 ``--model default`` prepares and serves the bundled SmolLM2 (engine/model.py). Redis comes
 from ``REDIS_URL``; the key prefix from ``TOKENSPOUT_KEY_PREFIX`` (as for the gateway).
 SIGTERM or Ctrl-C drains: running generations move to another worker at once when one
-serves (engine/handover.py); otherwise they may finish for ``--drain-s`` seconds, the rest
+serves (engine/jobs.py); otherwise they may finish for ``--drain-s`` seconds, the rest
 end as ``cancelled`` (reason ``shutdown``). The queue is left to other workers.
 """
 
@@ -209,7 +209,7 @@ def served_names(args: argparse.Namespace) -> list[str]:
 def make_backend(args: argparse.Namespace) -> Backend:
     backend = _backend(args)
     if args.tool_call_parser:
-        from engine.tools import check_parser
+        from engine.backends.tool_parsers import check_parser
 
         check_parser(args.tool_call_parser)
         backend.tool_call_parser = args.tool_call_parser

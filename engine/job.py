@@ -1,10 +1,10 @@
 """One generation as a worker runs it: its request, what it has streamed so far, and where
 its run stands (``JobState``).
 
-The worker, its intake and its hand-over ask the job to move on (``claim_answered``,
-``stop``, ``drop``, ``begin_hand_over`` ...) and ask it what it may do (``streams``,
-``needs_ack`` ...); each move is one method, allowed from the states it names, so no
-caller sets a flag the others read.
+The job table (engine/jobs.py), which alone holds the jobs, asks a job to move on
+(``claim_answered``, ``stop``, ``drop``, ``begin_hand_over`` ...) and asks it what it may
+do (``can_hand_over``, ``needs_ack`` ...); each move is one method, allowed from the states
+it names, so no caller sets a flag the others read.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ class Job:
     """Its claim's answer: None while it is on its way (or was never sent)."""
     stop_reason: CancelReason | None = None
     second_copy: Job | None = None
-    """The same request taken again while this one's claim was on its way (engine/intake.py)."""
+    """The same request taken again while this one's claim was on its way (engine/jobs.py)."""
 
     def __post_init__(self) -> None:
         resume = self.request.resume
@@ -203,7 +203,7 @@ class Job:
         self.token_ids.extend(token_ids)
 
     def hold_second_copy(self, copy: Job) -> None:
-        """Keep ``copy`` until this one's claim is answered (engine/intake.py)."""
+        """Keep ``copy`` until this one's claim is answered (engine/jobs.py)."""
         self.second_copy = copy
 
     def take_second_copy(self) -> Job | None:

@@ -25,7 +25,8 @@ from redis.exceptions import RedisError
 
 import wire
 from wire import Keys, WorkerInfo
-from wire.connect import address_of, is_cluster, mget, node_client
+from wire.connect import address_of, mget, node_client
+from wire.topology import topology_of
 
 HEARTBEAT_S = 1.0
 HEARTBEAT_TTL_S = 5
@@ -35,7 +36,7 @@ _info_decoder = msgspec.json.Decoder(WorkerInfo)
 class Lease:
     def __init__(self, redis: aioredis.Redis, keys: Keys, worker_id: str, model: str) -> None:
         self.shared = redis
-        self.cluster = is_cluster(redis)
+        self.cluster = not topology_of(redis).one_node
         self.keys = keys
         self.worker_id = worker_id
         self.model = model

@@ -4,9 +4,10 @@ Events queue up while the engine steps; at the end of a step (the next turn of t
 loop) the publisher writes them all: one EMIT_STEP call (``wire.emit_step.EmitStep``: per
 event, append to the session stream, publish on the live channel, refuse anything after a
 generation's final event or from a writer that does not own it) per group of sessions, and
-the requests that ended acknowledged in the same round trip (on a cluster, right after it).
-``group_of`` says which sessions may share a call: all of them on one Redis, one hash
-slot's on a Redis Cluster, where every script must keep to one slot.
+the requests that ended acknowledged in the same round trip (on a cluster, right after it):
+``wire.generations.Generations.emit_step``. ``group_of`` says which sessions may share a
+call: all of them on one Redis, one hash slot's on a Redis Cluster, where every script must
+keep to one slot (``wire.topology``).
 
 A token costs a record in a list, no future and no object: only the events whose outcome
 the worker acts on (a generation's claim and its end) get one. Events are written in the
@@ -30,15 +31,13 @@ import contextlib
 import logging
 from collections.abc import Callable, Hashable
 
-import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, RedisError
 
 import wire
-from wire import Keys, SessionEvent, Token
-from wire.connect import is_cluster, slot_of
-from wire.emit_step import EmitStep, EmitTarget, StepCall
+from wire import SessionEvent, Token
+from wire.emit_step import EmitTarget, StepCall
+from wire.generations import Generations
 from wire.queue import RequestQueue
-from wire.tenancy import UsageCounter
 
 log = logging.getLogger("tokenspout.publisher")
 
@@ -47,11 +46,6 @@ GroupOf = Callable[[str], Hashable]
 
 MAX_EVENTS_PER_CALL = 1_000
 """A call runs in Redis without a break: more events than this go in the next call."""
-
-
-def one_group(session_id: str) -> Hashable:
-    """Every session in one call: right for one Redis (not for a cluster)."""
-    return None
 
 
 class _OpenToken:
@@ -92,7 +86,8 @@ class _Batch:
         self.open_tokens: dict[EmitTarget, _OpenToken] = {}
         """Per generation, its token that is the last of its events here (kept only while
         a write is under way: then the next one joins it)."""
-        self.acks: list[bytes] = []
+        self.acks: list[tuple[EmitTarget, bytes]] = []
+        """The requests the batch's final events acknowledge (their targets, entry ids)."""
         self.waiters: dict[tuple[StepCall, int], asyncio.Future[str | None]] = {}
         """(call, event's position in it) -> the future of an event someone awaits."""
         self.finals: set[tuple[StepCall, int]] = set()
@@ -104,8 +99,7 @@ class _Batch:
 class Publisher:
     def __init__(
         self,
-        redis: aioredis.Redis,
-        keys: Keys,
+        generations: Generations,
         *,
         queue: RequestQueue,
         writer: str,
@@ -113,8 +107,8 @@ class Publisher:
         group_of: GroupOf | None = None,
         join_tokens: bool = False,
     ) -> None:
-        self.redis = redis
-        self.keys = keys
+        self.generations = generations
+        """Writes each step's events and acknowledgements (wire/generations.py)."""
         self.queue = queue
         """The queue final events acknowledge their request in (the worker's model's)."""
         self.writer = writer
@@ -123,30 +117,16 @@ class Publisher:
         self.on_rejected = on_rejected
         """Called with a generation id and the writer's epoch whose event Redis refused
         (the generation ended, or another writer owns it now)."""
-        self.group_of: GroupOf = group_of or (slot_of if is_cluster(redis) else one_group)
-        """Which sessions' events may share a call (default: by what serves ``redis``)."""
+        self.group_of: GroupOf = group_of or generations.topology.group_of
+        """Which sessions' events may share a call (default: the topology's)."""
         self.join_tokens = join_tokens
         """Join a generation's tokens that wait for the next write (see the module's doc)."""
-        self._script = EmitStep(redis, keys)
-        self._usage = UsageCounter(redis, keys)
-        self._acks_after = is_cluster(redis)
-        """On a cluster, acknowledge in a round trip after the events (see ``_write``);
-        on one Redis the step's last call acknowledges them itself."""
-        self._queue_key = queue.key.encode()
         self._batch = _Batch()
         self._in_flight: _Batch | None = None
         self._events = 0
         self._wakeup = asyncio.Event()
         self.pipelines = 0
         self.events = 0
-
-    def target(
-        self, session_id: str, generation_id: str, *, epoch: int, ttl_s: int, maxlen: int
-    ) -> EmitTarget:
-        """Where a generation's events go: work it out once per generation."""
-        return self._script.target(
-            session_id, generation_id, epoch=epoch, maxlen=maxlen, ttl_s=ttl_s
-        )
 
     def emit(self, target: EmitTarget, token: Token, seq: int) -> int:
         """Queue a token: written with the step, nobody waits for it. Returns the number of
@@ -187,8 +167,9 @@ class Publisher:
         """Queue an event; the future resolves to its stream id, or None if refused.
 
         ``final``: it ends the generation (``assistant`` joins the history). ``ack``: the
-        request's entry id, acknowledged in the same round trip, so "in flight"
-        (gateway/core/generations.py) drops the moment it ends."""
+        request's entry id, acknowledged once the event is written (one Redis: in the same
+        round trip, so "in flight", gateway/core/store/queue.py, drops the moment it
+        ends)."""
         batch = self._batch
         if batch.open_tokens:
             batch.open_tokens.pop(target, None)  # no token joins one before this event
@@ -205,22 +186,10 @@ class Publisher:
         if final:
             batch.finals.add(where)
         if ack is not None:
-            batch.acks.append(ack)
+            batch.acks.append((target, ack))
         future: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
         batch.waiters[where] = future
         return future
-
-    @property
-    def counts_usage_after(self) -> bool:
-        """A generation's usage is counted after its final event (a Redis Cluster), by
-        ``count_usage``; on one Redis the script that writes the event counts it."""
-        return self._usage.needed
-
-    async def count_usage(self, session_id: str, generation_id: str) -> None:
-        """After a final event's write (written or refused: the script that refuses a write
-        may have ended the generation, ``events_lost``), count its usage to its tenant on a
-        Redis Cluster, once (one Redis counted it in the script)."""
-        await self._usage.after_final(session_id, generation_id)
 
     def written(self) -> asyncio.Future[None]:
         """Resolves once every event emitted so far is in Redis (written in order)."""
@@ -265,7 +234,7 @@ class Publisher:
                         # scripts: load it and send the step again (seq makes that safe);
                         # if loading fails too, the warning below says why.
                         with contextlib.suppress(RedisError, OSError):
-                            await self._script.load()
+                            await self.generations.load_step()
                             continue
                     count = sum(call.size for call in calls)
                     log.warning("publishing %d events failed (%s); retrying", count, exc)
@@ -290,22 +259,10 @@ class Publisher:
         if batch.done is not None and not batch.done.done():
             batch.done.set_result(None)
 
-    async def _write(self, calls: list[StepCall], acks: list[bytes]) -> list[list[str | None]]:
-        if not self._acks_after:  # one Redis: the last call acknowledges, after the events
-            calls[-1].acknowledge(self._queue_key, acks)
-        if len(calls) == 1 and not self._acks_after:
-            replies = [await self._script.send(calls[0])]
-        else:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for call in calls:
-                    self._script.queue_in(pipe, call)
-                replies = [EmitStep.replies(reply) for reply in await pipe.execute()]
+    async def _write(
+        self, calls: list[StepCall], acks: list[tuple[EmitTarget, bytes]]
+    ) -> list[list[str | None]]:
+        replies = await self.generations.emit_step(calls, acks, self.queue)
         self.pipelines += 1
         self.events += sum(call.size for call in calls)
-        if self._acks_after and acks:
-            # A cluster pipeline sends each shard its part at once: an acknowledgement in
-            # it could land before its final event, and a worker lost right then would
-            # leave a reply with no end and no pending request for the reaper to find.
-            # Acknowledged only once every final event of the step is written.
-            await self.queue.ack(*acks)
         return replies

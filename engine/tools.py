@@ -21,24 +21,12 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Protocol
+from typing import Any
 
-from engine.backends import vllm_api
-from wire import ToolCall, ToolCallDelta, Tools
+from engine.backends.base import AutoParser
+from wire import ToolCallDelta, Tools
 
 log = logging.getLogger("tokenspout.tools")
-
-
-class AutoParser(Protocol):
-    """Finds the calls in a model's whole output (``auto``)."""
-
-    start_marker: str | None
-    """What begins a call in this model's format; None: unknown (content is held back
-    until the reply ends)."""
-
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        """The content and the calls in ``text`` (calls' ids are set by the writer)."""
-        ...
 
 
 def call_id(generation_id: str, index: int) -> str:
@@ -154,44 +142,3 @@ def complete_items(text: str) -> list[dict[str, Any]]:
             return items  # not complete yet
         if isinstance(item, dict):
             items.append(item)
-
-
-class VllmToolParser:
-    """One of vLLM's tool parsers (``vllm serve --tool-call-parser``) as an ``AutoParser``."""
-
-    def __init__(self, name: str, tokenizer: Any, tools: Tools) -> None:
-        self.name = name
-        self._parser = vllm_api.tool_parser(name, tokenizer)
-        self._request = vllm_api.chat_request(
-            model="tokenspout",
-            messages=[{"role": "user", "content": ""}],
-            tools=[
-                {
-                    "type": "function",
-                    "function": {
-                        "name": spec.name,
-                        "description": spec.description,
-                        "parameters": spec.parameters,
-                    },
-                }
-                for spec in tools.specs
-            ],
-            tool_choice="auto",
-        )
-        self.start_marker: str | None = getattr(self._parser, "tool_call_start_token", None)
-
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        found = self._parser.extract_tool_calls(text, self._request)
-        if not found.tools_called:
-            return found.content if found.content is not None else text, []
-        calls = [
-            ToolCall("", call.function.name, call.function.arguments) for call in found.tool_calls
-        ]
-        return found.content or "", calls
-
-
-def check_parser(name: str) -> None:
-    """Fail at start-up, not on the first request, for a parser vLLM does not have."""
-    known = vllm_api.tool_parsers()
-    if name not in known:
-        raise SystemExit(f"--tool-call-parser {name!r} is not one of vLLM's: {', '.join(known)}")

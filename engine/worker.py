@@ -1,8 +1,9 @@
 """The engine worker: Redis in, backend in the middle, Redis out.
 
-- takes requests from its model's queue (``wire.queue.RequestQueue``), never more than
-  the backend's capacity; acknowledges each when its generation has ended (a dead worker's
-  unacknowledged requests are taken over by the gateway's reaper);
+- its job table (engine/jobs.py) takes requests from its model's queue
+  (``wire.queue.RequestQueue``), never more than the backend's capacity, holds every job and
+  makes every move of one: its claim, its end (acknowledging its request), its cancel, its
+  hand-over or preemption; the worker runs each job's engine stream (``run_job``);
 - publishes events through ``Publisher`` (one script call per engine step);
 - reads the ``cancels`` stream (engine/cancels.py): the ``cancelled`` event is written at
   once (no token of that generation reaches a client after it), then the engine aborts;
@@ -11,20 +12,26 @@
   model it serves, and at once when it dies (engine/lease.py);
 - continues replies taken over from a lost worker (``GenerationRequest.resume``: its first
   event is ``resumed``, then tokens numbered on from the streamed ones), and on SIGTERM
-  hands its own running replies over to the other workers at once (engine/handover.py).
-
-What it takes from the queue, and the tasks that run it, are the intake's
-(engine/intake.py); this module runs one generation and the loops around it.
+  hands its own running replies over to the other workers at once.
 
 A worker serves one model: it reads that model's queue only (``Keys.requests(model)``), so
 a slow model never holds up another, and registers the model's names (``Keys.models``).
+
+A burst: one read of the queue can bring a thousand requests, and a request's prepare (the
+chat template and tokenizer, vLLM's ``prepare``) is CPU on the worker's event loop. Started
+all at once, every job would prepare in the same turn of the loop, so no claim, engine step
+or first token would go out until the last request was prepared (1,024 requests at 0.25 ms
+each: a quarter of a second of the loop's time, several times that on a shared core). So
+requests prepare one per turn of the loop, in the order taken (``PrepareTurns``): what the
+others need (the claims and first tokens of the requests prepared so far, the engine's
+steps) goes out in between, as vLLM's own server admits a burst.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
-import functools
 import logging
 import os
 import socket
@@ -36,33 +43,54 @@ from redis.exceptions import RedisError
 import wire
 from engine.backends.base import Backend, BackendError, Delta, Prepared
 from engine.cancels import cancel_signals
-from engine.handover import HandOver
-from engine.intake import Intake
-from engine.job import Job, JobState, final_reason
+from engine.job import Job
+from engine.jobs import JobTable
 from engine.lease import HEARTBEAT_S, Lease
 from engine.metrics import WorkerMetrics
-from engine.preempt import Preemptor
+from engine.policies import FairPreemption, QueueOrder
 from engine.publisher import Publisher
 from engine.tools import ToolCallWriter
-from wire import (
-    Cancelled,
-    CancelReason,
-    ChatMessage,
-    Done,
-    Error,
-    Keys,
-    Resumed,
-    Started,
-    Token,
-    WorkerInfo,
-)
+from wire import Done, Error, Keys, Started, Token, WorkerInfo
 from wire.connect import when_redis_answers
+from wire.generations import Generations
 from wire.queue import RequestQueue, ServedTokens
-from wire.scripts import Takeover
 
 log = logging.getLogger("tokenspout.worker")
 
 ABANDON_CHECK_S = 1.0
+
+
+class PrepareTurns:
+    """One request prepares per turn of the event loop, in the order they asked."""
+
+    def __init__(self) -> None:
+        self._taken = False
+        """A request prepares in this turn of the event loop: the others wait for theirs."""
+        self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    async def take(self) -> None:
+        """Until this request may prepare (at once when none waits)."""
+        if self._taken or self._waiting:
+            turn = asyncio.get_running_loop().create_future()
+            self._waiting.append(turn)
+            await turn  # given by ``_next``, which took the turn for it
+        else:
+            self._take()
+
+    def _take(self) -> None:
+        self._taken = True
+        asyncio.get_running_loop().call_soon(self._next)
+
+    def _next(self) -> None:
+        """The loop has turned: the next waiting request's turn (one whose task was
+        cancelled meanwhile is skipped)."""
+        self._taken = False
+        while self._waiting:
+            turn = self._waiting.popleft()
+            if not turn.done():
+                turn.set_result(None)
+                self._take()
+                return
 
 
 class Worker:
@@ -85,7 +113,7 @@ class Worker:
         self.aliases = [name for name in aliases or [] if name != backend.model]
         for name in [backend.model, *self.aliases]:
             wire.check_model_name(name)
-        self.queue = RequestQueue(redis, self.keys, backend.model)
+        self.queue = RequestQueue(redis, self.keys, backend.model, offers_free=not preempt)
         """This worker's model's queue: it never sees another model's requests."""
         self.served = ServedTokens()
         """Tokens served per tenant, told to the queue with each take and each heartbeat:
@@ -95,39 +123,28 @@ class Worker:
         self.metrics = metrics or WorkerMetrics()
         self.lease = Lease(redis, self.keys, self.worker_id, backend.model)
         self.publisher = Publisher(
-            redis,
-            self.keys,
+            Generations(redis, self.keys),
             queue=self.queue,
             writer=self.worker_id,
-            on_rejected=self._on_rejected,
+            on_rejected=lambda gid, epoch: self.jobs.rejected(gid, epoch),
             join_tokens=join_tokens,
         )
-        self.intake = Intake(
-            queue=self.queue,
+        self.jobs = JobTable(
             publisher=self.publisher,
+            queue=self.queue,
             backend=backend,
-            metrics=self.metrics,
-            worker_id=self.worker_id,
-            run_job=self.run_job,
-            before_taking=self.announce_if_silent,
-            served=self.served,
-        )
-        self.jobs = self.intake.jobs  # the generations running here (the intake's), by id
-        self.handover = HandOver(
-            takeover=Takeover(redis, self.keys),
             lease=self.lease,
-            publisher=self.publisher,
-            queue=self.queue,
-            backend=backend,
             metrics=self.metrics,
             worker_id=self.worker_id,
             max_takeovers=max_takeovers,
+            run=self.run_job,
+            before_taking=self.announce_if_silent,
+            take=QueueOrder(self.queue, self.worker_id, self.served),
+            preempt=FairPreemption(self.queue, self.worker_id) if preempt else None,
         )
-        self.preemptor = Preemptor(self.intake, self.handover) if preempt else None
+        """Every job this worker holds, and every move of one (engine/jobs.py)."""
+        self.turns = PrepareTurns()
         self._started_at = time.time()
-        self._export_gauges()
-
-    def _export_gauges(self) -> None:
         self.metrics.generations_running.set_function(lambda: len(self.jobs))
         self.metrics.capacity.set_function(lambda: self.backend.capacity)
 
@@ -145,13 +162,13 @@ class Worker:
         joining.result()
         loops = [
             asyncio.create_task(self.publisher.run_forever(), name="publisher"),
-            asyncio.create_task(self.intake.consume_forever(), name="consume"),
+            asyncio.create_task(self.jobs.take_forever(), name="consume"),
             asyncio.create_task(self._cancels_forever(), name="cancels"),
             asyncio.create_task(self._heartbeat_forever(), name="heartbeat"),
             asyncio.create_task(self._abandon_forever(), name="abandon"),
         ]
-        if self.preemptor is not None:
-            loops.append(asyncio.create_task(self.preemptor.run_forever(), name="preempt"))
+        if self.jobs.preempt is not None:
+            loops.append(asyncio.create_task(self.jobs.preempt_forever(), name="preempt"))
         log.info(
             "worker %s ready: backend=%s model=%s aliases=%s",
             self.worker_id,
@@ -177,29 +194,29 @@ class Worker:
     async def drain(self, timeout_s: float) -> None:
         """Take no new work; hand running generations over to the other workers at once
         (while one serves); let the rest finish up to ``timeout_s``, then cancel them."""
-        self.intake.stop_accepting()
+        self.jobs.stop_accepting()
         with contextlib.suppress(RedisError, OSError):  # else pending: the reaper's, later
-            await self.intake.give_back_kept()
+            await self.jobs.give_back_kept()
         self.metrics.draining.set(1)
         log.info("draining", extra={"running": len(self.jobs), "drain_s": timeout_s})
         with contextlib.suppress(RedisError, OSError):
             await self._heartbeat_once()  # tell the others this one takes nothing now
         deadline = time.monotonic() + timeout_s
         while self.jobs and time.monotonic() < deadline:
-            await self.handover.hand_over_running(list(self.jobs.values()))
+            await self.jobs.hand_over_running()
             await asyncio.sleep(0.02)
-        for job in list(self.jobs.values()):
-            await self.cancel(job.generation_id, "shutdown")
-        while self.intake.busy:
+        for job in self.jobs.jobs():
+            await self.jobs.cancel(job.generation_id, "shutdown")
+        while self.jobs.busy:
             await asyncio.sleep(0.02)
 
-    # --- one generation ------------------------------------------------------------------
+    # --- one job's engine stream ---------------------------------------------------------
 
     async def run_job(self, job: Job) -> None:
-        """Run one generation the intake took, to its end."""
+        """Run one job the table started, to its end, then hand it back (``ended``)."""
         gid = job.generation_id
         try:
-            await self.intake.turn_to_prepare()
+            await self.turns.take()
             if job.request.task != "generate":
                 await self._run_tokenizer_task(job)
                 return
@@ -208,7 +225,7 @@ class Worker:
                 prepared = await self.backend.prepare(job.request)
                 job.prepare_s = time.monotonic() - began
             except BackendError as exc:
-                await self._finish(job, Error(gid, exc.code, exc.message, job.usage()))
+                await self.jobs.finish(job, Error(gid, exc.code, exc.message, job.usage()))
                 return
             if job.request.resume is None:
                 job.prompt_tokens = len(prepared.prompt_token_ids)
@@ -216,59 +233,20 @@ class Worker:
                 # continuation's prompt was served (and charged) by its first run.
                 self.served.add(job.request.tenant, job.prompt_tokens - job.estimated_tokens)
             job.tool_calls = self._tool_call_writer(job)
-            claim = job.claim_event(self.backend.model, self.worker_id)
             # The engine starts while the claim is on its way, so the first token does not
             # wait for the claim's round trip (it even shares its write when the engine is
-            # that quick). Redis takes no event of this run unless the claim held (EMIT's
-            # owner check); a refused claim stops the run (``_claim_answered``).
-            answer = self.emit_waited(job, claim)
-            answer.add_done_callback(functools.partial(self._claim_answered, job, claim))
+            # that quick).
+            self.jobs.claim(job, job.claim_event(self.backend.model, self.worker_id))
             if not job.stopped:
                 await self._stream(job, prepared)
         except BackendError as exc:
-            await self._finish(job, Error(gid, exc.code, exc.message, job.usage()))
+            await self.jobs.finish(job, Error(gid, exc.code, exc.message, job.usage()))
         except Exception as exc:
             log.exception("generation %s failed", gid)
-            await self._finish(
-                job, Error(gid, "engine_error", f"{type(exc).__name__}: {exc}", job.usage())
-            )
+            message = f"{type(exc).__name__}: {exc}"
+            await self.jobs.finish(job, Error(gid, "engine_error", message, job.usage()))
         finally:
-            # Only now, the engine's run over, may a second copy run (the same engine
-            # request id); one that ended before its claim was answered drops it.
-            self.intake.settle_second_copy(job, claimed=job.claim_held is not False)
-            if job.state is JobState.STOPPING and job.stop_reason is not None:
-                await self._finish(job, Cancelled(gid, job.stop_reason, job.usage()))
-            self.intake.finished(job)
-            if job.state is JobState.HANDOVER_FAILED:
-                # Its tokens stopped at the hand-over: the request stays pending, so the
-                # reaper takes the reply over once this worker is gone.
-                log.warning("%s: its hand-over did not go through; left to the reaper", gid)
-            elif job.needs_ack:
-                # Dropped: it may have ended by another writer (a queued cancel,
-                # ``events_lost``), lost before it counted it: counted again, once.
-                await self.intake.count_then_ack(job)
-
-    def _claim_answered(
-        self, job: Job, claim: Started | Resumed, answer: asyncio.Future[str | None]
-    ) -> None:
-        if answer.cancelled() or answer.result() is None:
-            log.info("skipping %s: it ended, or another worker has it", job.generation_id)
-            job.claim_answered(held=False)
-            self.intake.stop_run(job)
-            return
-        job.claim_answered(held=True)
-        self.intake.settle_second_copy(job, claimed=True)
-        if isinstance(claim, Resumed):
-            self.metrics.takeovers.inc()
-        self.metrics.queue_wait.observe(max(0.0, time.time() - job.request.enqueued_at))
-        log.debug(  # at INFO a generation is one line, at its end
-            "generation started",
-            extra={
-                "session_id": job.session_id,
-                "generation_id": job.generation_id,
-                "prompt_tokens": job.prompt_tokens,
-            },
-        )
+            await self.jobs.ended(job)
 
     async def _stream(self, job: Job, prepared: Prepared) -> None:
         gid = job.generation_id
@@ -316,7 +294,8 @@ class Worker:
                 if delta.finish_reason == "abort":
                     job.stop("shutdown")  # unless a cancel stopped it first
                     return
-                await self._finish(job, Done(gid, self._finish_reason(job, delta), job.usage()))
+                reason = self._finish_reason(job, delta)
+                await self.jobs.finish(job, Done(gid, reason, job.usage()))
                 return
 
     async def _run_tokenizer_task(self, job: Job) -> None:
@@ -333,17 +312,14 @@ class Worker:
                 job.prompt_tokens = len(request.token_ids)
                 claim = Started(gid, model, job.prompt_tokens)
         except BackendError as exc:
-            await self._finish(job, Error(gid, exc.code, exc.message, job.usage()))
+            await self.jobs.finish(job, Error(gid, exc.code, exc.message, job.usage()))
             return
-        if await self.emit_waited(job, claim) is None:
-            job.claim_answered(held=False)
-            job.drop()  # nothing runs in the engine: no abort
-            return
-        job.claim_answered(held=True)
+        if await self.jobs.claim(job, claim) is None:
+            return  # dropped (nothing runs in the engine: no abort)
         if text is not None:
             job.events = self.publisher.emit(job.target, Token(gid, text, 0), job.events + 1)
         ended = "tokenized" if request.task == "tokenize" else "detokenized"
-        await self._finish(job, Done(gid, ended, job.usage()))
+        await self.jobs.finish(job, Done(gid, ended, job.usage()))
 
     def _tool_call_writer(self, job: Job) -> ToolCallWriter | None:
         tools = job.request.tools
@@ -362,94 +338,11 @@ class Worker:
             return "tool_calls"
         return reason
 
-    async def _finish(self, job: Job, event: wire.FinalEvent) -> None:
-        if not job.end():
-            return
-        assistant = None
-        if not isinstance(event, Error):
-            # A continued reply's message is the one it extends, made longer (the history
-            # keeps it in that message's place).
-            assistant = ChatMessage("assistant", job.request.continued + "".join(job.text))
-        # Its request is acknowledged by this final event's write, or (a cluster) once
-        # its usage is counted.
-        counts_after = self.publisher.counts_usage_after
-        written = await self.emit_waited(
-            job,
-            event,
-            final=True,
-            # Only a chat turn's first choice joins the history (a message with n > 1).
-            assistant=assistant if job.request.prompt is None and not job.request.choice else None,
-            ack=None if counts_after else job.entry_id,
-        )
-        if counts_after:
-            await self.intake.count_then_ack(job)
-        state = wire.final_state(event)
-        if written is None:  # it ended elsewhere, or is not this worker's: not counted here
-            log.info("%s: its %s event was refused", job.generation_id, state)
-            return
-        self.metrics.generations.labels(state).inc()
-        self._bill(job)
-        log.info(
-            "generation ended",
-            extra={
-                "session_id": job.session_id,
-                "generation_id": job.generation_id,
-                "state": state,
-                "reason": final_reason(event),
-                "prompt_tokens": job.prompt_tokens,
-                "completion_tokens": job.emitted_tokens,
-            },
-        )
-
-    def _bill(self, job: Job) -> None:
-        """The metric of the tokens its final event billed its tenant (usage_core.lua):
-        another choice of a request bills no prompt, a tokenizer task nothing."""
-        request = job.request
-        if request.task == "generate":
-            prompt = job.prompt_tokens if request.choice == 0 else 0
-            self.metrics.billed(request.tenant, prompt, job.emitted_tokens)
-
-    def emit_waited(
-        self,
-        job: Job,
-        event: wire.SessionEvent,
-        *,
-        final: bool = False,
-        assistant: ChatMessage | None = None,
-        ack: bytes | None = None,
-    ) -> asyncio.Future[str | None]:
-        """Queue an event the caller waits on (a claim, a final event): its stream id, or
-        None when Redis refused it. Tokens go straight to ``Publisher.emit``."""
-        job.events += 1
-        return self.publisher.emit_waited(
-            job.target, event, job.events, final=final, assistant=assistant, ack=ack
-        )
-
-    # --- cancel --------------------------------------------------------------------------
-
-    async def cancel(self, generation_id: str, reason: CancelReason) -> bool:
-        """End a generation this worker runs: final event now, engine abort right after."""
-        job = self.jobs.get(generation_id)
-        if job is None or not job.stop(reason):
-            return False
-        began = time.monotonic()
-        await self._finish(job, Cancelled(generation_id, reason, job.usage()))
-        self.metrics.cancel_to_final.observe(time.monotonic() - began)
-        await self.backend.abort(job.request.engine_request_id)
-        self.metrics.cancels.labels(reason).inc()
-        return True
-
-    def _on_rejected(self, generation_id: str, epoch: int) -> None:
-        # Redis refused an event: the generation was ended elsewhere (or expired), or taken
-        # over by another worker (this one was thought lost). Stop it.
-        job = self.jobs.get(generation_id)
-        if job is not None and job.epoch == epoch and not job.handed_on:
-            self.intake.stop_run(job)
+    # --- cancel and abandonment ---------------------------------------------------------------
 
     async def _cancels_forever(self) -> None:
         async for signal in cancel_signals(self.redis, self.keys, self.metrics):
-            if signal.generation_id in self.jobs:
-                await self.cancel(signal.generation_id, signal.reason)
+            await self.jobs.cancel(signal.generation_id, signal.reason)
 
     async def _abandon_forever(self) -> None:
         while True:
@@ -457,7 +350,7 @@ class Worker:
             # Only claimed ones: before its claim a generation may not be in Redis yet (a
             # request queued twice after a Redis restart, its first copy taken before the
             # submit script ran), so no reader could have marked it watched.
-            jobs = [j for j in self.jobs.values() if j.abandonable]
+            jobs = [job for job in self.jobs.jobs() if job.abandonable]
             if not jobs:
                 continue
             try:
@@ -473,7 +366,7 @@ class Worker:
             for job, is_watched in zip(jobs, watched, strict=True):
                 if not is_watched:
                     log.info("aborting %s: nobody is reading it", job.generation_id)
-                    await self.cancel(job.generation_id, "abandoned")
+                    await self.jobs.cancel(job.generation_id, "abandoned")
 
     # --- heartbeat -----------------------------------------------------------------------
 
@@ -493,7 +386,7 @@ class Worker:
             await asyncio.sleep(HEARTBEAT_S)
             try:
                 await self._heartbeat_once()
-                await self.intake.retry_acks()
+                await self.jobs.retry_acks()
                 await self.queue.charge(self.served)
             except (RedisError, OSError) as exc:
                 log.warning("heartbeat failed (%s)", exc)
@@ -514,7 +407,7 @@ class Worker:
             started_at=self._started_at,
             aliases=self.aliases,
             max_model_len=self.backend.max_model_len,
-            draining=not self.intake.accepting,
+            draining=not self.jobs.accepting,
         )
         self.metrics.engine_running.set(self.backend.running())
         await self.lease.heartbeat(info)

@@ -9,7 +9,7 @@ generation in flight end right after its final event, and whatever is still open
 ``Last-Event-ID``); the gRPC server takes no new RPC and gives running ones as long.
 
 ``python -m gateway keys ...``: make, list, change and revoke API keys, and read their
-usage, on the Redis of ``REDIS_URL`` (gateway/tenants/cli.py; ``keys --help``).
+usage, on the Redis of ``REDIS_URL`` (gateway/apis/admin/cli.py; ``keys --help``).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import msgspec
 import uvicorn
 
 from gateway.core.settings import Settings
+from gateway.server.http1 import HttpProtocol
 from gateway.server.supervisor import OrphanWatch, Supervisor, auto_workers
-from gateway.server.transport import HttpProtocol
 from wire.connect import misconfiguration
 from wire.logs import configure_logging
 from wire.runtime import open_files_to_the_hard_limit, tune_gc
@@ -114,7 +114,7 @@ def workers(value: str) -> int:
 def main(argv: list[str] | None = None) -> None:
     given = sys.argv[1:] if argv is None else argv
     if given[:1] == ["keys"]:
-        from gateway.tenants.cli import main as keys  # the server's imports are not needed
+        from gateway.apis.admin.cli import main as keys  # the server's imports are not needed
 
         keys(given[1:])
         return

@@ -1,6 +1,6 @@
-"""Cancel semantics (gateway/core/sessions.py cancel, engine/worker.py) that need the synthetic
-engine's control, over real gateway processes and real Redis. Cancel on every path with both
-backends (REST, WebSocket, gateway B, twice, after done, abandoned, queued) is in
+"""Cancel semantics (gateway/core/store/submitter.py cancel, engine/jobs.py) that need the
+synthetic engine's control, over real gateway processes and real Redis. Cancel on every path
+with both backends (REST, WebSocket, gateway B, twice, after done, abandoned, queued) is in
 tests/test_backend_cancels.py."""
 
 from __future__ import annotations

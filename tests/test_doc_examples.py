@@ -1,4 +1,4 @@
-"""Every client example in README.md and docs/api.md runs as written (issues 24, 29): each
+"""Every client example in README.md and docs/api.md runs as written: each
 ``python`` and ``sh`` code block that talks to the gateway (it names
 ``http://127.0.0.1:8000``, or the gRPC service's ``127.0.0.1:8001``) runs against the
 session's real vLLM stack, with only that address changed to the stack's gateway. Blocks

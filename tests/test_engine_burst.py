@@ -1,4 +1,4 @@
-"""A burst of requests taken at once (engine/intake.py ``turn_to_prepare``): they prepare
+"""A burst of requests taken at once (engine/worker.py ``PrepareTurns``): they prepare
 one per turn of the event loop, so the first ones' claims and tokens reach Redis while the
 rest are still being prepared. A real worker (synthetic engine, whose prepare spends CPU as
 vLLM's chat template and tokenizer do) on a real Redis."""
@@ -46,17 +46,17 @@ async def test_a_bursts_first_token_is_in_redis_before_its_last_request_is_prepa
     assert len(entries) == BURST
     publishing = asyncio.create_task(worker.publisher.run_forever())
     try:
-        for entry_id, fields in entries:  # one read's requests, taken as the intake does
-            worker.intake.take(entry_id, fields)
+        for entry_id, fields in entries:  # one read's requests, taken as the job table does
+            worker.jobs.add(entry_id, fields)
         first = keys.events(sessions[0])
         async with asyncio.timeout(10):
             while b"token" not in [f[b"t"] for _, f in wire.entries_of(await redis.xrange(first))]:
                 await asyncio.sleep(0)
-        prepared = sum(1 for job in worker.jobs.values() if job.prepare_s > 0)
+        prepared = sum(1 for job in worker.jobs.jobs() if job.prepare_s > 0)
         assert prepared < BURST, f"{prepared} of {BURST} prepared before the first token"
     finally:
         async with asyncio.timeout(10):  # the runs end before their publisher does
-            while worker.intake.busy:
+            while worker.jobs.busy:
                 await asyncio.sleep(0.01)
         publishing.cancel()
         await asyncio.gather(publishing, return_exceptions=True)

@@ -16,15 +16,15 @@ import redis.asyncio as aioredis
 import wire
 from engine.backends.base import Delta, Prepared
 from engine.backends.synthetic import SyntheticBackend
-from engine.job import Job
 from engine.worker import Worker
 from wire import GenerationRequest, Keys, SamplingParams, Started
+from wire.emit_step import EmitTarget
 
 pytestmark = pytest.mark.timeout(60)
 
 
 class Rig:
-    """One worker whose publisher runs, fed requests by hand (no intake loop)."""
+    """One worker whose publisher runs, fed requests by hand (no take loop)."""
 
     def __init__(self, redis: aioredis.Redis, tokens_per_s: float) -> None:
         self.redis = redis
@@ -39,7 +39,7 @@ class Rig:
         await self.redis.expire(key, 600)
 
     async def take(self, max_tokens: int) -> bytes:
-        """Queue a request for the generation and hand it to the worker as its intake would."""
+        """Queue a request for the generation and hand it to the worker as its job table would."""
         request = GenerationRequest(
             self.gid, self.sid, SamplingParams(max_tokens=max_tokens), prompt="claim it"
         )
@@ -48,7 +48,7 @@ class Rig:
         await self.redis.xgroup_create(queue, wire.CONSUMER_GROUP, id="0", mkstream=True)
         entry = cast(bytes, await self.redis.xadd(queue, fields))
         await self.redis.xreadgroup(wire.CONSUMER_GROUP, "w-claim", {queue: ">"})
-        self.worker.intake.take(entry, fields)
+        self.worker.jobs.add(entry, fields)
         return entry
 
     async def kinds(self) -> list[bytes]:
@@ -57,7 +57,7 @@ class Rig:
         return [fields[b"t"] for _, fields in entries]
 
     async def idle(self) -> None:
-        while self.worker.intake.busy:
+        while self.worker.jobs.busy:
             await asyncio.sleep(0.01)
 
     async def pending(self) -> int:
@@ -85,10 +85,10 @@ async def test_the_first_token_is_written_before_the_claims_answer_comes_back(
     rig = publishing
     await rig.generation(state="queued")
     answer_claim = asyncio.Event()
-    emit = rig.worker.emit_waited
+    emit = rig.worker.publisher.emit_waited
 
-    def claim_held(job: Job, event: wire.SessionEvent, **options: Any) -> Any:
-        written = emit(job, event, **options)
+    def claim_held(target: EmitTarget, event: wire.SessionEvent, seq: int, **options: Any) -> Any:
+        written = emit(target, event, seq, **options)
         if not isinstance(event, Started):
             return written
 
@@ -99,7 +99,7 @@ async def test_the_first_token_is_written_before_the_claims_answer_comes_back(
 
         return asyncio.ensure_future(held())
 
-    monkeypatch.setattr(rig.worker, "emit_waited", claim_held)
+    monkeypatch.setattr(rig.worker.publisher, "emit_waited", claim_held)
     await rig.take(max_tokens=5)
     try:
         async with asyncio.timeout(10):

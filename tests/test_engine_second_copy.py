@@ -1,5 +1,5 @@
 """A request queued twice, taken again while the first copy's claim is on its way
-(engine/intake.py): the gateway's submit, retried after Redis lost its scripts, queues a
+(engine/jobs.py): the gateway's submit, retried after Redis lost its scripts, queues a
 first copy before its generation exists and a second one after. A real worker and a real
 Redis; only the first claim's answer is held back, to take the second copy in between."""
 
@@ -14,9 +14,9 @@ import redis.asyncio as aioredis
 
 import wire
 from engine.backends.synthetic import SyntheticBackend
-from engine.job import Job
 from engine.worker import Worker
 from wire import GenerationRequest, Keys, SamplingParams, Started
+from wire.emit_step import EmitTarget
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -33,11 +33,17 @@ async def test_the_second_copy_runs_when_the_first_copys_claim_was_refused(
     await redis.xgroup_create(queue, wire.CONSUMER_GROUP, id="0", mkstream=True)
 
     first_refused, answer_first = asyncio.Event(), asyncio.Event()
-    emit = worker.emit_waited
+    emit = worker.publisher.emit_waited
+    claims: list[EmitTarget] = []
 
-    def first_claim_held(job: Job, event: wire.SessionEvent, **options: Any) -> Any:
-        written = emit(job, event, **options)
-        if not (job.entry_id == first and isinstance(event, Started)):
+    def first_claim_held(
+        target: EmitTarget, event: wire.SessionEvent, seq: int, **options: Any
+    ) -> Any:
+        written = emit(target, event, seq, **options)
+        if not isinstance(event, Started):
+            return written
+        claims.append(target)
+        if len(claims) > 1:  # the second copy's
             return written
 
         async def held() -> str | None:
@@ -52,23 +58,23 @@ async def test_the_second_copy_runs_when_the_first_copys_claim_was_refused(
         """The kinds of the events written to the session's stream so far."""
         return [f[b"t"] for _, f in wire.entries_of(await redis.xrange(keys.events(sid)))]
 
-    monkeypatch.setattr(worker, "emit_waited", first_claim_held)
+    monkeypatch.setattr(worker.publisher, "emit_waited", first_claim_held)
     publishing = asyncio.create_task(worker.publisher.run_forever())
     try:
         first = cast(bytes, await redis.xadd(queue, fields))  # SUBMIT failed: no generation
         await redis.xreadgroup(wire.CONSUMER_GROUP, "w-copy", {queue: ">"})
-        worker.intake.take(first, fields)
+        worker.jobs.add(first, fields)
         await asyncio.wait_for(first_refused.wait(), 10)  # EMIT refused it: nothing queued
         await redis.hset(keys.generation(sid, gid), mapping={"state": "queued"})
         await redis.expire(keys.generation(sid, gid), 600)
         second = cast(bytes, await redis.xadd(queue, fields))  # the retried submit
         await redis.xreadgroup(wire.CONSUMER_GROUP, "w-copy", {queue: ">"})
-        worker.intake.take(second, fields)
+        worker.jobs.add(second, fields)
         answer_first.set()
         async with asyncio.timeout(20):
             while not (written := await kinds()) or written[-1] != b"done":
                 await asyncio.sleep(0.02)
-            while worker.intake.busy:
+            while worker.jobs.busy:
                 await asyncio.sleep(0.02)
     finally:
         publishing.cancel()

@@ -1,4 +1,4 @@
-"""The worker starts on a CUDA box with vLLM's defaults (issue 44): nothing in its start-up
+"""The worker starts on a CUDA box with vLLM's defaults: nothing in its start-up
 initializes CUDA before vLLM's engine starts.
 
 vLLM forks its engine core unless CUDA is initialized in the parent; a parent that asked the

@@ -5,7 +5,7 @@
 - EMIT sees lost writes: an event whose sequence number skips some (Redis lost them in a
   failover) ends the generation with ``error`` ``events_lost`` instead of a silent gap.
 - A failed acknowledgement is counted, logged and retried, so the request does not stay
-  "in flight" (gateway/core/sessions.py counts pending requests) for the life of the worker.
+  "in flight" (gateway/core/store/sessions.py counts pending requests) for the life of the worker.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from tests.support.http import create_session, follow, send
 from tests.support.redis_probes import async_client
 from tests.support.stack import Stack
 from wire import Done, Keys, Started, Token, Usage
+from wire.generations import Generations
 from wire.outcomes import NotStarted, TakenOver, TakeoverReply
 from wire.queue import RequestQueue
 from wire.scripts import Emit, Takeover
@@ -77,8 +78,7 @@ def publisher_writing(
     if write == "several calls":
         monkeypatch.setattr(publisher_module, "MAX_EVENTS_PER_CALL", 3)
     return Publisher(
-        redis,
-        keys,
+        Generations(redis, keys),
         queue=RequestQueue(redis, keys, "m"),
         writer="",
         on_rejected=lambda gid, epoch: None,
@@ -113,8 +113,10 @@ async def test_a_write_resent_after_a_connection_loss_writes_nothing_twice(
         monkeypatch.setattr(redis, "evalsha", losing_the_first_reply(redis.evalsha))
     else:
         monkeypatch.setattr(Pipeline, "execute", losing_the_first_reply(Pipeline.execute))
-    target = publisher.target(sid, gid, epoch=0, ttl_s=600, maxlen=100)
-    control_target = publisher.target(control_sid, control_gid, epoch=0, ttl_s=600, maxlen=100)
+    target = publisher.generations.target(sid, gid, epoch=0, ttl_s=600, maxlen=100)
+    control_target = publisher.generations.target(
+        control_sid, control_gid, epoch=0, ttl_s=600, maxlen=100
+    )
     running = asyncio.create_task(publisher.run_forever())
     try:
         futures = []
@@ -150,7 +152,7 @@ async def test_a_final_event_acknowledges_its_request_in_the_same_write(
     for _ in range(2):
         sid, gid = await queued_generation(redis, keys)
         acks.append(await redis.xadd(publisher.queue.key, {"r": b"{}"}))
-        targets.append(publisher.target(sid, gid, epoch=0, ttl_s=600, maxlen=100))
+        targets.append(publisher.generations.target(sid, gid, epoch=0, ttl_s=600, maxlen=100))
     await redis.xreadgroup(wire.CONSUMER_GROUP, "w", {publisher.queue.key: ">"})
     assert (await redis.xpending(publisher.queue.key, wire.CONSUMER_GROUP))["pending"] == 2
     running = asyncio.create_task(publisher.run_forever())
@@ -187,16 +189,19 @@ async def test_a_failed_ack_is_counted_and_retried(
         raise RedisConnectionError("connection lost")
 
     monkeypatch.setattr(redis, "xack", lost)
-    await worker.intake.ack_or_retry_later(entry_id)
+    worker.jobs.add(entry_id, {b"r": b"{}"})  # unreadable: dropped, its request acknowledged
+    async with asyncio.timeout(10):
+        while worker.jobs.busy:
+            await asyncio.sleep(0.01)
     assert (await redis.xpending(queue, wire.CONSUMER_GROUP))["pending"] == 1
     errors = worker.metrics.registry.get_sample_value(
         "tokenspout_engine_redis_errors_total", {"where": "ack"}
     )
     assert errors == 1
     monkeypatch.setattr(redis, "xack", xack)
-    await worker.intake.retry_acks()  # what the next heartbeat does
+    await worker.jobs.retry_acks()  # what the next heartbeat does
     assert (await redis.xpending(queue, wire.CONSUMER_GROUP))["pending"] == 0
-    assert not worker.intake.unacked
+    assert not worker.jobs.unacked
 
 
 async def test_after_a_takeover_only_the_new_epochs_writer_writes(redis: aioredis.Redis) -> None:

@@ -1,4 +1,4 @@
-"""Wrong configuration is a fault too (issue 28): each likely mistake stops the process at
+"""Wrong configuration is a fault too: each likely mistake stops the process at
 start-up with one sentence saying what is wrong and what to write instead, never a
 traceback, a hang or a log line repeated ten times a second. (A Redis Cluster node named
 as one Redis: tests/test_cluster.py.)"""

@@ -1,5 +1,5 @@
-"""One gateway, many models (gateway/core/models.py): two synthetic workers serving two names on
-one Redis, driven by the official ``openai`` client and plain HTTP."""
+"""One gateway, many models (gateway/core/store/models.py): two synthetic workers serving two
+names on one Redis, driven by the official ``openai`` client and plain HTTP."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What vLLM's own OpenAI server takes, through the gateway (issue 24): ``n``, logprobs with
+"""What vLLM's own OpenAI server takes, through the gateway: ``n``, logprobs with
 top alternatives, structured outputs, ``logit_bias`` and continuous usage, driven by the
 official ``openai`` SDK against real gateway processes and real Redis, on both backends
 (the synthetic engine, also on a Redis Cluster, and vLLM on the CPU: the ``engine`` fixture).

@@ -1,4 +1,4 @@
-"""Function calling through the gateway (issue 24), with the official ``openai`` SDK over real
+"""Function calling through the gateway, with the official ``openai`` SDK over real
 gateway processes and real Redis: a named function and ``required`` give arguments that
 validate against the function's parameters (the engine is constrained to them), stream and
 whole alike; ``auto`` finds calls with the worker's tool parser; calls and their results

@@ -1,6 +1,6 @@
-"""Preemption (``python -m engine --preempt``, engine/preempt.py): a full worker stops a
-reply of a tenant served more for a tenant served less that runs nothing there, and the
-stopped reply goes on at the next free slot, whole and billed once.
+"""Preemption (``python -m engine --preempt``: engine/policies.py, engine/jobs.py): a full
+worker stops a reply of a tenant served more for a tenant served less that runs nothing
+there, and the stopped reply goes on at the next free slot, whole and billed once.
 
 Real processes: Redis, the fair gateway with keys made through its admin API, one
 synthetic worker with one slot; the clients stream chat completions as any OpenAI client

@@ -17,11 +17,13 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 import wire
+from gateway.core.settings import Settings
 from gateway.recovery import reaper
 from gateway.recovery.reaper import Reaper, RepeatedFailures
 from gateway.recovery.takeover import REAPER_PREFIX
 from stack.redis_server import free_port
 from wire import CONSUMER_GROUP, GenerationRequest, Keys, SamplingParams, Started, Token
+from wire.generations import Generations
 from wire.queue import RequestQueue
 
 pytestmark = pytest.mark.timeout(30)
@@ -42,6 +44,12 @@ class CountingRedis(aioredis.Redis):
         return super().pipeline(transaction, shard_hint)
 
 
+def reaper_of(redis: aioredis.Redis, keys: Keys, queue_timeout_s: float = 120.0) -> Reaper:
+    """A reaper whose workers are lost after 2 s silent, its sessions' events capped at 100."""
+    generations = Generations(redis, keys, events_maxlen=100, ttl_s=600)
+    return Reaper(generations, Settings(worker_timeout_s=2.0, queue_timeout_s=queue_timeout_s))
+
+
 def counting(redis: aioredis.Redis) -> CountingRedis:
     client = CountingRedis(connection_pool=redis.connection_pool)
     client.sent = []
@@ -53,7 +61,7 @@ async def test_a_reaper_pass_that_raises_is_logged_and_the_reaper_goes_on(
 ) -> None:
     """Not only Redis errors: any exception of one pass (a bug, a malformed entry) is
     logged with its traceback, and both duties keep running."""
-    reaper = Reaper(redis, Keys(f"t-{secrets.token_hex(4)}"), 2.0, 100, 600)
+    reaper = reaper_of(redis, Keys(f"t-{secrets.token_hex(4)}"))
     passes = {"reap_once": 0, "expire_queued": 0}
 
     async def reap_once(queues: list[RequestQueue]) -> int:
@@ -99,7 +107,7 @@ async def test_two_reapers_racing_hand_a_lost_workers_reply_on_once(
     for event in (Started(gid, "m", 2), Token(gid, "You", 1, [1]), Token(gid, " said:", 2, [2])):
         data = wire.encode(event)
         await redis.xadd(keys.events(sid), {"t": wire.event_type(event), "g": gid, "d": data})
-    reapers = [Reaper(redis, keys, 2.0, 100, 600) for _ in range(2)]
+    reapers = [reaper_of(redis, keys) for _ in range(2)]
     queues = [RequestQueue(redis, keys, "m")]
     await asyncio.gather(*(reaper.reap_once(queues) for reaper in reapers))
     entries = wire.entries_of(await redis.xrange(queue))
@@ -117,7 +125,7 @@ async def test_one_reaper_at_a_time_holds_the_lock_and_keeps_it(redis: aioredis.
     holder's next pass renews it; once it lapses (the holder stopped) the other takes it."""
     keys = Keys(f"t-{secrets.token_hex(4)}")
     holder, other = counting(redis), counting(redis)
-    first, second = (Reaper(client, keys, 2.0, 100, 600) for client in (holder, other))
+    first, second = (reaper_of(client, keys) for client in (holder, other))
     await first.pass_once()
     owner = await redis.get(keys.reaper_lock)
     assert owner is not None and wire.text(owner).startswith(REAPER_PREFIX)
@@ -144,7 +152,7 @@ async def test_a_pass_at_rest_is_three_round_trips(redis: aioredis.Redis) -> Non
     await redis.hset(keys.models, "m", "m")
     await redis.xgroup_create(keys.requests("m"), CONSUMER_GROUP, id="0", mkstream=True)
     client = counting(redis)
-    reaper = Reaper(client, keys, 2.0, 100, 600)
+    reaper = reaper_of(client, keys)
     await reaper.pass_once()  # takes the lock (and loads its script)
     client.sent.clear()
     await reaper.pass_once()
@@ -170,7 +178,7 @@ async def test_a_request_waiting_past_the_deadline_in_a_queue_workers_read_is_en
     waiting = GenerationRequest("g_wait", "s_wait", SamplingParams(max_tokens=5), prompt="b")
     await redis.hset(keys.generation("s_wait", "g_wait"), "state", "queued")
     await redis.xadd(queue, {"r": wire.encode(waiting)})
-    reaper = Reaper(redis, keys, 2.0, 100, 600, queue_timeout_s=0.2)
+    reaper = reaper_of(redis, keys, queue_timeout_s=0.2)
     assert await reaper.expire_queued([RequestQueue(redis, keys, "m")]) == 0  # in time
     await asyncio.sleep(0.3)
     await reaper.pass_once()  # its look at the queue finds the request waiting
@@ -211,7 +219,7 @@ async def test_a_worker_heard_from_again_during_a_pass_keeps_what_it_holds(
         return await read_pending(consumer, idle_ms)
 
     monkeypatch.setattr(queue, "pending_of", heard_from_before_the_read)
-    await Reaper(redis, keys, 2.0, 100, 600).reap_once([queue])
+    await reaper_of(redis, keys).reap_once([queue])
     pending = await redis.xpending(queue_key, CONSUMER_GROUP)
     assert pending["pending"] == 2, pending
     assert [wire.text(c["name"]) for c in pending["consumers"]] == ["back"]
@@ -224,7 +232,7 @@ async def test_a_reaper_that_cannot_reach_redis_warns_once_not_every_pass(
 ) -> None:
     # Nobody listens there; no retries, so that a pass fails at once.
     client = aioredis.Redis(port=free_port(), retry=Retry(NoBackoff(), 0))
-    reaper = Reaper(client, Keys(f"t-{secrets.token_hex(4)}"), 2.0, 100, 600)
+    reaper = reaper_of(client, Keys(f"t-{secrets.token_hex(4)}"))
     caplog.set_level(logging.INFO, "tokenspout.watchdog")
     try:
         for _ in range(20):

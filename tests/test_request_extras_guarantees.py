@@ -1,4 +1,4 @@
-"""The request surface of issue 24 through every guarantee: logprobs on the session API
+"""The request surface through every guarantee: logprobs on the session API
 re-sent exactly by a resume on another replica, carried by WebSocket frames, a structured
 reply over the session API, and the ``n`` choices of an OpenAI stream each continued
 byte for byte when their worker is SIGKILLed mid-reply. Real gateway processes, real Redis,

@@ -1,4 +1,4 @@
-"""The OpenAI Responses API (issue 25), with the official ``openai`` SDK over real gateway
+"""The OpenAI Responses API, with the official ``openai`` SDK over real gateway
 processes and real Redis, the synthetic engine's script as the oracle: create (whole,
 streamed, background), the events in OpenAI's order numbered from 0, a resume with
 ``starting_after`` on another replica that gives exactly the events after N, a cancel

@@ -1,4 +1,4 @@
-"""A resume point never leaves a client waiting in silence (issue 48).
+"""A resume point never leaves a client waiting in silence.
 
 A ``Last-Event-ID`` past the last id a session's stream ever made (Redis lost the events
 after it, or an id from nowhere) used to get 200 and then nothing for ever: every later

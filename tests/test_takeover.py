@@ -31,6 +31,7 @@ from tests.support.sse import Event
 from tests.support.stack import Stack
 from tests.support.tokens import assert_gap_free_tokens
 from wire import CONSUMER_GROUP, GenerationRequest, Keys
+from wire.generations import Generations
 from wire.queue import RequestQueue
 
 pytestmark = pytest.mark.timeout(120)
@@ -323,9 +324,8 @@ async def test_a_worker_wrongly_taken_for_lost_never_writes_twice(stack: Stack) 
                 f[b"r"] for _id, f in await queue.read_after("", 100) if gid.encode() in f[b"r"]
             ]
             request = msgspec.json.decode(raw, type=GenerationRequest)
-            takeover = LostRequests(
-                redis, keys, max_takeovers=3, events_maxlen=1000, ttl_s=600, requests_maxlen=100
-            )
+            generations = Generations(redis, keys, events_maxlen=1000, ttl_s=600)
+            takeover = LostRequests(generations, max_takeovers=3, requests_maxlen=100)
             assert await takeover.hand_on(queue, request, raw, owner.decode()) == "taken_over"
             await follower.until_end(60)
     finally:

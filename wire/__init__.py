@@ -4,8 +4,9 @@ import this one, which imports neither (the import-linter contract in pyproject.
 
 - ``wire.messages``: the messages (msgspec Structs, JSON on the wire), versioned;
 - ``wire.keys``: every Redis key, from one prefix (the layout is in its docstring);
-- ``wire.scripts``: the Lua scripts (wire/lua/), one typed wrapper each (import them
-  from there: ``from wire.scripts import Emit``);
+- ``wire.generations``: the one owner of a generation's transitions (submit, claim and
+  emit, cancel, take over, end), over the Lua scripts of ``wire.scripts`` (wire/lua/, one
+  typed wrapper each) and the Redis topology (``wire.topology``: one Redis or a cluster);
 - ``wire.replies``: Redis replies and stream entry ids, read the same way on both sides;
 - ``wire.logs``: one ``key=value`` log line format for every process.
 

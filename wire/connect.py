@@ -12,7 +12,7 @@
 
 A cluster client is ``redis.asyncio.cluster.RedisCluster``: it answers the commands the
 code uses with the ``Redis`` signatures, so callers keep typing it as ``Redis``; the few
-places that differ ask ``is_cluster``.
+places that differ ask the topology (wire/topology.py).
 """
 
 from __future__ import annotations

@@ -118,7 +118,7 @@ class EmitStep(Script):
     def queue_in(self, pipe: Pipeline, call: StepCall) -> None:
         """Queue ``call`` in ``pipe`` as a bare EVALSHA: on NoScriptError, ``load`` and send
         the whole pipeline again (EMIT's seq makes that safe)."""
-        self._queue_evalsha(pipe, call.all_keys, call.args)
+        self.queue_evalsha(pipe, call.all_keys, call.args)
 
     async def send(self, call: StepCall) -> list[str | None]:
         """``call`` alone, outside a pipeline (redis-py's costs about 20 us of CPU a call):

@@ -1,7 +1,7 @@
 """A running reply handed on to another worker: one transition, made by two callers.
 
 The gateways' reaper makes it for a worker that was lost (gateway/recovery/takeover.py), a worker
-that stops makes it for its own replies (engine/handover.py). Both run the TAKEOVER script
+that stops makes it for its own replies (engine/jobs.py). Both run the TAKEOVER script
 (``wire.scripts.Takeover``: the generation moves from its worker to ``queued`` at the next
 epoch, atomically, so it is handed on once) and, when it answers ``TakenOver``, queue
 ``continuation``: the same request, resumed from what was streamed. They differ only in how

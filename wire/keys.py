@@ -230,13 +230,10 @@ class FairNames:
         self.bell = f"{base}:bell"
         self.newcomer = f"{base}:newcomer"
         """Rung when a tenant that had nothing waiting queues a request (a full worker
-        that preempts waits on it: engine/preempt.py)."""
+        that preempts waits on it: engine/policies.py)."""
         self.free = f"{base}:free"
         """Each worker's free slots as its last take left them, and until when that holds
         (wire/lua/fair_core.lua ``fair_free``)."""
-        self.preempting = f"{base}:preempting"
-        """Set while a worker of the queue preempts: a new request then always waits in
-        its tenant's list (wire/lua/fair_core.lua ``fair_submit``)."""
 
     def waiting(self, tenant: str) -> str:
         return f"{self.base}:t:{tenant_slot(tenant)}"

@@ -69,7 +69,7 @@ class SessionMissing(msgspec.Struct, frozen=True, tag="missing"):
     pass
 
 
-class Forbidden(msgspec.Struct, frozen=True, tag="forbidden"):
+class BadToken(msgspec.Struct, frozen=True, tag="forbidden"):
     """The session's token did not match."""
 
 
@@ -121,7 +121,7 @@ SubmitReply = (
     Accepted
     | Admitted
     | SessionMissing
-    | Forbidden
+    | BadToken
     | Duplicate
     | Busy
     | HistoryFull

@@ -39,8 +39,6 @@ from wire.scripts import (
 )
 
 Fields = Mapping[bytes, bytes] | Mapping[str, bytes]
-PREEMPTING_TTL_S = 5
-"""How long a preempting worker's mark lasts; it renews it every second."""
 DEFAULT_STREAM_CAP = 5_120
 """The requests stream's cap when the taker names none (approximate, whole nodes): it holds
 what workers took and have not acknowledged, and what waits for a worker in it."""
@@ -62,7 +60,8 @@ def estimated_tokens(request: GenerationRequest) -> int:
 
 class ServedTokens:
     """Tokens a worker served, per tenant, until it next tells its queue (``take``,
-    ``charge``): one script call carries them all."""
+    ``charge``): one script call carries them all. Counted by tenant id as served (once
+    per engine step), named by their queue slots once per drain."""
 
     __slots__ = ("_served",)
 
@@ -70,13 +69,16 @@ class ServedTokens:
         self._served: dict[str, int] = {}
 
     def add(self, tenant: str, tokens: int) -> None:
-        slot = tenant_slot(tenant)
-        self._served[slot] = self._served.get(slot, 0) + tokens
+        self._served[tenant] = self._served.get(tenant, 0) + tokens
 
     def drain(self) -> list[tuple[str, int]]:
-        """What was served since the last drain (nothing: an empty list)."""
-        served, self._served = list(self._served.items()), {}
-        return [(tenant, tokens) for tenant, tokens in served if tokens]
+        """What was served since the last drain, by tenant slot (nothing: an empty list)."""
+        served, self._served = self._served, {}
+        slots: dict[str, int] = {}
+        for tenant, tokens in served.items():
+            slot = tenant_slot(tenant)
+            slots[slot] = slots.get(slot, 0) + tokens
+        return [(slot, tokens) for slot, tokens in slots.items() if tokens]
 
     def give_back(self, served: list[tuple[str, int]]) -> None:
         """A drain whose script call failed: told again with the next one."""
@@ -129,9 +131,15 @@ def _some_waiting(groups: object) -> bool:
 
 
 class RequestQueue:
-    def __init__(self, redis: aioredis.Redis, keys: Keys, model: str) -> None:
+    def __init__(
+        self, redis: aioredis.Redis, keys: Keys, model: str, *, offers_free: bool = True
+    ) -> None:
+        """``offers_free``: a worker's takes record its free slots, for a new request to
+        go straight into the stream while one is free; a preempting worker's do not (a
+        request then waits in a list, where its preemption chooses from)."""
         self.redis = redis
         self.model = model
+        self.offers_free = offers_free
         self.key = keys.requests(model)
         self.submitting_key = keys.submitting(model)
         self.fair = FairNames(keys.fair(model))
@@ -376,6 +384,7 @@ class RequestQueue:
             count=count,
             maxlen=maxlen or DEFAULT_STREAM_CAP,
             served=charges,
+            offers_free=self.offers_free,
             pipe=pipe,
         )
 
@@ -386,12 +395,6 @@ class RequestQueue:
             self.redis, self.fair.newcomer, "BLPOP", self.fair.newcomer, str(block_ms / 1000)
         )
         return bool(rung)
-
-    async def mark_preempting(self) -> None:
-        """Say for ``PREEMPTING_TTL_S`` that a worker of this queue preempts: a new request
-        then waits in its tenant's list, where a preemption chooses from, rather than
-        straight in the stream when nothing waits (wire/lua/fair_core.lua ``fair_submit``)."""
-        await self.redis.set(self.fair.preempting, 1, ex=PREEMPTING_TTL_S)
 
     async def preempt_for(
         self,

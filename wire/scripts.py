@@ -31,7 +31,6 @@ from redis.asyncio.client import Pipeline
 from redis.commands.core import AsyncScript
 
 from wire.batched import Arg, BatchedCalls
-from wire.connect import is_cluster
 from wire.keys import ANONYMOUS, CONSUMER_GROUP, SHARED_KEY_TTL_S, Keys
 from wire.limits import RUNNING_HOLD_S, Counts, LimitName, Limits, usage_counts
 from wire.messages import (
@@ -52,6 +51,7 @@ from wire.outcomes import (
     Accepted,
     Admitted,
     AlreadyFinal,
+    BadToken,
     BadTurn,
     Busy,
     CancelAsked,
@@ -60,7 +60,6 @@ from wire.outcomes import (
     Duplicate,
     EndedBefore,
     Exhausted,
-    Forbidden,
     HistoryFull,
     Limited,
     Moved,
@@ -75,6 +74,7 @@ from wire.outcomes import (
     UnknownGeneration,
 )
 from wire.replies import text
+from wire.topology import Topology, topology_of
 
 _LUA = files("wire") / "lua"
 
@@ -89,20 +89,6 @@ USAGE_CORE = lua_source("usage_core")
 EMIT_CORE = USAGE_CORE + lua_source("emit_core")
 """Lua functions ``emit`` (append an event and publish it) and ``finish`` (end a generation,
 counting its usage: ``count_usage``)."""
-_PUBLISH = "local publish = 'PUBLISH'\n"
-_SPUBLISH = "local publish = 'SPUBLISH'\n"
-_COUNT_HERE = "local count_here = true\n"
-_COUNT_AFTER = "local count_here = false\n"
-
-
-def for_cluster(source: str) -> str:
-    """A script's source as it runs on a Redis Cluster: live events by SPUBLISH (sharded
-    pub/sub: only the shard of the session's slot carries them), and a final event's usage
-    counted by its writer right after (the tenant's keys are on another slot:
-    ``wire.tenancy.UsageCounter``)."""
-    return source.replace(_PUBLISH, _SPUBLISH).replace(_COUNT_HERE, _COUNT_AFTER)
-
-
 ADMIT_CORE = lua_source("admit_core")
 """Lua function ``admit_tenant``: a key's admission against its limits."""
 FAIR_CORE = lua_source("fair_core")
@@ -120,35 +106,35 @@ nothing (tokenize, detokenize)."""
 class Script:
     source: ClassVar[str]
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, topology: Topology | None = None) -> None:
         self.keys = keys
+        self.topology = topology or topology_of(redis)
         self._redis = redis
-        self._cluster = is_cluster(redis)
         self._loaded = False
-        source = for_cluster(self.source) if self._cluster else self.source
-        self._script: AsyncScript = redis.register_script(source)
+        self.registered: AsyncScript = redis.register_script(self.topology.source(self.source))
+        """The script as redis-py runs it (loaded where the server lacks it)."""
 
     async def load(self) -> None:
         """Load the script into every primary. A call outside a pipeline loads it where
         it is missing by itself; a pipeline only reports NOSCRIPT (a replica promoted in a
         failover starts with no scripts): its caller loads and sends it again."""
-        await self._redis.script_load(self._script.script)
+        await self._redis.script_load(self.registered.script)
         self._loaded = True
+
+    async def load_once(self) -> None:
+        """``load``, unless this process loaded it before."""
+        if not self._loaded:
+            await self.load()
 
     async def _run(
         self, keys: Sequence[str | bytes], args: Sequence[Arg], pipe: Pipeline | None
     ) -> object:
         if pipe is None:
-            return await self._script(keys=keys, args=args)
-        if self._cluster:
-            if not self._loaded:
-                await self.load()
-            self._queue_evalsha(pipe, keys, args)
-            return None
-        await self._script(keys=keys, args=args, client=pipe)
+            return await self.registered(keys=keys, args=args)
+        await self.topology.queue_script(pipe, self, keys, args)
         return None
 
-    def _queue_evalsha(
+    def queue_evalsha(
         self, pipe: Pipeline, keys: Sequence[str | bytes], args: Sequence[Arg]
     ) -> None:
         """A bare EVALSHA in ``pipe`` (no SCRIPT EXISTS round trip per pipeline, as a
@@ -156,7 +142,7 @@ class Script:
         pipeline again. The command, not ``pipe.evalsha``: redis-py's cluster pipeline
         refuses that by name (it cannot load a script on its own) but routes the command
         by its keys' one slot."""
-        pipe.execute_command("EVALSHA", self._script.sha, len(keys), *keys, *args)
+        pipe.execute_command("EVALSHA", self.registered.sha, len(keys), *keys, *args)
 
     @staticmethod
     def reply(reply: object) -> str | None:
@@ -223,7 +209,7 @@ def submit_reply(reply: object) -> SubmitReply:
         case ["missing"]:
             return SessionMissing()
         case ["forbidden"]:
-            return Forbidden()
+            return BadToken()
         case ["duplicate", generation_id]:
             return Duplicate(generation_id)
         case ["busy", generation_id]:
@@ -330,7 +316,7 @@ class Takeover(Script):
 
 
 @dataclass(frozen=True, slots=True)
-class Admission:
+class AdmitInSubmit:
     """What SUBMIT needs to admit a stateless session's request and queue it, in the same
     call (one Redis: every key on one node): the queues counted, the limits, the request."""
 
@@ -376,8 +362,8 @@ class NewSession:
     """Its key's limits (what its end keeps for them: ``usage_counts``); None: not known."""
 
 
-def _admitting(admission: Admission) -> tuple[list[str], list[Arg]]:
-    """SUBMIT's KEYS and ARGV after its own, to admit a request and queue it (``Admission``)."""
+def _admitting(admission: AdmitInSubmit) -> tuple[list[str], list[Arg]]:
+    """SUBMIT's KEYS and ARGV after its own, to admit a request and queue it (``AdmitInSubmit``)."""
     return admission.queues, [
         admission.limit,
         admission.model_limit,
@@ -450,25 +436,25 @@ class Submit(Script):
     def submit_in(self, pipe: Pipeline, **submit: Any) -> None:
         """``__call__`` queued in ``pipe`` (a bare EVALSHA: on NoScriptError, ``load`` and
         send it again); ``replied`` reads its reply."""
-        self._queue_evalsha(pipe, *self._keys_args(**submit))
+        self.queue_evalsha(pipe, *self._keys_args(**submit))
 
     def create_in(self, pipe: Pipeline, new: NewSession) -> None:
         """Queue in ``pipe`` the making of ``new`` (a bare EVALSHA: on NoScriptError,
         ``load`` and send it again); ``replied`` reads its reply."""
-        self._queue_evalsha(pipe, *self._new_session(new, None))
+        self.queue_evalsha(pipe, *self._new_session(new, None))
 
-    async def create_admitted(self, new: NewSession, admission: Admission) -> SubmitReply:
+    async def create_admitted(self, new: NewSession, admission: AdmitInSubmit) -> SubmitReply:
         """Admit a request (or answer ``OverCapacity``), make ``new`` and queue the request
         after its generation, in one call on one Redis. A lone call is the whole round trip
         (no pipeline: redis-py's costs about 20 us of CPU a call); the calls made while one
         is under way (a burst) go together in one pipeline when it is back
         (wire/batched.py)."""
         if self._admitted is None:
-            self._admitted = BatchedCalls(self._redis, self._script, self.load)
+            self._admitted = BatchedCalls(self._redis, self.registered, self.load)
         return submit_reply(await self._admitted(*self._new_session(new, admission)))
 
     def _new_session(
-        self, new: NewSession, admission: Admission | None
+        self, new: NewSession, admission: AdmitInSubmit | None
     ) -> tuple[list[str], list[Arg]]:
         return self._keys_args(
             new.session_id,
@@ -504,7 +490,7 @@ class Submit(Script):
         note: bytes = b"",
         queue: str = "",
         turn: str = "",
-        admission: Admission | None = None,
+        admission: AdmitInSubmit | None = None,
         tenant: str = "",
         bill: Bill = "all",
         limits: Limits | None = None,
@@ -665,7 +651,7 @@ class FairEnqueue(Script):
     def enqueue_in(self, pipe: Pipeline, waiting: WaitingRequest) -> None:
         """``__call__`` queued in ``pipe`` (a bare EVALSHA: on NoScriptError, ``load`` and
         send it again)."""
-        self._queue_evalsha(pipe, *waiting.keys_args())
+        self.queue_evalsha(pipe, *waiting.keys_args())
 
 
 class FairTake(Script):
@@ -683,15 +669,18 @@ class FairTake(Script):
         count: int,
         maxlen: int,
         served: Sequence[tuple[str, int]] = (),
+        offers_free: bool = True,
         pipe: Pipeline | None = None,
     ) -> tuple[list[tuple[bytes, dict[bytes, bytes]]], int]:
-        """The entries taken, and how many tenants still wait in their lists; with
-        ``pipe``, queued there as a bare EVALSHA (``taken`` reads its reply; on
-        NoScriptError its caller calls ``load``) and nothing yet."""
+        """The entries taken, and how many tenants still wait in their lists;
+        ``offers_free``: its free slots are recorded for new requests (a preempting
+        worker offers none). With ``pipe``, queued there as a bare EVALSHA (``taken``
+        reads its reply; on NoScriptError its caller calls ``load``) and nothing yet."""
         charges = [item for pair in served for item in pair]
-        args = [CONSUMER_GROUP, consumer, count, maxlen, SHARED_KEY_TTL_S, *charges]
+        offers = "1" if offers_free else "0"
+        args = [CONSUMER_GROUP, consumer, count, maxlen, SHARED_KEY_TTL_S, offers, *charges]
         if pipe is not None:
-            self._queue_evalsha(pipe, [stream, base], args)
+            self.queue_evalsha(pipe, [stream, base], args)
             return [], 0
         return self.taken(await self._run([stream, base], args, None))
 

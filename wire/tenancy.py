@@ -3,7 +3,7 @@
 - ``Admit`` (wire/lua/admit.lua): admit a request's generations against the tenant's
   limits, or refuse them at the first limit reached, in one step (exact across gateways);
   ``Release`` gives back what it took when the submit was refused after all, and
-  ``Admitted`` lists what it took a while ago, for the reaper to give back what was never
+  ``OldAdmissions`` lists what it took a while ago, for the reaper to give back what was never
   submitted (its gateway lost in between).
 - Usage is counted where a generation's final event is written (wire/lua/usage_core.lua,
   inside every script that writes one); on a Redis Cluster the tenant's keys are on another
@@ -21,7 +21,6 @@ from typing import Literal
 import msgspec
 import redis.asyncio as aioredis
 
-from wire.connect import is_cluster
 from wire.keys import Keys
 from wire.limits import RUNNING_HOLD_S, USAGE_COUNTS_ALL, Counts, Limits
 from wire.messages import Usage, decode_final
@@ -35,6 +34,7 @@ from wire.scripts import (
     limits_args,
     lua_source,
 )
+from wire.topology import Topology, topology_of
 
 HOUR_S, DAY_S = 3_600, 86_400
 USAGE_KEPT_S = {"hour": 45 * DAY_S, "day": 400 * DAY_S}
@@ -65,7 +65,7 @@ class Admit(Script):
         """``generation_ids``: the request's (the first one names it); ``count_request``:
         False for another choice of a request counted already; ``session_id``: where they
         are submitted next (a gateway lost before that leaves an admission whose
-        generations never exist: ``Admitted`` finds it)."""
+        generations never exist: ``OldAdmissions`` finds it)."""
         reply = await self._run(
             _tenant_keys(self.keys, tenant_id),
             [" ".join(generation_ids), *limits_args(limits, count_request), session_id],
@@ -91,7 +91,7 @@ class Release(Script):
         )
 
 
-class Admitted(Script):
+class OldAdmissions(Script):
     """The generations ``Admit`` admitted at least ``after_s`` ago that still count as
     running, with their sessions (wire/lua/admitted.lua), oldest first."""
 
@@ -140,23 +140,25 @@ _usage_decoder = msgspec.json.Decoder(Usage)
 
 
 class UsageCounter:
-    """The count a Redis Cluster needs after a final event is written (one Redis counts it
-    inside the script that writes it: ``after_final`` does nothing there).
+    """The count a topology that does not count in the script that writes a final event
+    needs right after it (a Redis Cluster: ``wire.topology``); on one Redis
+    ``after_final`` does nothing.
 
-    Every writer of final events calls ``after_final`` once its script answered, whether it
-    wrote the final event or was refused (an ``events_lost`` end is written by the script
-    that refuses the write): it reads the generation's final event and tenant, and counts
-    the usage once per generation id, however many writers call it."""
+    The owner of a generation's transitions (wire/generations.py) calls ``after_final``
+    once a script that writes or may write a final event answered, whether it wrote it or
+    was refused (an ``events_lost`` end is written by the script that refuses the write):
+    it reads the generation's final event and tenant, and counts the usage once per
+    generation id, however many writers call it."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, topology: Topology | None = None) -> None:
         self.redis = redis
         self.keys = keys
-        self.needed = is_cluster(redis)
-        self._count = CountUsage(redis, keys)
+        self.topology = topology or topology_of(redis)
+        self._count = CountUsage(redis, keys, self.topology)
 
     async def after_final(self, session_id: str, generation_id: str) -> bool:
         """Whether this call counted it (False on one Redis, where the script did)."""
-        if not self.needed:
+        if self.topology.counts_in_script:
             return False
         tenant, bill, recorded, final, counts = await self.redis.hmget(
             self.keys.generation(session_id, generation_id),

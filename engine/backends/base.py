@@ -10,10 +10,22 @@ from __future__ import annotations
 import abc
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from engine.tools import AutoParser, VllmToolParser
-from wire import GenerationRequest, SamplingParams, Tools, TopLogprob
+from engine.backends.tool_parsers import VllmToolParser
+from wire import GenerationRequest, SamplingParams, ToolCall, Tools, TopLogprob
+
+
+class AutoParser(Protocol):
+    """Finds the calls in a model's whole output (``auto``)."""
+
+    start_marker: str | None
+    """What begins a call in this model's format; None: unknown (content is held back
+    until the reply ends)."""
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """The content and the calls in ``text`` (calls' ids are set by the writer)."""
+        ...
 
 
 class BackendError(Exception):

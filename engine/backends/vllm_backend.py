@@ -18,6 +18,7 @@ import msgspec
 
 from engine.backends import vllm_api
 from engine.backends.base import Backend, BackendError, Delta, Prepared
+from engine.backends.tool_parsers import openai_tools
 from wire import ChatMessage, GenerationRequest, StructuredOutput, Tools, TopLogprob
 
 log = logging.getLogger("tokenspout.vllm")
@@ -253,17 +254,7 @@ def _template_tools(tools: Tools | None) -> list[dict[str, Any]] | None:
     """The functions as chat templates take them (none for ``tool_choice: none``)."""
     if tools is None or tools.choice == "none":
         return None
-    return [
-        {
-            "type": "function",
-            "function": {
-                "name": spec.name,
-                "description": spec.description,
-                "parameters": spec.parameters,
-            },
-        }
-        for spec in tools.specs
-    ]
+    return openai_tools(tools)
 
 
 def _template_message(message: ChatMessage) -> dict[str, Any]:

@@ -34,7 +34,8 @@ from gateway.core.errors import (
 from gateway.core.generation_stream import Collected, TokenPiece, final_error, per_token
 from gateway.core.service import GatewayService
 from gateway.core.walk import walk
-from gateway.server import sse
+from gateway.tenants.caller import caller_of
+from gateway.transport import sse
 from wire import Cancelled, Done, Error, SamplingParams, Started, Token
 
 STOP_SEQUENCES = 8
@@ -196,11 +197,14 @@ def _top_tokens(piece: TokenPiece) -> list[TokenOut] | None:
     return [TokenOut(top.id, top.token, top.logprob, special=False) for top in piece.top]
 
 
-async def _start(service: GatewayService, data: GenerateRequest) -> Choices:
+async def _start(service: GatewayService, data: GenerateRequest, request: AnyRequest) -> Choices:
     if not data.inputs.strip():
         raise BadRequest("`inputs` must not be empty", field="inputs")
     sampling = _sampling(service, data.parameters)
-    return await service.generate(GenerationAsk(sampling=sampling, prompt=data.inputs))
+    caller = caller_of(request.scope)
+    return await service.generate(
+        GenerationAsk(caller=caller, sampling=sampling, prompt=data.inputs)
+    )
 
 
 def generated(whole: Collected, data: GenerateRequest) -> Generated:
@@ -284,9 +288,9 @@ def _stream_response(choices: Choices, data: GenerateRequest) -> Stream:
 
 
 async def _generate_or_stream(
-    service: GatewayService, data: GenerateRequest
+    service: GatewayService, data: GenerateRequest, request: AnyRequest
 ) -> Response[Generated] | Stream:
-    choices = await _start(service, data)
+    choices = await _start(service, data, request)
     if data.stream:
         return _stream_response(choices, data)
     (whole,) = await choices.collect()
@@ -302,26 +306,30 @@ async def _generate_or_stream(
     exception_handlers={kind: tgi_error for kind in HANDLED},
 )
 async def compat_generate(
-    service: GatewayService, data: GenerateRequest
+    service: GatewayService, data: GenerateRequest, request: AnyRequest
 ) -> Response[Generated] | Stream:
     """Where ``InferenceClient("http://host:port")`` posts, as TGI's own ``POST /`` (the
     web chat is ``GET /``). Not in ``tgi_router``: two routers on one path would each bring
     an OPTIONS handler, which Litestar refuses; gateway/server/app.py registers it after the web
     chat's router."""
-    return await _generate_or_stream(service, data)
+    return await _generate_or_stream(service, data, request)
 
 
 @post(
     "/generate", summary="TGI generate (streams when the body says `stream: true`)", status_code=200
 )
-async def generate(service: GatewayService, data: GenerateRequest) -> Response[Generated] | Stream:
+async def generate(
+    service: GatewayService, data: GenerateRequest, request: AnyRequest
+) -> Response[Generated] | Stream:
     """``stream: true`` makes it ``generate_stream``, as TGI's ``POST /`` does."""
-    return await _generate_or_stream(service, data)
+    return await _generate_or_stream(service, data, request)
 
 
 @post("/generate_stream", summary="TGI generate_stream (text/event-stream)", status_code=200)
-async def generate_stream(service: GatewayService, data: GenerateRequest) -> Stream:
-    return _stream_response(await _start(service, data), data)
+async def generate_stream(
+    service: GatewayService, data: GenerateRequest, request: AnyRequest
+) -> Stream:
+    return _stream_response(await _start(service, data, request), data)
 
 
 @get("/info", summary="TGI info: the default model and this gateway's limits")

@@ -1,14 +1,15 @@
 """What a client asks of a generation, whatever API it came through: one value.
 
 Each API checks its own request and builds a ``GenerationAsk``; the gateway's service
-(gateway/core/service.py) takes it from there: admits it, queues ``n`` generations, and the
-sessions store turns it into the engine's ``GenerationRequest``.
+(gateway/core/service.py) takes it from there: admits it (gateway/core/store/admission.py), queues
+``n`` generations, and the submitter turns it into the engine's ``GenerationRequest``.
 """
 
 from __future__ import annotations
 
 import msgspec
 
+from gateway.tenants.caller import Caller
 from wire import ChatMessage, SamplingParams, Task, Tools
 
 REWORK_TURNS = ("regenerate", "continue")
@@ -16,6 +17,9 @@ REWORK_TURNS = ("regenerate", "continue")
 
 
 class GenerationAsk(msgspec.Struct, frozen=True, kw_only=True):
+    caller: Caller
+    """Whom it is asked for (its key's tenant), and where its admission leaves the key's
+    quota (gateway/tenants/caller.py)."""
     sampling: SamplingParams
     """With the gateway's defaults and limits applied (``GatewayService.sampling``)."""
     model: str | None = None
@@ -42,6 +46,7 @@ class GenerationAsk(msgspec.Struct, frozen=True, kw_only=True):
     @classmethod
     def message_to_session(
         cls,
+        caller: Caller,
         content: str,
         sampling: SamplingParams,
         n: int = 1,
@@ -53,7 +58,7 @@ class GenerationAsk(msgspec.Struct, frozen=True, kw_only=True):
         history again (``regenerate``, ``continue``; ``content`` is not used). The session
         holds the conversation, its model and its settings."""
         messages = [] if turn in REWORK_TURNS else [ChatMessage("user", content)]
-        return cls(sampling=sampling, messages=messages, n=n, turn=turn, given=given)
+        return cls(caller=caller, sampling=sampling, messages=messages, n=n, turn=turn, given=given)
 
     @property
     def message(self) -> ChatMessage | None:

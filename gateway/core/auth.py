@@ -11,8 +11,8 @@ it. Without a required key, a request serves the key it shows, else ``anonymous`
 
 An HTTP router or handler that wants a key says so once, with
 ``before_request=api_key_check``; a WebSocket one with ``guards=[api_key_guard]``. Either
-check runs before the request's body (or the socket's first frame) is read, and makes the
-key's tenant the request's (gateway/tenants/caller.py).
+check runs before the request's body (or the socket's first frame) is read, and names the
+key's tenant on the request's caller (gateway/tenants/caller.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from litestar.handlers import BaseRouteHandler
 
 from gateway.core.errors import Forbidden, Unauthorized, keys_not_loaded
 from gateway.core.settings import Settings, env_name
-from gateway.tenants import caller
+from gateway.tenants.caller import Caller, caller_of
 from gateway.tenants.directory import TenantDirectory
 from gateway.tenants.records import ANONYMOUS, Tenant
 from wire import Keys
@@ -60,19 +60,18 @@ class ApiKeys:
             return found
         return None if self.required or found == "unloaded" else ANONYMOUS
 
-    def serve(self, given: str | None) -> bool:
-        """The request being served serves ``given``'s tenant, unless it is refused
-        (False)."""
+    def serve(self, caller: Caller, given: str | None) -> bool:
+        """``caller`` serves ``given``'s tenant, unless it is refused (False)."""
         tenant = self.tenant(given)
         if tenant is None:
             return False
-        caller.serve(tenant)
+        caller.tenant = tenant
         return True
 
-    def require(self, given: str | None) -> None:
+    def require(self, caller: Caller, given: str | None) -> None:
         """``serve``, or 401 when ``given`` is refused; 503 while the keys are not loaded
         yet."""
-        if self.serve(given):
+        if self.serve(caller, given):
             return
         miss = self.directory.find(given)
         if miss == "unloaded":
@@ -113,7 +112,7 @@ def tenant_directory(redis: aioredis.Redis, settings: Settings) -> TenantDirecto
 def require_api_key(connection: ASGIConnection[Any, Any, Any, Any], api_keys: ApiKeys) -> None:
     """401 unless ``Authorization: Bearer <key>`` names a key (none required: its tenant,
     or anonymous)."""
-    api_keys.require(bearer(connection.headers.get("authorization")))
+    api_keys.require(caller_of(connection.scope), bearer(connection.headers.get("authorization")))
 
 
 API_KEYS_STATE = "api_keys"
@@ -124,7 +123,7 @@ async def api_key_check(request: Request[Any, Any, Any]) -> None:
     """A Litestar ``before_request`` hook: ``require_api_key`` with the app's keys. Not a
     guard on HTTP routes: Litestar hands each guard a copy of its route handler, a shallow
     copy of a large object on every request (3 % of the gateway's CPU per one-shot
-    request, docs/bench.md "What a request costs"); the hook gets the request alone, and
+    request, docs/bench.md: bench.requests); the hook gets the request alone, and
     runs before the body is read as well. A coroutine function, though it awaits nothing:
     Litestar runs a plain function hook in a worker thread, a hop there and back."""
     require_api_key(request, _app_keys(request))

@@ -34,10 +34,8 @@ class Choices:
     async def submit(
         cls, open_choice: Callable[[int], Awaitable[GenerationStream]], n: int
     ) -> Choices:
-        """Queue ``n`` generations (``open_choice(i)`` queues choice ``i``); if one cannot
-        be queued, those that were are cancelled and its error is raised."""
-        if n == 1:  # the common case: awaited here, not in a task of ``gather``'s own
-            return cls([await open_choice(0)])
+        """Queue ``n`` generations at once (``open_choice(i)`` queues choice ``i``); if one
+        cannot be queued, those that were are cancelled and its error is raised."""
         results = await asyncio.gather(*map(open_choice, range(n)), return_exceptions=True)
         streams = [result for result in results if isinstance(result, GenerationStream)]
         failed = [result for result in results if isinstance(result, BaseException)]

@@ -95,7 +95,7 @@ def check_title(title: str) -> str:
 
 
 class Conversations:
-    """The owners' indexes and a conversation's own fields; SessionStore authorises."""
+    """The owners' indexes and a conversation's own fields; ``Sessions`` authorises."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, settings: Settings) -> None:
         self.redis = redis

@@ -5,7 +5,7 @@ an ending and an error (gateway/core/walk.py). Submitting the generation, follow
 session's feed, keeping the connection alive while it waits, and aborting it when the client
 goes away happen here once, for all of them.
 
-    generation = await GenerationStream.submit(store, hub, ask, heartbeat_s)
+    generation = await GenerationStream.submit(submitter, hub, ask, heartbeat_s)
     async for batch in generation.batches():     # [(choice, Started | Token | ...), ...]
         ...
     # generation.close() (a background task of the response) cancels it if it did not end.
@@ -23,9 +23,9 @@ import msgspec
 
 from gateway.core.ask import GenerationAsk
 from gateway.core.errors import BadRequest, GatewayError, NotFound, Unavailable
-from gateway.core.feed import Feed
-from gateway.core.relay import RelayHub
-from gateway.core.sessions import SessionStore, Submitted
+from gateway.core.relay.feed import Feed
+from gateway.core.relay.hub import RelayHub
+from gateway.core.store.submitter import Submitted, Submitter
 from gateway.core.tools import add_to_call
 from gateway.core.walk import Heartbeat, IndexedItem, Spelling, walk
 from wire import (
@@ -161,7 +161,7 @@ class GenerationStream:
 
     def __init__(
         self,
-        store: SessionStore,
+        submitter: Submitter,
         hub: RelayHub,
         submitted: Submitted,
         heartbeat_s: float,
@@ -169,7 +169,7 @@ class GenerationStream:
         feed_open: contextlib.AsyncExitStack,
         choice: int = 0,
     ) -> None:
-        self.store = store
+        self.submitter = submitter
         self.hub = hub
         self.submitted = submitted
         self.heartbeat_s = heartbeat_s
@@ -183,25 +183,27 @@ class GenerationStream:
     @classmethod
     async def submit(
         cls,
-        store: SessionStore,
+        submitter: Submitter,
         hub: RelayHub,
         ask: GenerationAsk,
         heartbeat_s: float,
         choice: int = 0,
     ) -> GenerationStream:
         """Queue it (``ask.model``: a name or alias; None: the default model); ``choice``:
-        which of a request's choices it is (``SessionStore.submit_stateless``).
+        which of a request's choices it is (``Submitter.submit_stateless``).
 
         The new session's feed opens first, so its events come live from the first one,
         with no read of the session's stream (``RelayHub.open_new_session``)."""
         feed_open = contextlib.AsyncExitStack()
         try:
             feed = await feed_open.enter_async_context(hub.open_new_session())
-            submitted = await store.submit_stateless(ask, session_id=feed.session_id, choice=choice)
+            submitted = await submitter.submit_stateless(
+                ask, session_id=feed.session_id, choice=choice
+            )
         except BaseException:
             await feed_open.aclose()
             raise
-        return cls(store, hub, submitted, heartbeat_s, feed, feed_open, choice)
+        return cls(submitter, hub, submitted, heartbeat_s, feed, feed_open, choice)
 
     @property
     def generation_id(self) -> str:
@@ -254,7 +256,7 @@ class GenerationStream:
             return
         with anyio.CancelScope(shield=True):
             try:
-                outcome = await self.store.cancel(
+                outcome = await self.submitter.cancel(
                     self.submitted.session_id, self.generation_id, reason="disconnected"
                 )
             except NotFound:

@@ -2,7 +2,7 @@
 
 ``secrets.token_urlsafe`` asks the kernel for each id: a ``getrandom`` system call, three
 for a one-shot request (its request id, its session's and its generation's), 5 % of the
-gateway's CPU per request in a native profile (docs/bench.md, issue 27). Here one call
+gateway's CPU per request in a native profile (docs/bench.md). Here one call
 fills a buffer that serves about a hundred ids. The bytes are the same ``os.urandom``
 bytes, each used once; a forked child starts with an empty buffer, so parent and child
 never hand out the same bytes.

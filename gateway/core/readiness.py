@@ -6,9 +6,10 @@ from __future__ import annotations
 import asyncio
 
 import msgspec
+import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from gateway.core.sessions import SessionStore
+from gateway.core.store.models import ModelDirectory
 from wire import WorkerInfo
 
 READY_PING_S = 5.0
@@ -24,17 +25,17 @@ class Readiness(msgspec.Struct):
     """Every registered model -> its live workers (0: its last worker left)."""
 
 
-async def check_readiness(store: SessionStore) -> Readiness:
+async def check_readiness(redis: aioredis.Redis, models: ModelDirectory) -> Readiness:
     """Redis answers and an engine worker is alive (``/ready``, gRPC ``ServerReady``)."""
     try:
         async with asyncio.timeout(READY_PING_S):
-            await store.redis.ping()
+            await redis.ping()
     except TimeoutError:
         return Readiness(False, f"Redis did not answer within {READY_PING_S:g} s", [])
     except (RedisError, OSError) as exc:
         return Readiness(False, f"Redis is unreachable: {exc}", [])
-    snapshot = await store.models.snapshot(fresh=True)
-    models = dict.fromkeys(snapshot.models, 0)
+    snapshot = await models.snapshot(fresh=True)
+    served = dict.fromkeys(snapshot.models, 0)
     for model, workers in snapshot.live.items():
-        models[model] = len(workers)
-    return Readiness(bool(snapshot.workers), "ok", snapshot.workers, models)
+        served[model] = len(workers)
+    return Readiness(bool(snapshot.workers), "ok", snapshot.workers, served)

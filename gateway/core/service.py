@@ -10,7 +10,8 @@ one value, ``GenerationAsk`` (gateway/core/ask.py), whatever API it came through
     async for write in walk(choices.batches(), spelling, ask.n):   # gateway/core/walk.py
         ...
 
-Every ask is admitted first (``_admit``): the place for who may ask for what.
+Every ask is judged first, in one place (gateway/core/store/admission.py): its ``n``, whether the
+key it serves (``ask.caller``) may use the model, the key's limits and the capacity.
 """
 
 from __future__ import annotations
@@ -18,31 +19,65 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Awaitable, Mapping
 
+import redis.asyncio as aioredis
+
 from gateway.core.ask import GenerationAsk, KeptSession
+from gateway.core.auth import tenant_directory
 from gateway.core.choices import Choices
 from gateway.core.conversations import Conversation, ConversationSettings
-from gateway.core.errors import BadRequest
-from gateway.core.feed import Feed, RelayEvent
 from gateway.core.generation_stream import GenerationStream
-from gateway.core.generations import Counts
 from gateway.core.readiness import Readiness, check_readiness
-from gateway.core.relay import RelayHub
-from gateway.core.sessions import (
-    CancelOutcome,
-    CreatedSession,
-    SessionStore,
-    Submitted,
-)
+from gateway.core.relay.feed import Feed, RelayEvent
+from gateway.core.relay.hub import RelayHub
 from gateway.core.settings import Settings
+from gateway.core.store.admission import Admission
+from gateway.core.store.models import ModelDirectory
+from gateway.core.store.queue import GenerationQueue, QueueCounts
+from gateway.core.store.sessions import CreatedSession, Sessions
+from gateway.core.store.submitter import CancelOutcome, SubmitObserver, Submitted, Submitter
+from gateway.tenants.caller import Caller
 from gateway.tenants.directory import TenantDirectory
-from wire import CancelReason, ChatMessage, FinalEvent, SamplingParams, WorkerInfo
+from wire import CancelReason, ChatMessage, FinalEvent, Keys, SamplingParams, WorkerInfo
+from wire.generations import Generations
 
 
 class GatewayService:
-    def __init__(self, store: SessionStore, hub: RelayHub, settings: Settings) -> None:
-        self.store = store
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        hub: RelayHub,
+        settings: Settings,
+        observer: SubmitObserver | None = None,
+    ) -> None:
+        """The core's parts, made once per process; ``tenant_directory`` reads the static
+        keys here (``ConfigError`` for a key file it cannot read)."""
+        self.redis = redis
         self.hub = hub
         self.settings = settings
+        keys = Keys(settings.key_prefix)
+        self.models = ModelDirectory(redis, keys, settings)
+        """Which models and workers are live (gateway/core/store/models.py)."""
+        self.directory: TenantDirectory = tenant_directory(redis, settings)
+        """The keys in force, and the keys store the admin API changes (gateway/tenants/)."""
+        self.generations = Generations(
+            redis, keys, events_maxlen=settings.events_maxlen, ttl_s=settings.session_ttl_s
+        )
+        """Every transition of a generation the gateway makes (wire/generations.py)."""
+        self.queue = GenerationQueue(redis, keys, settings, self.models, self.directory.weight_of)
+        one_node = self.generations.topology.one_node
+        self.admission = Admission(
+            redis, keys, settings, self.directory, self.queue, one_node=one_node, observer=observer
+        )
+        self.sessions = Sessions(redis, keys, settings, self.models, self.admission)
+        self.submitter = Submitter(
+            self.sessions,
+            self.admission,
+            self.generations,
+            self.queue,
+            self.models,
+            settings,
+            observer,
+        )
 
     # --- what a generation may ask -------------------------------------------------------
 
@@ -52,60 +87,54 @@ class GatewayService:
         """Sampling parameters with the gateway's defaults and limits (422 past one);
         ``given``: the fields the request sets, None for the default; ``named``: the
         client's own names of those its API spells otherwise, for errors to name them."""
-        return self.store.queue.sampling(named=named, **given)
-
-    def _admit(self, ask: GenerationAsk) -> None:
-        """The one place an ask is judged before anything is written: today the bound on
-        ``n``; a tenant's key and limits (issue 46, docs/tenants.md) belong here too.
-        Capacity is not: it is checked where the generation is queued (the SUBMIT script),
-        atomically with it."""
-        if not 1 <= ask.n <= self.settings.max_choices:
-            raise BadRequest(
-                f"n must be between 1 and {self.settings.max_choices} (TOKENSPOUT_MAX_CHOICES)",
-                code="too_many_choices",
-                field="n",
-            )
+        return self.queue.sampling(named=named, **given)
 
     # --- stateless generations (the OpenAI, TGI and OIP APIs) -----------------------------
 
     async def generate(self, ask: GenerationAsk) -> Choices:
         """Queue the ask's ``n`` generations, each in a throwaway session whose feed opens
         before it is queued; the caller walks them, then closes them (``Choices.close``)."""
-        self._admit(ask)
+        self.admission.check(ask)
+        heartbeat_s = self.settings.sse_heartbeat_s
+        if ask.n == 1:  # the common case: one generation, nothing to gather
+            return Choices(
+                [await GenerationStream.submit(self.submitter, self.hub, ask, heartbeat_s)]
+            )
 
         def open_choice(choice: int) -> Awaitable[GenerationStream]:
-            heartbeat_s = self.settings.sse_heartbeat_s
             chosen = ask.for_choice(choice)
-            return GenerationStream.submit(self.store, self.hub, chosen, heartbeat_s, choice)
+            return GenerationStream.submit(self.submitter, self.hub, chosen, heartbeat_s, choice)
 
         return await Choices.submit(open_choice, ask.n)
 
     async def generate_kept(self, ask: GenerationAsk, kept: KeptSession) -> Submitted:
         """Queue one generation in a session that outlives its request (a stored
         ``/v1/responses`` response), read later by its id: no feed is opened for it."""
-        self._admit(ask)
-        return await self.store.submit_stateless(ask, kept=kept)
+        self.admission.check(ask)
+        return await self.submitter.submit_stateless(ask, kept=kept)
 
     # --- sessions --------------------------------------------------------------------------
 
     async def create_session(
         self,
+        caller: Caller,
         model: str | None,
         owner: str | None = None,
         settings: ConversationSettings | None = None,
         title: str | None = None,
     ) -> CreatedSession:
-        """A session for ``model`` (None: the default); ``owner``: the owner cookie's
-        secret, whose conversations it joins, with its ``settings`` and ``title``."""
-        return await self.store.create_session(model, owner, settings, title)
+        """A session for ``model`` (None: the default) serving ``caller``'s key; ``owner``:
+        the owner cookie's secret, whose conversations it joins, with its ``settings`` and
+        ``title``."""
+        return await self.sessions.create_session(caller, model, owner, settings, title)
 
     async def authorise(self, session_id: str, token: str | None, owner: str | None = None) -> None:
         """404 for an unknown session, 403 unless the session's token or, with no token
         given, its owner's cookie secret (``owner``) is given."""
-        await self.store.authorise(session_id, token, owner)
+        await self.sessions.authorise(session_id, token, owner)
 
     async def history(self, session_id: str) -> list[ChatMessage]:
-        return await self.store.history(session_id)
+        return await self.sessions.history(session_id)
 
     async def send_message(
         self,
@@ -120,39 +149,46 @@ class GatewayService:
         continue: ``ask.turn``), its reply (``n`` replies) queued, the conversation's
         settings filling the sampling fields the request left (``ask.given``); authorised
         by ``token`` or the ``owner``'s cookie (404, then 403)."""
-        self._admit(ask)
-        return await self.store.submit_message(session_id, token, ask, idempotency_key, owner=owner)
+        self.admission.check(ask)
+        return await self.submitter.submit_message(
+            session_id, token, ask, idempotency_key, owner=owner
+        )
 
     # --- conversations (the owner cookie's sessions: gateway/core/conversations.py) --------
 
     async def conversations(self, owner: str) -> list[Conversation]:
         """The owner's conversations (``owner``: its cookie's secret), latest updated first."""
-        return await self.store.conversations.of_owner(self.store.owner_digest(owner))
+        return await self.sessions.conversations.of_owner(self.sessions.owner_digest(owner))
 
     async def conversation(self, session_id: str) -> Conversation:
         """A session's title and settings, as a list shows them (authorise first)."""
-        return await self.store.conversations.read(session_id)
+        return await self.sessions.conversations.read(session_id)
 
     async def change(
         self, session_id: str, token: str | None, owner: str | None, fields: dict[str, str | None]
     ) -> Conversation:
         """Rename a conversation or change its settings (``fields``: meta field -> value,
         None to clear it); authorised by its token or its owner's cookie."""
-        return await self.store.change(session_id, token, owner, fields)
+        return await self.sessions.change(session_id, token, owner, fields)
 
     async def delete(self, session_id: str, token: str | None, owner: str | None) -> None:
-        """Delete a session, its running reply stopped first."""
-        await self.store.delete(session_id, token, owner)
+        """Delete a session, its running reply stopped first (its worker's events are
+        refused from then on: its generation's hash goes too)."""
+        owner_digest = await self.sessions.authorise(session_id, token, owner)
+        running = await self.sessions.running(session_id)
+        for generation_id in running:
+            await self.submitter.cancel(session_id, generation_id)
+        await self.sessions.conversations.forget(session_id, owner_digest, running)
 
     async def cancel(
         self, session_id: str, generation_id: str, reason: CancelReason = "user"
     ) -> CancelOutcome:
         """Stop a generation wherever it runs; idempotent (a final one reports its end)."""
-        return await self.store.cancel(session_id, generation_id, reason)
+        return await self.submitter.cancel(session_id, generation_id, reason)
 
     async def generation_end(self, session_id: str, generation_id: str) -> tuple[str, str | None]:
         """The generation's state, and the id of its final event (None while it runs)."""
-        return await self.store.generation_end(session_id, generation_id)
+        return await self.sessions.generation_end(session_id, generation_id)
 
     async def wait_final(self, session_id: str, generation_id: str) -> FinalEvent | None:
         """The generation's final event, waiting up to ``TOKENSPOUT_CANCEL_WAIT_S``."""
@@ -164,7 +200,7 @@ class GatewayService:
     def open_feed(
         self, session_id: str, after_id: str | None = None
     ) -> contextlib.AbstractAsyncContextManager[Feed]:
-        """The session's events after ``after_id`` (gateway/core/relay.py ``RelayHub.open``)."""
+        """The session's events after ``after_id`` (gateway/core/relay/hub.py ``RelayHub.open``)."""
         return self.hub.open(session_id, after_id)
 
     async def check_resumable(self, session_id: str, after_id: str | None) -> None:
@@ -187,42 +223,42 @@ class GatewayService:
     # --- one-generation sessions kept past their request (stored responses) ------------------
 
     async def meta_field(self, session_id: str, field: str) -> str | None:
-        return await self.store.meta_field(session_id, field)
+        return await self.sessions.meta_field(session_id, field)
 
     async def has_generation(self, session_id: str, generation_id: str) -> bool:
-        return await self.store.has_generation(session_id, generation_id)
+        return await self.sessions.has_generation(session_id, generation_id)
 
     async def forget(self, session_id: str, generation_id: str) -> None:
         """Delete a one-generation session's keys."""
-        await self.store.forget(session_id, generation_id)
+        await self.sessions.forget(session_id, generation_id)
 
     # --- models and readiness --------------------------------------------------------------
 
     async def resolve_model(self, name: str | None) -> str:
         """The model that serves ``name`` (None: the default); 404 or 503 as
-        gateway/core/models.py says."""
-        return await self.store.models.resolve(name)
+        gateway/core/store/models.py says."""
+        return await self.models.resolve(name)
 
     async def live_workers(self) -> list[WorkerInfo]:
         """Every live worker, read now."""
-        return await self.store.models.live_workers()
+        return await self.models.live_workers()
 
     async def workers_of(self, model: str) -> list[WorkerInfo]:
         """The live workers of ``model`` (none when its last one left)."""
-        return (await self.store.models.snapshot()).live.get(model, [])
+        return (await self.models.snapshot()).live.get(model, [])
 
     async def max_model_len(self, model: str) -> int | None:
-        return await self.store.models.max_model_len(model)
+        return await self.models.max_model_len(model)
 
     async def readiness(self) -> Readiness:
         """Redis answers and an engine worker is alive (``/ready``, gRPC ``ServerReady``)."""
-        return await check_readiness(self.store)
+        return await check_readiness(self.redis, self.models)
 
     @property
     def tenant_directory(self) -> TenantDirectory:
         """The keys in force, and the keys store the admin API changes (gateway/tenants/)."""
-        return self.store.tenants.directory
+        return self.directory
 
-    async def queue_counts(self) -> Counts:
+    async def queue_counts(self) -> QueueCounts:
         """Model -> (queued, running), in one round trip (``/metrics``)."""
-        return await self.store.queue.counts()
+        return await self.queue.counts()

@@ -220,6 +220,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
                 raw[name] = env[key]
         return msgspec.convert(raw, cls, strict=False)
 
+    @property
+    def requests_maxlen(self) -> int:
+        """The cap of each model's requests stream (approximate, whole nodes)."""
+        return self.max_inflight * 20
+
     def cors_origin_list(self) -> list[str]:
         return [origin.strip() for origin in self.cors_origins.split(",") if origin.strip()]
 

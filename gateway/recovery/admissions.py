@@ -18,12 +18,9 @@ from __future__ import annotations
 import logging
 import time
 
-import redis.asyncio as aioredis
-
-from gateway.core.tenancy import TenantGate
+from gateway.core.store.admission import Admission
 from gateway.tenants.records import Tenant
-from wire import Keys
-from wire.tenancy import UsageCounter
+from wire.generations import Generations
 
 log = logging.getLogger("tokenspout.reaper")
 
@@ -37,11 +34,10 @@ MOST_PER_KEY = 200
 
 
 class UnsubmittedAdmissions:
-    def __init__(self, redis: aioredis.Redis, keys: Keys, tenants: TenantGate) -> None:
-        self.redis = redis
-        self.keys = keys
-        self.tenants = tenants
-        self._usage = UsageCounter(redis, keys)
+    def __init__(self, generations: Generations, admission: Admission) -> None:
+        self.generations = generations
+        self.redis, self.keys = generations.redis, generations.keys
+        self.admission = admission
         self._next_s = 0.0
 
     def due(self) -> bool:
@@ -55,12 +51,13 @@ class UnsubmittedAdmissions:
     async def look(self) -> int:
         """Give back or count what each limited key's old admissions left; returns how many."""
         settled = 0
-        for tenant in self.tenants.with_concurrency_limit():
+        for tenant in self.admission.with_concurrency_limit():
             settled += await self._look_at(tenant)
         return settled
 
     async def _look_at(self, tenant: Tenant) -> int:
-        admitted = await self.tenants.limits.admitted(tenant, SUBMITTED_WITHIN_S, MOST_PER_KEY)
+        limits = self.admission.limits
+        admitted = await limits.admitted(tenant, SUBMITTED_WITHIN_S, MOST_PER_KEY)
         if not admitted:
             return 0
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -77,9 +74,9 @@ class UnsubmittedAdmissions:
                     tenant.id,
                     SUBMITTED_WITHIN_S,
                 )
-                await self.tenants.release(tenant, [gid], count_request=False)
+                await limits.release(tenant, [gid], count_request=False)
                 settled += 1
-            elif final is not None and await self._usage.after_final(sid, gid):
+            elif final is not None and await self.generations.count_usage(sid, gid):
                 log.warning("generation %s of key %s ended uncounted: counted", gid, tenant.id)
                 settled += 1
         return settled

@@ -1,6 +1,6 @@
 """``ReaderDeadline``: every gateway process looks after the generations its readers saw
 queued and never saw start, whose request may be in no queue the reaper reads
-(gateway/core/waiting.py says how that happens): ``REQUEUE_AFTER_S`` on, a session turn whose
+(gateway/core/relay/waiting.py says how that happens): ``REQUEUE_AFTER_S`` on, a session turn whose
 queue has no request waiting is queued again; ``READER_GRACE_S`` after the queue
 deadline, what still waits is ended (the reaper's own deadline, gateway/recovery/reaper.py,
 comes first for what it can see).
@@ -12,15 +12,12 @@ import asyncio
 import logging
 import time
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from gateway.core.relay import RelayHub
+from gateway.core.relay.hub import RelayHub
 from gateway.recovery.reaper import queue_timeout
 from gateway.recovery.stranded import StrandedTurns
-from wire import Keys
-from wire.scripts import EndQueued
-from wire.tenancy import UsageCounter
+from wire.generations import Generations
 
 log = logging.getLogger("tokenspout.watchdog")
 
@@ -36,7 +33,7 @@ queues the turns of a gateway that died mid-submit from the notes beside the que
 
 class ReaderDeadline:
     """Looks after the generations this process's readers wait on that never started
-    (gateway/core/waiting.py): queues a session turn again ``REQUEUE_AFTER_S`` on when nothing
+    (gateway/core/relay/waiting.py): queues a session turn again ``REQUEUE_AFTER_S`` on when nothing
     waits in its queue (``StrandedTurns.requeue_lost``), and ends with ``queue_timeout``
     what still waits ``READER_GRACE_S`` past the queue deadline, through the reaper's
     script: it ends only a generation still queued, and a worker that finds its request
@@ -44,21 +41,15 @@ class ReaderDeadline:
 
     def __init__(
         self,
-        redis: aioredis.Redis,
-        keys: Keys,
+        generations: Generations,
         hub: RelayHub,
         stranded: StrandedTurns,
         queue_timeout_s: float,
-        events_maxlen: int,
-        ttl_s: int,
     ) -> None:
+        self.generations = generations
         self.waiting = hub.waiting
         self.stranded = stranded
         self.queue_timeout_s = queue_timeout_s
-        self.events_maxlen = events_maxlen
-        self.ttl_s = ttl_s
-        self._end_queued = EndQueued(redis, keys)
-        self._usage = UsageCounter(redis, keys)
 
     async def run_forever(self, interval_s: float = READER_CHECK_S) -> None:
         while True:
@@ -109,16 +100,11 @@ class ReaderDeadline:
         overdue = self.waiting.queued_before(time.time() - self.queue_timeout_s - READER_GRACE_S)
         ended = 0
         for session_id, generation_id in overdue:
-            final_id = await self._end_queued(
-                session_id=session_id,
-                event=queue_timeout(generation_id, self.queue_timeout_s),
-                maxlen=self.events_maxlen,
-                ttl_s=self.ttl_s,
-            )
+            event = queue_timeout(generation_id, self.queue_timeout_s)
+            [done] = await self.generations.end_queued([(session_id, event)])
             self.waiting.settled(session_id, generation_id)
-            if final_id is not None:
+            if done:
                 ended += 1
-                await self._usage.after_final(session_id, generation_id)
                 log.warning(
                     "generation %s of session %s was still queued %g s after its queue"
                     " deadline, with its request in no queue (lost by Redis): ended with"

@@ -30,20 +30,19 @@ import time
 from collections.abc import Awaitable, Callable
 
 import msgspec
-import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import RedisError
 
 import wire
-from gateway.core.relay import RelayHub
-from gateway.core.sessions import SessionStore
-from gateway.core.tenancy import TenantGate
+from gateway.core.relay.hub import RelayHub
+from gateway.core.settings import Settings
+from gateway.core.store.sessions import Sessions
 from gateway.recovery.admissions import UnsubmittedAdmissions
 from gateway.recovery.stranded import STRANDED_AFTER_S, StrandedTurns
 from gateway.recovery.takeover import REAPER_PREFIX, LostRequests, live_workers
-from wire import Error, GenerationRequest, Keys, entry_id_key
+from wire import Error, GenerationRequest, entry_id_key
+from wire.generations import Generations
 from wire.queue import QueueLook, RequestQueue, look_at
-from wire.scripts import EndQueued, HoldReaperLock
-from wire.tenancy import UsageCounter
+from wire.scripts import HoldReaperLock
 
 log = logging.getLogger("tokenspout.watchdog")
 _request_decoder = msgspec.json.Decoder(GenerationRequest)
@@ -75,12 +74,12 @@ def queue_timeout(generation_id: str, timeout_s: float) -> Error:
     )
 
 
-async def refresh_watches(store: SessionStore, hub: RelayHub, interval_s: float) -> None:
+async def refresh_watches(sessions: Sessions, hub: RelayHub, interval_s: float) -> None:
     while True:
         try:
-            sessions = hub.watched_sessions()
-            for start in range(0, len(sessions), WATCH_BATCH):
-                await store.mark_watched(sessions[start : start + WATCH_BATCH])
+            watched = hub.watched_sessions()
+            for start in range(0, len(watched), WATCH_BATCH):
+                await sessions.mark_watched(watched[start : start + WATCH_BATCH])
         except (RedisError, OSError) as exc:
             log.warning("could not refresh session watches: %s", exc)
         except Exception:
@@ -126,47 +125,32 @@ class RepeatedFailures:
 class Reaper:
     def __init__(
         self,
-        redis: aioredis.Redis,
-        keys: Keys,
-        worker_timeout_s: float,
-        events_maxlen: int,
-        ttl_s: int,
-        queue_timeout_s: float = 120.0,
-        requests_maxlen: int = 5_120,
-        max_takeovers: int = 3,
-        default_model: str = "",
+        generations: Generations,
+        settings: Settings,
+        *,
         stranded: StrandedTurns | None = None,
-        tenants: TenantGate | None = None,
+        admissions: UnsubmittedAdmissions | None = None,
     ) -> None:
-        self.redis = redis
+        """``generations``: the transitions it makes (its Redis, keys, events' cap and TTL);
+        ``settings``: the worker timeout, the queue deadline, the takeovers allowed, the
+        default model. ``stranded``, ``admissions``: those duties (None: not this one's)."""
+        self.redis, self.keys = generations.redis, generations.keys
+        self.generations = generations
         self.stranded = stranded
-        """Queues the session turns stranded on their way to a queue (None: not that
-        duty)."""
-        self.admissions = (
-            UnsubmittedAdmissions(redis, keys, tenants) if tenants is not None else None
-        )
-        """Gives back what limited keys admitted for generations never submitted (None:
-        not that duty)."""
-        self.keys = keys
-        self.default_model = default_model
+        """Queues the session turns stranded on their way to a queue."""
+        self.admissions = admissions
+        """Gives back what limited keys admitted for generations never submitted."""
+        self.default_model = settings.default_model
         """Queued for before any worker of it registered (TOKENSPOUT_DEFAULT_MODEL), so its
         queue needs the deadline too."""
-        self.worker_timeout_s = worker_timeout_s
-        self.events_maxlen = events_maxlen
-        self.ttl_s = ttl_s
-        self.queue_timeout_s = queue_timeout_s
-        self.requests_maxlen = requests_maxlen
-        self._end_queued = EndQueued(redis, keys)
-        self._usage = UsageCounter(redis, keys)
-        self._hold_lock = HoldReaperLock(redis, keys)
+        self.worker_timeout_s = settings.worker_timeout_s
+        self.queue_timeout_s = settings.queue_timeout_s
+        self._hold_lock = HoldReaperLock(self.redis, self.keys)
         self._owner = f"{REAPER_PREFIX}{time.monotonic_ns()}"
         self.lost = LostRequests(
-            redis,
-            keys,
-            max_takeovers=max_takeovers,
-            events_maxlen=events_maxlen,
-            ttl_s=ttl_s,
-            requests_maxlen=requests_maxlen,
+            generations,
+            max_takeovers=settings.max_takeovers,
+            requests_maxlen=settings.requests_maxlen,
         )
         self._expired_through: dict[str, str] = {}
         """Queue -> every queued entry up to this id has been looked at by the deadline."""
@@ -339,27 +323,10 @@ class Reaper:
         return await self._end_expired([request for request in expired if request is not None])
 
     async def _end_expired(self, requests: list[GenerationRequest]) -> int:
-        if not requests:
-            return 0
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for request in requests:
-                await self._end_queued(
-                    session_id=request.session_id,
-                    event=queue_timeout(request.generation_id, self.queue_timeout_s),
-                    maxlen=self.events_maxlen,
-                    ttl_s=self.ttl_s,
-                    pipe=pipe,
-                )
-            try:
-                replies: list[object] = await pipe.execute()
-            except NoScriptError:  # a shard new since (a failover): the next pass sends it
-                await self._end_queued.load()
-                raise
-        ended = 0
-        for request, reply in zip(requests, replies, strict=True):
-            if EndQueued.reply(reply):
-                ended += 1
-                await self._usage.after_final(request.session_id, request.generation_id)
+        ends = [
+            (r.session_id, queue_timeout(r.generation_id, self.queue_timeout_s)) for r in requests
+        ]
+        ended = sum(await self.generations.end_queued(ends))
         if ended:
             log.warning("%d queued generations timed out: no engine worker took them", ended)
         return ended

@@ -2,13 +2,13 @@
 
 A session turn is submitted in two round trips: the SUBMIT script writes the generation
 (and notes the turn beside its model's queue, ``RequestQueue.note_submitting``), then the
-request is queued, crossing the note off (gateway/core/sessions.py). Two things can leave a
+request is queued, crossing the note off (gateway/core/store/submitter.py). Two things can leave a
 turn ``queued`` with no request in any queue:
 
 - its gateway died between the two (``queue_stranded``: the reaper queues the turns whose
   note is ``STRANDED_AFTER_S`` old, from the note itself);
 - Redis lost the request (a cluster's failover drops what its primary acknowledged;
-  gateway/core/waiting.py): ``requeue_lost``, for the turns this process's readers wait on
+  gateway/core/relay/waiting.py): ``requeue_lost``, for the turns this process's readers wait on
   (``waiting_generations`` finds those of readers that resumed past the ``queued``).
 
 A copy sent twice (its gateway only slow, or the request not lost after all) runs once:
@@ -23,8 +23,8 @@ import time
 import msgspec
 
 import wire
-from gateway.core.generations import GenerationQueue
-from gateway.core.sessions import SessionStore
+from gateway.core.store.queue import GenerationQueue
+from gateway.core.store.sessions import Sessions
 from wire import GenerationRequest
 from wire.queue import RequestQueue
 
@@ -41,11 +41,11 @@ STRANDED_PAGE = 100
 class StrandedTurns:
     """The session turns left ``queued`` with no request in their queue, queued again."""
 
-    def __init__(self, store: SessionStore, queue: GenerationQueue) -> None:
-        self.store = store
+    def __init__(self, sessions: Sessions, queue: GenerationQueue) -> None:
+        self.sessions = sessions
         """Where a turn's state and its conversation are read (the submit path's own)."""
         self.queue = queue
-        self.redis, self.keys = store.redis, store.keys
+        self.redis, self.keys = sessions.redis, sessions.keys
 
     async def queue_stranded(self, queue: RequestQueue, older_than_s: float) -> int:
         """Queue the session turns noted on their way to ``queue`` over ``older_than_s``
@@ -62,8 +62,8 @@ class StrandedTurns:
                 log.error("unreadable note in %s: %r", queue.submitting_key, exc)
                 await queue.cross_off(note)
                 continue
-            if await self.store.still_queued(request.session_id, request.generation_id):
-                stranded = await self.store.with_turn(request)
+            if await self.sessions.still_queued(request.session_id, request.generation_id):
+                stranded = await self.sessions.with_turn(request)
                 await self.queue.enqueue(queue.model, stranded, note)
                 queued += 1
             else:
@@ -92,7 +92,7 @@ class StrandedTurns:
         after = await queue.waiting_after()  # its group's lag is nil after a deletion: read
         if (after is not None and await queue.read_after(after, 1)) or await queue.fair_waiting():
             return False  # requests wait there: it may be one of them (the deadline decides)
-        request = await self.store.with_turn(_request_decoder.decode(note))
+        request = await self.sessions.with_turn(_request_decoder.decode(note))
         await self.queue.enqueue(queue.model, request)
         return True
 

@@ -41,9 +41,9 @@ from wire import (
     Started,
     Token,
     Usage,
-    scripts,
 )
 from wire.connect import mget, node_by_address
+from wire.generations import Generations
 from wire.handoff import Streamed, continuation
 from wire.outcomes import (
     AlreadyFinal,
@@ -54,7 +54,6 @@ from wire.outcomes import (
     TakenOver,
 )
 from wire.queue import RequestQueue
-from wire.tenancy import UsageCounter
 
 log = logging.getLogger("tokenspout.takeover")
 _info_decoder = msgspec.json.Decoder(wire.WorkerInfo)
@@ -177,24 +176,12 @@ class LostRequests:
     continued by another worker (taken over), or ended."""
 
     def __init__(
-        self,
-        redis: aioredis.Redis,
-        keys: Keys,
-        *,
-        max_takeovers: int,
-        events_maxlen: int,
-        ttl_s: int,
-        requests_maxlen: int,
+        self, generations: Generations, *, max_takeovers: int, requests_maxlen: int
     ) -> None:
-        self.redis = redis
-        self.keys = keys
+        self.generations = generations
+        self.redis, self.keys = generations.redis, generations.keys
         self.max_takeovers = max_takeovers
-        self.events_maxlen = events_maxlen
-        self.ttl_s = ttl_s
         self.requests_maxlen = requests_maxlen
-        self._emit = scripts.Emit(redis, keys)
-        self._takeover = scripts.Takeover(redis, keys)
-        self._usage = UsageCounter(redis, keys)
 
     async def hand_on(
         self, queue: RequestQueue, request: GenerationRequest, raw: bytes, consumer: str
@@ -206,14 +193,11 @@ class LostRequests:
         owner = consumer
         if consumer.startswith(REAPER_PREFIX):  # a reaper that stopped mid-way: redo it
             owner = wire.text(await self.redis.hget(gen_key, "worker") or b"")
-        reply = await self._takeover(
-            session_id=sid, generation_id=gid, worker=owner, max_takeovers=self.max_takeovers
+        reply = await self.generations.take_over(
+            sid, gid, worker=owner, max_takeovers=self.max_takeovers
         )
         match reply:
-            case AlreadyFinal():
-                # Its writer may have been lost between the final event and the count that
-                # follows it on a Redis Cluster (leaving its request pending): counted, once.
-                await self._usage.after_final(sid, gid)
+            case AlreadyFinal():  # counted, should its writer have been lost before its count
                 return "final"
             case Moved():
                 return "moved"
@@ -271,14 +255,7 @@ class LostRequests:
         await queue.add({"r": raw}, maxlen=self.requests_maxlen)
 
     async def _end(self, request: GenerationRequest, event: wire.FinalEvent) -> None:
-        await self._emit(
-            session_id=request.session_id,
-            event=event,
-            maxlen=self.events_maxlen,
-            ttl_s=self.ttl_s,
-            final=True,
-        )
-        await self._usage.after_final(request.session_id, request.generation_id)
+        await self.generations.end(request, event)
 
 
 def _billed(streamed: Streamed | None) -> Usage | None:

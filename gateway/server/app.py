@@ -22,10 +22,10 @@ from gateway.apis.openai.hot import HotRoutes
 from gateway.apis.tgi import compat_generate
 from gateway.core.auth import API_KEYS_STATE, ApiKeys
 from gateway.core.errors import HANDLED, AnyRequest, ErrorEnvelope, request_error
-from gateway.core.relay import RelayHub
+from gateway.core.relay.hub import RelayHub
 from gateway.core.service import GatewayService
-from gateway.core.sessions import SessionStore
 from gateway.core.settings import Settings
+from gateway.recovery.admissions import UnsubmittedAdmissions
 from gateway.recovery.reader_deadline import ReaderDeadline
 from gateway.recovery.reaper import Reaper, refresh_watches
 from gateway.recovery.stranded import StrandedTurns
@@ -88,13 +88,12 @@ class Services:
         self.keys = Keys(settings.key_prefix)
         self.metrics = GatewayMetrics(peers_dir, process_index)
         # The static keys are read here: a missing key file stops the start (ConfigError).
-        self.store = SessionStore(self.redis, settings, observer=self.metrics)
-        self.api_keys = ApiKeys(self.store.tenants.directory, settings.admin_key)
         self.hub = RelayHub(
             self.redis, self.keys, settings.stream_buffer_events, observer=self.metrics
         )
         self.metrics.active_streams.set_function(lambda: self.hub.open_feeds)
-        self.service = GatewayService(self.store, self.hub, settings)
+        self.service = GatewayService(self.redis, self.hub, settings, observer=self.metrics)
+        self.api_keys = ApiKeys(self.service.directory, settings.admin_key)
         self.reaper, self.reader_deadline = self._recovery()
         self.grpc: GrpcServer | None = None
         if settings.grpc_port:
@@ -103,30 +102,13 @@ class Services:
     def _recovery(self) -> tuple[Reaper, ReaderDeadline]:
         """The reaper (one gateway at a time) and this process's readers' deadline."""
         settings = self.settings
-        stranded = StrandedTurns(self.store, self.store.queue)
-        reaper = Reaper(
-            self.redis,
-            self.keys,
-            settings.worker_timeout_s,
-            settings.events_maxlen,
-            settings.session_ttl_s,
-            queue_timeout_s=settings.queue_timeout_s,
-            requests_maxlen=self.store.queue.requests_maxlen,
-            max_takeovers=settings.max_takeovers,
-            default_model=settings.default_model,
-            stranded=stranded,
-            tenants=self.store.tenants,
-        )
-        reader_deadline = ReaderDeadline(
-            self.redis,
-            self.keys,
-            self.hub,
-            stranded,
-            settings.queue_timeout_s,
-            settings.events_maxlen,
-            settings.session_ttl_s,
-        )
-        return reaper, reader_deadline
+        service = self.service
+        generations = service.generations
+        stranded = StrandedTurns(service.sessions, service.queue)
+        admissions = UnsubmittedAdmissions(generations, service.admission)
+        reaper = Reaper(generations, settings, stranded=stranded, admissions=admissions)
+        deadline = ReaderDeadline(generations, self.hub, stranded, settings.queue_timeout_s)
+        return reaper, deadline
 
     def _grpc_server(self, host: str, sock: socket.socket | None) -> GrpcServer:
         # Imported only here: the gRPC stack (grpc, tritonclient, numpy) is a third of a
@@ -173,7 +155,7 @@ class Services:
     @contextlib.asynccontextmanager
     async def lifespan(self, _: Litestar) -> AsyncIterator[None]:
         await when_redis_answers(lambda: ready(self.redis), "gateway start")
-        keys = self.store.tenants.directory
+        keys = self.service.directory
         await keys.first_load()
         await self.hub.start()
         if self.grpc is not None:
@@ -182,11 +164,11 @@ class Services:
             await self.metrics.peers.start()
         tasks = [
             asyncio.create_task(
-                refresh_watches(self.store, self.hub, self.settings.abandon_grace_s / 3)
+                refresh_watches(self.service.sessions, self.hub, self.settings.abandon_grace_s / 3)
             ),
             asyncio.create_task(self.reaper.run_forever()),
             asyncio.create_task(self.reader_deadline.run_forever()),
-            asyncio.create_task(self.store.models.refresh_forever()),
+            asyncio.create_task(self.service.models.refresh_forever()),
             asyncio.create_task(keys.refresh_forever()),
         ]
         try:

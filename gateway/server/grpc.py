@@ -1,7 +1,7 @@
 """The gRPC server's life inside the gateway process: started by the app's lifespan after
 the relay hub, told to drain with it at the shutdown signal, stopped before it.
 
-The gateway's own gRPC-over-HTTP/2 server (gateway/server/http2.py) on its own port
+The gateway's own gRPC-over-HTTP/2 server (gateway/transport/http2.py) on its own port
 (``TOKENSPOUT_GRPC_PORT``, Triton's 8001 by default) and the HTTP server's host, in the
 gateway's event loop. The port is bound exclusively: a second gateway on the same port
 fails to start instead of sharing it.
@@ -14,7 +14,7 @@ import logging
 import socket
 
 from gateway.apis.oip.grpc.service import InferenceService
-from gateway.server.http2 import GrpcServerCore
+from gateway.transport.http2 import GrpcServerCore
 
 log = logging.getLogger("tokenspout.grpc")
 

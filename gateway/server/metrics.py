@@ -5,8 +5,9 @@ from hooks that cost a dict look-up per event:
 
 - ``RelayHub`` reports every live event once per process (not once per reader), when the
   last reader of a session in this process leaves, and when a slow reader's feed overflows;
-- ``SessionStore`` reports each queued generation (with its ``queued`` event id, whose first
-  part is Redis' clock in milliseconds) and each cancel it sends;
+- the ``Submitter`` (gateway/core/store/submitter.py) reports each queued generation (with
+  its ``queued`` event id, whose first part is Redis' clock in milliseconds) and each
+  cancel it sends;
 - ``RequestMetrics`` (gateway/server/middleware.py) counts requests by route and status.
 
 Time to first token is measured from the ``queued`` event's Redis timestamp to the moment
@@ -31,7 +32,7 @@ from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 import wire
-from gateway.core.feed import RelayEvent
+from gateway.core.relay.feed import RelayEvent
 from gateway.server.federation import MetricsPeers
 from wire import TERMINAL_EVENTS
 
@@ -80,7 +81,7 @@ class _Live:
 
 
 def _key_counters(registry: CollectorRegistry) -> tuple[Counter, Counter]:
-    """Requests admitted, and refused, by API key (gateway/core/tenancy.py)."""
+    """Requests admitted, and refused, by API key (gateway/core/store/admission.py)."""
     admitted = Counter(
         "tokenspout_gateway_key_requests",
         "Requests admitted, by API key (its name: the first 100 keys by name, then "
@@ -235,7 +236,7 @@ class GatewayMetrics:
                     del self._by_session[live.session_id]
         return live
 
-    # --- SessionStore hooks --------------------------------------------------------------
+    # --- the submitter's and the admission's hooks -----------------------------------------
 
     def submitted(
         self, session_id: str, generation_id: str, queued_event_id: str, model: str
@@ -256,7 +257,7 @@ class GatewayMetrics:
         return await self.peers.exposition()
 
     def queue_depths(self, counts: dict[str, tuple[int, int]]) -> None:
-        """Set the queue gauges from ``SessionStore.queue_counts``."""
+        """Set the queue gauges from ``GatewayService.queue_counts``."""
         self.queued.set(sum(queued for queued, _ in counts.values()))
         self.running.set(sum(running for _, running in counts.values()))
         for model, (queued, running) in counts.items():

@@ -19,7 +19,7 @@ from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.core.ids import token_hex
 from gateway.server.metrics import GatewayMetrics
-from gateway.tenants import caller
+from gateway.tenants.caller import caller_of
 
 log = logging.getLogger("tokenspout.http")
 
@@ -52,7 +52,7 @@ class RequestMetrics:
         began = time.monotonic()
         status = "101" if websocket else "500"
         # Who it serves: the key check fills it in, an admission leaves the key's counts.
-        serving = caller.begin()
+        serving = caller_of(scope)
 
         async def send_with_id(message: Message) -> None:
             nonlocal status

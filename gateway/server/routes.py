@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from litestar.types import ControllerRouterHandler
 
+from gateway.apis.admin.routes import admin_router
 from gateway.apis.oip.routes import oip_router
 from gateway.apis.openai.responses.routes import responses_router
 from gateway.apis.openai.responses.socket import responses_socket_router
@@ -14,7 +15,6 @@ from gateway.apis.sessions.socket import ws_endpoint
 from gateway.apis.tgi import tgi_router
 from gateway.server.health import health, ready
 from gateway.server.metrics_endpoint import metrics_endpoint
-from gateway.tenants.admin import admin_router
 
 ROUTES: list[ControllerRouterHandler] = [
     health,

@@ -5,9 +5,8 @@
 - ``directory``: every key a gateway process knows, in memory, reloaded within a second of
   a change;
 - ``limits``: a key's limits, admitted on its Redis slot, and the ``x-ratelimit-*`` headers;
-- ``caller``: the request being served's tenant and counts;
-- ``admin``: ``/v1/admin/keys`` and ``/v1/admin/usage``; ``cli``: ``python -m gateway keys``.
+- ``caller``: whom a request serves, and what its admission found.
 
-The core asks these through gateway/core/tenancy.py; they need only ``wire`` (the admin API
-and the CLI sit beside the other APIs).
+The core asks these in one place, gateway/core/store/admission.py; they need only ``wire``.
+The admin API and ``python -m gateway keys`` are among the APIs (gateway/apis/admin/).
 """

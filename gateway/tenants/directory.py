@@ -73,6 +73,11 @@ class TenantDirectory:
         """A tenant by its id (a session's), None once its key is revoked (or gone)."""
         return self._by_id.get(tenant_id)
 
+    def weight_of(self, tenant_id: str) -> float:
+        """A tenant's weight in a model's fair share (one whose key is gone: 1)."""
+        tenant = self.by_id(tenant_id)
+        return tenant.weight if tenant is not None else 1.0
+
     def tenants(self) -> list[Tenant]:
         """Every tenant in force (revoked keys' are gone)."""
         return list(self._by_id.values())

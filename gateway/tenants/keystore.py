@@ -1,6 +1,6 @@
 """The keys made at run time, in Redis: make, list, show, change, revoke; and their usage.
 
-One store for the admin API (gateway/tenants/admin.py) and the CLI (gateway/tenants/cli.py).
+One store for the admin API (gateway/apis/admin/routes.py) and the CLI (gateway/apis/admin/cli.py).
 Every change writes the key's record and bumps the version in one transaction on the keys'
 slot; every gateway process reads the version every 250 ms and reloads the records when it
 moved (gateway/tenants/directory.py), so a change is in force everywhere within a second.

@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from gateway.tenants.records import Tenant
 from wire import Keys
 from wire.limits import Counts, LimitName, Limits
-from wire.tenancy import Admit, Admitted, Release
+from wire.tenancy import Admit, OldAdmissions, Release
 
 LIMIT_NAMES: dict[LimitName, str] = {
     "concurrent": "concurrent",
@@ -103,7 +103,7 @@ class TenantLimits:
     def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
         self._admit = Admit(redis, keys)
         self._release = Release(redis, keys)
-        self._admitted = Admitted(redis, keys)
+        self._admitted = OldAdmissions(redis, keys)
 
     async def counts(
         self,

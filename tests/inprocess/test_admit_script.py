@@ -1,5 +1,5 @@
 """wire/lua/admit_core.lua, a key's admission (``wire.tenancy.Admit``, ``Release``,
-``Admitted``), against
+``OldAdmissions``), against
 the session's real Redis: what each limit counts, when it admits again, and what a refusal
 leaves. The keys' counts are set the way the scripts that count usage set them
 (usage_core.lua: per-second token buckets, the day's counter), on Redis's own clock."""
@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 from wire import Keys
 from wire.limits import RUNNING_HOLD_S, Counts, Limits
 from wire.messages import Usage
-from wire.tenancy import Admit, Admitted, CountUsage, Release
+from wire.tenancy import Admit, CountUsage, OldAdmissions, Release
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -29,7 +29,7 @@ class Key:
         self.id = "k_" + secrets.token_hex(4)
         self._admit = Admit(redis, self.keys)
         self.release = Release(redis, self.keys)
-        self.admitted = Admitted(redis, self.keys)
+        self.admitted = OldAdmissions(redis, self.keys)
 
     async def admit(self, session_id: str = "s_1", **given: Any) -> Counts:
         return await self._admit(session_id=session_id, **given)

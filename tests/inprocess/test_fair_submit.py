@@ -1,7 +1,8 @@
 """A one-shot request's SUBMIT (wire/lua/submit.lua, wire/lua/fair_core.lua ``fair_submit``)
-against the session's real Redis: straight into the requests stream while nothing waits for
-a worker, into its tenant's list once anything does (so the fair share orders it), and
-always into the list while a worker of the queue preempts; a tenant served straight raises
+against the session's real Redis: straight into the requests stream while a worker has a free
+slot for it and no list holds a request, into its tenant's list once anything waits (so the
+fair share orders it), and always into the list when only preempting workers serve (they
+offer no free slot); a tenant served straight raises
 the floor a tenant that starts waiting is lifted to. And what its final event's script
 counts for its key (wire/lua/usage_core.lua): nothing but its usage for a key without
 limits, the running set and the minute's tokens for a key with those limits."""
@@ -20,7 +21,7 @@ from wire import Done, GenerationRequest, Keys, SamplingParams, Usage
 from wire.limits import Limits
 from wire.outcomes import Accepted, Admitted
 from wire.queue import RequestQueue, ServedTokens, estimated_tokens
-from wire.scripts import Admission, Emit, NewSession, Submit
+from wire.scripts import AdmitInSubmit, Emit, NewSession, Submit
 
 pytestmark = pytest.mark.timeout(60)
 MODEL = "m"
@@ -46,7 +47,7 @@ class Gateway:
         waiting = self.queue.waiting(
             wire.encode(request), estimate=estimated_tokens(request), tenant=tenant, weight=weight
         )
-        admission = Admission(
+        admission = AdmitInSubmit(
             queues=[self.queue.key],
             target=0,
             limit=1000,
@@ -139,13 +140,14 @@ async def test_a_lapsed_record_of_free_slots_counts_none_and_is_dropped(
     assert not await redis.hexists(g.queue.fair.free, "lost")
 
 
-async def test_a_preempting_worker_keeps_every_request_in_a_list(redis: aioredis.Redis) -> None:
+async def test_a_preempting_worker_offers_no_free_slot_so_every_request_waits_in_a_list(
+    redis: aioredis.Redis,
+) -> None:
     g = await gateway(redis)
-    await idle_worker(g, 4)
-    await g.queue.mark_preempting()
+    preempting = RequestQueue(redis, g.keys, MODEL, offers_free=False)
+    assert await preempting.take("p", 4, 10, ServedTokens()) == []  # idle, 4 slots free
     await g.send("a")
     assert await g.straight() == [] and await g.queue.fair_waiting() == 1
-    assert 0 < await redis.ttl(g.queue.fair.preempting) <= 5  # lapses with its worker
 
 
 async def test_a_tenant_served_straight_raises_the_floor_a_returning_tenant_is_lifted_to(

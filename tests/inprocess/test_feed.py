@@ -1,4 +1,4 @@
-"""gateway/core/feed.py: one ``Feed`` against a fake hub (a stream held in a list), driven
+"""gateway/core/relay/feed.py: one ``Feed`` against a fake hub (a stream held in a list), driven
 through its public interface the way the hub drives it: ``confirmed``, ``push``. No Redis:
 each state change is made on purpose, not raced for (tests/inprocess/test_relay_feed.py
 runs feeds against a real server)."""
@@ -11,7 +11,7 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.core.errors import SessionLost
-from gateway.core.feed import (
+from gateway.core.relay.feed import (
     CATCH_UP_PAGE,
     DRAIN_POLL_S,
     LIVE_ONLY,
@@ -92,7 +92,7 @@ async def test_a_feed_waits_for_its_subscription_then_reads_the_stream_then_goes
 
 async def test_a_wait_that_times_out_tells_the_hub_the_session_went_quiet() -> None:
     """Only a whole timeout with nothing (a heartbeat): the readers' deadline then asks Redis
-    whether the session's generation waits (gateway/core/waiting.py)."""
+    whether the session's generation waits (gateway/core/relay/waiting.py)."""
     hub = FakeHub()
     feed = Feed(hub, SESSION, None)
     feed.confirmed(True)

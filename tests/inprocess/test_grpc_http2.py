@@ -1,4 +1,4 @@
-"""gateway/server/http2.py, the gateway's gRPC server, against grpcio's own client (the C
+"""gateway/transport/http2.py, the gateway's gRPC server, against grpcio's own client (the C
 core every gRPC client in the Triton family sits on): statuses, deadlines, cancels, flow
 control, a slow reader and the drain, with methods of the test's own in one process."""
 
@@ -17,7 +17,7 @@ import h2.events
 import httpx
 import pytest
 
-from gateway.server.http2 import Call, GrpcError, GrpcServerCore, Method, StatusCode
+from gateway.transport.http2 import Call, GrpcError, GrpcServerCore, Method, StatusCode
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,4 @@
-"""gateway/server/transport.py: a response's head goes out with the start of its body, in one
+"""gateway/server/http1.py: a response's head goes out with the start of its body, in one
 write, when the body is sent in the same turn of the event loop, and never waits for a
 later one. A real uvicorn server with the gateway's protocol, real clients; the socket's
 writes are read through a pass-through log."""
@@ -17,7 +17,7 @@ import uvicorn
 import websockets
 from litestar.types import Receive, Scope, Send
 
-from gateway.server.transport import HttpProtocol
+from gateway.server.http1 import HttpProtocol
 
 
 class WriteLog:

@@ -1,4 +1,4 @@
-"""gateway/core/models.py: the live view of the models, cached for ``CACHE_S``, against the
+"""gateway/core/store/models.py: the live view of the models, cached for ``CACHE_S``, against the
 session's real Redis. The requests that find the cached view old together share one read
 (a burst used to make one read per request in flight); a fresh read is always its own; kept
 fresh in the background, the view is never old when a request comes."""
@@ -13,8 +13,8 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.core.models import CACHE_S, ModelDirectory
 from gateway.core.settings import Settings
+from gateway.core.store.models import CACHE_S, ModelDirectory
 from tests.support.redis_probes import command_calls
 from wire import Keys
 

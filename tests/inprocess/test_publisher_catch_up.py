@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 from engine.publisher import Publisher, joined
 from wire import Done, Keys, Started, Token, Usage
 from wire.emit_step import EmitTarget
+from wire.generations import Generations
 from wire.queue import RequestQueue
 
 pytestmark = pytest.mark.timeout(30)
@@ -29,14 +30,13 @@ class Generation:
         self.sid, self.gid = f"s_{secrets.token_hex(4)}", f"g_{secrets.token_hex(4)}"
         self.rejected: list[str] = []
         self.publisher = Publisher(
-            redis,
-            self.keys,
+            Generations(redis, self.keys),
             queue=RequestQueue(redis, self.keys, "m"),
             writer="w-1",
             on_rejected=lambda gid, epoch: self.rejected.append(gid),
             join_tokens=join_tokens,
         )
-        self.target: EmitTarget = self.publisher.target(
+        self.target: EmitTarget = self.publisher.generations.target(
             self.sid, self.gid, epoch=0, ttl_s=600, maxlen=1000
         )
 

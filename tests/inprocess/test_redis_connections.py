@@ -14,7 +14,7 @@ from redis.asyncio.connection import Connection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError, RedisClusterException
 
-from gateway.core.live import PlainLive
+from gateway.core.relay.live import PlainLive
 from stack.redis_server import EmbeddedRedis, free_port
 from tests.support.redis_probes import command_calls
 from tests.support.reset_proxy import ResettingProxy

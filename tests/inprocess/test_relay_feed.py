@@ -1,5 +1,6 @@
-"""gateway/core/relay.py: ``RelayHub`` and its ``Feed``s against the session's real Redis server,
-events written the way engines write them (wire/lua/emit_core.lua's emit: XADD, then PUBLISH)."""
+"""gateway/core/relay/hub.py: ``RelayHub`` and its ``Feed``s against the session's real Redis
+server, events written the way engines write them (wire/lua/emit_core.lua's emit: XADD, then
+PUBLISH)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ import pytest
 import redis.asyncio as aioredis
 
 import wire
-from gateway.core import live
 from gateway.core.errors import BadRequest, EventsExpired, EventsLost
-from gateway.core.feed import LIVE_ONLY, NEW_SESSION, Feed, FeedState, RelayEvent
-from gateway.core.relay import RelayHub
-from gateway.core.spares import BATCH as SPARE_BATCH
+from gateway.core.relay import live
+from gateway.core.relay.feed import LIVE_ONLY, NEW_SESSION, Feed, FeedState, RelayEvent
+from gateway.core.relay.hub import RelayHub
+from gateway.core.relay.spares import BATCH as SPARE_BATCH
 from tests.support.redis_probes import command_calls, live_readers
 from wire import Keys, Usage
 from wire.emit_step import EmitStep, StepCall
@@ -471,7 +472,7 @@ async def test_wait_final_returns_the_generations_final_event_or_none(
 async def test_the_hub_books_what_its_readers_wait_on_until_it_starts_or_nobody_reads(
     make_hub: HubFactory, session: Session
 ) -> None:
-    """gateway/core/waiting.py: a generation a reader saw ``queued`` (read from the stream or
+    """gateway/core/relay/waiting.py: a generation a reader saw ``queued`` (read from the stream or
     live) is booked, at the queued event's time, until an event of it says it started,
     or the session's last reader leaves. What this book holds is what the readers'
     deadline (gateway/recovery/reader_deadline.py ``ReaderDeadline``) may end."""

@@ -1,4 +1,5 @@
-"""The relay's connection to one cluster shard (gateway/core/shards.py), over a real socket."""
+"""The relay's connection to one cluster shard (gateway/core/relay/shards.py), over a real
+socket."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from gateway.core.shards import Shard, ShardedLive
+from gateway.core.relay.shards import Shard, ShardedLive
 from stack.redis_server import free_port
 
 

@@ -33,7 +33,7 @@ def test_submit_replies() -> None:
     assert submit_reply(accepted) == script.Accepted("5-0", history)
     assert submit_reply([b"ok", b"5-0"]) == script.Accepted("5-0", [])
     assert submit_reply([b"missing"]) == script.SessionMissing()
-    assert submit_reply([b"forbidden"]) == script.Forbidden()
+    assert submit_reply([b"forbidden"]) == script.BadToken()
     assert submit_reply([b"duplicate", b"g_1"]) == script.Duplicate("g_1")
     assert submit_reply([b"busy", b"g_2"]) == script.Busy("g_2")
     assert submit_reply([b"history_full"]) == script.HistoryFull()

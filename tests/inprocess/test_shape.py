@@ -1,7 +1,7 @@
-"""The project's shape (issue 26, after issue 13's line limit): what matters is which way
-imports go, that objects keep out of each other's private state, and that no function of
-the product does more than one screen can show (issue 47), not how long a module is. The
-import and SLF rules live in pyproject.toml, where `make lint` reads them too; this runs
+"""The project's shape: which way imports go (every module of the product in a layers
+contract, no import loop), that objects keep out of each other's private state, and that
+no function of the product does more than one screen can show, not how long a module is.
+The import and SLF rules live in pyproject.toml, where `make lint` reads them too; this runs
 them with the suite. (tests/inprocess/test_test_layout.py keeps helpers shared by test
 modules in tests/support, once.)"""
 
@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 PRODUCT = ["wire", "gateway", "engine", "stack"]
@@ -23,15 +24,56 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
-def test_imports_follow_the_layer_contracts() -> None:
-    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
-    layered = {
-        layer.split(".")[0]
-        for contract in contracts["contracts"]
+def _contracts() -> list[dict[str, Any]]:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    return list(config["contracts"])
+
+
+def modules_in_no_layer(root: Path, contracts: list[dict[str, Any]]) -> list[str]:
+    """The product's modules (under ``root``) that no layers contract places: a layer names
+    the module, or the package holding it when that package's modules are not layered
+    themselves (a package with a contract of its own must name each module in it). A
+    package's ``__init__`` counts as the package; the three root packages only re-export."""
+    layers = {
+        name.strip()
+        for contract in contracts
         if contract["type"] == "layers"
         for layer in contract["layers"]
+        for name in layer.replace(":", "|").split("|")
     }
-    assert layered == {"gateway", "engine"}, "the layer contracts are gone from pyproject"
+    unplaced = []
+    for package in ("wire", "gateway", "engine"):
+        for path in sorted((root / package).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            name = ".".join(parts)
+            named = [".".join(parts[:depth]) for depth in range(len(parts), 0, -1)]
+            nearest = next((prefix for prefix in named if prefix in layers), None)
+            inner = nearest is not None and any(n.startswith(nearest + ".") for n in layers)
+            if len(parts) > 1 and (nearest is None or (nearest != name and inner)):
+                unplaced.append(name)
+    return unplaced
+
+
+def test_every_module_of_the_product_is_in_a_layer() -> None:
+    assert modules_in_no_layer(ROOT, _contracts()) == []
+
+
+def test_the_layer_check_finds_a_module_in_no_layer(tmp_path: Path) -> None:
+    for name in ("wire/keys.py", "gateway/core/service.py", "gateway/core/stray.py", "engine/w.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+    contracts = [
+        {"type": "layers", "layers": ["gateway.core", "engine | wire.keys"]},
+        {"type": "layers", "layers": ["gateway.core.service"]},
+    ]
+    assert modules_in_no_layer(tmp_path, contracts) == ["gateway.core.stray"]
+
+
+def test_imports_follow_the_layer_contracts() -> None:
+    kinds = {contract["type"] for contract in _contracts()}
+    assert {"layers", "acyclic_siblings"} <= kinds, "the contracts are gone from pyproject"
     lint = _run(
         sys.executable,
         "-c",

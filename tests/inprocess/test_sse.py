@@ -1,5 +1,5 @@
-"""gateway/server/sse.py: the SSE wire format, and ``LeanStreamingResponse`` driven through a tiny
-ASGI receive/send pair."""
+"""gateway/transport/sse.py: the SSE wire format, and ``LeanStreamingResponse`` driven through a
+tiny ASGI receive/send pair."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 import pytest
 from litestar.types import Message
 
-from gateway.core.feed import RelayEvent
-from gateway.server import sse
+from gateway.core.relay.feed import RelayEvent
+from gateway.transport import sse
 
 
 def test_frame_is_data_alone_or_with_id_and_event_first() -> None:

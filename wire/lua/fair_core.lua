@@ -77,7 +77,7 @@ local function fair_enqueue(base, tenant, weight, request, ttl)
   local list, ready, vtc = base .. ':t:' .. tenant, base .. ':ready', base .. ':vtc'
   if redis.call('RPUSH', list, request) == 1 then
     -- A tenant that had nothing waiting: a full worker that preempts may make room for it
-    -- (engine/preempt.py waits on this bell; it holds at most one ring).
+    -- (engine/policies.py waits on this bell; it holds at most one ring).
     local newcomer = base .. ':newcomer'
     if redis.call('LLEN', newcomer) == 0 then
       redis.call('RPUSH', newcomer, 1)
@@ -133,12 +133,10 @@ end
 -- the queue `stream`, whose group has `lag` entries undelivered (nil: not known) and whose
 -- tenants' lists hold `waiting`: straight in when nothing waits in a list and a worker has
 -- a free slot for it and those undelivered before it (VTC, work-conserving, would start it
--- now), unless a worker of the queue preempts (one needs every new request in a list to
--- choose from: its ``preempting`` mark, engine/preempt.py); else into its tenant's list. So
--- a request pays for the fair share only when requests wait for a slot.
+-- now; a preempting worker offers none, fair_take.lua), else into its tenant's list. So a
+-- request pays for the fair share only when requests wait for a slot.
 local function fair_submit(base, stream, maxlen, tenant, weight, element, ttl, lag, waiting)
-  if waiting == 0 and lag and lag < fair_free(base)
-      and redis.call('EXISTS', base .. ':preempting') == 0 then
+  if waiting == 0 and lag and lag < fair_free(base) then
     local bar = string.find(element, '|', 1, true)
     fair_straight(base, stream, maxlen, tenant, weight, string.sub(element, bar + 1), ttl)
   else

@@ -3,8 +3,8 @@
 --       many tenants follow that may give way, those tenants (FairNames slots: one per
 --       reply), then the tenants of the other replies here (they count in the level only)
 -- Whether a reply here gives way to a waiting tenant served far less lately (engine/
--- preempt.py): a full worker stops a running reply for it, and a free slot goes to it
--- before a stopped reply's continuation (engine/intake.py). VTC orders who goes next at a
+-- policies.py, asked by engine/jobs.py): a full worker stops a running reply for it, and a
+-- free slot goes to it before a stopped reply's continuation. VTC orders who goes next at a
 -- free slot; this serves at once a tenant that asks less than its share:
 -- - the tenant served most lately (fair_recent: per unit of weight) among those that may
 --   give way gives way, if it was served more than the level: the tokens served lately to

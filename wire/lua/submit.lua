@@ -7,7 +7,7 @@
 --       companion ('1': another choice of the turn just submitted (a message with n > 1):
 --       no message, no busy check, not the session's active generation),
 --       note (its request without its conversation: what queues it again should Redis
---       lose it, gateway/core/waiting.py; '' for none), queue (the model's queue it goes to),
+--       lose it, gateway/core/relay/waiting.py; '' for none), queue (the model's queue it goes to),
 --       tenant (who it serves and is billed to: kept with the generation, whose final event
 --       counts its usage, usage_core.lua), bill ('all', 'completion': another choice of a
 --       request, its prompt billed once; 'none': tokenize, detokenize),
@@ -25,7 +25,7 @@
 --       per minute, tokens per minute, tokens per day) and how long a running generation
 --       counts at most (ms) (admit_core.lua).
 -- KEYS[8..] (admitted here, on one Redis): every model's request queue, counted as the
---       gateway's capacity check counts them (gateway/core/generations.py, wire/queue.py).
+--       gateway's capacity check counts them (gateway/core/store/queue.py, wire/queue.py).
 -- Returns {'ok', queued id, history...} | {'missing'} | {'forbidden'} | {'duplicate', gid}
 --         | {'busy', gid} | {'history_full'} | {'overloaded', 'all' or 'model', count}
 --         | {'admitted', queued id, counts...} | {'limited', counts...} (the tenant's

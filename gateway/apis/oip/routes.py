@@ -28,7 +28,8 @@ from gateway.core.errors import (
 from gateway.core.generation_stream import final_error
 from gateway.core.service import GatewayService
 from gateway.core.walk import walk
-from gateway.server import sse
+from gateway.tenants.caller import caller_of
+from gateway.transport import sse
 from wire import Cancelled, Done, Error, SamplingParams, Started, Token
 
 
@@ -83,18 +84,23 @@ def sampling_of(service: GatewayService, given: Parameters) -> SamplingParams:
     )
 
 
-async def _start(service: GatewayService, model: str, data: GenerateRequest) -> Choices:
+async def _start(
+    service: GatewayService, model: str, data: GenerateRequest, request: AnyRequest
+) -> Choices:
     if not data.text_input.strip():
         raise BadRequest("`text_input` must not be empty", field="text_input")
     sampling = sampling_of(service, data.parameters)
+    caller = caller_of(request.scope)
     return await service.generate(
-        GenerationAsk(sampling=sampling, model=model, prompt=data.text_input)
+        GenerationAsk(caller=caller, sampling=sampling, model=model, prompt=data.text_input)
     )
 
 
 @post("/{model:str}/generate", summary="OIP generate", status_code=200)
-async def generate(service: GatewayService, model: str, data: GenerateRequest) -> GenerateResponse:
-    (whole,) = await (await _start(service, model, data)).collect()
+async def generate(
+    service: GatewayService, model: str, data: GenerateRequest, request: AnyRequest
+) -> GenerateResponse:
+    (whole,) = await (await _start(service, model, data, request)).collect()
     return GenerateResponse(whole.model or model, whole.text, whole.final.finish_reason, data.id)
 
 
@@ -121,8 +127,10 @@ class OipStream(sse.SseSpelling):
 
 
 @post("/{model:str}/generate_stream", summary="OIP generate_stream", status_code=200)
-async def generate_stream(service: GatewayService, model: str, data: GenerateRequest) -> Stream:
-    choices = await _start(service, model, data)
+async def generate_stream(
+    service: GatewayService, model: str, data: GenerateRequest, request: AnyRequest
+) -> Stream:
+    choices = await _start(service, model, data, request)
     chunks = ending_with_error(
         walk(choices.batches(), OipStream(model, data.id)),
         lambda error: sse.json_frame(OipError(error.message)),

@@ -16,6 +16,7 @@ from gateway.core import structured, tools
 from gateway.core.ask import GenerationAsk
 from gateway.core.errors import BadRequest
 from gateway.core.service import GatewayService
+from gateway.tenants.caller import Caller
 from wire import ChatMessage, Role, SamplingParams, ToolCall, Tools, ToolSpec
 
 ROLES: dict[str, Role] = {
@@ -42,18 +43,26 @@ def _unsupported(field: str, message: str) -> BadRequest:
     return BadRequest(message, code="unsupported_parameter", field=field)
 
 
-def chat_ask(service: GatewayService, body: ChatCompletionRequest) -> GenerationAsk:
-    """A chat completion's ask: its tools, sampling and messages, checked in that order."""
+def chat_ask(service: GatewayService, body: ChatCompletionRequest, caller: Caller) -> GenerationAsk:
+    """A chat completion's ask for ``caller``: its tools, sampling and messages, checked in
+    that order."""
     functions = _chat_tools(body)
     sampling = _chat_sampling(service, body, functions)
     messages = _chat_messages(body, service.settings.max_history_messages)
     return GenerationAsk(
-        sampling=sampling, model=body.model, messages=messages, tools=functions, n=body.n or 1
+        caller=caller,
+        sampling=sampling,
+        model=body.model,
+        messages=messages,
+        tools=functions,
+        n=body.n or 1,
     )
 
 
-def completion_ask(service: GatewayService, body: CompletionRequest) -> GenerationAsk:
-    """A (legacy) completion's ask: its sampling, then its one prompt."""
+def completion_ask(
+    service: GatewayService, body: CompletionRequest, caller: Caller
+) -> GenerationAsk:
+    """A (legacy) completion's ask for ``caller``: its sampling, then its one prompt."""
     if body.echo:
         raise _unsupported("echo", "echo is not supported")
     if body.best_of not in (None, 1):
@@ -67,7 +76,9 @@ def completion_ask(service: GatewayService, body: CompletionRequest) -> Generati
         top_logprobs=body.logprobs or 0,
     )
     prompt = _completion_prompt(body)
-    return GenerationAsk(sampling=sampling, model=body.model, prompt=prompt, n=body.n or 1)
+    return GenerationAsk(
+        caller=caller, sampling=sampling, model=body.model, prompt=prompt, n=body.n or 1
+    )
 
 
 def _logit_bias(given: dict[str, float] | None) -> dict[int, float] | None:

@@ -32,7 +32,7 @@ from gateway.apis.openai.schema import (
 )
 from gateway.core.errors import BadEngineOutput, GatewayError
 from gateway.core.generation_stream import Collected, TokenPiece, final_error, per_token
-from gateway.server import sse
+from gateway.transport import sse
 from wire import Cancelled, Done, Error, Started, Token, ToolCallDelta
 
 DONE_FRAME = sse.frame(b"[DONE]")

@@ -3,7 +3,7 @@ bare ASGI handler in front of the Litestar app.
 
 Most of a gateway's requests are those, and Litestar's part of one (routing, dependency
 resolution, the handler's signature model, the response objects) was a large share of the
-gateway's CPU per request (docs/bench.md, issue 27). Here a request takes none of it: its
+gateway's CPU per request (docs/bench.md). Here a request takes none of it: its
 body is decoded into the same request struct, it is submitted and answered by the same
 functions as the Litestar route's (``open_stream`` and ``send_stream`` for a stream,
 ``whole_answer`` for a whole one, with the same ``Endpoint``), and an error answers in the
@@ -13,7 +13,7 @@ Only a request this handler can take whole is taken; every other one goes on to 
 as it came (its body, already read, handed on unchanged), so every error the app answers
 is answered there, once: a body that is not a valid request, over the size limit or not
 JSON; a missing or wrong API key; a browser's cross-origin request when CORS is configured.
-A request taken here serves its key's tenant, as ``api_key_check`` would make it.
+A request taken here serves its key's tenant, as ``api_key_check`` would name it.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ from gateway.apis.openai.routes import (
 from gateway.apis.openai.schema import ChatCompletionRequest, CompletionRequest
 from gateway.core.auth import ApiKeys, bearer
 from gateway.core.service import GatewayService
-from gateway.server import sse
+from gateway.tenants.caller import caller_of
+from gateway.transport import sse
 
 Request = TypeVar("Request", ChatCompletionRequest, CompletionRequest)
 
@@ -113,16 +114,17 @@ class HotRoutes:
                 return
         body, whole = await self._read_body(receive)
         data = route.decoded(body) if whole and len(body) <= self.max_body_bytes else None
-        if data is None or not self.api_keys.serve(bearer(authorization)):
+        caller = caller_of(scope)
+        if data is None or not self.api_keys.serve(caller, bearer(authorization)):
             await self.app(scope, _replaying(body, whole, receive), send)
             return
         scope["path_template"] = scope["path"]  # what Litestar sets: the metric's label
         try:
             if not data.stream:
-                answer = await whole_answer(route.endpoint, self.service, data)
+                answer = await whole_answer(route.endpoint, self.service, data, caller)
                 await _send_json(send, 200, msgspec.json.encode(answer))
                 return
-            chunks, choices = await open_stream(route.endpoint, self.service, data)
+            chunks, choices = await open_stream(route.endpoint, self.service, data, caller)
         except Exception as exc:  # answered as Litestar's exception handler answers it
             status, error, headers = error_answer(exc)
             await _send_json(send, status, msgspec.json.encode(error), headers)

@@ -41,11 +41,12 @@ from gateway.apis.openai.schema import (
 from gateway.core.ask import GenerationAsk
 from gateway.core.auth import api_key_check
 from gateway.core.choices import Choices
-from gateway.core.errors import HANDLED, ending_with_error
+from gateway.core.errors import HANDLED, AnyRequest, ending_with_error
 from gateway.core.generation_stream import Collected
 from gateway.core.service import GatewayService
 from gateway.core.walk import walk
-from gateway.server import sse
+from gateway.tenants.caller import Caller, caller_of
+from gateway.transport import sse
 
 PREFIX, CHAT_COMPLETIONS, COMPLETIONS = "/v1", "/chat/completions", "/completions"
 """The routes' paths: the router's prefix and each route's own (gateway/apis/openai/hot.py
@@ -59,7 +60,7 @@ class Endpoint(Generic[Body]):
     """What one endpoint makes of its request: its ask, its answer's id, the chunks it
     streams and the answer it gives whole."""
 
-    ask: Callable[[GatewayService, Body], GenerationAsk]
+    ask: Callable[[GatewayService, Body, Caller], GenerationAsk]
     id_prefix: str
     chunks: Callable[[str, int, bool], Chunks]
     """Its stream's chunks: (completion id, created, whether logprobs were asked)."""
@@ -88,11 +89,12 @@ def _include_usage(body: SamplingFields) -> tuple[bool, bool]:
 
 
 async def open_stream(
-    endpoint: Endpoint[Body], service: GatewayService, body: Body
+    endpoint: Endpoint[Body], service: GatewayService, body: Body, caller: Caller
 ) -> tuple[AsyncIterator[bytes], Choices]:
-    """A streamed answer's body, its generations queued; and its choices, to close when
-    the response ends (the Litestar route's background task; the hot route closes them)."""
-    ask = endpoint.ask(service, body)
+    """A streamed answer's body, its generations queued for ``caller``; and its choices,
+    to close when the response ends (the Litestar route's background task; the hot route
+    closes them)."""
+    ask = endpoint.ask(service, body, caller)
     choices = await service.generate(ask)
     completion_id = endpoint.id_prefix + choices.generation_id
     chunks = endpoint.chunks(completion_id, int(time.time()), endpoint.wants_logprobs(body))
@@ -108,36 +110,37 @@ async def open_stream(
 
 
 async def whole_answer(
-    endpoint: Endpoint[Body], service: GatewayService, body: Body
+    endpoint: Endpoint[Body], service: GatewayService, body: Body, caller: Caller
 ) -> msgspec.Struct:
     """The answer of a request that does not stream, once every choice has ended."""
-    choices = await service.generate(endpoint.ask(service, body))
+    choices = await service.generate(endpoint.ask(service, body, caller))
     completion_id, created = endpoint.id_prefix + choices.generation_id, int(time.time())
     wholes = await choices.collect()
     return endpoint.whole(completion_id, created, body.model, wholes, endpoint.wants_logprobs(body))
 
 
 async def _answer(
-    endpoint: Endpoint[Body], service: GatewayService, body: Body
+    endpoint: Endpoint[Body], service: GatewayService, body: Body, request: AnyRequest
 ) -> Response[Any] | Stream:
+    caller = caller_of(request.scope)
     if not body.stream:
-        return Response(await whole_answer(endpoint, service, body))
-    chunks, choices = await open_stream(endpoint, service, body)
+        return Response(await whole_answer(endpoint, service, body, caller))
+    chunks, choices = await open_stream(endpoint, service, body, caller)
     return sse.response(chunks, background=choices.on_response_end())
 
 
 @post(CHAT_COMPLETIONS, summary="OpenAI chat completions", status_code=200)
 async def chat_completions(
-    service: GatewayService, data: ChatCompletionRequest
+    service: GatewayService, data: ChatCompletionRequest, request: AnyRequest
 ) -> Response[ChatCompletion] | Stream:
-    return await _answer(CHAT, service, data)
+    return await _answer(CHAT, service, data, request)
 
 
 @post(COMPLETIONS, summary="OpenAI (legacy) completions", status_code=200)
 async def completions(
-    service: GatewayService, data: CompletionRequest
+    service: GatewayService, data: CompletionRequest, request: AnyRequest
 ) -> Response[Completion] | Stream:
-    return await _answer(COMPLETION, service, data)
+    return await _answer(COMPLETION, service, data, request)
 
 
 @get("/models", summary="The models (and aliases) that have a live engine worker")

@@ -16,9 +16,10 @@ from gateway.apis.openai.asks import ROLES
 from gateway.apis.openai.errors import openai_error
 from gateway.core.ask import GenerationAsk
 from gateway.core.auth import api_key_check
-from gateway.core.errors import HANDLED, BadRequest
+from gateway.core.errors import HANDLED, AnyRequest, BadRequest
 from gateway.core.generation_stream import Collected
 from gateway.core.service import GatewayService
+from gateway.tenants.caller import caller_of
 from wire import ChatMessage, SamplingParams
 
 MAX_TOKEN_IDS = 65_536
@@ -76,14 +77,21 @@ async def _ask_worker(service: GatewayService, ask: GenerationAsk) -> Collected:
     status_code=200,
     summary="vLLM's tokenize: a prompt or messages as the model's token ids",
 )
-async def tokenize(service: GatewayService, data: TokenizeRequest) -> TokenizeResponse:
+async def tokenize(
+    service: GatewayService, data: TokenizeRequest, request: AnyRequest
+) -> TokenizeResponse:
     if (data.prompt is None) == (data.messages is None):
         raise BadRequest("give either prompt or messages", field="prompt")
     if data.return_token_strs:
         raise BadRequest("return_token_strs is not supported", field="return_token_strs")
     messages = _messages(data.messages) if data.messages is not None else None
     ask = GenerationAsk(
-        sampling=ONE_TOKEN, model=data.model, messages=messages, prompt=data.prompt, task="tokenize"
+        caller=caller_of(request.scope),
+        sampling=ONE_TOKEN,
+        model=data.model,
+        messages=messages,
+        prompt=data.prompt,
+        task="tokenize",
     )
     whole = await _ask_worker(service, ask)
     ids = whole.prompt_token_ids or []
@@ -92,9 +100,15 @@ async def tokenize(service: GatewayService, data: TokenizeRequest) -> TokenizeRe
 
 
 @post("/detokenize", status_code=200, summary="vLLM's detokenize: token ids as the model's text")
-async def detokenize(service: GatewayService, data: DetokenizeRequest) -> DetokenizeResponse:
+async def detokenize(
+    service: GatewayService, data: DetokenizeRequest, request: AnyRequest
+) -> DetokenizeResponse:
     ask = GenerationAsk(
-        sampling=ONE_TOKEN, model=data.model, token_ids=data.tokens, task="detokenize"
+        caller=caller_of(request.scope),
+        sampling=ONE_TOKEN,
+        model=data.model,
+        token_ids=data.tokens,
+        task="detokenize",
     )
     whole = await _ask_worker(service, ask)
     return DetokenizeResponse(whole.text)

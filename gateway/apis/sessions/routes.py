@@ -34,7 +34,8 @@ from gateway.core.auth import api_key_check
 from gateway.core.conversations import Conversation, check_title
 from gateway.core.errors import EventsExpired, EventsLost, SessionLost
 from gateway.core.service import GatewayService
-from gateway.server import sse
+from gateway.tenants.caller import Caller, caller_of
+from gateway.transport import sse
 from wire import ChatMessage, FinalEvent, final_state
 
 AnyRequest = Request[Any, Any, Any]
@@ -115,16 +116,19 @@ def session_token(request: AnyRequest, query: str | None, header: str | None) ->
 
 @dataclass(frozen=True, slots=True)
 class Credentials:
-    """What a request about a session shows: its token, and the owner cookie's secret."""
+    """What a request about a session shows: its token, the owner cookie's secret, and
+    its caller (where a turn's admission leaves the key's quota)."""
 
     token: str | None
     owner: str | None
+    caller: Caller
 
 
 async def credentials_of(
     request: AnyRequest, token: TokenQuery, x_session_token: TokenHeader
 ) -> Credentials:
-    return Credentials(session_token(request, token, x_session_token), owner_of(request))
+    token_given = session_token(request, token, x_session_token)
+    return Credentials(token_given, owner_of(request), caller_of(request.scope))
 
 
 class SessionController(Controller):
@@ -150,6 +154,7 @@ class SessionController(Controller):
             cookies.append(cookie)
         settings = service.settings
         created = await service.create_session(
+            caller_of(request.scope),
             given.model,
             owner,
             creation_settings(given.system, given.temperature, given.max_tokens, settings),
@@ -303,7 +308,9 @@ async def _submit(
 ) -> GenerationAccepted:
     """A turn of the session (a message, an edit, a regenerate or a continue), queued."""
     sampling = service.sampling(**data.asked())
-    ask = GenerationAsk.message_to_session(content, sampling, data.n, turn=turn, given=data.given())
+    ask = GenerationAsk.message_to_session(
+        credentials.caller, content, sampling, data.n, turn=turn, given=data.given()
+    )
     submitted = await service.send_message(
         session_id, credentials.token, ask, idempotency_key, owner=credentials.owner
     )

@@ -59,6 +59,8 @@ from gateway.core.errors import (
     ProtocolViolation,
 )
 from gateway.core.service import GatewayService
+from gateway.tenants.caller import caller_of
+from gateway.transport.websocket import received
 
 log = logging.getLogger("tokenspout.ws")
 
@@ -92,7 +94,9 @@ class Connection:
         self.api_keys = api_keys
         # A socket shows a valid key once (connect header or a frame) for all its sessions,
         # which serve that key (a later frame's key serves from then on).
-        self._key_shown = api_keys.serve(bearer(socket.headers.get("authorization")))
+        self.caller = caller_of(socket.scope)
+        """Whom its sessions serve, and where their turns' admissions leave the quota."""
+        self._key_shown = api_keys.serve(self.caller, bearer(socket.headers.get("authorization")))
         self._send_lock = asyncio.Lock()
         self._replies: asyncio.Queue[ServerFrame] = asyncio.Queue(MAX_PENDING_REPLIES)
         self._running: dict[str, asyncio.Task[None]] = {}
@@ -105,14 +109,9 @@ class Connection:
         await self.socket.accept()
         self._spawn(self._write_replies())
         try:
-            while True:
-                message = await self.socket.receive()
-                if message["type"] == "websocket.disconnect":
-                    return
-                text, binary = message.get("text"), message.get("bytes")
-                data = text if isinstance(text, str) else binary
-                await self._handle(data if isinstance(data, str | bytes) else b"")
-        except WebSocketDisconnect:
+            async for data in received(self.socket):
+                await self._handle(data)
+        except WebSocketDisconnect:  # a send found it gone
             return
         except ProtocolViolation as exc:
             log.info("closing a WebSocket: %s", exc.message)
@@ -181,15 +180,15 @@ class Connection:
         self._check_room(frame.id)
         sampling = self.service.sampling(**frame.asked())
         ask = GenerationAsk.message_to_session(
-            frame.content, sampling, frame.n, given=frame.given()
+            self.caller, frame.content, sampling, frame.n, given=frame.given()
         )
         new_token: str | None = None
         token: str | None
         if frame.session_id is None:
             if not self._key_shown or frame.api_key is not None:
-                self.api_keys.require(frame.api_key)
+                self.api_keys.require(self.caller, frame.api_key)
                 self._key_shown = True
-            created = await self.service.create_session(frame.model)
+            created = await self.service.create_session(self.caller, frame.model)
             session_id, token = created.session_id, created.token
             new_token = token
             _remember(self._tokens, session_id, created.token)

@@ -13,7 +13,7 @@ over the gateway's service: the same sessions, relay, cancel and takeover as eve
 
 The other RPCs of the service (model repository, shared memory, statistics, trace, logs)
 answer ``UNIMPLEMENTED``: gRPC's own answer for a method no handler serves. The server
-under it is the gateway's own (gateway/server/http2.py); the messages are Triton's, the
+under it is the gateway's own (gateway/transport/http2.py); the messages are Triton's, the
 token responses serialized by hand (``TokenResponses``).
 """
 
@@ -37,8 +37,8 @@ from gateway.core.errors import BadRequest, GatewayError, Unavailable, as_gatewa
 from gateway.core.generation_stream import final_error
 from gateway.core.service import GatewayService
 from gateway.core.walk import Spelling, walk
-from gateway.server.http2 import Call, GrpcError, Method, StatusCode
-from gateway.tenants import caller
+from gateway.tenants.caller import Caller
+from gateway.transport.http2 import Call, GrpcError, Method, StatusCode
 from wire import Cancelled, Done, Error, Token
 
 SERVICE = "inference.GRPCInferenceService"
@@ -53,7 +53,7 @@ class InferenceService:
         self.api_keys = api_keys
 
     def methods(self) -> dict[str, Method]:
-        """The service's methods by path, for the server (gateway/server/http2.py)."""
+        """The service's methods by path, for the server (gateway/transport/http2.py)."""
         unary: dict[str, tuple[Any, Callable[[Any, Metadata], Awaitable[Any]]]] = {
             "ServerLive": (pb.ServerLiveRequest, self.server_live),
             "ServerReady": (pb.ServerReadyRequest, self.server_ready),
@@ -105,9 +105,9 @@ class InferenceService:
     async def model_infer(
         self, request: pb.ModelInferRequest, metadata: Metadata
     ) -> pb.ModelInferResponse:
-        self.authorize(metadata)
+        caller = self.authorize(metadata)
         llm = read_request(request)
-        (whole,) = await (await self._submit(llm)).collect()
+        (whole,) = await (await self._submit(llm, caller)).collect()
         return text_response(
             llm,
             llm.model,
@@ -122,13 +122,13 @@ class InferenceService:
         without a valid API key ends ``UNAUTHENTICATED`` before any; every other error is
         a request's own, in its ``error_message``."""
         try:
-            self.authorize(call.metadata)
+            caller = self.authorize(call.metadata)
         except GatewayError as error:
             raise _status(error) from None
         running: set[asyncio.Task[None]] = set()
         try:
             while (message := await call.receive()) is not None:
-                task = asyncio.create_task(self._stream_one(message, call.send))
+                task = asyncio.create_task(self._stream_one(message, call.send, caller))
                 running.add(task)
                 task.add_done_callback(running.discard)
             while running:  # the client closed its side: answer what it asked first
@@ -139,7 +139,7 @@ class InferenceService:
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
 
-    async def _stream_one(self, message: bytes, send: Send) -> None:
+    async def _stream_one(self, message: bytes, send: Send, caller: Caller) -> None:
         """One request of a stream, answered on it; never raises (the stream goes on)."""
         try:
             request = _decoded(pb.ModelInferRequest, message)
@@ -148,7 +148,7 @@ class InferenceService:
             return
         try:
             llm = read_request(request)
-            choices = await self._submit(llm)
+            choices = await self._submit(llm, caller)
         except Exception as exc:
             await send(_error(request.model_name, request.id, as_gateway_error(exc)))
             return
@@ -165,16 +165,17 @@ class InferenceService:
         finally:
             await choices.close()
 
-    async def _submit(self, llm: LlmRequest) -> Choices:
+    async def _submit(self, llm: LlmRequest, caller: Caller) -> Choices:
         sampling = sampling_of(self.service, llm.parameters)
-        ask = GenerationAsk(sampling=sampling, model=llm.model, prompt=llm.prompt)
+        ask = GenerationAsk(caller=caller, sampling=sampling, model=llm.model, prompt=llm.prompt)
         return await self.service.generate(ask)
 
-    def authorize(self, metadata: Metadata) -> None:
+    def authorize(self, metadata: Metadata) -> Caller:
         """401 without a valid key; the call (and every request sent on it) serves the
-        key's tenant."""
-        caller.begin()  # a call of its own, whatever the connection's task held
-        self.api_keys.require(bearer(metadata.get("authorization")))
+        key's tenant: its caller."""
+        caller = Caller()
+        self.api_keys.require(caller, bearer(metadata.get("authorization")))
+        return caller
 
 
 def _named(name: str) -> str:

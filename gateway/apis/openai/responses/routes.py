@@ -25,10 +25,18 @@ from gateway.apis.openai.responses.store import StoredResponse, now
 from gateway.core import structured, tools
 from gateway.core.ask import GenerationAsk
 from gateway.core.auth import api_key_check
-from gateway.core.errors import HANDLED, BadRequest, EventsLost, GatewayError, ending_with_error
+from gateway.core.errors import (
+    HANDLED,
+    AnyRequest,
+    BadRequest,
+    EventsLost,
+    GatewayError,
+    ending_with_error,
+)
 from gateway.core.service import GatewayService
 from gateway.core.walk import Heartbeat
-from gateway.server import sse
+from gateway.tenants.caller import Caller, caller_of
+from gateway.transport import sse
 from wire import ChatMessage, SamplingParams, ToolCall, Tools, ToolSpec
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -275,9 +283,9 @@ def _failure_frame(error: GatewayError) -> bytes:
 
 @post("/responses", summary="OpenAI Responses: create a response", status_code=200)
 async def create_response(
-    service: GatewayService, data: ResponseRequest
+    service: GatewayService, data: ResponseRequest, request: AnyRequest
 ) -> Response[dict[str, Any]] | Stream:
-    response = await open_response(service, data)
+    response = await open_response(service, data, caller_of(request.scope))
     heartbeat_s = service.settings.sse_heartbeat_s
     if data.stream:
         return _stream(response, heartbeat_s, starting_after=-1, owner=True)
@@ -291,9 +299,12 @@ async def create_response(
     return Response(rendered.response())
 
 
-async def open_response(service: GatewayService, data: ResponseRequest) -> StoredResponse:
-    """The request checked, its conversation gathered and its generation queued: what
-    every transport of ``POST /v1/responses`` (HTTP, WebSocket mode) starts with."""
+async def open_response(
+    service: GatewayService, data: ResponseRequest, caller: Caller
+) -> StoredResponse:
+    """The request checked, its conversation gathered and its generation queued for
+    ``caller``: what every transport of ``POST /v1/responses`` (HTTP, WebSocket mode)
+    starts with."""
     functions = _functions(data)
     if data.background and not data.store:
         raise BadRequest("a background response must be stored", field="store")
@@ -316,6 +327,7 @@ async def open_response(service: GatewayService, data: ResponseRequest) -> Store
     record = _record(data, conversation, items, shown_format, want_logprobs)
     system = [ChatMessage("system", data.instructions)] if data.instructions else []
     ask = GenerationAsk(
+        caller=caller,
         sampling=sampling,
         model=data.model or None,
         messages=[*system, *conversation],

@@ -43,6 +43,8 @@ from gateway.core.errors import (
 )
 from gateway.core.service import GatewayService
 from gateway.core.walk import Heartbeat
+from gateway.tenants.caller import caller_of
+from gateway.transport.websocket import received
 
 log = logging.getLogger("tokenspout.responses_ws")
 
@@ -60,6 +62,7 @@ class ResponsesSocket:
         self.socket = socket
         self.service = service
         self.settings = service.settings
+        self.caller = caller_of(socket.scope)
         self._lanes: dict[Lane, asyncio.Queue[ResponseRequest]] = {}
         self._workers: set[asyncio.Task[None]] = set()
         self._waiting = 0
@@ -68,14 +71,9 @@ class ResponsesSocket:
     async def serve(self) -> None:
         await self.socket.accept()
         try:
-            while True:
-                message = await self.socket.receive()
-                if message["type"] == "websocket.disconnect":
-                    return
-                text, binary = message.get("text"), message.get("bytes")
-                data = text if isinstance(text, str) else binary
-                await self._handle(data if isinstance(data, str | bytes) else b"")
-        except WebSocketDisconnect:
+            async for data in received(self.socket):
+                await self._handle(data)
+        except WebSocketDisconnect:  # a send found it gone
             return
         finally:
             # The client left: each lane's running response is abandoned by its task.
@@ -157,7 +155,7 @@ class ResponsesSocket:
     async def _answer(self, lane: Lane, request: ResponseRequest) -> None:
         """One response's events, then the next frame of the lane; an error is an event."""
         try:
-            response = await open_response(self.service, request)
+            response = await open_response(self.service, request, self.caller)
         except (GatewayError, RedisError) as exc:
             await self._send_error(_as_error(exc), lane)
             return

@@ -21,6 +21,7 @@ from typing import Annotated
 from litestar import Response, Router, delete, get, patch, post
 from litestar.params import Parameter
 
+from gateway.apis.admin.views import KeyList, KeyView, UsageReport, usage_report
 from gateway.core.auth import admin_key_check
 from gateway.core.errors import (
     AnyRequest,
@@ -33,7 +34,6 @@ from gateway.core.errors import (
 from gateway.core.service import GatewayService
 from gateway.tenants.keystore import KeyRevoked, KeyStore, TenantsError, UnknownKey
 from gateway.tenants.records import KEY_ID_PREFIX, KeyChange, NewKey
-from gateway.tenants.views import KeyList, KeyView, UsageReport, usage_report
 
 
 def _keys(service: GatewayService) -> KeyStore:

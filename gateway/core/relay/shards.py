@@ -1,5 +1,5 @@
 """The relay's live events on a Redis Cluster: sharded pub/sub, one connection per shard
-(a ``LiveSource``, gateway/core/live.py).
+(a ``LiveSource``, gateway/core/relay/live.py).
 
 On a cluster the EMIT script publishes with SPUBLISH (wire/scripts.py): a live channel is
 tagged like its session's keys, so only the shard that serves the session's slot carries
@@ -10,7 +10,7 @@ now, and reads every shard in a task of its own.
 A shard that fails (its primary died, or its connection broke) or that drops a channel
 (the server sends ``sunsubscribe`` when the channel's slot migrates away) tells the hub
 its channels are lost: their feeds re-read the stream from their last id once subscribed
-again (gateway/core/feed.py), so nothing is lost or repeated. The channels are then subscribed
+again (gateway/core/relay/feed.py), so nothing is lost or repeated. The channels are then subscribed
 again on the primary of their slot per the cluster's slot map, refreshed first; while a
 failover is under way that is retried with a backoff until a replica took over.
 
@@ -35,7 +35,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 import wire
-from gateway.core.live import Confirmed, Deliver, relay_pubsub
+from gateway.core.relay.live import Confirmed, Deliver, relay_pubsub
 from wire.connect import node_by_address
 
 log = logging.getLogger("tokenspout.relay")

@@ -23,10 +23,10 @@ from typing import Any
 import msgspec
 from redis.exceptions import RedisError
 
+from gateway.apis.admin.views import KeyList, KeyView, usage_report
 from gateway.core.settings import Settings
 from gateway.tenants.keystore import KeyStore, TenantsError
 from gateway.tenants.records import KeyChange, NewKey
-from gateway.tenants.views import KeyList, KeyView, usage_report
 from wire import Keys
 from wire.connect import connect
 

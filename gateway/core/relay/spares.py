@@ -20,7 +20,7 @@ import logging
 from redis.exceptions import RedisError
 
 from gateway.core.ids import new_id
-from gateway.core.live import LiveSource
+from gateway.core.relay.live import LiveSource
 from wire import Keys
 
 log = logging.getLogger("tokenspout.relay")
@@ -82,7 +82,7 @@ class SpareSessions:
 
     async def _subscribe(self, channels: list[str]) -> None:
         # Asked together, in one pass of the event loop: the live source sends them as one
-        # command (gateway/core/live.py).
+        # command (gateway/core/relay/live.py).
         results = await asyncio.gather(
             *(self.live.subscribe(channel) for channel in channels), return_exceptions=True
         )

@@ -1,11 +1,12 @@
 """Where the relay's live events come from: one pub/sub reader per gateway process.
 
-``LiveSource`` is what the hub (gateway/core/relay.py) needs of it: subscribe a session's live
+``LiveSource`` is what the hub (gateway/core/relay/hub.py) needs of it: subscribe a session's live
 channel, unsubscribe it, start and close; the source tells the hub each live message
 (``Deliver``) and when a channel's subscription is confirmed or lost (``Confirmed``). Two
 implementations: ``PlainLive`` below (one pub/sub connection to one Redis) and
-``ShardedLive`` (gateway/core/shards.py: sharded pub/sub on a Redis Cluster, one connection per
-shard). Litestar's channel backends (``litestar/channels/backends/base.py``) are the model.
+``ShardedLive`` (gateway/core/relay/shards.py: sharded pub/sub on a Redis Cluster, one
+connection per shard). Litestar's channel backends (``litestar/channels/backends/base.py``)
+are the model.
 """
 
 from __future__ import annotations

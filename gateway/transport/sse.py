@@ -24,7 +24,7 @@ from litestar.response.base import ASGIResponse
 from litestar.response.streaming import ASGIStreamingResponse
 from litestar.types import HTTPResponseBodyEvent, Receive, Send, TypeEncodersMap
 
-from gateway.core.feed import RelayEvent
+from gateway.core.relay.feed import RelayEvent
 from gateway.core.walk import Spelling
 
 HEADERS = {

@@ -1,5 +1,5 @@
 """A ``Feed``: the events of one session after a given id, for one open stream, fed by the
-process's one Redis reader (``RelayHub``, gateway/core/relay.py).
+process's one Redis reader (``RelayHub``, gateway/core/relay/hub.py).
 
 The hub pushes live events into the feed's small bounded buffer; a feed that opens,
 resumes, falls behind or loses the pub/sub connection re-reads the session's stream from

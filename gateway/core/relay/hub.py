@@ -2,8 +2,9 @@
 
 Engines append each event to the session's stream and publish the same event on the
 session's live channel in one script (wire/scripts.py). The hub holds one pub/sub
-connection for the whole process; each ``Feed`` (gateway/core/feed.py: one per open SSE stream,
-WebSocket subscription or API request) gets live events pushed into a small bounded buffer.
+connection for the whole process; each ``Feed`` (gateway/core/relay/feed.py: one per open
+SSE stream, WebSocket subscription or API request) gets live events pushed into a small
+bounded buffer.
 
 Redis is the source of truth, the live channel only a shortcut: a feed that opens, resumes,
 falls behind (its buffer overflows because the client reads slowly) or loses the pub/sub
@@ -11,9 +12,9 @@ connection simply re-reads the stream from its last delivered id. That gives ord
 gap-free, duplicate-free delivery with bounded memory per reader and a constant number of
 Redis connections per process.
 
-Where live events come from is a ``LiveSource`` (gateway/core/live.py): one pub/sub connection
+Where live events come from is a ``LiveSource`` (gateway/core/relay/live.py): one pub/sub connection
 (``PlainLive``), or on a Redis Cluster sharded pub/sub, one connection per primary that
-serves a watched session (``ShardedLive``, gateway/core/shards.py).
+serves a watched session (``ShardedLive``, gateway/core/relay/shards.py).
 """
 
 from __future__ import annotations
@@ -31,14 +32,14 @@ from redis.exceptions import RedisError
 
 import wire
 from gateway.core.errors import EventsExpired, EventsLost, ShuttingDown, bad_event_id
-from gateway.core.feed import CATCH_UP_PAGE, LIVE_ONLY, NEW_SESSION, Feed, RelayEvent
 from gateway.core.ids import new_id
-from gateway.core.live import LiveSource, PlainLive
-from gateway.core.shards import ShardedLive
-from gateway.core.spares import SpareSessions
-from gateway.core.waiting import WaitingGenerations
+from gateway.core.relay.feed import CATCH_UP_PAGE, LIVE_ONLY, NEW_SESSION, Feed, RelayEvent
+from gateway.core.relay.live import LiveSource, PlainLive
+from gateway.core.relay.shards import ShardedLive
+from gateway.core.relay.spares import SpareSessions
+from gateway.core.relay.waiting import WaitingGenerations
 from wire import FinalEvent, Keys, entry_id_key
-from wire.connect import is_cluster
+from wire.topology import topology_of
 
 log = logging.getLogger("tokenspout.relay")
 
@@ -114,17 +115,18 @@ class RelayHub:
         self._cut_at: float | None = None
         self.live: LiveSource = (
             ShardedLive(redis, self._deliver, self._confirm)
-            if is_cluster(redis)
+            if topology_of(redis).sharded
             else PlainLive(redis, self._deliver, self._confirm, self._connection_lost)
         )
         self.spares = SpareSessions(keys, self.live) if isinstance(self.live, PlainLive) else None
-        """Session ids of one-shot requests, subscribed ahead (gateway/core/spares.py). Not on a
-        cluster, where spread over every slot they would hold a connection to every
-        primary, not only to those serving a watched session."""
+        """Session ids of one-shot requests, subscribed ahead (gateway/core/relay/spares.py).
+        Not on a cluster, where spread over every slot they would hold a connection to
+        every primary, not only to those serving a watched session."""
         self._feeds: dict[str, set[Feed]] = {}
         self._confirmed: set[str] = set()
         self.waiting = WaitingGenerations()
-        """What this process's readers wait on that has not started (gateway/core/waiting.py)."""
+        """What this process's readers wait on that has not started
+        (gateway/core/relay/waiting.py)."""
 
     @property
     def open_feeds(self) -> int:
@@ -304,7 +306,7 @@ class RelayHub:
         line (wire/lua/emit_core.lua)."""
         channel = raw_channel.decode()
         feeds = self._feeds.get(channel)
-        if feeds is None:  # nobody here watches it (gateway/core/live.py unsubscribes it late)
+        if feeds is None:  # nobody here watches it (live.py unsubscribes it late)
             return
         session_id = self.keys.session_id_of_channel(channel)
         for line in data.split(b"\n") if b"\n" in data else (data,):

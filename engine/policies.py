@@ -1,0 +1,117 @@
+"""What the job table (engine/jobs.py) asks and does not decide itself: which queued
+requests this worker takes, and whether a reply here gives way to a waiting one.
+
+Each is a policy the table holds and asks at one place: ``TakePolicy.take`` when slots are
+free, ``PreemptPolicy.owed`` when a reply may give way. The table makes every move that
+follows (start a job, stop one, keep its continuation); a policy only answers.
+
+- ``QueueOrder``: take what the model's queue gives, in its order (the stream's entries
+  first: work admitted before; then the tenants' by their share of tokens: VTC,
+  docs/tenants.md), telling it what this worker served since.
+- ``FairPreemption`` (``python -m engine --preempt``): the queue's rule
+  (wire/lua/fair_preempt.lua): the tenant of a reply that may give way that was served
+  most lately must have been served more than its share, and a waiting tenant (the least
+  served first) less than half as much; then that tenant's request is taken for it.
+
+With every slot busy, a request waits for a slot to free whatever order the fair queue
+gives it: hundreds of milliseconds for a quiet key behind a noisy one's replies
+(docs/tenants.md, "What the fairness bench shows"). So while every slot is busy the table
+waits on ``PreemptPolicy.due`` (the queue's newcomer bell, rung when a tenant that had
+nothing waiting queues a request, or, while tenants wait in lists, ``RECHECK_MS``: a request
+may become owed after it came) and asks again. While no tenant waits it asks only at a
+ring: its looks cost nothing then. One full worker acts per ring (BLPOP hands it to one; a
+ring it owed nothing for is rung again, once, for another); nothing is stopped while work
+admitted before (a takeover, a request given back) waits in the queue's stream. A
+preempting worker offers the queue no free slots (``RequestQueue(offers_free=False)``), so
+every new request waits in a list, where it chooses from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from wire.queue import RequestQueue, ServedTokens
+from wire.replies import StreamEntry
+
+RECHECK_MS = 20
+"""While every slot is busy, a look at the queue at least this often besides each ring: a
+request whose tenant was not owed a slot when it came (what the running tenants were served
+reaches the queue with the worker's next charge, once a second) may be owed one later."""
+IDLE_WAIT_MS = 1000
+"""While no tenant waits, the longest wait for a newcomer's ring before the next."""
+TAKE_BLOCK_MS = 1000
+"""How long a take waits for the queue's bell when nothing waits."""
+
+
+class TakePolicy(Protocol):
+    """Which queued requests this worker takes."""
+
+    async def take(self, free: int) -> list[StreamEntry]:
+        """Up to ``free`` requests, taken for this worker (none: nothing came meanwhile)."""
+        ...
+
+
+class PreemptPolicy(Protocol):
+    """Whether a reply here gives way to a request waiting in the queue."""
+
+    async def due(self) -> bool:
+        """Until it may be worth asking again (every slot busy); False: nothing came that
+        could make anyone owed."""
+        ...
+
+    @property
+    def anyone_waits(self) -> bool:
+        """Whether the last take or look left a request waiting that could be owed."""
+        ...
+
+    async def owed(
+        self, yielding: Sequence[str], others: Sequence[str]
+    ) -> tuple[str, StreamEntry] | None:
+        """For replies of the tenants ``yielding`` (one name per reply) that may give way,
+        beside replies of ``others``: the tenant (its slot) that gives way and the waiting
+        request taken for this worker in its place; None when nobody is owed."""
+        ...
+
+
+class QueueOrder:
+    """Take in the queue's own order, telling it what this worker served."""
+
+    def __init__(self, queue: RequestQueue, worker_id: str, served: ServedTokens) -> None:
+        self.queue = queue
+        self.worker_id = worker_id
+        self.served = served
+
+    async def take(self, free: int) -> list[StreamEntry]:
+        return await self.queue.take(self.worker_id, free, TAKE_BLOCK_MS, self.served)
+
+
+class FairPreemption:
+    """The queue's rule of who is owed a slot (wire/lua/fair_preempt.lua), asked here only."""
+
+    def __init__(self, queue: RequestQueue, worker_id: str) -> None:
+        self.queue = queue
+        self.worker_id = worker_id
+        self._rung = False
+        """The last wait ended at a ring while no tenant waited: a look that owes it
+        nothing rings again, for another full worker."""
+
+    @property
+    def anyone_waits(self) -> bool:
+        return self.queue.tenants_wait
+
+    async def due(self) -> bool:
+        if self.queue.tenants_wait:
+            await self.queue.newcomer(RECHECK_MS)
+            return True
+        self._rung = await self.queue.newcomer(IDLE_WAIT_MS)
+        return self._rung
+
+    async def owed(
+        self, yielding: Sequence[str], others: Sequence[str]
+    ) -> tuple[str, StreamEntry] | None:
+        found = await self.queue.preempt_for(self.worker_id, yielding, others)
+        if found is None and self._rung and self.queue.tenants_wait:
+            await self.queue.ring_newcomer()
+        self._rung = False
+        return found

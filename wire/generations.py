@@ -1,0 +1,307 @@
+"""The one owner of a generation's transitions in Redis, for everyone who makes one.
+
+A generation moves by Lua scripts (wire/lua/): SUBMIT makes it ``queued``, a worker's claim
+(``started`` or ``resumed``) makes it ``running`` in an engine step (EMIT_STEP), CANCEL
+ends it queued or flags it for its worker, TAKEOVER hands a running one to the next epoch,
+END_QUEUED ends one no worker started, and any final event ends it. ``Generations`` makes
+each of them, and each one counts the generation's usage itself where the topology needs a
+count after the final event (``wire.tenancy.UsageCounter``), so no caller remembers to.
+The differences between one Redis and a cluster are ``wire.topology``'s, asked here.
+
+The gateway holds one (submit, cancel), the gateways' recovery one (take over, end, end
+queued, count), each engine worker one (its steps, hand-over, acknowledgements):
+
+    generations = Generations(redis, keys, events_maxlen=20_000, ttl_s=86_400)
+    reply = await generations.cancel(session_id, generation_id, "user")
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+
+import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
+from redis.exceptions import NoScriptError
+
+from wire.emit_step import EmitStep, EmitTarget, StepCall
+from wire.keys import SHARED_KEY_TTL_S, Keys
+from wire.messages import CancelReason, CancelSignal, FinalEvent, GenerationRequest, Usage, encode
+from wire.outcomes import (
+    Accepted,
+    AlreadyFinal,
+    CancelledQueued,
+    CancelReply,
+    SubmitReply,
+    TakeoverReply,
+)
+from wire.queue import RequestQueue
+from wire.scripts import (
+    AdmitInSubmit,
+    Cancel,
+    Emit,
+    EndQueued,
+    NewSession,
+    Submit,
+    Takeover,
+    WaitingRequest,
+)
+from wire.tenancy import UsageCounter
+from wire.topology import Fill, Proceed, Topology, topology_of
+
+CANCELS_MAXLEN = 10_000
+"""The cancels stream's cap: every worker reads every signal from its newest on."""
+
+
+class Generations:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        *,
+        events_maxlen: int = 20_000,
+        ttl_s: int = 86_400,
+        topology: Topology | None = None,
+    ) -> None:
+        """``events_maxlen``, ``ttl_s``: a session's events stream cap and its keys' TTL,
+        for the events written here outside a worker's step (a cancel, an end)."""
+        self.redis = redis
+        self.keys = keys
+        self.events_maxlen = events_maxlen
+        self.ttl_s = ttl_s
+        self.topology = topology or topology_of(redis)
+        topo = self.topology
+        self._submit = Submit(redis, keys, topo)
+        self._cancel = Cancel(redis, keys, topo)
+        self._emit = Emit(redis, keys, topo)
+        self._step = EmitStep(redis, keys, topo)
+        self._takeover = Takeover(redis, keys, topo)
+        self._end_queued = EndQueued(redis, keys, topo)
+        self._usage = UsageCounter(redis, keys, topo)
+
+    # --- submit (the gateway) ------------------------------------------------------------
+
+    async def submit_noted(self, queue: RequestQueue, note: bytes, **submit: object) -> SubmitReply:
+        """SUBMIT a session turn (``submit``: its arguments, ``wire.scripts.Submit``),
+        after a note that its request is on its way to ``queue``
+        (``RequestQueue.note_submitting``): should its gateway die before queueing it, the
+        reaper does. The note lands first (``Topology.in_order``); it is kept with the
+        generation too, to queue it again should Redis lose the request."""
+        submit = {**submit, "note": note, "queue": queue.model}
+        fills: list[Fill] = [
+            lambda pipe: queue.note_submitting_in(pipe, note),
+            lambda pipe: self._submit.submit_in(pipe, **submit),
+        ]
+        replies = await self._in_order(fills, self._submit.load)
+        return Submit.replied(replies[-1])
+
+    async def create_admitted(self, new: NewSession, admission: AdmitInSubmit) -> SubmitReply:
+        """Admit a one-shot request (or answer ``OverCapacity`` or ``Limited``), make its
+        session ``new`` and queue the request after its generation, in one call: only
+        where one node holds every key (``Topology.one_node``)."""
+        return await self._submit.create_admitted(new, admission)
+
+    async def create_queued(
+        self,
+        new: NewSession,
+        queue: RequestQueue,
+        waiting: WaitingRequest,
+        keep: Fill | None = None,
+    ) -> SubmitReply:
+        """Make a one-shot session ``new`` admitted before (its meta kept past its request
+        by ``keep``), then queue its request (``waiting``) in ``queue``: after the
+        generation exists, so no worker takes a request whose generation is not there (one
+        pipeline on one Redis, where a fresh session cannot refuse it; after the reply on a
+        cluster, and only if it was accepted). Sent twice after a restarted Redis's
+        NOSCRIPT: the first copy, with no generation to claim, is skipped by the worker
+        that takes it."""
+
+        def create(pipe: Pipeline) -> None:
+            self._submit.create_in(pipe, new)
+            if keep is not None:
+                keep(pipe)
+
+        fills: list[Fill] = [create, lambda pipe: queue.submit_in(pipe, waiting)]
+
+        async def load() -> None:
+            await self._submit.load()
+            await queue.load_scripts()
+
+        def accepted(replies: list[object]) -> bool:
+            return isinstance(Submit.replied(replies[0]), Accepted)
+
+        replies = await self._in_order(fills, load, accepted)
+        return Submit.replied(replies[0])
+
+    async def _in_order(
+        self,
+        fills: Sequence[Fill],
+        load: Callable[[], Awaitable[None]],
+        proceed: Proceed | None = None,
+    ) -> list[object]:
+        """``Topology.in_order``, sent again once after the scripts are loaded (``load``)
+        when Redis lost them (a restart): what the first try's other commands did, they do
+        again, so they must not mind."""
+        try:
+            return await self.topology.in_order(fills, proceed)
+        except NoScriptError:
+            await load()
+            return await self.topology.in_order(fills, proceed)
+
+    # --- cancel ---------------------------------------------------------------------------
+
+    async def cancel(
+        self, session_id: str, generation_id: str, reason: CancelReason
+    ) -> CancelReply:
+        """End a queued generation here (``CancelledQueued``), or flag a running one for
+        its worker (``SignalWorker``: then ``signal_cancel``)."""
+        reply = await self._cancel(
+            session_id=session_id,
+            generation_id=generation_id,
+            reason=reason,
+            maxlen=self.events_maxlen,
+            ttl_s=self.ttl_s,
+        )
+        if isinstance(reply, CancelledQueued):
+            await self._usage.after_final(session_id, generation_id)
+        return reply
+
+    async def signal_cancel(self, signal: CancelSignal) -> None:
+        """Tell every worker (the one running it aborts), renewing the stream's TTL."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xadd(self.keys.cancels, {"c": encode(signal)}, maxlen=CANCELS_MAXLEN)
+            pipe.expire(self.keys.cancels, SHARED_KEY_TTL_S)
+            await pipe.execute()
+
+    # --- a worker's steps -------------------------------------------------------------------
+
+    def target(
+        self, session_id: str, generation_id: str, *, epoch: int, maxlen: int, ttl_s: int
+    ) -> EmitTarget:
+        """Where a generation's events go: worked out once per run."""
+        return self._step.target(session_id, generation_id, epoch=epoch, maxlen=maxlen, ttl_s=ttl_s)
+
+    async def emit_step(
+        self,
+        calls: list[StepCall],
+        acked: Sequence[tuple[EmitTarget, bytes]],
+        queue: RequestQueue,
+    ) -> list[list[str | None]]:
+        """Write an engine step's events (their calls grouped by ``Topology.group_of``),
+        claims, tokens and final events alike, and acknowledge in ``queue`` the requests
+        of ``acked`` (a final event's target, its request's entry id) once their final
+        events are written. One node: the last call acknowledges them itself. A cluster
+        runs a pipeline's nodes at once, so the acknowledgements follow in a round trip of
+        their own, after each acknowledged generation's usage is counted (a worker lost
+        before that leaves its request pending, and the reaper that takes it counts it).
+        Each event's stream id, or None where Redis refused it; sent again on a failure,
+        each event is written once (its seq)."""
+        acks = [entry_id for _, entry_id in acked]
+        if self.topology.one_node:
+            calls[-1].acknowledge(queue.key.encode(), acks)
+            if len(calls) == 1:
+                return [await self._step.send(calls[0])]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for call in calls:
+                self._step.queue_in(pipe, call)
+            replies = [EmitStep.replies(reply) for reply in await pipe.execute()]
+        if acked and not self.topology.one_node:
+            await self._counted([(t.session_id, t.generation_id) for t, _ in acked])
+            await queue.ack(*acks)
+        return replies
+
+    async def load_step(self) -> None:
+        """Load EMIT_STEP (a restarted Redis, or a promoted replica, has no scripts)."""
+        await self._step.load()
+
+    async def acknowledge(
+        self, queue: RequestQueue, ended: Sequence[tuple[bytes, str, str]]
+    ) -> None:
+        """Acknowledge requests in ``queue`` whose runs ended with no final event of their
+        own (``ended``: entry id, session id, generation id; "" for an unreadable entry):
+        another writer may have ended them (a queued cancel, ``events_lost``), so their
+        usage is counted first where the topology needs it, once."""
+        if not ended:
+            return
+        await self._counted([(sid, gid) for _, sid, gid in ended if gid])
+        await queue.ack(*(entry_id for entry_id, _, _ in ended))
+
+    async def take_over(
+        self,
+        session_id: str,
+        generation_id: str,
+        *,
+        worker: str,
+        max_takeovers: int,
+        usage: Usage | None = None,
+        preempted: bool = False,
+    ) -> TakeoverReply:
+        """TAKEOVER: a running generation from ``worker`` (lost or stopping) to its next
+        epoch (``wire.scripts.Takeover``). One found ended is counted: its writer may
+        have been lost between its final event and the count after it."""
+        reply = await self._takeover(
+            session_id=session_id,
+            generation_id=generation_id,
+            worker=worker,
+            max_takeovers=max_takeovers,
+            usage=usage,
+            preempted=preempted,
+        )
+        if isinstance(reply, AlreadyFinal):
+            await self._usage.after_final(session_id, generation_id)
+        return reply
+
+    # --- ends (the gateways' recovery) -------------------------------------------------------
+
+    async def end(self, request: GenerationRequest, event: FinalEvent) -> str | None:
+        """Write ``event``, ending a generation whatever its state (no writer checked):
+        its entry id, or None when it had ended."""
+        written = await self._emit(
+            session_id=request.session_id,
+            event=event,
+            maxlen=self.events_maxlen,
+            ttl_s=self.ttl_s,
+            final=True,
+        )
+        await self._usage.after_final(request.session_id, request.generation_id)
+        return written
+
+    async def end_queued(self, ends: Sequence[tuple[str, FinalEvent]]) -> list[bool]:
+        """End the generations no worker has started (``ends``: session id, final event),
+        in one round trip; whether each one ended here (not: it started or ended
+        meanwhile). A worker that takes its request later finds it final and skips it."""
+        if not ends:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for session_id, event in ends:
+                await self._end_queued(
+                    session_id=session_id,
+                    event=event,
+                    maxlen=self.events_maxlen,
+                    ttl_s=self.ttl_s,
+                    pipe=pipe,
+                )
+            try:
+                replies: list[object] = await pipe.execute()
+            except NoScriptError:  # a shard new since (a failover): the next try sends it
+                await self._end_queued.load()
+                raise
+        ended = [EndQueued.reply(reply) is not None for reply in replies]
+        await self._counted(
+            [
+                (sid, event.generation_id)
+                for (sid, event), done in zip(ends, ended, strict=True)
+                if done
+            ]
+        )
+        return ended
+
+    async def count_usage(self, session_id: str, generation_id: str) -> bool:
+        """Count an ended generation's usage where no writer did (its writer was lost
+        before the count after its final event); False when counted before, or counted by
+        the script that wrote it (one Redis)."""
+        return await self._usage.after_final(session_id, generation_id)
+
+    async def _counted(self, ended: Sequence[tuple[str, str]]) -> None:
+        if not self.topology.counts_in_script:
+            await asyncio.gather(*(self._usage.after_final(sid, gid) for sid, gid in ended))
