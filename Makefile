@@ -7,12 +7,13 @@ STAMP  := $(VENV)/.installed
 LOCK   := constraints.txt
 PORT   ?= 8000
 
-.PHONY: run test check setup lock model browser lint typecheck pytest bench soak clean check-vllm
+.PHONY: run test check setup lock model browser prometheus lint typecheck pytest bench soak \
+	clean check-vllm
 
 run: setup
 	$(PY) -m stack --port $(PORT)
 
-test: setup model browser lint typecheck pytest
+test: setup model browser prometheus lint typecheck pytest
 
 # Lint, types and the in-process tests (tests/inprocess: no gateway or engine process, no
 # vLLM, the embedded Redis only), in well under a minute. `make test` runs these tests too.
@@ -55,6 +56,13 @@ browser:
 	  (apt-get -o DPkg::Lock::Timeout=600 update -qq && \
 	   apt-get -o DPkg::Lock::Timeout=600 install -y -qq chromium >/dev/null) || \
 	  echo "[setup] could not install chromium: browser tests will fail"; }
+
+# Prometheus and promtool: tests/test_alerts.py runs the rules (monitoring/) on them.
+prometheus:
+	@command -v promtool >/dev/null || { echo "[setup] installing Debian's prometheus"; \
+	  (apt-get -o DPkg::Lock::Timeout=600 update -qq && \
+	   apt-get -o DPkg::Lock::Timeout=600 install -y -qq prometheus >/dev/null) || \
+	  echo "[setup] could not install prometheus: the alert tests will fail"; }
 
 lint: setup
 	$(PY) -m ruff check wire gateway engine stack tests bench

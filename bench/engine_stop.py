@@ -26,7 +26,7 @@ import httpx
 
 from bench import takeover
 from bench.loadgen import OpenAIStream, StreamRecord, open_stream, sse_request
-from bench.stats import metrics_of, ms, pct
+from bench.stats import metrics_of, ms, pct, summed
 from bench.vllm_sides import StackSide, Target, say
 from stack.rig import HOST
 
@@ -52,12 +52,6 @@ class ClosingStream(OpenAIStream):
 
 def closing_after(tokens: int) -> type[ClosingStream]:
     return type(f"ClosingAfter{tokens}", (ClosingStream,), {"after": tokens})
-
-
-def summed(samples: dict[str, float], name: str) -> float:
-    """A metric's value over its labels (``name{...}`` lines; a counter's ``_total``)."""
-    names = (name, f"{name}_total")
-    return sum(value for key, value in samples.items() if key.split("{")[0] in names)
 
 
 async def running(http: httpx.AsyncClient, target: Target) -> float:

@@ -95,10 +95,16 @@ async def metrics_of(url: str, client: httpx.AsyncClient | None = None) -> dict[
 
 
 async def worker_ttft(url: str) -> dict[str, float]:
-    """``WORKER_TTFT`` from the worker's ``/metrics`` at ``url`` now: read around a run,
-    their growth is the run's."""
+    """``WORKER_TTFT`` from the worker's ``/metrics`` at ``url`` now, summed over their
+    labels (model, tenant): read around a run, their growth is the run's."""
     values = await metrics_of(url)
-    return {name: values.get(metric, 0.0) for name, metric in WORKER_TTFT.items()}
+    return {name: summed(values, metric) for name, metric in WORKER_TTFT.items()}
+
+
+def summed(samples: dict[str, float], name: str) -> float:
+    """A metric's value over its labels (``name{...}`` lines; a counter's ``_total``)."""
+    names = (name, f"{name}_total")
+    return sum(value for key, value in samples.items() if key.split("{")[0] in names)
 
 
 def path_ttft(runs: list[Run]) -> dict[str, float | None] | None:

@@ -20,11 +20,15 @@ from typing import Any
 import uvloop
 
 from engine.backends.base import Backend
+from engine.backends.prefill import KV_CACHE_TOKENS
+from engine.backends.prefix_cache import BLOCK_SIZE
 from engine.metrics import WorkerMetrics
+from engine.policies import AFFINITY_WAIT_MS
 from engine.worker import Worker
 from wire import DEFAULT_PREFIX, Keys, check_model_name
 from wire.connect import connect, misconfiguration, ready, when_redis_answers
 from wire.runtime import tune_gc
+from wire.tracing import TraceExport, start_tracer, stop_tracer
 
 log = logging.getLogger("tokenspout.engine")
 
@@ -35,8 +39,13 @@ ENVIRONMENT: dict[str, str] = {
     "TOKENSPOUT_KEY_PREFIX": f"Prefix of every Redis key; the gateway's must match "
     f"(default `{DEFAULT_PREFIX}`).",
     "TOKENSPOUT_LOG_LEVEL": "DEBUG, INFO, WARNING or ERROR (default `INFO`).",
+    "TOKENSPOUT_LOG_FORMAT": "`text` (key=value lines, the default) or `json` (one JSON "
+    "object per line).",
     "TOKENSPOUT_MAX_TAKEOVERS": "How often one reply may be handed on to another worker "
     "(SIGTERM hand-over or takeover after a loss), as the gateway's (default `3`).",
+    "TOKENSPOUT_AFFINITY_WAIT_MS": "How long a request whose prompt's prefix another "
+    "worker's engine holds waits for that worker before any takes it; `0` turns cache "
+    f"affinity off (default `{AFFINITY_WAIT_MS}`; docs/affinity.md).",
     "TOKENSPOUT_CACHE": "Where `--model default` keeps the converted bundled model "
     "(default `~/.cache/tokenspout`).",
     "HF_HUB_OFFLINE": "`1` (the default here): never fetch from a model hub; set `0` to let "
@@ -132,6 +141,28 @@ def _synthetic_flags(parser: Parser) -> None:
         "vLLM's chat template and tokenizer do (here 0.08 ms for a short chat, 0.26 ms for "
         "170 tokens: docs/bench.md)",
     )
+    parser.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=0.0,
+        help="synthetic: prompt tokens a second its prefill computes, one request after "
+        "another, of what its prefix cache did not hold (a GPU's for an 8B model: thousands "
+        "to tens of thousands); 0: prefill takes no time",
+    )
+    parser.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=KV_CACHE_TOKENS,
+        help="synthetic: tokens its KV cache holds for its prefix cache (least recently used "
+        "blocks go first; 0: no prefix cache)",
+    )
+    parser.add_argument(
+        "--kv-block-size",
+        type=int,
+        default=BLOCK_SIZE,
+        help="synthetic: tokens per KV cache block (vLLM's on a GPU); the prefix cache holds "
+        "whole blocks",
+    )
 
 
 def _worker_flags(parser: Parser) -> None:
@@ -226,6 +257,9 @@ def _backend(args: argparse.Namespace) -> Backend:
             capacity=args.capacity or 256,
             prepare_delay_s=args.prepare_delay_s,
             prepare_cpu_s=args.prepare_cpu_ms / 1000,
+            prefill_tokens_per_s=args.prefill_tokens_per_s,
+            kv_cache_tokens=args.kv_cache_tokens,
+            kv_block_size=args.kv_block_size,
             model=names[0] if names else "synthetic",
         )
     from engine.backends import vllm_api
@@ -241,6 +275,10 @@ def _backend(args: argparse.Namespace) -> Backend:
     from engine.backends.vllm_backend import VllmBackend
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    export = TraceExport.from_env()
+    if export is not None:  # vLLM's exporter reads these; its spans are the worker's
+        os.environ.setdefault("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", export.protocol)
+        os.environ.setdefault("OTEL_SERVICE_NAME", "tokenspout-engine")
     model, served = args.model, names[0] if names else None
     if model == "default":
         model, served = str(prepare_default_model()), served or MODEL_NAME
@@ -256,19 +294,28 @@ def _backend(args: argparse.Namespace) -> Backend:
     )
 
 
-def vllm_options(args: argparse.Namespace) -> dict[str, float | int]:
-    """vLLM's engine arguments the flags set (the rest: vLLM's defaults)."""
+def vllm_options(args: argparse.Namespace) -> dict[str, float | int | str]:
+    """vLLM's engine arguments the flags set (the rest: vLLM's defaults), and with tracing
+    on its own tracing, into the same collector (its request spans join the worker's)."""
     given = {
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "max_num_batched_tokens": args.max_num_batched_tokens,
     }
-    return {name: value for name, value in given.items() if value is not None}
+    options: dict[str, float | int | str] = {k: v for k, v in given.items() if v is not None}
+    export = TraceExport.from_env()
+    if export is not None:
+        options["otlp_traces_endpoint"] = export.endpoint
+    return options
 
 
 async def serve(args: argparse.Namespace) -> None:
     redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
     if problem := await misconfiguration(redis_url):  # before a model takes minutes to load
         raise SystemExit(f"tokenspout engine: cannot start: {problem}")
+    try:
+        tracer = start_tracer("tokenspout-engine")  # None: off (wire/tracing.py)
+    except ValueError as exc:  # an OTEL_ variable it cannot follow
+        raise SystemExit(f"tokenspout engine: cannot start: {exc}") from None
     backend = make_backend(args)
     began = time.monotonic()
     log.info("starting backend %s (%s)", backend.name, backend.model)
@@ -276,6 +323,7 @@ async def serve(args: argparse.Namespace) -> None:
     log.info("backend started in %.1f s", time.monotonic() - began)
     tune_gc()
     metrics = WorkerMetrics()
+    metrics.watch_prefill(backend.model, backend.prefilled)
     if args.metrics_port:
         from prometheus_client import start_http_server
 
@@ -293,6 +341,8 @@ async def serve(args: argparse.Namespace) -> None:
         max_takeovers=int(os.environ.get("TOKENSPOUT_MAX_TAKEOVERS", "3")),
         join_tokens=args.join_tokens,
         preempt=args.preempt,
+        tracer=tracer,
+        affinity_wait_ms=int(os.environ.get("TOKENSPOUT_AFFINITY_WAIT_MS", str(AFFINITY_WAIT_MS))),
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -303,13 +353,18 @@ async def serve(args: argparse.Namespace) -> None:
     finally:
         await backend.stop()
         await redis.aclose()
+        stop_tracer()  # what is left of the spans goes out
         log.info("worker stopped")
 
 
 def main(argv: list[str] | None = None) -> None:
     from wire.logs import configure_logging
 
-    configure_logging(os.environ.get("TOKENSPOUT_LOG_LEVEL", "INFO"), "engine")
+    level = os.environ.get("TOKENSPOUT_LOG_LEVEL", "INFO")
+    try:
+        configure_logging(level, "engine", os.environ.get("TOKENSPOUT_LOG_FORMAT", "text"))
+    except ValueError as exc:
+        raise SystemExit(f"tokenspout engine: cannot start: {exc}") from None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # uvloop, the gateway's loop too (vLLM's own server runs on it).
     uvloop.run(serve(parse_args(argv)))

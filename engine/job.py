@@ -13,19 +13,17 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import wire
 from engine.tools import ToolCallWriter
+from engine.tracing import JobTrace
 from wire import (
-    Cancelled,
     CancelReason,
-    Done,
-    Error,
     GenerationRequest,
     Resumed,
     Started,
     Usage,
 )
 from wire.emit_step import EmitTarget
+from wire.tracing import trace_id_of
 
 
 def epoch_of(request: GenerationRequest) -> int:
@@ -95,6 +93,10 @@ class Job:
     stop_reason: CancelReason | None = None
     second_copy: Job | None = None
     """The same request taken again while this one's claim was on its way (engine/jobs.py)."""
+    first_token_s: float | None = None
+    """From the gateway's enqueue to its first token here (None: none yet)."""
+    trace: JobTrace | None = None
+    """Its spans, when its trace is recorded (engine/tracing.py)."""
 
     def __post_init__(self) -> None:
         resume = self.request.resume
@@ -229,13 +231,22 @@ class Job:
     def usage(self) -> Usage:
         return Usage(self.prompt_tokens, self.emitted_tokens)
 
-
-def final_reason(event: wire.FinalEvent) -> str:
-    match event:
-        case Done():
-            return event.finish_reason
-        case Cancelled():
-            return event.reason
-        case Error():
-            return event.code
-    return ""
+    def end_line(self, model: str, state: str, reason: str) -> dict[str, object]:
+        """The fields of its one log line at its end, for a log store to query."""
+        request = self.request
+        line: dict[str, object] = {
+            "session_id": self.session_id,
+            "generation_id": self.generation_id,
+            "state": state,
+            "reason": reason,
+            "tenant": request.tenant or "anonymous",
+            "model": model,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.emitted_tokens,
+            "duration_ms": round((time.monotonic() - self.started_at) * 1000, 1),
+        }
+        if self.first_token_s is not None:
+            line["ttft_ms"] = round(self.first_token_s * 1000, 1)
+        if request.traceparent:  # a cancel's line is written outside the job's task
+            line["trace_id"] = trace_id_of(request.traceparent)
+        return line

@@ -48,11 +48,12 @@ from redis.exceptions import RedisError, ResponseError
 
 import wire
 from engine.backends.base import Backend
-from engine.job import Job, JobState, epoch_of, final_reason
+from engine.job import Job, JobState, epoch_of
 from engine.lease import Lease
 from engine.metrics import WorkerMetrics
 from engine.policies import PreemptPolicy, TakePolicy
 from engine.publisher import Publisher
+from engine.tracing import exemplar
 from wire import CancelReason, ChatMessage, Error, GenerationRequest, Resumed, Started
 from wire.handoff import Streamed, continuation
 from wire.keys import tenant_slot
@@ -254,8 +255,12 @@ class JobTable:
         self._settle_second_copy(job, claimed=True)
         if isinstance(claim, Resumed):
             self.metrics.takeovers.inc()
-        if job.request.task == "generate":
-            self.metrics.queue_wait.observe(max(0.0, time.time() - job.request.enqueued_at))
+        request = job.request
+        if request.task == "generate":
+            waited_s = time.time() - request.enqueued_at
+            self.metrics.started(waited_s, self.backend.model, request.tenant, exemplar(job.trace))
+        if job.trace is not None:
+            job.trace.event("claimed")
         log.debug(  # at INFO a generation is one line, at its end
             "generation started",
             extra={
@@ -276,6 +281,9 @@ class JobTable:
         # continued reply's message is the one it extends, made longer.
         if not isinstance(event, Error) and request.prompt is None and not request.choice:
             assistant = ChatMessage("assistant", request.continued + "".join(job.text))
+        if not isinstance(event, Error) and request.task == "generate":
+            # Before the final event: the client's next turn finds where its prefix is.
+            await self._ran(request, "".join(job.text))
         written = await self._emit_waited(job, event, final=True, assistant=assistant)
         state = wire.final_state(event)
         if written is None:  # it ended elsewhere, or is not this worker's: not counted here
@@ -285,17 +293,22 @@ class JobTable:
         if request.task == "generate":  # what its final event billed (usage_core.lua)
             prompt = job.prompt_tokens if request.choice == 0 else 0
             self.metrics.billed(request.tenant, prompt, job.emitted_tokens)
-        log.info(
-            "generation ended",
-            extra={
-                "session_id": job.session_id,
-                "generation_id": job.generation_id,
-                "state": state,
-                "reason": final_reason(event),
-                "prompt_tokens": job.prompt_tokens,
-                "completion_tokens": job.emitted_tokens,
-            },
-        )
+        reason = wire.final_reason(event)
+        if job.trace is not None:
+            job.trace.ended(state, reason, job.prompt_tokens, job.emitted_tokens)
+        log.info("generation ended", extra=job.end_line(self.backend.model, state, reason))
+
+    async def _ran(self, request: GenerationRequest, reply: str) -> None:
+        """Tell the take policy what ran here (its engine's cache holds it now): a failure
+        costs the next turn its affinity, never a reply."""
+        try:
+            await self.take.ran(request, reply)
+        except (RedisError, OSError) as exc:
+            log.warning(
+                "%s: could not say which prefixes this worker holds (%s)",
+                request.generation_id,
+                exc,
+            )
 
     def _emit_waited(
         self,
@@ -330,6 +343,8 @@ class JobTable:
         if self._jobs.get(job.generation_id) is job:
             del self._jobs[job.generation_id]
         self._slot_freed.set()
+        if job.trace is not None:
+            job.trace.end(job.state.value)
         if job.state is JobState.HANDOVER_FAILED:
             # Its tokens stopped at the hand-over: the request stays pending, so the
             # reaper takes the reply over once this worker is gone.
@@ -372,6 +387,8 @@ class JobTable:
         job = self._jobs.get(generation_id)
         if job is None or not job.stop(reason):
             return False
+        if job.trace is not None:
+            job.trace.event("cancel", {"tokenspout.reason": reason})
         began = time.monotonic()
         await self.finish(job, wire.Cancelled(generation_id, reason, job.usage()))
         self.metrics.cancel_to_final.observe(time.monotonic() - began)
@@ -555,6 +572,8 @@ class JobTable:
             token_ids=list(job.token_ids),
         )
         job.handed_over()
+        if job.trace is not None:
+            job.trace.event("preempted" if preempted else "handed_over")
         return continuation(job.request, outcome, streamed)
 
     # --- the drain -----------------------------------------------------------------------------

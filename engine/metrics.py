@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
@@ -28,6 +29,40 @@ class PlainCounter(Collector):
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         yield CounterMetricFamily(self.name, self.documentation, value=self.value)
+
+
+class PrefillCounts(Protocol):
+    """What an engine counts of its prefills (``engine.backends.base.PrefillCounts``)."""
+
+    prompt_tokens: int
+    cached_tokens: int
+
+
+class PrefillCollector(Collector):
+    """The engine's own count of the prompt tokens it prefilled and of those its prefix cache
+    held, by model, read from the backend at each scrape (``Backend.prefilled``)."""
+
+    def __init__(self, model: str, counts: PrefillCounts, registry: CollectorRegistry) -> None:
+        self.model = model
+        self.counts = counts
+        registry.register(self)
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        prompt = CounterMetricFamily(
+            "tokenspout_engine_prompt_tokens",
+            "Prompt tokens of the requests the engine prefilled, in its own count.",
+            labels=["model"],
+        )
+        prompt.add_metric([self.model], self.counts.prompt_tokens)
+        cached = CounterMetricFamily(
+            "tokenspout_engine_prompt_cached_tokens",
+            "Of those prompt tokens, the ones the engine's prefix cache held (not computed"
+            " again; vLLM's num_cached_tokens).",
+            labels=["model"],
+        )
+        cached.add_metric([self.model], self.counts.cached_tokens)
+        yield prompt
+        yield cached
 
 
 TENANT_LABELS = 100
@@ -98,6 +133,14 @@ class WorkerMetrics:
             "Generations this worker continued after another worker was lost or stopped.",
             registry=r,
         )
+        self.affinity = Counter(
+            "tokenspout_engine_affinity",
+            "Requests taken that named a prefix a worker with a free slot held (docs/"
+            "affinity.md), by outcome: hit (this worker held it), miss (taken here after "
+            "the wait for affinity).",
+            ["outcome"],
+            registry=r,
+        )
         self.handovers = Counter(
             "tokenspout_engine_handovers",
             "Running generations this worker handed to the others on SIGTERM.",
@@ -111,15 +154,20 @@ class WorkerMetrics:
         )
 
     def _time_generations(self, r: CollectorRegistry) -> None:
+        labels = ["model", "tenant"]
         self.queue_wait = Histogram(
             "tokenspout_engine_queue_wait_seconds",
-            "Time from enqueue to start.",
+            "Time from enqueue to start, by model and tenant (the first 100, then 'other'); "
+            "a recorded request's trace id as exemplar.",
+            labels,
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.time_to_first_token = Histogram(
             "tokenspout_engine_time_to_first_token_seconds",
-            "Time from enqueue to the first token published.",
+            "Time from enqueue to the first token published, by model and tenant; a recorded "
+            "request's trace id as exemplar.",
+            labels,
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
@@ -166,6 +214,10 @@ class WorkerMetrics:
         )
         self.tenant_tokens, self.tenant_label = _tenant_tokens(r), TenantLabels()
 
+    def watch_prefill(self, model: str, counts: PrefillCounts) -> None:
+        """Export what the engine serving ``model`` counts of its prefills (``counts``)."""
+        PrefillCollector(model, counts, self.registry)
+
     def billed(self, tenant: str, prompt_tokens: int, completion_tokens: int) -> None:
         """A generation this worker ended billed its tenant these tokens."""
         label = self.tenant_label(tenant or "anonymous")
@@ -174,8 +226,17 @@ class WorkerMetrics:
         if completion_tokens:
             self.tenant_tokens.labels(label, "completion").inc(completion_tokens)
 
-    def first_token(self, since_enqueued: float, engine_s: float) -> None:
+    def started(self, waited_s: float, model: str, tenant: str, trace_id: str) -> None:
+        """A reply started ``waited_s`` after the gateway queued it (``trace_id``: its
+        recorded trace, or "")."""
+        labels = self.queue_wait.labels(model, self.tenant_label(tenant or "anonymous"))
+        labels.observe(max(0.0, waited_s), {"trace_id": trace_id} if trace_id else None)
+
+    def first_token(
+        self, since_enqueued: float, engine_s: float, model: str, tenant: str, trace_id: str
+    ) -> None:
         """A reply's first token is out: ``since_enqueued`` after the gateway queued it,
         ``engine_s`` of it the engine's own (``engine_first_token``)."""
-        self.time_to_first_token.observe(max(0.0, since_enqueued))
+        labels = self.time_to_first_token.labels(model, self.tenant_label(tenant or "anonymous"))
+        labels.observe(max(0.0, since_enqueued), {"trace_id": trace_id} if trace_id else None)
         self.engine_first_token.observe(engine_s)

@@ -2,12 +2,16 @@
 
 The wheel holds a GGUF file, which vLLM 0.32 cannot load. It is converted once, with
 transformers + gguf, into a safetensors folder under the cache directory, and reused after.
-Nothing is fetched from a model hub. ``python -m engine.model`` prepares it and prints where.
+The folder's ``generation_config.json`` carries the sampling its authors recommend, which
+vLLM reads as the model's defaults (the worker applies them to a request that leaves them
+unset, as vLLM's own server does). Nothing is fetched from a model hub.
+``python -m engine.model`` prepares it and prints where.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -16,7 +20,21 @@ from pathlib import Path
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
-_REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+FOLDER = f"{MODEL_NAME}.2"
+"""The converted folder's name. A new one whenever what goes in it changes (2: the
+recommended sampling), so a folder another checkout uses is never changed under it."""
+EARLIER_FOLDERS = (MODEL_NAME,)
+"""Earlier conversions, whose weights and tokenizer a new folder copies (no conversion)."""
+RECOMMENDED_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
+"""What SmolLM2's authors use in their model card (``model.generate(..., temperature=0.2,
+top_p=0.9, do_sample=True)``): a 135M model sampled at temperature 1 writes word salad."""
+_REQUIRED = (
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+)
 
 
 def model_problem(model: str) -> str | None:
@@ -43,7 +61,7 @@ def cache_dir() -> Path:
 
 
 def default_model_dir() -> Path:
-    return cache_dir() / "models" / MODEL_NAME
+    return cache_dir() / "models" / FOLDER
 
 
 def is_prepared(folder: Path) -> bool:
@@ -67,15 +85,34 @@ def _step(message: str) -> float:
 
 
 def prepare_default_model(folder: Path | None = None) -> Path:
-    """The converted folder, converting first when it is not there yet (about 30 s)."""
+    """The prepared folder: made once, from an earlier conversion's files when there is one
+    (a copy), else by converting the GGUF file (about 30 s)."""
     folder = folder or default_model_dir()
     if is_prepared(folder):
         return folder
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    earlier = [folder.with_name(name) for name in EARLIER_FOLDERS]
+    began = time.monotonic()
+    source = next((old for old in earlier if (old / "model.safetensors").is_file()), None)
+    if source is not None:
+        _step(f"copying the converted {MODEL_NAME} from {source} to {folder}")
+        shutil.copytree(source, partial, ignore=shutil.ignore_patterns("generation_config.json"))
+    else:
+        _convert(partial)
+    _write_generation_config(partial)
+    shutil.rmtree(folder, ignore_errors=True)
+    partial.rename(folder)
+    _step(f"done in {time.monotonic() - began:.1f} s: {folder}")
+    return folder
+
+
+def _convert(partial: Path) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = gguf_path()
-    began = _step(f"converting {source.name} to safetensors in {folder} (once, ~30 s)")
+    _step(f"converting {source.name} to safetensors in {partial.parent} (once, ~30 s)")
     _step("1/3 reading the tokenizer and chat template")
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     _step("2/3 dequantizing the weights to float32")
@@ -85,14 +122,16 @@ def prepare_default_model(folder: Path | None = None) -> Path:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     _step("3/3 writing safetensors")
-    partial = folder.with_name(folder.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial, safe_serialization=True)
     tokenizer.save_pretrained(partial)
-    shutil.rmtree(folder, ignore_errors=True)
-    partial.rename(folder)
-    _step(f"done in {time.monotonic() - began:.1f} s: {folder}")
-    return folder
+
+
+def _write_generation_config(folder: Path) -> None:
+    """The special tokens of the model's own config, and its authors' sampling."""
+    config = json.loads((folder / "config.json").read_text())
+    tokens = {name: config.get(name) for name in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    generation = {**{k: v for k, v in tokens.items() if v is not None}, **RECOMMENDED_SAMPLING}
+    (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
 if __name__ == "__main__":

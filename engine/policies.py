@@ -8,6 +8,11 @@ follows (start a job, stop one, keep its continuation); a policy only answers.
 - ``QueueOrder``: take what the model's queue gives, in its order (the stream's entries
   first: work admitted before; then the tenants' by their share of tokens: VTC,
   docs/tenants.md), telling it what this worker served since.
+- ``CacheAffinity`` (the default; ``TOKENSPOUT_AFFINITY_WAIT_MS=0`` turns it off): the
+  queue's order, but a request whose prompt begins with a prefix this worker's engine
+  holds is taken here first, and one another worker holds is left to it for at most the
+  wait; after each reply the worker says which prefixes its engine now holds
+  (docs/affinity.md).
 - ``FairPreemption`` (``python -m engine --preempt``): the queue's rule
   (wire/lua/fair_preempt.lua): the tenant of a reply that may give way that was served
   most lately must have been served more than its share, and a waiting tenant (the least
@@ -22,8 +27,9 @@ may become owed after it came) and asks again. While no tenant waits it asks onl
 ring: its looks cost nothing then. One full worker acts per ring (BLPOP hands it to one; a
 ring it owed nothing for is rung again, once, for another); nothing is stopped while work
 admitted before (a takeover, a request given back) waits in the queue's stream. A
-preempting worker offers the queue no free slots (``RequestQueue(offers_free=False)``), so
-every new request waits in a list, where it chooses from.
+preempting worker offers new requests no free slots (``RequestQueue(offers_free=False)``),
+so every new request waits in a list, where it chooses from (its free slots still count for
+cache affinity).
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from engine.metrics import WorkerMetrics
+from wire import GenerationRequest, prefixes
 from wire.queue import RequestQueue, ServedTokens
 from wire.replies import StreamEntry
 
@@ -40,6 +48,10 @@ request whose tenant was not owed a slot when it came (what the running tenants 
 reaches the queue with the worker's next charge, once a second) may be owed one later."""
 IDLE_WAIT_MS = 1000
 """While no tenant waits, the longest wait for a newcomer's ring before the next."""
+AFFINITY_WAIT_MS = 100
+"""How long a request whose prefix another worker holds (with a free slot) waits for it
+before any worker takes it (``TOKENSPOUT_AFFINITY_WAIT_MS``; 0: no affinity): a prefill of
+the thousands of tokens a conversation's history holds costs more on a GPU."""
 TAKE_BLOCK_MS = 1000
 """How long a take waits for the queue's bell when nothing waits."""
 
@@ -49,6 +61,10 @@ class TakePolicy(Protocol):
 
     async def take(self, free: int) -> list[StreamEntry]:
         """Up to ``free`` requests, taken for this worker (none: nothing came meanwhile)."""
+        ...
+
+    async def ran(self, request: GenerationRequest, reply: str) -> None:
+        """``request`` ran here and made ``reply``."""
         ...
 
 
@@ -84,6 +100,39 @@ class QueueOrder:
 
     async def take(self, free: int) -> list[StreamEntry]:
         return await self.queue.take(self.worker_id, free, TAKE_BLOCK_MS, self.served)
+
+    async def ran(self, request: GenerationRequest, reply: str) -> None:
+        return None
+
+
+class CacheAffinity(QueueOrder):
+    """The queue's order, its requests whose prefix this worker's engine holds first."""
+
+    def __init__(
+        self,
+        queue: RequestQueue,
+        worker_id: str,
+        served: ServedTokens,
+        *,
+        wait_ms: int,
+        metrics: WorkerMetrics,
+    ) -> None:
+        super().__init__(queue, worker_id, served)
+        self.wait_ms = wait_ms
+        """How long a request another worker holds waits for it before this one takes it."""
+        self.metrics = metrics
+
+    async def take(self, free: int) -> list[StreamEntry]:
+        taken = await self.queue.take(
+            self.worker_id, free, TAKE_BLOCK_MS, self.served, affinity_ms=self.wait_ms
+        )
+        for _, fields in taken:
+            if outcome := fields.get(b"a"):
+                self.metrics.affinity.labels(outcome.decode()).inc()
+        return taken
+
+    async def ran(self, request: GenerationRequest, reply: str) -> None:
+        await self.queue.hold(self.worker_id, prefixes.held(self.queue.model, request, reply))
 
 
 class FairPreemption:

@@ -36,6 +36,7 @@ import logging
 import os
 import socket
 import time
+from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -47,13 +48,23 @@ from engine.job import Job
 from engine.jobs import JobTable
 from engine.lease import HEARTBEAT_S, Lease
 from engine.metrics import WorkerMetrics
-from engine.policies import FairPreemption, QueueOrder
+from engine.policies import (
+    AFFINITY_WAIT_MS,
+    CacheAffinity,
+    FairPreemption,
+    QueueOrder,
+    TakePolicy,
+)
 from engine.publisher import Publisher
 from engine.tools import ToolCallWriter
+from engine.tracing import WorkerTracing, exemplar, follow
 from wire import Done, Error, Keys, Started, Token, WorkerInfo
 from wire.connect import when_redis_answers
 from wire.generations import Generations
 from wire.queue import RequestQueue, ServedTokens
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Tracer
 
 log = logging.getLogger("tokenspout.worker")
 
@@ -106,9 +117,10 @@ class Worker:
         max_takeovers: int = 3,
         join_tokens: bool = False,
         preempt: bool = False,
+        tracer: Tracer | None = None,
+        affinity_wait_ms: int = AFFINITY_WAIT_MS,
     ) -> None:
-        self.redis = redis
-        self.backend = backend
+        self.redis, self.backend = redis, backend
         self.keys = keys or Keys()
         self.aliases = [name for name in aliases or [] if name != backend.model]
         for name in [backend.model, *self.aliases]:
@@ -116,8 +128,7 @@ class Worker:
         self.queue = RequestQueue(redis, self.keys, backend.model, offers_free=not preempt)
         """This worker's model's queue: it never sees another model's requests."""
         self.served = ServedTokens()
-        """Tokens served per tenant, told to the queue with each take and each heartbeat:
-        the queue shares the engine between tenants by them (docs/tenants.md)."""
+        """Tokens served per tenant, told to the queue (its fair share: docs/tenants.md)."""
         self.requests_key = self.queue.key
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.metrics = metrics or WorkerMetrics()
@@ -139,14 +150,23 @@ class Worker:
             max_takeovers=max_takeovers,
             run=self.run_job,
             before_taking=self.announce_if_silent,
-            take=QueueOrder(self.queue, self.worker_id, self.served),
+            take=self._take_policy(affinity_wait_ms),
             preempt=FairPreemption(self.queue, self.worker_id) if preempt else None,
         )
         """Every job this worker holds, and every move of one (engine/jobs.py)."""
         self.turns = PrepareTurns()
+        self.tracing = WorkerTracing.of(tracer, self.worker_id, backend)  # None: tracing off
         self._started_at = time.time()
         self.metrics.generations_running.set_function(lambda: len(self.jobs))
         self.metrics.capacity.set_function(lambda: self.backend.capacity)
+
+    def _take_policy(self, affinity_wait_ms: int) -> TakePolicy:
+        """The queue's order, this worker's cached prefixes first unless the wait is 0."""
+        if affinity_wait_ms <= 0:
+            return QueueOrder(self.queue, self.worker_id, self.served)
+        return CacheAffinity(
+            self.queue, self.worker_id, self.served, wait_ms=affinity_wait_ms, metrics=self.metrics
+        )
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -215,15 +235,15 @@ class Worker:
     async def run_job(self, job: Job) -> None:
         """Run one job the table started, to its end, then hand it back (``ended``)."""
         gid = job.generation_id
+        if job.request.traceparent:  # the gateway traces it: so does this run
+            job.trace = follow(job.request, job.started_at, self.tracing)
         try:
             await self.turns.take()
             if job.request.task != "generate":
                 await self._run_tokenizer_task(job)
                 return
             try:
-                began = time.monotonic()
-                prepared = await self.backend.prepare(job.request)
-                job.prepare_s = time.monotonic() - began
+                prepared = await self._prepare(job)
             except BackendError as exc:
                 await self.jobs.finish(job, Error(gid, exc.code, exc.message, job.usage()))
                 return
@@ -248,9 +268,18 @@ class Worker:
         finally:
             await self.jobs.ended(job)
 
+    async def _prepare(self, job: Job) -> Prepared:
+        """The engine's input for ``job`` (the chat template, the tokenizer), timed."""
+        began = time.monotonic()
+        prepared = await self.backend.prepare(job.request)
+        job.prepare_s = time.monotonic() - began
+        if self.tracing is not None:  # its span, and the trace vLLM's spans join
+            return self.tracing.prepared(prepared, job.request, job.trace, job.prepare_s)
+        return prepared
+
     async def _stream(self, job: Job, prepared: Prepared) -> None:
         gid = job.generation_id
-        first, engine_began = job.request.resume is None, time.monotonic()
+        first, engine_began = True, time.monotonic()
         deltas = self.backend.generate(prepared)
         async for delta in deltas:
             if job.handed_on:
@@ -286,8 +315,7 @@ class Worker:
                     self.metrics.tokens_joined.inc(len(delta.token_ids))
                 job.events = seq
                 if first:
-                    engine_s = job.prepare_s + time.monotonic() - engine_began
-                    self.metrics.first_token(time.time() - job.request.enqueued_at, engine_s)
+                    self._first_token(job, job.prepare_s + time.monotonic() - engine_began)
                     first = False
                 self.metrics.tokens.inc(len(delta.token_ids))
             if delta.finish_reason is not None:
@@ -297,6 +325,18 @@ class Worker:
                 reason = self._finish_reason(job, delta)
                 await self.jobs.finish(job, Done(gid, reason, job.usage()))
                 return
+
+    def _first_token(self, job: Job, engine_s: float) -> None:
+        """A run's first token is out, ``engine_s`` of it the engine's own; a reply's
+        first (not a continuation's) is its time to first token."""
+        if job.trace is not None:
+            job.trace.first_token()
+        request = job.request
+        if request.resume is not None:
+            return
+        job.first_token_s = time.time() - request.enqueued_at
+        model, trace_id = self.backend.model, exemplar(job.trace)
+        self.metrics.first_token(job.first_token_s, engine_s, model, request.tenant, trace_id)
 
     async def _run_tokenizer_task(self, job: Job) -> None:
         """``/tokenize`` and ``/detokenize``: the model's tokenizer lives here, with vLLM,

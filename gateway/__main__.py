@@ -27,12 +27,14 @@ from typing import TYPE_CHECKING
 import msgspec
 import uvicorn
 
+from gateway.core import tracing
 from gateway.core.settings import Settings
 from gateway.server.http1 import HttpProtocol
 from gateway.server.supervisor import OrphanWatch, Supervisor, auto_workers
 from wire.connect import misconfiguration
 from wire.logs import configure_logging
 from wire.runtime import open_files_to_the_hard_limit, tune_gc
+from wire.tracing import start_tracer
 
 if TYPE_CHECKING:
     from gateway.server.app import Services
@@ -111,6 +113,14 @@ def workers(value: str) -> int:
     return int(value)
 
 
+def start_tracing() -> None:
+    """Traces of the requests, when OpenTelemetry's variables ask for them (wire/tracing.py)."""
+    try:
+        tracing.configure(start_tracer("tokenspout-gateway"))
+    except ValueError as exc:  # an OTEL_ variable it cannot follow
+        sys.exit(f"tokenspout gateway: cannot start: {exc}")
+
+
 def main(argv: list[str] | None = None) -> None:
     given = sys.argv[1:] if argv is None else argv
     if given[:1] == ["keys"]:
@@ -126,7 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.grpc_port is not None:
         settings = msgspec.structs.replace(settings, grpc_port=args.grpc_port)
     child = args.peers_dir is not None
-    configure_logging(settings.log_level, f"gateway.{args.process_index}" if child else "gateway")
+    service = f"gateway.{args.process_index}" if child else "gateway"
+    configure_logging(settings.log_level, service, settings.log_format)
     if not child and (raised := open_files_to_the_hard_limit())[0] != raised[1]:
         logging.getLogger("tokenspout.gateway").info("open files: limit %d -> %d", *raised)
     if not child and (problem := asyncio.run(misconfiguration(settings.redis_url))):
@@ -145,6 +156,7 @@ def main(argv: list[str] | None = None) -> None:
         grpc_socket = None if args.grpc_fd is None else socket.socket(fileno=args.grpc_fd)
         place = {"grpc_socket": grpc_socket, "peers_dir": args.peers_dir}
         place["process_index"] = args.process_index
+    start_tracing()
     try:
         app, services = create_asgi_app(settings, grpc_host=args.host, **place)
     except ConfigError as exc:

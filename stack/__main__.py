@@ -11,17 +11,20 @@ everything; the embedded Redis keeps no data (nothing is written to disk) unless
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
-from stack import processes
+from gateway.apis.admin.cli import STACK_PID, stack_env_path
+from stack import processes, procfs
 from stack.redis_server import EmbeddedRedis
 
 DRAIN_S = 5.0
@@ -82,6 +85,51 @@ class StopSignal:
 
     def __call__(self) -> bool:
         return self.given
+
+
+def check_ports(args: argparse.Namespace) -> None:
+    """Exit at once, in one line, when a port the gateway needs is taken (another make run
+    holds it, say): before anything starts, rather than a gateway that dies on it while
+    this one waits on the other's."""
+    wanted = [(args.port, "HTTP", "PORT=8010 make run")]
+    if args.grpc_port:
+        wanted.append((args.grpc_port, "gRPC", "TOKENSPOUT_GRPC_PORT=8011 make run (0: none)"))
+    for port, what, instead in wanted:
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            try:
+                probe.bind((args.host, port))
+                continue
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    sys.exit(f"[tokenspout] cannot listen on {args.host}:{port}: {exc.strerror}")
+        holder = procfs.listener_of(port)
+        by = f"pid {holder[0]} ({' '.join(holder[1].split())[:120]})" if holder else "another user"
+        sys.exit(f"[tokenspout] the {what} port {port} is taken by {by}: stop it, or {instead}")
+
+
+def write_stack_env(url: str) -> Path:
+    """Where this stack's Redis is, for the operator's tools (``python -m gateway keys``)."""
+    path = stack_env_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prefix = os.environ.get("TOKENSPOUT_KEY_PREFIX")
+    lines = [
+        f"# written by make run (python -m stack, pid {os.getpid()}) while it runs",
+        f"REDIS_URL={url}",
+        *([f"TOKENSPOUT_KEY_PREFIX={prefix}"] if prefix else []),
+        f"{STACK_PID}={os.getpid()}",
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def remove_stack_env(path: Path) -> None:
+    """The file, unless another make run has written its own since."""
+    try:
+        if f"{STACK_PID}={os.getpid()}\n" in path.read_text():
+            path.unlink()
+    except OSError:
+        return
 
 
 def start_redis(args: argparse.Namespace) -> tuple[EmbeddedRedis | None, str]:
@@ -157,8 +205,12 @@ def main() -> None:
     redis: EmbeddedRedis | None = None
     children: list[subprocess.Popen[bytes]] = []
     stop = StopSignal()
+    check_ports(args)
+    env_file: Path | None = None
     try:
         redis, url = start_redis(args)
+        env_file = write_stack_env(url)
+        say(f"REDIS_URL={url} is in {env_file} while this runs (python -m gateway keys reads it)")
         env = {"REDIS_URL": url}
         began = time.monotonic()
         engine = start_engines(args, env, children)
@@ -184,6 +236,8 @@ def main() -> None:
             processes.stop(child)
         if redis is not None:
             redis.cleanup()
+        if env_file is not None:
+            remove_stack_env(env_file)
         say("stopped")
 
 

@@ -2,8 +2,8 @@
 
 The document is prose plus blocks between ``<!-- generated: NAME -->`` and
 ``<!-- end: NAME -->``; each block is rendered from the code (gateway/core/settings.py, the
-engine's argument parser and variables), and tests/test_configuration_doc.py fails when
-the file and the code disagree.
+engine's argument parser and variables, wire/tracing.py's variables), and
+tests/test_configuration_doc.py fails when the file and the code disagree.
 """
 
 from __future__ import annotations
@@ -15,9 +15,23 @@ from pathlib import Path
 
 from engine.__main__ import markdown_tables as engine_tables
 from gateway.core.settings import markdown_table as gateway_table
+from wire.tracing import ENVIRONMENT as TRACING
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
-BLOCKS: dict[str, Callable[[], str]] = {"gateway": gateway_table, "engine": engine_tables}
+
+
+def tracing_table() -> str:
+    """OpenTelemetry's variables, which the gateway and the worker read alike."""
+    rows = ["| variable | meaning |", "| --- | --- |"]
+    rows += [f"| `{name}` | {meaning} |" for name, meaning in TRACING.items()]
+    return "\n".join(rows) + "\n"
+
+
+BLOCKS: dict[str, Callable[[], str]] = {
+    "gateway": gateway_table,
+    "engine": engine_tables,
+    "tracing": tracing_table,
+}
 _BLOCK = re.compile(r"(<!-- generated: (\w+) -->\n)(.*?)(<!-- end: \2 -->)", re.DOTALL)
 
 

@@ -78,6 +78,17 @@ def rss_bytes(pid: int) -> int:
     return total
 
 
+def _socket_inodes(pid: int) -> set[str]:
+    inodes = set()
+    with contextlib.suppress(OSError):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+    return inodes
+
+
 def tcp_connections_to(pid: int, port: int) -> int:
     """Open TCP connections of ``pid`` whose remote end is 127.0.0.1:``port``."""
     return len(tcp_local_ports_to(pid, port))
@@ -86,18 +97,7 @@ def tcp_connections_to(pid: int, port: int) -> int:
 def tcp_local_ports_to(pid: int, port: int) -> list[int]:
     """The local ports of ``pid``'s open TCP connections to 127.0.0.1:``port`` (what
     ``CLIENT LIST`` shows as each one's ``addr``)."""
-    inodes = set()
-    fds: list[Path] = []
-    for p in tree(pid):
-        with contextlib.suppress(OSError):
-            fds += Path(f"/proc/{p}/fd").iterdir()
-    for fd in fds:
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
+    inodes = set().union(*(_socket_inodes(p) for p in tree(pid)))
     remote = f"0100007F:{port:04X}"
     ports = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
@@ -106,6 +106,24 @@ def tcp_local_ports_to(pid: int, port: int) -> list[int]:
             if parts[2] == remote and parts[9] in inodes:
                 ports.append(int(parts[1].rsplit(":", 1)[1], 16))
     return ports
+
+
+def listener_of(port: int) -> tuple[int, str] | None:
+    """The process listening on TCP ``port`` (any address) and its command line; None when
+    none is, or it is another user's (whose sockets /proc does not show us)."""
+    listening = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                parts = line.split()
+                if parts[3] == "0A" and int(parts[1].rsplit(":", 1)[1], 16) == port:
+                    listening.add(parts[9])  # 0A: LISTEN
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and listening & _socket_inodes(int(entry.name)):
+            with contextlib.suppress(OSError):
+                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+                return int(entry.name), command
+    return None
 
 
 def pin(pid: int, cpu: int, *, children: bool = True) -> bool:

@@ -1,5 +1,6 @@
-"""Take the web chat's screenshots (README.md, docs/web.md): mid-reply and after Stop, then
-one per feature at a desktop width in light and a phone width in dark.
+"""Take the web chat's screenshots (README.md, docs/web.md): mid-reply, after Stop, and the
+conversation opened on a phone while a reply runs, then one per feature at a desktop width
+in light and a phone width in dark.
 
     python -m tests.screenshots [--out docs/screenshots]
 
@@ -19,13 +20,15 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from playwright.async_api import Browser
 
 from stack.redis_server import EmbeddedRedis
-from tests.support.browser import ChatPage, chromium
+from tests.support.browser import PHONE_DEVICE, ChatPage, chromium
 from tests.support.stack import Stack
 
 FIRST = "What makes **tokenspout** different from other gateways?"
 SECOND = "Explain how Stop works, in a few words."
+THIRD = "And a reload, in another tab or on a phone?"
 VIEWPORT = {"width": 1000, "height": 640}
 
 
@@ -44,6 +47,25 @@ async def take(stack: Stack, out: Path) -> None:
         await chat.wait_reply_state("cancelled")
         await chat.page.focus("#input")
         await chat.page.screenshot(path=str(out / "chat-stopped.png"))
+        await resumed_elsewhere(browser, chat, gateway.url, out)
+
+
+async def resumed_elsewhere(browser: Browser, chat: ChatPage, url: str, out: Path) -> None:
+    """The conversation opened on a phone (the same owner) while a reply runs: the reply
+    whole, from its first word."""
+    await chat.send(THIRD)
+    await chat.wait_words(12)
+    phone = await browser.new_context(
+        **PHONE_DEVICE, color_scheme="dark", storage_state=await chat.owner_only()
+    )
+    page = await phone.new_page()
+    await page.goto(f"{url}/#{await chat.session_id()}")
+    await page.wait_for_function(
+        """() => [...document.querySelectorAll('li.msg.assistant .content')].at(-1)
+            ?.textContent.split(/\\s+/).filter(Boolean).length >= 16"""
+    )
+    await page.screenshot(path=str(out / "chat-resumed-phone.png"))
+    await phone.close()
 
 
 def main() -> None:

@@ -3,11 +3,14 @@ ids, logprobs and usage come from the engine; a few short generations, several c
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
 from huggingface_hub import AsyncInferenceClient, InferenceClient
 
+from engine.model import default_model_dir
 from tests.support.sse import parse
 from tests.support.stack import VllmStack
 
@@ -138,6 +141,38 @@ async def test_sampling_parameters_reach_the_engine(vllm_stack: VllmStack) -> No
         assert await text(temperature=1.0, seed=1234, top_k=1) == greedy
         assert await text(temperature=1.0, seed=1234, top_p=1e-6) == greedy
         assert await text(temperature=1.0, seed=4321) != sampled
+    finally:
+        await client.close()
+
+
+async def test_fields_left_unset_take_the_models_recommended_sampling(
+    vllm_stack: VllmStack,
+) -> None:
+    """The bundled model's folder recommends its authors' temperature 0.2 and top_p 0.9
+    (generation_config.json, engine/model.py): a request that sets neither samples with
+    them, as vLLM's own server does, where it sampled at OpenAI's temperature 1 (word
+    salad from a 135M model); what a request sets wins. Seeded: deterministic."""
+    folder = json.loads((default_model_dir() / "generation_config.json").read_text())
+    assert (folder["temperature"], folder["top_p"]) == (0.2, 0.9)
+    client = openai.AsyncOpenAI(
+        base_url=f"{vllm_stack.gateway.url}/v1", api_key="unused", max_retries=0
+    )
+
+    async def text(**params: object) -> str:
+        answer = await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Write two sentences about the sea."}],
+            max_tokens=40,
+            seed=1234,
+            **params,  # type: ignore[arg-type]
+        )
+        return answer.choices[0].message.content or ""
+
+    try:
+        unset = await text()
+        print(f"\nleft to the model: {unset!r}\nat temperature 1: {await text(temperature=1.0)!r}")
+        assert unset == await text(temperature=0.2, top_p=0.9)
+        assert unset != await text(temperature=1.0, top_p=1.0)
     finally:
         await client.close()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -239,6 +240,7 @@ async def test_a_generation_cancelled_while_queued_never_reaches_the_engine(
 
     # The worker took the cancelled request off the queue when a slot freed, and skipped it.
     redis = async_client(engine.stack.redis_url)
+    group: dict[str, Any] = {}
     try:
         async with asyncio.timeout(30):
             while True:
@@ -247,6 +249,11 @@ async def test_a_generation_cancelled_while_queued_never_reaches_the_engine(
                 if group["lag"] == 0 and group["pending"] == 0:
                     break
                 await asyncio.sleep(0.1)
+    except TimeoutError:
+        pytest.fail(
+            f"the queue still holds requests 30 s on: {group}; the worker's last log "
+            f"lines:\n{engine.worker_log_tail()}"
+        )
     finally:
         await redis.aclose()
     events = await stream_events(engine.stack.redis_url, engine.stack.prefix, queued.session_id)

@@ -98,6 +98,44 @@ async def test_a_generation_nobody_reads_is_abandoned_after_a_short_grace(
         await nothing_after_the_final(engine, session.session_id, gid)
 
 
+PROMPT_TOKENS = "tokenspout_engine_prompt_tokens_total"
+CACHED_TOKENS = "tokenspout_engine_prompt_cached_tokens_total"
+LARGEST_BLOCK = 128
+"""vLLM's KV cache block on a CPU (16 on a GPU, and in the synthetic engine): its prefix
+cache holds whole blocks, so up to one block of a repeated beginning is computed again."""
+
+
+async def test_the_workers_metrics_count_the_prompt_tokens_the_engine_found_in_its_cache(
+    engine: EngineUnderTest,
+) -> None:
+    def counted() -> tuple[float, float]:
+        labels = {"model": engine.model}
+        return engine.metric(PROMPT_TOKENS, **labels), engine.metric(CACHED_TOKENS, **labels)
+
+    async def turn(message: str) -> tuple[int, float, float]:
+        """A turn to its end: its prompt's tokens, and the growth of both counters."""
+        before = counted()
+        gid = await send(client, session, message, max_tokens=8, **engine.sampling)
+        reading = await read_events(client, session, until_final_of=gid, timeout_s=300)
+        assert reading.final(gid).event == "done"
+        prompt = next(e.json() for e in reading.of(gid) if e.event == "started")["prompt_tokens"]
+        after = counted()
+        return prompt, after[0] - before[0], after[1] - before[1]
+
+    history = " ".join(
+        f"Line {n} of the log says the pump ran at {n * 7} litres." for n in range(30)
+    )
+    async with httpx.AsyncClient(timeout=60) as client:
+        session = await create_session(client, engine.url)
+        first, prompted, _ = await turn(history)
+        assert first > 2 * LARGEST_BLOCK and prompted == first
+        second, prompted, cached = await turn("And the last line?")
+    assert prompted == second
+    # The second prompt begins with the first one and its reply: the engine computed again
+    # at most their last partial block, and at least the new question's tokens.
+    assert first - LARGEST_BLOCK <= cached <= second - 1, (first, second, cached)
+
+
 async def token_count_after(events: AsyncIterator[Event], count: int) -> int:
     """Read up to the first token event whose count reaches ``count``; its count."""
     async for event in events:

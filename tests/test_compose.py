@@ -30,6 +30,7 @@ from engine.__main__ import build_parser as engine_parser
 from engine.backends import vllm_api
 from gateway.__main__ import parser as gateway_parser
 from gateway.core.settings import Settings, env_name
+from wire.tracing import ENVIRONMENT as TRACING_ENVIRONMENT
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = json.loads((ROOT / "tests" / "data" / "compose-spec.json").read_text())
@@ -37,6 +38,8 @@ SCHEMA = json.loads((ROOT / "tests" / "data" / "compose-spec.json").read_text())
 # the canonical URI jsonschema looks up, so the dialect is named here.
 VALIDATOR = jsonschema.Draft201909Validator
 GATEWAY_ENV = {env_name(field) for field in Settings.__struct_fields__}
+TRACING_ENV = set(TRACING_ENVIRONMENT)
+"""OpenTelemetry's variables, which the gateway and the worker read alike (wire/tracing.py)."""
 COMPOSE_ONLY = {"COMPOSE_PROFILES"}
 _VARIABLE = re.compile(r"\$\{([A-Z0-9_]+)(?::?-([^}]*))?\}")
 
@@ -133,7 +136,7 @@ def test_the_gateway_command_and_environment_are_ones_the_gateway_accepts() -> N
     args = parse_with(gateway_parser(), module_args(command_of(gateway), "gateway"))
     assert args.host == "0.0.0.0"
     environment = environment_of(gateway)
-    assert set(environment) <= GATEWAY_ENV, set(environment) - GATEWAY_ENV
+    assert set(environment) <= GATEWAY_ENV | TRACING_ENV, set(environment) - GATEWAY_ENV
     settings = Settings.from_env(environment)  # raises on a value of the wrong type
     assert settings.redis_url.startswith("redis://redis:")
     assert seconds(gateway["stop_grace_period"]) > settings.shutdown_grace_s
@@ -147,9 +150,8 @@ def test_every_engine_command_and_environment_is_one_the_engine_accepts() -> Non
         assert args.metrics_port == 9100, name
         assert args.drain_s > 0, name
         environment = environment_of(engine)
-        assert set(environment) <= set(ENGINE_ENVIRONMENT), set(environment) - set(
-            ENGINE_ENVIRONMENT
-        )
+        known = set(ENGINE_ENVIRONMENT) | TRACING_ENV
+        assert set(environment) <= known, set(environment) - known
         assert (
             environment["TOKENSPOUT_KEY_PREFIX"]
             == environment_of(services()["gateway"])["TOKENSPOUT_KEY_PREFIX"]
@@ -164,7 +166,7 @@ def test_every_variable_compose_reads_is_a_gateway_or_engine_variable_or_documen
     used = set(_VARIABLE.findall(text))
     names = {name for name, _ in used}
     doc = (ROOT / "docs" / "configuration.md").read_text()
-    for name in names - GATEWAY_ENV - set(ENGINE_ENVIRONMENT):
+    for name in names - GATEWAY_ENV - set(ENGINE_ENVIRONMENT) - TRACING_ENV:
         assert f"| `{name}` |" in doc, f"{name} is neither read by the code nor documented"
 
 
@@ -288,6 +290,37 @@ def test_a_plain_up_runs_the_cpu_engine_and_compose_profiles_gpu_the_gpu_engine(
     assert resolved_services() == core | {"engine-cpu"}
     assert resolved_services(COMPOSE_PROFILES="gpu") == core | {"engine"}
     assert resolved_services(COMPOSE_PROFILES="cpu") == core | {"engine-cpu"}
+    watched = resolved_services(COMPOSE_PROFILES="cpu,monitoring")
+    assert watched == core | {"engine-cpu", "prometheus", "grafana"}
+
+
+def test_the_monitoring_profile_scrapes_every_gateway_and_engine_with_the_rules() -> None:
+    """Prometheus finds every replica of the gateway and of either engine by the names
+    compose's DNS gives them, on the ports they serve /metrics on, with the rules mounted
+    where its config reads them; Grafana gets it as its data source and the dashboard."""
+    prometheus, grafana = services()["prometheus"], services()["grafana"]
+    assert prometheus["profiles"] == grafana["profiles"] == ["monitoring"]
+    mounts = dict(volume.rsplit(":", 2)[:2] for volume in prometheus["volumes"][:2])
+    for source in mounts:
+        assert (ROOT / source).is_file(), source
+    config = yaml.safe_load((ROOT / "monitoring/prometheus/prometheus.yml").read_text())
+    assert config["rule_files"] == [mounts["./monitoring/prometheus/rules.yml"]]
+    assert mounts["./monitoring/prometheus/prometheus.yml"] == "/etc/prometheus/prometheus.yml"
+    sd = {job["job_name"]: job["dns_sd_configs"][0] for job in config["scrape_configs"]}
+    assert sd["tokenspout-gateway"]["names"] == ["gateway"]
+    assert str(sd["tokenspout-gateway"]["port"]) in services()["gateway"]["expose"]
+    assert set(sd["tokenspout-engine"]["names"]) == set(engines())
+    for engine in engines().values():
+        args = parse_with(engine_parser(), module_args(command_of(engine), "engine"))
+        assert args.metrics_port == sd["tokenspout-engine"]["port"]
+    assert "--enable-feature=exemplar-storage" in prometheus["command"]
+    provisioning = ROOT / "monitoring/grafana/provisioning"
+    assert "./monitoring/grafana/provisioning:/etc/grafana/provisioning:ro" in grafana["volumes"]
+    source = yaml.safe_load((provisioning / "datasources/prometheus.yml").read_text())
+    assert source["datasources"][0]["url"] == "http://prometheus:9090"
+    dashboard = json.loads((ROOT / "monitoring/grafana/dashboards/tokenspout.json").read_text())
+    uids = {t["datasource"]["uid"] for p in dashboard["panels"] for t in p.get("targets", [])}
+    assert uids == {source["datasources"][0]["uid"]}
 
 
 def test_redis_is_pinned_persistent_and_health_checked() -> None:

@@ -270,6 +270,111 @@ async def test_continue_extends_the_last_reply_as_one_longer_reply(
     )
 
 
+async def view(client: httpx.AsyncClient, session: Session) -> dict[str, Any]:
+    response = await client.get(f"/v1/sessions/{session.session_id}")
+    assert response.status_code == 200, response.text
+    body: dict[str, Any] = response.json()
+    return body
+
+
+def ending(record: dict[str, Any]) -> tuple[int, str, str]:
+    """A reply record's place, final event and how it ended."""
+    final = record["final"]
+    how = final.get("finish_reason") or final.get("reason") or final.get("code")
+    return record["at"], final["type"], how
+
+
+async def test_each_replys_ending_is_kept_with_the_conversation(
+    browser: httpx.AsyncClient,
+) -> None:
+    """GET answers how each reply ended, at its message's index (a reply that left no
+    message: one past the last), with its model, tokens and time: what a page shows under
+    it after a reload. A reply that failed is over once the next message comes."""
+    session = await create(browser, max_tokens=3)
+    await turn(browser, session, "messages", content="to the limit")
+    await turn(browser, session, "messages", content="then [[fail:1]] fails")
+    record = await view(browser, session)
+    assert [ending(r) for r in record["replies"]] == [
+        (1, "done", "length"),
+        (3, "error", "engine_error"),  # no message of its own: len(messages) == 3
+    ]
+    first = record["replies"][0]
+    assert first["model"] == "synthetic" and first["turn"] == ""
+    assert first["final"]["usage"]["completion_tokens"] == 3 and first["seconds"] > 0
+    assert record["running"] is None and record["last_event_id"]
+    stopped = await browser.post(
+        f"/v1/sessions/{session.session_id}/messages", json={"content": "[[stall]] stop me"}
+    )
+    gid = stopped.json()["generation_id"]
+    cancel = f"/v1/sessions/{session.session_id}/generations/{gid}/cancel"
+    assert (await browser.post(cancel)).status_code == 200
+    record = await view(browser, session)
+    assert [ending(r) for r in record["replies"]] == [
+        (1, "done", "length"),
+        (4, "cancelled", "user"),  # the failed one's record left with it
+    ]
+
+
+async def test_the_running_reply_is_named_with_where_its_events_begin(
+    browser: httpx.AsyncClient,
+) -> None:
+    """Read after ``running.after``, the stream gives the running reply from its first
+    event; the messages hold the question, not the reply yet."""
+    session = await create(browser)
+    await turn(browser, session, "messages", content="before", max_tokens=2)
+    path = f"/v1/sessions/{session.session_id}"
+    sent = await browser.post(f"{path}/messages", json={"content": "[[stall:5]] now"})
+    gid = sent.json()["generation_id"]
+    record = await view(browser, session)
+    assert record["running"]["generation_id"] == gid and record["running"]["turn"] == ""
+    assert [m["content"] for m in record["messages"]][-1] == "[[stall:5]] now"
+    reading = await read_events(
+        browser, session, until_event="token", last_event_id=record["running"]["after"]
+    )
+    assert [(e.event, e.json()["generation_id"]) for e in reading.events][:2] == [
+        ("queued", gid),
+        ("started", gid),
+    ]
+    await browser.post(f"{path}/generations/{gid}/cancel")
+
+
+async def test_regenerate_and_edit_keep_what_they_replaced_and_the_title_follows(
+    browser: httpx.AsyncClient,
+) -> None:
+    """A regenerate keeps the reply it replaces as an earlier version of its message, an
+    edit the edited message and all after it; a version of a branch an edit cut goes with
+    it. The title follows an edited first message, unless a person gave it."""
+    session = await create(browser, max_tokens=2)
+    await turn(browser, session, "messages", content="first words")
+    await turn(browser, session, "continue", max_tokens=2)
+    await turn(browser, session, "regenerate")
+    record = await view(browser, session)
+    assert [(v["at"], v["turn"]) for v in record["versions"]] == [(1, "regenerate")]
+    earlier = record["versions"][0]
+    assert earlier["messages"] == [
+        {"role": "assistant", "content": synthetic_text("first words", 4)}
+    ]
+    assert [ending(r) for r in earlier["replies"]] == [(1, "done", "length")]
+    assert earlier["replies"][0]["turn"] == "continue"
+    assert record["title"] == "first words"
+
+    await turn(browser, session, "messages", content="first, edited", edit=0)
+    record = await view(browser, session)
+    assert record["title"] == "first, edited"
+    assert [(v["at"], v["turn"]) for v in record["versions"]] == [(0, "edit 0")]
+    assert [m["content"] for m in record["versions"][0]["messages"]] == [
+        "first words",
+        synthetic_text("first words", 2),
+    ]
+    assert [ending(r) for r in record["replies"]] == [(1, "done", "length")]
+
+    path = f"/v1/sessions/{session.session_id}"
+    assert (await browser.patch(path, json={"title": "Named"})).status_code == 200
+    await turn(browser, session, "messages", content="edited again", edit=0)
+    record = await view(browser, session)
+    assert record["title"] == "Named" and len(record["versions"]) == 2
+
+
 async def test_a_websocket_turn_on_a_conversation_keeps_its_own_sampling_fields(
     browser: httpx.AsyncClient, gateway: Gateway
 ) -> None:

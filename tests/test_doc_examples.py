@@ -35,6 +35,9 @@ STREAM_LIMIT_S = 90
 stopped, as a person would stop it once the reply has ended: it is stopped when it has
 shown the reply's end (``event: done``), and fails if it has not within this long."""
 STREAM_END = "event: done"
+ENDS_ITSELF = "until="
+"""A stream asked to end after one reply (``events?until=<generation_id>``): the example
+must end by itself, its reply's end shown, within ``STREAM_LIMIT_S``."""
 SAYS = {"hf.chat_completion(": "Paris"}
 """What an example whose code holds the key must print: a first output that looks right
 (greedy, so the same every run), where the README's first huggingface_hub example printed
@@ -84,7 +87,9 @@ def test_the_example_runs_as_written(
         returncode, printed, errors = done.returncode, done.stdout, done.stderr
     else:
         stopped, returncode, printed, errors = run_shell(code, tmp_path)
-        if stopped:  # an endless event stream, stopped once it showed the reply's end
+        if ENDS_ITSELF in code:
+            assert not stopped and STREAM_END in printed, f"{where}:\n{printed}{errors}"
+        elif stopped:  # an endless event stream, stopped once it showed the reply's end
             return
     assert returncode == 0, f"{where} failed:\n{printed}{errors}"
     assert printed.strip(), f"{where} printed nothing"
@@ -97,14 +102,14 @@ def test_the_example_runs_as_written(
 def run_shell(code: str, cwd: Path) -> tuple[bool, int, str, str]:
     """Run a shell example: whether it was stopped at its stream's end (it reads on until
     stopped), its exit status, its stdout and its stderr. Fails if it neither ends nor shows
-    its stream's end within ``STREAM_LIMIT_S``."""
+    its stream's end (one that asks to end by itself: ends) within ``STREAM_LIMIT_S``."""
     with tempfile.TemporaryFile("w+") as errors:
-        stopped, returncode, printed = _follow(code, cwd, errors)
+        stopped, returncode, printed = _follow(code, cwd, errors, ENDS_ITSELF not in code)
         errors.seek(0)
         return stopped, returncode, printed, errors.read()
 
 
-def _follow(code: str, cwd: Path, errors: IO[str]) -> tuple[bool, int, str]:
+def _follow(code: str, cwd: Path, errors: IO[str], stop_at_end: bool) -> tuple[bool, int, str]:
     process = subprocess.Popen(
         ["bash", "-euo", "pipefail", "-c", code],
         stdout=subprocess.PIPE,
@@ -122,7 +127,7 @@ def _follow(code: str, cwd: Path, errors: IO[str]) -> tuple[bool, int, str]:
     try:
         while (line := lines.get(timeout=max(0.0, deadline - time.monotonic()))) is not None:
             shown.append(line)
-            if line.startswith(STREAM_END):
+            if stop_at_end and line.startswith(STREAM_END):
                 return True, 0, "".join(shown)
     except queue.Empty:
         pytest.fail(f"the stream showed no end in {STREAM_LIMIT_S} s:\n{''.join(shown)}")

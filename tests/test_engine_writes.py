@@ -266,13 +266,27 @@ async def test_a_write_that_skips_sequence_numbers_ends_the_generation_events_lo
     kinds = await events(sid)
     assert [kind for kind, _data in kinds] == [b"started", b"error"]
     assert kinds[-1][1]["code"] == "events_lost" and kinds[-1][1]["generation_id"] == gid
+    # It bills what a reader can still read: the prompt, none of the lost tokens.
+    assert kinds[-1][1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 0}
     assert await redis.hget(keys.generation(sid, gid), "state") == b"error"
     assert await write(sid, Token(gid, "d", 4), 5) is None  # ended: nothing after
     assert await write(sid, Started(gid, "m", 3), 1) == started  # a retry is still a retry
 
     lost_claim_sid, lost_claim_gid = await queued_generation(redis, keys)
     assert await write(lost_claim_sid, Token(lost_claim_gid, "a", 1), 2) is None
-    assert [kind for kind, _data in await events(lost_claim_sid)] == [b"error"]
+    ((kind, lost_claim),) = await events(lost_claim_sid)
+    assert kind == b"error" and lost_claim["usage"] == {"prompt_tokens": 0, "completion_tokens": 0}
+
+    # Redis kept some of its tokens: their count is billed.
+    kept_sid, kept_gid = await queued_generation(redis, keys)
+    await write(kept_sid, Started(kept_gid, "m", 5), 1)
+    await write(kept_sid, Token(kept_gid, "a", 1), 2)
+    await write(kept_sid, Token(kept_gid, "bc", 3, token_ids=[7, 8]), 3)
+    await redis.hset(keys.generation(kept_sid, kept_gid), "seq", 2)  # as if one more came
+    assert await write(kept_sid, Token(kept_gid, "d", 5), 5) is None
+    _kind, kept = (await events(kept_sid))[-1]
+    assert kept["code"] == "events_lost"
+    assert kept["usage"] == {"prompt_tokens": 5, "completion_tokens": 3}
 
     taken_sid, taken_gid = await queued_generation(redis, keys)
     await redis.hset(keys.generation(taken_sid, taken_gid), "takeovers", 1)  # epoch 1 now
@@ -303,6 +317,9 @@ async def test_a_reply_whose_events_redis_lost_ends_with_a_clear_error(stack: St
         await asyncio.wait_for(asyncio.gather(*(f.task for f in followers if f.task)), 60)
     lost = check_reply(followers[0].reading.events, gids[0], content, max_tokens)
     assert lost["code"] == "events_lost", lost
+    streamed = [e.json() for e in followers[0].reading.of(gids[0]) if e.event == "token"]
+    assert lost["usage"]["completion_tokens"] == streamed[-1]["count"] > 0, lost
+    assert lost["usage"]["prompt_tokens"] > 0, lost
     assert check_reply(followers[1].reading.events, gids[1], content, max_tokens)["usage"]
 
 

@@ -76,6 +76,23 @@ async def test_random_reconnects_lose_and_repeat_nothing(stack: Stack) -> None:
     print(f"\nreconnects: {checked} events checked over 10 sessions, 0 lost, 0 repeated")
 
 
+async def resume_until_an_event(
+    client: httpx.AsyncClient, session: Session, gid: str, before: Reading
+) -> tuple[asyncio.Task[Reading], Reading]:
+    """A reader resuming ``session`` after ``before``'s last event, until ``gid`` ends (the
+    task), once its first event is in (the reading)."""
+    after = Reading()
+    reader = asyncio.create_task(
+        read_events(
+            client, session, until_final_of=gid, last_event_id=before.events[-1].id, reading=after
+        )
+    )
+    while not after.events:
+        assert not reader.done(), "the resumed stream ended before its first event"
+        await asyncio.sleep(0.005)
+    return reader, after
+
+
 async def test_a_gateway_killed_mid_stream_is_resumed_on_another(stack: Stack) -> None:
     """Guarantee 2: the gateway holds no state. SIGKILL it while a client's stream is open
     and mid-generation; the client resumes on another gateway with no gap, no duplicate."""
@@ -99,18 +116,7 @@ async def test_a_gateway_killed_mid_stream_is_resumed_on_another(stack: Stack) -
             await reader  # the stream was open when the gateway died
         assert not any(e.event in {"done", "error"} for e in before.events), "not mid-stream"
         moved = Session(other.url, session.session_id, session.token)
-        after = Reading()
-        resumed = asyncio.create_task(
-            read_events(
-                client,
-                moved,
-                until_final_of=generation,
-                last_event_id=before.events[-1].id,
-                reading=after,
-            )
-        )
-        while not after.events:
-            await asyncio.sleep(0.005)
+        resumed, after = await resume_until_an_event(client, moved, generation, before)
         print(
             f"\ngateway killed -> next event on another gateway after "
             f"{time.monotonic() - killed_at:.2f} s ({len(before.events)} events before)"
@@ -122,6 +128,33 @@ async def test_a_gateway_killed_mid_stream_is_resumed_on_another(stack: Stack) -
         assert ids == sorted(set(ids)), "events repeated or out of order"
         text = before.text(generation) + after.text(generation)
         assert text == synthetic_text(content, max_tokens)
+
+
+async def test_a_reader_come_back_through_another_gateway_marks_its_session_read_at_once(
+    stack: Stack,
+) -> None:
+    """A generation is abandoned no sooner than the grace after its last reader left: a
+    reader that comes back through another gateway counts from the moment it does, not
+    from that gateway's next refresh of its watch marks (up to a third of the grace later,
+    by when the mark of the gateway it left may be gone). Here that mark is gone."""
+    stack.synthetic(tokens_per_s=20)
+    first, second = stack.gateway(), stack.gateway()
+    redis = aioredis.Redis.from_url(stack.redis_url)
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            session = await create_session(client, first.url)
+            gid = await send(client, session, "come back", max_tokens=60)
+            before = await read_events(client, session, limit=4, timeout_s=20)
+            watch = Keys(stack.prefix).watch(session.session_id)
+            await redis.delete(watch)  # the first gateway's mark ran out
+            moved = Session(second.url, session.session_id, session.token)
+            reader, after = await resume_until_an_event(client, moved, gid, before)
+            assert await redis.exists(watch), "the reader on the second gateway went unmarked"
+            await reader
+        assert after.final(gid).event == "done", after.final(gid)
+        assert before.text(gid) + after.text(gid) == synthetic_text("come back", 60)
+    finally:
+        await redis.aclose()
 
 
 WORKER_TIMEOUT_S = 2.0

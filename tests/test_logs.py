@@ -4,6 +4,7 @@ the ids that tie a request to its generation, and never a message's or a reply's
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import time
@@ -13,6 +14,7 @@ import httpx
 import pytest
 
 from tests.support.http import create_session, read_events, send
+from tests.support.otlp import OtlpReceiver
 from tests.support.stack import Stack, VllmStack
 from wire.logs import KeyValueFormatter
 
@@ -65,8 +67,11 @@ async def test_info_logs_carry_ids_one_line_per_event_and_never_the_text(stack: 
             assert word not in line, line
     assert_structured(gateway_lines + engine_lines)
 
-    queued = [fields(line) for line in gateway_lines if "msg='generation queued'" in line]
-    assert queued == [{**queued[0], "session_id": session.session_id, "generation_id": generation}]
+    # One line per generation at INFO on each side, at its end: its queueing is DEBUG.
+    assert not [line for line in gateway_lines if "msg='generation queued'" in line]
+    ends = [fields(line) for line in gateway_lines if "msg='generation ended'" in line]
+    assert ends == [{**ends[0], "session_id": session.session_id, "generation_id": generation}]
+    assert ends[0]["state"] == "done" and ends[0]["completion_tokens"] == "12"
     requests = [fields(line) for line in gateway_lines if "msg='request'" in line]
     posted = [r for r in requests if r["route"] == "/v1/sessions/{session_id}/messages"]
     assert len(posted) == 1 and posted[0]["status"] == "202"
@@ -80,6 +85,49 @@ async def test_info_logs_carry_ids_one_line_per_event_and_never_the_text(stack: 
     assert ended[0]["completion_tokens"] == "12" and int(ended[0]["prompt_tokens"]) > 0
     # One line per generation at INFO, at its end: its start is a DEBUG line.
     assert not [line for line in engine_lines if "msg='generation started'" in line]
+
+
+@pytest.mark.timeout(120)
+async def test_json_lines_one_per_request_end_on_each_side_carry_the_trace_id(
+    stack: Stack,
+) -> None:
+    """``TOKENSPOUT_LOG_FORMAT=json`` with tracing on: every line a JSON object; the
+    caller's trace id on the gateway's lines about the request, the worker's and each
+    side's one line at the generation's end (its ids, key, model, tokens, TTFT, duration
+    and outcome)."""
+    traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    with OtlpReceiver() as receiver:
+        env = {"TOKENSPOUT_LOG_FORMAT": "json"}
+        stack.synthetic(200, **env, **receiver.env("tokenspout-engine"))
+        gateway = stack.gateway(**env, **receiver.env("tokenspout-gateway"))
+        async with httpx.AsyncClient(timeout=30) as client:
+            body = {
+                "model": "synthetic",
+                "messages": [{"role": "user", "content": SECRET}],
+                "max_tokens": 6,
+            }
+            headers = {"traceparent": traceparent}
+            response = await client.post(
+                f"{gateway.url}/v1/chat/completions", json=body, headers=headers
+            )
+            assert response.status_code == 200
+    stack.stop()
+    gateway_lines = [json.loads(line) for line in log_lines(stack.logs, "gateway")]
+    engine_lines = [json.loads(line) for line in log_lines(stack.logs, "engine")]
+    for line in gateway_lines + engine_lines:
+        assert {"ts", "level", "service", "logger", "msg"} <= set(line), line
+        assert "periwinkle" not in json.dumps(line), line
+    trace_id = traceparent[3:35]
+    (request,) = [line for line in gateway_lines if line["msg"] == "request"]
+    assert request["route"] == "/v1/chat/completions" and request["trace_id"] == trace_id
+    for side, lines in (("gateway", gateway_lines), ("engine", engine_lines)):
+        (end,) = [line for line in lines if line["msg"] == "generation ended"]
+        assert end["trace_id"] == trace_id, side
+        assert end["model"] == "synthetic" and end["tenant"] == "anonymous", side
+        assert end["completion_tokens"] == 6 and end["prompt_tokens"] > 0, side
+        assert end["state"] == "done", side
+        assert end["reason"] == "length", side
+        assert 0 < end["ttft_ms"] <= end["duration_ms"], side
 
 
 def test_the_formatter_quotes_values_with_spaces_and_drops_uvicorns_colour_copy() -> None:

@@ -66,7 +66,8 @@ async def talk_to(base: str) -> None:
 
 
 def make_run(port: int, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    """``python -m stack`` with the synthetic engine on ``port``, its output in ``log``."""
+    """``python -m stack`` with the synthetic engine on ``port``, its output in ``log``, the
+    file that says where its Redis is beside it (not the user's, in ~/.cache)."""
     with log.open("wb") as out:
         return subprocess.Popen(
             [
@@ -74,10 +75,28 @@ def make_run(port: int, env: dict[str, str], log: Path) -> subprocess.Popen[byte
                 *("--port", str(port), "--grpc-port", str(free_port())),
             ],
             cwd=ROOT,
-            env={**env, "PYTHONPATH": str(ROOT)},
+            env={**env, "PYTHONPATH": str(ROOT), "TOKENSPOUT_STACK_ENV": str(stack_env(log))},
             stdout=out,
             stderr=subprocess.STDOUT,
         )
+
+
+def stack_env(log: Path) -> Path:
+    return log.with_name("stack.env")
+
+
+def keys_cli(log: Path) -> subprocess.CompletedProcess[str]:
+    """``python -m gateway keys list`` as a person types it after make run: no REDIS_URL."""
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    return subprocess.run(
+        [sys.executable, "-m", "gateway", "keys", "list"],
+        cwd=ROOT,
+        env={**env, "PYTHONPATH": str(ROOT), "TOKENSPOUT_STACK_ENV": str(stack_env(log))},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 def wait_for_line(stack: subprocess.Popen[bytes], log: Path, text: str) -> None:
@@ -107,6 +126,8 @@ def test_make_run_serves_and_ctrl_c_leaves_nothing_behind(tmp_path: Path) -> Non
         assert sessions_of(leaders) >= leaders
 
         asyncio.run(talk_to(f"http://127.0.0.1:{port}"))
+        the_keys_cli_finds_its_redis(log, redis_port)
+        a_second_make_run_fails_at_once_naming_the_holder(port, env, tmp_path)
 
         stack.send_signal(signal.SIGINT)  # what Ctrl-C sends to the foreground process
         assert stack.wait(timeout=60) == 0, log.read_text()
@@ -118,6 +139,35 @@ def test_make_run_serves_and_ctrl_c_leaves_nothing_behind(tmp_path: Path) -> Non
     assert not port_open(port) and not port_open(redis_port)
     assert not redis_dir.exists(), "the embedded Redis left its folder behind"
     assert "[tokenspout] stopped" in log.read_text()
+    assert not stack_env(log).exists(), "make run left its Redis's address behind"
+    gone = keys_cli(log)
+    assert gone.returncode == 1 and "REDIS_URL" in gone.stderr, gone.stderr
+
+
+def the_keys_cli_finds_its_redis(log: Path, redis_port: int) -> None:
+    """The banner says where its Redis is, and the keys CLI finds it with no REDIS_URL."""
+    assert f"REDIS_URL=redis://127.0.0.1:{redis_port}/0 is in {stack_env(log)}" in log.read_text()
+    listed = keys_cli(log)
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.strip().startswith("{") and '"keys": []' in listed.stdout
+
+
+def a_second_make_run_fails_at_once_naming_the_holder(
+    port: int, env: dict[str, str], tmp_path: Path
+) -> None:
+    """One line naming the process on the port, within seconds, and nothing started: no
+    traceback, no 'still loading' while the first one answers its health checks."""
+    (tmp_path / "second").mkdir()
+    log = tmp_path / "second" / "stack.log"
+    began = time.monotonic()
+    second = make_run(port, env, log)
+    assert second.wait(timeout=30) == 1
+    took = time.monotonic() - began
+    lines = log.read_text().splitlines()
+    assert len(lines) == 1 and f"HTTP port {port} is taken by pid " in lines[0], lines
+    assert "python -m gateway" in lines[0] and "PORT=" in lines[0], lines
+    assert not stack_env(log).exists()
+    print(f"\na second make run on port {port}: exit 1 in {took:.1f} s: {lines[0]}")
 
 
 def test_ctrl_c_while_it_starts_stops_it_and_leaves_nothing_behind(tmp_path: Path) -> None:

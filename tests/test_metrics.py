@@ -141,14 +141,19 @@ async def test_metrics_count_a_finished_and_a_cancelled_generation_on_gateway_an
     assert value(g, "tokenspout_gateway_generations_submitted_total") == 2
     assert value(g, "tokenspout_gateway_generations_ended_total", type="done") == 1
     assert value(g, "tokenspout_gateway_generations_ended_total", type="cancelled") == 1
-    assert value(g, "tokenspout_gateway_time_to_first_token_seconds_count") == 2
+    # per model and key (sessions made without a key serve "anonymous")
+    served = {"model": "synthetic", "tenant": "anonymous"}
+    assert value(g, "tokenspout_gateway_time_to_first_token_seconds_count", **served) == 2
+    assert value(g, "tokenspout_gateway_queue_wait_seconds_count", **served) == 2
     gaps = (tokens[finished] - 1) + (tokens[cancelled] - 1)
-    assert value(g, "tokenspout_gateway_inter_token_seconds_count") == gaps
-    assert value(g, "tokenspout_gateway_inter_token_seconds_sum") > 0
+    assert value(g, "tokenspout_gateway_inter_token_seconds_count", **served) == gaps
+    assert value(g, "tokenspout_gateway_inter_token_seconds_sum", **served) > 0
     assert value(g, "tokenspout_gateway_cancel_to_stop_seconds_count") == 1
     assert value(g, "tokenspout_gateway_abandoned_generations_total") == 0
     assert value(g, "tokenspout_gateway_generations_queued") == 0
     assert value(g, "tokenspout_gateway_generations_running") == 0
+    assert value(g, "tokenspout_gateway_model_workers", model="synthetic") == 1
+    assert value(g, "tokenspout_gateway_redis_up") == 1
 
     # engine: what it published, cancelled and wasted
     assert value(e, "tokenspout_engine_tokens_total") == tokens[finished] + tokens[cancelled]
@@ -158,12 +163,12 @@ async def test_metrics_count_a_finished_and_a_cancelled_generation_on_gateway_an
     # The cancel's final event is written before the engine is told to abort: at most the
     # one token already in flight is made after it (a broken abort would waste ~390).
     assert value(e, "tokenspout_engine_tokens_after_cancel_total") <= 1
-    assert value(e, "tokenspout_engine_time_to_first_token_seconds_count") == 2
+    assert value(e, "tokenspout_engine_time_to_first_token_seconds_count", **served) == 2
     # The engine's own part of it (preparing, the first step) is part of that wait.
     assert value(e, "tokenspout_engine_own_time_to_first_token_seconds_count") == 2
     own = value(e, "tokenspout_engine_own_time_to_first_token_seconds_sum")
-    assert 0 < own < value(e, "tokenspout_engine_time_to_first_token_seconds_sum")
-    assert value(e, "tokenspout_engine_queue_wait_seconds_count") == 2
+    assert 0 < own < value(e, "tokenspout_engine_time_to_first_token_seconds_sum", **served)
+    assert value(e, "tokenspout_engine_queue_wait_seconds_count", **served) == 2
     assert value(e, "tokenspout_engine_cancel_to_final_seconds_count") == 1
     assert value(e, "tokenspout_engine_generations_running") == 0
     assert value(e, "tokenspout_engine_capacity") == 256

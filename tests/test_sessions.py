@@ -83,6 +83,38 @@ async def test_resume_from_any_event_id_replays_exactly_what_follows(stack: Stac
         assert {e.json()["generation_id"] for e in resumed.events} == {later}
 
 
+async def test_until_ends_the_stream_after_one_reply(stack: Stack) -> None:
+    """``?until=<generation_id>``: the stream ends after that generation's final event
+    (the README's ``curl -N`` returns); at once when the resume point is past it; 404 for
+    a generation the session does not have."""
+    stack.synthetic(tokens_per_s=100)
+    gateway = stack.gateway()
+    async with httpx.AsyncClient(timeout=30) as client:
+        session = await create_session(client, gateway.url)
+        first = await send(client, session, "one reply", max_tokens=5)
+
+        async def whole(**params: str) -> list[str]:
+            url, headers = session.events_url, session.headers
+            async with client.stream("GET", url, params=params, headers=headers) as response:
+                assert response.status_code == 200, await response.aread()
+                return [f"{e.event} {e.id}" async for e in parse(response.aiter_lines())]
+
+        ended = await asyncio.wait_for(whole(until=first), 20)  # ends by itself
+        assert [line.split()[0] for line in ended] == ["queued", "started", *["token"] * 5, "done"]
+        last = ended[-1].split()[1]
+        second = await send(client, session, "another", max_tokens=2)
+        # After the first's end, until=first ends at once; until=second gets its events.
+        assert await asyncio.wait_for(whole(until=first, last_event_id=last), 5) == []
+        following = await asyncio.wait_for(whole(until=second, last_event_id=last), 20)
+        assert [line.split()[0] for line in following][-1] == "done"
+        unknown = await client.get(
+            session.events_url, params={"until": "g_nobody"}, headers=session.headers
+        )
+        assert (
+            unknown.status_code == 404 and unknown.json()["error"]["code"] == "unknown_generation"
+        )
+
+
 async def test_a_stream_started_on_one_gateway_resumes_on_another(stack: Stack) -> None:
     stack.synthetic(tokens_per_s=50)
     first, second = stack.gateway(), stack.gateway()

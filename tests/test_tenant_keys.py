@@ -122,6 +122,7 @@ async def _refusals(client: httpx.AsyncClient, base: str, revoked: Key) -> None:
         ("POST", "/keys", {"name": "x", "limits": {"rpm": 1}}, ADMIN, 422, "invalid_request"),
         ("GET", "/keys/k_nobody", None, ADMIN, 404, "unknown_key"),
         ("PATCH", f"/keys/{revoked.id}", {"weight": 3}, ADMIN, 409, "key_revoked"),
+        ("DELETE", f"/keys/{revoked.id}", None, ADMIN, 409, "key_revoked"),
         ("GET", "/usage?key=k_nobody", None, ADMIN, 404, "unknown_key"),
         ("GET", "/usage?key=nobody", None, ADMIN, 404, "unknown_key"),
         ("GET", f"/usage?key={revoked.id}&granularity=week", None, ADMIN, 422, "invalid_request"),
@@ -136,11 +137,36 @@ async def _refusals(client: httpx.AsyncClient, base: str, revoked: Key) -> None:
         f"{base}/keys", json={"name": "x", "limits": {"rpm": 1}}, headers=ADMIN
     )
     assert "rpm" in unnamed.json()["error"]["message"]
+    await _wrong_types_and_model_names(client, base, revoked)
     week = await client.get(f"{base}/usage?key={revoked.id}&granularity=week", headers=ADMIN)
     assert week.json()["error"]["field"] == "granularity"
     # A revoked key's usage still answers (its record stays, for the books).
     kept = await client.get(f"{base}/usage", params={"key": revoked.id}, headers=ADMIN)
     assert kept.status_code == 200 and len(kept.json()["data"]) == 25  # a day by hour
+
+
+async def _wrong_types_and_model_names(client: httpx.AsyncClient, base: str, key: Key) -> None:
+    """JSON's own types only ("2" is no number: docs/api.md says a wrong type is 422), and a
+    model name whole (a space or a brace, which no served name has, is refused); nothing
+    refused is made or changed."""
+    before = (await client.get(f"{base}/keys", headers=ADMIN)).json()["keys"]
+    refused: list[tuple[str, str, dict[str, Any], str]] = [
+        ("POST", "/keys", {"name": "x", "weight": "2"}, "weight"),
+        ("POST", "/keys", {"name": "x", "limits": {"concurrent": "2"}}, "limits.concurrent"),
+        ("POST", "/keys", {"name": 7}, "name"),
+        ("POST", "/keys", {"name": "x", "models": ["Smol LM"]}, "models[0]"),
+        ("POST", "/keys", {"name": "x", "models": ["ok", "{tag}"]}, "models[1]"),
+        ("PATCH", f"/keys/{key.id}", {"weight": "2"}, "weight"),
+        ("PATCH", f"/keys/{key.id}", {"limits": {"tokens_per_day": "5"}}, "limits.tokens_per_day"),
+        ("PATCH", f"/keys/{key.id}", {"models": ["a b"]}, "models[0]"),
+    ]
+    for method, path, body, field in refused:
+        answer = await client.request(method, base + path, json=body, headers=ADMIN)
+        assert answer.status_code == 422, (body, answer.text)
+        error = answer.json()["error"]
+        assert (error["code"], error["field"]) == ("invalid_request", field), (body, error)
+        assert field in error["message"], error
+    assert (await client.get(f"{base}/keys", headers=ADMIN)).json()["keys"] == before
 
 
 async def test_without_an_admin_key_the_admin_api_is_off(stack: Stack) -> None:
@@ -182,6 +208,10 @@ async def test_the_cli_shares_the_store_with_a_running_gateway(stack: Stack) -> 
     assert unknown.returncode == 1 and "no key 'k_nobody'" in unknown.stderr
     wrong = cli(stack, "create", "bad", "--weight", "-1")
     assert wrong.returncode == 1 and "weight" in wrong.stderr
+    again = cli(stack, "revoke", key.id)
+    assert again.returncode == 1 and "revoked already" in again.stderr
+    spaced = cli(stack, "create", "bad", "--models", "Smol LM")
+    assert spaced.returncode == 1 and "models[0]" in spaced.stderr
 
 
 async def test_a_revoked_key_is_refused_by_every_replica_within_a_second(stack: Stack) -> None:

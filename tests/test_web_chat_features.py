@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from stack.redis_server import EmbeddedRedis
 from tests.support.browser import DESKTOP, PHONE, ChatPage
 from tests.support.oracle import synthetic_text
 from tests.support.redis_probes import async_client
-from tests.support.stack import Gateway, Stack
+from tests.support.stack import Gateway, Stack, synthetic_stack
 from wire import ChatMessage, Keys, encode
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(180)]
@@ -35,12 +34,10 @@ VIEWS = [
 def shared(
     redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Stack, Gateway]]:
-    stack = Stack(redis_server.url, f"web-{secrets.token_hex(4)}", tmp_path_factory.mktemp("w"))
-    try:
-        stack.synthetic(tokens_per_s=60)
-        yield stack, stack.gateway(TOKENSPOUT_MAX_MESSAGE_CHARS=str(MAX_CHARS))
-    finally:
-        stack.stop()
+    logs = tmp_path_factory.mktemp("w")
+    env = {"TOKENSPOUT_MAX_MESSAGE_CHARS": str(MAX_CHARS)}
+    with synthetic_stack(redis_server.url, logs, 60, **env) as shared:
+        yield shared
 
 
 @pytest.fixture(params=VIEWS)
@@ -167,22 +164,30 @@ async def test_another_tab_sees_a_running_reply_and_ends_with_all_of_it(
     await other.close()
 
 
-async def test_a_resume_point_redis_lost_shows_the_history_and_goes_on(chat: ChatPage) -> None:
-    """A tab whose place in the stream is ahead of it (Redis restarted without its data)
-    is told so by the gateway (``events_lost``): the page shows the saved history again,
-    says what happened, and the next reply streams as usual."""
+async def test_a_resume_point_redis_lost_shows_the_history_and_goes_on(
+    shared: tuple[Stack, Gateway], browser: Browser
+) -> None:
+    """Redis lost the session's events (a restart without its data) and the connection
+    broke: the page's place in the stream is ahead of it, the gateway says so
+    (``events_lost``), and the page shows the saved history again, says what happened, and
+    the next reply streams as usual."""
+    keep_sources = """window.__sources = [];
+    const Native = window.EventSource;
+    window.EventSource = class extends Native {
+        constructor(...args) { super(...args); window.__sources.push(this); }
+    };"""
+    chat = await ChatPage.open(browser, shared[1].url, max_tokens=4, init_script=keep_sources)
     page = chat.page
     await reply_done(chat, "before the loss")
-    session_id = await chat.session_id()
+    client = async_client(shared[0].redis_url)
+    try:
+        await client.delete(Keys(shared[0].prefix).events(await chat.session_id()))
+    finally:
+        await client.aclose()
     await page.evaluate(
-        """(id) => {
-        const runs = JSON.parse(sessionStorage.getItem("tokenspout.run.v1"));
-        runs[id] = { lastEventId: "99999999999999-0", running: null };
-        sessionStorage.setItem("tokenspout.run.v1", JSON.stringify(runs));
-    }""",
-        session_id,
+        """() => { const source = window.__sources.at(-1);
+                   source.close(); source.dispatchEvent(new Event("error")); }"""
     )
-    await page.reload()
     await page.wait_for_function(
         "() => document.getElementById('banner-text').textContent.includes('lost part')"
     )
@@ -192,6 +197,7 @@ async def test_a_resume_point_redis_lost_shows_the_history_and_goes_on(chat: Cha
     await reply_done(chat, "after the loss")
     assert await chat.user_texts() == ["before the loss", "after the loss"]
     assert await chat.reply_text() == synthetic_text("after the loss", 4)
+    assert chat.errors == []
 
 
 async def test_message_actions_continue_copy_regenerate_and_edit(
@@ -236,6 +242,126 @@ async def test_message_actions_continue_copy_regenerate_and_edit(
     assert await chat.reply_text() == synthetic_text("edited question", 4)
 
 
+async def test_earlier_versions_of_a_regenerated_or_edited_message_are_kept_and_browsable(
+    chat: ChatPage, shots: Path
+) -> None:
+    """As in ChatGPT and Open WebUI: "1 / 2" and its arrows under a regenerated reply or an
+    edited message show what it replaced, to read; the title follows an edited first
+    message; a reload keeps them (the server does)."""
+    page = chat.page
+    text = "tell me more"
+    await reply_done(chat, text)
+    await (await chat.action("Continue the reply")).click()
+    await chat.wait_reply_state("done")
+    await (await chat.action("Regenerate reply")).click()
+    await chat.wait_reply_state("done")
+    reply = page.locator("li.msg.assistant:not(.earlier)").last
+    await reply.locator(".page-of", has_text="2 / 2").wait_for()
+    await reply.get_by_role("button", name="Previous version").click()
+    earlier = page.locator("li.msg.assistant.earlier")
+    assert (await earlier.locator(".content").text_content() or "").strip() == synthetic_text(
+        text, 8
+    )
+    assert await earlier.locator(".page-of").text_content() == "1 / 2"
+    assert await reply.is_hidden()
+    await shoot(chat, shots, "versions")
+    await accessible(chat)
+    await earlier.get_by_role("button", name="Next version").click()
+    assert await earlier.count() == 0 and await reply.is_visible()
+    assert (await reply.locator(".content").text_content() or "").strip() == synthetic_text(text, 4)
+
+    user = page.locator("li.msg.user").first
+    await user.hover()
+    await user.get_by_role("button", name="Edit message").click()
+    await page.get_by_role("textbox", name="Edit your message").fill("what else?")
+    await page.keyboard.press("Enter")
+    await page.wait_for_function(
+        "() => document.querySelector('li.msg.user .content').textContent === 'what else?'"
+    )
+    await chat.wait_reply_state("done")
+    await page.wait_for_function(
+        "() => document.getElementById('chat-title').textContent === 'what else?'"
+    )
+    await page.reload()
+    await chat.wait_connected()
+    edited = page.locator("li.msg.user").first
+    await edited.locator(".page-of", has_text="2 / 2").wait_for()
+    await edited.get_by_role("button", name="Previous version").click()
+    assert await page.locator("li.msg.user.earlier .content").all_text_contents() == [text]
+    shown = await page.locator("li.msg.assistant.earlier .content").all_text_contents()
+    assert [t.strip() for t in shown] == [synthetic_text(text, 4)]
+    assert await page.text_content("#chat-title") == "what else?"
+
+
+async def test_new_chats_start_from_the_defaults_and_a_system_prompt_in_force_is_shown(
+    chat: ChatPage, shared: tuple[Stack, Gateway], shots: Path
+) -> None:
+    """A conversation's settings stay its own (a system prompt became every new chat's);
+    kept for new chats only when asked; one in force is said above the messages."""
+    page = chat.page
+    await page.click("#open-settings")
+    await page.keyboard.type("Talk like a pirate.")
+    await page.click("#settings-save")
+    note = page.locator("#system-note")
+    assert await note.is_visible()
+    assert await page.text_content("#system-text") == "Talk like a pirate."
+    await reply_done(chat, "ahoy")
+    await shoot(chat, shots, "system")
+    await accessible(chat)
+
+    async def new_chat_settings() -> tuple[str, bool]:
+        await page.keyboard.press("Control+Shift+O")
+        await page.wait_for_function("() => !location.hash && !document.querySelector('li.msg')")
+        await page.click("#open-settings")
+        settings = (
+            await page.input_value("#set-system"),
+            await page.is_checked("#set-temperature-default"),
+        )
+        return settings
+
+    assert await new_chat_settings() == ("", True)  # the documented defaults
+    await page.click("#settings-cancel")
+    assert await note.is_hidden()
+    await reply_done(chat, "count from one to three")
+    assert (await session_view(chat, shared))["system"] == ""
+
+    await page.click("#open-settings")
+    await page.fill("#set-system", "Be brief.")
+    await page.check("#set-for-new-chats")
+    await page.click("#settings-save")
+    assert await new_chat_settings() == ("Be brief.", True)
+    await page.click("#settings-cancel")
+    assert await page.text_content("#system-text") == "Be brief."
+    await reply_done(chat, "a kept default")
+    assert (await session_view(chat, shared))["system"] == "Be brief."
+
+
+async def session_view(chat: ChatPage, shared: tuple[Stack, Gateway]) -> dict[str, object]:
+    answer = await chat.page.request.get(f"{shared[1].url}/v1/sessions/{await chat.session_id()}")
+    assert answer.ok
+    body: dict[str, object] = await answer.json()
+    return body
+
+
+async def test_a_long_paste_is_kept_whole_and_refused_with_the_limit(
+    shared: tuple[Stack, Gateway], browser: Browser
+) -> None:
+    """More than the box's old 32,000 characters, pasted: all of them stay (they were cut
+    without a word), and the gateway's refusal names its limit."""
+    chat = await ChatPage.open(browser, shared[1].url, max_tokens=4)
+    page = chat.page
+    pasted = "forty thousand " * 2667  # 40,005 characters
+    await page.evaluate("(text) => navigator.clipboard.writeText(text)", pasted)
+    await page.focus("#input")
+    await page.keyboard.press("Control+V")
+    assert await page.input_value("#input") == pasted
+    await page.press("#input", "Enter")
+    await chat.wait_reply_state("refused")
+    assert str(MAX_CHARS) in await chat.status()
+    assert await chat.user_texts() == [pasted]
+    assert chat.errors == []
+
+
 async def test_settings_give_the_conversation_a_system_prompt_temperature_and_limit(
     chat: ChatPage, shared: tuple[Stack, Gateway], shots: Path
 ) -> None:
@@ -245,6 +371,8 @@ async def test_settings_give_the_conversation_a_system_prompt_temperature_and_li
     assert await page.evaluate("document.activeElement.id") == "set-system"
     await page.keyboard.type("Answer in one line.")
     await page.fill("#set-max-tokens", "3")
+    assert await page.is_checked("#set-temperature-default")  # a new chat's: the model's
+    await page.uncheck("#set-temperature-default")
     await page.locator("#set-temperature").fill("0.3")
     await shoot(chat, shots, "settings")
     await accessible(chat)

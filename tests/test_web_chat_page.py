@@ -200,7 +200,10 @@ async def test_the_page_requests_nothing_but_the_gateway(stack: Stack, browser: 
 async def test_storage_refusals_and_unreadable_events_are_shown_not_fatal(
     stack: Stack, browser: Browser
 ) -> None:
-    stack.synthetic(tokens_per_s=200)
+    """Nothing about a conversation is kept in the browser (the server keeps it): with
+    storage refusing every write, a reload mid-reply still shows the reply whole, and no
+    warning; only keeping settings for new chats, which needs storage, says it failed."""
+    stack.synthetic(tokens_per_s=20)
     gateway = stack.gateway()
     # Storage that refuses writes, and every EventSource kept where the test can reach it.
     full = """Storage.prototype.setItem = function () {
@@ -211,12 +214,19 @@ async def test_storage_refusals_and_unreadable_events_are_shown_not_fatal(
     window.EventSource = class extends Native {
         constructor(...args) { super(...args); window.__sources.push(this); }
     };"""
-    chat = await ChatPage.open(browser, gateway.url, max_tokens=6, init_script=full)
+    chat = await ChatPage.open(browser, gateway.url, max_tokens=30, init_script=full)
     await chat.send("no storage")
+    await chat.wait_words(3)
+    await chat.page.reload()
+    await chat.wait_connected()
     await chat.wait_reply_state("done")
-    assert await chat.reply_text() == synthetic_text("no storage", 6)
+    assert await chat.reply_text() == synthetic_text("no storage", 30)
+    assert await chat.banner() is None
+    await chat.page.click("#open-settings")
+    await chat.page.check("#set-for-new-chats")
+    await chat.page.click("#settings-save")
     banner = await chat.banner()
-    assert banner and "cannot save where a reply was" in banner
+    assert banner and "refused to save" in banner and "settings for new chats" in banner
     await chat.page.click("#banner-close")
 
     # An event whose data is not JSON (as a broken proxy might deliver it): a visible note.

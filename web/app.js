@@ -1,14 +1,16 @@
 // tokenspout web chat: conversations kept on the server (the owner cookie), replies streamed
 // through web/tokenspout.js; this module holds the turns (send, regenerate, continue, edit,
-// stop), the conversations, the settings and the page's wiring; chat/ holds the rest.
+// stop), the conversations, the API key and the page's wiring; chat/ holds the rest (the
+// rows, the server's record, the settings).
 //
-// The page's address names the conversation (#s_...), so a reload or another tab opens it
-// again; sessionStorage keeps, per conversation, where its event stream was and the reply
-// that was running, so a reload resumes that reply from its first event with no word lost
-// or repeated (a replay is fast, and tokens already counted are skipped).
+// The page's address names the conversation (#s_...), so a reload, another tab or another
+// browser opens it again, from the server's record (chat/record.js): its messages, how each
+// reply ended, earlier versions, and a running reply replayed from its first event, so it
+// is shown whole with no word lost or repeated (a replay is fast). Nothing about a
+// conversation is kept in the browser.
 
 import { request, Session } from "./tokenspout.js";
-import { API_KEY_STORE, chat, DEFAULTS_STORE, RUN_STORE, ui } from "./chat/state.js";
+import { API_KEY_STORE, chat, ui } from "./chat/state.js";
 import {
   actionButton,
   announce,
@@ -17,15 +19,17 @@ import {
   describeError,
   hideBanner,
   keyHeaders,
-  readStore,
   remedyButton,
   remedyFor,
   scrollToEnd,
   setConn,
   showBanner,
-  writeStore,
 } from "./chat/page.js";
 import { AssistantRow, turns, UserRow } from "./chat/rows.js";
+import { showCurrent, showRecord, showVersions } from "./chat/record.js";
+import { showSystemPrompt } from "./chat/settings.js";
+
+const SETTINGS = ["system", "temperature", "max_tokens"];
 
 // ---- turns --------------------------------------------------------------------------------------
 
@@ -46,10 +50,12 @@ function updateComposer() {
   if (!running && document.activeElement === ui.stop) ui.input.focus();
 }
 
-// Make the conversation at its first message: its settings are the new chat's.
+// Make the conversation at its first message: its settings are the new chat's (the saved
+// defaults for new chats, changed in the dialog before the first message).
 async function ensureSession() {
   if (chat.session) return chat.session;
-  const settings = { ...defaults() };
+  const settings = {};
+  for (const key of SETTINGS) settings[key] = (chat.about ?? defaults())[key] ?? null;
   for (const key of Object.keys(settings)) if (settings[key] === null) delete settings[key];
   if (ui.picker.value) settings.model = ui.picker.value;
   const session = await Session.create({ apiKey: apiKey(), ...settings });
@@ -63,7 +69,10 @@ async function ensureSession() {
 function attach(session) {
   chat.session = session;
   session.addEventListener("state", (e) => setConn(e.detail));
-  session.addEventListener("event", () => saveRun());
+  session.addEventListener("event", () => {
+    // Events flow: the network is back, whatever the browser said while they did not.
+    if (ui.conn.dataset.state === "offline" && session.state === "connected") setConn("connected");
+  });
   session.addEventListener("reply", (e) => adoptReply(e.detail));
   session.addEventListener("lost", (e) => onLost(e.detail));
   session.addEventListener("reset", () => reopen(session));
@@ -74,7 +83,9 @@ function attach(session) {
 }
 
 // A reply the stream announced before this page bound it: the one it is sending (the stream
-// can be faster than the POST's answer), or one started elsewhere (another tab).
+// can be faster than the POST's answer), the one running when the page opened, or one
+// started elsewhere (another tab, another browser): then the conversation is read again,
+// its new message with it.
 function adoptReply(reply) {
   if (chat.active && chat.active.reply === null) {
     chat.active.follow(reply, chat.active.kind);
@@ -85,6 +96,28 @@ function adoptReply(reply) {
   chat.rows.push(row);
   row.follow(reply, "followed");
   chat.active = row;
+  updateComposer();
+  showAgain(chat.session, reply);
+}
+
+// The conversation read again, or null (why it could not be is in the console).
+async function readAgain(session, what) {
+  try {
+    return await session.read();
+  } catch (err) {
+    console.warn(`could not read ${what} again`, err);
+    return null;
+  }
+}
+
+async function showAgain(session, reply) {
+  const view = await readAgain(session, "the conversation");
+  if (!view || chat.session !== session || chat.active?.reply !== reply) return;
+  chat.about = { ...chat.about, ...view };
+  if (view.running?.generation_id !== reply.generationId) view.running = null; // it ended: in the history
+  const row = showRecord(view);
+  chat.active = row;
+  if (row) row.follow(reply, row.kind);
   updateComposer();
 }
 
@@ -103,7 +136,6 @@ async function startTurn(kind, run, row) {
     const session = await ensureSession();
     const reply = await run(session);
     if (row.reply === null) row.follow(reply, kind);
-    saveRun();
     return true;
   } catch (err) {
     if (chat.active === row) chat.active = null;
@@ -139,6 +171,7 @@ function turnRefused(row, err) {
 
 async function sendMessage(text) {
   if (busy() || !text.trim()) return;
+  showCurrent(); // a message goes on from the conversation as it is, not a version shown
   const user = new UserRow(text);
   const row = new AssistantRow();
   chat.rows.push(user, row);
@@ -162,6 +195,7 @@ function retry(row) {
 
 async function regenerate() {
   if (busy()) return;
+  showCurrent();
   const last = chat.rows[chat.rows.length - 1];
   if (last instanceof AssistantRow) last.remove();
   const row = new AssistantRow();
@@ -218,28 +252,23 @@ function replyEnded(row) {
   for (const other of chat.rows) {
     if (other instanceof AssistantRow && other !== row && other.final) other.renderActions();
   }
-  saveRun();
   updateComposer();
   refreshList();
+  refreshRecord(row);
 }
 
-// ---- where the stream was (reload resume) ---------------------------------------------------------
-
-function saveRun() {
+// After a reply: the versions a regenerate or an edit left, and the server's figures.
+async function refreshRecord(row) {
   const session = chat.session;
   if (!session) return;
-  const runs = readStore(sessionStorage, RUN_STORE, {});
-  const row = chat.active;
-  const reply = row?.reply;
-  runs[session.id] = {
-    lastEventId: session.lastEventId,
-    // The running reply replays from its first event after a reload (`from`: the event
-    // before it), onto the text it continues when it is a continue.
-    running: reply && !reply.final
-      ? { gid: reply.generationId, kind: row.kind, base: row.base, from: reply.after }
-      : null,
-  };
-  writeStore(sessionStorage, RUN_STORE, runs);
+  const view = await readAgain(session, "the conversation's record");
+  if (!view || chat.session !== session || busy()) return;
+  const record = view.replies.find((reply) => reply.generation_id === row.reply?.generationId);
+  if (record) {
+    row.seconds = record.seconds;
+    row.renderDetails();
+  }
+  showVersions(view.versions);
 }
 
 // ---- conversations ----------------------------------------------------------------------------
@@ -352,12 +381,15 @@ function showTitle() {
   if (chat.about?.model && [...ui.picker.options].some((o) => o.value === chat.about.model)) {
     ui.picker.value = chat.about.model;
   }
+  showSystemPrompt();
 }
 
 function clearRows() {
   ui.messages.replaceChildren();
   chat.rows = [];
   chat.active = null;
+  chat.versions = [];
+  chat.browsing = null;
   ui.empty.hidden = false;
 }
 
@@ -378,7 +410,6 @@ function newChat() {
 async function openConversation(id) {
   if (chat.session?.id === id) return;
   if (chat.session) chat.session.close();
-  const saved = readStore(sessionStorage, RUN_STORE, {})[id] ?? {};
   const session = Session.open(id);
   chat.session = null;
   clearRows();
@@ -399,43 +430,15 @@ async function openConversation(id) {
   attach(session);
   chat.about = { ...view, session_id: id };
   showTitle();
-  showHistory(view.messages, saved.running);
-  // Resume where this tab was: a running reply from its first event; else new events only.
-  const running = saved.running;
-  session.connect(running ? running.from ?? null : saved.lastEventId ?? "$");
+  // The running reply replays from its first event (its events after `running.after`);
+  // else the stream goes on right after its last event when it was read.
+  chat.active = showRecord(view);
+  if (view.running) session.follow(view.running.generation_id, chat.active.kind);
+  session.connect(view.running ? view.running.after : view.last_event_id);
+  scrollToEnd(true);
   closeSidebar();
   refreshList();
   updateComposer();
-}
-
-function showHistory(messages, running) {
-  let shown = messages;
-  if (running && running.kind === "continue" && shown.length) {
-    // The reply it extends, as it was: the stream brings the continuation again.
-    shown = [...shown.slice(0, -1), { ...shown[shown.length - 1], content: running.base ?? "" }];
-  } else if (running) {
-    // A reply that ended while the page was away is in the history: the stream brings it again.
-    const lastUser = shown.map((m) => m.role).lastIndexOf("user");
-    shown = shown.slice(0, lastUser + 1);
-  }
-  for (const message of shown) {
-    if (message.role !== "user" && message.role !== "assistant") continue;
-    const row = message.role === "user" ? new UserRow(message.content) : new AssistantRow(message.content);
-    row.committed = true;
-    chat.rows.push(row);
-  }
-  const last = chat.rows[chat.rows.length - 1];
-  if (running && running.kind === "continue" && last instanceof AssistantRow) {
-    chat.active = last;
-    last.base = last.text;
-    last.kind = "continue";
-  } else if (running) {
-    chat.active = new AssistantRow();
-    chat.active.kind = running.kind;
-    chat.rows.push(chat.active);
-  }
-  for (const row of chat.rows) if (row instanceof AssistantRow) row.renderActions();
-  scrollToEnd(true);
 }
 
 // Redis lost the events after this tab's place (a restart without its data): the stream
@@ -445,9 +448,6 @@ async function reopen(session) {
   if (chat.session !== session) return;
   session.close();
   chat.session = null;
-  const runs = readStore(sessionStorage, RUN_STORE, {});
-  delete runs[session.id];
-  writeStore(sessionStorage, RUN_STORE, runs);
   showBanner("The gateway lost part of this conversation's events; it is shown from its " +
     "saved history.");
   await openConversation(session.id);
@@ -460,43 +460,6 @@ function onLost(detail) {
   } else {
     showBanner("This conversation is not there any more (deleted, or expired).",
       { label: "New chat", run: newChat });
-  }
-}
-
-// ---- settings ---------------------------------------------------------------------------------
-
-function openSettings() {
-  const about = chat.about ?? defaults();
-  ui.system.value = about.system ?? "";
-  ui.temperature.value = String(about.temperature ?? 0.7);
-  ui.temperatureShown.textContent = ui.temperature.value;
-  ui.maxTokens.value = about.max_tokens ? String(about.max_tokens) : "";
-  ui.settingsError.hidden = true;
-  ui.settings.returnValue = "";
-  ui.settings.showModal();
-  ui.system.focus();
-}
-
-async function saveSettings() {
-  const maxTokens = ui.maxTokens.value ? Number.parseInt(ui.maxTokens.value, 10) : null;
-  const wanted = {
-    system: ui.system.value.trim() || null,
-    temperature: Number.parseFloat(ui.temperature.value),
-    max_tokens: Number.isFinite(maxTokens) ? maxTokens : null,
-  };
-  writeStore(localStorage, DEFAULTS_STORE, wanted); // the next new chat starts with them
-  if (!chat.session) {
-    chat.about = { ...(chat.about ?? {}), ...wanted };
-    return true;
-  }
-  try {
-    chat.about = await chat.session.update(wanted);
-    return true;
-  } catch (err) {
-    ui.settingsError.textContent = describeError(err);
-    ui.settingsError.hidden = false;
-    ui.settings.showModal();
-    return false;
   }
 }
 
@@ -608,13 +571,6 @@ ui.closeSidebar.addEventListener("click", () => {
   ui.openSidebar.focus();
 });
 ui.scrim.addEventListener("click", closeSidebar);
-ui.openSettings.addEventListener("click", openSettings);
-ui.settingsCancel.addEventListener("click", () => ui.settings.close("cancel"));
-ui.temperature.addEventListener("input", () => (ui.temperatureShown.textContent = ui.temperature.value));
-ui.settings.addEventListener("close", async () => {
-  if (ui.settings.returnValue === "save" && (await saveSettings())) announce("Settings saved");
-  if (!ui.settings.open) ui.openSettings.focus();
-});
 ui.picker.addEventListener("change", async () => {
   const model = ui.picker.value;
   if (!chat.session) return;
@@ -631,6 +587,10 @@ window.addEventListener("hashchange", () => {
   else if (chat.session) newChat();
 });
 window.addEventListener("offline", () => setConn("offline"));
+window.addEventListener("online", () => {
+  // Back online: what the stream says now (its state changes only when it dropped).
+  if (ui.conn.dataset.state === "offline") setConn(chat.session?.state ?? "connected");
+});
 document.addEventListener("keydown", (event) => {
   if (event.key === "Escape" && chat.active && !document.querySelector("dialog[open]")) {
     stopReply();

@@ -10,7 +10,10 @@
 //   reply.addEventListener("resumed", () => console.log("another engine took over"));
 //   stopButton.onclick = () => reply.stop();
 //   const end = await reply.finished;                    // {type: "done" | "cancelled" | "error", ...}
-//   localStorage.lastEventId = session.lastEventId;      // open with { after } to resume there
+//
+// Opened again (a reload, another tab, another browser), `await session.resume()` reads the
+// conversation and opens its stream where the running reply began: that reply comes whole,
+// from its first word, whatever this page saw before.
 //
 // Served by the gateway, the page's owner cookie authorises its sessions, so no token goes in
 // a URL. From elsewhere, pass { token } (Session.create gives one) and it goes as a header, or
@@ -202,6 +205,20 @@ export class Session extends EventTarget {
   /** The Reply of a generation this page did not start (one running before a reload). */
   follow(generationId, kind = "followed") {
     return this.replies.get(generationId) ?? this.#bind(generationId, kind);
+  }
+
+  /**
+   * Read the conversation (GET) and open its event stream from the server's record: where
+   * the running reply began, so it comes whole (its `reply` event first), else right after
+   * the last event then. Resolves to what GET answered: `messages`, how each reply ended
+   * (`replies`), earlier versions, `running`.
+   */
+  async resume() {
+    const view = await this.read();
+    const running = view.running;
+    if (running) this.follow(running.generation_id, running.turn === "continue" ? "continue" : "followed");
+    this.connect(running ? running.after : view.last_event_id);
+    return view;
   }
 
   async #turn(path, body, kind) {

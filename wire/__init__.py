@@ -1,6 +1,7 @@
 """What the gateway and the engine share, and all they share: the wire contract between
-them and the log format of their processes. Neither package imports the other; both
-import this one, which imports neither (the import-linter contract in pyproject.toml).
+them, the log format of their processes and how a request's trace crosses between them.
+Neither package imports the other; both import this one, which imports neither (the
+import-linter contract in pyproject.toml).
 
 - ``wire.messages``: the messages (msgspec Structs, JSON on the wire), versioned;
 - ``wire.keys``: every Redis key, from one prefix (the layout is in its docstring);
@@ -8,7 +9,8 @@ import this one, which imports neither (the import-linter contract in pyproject.
   emit, cancel, take over, end), over the Lua scripts of ``wire.scripts`` (wire/lua/, one
   typed wrapper each) and the Redis topology (``wire.topology``: one Redis or a cluster);
 - ``wire.replies``: Redis replies and stream entry ids, read the same way on both sides;
-- ``wire.logs``: one ``key=value`` log line format for every process.
+- ``wire.logs``: one log line format for every process (``key=value``, or JSON);
+- ``wire.tracing``: OpenTelemetry's export and the ``traceparent`` a request carries.
 
 The names below are re-exported, so callers write ``wire.Keys``, ``wire.encode(...)``.
 """
@@ -24,6 +26,7 @@ from wire.keys import (
     relay_name,
 )
 from wire.messages import (
+    MODEL_DEFAULTS,
     TERMINAL_EVENTS,
     WIRE_VERSION,
     Cancelled,
@@ -58,6 +61,7 @@ from wire.messages import (
     decode_final,
     encode,
     event_type,
+    final_reason,
     final_state,
 )
 from wire.replies import (
@@ -73,6 +77,7 @@ from wire.replies import (
 __all__ = [
     "CONSUMER_GROUP",
     "DEFAULT_PREFIX",
+    "MODEL_DEFAULTS",
     "MODEL_NAME",
     "SHARED_KEY_TTL_S",
     "TERMINAL_EVENTS",
@@ -115,6 +120,7 @@ __all__ = [
     "entry_id_key",
     "entry_ms",
     "event_type",
+    "final_reason",
     "final_state",
     "just_before",
     "lease_name",

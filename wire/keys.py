@@ -31,6 +31,16 @@ Redis layout (every key with a TTL, every stream capped):
     {{prefix}:requests:{model}}:fair:bell
                                       list, at most one entry: rung when a request waits,
                                       an idle worker of the model waits on it
+    {{prefix}:requests:{model}}:fair:bell:{worker}
+                                      list, at most one entry: rung when a request whose
+                                      prefix the worker holds waits (docs/affinity.md)
+    {{prefix}:requests:{model}}:fair:h:{name}
+                                      set, EX: the workers that hold the prompt prefix
+                                      named (wire/prefixes.py) in their engine's cache
+    {{prefix}:requests:{model}}:fair:free
+                                      hash worker -> '<slots> <until, unix s> <offered>':
+                                      its free slots at its last take (for 3 s), offered to
+                                      new requests (1) or not (0: a preempting worker's)
     {prefix}:models                   hash served name (or alias) -> model (its queue's name),
                                       written by every worker heartbeat (same TTL): the names
                                       a gateway knows, live or not
@@ -47,12 +57,23 @@ Redis layout (every key with a TTL, every stream capped):
                                       a conversation's owner digest, title, updated, and
                                       settings (model, system, temperature, max_tokens)
     {prefix}:{<sid>}:history          list of ChatMessage JSON
+    {prefix}:{<sid>}:replies          hash history index -> how the session turn's reply at
+                                      that place ended (generation, model, final event,
+                                      takeovers, its first and last event ids), written by
+                                      the script that writes its final event; an index one
+                                      past the history: a reply that left no message
+    {prefix}:{<sid>}:versions         list of JSON: what a regenerate or an edit cut from the
+                                      history (its messages and their replies, from index
+                                      ``at``), oldest first, at most max-history of them
     {prefix}:{<sid>}:events           stream of session events (the SSE ``id:`` is its entry id)
     {prefix}:{<sid>}:gen:{gid}        hash: generation state, worker (its owner), final
                                       event, seq of the owner's last event (EMIT is
                                       idempotent per seq), takeovers (its epoch), usage,
+                                      prompt (its started event's prompt tokens),
                                       a session turn's note and queue (its request without
-                                      the conversation: queued again should Redis lose it)
+                                      the conversation: queued again should Redis lose it),
+                                      and its turn, queued event id and reply's index
+                                      (``at``) in the history
     {prefix}:{<sid>}:active           string: the generation that is running now
     {prefix}:{<sid>}:idem:{key}       string: Idempotency-Key -> generation id
     {prefix}:{<sid>}:watch            string, EX grace: someone is reading the session
@@ -85,7 +106,9 @@ Redis layout (every key with a TTL, every stream capped):
                                       whose usage was counted on a Redis Cluster (one day)
 
 The ``{<sid>}`` hash tag keeps a session's keys in one Redis Cluster slot, so every script
-(wire/scripts.py) touches one slot only; ``{<tid>}`` does the same for a tenant's keys
+(wire/scripts.py) touches one slot only (the scripts that write a reply's record derive
+``replies`` and ``versions`` from a sibling key's name, as ``active`` is derived from
+``events``: same prefix, another suffix); ``{<tid>}`` does the same for a tenant's keys
 (wire/tenancy.py), and the keys store is one slot of its own (gateway/tenants/keystore.py).
 """
 
@@ -168,6 +191,12 @@ class Keys:
     def events(self, session_id: str) -> str:
         return f"{self._session(session_id)}:events"
 
+    def replies(self, session_id: str) -> str:
+        return f"{self._session(session_id)}:replies"
+
+    def versions(self, session_id: str) -> str:
+        return f"{self._session(session_id)}:versions"
+
     def live_channel(self, session_id: str) -> str:
         """Pub/sub channel that mirrors ``events`` for live readers."""
         return f"{self._session(session_id)}:live"
@@ -234,6 +263,11 @@ class FairNames:
         self.free = f"{base}:free"
         """Each worker's free slots as its last take left them, and until when that holds
         (wire/lua/fair_core.lua ``fair_free``)."""
+
+    def own_bell(self, worker: str) -> str:
+        """Rung for ``worker`` alone: a request whose prefix it holds was queued (fair_core.lua
+        ``fair_stamped``)."""
+        return f"{self.bell}:{worker}"
 
     def waiting(self, tenant: str) -> str:
         return f"{self.base}:t:{tenant_slot(tenant)}"

@@ -125,6 +125,10 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     logit_bias: dict[int, float] = {}
     """Token id -> bias added to its logit before sampling (OpenAI's -100..100)."""
     structured: StructuredOutput | None = None
+    model_defaults: list[str] = []
+    """Fields the client left unset (of ``MODEL_DEFAULTS``): a worker takes its model's
+    recommended value for each where the model has one (vLLM's ``generation_config.json``,
+    as vLLM's own server does), else the value here (the gateway's default)."""
 
     def for_choice(self, index: int) -> SamplingParams:
         """Choice ``index``'s parameters (a request with ``n`` > 1): its own seed, when
@@ -132,6 +136,19 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
         if self.seed is None or index == 0:
             return self
         return msgspec.structs.replace(self, seed=self.seed + index)
+
+
+MODEL_DEFAULTS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+"""The sampling fields a model's generation config may recommend (vLLM reads them from its
+``generation_config.json``)."""
 
 
 class GenerationRequest(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -172,6 +189,10 @@ class GenerationRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     """Version 4. The conversation ends with an assistant message the engine extends (vLLM's
     ``continue_final_message``: no new turn is opened); the reply joins the history as
     that message made longer, not as a message of its own."""
+    traceparent: str = ""
+    """The W3C ``traceparent`` of the API call that queued it (wire/tracing.py): the worker's
+    spans join that trace and its log lines carry its id; "": tracing is off (nothing on
+    the wire)."""
 
     @property
     def continued(self) -> str:
@@ -356,6 +377,18 @@ def decode_event(data: bytes | str) -> SessionEvent:
 
 def final_state(event: FinalEvent) -> GenerationState:
     return "done" if isinstance(event, Done) else event_type(event)  # type: ignore[return-value]
+
+
+def final_reason(event: FinalEvent) -> str:
+    """Why it ended: the finish reason, the cancel's reason, or the error's code."""
+    match event:
+        case Done():
+            return event.finish_reason
+        case Cancelled():
+            return event.reason
+        case Error():
+            return event.code
+    return ""
 
 
 _final_decoder = msgspec.json.Decoder(FinalEvent)

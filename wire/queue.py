@@ -11,7 +11,8 @@ first (work admitted before: a reply taken over, a request given back) and then 
 tenants' requests, the tenant served least (tokens served / weight) first: the Virtual
 Token Counter (docs/tenants.md). The worker tells what it served with its takes
 (``ServedTokens``). A worker with nothing to take waits on the queue's bell, which every
-submit and every request put straight into the stream rings.
+submit and every request put straight into the stream rings, and on its own, which a
+request whose prefix it holds rings (cache affinity: docs/affinity.md).
 """
 
 from __future__ import annotations
@@ -33,15 +34,32 @@ from wire.scripts import (
     FairCharge,
     FairEnqueue,
     FairExpire,
+    FairHold,
     FairPreempt,
     FairTake,
+    Taken,
     WaitingRequest,
 )
 
 Fields = Mapping[bytes, bytes] | Mapping[str, bytes]
+HELD_TTL_S = 300
+"""How long a worker is taken to hold a prefix it served (unless it serves it again): about
+how long an engine under load keeps an idle conversation's blocks. A wrong guess costs a
+request the wait for affinity or a prefill, never a reply."""
 DEFAULT_STREAM_CAP = 5_120
 """The requests stream's cap when the taker names none (approximate, whole nodes): it holds
 what workers took and have not acknowledged, and what waits for a worker in it."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Taking:
+    """What one take asks for (``RequestQueue.take``)."""
+
+    consumer: str
+    count: int
+    maxlen: int | None
+    affinity_ms: int
+    charges: list[tuple[str, int]]
 
 
 def _missing(exc: RedisError) -> bool:
@@ -148,12 +166,16 @@ class RequestQueue:
         self._preempt = FairPreempt(redis, keys)
         self._charge = FairCharge(redis, keys)
         self._expire = FairExpire(redis, keys)
+        self._hold = FairHold(redis, keys)
         self._drained = False
         """This worker's last take found fewer requests than it asked for: its next waits
-        for the bell first."""
+        for a bell first."""
         self._tenants_wait = True
         """Its last take left requests in the tenants' lists: its next tells what it
         served (a first take tells, to be sure)."""
+        self._soonest_ms = 0
+        """Its last take passed over a request that waits for another worker holding its
+        prefix: its next wait ends when that wait does (0: none)."""
 
     # --- gateways and the reaper ---------------------------------------------------------
 
@@ -165,6 +187,7 @@ class RequestQueue:
         tenant: str,
         weight: float,
         submitted: bytes | None = None,
+        names: Sequence[str] = (),
     ) -> WaitingRequest:
         """A new request for ``tenant``'s list, whose share of the engine follows
         ``weight``, its prompt guessed at ``estimate`` tokens (``estimated_tokens``);
@@ -178,6 +201,7 @@ class RequestQueue:
             request,
             estimate,
             submitted or b"",
+            names,
         )
 
     async def submit(self, waiting: WaitingRequest) -> None:
@@ -322,71 +346,77 @@ class RequestQueue:
         block_ms: int,
         served: ServedTokens,
         maxlen: int | None = None,
+        affinity_ms: int = 0,
     ) -> list[StreamEntry]:
         """Up to ``count`` requests for ``consumer`` (the stream's first, then the tenants'
-        in VTC order). After a take that found fewer than it asked for (nothing else waited
-        then), it first waits up to ``block_ms`` for the bell, which every request queued
-        since has rung: on one Redis the wait and the take go in one pipeline, the take run
-        as the bell rings (or the wait ends), one round trip as a blocking read of the
-        stream is. What the worker ``served`` since it last told goes with a take while
-        tenants wait in lists (their counters order them), else with its heartbeat's
-        ``charge``. Raises ``ResponseError`` (NOGROUP) when the group is gone."""
+        in VTC order; with ``affinity_ms``, those whose prefix it holds first and those
+        another worker holds only after that wait: docs/affinity.md). After a take that
+        found fewer than it asked for (nothing else waited then), it first waits up to
+        ``block_ms`` (or until a passed-over request's wait ends) for the model's bell,
+        which every request queued since has rung, or its own (a request whose prefix it
+        holds): on one Redis the wait and the take go in one pipeline, the take run as a
+        bell rings (or the wait ends), one round trip as a blocking read of the stream is.
+        What the worker ``served`` since it last told goes with a take while tenants wait
+        in lists (their counters order them), else with its heartbeat's ``charge``. Raises
+        ``ResponseError`` (NOGROUP) when the group is gone."""
         charges = served.drain() if self._tenants_wait else []
+        taking = _Taking(consumer, count, maxlen, affinity_ms, charges)
         try:
             if not self._drained:
-                reply = await self._take_charged(consumer, count, charges, maxlen)
-            elif is_cluster(self.redis):  # rung or not, it looks once after the wait
-                await on_key_node(
-                    self.redis, self.fair.bell, "BLPOP", self.fair.bell, str(block_ms / 1000)
-                )
-                reply = await self._take_charged(consumer, count, charges, maxlen)
+                taken = await self._take_charged(taking)
             else:
-                reply = await self._take_at_ring(consumer, count, block_ms, charges, maxlen)
+                taken = await self._take_at_ring(taking, self._wait_ms(block_ms))
         except BaseException:
             served.give_back(charges)
             raise
-        taken, waiting = reply
-        self._drained, self._tenants_wait = len(taken) < count, waiting > 0
-        return taken
+        self._drained = len(taken.entries) < count
+        self._tenants_wait, self._soonest_ms = taken.tenants_waiting > 0, taken.soonest_ms
+        return taken.entries
 
-    async def _take_at_ring(
-        self,
-        consumer: str,
-        count: int,
-        block_ms: int,
-        charges: list[tuple[str, int]],
-        maxlen: int | None,
-    ) -> tuple[list[StreamEntry], int]:
-        """The bell's wait, then the take, in one pipeline (one Redis)."""
+    def _wait_ms(self, block_ms: int) -> int:
+        """The wait for a bell before a take: ``block_ms``, or less when a request passed
+        over for its holder may go anywhere sooner."""
+        soonest = self._soonest_ms
+        return max(1, min(block_ms, soonest) if soonest > 0 else block_ms)
+
+    async def _take_at_ring(self, taking: _Taking, wait_ms: int) -> Taken:
+        """The bells' wait, then the take (rung or not, it looks once after the wait): in
+        one pipeline on one Redis."""
+        bells = [self.fair.bell]
+        if taking.affinity_ms:
+            bells.append(self.fair.own_bell(taking.consumer))
+        if is_cluster(self.redis):
+            await on_key_node(self.redis, self.fair.bell, "BLPOP", *bells, str(wait_ms / 1000))
+            return await self._take_charged(taking)
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.blpop([self.fair.bell], block_ms / 1000)
-            await self._take_charged(consumer, count, charges, maxlen, pipe)
+            pipe.blpop(bells, wait_ms / 1000)
+            await self._take_charged(taking, pipe)
             _, reply = await pipe.execute(raise_on_error=False)
         if isinstance(reply, NoScriptError):  # Redis restarted: its scripts are gone
             await self._take.load()
-            return await self._take_charged(consumer, count, charges, maxlen)
+            return await self._take_charged(taking)
         if isinstance(reply, Exception):
             raise reply
         return FairTake.taken(reply)
 
-    async def _take_charged(
-        self,
-        consumer: str,
-        count: int,
-        charges: list[tuple[str, int]],
-        maxlen: int | None,
-        pipe: Pipeline | None = None,
-    ) -> tuple[list[StreamEntry], int]:
+    async def _take_charged(self, taking: _Taking, pipe: Pipeline | None = None) -> Taken:
         return await self._take(
             stream=self.key,
             base=self.fair.base,
-            consumer=consumer,
-            count=count,
-            maxlen=maxlen or DEFAULT_STREAM_CAP,
-            served=charges,
+            consumer=taking.consumer,
+            count=taking.count,
+            maxlen=taking.maxlen or DEFAULT_STREAM_CAP,
+            affinity_ms=taking.affinity_ms,
+            served=taking.charges,
             offers_free=self.offers_free,
             pipe=pipe,
         )
+
+    async def hold(self, worker: str, names: Sequence[str]) -> None:
+        """``worker`` holds the prefixes ``names`` (what a request it ran left in its
+        engine's cache): requests that name one are taken by it first."""
+        if names:
+            await self._hold(base=self.fair.base, worker=worker, names=names, ttl_s=HELD_TTL_S)
 
     async def newcomer(self, block_ms: int) -> bool:
         """Wait up to ``block_ms`` for a tenant that had nothing waiting to queue a request

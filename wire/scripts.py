@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib.resources import files
-from typing import Any, ClassVar, Literal, cast
+from typing import Any, ClassVar, Literal, NamedTuple, cast
 
 import msgspec
 import redis.asyncio as aioredis
@@ -623,11 +623,17 @@ class WaitingRequest:
     tenant when it leaves the list; the worker charges the difference once it knows."""
     note: bytes = b""
     """The note of its submit to cross off with it (b"": none)."""
+    names: Sequence[str] = ()
+    """Its prompt's prefix names, longest first (``wire.prefixes.asked``): a worker that
+    holds one takes it first (docs/affinity.md)."""
 
     @property
     def element(self) -> bytes:
-        """The request as its tenant's list holds it: its estimate, ``|``, the request
-        (fair_take.lua moves the estimate into the stream entry's ``e`` field)."""
+        """The request as its tenant's list holds it: its estimate (and its prefix names),
+        ``|``, the request (fair_take.lua moves the estimate into the stream entry's ``e``
+        field; fair_core.lua's fair_holders reads the names)."""
+        if self.names:
+            return b"%d %s|%s" % (self.estimate, ",".join(self.names).encode(), self.request)
         return b"%d|%s" % (self.estimate, self.request)
 
     def keys_args(self) -> tuple[list[str], list[Arg]]:
@@ -654,9 +660,22 @@ class FairEnqueue(Script):
         self.queue_evalsha(pipe, *waiting.keys_args())
 
 
+class Taken(NamedTuple):
+    """What a worker's take (``FairTake``) got, and what it left."""
+
+    entries: list[tuple[bytes, dict[bytes, bytes]]]
+    """The requests taken, as the requests stream holds them."""
+    tenants_waiting: int
+    """How many tenants still have requests waiting in their lists."""
+    soonest_ms: int
+    """The ms until a request passed over for another worker that holds its prefix may go
+    anywhere (0: none was; docs/affinity.md)."""
+
+
 class FairTake(Script):
     """A worker's take: what it served charged, then up to ``count`` requests, the stream's
-    first, then the tenants' by their counters (wire/lua/fair_take.lua)."""
+    first, then the tenants' by their counters, those whose prefix it holds first when
+    ``affinity_ms`` > 0 (wire/lua/fair_take.lua)."""
 
     source = FAIR_CORE + lua_source("fair_take")
 
@@ -668,29 +687,44 @@ class FairTake(Script):
         consumer: str,
         count: int,
         maxlen: int,
+        affinity_ms: int = 0,
         served: Sequence[tuple[str, int]] = (),
         offers_free: bool = True,
         pipe: Pipeline | None = None,
-    ) -> tuple[list[tuple[bytes, dict[bytes, bytes]]], int]:
-        """The entries taken, and how many tenants still wait in their lists;
-        ``offers_free``: its free slots are recorded for new requests (a preempting
+    ) -> Taken:
+        """``offers_free``: its free slots are offered to new requests (a preempting
         worker offers none). With ``pipe``, queued there as a bare EVALSHA (``taken``
-        reads its reply; on NoScriptError its caller calls ``load``) and nothing yet."""
+        reads its reply; on NoScriptError its caller calls ``load``), and nothing yet."""
         charges = [item for pair in served for item in pair]
         offers = "1" if offers_free else "0"
-        args = [CONSUMER_GROUP, consumer, count, maxlen, SHARED_KEY_TTL_S, offers, *charges]
+        args: list[Arg] = [CONSUMER_GROUP, consumer, count, maxlen, SHARED_KEY_TTL_S, offers]
+        args += [affinity_ms, *charges]
         if pipe is not None:
             self.queue_evalsha(pipe, [stream, base], args)
-            return [], 0
+            return Taken([], 0, 0)
         return self.taken(await self._run([stream, base], args, None))
 
     @staticmethod
-    def taken(reply: object) -> tuple[list[tuple[bytes, dict[bytes, bytes]]], int]:
-        entries, waiting = cast(tuple[list[tuple[bytes, list[bytes]]], int], reply)
-        return [
-            (entry_id, dict(zip(fields[::2], fields[1::2], strict=True)))
-            for entry_id, fields in entries
-        ], int(waiting)
+    def taken(reply: object) -> Taken:
+        entries, waiting, soonest = cast(tuple[list[tuple[bytes, list[bytes]]], int, int], reply)
+        return Taken(
+            [
+                (entry_id, dict(zip(fields[::2], fields[1::2], strict=True)))
+                for entry_id, fields in entries
+            ],
+            int(waiting),
+            int(soonest),
+        )
+
+
+class FairHold(Script):
+    """A worker among the holders of the prefixes a request it ran left in its engine's
+    cache (wire/lua/fair_hold.lua)."""
+
+    source = lua_source("fair_hold")
+
+    async def __call__(self, *, base: str, worker: str, names: Sequence[str], ttl_s: int) -> None:
+        await self._run([base], [ttl_s, worker, *names], None)
 
 
 class FairPreempt(Script):

@@ -8,10 +8,12 @@ tests/test_backend_cancels.py).
 from __future__ import annotations
 
 import abc
+import functools
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from engine.backends.prefix_cache import BLOCK_SIZE
 from engine.backends.tool_parsers import VllmToolParser
 from wire import GenerationRequest, SamplingParams, ToolCall, Tools, TopLogprob
 
@@ -51,6 +53,8 @@ class Prepared:
     resumed_tokens: int = 0
     """Completion tokens streamed before a takeover (``GenerationRequest.resume``): the
     engine continues after them, and ``params.max_tokens`` counts what is left."""
+    trace_headers: dict[str, str] | None = None
+    """The trace the engine's own spans join (vLLM's ``trace_headers``; engine/tracing.py)."""
 
 
 @dataclass
@@ -66,6 +70,25 @@ class Delta:
     """Per token, the most likely tokens (``SamplingParams.top_logprobs`` of them)."""
     finish_reason: str | None = None
     """Set on the last delta: ``stop``, ``length`` or ``abort``."""
+    cached_tokens: int | None = None
+    """Set on a request's first delta after its prefill: of its prompt's tokens, those the
+    engine's prefix cache held (vLLM's ``RequestOutput.num_cached_tokens``)."""
+
+
+@dataclass
+class PrefillCounts:
+    """Prompt tokens of the requests an engine prefilled, and of them those its prefix cache
+    held, in the engine's own count (the worker's ``/metrics`` reads them)."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    def count(self, prompt_tokens: int, cached_tokens: int) -> int:
+        """A request's prefill is done: ``cached_tokens`` of its ``prompt_tokens`` came from
+        the cache. Returns ``cached_tokens``."""
+        self.prompt_tokens += prompt_tokens
+        self.cached_tokens += cached_tokens
+        return cached_tokens
 
 
 class Backend(abc.ABC):
@@ -75,11 +98,22 @@ class Backend(abc.ABC):
     """How many requests it runs at once; the worker takes no more than this."""
     max_model_len: int | None = None
     """Longest prompt plus reply, in tokens; None: no fixed context."""
+    traced: bool = False
+    """Its engine exports spans of its own (vLLM started with an OTLP endpoint)."""
     tool_call_parser: str | None = None
     """vLLM's tool parser for ``tool_choice: auto`` (``--tool-call-parser``); None: none."""
     ignored_params: frozenset[str] = frozenset()
     """Sampling fields this backend accepts but cannot apply (logged when a request sets
     one; docs/api.md lists them)."""
+    kv_block_size: int = BLOCK_SIZE
+    """Tokens per block of the engine's KV cache: its prefix cache holds whole blocks."""
+    kv_cache_tokens: int | None = None
+    """Tokens the engine's KV cache holds (None: not known before ``start``)."""
+
+    @functools.cached_property
+    def prefilled(self) -> PrefillCounts:
+        """What this engine prefilled, and found in its prefix cache."""
+        return PrefillCounts()
 
     def tokenizer(self) -> Any:
         """What a tool parser is built with (vLLM's parsers take the model's tokenizer)."""

@@ -22,6 +22,11 @@ and ``choice`` with its first string, a few characters a token, ending ``stop``;
 and ``grammar`` cannot be scripted and end the request with an ``error``. Logprobs: each
 token's own, and as top logprobs the token itself then other words, each less likely.
 
+Prefill: the engine keeps a prefix cache (per worker, LRU by blocks of 16 tokens, 64 Ki
+tokens unless told; a word is a token) and, with ``prefill_tokens_per_s``, spends that long
+on each prompt's uncached tokens before its first token (engine/backends/prefill.py); each
+request's first delta says how many of its prompt's tokens the cache held, as vLLM does.
+
 A request that continues the conversation's last (assistant) message goes on with the
 script where that message's words end, so a reply and its continuation read exactly as
 one longer reply.
@@ -41,13 +46,15 @@ import os
 import re
 import time
 import zlib
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from engine.backends.base import Backend, BackendError, Delta, Prepared
+from engine.backends.base import Backend, BackendError, Delta, PrefillCounts, Prepared
+from engine.backends.prefill import KV_CACHE_TOKENS, Admitted, Prefill
+from engine.backends.prefix_cache import BLOCK_SIZE
 from wire import GenerationRequest, SamplingParams, StructuredOutput, TopLogprob
 
 log = logging.getLogger("tokenspout.synthetic")
@@ -89,6 +96,11 @@ CRASH_PREPARING = "[[crash:prepare]]"
 
 def _word_id(word: str) -> int:
     return zlib.crc32(word.encode()) % 50_000
+
+
+def prompt_token_ids(texts: Iterable[str | None]) -> list[int]:
+    """The prompt of a request whose messages (or prompt) are ``texts``: a word a token."""
+    return [_word_id(word) for text in texts for word in (text or "").split()]
 
 
 @dataclass(frozen=True)
@@ -196,6 +208,9 @@ class SyntheticBackend(Backend):
         prepare_delay_s: float = 0.0,
         model: str = "synthetic",
         prepare_cpu_s: float = 0.0,
+        prefill_tokens_per_s: float = 0.0,
+        kv_cache_tokens: int = KV_CACHE_TOKENS,
+        kv_block_size: int = BLOCK_SIZE,
     ) -> None:
         self.model = model
         self.tokens_per_s = tokens_per_s
@@ -206,6 +221,9 @@ class SyntheticBackend(Backend):
         self.prepare_cpu_s = prepare_cpu_s
         """CPU each prepare spends on the caller's event loop, as vLLM's chat template and
         tokenizer do: a burst of requests is admitted one after another, as with vLLM."""
+        self.prefill = Prefill(prefill_tokens_per_s, kv_cache_tokens, kv_block_size)
+        """Its prefix cache, and the time a prompt's uncached tokens take."""
+        self.kv_block_size, self.kv_cache_tokens = kv_block_size, kv_cache_tokens
         self._runs: dict[str, _Run] = {}
         self._stepper: asyncio.Task[None] | None = None
         self._crashing = False
@@ -216,8 +234,8 @@ class SyntheticBackend(Backend):
         return "synthetic"
 
     async def prepare(self, request: GenerationRequest) -> Prepared:
-        words = [m.content for m in request.messages] if request.messages else [request.prompt]
-        prompt_ids = [_word_id(word) for text in words for word in (text or "").split()]
+        texts = [m.content for m in request.messages] if request.messages else [request.prompt]
+        prompt_ids = prompt_token_ids(texts)
         ignored = _set_fields(request.params, self.ignored_params)
         if ignored:
             log.info(
@@ -246,15 +264,16 @@ class SyntheticBackend(Backend):
         if prepared.params.max_tokens <= 0:  # a takeover of a reply already at its end
             yield Delta("", finish_reason="length")
             return
-        run = _Run(prepared)
+        loop = asyncio.get_running_loop()  # once: CPython 3.11 makes it a getpid() call
+        admitted = self.prefill.admit(prepared.prompt_token_ids, loop.time())
+        run = _Run(prepared, admitted, self.prefilled)
         self._runs[run.gid] = run
         if self._stepper is None:  # idle: the request's first step runs now
-            produced, busy = self._step()
+            produced, busy = self._step(loop.time())
             if busy:
                 self._stepper = asyncio.create_task(
                     self._step_forever(produced), name="synthetic-steps"
                 )
-        loop = asyncio.get_running_loop()  # once: CPython 3.11 makes it a getpid() call
         try:
             while True:
                 if not run.pending and run.error is None:
@@ -272,13 +291,15 @@ class SyntheticBackend(Backend):
                     raise run.error
         finally:
             self._runs.pop(run.gid, None)
+            self.prefill.ended([*prepared.prompt_token_ids, *run.output_ids])
 
-    def _step(self) -> tuple[bool, bool]:
-        """One engine step: each running request's next token. Returns whether it made any,
-        and whether any request runs on after it."""
+    def _step(self, now: float) -> tuple[bool, bool]:
+        """One engine step at ``now`` (the loop's clock): each running request's next token
+        (none for a request still in its prefill). Returns whether it made any, and whether
+        any request runs on after it."""
         produced = busy = False
         for run in list(self._runs.values()):
-            produced = run.step() or produced
+            produced = run.step(now) or produced
             if run.crash:
                 self._crashing = True
             busy = busy or not (run.ended or run.error is not None)
@@ -314,7 +335,7 @@ class SyntheticBackend(Backend):
                 else:
                     await asyncio.sleep(0 if produced else 0.01)
                 self._crash_if_asked()
-                produced, busy = self._step()
+                produced, busy = self._step(loop.time())
                 self._crash_if_asked()
                 if not busy:
                     return
@@ -343,6 +364,7 @@ class _Run:
     not taken yet (several when it fell behind the steps; none is ever dropped)."""
 
     __slots__ = (
+        "counts",
         "crash",
         "ended",
         "error",
@@ -352,15 +374,18 @@ class _Run:
         "index",
         "last",
         "offset",
+        "output_ids",
         "params",
         "pending",
+        "ready_at",
         "script",
         "structured",
         "text",
+        "unreported",
         "waiter",
     )
 
-    def __init__(self, prepared: Prepared) -> None:
+    def __init__(self, prepared: Prepared, admitted: Admitted, counts: PrefillCounts) -> None:
         source = prepared.source
         assert source is not None
         self.gid = prepared.generation_id
@@ -382,14 +407,21 @@ class _Run:
         self.error: BackendError | None = None
         self.ended = False
         self.crash = False
+        self.ready_at = admitted.ready_at
+        """When its prefill is done: no token before."""
+        self.unreported: Admitted | None = admitted
+        """Its prefill, until its first delta reports it (then None)."""
+        self.counts = counts
+        self.output_ids: list[int] = []
 
     def abort(self) -> None:
         if not self.ended:
             self._put(Delta("", finish_reason="abort"))
 
-    def step(self) -> bool:
-        """Make this request's next token (one engine step); False when it made none."""
-        if self.ended or self.error is not None:
+    def step(self, now: float) -> bool:
+        """Make this request's next token (one engine step at ``now``); False when it made
+        none."""
+        if self.ended or self.error is not None or now < self.ready_at:
             return False
         index = self.index
         if self.fault is not None and index >= self.fault_at:
@@ -436,6 +468,10 @@ class _Run:
         return Delta(text, [token.id], [token.logprob], finish_reason=finish)
 
     def _put(self, delta: Delta) -> None:
+        if self.unreported is not None and delta.finish_reason != "abort":
+            admitted, self.unreported = self.unreported, None
+            delta.cached_tokens = self.counts.count(admitted.prompt_tokens, admitted.cached_tokens)
+        self.output_ids += delta.token_ids
         if delta.token_ids and self.params.logprobs:
             # One token a step: its text is the delta's (a stop string may have cut it).
             index = self.index - 1 + self.offset

@@ -4,7 +4,10 @@ The worker imports vLLM only through this module. What it uses is the same in 0.
 0.32 and 0.33 (their sources compared, docs/gpu.md): the engine (``AsyncEngineArgs``,
 ``AsyncLLMEngine.from_engine_args``, ``get_tokenizer``, ``generate`` with delta outputs,
 ``abort``, ``shutdown``), ``SamplingParams`` with ``StructuredOutputsParams``, the tool
-parsers and the chat request they read, and the platform vLLM detects. What differs is left
+parsers and the chat request they read, the platform vLLM detects; and (compared in 0.25,
+0.32 and 0.33) each request's ``RequestOutput.num_cached_tokens`` (prompt tokens its prefix
+cache held, set with the first output after the prefill) and the KV cache's ``block_size``
+and ``num_gpu_blocks`` on the engine's ``vllm_config.cache_config``. What differs is left
 alone: ``AsyncLLM.get_num_unfinished_requests`` is absent before 0.27, so the backend counts
 its own running requests.
 
@@ -83,11 +86,13 @@ def start_engine(
     max_model_len: int,
     max_num_seqs: int,
     enforce_eager: bool,
-    **options: float | int,
+    **options: float | int | str,
 ) -> Any:
     """vLLM's async engine (``AsyncLLM``), started: its engine core runs from here on;
     ``options``: more ``AsyncEngineArgs`` fields (every version in range has those the
-    worker's flags set: ``gpu_memory_utilization``, ``max_num_batched_tokens``)."""
+    worker sets: ``gpu_memory_utilization``, ``max_num_batched_tokens``, and
+    ``otlp_traces_endpoint``, whose requests' spans join the trace ``generate``'s
+    ``trace_headers`` name)."""
     from vllm import AsyncEngineArgs, AsyncLLMEngine
 
     args = AsyncEngineArgs(
@@ -100,6 +105,21 @@ def start_engine(
         **options,
     )
     return AsyncLLMEngine.from_engine_args(args)
+
+
+def kv_cache_shape(engine: Any) -> tuple[int, int | None]:
+    """A started engine's KV cache: tokens per block, and tokens in all (the engine core
+    tells its blocks at start-up; None if it did not)."""
+    cache = engine.vllm_config.cache_config
+    blocks = cache.num_gpu_blocks
+    return cache.block_size, blocks * cache.block_size if blocks else None
+
+
+def sampling_defaults(engine: Any) -> dict[str, Any]:
+    """The sampling the model recommends, as vLLM's own server applies it to a request that
+    leaves a field unset: its ``generation_config.json``'s values that differ from vLLM's
+    neutral ones (``max_tokens`` among them)."""
+    return dict(engine.model_config.get_diff_sampling_param())
 
 
 def sampling_params(**fields: Any) -> Any:

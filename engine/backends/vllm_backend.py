@@ -19,7 +19,15 @@ import msgspec
 from engine.backends import vllm_api
 from engine.backends.base import Backend, BackendError, Delta, Prepared
 from engine.backends.tool_parsers import openai_tools
-from wire import ChatMessage, GenerationRequest, StructuredOutput, Tools, TopLogprob
+from wire import (
+    MODEL_DEFAULTS,
+    ChatMessage,
+    GenerationRequest,
+    SamplingParams,
+    StructuredOutput,
+    Tools,
+    TopLogprob,
+)
 
 log = logging.getLogger("tokenspout.vllm")
 
@@ -37,7 +45,7 @@ class VllmBackend(Backend):
         capacity: int = 16,
         dtype: str = "auto",
         enforce_eager: bool = False,
-        engine_options: dict[str, float | int] | None = None,
+        engine_options: dict[str, float | int | str] | None = None,
     ) -> None:
         self.model_path = model
         self.model = served_name or os.path.basename(model.rstrip("/"))
@@ -47,8 +55,12 @@ class VllmBackend(Backend):
         self.enforce_eager = enforce_eager
         self.engine_options = engine_options or {}
         """More of vLLM's engine arguments (``--gpu-memory-utilization``, ...)."""
+        self.traced = "otlp_traces_endpoint" in self.engine_options
         self._engine: Any = None
         self._tokenizer: Any = None
+        self._recommended: dict[str, Any] = {}
+        """The model's sampling defaults (``vllm_api.sampling_defaults``), for the fields a
+        request leaves to it (``SamplingParams.model_defaults``)."""
         self._running: set[str] = set()
         """Requests handed to the engine whose output stream has not ended: a request
         leaves the engine when its stream ends (finished, aborted, or closed early)."""
@@ -64,6 +76,14 @@ class VllmBackend(Backend):
             **self.engine_options,
         )
         self._tokenizer = self._engine.get_tokenizer()
+        self.kv_block_size, self.kv_cache_tokens = vllm_api.kv_cache_shape(self._engine)
+        recommended = vllm_api.sampling_defaults(self._engine)
+        self._recommended = {k: v for k, v in recommended.items() if k in MODEL_DEFAULTS}
+        if self._recommended:
+            log.info(
+                "the model's sampling defaults, for fields a request leaves unset: %s",
+                self._recommended,
+            )
 
     def tokenizer(self) -> Any:
         return self._tokenizer
@@ -148,8 +168,13 @@ class VllmBackend(Backend):
         )
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
+    def _with_model_defaults(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with the model's recommended value for each field left to it."""
+        chosen = {k: self._recommended[k] for k in params.model_defaults if k in self._recommended}
+        return msgspec.structs.replace(params, **chosen) if chosen else params
+
     async def generate(self, prepared: Prepared) -> AsyncGenerator[Delta, None]:
-        params = prepared.params
+        params = self._with_model_defaults(prepared.params)
         room = self.max_model_len - len(prepared.prompt_token_ids)
         if room <= 0 or params.max_tokens <= 0:  # a takeover of a reply already at its end
             yield Delta("", finish_reason="length")
@@ -179,8 +204,10 @@ class VllmBackend(Backend):
         )
         prompt = {"prompt_token_ids": prepared.prompt_token_ids}
         top = params.top_logprobs
-        outputs = self._engine.generate(prompt, sampling, prepared.generation_id)
+        traced = {"trace_headers": prepared.trace_headers} if prepared.trace_headers else {}
+        outputs = self._engine.generate(prompt, sampling, prepared.generation_id, **traced)
         self._running.add(prepared.generation_id)
+        prefilled = False
         try:
             # Closed early (the worker stopped the run), vLLM's generator aborts the
             # request by the id vLLM gave it.
@@ -189,13 +216,10 @@ class VllmBackend(Backend):
                     completion = output.outputs[0]
                     if output.finished:  # out of the engine (finished, or aborted)
                         self._running.discard(prepared.generation_id)
-                    delta = Delta(
-                        completion.text,
-                        list(completion.token_ids),
-                        finish_reason=completion.finish_reason if output.finished else None,
-                    )
-                    if completion.logprobs is not None:
-                        _add_logprobs(delta, completion.logprobs, top)
+                    delta = _delta(completion, output.finished, top)
+                    if not prefilled and (delta.token_ids or output.finished):
+                        prefilled = True
+                        delta.cached_tokens = self._prefilled(prepared, output)
                     yield delta
         except ValueError as exc:  # vLLM's validation errors (VLLMValidationError among them)
             if params.structured is None:
@@ -205,6 +229,14 @@ class VllmBackend(Backend):
             raise BackendError("invalid_constraint", f"the engine refused it: {exc}") from exc
         finally:
             self._running.discard(prepared.generation_id)
+
+    def _prefilled(self, prepared: Prepared, output: Any) -> int | None:
+        """The engine's count of the prompt's tokens its prefix cache held, told with the
+        first output after the prefill (None: vLLM gave none, a request aborted before)."""
+        cached = output.num_cached_tokens
+        if cached is None or (output.finished and not output.outputs[0].token_ids):
+            return None
+        return self.prefilled.count(len(prepared.prompt_token_ids), cached)
 
     async def abort(self, generation_id: str) -> None:
         await self._engine.abort(generation_id)
@@ -232,6 +264,19 @@ def _structured(wanted: StructuredOutput | None) -> Any:
         grammar=wanted.grammar,
         json_object=True if wanted.kind == "json_object" else None,
     )
+
+
+def _delta(completion: Any, finished: bool, top: int) -> Delta:
+    """One output of vLLM's as the worker takes it (``top``: the most likely tokens to give
+    beside each sampled one)."""
+    delta = Delta(
+        completion.text,
+        list(completion.token_ids),
+        finish_reason=completion.finish_reason if finished else None,
+    )
+    if completion.logprobs is not None:
+        _add_logprobs(delta, completion.logprobs, top)
+    return delta
 
 
 def _add_logprobs(delta: Delta, steps: Any, top: int) -> None:

@@ -7,6 +7,11 @@ the owner's index (wire/keys.py ``owner``: session id -> last update). A convers
 title and settings (model, system prompt, temperature, max tokens) are fields of its meta
 hash; its messages are the session's history, as for any session.
 
+Beside its history, a conversation keeps its record (wire/keys.py ``replies``, ``versions``,
+written by the scripts that queue a turn and end a reply): how each reply ended, what a
+regenerate or an edit replaced, and where the running reply's events begin, so a page
+opened anywhere shows a conversation as the tab that watched it did (``ConversationRecord``).
+
 The index is bounded (``TOKENSPOUT_MAX_CONVERSATIONS``): past it, the conversation updated
 least recently leaves the list (its session lives on until its TTL, reachable by its id and
 token). Never a refusal: a program whose HTTP client keeps cookies (httpx, requests'
@@ -26,13 +31,16 @@ import redis.asyncio as aioredis
 import wire
 from gateway.core.errors import BadRequest
 from gateway.core.settings import Settings
-from wire import Keys
+from wire import ChatMessage, FinalEvent, Keys, entry_ms
 
 TITLE_MAX_CHARS = 120
 """The longest title a conversation takes (PATCH); longer ones are refused (422)."""
 AUTO_TITLE_CHARS = 60
 """A conversation without a title takes the start of its first message, this long at most."""
 SETTINGS_FIELDS = ("system", "temperature", "max_tokens")
+NAMED = "named"
+"""The meta field that says a person gave the title (at creation, or a rename): it no
+longer follows the first message."""
 _FIELDS = ["title", "model", "created", "updated", *SETTINGS_FIELDS]
 
 
@@ -74,6 +82,95 @@ class ConversationSettings(msgspec.Struct, frozen=True):
         return {name: str(value) for name, value in values.items() if value not in (None, "")}
 
 
+class ReplyRecord(msgspec.Struct, frozen=True):
+    """How one reply of the conversation ended, kept with it."""
+
+    at: int
+    """Its message's index in ``messages`` (``len(messages)``: it left no message, as a
+    reply that failed or was stopped before its first token)."""
+    generation_id: str
+    model: str
+    final: FinalEvent
+    """Its final event: ``done`` (with ``finish_reason``: ``length`` means it reached its
+    token limit, and ``continue`` extends it), ``cancelled`` (with ``reason``) or ``error``."""
+    turn: str = ""
+    """What made it: "" a message, ``edit <i>``, ``regenerate``, ``continue``."""
+    takeovers: int = 0
+    """How many times another engine worker took it over."""
+    seconds: float = 0.0
+    """From its ``queued`` event to its final one."""
+
+
+class Version(msgspec.Struct, frozen=True):
+    """What a regenerate or an edit replaced: the history from message ``at`` on, as it was."""
+
+    at: int
+    turn: str
+    messages: list[ChatMessage]
+    replies: list[ReplyRecord]
+
+
+class RunningReply(msgspec.Struct, frozen=True):
+    """The reply running now, and where its events begin: a reader that opens the event
+    stream after ``after`` (from its beginning when None) gets all of it."""
+
+    generation_id: str
+    turn: str
+    after: str | None
+
+
+class ConversationRecord(msgspec.Struct, frozen=True):
+    """A conversation as one read of Redis saw it: its messages and their replies' endings,
+    the earlier versions, the reply running (its message not in ``messages`` yet: a
+    continue's is its last one, still short), and the stream's last event then."""
+
+    messages: list[ChatMessage]
+    replies: list[ReplyRecord]
+    versions: list[Version]
+    running: RunningReply | None
+    last_event_id: str | None
+
+
+class _StoredReply(msgspec.Struct, frozen=True):
+    """A ``replies`` entry as wire/lua/emit_core.lua writes it."""
+
+    generation_id: str
+    model: str
+    final: FinalEvent
+    queued_id: str = ""
+    final_id: str = ""
+    turn: str = ""
+    takeovers: int = 0
+
+    def at(self, index: int) -> ReplyRecord:
+        took = (entry_ms(self.final_id) - entry_ms(self.queued_id)) / 1000 if self.queued_id else 0
+        return ReplyRecord(
+            index, self.generation_id, self.model, self.final, self.turn, self.takeovers, took
+        )
+
+
+class _StoredVersion(msgspec.Struct, frozen=True):
+    """A ``versions`` entry as wire/lua/submit.lua writes it (its ``versions``: those of
+    the branch it cut, kept, not shown)."""
+
+    at: int
+    turn: str
+    messages: list[ChatMessage]
+    replies: dict[str, _StoredReply]
+
+    def shown(self) -> Version:
+        return Version(self.at, self.turn, self.messages, _replies(self.replies))
+
+
+_stored_reply = msgspec.json.Decoder(_StoredReply)
+_stored_version = msgspec.json.Decoder(_StoredVersion)
+_message = msgspec.json.Decoder(ChatMessage)
+
+
+def _replies(stored: dict[str, _StoredReply]) -> list[ReplyRecord]:
+    return sorted((reply.at(int(at)) for at, reply in stored.items()), key=lambda r: r.at)
+
+
 def auto_title(content: str) -> str:
     """A title from a first message: its first line, cut at a word near ``AUTO_TITLE_CHARS``."""
     line = next((line.strip() for line in content.splitlines() if line.strip()), "")
@@ -112,14 +209,20 @@ class Conversations:
             pipe.expire(index, self.settings.session_ttl_s)
             await pipe.execute()
 
-    async def touched(self, session_id: str, owner: str | None, content: str) -> None:
+    async def touched(
+        self, session_id: str, owner: str | None, content: str, *, first: bool = False
+    ) -> None:
         """A turn was queued: the conversation moves to the top of its owner's list, and
-        takes its first message's start as its title if it has none."""
+        takes its first message's start as its title if it has none; ``first``: the turn
+        replaced the first message, whose start the title follows unless a person gave it."""
         now = time.time()
         meta = self.keys.meta(session_id)
+        follows = first and content and not await self.redis.hexists(meta, NAMED)
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hset(meta, "updated", now)
-            if content:
+            if follows:
+                pipe.hset(meta, "title", auto_title(content))
+            elif content:
                 pipe.hsetnx(meta, "title", auto_title(content))
             if owner:
                 pipe.zadd(self.keys.owner(owner), {session_id: now})
@@ -174,14 +277,50 @@ class Conversations:
     ) -> None:
         """Set and delete fields of a conversation (it exists: the caller authorised it)."""
         meta, now = self.keys.meta(session_id), time.time()
+        named = {NAMED: 1} if "title" in set_fields else {}
         async with self.redis.pipeline(transaction=False) as pipe:
-            mapping: dict[Any, Any] = {**set_fields, "updated": now}
+            mapping: dict[Any, Any] = {**set_fields, **named, "updated": now}
             pipe.hset(meta, mapping=mapping)
             if unset:
                 pipe.hdel(meta, *unset)
             if owner:
                 pipe.zadd(self.keys.owner(owner), {session_id: now})
             await pipe.execute()
+
+    async def record_of(self, session_id: str) -> ConversationRecord:
+        """Its messages, record and running reply, read together (one transaction: a reply
+        that ends meanwhile is either in the messages or running, never both nor neither)."""
+        keys = self.keys
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.lrange(keys.history(session_id), 0, -1)
+            pipe.hgetall(keys.replies(session_id))
+            pipe.lrange(keys.versions(session_id), 0, -1)
+            pipe.get(keys.active(session_id))
+            pipe.xrevrange(keys.events(session_id), count=1)
+            history, replies, versions, active, last = await pipe.execute()
+        stored = {wire.text(at): _stored_reply.decode(raw) for at, raw in replies.items()}
+        last_entries = wire.entries_of(last)
+        return ConversationRecord(
+            [_message.decode(raw) for raw in history],
+            _replies(stored),
+            [_stored_version.decode(raw).shown() for raw in versions],
+            await self._running(session_id, wire.text(active)) if active else None,
+            last_entries[0][0].decode() if last_entries else None,
+        )
+
+    async def _running(self, session_id: str, generation_id: str) -> RunningReply:
+        """The running reply, and the event id just before its ``queued`` event (one still
+        kept: a reader resuming there finds no gap)."""
+        gen = self.keys.generation(session_id, generation_id)
+        queued_id, turn = await self.redis.hmget(gen, ["queued_id", "turn"])
+        after = None
+        if queued_id is not None:
+            before = await self.redis.xrevrange(
+                self.keys.events(session_id), max=f"({wire.text(queued_id)}", min="-", count=1
+            )
+            entries = wire.entries_of(before)
+            after = entries[0][0].decode() if entries else None
+        return RunningReply(generation_id, wire.text(turn) if turn else "", after)
 
     async def forget(self, session_id: str, owner: str | None, running: list[str]) -> None:
         """Delete a conversation's keys and its ``running`` generations' (so their workers'
@@ -191,6 +330,8 @@ class Conversations:
         await self.redis.delete(
             keys.meta(session_id),
             keys.history(session_id),
+            keys.replies(session_id),
+            keys.versions(session_id),
             keys.events(session_id),
             keys.active(session_id),
             keys.watch(session_id),

@@ -11,20 +11,23 @@ one value, ``GenerationAsk`` (gateway/core/ask.py), whatever API it came through
         ...
 
 Every ask is judged first, in one place (gateway/core/store/admission.py): its ``n``, whether the
-key it serves (``ask.caller``) may use the model, the key's limits and the capacity.
+key it serves (``ask.caller``) may use the model, the key's limits and the capacity. With
+tracing on, what the store does for it (the key's limits, the fair queue, the SUBMIT script)
+is the ``tokenspout.admission`` span of the API call's trace (gateway/core/tracing.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
 
 import redis.asyncio as aioredis
 
+from gateway.core import tracing
 from gateway.core.ask import GenerationAsk, KeptSession
 from gateway.core.auth import tenant_directory
 from gateway.core.choices import Choices
-from gateway.core.conversations import Conversation, ConversationSettings
+from gateway.core.conversations import Conversation, ConversationRecord, ConversationSettings
 from gateway.core.generation_stream import GenerationStream
 from gateway.core.readiness import Readiness, check_readiness
 from gateway.core.relay.feed import Feed, RelayEvent
@@ -37,7 +40,7 @@ from gateway.core.store.sessions import CreatedSession, Sessions
 from gateway.core.store.submitter import CancelOutcome, SubmitObserver, Submitted, Submitter
 from gateway.tenants.caller import Caller
 from gateway.tenants.directory import TenantDirectory
-from wire import CancelReason, ChatMessage, FinalEvent, Keys, SamplingParams, WorkerInfo
+from wire import CancelReason, FinalEvent, Keys, SamplingParams, WorkerInfo
 from wire.generations import Generations
 
 
@@ -82,12 +85,18 @@ class GatewayService:
     # --- what a generation may ask -------------------------------------------------------
 
     def sampling(
-        self, *, named: Mapping[str, str] | None = None, **given: object
+        self,
+        *,
+        named: Mapping[str, str] | None = None,
+        neutral: Mapping[str, object] | None = None,
+        **given: object,
     ) -> SamplingParams:
         """Sampling parameters with the gateway's defaults and limits (422 past one);
-        ``given``: the fields the request sets, None for the default; ``named``: the
-        client's own names of those its API spells otherwise, for errors to name them."""
-        return self.queue.sampling(named=named, **given)
+        ``given``: the fields the request sets, None for the default (the model's
+        recommended value where it has one, else ``neutral``'s or the gateway's);
+        ``named``: the client's own names of those its API spells otherwise, for errors to
+        name them."""
+        return self.queue.sampling(named=named, neutral=neutral, **given)
 
     # --- stateless generations (the OpenAI, TGI and OIP APIs) -----------------------------
 
@@ -96,22 +105,24 @@ class GatewayService:
         before it is queued; the caller walks them, then closes them (``Choices.close``)."""
         self.admission.check(ask)
         heartbeat_s = self.settings.sse_heartbeat_s
-        if ask.n == 1:  # the common case: one generation, nothing to gather
-            return Choices(
-                [await GenerationStream.submit(self.submitter, self.hub, ask, heartbeat_s)]
-            )
 
         def open_choice(choice: int) -> Awaitable[GenerationStream]:
             chosen = ask.for_choice(choice)
             return GenerationStream.submit(self.submitter, self.hub, chosen, heartbeat_s, choice)
 
-        return await Choices.submit(open_choice, ask.n)
+        with _admission(ask):
+            if ask.n == 1:  # the common case: one generation, nothing to gather
+                return Choices(
+                    [await GenerationStream.submit(self.submitter, self.hub, ask, heartbeat_s)]
+                )
+            return await Choices.submit(open_choice, ask.n)
 
     async def generate_kept(self, ask: GenerationAsk, kept: KeptSession) -> Submitted:
         """Queue one generation in a session that outlives its request (a stored
         ``/v1/responses`` response), read later by its id: no feed is opened for it."""
         self.admission.check(ask)
-        return await self.submitter.submit_stateless(ask, kept=kept)
+        with _admission(ask):
+            return await self.submitter.submit_stateless(ask, kept=kept)
 
     # --- sessions --------------------------------------------------------------------------
 
@@ -133,9 +144,6 @@ class GatewayService:
         given, its owner's cookie secret (``owner``) is given."""
         await self.sessions.authorise(session_id, token, owner)
 
-    async def history(self, session_id: str) -> list[ChatMessage]:
-        return await self.sessions.history(session_id)
-
     async def send_message(
         self,
         session_id: str,
@@ -150,9 +158,10 @@ class GatewayService:
         settings filling the sampling fields the request left (``ask.given``); authorised
         by ``token`` or the ``owner``'s cookie (404, then 403)."""
         self.admission.check(ask)
-        return await self.submitter.submit_message(
-            session_id, token, ask, idempotency_key, owner=owner
-        )
+        with _admission(ask, session_id):
+            return await self.submitter.submit_message(
+                session_id, token, ask, idempotency_key, owner=owner
+            )
 
     # --- conversations (the owner cookie's sessions: gateway/core/conversations.py) --------
 
@@ -163,6 +172,11 @@ class GatewayService:
     async def conversation(self, session_id: str) -> Conversation:
         """A session's title and settings, as a list shows them (authorise first)."""
         return await self.sessions.conversations.read(session_id)
+
+    async def conversation_record(self, session_id: str) -> ConversationRecord:
+        """A session's messages, how each reply ended, earlier versions and the reply
+        running with where its events begin (authorise first)."""
+        return await self.sessions.conversations.record_of(session_id)
 
     async def change(
         self, session_id: str, token: str | None, owner: str | None, fields: dict[str, str | None]
@@ -197,11 +211,16 @@ class GatewayService:
 
     # --- a session's events ----------------------------------------------------------------
 
-    def open_feed(
-        self, session_id: str, after_id: str | None = None
-    ) -> contextlib.AbstractAsyncContextManager[Feed]:
-        """The session's events after ``after_id`` (gateway/core/relay/hub.py ``RelayHub.open``)."""
-        return self.hub.open(session_id, after_id)
+    @contextlib.asynccontextmanager
+    async def open_feed(self, session_id: str, after_id: str | None = None) -> AsyncIterator[Feed]:
+        """The session's events after ``after_id`` (gateway/core/relay/hub.py ``RelayHub.open``).
+        A reader new to this process marks the session watched at once: one that came back
+        through another gateway counts from now, not from this process's next refresh (up to
+        a third of the abandon grace later), so its generation is not abandoned under it."""
+        if not self.hub.watches(session_id):
+            await self.sessions.mark_watched([session_id])
+        async with self.hub.open(session_id, after_id) as feed:
+            yield feed
 
     async def check_resumable(self, session_id: str, after_id: str | None) -> None:
         """``EventsExpired`` when the events after ``after_id`` are no longer kept."""
@@ -262,3 +281,21 @@ class GatewayService:
     async def queue_counts(self) -> QueueCounts:
         """Model -> (queued, running), in one round trip (``/metrics``)."""
         return await self.queue.counts()
+
+    async def workers_by_model(self) -> dict[str, int]:
+        """Every model a worker ever registered -> its live workers now (``/metrics``)."""
+        snapshot = await self.models.snapshot()
+        live = snapshot.live
+        return {model: len(live.get(model, [])) for model in snapshot.models}
+
+
+def _admission(
+    ask: GenerationAsk, session_id: str = ""
+) -> contextlib.AbstractContextManager[object]:
+    """The span of the ask's admission, when the API call's trace is recorded."""
+    if not tracing.recording():
+        return tracing.NO_SPAN
+    asked: dict[str, str | int] = {"gen_ai.request.model": ask.model or "", "tokenspout.n": ask.n}
+    if session_id:
+        asked["tokenspout.session_id"] = session_id
+    return tracing.span("tokenspout.admission", asked)

@@ -173,6 +173,13 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         Path(__file__).resolve().parents[2] / "web"
     )
     log_level: Annotated[str, _D(description="DEBUG, INFO, WARNING or ERROR.")] = "INFO"
+    log_format: Annotated[
+        Literal["text", "json"],
+        _D(
+            description="`text`: key=value lines; `json`: one JSON object per line, for a "
+            "log store (the same fields; docs/operations.md)."
+        ),
+    ] = "text"
     keepalive_s: Annotated[
         int,
         _D(

@@ -33,6 +33,7 @@ import msgspec
 from redis.exceptions import RedisError
 
 import wire
+from gateway.core import tracing
 from gateway.core.relay.hub import RelayHub
 from gateway.core.settings import Settings
 from gateway.core.store.sessions import Sessions
@@ -257,7 +258,10 @@ class Reaper:
         for entry_id, fields in await queue.claim(self._owner, idle_ms, message_id):
             request = decode_request(entry_id, fields) if fields else None
             if request is not None:  # else trimmed away meanwhile, or unreadable: drop it
-                await self.lost.hand_on(queue, request, fields[b"r"], consumer)
+                began = time.time_ns()
+                done = await self.lost.hand_on(queue, request, fields[b"r"], consumer)
+                lost = {"tokenspout.outcome": done, "tokenspout.from_worker": consumer}
+                tracing.detached_span(request.traceparent, "tokenspout.takeover", lost, began)
             await queue.ack(entry_id)
         await queue.forget_consumer(self._owner)
 

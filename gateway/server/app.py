@@ -35,6 +35,7 @@ from gateway.server.openapi import openapi_config
 from gateway.server.routes import ROUTES
 from wire import Keys
 from wire.connect import connect, ready, when_redis_answers
+from wire.tracing import stop_tracer
 
 if TYPE_CHECKING:
     from gateway.server.grpc import GrpcServer
@@ -94,10 +95,19 @@ class Services:
         self.metrics.active_streams.set_function(lambda: self.hub.open_feeds)
         self.service = GatewayService(self.redis, self.hub, settings, observer=self.metrics)
         self.api_keys = ApiKeys(self.service.directory, settings.admin_key)
+        self.metrics.tenant_label = self._tenant_label
         self.reaper, self.reader_deadline = self._recovery()
         self.grpc: GrpcServer | None = None
         if settings.grpc_port:
             self.grpc = self._grpc_server(grpc_host, grpc_socket)
+
+    def _tenant_label(self, tenant_id: str) -> str:
+        """A tenant's label in the metrics (the key directory's: bounded)."""
+        directory = self.service.directory
+        tenant = directory.by_id(tenant_id) if tenant_id else None
+        if tenant is None:  # anonymous, or a key gone since
+            return "other" if tenant_id else "anonymous"
+        return directory.label(tenant)
 
     def _recovery(self) -> tuple[Reaper, ReaderDeadline]:
         """The reaper (one gateway at a time) and this process's readers' deadline."""
@@ -183,6 +193,9 @@ class Services:
             stop = asyncio.create_task(self.hub.stop(), name="relay hub stop")
             await _ended_within(STOP_WAIT_S, [*tasks, stop])
             await self.redis.aclose()
+            # The spans left go out here: after the app's shutdown, uvicorn raises the
+            # signal that stopped it again, and the process ends at once.
+            stop_tracer()
 
 
 def create_app(settings: Settings | None = None, services: Services | None = None) -> Litestar:

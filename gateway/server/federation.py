@@ -6,6 +6,8 @@ the process a scrape reaches reads its siblings' there (``SIBLING_TIMEOUT_S`` ea
 does not answer, while it restarts say, is left out and logged). Every sample carries a
 ``process`` label (sum over it for the gateway's figure), except the gauges every process
 reads from Redis at scrape time (``shared``), which come once, from the process scraped.
+Siblings speak OpenMetrics to each other, so their exemplars (a request's trace id on a
+latency bucket) reach a scrape that asks for OpenMetrics.
 """
 
 from __future__ import annotations
@@ -16,14 +18,27 @@ import logging
 from collections.abc import Iterable
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
+from prometheus_client import generate_latest as text_exposition
 from prometheus_client.metrics_core import Metric
-from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.openmetrics import exposition as openmetrics
+from prometheus_client.openmetrics import parser
 from prometheus_client.registry import Collector
 
 log = logging.getLogger("tokenspout.metrics")
 
 SIBLING_TIMEOUT_S = 1.0
+
+
+def openmetrics_exposition(registry: CollectorRegistry) -> bytes:
+    """The registry in OpenMetrics (prometheus_client's OpenMetrics functions have no types)."""
+    text: bytes = openmetrics.generate_latest(registry)  # type: ignore[no-untyped-call]
+    return text
+
+
+def openmetrics_families(text: str) -> Iterable[Metric]:
+    families: Iterable[Metric] = parser.text_string_to_metric_families(text)  # type: ignore[no-untyped-call]
+    return families
 
 
 def peer_socket(directory: Path, index: int) -> Path:
@@ -56,17 +71,18 @@ class MetricsPeers:
 
     async def _serve(self, _reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.closing(writer):
-            writer.write(generate_latest(self.registry))
+            writer.write(openmetrics_exposition(self.registry))
             await writer.drain()
 
-    async def exposition(self) -> bytes:
-        """Every process's samples, labelled by process."""
-        texts = {self.index: generate_latest(self.registry).decode()}
+    async def exposition(self, openmetrics: bool = False) -> bytes:
+        """Every process's samples, labelled by process (in OpenMetrics, or Prometheus'
+        text format)."""
+        texts = {self.index: openmetrics_exposition(self.registry).decode()}
         siblings = [p for p in sorted(self.directory.glob("*.sock")) if p != self.path]
         for path, text in zip(siblings, await asyncio.gather(*map(read, siblings)), strict=True):
             if text is not None:
                 texts[int(path.stem)] = text
-        return merged(texts, self.index, self.shared)
+        return merged(texts, self.index, self.shared, openmetrics)
 
 
 async def read(path: Path) -> str | None:
@@ -82,12 +98,14 @@ async def read(path: Path) -> str | None:
         return None
 
 
-def merged(texts: dict[int, str], own: int, shared: frozenset[str]) -> bytes:
-    """One exposition of every process's families, each sample labelled with its process;
-    the ``shared`` families once, from process ``own``."""
+def merged(
+    texts: dict[int, str], own: int, shared: frozenset[str], openmetrics: bool = False
+) -> bytes:
+    """One exposition of every process's families (``texts``: OpenMetrics), each sample
+    labelled with its process; the ``shared`` families once, from process ``own``."""
     families: dict[str, Metric] = {}
     for index, text in sorted(texts.items()):
-        for family in text_string_to_metric_families(text):
+        for family in openmetrics_families(text):
             if family.name in shared:
                 if index == own:
                     families[family.name] = family
@@ -96,7 +114,8 @@ def merged(texts: dict[int, str], own: int, shared: frozenset[str]) -> bytes:
             process = {"process": str(index)}
             labelled = [s._replace(labels=s.labels | process) for s in family.samples]
             into.samples = labelled if into is family else [*into.samples, *labelled]
-    return generate_latest(_registry_of(families.values()))
+    registry = _registry_of(families.values())
+    return openmetrics_exposition(registry) if openmetrics else text_exposition(registry)
 
 
 class _Families(Collector):

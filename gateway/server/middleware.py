@@ -1,5 +1,7 @@
 """The outermost ASGI layer: a request id, one log line and one metric count per request,
-and the ``x-ratelimit-*`` headers of a key with limits (its caller, gateway/tenants/caller.py).
+the ``x-ratelimit-*`` headers of a key with limits (its caller, gateway/tenants/caller.py),
+and, with tracing on, the request's trace (gateway/core/tracing.py): its span, continuing
+the caller's ``traceparent``, and a ``traceresponse`` header naming it.
 
 It wraps the whole Litestar app, so requests that match no route (404, 405) are counted
 too. Routes are labelled by their template (``/v1/sessions/{session_id}/events``), never
@@ -17,6 +19,7 @@ from typing import Any
 from litestar.enums import ScopeType
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.core import tracing
 from gateway.core.ids import token_hex
 from gateway.server.metrics import GatewayMetrics
 from gateway.tenants.caller import caller_of
@@ -24,6 +27,9 @@ from gateway.tenants.caller import caller_of
 log = logging.getLogger("tokenspout.http")
 
 REQUEST_ID_HEADER = b"x-request-id"
+TRACEPARENT_HEADER = b"traceparent"
+TRACERESPONSE_HEADER = b"traceresponse"
+"""W3C Trace Context's response header: the trace (and span) the request was served in."""
 _REQUEST_ID = re.compile(rb"^[A-Za-z0-9._:-]{1,128}$")
 QUIET_ROUTES = frozenset({"/health", "/ready", "/metrics"})
 """Probes and scrapes: logged at DEBUG only, so they do not flood the logs."""
@@ -36,6 +42,16 @@ def request_id_of(scope: Scope) -> str:
         if name == REQUEST_ID_HEADER and _REQUEST_ID.match(value):
             return str(value.decode())
     return token_hex(8)
+
+
+def begin_trace(scope: Scope, websocket: bool) -> tracing.RequestTrace | None:
+    """The request's trace, continuing the caller's ``traceparent`` (None: tracing off)."""
+    if not tracing.enabled() or scope.get("path") in QUIET_ROUTES:
+        return None
+    incoming = next((v for n, v in scope.get("headers", ()) if n == TRACEPARENT_HEADER), None)
+    method = "WS" if websocket else str(scope.get("method", ""))
+    attributes = {"http.request.method": method, "url.path": str(scope.get("path", ""))}
+    return tracing.begin(method, incoming.decode("latin-1") if incoming else None, attributes)
 
 
 class RequestMetrics:
@@ -53,6 +69,7 @@ class RequestMetrics:
         status = "101" if websocket else "500"
         # Who it serves: the key check fills it in, an admission leaves the key's counts.
         serving = caller_of(scope)
+        trace = begin_trace(scope, websocket)
 
         async def send_with_id(message: Message) -> None:
             nonlocal status
@@ -62,6 +79,9 @@ class RequestMetrics:
                 headers.append((REQUEST_ID_HEADER, request_id.encode()))
                 if serving.quota is not None:
                     headers += [(k.encode(), v.encode()) for k, v in serving.headers()]
+                if trace is not None:
+                    headers.append((TRACERESPONSE_HEADER, trace.traceparent.encode()))
+                    trace.responded()
                 message = {**message, "headers": headers}
             elif message["type"] == "websocket.close" and status == "101":
                 status = "403"  # closed before it was accepted
@@ -72,15 +92,28 @@ class RequestMetrics:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
-            self._record(scope, websocket, status, request_id, time.monotonic() - began)
+            self._record(scope, websocket, status, request_id, time.monotonic() - began, trace)
 
     def _record(
-        self, scope: Scope, websocket: bool, status: str, request_id: str, seconds: float
+        self,
+        scope: Scope,
+        websocket: bool,
+        status: str,
+        request_id: str,
+        seconds: float,
+        trace: tracing.RequestTrace | None,
     ) -> None:
         route = str(scope.get("path_template") or UNMATCHED)
         method = "WS" if websocket else str(scope.get("method", ""))
         self.metrics.requests.labels(method, route, status).inc()
         params: dict[str, Any] = scope.get("path_params") or {}
+        if trace is not None:
+            attributes: dict[str, str | int] = {
+                "http.route": route,
+                "http.response.status_code": int(status),
+                "tokenspout.request_id": request_id,
+            }
+            trace.end(f"{method} {route}", status.startswith("5"), attributes)
         level = logging.DEBUG if route in QUIET_ROUTES else logging.INFO
         if log.isEnabledFor(level):
             extra = {

@@ -52,8 +52,9 @@ class UnknownKey(TenantsError):
 class KeyRevoked(TenantsError):
     code = "key_revoked"
 
-    def __init__(self, key_id: str) -> None:
-        super().__init__(f"key {key_id!r} is revoked: it can no longer be changed")
+    def __init__(self, key_id: str, *, again: bool = False) -> None:
+        what = "revoked already" if again else "revoked: it can no longer be changed"
+        super().__init__(f"key {key_id!r} is {what} (make a new one: POST /v1/admin/keys)")
 
 
 class KeyStore:
@@ -100,10 +101,11 @@ class KeyStore:
         return changed
 
     async def revoke(self, key_id: str) -> KeyRecord:
-        """Revoke it (again: nothing changes). Its record stays, for its usage."""
+        """Revoke it (``KeyRevoked`` again, as for any change of a revoked key). Its record
+        stays, for its usage."""
         record = await self.get(key_id)
         if record.revoked is not None:
-            return record
+            raise KeyRevoked(key_id, again=True)
         now = time.time()
         revoked = msgspec.structs.replace(record, revoked=now, changed=now)
         await self._write(revoked)

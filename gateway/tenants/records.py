@@ -27,7 +27,9 @@ STATIC_PREFIX = "static-"
 the key's digest, the same on every replica and across restarts."""
 
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=100)]
-ModelName = Annotated[str, msgspec.Meta(pattern=MODEL_NAME.pattern)]
+ModelName = Annotated[str, msgspec.Meta(pattern=f"^{MODEL_NAME.pattern}$")]
+"""A served model's name, whole (msgspec searches a pattern: anchored, a name with a space
+or a brace, which no model can have, is refused rather than kept for ever unmatched)."""
 Weight = Annotated[float, msgspec.Meta(gt=0, le=1_000)]
 NO_LIMITS = Limits()
 

@@ -40,6 +40,7 @@ import h2.events
 import h2.exceptions
 import h2.settings
 
+from gateway.core import tracing
 from gateway.core.errors import over_body_limit
 
 log = logging.getLogger("tokenspout.grpc")
@@ -73,6 +74,27 @@ class StatusCode(enum.IntEnum):
     UNAVAILABLE = 14
     DATA_LOSS = 15
     UNAUTHENTICATED = 16
+
+
+SERVER_FAULTS = frozenset(
+    {
+        StatusCode.UNKNOWN,
+        StatusCode.DEADLINE_EXCEEDED,
+        StatusCode.UNIMPLEMENTED,
+        StatusCode.INTERNAL,
+        StatusCode.UNAVAILABLE,
+        StatusCode.DATA_LOSS,
+    }
+)
+"""The statuses that mark a call's span an error (OpenTelemetry's gRPC server spans)."""
+
+
+def begin_trace(call: Call, path: str) -> tracing.RequestTrace | None:
+    """A call's trace, continuing the caller's ``traceparent`` metadata (None: off)."""
+    if not tracing.enabled():
+        return None
+    attributes = {"rpc.system": "grpc", "rpc.method": path}
+    return tracing.begin(path.lstrip("/"), call.metadata.get("traceparent"), attributes)
 
 
 class GrpcError(Exception):
@@ -331,7 +353,8 @@ class GrpcConnection(asyncio.Protocol):
         metadata = {name: value for name, value in headers.items() if not name.startswith(":")}
         call = Call(self, stream_id, metadata)
         self.calls[stream_id] = call
-        call.task = asyncio.create_task(self._run(call, method), name=f"grpc {headers[':path']}")
+        path = headers[":path"]
+        call.task = asyncio.create_task(self._run(call, method, path), name=f"grpc {path}")
         self.server.running.add(call.task)
         call.task.add_done_callback(self.server.running.discard)
 
@@ -341,7 +364,8 @@ class GrpcConnection(asyncio.Protocol):
     def _answer_http(self, stream_id: int, status: str) -> None:
         self.h2.send_headers(stream_id, [(":status", status)], end_stream=True)
 
-    async def _run(self, call: Call, method: Method) -> None:
+    async def _run(self, call: Call, method: Method, path: str) -> None:
+        trace = begin_trace(call, path)  # None: tracing off
         timeout_s = _deadline(call.metadata.get("grpc-timeout"))
         loop = asyncio.get_running_loop()
         timer = None if timeout_s is None else loop.call_later(timeout_s, call.deadline_passed)
@@ -368,6 +392,10 @@ class GrpcConnection(asyncio.Protocol):
                 call.gone()
             if call.unsent == 0:
                 self.calls.pop(call.stream_id, None)
+            if trace is not None:
+                code = call.status[0]
+                status = {"rpc.grpc.status_code": code.value}
+                trace.end(path.lstrip("/"), code in SERVER_FAULTS, status)
 
     # --- frames out ----------------------------------------------------------------------
 

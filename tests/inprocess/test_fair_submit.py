@@ -2,8 +2,9 @@
 against the session's real Redis: straight into the requests stream while a worker has a free
 slot for it and no list holds a request, into its tenant's list once anything waits (so the
 fair share orders it), and always into the list when only preempting workers serve (they
-offer no free slot); a tenant served straight raises
-the floor a tenant that starts waiting is lifted to. And what its final event's script
+offer no free slot), and into the list when a free worker holds its prompt's prefix while
+another does not (cache affinity: its holder takes it first); a tenant served straight
+raises the floor a tenant that starts waiting is lifted to. And what its final event's script
 counts for its key (wire/lua/usage_core.lua): nothing but its usage for a key without
 limits, the running set and the minute's tokens for a key with those limits."""
 
@@ -17,7 +18,7 @@ import pytest
 import redis.asyncio as aioredis
 
 import wire
-from wire import Done, GenerationRequest, Keys, SamplingParams, Usage
+from wire import ChatMessage, Done, GenerationRequest, Keys, SamplingParams, Usage, prefixes
 from wire.limits import Limits
 from wire.outcomes import Accepted, Admitted
 from wire.queue import RequestQueue, ServedTokens, estimated_tokens
@@ -38,14 +39,28 @@ class Gateway:
         self.sent = 0
 
     async def send(
-        self, tenant: str, weight: float = 1.0, limits: Limits | None = None
+        self,
+        tenant: str,
+        weight: float = 1.0,
+        limits: Limits | None = None,
+        chat: tuple[str, ...] = (),
     ) -> GenerationRequest:
+        """A request of ``tenant``: a prompt, or the ``chat`` of these messages (user,
+        assistant, user...), named by its prefixes as the gateway names them."""
         self.sent += 1
-        request = GenerationRequest(
-            f"g{self.sent}", f"s{self.sent}", SamplingParams(), prompt="hello", tenant=tenant
-        )
+        gid, sid = f"g{self.sent}", f"s{self.sent}"
+        if chat:
+            roles = ("user", "assistant")
+            messages = [ChatMessage(roles[i % 2], text) for i, text in enumerate(chat)]
+            request = GenerationRequest(gid, sid, SamplingParams(), messages=messages)
+        else:
+            request = GenerationRequest(gid, sid, SamplingParams(), prompt="hello", tenant=tenant)
         waiting = self.queue.waiting(
-            wire.encode(request), estimate=estimated_tokens(request), tenant=tenant, weight=weight
+            wire.encode(request),
+            estimate=estimated_tokens(request),
+            tenant=tenant,
+            weight=weight,
+            names=prefixes.asked(MODEL, request),
         )
         admission = AdmitInSubmit(
             queues=[self.queue.key],
@@ -125,7 +140,7 @@ async def test_another_tenant_waiting_in_a_list_keeps_the_next_request_in_its_li
     await g.send("b")  # behind a's request, the one slot: into b's list
     assert await take_tenants(g, 1) == ["a"]
     # Another worker has slots free, but b still waits: a's request waits in a's list.
-    await redis.hset(g.queue.fair.free, "w2", f"4 {int(time.time()) + 60}")
+    await redis.hset(g.queue.fair.free, "w2", f"4 {int(time.time()) + 60} 1")
     await g.send("a")
     assert await g.straight() == ["a"] and await g.queue.fair_waiting() == 2
 
@@ -134,7 +149,7 @@ async def test_a_lapsed_record_of_free_slots_counts_none_and_is_dropped(
     redis: aioredis.Redis,
 ) -> None:
     g = await gateway(redis)
-    await redis.hset(g.queue.fair.free, "lost", f"4 {int(time.time()) - 1}")
+    await redis.hset(g.queue.fair.free, "lost", f"4 {int(time.time()) - 1} 1")
     await g.send("a")
     assert await g.straight() == [] and await g.queue.fair_waiting() == 1
     assert not await redis.hexists(g.queue.fair.free, "lost")
@@ -167,6 +182,62 @@ async def test_a_tenant_served_straight_raises_the_floor_a_returning_tenant_is_l
     assert float(await redis.hget(g.queue.fair.base, "floor") or 0) == 500
     await g.send("back")  # no slot free (the take took its one): back waits, lifted
     assert float(await redis.hget(g.queue.fair.vtc, "back") or 0) == 500
+
+
+STORY = ("tell me a story", "once upon a time", "and then?")
+
+
+async def affine_worker(g: Gateway, worker: str, holds: bool) -> RequestQueue:
+    """A worker taking with cache affinity, idle with 2 slots free; ``holds``: it ran
+    STORY's first turn, so its engine holds the next turn's prefix."""
+    queue = RequestQueue(g.redis, g.keys, MODEL)
+    if holds:
+        first = GenerationRequest(
+            "t1", "s-t1", SamplingParams(), messages=[ChatMessage("user", STORY[0])]
+        )
+        await queue.hold(worker, prefixes.held(MODEL, first, STORY[1]))
+    assert await queue.take(worker, 2, 10, ServedTokens(), affinity_ms=5_000) == []
+    return queue
+
+
+async def affine_take(queue: RequestQueue, worker: str) -> list[bytes | None]:
+    """What ``worker`` takes at once: each entry's affinity outcome."""
+    taken = await queue.take(worker, 2, 10, ServedTokens(), affinity_ms=5_000)
+    return [fields.get(b"a") for _, fields in taken]
+
+
+async def test_a_request_a_free_worker_holds_waits_in_its_list_while_another_is_free(
+    redis: aioredis.Redis,
+) -> None:
+    """Straight into the stream, whichever free worker read it first; so while a free
+    worker that does not hold its prefix could, it waits in its list for its holder."""
+    g = await gateway(redis)
+    holder = await affine_worker(g, "wa", holds=True)
+    other = await affine_worker(g, "wb", holds=False)
+    await g.send("", chat=STORY)
+    assert await g.straight() == [] and await g.queue.fair_waiting() == 1
+    assert await redis.lrange(g.queue.fair.own_bell("wa"), 0, -1) == [b"1"]
+    assert await affine_take(other, "wb") == []  # it waits for wa, free
+    assert await affine_take(holder, "wa") == [b"hit"]
+
+
+async def test_a_request_every_free_worker_holds_or_none_goes_straight_in(
+    redis: aioredis.Redis,
+) -> None:
+    """Held by every free worker (a shared opening), it is a hit wherever it goes; held by
+    no free worker (its holder full), nothing would wait for it: straight in, both."""
+    g = await gateway(redis)
+    await affine_worker(g, "wa", holds=True)
+    other = await affine_worker(g, "wb", holds=True)
+    await g.send("", chat=STORY)
+    assert await g.straight() == [""] and await g.queue.fair_waiting() == 0
+    assert await affine_take(other, "wb") == [b"hit"]
+    for holder in ("wa", "wb"):  # both full now
+        await redis.hset(g.queue.fair.free, holder, f"0 {int(time.time()) + 60} 1")
+    third = await affine_worker(g, "wc", holds=False)
+    await g.send("", chat=STORY)
+    assert await g.straight() == ["", ""] and await g.queue.fair_waiting() == 0
+    assert await affine_take(third, "wc") == [None]
 
 
 async def final(g: Gateway, request: GenerationRequest, tokens: Usage) -> None:

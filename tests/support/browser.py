@@ -35,6 +35,17 @@ DEFAULTS_STORE = "tokenspout.defaults.v1"
 AXE = Path(__file__).resolve().parent.parent / "data" / "axe-core" / "axe.min.js"
 DESKTOP = {"width": 1100, "height": 760}
 PHONE = {"width": 375, "height": 740}
+PHONE_DEVICE: dict[str, Any] = {
+    "viewport": {"width": 412, "height": 839},
+    "device_scale_factor": 2.625,
+    "is_mobile": True,
+    "has_touch": True,
+    "user_agent": (
+        "Mozilla/5.0 (Linux; Android 14; Pixel 7) AppleWebKit/537.36 (KHTML, like Gecko) "
+        "Chrome/131.0.0.0 Mobile Safari/537.36"
+    ),
+}
+"""Another device: a phone's screen, touch and user agent (Playwright's "Pixel 7")."""
 
 
 @asynccontextmanager
@@ -97,6 +108,13 @@ class ChatPage:
             await chat.wait_connected()
         return chat
 
+    @classmethod
+    def on(cls, page: Page) -> ChatPage:
+        """The chat in a page the test opened itself (another tab, another profile)."""
+        errors: list[str] = []
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        return cls(page, errors)
+
     async def wait_connected(self, timeout_s: float = 30) -> None:
         await self.page.wait_for_selector('#conn[data-state="connected"]', timeout=timeout_s * 1000)
 
@@ -141,6 +159,16 @@ class ChatPage:
                     return text
             await asyncio.sleep(0.03)
         raise TimeoutError(f"the reply never showed {words} words")
+
+    async def owner_only(self) -> Any:
+        """What a reopened browser (or another device of the same person) keeps of this
+        one: its persistent cookies, the owner's among them; no tab's storage."""
+        state = await self.page.context.storage_state()
+        return {"cookies": state["cookies"], "origins": []}
+
+    async def reply_words(self) -> list[str]:
+        """The last reply's words as shown."""
+        return (await self.reply_text()).split()
 
     async def banner(self) -> str | None:
         """The banner's text while it is shown, else None."""

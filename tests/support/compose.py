@@ -62,6 +62,9 @@ class ComposeRun:
         assert result.returncode == 0, (args, result.stderr[-2000:])
         return result.stdout
 
+    def running(self, container: str) -> bool:
+        return self.podman("inspect", "--format", "{{.State.Running}}", container).strip() == "true"
+
     def containers(self, service: str | None = None) -> list[str]:
         labels = ["--filter", f"label=io.podman.compose.project={self.project}"]
         if service is not None:

@@ -136,6 +136,39 @@ async def read_events(
     return reading
 
 
+STREAM_BROKE = (httpx.RemoteProtocolError, httpx.ReadError, httpx.ConnectError)
+"""What a client meets when the gateway serving its stream goes away."""
+
+
+async def resume_until_final(
+    client: httpx.AsyncClient,
+    session: Session,
+    generation_id: str,
+    reading: Reading,
+    timeout_s: float = 600,
+    most_breaks: int = 5,
+) -> int:
+    """Resume after the last event read until ``generation_id``'s final, reconnecting at
+    once whenever the stream breaks, as EventSource does; how many more times it broke."""
+    deadline = time.monotonic() + timeout_s
+    breaks = 0
+    while True:
+        try:
+            await read_events(
+                client,
+                session,
+                until_final_of=generation_id,
+                reading=reading,
+                last_event_id=reading.events[-1].id,
+                timeout_s=deadline - time.monotonic(),
+            )
+            return breaks
+        except STREAM_BROKE:
+            breaks += 1
+            if breaks > most_breaks:
+                raise
+
+
 @dataclass
 class Follower:
     """An SSE reader that notes when each event arrived."""

@@ -24,7 +24,9 @@ def samples_of(text: str) -> Samples:
 async def scrape(client: httpx.AsyncClient, url: str) -> Samples:
     response = await client.get(url)
     assert response.status_code == 200, response.text
-    assert response.headers["content-type"].startswith("text/plain")
+    # Prometheus's text format, its charset said once (the gateway's said it twice).
+    kind = response.headers["content-type"]
+    assert kind.startswith("text/plain; version=") and kind.count("charset") == 1, kind
     return samples_of(response.text)
 
 

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from stack.rig import VLLM_LOCK, Gateway, Rig
 from tests.support.redis_probes import async_client, live_readers
@@ -39,3 +43,17 @@ class VllmStack:
     stack: Stack
     gateway: Gateway
     engine: subprocess.Popen[bytes]
+
+
+@contextmanager
+def synthetic_stack(
+    redis_url: str, logs: Path, tokens_per_s: float, **env: str
+) -> Iterator[tuple[Stack, Gateway]]:
+    """A gateway (``env``: its settings) and a synthetic engine on a fresh key prefix: one
+    rig that a module's tests share (every browser profile is an owner of its own)."""
+    stack = Stack(redis_url, f"web-{secrets.token_hex(4)}", logs)
+    try:
+        stack.synthetic(tokens_per_s=tokens_per_s)
+        yield stack, stack.gateway(**env)
+    finally:
+        stack.stop()

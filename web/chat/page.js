@@ -25,9 +25,9 @@ export function writeStore(store, key, value) {
     console.warn("browser storage refused a write", key, err);
     if (!chat.storageWarned) {
       chat.storageWarned = true;
-      showBanner("This tab cannot save where a reply was (browser storage is full or " +
-        "blocked): the conversation is kept on the server, but a reload will not resume a " +
-        "running reply.");
+      showBanner("The browser refused to save that here (its storage is full or blocked): " +
+        "conversations are kept on the server, so only this tab's API key or the settings " +
+        "for new chats are not kept.");
     }
   }
 }

@@ -13,22 +13,49 @@ const COLLAPSE_LINES = 12;
 export const turns = {};
 
 export class Row {
-  constructor(role, text = "") {
+  constructor(role, text = "", { earlier = false } = {}) {
     this.role = role;
     this.text = text;
+    this.earlier = earlier; // a message of an earlier version, shown to read (not in chat.rows)
     this.committed = false; // in the server's history (its index counts)
     this.el = document.createElement("li");
     this.el.className = `msg ${role}`;
+    if (earlier) this.el.classList.add("earlier");
     this.bubble = document.createElement("div");
     this.bubble.className = "bubble";
     this.content = document.createElement("div");
     this.content.className = "content";
+    this.pager = document.createElement("nav");
+    this.pager.className = "pager";
+    this.pager.hidden = true;
     this.actions = document.createElement("div");
     this.actions.className = "actions";
     this.bubble.append(this.content);
-    this.el.append(this.bubble, this.actions);
+    this.el.append(this.bubble, this.pager, this.actions);
     ui.messages.append(this.el);
     ui.empty.hidden = true;
+  }
+
+  /** "‹ n / count ›": this message's versions (the last is the current one); `pick(n)`. */
+  setPager(n, count, pick) {
+    this.pager.hidden = count < 2;
+    if (count < 2) return;
+    const what = this.role === "user" ? "message" : "reply";
+    this.pager.setAttribute("aria-label", `Versions of this ${what}`);
+    const step = (label, glyph, to) => {
+      const button = document.createElement("button");
+      button.type = "button";
+      button.className = "page";
+      button.textContent = glyph;
+      button.setAttribute("aria-label", label);
+      button.disabled = to < 1 || to > count;
+      button.addEventListener("click", () => pick(to));
+      return button;
+    };
+    const where = document.createElement("span");
+    where.className = "page-of";
+    where.textContent = `${n} / ${count}`;
+    this.pager.replaceChildren(step("Previous version", "‹", n - 1), where, step("Next version", "›", n + 1));
   }
 
   get index() {
@@ -43,13 +70,11 @@ export class Row {
 }
 
 export class UserRow extends Row {
-  constructor(text) {
-    super("user", text);
+  constructor(text, options = {}) {
+    super("user", text, options);
     this.content.textContent = text; // the person's words stay text (white-space: pre-wrap)
-    this.actions.append(
-      actionButton("Copy message", "copy", (e) => copyText(this.text, e.currentTarget)),
-      actionButton("Edit message", "edit", () => this.startEdit()),
-    );
+    this.actions.append(actionButton("Copy message", "copy", (e) => copyText(this.text, e.currentTarget)));
+    if (!this.earlier) this.actions.append(actionButton("Edit message", "edit", () => this.startEdit()));
     const long = text.length > COLLAPSE_CHARS || text.split("\n").length > COLLAPSE_LINES;
     if (long) this.collapsible();
   }
@@ -123,8 +148,8 @@ export class UserRow extends Row {
 }
 
 export class AssistantRow extends Row {
-  constructor(text = "") {
-    super("assistant", text);
+  constructor(text = "", options = {}) {
+    super("assistant", text, options);
     this.reply = null;
     this.model = "";
     this.sentAt = null;
@@ -135,6 +160,8 @@ export class AssistantRow extends Row {
     this.base = text; // a continued reply's text before the continuation
     this.finish = null;
     this.takeovers = 0;
+    this.seconds = null; // queued to final event, as the server recorded it
+    this.replayed = false; // rebuilt from the server's record: no figures timed here
     this.renderQueued = false;
     this.el.setAttribute("aria-busy", "false");
     this.status = document.createElement("p");
@@ -164,17 +191,48 @@ export class AssistantRow extends Row {
     this.el.setAttribute("aria-busy", "true");
     this.kind = kind;
     this.setStatus("Waiting for an engine…");
-    reply.addEventListener("started", (e) => this.onStarted(e.detail));
-    reply.addEventListener("token", (e) => this.onToken(e.detail));
-    reply.addEventListener("resumed", (e) => {
-      this.takeovers = e.detail.takeover;
+    this.listening = new AbortController();
+    const listen = (type, handle) =>
+      reply.addEventListener(type, (e) => handle(e.detail), { signal: this.listening.signal });
+    listen("started", (data) => this.onStarted(data));
+    listen("token", (data) => this.onToken(data));
+    listen("resumed", (data) => {
+      this.takeovers = data.takeover;
       this.renderDetails();
     });
-    for (const type of ["done", "cancelled", "error"]) {
-      reply.addEventListener(type, (e) => this.onFinal(type, e.detail));
-    }
+    for (const type of ["done", "cancelled", "error"]) listen(type, (data) => this.onFinal(type, data));
+    if (reply.state !== "queued") this.catchUp(reply);
   }
 
+  /** No longer shown (the conversation is shown again): its reply's events are not its. */
+  detach() {
+    this.listening?.abort();
+  }
+
+  // A reply whose first events came before this row took it (a conversation shown again
+  // while it ran): what it has so far, then its events as they come.
+  catchUp(reply) {
+    this.started = true;
+    this.count = reply.count;
+    this.text = this.base + reply.text;
+    this.el.dataset.state = "streaming";
+    this.setStatus("");
+    this.render(false);
+    if (reply.final) this.onFinal(reply.final.type, reply.final);
+  }
+
+  /** How it ended, from the conversation's record (GET /v1/sessions/{id} `replies`): the
+   * note, the actions and the figures the tab that watched it showed. */
+  applyRecord(record) {
+    const final = record.final;
+    this.el.dataset.generationId = record.generation_id;
+    this.model = record.model;
+    this.count = final.usage?.completion_tokens ?? 0;
+    this.takeovers = record.takeovers;
+    this.seconds = record.seconds;
+    this.replayed = true;
+    this.showEnding(final.type, final);
+  }
   onStarted(data) {
     this.model = data.model;
     this.el.dataset.state = "streaming";
@@ -202,39 +260,29 @@ export class AssistantRow extends Row {
   }
 
   onFinal(type, data) {
-    this.el.dataset.state = type;
-    this.el.setAttribute("aria-busy", "false");
-    this.finish = type === "done" ? data.finish_reason : type;
     if (type === "error") {
       this.text = this.base; // what the server keeps: the reply before a failed continue
       this.committed = this.base !== "";
     } else {
       this.committed = this.started || this.base !== "";
     }
-    if (type === "error") this.showError(data);
+    this.showEnding(type, data);
     this.render(true);
+    announce(type === "done" ? `Reply finished. ${this.text}` : this.status.textContent);
+    turns.ended(this);
+  }
+
+  // Its ending as the row shows it: state, the note under it (stopped, failed, its token
+  // limit reached) and what its actions offer.
+  showEnding(type, data) {
+    this.el.dataset.state = type;
+    this.el.setAttribute("aria-busy", "false");
+    this.finish = type === "done" ? data.finish_reason : type;
+    this.setStatus("");
+    if (type === "error") this.showError(data);
     if (type === "cancelled") this.setStatus(STOPPED[data.reason] ?? "Stopped");
     if (type === "done" && data.finish_reason === "length") {
       this.setStatus("The reply reached its token limit.");
-    }
-    announce(type === "done" ? `Reply finished. ${this.text}` : this.status.textContent);
-    turns.ended(this);
-    if (this.kind === "followed" && type !== "error") this.settleFromHistory();
-  }
-
-  // A reply another tab started was seen from the moment this tab opened the conversation:
-  // once it ends, the history has all of it.
-  async settleFromHistory() {
-    const session = chat.session;
-    try {
-      const view = await session.read();
-      const last = view.messages[view.messages.length - 1];
-      if (chat.session === session && last?.role === "assistant") {
-        this.text = last.content;
-        this.render(true);
-      }
-    } catch (err) {
-      console.warn("could not read the finished reply back", err);
     }
   }
 
@@ -251,7 +299,7 @@ export class AssistantRow extends Row {
   }
 
   renderActions() {
-    const last = chat.rows[chat.rows.length - 1] === this;
+    const last = !this.earlier && chat.rows[chat.rows.length - 1] === this;
     const buttons = [actionButton("Copy reply", "copy", (e) => copyText(this.text, e.currentTarget))];
     if (last && this.committed) {
       buttons.push(actionButton("Regenerate reply", "regenerate", () => turns.regenerate()));
@@ -266,7 +314,7 @@ export class AssistantRow extends Row {
     if (last && !this.committed && this.remedy === "edit" && user instanceof UserRow) {
       buttons.push(remedyButton("Edit message", () => user.startEdit()));
     }
-    if (this.model || this.count) {
+    if (this.model || this.count || this.seconds) {
       const info = actionButton("Reply details", "info", () => {
         this.details.hidden = !this.details.hidden;
         info.setAttribute("aria-expanded", String(!this.details.hidden));
@@ -282,17 +330,24 @@ export class AssistantRow extends Row {
   renderDetails() {
     const facts = [];
     if (this.model) facts.push(["Model", this.model]);
-    if (this.sentAt !== null && this.firstAt !== null) {
+    if (this.sentAt !== null && this.firstAt !== null && !this.replayed) {
       facts.push(["Time to first token", `${((this.firstAt - this.sentAt) / 1000).toFixed(2)} s`]);
       this.details.dataset.ttftMs = (this.firstAt - this.sentAt).toFixed(0);
     }
     const tokens = this.count - this.firstCount;
-    if (tokens > 0 && this.lastAt > this.firstAt) {
+    if (tokens > 0 && this.lastAt > this.firstAt && !this.replayed) {
       const rate = tokens / ((this.lastAt - this.firstAt) / 1000);
       facts.push(["Speed", `${rate.toFixed(1)} tokens/s`]);
       this.details.dataset.tokensPerS = rate.toFixed(1);
     }
     if (this.count) facts.push(["Tokens", String(this.count)]);
+    if (this.seconds) {
+      // The server's figure: from the message's arrival to the reply's last event.
+      facts.push(["Time", `${this.seconds.toFixed(2)} s`]);
+      if (this.replayed && this.count) {
+        facts.push(["Average speed", `${(this.count / this.seconds).toFixed(1)} tokens/s`]);
+      }
+    }
     if (this.takeovers) facts.push(["Engine", "continued on another engine"]);
     this.details.replaceChildren(...facts.flatMap(([term, value]) => {
       const dt = document.createElement("dt");

@@ -2,7 +2,6 @@
 
 export const API_KEY_STORE = "tokenspout.apiKey.v1";
 export const DEFAULTS_STORE = "tokenspout.defaults.v1"; // settings a new chat starts with
-export const RUN_STORE = "tokenspout.run.v1"; // per conversation: the stream's place, the running reply
 
 export const $ = (id) => document.getElementById(id);
 export const ui = {
@@ -17,6 +16,8 @@ export const ui = {
   settings: $("settings"), settingsForm: $("settings-form"), system: $("set-system"),
   temperature: $("set-temperature"), temperatureShown: $("temperature-shown"),
   maxTokens: $("set-max-tokens"), settingsError: $("settings-error"),
+  temperatureDefault: $("set-temperature-default"), forNewChats: $("set-for-new-chats"),
+  systemNote: $("system-note"), systemText: $("system-text"), editSystem: $("edit-system"),
   settingsCancel: $("settings-cancel"), confirmDelete: $("confirm-delete"),
   deleteWhat: $("delete-what"),
 };
@@ -28,6 +29,8 @@ export const chat = {
   models: [],
   rows: [], // the rows shown, in order (Row)
   active: null, // the assistant Row whose reply runs
+  versions: [], // earlier versions of its messages, as the server keeps them
+  browsing: null, // an earlier version shown in place of what follows it ({at, rows})
   sending: false,
   apiKey: null,
   storageWarned: false,

@@ -24,6 +24,21 @@ local function publish_held()
   for _, channel in ipairs(held) do redis.call(publish, channel, table.concat(held[channel], '\n')) end
   held = nil
 end
+-- A session turn's reply (its generation knows its place in the history, 'at') is
+-- recorded as it ends, in the session's 'replies' hash (the 'active' key's sibling:
+-- wire/keys.py): how it ended (the final event), its model, its takeovers, its first and
+-- last event ids. What a page shows of a reply after a reload comes from here.
+local function record_reply(gen, active, gid, id, data, ttl)
+  local at = redis.call('HGET', gen, 'at')
+  if not at then return end
+  local turn = redis.call('HMGET', gen, 'queue', 'takeovers', 'queued_id', 'turn')
+  local replies = string.sub(active, 1, -7) .. 'replies'
+  redis.call('HSET', replies, at, '{"generation_id":' .. cjson.encode(gid) ..
+    ',"model":' .. cjson.encode(turn[1] or '') .. ',"takeovers":' .. (turn[2] or '0') ..
+    ',"queued_id":' .. cjson.encode(turn[3] or '') .. ',"final_id":' .. cjson.encode(id) ..
+    ',"turn":' .. cjson.encode(turn[4] or '') .. ',"final":' .. data .. '}')
+  redis.call('EXPIRE', replies, ttl)
+end
 -- Every script that writes a final event calls this, once per generation (a second final
 -- is refused before it), so the generation's usage is counted here (usage_core.lua).
 local function finish(gen, active, gid, state, id, data, ttl)
@@ -31,4 +46,5 @@ local function finish(gen, active, gid, state, id, data, ttl)
   count_usage(gen, gid, data)
   redis.call('EXPIRE', gen, ttl)
   if redis.call('GET', active) == gid then redis.call('DEL', active) end
+  record_reply(gen, active, gid, id, data, ttl)
 end

@@ -17,6 +17,19 @@
 -- next one means events this writer had written are gone (a failover promoted a replica
 -- that had not received them): instead of a silent gap, the generation ends here with an
 -- error event, code 'events_lost', and the write is refused (false).
+-- What a reader can still read of a reply whose last writes Redis lost, billed with its
+-- events_lost end: the prompt its claim noted, and the count of the last event of its
+-- writers Redis kept (a token's count, a resumed event's completion_tokens, else 0).
+local function kept_usage(events, gen, last_id)
+  local completion = 0
+  local entry = last_id and redis.call('XRANGE', events, last_id, last_id)[1]
+  if entry then  -- fields: t, <type>, g, <generation>, d, <data>
+    local kept = cjson.decode(entry[2][6])
+    completion = tonumber(kept['count'] or kept['completion_tokens'] or 0)
+  end
+  local prompt = tonumber(redis.call('HGET', gen, 'prompt') or '0')
+  return '{"prompt_tokens":' .. prompt .. ',"completion_tokens":' .. completion .. '}'
+end
 local function emit_event(events, gen, active, history, channel, maxlen, ttl, etype, gid, data,
                           final_state, writer, assistant, seq, epoch)
   -- One read for the retry, state and owner checks: this runs for every token.
@@ -37,7 +50,8 @@ local function emit_event(events, gen, active, history, channel, maxlen, ttl, et
   if lost then
     local error = '{"type":"error","generation_id":' .. cjson.encode(gid) ..
       ',"code":"events_lost","message":"Redis lost events of this reply (a failover to a ' ..
-      'replica that had not received them); the reply ends here"}'
+      'replica that had not received them); the reply ends here","usage":' ..
+      kept_usage(events, gen, seen[2]) .. '}'
     -- EMIT_STEP passes the active key with final events only; it is the events key's
     -- sibling (wire/keys.py), in the same slot.
     if active == '' then active = string.sub(events, 1, -7) .. 'active' end
@@ -48,7 +62,12 @@ local function emit_event(events, gen, active, history, channel, maxlen, ttl, et
   end
   local id = emit(events, gen, channel, maxlen, ttl, etype, gid, data)
   if seq then redis.call('HSET', gen, 'seq', seq, 'seq_id', id) end
-  if claim then redis.call('HSET', gen, 'state', 'running', 'worker', writer) end
+  if etype == 'started' then  -- its prompt noted, for an end that must bill it (kept_usage)
+    local prompt = string.match(data, '"prompt_tokens":(%d+)') or '0'
+    redis.call('HSET', gen, 'state', 'running', 'worker', writer, 'prompt', prompt)
+  elseif claim then
+    redis.call('HSET', gen, 'state', 'running', 'worker', writer)
+  end
   if final_state ~= '' then
     finish(gen, active, gid, final_state, id, data, ttl)
     if assistant ~= '' then

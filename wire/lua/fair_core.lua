@@ -3,8 +3,9 @@
 -- base: the model's fair hash (Keys.fair: fields 'waiting' and 'floor'); its sibling keys
 -- are named from it by the suffixes FairNames uses (wire/keys.py), all on the queue's slot.
 
-local function fair_ring(base, ttl)
-  local bell = base .. ':bell'
+-- The model's bell (one idle worker wakes), or `worker`'s own (the worker wakes).
+local function fair_ring(base, ttl, worker)
+  local bell = base .. ':bell' .. (worker and (':' .. worker) or '')
   if redis.call('LLEN', bell) == 0 then
     redis.call('RPUSH', bell, 1)
     redis.call('EXPIRE', bell, ttl)
@@ -66,6 +67,83 @@ local function fair_renew(base, ttl)
   end
 end
 
+-- Each worker's free slots as its last take left them: '<base>:free', field the worker,
+-- '<slots> <until, unix s> <offered: 1|0>' (fair_take.lua records them with Redis's clock,
+-- for FAIR_FREE_S: a worker takes at least every second, so a lost one's lapse). Slots
+-- freed since a take count from the next: a worker takes as one frees. A preempting worker
+-- offers none to new requests (they wait in a list, where its preemption chooses from),
+-- but its free slots count for cache affinity.
+local FAIR_FREE_S = 3
+
+-- A record's free slots and, of them, those offered to new requests; nil once lapsed.
+local function fair_slots(record, now_s)
+  local slots, until_s, offered = string.match(record or '', '^(%d+) (%d+) ([01])$')
+  if not slots or tonumber(until_s) < now_s then return nil, 0 end
+  return tonumber(slots), offered == '1' and tonumber(slots) or 0
+end
+
+-- The slots offered to new requests by the queue's workers, and how many workers have a
+-- free slot; a lapsed record is dropped.
+local function fair_free(base)
+  local now_s, key, offered, workers = tonumber(redis.call('TIME')[1]), base .. ':free', 0, 0
+  local records = redis.call('HGETALL', key)
+  for i = 1, #records, 2 do
+    local slots, offers = fair_slots(records[i + 1], now_s)
+    if not slots then
+      redis.call('HDEL', key, records[i])
+    elseif slots > 0 then
+      offered, workers = offered + offers, workers + 1
+    end
+  end
+  return offered, workers
+end
+
+-- Cache affinity (docs/affinity.md). A list entry may name its prompt's prefixes:
+-- '<estimate> <names, longest first, comma-separated>|<request>' as the gateway queues it,
+-- '<estimate> <queued, ms> <names>|<request>' once queued. A worker that ran a request adds
+-- itself to the holders of the names it left in its engine's cache ('<base>:h:<name>', a
+-- set, fair_hold.lua), and says with each take how many slots it has free (above). A
+-- holder without a free slot (full, draining, gone) is no holder: nothing waits for it.
+
+-- The holders with a free slot of the longest held of `names` (comma-separated), and
+-- whether `worker` is among them.
+local function fair_held(base, names, worker)
+  for name in string.gmatch(names, '[^,]+') do
+    local members = redis.call('SMEMBERS', base .. ':h:' .. name)
+    if #members > 0 then
+      local now_s, free, mine = tonumber(redis.call('TIME')[1]), {}, false
+      for _, holder in ipairs(members) do
+        if holder == worker then mine = true end
+        if (fair_slots(redis.call('HGET', base .. ':free', holder), now_s) or 0) > 0 then
+          table.insert(free, holder)
+        end
+      end
+      return free, mine
+    end
+  end
+  return {}, false
+end
+
+-- fair_held of a list entry, and when the entry was queued (ms; nil: it names none).
+local function fair_holders(base, element, worker)
+  local head = string.sub(element, 1, string.find(element, '|', 1, true) - 1)
+  local queued, names = string.match(head, '^%d+ (%d+) (.*)$')
+  if not queued then return {}, false, nil end
+  local free, mine = fair_held(base, names, worker)
+  return free, mine, tonumber(queued)
+end
+
+-- An entry with names, stamped with the time it is queued, its free holders' own bells
+-- rung (each waits on it beside the model's: the holder takes it first).
+local function fair_stamped(base, element, ttl)
+  local space = string.find(element, ' ', 1, true)
+  if not space or space > string.find(element, '|', 1, true) then return element end
+  local stamped = string.sub(element, 1, space) .. fair_now_ms() .. string.sub(element, space)
+  local holders = fair_holders(base, stamped, '')
+  for _, holder in ipairs(holders) do fair_ring(base, ttl, holder) end
+  return stamped
+end
+
 -- A request waits at the end of its tenant's list. A tenant that had none waiting is lifted
 -- to the smallest counter of those waiting (none waiting: the floor, the highest counter
 -- served), so a tenant cannot bank credit while it sends nothing; lifted, it goes a
@@ -75,7 +153,7 @@ end
 -- already waiting costs its list, the count and the bell.
 local function fair_enqueue(base, tenant, weight, request, ttl)
   local list, ready, vtc = base .. ':t:' .. tenant, base .. ':ready', base .. ':vtc'
-  if redis.call('RPUSH', list, request) == 1 then
+  if redis.call('RPUSH', list, fair_stamped(base, request, ttl)) == 1 then
     -- A tenant that had nothing waiting: a full worker that preempts may make room for it
     -- (engine/policies.py waits on this bell; it holds at most one ring).
     local newcomer = base .. ':newcomer'
@@ -101,47 +179,44 @@ local function fair_enqueue(base, tenant, weight, request, ttl)
 end
 
 -- A new request straight into the requests stream, as though its turn had come at once
--- (fair_submit: a free slot waits for it and nobody waits in a list; VTC would start it now). A worker charges its prompt and
--- tokens as it serves it (fair_charge); its tenant's weight is kept for that (fair_weigh). Its entry is as a reply taken over has it: the request alone.
-local function fair_straight(base, stream, maxlen, tenant, weight, request, ttl)
+-- (fair_submit). A worker charges its prompt and tokens as it serves it (fair_charge); its
+-- tenant's weight is kept for that (fair_weigh). Its entry is as a reply taken over has
+-- it, the request alone, and `affinity` ('hit') in its 'a' field if given.
+local function fair_straight(base, stream, maxlen, tenant, weight, request, ttl, affinity)
   if fair_weigh(base, tenant, weight) then redis.call('EXPIRE', base .. ':weights', ttl) end
-  redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'r', request)
+  if affinity then
+    redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'r', request, 'a', affinity)
+  else
+    redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'r', request)
+  end
   redis.call('EXPIRE', stream, ttl)
   fair_ring(base, ttl)
 end
 
--- The free slots of the queue's workers as each one's last take left them (fair_take.lua
--- records them with Redis's clock, for FAIR_FREE_S: a worker takes at least every second,
--- so a lost one's lapse); a lapsed record is dropped. Slots freed since a take count from
--- the next: a worker takes as one frees.
-local FAIR_FREE_S = 3
-local function fair_free(base)
-  local now, free, key = tonumber(redis.call('TIME')[1]), 0, base .. ':free'
-  local records = redis.call('HGETALL', key)
-  for i = 1, #records, 2 do
-    local slots, until_s = string.match(records[i + 1], '^(%d+) (%d+)$')
-    if tonumber(until_s) >= now then
-      free = free + tonumber(slots)
-    else
-      redis.call('HDEL', key, records[i])
+-- A new request of `tenant` (`element`: as its list would hold it, '<estimate>|<request>'
+-- or '<estimate> <names>|<request>') for the queue `stream`, whose group has `lag` entries
+-- undelivered (nil: not known) and whose tenants' lists hold `waiting`. It goes straight
+-- into the stream when nothing waits in a list, the workers offer a free slot for it and
+-- those undelivered before it (VTC, work-conserving, would start it now), and whichever
+-- free worker reads it holds its prompt as well as any (no free worker holds its longest
+-- held prefix, or every free worker does: an affinity 'hit' wherever it goes); else into
+-- its tenant's list, where a free holder takes it first (fair_take.lua). So a request pays
+-- for the fair share, and for affinity's wait, only when one could change where it goes.
+local function fair_submit(base, stream, maxlen, tenant, weight, element, ttl, lag, waiting)
+  if waiting == 0 and lag then
+    local offered, free_workers = fair_free(base)
+    if lag < offered then
+      local bar = string.find(element, '|', 1, true)
+      local names = string.match(string.sub(element, 1, bar - 1), '^%d+ (.*)$')
+      local holders = names and fair_held(base, names, '') or {}
+      if #holders == 0 or #holders == free_workers then
+        local affinity = #holders > 0 and 'hit' or nil
+        local request = string.sub(element, bar + 1)
+        return fair_straight(base, stream, maxlen, tenant, weight, request, ttl, affinity)
+      end
     end
   end
-  return free
-end
-
--- A new request of `tenant` (`element`: '<estimate>|<request>', as its list holds it) for
--- the queue `stream`, whose group has `lag` entries undelivered (nil: not known) and whose
--- tenants' lists hold `waiting`: straight in when nothing waits in a list and a worker has
--- a free slot for it and those undelivered before it (VTC, work-conserving, would start it
--- now; a preempting worker offers none, fair_take.lua), else into its tenant's list. So a
--- request pays for the fair share only when requests wait for a slot.
-local function fair_submit(base, stream, maxlen, tenant, weight, element, ttl, lag, waiting)
-  if waiting == 0 and lag and lag < fair_free(base) then
-    local bar = string.find(element, '|', 1, true)
-    fair_straight(base, stream, maxlen, tenant, weight, string.sub(element, bar + 1), ttl)
-  else
-    fair_enqueue(base, tenant, weight, element, ttl)
-  end
+  fair_enqueue(base, tenant, weight, element, ttl)
 end
 
 -- Requests waiting in the tenants' lists of the queue `queue` (its fair base is named after
@@ -150,21 +225,25 @@ local function fair_waiting(queue)
   return tonumber(redis.call('HGET', '{' .. queue .. '}:fair', 'waiting') or '0')
 end
 
--- The first request of `tenant`, moved from its list into the requests stream at `now`, its prompt charged by the estimate its list entry starts with
--- ('<estimate>|<request>': wire.queue.estimated_tokens), which goes into the stream entry's
--- 'e' field for the worker to correct once it knows. Returns 1 when one moved, 0 when the
--- tenant's list was empty.
-local function fair_move(base, stream, maxlen, tenant, now)
+-- The first request of `tenant`, or its request `chosen`, moved from its list into the
+-- requests stream at `now`, its prompt charged by the estimate its list entry starts with
+-- ('<estimate>|<request>': wire.queue.estimated_tokens, or '<estimate> ...|' with prefix
+-- names), which goes into the stream entry's 'e' field for the worker to correct once it
+-- knows; `affinity` ('hit', 'miss'), if given, into its 'a' field. Returns 1 when one
+-- moved, 0 when the tenant's list was empty.
+local function fair_move(base, stream, maxlen, tenant, now, chosen, affinity)
   local list = base .. ':t:' .. tenant
-  local element = redis.call('LPOP', list)
+  local element = chosen
+  if chosen then redis.call('LREM', list, 1, chosen) else element = redis.call('LPOP', list) end
   if redis.call('LLEN', list) == 0 then redis.call('ZREM', base .. ':ready', tenant) end
   if not element then return 0 end
   local bar = string.find(element, '|', 1, true)
-  local estimate = string.sub(element, 1, bar - 1)
+  local estimate = string.match(string.sub(element, 1, bar - 1), '^%d+')
   redis.call('HINCRBY', base, 'waiting', -1)
   fair_charge(base, tenant, tonumber(estimate), now)
-  redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'r', string.sub(element, bar + 1),
-             'e', estimate)
+  local fields = {'r', string.sub(element, bar + 1), 'e', estimate}
+  if affinity then table.insert(fields, 'a'); table.insert(fields, affinity) end
+  redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', unpack(fields))
   return 1
 end
 

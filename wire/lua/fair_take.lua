@@ -1,22 +1,31 @@
 -- KEYS: the model's requests stream, its fair base (Keys.fair)
--- ARGV: consumer group, consumer, count, the stream's cap, TTL, '1' to record its free
---       slots for new requests to see ('0': a preempting worker's, none), then what the
---       worker served since it last told: tenant, tokens, tenant, tokens... (it tells with its takes
---       while tenants wait in lists, where the counters order them; else with its
---       heartbeat, FAIR_CHARGE)
+-- ARGV: consumer group, consumer, count, the stream's cap, TTL, '1' to offer its free slots
+--       to new requests ('0': a preempting worker's, none; fair_free), the wait for
+--       affinity (ms; 0: none), then what the worker served since it last told: tenant,
+--       tokens, tenant, tokens... (it tells with its takes while tenants wait in lists,
+--       where the counters order them; else with its heartbeat, FAIR_CHARGE)
 -- Charges what was served, then takes up to `count` requests for `consumer`: first what
--- waits in the stream itself (a reply taken over, a request given back: work admitted
--- before), then the tenants' requests in counter order (the smallest first), each moved
--- into the stream (fair_move_lowest) and read at once by this consumer, so the group's
--- pending list, claims and acknowledgements work as for any entry. Rings the bell when more
--- waits, for another idle worker, and records the slots `consumer` has left (fair_free).
+-- waits in the stream itself (a reply taken over, a request given back, a request that
+-- came straight in: fair_submit), then the tenants' requests in counter order (the
+-- smallest first), each moved into the stream (fair_move) and read at once by this
+-- consumer, so the group's pending list, claims and acknowledgements work as for any
+-- entry. Rings the bell when more waits, for another idle worker, and records the slots
+-- `consumer` has left (fair_free, fair_held read them).
+-- With a wait for affinity (docs/affinity.md), a tenant's first FAIR_WINDOW requests are
+-- looked at, in their order: the first that may go here goes, its prefix held by this
+-- consumer ('hit'), or by no worker with a free slot, or its `wait` ms for its holders over
+-- ('miss'); the others wait for their holders. Only when none of them may go here does the
+-- next tenant's turn come.
 -- Returns {the entries taken, as XREADGROUP gives them: {{id, {field, value, ...}}, ...},
---          how many tenants still have requests waiting in their lists}.
+--          how many tenants still have requests waiting in their lists,
+--          ms until a request waiting for another worker may go anywhere (0: none waits)}.
 local stream, base = KEYS[1], KEYS[2]
 local group, consumer, count = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local wait = tonumber(ARGV[7])
+local FAIR_WINDOW, FAIR_TENANTS = 8, 16
 local now = nil
-if #ARGV >= 7 then now = fair_now_ms() end
-for i = 7, #ARGV, 2 do fair_charge(base, ARGV[i], tonumber(ARGV[i + 1]), now) end
+if #ARGV >= 8 then now = fair_now_ms() end
+for i = 8, #ARGV, 2 do fair_charge(base, ARGV[i], tonumber(ARGV[i + 1]), now) end
 local taken = {}
 local function read(n)
   local reply = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', n,
@@ -25,11 +34,33 @@ local function read(n)
   for _, entry in ipairs(reply[1][2]) do table.insert(taken, entry) end
   return #reply[1][2]
 end
+
+-- One request moved for this consumer with affinity: 1, or 0 when none may go here now;
+-- `soonest` lowered to the ms until a passed-over request's wait ends.
+local soonest = 0
+local function move_affine()
+  now = now or fair_now_ms()
+  local ready = redis.call('ZRANGE', base .. ':ready', 0, FAIR_TENANTS - 1)
+  for _, tenant in ipairs(ready) do
+    for _, element in ipairs(redis.call('LRANGE', base .. ':t:' .. tenant, 0, FAIR_WINDOW - 1)) do
+      local holders, mine, queued = fair_holders(base, element, consumer)
+      local left = queued and (queued + wait - now) or 0
+      if mine or #holders == 0 or left <= 0 then
+        local outcome = mine and 'hit' or (#holders > 0 and 'miss' or nil)
+        return fair_move(base, stream, ARGV[4], tenant, now, element, outcome)
+      end
+      soonest = (soonest == 0 or left < soonest) and left or soonest
+    end
+  end
+  return 0
+end
+
 local got = read(count)
 local ready, moved = base .. ':ready', 0
 while got + moved < count do
-  local one = fair_move_lowest(base, stream, ARGV[4], now)
-  if not one then break end
+  local one
+  if wait > 0 then one = move_affine() else one = fair_move_lowest(base, stream, ARGV[4], now) end
+  if not one or one == 0 then break end
   moved = moved + one
 end
 if moved > 0 then
@@ -38,10 +69,9 @@ if moved > 0 then
 end
 local waiting = redis.call('ZCARD', ready)
 if got + moved == count and (got == count or waiting > 0) then fair_ring(base, ARGV[5]) end
--- The slots this worker has free now, for a new request to see (fair_free); a preempting
--- worker offers none: a request waits in a list, where its preemption chooses from.
-local free = 0
-if ARGV[6] == '1' then free = count - got - moved end
 local until_s = tonumber(redis.call('TIME')[1]) + FAIR_FREE_S
-redis.call('HSET', base .. ':free', consumer, free .. ' ' .. until_s)
-return {taken, waiting}
+local record = (count - got - moved) .. ' ' .. until_s .. ' ' .. ARGV[6]
+if redis.call('HSET', base .. ':free', consumer, record) == 1 then
+  redis.call('EXPIRE', base .. ':free', ARGV[5])  -- a new worker; fair_renew keeps it after
+end
+return {taken, waiting, soonest}

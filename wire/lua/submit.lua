@@ -99,6 +99,37 @@ if not companion and not create then
   if running then return {'busy', running} end
 end
 local turn = ARGV[18]
+-- A conversation's record beside its history (wire/keys.py): each reply's ending, and
+-- what a regenerate or an edit cut (its earlier versions).
+local record = string.sub(KEYS[2], 1, -8)
+local replies, versions = record .. 'replies', record .. 'versions'
+-- History messages from `from` (0-based) on are cut: they are kept as an earlier version
+-- of the message at `from`, with their replies' records; the versions of messages after
+-- it belong to the branch cut, so they go inside the new one.
+local function keep_version(from)
+  local cut = redis.call('LRANGE', KEYS[2], from, -1)
+  local kept = {}
+  for _, field in ipairs(redis.call('HKEYS', replies)) do
+    local i = tonumber(field)
+    if i and i >= from then
+      if i < from + #cut then
+        table.insert(kept, cjson.encode(field) .. ':' .. redis.call('HGET', replies, field))
+      end
+      redis.call('HDEL', replies, field)
+    end
+  end
+  if #cut == 0 then return end
+  local siblings, deeper = {}, {}
+  for _, version in ipairs(redis.call('LRANGE', versions, 0, -1)) do
+    table.insert(cjson.decode(version).at > from and deeper or siblings, version)
+  end
+  redis.call('DEL', versions)
+  table.insert(siblings, '{"at":' .. from .. ',"turn":' .. cjson.encode(turn) ..
+    ',"messages":[' .. table.concat(cut, ',') .. '],"replies":{' .. table.concat(kept, ',') ..
+    '},"versions":[' .. table.concat(deeper, ',') .. ']}')
+  redis.call('RPUSH', versions, unpack(siblings))
+  redis.call('LTRIM', versions, -tonumber(ARGV[7]), -1)
+end
 if turn ~= '' then
   local history = redis.call('LRANGE', KEYS[2], 0, -1)
   local function role(i) return cjson.decode(history[i]).role end  -- i from 1
@@ -110,16 +141,20 @@ if turn ~= '' then
       if role(i) == 'user' then last = i break end
     end
     if last == 0 then return {'bad_turn', turn} end
+    keep_version(last)
     redis.call('LTRIM', KEYS[2], 0, last - 1)
   else
     local at = tonumber(string.match(turn, '^edit (%d+)$'))
     if not at or at >= #history or role(at + 1) ~= 'user' then return {'bad_turn', 'edit'} end
+    keep_version(at)
     if at == 0 then redis.call('DEL', KEYS[2]) else redis.call('LTRIM', KEYS[2], 0, at - 1) end
   end
 end
 if ARGV[5] ~= '' then
-  if redis.call('LLEN', KEYS[2]) >= tonumber(ARGV[7]) then return {'history_full'} end
+  local length = redis.call('LLEN', KEYS[2])
+  if length >= tonumber(ARGV[7]) then return {'history_full'} end
   redis.call('RPUSH', KEYS[2], ARGV[5])
+  redis.call('HDEL', replies, length)  -- a reply there had left no message: it is over
 end
 local ttl = ARGV[3]
 if not companion then
@@ -133,6 +168,13 @@ if turn == 'continue' then redis.call('HSET', KEYS[4], 'continues', 1) end
 redis.call('EXPIRE', KEYS[4], ttl)
 redis.call('SET', KEYS[6], '1', 'EX', ARGV[8])
 local id = emit(KEYS[5], KEYS[4], ARGV[1], ARGV[2], ttl, 'queued', ARGV[4], ARGV[9])
+if not companion and not create then
+  -- Its reply's place in the history: after the message just added, or the message a
+  -- continue extends; and where its events begin (a page rebuilds a running reply from
+  -- there).
+  local at = redis.call('LLEN', KEYS[2]) - (turn == 'continue' and 1 or 0)
+  redis.call('HSET', KEYS[4], 'at', at, 'queued_id', id, 'turn', turn)
+end
 redis.call('EXPIRE', KEYS[1], ttl)
 redis.call('EXPIRE', KEYS[5], ttl)
 if admit then  -- after its generation, so no worker finds a request with none
@@ -144,5 +186,7 @@ local reply = {'ok', id}
 if counts then reply = {'admitted', id, unpack(counts)} end
 if create and ARGV[5] == '' then return reply end  -- no history to keep or return
 redis.call('EXPIRE', KEYS[2], ttl)
+redis.call('EXPIRE', replies, ttl)
+redis.call('EXPIRE', versions, ttl)
 for _, message in ipairs(redis.call('LRANGE', KEYS[2], 0, -1)) do table.insert(reply, message) end
 return reply

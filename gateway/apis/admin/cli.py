@@ -11,13 +11,18 @@ Redis (``REDIS_URL``, ``TOKENSPOUT_KEY_PREFIX``), through the same keys store.
 Each prints JSON, as the admin API answers (``create``: with the secret, shown this once).
 A change is in force on every gateway within a second. Exit status 1 with a one-line
 message for what cannot be done (an unknown key, a wrong value).
+
+Without ``REDIS_URL``, the Redis of a running ``make run`` is used: it writes its URL to
+``~/.cache/tokenspout/stack.env`` (``TOKENSPOUT_STACK_ENV``) while it runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -29,6 +34,31 @@ from gateway.tenants.keystore import KeyStore, TenantsError
 from gateway.tenants.records import KeyChange, NewKey
 from wire import Keys
 from wire.connect import connect
+
+STACK_ENV_VAR = "TOKENSPOUT_STACK_ENV"
+STACK_PID = "TOKENSPOUT_STACK_PID"
+
+
+def stack_env_path() -> Path:
+    """Where ``make run`` (``python -m stack``) writes the ``REDIS_URL`` it runs on."""
+    given = os.environ.get(STACK_ENV_VAR)
+    return Path(given) if given else Path.home() / ".cache" / "tokenspout" / "stack.env"
+
+
+def running_stack_env() -> dict[str, str]:
+    """What a running ``make run`` wrote (``REDIS_URL``, maybe ``TOKENSPOUT_KEY_PREFIX``);
+    nothing when none runs (no file, or the file of one that was killed)."""
+    try:
+        lines = stack_env_path().read_text().splitlines()
+    except OSError:
+        return {}
+    found = dict(line.split("=", 1) for line in lines if "=" in line and not line.startswith("#"))
+    try:
+        os.kill(int(found.get(STACK_PID, "")), 0)
+    except (ValueError, ProcessLookupError, PermissionError):
+        return {}
+    return found
+
 
 LIMIT_FLAGS = {
     "concurrent": "concurrent",
@@ -111,13 +141,28 @@ async def _main(args: argparse.Namespace, settings: Settings) -> msgspec.Struct:
         await redis.aclose()
 
 
+def _settings() -> Settings:
+    """The environment's settings; without ``REDIS_URL``, a running ``make run``'s Redis."""
+    settings = Settings.from_env()
+    stack = {} if "REDIS_URL" in os.environ else running_stack_env()
+    if "REDIS_URL" in stack:
+        prefix = os.environ.get("TOKENSPOUT_KEY_PREFIX") or stack.get("TOKENSPOUT_KEY_PREFIX")
+        found = {"redis_url": stack["REDIS_URL"], **({"key_prefix": prefix} if prefix else {})}
+        settings = msgspec.structs.replace(settings, **found)
+    return settings
+
+
 def main(argv: list[str]) -> None:
     args = parser().parse_args(argv)
-    settings = Settings.from_env()
+    settings = _settings()
     try:
         answer = asyncio.run(_main(args, settings))
     except (TenantsError, msgspec.ValidationError) as exc:
         sys.exit(f"tokenspout keys: {exc}")
     except (RedisError, OSError) as exc:
-        sys.exit(f"tokenspout keys: Redis at {settings.redis_url} did not answer ({exc})")
+        sys.exit(
+            f"tokenspout keys: Redis at {settings.redis_url} did not answer ({exc}); set "
+            f"REDIS_URL to the gateway's Redis (a running make run writes its own to "
+            f"{stack_env_path()})"
+        )
     sys.stdout.write(msgspec.json.format(msgspec.json.encode(answer)).decode() + "\n")

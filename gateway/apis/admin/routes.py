@@ -10,7 +10,7 @@ second (gateway/tenants/directory.py).
 | ``GET /v1/admin/keys`` | 200 ``{"keys": [...]}``, revoked ones too |
 | ``GET /v1/admin/keys/{id}`` | 200 the key |
 | ``PATCH /v1/admin/keys/{id}`` | 200 the key changed (name, models, weight, limits) |
-| ``DELETE /v1/admin/keys/{id}`` | 200 the key, revoked (its record and usage stay) |
+| ``DELETE /v1/admin/keys/{id}`` | 200 the key, revoked (its record and usage stay); 409 again |
 | ``GET /v1/admin/usage?key=&start=&end=&granularity=hour|day`` | 200 its usage |
 """
 
@@ -21,7 +21,13 @@ from typing import Annotated
 from litestar import Response, Router, delete, get, patch, post
 from litestar.params import Parameter
 
-from gateway.apis.admin.views import KeyList, KeyView, UsageReport, usage_report
+from gateway.apis.admin.views import (
+    KeyList,
+    KeyView,
+    UsageReport,
+    check_json_types,
+    usage_report,
+)
 from gateway.core.auth import admin_key_check
 from gateway.core.errors import (
     AnyRequest,
@@ -41,7 +47,8 @@ def _keys(service: GatewayService) -> KeyStore:
 
 
 @post("/keys", status_code=201, summary="Make an API key (its secret is shown once)")
-async def create_key(service: GatewayService, data: NewKey) -> KeyView:
+async def create_key(service: GatewayService, request: AnyRequest, data: NewKey) -> KeyView:
+    check_json_types(NewKey, await request.body())
     record, secret = await _keys(service).create(data)
     return KeyView.of(record, secret)
 
@@ -57,7 +64,10 @@ async def show_key(service: GatewayService, key_id: str) -> KeyView:
 
 
 @patch("/keys/{key_id:str}", summary="Change an API key's name, models, weight or limits")
-async def update_key(service: GatewayService, key_id: str, data: KeyChange) -> KeyView:
+async def update_key(
+    service: GatewayService, request: AnyRequest, key_id: str, data: KeyChange
+) -> KeyView:
+    check_json_types(KeyChange, await request.body())
     return KeyView.of(await _keys(service).update(key_id, data))
 
 

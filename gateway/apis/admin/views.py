@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import re
 import time
 
 import msgspec
@@ -16,6 +17,7 @@ from wire.tenancy import DAY_S, HOUR_S, Granularity, UsagePeriod
 
 MAX_PERIODS = 10_000
 """The most hours or days one usage answer holds."""
+_AT_PATH = re.compile(r"(.*) - at `\$\.?(.*)`")
 
 
 class KeyView(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -53,6 +55,20 @@ class KeyView(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 
 class KeyList(msgspec.Struct, frozen=True):
     keys: list[KeyView]
+
+
+def check_json_types(kind: type[msgspec.Struct], body: bytes) -> None:
+    """``TenantsError`` naming the field unless ``body`` is ``kind`` in JSON's own types.
+
+    Litestar decodes a body leniently, turning ``"2"`` into 2; the admin API's contract is
+    that a wrong type is refused, so each body is checked again, strictly."""
+    try:
+        msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        found = _AT_PATH.fullmatch(str(exc))
+        problem, field = (found[1], found[2]) if found else (str(exc), "")
+        hint = " (send the value itself, not a string of it)" if "got `str`" in problem else ""
+        raise TenantsError(f"{field or 'the body'}: {problem}{hint}", field or None) from None
 
 
 class UsageRow(msgspec.Struct, frozen=True):

@@ -26,6 +26,9 @@ ROLES: dict[str, Role] = {
     "assistant": "assistant",
     "tool": "tool",
 }
+OPENAI_NEUTRAL = {"temperature": 1.0}
+"""OpenAI's (and vLLM's) temperature for a request that sets none, where the model
+recommends none of its own."""
 VLLM_FIELDS = (
     "min_p",
     "repetition_penalty",
@@ -71,6 +74,7 @@ def completion_ask(
         raise _unsupported("suffix", "suffix is not supported")
     sampling = service.sampling(
         named={"top_logprobs": "logprobs"},
+        neutral=OPENAI_NEUTRAL,
         **_sampling(body, body.max_tokens),
         logprobs=body.logprobs is not None,
         top_logprobs=body.logprobs or 0,
@@ -102,7 +106,7 @@ def _sampling(body: SamplingFields, max_tokens: int | None) -> dict[str, Any]:
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
     return {
         "max_tokens": max_tokens,
-        "temperature": 1.0 if body.temperature is None else body.temperature,
+        "temperature": body.temperature,
         "top_p": body.top_p,
         "top_k": body.top_k,
         "stop": stop,
@@ -186,6 +190,7 @@ def _chat_sampling(
         shared["structured"] = forced
     return service.sampling(
         named={"max_tokens": "max_completion_tokens"} if body.max_completion_tokens else None,
+        neutral=OPENAI_NEUTRAL,
         **shared,
         logprobs=bool(body.logprobs),
         top_logprobs=body.top_logprobs or 0,

@@ -31,12 +31,18 @@ from gateway.apis.sessions.owner import (
 from gateway.apis.sessions.sampling import SamplingIn
 from gateway.core.ask import GenerationAsk
 from gateway.core.auth import api_key_check
-from gateway.core.conversations import Conversation, check_title
+from gateway.core.conversations import (
+    Conversation,
+    ReplyRecord,
+    RunningReply,
+    Version,
+    check_title,
+)
 from gateway.core.errors import EventsExpired, EventsLost, SessionLost
 from gateway.core.service import GatewayService
 from gateway.tenants.caller import Caller, caller_of
 from gateway.transport import sse
-from wire import ChatMessage, FinalEvent, final_state
+from wire import ChatMessage, FinalEvent, entry_id_key, final_state
 
 AnyRequest = Request[Any, Any, Any]
 
@@ -90,6 +96,16 @@ class SessionView(msgspec.Struct):
     temperature: float | None = None
     max_tokens: int | None = None
     updated: float = 0.0
+    replies: list[ReplyRecord] = []
+    """How each reply ended (its message's index ``at``): what a page shows under it."""
+    versions: list[Version] = []
+    """What regenerates and edits replaced, oldest first: earlier versions of the message
+    at ``at`` and what followed it."""
+    running: RunningReply | None = None
+    """The reply running now (not in ``messages`` yet; a continue's is the last message,
+    still short): read the event stream after ``running.after`` to see all of it."""
+    last_event_id: str | None = None
+    """The stream's last event when this was read: a reader after it misses nothing."""
 
 
 class CancelResult(msgspec.Struct):
@@ -207,15 +223,20 @@ class SessionController(Controller):
     ) -> SessionView:
         await service.authorise(session_id, credentials.token, credentials.owner)
         about = await service.conversation(session_id)
+        record = await service.conversation_record(session_id)
         return SessionView(
             session_id,
-            await service.history(session_id),
+            record.messages,
             about.title,
             about.model,
             about.system,
             about.temperature,
             about.max_tokens,
             about.updated,
+            record.replies,
+            record.versions,
+            record.running,
+            record.last_event_id,
         )
 
     @post("/{session_id:str}/messages", status_code=202, summary="Send a message")
@@ -265,7 +286,12 @@ class SessionController(Controller):
         last_event_id_header: Annotated[
             str | None, HeaderParameter(name="Last-Event-ID", required=False)
         ],
+        until: Annotated[str | None, QueryParameter(name="until", required=False)] = None,
     ) -> Stream:
+        """Every event of the session after the resume point, for as long as the client
+        reads; with ``until=<generation_id>`` the stream ends after that generation's final
+        event (at once when the resume point is past it), so ``curl -N`` returns after one
+        reply. 404 ``unknown_generation`` for a generation the session does not have."""
         await service.authorise(session_id, credentials.token, credentials.owner)
         after = last_event_id_header or last_event_id or None
         lost: EventsLost | None = None
@@ -273,7 +299,8 @@ class SessionController(Controller):
             await service.check_resumable(session_id, after)
         except EventsLost as exc:
             lost, after = exc, None  # said in the stream, which starts over
-        return sse.response(_session_events(service, session_id, after, lost))
+        ended = until is not None and await _ended_before(service, session_id, until, after)
+        return sse.response(_session_events(service, session_id, after, lost, until, ended))
 
     @post(
         "/{session_id:str}/generations/{generation_id:str}/cancel",
@@ -325,19 +352,36 @@ async def _submit(
     )
 
 
+async def _ended_before(
+    service: GatewayService, session_id: str, generation_id: str, after: str | None
+) -> bool:
+    """Whether ``generation_id`` ended at or before the resume point ``after`` (404 for a
+    generation the session does not have)."""
+    _, final_id = await service.generation_end(session_id, generation_id)
+    if final_id is None or after is None:
+        return False
+    return entry_id_key(final_id) <= entry_id_key(after)
+
+
 async def _session_events(
-    service: GatewayService, session_id: str, after: str | None, lost: EventsLost | None
+    service: GatewayService,
+    session_id: str,
+    after: str | None,
+    lost: EventsLost | None,
+    until: str | None = None,
+    ended: bool = False,
 ) -> AsyncIterator[bytes]:
-    """The session's stream after ``after``. A resume point ahead of the stream (``lost``,
-    or found so after Redis came back without the last events) is never waited on: an
-    ``events_lost`` event says so, and the stream starts over from its beginning."""
+    """The session's stream after ``after``, up to ``until``'s final event (``ended``: it
+    is behind the resume point, the stream is over). A resume point ahead of the stream
+    (``lost``, or found so after Redis came back without the last events) is never waited
+    on: an ``events_lost`` event says so, and the stream starts over from its beginning."""
     yield sse.retry(service.settings.sse_retry_ms)
-    while True:
+    while not ended:
         if lost is not None:
             yield sse.events_lost(lost.given, lost.message)
             after = None
         try:
-            async for chunk in _followed(service, session_id, after):
+            async for chunk in _followed(service, session_id, after, until):
                 yield chunk
             return
         except EventsLost as exc:
@@ -349,13 +393,21 @@ async def _session_events(
 
 
 async def _followed(
-    service: GatewayService, session_id: str, after: str | None
+    service: GatewayService, session_id: str, after: str | None, until: str | None = None
 ) -> AsyncIterator[bytes]:
-    """Every event after ``after`` as SSE, heartbeats while there is none; while the
-    process drains, the stream ends after the last final event."""
+    """Every event after ``after`` as SSE, heartbeats while there is none, up to the final
+    event of ``until`` (None: no end); while the process drains, the stream ends after the
+    last final event."""
     unfinished: set[str] = set()
     async with service.open_feed(session_id, after) as feed:
         async for batch in feed.events(service.settings.sse_heartbeat_s):
+            if until is not None:
+                ends = (
+                    n for n, e in enumerate(batch, 1) if e.is_final and e.generation_id == until
+                )
+                if end := next(ends, 0):
+                    yield sse.session_frames(batch[:end])
+                    return
             if batch:
                 yield sse.session_frames(batch)
             elif not service.draining:

@@ -135,6 +135,10 @@ class RelayHub:
     def watched_sessions(self) -> list[str]:
         return [self.keys.session_id_of_channel(channel) for channel in self._feeds]
 
+    def watches(self, session_id: str) -> bool:
+        """A feed of this process reads the session now."""
+        return self.keys.live_channel(session_id) in self._feeds
+
     def begin_drain(self, cut_after_s: float = 0.0) -> None:
         """The process is shutting down: wake every feed so transports can end streams.
         One-shot requests still waiting ``cut_after_s`` from now are answered

@@ -20,7 +20,7 @@ import wire
 from gateway.core.errors import BadRequest
 from gateway.core.settings import Settings
 from gateway.core.store.models import ModelDirectory
-from wire import GenerationRequest, Keys, SamplingParams
+from wire import MODEL_DEFAULTS, GenerationRequest, Keys, SamplingParams, prefixes
 from wire.queue import RequestQueue, count_all, estimated_tokens
 from wire.scripts import WaitingRequest
 
@@ -64,14 +64,25 @@ class GenerationQueue:
             tenant=tenant,
             weight=self.weight_of(tenant),
             submitted=note,
+            names=prefixes.asked(model, request),
         )
 
-    def sampling(self, *, named: Mapping[str, str] | None = None, **given: Any) -> SamplingParams:
+    def sampling(
+        self,
+        *,
+        named: Mapping[str, str] | None = None,
+        neutral: Mapping[str, Any] | None = None,
+        **given: Any,
+    ) -> SamplingParams:
         """Sampling parameters with the gateway's defaults and limits applied; ``named``:
         the client's own names of those its API spells otherwise (TGI's ``max_new_tokens``
-        is ``max_tokens`` here), for errors to name the field as the client sent it."""
+        is ``max_tokens`` here), for errors to name the field as the client sent it. A
+        field of ``MODEL_DEFAULTS`` left unset (None) is left to the model's recommended
+        value, else ``neutral``'s (the API's own default: OpenAI's temperature is 1)."""
         names = named or {}
         params = {key: value for key, value in given.items() if value is not None}
+        left = [name for name in MODEL_DEFAULTS if name not in params]
+        params = {**(neutral or {}), **params, **({"model_defaults": left} if left else {})}
         max_tokens = params.setdefault("max_tokens", self.settings.default_max_tokens)
         if not 1 <= max_tokens <= self.settings.max_tokens_limit:
             field = names.get("max_tokens", "max_tokens")

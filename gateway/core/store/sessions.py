@@ -19,7 +19,12 @@ import msgspec
 import redis.asyncio as aioredis
 
 import wire
-from gateway.core.conversations import Conversation, Conversations, ConversationSettings
+from gateway.core.conversations import (
+    NAMED,
+    Conversation,
+    Conversations,
+    ConversationSettings,
+)
 from gateway.core.errors import Forbidden, NotFound, Unavailable
 from gateway.core.ids import new_id, token_urlsafe
 from gateway.core.settings import Settings
@@ -162,6 +167,7 @@ class Sessions:
             fields["owner"] = owner_digest
         if title:
             fields["title"] = title
+            fields[NAMED] = 1
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(meta, mapping=fields)  # type: ignore[arg-type]
             pipe.expire(meta, self.settings.session_ttl_s)

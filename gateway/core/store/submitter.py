@@ -27,6 +27,7 @@ import msgspec
 from redis.asyncio.client import Pipeline
 
 import wire
+from gateway.core import tracing
 from gateway.core.ask import GenerationAsk, KeptSession
 from gateway.core.conversations import ConversationSettings
 from gateway.core.errors import BadRequest, Conflict, GatewayError, Unavailable
@@ -107,7 +108,7 @@ class SubmitObserver(AdmissionObserver, Protocol):
     and refusals (gateway/server/metrics.py)."""
 
     def submitted(
-        self, session_id: str, generation_id: str, queued_event_id: str, model: str
+        self, session_id: str, generation_id: str, queued_event_id: str, model: str, tenant: str
     ) -> None: ...
 
     def cancel_sent(self, session_id: str, generation_id: str, began: float) -> None: ...
@@ -199,6 +200,7 @@ class Submitter:
             token_ids=ask.token_ids or [],
             tenant=ask.caller.tenant.id,
             choice=choice,
+            traceparent=tracing.traceparent(),
         )
 
     async def _create(
@@ -281,7 +283,8 @@ class Submitter:
         )
         if submitted.queued_event_id is not None:
             content = message.content if message is not None else ""
-            await self.sessions.conversations.touched(session_id, meta.owner, content)
+            first = ask.turn == "edit 0"
+            await self.sessions.conversations.touched(session_id, meta.owner, content, first=first)
         return submitted
 
     def _with_settings(
@@ -292,6 +295,8 @@ class Submitter:
         changes: dict[str, Any] = {}
         if settings.temperature is not None and "temperature" not in given:
             changes["temperature"] = settings.temperature
+            left = [name for name in params.model_defaults if name != "temperature"]
+            changes["model_defaults"] = left  # the conversation's, not the model's
         if settings.max_tokens is not None and "max_tokens" not in given:
             changes["max_tokens"] = min(settings.max_tokens, self.settings.max_tokens_limit)
             changes["min_tokens"] = min(params.min_tokens, changes["max_tokens"])
@@ -360,6 +365,7 @@ class Submitter:
             tenant=turn.tenant.id,
             choice=choice,
             continue_final_message=turn.kind == "continue",
+            traceparent=tracing.traceparent(),
         )
 
     def _accepted(self, turn: Turn, reply: script.SubmitReply) -> script.Accepted | str:
@@ -487,7 +493,8 @@ class Submitter:
 
     def _submitted(self, request: GenerationRequest, queued_id: str, model: str) -> None:
         if self.observer is not None:
-            self.observer.submitted(request.session_id, request.generation_id, queued_id, model)
+            session_id, generation_id = request.session_id, request.generation_id
+            self.observer.submitted(session_id, generation_id, queued_id, model, request.tenant)
 
     # --- cancel -----------------------------------------------------------------------------
 

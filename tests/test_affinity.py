@@ -1,0 +1,107 @@
+"""Cache affinity over real processes (docs/affinity.md): two synthetic workers, a gateway,
+Redis. A conversation's later turns are taken by the worker that ran its earlier ones (its
+engine's cache holds their history); a request whose holder is busy or dead still runs, on
+the other worker."""
+
+from __future__ import annotations
+
+import signal
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+
+from stack.redis_server import free_port
+from tests.support.http import Session, create_session, read_events, send
+from tests.support.metrics import sample, scrape
+from tests.support.stack import Stack
+from wire import Keys
+
+pytestmark = pytest.mark.timeout(90)
+
+AFFINITY = "tokenspout_engine_affinity_total"
+
+
+class Rig:
+    """Two synthetic workers (``capacity`` slots each) with /metrics, a gateway, a client."""
+
+    def __init__(self, stack: Stack, capacity: int) -> None:
+        self.ports = {name: free_port() for name in ("wa", "wb")}
+        self.workers = {
+            name: stack.synthetic(
+                200, "--capacity", str(capacity), "--metrics-port", str(port), worker_id=name
+            )
+            for name, port in self.ports.items()
+        }
+        self.gateway = stack.gateway()
+        self.keys = Keys(stack.prefix)
+        self.redis = aioredis.Redis.from_url(stack.redis_url)
+        self.client = httpx.AsyncClient(timeout=30)
+
+    async def close(self) -> None:
+        await self.client.aclose()
+        await self.redis.aclose()
+
+    async def turn(self, session: Session, content: str, max_tokens: int = 8) -> str:
+        """The worker that served a turn, once it ended ``done``."""
+        gid = await send(self.client, session, content, max_tokens=max_tokens)
+        reading = await read_events(self.client, session, until_final_of=gid)
+        assert reading.events[-1].event == "done", reading.events[-1]
+        return await self.worker_of(session, gid)
+
+    async def worker_of(self, session: Session, gid: str) -> str:
+        worker = await self.redis.hget(self.keys.generation(session.session_id, gid), "worker")
+        assert worker, gid
+        return str(worker.decode())
+
+    async def affinity(self, worker: str, outcome: str) -> float:
+        samples = await scrape(self.client, f"http://127.0.0.1:{self.ports[worker]}/metrics")
+        return sample(samples, AFFINITY, outcome=outcome) or 0.0
+
+
+async def test_a_conversations_next_turns_are_taken_by_the_worker_that_ran_its_first(
+    stack: Stack,
+) -> None:
+    """Four conversations of three turns, one after another: each conversation's second and
+    third turns run on its first turn's worker (with two workers pulling, all eight would
+    one time in 256), counted as hits; then that worker is killed, and the next turn, whose
+    holder is gone, still runs on the other after the bounded wait, counted as a miss."""
+    rig = Rig(stack, capacity=4)
+    try:
+        sessions, first = [], []
+        for number in range(4):
+            session = await create_session(rig.client, rig.gateway.url)
+            sessions.append(session)
+            first.append(await rig.turn(session, f"conversation {number}: tell me a story"))
+        for session, holder in zip(sessions, first, strict=True):
+            assert await rig.turn(session, "and then?") == holder
+            assert await rig.turn(session, "and after that?") == holder
+        assert await rig.affinity("wa", "hit") + await rig.affinity("wb", "hit") == 8
+        dead = first[0]
+        rig.workers[dead].send_signal(signal.SIGKILL)
+        rig.workers[dead].wait()
+        other = "wb" if dead == "wa" else "wa"
+        assert await rig.turn(sessions[0], "are you still there?") == other
+        assert await rig.affinity(other, "miss") >= 1
+    finally:
+        await rig.close()
+
+
+async def test_a_turn_whose_worker_is_busy_runs_on_the_other_at_once(stack: Stack) -> None:
+    """One slot a worker. Two conversations open alike, so one worker holds both beginnings;
+    while a long reply of the first keeps that worker's slot, the second's next turn is
+    taken by the other worker and ends before that long reply does."""
+    rig = Rig(stack, capacity=1)
+    try:
+        one = await create_session(rig.client, rig.gateway.url)
+        two = await create_session(rig.client, rig.gateway.url)
+        holder = await rig.turn(one, "the same opening")
+        assert await rig.turn(two, "the same opening") == holder
+        long_gid = await send(rig.client, one, "go on at length", max_tokens=600)  # 3 s
+        other = "wb" if holder == "wa" else "wa"
+        assert await rig.turn(two, "a short question") == other
+        assert await rig.worker_of(one, long_gid) == holder
+        state = await rig.redis.hget(rig.keys.generation(one.session_id, long_gid), "state")
+        assert state == b"running"
+    finally:
+        await rig.close()
