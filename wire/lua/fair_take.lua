@@ -39,8 +39,8 @@ end
 -- `soonest` lowered to the ms until a passed-over request's wait ends.
 local soonest = 0
 local function move_affine()
-  now = now or fair_now_ms()
   local ready = redis.call('ZRANGE', base .. ':ready', 0, FAIR_TENANTS - 1)
+  if ready[1] then now = now or fair_now_ms() end
   for _, tenant in ipairs(ready) do
     for _, element in ipairs(redis.call('LRANGE', base .. ':t:' .. tenant, 0, FAIR_WINDOW - 1)) do
       local holders, mine, queued = fair_holders(base, element, consumer)
