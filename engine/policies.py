@@ -34,6 +34,7 @@ cache affinity).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -121,6 +122,7 @@ class CacheAffinity(QueueOrder):
         self.wait_ms = wait_ms
         """How long a request another worker holds waits for it before this one takes it."""
         self.metrics = metrics
+        self.held = HeldNames(queue, worker_id)
 
     async def take(self, free: int) -> list[StreamEntry]:
         taken = await self.queue.take(
@@ -132,7 +134,48 @@ class CacheAffinity(QueueOrder):
         return taken
 
     async def ran(self, request: GenerationRequest, reply: str) -> None:
-        await self.queue.hold(self.worker_id, prefixes.held(self.queue.model, request, reply))
+        await self.held.tell(prefixes.held(self.queue.model, request, reply))
+
+
+class HeldNames:
+    """What this worker's engine holds, told to the queue in one call for every reply that
+    ended while the call before was under way: a burst of replies ending together costs a
+    few calls, not one each (a connection each: hundreds at once exhaust the pool)."""
+
+    def __init__(self, queue: RequestQueue, worker_id: str) -> None:
+        self.queue = queue
+        self.worker_id = worker_id
+        self._names: set[str] = set()
+        self._told: asyncio.Future[None] | None = None
+        """The call the names gathered now go with (None: none asked yet)."""
+        self._one_call = asyncio.Lock()
+        self._calls: set[asyncio.Task[None]] = set()
+
+    async def tell(self, names: Sequence[str]) -> None:
+        """Until the queue has ``names`` (raises what that call raised)."""
+        if not names:
+            return
+        self._names.update(names)
+        if self._told is None:
+            self._told = asyncio.get_running_loop().create_future()
+            call = asyncio.create_task(self._call(self._told))
+            self._calls.add(call)
+            call.add_done_callback(self._calls.discard)
+        await asyncio.shield(self._told)
+
+    async def _call(self, told: asyncio.Future[None]) -> None:
+        async with self._one_call:
+            names, self._names, self._told = sorted(self._names), set(), None
+            try:
+                await self.queue.hold(self.worker_id, names)
+            except asyncio.CancelledError:
+                told.cancel()
+                raise
+            except Exception as exc:  # each teller logs it (engine/jobs.py)
+                told.set_exception(exc)
+                told.exception()  # retrieved: a teller that went away leaves no warning
+                return
+            told.set_result(None)
 
 
 class FairPreemption:
