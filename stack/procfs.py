@@ -120,9 +120,7 @@ def listener_of(port: int) -> tuple[int, str] | None:
                     listening.add(parts[9])  # 0A: LISTEN
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and listening & _socket_inodes(int(entry.name)):
-            with contextlib.suppress(OSError):
-                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
-                return int(entry.name), command
+            return int(entry.name), command_line(int(entry.name))
     return None
 
 
@@ -139,6 +137,13 @@ def pin(pid: int, cpu: int, *, children: bool = True) -> bool:
     except OSError:
         return False
     return True
+
+
+def command_line(pid: int) -> str:
+    """A process's command line ("" when it is gone or not ours to read)."""
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    return ""
 
 
 def running(pid: int) -> bool:

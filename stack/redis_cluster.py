@@ -143,6 +143,32 @@ class EmbeddedCluster:
 
         _wait("healthy", healthy, timeout_s)
 
+    def kill_primary(self, victim: EmbeddedRedis, timeout_s: float = 90.0) -> None:
+        """SIGKILL the primary ``victim``; returns once one of its replicas serves its slots
+        and the cluster is healthy. Not as soon as it looks healthy: until its replicas read
+        their link's end the cluster still looks whole, and ``victim`` started again then
+        would come back the primary of its slots, empty (no persistence), its replicas
+        syncing its emptiness: the shard's data lost."""
+        replicas = []
+        for node in self.live():
+            with self.client(node) as client:
+                info = client.info("replication")
+            if info["role"] == "slave" and int(info.get("master_port", 0)) == victim.port:
+                replicas.append(node)
+        if not replicas:
+            raise RuntimeError(f"primary {victim.port} has no replica to take its slots")
+        victim.kill()
+
+        def promoted() -> bool:
+            for node in replicas:
+                with self.client(node) as client:
+                    if client.info("replication")["role"] == "master":
+                        return True
+            return False
+
+        _wait(f"a replica of {victim.port} promoted", promoted, timeout_s)
+        self.wait_healthy(timeout_s)
+
     def primaries_now(self) -> list[EmbeddedRedis]:
         """The live nodes that are primaries now (failovers change which)."""
         found = []

@@ -20,16 +20,20 @@ from wire import Keys
 pytestmark = pytest.mark.timeout(90)
 
 AFFINITY = "tokenspout_engine_affinity_total"
+WAITED = "tokenspout_engine_affinity_wait_seconds_count"
+PREFILL_RATE = "tokenspout_engine_prefill_tokens_per_second"
 
 
 class Rig:
     """Two synthetic workers (``capacity`` slots each) with /metrics, a gateway, a client."""
 
-    def __init__(self, stack: Stack, capacity: int) -> None:
+    def __init__(self, stack: Stack, capacity: int, *args: str) -> None:
         self.ports = {name: free_port() for name in ("wa", "wb")}
         self.workers = {
             name: stack.synthetic(
-                200, "--capacity", str(capacity), "--metrics-port", str(port), worker_id=name
+                200,
+                *("--capacity", str(capacity), "--metrics-port", str(port), *args),
+                worker_id=name,
             )
             for name, port in self.ports.items()
         }
@@ -54,9 +58,12 @@ class Rig:
         assert worker, gid
         return str(worker.decode())
 
-    async def affinity(self, worker: str, outcome: str) -> float:
+    async def metric(self, worker: str, name: str, **labels: str) -> float:
         samples = await scrape(self.client, f"http://127.0.0.1:{self.ports[worker]}/metrics")
-        return sample(samples, AFFINITY, outcome=outcome) or 0.0
+        return sample(samples, name, **labels) or 0.0
+
+    async def affinity(self, worker: str, outcome: str) -> float:
+        return await self.metric(worker, AFFINITY, outcome=outcome)
 
 
 async def test_a_conversations_next_turns_are_taken_by_the_worker_that_ran_its_first(
@@ -64,19 +71,26 @@ async def test_a_conversations_next_turns_are_taken_by_the_worker_that_ran_its_f
 ) -> None:
     """Four conversations of three turns, one after another: each conversation's second and
     third turns run on its first turn's worker (with two workers pulling, all eight would
-    one time in 256), counted as hits; then that worker is killed, and the next turn, whose
-    holder is gone, still runs on the other after the bounded wait, counted as a miss."""
-    rig = Rig(stack, capacity=4)
+    one time in 256), counted as hits, each hit's time queued in the wait's histogram; each
+    worker measured its engine's prefill (400-word openings, at most 2,000 tokens a second);
+    then that worker is killed, and the next turn, whose holder is gone, still runs on the
+    other after the bounded wait, counted as a miss."""
+    rig = Rig(stack, 4, "--prefill-tokens-per-s", "2000")
     try:
         sessions, first = [], []
         for number in range(4):
             session = await create_session(rig.client, rig.gateway.url)
             sessions.append(session)
-            first.append(await rig.turn(session, f"conversation {number}: tell me a story"))
+            opening = f"conversation {number}: tell me a story about " + "the sea " * 200
+            first.append(await rig.turn(session, opening))
         for session, holder in zip(sessions, first, strict=True):
             assert await rig.turn(session, "and then?") == holder
             assert await rig.turn(session, "and after that?") == holder
         assert await rig.affinity("wa", "hit") + await rig.affinity("wb", "hit") == 8
+        waits = [await rig.metric(w, WAITED, outcome="hit") for w in rig.workers]
+        assert sum(waits) == 8, waits
+        for worker in set(first):
+            assert 0 < await rig.metric(worker, PREFILL_RATE) <= 2_000
         dead = first[0]
         rig.workers[dead].send_signal(signal.SIGKILL)
         rig.workers[dead].wait()

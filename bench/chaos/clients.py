@@ -73,6 +73,13 @@ SHUTTING_DOWN = "shutting_down"
 RESPONSE_FINALS = {"response.completed", "response.incomplete", "response.failed"}
 BROKEN = (httpx.TransportError, WebSocketException, OSError, asyncio.TimeoutError)
 """How a connection to a gateway fails: refused, reset, cut, or silent past the timeout."""
+RETRYABLE_CODES = frozenset(
+    {"overloaded", "unavailable", "model_unavailable", "no_worker", "keys_not_loaded", RATE_LIMITED}
+)
+"""A WebSocket ``generate`` refused before it started, with ``retry_after_s``: sent again
+(docs/api.md's error codes). ``no_worker``: no worker registered yet, as after a wiped Redis
+until the workers' next heartbeat; ``keys_not_loaded``: a gateway started while Redis was
+down has not read the run-time keys yet."""
 
 
 @dataclass
@@ -399,7 +406,7 @@ async def ws_canceller(
                 kind = frame["type"]
                 if kind == "error" and "event_id" not in frame:
                     code = frame.get("code")
-                    if code in ("overloaded", "unavailable", "model_unavailable", RATE_LIMITED):
+                    if code in RETRYABLE_CODES:
                         if "retry_after_s" not in frame:
                             record.problems.append(f"refused without retry_after_s: {frame}")
                         if code == RATE_LIMITED:

@@ -67,6 +67,10 @@ class Worker:
     process: subprocess.Popen[bytes]
     metrics_port: int
 
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
 
 @dataclass
 class Fleet:
@@ -263,15 +267,14 @@ class Fleet:
             await asyncio.sleep(held_s)
 
     async def fail_over_primary(self, index: int) -> None:
-        """SIGKILL one cluster primary; its replica is promoted; the old one comes back as
-        the new primary's replica once the cluster is healthy."""
+        """SIGKILL one cluster primary; once its replica is promoted, the old one comes back
+        as the new primary's replica."""
         assert self.cluster is not None
         async with self.redis_lock:
             ports = self._primary_ports()
             victim = next(n for n in self.cluster.nodes if n.port == ports[index % len(ports)])
             self.note("primary_kill", f"redis:{victim.port}")
-            await asyncio.to_thread(victim.kill)
-            await asyncio.to_thread(self.cluster.wait_healthy, 90)
+            await asyncio.to_thread(self.cluster.kill_primary, victim, 90)
             await asyncio.to_thread(victim.start)
             await asyncio.to_thread(self.cluster.wait_healthy, 90)
 

@@ -38,6 +38,7 @@ from gateway.core.store.models import ModelDirectory
 from gateway.core.store.queue import GenerationQueue, QueueCounts
 from gateway.core.store.sessions import CreatedSession, Sessions
 from gateway.core.store.submitter import CancelOutcome, SubmitObserver, Submitted, Submitter
+from gateway.core.store.watches import WatchMarks
 from gateway.tenants.caller import Caller
 from gateway.tenants.directory import TenantDirectory
 from wire import CancelReason, FinalEvent, Keys, SamplingParams, WorkerInfo
@@ -72,6 +73,10 @@ class GatewayService:
             redis, keys, settings, self.directory, self.queue, one_node=one_node, observer=observer
         )
         self.sessions = Sessions(redis, keys, settings, self.models, self.admission)
+        self.watch_marks = WatchMarks(
+            self.sessions, hub.watched_sessions, settings.abandon_grace_s / 3
+        )
+        """Which sessions this process reads, for the workers (gateway/core/store/watches.py)."""
         self.submitter = Submitter(
             self.sessions,
             self.admission,
@@ -214,11 +219,13 @@ class GatewayService:
     @contextlib.asynccontextmanager
     async def open_feed(self, session_id: str, after_id: str | None = None) -> AsyncIterator[Feed]:
         """The session's events after ``after_id`` (gateway/core/relay/hub.py ``RelayHub.open``).
-        A reader new to this process marks the session watched at once: one that came back
-        through another gateway counts from now, not from this process's next refresh (up to
-        a third of the abandon grace later), so its generation is not abandoned under it."""
-        if not self.hub.watches(session_id):
-            await self.sessions.mark_watched([session_id])
+        A reader that resumes (``after_id``) in a process not reading the session marks it
+        watched at once: one that came back through another gateway counts from now, not
+        from this process's next refresh (up to a third of the abandon grace later), so its
+        generation is not abandoned under it. A new reader needs no mark of its own yet:
+        its generation's submit marked the session."""
+        if after_id is not None and not self.hub.watches(session_id):
+            await self.watch_marks.reader_came(session_id)
         async with self.hub.open(session_id, after_id) as feed:
             yield feed
 

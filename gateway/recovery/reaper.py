@@ -1,7 +1,5 @@
 """Background duties of every gateway process.
 
-- ``refresh_watches``: tells workers which sessions this process has readers for, so a
-  generation nobody reads is aborted after the grace period (engine/worker.py checks).
 - ``Reaper``: one gateway at a time (a Redis lock) makes sure no client waits forever, in
   every model's queue (each model registered in ``Keys.models``).
   - A lost worker (its lease connection closed, or no heartbeat for
@@ -34,9 +32,7 @@ from redis.exceptions import RedisError
 
 import wire
 from gateway.core import tracing
-from gateway.core.relay.hub import RelayHub
 from gateway.core.settings import Settings
-from gateway.core.store.sessions import Sessions
 from gateway.recovery.admissions import UnsubmittedAdmissions
 from gateway.recovery.stranded import STRANDED_AFTER_S, StrandedTurns
 from gateway.recovery.takeover import REAPER_PREFIX, LostRequests, live_workers
@@ -48,10 +44,6 @@ from wire.scripts import HoldReaperLock
 log = logging.getLogger("tokenspout.watchdog")
 _request_decoder = msgspec.json.Decoder(GenerationRequest)
 
-
-WATCH_BATCH = 256
-"""Sessions marked per pipeline: one pipeline for 10,000 open streams would hold the event
-loop (packing and parsing every reply) long enough to stall every stream of the process."""
 
 QUEUE_SCAN_PAGE = 200
 QUEUE_SCAN_MAX = 2_000
@@ -73,19 +65,6 @@ def queue_timeout(generation_id: str, timeout_s: float) -> Error:
         "queue_timeout",
         f"no engine worker took this generation within {timeout_s:g} s",
     )
-
-
-async def refresh_watches(sessions: Sessions, hub: RelayHub, interval_s: float) -> None:
-    while True:
-        try:
-            watched = hub.watched_sessions()
-            for start in range(0, len(watched), WATCH_BATCH):
-                await sessions.mark_watched(watched[start : start + WATCH_BATCH])
-        except (RedisError, OSError) as exc:
-            log.warning("could not refresh session watches: %s", exc)
-        except Exception:
-            log.exception("refreshing session watches failed; retrying in %.1f s", interval_s)
-        await asyncio.sleep(interval_s)
 
 
 def decode_request(entry_id: bytes | str, fields: dict[bytes, bytes]) -> GenerationRequest | None:

@@ -27,7 +27,7 @@ from gateway.core.service import GatewayService
 from gateway.core.settings import Settings
 from gateway.recovery.admissions import UnsubmittedAdmissions
 from gateway.recovery.reader_deadline import ReaderDeadline
-from gateway.recovery.reaper import Reaper, refresh_watches
+from gateway.recovery.reaper import Reaper
 from gateway.recovery.stranded import StrandedTurns
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.middleware import RequestMetrics
@@ -173,9 +173,7 @@ class Services:
         if self.metrics.peers is not None:
             await self.metrics.peers.start()
         tasks = [
-            asyncio.create_task(
-                refresh_watches(self.service.sessions, self.hub, self.settings.abandon_grace_s / 3)
-            ),
+            asyncio.create_task(self.service.watch_marks.refresh_forever()),
             asyncio.create_task(self.reaper.run_forever()),
             asyncio.create_task(self.reader_deadline.run_forever()),
             asyncio.create_task(self.service.models.refresh_forever()),

@@ -22,7 +22,7 @@ from wire import ChatMessage, Done, GenerationRequest, Keys, SamplingParams, Usa
 from wire.limits import Limits
 from wire.outcomes import Accepted, Admitted
 from wire.queue import RequestQueue, ServedTokens, estimated_tokens
-from wire.scripts import AdmitInSubmit, Emit, NewSession, Submit
+from wire.scripts import AdmitInSubmit, AffinityWait, Emit, NewSession, Submit
 
 pytestmark = pytest.mark.timeout(60)
 MODEL = "m"
@@ -60,7 +60,7 @@ class Gateway:
             estimate=estimated_tokens(request),
             tenant=tenant,
             weight=weight,
-            names=prefixes.asked(MODEL, request),
+            prefixes=prefixes.asked(MODEL, request),
         )
         admission = AdmitInSubmit(
             queues=[self.queue.key],
@@ -196,13 +196,13 @@ async def affine_worker(g: Gateway, worker: str, holds: bool) -> RequestQueue:
             "t1", "s-t1", SamplingParams(), messages=[ChatMessage("user", STORY[0])]
         )
         await queue.hold(worker, prefixes.held(MODEL, first, STORY[1]))
-    assert await queue.take(worker, 2, 10, ServedTokens(), affinity_ms=5_000) == []
+    assert await queue.take(worker, 2, 10, ServedTokens(), affinity=AffinityWait(5_000)) == []
     return queue
 
 
 async def affine_take(queue: RequestQueue, worker: str) -> list[bytes | None]:
     """What ``worker`` takes at once: each entry's affinity outcome."""
-    taken = await queue.take(worker, 2, 10, ServedTokens(), affinity_ms=5_000)
+    taken = await queue.take(worker, 2, 10, ServedTokens(), affinity=AffinityWait(5_000))
     return [fields.get(b"a") for _, fields in taken]
 
 

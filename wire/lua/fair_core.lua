@@ -105,10 +105,12 @@ end
 -- set, fair_hold.lua), and says with each take how many slots it has free (above). A
 -- holder without a free slot (full, draining, gone) is no holder: nothing waits for it.
 
--- The holders with a free slot of the longest held of `names` (comma-separated), and
--- whether `worker` is among them.
+-- The holders with a free slot of the longest held of `names` (comma-separated, each
+-- `name:tokens`, longest first), whether `worker` is among them, and the held prefix's
+-- tokens (nil: not told).
 local function fair_held(base, names, worker)
-  for name in string.gmatch(names, '[^,]+') do
+  for prefix in string.gmatch(names, '[^,]+') do
+    local name, tokens = string.match(prefix, '^([^:]+):?(%d*)$')
     local members = redis.call('SMEMBERS', base .. ':h:' .. name)
     if #members > 0 then
       local now_s, free, mine = tonumber(redis.call('TIME')[1]), {}, false
@@ -118,19 +120,19 @@ local function fair_held(base, names, worker)
           table.insert(free, holder)
         end
       end
-      return free, mine
+      return free, mine, tonumber(tokens)
     end
   end
-  return {}, false
+  return {}, false, nil
 end
 
--- fair_held of a list entry, and when the entry was queued (ms; nil: it names none).
+-- fair_held of a list entry, with when the entry was queued (ms; nil: it names none) third.
 local function fair_holders(base, element, worker)
   local head = string.sub(element, 1, string.find(element, '|', 1, true) - 1)
   local queued, names = string.match(head, '^%d+ (%d+) (.*)$')
   if not queued then return {}, false, nil end
-  local free, mine = fair_held(base, names, worker)
-  return free, mine, tonumber(queued)
+  local free, mine, tokens = fair_held(base, names, worker)
+  return free, mine, tonumber(queued), tokens
 end
 
 -- An entry with names, stamped with the time it is queued, its free holders' own bells
@@ -181,11 +183,11 @@ end
 -- A new request straight into the requests stream, as though its turn had come at once
 -- (fair_submit). A worker charges its prompt and tokens as it serves it (fair_charge); its
 -- tenant's weight is kept for that (fair_weigh). Its entry is as a reply taken over has
--- it, the request alone, and `affinity` ('hit') in its 'a' field if given.
+-- it, the request alone, and `affinity` ('hit') in its 'a' field if given (it waited 0 ms).
 local function fair_straight(base, stream, maxlen, tenant, weight, request, ttl, affinity)
   if fair_weigh(base, tenant, weight) then redis.call('EXPIRE', base .. ':weights', ttl) end
   if affinity then
-    redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'r', request, 'a', affinity)
+    redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'r', request, 'a', affinity, 'w', 0)
   else
     redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'r', request)
   end
@@ -229,9 +231,9 @@ end
 -- requests stream at `now`, its prompt charged by the estimate its list entry starts with
 -- ('<estimate>|<request>': wire.queue.estimated_tokens, or '<estimate> ...|' with prefix
 -- names), which goes into the stream entry's 'e' field for the worker to correct once it
--- knows; `affinity` ('hit', 'miss'), if given, into its 'a' field. Returns 1 when one
--- moved, 0 when the tenant's list was empty.
-local function fair_move(base, stream, maxlen, tenant, now, chosen, affinity)
+-- knows; `affinity` ('hit', 'miss'), if given, into its 'a' field and the ms it was
+-- `waited` queued into its 'w'. Returns 1 when one moved, 0 when the tenant's list was empty.
+local function fair_move(base, stream, maxlen, tenant, now, chosen, affinity, waited)
   local list = base .. ':t:' .. tenant
   local element = chosen
   if chosen then redis.call('LREM', list, 1, chosen) else element = redis.call('LPOP', list) end
@@ -242,7 +244,9 @@ local function fair_move(base, stream, maxlen, tenant, now, chosen, affinity)
   redis.call('HINCRBY', base, 'waiting', -1)
   fair_charge(base, tenant, tonumber(estimate), now)
   local fields = {'r', string.sub(element, bar + 1), 'e', estimate}
-  if affinity then table.insert(fields, 'a'); table.insert(fields, affinity) end
+  if affinity then
+    for _, item in ipairs({'a', affinity, 'w', waited}) do table.insert(fields, item) end
+  end
   redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', unpack(fields))
   return 1
 end

@@ -1,9 +1,10 @@
 -- KEYS: the model's requests stream, its fair base (Keys.fair)
 -- ARGV: consumer group, consumer, count, the stream's cap, TTL, '1' to offer its free slots
---       to new requests ('0': a preempting worker's, none; fair_free), the wait for
---       affinity (ms; 0: none), then what the worker served since it last told: tenant,
---       tokens, tenant, tokens... (it tells with its takes while tenants wait in lists,
---       where the counters order them; else with its heartbeat, FAIR_CHARGE)
+--       to new requests ('0': a preempting worker's, none; fair_free), the most a request
+--       waits for affinity (ms; 0: none), the consumer's prefill rate (tokens/s; 0: not
+--       measured), then what the worker served since it last told: tenant, tokens, tenant,
+--       tokens... (it tells with its takes while tenants wait in lists, where the counters
+--       order them; else with its heartbeat, FAIR_CHARGE)
 -- Charges what was served, then takes up to `count` requests for `consumer`: first what
 -- waits in the stream itself (a reply taken over, a request given back, a request that
 -- came straight in: fair_submit), then the tenants' requests in counter order (the
@@ -13,19 +14,21 @@
 -- `consumer` has left (fair_free, fair_held read them).
 -- With a wait for affinity (docs/affinity.md), a tenant's first FAIR_WINDOW requests are
 -- looked at, in their order: the first that may go here goes, its prefix held by this
--- consumer ('hit'), or by no worker with a free slot, or its `wait` ms for its holders over
--- ('miss'); the others wait for their holders. Only when none of them may go here does the
--- next tenant's turn come.
+-- consumer ('hit'), or by no worker with a free slot, or its wait for its holders over
+-- ('miss'); the others wait for their holders. A request waits at most `wait` ms, and no
+-- longer than this consumer would take to prefill its held prefix (the most the wait can
+-- save). Only when none of them may go here does the next tenant's turn come.
+-- A request placed by affinity carries how long it was queued (ms) in its entry's `w`.
 -- Returns {the entries taken, as XREADGROUP gives them: {{id, {field, value, ...}}, ...},
 --          how many tenants still have requests waiting in their lists,
 --          ms until a request waiting for another worker may go anywhere (0: none waits)}.
 local stream, base = KEYS[1], KEYS[2]
 local group, consumer, count = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local wait = tonumber(ARGV[7])
+local wait, prefill_rate = tonumber(ARGV[7]), tonumber(ARGV[8])
 local FAIR_WINDOW, FAIR_TENANTS = 8, 16
 local now = nil
-if #ARGV >= 8 then now = fair_now_ms() end
-for i = 8, #ARGV, 2 do fair_charge(base, ARGV[i], tonumber(ARGV[i + 1]), now) end
+if #ARGV >= 9 then now = fair_now_ms() end
+for i = 9, #ARGV, 2 do fair_charge(base, ARGV[i], tonumber(ARGV[i + 1]), now) end
 local taken = {}
 local function read(n)
   local reply = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', n,
@@ -33,6 +36,12 @@ local function read(n)
   if not reply then return 0 end
   for _, entry in ipairs(reply[1][2]) do table.insert(taken, entry) end
   return #reply[1][2]
+end
+
+-- How long a request whose held prefix is `tokens` long waits for its holders (ms).
+local function waits_for(tokens)
+  if prefill_rate <= 0 or not tokens then return wait end
+  return math.min(wait, math.ceil(tokens * 1000 / prefill_rate))
 end
 
 -- One request moved for this consumer with affinity: 1, or 0 when none may go here now;
@@ -43,11 +52,12 @@ local function move_affine()
   if ready[1] then now = now or fair_now_ms() end
   for _, tenant in ipairs(ready) do
     for _, element in ipairs(redis.call('LRANGE', base .. ':t:' .. tenant, 0, FAIR_WINDOW - 1)) do
-      local holders, mine, queued = fair_holders(base, element, consumer)
-      local left = queued and (queued + wait - now) or 0
+      local holders, mine, queued, tokens = fair_holders(base, element, consumer)
+      local left = queued and (queued + waits_for(tokens) - now) or 0
       if mine or #holders == 0 or left <= 0 then
         local outcome = mine and 'hit' or (#holders > 0 and 'miss' or nil)
-        return fair_move(base, stream, ARGV[4], tenant, now, element, outcome)
+        local waited = outcome and (now - queued) or nil
+        return fair_move(base, stream, ARGV[4], tenant, now, element, outcome, waited)
       end
       soonest = (soonest == 0 or left < soonest) and left or soonest
     end

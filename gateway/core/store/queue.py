@@ -64,7 +64,7 @@ class GenerationQueue:
             tenant=tenant,
             weight=self.weight_of(tenant),
             submitted=note,
-            names=prefixes.asked(model, request),
+            prefixes=prefixes.asked(model, request),
         )
 
     def sampling(
