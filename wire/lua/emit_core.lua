@@ -4,25 +4,30 @@
 -- this line), so the live channel, tagged like the session's keys, goes to this slot's
 -- shard only.
 local publish = 'PUBLISH'
--- A script that writes several events (EMIT_STEP) sets `held` to a table: each channel's
--- events then go in one message, its lines in order, when it calls `publish_held`.
-local held = nil
+-- A script that writes several events (EMIT_STEP) sets `holding`: a session's events that
+-- follow one another (a step's token and final) then go in one message, its lines in order,
+-- sent when another channel's event comes or the script calls `publish_held`. Only a run
+-- is held, never a table per channel: a step of a thousand sessions' one token each costs
+-- what a publish each does.
+local holding, held_channel, held = false, nil, nil
+local function publish_held()
+  if held_channel then
+    redis.call(publish, held_channel, type(held) == 'table' and table.concat(held, '\n') or held)
+  end
+  held_channel, held = nil, nil
+end
 local function emit(events, gen, channel, maxlen, ttl, etype, gid, data)
   local id = redis.call('XADD', events, 'MAXLEN', '~', maxlen, '*', 't', etype, 'g', gid, 'd', data)
   local line = id .. ' ' .. etype .. ' ' .. gid .. ' ' .. data
-  if held == nil then
+  if not holding then
     redis.call(publish, channel, line)
-  elseif held[channel] then
-    table.insert(held[channel], line)
+  elseif channel == held_channel then
+    if type(held) == 'table' then table.insert(held, line) else held = {held, line} end
   else
-    held[channel] = {line}
-    table.insert(held, channel)
+    publish_held()
+    held_channel, held = channel, line
   end
   return id
-end
-local function publish_held()
-  for _, channel in ipairs(held) do redis.call(publish, channel, table.concat(held[channel], '\n')) end
-  held = nil
 end
 -- A session turn's reply (its generation knows its place in the history, 'at') is
 -- recorded as it ends, in the session's 'replies' hash (the 'active' key's sibling:

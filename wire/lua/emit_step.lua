@@ -11,7 +11,7 @@
 -- Returns one reply per event, in order: its entry id, or '' when refused (as EMIT).
 -- The live channel is the events key with 'live' for 'events' (wire/keys.py).
 local writer, out, k, a = ARGV[1], {}, 1, 4
-held = {}  -- a session's events of this step go in one live message (emit_core.lua)
+holding = true  -- a session's events of this step go in one live message (emit_core.lua)
 while a <= #ARGV do
   local epoch, maxlen, ttl, gid, seq, etype, state, data =
     string.match(ARGV[a], '^(%d+) (%d+) (%d+) (%S+) (%d+) (%S+) (%S+) (.*)$')
