@@ -45,7 +45,7 @@ from gateway.core.store.sessions import (
     unknown_session,
 )
 from gateway.tenants.caller import Caller
-from gateway.tenants.records import Tenant
+from gateway.tenants.records import ANONYMOUS_ID, Tenant
 from wire import (
     CancelReason,
     CancelSignal,
@@ -208,7 +208,7 @@ class Submitter:
     ) -> script.SubmitReply:
         """Make the throwaway session with its generation and queue its request: admitted
         by SUBMIT itself (``ticket.in_submit``), or admitted before."""
-        new = self._new_session(request)
+        new = self._new_session(request, ticket.tenant)
         if ticket.in_submit is not None:
             return await self.generations.create_admitted(new, ticket.in_submit)
         keep = None
@@ -219,9 +219,10 @@ class Submitter:
         waiting = self.queue.waiting(model, request)
         return await self.generations.create_queued(new, self.queue.of(model), waiting, keep)
 
-    def _new_session(self, request: GenerationRequest) -> NewSession:
+    def _new_session(self, request: GenerationRequest, tenant: Tenant) -> NewSession:
         """The stateless session SUBMIT makes for ``request``: its tenant billed its prompt
-        and completion (another choice of a request: its completion; tokenize: nothing)."""
+        and completion (another choice of a request: its completion; tokenize: nothing),
+        and what its end keeps for the tenant's limits."""
         task, choice = request.task, request.choice
         bill: Bill = "none" if task != "generate" else "completion" if choice else "all"
         return NewSession(
@@ -230,9 +231,17 @@ class Submitter:
             self.settings.events_maxlen,
             request.session_ttl_s,
             self.sessions.watch_ttl_s,
-            request.tenant,
+            self._billed(tenant),
             bill,
+            tenant.limits,
         )
+
+    def _billed(self, tenant: Tenant) -> str:
+        """Whom a generation's final event counts the usage of ("": nobody): its tenant's
+        key; a request with no key only with ``TOKENSPOUT_ANONYMOUS_USAGE`` (else it pays
+        for no bookkeeping)."""
+        anonymous = tenant.id == ANONYMOUS_ID and not self.settings.anonymous_usage
+        return "" if anonymous else tenant.id
 
     # --- session turns ----------------------------------------------------------------------
 
@@ -319,8 +328,9 @@ class Submitter:
                 ttl_s=self.settings.session_ttl_s,
                 max_history=self.settings.max_history_messages,
                 watch_ttl_s=self.sessions.watch_ttl_s,
-                tenant=turn.tenant.id,
+                tenant=self._billed(turn.tenant),
                 turn=turn.kind,
+                limits=turn.tenant.limits,
             )
             accepted = self._accepted(turn, ticket.settled(reply))
         except BaseException:
@@ -429,8 +439,9 @@ class Submitter:
             max_history=self.settings.max_history_messages,
             watch_ttl_s=self.sessions.watch_ttl_s,
             choice=choice,
-            tenant=turn.tenant.id,
+            tenant=self._billed(turn.tenant),
             bill="completion",
+            limits=turn.tenant.limits,
         )
         if not isinstance(reply, script.Accepted):  # the session was there a moment ago
             await ticket.give_back([generation_id])
