@@ -117,6 +117,8 @@ async def rig(
     engines: int = 1,
     gateway_workers: int = 1,
     backend_args: tuple[str, ...] = (),
+    root: Path = processes.ROOT,
+    worker_args: tuple[str, ...] | None = None,
 ) -> AsyncIterator[Rig]:
     """Everything, paced at ``tokens_per_s`` (0: unpaced; vLLM: its own pace); ``engine``:
     ``synthetic`` or ``vllm``; ``shards`` > 0: on an embedded
@@ -127,13 +129,17 @@ async def rig(
     floating); ``engines``: engine workers on the model's queue (the first with metrics);
     ``gateway_workers``: the gateway's processes (``python -m gateway --workers``);
     ``backend_args``: more engine flags for both engines (the worker's and the engine
-    alone's), e.g. ``--prepare-cpu-ms``."""
+    alone's), e.g. ``--prepare-cpu-ms``; ``root``: where the gateway and the engine workers
+    run from (another revision's checkout: bench/revisions.py; the engine alone and the
+    load generator are always this checkout's); ``worker_args``: the engine workers' flags
+    in place of ``backend_args`` (an older revision's worker lacks some)."""
     prefix = f"bench-{secrets.token_hex(3)}"
     backend = ["--backend", "synthetic", "--tokens-per-s", str(tokens_per_s)]
     backend += ["--capacity", str(MAX_STREAMS)]
     if engine == "vllm":
         backend, rest_cpu, gateway_cpu = VLLM, None, None
-    backend = [*backend, *backend_args]
+    alone_backend = [*backend, *backend_args]
+    backend = [*backend, *(backend_args if worker_args is None else worker_args)]
     async with contextlib.AsyncExitStack() as stack:
         if engine == "vllm":
             lock = stack.enter_context(VLLM_LOCK.open("w"))
@@ -149,6 +155,7 @@ async def rig(
                 on_embedded_redis(logs, prefix, ENV, unix_socket=unix_socket, cpu=rest_cpu)
             )
             nodes, urls = {"redis": one}, {"redis": procs.redis_url}
+        procs.root = root
         servers = {}
         for name, node in nodes.items():
             pid = node.process.pid if node.process else 0
@@ -169,7 +176,7 @@ async def rig(
         port = free_port()
         alone = procs.spawn(
             "reference-engine",
-            ["-m", "bench.reference_engine", "--port", str(port), *backend],
+            ["-m", "bench.reference_engine", "--port", str(port), *alone_backend],
             cpu=rest_cpu,
         )
         # Awaited off the loop (vLLM: a model load): an interrupt now stops the rig at once.

@@ -38,7 +38,7 @@ from bench.loadgen import (
     sse_request,
 )
 from bench.rig import Rig
-from bench.stats import Run, command_calls, cpu_of, worker_ttft
+from bench.stats import Run, command_stats, cpu_of, worker_ttft
 from stack.rig import HOST
 
 MODES = ("engine", "openai", "session", "grpc", "responses", "ws")
@@ -229,7 +229,9 @@ async def run_once(
     if first_tokens:
         now = await worker_ttft(rig.worker_metrics)
         first_tokens = {name: now[name] - first_tokens[name] for name in now}
-    calls = {name: await command_calls(s.client) for name, s in rig.servers.items()}
+    spent = {name: await command_stats(s.client) for name, s in rig.servers.items()}
+    calls = {name: {c: n for c, (n, _) in stats.items()} for name, stats in spent.items()}
+    usec = {name: {c: u for c, (_, u) in stats.items()} for name, stats in spent.items()}
     for reader in readers:
         reader.close()
     flat = [r for rs in records for r in rs]
@@ -239,4 +241,5 @@ async def run_once(
     failures += [r.failure for r in flat if r.failure]
     cpu = {name: after[name] - before[name] for name in pids}
     cpu["redis"] = sum(cpu[name] for name in rig.servers)  # a cluster's: every shard's
-    return Run(flat, cpu, wall, calls, timed_out, sorted(set(failures))[:5], span, first_tokens)
+    failed = sorted(set(failures))[:5]
+    return Run(flat, cpu, wall, calls, timed_out, failed, span, first_tokens, usec)

@@ -12,7 +12,7 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -67,9 +67,15 @@ def per_token_us(cpu_s: float | None, tokens: int) -> float | None:
 
 async def command_calls(client: aioredis.Redis) -> dict[str, int]:
     """Calls per command since the last reset (scripts' inner commands included)."""
+    return {name: calls for name, (calls, _) in (await command_stats(client)).items()}
+
+
+async def command_stats(client: aioredis.Redis) -> dict[str, tuple[int, int]]:
+    """Calls and µs spent per command since the last reset (scripts' inner commands
+    included, and also in their script's µs)."""
     stats = await client.info("commandstats")
     return {
-        name.removeprefix("cmdstat_"): int(value["calls"])
+        name.removeprefix("cmdstat_"): (int(value["calls"]), int(value["usec"]))
         for name, value in stats.items()
         if isinstance(value, dict)
     }
@@ -162,6 +168,8 @@ class Run:
     span_s: float
     worker_ttft: dict[str, float]
     """The growth of ``WORKER_TTFT`` over the run (empty: the engine alone's)."""
+    redis_usec: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Per Redis server, µs spent per command (``command_stats``; empty: not read)."""
 
 
 def summarise(
@@ -210,9 +218,22 @@ def summarise(
             name: round(value / wall, 3) if wall else None for name, value in cpu.items()
         },
         "redis_calls_per_token": round(calls / tokens, 2) if tokens else None,
+        "redis_usec_per_stream": usec_by_command(runs, len(records)),
         "redis_servers": server_figures(runs, tokens, wall),
         "path_ttft_ms": path_ttft(runs),
     }
+
+
+def usec_by_command(runs: list[Run], streams: int, most: int = 12) -> dict[str, float]:
+    """The ``most`` costliest Redis commands, in µs per stream over every server (a
+    script's own time is its ``evalsha`` less its inner commands')."""
+    spent: dict[str, int] = {}
+    for run in runs:
+        for per_server in run.redis_usec.values():
+            for name, usec in per_server.items():
+                spent[name] = spent.get(name, 0) + usec
+    top = sorted(spent.items(), key=lambda item: -item[1])[:most]
+    return {name: round(usec / max(1, streams), 1) for name, usec in top}
 
 
 def server_figures(runs: list[Run], tokens: int, wall_s: float) -> dict[str, dict[str, Any]]:

@@ -458,12 +458,14 @@ class JobTable:
                     if job.state is JobState.HANDOVER_FAILED:  # its stop raised: again
                         await self._preempt(job)
                 if self.full:
-                    await self.preempt.due()
+                    worth_asking = await self.preempt.due()
                 else:
-                    # Full again, it looks at once: a ring it took while a slot was free
-                    # (and a request that came meanwhile) would wait for the next recheck.
+                    # Full again, it looks at once while anyone waits: a ring it took while
+                    # a slot was free (and a request that came meanwhile) would wait for
+                    # the next recheck.
                     await self.until_full(FILL_WAIT_S)
-                if self.full:
+                    worth_asking = self.preempt.anyone_waits
+                if self.full and worth_asking:
                     await self.preempt_once()
             except (RedisError, OSError) as exc:
                 log.warning("preempting failed (%s); retrying", exc)

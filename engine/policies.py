@@ -23,10 +23,14 @@ With every slot busy, a request waits for a slot to free whatever order the fair
 gives it: hundreds of milliseconds for a quiet key behind a noisy one's replies
 (docs/tenants.md, "What the fairness bench shows"). So while every slot is busy the table
 waits on ``PreemptPolicy.due`` (the queue's newcomer bell, rung when a tenant that had
-nothing waiting queues a request, or ``RECHECK_MS``: a request may become owed after it
-came) and asks again. One full worker acts per ring (BLPOP hands it to one); nothing is
-stopped while work admitted before (a takeover, a request given back) waits in the queue's
-stream.
+nothing waiting queues a request, or, while tenants wait in lists, ``RECHECK_MS``: a request
+may become owed after it came) and asks again. While no tenant waits it asks only at a
+ring: its looks cost nothing then. One full worker acts per ring (BLPOP hands it to one; a
+ring it owed nothing for is rung again, once, for another); nothing is stopped while work
+admitted before (a takeover, a request given back) waits in the queue's stream. A
+preempting worker offers new requests no free slots (``RequestQueue(offers_free=False)``),
+so every new request waits in a list, where it chooses from (its free slots still count for
+cache affinity).
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ RECHECK_MS = 20
 """While every slot is busy, a look at the queue at least this often besides each ring: a
 request whose tenant was not owed a slot when it came (what the running tenants were served
 reaches the queue with the worker's next charge, once a second) may be owed one later."""
+IDLE_WAIT_MS = 1000
+"""While no tenant waits, the longest wait for a newcomer's ring before the next."""
 AFFINITY_WAIT_MS = 100
 """The most a request whose prefix another worker holds (with a free slot) waits for it
 before any worker takes it (``TOKENSPOUT_AFFINITY_WAIT_MS``; 0: no affinity): a prefill of
@@ -77,8 +83,14 @@ class TakePolicy(Protocol):
 class PreemptPolicy(Protocol):
     """Whether a reply here gives way to a request waiting in the queue."""
 
-    async def due(self) -> None:
-        """Until it is worth asking again (every slot busy)."""
+    async def due(self) -> bool:
+        """Until it may be worth asking again (every slot busy); False: nothing came that
+        could make anyone owed."""
+        ...
+
+    @property
+    def anyone_waits(self) -> bool:
+        """Whether the last take or look left a request waiting that could be owed."""
         ...
 
     async def owed(
@@ -215,11 +227,26 @@ class FairPreemption:
     def __init__(self, queue: RequestQueue, worker_id: str) -> None:
         self.queue = queue
         self.worker_id = worker_id
+        self._rung = False
+        """The last wait ended at a ring while no tenant waited: a look that owes it
+        nothing rings again, for another full worker."""
 
-    async def due(self) -> None:
-        await self.queue.newcomer(RECHECK_MS)
+    @property
+    def anyone_waits(self) -> bool:
+        return self.queue.tenants_wait
+
+    async def due(self) -> bool:
+        if self.queue.tenants_wait:
+            await self.queue.newcomer(RECHECK_MS)
+            return True
+        self._rung = await self.queue.newcomer(IDLE_WAIT_MS)
+        return self._rung
 
     async def owed(
         self, yielding: Sequence[str], others: Sequence[str]
     ) -> tuple[str, StreamEntry] | None:
-        return await self.queue.preempt_for(self.worker_id, yielding, others)
+        found = await self.queue.preempt_for(self.worker_id, yielding, others)
+        if found is None and self._rung and self.queue.tenants_wait:
+            await self.queue.ring_newcomer()
+        self._rung = False
+        return found

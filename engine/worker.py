@@ -125,7 +125,7 @@ class Worker:
         self.aliases = [name for name in aliases or [] if name != backend.model]
         for name in [backend.model, *self.aliases]:
             wire.check_model_name(name)
-        self.queue = RequestQueue(redis, self.keys, backend.model)
+        self.queue = RequestQueue(redis, self.keys, backend.model, offers_free=not preempt)
         """This worker's model's queue: it never sees another model's requests."""
         self.served = ServedTokens()
         """Tokens served per tenant, told to the queue (its fair share: docs/tenants.md)."""

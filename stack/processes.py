@@ -16,11 +16,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def child_env(env: dict[str, str]) -> dict[str, str]:
-    """This process's environment for a child run from the repository root, ``env`` added:
-    the root first on ``PYTHONPATH``, what was there kept after it (a machine whose
-    packages lie in a folder of their own, as the lent GPU's in /tmp/site, docs/bench.md)."""
-    path = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+def child_env(env: dict[str, str], root: Path = ROOT) -> dict[str, str]:
+    """This process's environment for a child run from ``root`` (this repository's, or
+    another revision's checkout: bench/revisions.py), ``env`` added: the root first on
+    ``PYTHONPATH``, what was there kept after it (a machine whose packages lie in a folder
+    of their own, as the lent GPU's in /tmp/site, docs/bench.md)."""
+    path = [str(root), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(path)), **env}
 
 
@@ -30,15 +31,16 @@ def spawn(
     log_path: Path | None = None,
     *,
     python: str = sys.executable,
+    root: Path = ROOT,
 ) -> subprocess.Popen[bytes]:
-    """A Python module run from the repository root, in its own process group (by
+    """A Python module run from ``root`` (the repository's), in its own process group (by
     ``python``: another environment's, e.g. one with another vLLM)."""
     out = open(log_path, "ab") if log_path else None  # noqa: SIM115 - the child keeps a copy
     try:
         return subprocess.Popen(
             [python, *args],
-            cwd=ROOT,
-            env=child_env(env),
+            cwd=root,
+            env=child_env(env, root),
             stdout=out,
             stderr=subprocess.STDOUT if out else None,
             start_new_session=True,
@@ -56,12 +58,14 @@ def gateway(
     host: str = "127.0.0.1",
     grpc_port: int = 0,
     workers: str = "1",
+    root: Path = ROOT,
 ) -> subprocess.Popen[bytes]:
-    """``python -m gateway``; its gRPC server only with a ``grpc_port`` (the default 8001
-    would clash between the gateways of tests and benchmarks); ``workers``: processes."""
+    """``python -m gateway`` (``root``'s); its gRPC server only with a ``grpc_port`` (the
+    default 8001 would clash between the gateways of tests and benchmarks); ``workers``:
+    processes."""
     args = ["--host", host, "--port", str(port), "--grpc-port", str(grpc_port)]
     args += ["--workers", workers]
-    return spawn(["-m", "gateway", *args], env, log_path)
+    return spawn(["-m", "gateway", *args], env, log_path, root=root)
 
 
 def engine(
@@ -70,8 +74,9 @@ def engine(
     log_path: Path | None = None,
     *,
     python: str = sys.executable,
+    root: Path = ROOT,
 ) -> subprocess.Popen[bytes]:
-    return spawn(["-m", "engine", *backend_args], env, log_path, python=python)
+    return spawn(["-m", "engine", *backend_args], env, log_path, python=python, root=root)
 
 
 def wait_http(

@@ -117,6 +117,9 @@ class Rig:
     children: list[subprocess.Popen[bytes]] = field(default_factory=list)
     pinned: bool = True
     """Every ``cpu=`` asked so far was granted (False on a one-CPU machine)."""
+    root: Path = processes.ROOT
+    """Where its gateways and engine workers run from: this repository, or another
+    revision's checkout (bench/revisions.py); helper servers (``spawn``) run from here."""
     synthetic_drain_s: ClassVar[str | None] = None
     """A synthetic worker's ``--drain-s`` unless its caller gives one (None: the worker's
     own default)."""
@@ -169,7 +172,9 @@ class Rig:
         grpc_port = grpc_port or (free_port() if grpc else 0)
         log = self.logs / f"gateway-{port}.log"
         env = self.base_env(**env)
-        process = processes.gateway(port, env, log, grpc_port=grpc_port, workers=str(workers))
+        process = processes.gateway(
+            port, env, log, grpc_port=grpc_port, workers=str(workers), root=self.root
+        )
         self.children.append(process)
         self.pin(process.pid, cpu)
         url = f"http://{HOST}:{port}"
@@ -192,7 +197,7 @@ class Rig:
         self, args: list[str], worker_id: str, wait: bool, cpu: int | None, env: dict[str, str]
     ) -> subprocess.Popen[bytes]:
         log = self.logs / f"engine-{worker_id}.log"
-        process = processes.engine([*args, "--worker-id", worker_id], env, log)
+        process = processes.engine([*args, "--worker-id", worker_id], env, log, root=self.root)
         self.children.append(process)
         self.pin(process.pid, cpu)
         if wait:

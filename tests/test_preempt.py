@@ -23,7 +23,7 @@ from engine.backends.synthetic import scripted_reply
 from stack import processes
 from stack.redis_server import EmbeddedRedis, free_port
 from tests.support.metrics import scrape, value
-from tests.support.redis_probes import lease_trusted
+from tests.support.redis_probes import command_calls, lease_trusted
 from tests.support.stack import Stack
 from tests.support.tenants import ADMIN_KEY, Key, make_key, until_usage
 from wire import Keys
@@ -83,6 +83,21 @@ async def stream_chat(
     return reply
 
 
+async def looks_while_nobody_waits(redis_url: str) -> int:
+    """The full worker's looks at the queue over 0.4 s while no tenant waits: its waits
+    for a newcomer and its preemption script's reads of the stream (XREVRANGE: only that
+    script's), both every 20 ms while a tenant waits."""
+    redis = connect(redis_url)
+    try:
+        looks = ("blpop", "xrevrange")
+        before = [await command_calls(redis, command) for command in looks]
+        await asyncio.sleep(0.4)
+        after = [await command_calls(redis, command) for command in looks]
+    finally:
+        await redis.aclose()
+    return sum(after) - sum(before)
+
+
 @pytest.mark.parametrize(
     ("flag", "scheduler", "preempt"),
     [("--preempt", "fair", True), ("--no-preempt", "fair", False), ("--preempt", "fifo", False)],
@@ -105,6 +120,8 @@ async def test_a_quiet_key_gets_the_busy_slot_at_once_and_the_stopped_reply_goes
         )
         async with asyncio.timeout(30):
             await long.streaming.wait()
+        if preempt:
+            assert await looks_while_nobody_waits(stack.redis_url) <= 2
         sent = time.monotonic()
         short = await stream_chat(client, gateway.url, quiet, "a short one", QUIET_TOKENS, Reply())
         await noisy_reply

@@ -303,7 +303,8 @@ async def test_static_keys_serve_beside_run_time_keys(stack: Stack) -> None:
 
 async def test_a_keys_weight_is_its_share_in_the_models_fair_queue(stack: Stack) -> None:
     """The weight the admin API gives a key, and then changes, is the weight its requests
-    carry into the model's fair share (wire/lua/fair_core.lua); a key without one weighs 1."""
+    carry into the model's fair share (wire/lua/fair_core.lua); a key without one weighs 1,
+    the default, kept nowhere (nor one whose weight went back to 1)."""
     stack.synthetic(500)
     gateway = stack.gateway(TOKENSPOUT_ADMIN_KEY=ADMIN_KEY)
     weights = FairNames(Keys(stack.prefix).fair("synthetic")).weights
@@ -315,13 +316,16 @@ async def test_a_keys_weight_is_its_share_in_the_models_fair_queue(stack: Stack)
             for key in (heavy, plain):
                 await _completion(client, gateway.url, key)
             assert await redis.hget(weights, heavy.id) == b"4.0"
-            assert await redis.hget(weights, plain.id) == b"1.0"
-            await client.patch(
-                f"{gateway.url}/v1/admin/keys/{heavy.id}", json={"weight": 0.5}, headers=ADMIN
-            )
-            async with asyncio.timeout(2):  # in force within a second
-                while await redis.hget(weights, heavy.id) != b"0.5":
-                    await _completion(client, gateway.url, heavy)
+            assert await redis.hget(weights, plain.id) is None  # 1, the default
+            for weight, kept in ((0.5, b"0.5"), (1, None)):
+                await client.patch(
+                    f"{gateway.url}/v1/admin/keys/{heavy.id}",
+                    json={"weight": weight},
+                    headers=ADMIN,
+                )
+                async with asyncio.timeout(2):  # in force within a second
+                    while await redis.hget(weights, heavy.id) != kept:
+                        await _completion(client, gateway.url, heavy)
     finally:
         await redis.aclose()
 

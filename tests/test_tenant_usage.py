@@ -38,7 +38,7 @@ from tests.support.tenants import (
 )
 from wire import Keys
 from wire.connect import connect
-from wire.tenancy import UsageCounter
+from wire.tenancy import UsageCounter, read_usage
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -464,3 +464,27 @@ async def _until_no_running(redis: Any, keys: Keys, key: Key) -> int:
         while running := await redis.zcard(keys.tenant(key.id, "running")):
             await asyncio.sleep(0.05)
     return int(running)
+
+
+async def test_a_request_with_no_key_is_counted_only_when_asked(stack: Stack) -> None:
+    """With no key required a request serves ``anonymous``: by default its final event
+    counts nothing in Redis (no bookkeeping for a request that names no key); with
+    ``TOKENSPOUT_ANONYMOUS_USAGE`` its usage is counted as a key's is."""
+    stack.synthetic(200)
+    counted = stack.gateway(TOKENSPOUT_ANONYMOUS_USAGE="1")
+    uncounted = stack.gateway()
+    redis = connect(stack.redis_url)
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            for gateway in (uncounted, counted, counted):
+                body = {"model": "synthetic", "prompt": "no key", "max_tokens": 3}
+                answered = await client.post(f"{gateway.url}/v1/completions", json=body)
+                assert answered.status_code == 200, answered.text
+        now = int(time.time())
+        days = await read_usage(
+            redis, Keys(stack.prefix), "anonymous", "day", now - 86_400, now + 1
+        )
+        assert sum(day.generations for day in days) == 2
+        assert sum(day.completion_tokens for day in days) == 6
+    finally:
+        await redis.aclose()

@@ -37,8 +37,10 @@ Redis layout (every key with a TTL, every stream capped):
     {{prefix}:requests:{model}}:fair:h:{name}
                                       set, EX: the workers that hold the prompt prefix
                                       named (wire/prefixes.py) in their engine's cache
-    {{prefix}:requests:{model}}:fair:free:{worker}
-                                      string, PX: the worker's free slots at its last take
+    {{prefix}:requests:{model}}:fair:free
+                                      hash worker -> '<slots> <until, unix s> <offered>':
+                                      its free slots at its last take (for 3 s), offered to
+                                      new requests (1) or not (0: a preempting worker's)
     {prefix}:models                   hash served name (or alias) -> model (its queue's name),
                                       written by every worker heartbeat (same TTL): the names
                                       a gateway knows, live or not
@@ -93,13 +95,13 @@ Redis layout (every key with a TTL, every stream capped):
                                       its own), dropped with their running entry; the reaper
                                       gives back one whose generation never came (PX as
                                       running)
-    {prefix}:tenant:{<tid>}:tpm       hash unix second -> tokens: its last minute's (EX 120 s)
-    {prefix}:tenant:{<tid>}:tpd:<day> string: its tokens of UTC day <day> (days since the
-                                      epoch; EX 2 days)
+    {prefix}:tenant:{<tid>}:tpm       hash unix second -> tokens: its last minute's, kept
+                                      for a key with a tokens-per-minute limit (EX 120 s)
     {prefix}:tenant:{<tid>}:usage:hour:<hour>, ...:usage:day:<day>
                                       hash prompt_tokens, completion_tokens, generations: its
                                       usage per UTC hour and day (hours and days since the
-                                      epoch; EX 45 and 400 days)
+                                      epoch; EX 45 and 400 days); a tokens-per-day limit
+                                      reads the day's
     {prefix}:tenant:{<tid>}:counted   sorted set generation id -> unix seconds: generations
                                       whose usage was counted on a Redis Cluster (one day)
 
@@ -215,8 +217,8 @@ class Keys:
         return f"{self._session(session_id)}:keep"
 
     def tenant(self, tenant_id: str, name: str) -> str:
-        """One of a tenant's keys (``requests``, ``running``, ``tpm``, ``tpd:<day>``,
-        ``usage:hour:<hour>``, ...), in its own hash slot. wire/lua/usage_core.lua builds
+        """One of a tenant's keys (``requests``, ``running``, ``tpm``, ``usage:hour:<hour>``,
+        ...), in its own hash slot. wire/lua/usage_core.lua builds
         the same names from a generation's key and its tenant."""
         return f"{self.prefix}:tenant:{{{tenant_id}}}:{name}"
 
@@ -258,6 +260,9 @@ class FairNames:
         self.newcomer = f"{base}:newcomer"
         """Rung when a tenant that had nothing waiting queues a request (a full worker
         that preempts waits on it: engine/policies.py)."""
+        self.free = f"{base}:free"
+        """Each worker's free slots as its last take left them, and until when that holds
+        (wire/lua/fair_core.lua ``fair_free``)."""
 
     def own_bell(self, worker: str) -> str:
         """Rung for ``worker`` alone: a request whose prefix it holds was queued (fair_core.lua

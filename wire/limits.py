@@ -67,3 +67,20 @@ class Counts(msgspec.Struct, frozen=True):
     """Until the UTC day ends."""
     running: int
     """Generations queued or running, these included (counted with a concurrency limit)."""
+
+
+USAGE_COUNTS_ALL = "held tpm"
+"""What a generation's end keeps besides its usage when nobody said (wire/lua/usage_core.lua
+``add_usage``): it left the key's running generations, its tokens join the last minute's."""
+
+
+def usage_counts(limits: Limits | None) -> str:
+    """What the end of a generation admitted against ``limits`` keeps besides its usage:
+    ``held`` for a concurrency limit (it leaves the running generations), ``tpm`` for a
+    tokens-per-minute limit (the minute's per-second buckets); "" for a key with neither
+    (no call for them); None, not known: both. A tokens-per-day limit reads the day's
+    usage, which every generation counts."""
+    if limits is None:
+        return USAGE_COUNTS_ALL
+    held = ["held"] if limits.concurrent else []
+    return " ".join([*held, "tpm"] if limits.tokens_per_minute else held)

@@ -11,7 +11,8 @@ first (work admitted before: a reply taken over, a request given back) and then 
 tenants' requests, the tenant served least (tokens served / weight) first: the Virtual
 Token Counter (docs/tenants.md). The worker tells what it served with its takes
 (``ServedTokens``). A worker with nothing to take waits on the queue's bell, which every
-submit and every request put straight into the stream rings.
+submit and every request put straight into the stream rings, and on its own, which a
+request whose prefix it holds rings (cache affinity: docs/affinity.md).
 """
 
 from __future__ import annotations
@@ -23,14 +24,15 @@ from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 
-from wire.connect import on_key_node
+from wire.connect import is_cluster, on_key_node
 from wire.keys import CONSUMER_GROUP, SHARED_KEY_TTL_S, FairNames, Keys, tenant_slot
 from wire.messages import GenerationRequest
 from wire.prefixes import Prefix
 from wire.replies import StreamEntry, entries_of, text
 from wire.scripts import (
+    NO_AFFINITY,
     AffinityWait,
     FairCharge,
     FairEnqueue,
@@ -38,6 +40,7 @@ from wire.scripts import (
     FairHold,
     FairPreempt,
     FairTake,
+    Taken,
     WaitingRequest,
 )
 
@@ -52,6 +55,17 @@ request the wait for affinity or a prefill, never a reply."""
 DEFAULT_STREAM_CAP = 5_120
 """The requests stream's cap when the taker names none (approximate, whole nodes): it holds
 what workers took and have not acknowledged, and what waits for a worker in it."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Taking:
+    """What one take asks for (``RequestQueue.take``)."""
+
+    consumer: str
+    count: int
+    maxlen: int | None
+    affinity: AffinityWait
+    charges: list[tuple[str, int]]
 
 
 def _missing(exc: RedisError) -> bool:
@@ -141,9 +155,15 @@ def _some_waiting(groups: object) -> bool:
 
 
 class RequestQueue:
-    def __init__(self, redis: aioredis.Redis, keys: Keys, model: str) -> None:
+    def __init__(
+        self, redis: aioredis.Redis, keys: Keys, model: str, *, offers_free: bool = True
+    ) -> None:
+        """``offers_free``: a worker's takes record its free slots, for a new request to
+        go straight into the stream while one is free; a preempting worker's do not (a
+        request then waits in a list, where its preemption chooses from)."""
         self.redis = redis
         self.model = model
+        self.offers_free = offers_free
         self.key = keys.requests(model)
         self.submitting_key = keys.submitting(model)
         self.fair = FairNames(keys.fair(model))
@@ -153,6 +173,15 @@ class RequestQueue:
         self._charge = FairCharge(redis, keys)
         self._expire = FairExpire(redis, keys)
         self._hold = FairHold(redis, keys)
+        self._drained = False
+        """This worker's last take found fewer requests than it asked for: its next waits
+        for a bell first."""
+        self._tenants_wait = True
+        """Its last take left requests in the tenants' lists: its next tells what it
+        served (a first take tells, to be sure)."""
+        self._soonest_ms = 0
+        """Its last take passed over a request that waits for another worker holding its
+        prefix: its next wait ends when that wait does (0: none)."""
 
     # --- gateways and the reaper ---------------------------------------------------------
 
@@ -348,44 +377,67 @@ class RequestQueue:
     ) -> list[StreamEntry]:
         """Up to ``count`` requests for ``consumer`` (the stream's first, then the tenants'
         in VTC order; with ``affinity``, those whose prefix it holds first and those another
-        worker holds only after their wait), telling what it ``served`` since it last said;
-        with none to take, waits up to ``block_ms`` (or until a passed-over request's wait
-        ends) for the model's bell or its own and looks once more. Raises ``ResponseError``
-        (NOGROUP) when the group is gone."""
-        taken, soonest = await self._take_charging(consumer, count, served, maxlen, affinity)
-        if taken:
-            return taken
-        block_ms = min(block_ms, soonest) if soonest > 0 else block_ms
-        bells = [self.fair.bell, self.fair.own_bell(consumer)] if affinity else [self.fair.bell]
-        rung = await on_key_node(
-            self.redis, self.fair.bell, "BLPOP", *bells, str(max(block_ms, 1) / 1000)
-        )
-        if not rung and not soonest:
-            return []
-        return (await self._take_charging(consumer, count, served, maxlen, affinity))[0]
-
-    async def _take_charging(
-        self,
-        consumer: str,
-        count: int,
-        served: ServedTokens,
-        maxlen: int | None,
-        affinity: AffinityWait | None,
-    ) -> tuple[list[StreamEntry], int]:
-        charges = served.drain()
+        worker holds only after their wait: docs/affinity.md). After a take that
+        found fewer than it asked for (nothing else waited then), it first waits up to
+        ``block_ms`` (or until a passed-over request's wait ends) for the model's bell,
+        which every request queued since has rung, or its own (a request whose prefix it
+        holds): on one Redis the wait and the take go in one pipeline, the take run as a
+        bell rings (or the wait ends), one round trip as a blocking read of the stream is.
+        What the worker ``served`` since it last told goes with a take while tenants wait
+        in lists (their counters order them), else with its heartbeat's ``charge``. Raises
+        ``ResponseError`` (NOGROUP) when the group is gone."""
+        charges = served.drain() if self._tenants_wait else []
+        taking = _Taking(consumer, count, maxlen, affinity or NO_AFFINITY, charges)
         try:
-            return await self._take(
-                stream=self.key,
-                base=self.fair.base,
-                consumer=consumer,
-                count=count,
-                maxlen=maxlen or DEFAULT_STREAM_CAP,
-                affinity=affinity or AffinityWait(0),
-                served=charges,
-            )
+            if not self._drained:
+                taken = await self._take_charged(taking)
+            else:
+                taken = await self._take_at_ring(taking, self._wait_ms(block_ms))
         except BaseException:
             served.give_back(charges)
             raise
+        self._drained = len(taken.entries) < count
+        self._tenants_wait, self._soonest_ms = taken.tenants_waiting > 0, taken.soonest_ms
+        return taken.entries
+
+    def _wait_ms(self, block_ms: int) -> int:
+        """The wait for a bell before a take: ``block_ms``, or less when a request passed
+        over for its holder may go anywhere sooner."""
+        soonest = self._soonest_ms
+        return max(1, min(block_ms, soonest) if soonest > 0 else block_ms)
+
+    async def _take_at_ring(self, taking: _Taking, wait_ms: int) -> Taken:
+        """The bells' wait, then the take (rung or not, it looks once after the wait): in
+        one pipeline on one Redis."""
+        bells = [self.fair.bell]
+        if taking.affinity.most_ms:
+            bells.append(self.fair.own_bell(taking.consumer))
+        if is_cluster(self.redis):
+            await on_key_node(self.redis, self.fair.bell, "BLPOP", *bells, str(wait_ms / 1000))
+            return await self._take_charged(taking)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.blpop(bells, wait_ms / 1000)
+            await self._take_charged(taking, pipe)
+            _, reply = await pipe.execute(raise_on_error=False)
+        if isinstance(reply, NoScriptError):  # Redis restarted: its scripts are gone
+            await self._take.load()
+            return await self._take_charged(taking)
+        if isinstance(reply, Exception):
+            raise reply
+        return FairTake.taken(reply)
+
+    async def _take_charged(self, taking: _Taking, pipe: Pipeline | None = None) -> Taken:
+        return await self._take(
+            stream=self.key,
+            base=self.fair.base,
+            consumer=taking.consumer,
+            count=taking.count,
+            maxlen=taking.maxlen or DEFAULT_STREAM_CAP,
+            affinity=taking.affinity,
+            served=taking.charges,
+            offers_free=self.offers_free,
+            pipe=pipe,
+        )
 
     async def hold(self, worker: str, names: Sequence[str]) -> None:
         """``worker`` holds the prefixes ``names`` (what a request it ran left in its
@@ -411,8 +463,8 @@ class RequestQueue:
         """For a worker whose replies of the tenants ``yielding`` (one name per reply) may
         give way, beside replies of ``others``: a waiting tenant's request, taken for
         ``consumer``, and the tenant (its slot name) that gives way; None when none is owed
-        (wire/lua/fair_preempt.lua)."""
-        return await self._preempt(
+        (wire/lua/fair_preempt.lua), ``tenants_wait`` saying whether any could be."""
+        found = await self._preempt(
             stream=self.key,
             base=self.fair.base,
             consumer=consumer,
@@ -420,6 +472,26 @@ class RequestQueue:
             yielding=[tenant_slot(tenant) for tenant in yielding],
             others=[tenant_slot(tenant) for tenant in others],
         )
+        if isinstance(found, bool):
+            self._tenants_wait = found
+            return None
+        self._tenants_wait = True
+        return found
+
+    @property
+    def tenants_wait(self) -> bool:
+        """Whether this worker's last take or look (``preempt_for``) left tenants waiting
+        in their lists."""
+        return self._tenants_wait
+
+    async def ring_newcomer(self) -> None:
+        """Ring the newcomer bell again (at most one ring waits): the worker that took a
+        ring owes none of the tenants waiting, another full worker may."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.rpush(self.fair.newcomer, 1)
+            pipe.ltrim(self.fair.newcomer, 0, 0)
+            pipe.expire(self.fair.newcomer, SHARED_KEY_TTL_S)
+            await pipe.execute()
 
     async def charge(self, served: ServedTokens) -> None:
         """Tell what was served since the last take (a worker with no free slot takes

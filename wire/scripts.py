@@ -7,7 +7,8 @@ names what it passes (``Emit(...)(session_id=..., event=..., writer=...)``) and 
 argument is one edit here and one in the .lua file.
 
 A live message on ``Keys.live_channel`` is "<entry id> <type> <generation id> <json>", the
-same event the stream holds, so a live reader needs no second round trip.
+same event the stream holds, so a live reader needs no second round trip; an engine step's
+events of one session go in one message, one a line (JSON holds no raw newline).
 
 Called with ``pipe=`` a wrapper queues the script in that pipeline and returns nothing;
 ``reply`` turns the pipeline's result for it into what the call would have returned.
@@ -22,7 +23,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib.resources import files
-from typing import Any, ClassVar, Literal, cast
+from typing import Any, ClassVar, Literal, NamedTuple, cast
 
 import msgspec
 import redis.asyncio as aioredis
@@ -31,7 +32,7 @@ from redis.commands.core import AsyncScript
 
 from wire.batched import Arg, BatchedCalls
 from wire.keys import ANONYMOUS, CONSUMER_GROUP, SHARED_KEY_TTL_S, Keys
-from wire.limits import RUNNING_HOLD_S, Counts, LimitName, Limits
+from wire.limits import RUNNING_HOLD_S, Counts, LimitName, Limits, usage_counts
 from wire.messages import (
     Cancelled,
     CancelReason,
@@ -329,11 +330,15 @@ class AdmitInSubmit:
     model_limit: int
     """Generations in flight of the request's model that refuse one more (0: none)."""
     request: bytes
-    """The encoded ``GenerationRequest``, the queue entry's ``r`` field."""
+    """The encoded ``GenerationRequest`` as its tenant's list holds it
+    (``WaitingRequest.element``: its prompt's estimate first)."""
     tenant: str
     """Its place in the queue's fair share (``wire.keys.tenant_slot``)."""
     weight: float
     """The tenant's weight: its share of the engine against the others'."""
+    stream_cap: int
+    """The requests stream's cap (approximate), should the request go straight into it
+    (nothing waiting for a worker: wire/lua/fair_core.lua ``fair_straight``)."""
     limits: Limits | None = None
     """The limits of the key the request serves, admitted in the same call (one Redis holds
     the key's keys too); None: none, or admitted before."""
@@ -354,6 +359,8 @@ class NewSession:
     tenant: str = ""
     """Who it serves and is billed to (``GenerationRequest.tenant``)."""
     bill: Bill = "all"
+    limits: Limits | None = None
+    """Its key's limits (what its end keeps for them: ``usage_counts``); None: not known."""
     queue: str = ""
     """The model's queue it goes to, kept with the generation: a reader's gateway that
     finds that queue empty while the generation waits knows Redis lost its request."""
@@ -370,6 +377,7 @@ def _admitting(admission: AdmitInSubmit) -> tuple[list[str], list[Arg]]:
         CONSUMER_GROUP,
         admission.tenant,
         admission.weight,
+        admission.stream_cap,
         *limits_args(admission.limits, admission.count_request),
     ]
 
@@ -399,12 +407,14 @@ class Submit(Script):
         tenant: str = "",
         bill: Bill = "all",
         turn: str = "",
+        limits: Limits | None = None,
     ) -> SubmitReply:
         """``token_digest`` "": no token check. ``choice`` > 0: another choice of the turn
         just submitted (no ``user_message``): queued beside it, not the session's active
         generation. ``note``: its request without its conversation, kept with the
         generation (to queue it again, should Redis lose it); ``queue``: the one it goes to.
-        ``tenant``: who it serves, billed ``bill`` when its final event is written.
+        ``tenant``: who it serves, billed ``bill`` when its final event is written;
+        ``limits``: its key's (what that event keeps for them; None: not known).
         ``turn``: how it changes the history first (wire/lua/submit.lua: "" a new message,
         ``edit <i>``, ``regenerate``, ``continue``)."""
         keys, args = self._keys_args(
@@ -423,6 +433,7 @@ class Submit(Script):
             tenant=tenant,
             bill=bill,
             turn=turn,
+            limits=limits,
         )
         return submit_reply(await self._run(keys, args, None))
 
@@ -459,6 +470,7 @@ class Submit(Script):
             admission=admission,
             tenant=new.tenant,
             bill=new.bill,
+            limits=new.limits,
             queue=new.queue,
         )
 
@@ -486,6 +498,7 @@ class Submit(Script):
         admission: AdmitInSubmit | None = None,
         tenant: str = "",
         bill: Bill = "all",
+        limits: Limits | None = None,
     ) -> tuple[list[str], list[Arg]]:
         """Submit's KEYS and ARGV, the one place they are listed (the defaults: what a
         stateless session made by ``create_in`` has: no message, token, key or history)."""
@@ -519,6 +532,7 @@ class Submit(Script):
             tenant,
             bill,
             turn,
+            usage_counts(limits),
             *admitting[1],
         ]
 
@@ -664,6 +678,22 @@ class AffinityWait:
     prefilling its held prefix here would take, since that is all the wait can save."""
 
 
+NO_AFFINITY = AffinityWait(0)
+"""A take in the queue's order alone."""
+
+
+class Taken(NamedTuple):
+    """What a worker's take (``FairTake``) got, and what it left."""
+
+    entries: list[tuple[bytes, dict[bytes, bytes]]]
+    """The requests taken, as the requests stream holds them."""
+    tenants_waiting: int
+    """How many tenants still have requests waiting in their lists."""
+    soonest_ms: int
+    """The ms until a request passed over for another worker that holds its prefix may go
+    anywhere (0: none was; docs/affinity.md)."""
+
+
 class FairTake(Script):
     """A worker's take: what it served charged, then up to ``count`` requests, the stream's
     first, then the tenants' by their counters, those whose prefix it holds first when
@@ -681,19 +711,32 @@ class FairTake(Script):
         maxlen: int,
         affinity: AffinityWait,
         served: Sequence[tuple[str, int]] = (),
-    ) -> tuple[list[tuple[bytes, dict[bytes, bytes]]], int]:
-        """The entries taken, and the ms until a request passed over for its holder may
-        go anywhere (0: none was)."""
+        offers_free: bool = True,
+        pipe: Pipeline | None = None,
+    ) -> Taken:
+        """``offers_free``: its free slots are offered to new requests (a preempting
+        worker offers none). With ``pipe``, queued there as a bare EVALSHA (``taken``
+        reads its reply; on NoScriptError its caller calls ``load``), and nothing yet."""
         charges = [item for pair in served for item in pair]
-        args = [
-            *(CONSUMER_GROUP, consumer, count, maxlen, SHARED_KEY_TTL_S),
-            *(affinity.most_ms, round(affinity.prefill_tokens_per_s), *charges),
-        ]
-        entries, soonest = cast(list[Any], await self._run([stream, base], args, None))
-        return [
-            (entry_id, dict(zip(fields[::2], fields[1::2], strict=True)))
-            for entry_id, fields in entries or []
-        ], int(soonest)
+        offers = "1" if offers_free else "0"
+        args: list[Arg] = [CONSUMER_GROUP, consumer, count, maxlen, SHARED_KEY_TTL_S, offers]
+        args += [affinity.most_ms, round(affinity.prefill_tokens_per_s), *charges]
+        if pipe is not None:
+            self.queue_evalsha(pipe, [stream, base], args)
+            return Taken([], 0, 0)
+        return self.taken(await self._run([stream, base], args, None))
+
+    @staticmethod
+    def taken(reply: object) -> Taken:
+        entries, waiting, soonest = cast(tuple[list[tuple[bytes, list[bytes]]], int, int], reply)
+        return Taken(
+            [
+                (entry_id, dict(zip(fields[::2], fields[1::2], strict=True)))
+                for entry_id, fields in entries
+            ],
+            int(waiting),
+            int(soonest),
+        )
 
 
 class FairHold(Script):
@@ -721,12 +764,14 @@ class FairPreempt(Script):
         maxlen: int,
         yielding: Sequence[str],
         others: Sequence[str],
-    ) -> tuple[str, tuple[bytes, dict[bytes, bytes]]] | None:
+    ) -> tuple[str, tuple[bytes, dict[bytes, bytes]]] | bool:
+        """The tenant that gives way and the request taken for the one owed; else whether
+        any tenant waits in a list (False: none, so none can be owed until one comes)."""
         args: list[Arg] = [CONSUMER_GROUP, consumer, maxlen, SHARED_KEY_TTL_S, ANONYMOUS]
         args += [len(yielding), *yielding, *others]
-        reply = await self._run([stream, base], args, None)
-        if not reply:
-            return None
+        reply = cast(list[Any], await self._run([stream, base], args, None))
+        if len(reply) == 1:
+            return bool(reply[0])
         victim, entries = cast(tuple[bytes, list[tuple[bytes, list[bytes]]]], reply)
         entry_id, fields = entries[0]
         return text(victim), (entry_id, dict(zip(fields[::2], fields[1::2], strict=True)))
@@ -738,7 +783,8 @@ class FairCharge(Script):
     source = FAIR_CORE + lua_source("fair_charge")
 
     async def __call__(self, *, base: str, served: Sequence[tuple[str, int]]) -> None:
-        await self._run([base], [item for pair in served for item in pair], None)
+        charges = [item for pair in served for item in pair]
+        await self._run([base], [SHARED_KEY_TTL_S, *charges], None)
 
 
 class FairExpire(Script):

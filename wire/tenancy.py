@@ -22,7 +22,7 @@ import msgspec
 import redis.asyncio as aioredis
 
 from wire.keys import Keys
-from wire.limits import RUNNING_HOLD_S, Counts, Limits
+from wire.limits import RUNNING_HOLD_S, USAGE_COUNTS_ALL, Counts, Limits
 from wire.messages import Usage, decode_final
 from wire.replies import text
 from wire.scripts import (
@@ -116,12 +116,21 @@ class CountUsage(Script):
     source = USAGE_CORE + lua_source("count_usage")
 
     async def __call__(
-        self, *, tenant_id: str, generation_id: str, bill: Bill, usage: Usage | None
+        self,
+        *,
+        tenant_id: str,
+        generation_id: str,
+        bill: Bill,
+        usage: Usage | None,
+        counts: str = USAGE_COUNTS_ALL,
     ) -> bool:
-        """True when it counted; False when the generation had been counted before."""
+        """True when it counted; False when the generation had been counted before.
+        ``counts``: what its key's limits keep besides (``wire.scripts.usage_counts``)."""
         usage_json = msgspec.json.encode(usage) if usage is not None else b""
         reply = await self._run(
-            _tenant_keys(self.keys, tenant_id)[:1], [generation_id, bill, usage_json], None
+            _tenant_keys(self.keys, tenant_id)[:1],
+            [generation_id, bill, usage_json, counts],
+            None,
         )
         return reply == 1
 
@@ -151,9 +160,9 @@ class UsageCounter:
         """Whether this call counted it (False on one Redis, where the script did)."""
         if self.topology.counts_in_script:
             return False
-        tenant, bill, recorded, final = await self.redis.hmget(
+        tenant, bill, recorded, final, counts = await self.redis.hmget(
             self.keys.generation(session_id, generation_id),
-            ["tenant", "bill", "usage", "final"],
+            ["tenant", "bill", "usage", "final", "counts"],
         )
         if not tenant or final is None:
             return False  # nobody to bill, or it has not ended
@@ -166,6 +175,7 @@ class UsageCounter:
             generation_id=generation_id,
             bill=billed if billed in _BILLS else "all",  # type: ignore[arg-type]
             usage=usage,
+            counts=text(counts) if counts is not None else USAGE_COUNTS_ALL,
         )
 
 

@@ -89,6 +89,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             "times the others'; docs/tenants.md) or fifo (first come, first served)."
         ),
     ] = "fair"
+    anonymous_usage: Annotated[
+        bool,
+        _D(
+            description="Count the usage of requests with no key in Redis (the admin API's "
+            "usage of `anonymous`), as a key's is counted; off, they cost no bookkeeping "
+            "(the engine workers' /metrics count their tokens either way).",
+        ),
+    ] = False
     max_inflight_per_model: Annotated[
         int,
         _D(

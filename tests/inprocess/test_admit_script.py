@@ -117,7 +117,9 @@ async def test_a_day_and_concurrency_refuse_and_the_longest_wait_is_named(
     key = Key(redis)
     day = await key.now_s() // 86_400
     for today in (day, day + 1):  # the script may run in the next UTC day
-        await redis.set(key.key(f"tpd:{today}"), 100)
+        # The day's usage, as every generation's end counts it: 60 + 40 tokens.
+        used = {"prompt_tokens": 60, "completion_tokens": 40, "generations": 1}
+        await redis.hset(key.key(f"usage:day:{today}"), mapping=used)
     limits = Limits(tokens_per_day=100, concurrent=1)
     await redis.zadd(key.key("running"), {"running": 10**15})
     refused = await key.admit(

@@ -20,6 +20,7 @@ from gateway.core.relay.hub import RelayHub
 from gateway.core.relay.spares import BATCH as SPARE_BATCH
 from tests.support.redis_probes import command_calls, live_readers
 from wire import Keys, Usage
+from wire.emit_step import EmitStep, StepCall
 from wire.scripts import EMIT_CORE
 
 pytestmark = pytest.mark.timeout(30)
@@ -223,6 +224,38 @@ async def test_a_feed_opened_before_its_session_gets_every_event_live_and_reads_
         written = [await session.emit(wire.Queued("g")), *await session.tokens(3)]
         assert ids(await read(feed, 4)) == written
     assert reads == []
+
+
+async def test_an_engine_steps_events_of_a_session_come_in_one_message_each_in_order(
+    make_hub: HubFactory,
+    session: Session,
+    redis: aioredis.Redis,
+    keys: Keys,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """EMIT_STEP writes a step's events of one session (its claim, a token, its end) and
+    publishes them as one live message, one a line: the feed gets each live, in order."""
+    hub = await make_hub()
+    reads = stream_reads(hub, monkeypatch)
+    emit = EmitStep(redis, keys)
+    target = emit.target(SESSION, "g", epoch=0, maxlen=100, ttl_s=60)
+    await redis.hset(keys.generation(SESSION, "g"), mapping={"state": "queued"})
+    step = StepCall("w")
+    step.add(target, 1, "started", wire.encode(wire.Started("g", "m", 1)))
+    step.add(target, 2, "token", wire.encode(token(0)))
+    step.add(target, 3, "done", wire.encode(wire.Done("g", "stop", Usage(1, 1))), "done")
+    async with hub.open(SESSION, NEW_SESSION) as feed:
+        await hub_subscribed(redis, keys)
+        queued = await session.emit(wire.Queued("g"))
+        assert ids(await read(feed, 1)) == [queued]
+        before = await command_calls(redis, "publish")
+        written = await emit.send(step)
+        assert await command_calls(redis, "publish") - before == 1
+        events = [event for batch in await read(feed, 3) for event in batch]
+    assert [event.id for event in events] == written
+    assert [event.type for event in events] == ["started", "token", "done"]
+    assert events[1].data == wire.encode(token(0))
+    assert reads == []  # every event came live
 
 
 async def test_a_feed_opened_too_late_for_its_sessions_first_event_reads_what_it_missed(

@@ -85,8 +85,10 @@ local function admit_tenant(base, gids_given, count_request, concurrent, rpm, tp
   end
   local day, today = math.floor(now / 86400000), 0
   local day_ends = (day + 1) * 86400000 - now
-  if tpd > 0 then
-    today = tonumber(redis.call('GET', base .. 'tpd:' .. day) or '0')
+  if tpd > 0 then  -- the day's usage (usage_core.lua counts it with every generation)
+    local used = redis.call('HMGET', base .. 'usage:day:' .. day, 'prompt_tokens',
+                            'completion_tokens')
+    today = (tonumber(used[1]) or 0) + (tonumber(used[2]) or 0)
     if today >= tpd then reached('tokens_day', day_ends) end
   end
   if refusal == 'ok' then

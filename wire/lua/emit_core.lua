@@ -1,10 +1,32 @@
--- Shared by the scripts that write a session event (loaded in front of each).
--- PUBLISH on one Redis; SPUBLISH on a cluster (wire/scripts.py swaps this line), so the
--- live channel, tagged like the session's keys, goes to this slot's shard only.
+-- Shared by the scripts that write a session event (loaded in front of each). A live
+-- message is one event ("<id> <type> <generation id> <json>") or several, one a line (JSON
+-- holds no raw newline). PUBLISH on one Redis; SPUBLISH on a cluster (wire/scripts.py swaps
+-- this line), so the live channel, tagged like the session's keys, goes to this slot's
+-- shard only.
 local publish = 'PUBLISH'
+-- A script that writes several events (EMIT_STEP) sets `holding`: a session's events that
+-- follow one another (a step's token and final) then go in one message, its lines in order,
+-- sent when another channel's event comes or the script calls `publish_held`. Only a run
+-- is held, never a table per channel: a step of a thousand sessions' one token each costs
+-- what a publish each does.
+local holding, held_channel, held = false, nil, nil
+local function publish_held()
+  if held_channel then
+    redis.call(publish, held_channel, type(held) == 'table' and table.concat(held, '\n') or held)
+  end
+  held_channel, held = nil, nil
+end
 local function emit(events, gen, channel, maxlen, ttl, etype, gid, data)
   local id = redis.call('XADD', events, 'MAXLEN', '~', maxlen, '*', 't', etype, 'g', gid, 'd', data)
-  redis.call(publish, channel, id .. ' ' .. etype .. ' ' .. gid .. ' ' .. data)
+  local line = id .. ' ' .. etype .. ' ' .. gid .. ' ' .. data
+  if not holding then
+    redis.call(publish, channel, line)
+  elseif channel == held_channel then
+    if type(held) == 'table' then table.insert(held, line) else held = {held, line} end
+  else
+    publish_held()
+    held_channel, held = channel, line
+  end
   return id
 end
 -- A session turn's reply (its generation knows its place in the history, 'at') is

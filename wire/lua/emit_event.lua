@@ -34,7 +34,7 @@ local function emit_event(events, gen, active, history, channel, maxlen, ttl, et
                           final_state, writer, assistant, seq, epoch)
   -- One read for the retry, state and owner checks: this runs for every token.
   local seen = redis.call('HMGET', gen, 'seq', 'seq_id', 'state', 'final_id', 'worker',
-                          'takeovers')
+                          'takeovers', 'continues')
   local last = tonumber(seen[1] or '0')
   if seq and seq <= last then return seen[2] end
   if (not seen[3]) or seen[4] then return false end
@@ -71,11 +71,9 @@ local function emit_event(events, gen, active, history, channel, maxlen, ttl, et
   if final_state ~= '' then
     finish(gen, active, gid, final_state, id, data, ttl)
     if assistant ~= '' then
-      -- A continued reply (its turn's note says so) makes the history's last message, the
+      -- A continued reply (SUBMIT marked its turn) makes the history's last message, the
       -- one it extends, longer: the session was busy meanwhile, so that is still the one.
-      local note = redis.call('HGET', gen, 'note')
-      if note and cjson.decode(note).continue_final_message and
-          redis.call('LLEN', history) > 0 then
+      if seen[7] and redis.call('LLEN', history) > 0 then
         redis.call('LSET', history, -1, assistant)
       else
         redis.call('RPUSH', history, assistant)

@@ -11,10 +11,14 @@
 -- Returns one reply per event, in order: its entry id, or '' when refused (as EMIT).
 -- The live channel is the events key with 'live' for 'events' (wire/keys.py).
 local writer, out, k, a = ARGV[1], {}, 1, 4
+holding = true  -- a session's events of this step go in one live message (emit_core.lua)
 while a <= #ARGV do
   local epoch, maxlen, ttl, gid, seq, etype, state, data =
     string.match(ARGV[a], '^(%d+) (%d+) (%d+) (%S+) (%d+) (%S+) (%S+) (.*)$')
-  if not data then return redis.error_reply('EMIT_STEP: bad record ' .. a) end
+  if not data then
+    publish_held()  -- the events written before it
+    return redis.error_reply('EMIT_STEP: bad record ' .. a)
+  end
   local events, gen = KEYS[k], KEYS[k + 1]
   local active, history, assistant = '', '', ''
   k, a = k + 2, a + 1
@@ -30,6 +34,7 @@ while a <= #ARGV do
   out[#out + 1] = emit_event(events, gen, active, history, channel, maxlen, ttl, etype, gid,
                              data, state, writer, assistant, seq, tonumber(epoch)) or ''
 end
+publish_held()
 if ARGV[2] ~= '' then
   local ids = {}
   for id in string.gmatch(ARGV[2], '%S+') do ids[#ids + 1] = id end

@@ -32,50 +32,107 @@ local function fair_weight(base, tenant)
   return tonumber(redis.call('HGET', base .. ':weights', tenant) or '1')
 end
 
--- `tokens` served to `tenant`: its counter grows by tokens / its weight, and a tenant with
--- requests waiting moves back among them accordingly.
-local function fair_charge(base, tenant, tokens)
+-- `tokens` served to `tenant` at `now` (fair_now_ms): its counter grows by tokens / its
+-- weight, and a tenant with requests waiting moves back among them accordingly. One with
+-- none waiting (served straight: fair_straight) raises the floor past its counter: the
+-- floor is the highest counter served, so a tenant that starts waiting while none waits
+-- is lifted to it (fair_enqueue) and banks no credit from a time it did not ask.
+local function fair_charge(base, tenant, tokens, now)
   local weight = fair_weight(base, tenant)
-  local counter = redis.call('HINCRBYFLOAT', base .. ':vtc', tenant, tokens / weight)
-  local now = fair_now_ms()
+  local counter = tonumber(redis.call('HINCRBYFLOAT', base .. ':vtc', tenant, tokens / weight))
   local recent = math.max(0, fair_recent(base, tenant, now) + tokens / weight)
   redis.call('HSET', base .. ':recent', tenant, string.format('%.17g %d', recent, now))
   if redis.call('ZSCORE', base .. ':ready', tenant) then
     redis.call('ZADD', base .. ':ready', 'XX', counter, tenant)
+  elseif counter > tonumber(redis.call('HGET', base, 'floor') or '0') then
+    redis.call('HSET', base, 'floor', counter)
   end
+end
+
+-- A tenant's weight as its request gives it: kept when it is not 1 (fair_weight's default),
+-- else dropped (a key whose weight went back to 1). True when the hash got a new field.
+local function fair_weigh(base, tenant, weight)
+  if tonumber(weight) == 1 then
+    redis.call('HDEL', base .. ':weights', tenant)
+    return false
+  end
+  return redis.call('HSET', base .. ':weights', tenant, weight) == 1
+end
+
+-- The keys a model's fair share keeps for its tenants, their TTL renewed by a tenant that
+-- starts waiting (fair_enqueue) and by a worker's charge beside its takes (FAIR_CHARGE).
+local function fair_renew(base, ttl)
+  for _, suffix in ipairs({'', ':ready', ':vtc', ':recent', ':weights', ':free'}) do
+    redis.call('EXPIRE', base .. suffix, ttl)
+  end
+end
+
+-- Each worker's free slots as its last take left them: '<base>:free', field the worker,
+-- '<slots> <until, unix s> <offered: 1|0>' (fair_take.lua records them with Redis's clock,
+-- for FAIR_FREE_S: a worker takes at least every second, so a lost one's lapse). Slots
+-- freed since a take count from the next: a worker takes as one frees. A preempting worker
+-- offers none to new requests (they wait in a list, where its preemption chooses from),
+-- but its free slots count for cache affinity.
+local FAIR_FREE_S = 3
+
+-- A record's free slots and, of them, those offered to new requests; nil once lapsed.
+local function fair_slots(record, now_s)
+  local slots, until_s, offered = string.match(record or '', '^(%d+) (%d+) ([01])$')
+  if not slots or tonumber(until_s) < now_s then return nil, 0 end
+  return tonumber(slots), offered == '1' and tonumber(slots) or 0
+end
+
+-- The slots offered to new requests by the queue's workers, and how many workers have a
+-- free slot; a lapsed record is dropped.
+local function fair_free(base)
+  local now_s, key, offered, workers = tonumber(redis.call('TIME')[1]), base .. ':free', 0, 0
+  local records = redis.call('HGETALL', key)
+  for i = 1, #records, 2 do
+    local slots, offers = fair_slots(records[i + 1], now_s)
+    if not slots then
+      redis.call('HDEL', key, records[i])
+    elseif slots > 0 then
+      offered, workers = offered + offers, workers + 1
+    end
+  end
+  return offered, workers
 end
 
 -- Cache affinity (docs/affinity.md). A list entry may name its prompt's prefixes:
 -- '<estimate> <names, longest first, comma-separated>|<request>' as the gateway queues it,
 -- '<estimate> <queued, ms> <names>|<request>' once queued. A worker that ran a request adds
 -- itself to the holders of the names it left in its engine's cache ('<base>:h:<name>', a
--- set, FAIR_HELD_TTL_S), and says with each take how many slots it has free
--- ('<base>:free:<worker>', gone FAIR_FREE_TTL_MS after its last take: a vanished worker
--- holds nothing). A holder without a free slot is no holder: nothing waits for it.
-local FAIR_FREE_TTL_MS = 3000
+-- set, fair_hold.lua), and says with each take how many slots it has free (above). A
+-- holder without a free slot (full, draining, gone) is no holder: nothing waits for it.
 
--- The holders with a free slot of an entry's longest held prefix, whether `worker` is
--- among them, when the entry was queued (ms; nil for an entry without prefixes), and the
--- held prefix's tokens (nil: not told). The entry's prefixes are `name:tokens`, longest first.
-local function fair_holders(base, element, worker)
-  local head = string.sub(element, 1, string.find(element, '|', 1, true) - 1)
-  local queued, named = string.match(head, '^%d+ (%d+) (.*)$')
-  if not queued then return {}, false, nil end
-  for prefix in string.gmatch(named, '[^,]+') do
+-- The holders with a free slot of the longest held of `names` (comma-separated, each
+-- `name:tokens`, longest first), whether `worker` is among them, and the held prefix's
+-- tokens (nil: not told).
+local function fair_held(base, names, worker)
+  for prefix in string.gmatch(names, '[^,]+') do
     local name, tokens = string.match(prefix, '^([^:]+):?(%d*)$')
     local members = redis.call('SMEMBERS', base .. ':h:' .. name)
     if #members > 0 then
-      local free, mine = {}, false
+      local now_s, free, mine = tonumber(redis.call('TIME')[1]), {}, false
       for _, holder in ipairs(members) do
         if holder == worker then mine = true end
-        if tonumber(redis.call('GET', base .. ':free:' .. holder) or '0') > 0 then
+        if (fair_slots(redis.call('HGET', base .. ':free', holder), now_s) or 0) > 0 then
           table.insert(free, holder)
         end
       end
-      return free, mine, tonumber(queued), tonumber(tokens)
+      return free, mine, tonumber(tokens)
     end
   end
-  return {}, false, tonumber(queued)
+  return {}, false, nil
+end
+
+-- fair_held of a list entry, with when the entry was queued (ms; nil: it names none) third.
+local function fair_holders(base, element, worker)
+  local head = string.sub(element, 1, string.find(element, '|', 1, true) - 1)
+  local queued, names = string.match(head, '^%d+ (%d+) (.*)$')
+  if not queued then return {}, false, nil end
+  local free, mine, tokens = fair_held(base, names, worker)
+  return free, mine, tonumber(queued), tokens
 end
 
 -- An entry with names, stamped with the time it is queued, its free holders' own bells
@@ -90,10 +147,12 @@ local function fair_stamped(base, element, ttl)
 end
 
 -- A request waits at the end of its tenant's list. A tenant that had none waiting is lifted
--- to the smallest counter of those waiting (none waiting: the counter of the tenant served
--- last), so a tenant cannot bank credit while it sends nothing; lifted, it goes a thousandth
--- of a token below that counter, so it is next rather than behind the tie (a light tenant
--- that comes back waits for one free slot, not two).
+-- to the smallest counter of those waiting (none waiting: the floor, the highest counter
+-- served), so a tenant cannot bank credit while it sends nothing; lifted, it goes a
+-- thousandth of a token below that counter, so it is next rather than behind the tie (a
+-- light tenant that comes back waits for one free slot, not two). Its weight is taken as
+-- it starts waiting; the keys' TTLs are renewed then too, so a request that joins a list
+-- already waiting costs its list, the count and the bell.
 local function fair_enqueue(base, tenant, weight, request, ttl)
   local list, ready, vtc = base .. ':t:' .. tenant, base .. ':ready', base .. ':vtc'
   if redis.call('RPUSH', list, fair_stamped(base, request, ttl)) == 1 then
@@ -113,13 +172,53 @@ local function fair_enqueue(base, tenant, weight, request, ttl)
       redis.call('HSET', vtc, tenant, counter)
     end
     redis.call('ZADD', ready, counter, tenant)
+    fair_weigh(base, tenant, weight)
+    redis.call('EXPIRE', list, ttl)
+    fair_renew(base, ttl)
   end
-  redis.call('HSET', base .. ':weights', tenant, weight)
   redis.call('HINCRBY', base, 'waiting', 1)
-  for _, key in ipairs({list, ready, vtc, base .. ':recent', base .. ':weights', base}) do
-    redis.call('EXPIRE', key, ttl)
-  end
   fair_ring(base, ttl)
+end
+
+-- A new request straight into the requests stream, as though its turn had come at once
+-- (fair_submit). A worker charges its prompt and tokens as it serves it (fair_charge); its
+-- tenant's weight is kept for that (fair_weigh). Its entry is as a reply taken over has
+-- it, the request alone, and `affinity` ('hit') in its 'a' field if given (it waited 0 ms).
+local function fair_straight(base, stream, maxlen, tenant, weight, request, ttl, affinity)
+  if fair_weigh(base, tenant, weight) then redis.call('EXPIRE', base .. ':weights', ttl) end
+  if affinity then
+    redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'r', request, 'a', affinity, 'w', 0)
+  else
+    redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'r', request)
+  end
+  redis.call('EXPIRE', stream, ttl)
+  fair_ring(base, ttl)
+end
+
+-- A new request of `tenant` (`element`: as its list would hold it, '<estimate>|<request>'
+-- or '<estimate> <names>|<request>') for the queue `stream`, whose group has `lag` entries
+-- undelivered (nil: not known) and whose tenants' lists hold `waiting`. It goes straight
+-- into the stream when nothing waits in a list, the workers offer a free slot for it and
+-- those undelivered before it (VTC, work-conserving, would start it now), and whichever
+-- free worker reads it holds its prompt as well as any (no free worker holds its longest
+-- held prefix, or every free worker does: an affinity 'hit' wherever it goes); else into
+-- its tenant's list, where a free holder takes it first (fair_take.lua). So a request pays
+-- for the fair share, and for affinity's wait, only when one could change where it goes.
+local function fair_submit(base, stream, maxlen, tenant, weight, element, ttl, lag, waiting)
+  if waiting == 0 and lag then
+    local offered, free_workers = fair_free(base)
+    if lag < offered then
+      local bar = string.find(element, '|', 1, true)
+      local names = string.match(string.sub(element, 1, bar - 1), '^%d+ (.*)$')
+      local holders = names and fair_held(base, names, '') or {}
+      if #holders == 0 or #holders == free_workers then
+        local affinity = #holders > 0 and 'hit' or nil
+        local request = string.sub(element, bar + 1)
+        return fair_straight(base, stream, maxlen, tenant, weight, request, ttl, affinity)
+      end
+    end
+  end
+  fair_enqueue(base, tenant, weight, element, ttl)
 end
 
 -- Requests waiting in the tenants' lists of the queue `queue` (its fair base is named after
@@ -128,24 +227,22 @@ local function fair_waiting(queue)
   return tonumber(redis.call('HGET', '{' .. queue .. '}:fair', 'waiting') or '0')
 end
 
--- The first request of `tenant` (its counter `counter`), or its request `chosen`, moved
--- from its list into the requests stream, its prompt charged by the estimate its list entry
--- starts with ('<estimate>|<request>': wire.queue.estimated_tokens, or '<estimate> ...|'
--- with prefix names), which goes into the stream entry's 'e' field for the worker to
--- correct once it knows; `affinity` ('hit', 'miss'), if given, into its 'a' field and the
--- ms it was `waited` queued into its 'w'. Returns 1 when one moved, 0 when the tenant's list
--- was empty.
-local function fair_move(base, stream, maxlen, tenant, counter, chosen, affinity, waited)
+-- The first request of `tenant`, or its request `chosen`, moved from its list into the
+-- requests stream at `now`, its prompt charged by the estimate its list entry starts with
+-- ('<estimate>|<request>': wire.queue.estimated_tokens, or '<estimate> ...|' with prefix
+-- names), which goes into the stream entry's 'e' field for the worker to correct once it
+-- knows; `affinity` ('hit', 'miss'), if given, into its 'a' field and the ms it was
+-- `waited` queued into its 'w'. Returns 1 when one moved, 0 when the tenant's list was empty.
+local function fair_move(base, stream, maxlen, tenant, now, chosen, affinity, waited)
   local list = base .. ':t:' .. tenant
   local element = chosen
   if chosen then redis.call('LREM', list, 1, chosen) else element = redis.call('LPOP', list) end
   if redis.call('LLEN', list) == 0 then redis.call('ZREM', base .. ':ready', tenant) end
-  redis.call('HSET', base, 'floor', counter)
   if not element then return 0 end
   local bar = string.find(element, '|', 1, true)
   local estimate = string.match(string.sub(element, 1, bar - 1), '^%d+')
   redis.call('HINCRBY', base, 'waiting', -1)
-  fair_charge(base, tenant, tonumber(estimate))
+  fair_charge(base, tenant, tonumber(estimate), now)
   local fields = {'r', string.sub(element, bar + 1), 'e', estimate}
   if affinity then
     for _, item in ipairs({'a', affinity, 'w', waited}) do table.insert(fields, item) end
@@ -154,9 +251,10 @@ local function fair_move(base, stream, maxlen, tenant, counter, chosen, affinity
   return 1
 end
 
--- fair_move of the tenant with the lowest counter; false when no tenant waits.
-local function fair_move_lowest(base, stream, maxlen)
+-- fair_move of the tenant with the lowest counter (at `now`; nil: Redis's clock now);
+-- false when no tenant waits.
+local function fair_move_lowest(base, stream, maxlen, now)
   local lowest = redis.call('ZRANGE', base .. ':ready', 0, 0, 'WITHSCORES')
   if not lowest[1] then return false end
-  return fair_move(base, stream, maxlen, lowest[1], lowest[2])
+  return fair_move(base, stream, maxlen, lowest[1], now or fair_now_ms())
 end

@@ -14,18 +14,22 @@
 -- - the first waiting tenant, in counter order, served less than half as much as that
 --   tenant has its first request moved into the stream and read by this consumer at once.
 --   The half keeps two tenants served alike from stopping each other's replies by turns.
--- Nothing while work admitted before waits in the stream (a takeover, a request given
--- back). Nothing for a request with no tenant: anonymous requests, or every request with
+-- Nothing while no tenant waits in a list (the first look, and all it costs then), nor
+-- while work admitted before waits in the stream (a takeover, a request given back).
+-- Nothing for a request with no tenant: anonymous requests, or every request with
 -- TOKENSPOUT_SCHEDULER=fifo (one list, first come first served), have no share to be owed.
--- Returns {} | {tenant that gives way, {{id, {field, value, ...}}}}
+-- Returns {0} (no tenant waits) | {1} (some wait; none is owed a stop here now)
+--         | {tenant that gives way, {{id, {field, value, ...}}}}
 local stream, base = KEYS[1], KEYS[2]
 local group, consumer, yielding = ARGV[1], ARGV[2], tonumber(ARGV[6])
+local waiting = redis.call('ZRANGE', base .. ':ready', 0, 15, 'WITHSCORES')
+if #waiting == 0 then return {0} end
 local last = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)[1]
 if last then
   for _, info in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
     local fields = {}
     for i = 1, #info, 2 do fields[info[i]] = info[i + 1] end
-    if fields['name'] == group and fields['last-delivered-id'] ~= last[1] then return {} end
+    if fields['name'] == group and fields['last-delivered-id'] ~= last[1] then return {1} end
   end
 end
 local now, lately, weight = fair_now_ms(), {}, {}
@@ -42,19 +46,18 @@ local victim, most = nil, 0
 for i = 7, 6 + yielding do
   if present(ARGV[i]) > most then victim, most = ARGV[i], lately[ARGV[i]] end
 end
-if not victim then return {} end
+if not victim then return {1} end
 for i = 7 + yielding, #ARGV do present(ARGV[i]) end
-local waiting = redis.call('ZRANGE', base .. ':ready', 0, 15, 'WITHSCORES')
 for i = 1, #waiting, 2 do present(waiting[i]) end
-if most <= tokens / weights then return {} end
+if most <= tokens / weights then return {1} end
 for i = 1, #waiting, 2 do
   local tenant = waiting[i]
   if tenant ~= ARGV[5] and 2 * lately[tenant] < most then
-    if fair_move(base, stream, ARGV[3], tenant, waiting[i + 1]) ~= 1 then return {} end
+    if fair_move(base, stream, ARGV[3], tenant, now) ~= 1 then return {1} end
     local reply = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', 1,
                              'STREAMS', stream, '>')
     redis.call('EXPIRE', stream, ARGV[4])
     return {victim, reply[1][2]}
   end
 end
-return {}
+return {1}

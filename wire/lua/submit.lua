@@ -14,10 +14,12 @@
 --       turn ('': a new message; 'edit <i>': history message i, a user message, and all
 --       after it are cut before the new one; 'regenerate': the history is cut after its
 --       last user message; 'continue': its last message, an assistant one, is extended),
+--       counts (what its end keeps for its key's limits besides its usage: add_usage's),
 --       then, only to admit and queue it here: the in-flight limit, the model's own
---       limit (0: none), the model's queue's place among KEYS[8..], the request, the
---       queues' TTL, the workers' consumer group, the request's tenant (its slot
---       in the queue's fair share, wire/lua/fair_core.lua) and the tenant's weight,
+--       limit (0: none), the model's queue's place among KEYS[8..], the request (as its
+--       tenant's list holds it: '<estimate>|<request>'), the queues' TTL, the workers'
+--       consumer group, the request's tenant (its slot in the queue's fair share,
+--       wire/lua/fair_core.lua), the tenant's weight and the requests stream's cap,
 --       then, only to admit the tenant's limits here too: '1' to count the request ('0':
 --       another choice of a request counted already), its limits (concurrent, requests
 --       per minute, tokens per minute, tokens per day) and how long a running generation
@@ -30,44 +32,50 @@
 --         limits admitted here: admit_tenant's answer)
 --         | {'bad_turn', 'edit' or 'regenerate' or 'continue'} (the history has no such turn)
 -- A session made here is fresh (a new random id): nothing to look up in it, no history.
-local admit = ARGV[19] ~= nil
-local target = admit and tonumber(ARGV[21]) or 0
+local admit = ARGV[20] ~= nil
+local target = admit and tonumber(ARGV[22]) or 0
+local lag, waiting = nil, 0  -- of the target queue (fair_submit)
 if admit then
   -- A queue's requests in flight: not yet taken (its group's lag; nil after a trim: 0)
   -- and taken but not acknowledged (pending); with no group yet, all it holds; with no
-  -- queue yet (XINFO's error), none.
+  -- queue yet (XINFO's error), none. Besides: its group's lag (nil: not known) and the
+  -- requests in its tenants' lists.
   local function in_flight(queue)
+    local listed = fair_waiting(queue)
     local groups = redis.pcall('XINFO', 'GROUPS', queue)
-    if groups.err then return fair_waiting(queue) end
+    if groups.err then return listed, 0, listed end
     for _, group in ipairs(groups) do
-      local name, lag, pending  -- a flat list: field, value, field, value...
+      local name, behind, pending  -- a flat list: field, value, field, value...
       for i = 1, #group, 2 do
         local field = group[i]
         if field == 'name' then name = group[i + 1]
-        elseif field == 'lag' then lag = group[i + 1]
+        elseif field == 'lag' then behind = group[i + 1]
         elseif field == 'pending' then pending = group[i + 1] end
       end
-      if name == ARGV[24] then return (tonumber(lag) or 0) + pending + fair_waiting(queue) end
+      if name == ARGV[25] then
+        return (tonumber(behind) or 0) + pending + listed, tonumber(behind), listed
+      end
     end
-    return redis.call('XLEN', queue) + fair_waiting(queue)
+    local length = redis.call('XLEN', queue)
+    return length + listed, length, listed
   end
   local all, of_model = 0, 0
   for i = 8, #KEYS do
-    local count = in_flight(KEYS[i])
+    local count, behind, listed = in_flight(KEYS[i])
     all = all + count
-    if i - 7 == target then of_model = count end
+    if i - 7 == target then of_model, lag, waiting = count, behind, listed end
   end
-  if all >= tonumber(ARGV[19]) then return {'overloaded', 'all', all} end
-  local model_limit = tonumber(ARGV[20])
+  if all >= tonumber(ARGV[20]) then return {'overloaded', 'all', all} end
+  local model_limit = tonumber(ARGV[21])
   if model_limit > 0 and of_model >= model_limit then return {'overloaded', 'model', of_model} end
 end
 -- One Redis holds the tenant's keys too: its limits are admitted in this round trip. A
 -- fresh session refuses nothing after this, so nothing admitted is given back.
 local counts = nil
-if admit and ARGV[27] then
-  counts = admit_tenant(tenant_base(KEYS[4], ARGV[16]), ARGV[4], ARGV[27] == '1',
-                        tonumber(ARGV[28]), tonumber(ARGV[29]), tonumber(ARGV[30]),
-                        tonumber(ARGV[31]), tonumber(ARGV[32]))
+if admit and ARGV[29] then
+  counts = admit_tenant(tenant_base(KEYS[4], ARGV[16]), ARGV[4], ARGV[29] == '1',
+                        tonumber(ARGV[30]), tonumber(ARGV[31]), tonumber(ARGV[32]),
+                        tonumber(ARGV[33]), tonumber(ARGV[34]))
   if counts[1] ~= 'ok' then return {'limited', unpack(counts)} end
 end
 local create = ARGV[12] == '1'
@@ -153,10 +161,12 @@ if not companion then
   redis.call('SET', KEYS[3], ARGV[4], 'EX', ttl)
   if ARGV[11] == '1' then redis.call('SET', KEYS[7], ARGV[4], 'EX', ttl) end
 end
-redis.call('HSET', KEYS[4], 'state', 'queued', 'created', ARGV[6], 'tenant', ARGV[16],
-           'bill', ARGV[17])
-if ARGV[14] ~= '' then redis.call('HSET', KEYS[4], 'note', ARGV[14]) end
-if ARGV[15] ~= '' then redis.call('HSET', KEYS[4], 'queue', ARGV[15]) end
+local fields = {'state', 'queued', 'created', ARGV[6], 'tenant', ARGV[16], 'bill', ARGV[17],
+                'counts', ARGV[19]}
+if ARGV[14] ~= '' then table.insert(fields, 'note'); table.insert(fields, ARGV[14]) end
+if ARGV[15] ~= '' then table.insert(fields, 'queue'); table.insert(fields, ARGV[15]) end
+if turn == 'continue' then table.insert(fields, 'continues'); table.insert(fields, 1) end
+redis.call('HSET', KEYS[4], unpack(fields))
 redis.call('EXPIRE', KEYS[4], ttl)
 redis.call('SET', KEYS[6], '1', 'EX', ARGV[8])
 local id = emit(KEYS[5], KEYS[4], ARGV[1], ARGV[2], ttl, 'queued', ARGV[4], ARGV[9])
@@ -170,7 +180,9 @@ end
 redis.call('EXPIRE', KEYS[1], ttl)
 redis.call('EXPIRE', KEYS[5], ttl)
 if admit then  -- after its generation, so no worker finds a request with none
-  fair_enqueue('{' .. KEYS[7 + target] .. '}:fair', ARGV[25], ARGV[26], ARGV[22], ARGV[23])
+  local queue = KEYS[7 + target]
+  fair_submit('{' .. queue .. '}:fair', queue, ARGV[28], ARGV[26], ARGV[27], ARGV[23],
+              ARGV[24], lag, waiting)
 end
 local reply = {'ok', id}
 if counts then reply = {'admitted', id, unpack(counts)} end

@@ -324,19 +324,24 @@ class RelayHub:
         self.redis_error("relay")
 
     def _deliver(self, raw_channel: bytes, data: bytes) -> None:
+        """One live message: an event, or an engine step's events of the session, one a
+        line (wire/lua/emit_core.lua)."""
         channel = raw_channel.decode()
         feeds = self._feeds.get(channel)
         if feeds is None:  # nobody here watches it (live.py unsubscribes it late)
             return
-        event_id, event_type, generation_id, payload = data.split(b" ", 3)
-        event = RelayEvent(event_id.decode(), event_type.decode(), generation_id.decode(), payload)
         session_id = self.keys.session_id_of_channel(channel)
-        if self.observer is not None:
-            self.observer.event(session_id, event)
-        if event.type != "token":
-            self.waiting.saw(session_id, event.type, event.generation_id, event.id)
-        for feed in feeds:
-            feed.push(event)
+        for line in data.split(b"\n") if b"\n" in data else (data,):
+            event_id, event_type, generation_id, payload = line.split(b" ", 3)
+            event = RelayEvent(
+                event_id.decode(), event_type.decode(), generation_id.decode(), payload
+            )
+            if self.observer is not None:
+                self.observer.event(session_id, event)
+            if event.type != "token":
+                self.waiting.saw(session_id, event.type, event.generation_id, event.id)
+            for feed in feeds:
+                feed.push(event)
 
     def _confirm(self, channel: str, ready: bool) -> None:
         """The channel's subscription is confirmed (its feeds read the stream, then go

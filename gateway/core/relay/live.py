@@ -233,11 +233,8 @@ class PlainLive:
                     continue
                 if not connected(self._pubsub):  # a failed (un)subscribe dropped it
                     raise RedisConnectionError("the pub/sub connection was lost")
-                message = await self._pubsub.get_message(timeout=1.0)
+                await self._read_some()
                 backoff = 0.05
-                if message is not None:
-                    self._dispatch(message)
-                    await self._drain_parsed()
             except (RedisError, OSError) as exc:
                 # Pub/sub lost: every feed re-reads the stream once resubscribed.
                 log.warning("relay pub/sub connection lost (%s); reconnecting", exc)
@@ -250,6 +247,23 @@ class PlainLive:
                     await self._pubsub.aclose()  # type: ignore[no-untyped-call]
                 self._pubsub = relay_pubsub(self.redis)
                 self._reconnecting = True
+
+    async def _read_some(self) -> None:
+        """Wait up to a second for what the connection brings next, then dispatch every
+        reply it completed (``_drain_parsed``): each socket read costs one wait, not one
+        ``get_message`` (a timeout, a retry wrapper and a dict) for its first message."""
+        parser = getattr(self._pubsub.connection, "_parser", None)
+        if getattr(parser, "_reader", None) is None:  # not the hiredis parser
+            message = await self._pubsub.get_message(timeout=1.0)
+            if message is not None:
+                self._dispatch(message)
+            return
+        try:
+            async with asyncio.timeout(1.0):
+                await parser.read_from_socket()  # type: ignore[union-attr]
+        except TimeoutError:
+            return
+        await self._drain_parsed()
 
     async def _drain_parsed(self) -> None:
         """Dispatch the replies already read and parsed, without redis-py's per-message path.

@@ -334,6 +334,7 @@ class Admission:
             request=waiting.element,
             tenant=waiting.tenant,
             weight=waiting.weight,
+            stream_cap=self.settings.requests_maxlen,
             limits=limits,
             count_request=count_request,
         )

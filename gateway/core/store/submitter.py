@@ -47,7 +47,7 @@ from gateway.core.store.sessions import (
     unknown_session,
 )
 from gateway.tenants.caller import Caller
-from gateway.tenants.records import Tenant
+from gateway.tenants.records import ANONYMOUS_ID, Tenant
 from wire import (
     CancelReason,
     CancelSignal,
@@ -229,7 +229,7 @@ class Submitter:
     ) -> script.SubmitReply:
         """Make the throwaway session with its generation and queue its request: admitted
         by SUBMIT itself (``ticket.in_submit``), or admitted before."""
-        new = self._new_session(model, request)
+        new = self._new_session(model, request, ticket.tenant)
         if ticket.in_submit is not None:
             return await self.generations.create_admitted(new, ticket.in_submit)
         keep = None
@@ -247,10 +247,10 @@ class Submitter:
         waiting = self.queue.waiting(model, request, note)
         return await self.generations.create_queued(new, self.queue.of(model), waiting, keep)
 
-    def _new_session(self, model: str, request: GenerationRequest) -> NewSession:
+    def _new_session(self, model: str, request: GenerationRequest, tenant: Tenant) -> NewSession:
         """The stateless session SUBMIT makes for ``request`` to ``model``'s queue: its
         tenant billed its prompt and completion (another choice of a request: its
-        completion; tokenize: nothing)."""
+        completion; tokenize: nothing), and what its end keeps for the tenant's limits."""
         task, choice = request.task, request.choice
         bill: Bill = "none" if task != "generate" else "completion" if choice else "all"
         return NewSession(
@@ -259,10 +259,18 @@ class Submitter:
             self.settings.events_maxlen,
             request.session_ttl_s,
             self.sessions.watch_ttl_s,
-            request.tenant,
+            self._billed(tenant),
             bill,
-            self.queue.of(model).model,
+            limits=tenant.limits,
+            queue=self.queue.of(model).model,
         )
+
+    def _billed(self, tenant: Tenant) -> str:
+        """Whom a generation's final event counts the usage of ("": nobody): its tenant's
+        key; a request with no key only with ``TOKENSPOUT_ANONYMOUS_USAGE`` (else it pays
+        for no bookkeeping)."""
+        anonymous = tenant.id == ANONYMOUS_ID and not self.settings.anonymous_usage
+        return "" if anonymous else tenant.id
 
     # --- session turns ----------------------------------------------------------------------
 
@@ -346,8 +354,9 @@ class Submitter:
             "ttl_s": self.settings.session_ttl_s,
             "max_history": self.settings.max_history_messages,
             "watch_ttl_s": self.sessions.watch_ttl_s,
-            "tenant": turn.tenant.id,
+            "tenant": self._billed(turn.tenant),
             "turn": turn.kind,
+            "limits": turn.tenant.limits,
         }
         try:
             reply = await self.generations.submit_noted(self.queue.of(model), note, **submit)
@@ -476,8 +485,9 @@ class Submitter:
             max_history=self.settings.max_history_messages,
             watch_ttl_s=self.sessions.watch_ttl_s,
             choice=choice,
-            tenant=turn.tenant.id,
+            tenant=self._billed(turn.tenant),
             bill="completion",
+            limits=turn.tenant.limits,
         )
         if not isinstance(reply, script.Accepted):  # the session was there a moment ago
             await ticket.give_back([generation_id])
