@@ -250,7 +250,7 @@ class Fleet:
         """SIGKILL or SIGTERM a gateway and start another on its port once it is gone, or
         SIGSTOP it for ``held_s`` (one no other fault holds: ``gateway_target``)."""
         gateway = self.gateways[port]
-        self.note(f"gateway_{how}", f"gateway:{port}", held_s if how == "stop" else 0.0)
+        fault = self.note(f"gateway_{how}", f"gateway:{port}", held_s if how == "stop" else 0.0)
         if how == "stop":
             await self._hold(gateway.process, held_s)
             return
@@ -264,6 +264,8 @@ class Fleet:
             await asyncio.to_thread(self.start_gateway, port)
         finally:
             self.restarting.discard(port)
+            # Its port answers nobody until its successor listens: a fault that long.
+            fault.held_s = round(self.now() - fault.at_s, 2)
 
     def kill_gateway_process(self, port: int, pid: int) -> None:
         """SIGKILL one process of a gateway of several (as the OOM killer would): its parent
@@ -279,9 +281,12 @@ class Fleet:
 
     def faults_on(self, url: str, until_s: float = math.inf) -> int:
         """Faults on the gateway at ``url`` (direct, or through the client proxy), or on
-        the clients' links to it, injected up to ``until_s`` (all so far)."""
+        the clients' links to it, over by ``until_s`` (all so far): one still holding then
+        (a gateway not yet back after its kill, a partition) counts as after it."""
         target = self._target_of(url)
-        return sum(fault.target == target and fault.at_s <= until_s for fault in self.faults)
+        return sum(
+            fault.target == target and fault.at_s + fault.held_s <= until_s for fault in self.faults
+        )
 
     def held_until(self, url: str, from_s: float, to_s: float) -> float:
         """When the last fault between ``from_s`` and ``to_s`` that held what a client of
