@@ -36,6 +36,9 @@ ENV = {
     "TOKENSPOUT_LOG_LEVEL": "WARNING",
     "TOKENSPOUT_MAX_INFLIGHT": str(MAX_STREAMS * 2),
     "TOKENSPOUT_SESSION_TTL_S": "600",
+    # A bench's gateways stop when it ends: a stream still open then (a bench stopped
+    # mid-stream) is cut within a second, not after the default grace of 30 s.
+    "TOKENSPOUT_SHUTDOWN_GRACE_S": "1",
 }
 GATEWAY_CPU, REST_CPU = 1, 0
 VLLM = ["--backend", "vllm", "--model", "default", "--capacity", "8"]
@@ -140,6 +143,7 @@ async def rig(
         backend, rest_cpu, gateway_cpu = VLLM, None, None
     alone_backend = [*backend, *backend_args]
     backend = [*backend, *(backend_args if worker_args is None else worker_args)]
+    backend += ["--drain-s", "1"]  # its workers too (ENV)
     async with contextlib.AsyncExitStack() as stack:
         if engine == "vllm":
             lock = stack.enter_context(VLLM_LOCK.open("w"))

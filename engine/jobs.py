@@ -289,10 +289,14 @@ class JobTable:
         # continued reply's message is the one it extends, made longer.
         if not isinstance(event, Error) and request.prompt is None and not request.choice:
             assistant = ChatMessage("assistant", request.continued + "".join(job.text))
+        before = None
         if not isinstance(event, Error) and request.task == "generate":
-            # Before the final event: the client's next turn finds where its prefix is.
-            await self._ran(request, "".join(job.text))
-        written = await self._emit_waited(job, event, final=True, assistant=assistant)
+            # In Redis before the final event: the client's next turn finds where its prefix
+            # is. Not awaited here: the final goes in the same call as the step's tokens.
+            before = asyncio.ensure_future(self._ran(request, "".join(job.text)))
+        written = await self._emit_waited(
+            job, event, final=True, assistant=assistant, before=before
+        )
         state = wire.final_state(event)
         if written is None:  # it ended elsewhere, or is not this worker's: not counted here
             log.info("%s: its %s event was refused", job.generation_id, state)
@@ -326,9 +330,11 @@ class JobTable:
         *,
         final: bool = False,
         assistant: ChatMessage | None = None,
+        before: asyncio.Future[None] | None = None,
     ) -> asyncio.Future[str | None]:
         """Queue an event the table waits on (a claim, a final event): its stream id, or
-        None when Redis refused it. A final event acknowledges the job's request."""
+        None when Redis refused it. A final event acknowledges the job's request; ``before``
+        lands first (``Publisher.emit_waited``)."""
         job.events += 1
         return self.publisher.emit_waited(
             job.target,
@@ -337,6 +343,7 @@ class JobTable:
             final=final,
             assistant=assistant,
             ack=job.entry_id if final else None,
+            before=before,
         )
 
     async def ended(self, job: Job) -> None:

@@ -79,7 +79,7 @@ def joined(first: Token, then: Token) -> Token:
 class _Batch:
     """What one write sends: the calls per group, the acknowledgements, and who waits."""
 
-    __slots__ = ("acks", "calls", "done", "finals", "open_tokens", "waiters")
+    __slots__ = ("acks", "befores", "calls", "done", "finals", "open_tokens", "waiters")
 
     def __init__(self) -> None:
         self.calls: dict[Hashable, list[StepCall]] = {}
@@ -94,6 +94,8 @@ class _Batch:
         """The final events: a refused one is no sign that another writer owns it."""
         self.done: asyncio.Future[None] | None = None
         """Made when someone waits for the whole batch (``Publisher.written``)."""
+        self.befores: list[asyncio.Future[None]] = []
+        """What must be in Redis before the batch is written (``emit_waited``'s ``before``)."""
 
 
 class Publisher:
@@ -163,14 +165,18 @@ class Publisher:
         final: bool = False,
         assistant: wire.ChatMessage | None = None,
         ack: bytes | None = None,
+        before: asyncio.Future[None] | None = None,
     ) -> asyncio.Future[str | None]:
         """Queue an event; the future resolves to its stream id, or None if refused.
 
         ``final``: it ends the generation (``assistant`` joins the history). ``ack``: the
         request's entry id, acknowledged once the event is written (one Redis: in the same
         round trip, so "in flight", gateway/core/store/queue.py, drops the moment it
-        ends)."""
+        ends). ``before``: a write that must land first (it never raises); the event still
+        goes with the step's others, one call for a reply's last token and its end."""
         batch = self._batch
+        if before is not None:
+            batch.befores.append(before)
         if batch.open_tokens:
             batch.open_tokens.pop(target, None)  # no token joins one before this event
         call = self._call(target.session_id)
@@ -223,6 +229,8 @@ class Publisher:
             batch = self._in_flight = self._batch
             self._batch, self._events = _Batch(), 0
             calls = [call for group in batch.calls.values() for call in group]
+            if batch.befores:
+                await asyncio.gather(*batch.befores, return_exceptions=True)
             while True:
                 try:
                     replies = await self._write(calls, batch.acks)

@@ -41,6 +41,19 @@ from wire import Keys
 pytestmark = [pytest.mark.timeout(240), pytest.mark.cluster]
 
 
+def log_tails(logs: Path, lines: int = 30) -> str:
+    """The last ``lines`` of each process log but its request lines (a test's failure)."""
+    tails = []
+    for log in sorted(logs.glob("*.log")):
+        kept = [
+            line
+            for line in log.read_text(errors="replace").splitlines()
+            if "msg='request'" not in line
+        ]
+        tails.append(f"--- {log.name}:\n" + "\n".join(kept[-lines:]))
+    return "\n".join(tails)
+
+
 async def test_sessions_spread_over_the_shards_on_one_pubsub_connection_per_shard(
     cluster_stack: Stack, redis_cluster: EmbeddedCluster
 ) -> None:
@@ -161,6 +174,12 @@ async def test_a_primary_killed_mid_stream_pauses_the_stream_then_it_goes_on(
         killed_at = time.monotonic()
         try:
             await asyncio.wait_for(asyncio.gather(*(r.task for r in readers if r.task)), 120)
+        except TimeoutError:
+            said = [(r.tokens(), r.reading.events[-1:]) for r in readers]
+            raise AssertionError(
+                f"the readers (tokens, last event) {said} did not end 120 s after the kill; "
+                f"the processes' last lines:\n{log_tails(stack.logs)}"
+            ) from None
         finally:
             revive(redis_cluster, victim)
     for reader in readers:

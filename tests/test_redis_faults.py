@@ -381,12 +381,13 @@ async def test_a_worker_whose_heartbeat_a_write_pause_held_up_announces_itself_b
 ) -> None:
     """Redis holds every write for 8 s (``CLIENT PAUSE WRITE``) mid-reply. The worker's
     heartbeat waits out the pause and lands with the time it was sent, past the worker
-    timeout, so the reaper (whose reads went on) takes the reply over once. The worker counts
-    that heartbeat as old as the others see it and heartbeats again before it takes the
-    continuation, so the reply finishes whole after that one takeover. Found by the chaos
-    run on a Redis Cluster: the worker counted a held-up heartbeat fresh from its reply,
-    took continuations while the reaper still saw its old score, and a reply was taken over
-    three times in 0.3 s and ended ``worker_lost``."""
+    timeout. The worker counts that heartbeat as old as the others see it and heartbeats
+    again before it takes work: the reaper (whose reads went on) takes the reply over once
+    if its pass comes first, and not at all when the worker's next heartbeat does (tens of
+    ms after the pause, its take returning as the pause ends); the reply finishes whole.
+    Found by the chaos run on a Redis Cluster: the worker counted a held-up heartbeat fresh
+    from its reply, took continuations while the reaper still saw its old score, and a
+    reply was taken over three times in 0.3 s and ended ``worker_lost``."""
     stack = Stack(restartable_redis.url, "held", tmp_path)
     admin = redis.Redis.from_url(restartable_redis.url)
     try:
@@ -403,7 +404,7 @@ async def test_a_worker_whose_heartbeat_a_write_pause_held_up_announces_itself_b
         assert reading.final(gid).event == "done", reading.final(gid)
         assert reading.text(gid) == synthetic_text("a held heartbeat", 300)
         takeovers = [e.json() for e in reading.of(gid) if e.event == "resumed"]
-        assert len(takeovers) == 1, takeovers
+        assert len(takeovers) <= 1, takeovers
     finally:
         admin.close()
         stack.stop()
