@@ -13,6 +13,7 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
+from gateway.core.errors import NotFound, Unavailable
 from gateway.core.settings import Settings
 from gateway.core.store.models import CACHE_S, ModelDirectory
 from tests.support.redis_probes import command_calls
@@ -63,3 +64,25 @@ async def test_kept_fresh_the_view_is_there_before_a_request_asks(
     await asyncio.sleep(CACHE_S * 1.2)  # not refreshed now: the view has aged
     asked_at = time.monotonic()
     assert (await directory.snapshot()).taken_at >= asked_at
+
+
+async def test_a_name_redis_forgot_is_unavailable_not_unknown(redis: aioredis.Redis) -> None:
+    """A model whose name Redis lost (wiped: its only worker, stopped, has not registered
+    again) is still one this gateway knows: 503 ``model_unavailable``, to retry, not 404
+    ``model_not_found``. A name never registered stays unknown. Found by the chaos minute
+    (seed 11): a worker stopped while Redis was wiped, and new sessions for its model were
+    refused as a wrong name."""
+    keys = Keys(f"md-{secrets.token_hex(3)}")
+    directory = ModelDirectory(redis, keys, Settings())
+    await redis.hset(keys.models, mapping={"beta": "beta", "alpha": "alpha"})
+    with pytest.raises(Unavailable) as unavailable:
+        await directory.resolve("beta")
+    assert unavailable.value.code == "model_unavailable"
+    await redis.delete(keys.models)  # Redis lost it; alpha's worker registered again
+    await redis.hset(keys.models, mapping={"alpha": "alpha"})
+    with pytest.raises(Unavailable) as still:
+        await directory.resolve("beta")
+    assert still.value.code == "model_unavailable"
+    with pytest.raises(NotFound) as unknown:
+        await directory.resolve("gamma")
+    assert unknown.value.code == "model_not_found"

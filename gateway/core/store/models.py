@@ -7,7 +7,9 @@ the name a client asked for into the model whose queue takes the request:
 
 - a name with a live worker: that model (aliases resolve to it);
 - a name a worker once registered but none serves now: 503 ``model_unavailable`` with
-  ``Retry-After`` (a restarting worker comes back; queued requests meet the queue timeout);
+  ``Retry-After`` (a restarting worker comes back; queued requests meet the queue timeout).
+  Once registered as far as this process has seen: a Redis that lost its data forgets the
+  names until their workers' next heartbeat, and a stopped worker's name is not wrong;
 - any other name: 404 ``model_not_found`` (503 ``no_worker`` while no worker has ever
   registered: the gateway cannot tell a wrong name from a model still loading);
 - no name (session API, TGI, web chat): ``TOKENSPOUT_DEFAULT_MODEL``, else the only live
@@ -84,6 +86,8 @@ class ModelDirectory:
         self.settings = settings
         self._snapshot: Snapshot | None = None
         self._reading: asyncio.Future[Snapshot] | None = None
+        self._ever_known: set[str] = set()
+        """Every name this process has seen registered (Redis may lose them: a wipe)."""
 
     async def snapshot(self, *, fresh: bool = False) -> Snapshot:
         """The cached view, or a new read once it is ``CACHE_S`` old: the requests that find
@@ -126,6 +130,7 @@ class ModelDirectory:
             raw = await mget(self.redis, [self.keys.worker(wire.text(w)) for w in worker_ids])
             workers = [_worker_decoder.decode(item) for item in raw if item is not None]
         names = {wire.text(name): wire.text(model) for name, model in known.items()}
+        self._ever_known.update(names)
         self._snapshot = Snapshot(workers, names)
         return self._snapshot
 
@@ -152,7 +157,7 @@ class ModelDirectory:
         model = snapshot.live_names.get(name)
         if model is not None:
             return model
-        if name in snapshot.known:
+        if name in snapshot.known or name in self._ever_known:
             raise no_live_worker(name)
         if name == self.settings.default_model:
             # Named by the operator and never registered yet: its engine is still loading
