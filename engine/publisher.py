@@ -46,6 +46,10 @@ GroupOf = Callable[[str], Hashable]
 
 MAX_EVENTS_PER_CALL = 1_000
 """A call runs in Redis without a break: more events than this go in the next call."""
+BEFORE_WAIT_S = 0.5
+"""The longest a batch waits for the writes that should land before it (``emit_waited``'s
+``before``: where a reply's prefix is held, for its next turn's affinity): a reply's end is
+never held up longer for it."""
 
 
 class _OpenToken:
@@ -172,8 +176,9 @@ class Publisher:
         ``final``: it ends the generation (``assistant`` joins the history). ``ack``: the
         request's entry id, acknowledged once the event is written (one Redis: in the same
         round trip, so "in flight", gateway/core/store/queue.py, drops the moment it
-        ends). ``before``: a write that must land first (it never raises); the event still
-        goes with the step's others, one call for a reply's last token and its end."""
+        ends). ``before``: a write to land first (it never raises; waited for at most
+        ``BEFORE_WAIT_S``); the event still goes with the step's others, one call for a
+        reply's last token and its end."""
         batch = self._batch
         if before is not None:
             batch.befores.append(before)
@@ -230,7 +235,9 @@ class Publisher:
             self._batch, self._events = _Batch(), 0
             calls = [call for group in batch.calls.values() for call in group]
             if batch.befores:
-                await asyncio.gather(*batch.befores, return_exceptions=True)
+                # A write held up (on a cluster, on another shard than the sessions') holds
+                # every session's events here: past BEFORE_WAIT_S they go without it.
+                await asyncio.wait(batch.befores, timeout=BEFORE_WAIT_S)
             while True:
                 try:
                     replies = await self._write(calls, batch.acks)

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
-from engine.publisher import Publisher, joined
+from engine.publisher import BEFORE_WAIT_S, Publisher, joined
 from wire import Done, Keys, Started, Token, Usage
 from wire.emit_step import EmitTarget
 from wire.generations import Generations
@@ -160,3 +160,38 @@ async def test_without_join_tokens_every_token_stays_its_own_event(redis: aiored
         await publisher.written()
     events = await generation.events()
     assert [e["text"] for e in events if e["type"] == "token"] == ["a", "b", "c"]
+
+
+async def test_a_reply_ends_in_the_call_of_its_last_token_after_what_must_land_first(
+    generation: Generation,
+) -> None:
+    """A final event queued with a write to land first (``before``: where the reply's
+    prefix is held) goes in the same call as the step's last token, once that write is
+    done; a write that does not land within ``BEFORE_WAIT_S`` holds it no longer."""
+    publisher = generation.publisher
+    calls = publisher.pipelines
+    landed = asyncio.get_running_loop().create_future()
+    asyncio.get_running_loop().call_later(0.1, landed.set_result, None)
+    publisher.emit(generation.target, generation.token("a", 1), 2)
+    done = Done(generation.gid, "length", Usage(3, 1))
+    began = asyncio.get_running_loop().time()
+    written = publisher.emit_waited(generation.target, done, 3, final=True, before=landed)
+    assert await written
+    waited = asyncio.get_running_loop().time() - began
+    assert landed.done() and 0.09 <= waited < BEFORE_WAIT_S, waited
+    assert publisher.pipelines - calls == 1  # the token and the end in one call
+    assert [event["type"] for event in await generation.events()] == ["started", "token", "done"]
+
+
+async def test_a_write_that_never_lands_holds_a_reply_end_at_most_its_bound(
+    redis: aioredis.Redis,
+) -> None:
+    async with publishing(Generation(redis)) as generation:
+        never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        done = Done(generation.gid, "length", Usage(3, 0))
+        began = asyncio.get_running_loop().time()
+        publisher = generation.publisher
+        assert await publisher.emit_waited(generation.target, done, 2, final=True, before=never)
+        waited = asyncio.get_running_loop().time() - began
+        assert BEFORE_WAIT_S <= waited < BEFORE_WAIT_S + 1.0, waited
+        never.cancel()
