@@ -293,7 +293,7 @@ class JobTable:
         if not isinstance(event, Error) and request.task == "generate":
             # In Redis before the final event: the client's next turn finds where its prefix
             # is. Not awaited here: the final goes in the same call as the step's tokens.
-            before = asyncio.ensure_future(self._ran(request, "".join(job.text)))
+            before = self._spawn(self._ran(request, "".join(job.text)))
         written = await self._emit_waited(
             job, event, final=True, assistant=assistant, before=before
         )
@@ -610,8 +610,11 @@ class JobTable:
             await self.queue.requeue(kept)
             self._kept.clear()
 
-    def _spawn(self, work: Coroutine[Any, Any, None], name: str | None = None) -> None:
+    def _spawn(
+        self, work: Coroutine[Any, Any, None], name: str | None = None
+    ) -> asyncio.Task[None]:
         """Run ``work`` in a task the drain waits for."""
         task = asyncio.create_task(work, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task

@@ -15,7 +15,6 @@ import asyncio
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
@@ -25,6 +24,7 @@ from stack import processes
 from stack.redis_cluster import EmbeddedCluster
 from stack.redis_server import free_port
 from stack.rig import sync_client, wait_worker
+from tests.support.bench import log_tails
 from tests.support.cluster import (
     check_reply,
     key_lookups,
@@ -39,19 +39,6 @@ from tests.support.stack import Stack
 from wire import Keys
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.cluster]
-
-
-def log_tails(logs: Path, lines: int = 30) -> str:
-    """The last ``lines`` of each process log but its request lines (a test's failure)."""
-    tails = []
-    for log in sorted(logs.glob("*.log")):
-        kept = [
-            line
-            for line in log.read_text(errors="replace").splitlines()
-            if "msg='request'" not in line
-        ]
-        tails.append(f"--- {log.name}:\n" + "\n".join(kept[-lines:]))
-    return "\n".join(tails)
 
 
 async def test_sessions_spread_over_the_shards_on_one_pubsub_connection_per_shard(
@@ -178,7 +165,7 @@ async def test_a_primary_killed_mid_stream_pauses_the_stream_then_it_goes_on(
             said = [(r.tokens(), r.reading.events[-1:]) for r in readers]
             raise AssertionError(
                 f"the readers (tokens, last event) {said} did not end 120 s after the kill; "
-                f"the processes' last lines:\n{log_tails(stack.logs)}"
+                f"the processes' last lines:\n{log_tails(stack.logs, 30)}"
             ) from None
         finally:
             revive(redis_cluster, victim)

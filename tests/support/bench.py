@@ -45,13 +45,18 @@ def process_logs(stderr: str, lines: int = 15) -> str:
     """The last ``lines`` of each log in the folder the bench named (``process logs in
     DIR``, bench/rig.py ``run_logs``): what its gateway, worker and engines said."""
     found = LOGS.search(stderr)
-    if found is None:
-        return ""
+    return "" if found is None else "\n" + log_tails(Path(found[1]), lines)
+
+
+def log_tails(folder: Path, lines: int = 15) -> str:
+    """The last ``lines`` of each process log under ``folder``, its request lines left out
+    (a failure's message: what the processes said)."""
     tails = []
-    for log in sorted(Path(found[1]).glob("**/*.log")):
-        tail = log.read_text(errors="replace").splitlines()[-lines:]
-        tails.append(f"--- {log.name}:\n" + "\n".join(line[:300] for line in tail))
-    return "\n" + "\n".join(tails)
+    for log in sorted(folder.glob("**/*.log")):
+        said = log.read_text(errors="replace").splitlines()
+        tail = [line[:300] for line in said if "msg='request'" not in line][-lines:]
+        tails.append(f"--- {log.name}:\n" + "\n".join(tail))
+    return "\n".join(tails)
 
 
 def stop(bench: subprocess.Popen[str]) -> str:
