@@ -4,7 +4,9 @@
 from ``REDIS_URL``; the key prefix from ``TOKENSPOUT_KEY_PREFIX`` (as for the gateway).
 SIGTERM or Ctrl-C drains: running generations move to another worker at once when one
 serves (engine/jobs.py); otherwise they may finish for ``--drain-s`` seconds, the rest
-end as ``cancelled`` (reason ``shutdown``). The queue is left to other workers.
+end as ``cancelled`` (reason ``shutdown``). The queue is left to other workers. An engine
+that dies under a reply (vLLM's engine process: a crash, or Ctrl-C reaching it first) has
+its replies handed over the same way, and the worker exits with status 1.
 """
 
 from __future__ import annotations
@@ -356,6 +358,8 @@ async def serve(args: argparse.Namespace) -> None:
         await redis.aclose()
         stop_tracer()  # what is left of the spans goes out
         log.info("worker stopped")
+    if worker.engine_failed.is_set() and not stop.is_set():  # a supervisor starts it anew
+        raise SystemExit("tokenspout engine: the engine failed; the worker stopped")
 
 
 def main(argv: list[str] | None = None) -> None:

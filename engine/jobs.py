@@ -544,6 +544,13 @@ class JobTable:
                     result,
                 )
 
+    async def hand_over_failed_run(self, job: Job) -> bool:
+        """``job``'s run ended with its engine (``Backend.failed``): hand it to the other
+        workers while one serves; True when it was handed on. Raises what Redis raised."""
+        if not job.can_hand_over or not await self.lease.others_serving():
+            return False
+        return await self._hand_over(job)
+
     async def _hand_over(self, job: Job) -> bool:
         """Put ``job`` back on the queue for another worker; True when it was handed on (a
         generation taken over ``max_takeovers`` times already stays here and drains)."""

@@ -157,6 +157,8 @@ class Worker:
         )
         """Every job this worker holds, and every move of one (engine/jobs.py)."""
         self.turns = PrepareTurns()
+        self.engine_failed = asyncio.Event()
+        """Set when the engine died under a run: the worker drains and stops."""
         self.tracing = WorkerTracing.of(tracer, self.worker_id, backend)  # None: tracing off
         self._started_at = time.time()
         self.metrics.generations_running.set_function(lambda: len(self.jobs))
@@ -199,14 +201,20 @@ class Worker:
             ",".join(self.aliases) or "-",
         )
         stopping = asyncio.create_task(stop.wait(), name="stop")
+        failing = asyncio.create_task(self.engine_failed.wait(), name="engine failed")
         try:
-            done, _ = await asyncio.wait([stopping, *loops], return_when=asyncio.FIRST_COMPLETED)
-            for task in done - {stopping}:
+            done, _ = await asyncio.wait(
+                [stopping, failing, *loops], return_when=asyncio.FIRST_COMPLETED
+            )
+            for task in done - {stopping, failing}:
                 # A loop that ends on its own is a bug: fail loudly rather than idle on.
                 raise RuntimeError(f"worker loop {task.get_name()} ended") from task.exception()
+            if failing in done:
+                log.error("the engine failed: its replies go to the other workers; stopping")
             await self.drain(drain_s)
         finally:
             stopping.cancel()
+            failing.cancel()
             for task in loops:
                 task.cancel()
             await asyncio.gather(*loops, return_exceptions=True)
@@ -264,11 +272,33 @@ class Worker:
         except BackendError as exc:
             await self.jobs.finish(job, Error(gid, exc.code, exc.message, job.usage()))
         except Exception as exc:
+            if self.backend.failed:
+                await self._engine_lost(job, exc)
+            if job.handed_on:  # another worker goes on with it (or the reaper hands it on)
+                return
             log.exception("generation %s failed", gid)
             message = f"{type(exc).__name__}: {exc}"
             await self.jobs.finish(job, Error(gid, "engine_error", message, job.usage()))
         finally:
             await self.jobs.ended(job)
+
+    async def _engine_lost(self, job: Job, exc: Exception) -> None:
+        """The engine died under ``job``: this worker stops (``engine_failed``), and the
+        reply goes on at another worker when one serves. A hand-over begun that Redis
+        failed leaves it pending: the reaper hands it on once this worker is gone."""
+        self.engine_failed.set()
+        try:
+            handed = await self.jobs.hand_over_failed_run(job)
+        except (RedisError, OSError) as redis_exc:
+            log.warning("handing %s over failed (%s)", job.generation_id, redis_exc)
+            return
+        if handed:
+            log.warning(
+                "the engine failed under %s (%s: %s); handed it to another worker",
+                job.generation_id,
+                type(exc).__name__,
+                exc,
+            )
 
     async def _prepare(self, job: Job) -> Prepared:
         """The engine's input for ``job`` (the chat template, the tokenizer), timed."""

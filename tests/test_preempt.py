@@ -226,16 +226,22 @@ async def test_a_light_key_never_stops_another_and_a_free_slot_goes_to_it_before
     """One slot. The noisy reply stops for quiet key A's; quiet key B's request comes while
     A's runs: A's reply is not stopped for it (A asks no more than its share), and when A's
     ends, the free slot goes to B before the noisy reply's continuation (the noisy key was
-    served far more lately). Every reply whole, one stop in all."""
+    served far more lately). Every reply whole, one stop in all.
+
+    A's reply runs past the worker's next charge (once a second), so A's tokens reach the
+    queue while it runs, at whatever point of it the charge falls. A stays under the level
+    only while twice its tokens (its 22, when all are charged) stay under the noisy key's:
+    the noisy reply runs 60 before A asks (65 charged, about 56 when A ends: they count
+    half every 5 s)."""
     gateway = stack.gateway(TOKENSPOUT_ADMIN_KEY=ADMIN_KEY)
     metrics = free_port()
     stack.synthetic(TOKENS_PER_S, "--capacity", "1", "--metrics-port", str(metrics), "--preempt")
     async with httpx.AsyncClient(timeout=30) as client:
         noisy, a, b = [await make_key(client, gateway.url, name) for name in ("noisy", "a", "b")]
         long, first, second = Reply(), Reply(), Reply()
-        asks = [(noisy, "a long one", NOISY_TOKENS, long)]
+        asks = [(noisy, "a long one", 70, long)]
         tasks = [asyncio.create_task(stream_chat(client, gateway.url, *asks[0]))]
-        await until_tokens(long, BEFORE)
+        await until_tokens(long, 60)
         asks.append((a, "quiet a", 20, first))
         tasks.append(asyncio.create_task(stream_chat(client, gateway.url, *asks[1])))
         await until_tokens(first, 5)
@@ -243,7 +249,7 @@ async def test_a_light_key_never_stops_another_and_a_free_slot_goes_to_it_before
         tasks.append(asyncio.create_task(stream_chat(client, gateway.url, *asks[2])))
         async with asyncio.timeout(60):
             await asyncio.gather(*tasks)
-        assert second.arrivals[0] > first.arrivals[-1], "B waited for A's reply to end"
+        assert second.arrivals[0] > first.arrivals[-1], "A's reply was stopped for B's"
         # From A's second token (its first may race the stop's last noisy token) to B's last.
         during = [t for t in long.arrivals if first.arrivals[1] < t < second.arrivals[-1]]
         assert during == [], "the noisy reply waited for A's and then B's"

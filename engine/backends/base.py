@@ -139,6 +139,11 @@ class Backend(abc.ABC):
     async def stop(self) -> None:  # noqa: B027 - optional hook
         """Release the model; called once at shutdown."""
 
+    @property
+    def failed(self) -> bool:
+        """The engine itself is gone (its process died): nothing runs here any more."""
+        return False
+
     @abc.abstractmethod
     async def prepare(self, request: GenerationRequest) -> Prepared:
         """Tokenize (chat template applied); raises ``BackendError`` for an unusable prompt.

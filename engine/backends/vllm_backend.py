@@ -99,6 +99,12 @@ class VllmBackend(Backend):
             self._engine.shutdown()
             self._engine = None
 
+    @property
+    def failed(self) -> bool:
+        # Its engine core runs in a process of its own: a crash, or a signal to the whole
+        # process group (Ctrl-C, systemd's stop) that reached it before the worker drained.
+        return self._engine is not None and bool(self._engine.errored)
+
     async def prepare(self, request: GenerationRequest) -> Prepared:
         budget = self.max_model_len - 1
         if request.prompt is not None:
