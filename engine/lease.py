@@ -45,6 +45,10 @@ class Lease:
         """When the last heartbeat Redis took was sent (monotonic: it runs on while stopped).
         Its send, not its reply: the score the others judge by is the time it was sent, and a
         write held up (a ``CLIENT PAUSE``, a failover's retries) lands that old."""
+        self.doubted_at: float | None = None
+        """When something said the others may not see this worker alive (None: nothing
+        since a heartbeat went through): a heartbeat failed, or work came back taken over
+        from this worker (its lease connection cut, say). Takes wait for a heartbeat."""
         self.lease_id: int | None = None
         """The lease connection's client id at the last heartbeat."""
         self.reconnected = False
@@ -77,6 +81,25 @@ class Lease:
 
     async def heartbeat(self, info: WorkerInfo) -> None:
         """Publish ``info`` (with this connection's client id) and refresh the shared keys."""
+        began = time.monotonic()
+        try:
+            await self._publish(info)
+        except BaseException:
+            self.doubt()
+            raise
+        if self.doubted_at is not None and self.doubted_at <= began:
+            self.doubted_at = None
+
+    def doubt(self) -> None:
+        """The others may take this worker for lost: ``doubted`` until a heartbeat sent
+        from now on goes through."""
+        self.doubted_at = time.monotonic()
+
+    @property
+    def doubted(self) -> bool:
+        return self.doubted_at is not None
+
+    async def _publish(self, info: WorkerInfo) -> None:
         # Asked every time: a reconnect gives the connection a new id.
         lease_id = await self._lease_id()
         self.reconnected = self.lease_id is not None and lease_id != self.lease_id

@@ -247,7 +247,10 @@ class Worker:
         gid = job.generation_id
         if job.request.traceparent:  # the gateway traces it: so does this run
             job.trace = follow(job.request, job.started_at, self.tracing)
+        resume = job.request.resume
         try:
+            if resume is not None and resume.from_worker == self.worker_id:
+                await self._alive_before_going_on(job)
             await self.turns.take()
             if job.request.task != "generate":
                 await self._run_tokenizer_task(job)
@@ -452,9 +455,25 @@ class Worker:
         others saw it alive again would be taken away as soon as taken, over and over: a
         worker resumed after a SIGSTOP past the worker timeout, or whose heartbeat a write
         pause held up (it lands with its old score), would burn a reply's takeovers in
-        under a second."""
-        while self.lease.silent_for() > 2 * HEARTBEAT_S:
+        under a second. So would a worker whose lease connection was cut (the others see
+        its lease gone at once) until its next heartbeat: a failed heartbeat, or work taken
+        over from this worker, makes takes wait for one that goes through."""
+        while self.lease.silent_for() > 2 * HEARTBEAT_S or self.lease.doubted:
             await self._heartbeat_once()
+
+    async def _alive_before_going_on(self, job: Job) -> None:
+        """``job`` was taken over from this very worker: the others took it for lost. It
+        says it is alive (a heartbeat, a fresh lease) before going on, or they take this
+        run away as well, and each one after it, until the reply's takeovers are spent."""
+        self.lease.doubt()
+        while not job.stopped:
+            try:
+                await self.announce_if_silent()
+                return
+            except (RedisError, OSError) as exc:
+                log.warning("heartbeat before %s failed (%s)", job.generation_id, exc)
+                self.metrics.redis_errors.labels("heartbeat").inc()
+                await asyncio.sleep(HEARTBEAT_S / 4)
 
     async def _heartbeat_forever(self) -> None:
         away = False

@@ -20,6 +20,7 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
+import wire
 from gateway.recovery.takeover import LostRequests
 from stack import processes
 from stack.redis_server import free_port
@@ -30,7 +31,7 @@ from tests.support.redis_probes import event_key, lease_trusted
 from tests.support.sse import Event
 from tests.support.stack import Stack
 from tests.support.tokens import assert_gap_free_tokens
-from wire import CONSUMER_GROUP, GenerationRequest, Keys
+from wire import CONSUMER_GROUP, GenerationRequest, Keys, WorkerInfo
 from wire.generations import Generations
 from wire.queue import RequestQueue
 
@@ -333,6 +334,42 @@ async def test_a_worker_wrongly_taken_for_lost_never_writes_twice(stack: Stack) 
     check_whole(follower.reading.events, gid, content, max_tokens)
     (resumed,) = [e.json() for e in follower.reading.events if e.event == "resumed"]
     assert resumed["from_worker"] == resumed["to_worker"] == owner.decode()
+
+
+async def test_a_worker_whose_lease_connection_is_cut_spends_no_more_takeovers(
+    stack: Stack,
+) -> None:
+    """The lease connection of the model's only worker is cut just after a heartbeat (a
+    reset between it and Redis): the reaper sees the lease gone and takes its reply over,
+    and the worker takes the continuation back. It heartbeats with a fresh lease before
+    going on, so the reply ends whole after one takeover, two at most (the reaper's look
+    may land between the take and that heartbeat). Going on at once, each reaper pass
+    until its next heartbeat took it over again: all three takeovers, `worker_lost`."""
+    stack.synthetic(20)
+    gateway = stack.gateway()
+    keys = Keys(stack.prefix)
+    redis = aioredis.Redis.from_url(stack.redis_url)
+    content, max_tokens = "cut off, not dead", 60
+    try:
+        (worker_id,) = [wire.text(w) for w in await redis.zrange(keys.workers, 0, -1)]
+        async with httpx.AsyncClient(timeout=30) as client:
+            session = await create_session(client, gateway.url)
+            gid = await send(client, session, content, max_tokens=max_tokens)
+            follower = follow(client, session, gid)
+            await follower.until_tokens(10)
+            beat = await redis.zscore(keys.workers, worker_id)
+            async with asyncio.timeout(5):
+                while await redis.zscore(keys.workers, worker_id) == beat:
+                    await asyncio.sleep(0.01)
+            info = msgspec.json.decode(await redis.get(keys.worker(worker_id)), type=WorkerInfo)
+            assert await redis.client_kill_filter(_id=info.lease_id) == 1
+            await follower.until_end(60)
+    finally:
+        await redis.aclose()
+    check_whole(follower.reading.events, gid, content, max_tokens)
+    resumed = [e.json() for e in follower.reading.events if e.event == "resumed"]
+    assert 1 <= len(resumed) <= 2, resumed
+    assert {r["to_worker"] for r in resumed} == {worker_id}
 
 
 async def lose_queued(redis: aioredis.Redis, stream: str, gid: str, copies: int) -> None:
