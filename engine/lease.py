@@ -117,6 +117,8 @@ class Lease:
             # model whose workers all left gets "no live worker" (503), not "unknown" (404).
             pipe.hset(self.keys.models, mapping=dict.fromkeys(info.names, info.model))
             pipe.expire(self.keys.models, wire.SHARED_KEY_TTL_S)
+            pipe.set(self.keys.models_since, int(now * 1000), nx=True)
+            pipe.expire(self.keys.models_since, wire.SHARED_KEY_TTL_S)
             # Keeps the consumer group alive while workers idle (EXPIRE on no key: no-op).
             pipe.expire(self.requests_key, wire.SHARED_KEY_TTL_S)
             await pipe.execute()

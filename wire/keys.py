@@ -44,6 +44,9 @@ Redis layout (every key with a TTL, every stream capped):
     {prefix}:models                   hash served name (or alias) -> model (its queue's name),
                                       written by every worker heartbeat (same TTL): the names
                                       a gateway knows, live or not
+    {prefix}:models:since             string: when the first heartbeat wrote the names
+                                      (unix ms, set if absent; same TTL): a registry
+                                      younger than its workers was lost and is refilling
     {prefix}:cancels                  stream read by every worker: cancel signals (same TTL)
     {prefix}:workers                  sorted set worker id -> last heartbeat (unix seconds)
                                       (same TTL, refreshed by every heartbeat)
@@ -155,6 +158,7 @@ class Keys:
     def __init__(self, prefix: str = DEFAULT_PREFIX) -> None:
         self.prefix = prefix
         self.models = f"{prefix}:models"
+        self.models_since = f"{prefix}:models:since"
         self.cancels = f"{prefix}:cancels"
         self.workers = f"{prefix}:workers"
         self.reaper_lock = f"{prefix}:reaper-lock"

@@ -13,11 +13,12 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
+import wire
 from gateway.core.errors import NotFound, Unavailable
 from gateway.core.settings import Settings
 from gateway.core.store.models import CACHE_S, ModelDirectory
 from tests.support.redis_probes import command_calls
-from wire import Keys
+from wire import Keys, WorkerInfo
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -86,3 +87,40 @@ async def test_a_name_redis_forgot_is_unavailable_not_unknown(redis: aioredis.Re
     with pytest.raises(NotFound) as unknown:
         await directory.resolve("gamma")
     assert unknown.value.code == "model_not_found"
+
+
+async def register(redis: aioredis.Redis, keys: Keys, model: str, started_at: float) -> None:
+    """What a worker of ``model``'s heartbeat writes (engine/lease.py), the names' start
+    only where none is."""
+    info = WorkerInfo(f"w-{model}", "synthetic", model, 4, 0, started_at)
+    await redis.set(keys.worker(info.worker_id), wire.encode(info))
+    await redis.zadd(keys.workers, {info.worker_id: time.time()})
+    await redis.hset(keys.models, model, model)
+    await redis.set(keys.models_since, int(time.time() * 1000), nx=True)
+
+
+async def test_a_gateway_new_since_redis_lost_the_names_waits_for_their_workers(
+    redis: aioredis.Redis,
+) -> None:
+    """A gateway started after Redis lost its data has seen no name: while the names are
+    younger than a live worker (written again one heartbeat each) and than the worker
+    timeout, a name it cannot find is 503 ``model_unavailable`` with the time left, not
+    404 (the chaos minute, seed 11: a gateway restarted after a wipe refused new sessions
+    for a model whose worker had not written its name yet). On a first start, and once the
+    names are that old, a wrong name is 404."""
+    keys = Keys(f"md-{secrets.token_hex(3)}")
+    await register(redis, keys, "alpha", started_at=time.time() - 60)  # wiped since it began
+    directory = ModelDirectory(redis, keys, Settings(worker_timeout_s=5))
+    assert await directory.resolve("alpha") == "alpha"
+    with pytest.raises(Unavailable) as refilling:
+        await directory.resolve("beta")
+    assert refilling.value.code == "model_unavailable"
+    assert 1 <= int(refilling.value.headers()["Retry-After"]) <= 5
+    await redis.set(keys.models_since, int((time.time() - 6) * 1000))
+    with pytest.raises(NotFound):
+        await directory.resolve("beta")
+
+    first_start = Keys(f"md-{secrets.token_hex(3)}")
+    await register(redis, first_start, "alpha", started_at=time.time() - 0.5)
+    with pytest.raises(NotFound):
+        await ModelDirectory(redis, first_start, Settings()).resolve("beta")

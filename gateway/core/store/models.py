@@ -11,7 +11,9 @@ the name a client asked for into the model whose queue takes the request:
   Once registered as far as this process has seen: a Redis that lost its data forgets the
   names until their workers' next heartbeat, and a stopped worker's name is not wrong;
 - any other name: 404 ``model_not_found`` (503 ``no_worker`` while no worker has ever
-  registered: the gateway cannot tell a wrong name from a model still loading);
+  registered: the gateway cannot tell a wrong name from a model still loading; 503
+  ``model_unavailable`` while the names are younger than a live worker and than
+  ``worker_timeout_s``: Redis lost them, and the workers write them again);
 - no name (session API, TGI, web chat): ``TOKENSPOUT_DEFAULT_MODEL``, else the only live
   model, else 400 ``model_required`` naming the choices (503 when no worker is alive).
   A ``TOKENSPOUT_DEFAULT_MODEL`` that no worker has registered yet is queued for, not
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -50,6 +53,9 @@ REFRESH_S = CACHE_S / 2
 """How often ``refresh_forever`` reads the view: so a request always finds one in time."""
 MODEL_RETRY_AFTER_S = 5
 """``Retry-After`` of a 503 for a model with no live worker: about a worker's restart."""
+REGISTRY_SLACK_S = 2.0
+"""A worker's first heartbeat comes this soon after it starts (a Redis that answers late
+makes it later: the names then count as lost, for ``worker_timeout_s`` at most)."""
 _worker_decoder = msgspec.json.Decoder(WorkerInfo)
 
 
@@ -58,7 +64,18 @@ class Snapshot:
     workers: list[WorkerInfo]
     known: dict[str, str]
     """Every registered name -> its model, live or not."""
+    registered_since: float | None = None
+    """When the first heartbeat wrote the names (unix seconds; None: none did)."""
     taken_at: float = field(default_factory=time.monotonic)
+
+    def refilling(self, within_s: float) -> float:
+        """Seconds left (0: none) while the names are younger than ``within_s`` and than a
+        live worker: Redis lost them after that worker started, and the workers write
+        them again one heartbeat each (a stopped one, once it runs again)."""
+        since = self.registered_since
+        if since is None or not any(w.started_at < since - REGISTRY_SLACK_S for w in self.workers):
+            return 0.0
+        return max(0.0, since + within_s - time.time())
 
     @property
     def live(self) -> dict[str, list[WorkerInfo]]:
@@ -124,14 +141,16 @@ class ModelDirectory:
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.zrangebyscore(self.keys.workers, since, "+inf")
             pipe.hgetall(self.keys.models)
-            worker_ids, known = await pipe.execute()
+            pipe.get(self.keys.models_since)
+            worker_ids, known, since = await pipe.execute()
         workers: list[WorkerInfo] = []
         if worker_ids:
             raw = await mget(self.redis, [self.keys.worker(wire.text(w)) for w in worker_ids])
             workers = [_worker_decoder.decode(item) for item in raw if item is not None]
         names = {wire.text(name): wire.text(model) for name, model in known.items()}
         self._ever_known.update(names)
-        self._snapshot = Snapshot(workers, names)
+        registered_since = int(since) / 1000 if since is not None else None
+        self._snapshot = Snapshot(workers, names, registered_since)
         return self._snapshot
 
     async def live_workers(self) -> list[WorkerInfo]:
@@ -167,6 +186,13 @@ class ModelDirectory:
         if not snapshot.known and not snapshot.workers:
             raise _no_worker()  # nothing registered yet: starting up, not a wrong name
         live = ", ".join(snapshot.live_names) or "none"
+        if left_s := snapshot.refilling(self.settings.worker_timeout_s):
+            raise Unavailable(
+                f"the model {name!r} is not registered now: Redis lost the workers' names "
+                f"and they are writing them again (served now: {live}); try again",
+                code="model_unavailable",
+                retry_after_s=max(1, math.ceil(left_s)),
+            )
         raise NotFound(
             f"the model {name!r} does not exist (served now: {live})",
             code="model_not_found",
