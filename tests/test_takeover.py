@@ -32,7 +32,7 @@ from tests.support.sse import Event
 from tests.support.stack import Stack
 from tests.support.tokens import assert_gap_free_tokens
 from wire import CONSUMER_GROUP, GenerationRequest, Keys, WorkerInfo
-from wire.generations import Generations
+from wire.generations import CONTINUATION, Generations
 from wire.queue import RequestQueue
 
 pytestmark = pytest.mark.timeout(120)
@@ -382,6 +382,40 @@ async def lose_queued(redis: aioredis.Redis, stream: str, gid: str, copies: int)
         ):
             await asyncio.sleep(0.05)
     await redis.xdel(stream, *ours)
+
+
+async def test_a_turn_whose_taker_kept_no_continuation_goes_on_at_its_epoch(
+    stack: Stack,
+) -> None:
+    """A session turn taken over whose taker wrote no continuation anywhere (TAKEOVER went
+    through, then the node refused its next writes: a Redis at its maxmemory; the cluster
+    chaos minute, seed 12, hung a reply so) is queued again by its reader's gateway as a
+    continuation made from the submit's note and what was streamed, at the takeover's
+    epoch: the reader gets the whole reply. Queued again as its first request, every
+    worker refused it (its epoch past) and the reader waited for ever."""
+    doomed = stack.synthetic(20)
+    gateway = stack.gateway(TOKENSPOUT_SSE_HEARTBEAT_S="1")
+    keys = Keys(stack.prefix)
+    redis = aioredis.Redis.from_url(stack.redis_url)
+    stream = RequestQueue(redis, keys, "synthetic").key
+    content, max_tokens = "taken, then nothing kept", 30
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            session = await create_session(client, gateway.url)
+            gid = await send(client, session, content, max_tokens=max_tokens)
+            follower = follow(client, session, gid)
+            await follower.until_tokens(5)
+            await lease_trusted(stack.redis_url)
+            processes.kill(doomed)
+            await lose_queued(redis, stream, gid, 2)
+            assert await redis.hdel(keys.generation(session.session_id, gid), CONTINUATION) == 1
+            stack.synthetic(20)
+            await follower.until_end(30)
+        check_whole(follower.reading.events, gid, content, max_tokens)
+        resumed = [e.json() for e in follower.reading.events if e.event == "resumed"]
+        assert [r["takeover"] for r in resumed] == [1]
+    finally:
+        await redis.aclose()
 
 
 async def test_a_continuation_redis_lost_is_queued_again_at_its_epoch(stack: Stack) -> None:

@@ -30,6 +30,8 @@ from gateway.core.store.queue import GenerationQueue
 from gateway.core.store.sessions import Sessions
 from wire import GenerationRequest, Usage
 from wire.generations import CONTINUATION
+from wire.handoff import continuation, streamed_so_far
+from wire.outcomes import TakenOver
 from wire.queue import RequestQueue
 
 log = logging.getLogger("tokenspout.sessions")
@@ -105,25 +107,37 @@ class StrandedTurns:
         lists). A session turn is queued again from the note the submit kept with the
         generation; a reply taken over, as the continuation its taker kept beside it
         (``Generations.keep_continuation``: at the takeover's epoch, from what it streamed;
-        queued again as its first request every worker would refuse it, its epoch past).
+        queued again as its first request every worker would refuse it, its epoch past), or,
+        where the taker kept none, one made here the same way from the note.
         A copy that was not lost after all (taken by a worker stopped before its claim)
         runs once. A one-shot request has nothing kept to queue again: unless a worker
         holds it taken, ``NothingKept`` (its reader's gateway ends it). None: not lost, or
         not queued (any more)."""
         key = self.keys.generation(session_id, generation_id)
-        fields = ["state", "note", "queue", "takeovers", CONTINUATION, "usage"]
-        state, note, model, takeovers, resumed, usage = await self.redis.hmget(key, fields)
+        fields = ["state", "note", "queue", "takeovers", CONTINUATION, "usage", "from"]
+        state, note, model, takeovers, resumed, usage, taken_from = await self.redis.hmget(
+            key, fields
+        )
         if state is None or wire.text(state) != "queued" or not model:
             return None
         queue = self.queue.of(wire.text(model))
         after = await queue.waiting_after()  # its group's lag is nil after a deletion: read
         if (after is not None and await queue.read_after(after, 1)) or await queue.fair_waiting():
             return None  # requests wait there: it may be one of them (the deadline decides)
-        if resumed and int(takeovers or 0) > 0:
+        epoch = int(takeovers or 0)
+        if resumed and epoch > 0:
             await queue.add({"r": cast(bytes, resumed)})  # as its taker queued it
             return "requeued"
         if note:
             request = await self.sessions.with_turn(_request_decoder.decode(note))
+            if epoch > 0:  # its taker kept no continuation (refused, say, by a full Redis)
+                streamed = await streamed_so_far(self.redis, self.keys, session_id, generation_id)
+                if streamed is None:
+                    return NothingKept(_usage_decoder.decode(usage) if usage else None)
+                taken = TakenOver(epoch, wire.text(taken_from or b""))
+                request = continuation(request, taken, streamed)
+                await queue.add({"r": wire.encode(request)})
+                return "requeued"
             await self.queue.enqueue(queue.model, request)
             return "requeued"
         if await queue.holds_taken(generation_id):
