@@ -78,14 +78,23 @@ def reply_text(record: Record, expected_kinds: tuple[str, ...]) -> list[str]:
     expected = oracle(record)
     if record.final in expected_kinds:
         if record.text != expected:
-            return [
-                f"{record.label}: text differs from the engine's script: "
-                f"{record.text[:80]!r}... vs {expected[:80]!r}..."
-            ]
+            return [f"{record.label}: text differs from the engine's script: {where(record)}"]
         return []
     if not expected.startswith(record.text):
         return [f"{record.label}: text is not a prefix of the script: {record.text[:80]!r}"]
     return [f"{record.label}: ended {record.final}: {json.dumps(record.final_data)[:300]}"]
+
+
+def where(record: Record) -> str:
+    """Where a reply's text first leaves the script, with the generation to look for."""
+    text, expected = record.text, oracle(record)
+    at = next((i for i, (a, b) in enumerate(zip(text, expected, strict=False)) if a != b), None)
+    at = min(len(text), len(expected)) if at is None else at
+    return (
+        f"generation {record.generation_id}, {len(text)} chars against {len(expected)}, "
+        f"first apart at {at}: {text[max(0, at - 30) : at + 50]!r} vs "
+        f"{expected[max(0, at - 30) : at + 50]!r}"
+    )
 
 
 def told_lost(record: Record) -> bool:
