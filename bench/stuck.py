@@ -54,7 +54,11 @@ def print_tasks() -> None:
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:
-    """``asyncio.run(main)``, printing the tasks' stacks on SIGUSR1."""
+    """``asyncio.run(main)``, printing the tasks' stacks on SIGUSR1. An interrupt (SIGINT,
+    Ctrl-C) cancels ``main``, so the rigs stop what they started, even where the bench was
+    started with SIGINT ignored (a background job of a script: ``make test &``), which
+    Python would otherwise keep, and asyncio.run then installs no handler of its own."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     async def with_handler() -> T:
         asyncio.get_running_loop().add_signal_handler(SIGNAL, print_tasks)
