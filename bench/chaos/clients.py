@@ -551,6 +551,9 @@ async def ws_canceller(
                     return record
                 if kind == "ack" and frame["op"] == "generate":
                     record.generation_id = frame["generation_id"]
+                if kind == "events_lost":  # the generation's frames start over (docs/api.md)
+                    record.told_lost(ctx.clock(), kind, since, url)
+                    record.text = ""
                 if kind == "token":
                     record.text += frame["text"]
                     tokens = frame["count"]
