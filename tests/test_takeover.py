@@ -11,6 +11,7 @@ test checks the synthetic engine's continuation itself, in process.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import signal
 import time
 
@@ -21,7 +22,7 @@ import pytest
 import redis.asyncio as aioredis
 
 import wire
-from gateway.recovery.takeover import LostRequests
+from gateway.recovery.takeover import REAPER_PREFIX, LostRequests
 from stack import processes
 from stack.redis_server import free_port
 from tests.support.http import TERMINAL, Session, cancel, create_session, follow, send
@@ -416,6 +417,63 @@ async def test_a_turn_whose_taker_kept_no_continuation_goes_on_at_its_epoch(
         assert [r["takeover"] for r in resumed] == [1]
     finally:
         await redis.aclose()
+
+
+async def test_a_takeover_whose_queueing_redis_refused_is_done_again_at_the_next_pass(
+    stack: Stack,
+) -> None:
+    """The reaper's TAKEOVER went through, then Redis refused its write of the continuation
+    to the queue (a Redis at its maxmemory: the cluster chaos minute, seed 12, left a reply
+    nobody was reading never ended, its tokens streamed and never billed). The reaper hands
+    it on again at its next pass, so the reply ends whole with no reader to ask for it. It
+    was left pending under the reaper's own name, which its passes skipped, for another
+    gateway's reaper to find (none here). The refusal is an ACL one on the gateway's Redis
+    user: XADD refused, everything else allowed, as for the one write that failed."""
+    admin = aioredis.Redis.from_url(stack.redis_url)
+    user = f"gateway-{secrets.token_hex(4)}"
+    await admin.acl_setuser(
+        user, enabled=True, passwords=["+pw"], keys=["*"], channels=["*"], commands=["+@all"]
+    )
+    doomed = stack.synthetic(20)
+    gateway = stack.gateway(REDIS_URL=stack.redis_url.replace("://", f"://{user}:pw@", 1))
+    keys = Keys(stack.prefix)
+    stream = RequestQueue(admin, keys, "synthetic").key
+    content, max_tokens = "refused on its way back", 30
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            session = await create_session(client, gateway.url)
+            gid = await send(client, session, content, max_tokens=max_tokens)
+            generation = keys.generation(session.session_id, gid)
+            async with asyncio.timeout(20):  # a few tokens streamed, read by nobody
+                while int(await admin.hget(generation, "seq") or 0) < 6:
+                    await asyncio.sleep(0.02)
+            await lease_trusted(stack.redis_url)
+            await admin.acl_setuser(user, commands=["-xadd"])
+            processes.kill(doomed)
+            async with asyncio.timeout(20):  # taken over, its continuation not queued
+                while (
+                    not [
+                        p
+                        for p in await admin.xpending_range(stream, CONSUMER_GROUP, "-", "+", 10)
+                        if wire.text(p["consumer"]).startswith(REAPER_PREFIX)
+                    ]
+                    or await admin.hget(generation, "takeovers") != b"1"
+                ):
+                    await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)  # a few passes of the reaper meet the refusal
+            await admin.acl_setuser(user, commands=["+xadd"])
+            stack.synthetic(20)
+            async with asyncio.timeout(10):
+                while await admin.hget(generation, "final_id") is None:
+                    await asyncio.sleep(0.05)
+            follower = follow(client, session, gid)
+            await follower.until_end(10)
+        check_whole(follower.reading.events, gid, content, max_tokens)
+        resumed = [e.json() for e in follower.reading.events if e.event == "resumed"]
+        assert [r["takeover"] for r in resumed] == [1]
+    finally:
+        await admin.acl_deluser(user)
+        await admin.aclose()
 
 
 async def test_a_continuation_redis_lost_is_queued_again_at_its_epoch(stack: Stack) -> None:

@@ -213,17 +213,23 @@ class Reaper:
         alive = await live_workers(self.redis, self.keys, consumers, self.worker_timeout_s)
         handled = 0
         for consumer in consumers:
-            if consumer in alive or consumer == self._owner:
+            if consumer == self._owner:
+                # What this reaper claimed and could not hand on: Redis refused a write
+                # after its TAKEOVER (at its maxmemory, say). It is done again now, not
+                # left for another gateway's reaper to find ``STALE_CLAIM_MS`` later.
+                pending = await queue.pending_of(consumer)
+            elif consumer in alive:
                 continue
-            stale = STALE_CLAIM_MS if consumer.startswith(REAPER_PREFIX) else None
-            pending = await queue.pending_of(consumer, stale)
-            # Judged again after reading what it holds, so the verdict is younger than
-            # every entry it hands on: this pass may have waited out a Redis write pause
-            # while the worker heartbeat and read new work, none of it lost.
-            if pending and await live_workers(
-                self.redis, self.keys, [consumer], self.worker_timeout_s
-            ):
-                continue
+            else:
+                stale = STALE_CLAIM_MS if consumer.startswith(REAPER_PREFIX) else None
+                pending = await queue.pending_of(consumer, stale)
+                # Judged again after reading what it holds, so the verdict is younger than
+                # every entry it hands on: this pass may have waited out a Redis write
+                # pause while the worker heartbeat and read new work, none of it lost.
+                if pending and await live_workers(
+                    self.redis, self.keys, [consumer], self.worker_timeout_s
+                ):
+                    continue
             for message_id, idle in pending:
                 # Claimed only if still idle as long as seen: an entry another reaper
                 # claimed meanwhile (its idle time reset) is left to that one.

@@ -155,8 +155,8 @@ class LostRequests:
         returns what was done."""
         sid, gid = request.session_id, request.generation_id
         gen_key = self.keys.generation(sid, gid)
-        owner = consumer
-        if consumer.startswith(REAPER_PREFIX):  # a reaper that stopped mid-way: redo it
+        owner, redo = consumer, consumer.startswith(REAPER_PREFIX)
+        if redo:  # a reaper that stopped mid-way (or a write of its refused): redo it
             owner = wire.text(await self.redis.hget(gen_key, "worker") or b"")
         reply = await self.generations.take_over(
             sid, gid, worker=owner, max_takeovers=self.max_takeovers
@@ -167,7 +167,8 @@ class LostRequests:
             case Moved():
                 return "moved"
         epoch = reply.takeovers if isinstance(reply, NotStarted | TakenOver) else 0
-        if isinstance(reply, NotStarted) and await self._killed_too_many(request):
+        # Queued by a takeover a reaper is redoing: no worker died with it.
+        if isinstance(reply, NotStarted) and not redo and await self._killed_too_many(request):
             return "worker_lost"
         if isinstance(reply, NotStarted) and epoch == 0:
             log.info("requeueing %s from a dead worker", gid)
