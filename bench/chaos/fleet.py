@@ -255,6 +255,9 @@ class Fleet:
             await self._hold(gateway.process, held_s)
             return
         self.restarting.add(port)
+        # Held until its successor listens (then known): meanwhile the client proxy takes
+        # a connection to its port and closes it, and a request begun then was cut by it.
+        fault.held_s = math.inf
         try:
             if how == "kill":
                 self._kill_tree(gateway.process)
