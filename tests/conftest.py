@@ -231,5 +231,11 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Container tests and those with a vLLM of their own first: their engine takes VLLM_LOCK,
     which the session's ``vllm_stack`` holds from its first use to the session's end (a later
-    take would wait on itself)."""
-    items.sort(key=lambda item: not any(map(item.get_closest_marker, ("containers", "own_vllm"))))
+    take would wait on itself). The one that ends the session's vLLM last."""
+
+    def place(item: pytest.Item) -> int:
+        if any(map(item.get_closest_marker, ("containers", "own_vllm"))):
+            return 0
+        return 2 if item.get_closest_marker("ends_vllm") else 1
+
+    items.sort(key=place)
