@@ -50,19 +50,26 @@ class EmbeddedSentinel:
         sentinels: int = 3,
         service: str = SERVICE,
         reach: Callable[[int], int] | None = None,
+        persist: bool = False,
     ) -> None:
         """``reach``: the port clients reach a server at, from its own (a proxy in front of
         each, bench/chaos/proxy.py): the Sentinels watch it there and name it to clients,
         replicas announce and follow it there; the Sentinels themselves are reached
-        directly."""
+        directly. ``persist``: the servers keep an AOF (fsync every second), so one
+        SIGKILLed comes back with its data; without, it comes back empty, a primary until
+        the Sentinels make it a replica."""
         self.service = service
         self.reach = reach or (lambda port: port)
         self.data_dir = Path(tempfile.mkdtemp(prefix="tokenspout-sentinel-"))
         # A replica's first sync starts at once (the default waits 5 s).
         quick_sync = ["--repl-diskless-sync-delay", "0"]
-        self.primary = EmbeddedRedis(data_dir=self._folder("primary"), extra_args=[*quick_sync])
+        self.primary = EmbeddedRedis(
+            data_dir=self._folder("primary"), extra_args=[*quick_sync], persist=persist
+        )
         self.replicas = [
-            EmbeddedRedis(data_dir=self._folder(f"replica{index}"), extra_args=[*quick_sync])
+            EmbeddedRedis(
+                data_dir=self._folder(f"replica{index}"), extra_args=[*quick_sync], persist=persist
+            )
             for index in range(replicas)
         ]
         primary_at = str(self.reach(self.primary.port))

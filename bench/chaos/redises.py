@@ -4,7 +4,7 @@ suffers. Four kinds:
 - ``single``: one server with AOF (``appendfsync everysec``, as compose.yaml runs it);
 - ``volatile``: one server keeping nothing on disk (the embedded default);
 - ``cluster``: 3 primaries with a replica each;
-- ``sentinel``: a primary and a replica, watched by 3 Sentinels.
+- ``sentinel``: a primary and a replica with AOF, watched by 3 Sentinels.
 
 Every server is reached through a listener of the proxy (the cluster's nodes announce it,
 the Sentinels name it), so a partition can cut one process off from all of them. Each
@@ -265,7 +265,7 @@ def datastore(kind: str, logs: Path) -> Datastore:
         cluster = EmbeddedCluster(reach=reach)
         servers = cluster.nodes
     else:
-        sentinel = EmbeddedSentinel(replicas=1, sentinels=3, reach=reach)
+        sentinel = EmbeddedSentinel(replicas=1, sentinels=3, reach=reach, persist=True)
         servers = sentinel.servers
     proxy = Proxy("redis", {node.port: reach(node.port) for node in servers}, logs)
     store = Datastore(kind, proxy, server, cluster, sentinel)
