@@ -50,6 +50,9 @@ BEFORE_WAIT_S = 0.5
 """The longest a batch waits for the writes that should land before it (``emit_waited``'s
 ``before``: where a reply's prefix is held, for its next turn's affinity): a reply's end is
 never held up longer for it."""
+RETRY_MAX_S = 0.5
+"""The longest wait between tries of a write while Redis is away: a reply goes on (or is
+ended ``events_lost``, docs/reliability.md's 2 s) within this of Redis answering again."""
 
 
 class _OpenToken:
@@ -254,7 +257,7 @@ class Publisher:
                     count = sum(call.size for call in calls)
                     log.warning("publishing %d events failed (%s); retrying", count, exc)
                     await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 2.0)
+                    backoff = min(backoff * 2, RETRY_MAX_S)
             self._in_flight = None
             self._settle(batch, calls, replies)
 

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -189,6 +190,29 @@ async def test_a_channel_subscribed_while_the_relay_reconnects_is_reported_lost_
         await relay.live.subscribe("b")
         await relay.until_confirmed("b")
         assert [ok for channel, ok in relay.reports if channel == "b"] == [False, True]
+
+
+async def test_the_relay_is_back_within_half_a_second_of_redis(
+    redis_server: EmbeddedRedis,
+) -> None:
+    """While Redis is away the relay's reader tries again at least every half second, so
+    its feeds read again (and their clients are told what Redis lost: ``events_lost``, a
+    lost session) within the 2 s docs/reliability.md promises. It backed off to 2 s
+    between tries: a Redis away 1.6 s was heard from again 1.5 s after it was back, and
+    the ten-minute soak (seed 1) told eleven clients 2.0 to 2.2 s after Redis answered."""
+    async with relay_through_proxy(redis_server) as relay:
+        await relay.live.start()
+        await relay.live.subscribe("a")
+        await relay.until_confirmed("a")
+        relay.proxy.refusing = True
+        relay.proxy.reset_clients()
+        await relay.lost.wait()
+        await asyncio.sleep(1.6)
+        relay.reports.clear()
+        relay.proxy.refusing = False
+        back = time.monotonic()
+        await relay.until_confirmed("a")
+        assert time.monotonic() - back < 0.75
 
 
 async def test_only_the_relays_reader_reconnects_a_lost_pubsub_connection(

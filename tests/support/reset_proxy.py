@@ -22,6 +22,8 @@ class ResettingProxy:
         self._pipes: set[asyncio.Task[None]] = set()
         self._hold_marker: bytes | None = None
         self._holding = False
+        self.refusing = False
+        """New connections are reset at once, as by a server that is down."""
 
     @property
     def url(self) -> str:
@@ -54,11 +56,8 @@ class ResettingProxy:
     def reset_clients(self) -> None:
         """Close every client connection with an RST (SO_LINGER 0), not a FIN."""
         for writer in self._clients:
-            if writer.transport.is_closing():
-                continue
-            sock = writer.get_extra_info("socket")
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            writer.transport.abort()
+            if not writer.transport.is_closing():
+                _reset(writer)
 
     def hold_after(self, marker: bytes) -> None:
         """Once a write of a client holding ``marker`` has gone through, drop everything
@@ -66,6 +65,9 @@ class ResettingProxy:
         self._hold_marker = marker
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.refusing:
+            _reset(writer)
+            return
         upstream_reader, upstream_writer = await asyncio.open_connection(HOST, self.port)
         self._clients.append(writer)
         self._writers += [writer, upstream_writer]
@@ -93,3 +95,10 @@ class ResettingProxy:
                 if upstream and self._hold_marker is not None and self._hold_marker in data:
                     self._holding = True
         sink.close()
+
+
+def _reset(writer: asyncio.StreamWriter) -> None:
+    """Close a connection with an RST (SO_LINGER 0), not a FIN."""
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()

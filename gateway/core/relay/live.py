@@ -39,6 +39,11 @@ UNSUBSCRIBE_BATCH = 32
 ``UNSUBSCRIBE_BATCH`` are left or ``UNSUBSCRIBE_AFTER_S`` after the first: at hundreds of
 one-shot requests a second, not one command each. Meanwhile its messages are dropped."""
 
+RECONNECT_MAX_S = 0.5
+"""The longest wait between the reader's tries while Redis is away: it hears of Redis
+again within this, and its feeds' clients of what Redis lost within the 2 s
+docs/reliability.md promises."""
+
 
 class RelayPubSub(PubSub):
     """redis-py's ``PubSub``, except that a command or read that fails does not reconnect
@@ -242,7 +247,7 @@ class PlainLive:
                 for channel in list(self.channels):
                     self.confirmed(channel, False)
                 await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                backoff = min(backoff * 2, RECONNECT_MAX_S)
                 with contextlib.suppress(RedisError, OSError):
                     await self._pubsub.aclose()  # type: ignore[no-untyped-call]
                 self._pubsub = relay_pubsub(self.redis)
