@@ -50,8 +50,9 @@ served stops its whole gateway, by design: gateway/server/supervisor.py)."""
 TOKENS_PER_S = 40
 HOLDS_A_GATEWAY = {
     f"{side}_{how}" for side in ("gateway", "client") for how in ("blackhole", "oneway", "latency")
-} | {"gateway_stop"}
-"""Faults that hold what a gateway answers until they end."""
+} | {"gateway_stop", "gateway_kill", "gateway_term"}
+"""Faults that hold what a gateway answers until they end (a killed one's: until its
+successor listens; the client proxy holds a connection made meanwhile till then)."""
 HOLDS_A_WORKER = {"worker_stop", "worker_blackhole", "worker_oneway", "worker_latency"}
 """Faults that hold what a worker writes until they end."""
 
