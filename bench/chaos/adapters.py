@@ -493,6 +493,14 @@ class ResponseReading:
 
 def response_error_code(final: dict[str, Any]) -> str | None:
     """The code of a Responses stream's failure: an ``error`` event's, or a failed
-    response's ``error``."""
+    response's ``error`` (``server_error``, the engine's code before its message, as
+    docs/api.md says: ``events_lost: ...``)."""
     error = (final.get("response") or {}).get("error") or final
-    return error.get("code") if isinstance(error, dict) else None
+    if not isinstance(error, dict):
+        return None
+    engine_code = str(error.get("message", "")).partition(":")[0]
+    return (
+        engine_code
+        if error.get("code") == "server_error" and engine_code in LOSSES
+        else error.get("code")
+    )

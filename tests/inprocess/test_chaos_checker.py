@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from bench.chaos.adapters import response_error_code
 from bench.chaos.check import check, oracle, session_events
 from bench.chaos.clients import Lost, Record
 from bench.chaos.fleet import Loss
@@ -178,3 +179,18 @@ def test_the_streams_of_tgi_oip_and_grpc_must_be_whole() -> None:
         assert check(whole) == []
         cut = session_record(kind=kind, final=final, text=whole.text[:-3])
         assert any("differs from the engine's script" in p for p in check(cut)), kind
+
+
+def test_a_failed_response_says_redis_lost_it_in_its_message() -> None:
+    """A Responses stream Redis lost ends ``response.failed``, ``server_error``, the engine's
+    code first in its message (docs/api.md): the client knows it as that loss (the
+    ten-minute soak, seed 1, took one for a failure no fault explained); another engine
+    failure stays a server error."""
+
+    def failed(message: str) -> dict[str, Any]:
+        error = {"code": "server_error", "message": message}
+        return {"type": "response.failed", "response": {"status": "failed", "error": error}}
+
+    assert response_error_code(failed("events_lost: Redis lost events")) == "events_lost"
+    assert response_error_code(failed("engine_error: it broke")) == "server_error"
+    assert response_error_code({"type": "error", "code": "events_lost"}) == "events_lost"
