@@ -15,6 +15,7 @@ import time
 
 import httpx
 import pytest
+import redis.asyncio as aioredis
 
 from tests.support.http import TERMINAL, Reading, Session, create_session, send
 from tests.support.oracle import synthetic_text
@@ -216,6 +217,47 @@ async def test_gateway_sigterm_answers_requests_that_outlast_the_grace_503_in_th
     assert all("choices" in json.loads(frame.removeprefix("data: ")) for frame in frames[:-2])
     await asyncio.to_thread(wait_running, stack.redis_url, stack.prefix, 0)  # all stopped
     assert shut_down_cleanly(stack, gateway)
+    log = (stack.logs / f"gateway-{gateway.port}.log").read_text()
+    assert "Exception in ASGI application" not in log
+
+
+async def test_a_request_waiting_on_redis_past_the_grace_gets_503_in_its_format(
+    stack: Stack,
+) -> None:
+    """A request that waits on Redis rather than on a generation (a session's create and a
+    message, with Redis's writes paused) when the grace is nearly over gets the same
+    retryable 503 ``shutting_down`` in its API's format: uvicorn cancelled it at the
+    grace's end and answered a plain-text 500 (the ten-minute cluster soak: six)."""
+    stack.synthetic(20)
+    gateway = stack.gateway(TOKENSPOUT_SHUTDOWN_GRACE_S="2")
+    admin = aioredis.Redis.from_url(stack.redis_url)
+    try:
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+            session = await create_session(client, gateway.url)
+            await admin.execute_command("CLIENT", "PAUSE", "8000", "WRITE")
+            try:
+                waiting = [
+                    asyncio.create_task(client.post("/v1/sessions")),
+                    asyncio.create_task(
+                        client.post(
+                            f"/v1/sessions/{session.session_id}/messages",
+                            json={"content": "held"},
+                            headers=session.headers,
+                        )
+                    ),
+                ]
+                await asyncio.sleep(0.5)  # both wait on Redis
+                gateway.process.send_signal(signal.SIGTERM)
+                answers = await asyncio.gather(*waiting)
+            finally:
+                await admin.execute_command("CLIENT", "UNPAUSE")
+        await asyncio.to_thread(wait_exit, gateway.process, 2 + 10)
+    finally:
+        await admin.aclose()
+    for answer in answers:
+        assert answer.status_code == 503, answer.text
+        assert answer.headers["retry-after"] == "1"
+        assert answer.json()["error"]["code"] == "shutting_down"
     log = (stack.logs / f"gateway-{gateway.port}.log").read_text()
     assert "Exception in ASGI application" not in log
 

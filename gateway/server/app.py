@@ -30,6 +30,7 @@ from gateway.recovery.lost_submits import LostSubmits
 from gateway.recovery.reader_deadline import ReaderDeadline
 from gateway.recovery.reaper import Reaper
 from gateway.recovery.stranded import StrandedTurns
+from gateway.server.drain_cut import UnansweredRequests
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.middleware import RequestMetrics
 from gateway.server.openapi import openapi_config
@@ -94,6 +95,7 @@ class Services:
             self.redis, self.keys, settings.stream_buffer_events, observer=self.metrics
         )
         self.metrics.active_streams.set_function(lambda: self.hub.open_feeds)
+        self.unanswered = UnansweredRequests()
         self.service = GatewayService(self.redis, self.hub, settings, observer=self.metrics)
         self.api_keys = ApiKeys(self.service.directory, settings.admin_key)
         self.metrics.tenant_label = self._tenant_label
@@ -139,7 +141,9 @@ class Services:
     def begin_drain(self) -> None:
         """The shutdown signal came: streams end as their generations do, no new RPC."""
         grace_s = self.settings.shutdown_grace_s
-        self.hub.begin_drain(cut_after_s=grace_s - min(CUT_MARGIN_S, grace_s / 2))
+        cut_after_s = grace_s - min(CUT_MARGIN_S, grace_s / 2)
+        self.hub.begin_drain(cut_after_s=cut_after_s)
+        asyncio.get_running_loop().call_later(cut_after_s, self.unanswered.cut)
         if self.grpc is not None:
             self.grpc.begin_drain()
 
@@ -226,6 +230,7 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
         dependencies=services.dependencies(),
         state=State({API_KEYS_STATE: services.api_keys}),  # gateway.core.auth reads it
         exception_handlers={kind: handle_error for kind in HANDLED},
+        middleware=[services.unanswered.middleware],
         request_max_body_size=settings.max_body_bytes,
         cors_config=CORSConfig(allow_origins=origins) if origins else None,
         openapi_config=openapi_config(),
