@@ -35,6 +35,7 @@ from redis.exceptions import NoScriptError, RedisError
 
 import wire
 from wire import SessionEvent, Token
+from wire.connect import RETRY_MAX_S
 from wire.emit_step import EmitTarget, StepCall
 from wire.generations import Generations
 from wire.queue import RequestQueue
@@ -50,9 +51,6 @@ BEFORE_WAIT_S = 0.5
 """The longest a batch waits for the writes that should land before it (``emit_waited``'s
 ``before``: where a reply's prefix is held, for its next turn's affinity): a reply's end is
 never held up longer for it."""
-RETRY_MAX_S = 0.5
-"""The longest wait between tries of a write while Redis is away: a reply goes on (or is
-ended ``events_lost``, docs/reliability.md's 2 s) within this of Redis answering again."""
 
 
 class _OpenToken:

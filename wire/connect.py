@@ -50,6 +50,10 @@ from wire.pool import LeanBlockingConnectionPool, LeanConnectionPool
 
 log = logging.getLogger("tokenspout.redis")
 T = TypeVar("T")
+RETRY_MAX_S = 0.5
+"""The longest wait between tries of a Redis command while Redis is away (the relay's
+reader, a worker's writes): each hears of Redis again within this, so a client is told
+what Redis lost within the 2 s docs/reliability.md promises."""
 WAITING_WARN_S = 10.0
 """How often a process waiting for Redis at its start says so."""
 DEAD_PEER_S = 10

@@ -26,6 +26,8 @@ from redis.asyncio.client import PubSub
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
+from wire.connect import RETRY_MAX_S
+
 log = logging.getLogger("tokenspout.relay")
 
 Deliver = Callable[[bytes, bytes], None]
@@ -38,11 +40,6 @@ UNSUBSCRIBE_BATCH = 32
 """A channel nobody watches any more is unsubscribed with others, in one command, once
 ``UNSUBSCRIBE_BATCH`` are left or ``UNSUBSCRIBE_AFTER_S`` after the first: at hundreds of
 one-shot requests a second, not one command each. Meanwhile its messages are dropped."""
-
-RECONNECT_MAX_S = 0.5
-"""The longest wait between the reader's tries while Redis is away: it hears of Redis
-again within this, and its feeds' clients of what Redis lost within the 2 s
-docs/reliability.md promises."""
 
 
 class RelayPubSub(PubSub):
@@ -247,7 +244,7 @@ class PlainLive:
                 for channel in list(self.channels):
                     self.confirmed(channel, False)
                 await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, RECONNECT_MAX_S)
+                backoff = min(backoff * 2, RETRY_MAX_S)
                 with contextlib.suppress(RedisError, OSError):
                     await self._pubsub.aclose()  # type: ignore[no-untyped-call]
                 self._pubsub = relay_pubsub(self.redis)

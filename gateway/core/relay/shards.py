@@ -35,8 +35,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 import wire
-from gateway.core.relay.live import RECONNECT_MAX_S, Confirmed, Deliver, relay_pubsub
-from wire.connect import node_by_address
+from gateway.core.relay.live import Confirmed, Deliver, relay_pubsub
+from wire.connect import RETRY_MAX_S, node_by_address
 
 log = logging.getLogger("tokenspout.relay")
 
@@ -214,7 +214,7 @@ class ShardedLive:
                         "relay: subscribing %d channels failed (%s)", len(self._orphans), exc
                     )
             await asyncio.sleep(backoff)  # a failover under way: try again
-            backoff = min(backoff * 2, RECONNECT_MAX_S)
+            backoff = min(backoff * 2, RETRY_MAX_S)
             self._wake.set()
 
     async def close(self) -> None:
