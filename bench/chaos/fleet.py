@@ -356,10 +356,15 @@ class Fleet:
         """SIGKILL a primary (a cluster's, or the one Sentinel names); its replica is
         promoted; the old one comes back as its replica."""
         kind = "primary_kill" if self.redis_kind == "cluster" else "sentinel_failover"
+        loop = asyncio.get_running_loop()
+
+        def promoted(victim: str) -> None:  # called in the fault's thread
+            fault.target = victim
+            loop.call_soon_threadsafe(self._answered_again, fault, "fail_over")
+
         async with self.redis_lock:
             fault = self.note(kind, "redis")
-            fault.target = await asyncio.to_thread(self.store.fail_over, pick)
-            self._answered_again(fault, "fail_over")
+            await asyncio.to_thread(self.store.fail_over, pick, promoted)
 
     def _answered_again(self, fault: Fault, kind: str) -> None:
         back_s = round(self.now(), 2)

@@ -23,6 +23,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -185,23 +186,27 @@ class Datastore:
         time.sleep(down_s)
         self.server.start()
 
-    def fail_over(self, pick: int) -> str:
+    def fail_over(self, pick: int, promoted: Callable[[str], None]) -> None:
         """SIGKILL a primary (the cluster's ``pick``-th, or Sentinel's); returns once its
-        replica serves and the old one is back as a replica. Says which it killed."""
+        replica serves and the old one is back as a replica. ``promoted`` is called with
+        the one it killed as soon as the replica serves: Redis answers again from then on,
+        and has lost what the replica had not received, whether or not the old one comes
+        back in time."""
         if self.cluster is not None:
             primaries = sorted(self.cluster.primaries_now(), key=lambda node: node.port)
             victim = primaries[pick % len(primaries)]
             self.cluster.kill_primary(victim, 90)
+            promoted(f"redis:{victim.port}")
             victim.start()
             self.cluster.wait_healthy(90)
-            return f"redis:{victim.port}"
+            return
         assert self.sentinel is not None
         victim = self.sentinel.primary_now()
         victim.kill()
         self.sentinel.wait_promoted(victim, 90)
+        promoted(f"redis:{victim.port}")
         victim.start()  # the Sentinels make it a replica of the new primary
         self._wait_replica(victim, 90)
-        return f"redis:{victim.port}"
 
     def _wait_replica(self, server: EmbeddedRedis, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
