@@ -51,11 +51,21 @@ class RelayPubSub(PubSub):
     handshake there: a request's (un)subscribe would read while the reader waits on the
     same connection (``RuntimeError: read() called while another coroutine is already
     waiting``, a 500), and the resubscription it makes would never reach the feeds. This
-    overrides redis-py's ``_reconnect`` (redis is pinned)."""
+    overrides redis-py's ``_reconnect`` and ``execute_command`` (redis is pinned)."""
 
     async def _reconnect(self, conn: Any, error: BaseException | None = None, *_: Any) -> None:
         await conn.disconnect()
         raise RedisConnectionError(f"the pub/sub connection was lost ({error})")
+
+    async def execute_command(self, *args: Any) -> None:
+        """Send a (un)subscribe without a health check in place: redis-py checks a
+        connection subscribed to nothing with a PING and a read of its answer, beside the
+        reader (the ``RuntimeError`` above, on a shard whose channels were all
+        unsubscribed). The reader's own check (``get_message``) sends its PING unread."""
+        await self.connect()  # type: ignore[no-untyped-call]
+        connection = self.connection
+        assert connection is not None  # connect() made it
+        await self._execute(connection, connection.send_command, *args, check_health=False)
 
 
 def relay_pubsub(redis: aioredis.Redis) -> RelayPubSub:
