@@ -368,6 +368,11 @@ class JobTable:
                 "%s: its hand-over did not go through; left to the reaper", job.generation_id
             )
         elif job.needs_ack:
+            log.info(
+                "%s: acknowledging its request with no final event of this run (%s)",
+                job.generation_id,
+                job.state.value,
+            )
             await self._acknowledge(job.entry_id, job.session_id, job.generation_id)
 
     async def _acknowledge(

@@ -272,6 +272,8 @@ def datastore(kind: str, logs: Path) -> Datastore:
     else:
         sentinel = EmbeddedSentinel(replicas=1, sentinels=3, reach=reach, persist=True)
         servers = sentinel.servers
+    for node in [*servers, *(sentinel.sentinels if sentinel is not None else [])]:
+        node.extra_args += ["--logfile", str(logs / f"redis-{node.port}.log")]
     proxy = Proxy("redis", {node.port: reach(node.port) for node in servers}, logs)
     store = Datastore(kind, proxy, server, cluster, sentinel)
     try:

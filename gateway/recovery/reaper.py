@@ -56,6 +56,11 @@ FAILURE_LOG_EVERY_S = 10.0
 """A duty that keeps failing the same way is logged once per this long, not every pass."""
 STALE_CLAIM_MS = 5_000
 """An entry a reaper claimed and has not handed on for this long: that reaper stopped."""
+QUIET_OUTCOMES = {
+    "final": "it ended already, or Redis holds no such generation",
+    "moved": "another worker runs it now",
+}
+"""Outcomes of a hand-on that hand nothing on: the request is acknowledged all the same."""
 
 
 def queue_timeout(generation_id: str, timeout_s: float) -> Error:
@@ -247,6 +252,19 @@ class Reaper:
                 done = await self.lost.hand_on(queue, request, fields[b"r"], consumer)
                 lost = {"tokenspout.outcome": done, "tokenspout.from_worker": consumer}
                 tracing.detached_span(request.traceparent, "tokenspout.takeover", lost, began)
+                if done in QUIET_OUTCOMES:
+                    log.info(
+                        "%s, pending for %s: nothing to hand on (%s)",
+                        request.generation_id,
+                        consumer,
+                        QUIET_OUTCOMES[done],
+                    )
+            else:
+                log.warning(
+                    "dropping request %s pending for %s: trimmed away or unreadable",
+                    wire.text(entry_id),
+                    consumer,
+                )
             await queue.ack(entry_id)
         await queue.forget_consumer(self._owner)
 
