@@ -225,9 +225,11 @@ async def test_a_request_waiting_on_redis_past_the_grace_gets_503_in_its_format(
     stack: Stack,
 ) -> None:
     """A request that waits on Redis rather than on a generation (a session's create and a
-    message, with Redis's writes paused) when the grace is nearly over gets the same
-    retryable 503 ``shutting_down`` in its API's format: uvicorn cancelled it at the
-    grace's end and answered a plain-text 500 (the ten-minute cluster soak: six)."""
+    message, a one-shot chat completion's submit, whole and streamed, with Redis's writes
+    paused) when the grace is nearly over gets the same retryable 503 ``shutting_down`` in
+    its API's format: uvicorn cancelled it at the grace's end and answered a plain-text 500
+    (ten-minute cluster soaks: six on the session routes, then one on the hot OpenAI route,
+    which is served ahead of Litestar's middleware)."""
     stack.synthetic(20)
     gateway = stack.gateway(TOKENSPOUT_SHUTDOWN_GRACE_S="2")
     admin = aioredis.Redis.from_url(stack.redis_url)
@@ -245,8 +247,21 @@ async def test_a_request_waiting_on_redis_past_the_grace_gets_503_in_its_format(
                             headers=session.headers,
                         )
                     ),
+                    *(
+                        asyncio.create_task(
+                            client.post(
+                                "/v1/chat/completions",
+                                json={
+                                    "model": "synthetic",
+                                    "messages": [{"role": "user", "content": "held"}],
+                                    "stream": stream,
+                                },
+                            )
+                        )
+                        for stream in (False, True)
+                    ),
                 ]
-                await asyncio.sleep(0.5)  # both wait on Redis
+                await asyncio.sleep(0.5)  # all wait on Redis
                 gateway.process.send_signal(signal.SIGTERM)
                 answers = await asyncio.gather(*waiting)
             finally:

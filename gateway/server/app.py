@@ -30,11 +30,11 @@ from gateway.recovery.lost_submits import LostSubmits
 from gateway.recovery.reader_deadline import ReaderDeadline
 from gateway.recovery.reaper import Reaper
 from gateway.recovery.stranded import StrandedTurns
-from gateway.server.drain_cut import UnansweredRequests
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.middleware import RequestMetrics
 from gateway.server.openapi import openapi_config
 from gateway.server.routes import ROUTES
+from gateway.transport.drain_cut import UnansweredRequests
 from wire import Keys
 from wire.connect import connect, ready, when_redis_answers
 from wire.tracing import stop_tracer
@@ -245,5 +245,7 @@ def create_asgi_app(
     gRPC server on ``grpc_host``, the HTTP server's host, started by its lifespan);
     ``place``: ``Services``' arguments for one of several processes."""
     services = Services(settings, grpc_host, **place)
-    app = HotRoutes(create_app(settings, services), services.service, services.api_keys)
+    app = HotRoutes(
+        create_app(settings, services), services.service, services.api_keys, services.unanswered
+    )
     return RequestMetrics(app, services.metrics), services

@@ -79,7 +79,7 @@ def client(app: Any) -> httpx.AsyncClient:
 
 
 def hot(app: Any, services: Services, settings: Settings) -> HotRoutes:
-    return HotRoutes(app, services.service, services.api_keys)
+    return HotRoutes(app, services.service, services.api_keys, services.unanswered)
 
 
 KEYED = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}

@@ -50,6 +50,7 @@ from gateway.core.auth import ApiKeys, bearer
 from gateway.core.service import GatewayService
 from gateway.tenants.caller import caller_of
 from gateway.transport import sse
+from gateway.transport.drain_cut import UnansweredRequests
 
 Request = TypeVar("Request", ChatCompletionRequest, CompletionRequest)
 
@@ -89,9 +90,16 @@ _STREAM_HEADERS = [
 class HotRoutes:
     """The ASGI app: the hot routes' requests, and ``app`` (Litestar) for the rest."""
 
-    def __init__(self, app: ASGIApp, service: GatewayService, api_keys: ApiKeys) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        service: GatewayService,
+        api_keys: ApiKeys,
+        unanswered: UnansweredRequests,
+    ) -> None:
         self.app = app
         self.service = service
+        self.unanswered = unanswered
         self.max_body_bytes = service.settings.max_body_bytes
         self.api_keys = api_keys
         self.cors = bool(service.settings.cors_origin_list())
@@ -120,14 +128,17 @@ class HotRoutes:
             return
         scope["path_template"] = scope["path"]  # what Litestar sets: the metric's label
         try:
-            if not data.stream:
-                answer = await whole_answer(route.endpoint, self.service, data, caller)
-                await _send_json(send, 200, msgspec.json.encode(answer))
-                return
-            chunks, choices = await open_stream(route.endpoint, self.service, data, caller)
+            async with self.unanswered.waiting():  # a shutdown's cut: 503 shutting_down
+                if not data.stream:
+                    answer = await whole_answer(route.endpoint, self.service, data, caller)
+                else:
+                    chunks, choices = await open_stream(route.endpoint, self.service, data, caller)
         except Exception as exc:  # answered as Litestar's exception handler answers it
             status, error, headers = error_answer(exc)
             await _send_json(send, status, msgspec.json.encode(error), headers)
+            return
+        if not data.stream:
+            await _send_json(send, 200, msgspec.json.encode(answer))
             return
         try:
             start: HTTPResponseStartEvent = {
