@@ -46,6 +46,8 @@ SETTLE_S = 5.0
 closes its connections (a request on one gets cut) through its 3 s grace and exit."""
 READ_TIMEOUT_S = 20.0
 """Longer than any fault holds a process (a stopped gateway or worker, Redis away)."""
+REFUSED_FOR_S = 30.0
+"""A client refused (or cut off) this long since its first refusal gives up: an anomaly."""
 WHOLE_TIMEOUT = httpx.Timeout(None, connect=3.0)
 """A whole answer comes at once, after the reply: its bound is the run's (90 s)."""
 WORDS = [
@@ -265,8 +267,10 @@ def refusal(response: httpx.Response, record: Record) -> None:
 async def with_retries(
     ctx: Context, rng: random.Random, record: Record, attempt: Callable[[str], Any]
 ) -> Any:
-    """``attempt(base_url)`` on a random replica until it is not refused (30 s at most)."""
-    deadline = time.monotonic() + 30
+    """``attempt(base_url)`` on a random replica until it is not refused, for 30 s at most
+    from the first refusal (the time an attempt was answered in does not count: a reply
+    slowed by faults is the run's 90 s bound's to judge)."""
+    deadline: float | None = None
     url = ctx.other(rng)
     while True:
         try:
@@ -277,8 +281,9 @@ async def with_retries(
         except httpx.TransportError as exc:
             wait = 0.2
             record.step(ctx.clock(), f"{url} {type(exc).__name__}")
+        deadline = deadline or time.monotonic() + REFUSED_FOR_S
         if time.monotonic() > deadline:
-            raise TimeoutError("refused for 30 s")
+            raise TimeoutError(f"refused for {REFUSED_FOR_S:.0f} s")
         record.retries += 1
         await asyncio.sleep(wait * rng.uniform(0.5, 1.0))
         url = ctx.other(rng, url)
