@@ -212,8 +212,14 @@ def read_raw_until_done(sock: socket.socket) -> str:
 
 async def test_every_session_key_expires_and_every_stream_is_capped(stack: Stack) -> None:
     stack.synthetic(3000)
-    gateway = stack.gateway(TOKENSPOUT_EVENTS_MAXLEN="100")
+    gateway = stack.gateway(TOKENSPOUT_EVENTS_MAXLEN="100", TOKENSPOUT_STATELESS_TTL_S="120")
     async with httpx.AsyncClient(timeout=30) as client:
+        one_shot = await client.post(
+            f"{gateway.url}/v1/chat/completions",
+            json={"model": "synthetic", "messages": [{"role": "user", "content": "x"}]},
+        )
+        assert one_shot.status_code == 200, one_shot.text
+        one_shot_id = one_shot.json()["id"].removeprefix("chatcmpl-")
         session = await create_session(client, gateway.url)
         generation = await send(client, session, "many events", max_tokens=1000)
         full = await read_events(client, session, until_final_of=generation)
@@ -241,6 +247,11 @@ async def test_every_session_key_expires_and_every_stream_is_capped(stack: Stack
         assert shared <= set(keys), "the test did not make every shared key"
         for key in keys:
             assert await redis.ttl(key) > 0, f"{key} never expires"
+        # A one-shot request's keys live TOKENSPOUT_STATELESS_TTL_S, a session's a day.
+        one_shot_key = next(key for key in keys if key.endswith(f":gen:{one_shot_id}"))
+        assert 60 < await redis.ttl(one_shot_key) <= 120
+        turn = next(key for key in keys if key.endswith(f":gen:{generation}"))
+        assert await redis.ttl(turn) > 120
         events = next(key for key in keys if key.endswith(":events"))
         assert await redis.xlen(events) < 400  # ~100, trimmed in whole nodes
         # The shared streams are capped too (and expire when unused); the worker set trims

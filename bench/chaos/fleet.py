@@ -412,6 +412,9 @@ def fleet(redis_kind: str, logs: Path) -> Iterator[Fleet]:
         "TOKENSPOUT_LOG_LEVEL": "INFO",  # an anomaly's story: every start, end, takeover
         "TOKENSPOUT_SHUTDOWN_GRACE_S": "3",
         "TOKENSPOUT_DEFAULT_MODEL": MODELS[0],  # TGI's requests name no model
+        # A one-shot request's keys outlive the run: the usage check reads them all at its
+        # end (by default they last 600 s, and the first ones expired as a soak was read).
+        "TOKENSPOUT_STATELESS_TTL_S": "86400",
     }
     store = datastore(redis_kind, logs)
     ports = [free_port() for _ in GATEWAY_PROCESSES]

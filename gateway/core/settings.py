@@ -38,6 +38,15 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             "from its creation.",
         ),
     ] = 86_400
+    stateless_ttl_s: Annotated[
+        int,
+        _D(
+            ge=60,
+            description="Lifetime of a one-shot request's keys (OpenAI, TGI, OIP, gRPC; a "
+            "stored response has its own): its events and its generation's record, from "
+            "its submit.",
+        ),
+    ] = 600
     events_maxlen: Annotated[
         int, _D(ge=100, description="Events kept per session stream (older ones trimmed).")
     ] = 20_000

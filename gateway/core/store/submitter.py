@@ -64,8 +64,6 @@ from wire.scripts import Bill, NewSession
 
 REQUEUE_WAIT_S = 10.0
 """How long a submit waits for Redis to take the request of a generation it has written."""
-STATELESS_TTL_S = 600
-"""Lifetime of the throwaway session behind one stateless API request."""
 ANSWERED_KEPT = 20_000
 """Session turns answered lately kept at most (a few seconds' worth, looked at each second)."""
 BUSY_RETRY_AFTER_S = 1
@@ -188,7 +186,7 @@ class Submitter:
             self._check_content(message.content, allow_empty=True)
         if ask.prompt is not None:
             self._check_content(ask.prompt)
-        ttl_s = kept.ttl_s if kept is not None else STATELESS_TTL_S
+        ttl_s = kept.ttl_s if kept is not None else self.settings.stateless_ttl_s
         request = self._one_shot(ask, session_id or new_id("s"), ttl_s, choice)
         ticket = await self.admission.one_shot(ask.caller, model, request, kept=kept is not None)
         try:
