@@ -104,13 +104,23 @@ ENGINE_ERROR_STATUS = {
 """Engine error codes that are the client's fault; every other one is a 503."""
 
 
+RESEND_AFTER_S = 1
+"""``Retry-After`` of a whole answer whose generation did not finish."""
+
+
 def final_error(final: Error | Cancelled) -> GatewayError:
-    """A generation that did not finish, as the error a non-streaming answer raises."""
+    """A generation that did not finish, as the error a non-streaming answer raises: a 503
+    says when to send it again (a worker or Redis lost it, the gateway shut down), unless
+    the request itself is at fault (422)."""
     if isinstance(final, Cancelled):
-        return Unavailable(f"the generation was cancelled ({final.reason})", code="cancelled")
+        return Unavailable(
+            f"the generation was cancelled ({final.reason})",
+            code="cancelled",
+            retry_after_s=RESEND_AFTER_S,
+        )
     if ENGINE_ERROR_STATUS.get(final.code) == 422:
         return BadRequest(final.message, code=final.code)
-    return Unavailable(final.message, code=final.code)
+    return Unavailable(final.message, code=final.code, retry_after_s=RESEND_AFTER_S)
 
 
 class Collector(Spelling[Collected, list[Collected]]):

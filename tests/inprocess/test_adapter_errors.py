@@ -42,6 +42,9 @@ def test_per_token_gives_a_steps_whole_text_to_its_first_token() -> None:
 
 
 def test_final_error_of_a_generation_that_did_not_finish() -> None:
+    """A 503 says when to send it again, like every other 503 of the gateway (a chaos
+    client counted a request Redis lost, answered 503 ``events_lost``, as a refusal it
+    could not time); the client's own fault, a 422, does not."""
     cancelled = final_error(Cancelled("g", "user", Usage(1, 1)))
     assert isinstance(cancelled, Unavailable)
     assert (cancelled.code, cancelled.message) == (
@@ -50,8 +53,12 @@ def test_final_error_of_a_generation_that_did_not_finish() -> None:
     )
     too_long = final_error(Error("g", "prompt_too_long", "the prompt is too long"))
     assert isinstance(too_long, BadRequest) and too_long.code == "prompt_too_long"
+    assert "Retry-After" not in too_long.headers()
     failed = final_error(Error("g", "engine_failed", "out of memory"))
     assert isinstance(failed, Unavailable) and failed.message == "out of memory"
+    lost = final_error(Error("g", "events_lost", "Redis lost this generation's request"))
+    for unfinished in (cancelled, failed, lost):
+        assert unfinished.headers() == {"Retry-After": "1"}
 
 
 @pytest.mark.parametrize(
