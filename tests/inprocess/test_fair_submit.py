@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 import wire
 from wire import ChatMessage, Done, GenerationRequest, Keys, SamplingParams, Usage, prefixes
 from wire.limits import Limits
-from wire.outcomes import Accepted, Admitted
+from wire.outcomes import Accepted, Admitted, Duplicate
 from wire.queue import RequestQueue, ServedTokens, estimated_tokens
 from wire.scripts import AdmitInSubmit, AffinityWait, Emit, NewSession, Submit
 
@@ -279,3 +279,40 @@ async def test_a_key_with_limits_has_its_running_set_and_minute_kept(
     assert await redis.zcard(g.keys.tenant("k_limited", "running")) == 0
     assert sum(map(int, (await redis.hgetall(g.keys.tenant("k_limited", "tpm"))).values())) == 10
     assert "tpm" in await tenant_keys(g, "k_limited")
+
+
+async def test_a_submit_sent_again_after_its_reply_was_lost_makes_nothing_twice(
+    redis: aioredis.Redis,
+) -> None:
+    """The gateway's Redis client sends a command again when its connection is lost before
+    the reply: a SUBMIT that ran once is sent twice. The second is told it made that
+    generation (``Duplicate``): one request queued, one ``queued`` event, its key admitted
+    once. A session turn's resend was refused ``busy`` by its own generation (a WebSocket
+    client told generation_running on a new session, ten-minute cluster soak, seed 1), and
+    a one-shot request's was admitted and queued again."""
+    g = await gateway(redis)
+    await idle_worker(g, 2)
+    request = GenerationRequest("g1", "s1", SamplingParams(), prompt="hello", tenant="a")
+    waiting = g.queue.waiting(
+        wire.encode(request), estimate=estimated_tokens(request), tenant="a", weight=1.0
+    )
+    limits = Limits(concurrent=5)
+    admission = AdmitInSubmit(
+        queues=[g.queue.key],
+        target=0,
+        limit=1000,
+        model_limit=0,
+        request=waiting.element,
+        tenant="a",
+        weight=1.0,
+        stream_cap=1000,
+        limits=limits,
+    )
+    new = NewSession("s1", "g1", 100, 60, 60, "a", "all", limits)
+    first = await g.submit.create_admitted(new, admission)
+    assert isinstance(first, Admitted), first
+    assert await g.submit.create_admitted(new, admission) == Duplicate("g1")
+    assert await g.straight() == ["a"] and await g.queue.fair_waiting() == 0
+    events = await redis.xrange(g.keys.events("s1"))
+    assert [fields[b"t"] for _, fields in events] == [b"queued"]
+    assert await redis.zcard(g.keys.tenant("a", "running")) == 1

@@ -32,6 +32,11 @@
 --         limits admitted here: admit_tenant's answer)
 --         | {'bad_turn', 'edit' or 'regenerate' or 'continue'} (the history has no such turn)
 -- A session made here is fresh (a new random id): nothing to look up in it, no history.
+-- A generation id is new for each submit: one that exists is this very submit's, sent
+-- again because its reply was lost (a client retries a command on a lost connection). It
+-- is that generation, as an Idempotency-Key's would be: nothing is admitted, written or
+-- queued twice.
+if redis.call('EXISTS', KEYS[4]) == 1 then return {'duplicate', ARGV[4]} end
 local admit = ARGV[20] ~= nil
 local target = admit and tonumber(ARGV[22]) or 0
 local lag, waiting = nil, 0  -- of the target queue (fair_submit)

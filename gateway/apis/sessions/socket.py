@@ -203,8 +203,8 @@ class Connection:
             frame.id, "generate", gid, session_id, "queued", new_token, submitted.choices or None
         )
         self._reply(ack)
-        assert submitted.queued_event_id is not None  # no Idempotency-Key over WebSocket
-        after = wire.just_before(submitted.queued_event_id)
+        queued = submitted.queued_event_id  # None: SUBMIT sent again, its reply lost
+        after = wire.just_before(queued) if queued is not None else None
         self._running[frame.id] = self._spawn(self._forward(frame.id, session_id, gids, after))
 
     async def _resume(self, frame: ResumeFrame) -> None:

@@ -75,7 +75,8 @@ class Submitted(msgspec.Struct, frozen=True):
     generation_id: str
     session_id: str
     queued_event_id: str | None
-    """None when an Idempotency-Key matched an earlier submission."""
+    """None when it was submitted before: an Idempotency-Key matched, or SUBMIT was sent
+    again after its reply was lost."""
     choices: list[str] = []
     """With ``n`` > 1: every choice's generation id, in choice order (the first is
     ``generation_id``)."""
@@ -194,6 +195,8 @@ class Submitter:
         except BaseException:
             await ticket.give_back()
             raise
+        if reply == script.Duplicate(request.generation_id):  # sent again, its reply lost
+            return Submitted(request.generation_id, request.session_id, None)
         if not isinstance(reply, script.Accepted):
             raise Unavailable(f"queueing a stateless generation failed: {reply!r}")
         await self.durable.confirm(self.keys.events(request.session_id), self.queue.of(model).key)
