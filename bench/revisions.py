@@ -5,8 +5,10 @@ Each revision (a commit, a branch, a tag; ``.``: this checkout as it is) is chec
 into a scratch folder (bench/checkouts.py) and its gateway and engine worker run from there,
 on the pinned two-core layout (bench/rig.py: the gateway on CPU 1; the worker, Redis, the
 engine alone and the load generator on CPU 0); this checkout's client sends the same
-requests to each, one revision after the other within each round (A/B/A/B), so a noisy
-machine weighs on every side alike. The first revision is the baseline of the ratios.
+requests to each, one revision after the other within each round, the order reversed
+every other round (A/B, B/A: use an even ``--rounds``), so a noisy machine, and its drift
+within a round, weigh on every side alike. The first revision is the baseline of the
+ratios.
 
 Workloads (``--workloads``):
 
@@ -284,15 +286,18 @@ async def measure_round(
     runs: dict[tuple[str, str], list[Any]],
     args: argparse.Namespace,
 ) -> dict[str, Any]:
-    """One round of ``workload``: the engine alone, then each revision in turn; each
-    turn's figures (streamed: against this round's engine alone)."""
+    """One round of ``workload``: the engine alone, then each revision in turn, in the
+    order of ``sides`` in an odd round and the other way round in an even one (the
+    machine drifts within a round: measured, every second side was 7 to 14 % dearer,
+    whichever revision it was); each turn's figures (streamed: against this round's
+    engine alone)."""
     load = round(os.getloadavg()[0], 2)
     alone_run = await turn(sides[0].rig, workload, args, engine=True)
     runs.setdefault((workload, ENGINE), []).append(alone_run)
     alone = figures(workload, [alone_run], args)
     out: dict[str, Any] = {"workload": workload, "round": round_n, "loadavg": load}
     out[ENGINE] = _brief(alone)
-    for side in sides:
+    for side in sides if round_n % 2 else sides[::-1]:
         if workload == "keyed" and side.key_headers is None:
             continue
         label = side.checkout.label

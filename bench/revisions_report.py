@@ -150,7 +150,8 @@ def markdown(results: dict[str, Any]) -> str:
         "# Revisions in turns (python -m bench.revisions)",
         "",
         f"Revisions: {revisions}; the first is the baseline. {s['rounds']} rounds, each"
-        " revision in turn within each round (A/B/A/B), the same client; pinned: the gateway"
+        " revision in turn within each round, the order reversed every other round (A/B, B/A),"
+        " the same client; pinned: the gateway"
         " on CPU 1, the worker, Redis, the engine alone and the client on CPU 0.",
         f"Machine: {m['cpu_model']}, {m['nproc']} CPUs, load {m['loadavg_at_start']} at"
         f" start. Suite {results['suite_s']} s.",
