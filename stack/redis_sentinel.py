@@ -51,13 +51,15 @@ class EmbeddedSentinel:
         service: str = SERVICE,
         reach: Callable[[int], int] | None = None,
         persist: bool = False,
+        down_after_ms: int = DOWN_AFTER_MS,
     ) -> None:
         """``reach``: the port clients reach a server at, from its own (a proxy in front of
         each, bench/chaos/proxy.py): the Sentinels watch it there and name it to clients,
         replicas announce and follow it there; the Sentinels themselves are reached
         directly. ``persist``: the servers keep an AOF (fsync every second), so one
         SIGKILLed comes back with its data; without, it comes back empty, a primary until
-        the Sentinels make it a replica."""
+        the Sentinels make it a replica. ``down_after_ms``: the Sentinels'
+        ``down-after-milliseconds``."""
         self.service = service
         self.reach = reach or (lambda port: port)
         self.data_dir = Path(tempfile.mkdtemp(prefix="tokenspout-sentinel-"))
@@ -84,7 +86,7 @@ class EmbeddedSentinel:
             quorum = sentinels // 2 + 1
             config.write_text(
                 f"sentinel monitor {service} 127.0.0.1 {primary_at} {quorum}\n"
-                f"sentinel down-after-milliseconds {service} {DOWN_AFTER_MS}\n"
+                f"sentinel down-after-milliseconds {service} {down_after_ms}\n"
                 f"sentinel failover-timeout {service} 10000\n"
             )
             self.sentinels.append(
