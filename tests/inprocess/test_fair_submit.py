@@ -55,6 +55,14 @@ class Gateway:
             request = GenerationRequest(gid, sid, SamplingParams(), messages=messages)
         else:
             request = GenerationRequest(gid, sid, SamplingParams(), prompt="hello", tenant=tenant)
+        reply = await self.submit.create_admitted(*self.submit_of(request, tenant, weight, limits))
+        assert isinstance(reply, Accepted | Admitted), reply
+        return request
+
+    def submit_of(
+        self, request: GenerationRequest, tenant: str, weight: float, limits: Limits | None
+    ) -> tuple[NewSession, AdmitInSubmit]:
+        """SUBMIT's arguments for ``request``, admitted in the script as on one Redis."""
         waiting = self.queue.waiting(
             wire.encode(request),
             estimate=estimated_tokens(request),
@@ -76,9 +84,7 @@ class Gateway:
         new = NewSession(
             request.session_id, request.generation_id, 100, 60, 60, tenant, "all", limits
         )
-        reply = await self.submit.create_admitted(new, admission)
-        assert isinstance(reply, Accepted | Admitted), reply
-        return request
+        return new, admission
 
     async def straight(self) -> list[str]:
         """The tenants of the requests that came straight into the stream (no estimate: a
@@ -293,22 +299,7 @@ async def test_a_submit_sent_again_after_its_reply_was_lost_makes_nothing_twice(
     g = await gateway(redis)
     await idle_worker(g, 2)
     request = GenerationRequest("g1", "s1", SamplingParams(), prompt="hello", tenant="a")
-    waiting = g.queue.waiting(
-        wire.encode(request), estimate=estimated_tokens(request), tenant="a", weight=1.0
-    )
-    limits = Limits(concurrent=5)
-    admission = AdmitInSubmit(
-        queues=[g.queue.key],
-        target=0,
-        limit=1000,
-        model_limit=0,
-        request=waiting.element,
-        tenant="a",
-        weight=1.0,
-        stream_cap=1000,
-        limits=limits,
-    )
-    new = NewSession("s1", "g1", 100, 60, 60, "a", "all", limits)
+    new, admission = g.submit_of(request, "a", 1.0, Limits(concurrent=5))
     first = await g.submit.create_admitted(new, admission)
     assert isinstance(first, Admitted), first
     assert await g.submit.create_admitted(new, admission) == Duplicate("g1")
