@@ -17,6 +17,7 @@ import time
 
 import httpx
 import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from stack.redis_sentinel import EmbeddedSentinel
 from tests.support.cluster import check_reply, outage_s
@@ -24,6 +25,7 @@ from tests.support.http import create_session, follow, send
 from tests.support.stack import Stack
 from tests.support.tenants import ADMIN_KEY, keyed_session, make_key, usage_total
 from wire import Keys
+from wire.connect import connect
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.sentinel]
 
@@ -118,3 +120,37 @@ async def test_the_primary_killed_mid_stream_the_replica_promoted_the_stream_goe
             f"{tokens} tokens, nothing repeated"
         )
     assert readers[0].reading.events == readers[1].reading.events
+
+
+async def test_a_connection_to_a_primary_sentinel_no_longer_names_is_dropped(
+    redis_sentinel: EmbeddedSentinel,
+) -> None:
+    """Sentinel's answer a connection acts on may be a failover old (asked just before the
+    primary was called down, used after its replica was promoted): by then the old primary,
+    restarted, is a primary again until the Sentinels make it a replica, seconds later, and
+    then drops all it took. A connection opened to it is dropped with a clear error, not
+    used (the soak found sessions and replies written there, then gone, and a relay
+    subscribed there hearing nothing); one to the promoted primary is kept."""
+    victim = redis_sentinel.primary_now()
+    victim.kill()
+    promoted = await asyncio.to_thread(redis_sentinel.wait_promoted, victim)
+    victim.start()  # back empty, a primary until the Sentinels convert it
+    with redis_sentinel.client(victim) as on_victim:
+        assert on_victim.info("replication")["role"] == "master"
+    client = connect(redis_sentinel.url)
+    stale = client.connection_pool.make_connection()
+    named = client.connection_pool.make_connection()
+    try:
+        with pytest.raises(RedisConnectionError, match="no longer the primary Sentinel names"):
+            await stale.connect_to(("127.0.0.1", victim.port))
+        assert not stale.is_connected
+        await named.connect_to(("127.0.0.1", promoted.port))
+        assert named.is_connected
+        await client.set("written-once", "here")
+    finally:
+        for connection in (stale, named):
+            await connection.disconnect()
+        await client.aclose()
+        await client.connection_pool.sentinel_manager.aclose()  # its clients of the Sentinels
+    with redis_sentinel.client(promoted) as on_promoted:
+        assert on_promoted.get("written-once") == "here"

@@ -246,20 +246,52 @@ class _PackedByHiredis:
             raise DataError(f"cannot send {args[0]!r} to Redis: {exc}") from None
 
 
+class _StillNamedPrimary:
+    """A connection to the primary Sentinel named stays only if Sentinel still names that
+    address once it is open. The answer it connected by may be a failover old: asked just
+    before the Sentinels called the primary down, and acted on after they promoted its
+    replica (a busy loop, a retry's back-off, a connection held up on the way). The old
+    primary, restarted meanwhile, is a primary again with its old data until the Sentinels
+    make it a replica, seconds later, and then drops all it took: sessions and replies
+    written there are silently gone, and a pub/sub connection there hears nothing of the
+    real primary's events. Asked again with the connection open, Sentinel names the
+    promoted one: this connection is dropped (``ConnectionError``) and the next is made
+    there. One more Sentinel round trip a new connection."""
+
+    connection_pool: SentinelConnectionPool
+
+    async def connect_to(self, address: tuple[str, int]) -> None:
+        await super().connect_to(address)  # type: ignore[misc]
+        pool = self.connection_pool
+        if not pool.is_master:
+            return
+        try:
+            named = await pool.sentinel_manager.discover_master(pool.service_name)
+        except BaseException:
+            await self.disconnect()  # type: ignore[attr-defined]
+            raise
+        if tuple(named) != tuple(address):
+            await self.disconnect()  # type: ignore[attr-defined]
+            raise RedisConnectionError(
+                f"{address[0]}:{address[1]} is no longer the primary Sentinel names for "
+                f"{pool.service_name!r} (now {named[0]}:{named[1]})"
+            )
+
+
 PoolT = TypeVar("PoolT", bound=aioredis.ConnectionPool)
 ConnectionT = TypeVar("ConnectionT", bound=AbstractConnection)
 
 
-def _ours(connection_class: type[ConnectionT]) -> type[ConnectionT]:
+def _ours(connection_class: type[ConnectionT], *more: type) -> type[ConnectionT]:
     """``connection_class`` (TCP, TLS, Unix socket, Sentinel's) with ``_ClosedIsLost`` and
-    ``_PackedByHiredis``."""
+    ``_PackedByHiredis`` (and ``more`` mixins)."""
     name = connection_class.__name__
-    mixins = (_ClosedIsLost, _PackedByHiredis, connection_class)
+    mixins = (_ClosedIsLost, _PackedByHiredis, *more, connection_class)
     return cast(type[ConnectionT], type(name, mixins, {}))
 
 
-def _with_ours(pool: PoolT) -> PoolT:
-    pool.connection_class = _ours(pool.connection_class)
+def _with_ours(pool: PoolT, *more: type) -> PoolT:
+    pool.connection_class = _ours(pool.connection_class, *more)
     return pool
 
 
@@ -324,11 +356,13 @@ def _sentinel(url: str, max_connections: int | None, options: dict[str, Any]) ->
         pool = _BlockingSentinelPool(  # type: ignore[no-untyped-call]
             service, sentinel, max_connections=max_connections, **options
         )
-    return aioredis.Redis(
-        connection_pool=_with_ours(pool),
+    client = aioredis.Redis(
+        connection_pool=_with_ours(pool, _StillNamedPrimary),
         retry=_retry(),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
     )
+    client.auto_close_connection_pool = True  # as one Redis's: ``aclose`` closes its connections
+    return client
 
 
 async def ready(redis: aioredis.Redis) -> None:
