@@ -25,6 +25,9 @@ SERVICE = "tokenspout"
 DOWN_AFTER_MS = 1_000
 """How long the primary may be silent before a Sentinel calls it down
 (``down-after-milliseconds``): low for tests on loopback, above a loaded machine's stalls."""
+FAILOVER_TIMEOUT_MS = 10_000
+"""Sentinel's ``failover-timeout``: among other things, a Sentinel starts no failover of a
+primary within twice this of the last one it tried or voted for."""
 
 
 def _cmd(client: redis.Redis, *args: object) -> Any:
@@ -52,14 +55,16 @@ class EmbeddedSentinel:
         reach: Callable[[int], int] | None = None,
         persist: bool = False,
         down_after_ms: int = DOWN_AFTER_MS,
+        failover_timeout_ms: int = FAILOVER_TIMEOUT_MS,
     ) -> None:
         """``reach``: the port clients reach a server at, from its own (a proxy in front of
         each, bench/chaos/proxy.py): the Sentinels watch it there and name it to clients,
         replicas announce and follow it there; the Sentinels themselves are reached
         directly. ``persist``: the servers keep an AOF (fsync every second), so one
         SIGKILLed comes back with its data; without, it comes back empty, a primary until
-        the Sentinels make it a replica. ``down_after_ms``: the Sentinels'
-        ``down-after-milliseconds``."""
+        the Sentinels make it a replica. ``down_after_ms``, ``failover_timeout_ms``: the
+        Sentinels' ``down-after-milliseconds`` and ``failover-timeout``."""
+        self.failover_timeout_ms = failover_timeout_ms
         self.service = service
         self.reach = reach or (lambda port: port)
         self.data_dir = Path(tempfile.mkdtemp(prefix="tokenspout-sentinel-"))
@@ -87,7 +92,7 @@ class EmbeddedSentinel:
             config.write_text(
                 f"sentinel monitor {service} 127.0.0.1 {primary_at} {quorum}\n"
                 f"sentinel down-after-milliseconds {service} {down_after_ms}\n"
-                f"sentinel failover-timeout {service} 10000\n"
+                f"sentinel failover-timeout {service} {failover_timeout_ms}\n"
             )
             self.sentinels.append(
                 EmbeddedRedis(data_dir=folder, config_file=config, extra_args=["--sentinel"])

@@ -363,6 +363,7 @@ class Fleet:
             loop.call_soon_threadsafe(self._answered_again, fault, "fail_over")
 
         async with self.redis_lock:
+            await asyncio.sleep(self.store.fail_over_in_s())
             fault = self.note(kind, "redis")
             await asyncio.to_thread(self.store.fail_over, pick, promoted)
 

@@ -51,6 +51,12 @@ Sentinels' first ping of it was answered on the loaded machine, and failed over 
 back to the old one just restarted (seed 1: a failover flapped between the two, its
 victim never followed in 90 s, and writes were lost that no fault of the run's had
 caused)."""
+SENTINEL_FAILOVER_TIMEOUT_MS = 5_000
+"""The Sentinels' ``failover-timeout``: a Sentinel starts no failover of a primary within
+twice this of the last one it tried or voted for (the default's 20 s outlasted the gap
+between two of the run's failovers: the new primary, killed 17 s after, was left down
+until then, and clients refused all that time gave up). ``fail_over`` also waits that long
+after its last kill (``fail_over_in_s``)."""
 HOST = "127.0.0.1"
 
 
@@ -116,6 +122,8 @@ class Datastore:
     aof: AofWatch | None = None
     """The one server's AOF as its fsyncs keep it (``single``)."""
     folder: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="chaos-redis-")))
+    killed_at: float = -1e9
+    """When ``fail_over`` last killed a Sentinel primary (monotonic)."""
 
     @property
     def url(self) -> str:
@@ -210,10 +218,20 @@ class Datastore:
         assert self.sentinel is not None
         victim = self.sentinel.primary_now()
         victim.kill()
+        self.killed_at = time.monotonic()
         self.sentinel.wait_promoted(victim, 90)
         promoted(f"redis:{victim.port}")
         victim.start()  # the Sentinels make it a replica of the new primary
         self._wait_replica(victim, 90)
+
+    def fail_over_in_s(self) -> float:
+        """How long ``fail_over`` should wait: on Sentinel, until twice the Sentinels'
+        ``failover-timeout`` after its last kill (sooner, they would by their own rule leave
+        the new primary down until then)."""
+        if self.sentinel is None:
+            return 0.0
+        spacing_s = 2 * self.sentinel.failover_timeout_ms / 1000
+        return max(0.0, self.killed_at + spacing_s - time.monotonic())
 
     def _wait_replica(self, server: EmbeddedRedis, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -278,7 +296,12 @@ def datastore(kind: str, logs: Path) -> Datastore:
         servers = cluster.nodes
     else:
         sentinel = EmbeddedSentinel(
-            replicas=1, sentinels=3, reach=reach, persist=True, down_after_ms=SENTINEL_DOWN_AFTER_MS
+            replicas=1,
+            sentinels=3,
+            reach=reach,
+            persist=True,
+            down_after_ms=SENTINEL_DOWN_AFTER_MS,
+            failover_timeout_ms=SENTINEL_FAILOVER_TIMEOUT_MS,
         )
         servers = sentinel.servers
     for node in [*servers, *(sentinel.sentinels if sentinel is not None else [])]:
