@@ -237,6 +237,7 @@ class Generations:
         max_takeovers: int,
         usage: Usage | None = None,
         preempted: bool = False,
+        lost: bool = False,
     ) -> TakeoverReply:
         """TAKEOVER: a running generation from ``worker`` (lost or stopping) to its next
         epoch (``wire.scripts.Takeover``). One found ended is counted: its writer may
@@ -248,6 +249,7 @@ class Generations:
             max_takeovers=max_takeovers,
             usage=usage,
             preempted=preempted,
+            lost=lost,
         )
         if isinstance(reply, AlreadyFinal):
             await self._usage.after_final(session_id, generation_id)

@@ -303,14 +303,17 @@ class Takeover(Script):
         max_takeovers: int,
         usage: Usage | None = None,
         preempted: bool = False,
+        lost: bool = False,
     ) -> TakeoverReply:
         """``worker``: the one lost or stopping; ``usage``: what it streamed so far, when
         known; ``preempted``: its worker stops it for another tenant's request (never
-        counted against ``max_takeovers``)."""
+        counted against ``max_takeovers``); ``lost``: the worker is thought lost, and the
+        caller ends the generation if a cancel was asked (``CancelAsked``): it is taken
+        from the worker first, so nothing the worker writes after goes unbilled."""
         used = encode(usage) if usage is not None else ""
         reply = await self._run(
             [self.keys.generation(session_id, generation_id)],
-            [worker, max_takeovers, used, "1" if preempted else ""],
+            [worker, max_takeovers, used, "1" if preempted else "", "1" if lost else ""],
             None,
         )
         return takeover_reply(reply)

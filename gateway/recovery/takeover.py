@@ -159,7 +159,7 @@ class LostRequests:
         if redo:  # a reaper that stopped mid-way (or a write of its refused): redo it
             owner = wire.text(await self.redis.hget(gen_key, "worker") or b"")
         reply = await self.generations.take_over(
-            sid, gid, worker=owner, max_takeovers=self.max_takeovers
+            sid, gid, worker=owner, max_takeovers=self.max_takeovers, lost=True
         )
         match reply:
             case AlreadyFinal():  # counted, should its writer have been lost before its count

@@ -1,0 +1,83 @@
+"""TAKEOVER (wire/lua/takeover.lua) of a generation whose cancel was asked, against a real
+Redis: the reaper, which ends it cancelled for a worker it thinks lost, takes it from that
+worker first, so a token the worker (alive after all: its lease connection was reset) writes
+after the reaper read what was streamed is refused instead of reaching clients unbilled; the
+worker may still end it itself. A worker stopping a reply of its own (a drain) keeps it."""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from tests.support.submit import Gateway, gateway
+from wire import Cancelled, GenerationRequest, SessionEvent, Started, Token, Usage
+from wire.outcomes import CancelAsked, SignalWorker
+from wire.scripts import Cancel, Emit, Takeover
+
+WORKER = "w"
+
+
+async def worker_writes(
+    g: Gateway, request: GenerationRequest, event: SessionEvent, seq: int, final: bool = False
+) -> str | None:
+    """``WORKER``'s write of ``event``, its ``seq``-th of this generation (None: refused)."""
+    emit = Emit(g.redis, g.keys)
+    return await emit(
+        session_id=request.session_id,
+        event=event,
+        writer=WORKER,
+        seq=seq,
+        final=final,
+        ttl_s=60,
+        maxlen=100,
+    )
+
+
+async def running_with_cancel_asked(g: Gateway) -> GenerationRequest:
+    """A generation claimed by ``WORKER``, one token written, then a cancel asked."""
+    request = await g.send("t")
+    sid, gid = request.session_id, request.generation_id
+    assert await worker_writes(g, request, Started(gid, "m", 2), 1)
+    assert await worker_writes(g, request, Token(gid, "a", 1), 2)
+    cancel = Cancel(g.redis, g.keys)
+    asked = await cancel(session_id=sid, generation_id=gid, reason="user", maxlen=100, ttl_s=60)
+    assert asked == SignalWorker(WORKER)
+    return request
+
+
+async def take_over(g: Gateway, request: GenerationRequest, *, lost: bool) -> object:
+    takeover = Takeover(g.redis, g.keys)
+    return await takeover(
+        session_id=request.session_id,
+        generation_id=request.generation_id,
+        worker=WORKER,
+        max_takeovers=3,
+        lost=lost,
+    )
+
+
+async def test_a_cancelled_reply_the_reaper_ends_refuses_its_workers_later_tokens(
+    redis: aioredis.Redis,
+) -> None:
+    g = await gateway(redis)
+    request = await running_with_cancel_asked(g)
+    assert await take_over(g, request, lost=True) == CancelAsked("user")
+    late = Token(request.generation_id, "b", 2)
+    assert await worker_writes(g, request, late, 3) is None
+
+
+async def test_the_worker_may_still_end_a_cancelled_reply_the_reaper_took(
+    redis: aioredis.Redis,
+) -> None:
+    g = await gateway(redis)
+    request = await running_with_cancel_asked(g)
+    assert await take_over(g, request, lost=True) == CancelAsked("user")
+    end = Cancelled(request.generation_id, "user", Usage(2, 1))
+    assert await worker_writes(g, request, end, 3, final=True)
+
+
+async def test_a_worker_stopping_its_own_cancelled_reply_keeps_it(redis: aioredis.Redis) -> None:
+    g = await gateway(redis)
+    request = await running_with_cancel_asked(g)
+    assert await take_over(g, request, lost=False) == CancelAsked("user")
+    more = Token(request.generation_id, "b", 2)
+    assert await worker_writes(g, request, more, 3)
