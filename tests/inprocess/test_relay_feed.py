@@ -5,6 +5,7 @@ PUBLISH)."""
 from __future__ import annotations
 
 import asyncio
+import time
 import contextlib
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -449,6 +450,33 @@ async def test_a_resume_point_redis_lost_is_events_lost_though_new_events_follow
             await hub.check_resumable(SESSION, wire.text(lost[0]))
         assert "is no event of this stream" in caught.value.message
         await hub.check_resumable(SESSION, wire.text(kept[0]))  # kept: nothing is missing
+        feed.confirmed(False)  # what the hub does when its connection breaks, and is back
+        feed.confirmed(True)
+        with pytest.raises(EventsLost):
+            await read(feed, 1)
+
+
+async def test_a_stream_redis_lost_whole_then_made_anew_is_events_lost_for_a_feed_behind_it(
+    make_hub: HubFactory, session: Session, redis: aioredis.Redis
+) -> None:
+    """Redis lost the whole stream (restarted without its data, or its last second), then a
+    lost turn submitted again wrote a new one: every new event sorts after the feed's last
+    id, none is it, and nothing was trimmed. Read on, the reader would see the reply start
+    over after the part it had; it is told instead, as is a client that resumes there. An
+    id from before the session (``0-1``) still reads it from its start."""
+    await redis.hset(session.keys.meta(SESSION), "created", time.time())  # as sessions do
+    hub = await make_hub()
+    async with hub.open(SESSION, None) as feed:
+        await subscribed(feed, session)
+        key = session.keys.events(SESSION)
+        [(seen, _)] = await redis.xrange(key, count=1)
+        await redis.delete(key)
+        anew = await session.tokens(1)
+        assert wire.entry_id_key(anew[0]) > wire.entry_id_key(wire.text(seen))
+        with pytest.raises(EventsLost) as caught:
+            await hub.check_resumable(SESSION, wire.text(seen))
+        assert "is no event of this stream" in caught.value.message
+        await hub.check_resumable(SESSION, "0-1")
         feed.confirmed(False)  # what the hub does when its connection breaks, and is back
         feed.confirmed(True)
         with pytest.raises(EventsLost):

@@ -74,12 +74,16 @@ def check_event_id(given: str) -> None:
         raise bad_event_id(given)
 
 
-def _check_position(stream_info: dict[str, object], after_id: str, held: bool) -> None:
+def _check_position(
+    stream_info: dict[str, object], after_id: str, held: bool, created: bytes | None
+) -> None:
     """Raise ``EventsLost`` when ``after_id`` is past the last id the stream ever made (it
     could only have come from a stream Redis since lost, or from nowhere: a reader would
     wait for ever, every later event sorting before it), or is within the stream but none
-    of its events (``held``: the stream holds an event of that id): Redis lost it, and may
-    have written new events since (a lost turn submitted again, its reply from the start);
+    of its events (``held``: the stream holds an event of that id), or made after the
+    session was (``created``, its meta's) but before a stream that never dropped an event:
+    Redis lost it, and may have written new events since (a lost turn submitted again, its
+    reply from the start; an id before the session, ``0-0`` say, reads it from its start);
     ``EventsExpired`` when events after it were trimmed (an id at the exact trim boundary
     counts as gone too: a needless reload is better than a silent gap)."""
     last = stream_info.get("last-generated-id")
@@ -98,6 +102,10 @@ def _check_position(stream_info: dict[str, object], after_id: str, held: bool) -
                 f"events after {after_id} were trimmed (a session keeps its last "
                 "TOKENSPOUT_EVENTS_MAXLEN); reload the session's history"
             )
+        # Made since the session was, before a stream that never dropped an event: one made
+        # anew after Redis lost the old (a lost turn submitted again, its reply from the start).
+        if created is not None and entry_id_key(after_id)[0] >= float(created) * 1000:
+            raise EventsLost(after_id, last_id, missing=True)
     elif not held:
         raise EventsLost(after_id, last_id, missing=True)
 
@@ -245,15 +253,16 @@ class RelayHub:
             async with self.redis.pipeline(transaction=True) as pipe:
                 pipe.xrange(key, min=after_id, count=CATCH_UP_PAGE + 1)
                 pipe.xinfo_stream(key)
+                pipe.hget(self.keys.meta(session_id), "created")
                 try:
-                    page, info = await pipe.execute()
+                    page, info, created = await pipe.execute()
                 except RedisError as exc:
                     if "no such key" not in str(exc).lower():
                         raise
                     return []
             entries = wire.entries_of(page)
             held = bool(entries) and _same_id(entries[0][0], after_id)
-            _check_position(info, after_id, held)
+            _check_position(info, after_id, held, created)
             entries = entries[1:] if held else entries[:CATCH_UP_PAGE]
         events = [
             RelayEvent(
@@ -310,14 +319,16 @@ class RelayHub:
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.xrange(key, min=after_id, max=after_id, count=1)
             pipe.xinfo_stream(key)
-            held, info = await pipe.execute(raise_on_error=False)
+            pipe.hget(self.keys.meta(session_id), "created")
+            held, info, created = await pipe.execute(raise_on_error=False)
         if isinstance(info, RedisError):
             if "no such key" not in str(info).lower():
                 raise info
             info = NO_STREAM
-        if isinstance(held, RedisError):
-            raise held
-        _check_position(info, after_id, bool(held))
+        for reply in (held, created):
+            if isinstance(reply, RedisError):
+                raise reply
+        _check_position(info, after_id, bool(held), created)
 
     def _connection_lost(self) -> None:
         """The plain source's pub/sub connection broke (it reports each channel lost)."""
