@@ -611,6 +611,24 @@ class HoldReaperLock(Script):
         return await self._run([self.keys.reaper_lock], [owner, ttl_ms], None) == 1
 
 
+class Touch(Script):
+    """A queued turn noted on its session's meta, if Redis still holds it
+    (wire/lua/touch.lua)."""
+
+    source = lua_source("touch")
+
+    async def __call__(
+        self, *, session_id: str, now: float, title: str, follows: bool, pipe: Pipeline
+    ) -> None:
+        """Queue it in ``pipe``, a bare EVALSHA (on NoScriptError, ``load`` and send
+        again). ``title``: what the conversation is named if it has no title ("":
+        nothing); ``follows``: it is named so even if it has one, unless a person named
+        it."""
+        await self.load_once()
+        args: list[Arg] = [now, title, "1" if follows else ""]
+        self.queue_evalsha(pipe, [self.keys.meta(session_id)], args)
+
+
 # --- a model's queue shared between tenants (wire/queue.py) ---------------------------------
 
 

@@ -27,11 +27,13 @@ from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
 
 import wire
 from gateway.core.errors import BadRequest
 from gateway.core.settings import Settings
 from wire import ChatMessage, FinalEvent, Keys, entry_ms
+from wire.scripts import Touch
 
 TITLE_MAX_CHARS = 120
 """The longest title a conversation takes (PATCH); longer ones are refused (422)."""
@@ -40,7 +42,7 @@ AUTO_TITLE_CHARS = 60
 SETTINGS_FIELDS = ("system", "temperature", "max_tokens")
 NAMED = "named"
 """The meta field that says a person gave the title (at creation, or a rename): it no
-longer follows the first message."""
+longer follows the first message (wire/lua/touch.lua reads it too)."""
 _FIELDS = ["title", "model", "created", "updated", *SETTINGS_FIELDS]
 
 
@@ -198,6 +200,7 @@ class Conversations:
         self.redis = redis
         self.keys = keys
         self.settings = settings
+        self._touch = Touch(redis, keys)
 
     async def record(self, session_id: str, owner: str, at: float) -> None:
         """``session_id`` joins its owner's index (its meta names the owner already), and
@@ -216,18 +219,24 @@ class Conversations:
         takes its first message's start as its title if it has none; ``first``: the turn
         replaced the first message, whose start the title follows unless a person gave it."""
         now = time.time()
-        meta = self.keys.meta(session_id)
-        follows = first and content and not await self.redis.hexists(meta, NAMED)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.hset(meta, "updated", now)
-            if follows:
-                pipe.hset(meta, "title", auto_title(content))
-            elif content:
-                pipe.hsetnx(meta, "title", auto_title(content))
-            if owner:
-                pipe.zadd(self.keys.owner(owner), {session_id: now})
-                pipe.expire(self.keys.owner(owner), self.settings.session_ttl_s)
-            await pipe.execute()
+        title = auto_title(content) if content else ""
+        for last_try in (False, True):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                # Not the meta of a session Redis lost since (its readers are told so); its
+                # owner's list keeps the id until the next list drops it.
+                await self._touch(
+                    session_id=session_id, now=now, title=title, follows=first, pipe=pipe
+                )
+                if owner:
+                    pipe.zadd(self.keys.owner(owner), {session_id: now})
+                    pipe.expire(self.keys.owner(owner), self.settings.session_ttl_s)
+                try:
+                    await pipe.execute()
+                    return
+                except NoScriptError:  # Redis lost its scripts (a restart): load, send again
+                    if last_try:
+                        raise
+                    await self._touch.load()
 
     async def of_owner(self, owner: str) -> list[Conversation]:
         """The owner's conversations that still exist, the latest updated first."""
