@@ -641,7 +641,12 @@ async def _queued_generation(ctx: Context, rng: random.Random, record: Record) -
                     continue
                 async with asyncio.timeout(2):
                     async for _id, _event, data in sse_events(response):
-                        return str(json.loads(data)["generation_id"])
+                        payload = json.loads(data)
+                        if (code := payload.get("code")) in LOSSES:  # lost as it opened
+                            record.told_lost(ctx.clock(), str(code), since, url)
+                            record.final = "lost"
+                            raise SessionGone(str(code))
+                        return str(payload["generation_id"])
         except TimeoutError:
             record.step(ctx.clock(), "no generation on the stream")
             return None
