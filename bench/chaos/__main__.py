@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+from redis.exceptions import RedisError
 
 from bench.chaos import adapters, check, clients, faults, usage
 from bench.chaos.clients import Context, Record
@@ -57,7 +58,7 @@ class Run:
         self.duration_s = duration_s
         self.fleet = fleet
         self.client_loops = client_loops
-        self.ctx = Context(fleet.client_urls, fleet.now, fleet.grpc_urls)
+        self.ctx = Context(fleet.client_urls, fleet.now, fleet.grpc_urls, fleet.redis_away_s)
         self.records: list[Record] = []
         self.anomalies: list[dict[str, Any]] = []
         self.extra: set[asyncio.Task[None]] = set()
@@ -108,11 +109,14 @@ class Run:
         """What a hung client's replies had got, and what Redis holds of their generation."""
         states = []
         for record in (r for name, r in self.ctx.open.items() if name.startswith(label)):
-            held = {}
+            held: dict[str, str] = {}
             if record.session is not None and record.generation_id is not None:
                 key = self.fleet.keys.generation(record.session[0], record.generation_id)
-                with sync_client(self.fleet.rig.redis_url) as client:
-                    held = {k.decode(): v.decode() for k, v in client.hgetall(key).items()}
+                try:
+                    with sync_client(self.fleet.rig.redis_url) as client:
+                        held = {k.decode(): v.decode() for k, v in client.hgetall(key).items()}
+                except RedisError as exc:  # Redis away (a failover under way): say so
+                    held = {"unread": f"{type(exc).__name__}: {exc}"}
             states.append(
                 f"{record.kind} {record.label} session={record.session and record.session[0]} "
                 f"generation={record.generation_id} final={record.final} "

@@ -184,12 +184,19 @@ class Context:
     """What every client shares: the run's clock, the gateways, one HTTP client."""
 
     def __init__(
-        self, urls: list[str], clock: Callable[[], float], grpc: dict[str, str] | None = None
+        self,
+        urls: list[str],
+        clock: Callable[[], float],
+        grpc: dict[str, str] | None = None,
+        redis_away_s: Callable[[float, float], float] = lambda from_s, to_s: 0.0,
     ) -> None:
         self.urls = urls
         self.grpc = grpc or {}
         """A gateway's URL -> its gRPC server's ``host:port``."""
         self.clock = clock
+        self.redis_away_s = redis_away_s
+        """How long Redis took no writes between two times of ``clock`` (a fault's doing:
+        refusals then are what the gateways should answer)."""
         self.http = httpx.AsyncClient(
             timeout=httpx.Timeout(READ_TIMEOUT_S, connect=3.0),
             limits=httpx.Limits(max_connections=400, max_keepalive_connections=100),
@@ -268,9 +275,11 @@ async def with_retries(
     ctx: Context, rng: random.Random, record: Record, attempt: Callable[[str], Any]
 ) -> Any:
     """``attempt(base_url)`` on a random replica until it is not refused, for 30 s at most
-    from the first refusal (the time an attempt was answered in does not count: a reply
-    slowed by faults is the run's 90 s bound's to judge)."""
-    deadline: float | None = None
+    from the first refusal, not counting the time Redis took no writes (a failover with no
+    primary yet, a restart, a pause: refused then as it should be); the time an attempt
+    was answered in does not count either: a reply slowed by faults is the run's 90 s
+    bound's to judge."""
+    first_refused_s: float | None = None
     url = ctx.other(rng)
     while True:
         try:
@@ -281,9 +290,10 @@ async def with_retries(
         except httpx.TransportError as exc:
             wait = 0.2
             record.step(ctx.clock(), f"{url} {type(exc).__name__}")
-        deadline = deadline or time.monotonic() + REFUSED_FOR_S
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"refused for {REFUSED_FOR_S:.0f} s")
+        now_s = ctx.clock()
+        first_refused_s = now_s if first_refused_s is None else first_refused_s
+        if now_s - first_refused_s - ctx.redis_away_s(first_refused_s, now_s) > REFUSED_FOR_S:
+            raise TimeoutError(f"refused for {REFUSED_FOR_S:.0f} s while Redis took writes")
         record.retries += 1
         await asyncio.sleep(wait * rng.uniform(0.5, 1.0))
         url = ctx.other(rng, url)

@@ -55,6 +55,10 @@ HOLDS_A_GATEWAY = {
 successor listens; the client proxy holds a connection made meanwhile till then)."""
 HOLDS_A_WORKER = {"worker_stop", "worker_blackhole", "worker_oneway", "worker_latency"}
 """Faults that hold what a worker writes until they end."""
+REDIS_AWAY = {"redis_restart", "redis_crash", "redis_wipe", "sentinel_failover", "primary_kill"}
+"""Faults after which Redis takes no writes until it answers again (``Fault.back_s``)."""
+REDIS_HELD = {"redis_pause", "redis_full"}
+"""Faults during which Redis takes no (or too few) writes, for their ``held_s``."""
 
 
 @dataclass
@@ -66,6 +70,34 @@ class Fault:
     target: str
     held_s: float = 0.0
     note: str = ""
+    back_s: float | None = None
+    """When Redis answered again (``REDIS_AWAY``); None while it has not."""
+
+
+def redis_away_s(faults: list[Fault], from_s: float, to_s: float) -> float:
+    """How long between ``from_s`` and ``to_s`` Redis took no writes by one of ``faults``
+    (down, without a primary, paused, at its maxmemory): every gateway refuses then, 503
+    with ``Retry-After``, as it should. Faults that overlap count once."""
+    spans = sorted(
+        (
+            max(fault.at_s, from_s),
+            min(
+                to_s,
+                fault.at_s + fault.held_s
+                if fault.kind in REDIS_HELD
+                else (fault.back_s if fault.back_s is not None else to_s),
+            ),
+        )
+        for fault in faults
+        if fault.kind in REDIS_AWAY | REDIS_HELD
+    )
+    away, reached = 0.0, from_s
+    for begin, end in spans:
+        begin = max(begin, reached)
+        if end > begin:
+            away += end - begin
+            reached = end
+    return away
 
 
 @dataclass(frozen=True)
@@ -310,6 +342,10 @@ class Fleet:
             default=0.0,
         )
 
+    def redis_away_s(self, from_s: float, to_s: float) -> float:
+        """``redis_away_s`` of this run's faults."""
+        return redis_away_s(self.faults, from_s, to_s)
+
     def _target_of(self, url: str) -> str:
         port = int(url.rsplit(":", 1)[1])
         through = {listen: up for up, listen in self.client_proxy.listen.items()}
@@ -368,7 +404,7 @@ class Fleet:
             await asyncio.to_thread(self.store.fail_over, pick, promoted)
 
     def _answered_again(self, fault: Fault, kind: str) -> None:
-        back_s = round(self.now(), 2)
+        back_s = fault.back_s = round(self.now(), 2)
         fault.note = f"answered again at {back_s} s"
         if kind in LOSES_WRITES:
             self.losses.append(Loss(fault.at_s, back_s, fault.kind))

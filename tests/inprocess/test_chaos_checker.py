@@ -9,7 +9,7 @@ from typing import Any
 from bench.chaos.adapters import response_error_code
 from bench.chaos.check import check, oracle, session_events
 from bench.chaos.clients import Lost, Record
-from bench.chaos.fleet import Loss
+from bench.chaos.fleet import Fault, Loss, redis_away_s
 from bench.chaos.tenants import ApiKey
 from engine.backends.synthetic import scripted_reply
 
@@ -194,3 +194,21 @@ def test_a_failed_response_says_redis_lost_it_in_its_message() -> None:
     assert response_error_code(failed("events_lost: Redis lost events")) == "events_lost"
     assert response_error_code(failed("engine_error: it broke")) == "server_error"
     assert response_error_code({"type": "error", "code": "events_lost"}) == "events_lost"
+
+
+def test_the_time_redis_took_no_writes_counts_each_fault_once_and_only_redis_faults() -> None:
+    """What a client's refusals are not held against (bench/chaos/clients.py
+    ``with_retries``): a failover from its kill until Redis answered again (or until now
+    while it has not), a pause or a full Redis for their length, overlaps once; a
+    gateway's or a worker's fault never (the other gateway answers meanwhile)."""
+    faults = [
+        Fault(10.0, "sentinel_failover", "redis:1", back_s=16.0),
+        Fault(14.0, "redis_pause", "redis", held_s=4.0),  # 14-18: overlaps the failover
+        Fault(20.0, "gateway_stop", "gateway:1", held_s=5.0),
+        Fault(30.0, "redis_full", "redis", held_s=1.5),
+        Fault(40.0, "primary_kill", "redis:2"),  # not answered again yet
+    ]
+    assert redis_away_s(faults, 0.0, 35.0) == 6.0 + 2.0 + 1.5
+    assert redis_away_s(faults, 12.0, 15.0) == 3.0
+    assert redis_away_s(faults, 35.0, 43.0) == 3.0
+    assert redis_away_s(faults, 20.0, 29.0) == 0.0
