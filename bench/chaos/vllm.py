@@ -45,6 +45,7 @@ from bench.chaos.fleet import Fault, signal_all
 from bench.chaos.network import HOWS, Cut
 from bench.chaos.redises import Datastore, datastore
 from bench.chaos.tenants import ApiKey
+from gateway.core.settings import Settings
 from stack import processes, procfs
 from stack.redis_server import free_port
 from stack.rig import HOST, VLLM_LOCK, Gateway, Rig
@@ -71,6 +72,9 @@ FAULTS = {
 GAP_S = (2.5, 5.0)
 BOUND_S = 300.0
 """A reply ends within this, new workers' starts included (else it hung)."""
+MAX_TAKEOVERS = Settings().max_takeovers
+"""How often the gateways take one reply over (``TOKENSPOUT_MAX_TAKEOVERS``, the run leaves
+it at its default); past it, the reply ends ``worker_lost`` (docs/reliability.md)."""
 ANYONE = ApiKey("anyone", "", "", 1.0)
 """The gateways take no key: the run's requests carry none."""
 
@@ -217,15 +221,37 @@ class VllmRun:
                 self.anomaly(started, label, f"client failed: {exc!r}")
             else:
                 self.records.append(record)
-                for problem in self.check(record):
+                for problem in self.check(record, self.struck(started, self.fleet.now())):
                     self.anomaly(started, label, problem)
             count += 1
 
-    def check(self, record: Record) -> list[str]:
+    def struck(self, from_s: float, to_s: float) -> int:
+        """The faults between ``from_s`` and ``to_s`` that lose the worker to the gateways:
+        a kill, a SIGTERM (its drain hands its replies over), a reset (its lease closes), a
+        stop or a cut of its links as long as the worker timeout (added latency: never)."""
+        timeout_s = Settings().worker_timeout_s
+        return sum(
+            from_s <= fault.at_s <= to_s
+            and (
+                fault.kind in ("worker_kill", "worker_term", "worker_reset")
+                or (fault.kind.startswith("worker_") and fault.held_s >= timeout_s)
+            )
+            and fault.kind != "worker_latency"
+            for fault in self.fleet.faults
+        )
+
+    def check(self, record: Record, struck: int) -> list[str]:
+        """``struck``: the faults that struck its worker while it ran. A reply the gateways
+        took over ``MAX_TAKEOVERS`` times ends ``worker_lost`` at the next loss of its
+        worker, as documented: allowed where more faults than that struck its worker (the
+        one worker here), and its ids up to there must be the uninterrupted reply's."""
         found = list(record.problems) + session_events([record])
-        if record.final != "done":
-            found.append(f"ended {record.final}: {json.dumps(record.final_data)[:200]}")
         expected = self.reference[record.content][: record.max_tokens]
+        code = record.final_data.get("code")
+        if record.final == "error" and code == "worker_lost" and struck > MAX_TAKEOVERS:
+            expected = expected[: len(token_ids(record))]
+        elif record.final != "done":
+            found.append(f"ended {record.final}: {json.dumps(record.final_data)[:200]}")
         got = token_ids(record)
         if got != expected:
             took = sum(
