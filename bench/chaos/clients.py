@@ -276,12 +276,16 @@ async def with_retries(
 ) -> Any:
     """``attempt(base_url)`` on a random replica until it is not refused, for 30 s at most
     from the first refusal, not counting the time Redis took no writes (a failover with no
-    primary yet, a restart, a pause: refused then as it should be); the time an attempt
-    was answered in does not count either: a reply slowed by faults is the run's 90 s
-    bound's to judge."""
+    primary yet, a restart, a pause: refused then as it should be) nor the waits after a
+    refusal by the key's own limits (its other clients hold its slots: the product's
+    promise is the limit, not which of them gets the next slot); the time an attempt was
+    answered in does not count either: a reply slowed by faults is the run's 90 s bound's
+    to judge."""
     first_refused_s: float | None = None
+    limited_s = 0.0
     url = ctx.other(rng)
     while True:
+        limited_before = record.rate_limited
         try:
             return await attempt(url)
         except Retry as retry:
@@ -292,10 +296,14 @@ async def with_retries(
             record.step(ctx.clock(), f"{url} {type(exc).__name__}")
         now_s = ctx.clock()
         first_refused_s = now_s if first_refused_s is None else first_refused_s
-        if now_s - first_refused_s - ctx.redis_away_s(first_refused_s, now_s) > REFUSED_FOR_S:
+        refused_s = now_s - first_refused_s - limited_s
+        if refused_s - ctx.redis_away_s(first_refused_s, now_s) > REFUSED_FOR_S:
             raise TimeoutError(f"refused for {REFUSED_FOR_S:.0f} s while Redis took writes")
         record.retries += 1
-        await asyncio.sleep(wait * rng.uniform(0.5, 1.0))
+        pause = wait * rng.uniform(0.5, 1.0)
+        if record.rate_limited > limited_before:
+            limited_s += pause
+        await asyncio.sleep(pause)
         url = ctx.other(rng, url)
 
 
