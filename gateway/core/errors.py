@@ -168,6 +168,13 @@ class BadEngineOutput(GatewayError):
     grpc_code = "INTERNAL"
 
 
+AGAIN_AFTER_S = 1
+"""``Retry-After`` (a WebSocket frame's ``retry_after_s``) of a refusal that clears by
+itself soon: Redis away, a gateway shutting down, a generation a worker or Redis lost, a
+session still busy with its last turn (there a hint only: a reply may run for minutes, and
+a client following the session's stream knows exactly when it ends)."""
+
+
 class Unavailable(GatewayError):
     status = 503
     ws_close_code = 4503
@@ -244,7 +251,7 @@ def keys_not_loaded() -> Unavailable:
         "the API keys are not loaded yet (Redis has not answered since the gateway "
         "started); try again",
         code="keys_not_loaded",
-        retry_after_s=1,
+        retry_after_s=AGAIN_AFTER_S,
     )
 
 
@@ -368,7 +375,7 @@ def as_gateway_error(exc: Exception) -> GatewayError:
         return BadRequest("the JSON body is nested too deeply", code="too_deep")
     if isinstance(exc, RedisError):
         log.warning("redis error while handling a request: %s", exc)
-        return Unavailable("Redis is unavailable; try again", retry_after_s=1)
+        return Unavailable("Redis is unavailable; try again", retry_after_s=AGAIN_AFTER_S)
     log.exception("unexpected error while handling a request", exc_info=exc)
     return GatewayError(f"internal error: {type(exc).__name__}")
 

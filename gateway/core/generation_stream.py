@@ -22,7 +22,7 @@ import anyio
 import msgspec
 
 from gateway.core.ask import GenerationAsk
-from gateway.core.errors import BadRequest, GatewayError, NotFound, Unavailable
+from gateway.core.errors import AGAIN_AFTER_S, BadRequest, GatewayError, NotFound, Unavailable
 from gateway.core.relay.feed import Feed
 from gateway.core.relay.hub import RelayHub
 from gateway.core.store.submitter import Submitted, Submitter
@@ -104,10 +104,6 @@ ENGINE_ERROR_STATUS = {
 """Engine error codes that are the client's fault; every other one is a 503."""
 
 
-RESEND_AFTER_S = 1
-"""``Retry-After`` of a whole answer whose generation did not finish."""
-
-
 def final_error(final: Error | Cancelled) -> GatewayError:
     """A generation that did not finish, as the error a non-streaming answer raises: a 503
     says when to send it again (a worker or Redis lost it, the gateway shut down), unless
@@ -116,11 +112,11 @@ def final_error(final: Error | Cancelled) -> GatewayError:
         return Unavailable(
             f"the generation was cancelled ({final.reason})",
             code="cancelled",
-            retry_after_s=RESEND_AFTER_S,
+            retry_after_s=AGAIN_AFTER_S,
         )
     if ENGINE_ERROR_STATUS.get(final.code) == 422:
         return BadRequest(final.message, code=final.code)
-    return Unavailable(final.message, code=final.code, retry_after_s=RESEND_AFTER_S)
+    return Unavailable(final.message, code=final.code, retry_after_s=AGAIN_AFTER_S)
 
 
 class Collector(Spelling[Collected, list[Collected]]):

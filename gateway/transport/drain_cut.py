@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from litestar.enums import ScopeType
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.core.errors import ShuttingDown
+from gateway.core.errors import AGAIN_AFTER_S, ShuttingDown
 
 
 class UnansweredRequests:
@@ -49,7 +49,7 @@ class UnansweredRequests:
                 raise
             task.uncancel()
             raise ShuttingDown(
-                "the gateway is shutting down; send the request again", retry_after_s=1
+                "the gateway is shutting down; send the request again", retry_after_s=AGAIN_AFTER_S
             ) from None
         finally:
             self._waiting.discard(task)

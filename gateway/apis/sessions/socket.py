@@ -51,6 +51,7 @@ from gateway.apis.sessions.routes import TokenQuery
 from gateway.core.ask import GenerationAsk
 from gateway.core.auth import ApiKeys, bearer
 from gateway.core.errors import (
+    AGAIN_AFTER_S,
     BadRequest,
     EventsLost,
     GatewayError,
@@ -163,7 +164,10 @@ class Connection:
             log.warning("redis error on a WebSocket frame: %s", exc)
             self._reply(
                 ErrorFrame(
-                    "unavailable", "Redis is unavailable; try again", id=frame.id, retry_after_s=1
+                    "unavailable",
+                    "Redis is unavailable; try again",
+                    id=frame.id,
+                    retry_after_s=AGAIN_AFTER_S,
                 )
             )
 
@@ -173,7 +177,8 @@ class Connection:
             raise BadRequest(f"generation {client_id!r} is still running", code="duplicate_id")
         if len(self._running) >= MAX_GENERATIONS:
             raise Overloaded(
-                f"at most {MAX_GENERATIONS} generations per socket at once", retry_after_s=1
+                f"at most {MAX_GENERATIONS} generations per socket at once",
+                retry_after_s=AGAIN_AFTER_S,
             )
 
     async def _generate(self, frame: GenerateFrame) -> None:

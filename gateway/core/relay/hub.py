@@ -31,7 +31,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 import wire
-from gateway.core.errors import EventsExpired, EventsLost, ShuttingDown, bad_event_id
+from gateway.core.errors import AGAIN_AFTER_S, EventsExpired, EventsLost, ShuttingDown, bad_event_id
 from gateway.core.ids import new_id
 from gateway.core.relay.feed import CATCH_UP_PAGE, LIVE_ONLY, NEW_SESSION, Feed, RelayEvent
 from gateway.core.relay.live import LiveSource, PlainLive
@@ -173,7 +173,7 @@ class RelayHub:
         would cancel it and answer a plain-text 500."""
         if self._cut_at is not None and time.monotonic() >= self._cut_at:
             raise ShuttingDown(
-                "the gateway is shutting down; send the request again", retry_after_s=1
+                "the gateway is shutting down; send the request again", retry_after_s=AGAIN_AFTER_S
             )
 
     async def start(self) -> None:

@@ -35,6 +35,7 @@ import redis.asyncio as aioredis
 
 from gateway.core.ask import GenerationAsk
 from gateway.core.errors import (
+    AGAIN_AFTER_S,
     BadRequest,
     Forbidden,
     Overloaded,
@@ -346,13 +347,13 @@ class Admission:
             return Overloaded(
                 f"{refusal.count} generations are in flight (limit {limit}, "
                 "TOKENSPOUT_MAX_INFLIGHT); try again shortly",
-                retry_after_s=1,
+                retry_after_s=AGAIN_AFTER_S,
             )
         limit = self.settings.max_inflight_per_model
         return Overloaded(
             f"{refusal.count} generations of {model!r} are in flight (limit {limit} per "
             "model, TOKENSPOUT_MAX_INFLIGHT_PER_MODEL); try again shortly",
-            retry_after_s=1,
+            retry_after_s=AGAIN_AFTER_S,
         )
 
     # --- the keys' admissions, for the reaper -------------------------------------------------

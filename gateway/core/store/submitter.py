@@ -31,7 +31,7 @@ import wire
 from gateway.core import tracing
 from gateway.core.ask import GenerationAsk, KeptSession
 from gateway.core.conversations import ConversationSettings
-from gateway.core.errors import BadRequest, Conflict, GatewayError, Unavailable
+from gateway.core.errors import AGAIN_AFTER_S, BadRequest, Conflict, GatewayError, Unavailable
 from gateway.core.ids import new_id
 from gateway.core.settings import Settings
 from gateway.core.store.admission import Admission, AdmissionObserver, Ticket
@@ -66,9 +66,6 @@ REQUEUE_WAIT_S = 10.0
 """How long a submit waits for Redis to take the request of a generation it has written."""
 ANSWERED_KEPT = 20_000
 """Session turns answered lately kept at most (a few seconds' worth, looked at each second)."""
-BUSY_RETRY_AFTER_S = 1
-"""``Retry-After`` of a 409 ``generation_running``: a hint only (a reply may run for minutes;
-a client that follows the session's stream knows exactly when it ends)."""
 
 
 class Submitted(msgspec.Struct, frozen=True):
@@ -436,7 +433,7 @@ class Submitter:
                 return Conflict(
                     f"generation {running} is still running in this session",
                     code="generation_running",
-                    retry_after_s=BUSY_RETRY_AFTER_S,
+                    retry_after_s=AGAIN_AFTER_S,
                 )
             case script.HistoryFull():
                 return BadRequest(
@@ -514,7 +511,7 @@ class Submitter:
             raise Unavailable(
                 "Redis went away while the request was queued; send it again with the "
                 "same Idempotency-Key",
-                retry_after_s=1,
+                retry_after_s=AGAIN_AFTER_S,
             ) from None
 
     async def _requeue_if_lost(self, turn: Turn, generation_id: str) -> None:
