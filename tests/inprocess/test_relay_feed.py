@@ -5,9 +5,9 @@ PUBLISH)."""
 from __future__ import annotations
 
 import asyncio
-import time
 import contextlib
 import secrets
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -481,6 +481,22 @@ async def test_a_stream_redis_lost_whole_then_made_anew_is_events_lost_for_a_fee
         feed.confirmed(True)
         with pytest.raises(EventsLost):
             await read(feed, 1)
+
+
+async def test_a_feed_opened_right_before_an_event_reads_from_it(
+    make_hub: HubFactory, session: Session, redis: aioredis.Redis
+) -> None:
+    """A WebSocket turn reads its session from the id right before its ``queued`` event
+    (``wire.just_before``): the session's first event, or one after others. Neither is an
+    event of the stream, and neither is a loss."""
+    await redis.hset(session.keys.meta(SESSION), "created", time.time())  # as sessions do
+    hub = await make_hub()
+    first = await session.tokens(1)
+    async with hub.open(SESSION, wire.just_before(first[0])) as feed:
+        assert ids(await read(feed, 1)) == first
+    later = await session.tokens(2)
+    async with hub.open(SESSION, wire.just_before(later[0])) as feed:
+        assert ids(await read(feed, 2)) == later
 
 
 @pytest.mark.parametrize(

@@ -75,12 +75,13 @@ def check_event_id(given: str) -> None:
 
 
 def _check_position(
-    stream_info: dict[str, object], after_id: str, held: bool, created: bytes | None
+    stream_info: dict[str, object], after_id: str, known: bool, created: bytes | None
 ) -> None:
     """Raise ``EventsLost`` when ``after_id`` is past the last id the stream ever made (it
     could only have come from a stream Redis since lost, or from nowhere: a reader would
-    wait for ever, every later event sorting before it), or is within the stream but none
-    of its events (``held``: the stream holds an event of that id), or made after the
+    wait for ever, every later event sorting before it), or is within the stream but
+    ``known`` to it neither as an event nor as the id right before one (``just_before``: a
+    WebSocket turn reads from its ``queued`` event so), or is such an id made after the
     session was (``created``, its meta's) but before a stream that never dropped an event:
     Redis lost it, and may have written new events since (a lost turn submitted again, its
     reply from the start; an id before the session, ``0-0`` say, reads it from its start);
@@ -104,9 +105,10 @@ def _check_position(
             )
         # Made since the session was, before a stream that never dropped an event: one made
         # anew after Redis lost the old (a lost turn submitted again, its reply from the start).
-        if created is not None and entry_id_key(after_id)[0] >= float(created) * 1000:
+        made_since = created is not None and entry_id_key(after_id)[0] >= float(created) * 1000
+        if made_since and not known:
             raise EventsLost(after_id, last_id, missing=True)
-    elif not held:
+    elif not known:
         raise EventsLost(after_id, last_id, missing=True)
 
 
@@ -262,7 +264,10 @@ class RelayHub:
                     return []
             entries = wire.entries_of(page)
             held = bool(entries) and _same_id(entries[0][0], after_id)
-            _check_position(info, after_id, held, created)
+            right_before = bool(entries) and _same_id(
+                wire.just_before(wire.text(entries[0][0])), after_id
+            )
+            _check_position(info, after_id, held or right_before, created)
             entries = entries[1:] if held else entries[:CATCH_UP_PAGE]
         events = [
             RelayEvent(
