@@ -90,6 +90,9 @@ async def test_generations_share_a_socket_by_id_and_a_cancel_stops_only_its_own(
             ack = await ws2.generate("next", "another turn", session_id=session_c.session_id)
             assert ack["type"] == "ack" and "token" not in ack
             assert (await ws2.final_of("next"))["type"] == "done"
+            # A turn after others reads from right before its queued event: no loss there.
+            kinds = [f["type"] for f in ws2.frames["next"]]
+            assert kinds[:3] == ["ack", "queued", "started"] and "events_lost" not in kinds
             wrong = await ws2.generate("x", "hi", session_id=a["session_id"])
             assert wrong["type"] == "error" and wrong["code"] == "bad_session_token"
         finally:
