@@ -299,7 +299,12 @@ class JobTable:
         )
         state = wire.final_state(event)
         if written is None:  # it ended elsewhere, or is not this worker's: not counted here
-            log.info("%s: its %s event was refused", job.generation_id, state)
+            log.info(
+                "%s: its %s event was refused (%s)",
+                job.generation_id,
+                state,
+                await self._standing(job),
+            )
             return
         self.ends.add(job, event, job.events, assistant)
         self.metrics.generations.labels(state).inc()
@@ -310,6 +315,13 @@ class JobTable:
         if job.trace is not None:
             job.trace.ended(state, reason, job.prompt_tokens, job.emitted_tokens)
         log.info("generation ended", extra=job.end_line(self.backend.model, state, reason))
+
+    async def _standing(self, job: Job) -> str:
+        """Where ``job``'s generation stands in Redis, for the log of a refused event."""
+        try:
+            return await self.generations.standing(job.session_id, job.generation_id)
+        except (RedisError, OSError) as exc:
+            return f"unread: {exc}"
 
     async def _ran(self, request: GenerationRequest, reply: str) -> None:
         """Tell the take policy what ran here (its engine's cache holds it now): a failure

@@ -36,6 +36,7 @@ from wire.outcomes import (
     TakeoverReply,
 )
 from wire.queue import RequestQueue
+from wire.replies import text
 from wire.scripts import (
     AdmitInSubmit,
     Cancel,
@@ -310,6 +311,20 @@ class Generations:
             ]
         )
         return ended
+
+    async def standing(self, session_id: str, generation_id: str) -> str:
+        """Where a generation stands, as its hash says (state, owner, epoch, a cancel asked,
+        ended): what a writer whose event was refused logs. "gone" when Redis holds no
+        such generation."""
+        fields = ("state", "worker", "takeovers", "cancel", "final_id")
+        values = await self.redis.hmget(self.keys.generation(session_id, generation_id), fields)
+        if values[0] is None:
+            return "gone"
+        return " ".join(
+            f"{field}={text(value)}"
+            for field, value in zip(fields, values, strict=True)
+            if value  # none, or emptied (a takeover's worker)
+        )
 
     async def count_usage(self, session_id: str, generation_id: str) -> bool:
         """Count an ended generation's usage where no writer did (its writer was lost

@@ -75,6 +75,9 @@ class Generation:
     """The final events its stream holds (one for a generation that ended)."""
     final_ms: int = 0
     """When its final event was written (its stream id, Redis's clock)."""
+    where: str = ""
+    """Where its hash says it stands (``STANDING`` fields): the story of one that never
+    ended."""
 
     @property
     def ended(self) -> bool:
@@ -112,10 +115,16 @@ class Generation:
     def describe(self) -> str:
         prompt, completion = self.delivered()
         billed = self.billed()
+        where = f", its hash: {self.where}" if self.final is None else ""
         return (
             f"{self.generation_id} (session {self.session_id}, {self.end}): delivered "
-            f"{prompt}+{completion}, its final billed {billed[0]}+{billed[1]}"
+            f"{prompt}+{completion}, its final billed {billed[0]}+{billed[1]}{where}"
         )
+
+
+STANDING = ("state", "worker", "takeovers", "from", "cancel", "seq", "queue", "queued_id")
+"""Fields of a generation's hash that say where it stands (wire/lua/submit.lua, emit_event.lua,
+takeover.lua)."""
 
 
 def read_generations(redis_url: str, keys: Keys) -> dict[str, Generation]:
@@ -129,7 +138,7 @@ def read_generations(redis_url: str, keys: Keys) -> dict[str, Generation]:
         for chunk in _batches(names):
             with client.pipeline(transaction=False) as pipe:
                 for name in chunk:
-                    pipe.hmget(name, ["tenant", "bill", "final", "usage"])
+                    pipe.hmget(name, ["tenant", "bill", "final", "usage", *STANDING])
                 _read_hashes(chunk, pipe.execute(), found)
         for chunk in _batches(sorted({g.session_id for g in found.values()})):
             with client.pipeline(transaction=False) as pipe:
@@ -146,13 +155,18 @@ def _batches(items: list[str]) -> Iterator[list[str]]:
 
 
 def _read_hashes(names: list[str], replies: list[Any], into: dict[str, Generation]) -> None:
-    for name, (tenant, bill, final, recorded) in zip(names, replies, strict=True):
+    for name, (tenant, bill, final, recorded, *standing) in zip(names, replies, strict=True):
         session_id = name[name.index("{") + 1 : name.index("}")]
         generation = Generation(session_id, name.rsplit(":gen:", 1)[1])
         generation.tenant = tenant.decode() if tenant else ""
         generation.bill = bill.decode() if bill else "all"
         generation.final = json.loads(final) if final else None
         generation.recorded = json.loads(recorded) if recorded else None
+        generation.where = " ".join(
+            f"{field}={value.decode()}"
+            for field, value in zip(STANDING, standing, strict=True)
+            if value is not None
+        )
         into[generation.generation_id] = generation
 
 

@@ -10,6 +10,7 @@ import redis.asyncio as aioredis
 
 from tests.support.submit import Gateway, gateway
 from wire import Cancelled, GenerationRequest, SessionEvent, Started, Token, Usage
+from wire.generations import Generations
 from wire.outcomes import CancelAsked, SignalWorker
 from wire.scripts import Cancel, Emit, Takeover
 
@@ -81,3 +82,17 @@ async def test_a_worker_stopping_its_own_cancelled_reply_keeps_it(redis: aioredi
     assert await take_over(g, request, lost=False) == CancelAsked("user")
     more = Token(request.generation_id, "b", 2)
     assert await worker_writes(g, request, more, 3)
+
+
+async def test_a_writer_refused_can_say_where_its_generation_stands(
+    redis: aioredis.Redis,
+) -> None:
+    """What a worker logs when its event is refused (wire/generations.py ``standing``)."""
+    g = await gateway(redis)
+    request = await running_with_cancel_asked(g)
+    generations = Generations(redis, g.keys)
+    sid, gid = request.session_id, request.generation_id
+    assert await generations.standing(sid, gid) == f"state=running worker={WORKER} cancel=user"
+    assert await take_over(g, request, lost=True) == CancelAsked("user")
+    assert await generations.standing(sid, gid) == "state=queued cancel=user"
+    assert await generations.standing(sid, "g_none") == "gone"
