@@ -483,6 +483,24 @@ async def test_a_stream_redis_lost_whole_then_made_anew_is_events_lost_for_a_fee
             await read(feed, 1)
 
 
+async def test_a_feed_whose_stream_redis_lost_while_its_session_stayed_raises_events_lost(
+    make_hub: HubFactory, session: Session, redis: aioredis.Redis
+) -> None:
+    """A crash's last second took the session's stream (its first turn) but not the session:
+    the feed had read events of it live. Back, it finds no stream: a turn submitted again
+    would write a new one after its id, the reply from its start, read on as if it went
+    on; it is told instead. (With the session gone too, its reader is told that.)"""
+    await redis.hset(session.keys.meta(SESSION), "created", time.time())  # as sessions do
+    hub = await make_hub()
+    async with hub.open(SESSION, None) as feed:
+        await subscribed(feed, session)
+        await redis.delete(session.keys.events(SESSION))
+        feed.confirmed(False)  # what the hub does when its connection breaks, and is back
+        feed.confirmed(True)
+        with pytest.raises(EventsLost):
+            await read(feed, 1)
+
+
 async def test_a_feed_opened_right_before_an_event_reads_from_it(
     make_hub: HubFactory, session: Session, redis: aioredis.Redis
 ) -> None:

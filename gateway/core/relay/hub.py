@@ -256,12 +256,19 @@ class RelayHub:
                 pipe.xrange(key, min=after_id, count=CATCH_UP_PAGE + 1)
                 pipe.xinfo_stream(key)
                 pipe.hget(self.keys.meta(session_id), "created")
-                try:
-                    page, info, created = await pipe.execute()
-                except RedisError as exc:
-                    if "no such key" not in str(exc).lower():
-                        raise
+                page, info, created = await pipe.execute(raise_on_error=False)
+            if isinstance(info, RedisError):
+                if "no such key" not in str(info).lower():
+                    raise info
+                if created is None:  # no session either: its reader is told it is lost
                     return []
+                # The session is there, its stream is not: Redis lost it (its last second
+                # before a crash), and the feed read events of it. A turn submitted again
+                # would write a new one, the reply from its start, after this feed's id.
+                info = NO_STREAM
+            for reply in (page, created):
+                if isinstance(reply, RedisError):
+                    raise reply
             entries = wire.entries_of(page)
             held = bool(entries) and _same_id(entries[0][0], after_id)
             right_before = bool(entries) and _same_id(
