@@ -114,7 +114,9 @@ class Run:
             self.anomaly(started, label, f"client gave up (timeout): {self.state_of(label)}")
         except Exception as exc:
             detail = "".join(traceback.format_exception_only(exc)).strip()
-            self.anomaly(started, label, f"client failed: {detail}")
+            where = traceback.extract_tb(exc.__traceback__)[-1]
+            at = f"{Path(where.filename).name}:{where.lineno} ({where.name})"
+            self.anomaly(started, label, f"client failed at {at}: {detail}")
 
     def state_of(self, label: str) -> str:
         """What a hung client's replies had got, and what Redis holds of their generation."""

@@ -658,12 +658,13 @@ async def _queued_generation(ctx: Context, rng: random.Random, record: Record) -
                     await asyncio.sleep(0.5)
                     continue
                 async with asyncio.timeout(2):
-                    async for _id, _event, data in sse_events(response):
+                    async for _id, event, data in sse_events(response):
                         payload = json.loads(data)
-                        if (code := payload.get("code")) in LOSSES:  # lost as it opened
-                            record.told_lost(ctx.clock(), str(code), since, url)
+                        if "generation_id" not in payload:  # the stream's own: a loss
+                            code = str(error_code(payload) or event)  # session_lost ...
+                            record.told_lost(ctx.clock(), code, since, url)
                             record.final = "lost"
-                            raise SessionGone(str(code))
+                            raise SessionGone(code)
                         return str(payload["generation_id"])
         except TimeoutError:
             record.step(ctx.clock(), "no generation on the stream")
