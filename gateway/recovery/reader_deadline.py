@@ -92,13 +92,17 @@ class ReaderDeadline:
 
     async def requeue_lost(self) -> int:
         """Queue again the generations waiting ``REQUEUE_AFTER_S`` whose request is in no
-        queue, and end those with nothing kept to queue again; each is looked at once.
+        queue, and end those with nothing kept to queue again; each is looked at once (once
+        Redis answered about it).
         Returns how many were queued again or ended."""
         repaired = 0
         since = time.time() - REQUEUE_AFTER_S
         for session_id, generation_id in self.waiting.queued_before(since, requeued=False):
-            self.waiting.requeued(session_id, generation_id)
+            # Marked once looked at, not before: one Redis could not be asked about (a
+            # failover with no primary yet) is looked at again at the next check, or its
+            # continuation, lost with the old primary, would wait in no queue for ever.
             repair = await self.stranded.requeue_lost(session_id, generation_id)
+            self.waiting.requeued(session_id, generation_id)
             if repair == "requeued":
                 repaired += 1
                 log.warning(
