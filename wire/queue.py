@@ -331,8 +331,15 @@ class RequestQueue:
         reply = await self.redis.xclaim(self.key, CONSUMER_GROUP, consumer, idle_ms, [entry_id])
         return entries_of(reply)
 
-    async def forget_consumer(self, consumer: str) -> None:
+    async def forget_consumer(self, consumer: str) -> bool:
+        """Drop ``consumer`` from the group once it holds nothing pending; whether it was.
+        Deleting a consumer deletes what it holds with it (``XGROUP DELCONSUMER``): a
+        request the reaper claimed and could not hand on yet (Redis refused its TAKEOVER)
+        would be pending under no one, its reply left running for ever."""
+        if await self.pending_of(consumer):
+            return False
         await self.redis.xgroup_delconsumer(self.key, CONSUMER_GROUP, consumer)
+        return True
 
     async def waiting_after(self) -> str | None:
         """Where the requests no worker took yet begin: the group's last-delivered id (""
