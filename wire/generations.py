@@ -32,7 +32,9 @@ from wire.outcomes import (
     AlreadyFinal,
     CancelledQueued,
     CancelReply,
+    NotStarted,
     SubmitReply,
+    TakenOver,
     TakeoverReply,
 )
 from wire.queue import RequestQueue
@@ -254,6 +256,12 @@ class Generations:
         )
         if isinstance(reply, AlreadyFinal):
             await self._usage.after_final(session_id, generation_id)
+        if isinstance(reply, NotStarted) and reply.takeovers and reply.from_worker == worker:
+            # This very TAKEOVER, run again: the client sends a command again when the
+            # connection drops before its reply. The first run took it from ``worker``;
+            # answered "queued", a worker stopping its own reply would drop it and queue
+            # nothing, the reply left queued for ever (chaos soak, cluster, seed 3).
+            return TakenOver(reply.takeovers, reply.from_worker)
         return reply
 
     async def keep_continuation(self, queue: RequestQueue, request: GenerationRequest) -> None:

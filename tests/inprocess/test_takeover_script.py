@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 from tests.support.submit import Gateway, gateway
 from wire import Cancelled, GenerationRequest, SessionEvent, Started, Token, Usage
 from wire.generations import Generations
-from wire.outcomes import CancelAsked, SignalWorker
+from wire.outcomes import CancelAsked, NotStarted, SignalWorker, TakenOver
 from wire.scripts import Cancel, Emit, Takeover
 
 WORKER = "w"
@@ -96,3 +96,23 @@ async def test_a_writer_refused_can_say_where_its_generation_stands(
     assert await take_over(g, request, lost=True) == CancelAsked("user")
     assert await generations.standing(sid, gid) == "state=queued cancel=user"
     assert await generations.standing(sid, "g_none") == "gone"
+
+
+async def test_a_takeover_sent_again_after_its_reply_was_lost_is_the_same_takeover(
+    redis: aioredis.Redis,
+) -> None:
+    """The client sends a command again when the connection drops before its reply: the
+    second TAKEOVER of a worker stopping its own reply finds it queued from that worker.
+    That is the takeover the worker asked for, not a reply someone else queued (answered
+    "queued", the worker dropped it and queued no continuation: queued for ever)."""
+    g = await gateway(redis)
+    request = await g.send("t")
+    sid, gid = request.session_id, request.generation_id
+    assert await worker_writes(g, request, Started(gid, "m", 2), 1)
+    generations = Generations(redis, g.keys)
+    stop = {"worker": WORKER, "max_takeovers": 3, "preempted": True}
+    first = await generations.take_over(sid, gid, **stop)  # type: ignore[arg-type]
+    again = await generations.take_over(sid, gid, **stop)  # type: ignore[arg-type]
+    assert first == again == TakenOver(1, WORKER)
+    other = await generations.take_over(sid, gid, worker="another", max_takeovers=3)
+    assert other == NotStarted(1, WORKER)  # queued from WORKER: not this caller's
