@@ -285,7 +285,7 @@ async def with_retries(
     limited_s = 0.0
     url = ctx.other(rng)
     while True:
-        limited_before = record.rate_limited
+        limited_before, sent_s = record.rate_limited, ctx.clock()
         try:
             return await attempt(url)
         except Retry as retry:
@@ -295,13 +295,16 @@ async def with_retries(
             wait = 0.2
             record.step(ctx.clock(), f"{url} {type(exc).__name__}")
         now_s = ctx.clock()
+        limited = record.rate_limited > limited_before
+        if limited:  # the whole attempt: a limit's answer may come late under faults
+            limited_s += now_s - sent_s
         first_refused_s = now_s if first_refused_s is None else first_refused_s
         refused_s = now_s - first_refused_s - limited_s
         if refused_s - ctx.redis_away_s(first_refused_s, now_s) > REFUSED_FOR_S:
             raise TimeoutError(f"refused for {REFUSED_FOR_S:.0f} s while Redis took writes")
         record.retries += 1
         pause = wait * rng.uniform(0.5, 1.0)
-        if record.rate_limited > limited_before:
+        if limited:
             limited_s += pause
         await asyncio.sleep(pause)
         url = ctx.other(rng, url)
