@@ -124,6 +124,15 @@ async def read(feed: Feed, count: int, timeout: float = 10) -> list[list[RelayEv
     return batches
 
 
+async def told_events_lost_once_back(feed: Feed) -> None:
+    """The hub's connection breaks and is back (what it tells each feed): the feed's next
+    read says ``events_lost``."""
+    feed.confirmed(False)
+    feed.confirmed(True)
+    with pytest.raises(EventsLost):
+        await read(feed, 1)
+
+
 def ids(batches: list[list[RelayEvent]]) -> list[str]:
     return [event.id for batch in batches for event in batch]
 
@@ -423,10 +432,7 @@ async def test_a_feed_whose_stream_came_back_without_its_last_events_raises_even
         first = (await redis.xrange(key, count=1))[0]
         await redis.delete(key)
         await redis.xadd(key, first[1], id=first[0])
-        feed.confirmed(False)  # what the hub does when its connection breaks, and is back
-        feed.confirmed(True)
-        with pytest.raises(EventsLost):
-            await read(feed, 1)
+        await told_events_lost_once_back(feed)
 
 
 async def test_a_resume_point_redis_lost_is_events_lost_though_new_events_follow_it(
@@ -450,10 +456,7 @@ async def test_a_resume_point_redis_lost_is_events_lost_though_new_events_follow
             await hub.check_resumable(SESSION, wire.text(lost[0]))
         assert "is no event of this stream" in caught.value.message
         await hub.check_resumable(SESSION, wire.text(kept[0]))  # kept: nothing is missing
-        feed.confirmed(False)  # what the hub does when its connection breaks, and is back
-        feed.confirmed(True)
-        with pytest.raises(EventsLost):
-            await read(feed, 1)
+        await told_events_lost_once_back(feed)
 
 
 async def test_a_stream_redis_lost_whole_then_made_anew_is_events_lost_for_a_feed_behind_it(
@@ -477,10 +480,7 @@ async def test_a_stream_redis_lost_whole_then_made_anew_is_events_lost_for_a_fee
             await hub.check_resumable(SESSION, wire.text(seen))
         assert "is no event of this stream" in caught.value.message
         await hub.check_resumable(SESSION, "0-1")
-        feed.confirmed(False)  # what the hub does when its connection breaks, and is back
-        feed.confirmed(True)
-        with pytest.raises(EventsLost):
-            await read(feed, 1)
+        await told_events_lost_once_back(feed)
 
 
 async def test_a_feed_whose_stream_redis_lost_while_its_session_stayed_raises_events_lost(
@@ -495,10 +495,7 @@ async def test_a_feed_whose_stream_redis_lost_while_its_session_stayed_raises_ev
     async with hub.open(SESSION, None) as feed:
         await subscribed(feed, session)
         await redis.delete(session.keys.events(SESSION))
-        feed.confirmed(False)  # what the hub does when its connection breaks, and is back
-        feed.confirmed(True)
-        with pytest.raises(EventsLost):
-            await read(feed, 1)
+        await told_events_lost_once_back(feed)
 
 
 async def test_a_feed_opened_right_before_an_event_reads_from_it(
