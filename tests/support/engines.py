@@ -16,9 +16,9 @@ import httpx
 from engine.model import MODEL_NAME
 from tests.support.http import Reading, Session, cancel
 from tests.support.metrics import sample, scrape_blocking, value
-from tests.support.redis_probes import after_final, stream_entries, stream_events
+from tests.support.redis_probes import after_final, async_client, stream_entries, stream_events
 from tests.support.stack import Gateway, Stack
-from wire import entry_ms
+from wire import Keys, entry_ms
 
 LONG = 1500
 """max_tokens of a generation every test cancels: minutes of decoding for vLLM here (10-20
@@ -143,11 +143,30 @@ async def still_running(
 ) -> None:
     """The premise of a cancel mid-reply: the engine still holds the reply its reader has
     begun. Failing, it says when each of the session's events was written and read."""
+    began = time.monotonic()
     try:
         await engine.wait_running(1)
+        print(
+            f"the engine held the reply {time.monotonic() - began:.1f} s after its reader's token"
+        )
     except AssertionError as exc:
         events = await timeline(engine, session_id, reading)
         raise AssertionError(f"{exc}\nthe session's events:\n{events}") from None
+
+
+async def story_of(
+    engine: EngineUnderTest, session_id: str, gid: str, reading: Reading | None = None
+) -> str:
+    """For a failed check on a reply: its generation's record in Redis (its state, worker,
+    takeovers) and its session's timeline."""
+    redis = async_client(engine.stack.redis_url)
+    try:
+        record = await redis.hgetall(Keys(engine.stack.prefix).generation(session_id, gid))
+    finally:
+        await redis.aclose()
+    fields = {k.decode(): v.decode()[:200] for k, v in record.items()}
+    events = await timeline(engine, session_id, reading)
+    return f"the generation: {fields}\nthe session's events:\n{events}"
 
 
 async def nothing_after_the_final(engine: EngineUnderTest, session_id: str, gid: str) -> None:

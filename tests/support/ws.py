@@ -75,5 +75,10 @@ class WsClient:
 
 
 async def open_ws(base: str, token: str | None = None, **options: Any) -> WsClient:
+    """A socket that keeps reading while the test awaits something else, as a browser's
+    does: past ``max_queue`` unread frames the library stops reading the socket, so the
+    gateway's keepalive pings go unanswered and it closes the socket (1011) 20 s on. A test
+    of a reader that stops passes its own ``max_queue``."""
+    options.setdefault("max_queue", None)
     conn = await connect(ws_url(base, token), **options)
     return WsClient(conn)
