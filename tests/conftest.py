@@ -18,7 +18,6 @@ import redis.asyncio as aioredis
 from stack.redis_cluster import EmbeddedCluster
 from stack.redis_sentinel import EmbeddedSentinel
 from stack.redis_server import EmbeddedRedis, free_port
-from tests.support.compose import REPORTS
 from tests.support.engines import RUNNING, SYNTHETIC_TOKENS_PER_S, EngineUnderTest
 from tests.support.stack import VLLM_LOCK, Gateway, Stack, VllmStack
 
@@ -223,9 +222,26 @@ def pytest_report_header() -> str:
     return f"tokenspout tests: real Redis, real processes (pid {os.getpid()})"
 
 
+REPORTED = ("compose run",)
+"""Properties a test records (``request.node.user_properties``) that the session prints at
+its end, pass or fail: CI's log keeps the compose run's build and up times. They come with
+the test's reports, so a run's worker processes (pytest-xdist) send them too."""
+_reported: list[str] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "teardown":
+        _reported.extend(
+            f"{name} {line}" for name, line in report.user_properties if name in REPORTED
+        )
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    for line in REPORTS:
-        terminalreporter.write_line(f"compose run {line}")
+    for line in _reported:
+        terminalreporter.write_line(line)
+
+
+VLLM_MARKS = ("vllm", "own_vllm", "ends_vllm", "containers")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -239,3 +255,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return 2 if item.get_closest_marker("ends_vllm") else 1
 
     items.sort(key=place)
+    # `make test` runs two processes (pytest-xdist, --dist loadgroup): every test that runs a
+    # vLLM engine goes to one of them, in the order above, so one engine runs at a time and
+    # the session's is started once.
+    for item in items:
+        if any(map(item.get_closest_marker, VLLM_MARKS)):
+            item.add_marker(pytest.mark.xdist_group("vllm"))

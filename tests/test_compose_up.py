@@ -26,7 +26,6 @@ from stack.redis_server import free_port
 from tests.support import standins
 from tests.support.compose import (
     MODEL,
-    REPORTS,
     ComposeRun,
     active_streams,
     assert_gap_free,
@@ -52,7 +51,7 @@ from tests.support.ws import open_ws
 
 
 @pytest.fixture
-def compose_run(tmp_path: Path) -> Iterator[ComposeRun]:
+def compose_run(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[ComposeRun]:
     """Images built (cached after the first time), the CPU stack up with two gateways."""
     began = time.monotonic()
     built = standins.prepare()  # first: on a fresh machine it installs podman itself
@@ -106,8 +105,9 @@ def compose_run(tmp_path: Path) -> Iterator[ComposeRun]:
             finally:
                 run.sweep()
                 fcntl.flock(lock, fcntl.LOCK_UN)
-                REPORTS.append(f"checks passed: {json.dumps(run.checks)}")
-                REPORTS.append(f"timings: {json.dumps(run.timings)}")
+                report = request.node.user_properties  # printed by tests/conftest.py
+                report.append(("compose run", f"checks passed: {json.dumps(run.checks)}"))
+                report.append(("compose run", f"timings: {json.dumps(run.timings)}"))
 
 
 @pytest.mark.containers

@@ -23,9 +23,6 @@ from tests.support.sse import Event
 ROOT = standins.ROOT
 STANDIN_OVERRIDE = ROOT / "docker" / "standins" / "compose.podman.yaml"
 MODEL = "SmolLM2-135M-Instruct"
-# What each real run checked and how long its steps took, printed at the end of the pytest
-# session (tests/conftest.py), pass or fail: CI's log keeps the build and up times.
-REPORTS: list[str] = []
 
 
 @dataclass
