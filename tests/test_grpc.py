@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import signal
 import time
+from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import httpx
@@ -15,6 +18,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import InferenceServerException
 
+from gateway.transport.http2 import REFUSAL_HOLD_S
 from stack import processes
 from tests.support.engines import STOP_WITHIN_S
 from tests.support.oracle import synthetic_text, synthetic_tokens
@@ -285,6 +289,59 @@ def test_with_api_keys_rpcs_without_the_key_are_unauthenticated(stack: Stack) ->
         assert client.is_model_ready("synthetic", headers=keyed) is True
     finally:
         client.close()
+
+
+async def test_a_refused_streams_status_reaches_the_client_that_is_still_sending(
+    stack: Stack,
+) -> None:
+    """grpcio's asyncio client sends a stream's requests in operations of their own; one
+    under way when the status came failed, and the call ended INTERNAL "Internal error from
+    Core" (3 to 19 of 200 here, before the gateway held its refusals until the client had
+    sent).
+    A client that keeps its side open gets the status ``REFUSAL_HOLD_S`` on."""
+    stack.synthetic(200)
+    gateway = stack.gateway(grpc=True, TOKENSPOUT_API_KEYS="grpc-key")
+    identity = lambda message: message  # noqa: E731
+    request = sent(llm_inputs("hi", 3), model="synthetic").SerializeToString()
+    wrong = (("authorization", "Bearer wrong"),)
+    open_for_s = REFUSAL_HOLD_S + 5
+
+    async def one_request() -> AsyncIterator[bytes]:
+        yield request
+
+    answered, closed = asyncio.Event(), asyncio.Event()
+
+    async def one_then_open() -> AsyncIterator[bytes]:
+        try:
+            yield request
+            async with asyncio.timeout(open_for_s):  # open until the status came
+                await answered.wait()
+        finally:
+            closed.set()  # grpc's task that sends these ends in the same step
+
+    async def status_of(call: Any) -> grpc.StatusCode:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in call:
+                pass
+        return refused.value.code()
+
+    async with grpc.aio.insecure_channel(gateway.grpc_url) as channel:
+        stream = channel.stream_stream(
+            "/inference.GRPCInferenceService/ModelStreamInfer",
+            request_serializer=identity,
+            response_deserializer=pb.ModelStreamInferResponse.FromString,
+        )
+        codes = collections.Counter(
+            [await status_of(stream(one_request(), metadata=wrong)) for _ in range(200)]
+        )
+        assert codes == {grpc.StatusCode.UNAUTHENTICATED: 200}, codes
+
+        began = time.monotonic()
+        held = stream(one_then_open(), metadata=wrong)
+        assert await status_of(held) == grpc.StatusCode.UNAUTHENTICATED
+        assert REFUSAL_HOLD_S <= time.monotonic() - began < open_for_s
+        answered.set()
+        await closed.wait()
 
 
 def test_a_stream_that_outlasts_the_gateways_shutdown_grace_ends_shutting_down(

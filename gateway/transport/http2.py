@@ -47,6 +47,12 @@ log = logging.getLogger("tokenspout.grpc")
 
 MAX_CONCURRENT_STREAMS = 4096
 """Calls one connection may run at once (a load generator runs hundreds on one channel)."""
+REFUSAL_HOLD_S = 1.0
+"""How long a call refused before its first response waits for the client to end its side
+(after its requests) before the status goes out. grpcio's asyncio client sends a stream's
+requests in operations of their own: one still under way when the status comes fails, and
+the call ends ``INTERNAL`` "Internal error from Core" in place of the status (3 to 19 of
+200 refused streams here), so a client would not see the ``UNAVAILABLE`` it retries."""
 MAX_QUEUED_MESSAGES = 256
 """Requests a call has received and not read: past it the call ends ``RESOURCE_EXHAUSTED``."""
 RECEIVE_WINDOW = 1 << 20
@@ -134,6 +140,7 @@ class Call:
         self._unsent = bytearray()
         """Framed response bytes waiting for flow-control window."""
         self._drained: asyncio.Future[None] | None = None
+        self._client_closed = asyncio.Event()
 
     # --- the method's side ---------------------------------------------------------------
 
@@ -159,6 +166,12 @@ class Call:
             await self._until_drained()
         if connection.paused:
             await connection.until_writable()
+
+    async def until_client_done(self, within_s: float) -> None:
+        """Until the client ended its side of the stream (or reset it), at most ``within_s``."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(within_s):
+                await self._client_closed.wait()
 
     async def _until_drained(self) -> None:
         if self._drained is None:
@@ -210,11 +223,13 @@ class Call:
         if self._received:
             raise GrpcError(StatusCode.INTERNAL, "the request stream ended inside a message")
         self.client_done = True
+        self._client_closed.set()
         self._messages.put_nowait(None)
 
     def gone(self) -> None:
         """The stream is reset or its connection lost: stop the method."""
         self.ended = self.client_done = True
+        self._client_closed.set()
         self._unsent.clear()
         self.drained()
         self.stop_method()
@@ -359,7 +374,20 @@ class GrpcConnection(asyncio.Protocol):
         call.task.add_done_callback(self.server.running.discard)
 
     def _refuse(self, stream_id: int, code: StatusCode, message: str) -> None:
-        self.h2.send_headers(stream_id, _trailers_only(code, message), end_stream=True)
+        """A call refused as it opens, its status held as any refusal's (``_refused``)."""
+        call = Call(self, stream_id, {})
+        self.calls[stream_id] = call
+        call.task = asyncio.create_task(self._hold_refusal(call, GrpcError(code, message)))
+        self.server.running.add(call.task)
+        call.task.add_done_callback(self.server.running.discard)
+
+    async def _hold_refusal(self, call: Call, error: GrpcError) -> None:
+        try:
+            await self._refused(call, error)
+        finally:
+            if not call.ended:  # reset meanwhile, or the server stopped it
+                call.gone()
+            self.calls.pop(call.stream_id, None)
 
     def _answer_http(self, stream_id: int, status: str) -> None:
         self.h2.send_headers(stream_id, [(":status", status)], end_stream=True)
@@ -373,7 +401,7 @@ class GrpcConnection(asyncio.Protocol):
             await method(call)
             self.end(call, StatusCode.OK, "")
         except GrpcError as error:
-            self.end(call, error.code, error.message)
+            await self._refused(call, error)
         except asyncio.CancelledError:
             if not call.past_deadline:
                 # The client reset the stream or went away, or the server stops (and
@@ -396,6 +424,13 @@ class GrpcConnection(asyncio.Protocol):
                 code = call.status[0]
                 status = {"rpc.grpc.status_code": code.value}
                 trace.end(path.lstrip("/"), code in SERVER_FAULTS, status)
+
+    async def _refused(self, call: Call, error: GrpcError) -> None:
+        """End ``call`` with ``error``'s status; one refused before any response first
+        waits (``REFUSAL_HOLD_S`` at most) for the client to have sent its requests."""
+        if not call.headers_sent:
+            await call.until_client_done(REFUSAL_HOLD_S)
+        self.end(call, error.code, error.message)
 
     # --- frames out ----------------------------------------------------------------------
 
