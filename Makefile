@@ -72,12 +72,12 @@ lint: setup
 typecheck: setup
 	$(PY) -m mypy
 
-# Two test processes: the suite waits on processes and sockets more than it computes (one
-# process kept 0.76 of the two cores busy). Every vLLM test goes to one of them (its group,
-# tests/conftest.py); TEST_PROCESSES=0 runs all in this one.
+# Two test processes (pytest-xdist): the suite waits on processes and sockets more than it
+# computes (one process kept 0.76 of the two cores busy). Every test that runs a vLLM engine
+# goes to one of them (tests/support/groups.py); TEST_PROCESSES=0 runs all in this one.
 TEST_PROCESSES ?= 2
 pytest: setup
-	$(PY) -m pytest -n $(TEST_PROCESSES) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_PROCESSES) $(PYTEST_ARGS)
 
 # Open streams and fan-out saturation of one gateway process (python -m bench), end to end
 # against the engine alone (bench.e2e), what a request costs (bench.requests), bursts at a

@@ -10,7 +10,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 from stack.redis_cluster import EmbeddedCluster
 from stack.redis_sentinel import EmbeddedSentinel
 from stack.redis_server import EmbeddedRedis, free_port
+from tests.support import groups
 from tests.support.engines import RUNNING, SYNTHETIC_TOKENS_PER_S, EngineUnderTest
 from tests.support.stack import VLLM_LOCK, Gateway, Stack, VllmStack
 
@@ -255,9 +256,23 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return 2 if item.get_closest_marker("ends_vllm") else 1
 
     items.sort(key=place)
-    # `make test` runs two processes (pytest-xdist, --dist loadgroup): every test that runs a
-    # vLLM engine goes to one of them, in the order above, so one engine runs at a time and
-    # the session's is started once.
-    for item in items:
-        if any(map(item.get_closest_marker, VLLM_MARKS)):
-            item.add_marker(pytest.mark.xdist_group("vllm"))
+    # `make test` runs two processes: every test that runs a vLLM engine goes to one of them,
+    # in the order above, so one engine runs at a time and the session's starts once.
+    groups.write_group(
+        item.nodeid for item in items if any(map(item.get_closest_marker, VLLM_MARKS))
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if "PYTEST_XDIST_WORKER" not in os.environ and getattr(config.option, "dist", "no") != "no":
+        groups.name_the_file()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        groups.forget_the_file()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> groups.OneGroupScheduling:
+    return groups.OneGroupScheduling(config, log)
