@@ -270,6 +270,11 @@ class RequestQueue:
     async def cross_off(self, note: bytes) -> None:
         await self.redis.zrem(self.submitting_key, note)
 
+    async def look_again_later(self, note: bytes) -> None:
+        """Date ``note`` now, if it is still there: ``submitting_since`` finds it again
+        that much later (its gateway may cross it off meanwhile)."""
+        await self.redis.zadd(self.submitting_key, {note: time.time()}, xx=True)
+
     async def fair_waiting(self) -> int:
         """Requests waiting in the tenants' lists."""
         return int(await self.redis.hget(self.fair.base, "waiting") or 0)

@@ -43,6 +43,12 @@ STRANDED_AFTER_S = 3.0
 gateway died before queueing it, and the reaper does (``queue_stranded``). A gateway only
 slow meanwhile (its Redis away) sends a second copy, which runs once."""
 STRANDED_PAGE = 100
+UNSUBMITTED_GRACE_S = 60.0
+"""A note whose generation does not exist yet is kept this long after its request was
+made: its gateway's SUBMIT may still be on its way (a slow link, scripts loaded again after
+a restart: seconds). Crossed off before, a gateway that then made the generation and died
+before queueing the request left it ``queued`` with nothing to repair it. Past it, the
+submit was refused or its gateway died before it."""
 
 
 def _whole(request: GenerationRequest) -> bool:
@@ -73,9 +79,11 @@ class StrandedTurns:
         """Queue the session turns noted on their way to ``queue`` over ``older_than_s``
         ago and never queued: their gateway died between the submit's two round trips (a
         client that sends again with its Idempotency-Key repairs it sooner; a WebSocket's
-        ``generate`` has no such key). A turn still ``queued`` gets its request; any other
-        note (the submit was refused, or its request came another way) is crossed off. A
-        copy sent twice (its gateway only slow) runs once. Returns how many were queued."""
+        ``generate`` has no such key). A turn still ``queued`` gets its request; one whose
+        generation does not exist yet is looked at again ``older_than_s`` later, for
+        ``UNSUBMITTED_GRACE_S``; any other note (the submit was refused, or its request
+        came another way) is crossed off. A copy sent twice (its gateway only slow) runs
+        once. Returns how many were queued."""
         queued = 0
         for note in await queue.submitting_since(time.time() - older_than_s, STRANDED_PAGE):
             try:
@@ -84,10 +92,13 @@ class StrandedTurns:
                 log.error("unreadable note in %s: %r", queue.submitting_key, exc)
                 await queue.cross_off(note)
                 continue
-            if await self.sessions.still_queued(request.session_id, request.generation_id):
+            state = await self.sessions.generation_state(request.session_id, request.generation_id)
+            if state == "queued":
                 stranded = request if _whole(request) else await self.sessions.with_turn(request)
                 await self.queue.enqueue(queue.model, stranded, note)
                 queued += 1
+            elif state is None and time.time() - request.enqueued_at < UNSUBMITTED_GRACE_S:
+                await queue.look_again_later(note)
             else:
                 await queue.cross_off(note)
         if queued:

@@ -264,9 +264,10 @@ class Sessions:
             keys.keep(session_id),
         )
 
-    async def still_queued(self, session_id: str, generation_id: str) -> bool:
+    async def generation_state(self, session_id: str, generation_id: str) -> str | None:
+        """Its state (``queued``, ``running``, ...); None while no such generation exists."""
         state = await self.redis.hget(self.keys.generation(session_id, generation_id), "state")
-        return state is not None and wire.text(state) == "queued"
+        return None if state is None else wire.text(state)
 
     async def with_turn(self, request: GenerationRequest) -> GenerationRequest:
         """``request`` with the conversation its turn answers: the session's history up to

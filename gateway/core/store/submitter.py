@@ -519,7 +519,7 @@ class Submitter:
         waiting for a worker, its request may never have reached the queue (the gateway
         died, or Redis went away, between the two round trips of the first send), so it is
         queued again; a second copy runs once. One round trip more, on retries only."""
-        if not await self.sessions.still_queued(turn.session_id, generation_id):
+        if await self.sessions.generation_state(turn.session_id, generation_id) != "queued":
             return
         request = self._turn_request(turn, 0, [], generation_id)
         await self._enqueue_written(turn.model, await self.sessions.with_turn(request))
