@@ -5,13 +5,14 @@ engine (gateway/core/generation_stream.py)."""
 from __future__ import annotations
 
 import asyncio
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.support.redis_probes import only_generation, wait_final, wait_running
+from tests.support.redis_probes import async_client, only_generation, wait_final, wait_running
 from tests.support.sse import SSEParser, parse
 from tests.support.stack import Stack
 
@@ -116,3 +117,43 @@ async def test_a_client_that_disconnects_aborts_its_generation(
     assert final["type"] == "cancelled"
     assert final["reason"] == "disconnected"
     await asyncio.to_thread(wait_running, stack.redis_url, stack.prefix, 0)
+
+
+async def test_a_disconnect_whose_abort_redis_refuses_at_first_aborts_once_redis_answers(
+    stack: Stack,
+) -> None:
+    """A client gone while Redis refuses its gateway (a failover under way): the abort is
+    tried again (gateway/core/generation_stream.py ABORT_RETRY_FOR_S), not dropped with the
+    reply left to run unread. Redis refuses for real: the gateway's user loses its commands
+    by ACL, and gets them back 1.5 s after the client left."""
+    env = {"TOKENSPOUT_ABANDON_GRACE_S": "600"}
+    stack.synthetic(50, **env)
+    admin = async_client(stack.redis_url)
+    user, password = f"gw-{secrets.token_hex(3)}", secrets.token_hex(8)
+    everything = {"keys": ["*"], "channels": ["*"], "passwords": [f"+{password}"]}
+    await admin.acl_setuser(user, enabled=True, commands=["+@all"], **everything)
+    try:
+        url = stack.redis_url.replace("redis://", f"redis://{user}:{password}@", 1)
+        gateway = stack.gateway(REDIS_URL=url, **env)
+        endpoint = ENDPOINTS[0]
+        async with (
+            httpx.AsyncClient(timeout=30) as client,
+            client.stream(
+                "POST",
+                gateway.url + endpoint.path,
+                json=endpoint.body("keep going [[stall:3]]", 500),
+            ) as response,
+        ):
+            assert response.status_code == 200
+            lines = response.aiter_lines()
+            while not (await asyncio.wait_for(anext(lines), 30)).startswith("data:"):
+                pass
+            await asyncio.to_thread(wait_running, stack.redis_url, stack.prefix, 1)
+            await admin.acl_setuser(user, enabled=True, commands=["-@all"], **everything)
+        await asyncio.sleep(1.5)  # the client is gone; its gateway's abort is refused
+        await admin.acl_setuser(user, enabled=True, commands=["+@all"], **everything)
+        final = await asyncio.to_thread(wait_final, stack.redis_url, stack.prefix)
+        assert (final["type"], final["reason"]) == ("cancelled", "disconnected")
+    finally:
+        await admin.acl_deluser(user)
+        await admin.aclose()

@@ -13,19 +13,22 @@ goes away happen here once, for all of them.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import NamedTuple
 
 import anyio
 import msgspec
+from redis.exceptions import RedisError
 
 from gateway.core.ask import GenerationAsk
 from gateway.core.errors import AGAIN_AFTER_S, BadRequest, GatewayError, NotFound, Unavailable
 from gateway.core.relay.feed import Feed
 from gateway.core.relay.hub import RelayHub
-from gateway.core.store.submitter import Submitted, Submitter
+from gateway.core.store.submitter import CancelOutcome, Submitted, Submitter
 from gateway.core.tools import add_to_call
 from gateway.core.walk import Heartbeat, IndexedItem, Spelling, walk
 from wire import (
@@ -39,8 +42,14 @@ from wire import (
     TopLogprob,
     decode_event,
 )
+from wire.connect import RETRY_MAX_S
 
 log = logging.getLogger("tokenspout.generations")
+
+ABORT_RETRY_FOR_S = 10.0
+"""How long the abort of a generation whose client went away is tried again while Redis
+refuses it (a failover under way): past it, the readers' abandon grace ends the reply
+(``TOKENSPOUT_ABANDON_GRACE_S``)."""
 
 
 class TokenPiece(NamedTuple):
@@ -261,14 +270,34 @@ class GenerationStream:
         if self.final is not None:
             return
         with anyio.CancelScope(shield=True):
+            outcome = await self._abort()
+        if outcome is not None and outcome.final is not None:
+            self.final = outcome.final
+
+    async def _abort(self) -> CancelOutcome | None:
+        """The disconnect's cancel, tried again while Redis refuses it; None: not taken."""
+        give_up_at = time.monotonic() + ABORT_RETRY_FOR_S
+        backoff = 0.05
+        while True:
             try:
-                outcome = await self.submitter.cancel(
+                return await self.submitter.cancel(
                     self.submitted.session_id, self.generation_id, reason="disconnected"
                 )
             except NotFound:
                 # Its keys are gone (Redis lost them): a worker that still runs it is
                 # stopped by Redis refusing its next event (engine/worker.py _on_rejected).
                 log.info("no generation %s left to abort", self.generation_id)
-                return
-        if outcome.final is not None:
-            self.final = outcome.final
+                return None
+            except (RedisError, OSError) as exc:
+                if time.monotonic() + backoff > give_up_at:
+                    log.warning(
+                        "generation %s: its client is gone but Redis refused its abort for "
+                        "%.0f s (%r); the readers' abandon grace will end it",
+                        self.generation_id,
+                        ABORT_RETRY_FOR_S,
+                        exc,
+                    )
+                    return None
+                log.info("generation %s: abort refused (%r), trying again", self.generation_id, exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, RETRY_MAX_S)
