@@ -129,8 +129,6 @@ class Call:
         self.headers_sent = False
         self.ended = False
         """The call's status went out (or the stream is gone): nothing more is sent."""
-        self.client_done = False
-        """The client ended its side of the stream (or reset it)."""
         self.status = (StatusCode.OK, "")
         """What the trailers say, once the method ended."""
         self.past_deadline = False
@@ -141,6 +139,7 @@ class Call:
         """Framed response bytes waiting for flow-control window."""
         self._drained: asyncio.Future[None] | None = None
         self._client_closed = asyncio.Event()
+        """Set once the client ended its side of the stream (or reset it)."""
 
     # --- the method's side ---------------------------------------------------------------
 
@@ -166,6 +165,15 @@ class Call:
             await self._until_drained()
         if connection.paused:
             await connection.until_writable()
+
+    @property
+    def client_done(self) -> bool:
+        """The client ended its side of the stream (or reset it, or was told to stop)."""
+        return self._client_closed.is_set()
+
+    def client_side_closed(self) -> None:
+        """Nothing more is read from the client (its side ended, or it was told to stop)."""
+        self._client_closed.set()
 
     async def until_client_done(self, within_s: float) -> None:
         """Until the client ended its side of the stream (or reset it), at most ``within_s``."""
@@ -222,13 +230,12 @@ class Call:
     def client_ended(self) -> None:
         if self._received:
             raise GrpcError(StatusCode.INTERNAL, "the request stream ended inside a message")
-        self.client_done = True
         self._client_closed.set()
         self._messages.put_nowait(None)
 
     def gone(self) -> None:
         """The stream is reset or its connection lost: stop the method."""
-        self.ended = self.client_done = True
+        self.ended = True
         self._client_closed.set()
         self._unsent.clear()
         self.drained()
@@ -509,7 +516,7 @@ class GrpcConnection(asyncio.Protocol):
             # The client may still be sending: tell it to stop, without error.
             with contextlib.suppress(*STREAM_GONE):
                 self.h2.reset_stream(call.stream_id, h2.errors.ErrorCodes.NO_ERROR)
-            call.client_done = True
+            call.client_side_closed()
         self.calls.pop(call.stream_id, None)
         self.schedule_flush()
 
