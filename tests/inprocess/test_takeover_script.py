@@ -6,6 +6,8 @@ worker may still end it itself. A worker stopping a reply of its own (a drain) k
 
 from __future__ import annotations
 
+import json
+
 import redis.asyncio as aioredis
 
 from tests.support.submit import Gateway, gateway
@@ -116,3 +118,33 @@ async def test_a_takeover_sent_again_after_its_reply_was_lost_is_the_same_takeov
     assert first == again == TakenOver(1, WORKER)
     other = await generations.take_over(sid, gid, worker="another", max_takeovers=3)
     assert other == NotStarted(1, WORKER)  # queued from WORKER: not this caller's
+
+
+async def test_an_events_lost_end_after_a_takeover_bills_what_was_streamed_before_it(
+    redis: aioredis.Redis,
+) -> None:
+    """Sentinel, seed 3: a failover lost a worker's claim of its reply's next epoch (a
+    preemption's TAKEOVER and what followed it); the reaper took the reply over again, and
+    the worker's next write, numbered past the next one, ended it ``events_lost``. That end
+    billed 0 tokens while the stream held the 3 its clients had read: with none of the
+    epoch's writes kept, the takeover's record of what was streamed is what is billed."""
+    g = await gateway(redis)
+    request = await g.send("t")
+    sid, gid = request.session_id, request.generation_id
+    assert await worker_writes(g, request, Started(gid, "m", 2), 1)
+    for count in (1, 2, 3):
+        assert await worker_writes(g, request, Token(gid, "x", count), count + 1)
+    generations = Generations(redis, g.keys)
+    taken = await generations.take_over(sid, gid, worker=WORKER, max_takeovers=3, usage=Usage(2, 3))
+    assert taken == TakenOver(1, WORKER)
+    emit = Emit(g.redis, g.keys)  # the worker's 4th write of epoch 1; Redis kept none before
+    late = Token(gid, "y", 5)
+    assert (
+        await emit(session_id=sid, event=late, writer=WORKER, seq=4, epoch=1, ttl_s=60, maxlen=100)
+        is None
+    )
+    final = await redis.hget(g.keys.generation(sid, gid), "final")
+    assert final is not None
+    ended = json.loads(final)
+    assert (ended["type"], ended["code"]) == ("error", "events_lost")
+    assert ended["usage"] == {"prompt_tokens": 2, "completion_tokens": 3}

@@ -19,13 +19,18 @@
 -- error event, code 'events_lost', and the write is refused (false).
 -- What a reader can still read of a reply whose last writes Redis lost, billed with its
 -- events_lost end: the prompt its claim noted, and the count of the last event of its
--- writers Redis kept (a token's count, a resumed event's completion_tokens, else 0).
+-- writers Redis kept (a token's count, a resumed event's completion_tokens); when none of
+-- this epoch's writes is kept (its claim lost, or a takeover since), what its last
+-- takeover recorded as streamed before it; else 0.
 local function kept_usage(events, gen, last_id)
   local completion = 0
   local entry = last_id and redis.call('XRANGE', events, last_id, last_id)[1]
   if entry then  -- fields: t, <type>, g, <generation>, d, <data>
     local kept = cjson.decode(entry[2][6])
     completion = tonumber(kept['count'] or kept['completion_tokens'] or 0)
+  else
+    local streamed = redis.call('HGET', gen, 'usage')
+    if streamed then completion = tonumber(cjson.decode(streamed)['completion_tokens'] or 0) end
   end
   local prompt = tonumber(redis.call('HGET', gen, 'prompt') or '0')
   return '{"prompt_tokens":' .. prompt .. ',"completion_tokens":' .. completion .. '}'
