@@ -178,6 +178,11 @@ class Job:
         self.state = JobState.ENDED
         return True
 
+    def final_refused(self) -> None:
+        """Redis refused its final event (not its to write): dropped, not ended."""
+        if self.state is JobState.ENDED:
+            self.state = JobState.DROPPED
+
     def begin_hand_over(self) -> bool:
         """Stop emitting: it moves to another worker. False when it no longer can (it
         ended or stopped since it was picked)."""

@@ -58,7 +58,7 @@ from engine.tracing import exemplar
 from wire import CancelReason, ChatMessage, Error, GenerationRequest, Resumed, Started
 from wire.handoff import Streamed, continuation
 from wire.keys import tenant_slot
-from wire.outcomes import TakenOver
+from wire.outcomes import CancelAsked, Exhausted, TakenOver
 from wire.queue import RequestQueue
 from wire.replies import StreamEntry
 
@@ -299,6 +299,7 @@ class JobTable:
         )
         state = wire.final_state(event)
         if written is None:  # it ended elsewhere, or is not this worker's: not counted here
+            job.final_refused()
             log.info(
                 "%s: its %s event was refused (%s)",
                 job.generation_id,
@@ -380,12 +381,56 @@ class JobTable:
                 "%s: its hand-over did not go through; left to the reaper", job.generation_id
             )
         elif job.needs_ack:
+            if await self._hand_on_if_left_here(job):
+                return
             log.info(
                 "%s: acknowledging its request with no final event of this run (%s)",
                 job.generation_id,
                 job.state.value,
             )
             await self._acknowledge(job.entry_id, job.session_id, job.generation_id)
+
+    async def _hand_on_if_left_here(self, job: Job) -> bool:
+        """Redis says ``job``'s generation runs here at an epoch before the job's: a crash
+        or failover lost a takeover this worker made (a stop for another tenant, a
+        hand-over) and the claim after it. No reaper hands on a live worker's reply, so
+        this worker does, as the reaper does a lost one's: taken to its next epoch and
+        continued from what its events hold, its request requeued (True); or ended
+        (cancelled, worker_lost), its request then acknowledged as any dropped one."""
+        sid, gid = job.session_id, job.generation_id
+        try:
+            owner = await self.generations.runs_on(sid, gid)
+            if owner is None or owner[0] != self.worker_id or owner[1] >= job.epoch:
+                return False
+            log.warning(
+                "%s runs here at epoch %d in Redis, this run was at %d: Redis lost its "
+                "hand-over; handing it on from its events",
+                gid,
+                owner[1],
+                job.epoch,
+            )
+            taken = await self.generations.take_over(
+                sid, gid, worker=self.worker_id, max_takeovers=self.max_takeovers, lost=True
+            )
+            if not isinstance(taken, TakenOver | CancelAsked | Exhausted):
+                return False
+
+            async def requeue(resumed: GenerationRequest) -> None:
+                await self.queue.requeue([(job.entry_id, {"r": wire.encode(resumed)})])
+
+            gone_on, _ = await self.generations.go_on_from_events(
+                self.queue,
+                job.request,
+                taken,
+                requeue,
+                max_takeovers=self.max_takeovers,
+            )
+        except (RedisError, OSError) as exc:
+            log.warning("handing %s on failed (%s); acknowledged as dropped", gid, exc)
+            self.metrics.redis_errors.labels("handover").inc()
+            return False
+        log.info("%s: handed on from its events (%s)", gid, gone_on)
+        return gone_on == "taken_over"
 
     async def _acknowledge(
         self, entry_id: bytes, session_id: str = "", generation_id: str = ""

@@ -259,3 +259,38 @@ async def test_a_light_key_never_stops_another_and_a_free_slot_goes_to_it_before
             await until_usage(client, gateway.url, key.id, reply.usage["total_tokens"])
         samples = await scrape(client, f"http://127.0.0.1:{metrics}/metrics")
         assert value(samples, "tokenspout_engine_preemptions_total") == 1
+
+
+async def test_a_stopped_reply_whose_stop_redis_lost_goes_on_whole(stack: Stack) -> None:
+    """A crash lost the worker's stop of a reply for another tenant (its TAKEOVER) and the
+    claim that went on with it: Redis says the reply runs on that worker at the epoch
+    before, the worker runs it at the next, and Redis refuses its writes. No reaper hands
+    on a live worker's reply, so the worker does (engine/jobs.py ``_hand_on_if_left_here``):
+    the reply goes on from its events and ends whole, billed once (single Redis, seed 3:
+    it stayed running for ever). The loss is made by writing the hash back to the epoch
+    before, as a crash that loses the last writes leaves it."""
+    gateway = stack.gateway(TOKENSPOUT_ADMIN_KEY=ADMIN_KEY)
+    stack.synthetic(TOKENS_PER_S, "--capacity", "1", "--preempt")
+    redis = connect(stack.redis_url)
+    keys = Keys(stack.prefix)
+    async with httpx.AsyncClient(timeout=30) as client:
+        noisy = await make_key(client, gateway.url, "noisy")
+        quiet = await make_key(client, gateway.url, "quiet")
+        long = Reply()
+        noisy_reply = asyncio.create_task(
+            stream_chat(client, gateway.url, noisy, "a long one", NOISY_TOKENS, long)
+        )
+        await until_tokens(long, BEFORE)
+        gen = next(iter([key async for key in redis.scan_iter(match=keys.generation("*", "*"))]))
+        await stream_chat(client, gateway.url, quiet, "a short one", QUIET_TOKENS, Reply())
+        async with asyncio.timeout(30):  # going on at epoch 1, on the same worker
+            while await redis.hmget(gen, "state", "takeovers") != [b"running", b"1"]:
+                await asyncio.sleep(0.005)
+        await redis.hset(gen, mapping={"takeovers": 0, "preempted": 0})
+        async with asyncio.timeout(60):
+            await noisy_reply
+        assert long.text == "".join(t.text for t in scripted_reply("a long one", NOISY_TOKENS))
+        assert long.usage["completion_tokens"] == long.tokens == NOISY_TOKENS, long.usage
+        await until_usage(client, gateway.url, noisy.id, long.usage["total_tokens"])
+        assert await redis.hmget(gen, "state", "takeovers") == [b"done", b"1"]
+    await redis.aclose()

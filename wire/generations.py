@@ -19,19 +19,32 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Literal
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 from redis.exceptions import NoScriptError
 
 from wire.emit_step import EmitStep, EmitTarget, StepCall
+from wire.handoff import Streamed, continuation, streamed_so_far
 from wire.keys import SHARED_KEY_TTL_S, Keys
-from wire.messages import CancelReason, CancelSignal, FinalEvent, GenerationRequest, Usage, encode
+from wire.messages import (
+    Cancelled,
+    CancelReason,
+    CancelSignal,
+    Error,
+    FinalEvent,
+    GenerationRequest,
+    Usage,
+    encode,
+)
 from wire.outcomes import (
     Accepted,
     AlreadyFinal,
+    CancelAsked,
     CancelledQueued,
     CancelReply,
+    Exhausted,
     NotStarted,
     SubmitReply,
     TakenOver,
@@ -51,6 +64,9 @@ from wire.scripts import (
 )
 from wire.tenancy import UsageCounter
 from wire.topology import Fill, Proceed, Topology, topology_of
+
+GoneOn = Literal["taken_over", "cancelled", "worker_lost"]
+"""What became of a reply handed on from its events (``Generations.go_on_from_events``)."""
 
 CONTINUATION = "continuation"
 """The generation's field that keeps the request continuing it (``keep_continuation``)."""
@@ -275,6 +291,44 @@ class Generations:
         key = self.keys.generation(request.session_id, request.generation_id)
         await self.redis.hset(key, mapping={CONTINUATION: encode(request), "queue": queue.model})
 
+    async def go_on_from_events(
+        self,
+        queue: RequestQueue,
+        request: GenerationRequest,
+        taken: TakenOver | NotStarted | CancelAsked | Exhausted,
+        queue_it: Callable[[GenerationRequest], Awaitable[None]],
+        *,
+        max_takeovers: int,
+    ) -> tuple[GoneOn, Streamed | None]:
+        """After TAKEOVER took a reply whose writer cannot say what it streamed (a lost
+        worker; a worker whose own hand-over Redis lost), it goes on from what its events
+        hold: ``continuation`` kept beside it and queued by ``queue_it``; or it ends,
+        ``cancelled`` (a cancel was asked) or ``worker_lost`` (taken over too often, or its
+        events trimmed), billed what it streamed. From the TAKEOVER on nobody writes its
+        events, so that read is exact."""
+        sid, gid = request.session_id, request.generation_id
+        streamed = await streamed_so_far(self.redis, self.keys, sid, gid)
+        if isinstance(taken, CancelAsked):
+            usage = streamed.usage() if streamed is not None else Usage(0, 0)
+            await self.end(request, Cancelled(gid, taken.reason, usage))
+            return "cancelled", streamed
+        if isinstance(taken, Exhausted) or streamed is None:
+            why = (
+                f"it was taken over {max_takeovers} times already"
+                if isinstance(taken, Exhausted)
+                else "its events were trimmed, so it cannot be continued"
+            )
+            message = f"the engine worker running this generation stopped ({why})"
+            billed = streamed.usage() if streamed is not None else None
+            await self.end(request, Error(gid, "worker_lost", message, billed))
+            return "worker_lost", streamed
+        resumed = continuation(request, taken, streamed)
+        key = self.keys.generation(sid, gid)
+        await self.redis.hset(key, "usage", encode(streamed.usage()))
+        await self.keep_continuation(queue, resumed)
+        await queue_it(resumed)
+        return "taken_over", streamed
+
     # --- ends (the gateways' recovery) -------------------------------------------------------
 
     async def end(self, request: GenerationRequest, event: FinalEvent) -> str | None:
@@ -319,6 +373,15 @@ class Generations:
             ]
         )
         return ended
+
+    async def runs_on(self, session_id: str, generation_id: str) -> tuple[str, int] | None:
+        """The worker a running generation runs on and its epoch, as its hash says (None:
+        not running, or gone)."""
+        key = self.keys.generation(session_id, generation_id)
+        state, worker, takeovers = await self.redis.hmget(key, ("state", "worker", "takeovers"))
+        if state != b"running" or not worker:
+            return None
+        return text(worker), int(takeovers or 0)
 
     async def standing(self, session_id: str, generation_id: str) -> str:
         """Where a generation stands, as its hash says (state, owner, epoch, a cancel asked,

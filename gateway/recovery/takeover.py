@@ -34,19 +34,14 @@ from redis.exceptions import RedisError, ResponseError
 
 import wire
 from wire import (
-    Cancelled,
     Error,
     GenerationRequest,
     Keys,
-    Usage,
 )
 from wire.connect import mget, node_by_address
 from wire.generations import Generations
-from wire.handoff import Streamed, continuation, streamed_so_far
 from wire.outcomes import (
     AlreadyFinal,
-    CancelAsked,
-    Exhausted,
     Moved,
     NotStarted,
     TakenOver,
@@ -174,33 +169,24 @@ class LostRequests:
             log.info("requeueing %s from a dead worker", gid)
             await self._queue(queue, raw)
             return "requeued"
-        streamed = await streamed_so_far(self.redis, self.keys, sid, gid)
-        if isinstance(reply, CancelAsked):
-            usage = streamed.usage() if streamed is not None else Usage(0, 0)
-            await self._end(request, Cancelled(gid, reply.reason, usage))
-            return "cancelled"
-        if isinstance(reply, Exhausted) or streamed is None:
-            why = (
-                f"it was taken over {self.max_takeovers} times already"
-                if isinstance(reply, Exhausted)
-                else "its events were trimmed, so it cannot be continued"
-            )
-            log.warning("worker lost while running %s; %s", gid, why)
-            message = f"the engine worker running this generation stopped ({why})"
-            await self._end(request, Error(gid, "worker_lost", message, _billed(streamed)))
-            return "worker_lost"
-        resumed = continuation(request, reply, streamed)
-        await self.redis.hset(gen_key, "usage", wire.encode(streamed.usage()))
-        await self.generations.keep_continuation(queue, resumed)
-        log.info(
-            "taking over %s from %s after %d tokens (takeover %d)",
-            gid,
-            reply.from_worker,
-            streamed.completion_tokens,
-            epoch,
+
+        async def queue_it(resumed: GenerationRequest) -> None:
+            await self._queue(queue, wire.encode(resumed))
+
+        gone_on, streamed = await self.generations.go_on_from_events(
+            queue, request, reply, queue_it, max_takeovers=self.max_takeovers
         )
-        await self._queue(queue, wire.encode(resumed))
-        return "taken_over"
+        if gone_on == "taken_over" and streamed is not None:
+            log.info(
+                "taking over %s from %s after %d tokens (takeover %d)",
+                gid,
+                reply.from_worker if isinstance(reply, NotStarted | TakenOver) else owner,
+                streamed.completion_tokens,
+                epoch,
+            )
+        elif gone_on == "worker_lost":
+            log.warning("worker lost while running %s; ended worker_lost", gid)
+        return gone_on
 
     async def _killed_too_many(self, request: GenerationRequest) -> bool:
         """Its worker died before it claimed it (while preparing it): counted, so that a
@@ -223,8 +209,3 @@ class LostRequests:
 
     async def _end(self, request: GenerationRequest, event: wire.FinalEvent) -> None:
         await self.generations.end(request, event)
-
-
-def _billed(streamed: Streamed | None) -> Usage | None:
-    """What a reply that ends here billed its tenant: what it streamed, read back."""
-    return streamed.usage() if streamed is not None else None
