@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,6 +92,25 @@ async def test_stream_is_strict_uncompressed_sse_with_done_only_where_expected(
     assert all(event.json() for event in events if event.data != "[DONE]")
 
 
+@asynccontextmanager
+async def stalled_stream(stack: Stack, url: str, endpoint: Endpoint) -> AsyncIterator[None]:
+    """A stream of ``endpoint`` whose reply stalls after 3 tokens (it runs until aborted),
+    open from its first data line and its generation running; closed (the client gone)
+    on exit."""
+    async with (
+        httpx.AsyncClient(timeout=30) as client,
+        client.stream(
+            "POST", url + endpoint.path, json=endpoint.body("keep going [[stall:3]]", 500)
+        ) as response,
+    ):
+        assert response.status_code == 200
+        lines = response.aiter_lines()
+        while not (await asyncio.wait_for(anext(lines), 30)).startswith("data:"):
+            pass
+        await asyncio.to_thread(wait_running, stack.redis_url, stack.prefix, 1)
+        yield
+
+
 @pytest.mark.parametrize("endpoint", ENDPOINTS, ids=lambda e: e.name)
 async def test_a_client_that_disconnects_aborts_its_generation(
     stack: Stack, endpoint: Endpoint
@@ -98,20 +119,8 @@ async def test_a_client_that_disconnects_aborts_its_generation(
     env = {"TOKENSPOUT_ABANDON_GRACE_S": "600"}
     stack.synthetic(50, **env)
     gateway = stack.gateway(**env)
-    async with (
-        httpx.AsyncClient(timeout=30) as client,
-        client.stream(
-            "POST",
-            gateway.url + endpoint.path,
-            json=endpoint.body("keep going [[stall:3]]", 500),
-        ) as response,
-    ):
-        assert response.status_code == 200
-        lines = response.aiter_lines()
-        while not (await asyncio.wait_for(anext(lines), 30)).startswith("data:"):
-            pass
+    async with stalled_stream(stack, gateway.url, endpoint):
         only_generation(stack.redis_url, stack.prefix)
-        await asyncio.to_thread(wait_running, stack.redis_url, stack.prefix, 1)
         # The client is gone (the response is closed, the connection dropped).
     final = wait_final(stack.redis_url, stack.prefix)
     assert final["type"] == "cancelled"
@@ -135,20 +144,7 @@ async def test_a_disconnect_whose_abort_redis_refuses_at_first_aborts_once_redis
     try:
         url = stack.redis_url.replace("redis://", f"redis://{user}:{password}@", 1)
         gateway = stack.gateway(REDIS_URL=url, **env)
-        endpoint = ENDPOINTS[0]
-        async with (
-            httpx.AsyncClient(timeout=30) as client,
-            client.stream(
-                "POST",
-                gateway.url + endpoint.path,
-                json=endpoint.body("keep going [[stall:3]]", 500),
-            ) as response,
-        ):
-            assert response.status_code == 200
-            lines = response.aiter_lines()
-            while not (await asyncio.wait_for(anext(lines), 30)).startswith("data:"):
-                pass
-            await asyncio.to_thread(wait_running, stack.redis_url, stack.prefix, 1)
+        async with stalled_stream(stack, gateway.url, ENDPOINTS[0]):
             await admin.acl_setuser(user, enabled=True, commands=["-@all"], **everything)
         await asyncio.sleep(1.5)  # the client is gone; its gateway's abort is refused
         await admin.acl_setuser(user, enabled=True, commands=["+@all"], **everything)

@@ -83,6 +83,17 @@ async def stream_chat(
     return reply
 
 
+async def noisy_reply_begun(
+    client: httpx.AsyncClient, base: str
+) -> tuple[Key, Key, Reply, asyncio.Task[Reply]]:
+    """The two keys, and the noisy key's long reply under way (its task)."""
+    noisy = await make_key(client, base, "noisy")
+    quiet = await make_key(client, base, "quiet")
+    long = Reply()
+    task = asyncio.create_task(stream_chat(client, base, noisy, "a long one", NOISY_TOKENS, long))
+    return noisy, quiet, long, task
+
+
 async def looks_while_nobody_waits(redis_url: str) -> int:
     """The full worker's looks at the queue over 0.4 s while no tenant waits: its waits
     for a newcomer and its preemption script's reads of the stream (XREVRANGE: only that
@@ -112,12 +123,7 @@ async def test_a_quiet_key_gets_the_busy_slot_at_once_and_the_stopped_reply_goes
     metrics = free_port()
     stack.synthetic(TOKENS_PER_S, "--capacity", "1", "--metrics-port", str(metrics), flag)
     async with httpx.AsyncClient(timeout=30) as client:
-        noisy = await make_key(client, gateway.url, "noisy")
-        quiet = await make_key(client, gateway.url, "quiet")
-        long = Reply()
-        noisy_reply = asyncio.create_task(
-            stream_chat(client, gateway.url, noisy, "a long one", NOISY_TOKENS, long)
-        )
+        noisy, quiet, long, noisy_reply = await noisy_reply_begun(client, gateway.url)
         async with asyncio.timeout(30):
             await long.streaming.wait()
         if preempt:
@@ -274,12 +280,7 @@ async def test_a_stopped_reply_whose_stop_redis_lost_goes_on_whole(stack: Stack)
     redis = connect(stack.redis_url)
     keys = Keys(stack.prefix)
     async with httpx.AsyncClient(timeout=30) as client:
-        noisy = await make_key(client, gateway.url, "noisy")
-        quiet = await make_key(client, gateway.url, "quiet")
-        long = Reply()
-        noisy_reply = asyncio.create_task(
-            stream_chat(client, gateway.url, noisy, "a long one", NOISY_TOKENS, long)
-        )
+        noisy, quiet, long, noisy_reply = await noisy_reply_begun(client, gateway.url)
         await until_tokens(long, BEFORE)
         gen = next(iter([key async for key in redis.scan_iter(match=keys.generation("*", "*"))]))
         await stream_chat(client, gateway.url, quiet, "a short one", QUIET_TOKENS, Reply())
