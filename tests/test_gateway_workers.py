@@ -18,7 +18,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.server.supervisor import auto_workers
+from gateway.server.supervisor import POLL_S, auto_workers
 from stack import processes
 from stack.processes import ROOT
 from stack.redis_server import free_port
@@ -256,3 +256,34 @@ def test_a_port_in_use_or_a_bad_count_is_one_clear_line(stack: Stack) -> None:
 def test_auto_is_one_process_below_8_cores_then_one_per_4_cores_at_most_8() -> None:
     cores = (1, 2, 4, 7, 8, 16, 31, 32, 64)
     assert [auto_workers(n) for n in cores] == [1, 1, 1, 1, 2, 4, 7, 8, 8]
+
+
+def test_a_process_killed_while_it_waits_for_redis_is_started_again(stack: Stack) -> None:
+    """SIGKILL (the OOM killer, an operator) of a process still starting, waiting for a
+    Redis Cluster that does not answer yet (its start learns the slot map), is no failure
+    to start: the process is started again and the gateway stays up (the chaos run's
+    gateway_process_kill during a cluster failover stopped the whole gateway: cluster,
+    seed 3)."""
+    port = free_port()
+    args = ["-m", "gateway", "--port", str(port), "--grpc-port", "0", "--workers", "2"]
+    nobody = f"redis+cluster://127.0.0.1:{free_port()}"
+    parent = stack.spawn(f"gateways-{port}", args, REDIS_URL=nobody)
+    log = stack.logs / f"gateways-{port}.log"
+    deadline = time.monotonic() + 30
+    while log.read_text().count("gateway start: Redis does not answer") < 2:  # both wait
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.05)
+    first = children(parent)
+    victim = min(first)
+    os.kill(victim, signal.SIGKILL)
+    again = wait_children(parent, 2, other_than=frozenset({victim}))
+    assert len(again & first) == 1
+    time.sleep(2 * POLL_S)  # the parent's next looks at its children
+    assert parent.poll() is None, log.read_text()
+    # A process still waiting for Redis at start does not act on SIGTERM until it has
+    # started (uvicorn holds the signal until its start-up ends): killed here.
+    left = children(parent)
+    parent.kill()
+    parent.wait(timeout=20)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)

@@ -9,10 +9,11 @@ would give most of them to whichever process woke first); elsewhere they share o
 
 The parent forwards SIGTERM and SIGINT to every child (each drains as one gateway does) and
 exits when they all have. A child that dies on its own is started again on its sockets (the
-connections the kernel queued there meanwhile wait for it); one that dies before it served
+connections the kernel queued there meanwhile wait for it); one that fails before it served
 (before its metrics socket appeared, which its start-up opens last) stops everything: a
-gateway that cannot start does not start by retrying. A child whose parent died drains and
-exits by itself.
+gateway that cannot start does not start by retrying. One SIGKILLed before it served (the
+OOM killer, an operator; it may have been waiting for Redis) did not fail: it is started
+again too. A child whose parent died drains and exits by itself.
 
 ``/metrics`` answers for all of them: see gateway/server/federation.py.
 """
@@ -154,7 +155,7 @@ class Supervisor:
         return failed
 
     def restart_the_dead(self) -> int:
-        """Start again each child that died; a death before it served stops all (its exit
+        """Start again each child that died; a failure before it served stops all (its exit
         status is returned)."""
         for child in self.children:
             assert child.process is not None
@@ -162,7 +163,7 @@ class Supervisor:
             if code is None:
                 continue
             extra = {"gateway_process": child.index, "exit_code": code}
-            if not child.served.exists():
+            if not child.served.exists() and code != -signal.SIGKILL:
                 log.error("a gateway process could not start; stopping", extra=extra)
                 self.stop(signal.SIGTERM)
                 return code or 1
