@@ -534,3 +534,39 @@ async def test_a_turn_whose_submit_a_crashed_redis_lost_is_submitted_again(
         assert reading.text(gid) == synthetic_text("lost in the crash", 12)
     finally:
         stack.stop()
+
+
+async def test_with_wait_aof_each_submit_is_on_the_aofs_disk_before_it_is_answered(
+    restartable_redis: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """``TOKENSPOUT_WAIT_AOF=1`` (gateway/core/store/durable.py): every submit, a session
+    message and a one-shot request alike, asks Redis for ``WAITAOF 1 0`` before its client
+    is answered; a gateway without the setting never does. Both replies come whole."""
+    stack = Stack(restartable_redis.url, "waitaof", tmp_path)
+    admin = redis.Redis.from_url(restartable_redis.url)
+
+    def waitaofs() -> int:
+        stats = admin.info("commandstats").get("cmdstat_waitaof", {})
+        return int(stats.get("calls", 0))
+
+    try:
+        stack.synthetic(200)
+        sides = [(stack.gateway(), 0), (stack.gateway(TOKENSPOUT_WAIT_AOF="1"), 2)]
+        async with httpx.AsyncClient(timeout=30) as client:
+            for gateway, asked in sides:
+                before = waitaofs()
+                session = await create_session(client, gateway.url)
+                gid = await send(client, session, "kept", max_tokens=3)
+                reading = await read_events(client, session, until_final_of=gid)
+                assert reading.events[-1].event == "done"
+                body = {"model": "synthetic", "messages": [{"role": "user", "content": "kept"}]}
+                answer = await client.post(
+                    f"{gateway.url}/v1/chat/completions", json=body | {"max_tokens": 3}
+                )
+                assert answer.json()["choices"][0]["message"]["content"] == synthetic_text(
+                    "kept", 3
+                )
+                assert waitaofs() - before == asked, gateway.url
+    finally:
+        admin.close()
+        stack.stop()
