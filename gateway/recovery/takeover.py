@@ -176,11 +176,11 @@ class LostRequests:
         gone_on, streamed = await self.generations.go_on_from_events(
             queue, request, reply, queue_it, max_takeovers=self.max_takeovers
         )
-        if gone_on == "taken_over" and streamed is not None:
+        if gone_on == "taken_over" and streamed and isinstance(reply, NotStarted | TakenOver):
             log.info(
                 "taking over %s from %s after %d tokens (takeover %d)",
                 gid,
-                reply.from_worker if isinstance(reply, NotStarted | TakenOver) else owner,
+                reply.from_worker,
                 streamed.completion_tokens,
                 epoch,
             )

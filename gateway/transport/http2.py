@@ -230,13 +230,13 @@ class Call:
     def client_ended(self) -> None:
         if self._received:
             raise GrpcError(StatusCode.INTERNAL, "the request stream ended inside a message")
-        self._client_closed.set()
+        self.client_side_closed()
         self._messages.put_nowait(None)
 
     def gone(self) -> None:
         """The stream is reset or its connection lost: stop the method."""
         self.ended = True
-        self._client_closed.set()
+        self.client_side_closed()
         self._unsent.clear()
         self.drained()
         self.stop_method()
