@@ -40,7 +40,7 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import msgspec
@@ -289,14 +289,10 @@ class JobTable:
         # continued reply's message is the one it extends, made longer.
         if not isinstance(event, Error) and request.prompt is None and not request.choice:
             assistant = ChatMessage("assistant", request.continued + "".join(job.text))
-        before = None
+        held: Sequence[str] = ()
         if not isinstance(event, Error) and request.task == "generate":
-            # In Redis before the final event: the client's next turn finds where its prefix
-            # is. Not awaited here: the final goes in the same call as the step's tokens.
-            before = self._spawn(self._ran(request, "".join(job.text)))
-        written = await self._emit_waited(
-            job, event, final=True, assistant=assistant, before=before
-        )
+            held = self.take.held(request, "".join(job.text))
+        written = await self._emit_waited(job, event, final=True, assistant=assistant, held=held)
         state = wire.final_state(event)
         if written is None:  # it ended elsewhere, or is not this worker's: not counted here
             job.final_refused()
@@ -324,18 +320,6 @@ class JobTable:
         except (RedisError, OSError) as exc:
             return f"unread: {exc}"
 
-    async def _ran(self, request: GenerationRequest, reply: str) -> None:
-        """Tell the take policy what ran here (its engine's cache holds it now): a failure
-        costs the next turn its affinity, never a reply."""
-        try:
-            await self.take.ran(request, reply)
-        except (RedisError, OSError) as exc:
-            log.warning(
-                "%s: could not say which prefixes this worker holds (%s)",
-                request.generation_id,
-                exc,
-            )
-
     def _emit_waited(
         self,
         job: Job,
@@ -343,11 +327,11 @@ class JobTable:
         *,
         final: bool = False,
         assistant: ChatMessage | None = None,
-        before: asyncio.Future[None] | None = None,
+        held: Sequence[str] = (),
     ) -> asyncio.Future[str | None]:
         """Queue an event the table waits on (a claim, a final event): its stream id, or
-        None when Redis refused it. A final event acknowledges the job's request; ``before``
-        lands first (``Publisher.emit_waited``)."""
+        None when Redis refused it. A final event acknowledges the job's request and holds
+        the prefixes ``held`` here (``Publisher.emit_waited``)."""
         job.events += 1
         return self.publisher.emit_waited(
             job.target,
@@ -356,7 +340,7 @@ class JobTable:
             final=final,
             assistant=assistant,
             ack=job.entry_id if final else None,
-            before=before,
+            held=held,
         )
 
     async def ended(self, job: Job) -> None:

@@ -12,7 +12,7 @@ follows (start a job, stop one, keep its continuation); a policy only answers.
   queue's order, but a request whose prompt begins with a prefix this worker's engine
   holds is taken here first, and one another worker holds is left to it for at most the
   wait, and no longer than this worker's engine would take to prefill that prefix
-  (``PrefillRate``); after each reply the worker says which prefixes its engine now holds
+  (``PrefillRate``); each reply's final event says which prefixes its engine now holds
   (docs/affinity.md).
 - ``FairPreemption`` (``python -m engine --preempt``): the queue's rule
   (wire/lua/fair_preempt.lua): the tenant of a reply that may give way that was served
@@ -35,7 +35,6 @@ cache affinity).
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -70,8 +69,9 @@ class TakePolicy(Protocol):
         """Up to ``free`` requests, taken for this worker (none: nothing came meanwhile)."""
         ...
 
-    async def ran(self, request: GenerationRequest, reply: str) -> None:
-        """``request`` ran here and made ``reply``."""
+    def held(self, request: GenerationRequest, reply: str) -> Sequence[str]:
+        """The prefixes ``request``, run here with ``reply``, left in this worker's engine
+        that its final event says it holds (none: nobody asks)."""
         ...
 
     def prefilled(self, tokens: int, seconds: float) -> None:
@@ -113,8 +113,8 @@ class QueueOrder:
     async def take(self, free: int) -> list[StreamEntry]:
         return await self.queue.take(self.worker_id, free, TAKE_BLOCK_MS, self.served)
 
-    async def ran(self, request: GenerationRequest, reply: str) -> None:
-        return None
+    def held(self, request: GenerationRequest, reply: str) -> Sequence[str]:
+        return ()
 
     def prefilled(self, tokens: int, seconds: float) -> None:
         return None
@@ -157,7 +157,6 @@ class CacheAffinity(QueueOrder):
         self.wait_ms = wait_ms
         """The most a request another worker holds waits for it before this one takes it."""
         self.metrics = metrics
-        self.held = HeldNames(queue, worker_id)
         self.prefill = PrefillRate()
         metrics.prefill_rate.set_function(lambda: self.prefill.tokens_per_s)
 
@@ -173,52 +172,11 @@ class CacheAffinity(QueueOrder):
                 self.metrics.affinity_wait.labels(label).observe(int(fields[b"w"]) / 1000)
         return taken
 
-    async def ran(self, request: GenerationRequest, reply: str) -> None:
-        await self.held.tell(prefixes.held(self.queue.model, request, reply))
+    def held(self, request: GenerationRequest, reply: str) -> Sequence[str]:
+        return prefixes.held(self.queue.model, request, reply)
 
     def prefilled(self, tokens: int, seconds: float) -> None:
         self.prefill.observe(tokens, seconds)
-
-
-class HeldNames:
-    """What this worker's engine holds, told to the queue in one call for every reply that
-    ended while the call before was under way: a burst of replies ending together costs a
-    few calls, not one each (a connection each: hundreds at once exhaust the pool)."""
-
-    def __init__(self, queue: RequestQueue, worker_id: str) -> None:
-        self.queue = queue
-        self.worker_id = worker_id
-        self._names: set[str] = set()
-        self._told: asyncio.Future[None] | None = None
-        """The call the names gathered now go with (None: none asked yet)."""
-        self._one_call = asyncio.Lock()
-        self._calls: set[asyncio.Task[None]] = set()
-
-    async def tell(self, names: Sequence[str]) -> None:
-        """Until the queue has ``names`` (raises what that call raised)."""
-        if not names:
-            return
-        self._names.update(names)
-        if self._told is None:
-            self._told = asyncio.get_running_loop().create_future()
-            call = asyncio.create_task(self._call(self._told))
-            self._calls.add(call)
-            call.add_done_callback(self._calls.discard)
-        await asyncio.shield(self._told)
-
-    async def _call(self, told: asyncio.Future[None]) -> None:
-        async with self._one_call:
-            names, self._names, self._told = sorted(self._names), set(), None
-            try:
-                await self.queue.hold(self.worker_id, names)
-            except asyncio.CancelledError:
-                told.cancel()
-                raise
-            except Exception as exc:  # each teller logs it (engine/jobs.py)
-                told.set_exception(exc)
-                told.exception()  # retrieved: a teller that went away leaves no warning
-                return
-            told.set_result(None)
 
 
 class FairPreemption:

@@ -4,10 +4,11 @@ Events queue up while the engine steps; at the end of a step (the next turn of t
 loop) the publisher writes them all: one EMIT_STEP call (``wire.emit_step.EmitStep``: per
 event, append to the session stream, publish on the live channel, refuse anything after a
 generation's final event or from a writer that does not own it) per group of sessions, and
-the requests that ended acknowledged in the same round trip (on a cluster, right after it):
-``wire.generations.Generations.emit_step``. ``group_of`` says which sessions may share a
-call: all of them on one Redis, one hash slot's on a Redis Cluster, where every script must
-keep to one slot (``wire.topology``).
+the requests that ended acknowledged, and the prefixes they left in the engine's cache
+held (for their next turns' cache affinity), in the same round trip (on a cluster, a
+round trip after and before it): ``wire.generations.Generations.emit_step``.
+``group_of`` says which sessions may share a call: all of them on one Redis, one hash
+slot's on a Redis Cluster, where every script must keep to one slot (``wire.topology``).
 
 A token costs a record in a list, no future and no object: only the events whose outcome
 the worker acts on (a generation's claim and its end) get one. Events are written in the
@@ -29,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 
 from redis.exceptions import NoScriptError, RedisError
 
@@ -47,10 +48,6 @@ GroupOf = Callable[[str], Hashable]
 
 MAX_EVENTS_PER_CALL = 1_000
 """A call runs in Redis without a break: more events than this go in the next call."""
-BEFORE_WAIT_S = 0.5
-"""The longest a batch waits for the writes that should land before it (``emit_waited``'s
-``before``: where a reply's prefix is held, for its next turn's affinity): a reply's end is
-never held up longer for it."""
 
 
 class _OpenToken:
@@ -84,7 +81,7 @@ def joined(first: Token, then: Token) -> Token:
 class _Batch:
     """What one write sends: the calls per group, the acknowledgements, and who waits."""
 
-    __slots__ = ("acks", "befores", "calls", "done", "finals", "open_tokens", "waiters")
+    __slots__ = ("acks", "calls", "done", "finals", "held", "open_tokens", "waiters")
 
     def __init__(self) -> None:
         self.calls: dict[Hashable, list[StepCall]] = {}
@@ -99,8 +96,8 @@ class _Batch:
         """The final events: a refused one is no sign that another writer owns it."""
         self.done: asyncio.Future[None] | None = None
         """Made when someone waits for the whole batch (``Publisher.written``)."""
-        self.befores: list[asyncio.Future[None]] = []
-        """What must be in Redis before the batch is written (``emit_waited``'s ``before``)."""
+        self.held: set[str] = set()
+        """The prefixes the batch's ended replies left in the engine's cache."""
 
 
 class Publisher:
@@ -170,19 +167,18 @@ class Publisher:
         final: bool = False,
         assistant: wire.ChatMessage | None = None,
         ack: bytes | None = None,
-        before: asyncio.Future[None] | None = None,
+        held: Sequence[str] = (),
     ) -> asyncio.Future[str | None]:
         """Queue an event; the future resolves to its stream id, or None if refused.
 
         ``final``: it ends the generation (``assistant`` joins the history). ``ack``: the
         request's entry id, acknowledged once the event is written (one Redis: in the same
         round trip, so "in flight", gateway/core/store/queue.py, drops the moment it
-        ends). ``before``: a write to land first (it never raises; waited for at most
-        ``BEFORE_WAIT_S``); the event still goes with the step's others, one call for a
-        reply's last token and its end."""
+        ends). ``held``: the names of the prefixes the reply left in the engine's cache,
+        held by this worker once the event is written (in the same round trip on one
+        Redis), so the client's next turn finds them."""
         batch = self._batch
-        if before is not None:
-            batch.befores.append(before)
+        batch.held.update(held)
         if batch.open_tokens:
             batch.open_tokens.pop(target, None)  # no token joins one before this event
         call = self._call(target.session_id)
@@ -235,13 +231,9 @@ class Publisher:
             batch = self._in_flight = self._batch
             self._batch, self._events = _Batch(), 0
             calls = [call for group in batch.calls.values() for call in group]
-            if batch.befores:
-                # A write held up (on a cluster, on another shard than the sessions') holds
-                # every session's events here: past BEFORE_WAIT_S they go without it.
-                await asyncio.wait(batch.befores, timeout=BEFORE_WAIT_S)
             while True:
                 try:
-                    replies = await self._write(calls, batch.acks)
+                    replies = await self._write(calls, batch)
                     backoff = 0.05
                     break
                 except (RedisError, OSError) as exc:
@@ -275,10 +267,8 @@ class Publisher:
         if batch.done is not None and not batch.done.done():
             batch.done.set_result(None)
 
-    async def _write(
-        self, calls: list[StepCall], acks: list[tuple[EmitTarget, bytes]]
-    ) -> list[list[str | None]]:
-        replies = await self.generations.emit_step(calls, acks, self.queue)
+    async def _write(self, calls: list[StepCall], batch: _Batch) -> list[list[str | None]]:
+        replies = await self.generations.emit_step(calls, batch.acks, self.queue, batch.held)
         self.pipelines += 1
         self.events += sum(call.size for call in calls)
         return replies

@@ -9,13 +9,13 @@ import signal
 
 import httpx
 import pytest
-import redis.asyncio as aioredis
 
 from stack.redis_server import free_port
 from tests.support.http import Session, create_session, read_events, send
 from tests.support.metrics import sample, scrape
 from tests.support.stack import Stack
 from wire import Keys
+from wire.connect import connect
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -39,7 +39,7 @@ class Rig:
         }
         self.gateway = stack.gateway()
         self.keys = Keys(stack.prefix)
-        self.redis = aioredis.Redis.from_url(stack.redis_url)
+        self.redis = connect(stack.redis_url)
         self.client = httpx.AsyncClient(timeout=30)
 
     async def close(self) -> None:
@@ -97,6 +97,25 @@ async def test_a_conversations_next_turns_are_taken_by_the_worker_that_ran_its_f
         other = "wb" if dead == "wa" else "wa"
         assert await rig.turn(sessions[0], "are you still there?") == other
         assert await rig.affinity(other, "miss") >= 1
+    finally:
+        await rig.close()
+
+
+@pytest.mark.cluster
+async def test_on_a_cluster_a_conversations_next_turns_are_taken_by_its_first_worker(
+    cluster_stack: Stack,
+) -> None:
+    """On a cluster a worker says what it holds on its queue's shard, in a call of its own
+    before the final event (which goes to the session's shard): two conversations' next
+    two turns each run on their first turn's worker, all four counted as hits."""
+    rig = Rig(cluster_stack, 4)
+    try:
+        for number in range(2):
+            session = await create_session(rig.client, rig.gateway.url)
+            holder = await rig.turn(session, f"conversation {number}: " + "the sea " * 100)
+            assert await rig.turn(session, "and then?") == holder
+            assert await rig.turn(session, "and after that?") == holder
+        assert await rig.affinity("wa", "hit") + await rig.affinity("wb", "hit") == 4
     finally:
         await rig.close()
 

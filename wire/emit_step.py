@@ -7,13 +7,14 @@ publisher (engine/publisher.py) fills while the engine steps, ``EmitStep`` sends
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import NamedTuple
 
 from redis.asyncio.client import Pipeline
 
 from wire.keys import CONSUMER_GROUP
 from wire.replies import text
-from wire.scripts import EMIT_CORE, EMIT_EVENT, Script, lua_source
+from wire.scripts import EMIT_CORE, EMIT_EVENT, HOLD_CORE, Script, lua_source
 
 
 class EmitTarget(NamedTuple):
@@ -34,18 +35,23 @@ class EmitTarget(NamedTuple):
 class StepCall:
     """The KEYS and ARGV of one EMIT_STEP call, built event by event: per event two keys
     and one record (a final event two more keys and its assistant message), no object;
-    and the requests it acknowledges once they are written (``acknowledge``)."""
+    and, on one Redis, what the step's ended replies change in their model's queue with
+    them: their requests acknowledged (``acknowledge``), the prefixes they left in the
+    writer's engine held (``hold``)."""
 
-    __slots__ = ("acked_in", "args", "keys", "size", "targets")
+    __slots__ = ("acked_in", "args", "held_in", "keys", "size", "targets", "writer")
 
     def __init__(self, writer: str) -> None:
+        self.writer = writer
         self.keys: list[bytes] = []
-        self.args: list[bytes] = [writer.encode(), b"", CONSUMER_GROUP.encode()]
+        self.args: list[bytes] = [writer.encode(), b"", CONSUMER_GROUP.encode(), b""]
         self.targets: list[EmitTarget] = []
         """Whose each event is, in order (the reply has one entry per event)."""
         self.size = 0
         self.acked_in: bytes | None = None
         """The queue whose requests the call acknowledges (None: none)."""
+        self.held_in: bytes | None = None
+        """The fair base under which the call adds the writer to prefixes' holders."""
 
     def acknowledge(self, queue: bytes, entry_ids: list[bytes]) -> None:
         """Acknowledge these requests of ``queue`` once every event is written (their
@@ -54,9 +60,20 @@ class StepCall:
         self.args[1] = b" ".join(entry_ids)
         self.acked_in = queue if entry_ids else None
 
+    def hold(self, fair_base: bytes, names: Collection[str], ttl_s: int) -> None:
+        """Add the writer to the holders of ``names`` (prefixes its engine holds now) under
+        ``fair_base`` with the call's events, for ``ttl_s`` (wire/lua/hold_core.lua). Only
+        on one Redis, as ``acknowledge``. Again: the same names replace them."""
+        if names:
+            self.args[3] = b" ".join([b"%d" % ttl_s, *(name.encode() for name in names)])
+            self.held_in = fair_base
+        else:
+            self.args[3], self.held_in = b"", None
+
     @property
     def all_keys(self) -> list[bytes]:
-        return self.keys if self.acked_in is None else [*self.keys, self.acked_in]
+        tail = [key for key in (self.acked_in, self.held_in) if key is not None]
+        return [*self.keys, *tail] if tail else self.keys
 
     def add(
         self,
@@ -98,7 +115,7 @@ class EmitStep(Script):
     checks and writes per event as ``Emit``. Every key of a call must share one hash slot
     on a cluster (the publisher groups a step's events so)."""
 
-    source = EMIT_CORE + EMIT_EVENT + lua_source("emit_step")
+    source = EMIT_CORE + EMIT_EVENT + HOLD_CORE + lua_source("emit_step")
 
     def target(
         self, session_id: str, generation_id: str, *, epoch: int, maxlen: int, ttl_s: int

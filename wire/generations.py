@@ -18,12 +18,13 @@ queued, count), each engine worker one (its steps, hand-over, acknowledgements):
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+import logging
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Literal
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, RedisError
 
 from wire.emit_step import EmitStep, EmitTarget, StepCall
 from wire.handoff import Streamed, continuation, streamed_so_far
@@ -50,7 +51,7 @@ from wire.outcomes import (
     TakenOver,
     TakeoverReply,
 )
-from wire.queue import RequestQueue
+from wire.queue import HELD_TTL_S, RequestQueue
 from wire.replies import text
 from wire.scripts import (
     AdmitInSubmit,
@@ -72,6 +73,11 @@ CONTINUATION = "continuation"
 """The generation's field that keeps the request continuing it (``keep_continuation``)."""
 CANCELS_MAXLEN = 10_000
 """The cancels stream's cap: every worker reads every signal from its newest on."""
+HOLD_WAIT_S = 0.5
+"""On a cluster, the longest a step waits for the prefixes its replies left to be held (on
+the queue's node): a reply's end is never held up longer for its next turn's affinity."""
+
+log = logging.getLogger("tokenspout.generations")
 
 
 class Generations:
@@ -207,21 +213,29 @@ class Generations:
         calls: list[StepCall],
         acked: Sequence[tuple[EmitTarget, bytes]],
         queue: RequestQueue,
+        held: Collection[str] = (),
     ) -> list[list[str | None]]:
         """Write an engine step's events (their calls grouped by ``Topology.group_of``),
         claims, tokens and final events alike, and acknowledge in ``queue`` the requests
         of ``acked`` (a final event's target, its request's entry id) once their final
-        events are written. One node: the last call acknowledges them itself. A cluster
-        runs a pipeline's nodes at once, so the acknowledgements follow in a round trip of
-        their own, after each acknowledged generation's usage is counted (a worker lost
-        before that leaves its request pending, and the reaper that takes it counts it).
-        Each event's stream id, or None where Redis refused it; sent again on a failure,
-        each event is written once (its seq)."""
+        events are written; the writer holds the prefixes ``held`` (those its ended
+        replies left in its engine's cache: docs/affinity.md) by the time they are. One
+        node: the last call acknowledges and holds them itself. A cluster runs a
+        pipeline's nodes at once, so the prefixes are held in a call of their own before
+        (its failure, or a wait past ``HOLD_WAIT_S``, costs the next turns their
+        affinity, never the step), and the acknowledgements follow in one after, once
+        each acknowledged generation's usage is counted (a worker lost before that
+        leaves its request pending, and the reaper that takes it counts it). Each
+        event's stream id, or None where Redis refused it; sent again on a failure, each
+        event is written once (its seq)."""
         acks = [entry_id for _, entry_id in acked]
         if self.topology.one_node:
             calls[-1].acknowledge(queue.key.encode(), acks)
+            calls[-1].hold(queue.fair.base.encode(), held, HELD_TTL_S)
             if len(calls) == 1:
                 return [await self._step.send(calls[0])]
+        elif held:
+            await self._hold_first(queue, calls[0].writer, held)
         async with self.redis.pipeline(transaction=False) as pipe:
             for call in calls:
                 self._step.queue_in(pipe, call)
@@ -230,6 +244,13 @@ class Generations:
             await self._counted([(t.session_id, t.generation_id) for t, _ in acked])
             await queue.ack(*acks)
         return replies
+
+    @staticmethod
+    async def _hold_first(queue: RequestQueue, writer: str, held: Collection[str]) -> None:
+        try:
+            await asyncio.wait_for(queue.hold(writer, sorted(held)), HOLD_WAIT_S)
+        except (RedisError, OSError, TimeoutError) as exc:
+            log.warning("could not say which prefixes %s holds (%r)", writer, exc)
 
     async def load_step(self) -> None:
         """Load EMIT_STEP (a restarted Redis, or a promoted replica, has no scripts)."""

@@ -94,6 +94,8 @@ ADMIT_CORE = lua_source("admit_core")
 """Lua function ``admit_tenant``: a key's admission against its limits."""
 FAIR_CORE = lua_source("fair_core")
 """Lua functions of a model's fair share (``fair_enqueue``, ``fair_charge``, ...)."""
+HOLD_CORE = lua_source("hold_core")
+"""Lua function ``hold_prefix``: a worker among a prefix's holders (cache affinity)."""
 EMIT_EVENT = lua_source("emit_event")
 """Lua function ``emit_event``: one writer's event, checked (after ``EMIT_CORE``)."""
 
@@ -764,7 +766,7 @@ class FairHold(Script):
     """A worker among the holders of the prefixes a request it ran left in its engine's
     cache (wire/lua/fair_hold.lua)."""
 
-    source = lua_source("fair_hold")
+    source = HOLD_CORE + lua_source("fair_hold")
 
     async def __call__(self, *, base: str, worker: str, names: Sequence[str], ttl_s: int) -> None:
         await self._run([base], [ttl_s, worker, *names], None)

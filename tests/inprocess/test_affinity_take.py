@@ -13,8 +13,7 @@ import pytest
 import redis.asyncio as aioredis
 
 import wire
-from engine.metrics import WorkerMetrics
-from engine.policies import CacheAffinity, PrefillRate
+from engine.policies import PrefillRate
 from wire import ChatMessage, GenerationRequest, Keys, SamplingParams, prefixes
 from wire.queue import RequestQueue, ServedTokens
 from wire.replies import StreamEntry
@@ -124,20 +123,6 @@ async def test_the_holder_is_woken_by_its_own_bell(redis: aioredis.Redis) -> Non
     await submit(queue, chat("t2", "hello", "hi", "more"))
     assert await waiting == ["t2"]
     assert time.monotonic() - began < WAIT_MS / 1000
-
-
-async def test_replies_ending_together_are_told_held_in_a_few_calls(
-    redis: aioredis.Redis,
-) -> None:
-    """300 replies of a worker end at once: each waits until its names are held, and they
-    go in a few calls (one each would ask the client's pool, 100 connections, for 300)."""
-    queue = await fresh_queue(redis)
-    policy = CacheAffinity(queue, "wa", ServedTokens(), wait_ms=WAIT_MS, metrics=WorkerMetrics())
-    requests = [chat(f"t{n}", f"conversation {n}") for n in range(300)]
-    await asyncio.gather(*(policy.ran(request, "a reply") for request in requests))
-    for request in requests:
-        for name in prefixes.held(queue.model, request, "a reply"):
-            assert await redis.smembers(f"{queue.fair.base}:h:{name}") == {b"wa"}
 
 
 async def test_a_request_waits_no_longer_than_its_held_prefix_takes_to_prefill(

@@ -14,11 +14,11 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
-from engine.publisher import BEFORE_WAIT_S, Publisher, joined
+from engine.publisher import Publisher, joined
 from wire import Done, Keys, Started, Token, Usage
 from wire.emit_step import EmitTarget
 from wire.generations import Generations
-from wire.queue import RequestQueue
+from wire.queue import HELD_TTL_S, RequestQueue
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -162,36 +162,61 @@ async def test_without_join_tokens_every_token_stays_its_own_event(redis: aiored
     assert [e["text"] for e in events if e["type"] == "token"] == ["a", "b", "c"]
 
 
-async def test_a_reply_ends_in_the_call_of_its_last_token_after_what_must_land_first(
+async def test_a_reply_ends_in_the_call_of_its_last_token_holding_its_prefixes(
     generation: Generation,
 ) -> None:
-    """A final event queued with a write to land first (``before``: where the reply's
-    prefix is held) goes in the same call as the step's last token, once that write is
-    done; a write that does not land within ``BEFORE_WAIT_S`` holds it no longer."""
-    publisher = generation.publisher
+    """A final event with the prefixes its reply left in the engine (``held``) goes in the
+    same call as the step's last token, and the writer holds them by the time it is
+    written: the client's next turn finds its holder (on one Redis, in the same round
+    trip)."""
+    publisher, redis = generation.publisher, generation.redis
+    base = publisher.queue.fair.base
     calls = publisher.pipelines
-    landed = asyncio.get_running_loop().create_future()
-    asyncio.get_running_loop().call_later(0.1, landed.set_result, None)
     publisher.emit(generation.target, generation.token("a", 1), 2)
     done = Done(generation.gid, "length", Usage(3, 1))
-    began = asyncio.get_running_loop().time()
-    written = publisher.emit_waited(generation.target, done, 3, final=True, before=landed)
-    assert await written
-    waited = asyncio.get_running_loop().time() - began
-    assert landed.done() and 0.09 <= waited < BEFORE_WAIT_S, waited
-    assert publisher.pipelines - calls == 1  # the token and the end in one call
+    held = ["0a1b2c3d4e5f6071", "8192a3b4c5d6e7f8"]
+    assert await publisher.emit_waited(generation.target, done, 3, final=True, held=held)
+    assert publisher.pipelines - calls == 1  # the token, the end and the names in one call
     assert [event["type"] for event in await generation.events()] == ["started", "token", "done"]
+    for name in held:
+        assert await redis.smembers(f"{base}:h:{name}") == {b"w-1"}
+        assert 0 < await redis.ttl(f"{base}:h:{name}") <= HELD_TTL_S
 
 
-async def test_a_write_that_never_lands_holds_a_reply_end_at_most_its_bound(
+async def test_replies_ending_in_one_step_hold_their_prefixes_in_its_one_call(
     redis: aioredis.Redis,
 ) -> None:
+    """300 replies of a worker end in one engine step: their final events and the names of
+    every prefix they left go in one call (a call each would ask the client's pool, 100
+    connections, for 300), each name held by the writer once it is written."""
     async with publishing(Generation(redis)) as generation:
-        never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        done = Done(generation.gid, "length", Usage(3, 0))
-        began = asyncio.get_running_loop().time()
-        publisher = generation.publisher
-        assert await publisher.emit_waited(generation.target, done, 2, final=True, before=never)
-        waited = asyncio.get_running_loop().time() - began
-        assert BEFORE_WAIT_S <= waited < BEFORE_WAIT_S + 1.0, waited
-        never.cancel()
+        publisher, keys = generation.publisher, generation.keys
+        ending = [(f"s_{n}", f"g_{n:04d}") for n in range(300)]
+        targets = [
+            publisher.generations.target(sid, gid, epoch=0, ttl_s=600, maxlen=1000)
+            for sid, gid in ending
+        ]
+        for sid, gid in ending:
+            await redis.hset(keys.generation(sid, gid), mapping={"state": "queued"})
+        claims = [
+            publisher.emit_waited(target, Started(target.generation_id, "m", 3), 1)
+            for target in targets
+        ]
+        assert all(await asyncio.gather(*claims))
+        calls = publisher.pipelines
+        names = {gid: [f"{n:04x}{gid[2:]}aaaaaaaa" for n in range(3)] for _, gid in ending}
+        finals = [
+            publisher.emit_waited(
+                target,
+                Done(target.generation_id, "stop", Usage(3, 0)),
+                2,
+                final=True,
+                held=names[target.generation_id],
+            )
+            for target in targets
+        ]
+        assert all(await asyncio.gather(*finals))
+        assert publisher.pipelines - calls == 1
+        base = publisher.queue.fair.base
+        for name in (name for held in names.values() for name in held):
+            assert await redis.smembers(f"{base}:h:{name}") == {b"w-1"}
