@@ -23,8 +23,10 @@ Workloads (``--workloads``):
 
 Per side: requests/s (tokens/s for the streamed ones, and against the engine alone measured
 in the same round), TTFT p50 and p99 (added TTFT over the engine alone's), CPU per request
-of the gateway, the worker and Redis, Redis commands per request; each round's figures and
-each revision's ratios to the baseline. Results: docs/bench/NAME.json, NAME.md, NAME.png.
+of the gateway, the worker and Redis, Redis commands per request (in the JSON also by
+command, with Redis's time in each: a script's includes its inner commands'); each round's
+figures and each revision's ratios to the baseline. Results: docs/bench/NAME.json,
+NAME.md, NAME.png.
 """
 
 from __future__ import annotations
@@ -105,8 +107,8 @@ async def turn(side_rig: Rig, workload: str, args: argparse.Namespace, **kw: Any
     run = await requests.run_side(
         side_rig, port, args, kept=args.connections == requests.KEPT, headers=kw.get("headers")
     )
-    calls = {name: await stats.command_calls(s.client) for name, s in side_rig.servers.items()}
-    return (*run, calls)
+    spent = {name: await stats.command_stats(s.client) for name, s in side_rig.servers.items()}
+    return (*run, spent)
 
 
 def _burst_rate(args: argparse.Namespace) -> float:
@@ -142,10 +144,12 @@ def figures(workload: str, runs: list[Any], args: argparse.Namespace) -> dict[st
     s = requests.summary([run[:3] for run in runs], PATH)
     n = s["requests"]
     calls: dict[str, int] = {}
+    usec: dict[str, int] = {}
     for run in runs:
         for per_server in run[3].values():
-            for name, count in per_server.items():
+            for name, (count, spent_us) in per_server.items():
                 calls[name] = calls.get(name, 0) + count
+                usec[name] = usec.get(name, 0) + spent_us
     return {
         "rate": s["requests_per_s"],
         "ttft_p50_ms": s["ttft_p50_ms"],
@@ -153,6 +157,7 @@ def figures(workload: str, runs: list[Any], args: argparse.Namespace) -> dict[st
         "cpu_us_per_request": s["cpu_us_per_request"],
         "redis_calls_per_request": round(sum(calls.values()) / n, 1) if n else None,
         "redis_commands_per_request": {c: round(k / n, 2) for c, k in sorted(calls.items())},
+        "redis_command_us_per_request": {c: round(k / n, 1) for c, k in sorted(usec.items())},
         "failed": s["failed"],
         "failures": s["failures"],
     }
@@ -310,9 +315,12 @@ async def measure_round(
     return out
 
 
+BULKY = ("summary", "redis_commands_per_request", "redis_command_us_per_request")
+
+
 def _brief(f: dict[str, Any]) -> dict[str, Any]:
     """A turn's figures without the bulky ones."""
-    return {k: v for k, v in f.items() if k not in ("summary", "redis_commands_per_request")}
+    return {k: v for k, v in f.items() if k not in BULKY}
 
 
 def _started_from(side_rig: Rig) -> dict[str, Any]:

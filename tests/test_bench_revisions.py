@@ -65,6 +65,8 @@ def test_two_revisions_in_turns_each_run_from_its_own_folder(tmp_path: Path) -> 
             "path",
         }
     assert workloads["keyed"]["sides"][here]["vs_anonymous"] > 0
+    spent = workloads["oneshot"]["sides"][here]["redis_command_us_per_request"]
+    assert spent["evalsha"] > 0, spent  # Redis's time in each command, its scripts' too
     assert workloads["burst"]["sides"][here]["added_ttft_p99_ms"] is not None
     report = (tmp_path / "revisions.md").read_text()
     assert f"| {head} |" in report and "| engine alone |" in report

@@ -502,9 +502,12 @@ def spend_cpu(seconds: float) -> None:
         pass
 
 
+_DEFAULT_PARAMS = SamplingParams()
+
+
 def _set_fields(params: SamplingParams, names: frozenset[str]) -> list[str]:
     """Which of ``names`` the request sets away from their defaults."""
-    default = SamplingParams()
+    default = _DEFAULT_PARAMS
     return sorted(name for name in names if getattr(params, name) != getattr(default, name))
 
 
