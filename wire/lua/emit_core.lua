@@ -29,12 +29,11 @@ local function emit(events, gen, channel, maxlen, ttl, etype, gid, data)
   end
   return id
 end
--- A session turn's reply (its generation knows its place in the history, 'at') is
+-- A session turn's reply (its generation knows its place in the history, `at`) is
 -- recorded as it ends, in the session's 'replies' hash (the 'active' key's sibling:
 -- wire/keys.py): how it ended (the final event), its model, its takeovers, its first and
 -- last event ids. What a page shows of a reply after a reload comes from here.
-local function record_reply(gen, active, gid, id, data, ttl)
-  local at = redis.call('HGET', gen, 'at')
+local function record_reply(gen, active, gid, id, data, ttl, at)
   if not at then return end
   local turn = redis.call('HMGET', gen, 'queue', 'takeovers', 'queued_id', 'turn')
   local replies = string.sub(active, 1, -7) .. 'replies'
@@ -44,12 +43,21 @@ local function record_reply(gen, active, gid, id, data, ttl)
     ',"turn":' .. cjson.encode(turn[4] or '') .. ',"final":' .. data .. '}')
   redis.call('EXPIRE', replies, ttl)
 end
+-- The generation's fields its end reads: count_usage's (usage_core.lua), then 'at'.
+local FINISH_READS = {'tenant', 'bill', 'usage', 'counts', 'at'}
 -- Every script that writes a final event calls this, once per generation (a second final
 -- is refused before it), so the generation's usage is counted here (usage_core.lua).
-local function finish(gen, active, gid, state, id, data, ttl)
-  redis.call('HSET', gen, 'state', state, 'final_id', id, 'final', data)
-  count_usage(gen, gid, data)
+-- `read`: the generation's FINISH_READS as its caller read them (nil: read here); `also`:
+-- more of its fields to set in the same write (a step's retry check: seq, seq_id).
+local function finish(gen, active, gid, state, id, data, ttl, read, also)
+  local fields = also or {}
+  for _, item in ipairs({'state', state, 'final_id', id, 'final', data}) do
+    table.insert(fields, item)
+  end
+  redis.call('HSET', gen, unpack(fields))
+  read = read or redis.call('HMGET', gen, unpack(FINISH_READS))
+  count_usage(gen, gid, data, read)
   redis.call('EXPIRE', gen, ttl)
   if redis.call('GET', active) == gid then redis.call('DEL', active) end
-  record_reply(gen, active, gid, id, data, ttl)
+  record_reply(gen, active, gid, id, data, ttl, read[5])
 end

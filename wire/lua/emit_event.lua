@@ -26,20 +26,24 @@ local function kept_usage(events, gen, last_id)
   local completion = 0
   local entry = last_id and redis.call('XRANGE', events, last_id, last_id)[1]
   if entry then  -- fields: t, <type>, g, <generation>, d, <data>
-    local kept = cjson.decode(entry[2][6])
-    completion = tonumber(kept['count'] or kept['completion_tokens'] or 0)
-  else
-    local streamed = redis.call('HGET', gen, 'usage')
-    if streamed then completion = tonumber(cjson.decode(streamed)['completion_tokens'] or 0) end
+    local last = cjson.decode(entry[2][6])
+    completion = tonumber(last['count'] or last['completion_tokens'] or 0)
   end
-  local prompt = tonumber(redis.call('HGET', gen, 'prompt') or '0')
+  local kept = redis.call('HMGET', gen, 'usage', 'prompt')
+  if not entry and kept[1] then
+    completion = tonumber(cjson.decode(kept[1])['completion_tokens'] or 0)
+  end
+  local prompt = tonumber(kept[2] or '0')
   return '{"prompt_tokens":' .. prompt .. ',"completion_tokens":' .. completion .. '}'
 end
 local function emit_event(events, gen, active, history, channel, maxlen, ttl, etype, gid, data,
                           final_state, writer, assistant, seq, epoch)
-  -- One read for the retry, state and owner checks: this runs for every token.
+  -- One read for the retry, state and owner checks (this runs for every token), and for a
+  -- final event what its end reads (FINISH_READS, emit_core.lua).
+  local ends = final_state ~= ''
   local seen = redis.call('HMGET', gen, 'seq', 'seq_id', 'state', 'final_id', 'worker',
-                          'takeovers', 'continues')
+                          'takeovers', 'continues', unpack(ends and FINISH_READS or {}))
+  local read = ends and {unpack(seen, 8, 12)} or nil
   local last = tonumber(seen[1] or '0')
   if seq and seq <= last then return seen[2] end
   if (not seen[3]) or seen[4] then return false end
@@ -61,20 +65,23 @@ local function emit_event(events, gen, active, history, channel, maxlen, ttl, et
     -- sibling (wire/keys.py), in the same slot.
     if active == '' then active = string.sub(events, 1, -7) .. 'active' end
     local lost_id = emit(events, gen, channel, maxlen, ttl, 'error', gid, error)
-    finish(gen, active, gid, 'error', lost_id, error, ttl)
+    finish(gen, active, gid, 'error', lost_id, error, ttl, read)
     redis.call('EXPIRE', events, ttl)
     return false
   end
   local id = emit(events, gen, channel, maxlen, ttl, etype, gid, data)
-  if seq then redis.call('HSET', gen, 'seq', seq, 'seq_id', id) end
-  if etype == 'started' then  -- its prompt noted, for an end that must bill it (kept_usage)
-    local prompt = string.match(data, '"prompt_tokens":(%d+)') or '0'
-    redis.call('HSET', gen, 'state', 'running', 'worker', writer, 'prompt', prompt)
-  elseif claim then
-    redis.call('HSET', gen, 'state', 'running', 'worker', writer)
+  -- One write of the generation's fields: the retry check's, a claim's, a final event's.
+  local fields = seq and {'seq', seq, 'seq_id', id} or {}
+  if claim then
+    for _, item in ipairs({'state', 'running', 'worker', writer}) do table.insert(fields, item) end
   end
+  if etype == 'started' then  -- its prompt noted, for an end that must bill it (kept_usage)
+    table.insert(fields, 'prompt')
+    table.insert(fields, string.match(data, '"prompt_tokens":(%d+)') or '0')
+  end
+  if final_state == '' and #fields > 0 then redis.call('HSET', gen, unpack(fields)) end
   if final_state ~= '' then
-    finish(gen, active, gid, final_state, id, data, ttl)
+    finish(gen, active, gid, final_state, id, data, ttl, read, fields)
     if assistant ~= '' then
       -- A continued reply (SUBMIT marked its turn) makes the history's last message, the
       -- one it extends, longer: the session was busy meanwhile, so that is still the one.

@@ -50,10 +50,12 @@ local function fair_charge(base, tenant, tokens, now)
 end
 
 -- A tenant's weight as its request gives it: kept when it is not 1 (fair_weight's default),
--- else dropped (a key whose weight went back to 1). True when the hash got a new field.
+-- else dropped (a key whose weight went back to 1; the tenant of requests with no key,
+-- wire/keys.py ANONYMOUS, is never weighed). True when the hash got a new field.
+local FAIR_ANONYMOUS = '-'
 local function fair_weigh(base, tenant, weight)
   if tonumber(weight) == 1 then
-    redis.call('HDEL', base .. ':weights', tenant)
+    if tenant ~= FAIR_ANONYMOUS then redis.call('HDEL', base .. ':weights', tenant) end
     return false
   end
   return redis.call('HSET', base .. ':weights', tenant, weight) == 1
@@ -82,11 +84,12 @@ local function fair_slots(record, now_s)
   return tonumber(slots), offered == '1' and tonumber(slots) or 0
 end
 
--- The slots offered to new requests by the queue's workers, and how many workers have a
--- free slot; a lapsed record is dropped.
+-- The slots offered to new requests by the queue's workers, how many workers have a free
+-- slot, and what was read (for fair_held: each worker's record, and Redis's clock, s); a
+-- lapsed record is dropped.
 local function fair_free(base)
   local now_s, key, offered, workers = tonumber(redis.call('TIME')[1]), base .. ':free', 0, 0
-  local records = redis.call('HGETALL', key)
+  local records, by_worker = redis.call('HGETALL', key), {}
   for i = 1, #records, 2 do
     local slots, offers = fair_slots(records[i + 1], now_s)
     if not slots then
@@ -94,8 +97,9 @@ local function fair_free(base)
     elseif slots > 0 then
       offered, workers = offered + offers, workers + 1
     end
+    by_worker[records[i]] = records[i + 1]
   end
-  return offered, workers
+  return offered, workers, {records = by_worker, now_s = now_s}
 end
 
 -- Cache affinity (docs/affinity.md). A list entry may name its prompt's prefixes:
@@ -107,18 +111,19 @@ end
 
 -- The holders with a free slot of the longest held of `names` (comma-separated, each
 -- `name:tokens`, longest first), whether `worker` is among them, and the held prefix's
--- tokens (nil: not told).
-local function fair_held(base, names, worker)
+-- tokens (nil: not told). `read`: what fair_free read just before (nil: read them here).
+local function fair_held(base, names, worker, read)
   for prefix in string.gmatch(names, '[^,]+') do
     local name, tokens = string.match(prefix, '^([^:]+):?(%d*)$')
     local members = redis.call('SMEMBERS', base .. ':h:' .. name)
     if #members > 0 then
-      local now_s, free, mine = tonumber(redis.call('TIME')[1]), {}, false
+      local now_s = read and read.now_s or tonumber(redis.call('TIME')[1])
+      local free, mine = {}, false
       for _, holder in ipairs(members) do
         if holder == worker then mine = true end
-        if (fair_slots(redis.call('HGET', base .. ':free', holder), now_s) or 0) > 0 then
-          table.insert(free, holder)
-        end
+        local record = read and read.records[holder]
+        if not read then record = redis.call('HGET', base .. ':free', holder) end
+        if (fair_slots(record, now_s) or 0) > 0 then table.insert(free, holder) end
       end
       return free, mine, tonumber(tokens)
     end
@@ -206,11 +211,11 @@ end
 -- for the fair share, and for affinity's wait, only when one could change where it goes.
 local function fair_submit(base, stream, maxlen, tenant, weight, element, ttl, lag, waiting)
   if waiting == 0 and lag then
-    local offered, free_workers = fair_free(base)
+    local offered, free_workers, read = fair_free(base)
     if lag < offered then
       local bar = string.find(element, '|', 1, true)
       local names = string.match(string.sub(element, 1, bar - 1), '^%d+ (.*)$')
-      local holders = names and fair_held(base, names, '') or {}
+      local holders = names and fair_held(base, names, '', read) or {}
       if #holders == 0 or #holders == free_workers then
         local affinity = #holders > 0 and 'hit' or nil
         local request = string.sub(element, bar + 1)

@@ -50,12 +50,12 @@ local USAGE_COUNTS_ALL = 'held tpm'
 local function tenant_base(gen, tenant)
   return string.match(gen, '^(.-):{') .. ':tenant:{' .. tenant .. '}:'
 end
--- gen: the generation's key (<prefix>:{<sid>}:gen:<gid>); data: its final event's JSON.
+-- gen: the generation's key (<prefix>:{<sid>}:gen:<gid>); data: its final event's JSON;
+-- g: its fields 'tenant', 'bill', 'usage', 'counts' as read (emit_core.lua FINISH_READS).
 -- Its tenant, what to bill and what else to count were written by SUBMIT; an error final
 -- that carries no usage counts what the takeover recorded (the tokens streamed before it).
-local function count_usage(gen, gid, data)
+local function count_usage(gen, gid, data, g)
   if not count_here then return end
-  local g = redis.call('HMGET', gen, 'tenant', 'bill', 'usage', 'counts')
   if not g[1] or g[1] == '' then return end  -- nobody to bill (made by an older gateway)
   local usage = cjson.decode(data)['usage']
   if type(usage) ~= 'table' and g[3] then usage = cjson.decode(g[3]) end
