@@ -50,12 +50,10 @@ local function fair_charge(base, tenant, tokens, now)
 end
 
 -- A tenant's weight as its request gives it: kept when it is not 1 (fair_weight's default),
--- else dropped (a key whose weight went back to 1; the tenant of requests with no key,
--- wire/keys.py ANONYMOUS, is never weighed). True when the hash got a new field.
-local FAIR_ANONYMOUS = '-'
+-- else dropped (a key whose weight went back to 1). True when the hash got a new field.
 local function fair_weigh(base, tenant, weight)
   if tonumber(weight) == 1 then
-    if tenant ~= FAIR_ANONYMOUS then redis.call('HDEL', base .. ':weights', tenant) end
+    redis.call('HDEL', base .. ':weights', tenant)
     return false
   end
   return redis.call('HSET', base .. ':weights', tenant, weight) == 1
