@@ -35,6 +35,7 @@ cache affinity).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -60,6 +61,12 @@ PREFILL_SAMPLE_TOKENS = 64
 one's time is mostly the engine's step, not its prefill."""
 TAKE_BLOCK_MS = 1000
 """How long a take waits for the queue's bell when nothing waits."""
+HELD_RETOLD_S = 60.0
+"""A prefix this worker said it holds within this long is not said again: its holders live
+``HELD_TTL_S`` (300 s) after the last saying, so a prefix served over and over (a shared
+system prompt) costs Redis one saying a minute, not one a reply."""
+TOLD_MOST = 100_000
+"""The most prefixes remembered as told (the oldest forgotten first: told again)."""
 
 
 class TakePolicy(Protocol):
@@ -158,6 +165,7 @@ class CacheAffinity(QueueOrder):
         """The most a request another worker holds waits for it before this one takes it."""
         self.metrics = metrics
         self.prefill = PrefillRate()
+        self.told = ToldNames()
         metrics.prefill_rate.set_function(lambda: self.prefill.tokens_per_s)
 
     async def take(self, free: int) -> list[StreamEntry]:
@@ -173,10 +181,35 @@ class CacheAffinity(QueueOrder):
         return taken
 
     def held(self, request: GenerationRequest, reply: str) -> Sequence[str]:
-        return prefixes.held(self.queue.model, request, reply)
+        return self.told.due(prefixes.held(self.queue.model, request, reply), time.monotonic())
 
     def prefilled(self, tokens: int, seconds: float) -> None:
         self.prefill.observe(tokens, seconds)
+
+
+class ToldNames:
+    """The prefixes this worker said it holds lately, and when: only those not said within
+    ``HELD_RETOLD_S`` are said again. Names told with a write Redis then lost (a restart
+    with no data) are told again at the latest that long after: until then a next turn
+    may lose its affinity (a prefill), never a word."""
+
+    def __init__(self, most: int = TOLD_MOST) -> None:
+        self.most = most
+        self._told: dict[str, float] = {}
+        """Name -> when it was last told (monotonic s), the oldest first."""
+
+    def due(self, names: Sequence[str], now: float) -> list[str]:
+        """Of ``names``, those to tell now (taken as told at ``now``)."""
+        due = []
+        for name in names:
+            told = self._told.get(name)
+            if told is None or now - told >= HELD_RETOLD_S:
+                due.append(name)
+                self._told.pop(name, None)
+                self._told[name] = now
+        while len(self._told) > self.most:
+            del self._told[next(iter(self._told))]
+        return due
 
 
 class FairPreemption:

@@ -13,9 +13,9 @@ import pytest
 import redis.asyncio as aioredis
 
 import wire
-from engine.policies import PrefillRate
+from engine.policies import HELD_RETOLD_S, PrefillRate, ToldNames
 from wire import ChatMessage, GenerationRequest, Keys, SamplingParams, prefixes
-from wire.queue import RequestQueue, ServedTokens
+from wire.queue import HELD_TTL_S, RequestQueue, ServedTokens
 from wire.replies import StreamEntry
 from wire.scripts import AffinityWait
 
@@ -175,3 +175,17 @@ def test_the_prefill_rate_is_a_recent_mean_of_runs_long_enough_to_tell() -> None
     assert rate.tokens_per_s == 2_000
     rate.observe(1_000, 1.0)
     assert rate.tokens_per_s == pytest.approx(2_000 - PrefillRate.WEIGHT * 1_000)
+
+
+def test_a_prefix_told_held_is_told_again_only_a_minute_later() -> None:
+    """A worker says a prefix it holds once per ``HELD_RETOLD_S`` (its holders live five
+    times that long after a saying), however many replies leave it; past ``most`` names
+    remembered, the oldest is forgotten and told again at its next reply."""
+    told = ToldNames(most=3)
+    assert told.due(["sys", "a"], now=0.0) == ["sys", "a"]
+    assert told.due(["sys", "b"], now=1.0) == ["b"]
+    assert told.due(["sys"], now=HELD_RETOLD_S - 0.1) == []
+    assert told.due(["sys", "a"], now=HELD_RETOLD_S) == ["sys", "a"]
+    assert HELD_RETOLD_S * 5 <= HELD_TTL_S
+    told.due(["c"], now=HELD_RETOLD_S + 1)  # four names: "b" (told longest ago) is forgotten
+    assert told.due(["b", "c"], now=HELD_RETOLD_S + 2) == ["b"]
