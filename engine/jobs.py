@@ -304,7 +304,7 @@ class JobTable:
             )
             return
         self.ends.add(job, event, job.events, assistant)
-        self.metrics.generations.labels(state).inc()
+        self.metrics.child(self.metrics.generations, state).inc()
         if request.task == "generate":  # what its final event billed (usage_core.lua)
             prompt = job.prompt_tokens if request.choice == 0 else 0
             self.metrics.billed(request.tenant, prompt, job.emitted_tokens)

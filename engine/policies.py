@@ -176,8 +176,9 @@ class CacheAffinity(QueueOrder):
         for _, fields in taken:
             if outcome := fields.get(b"a"):
                 label = outcome.decode()
-                self.metrics.affinity.labels(label).inc()
-                self.metrics.affinity_wait.labels(label).observe(int(fields[b"w"]) / 1000)
+                self.metrics.child(self.metrics.affinity, label).inc()
+                waited_s = int(fields[b"w"]) / 1000
+                self.metrics.child(self.metrics.affinity_wait, label).observe(waited_s)
         return taken
 
     def held(self, request: GenerationRequest, reply: str) -> Sequence[str]:
