@@ -1,7 +1,7 @@
 """``python -m bench`` (``make bench``): what one gateway process holds and relays.
 
 Two questions bench.e2e does not ask, each on a bench rig of its own (bench/rig.py), pinned
-as issue 8's suite was: the gateway on CPU 1, the load generator on CPU 0, the worker and
+as its first suite was: the gateway on CPU 1, the load generator on CPU 0, the worker and
 Redis floating (on CPU 0 beside a load generator that reads 50,000 tokens/s they delayed the
 fan-out's messages until its readers never all read at once):
 

@@ -1,5 +1,5 @@
 """``python -m bench.affinity``: what a prompt's prefill costs when its beginning is in another
-worker's cache (issue 53).
+worker's cache.
 
 W synthetic engine workers (``--workers 4 8``) on one model's queue, each with a prefix cache
 sized like a GPU's KV cache (``--kv-cache-tokens``) and a prefill at a GPU's rate

@@ -2,7 +2,7 @@
 sessions, without cache affinity (``pull``: whichever worker has a free slot takes a turn)
 and with it (``affinity``: the default, docs/affinity.md); per side, which worker served each
 turn, vLLM's own count of the prompt tokens that came from the worker's prefix cache, and
-each turn's time to first token (issue 53's real-engine figure).
+each turn's time to first token.
 
 The rig, per side (``--sides``): an embedded Redis, two ``python -m engine --backend vllm``
 workers (the bundled SmolLM2, greedy) pinned one to CPU 0 and one to CPU 1 (vLLM binds its

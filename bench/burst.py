@@ -151,7 +151,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"{s['total_tokens_per_s']:,.0f} tokens/s in all, {s['tokens_per_stream']} tokens "
         f"each, {s['prepare_cpu_ms']} ms of CPU per request's prepare; {s['rounds']} rounds, "
         f"the gateway's `/v1/chat/completions` and the engine alone in turns, the same client. "
-        f"Targets (issue 44): added TTFT p99 <= {TARGET_ADDED_P99_MS:g} ms and >= "
+        f"Targets: added TTFT p99 <= {TARGET_ADDED_P99_MS:g} ms and >= "
         f"{TARGET_RATIO} of the engine alone's tokens/s. Method: docs/bench.md.",
         "",
         f"Machine: {results['machine']['cpu_model']}, {results['machine']['nproc']} CPUs, "

@@ -11,7 +11,7 @@ Streams: 100 tokens at 50 tokens/s each by default, N = 1, 10, 100, 500, 1,000 s
 started over N / 1,000 s, and an unpaced saturation point (tokens as fast as the engine
 makes them). Added latency is a gateway path minus ``engine`` at the same point.
 ``--cluster 3`` runs every gateway path a second time on a Redis Cluster of 3 primaries, in
-turns with the one Redis (issue 15: does a cluster spread Redis's work, or add to it?).
+turns with the one Redis (does a cluster spread Redis's work, or add to it?).
 ``--engine vllm`` puts vLLM on the CPU on both sides (SmolLM2, greedy: the worker's backend
 and the engine alone's are the same code), at its own pace (``--rate 0``); ``--cancels N``
 measures N cancels on the rig after the points (bench/cancels.py).
@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 FLOATING = {"rest_cpu": None, "gateway_cpu": None}
 """``--floating``: no process pinned, each may take a core of its own (a box with spare
-cores); by default the gateway has CPU 1 and everything else CPU 0 (issue 12)."""
+cores); by default the gateway has CPU 1 and everything else CPU 0."""
 
 
 def say(message: str) -> None:

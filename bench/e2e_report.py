@@ -16,7 +16,7 @@ PATHS = {
     "responses": "OpenAI Responses `POST /v1/responses`",
     "ws": "WebSocket `WS /v1/ws`",
 }
-TARGETS = "issue 12 (lean token path)"
+TARGETS = "the lean token path"
 
 
 def _cpu(c: dict[str, Any]) -> str:

@@ -1,4 +1,4 @@
-"""``python -m bench.fairness``: many tenants on one engine (issue 46), through the gateway.
+"""``python -m bench.fairness``: many tenants on one engine, through the gateway.
 
 One synthetic engine worker with ``--capacity`` slots, replies of ``--reply-tokens`` tokens
 on average (half to one and a half times that) at ``--tokens-per-s``, one Redis, and two

@@ -23,7 +23,7 @@ mkdir -p "$out/logs"
 { nvidia-smi; python3 -c 'import sys, torch; print(sys.version, torch.__version__, torch.version.cuda)'; } \
   > "$out/machine.txt" 2>&1 || true
 # Both sides start vLLM with its own defaults (its engine core forked): the worker touches
-# no CUDA before vLLM does (issue 44, engine/backends/vllm_api.py), and this run is the GPU's
+# no CUDA before vLLM does (engine/backends/vllm_api.py), and this run is the GPU's
 # check of that. VLLM_WORKER_MULTIPROC_METHOD=spawn in the environment still goes through.
 python3 -m bench.gpu --preflight --out "$out" --logs "$out/logs"
 left=$((left - SECONDS))  # SECONDS: this script's own time so far

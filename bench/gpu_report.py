@@ -1,6 +1,6 @@
 """NAME.md and NAME.png of ``python -m bench.gpu`` (bench/report.py writes them): per vLLM
 mode, each side at each number of streams against vLLM's own server, the cancels, the kill,
-and issue 45's targets (judged on a GPU only)."""
+and the targets (judged on a GPU only)."""
 
 from __future__ import annotations
 
@@ -267,7 +267,7 @@ def markdown(results: dict[str, Any]) -> str:
             *kill_lines(mode),
             "",
         ]
-    out += ["## Targets (issue 45)", "", *targets(results), ""]
+    out += ["## Targets", "", *targets(results), ""]
     return "\n".join(out)
 
 

@@ -1,6 +1,6 @@
 """The one report writer of the benchmarks: a figure as table text (``fmt``), the results as
 NAME.json and NAME.md and their plots (``write``, ``pyplot``, ``save``); then the report of
-``python -m bench`` (open streams and fan-out saturation against issue 8's targets) and its
+``python -m bench`` (open streams and fan-out saturation against its targets) and its
 memory plot."""
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def marginal_kib(hold: list[dict[str, Any]]) -> float | None:
 
 
 def targets(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
-    """(figure, target, measured, verdict) for the targets of issue 8 this suite measures."""
+    """(figure, target, measured, verdict) for the targets this suite measures."""
     rows: list[tuple[str, str, str, str]] = []
 
     def verdict(ok: bool | None) -> str:
@@ -133,7 +133,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"{results.get('suite_s')} s. Method: docs/bench.md.",
         *(["", results["note"]] if "note" in results else []),
         "",
-        "## Targets (issue 8)",
+        "## Targets",
         "",
         "| figure | target | measured | verdict |",
         "| --- | --- | --- | --- |",

@@ -3,7 +3,7 @@ one engine worker, the gateway (with its gRPC server) and the engine alone
 (bench/reference_engine.py) with the worker's own backend: the synthetic engine paced at one
 rate, or vLLM on the CPU (``engine="vllm"``: SmolLM2, greedy; both engines are loaded, one
 generating at a time, under the lock the tests take so that no other vLLM runs beside them).
-Pinned as issue 12 asks: the gateway on CPU 1; the worker, every Redis server, the reference
+Pinned: the gateway on CPU 1; the worker, every Redis server, the reference
 engine and the load generator on CPU 0 (vLLM: nothing pinned, it binds its engine core
 itself). ``python -m bench``, ``bench.e2e`` and ``bench.requests`` run on it."""
 

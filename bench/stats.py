@@ -2,7 +2,7 @@
 per token, Redis command counts, the machine; one run's records and CPU (``Run``), a
 path's figures over its rounds (``summarise``) with each Redis server's share
 (``server_figures``), a gateway path against the engine alone at the same point
-(``added``, issue 12's columns), the path's own part of a first token (``path_ttft``) and
+(``added``), the path's own part of a first token (``path_ttft``) and
 bench.e2e's progress line."""
 
 from __future__ import annotations

@@ -43,6 +43,6 @@ def test_the_hold_sweep_and_the_fan_out_count_every_stream_and_the_report_is_wri
     assert fan_out["cpu_us_per_token"]["gateway"] > 0, fan_out
 
     report = (tmp_path / "results.md").read_text()
-    assert "## Targets (issue 8)" in report and "| 2 x 3 | " in report
+    assert "## Targets" in report and "| 2 x 3 | " in report
     assert "| 30 | 30 |" in report
     assert (tmp_path / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

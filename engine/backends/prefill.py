@@ -28,7 +28,7 @@ model in 16-bit weights (6 GB at 128 KiB a token)."""
 
 
 @dataclass(frozen=True, slots=True)
-class Admitted:
+class Prefilling:
     """A request the engine took: its prompt's tokens, those the cache held, and when its
     prefill is done (the event loop's clock)."""
 
@@ -51,7 +51,7 @@ class Prefill:
         self._lane_free_at = 0.0
         """When the prefills taken so far are done."""
 
-    def admit(self, prompt_ids: list[int], now: float) -> Admitted:
+    def admit(self, prompt_ids: list[int], now: float) -> Prefilling:
         """Take a prompt at ``now``: its prefill queues in the lane, its blocks are cached."""
         names = self.cache.names(prompt_ids)
         admitted = self.look(len(prompt_ids), names, now)
@@ -60,14 +60,14 @@ class Prefill:
         self.cache.store(names)
         return admitted
 
-    def look(self, prompt_tokens: int, names: list[int], now: float) -> Admitted:
+    def look(self, prompt_tokens: int, names: list[int], now: float) -> Prefilling:
         """What taking a prompt of ``prompt_tokens`` whose blocks are ``names`` at ``now``
         would give, changing nothing."""
         cached = self.cache.cached_tokens(prompt_tokens, names)
         ready_at = now
         if self.tokens_per_s:
             ready_at = max(now, self._lane_free_at) + (prompt_tokens - cached) / self.tokens_per_s
-        return Admitted(prompt_tokens, cached, ready_at)
+        return Prefilling(prompt_tokens, cached, ready_at)
 
     def ended(self, token_ids: list[int]) -> None:
         """A request ended: the blocks of its prompt and its reply (``token_ids``) stay."""

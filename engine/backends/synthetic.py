@@ -53,7 +53,7 @@ from typing import Any
 import msgspec
 
 from engine.backends.base import Backend, BackendError, Delta, PrefillCounts, Prepared
-from engine.backends.prefill import KV_CACHE_TOKENS, Admitted, Prefill
+from engine.backends.prefill import KV_CACHE_TOKENS, Prefill, Prefilling
 from engine.backends.prefix_cache import BLOCK_SIZE
 from wire import GenerationRequest, SamplingParams, StructuredOutput, TopLogprob
 
@@ -385,7 +385,7 @@ class _Run:
         "waiter",
     )
 
-    def __init__(self, prepared: Prepared, admitted: Admitted, counts: PrefillCounts) -> None:
+    def __init__(self, prepared: Prepared, admitted: Prefilling, counts: PrefillCounts) -> None:
         source = prepared.source
         assert source is not None
         self.gid = prepared.generation_id
@@ -409,7 +409,7 @@ class _Run:
         self.crash = False
         self.ready_at = admitted.ready_at
         """When its prefill is done: no token before."""
-        self.unreported: Admitted | None = admitted
+        self.unreported: Prefilling | None = admitted
         """Its prefill, until its first delta reports it (then None)."""
         self.counts = counts
         self.output_ids: list[int] = []
