@@ -53,7 +53,7 @@ local function emit_event(events, gen, active, history, channel, maxlen, ttl, et
   if writer ~= '' then
     if epoch ~= tonumber(seen[6] or '0') then return false end
     if seen[3] == 'queued' then  -- not claimed: unless the claim itself was lost
-      if not claim and not lost and final_state == '' then return false end
+      if not claim and not lost and not ends then return false end
     elseif seen[5] ~= writer then return false end
   end
   if lost then
@@ -70,17 +70,22 @@ local function emit_event(events, gen, active, history, channel, maxlen, ttl, et
     return false
   end
   local id = emit(events, gen, channel, maxlen, ttl, etype, gid, data)
-  -- One write of the generation's fields: the retry check's, a claim's, a final event's.
+  if not (claim or ends) then  -- a token (every token): its retry check's fields alone
+    if seq then redis.call('HSET', gen, 'seq', seq, 'seq_id', id) end
+    return id
+  end
+  -- A claim or an end: its fields and the retry check's in one write.
   local fields = seq and {'seq', seq, 'seq_id', id} or {}
   if claim then
     for _, item in ipairs({'state', 'running', 'worker', writer}) do table.insert(fields, item) end
+    if etype == 'started' then  -- its prompt noted, for an end that must bill it (kept_usage)
+      table.insert(fields, 'prompt')
+      table.insert(fields, string.match(data, '"prompt_tokens":(%d+)') or '0')
+    end
   end
-  if etype == 'started' then  -- its prompt noted, for an end that must bill it (kept_usage)
-    table.insert(fields, 'prompt')
-    table.insert(fields, string.match(data, '"prompt_tokens":(%d+)') or '0')
-  end
-  if final_state == '' and #fields > 0 then redis.call('HSET', gen, unpack(fields)) end
-  if final_state ~= '' then
+  if not ends then
+    redis.call('HSET', gen, unpack(fields))
+  else
     finish(gen, active, gid, final_state, id, data, ttl, read, fields)
     if assistant ~= '' then
       -- A continued reply (SUBMIT marked its turn) makes the history's last message, the

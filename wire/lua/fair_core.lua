@@ -119,8 +119,12 @@ local function fair_held(base, names, worker, read)
       local free, mine = {}, false
       for _, holder in ipairs(members) do
         if holder == worker then mine = true end
-        local record = read and read.records[holder]
-        if not read then record = redis.call('HGET', base .. ':free', holder) end
+        local record
+        if read then
+          record = read.records[holder]
+        else
+          record = redis.call('HGET', base .. ':free', holder)
+        end
         if (fair_slots(record, now_s) or 0) > 0 then table.insert(free, holder) end
       end
       return free, mine, tonumber(tokens)
