@@ -9,9 +9,12 @@ it names, so no caller sets a flag the others read.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import time
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from engine.tools import ToolCallWriter
 from engine.tracing import JobTrace
@@ -24,6 +27,8 @@ from wire import (
 )
 from wire.emit_step import EmitTarget
 from wire.tracing import trace_id_of
+
+Output = TypeVar("Output")
 
 
 def epoch_of(request: GenerationRequest) -> int:
@@ -40,10 +45,12 @@ class JobState(enum.Enum):
     RUNNING = "running"
     """Its claim held: its tokens are emitted."""
     HANDING_OVER = "handing over"
-    """SIGTERM with another worker serving: it moves there; its tokens are not emitted."""
+    """It moves to another worker (SIGTERM, a stop for another tenant), unless TAKEOVER
+    declines: its engine outputs wait for the answer."""
     HANDOVER_FAILED = "hand-over failed"
     """The last hand-over attempt raised (Redis away): the drain tries again; if none goes
-    through, the request stays pending for the gateways' reaper (never acknowledged)."""
+    through, the request stays pending for the gateways' reaper (never acknowledged). Its
+    engine outputs are kept for a decline to come."""
     HANDED_OVER = "handed over"
     """Another worker goes on with it: its request is back on the queue, this one's
     acknowledged."""
@@ -97,8 +104,11 @@ class Job:
     """From the gateway's enqueue to its first token here (None: none yet)."""
     trace: JobTrace | None = None
     """Its spans, when its trace is recorded (engine/tracing.py)."""
+    _hand_over_decided: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
+    """Clear while TAKEOVER's answer to a hand-over is awaited."""
 
     def __post_init__(self) -> None:
+        self._hand_over_decided.set()
         resume = self.request.resume
         if resume is not None:  # a takeover: go on from what was streamed
             self.prompt_tokens = resume.prompt_tokens
@@ -189,19 +199,51 @@ class Job:
         if self.state not in _CAN_HAND_OVER:
             return False
         self.state = JobState.HANDING_OVER
+        self._hand_over_decided.clear()
         return True
 
     def hand_over_failed(self) -> None:
         if self.state is JobState.HANDING_OVER:
             self.state = JobState.HANDOVER_FAILED
+        self._hand_over_decided.set()
 
     def hand_over_declined(self) -> None:
-        """TAKEOVER would not take it (it ended, or went round too often): it runs on here."""
+        """TAKEOVER would not take it (it ended, or went round too often): it runs on here,
+        from the first output it held back."""
         if self.state is JobState.HANDING_OVER:
             self.state = JobState.RUNNING
+        self._hand_over_decided.set()
 
     def handed_over(self) -> None:
         self.state = JobState.HANDED_OVER
+        self._hand_over_decided.set()
+
+    async def own_outputs(
+        self, outputs: AsyncGenerator[Output, None]
+    ) -> AsyncGenerator[Output, None]:
+        """The engine's ``outputs`` that are this run's to emit, in order, and none twice:
+        while a hand-over waits for TAKEOVER's answer they wait too, so a declined one goes
+        on with no gap; once handed over they are another worker's (dropped); after a
+        failed attempt they are kept for a decline to come. Closing it closes ``outputs``."""
+        kept: list[Output] = []
+        try:
+            async for output in outputs:
+                if self.handed_on:
+                    await self._hand_over_decided.wait()
+                    if self.handed_on:
+                        if self.state is JobState.HANDOVER_FAILED:
+                            kept.append(output)
+                        continue
+                for earlier in kept:
+                    yield earlier
+                kept.clear()
+                yield output
+            await self._hand_over_decided.wait()  # it ended while one was undecided
+            if not self.handed_on:
+                for earlier in kept:
+                    yield earlier
+        finally:
+            await outputs.aclose()
 
     def streamed(self, text: str, token_ids: list[int]) -> None:
         """An engine step's output went out (``emitted_tokens`` counts its tokens)."""

@@ -315,10 +315,8 @@ class Worker:
     async def _stream(self, job: Job, prepared: Prepared) -> None:
         gid = job.generation_id
         first, engine_began = True, time.monotonic()
-        deltas = self.backend.generate(prepared)
+        deltas = job.own_outputs(self.backend.generate(prepared))
         async for delta in deltas:
-            if job.handed_on:
-                continue  # another worker makes these tokens
             if job.stopped:
                 # Cancelled: the final event is out; what the engine made since is waste.
                 # Closing the run stops it even where the abort found nothing to stop:

@@ -167,6 +167,38 @@ async def test_sigterm_hands_three_running_replies_over_at_once(stack: Stack) ->
     assert exited_s < 10 and leaving.returncode == 0
 
 
+async def test_a_hand_over_takeover_declines_goes_on_here_whole(stack: Stack) -> None:
+    """SIGTERM with another worker serving, for a reply TAKEOVER will not hand on (its
+    worker allows no takeover): the reply drains on the leaving worker, whole. Redis holds
+    writes for 0.4 s over the SIGTERM, so the hand-over first waits for some 800 events to
+    be written; the engine makes tokens meanwhile, which go out once it is declined (they
+    were dropped, leaving a gap)."""
+    leaving_id = f"w-{secrets.token_hex(4)}"
+    leaving = stack.synthetic(
+        2000, "--drain-s", "30", worker_id=leaving_id, TOKENSPOUT_MAX_TAKEOVERS="0"
+    )
+    gateway = stack.gateway()
+    content, max_tokens = "declined hand-over", 3000
+    async with httpx.AsyncClient(timeout=30) as client:
+        session = await create_session(client, gateway.url)
+        gid = await send(client, session, content, max_tokens=max_tokens)
+        follower = follow(client, session, gid)
+        await follower.until_tokens(50)
+        stack.synthetic(100)
+        admin = aioredis.Redis.from_url(stack.redis_url)
+        try:
+            await admin.execute_command("CLIENT", "PAUSE", 400, "WRITE")
+        finally:
+            await admin.aclose()
+        leaving.send_signal(signal.SIGTERM)
+        await follower.until_end(30)
+        assert await asyncio.to_thread(leaving.wait, 20) == 0
+    check_whole(follower.reading.events, gid, content, max_tokens)
+    assert "resumed" not in [e.event for e in follower.reading.events]
+    log = (stack.logs / f"engine-{leaving_id}.log").read_text()
+    assert f"not handing {gid} over: exhausted" in log, log[-2000:]
+
+
 async def test_a_takeover_racing_a_cancel_never_continues_the_reply(stack: Stack) -> None:
     """A cancel sent right after the worker is killed (before, during or after the
     takeover) ends the reply `cancelled` with usage counting every token streamed, and no
