@@ -3,8 +3,9 @@ request makes, by process, on each revision (bench/checkouts.py).
 
 Each revision's gateway and engine worker (bench/rig.py, the synthetic engine unpaced) serve
 ``--requests`` streamed chat completions of one token, one after another, while Redis's
-``MONITOR`` lists every command: a script's call (``EVALSHA``) by the file of wire/lua/ it
-runs (``SCRIPT SHOW``), the commands it makes inside listed under it; each command by the
+``MONITOR`` lists every command: a script's call by the file of wire/lua/ it runs
+(``FCALL``: the function's name ends with it; ``EVALSHA``: ``SCRIPT SHOW``), the commands
+it makes inside listed under it; each command by the
 process whose connection sent it (its local port, from /proc). Per request: the count of
 each, over the requests (a figure well under one is background: heartbeats, the reaper,
 the key directory's poll). With no API key, and with a key that has every limit set and a
@@ -71,9 +72,9 @@ class Ledger:
             return
         process = self.ports.get(int(line["client_port"] or 0), "other")
         name = command_name(words)
-        if name in ("EVALSHA", "EVAL"):
-            sha = words.split(" ", 2)[1]
-            name = f"{name} {self.scripts.get(sha, sha[:8])}"
+        if name in ("EVALSHA", "EVAL", "FCALL"):
+            called = words.split(" ", 2)[1]
+            name = f"{name} {self.scripts.get(called, called[:8])}"
             self._script = name
         self.calls[process][name] += 1
 
@@ -94,14 +95,18 @@ class Ledger:
 
 
 async def script_names(the_rig: Rig, root: Path, lines: list[dict[str, Any]]) -> dict[str, str]:
-    """The SHA1 of each script called in ``lines`` -> the file of ``root``'s wire/lua/ it
-    runs (its body ends with that file: the shared cores come first)."""
+    """The function or SHA1 of each script called in ``lines`` -> the file of ``root``'s
+    wire/lua/ it runs: a library's function is named "<library>_<file>"; a script's body
+    ends with its file (the shared cores come first)."""
     client = next(iter(the_rig.servers.values())).client
     files = {p.stem: p.read_text().rstrip() for p in (root / "wire" / "lua").glob("*.lua")}
-    shas = {
-        line["command"].split(" ", 2)[1] for line in lines if line["command"].startswith("EVALSHA ")
+    called = [line["command"].split(" ", 2) for line in lines]
+    names = {
+        words[1]: max((f for f in files if words[1].endswith(f"_{f}")), key=len, default=words[1])
+        for words in called
+        if words[0] == "FCALL" and len(words) > 1
     }
-    names = {}
+    shas = {words[1] for words in called if words[0] == "EVALSHA" and len(words) > 1}
     for sha in shas:
         shown = await client.execute_command("SCRIPT", "SHOW", sha)  # type: ignore[no-untyped-call]
         body = shown.decode().rstrip()

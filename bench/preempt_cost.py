@@ -4,7 +4,8 @@ The fairness bench's crowded point (bench/fairness.py, ``noisy, fair``: three qu
 and a noisy one on one synthetic worker with ``--capacity`` slots, the fair gateway), once
 on a worker that preempts and once on one that does not, in turns (``--turns``: ABBA...),
 each on a fresh Redis with the same client. Per turn: the CPU seconds of the worker, Redis
-and the gateway over the point, per token served; the script calls Redis ran (EVALSHA:
+and the gateway over the point, per token served; the script calls Redis ran (FCALL or
+EVALSHA:
 the takes, charges and, preempting, the looks at the queue while full); the replies the
 worker stopped (its ``tokenspout_engine_preemptions_total``); and the quiet keys' TTFT p99.
 Results: docs/bench/preempt-cost.json, .md, .png.
@@ -33,7 +34,7 @@ PROCESSES = ("worker", "redis", "gateway")
 
 def script_calls(client: redis.Redis) -> int:
     stats: dict[str, dict[str, int]] = client.info("commandstats")
-    return stats.get("cmdstat_evalsha", {}).get("calls", 0)
+    return sum(stats.get(f"cmdstat_{name}", {}).get("calls", 0) for name in ("fcall", "evalsha"))
 
 
 async def one_turn(preempt: bool, options: fairness.Options, logs: Path) -> dict[str, Any]:

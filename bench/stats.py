@@ -226,7 +226,7 @@ def summarise(
 
 def usec_by_command(runs: list[Run], streams: int, most: int = 12) -> dict[str, float]:
     """The ``most`` costliest Redis commands, in µs per stream over every server (a
-    script's own time is its ``evalsha`` less its inner commands')."""
+    script's own time is its ``fcall``, or ``evalsha``, less its inner commands')."""
     spent: dict[str, int] = {}
     for run in runs:
         for per_server in run.redis_usec.values():

@@ -32,13 +32,14 @@ import contextlib
 import logging
 from collections.abc import Callable, Hashable, Sequence
 
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import RedisError, ResponseError
 
 import wire
 from wire import SessionEvent, Token
 from wire.connect import RETRY_MAX_S
 from wire.emit_step import EmitTarget, StepCall
 from wire.generations import Generations
+from wire.library import lost_scripts
 from wire.queue import RequestQueue
 
 log = logging.getLogger("tokenspout.publisher")
@@ -237,7 +238,7 @@ class Publisher:
                     backoff = 0.05
                     break
                 except (RedisError, OSError) as exc:
-                    if isinstance(exc, NoScriptError):
+                    if isinstance(exc, ResponseError) and lost_scripts(exc):
                         # A restarted Redis, or a replica promoted in a failover, has no
                         # scripts: load it and send the step again (seq makes that safe);
                         # if loading fails too, the warning below says why.

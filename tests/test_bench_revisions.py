@@ -66,7 +66,7 @@ def test_two_revisions_in_turns_each_run_from_its_own_folder(tmp_path: Path) -> 
         }
     assert workloads["keyed"]["sides"][here]["vs_anonymous"] > 0
     spent = workloads["oneshot"]["sides"][here]["redis_command_us_per_request"]
-    assert spent["evalsha"] > 0, spent  # Redis's time in each command, its scripts' too
+    assert spent["fcall"] > 0, spent  # Redis's time in each command, its scripts' too
     assert workloads["burst"]["sides"][here]["added_ttft_p99_ms"] is not None
     report = (tmp_path / "revisions.md").read_text()
     assert f"| {head} |" in report and "| engine alone |" in report
@@ -79,7 +79,7 @@ def test_the_ledger_puts_each_script_on_the_process_that_called_it(tmp_path: Pat
     results = json.loads((tmp_path / "request-commands-counted.json").read_text())
     (seen,) = results["revisions"].values()
     anonymous = seen["anonymous"]
-    assert anonymous["calls"]["gateway"]["EVALSHA submit"] == 1, anonymous
-    assert anonymous["calls"]["worker"]["EVALSHA emit_step"] == 1, anonymous
-    assert anonymous["inside"]["EVALSHA emit_step"]["XADD"] == 3, anonymous  # started, token, done
+    assert anonymous["calls"]["gateway"]["FCALL submit"] == 1, anonymous
+    assert anonymous["calls"]["worker"]["FCALL emit_step"] == 1, anonymous
+    assert anonymous["inside"]["FCALL emit_step"]["XADD"] == 3, anonymous  # started, token, done
     assert "keyed" in seen

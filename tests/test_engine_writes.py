@@ -110,7 +110,15 @@ async def test_a_write_resent_after_a_connection_loss_writes_nothing_twice(
 
     publisher = publisher_writing(redis, keys, write, monkeypatch)
     if write == "one call":
-        monkeypatch.setattr(redis, "evalsha", losing_the_first_reply(redis.evalsha))
+        run_command = redis.execute_command
+        lose_a_script_reply = losing_the_first_reply(run_command)
+
+        async def command(*args: Any, **kwargs: Any) -> Any:
+            if args[0] in ("FCALL", "EVALSHA"):  # the script's call: not its load
+                return await lose_a_script_reply(*args, **kwargs)
+            return await run_command(*args, **kwargs)
+
+        monkeypatch.setattr(redis, "execute_command", command)
     else:
         monkeypatch.setattr(Pipeline, "execute", losing_the_first_reply(Pipeline.execute))
     target = publisher.generations.target(sid, gid, epoch=0, ttl_s=600, maxlen=100)

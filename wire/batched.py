@@ -17,8 +17,9 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 
 import redis.asyncio as aioredis
-from redis.commands.core import AsyncScript
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import ResponseError
+
+from wire.library import lost_scripts
 
 Arg = str | bytes | int | float
 _Call = tuple[Sequence[str | bytes], Sequence[Arg], "asyncio.Future[object]"]
@@ -26,15 +27,19 @@ _Args = tuple[Sequence[str | bytes], Sequence[Arg]]
 
 
 class BatchedCalls:
-    """Calls of ``script`` on one Redis (not a cluster: a pipeline there splits by slot)."""
+    """Calls of a script on one Redis (not a cluster: a pipeline there splits by slot)."""
 
     def __init__(
-        self, redis: aioredis.Redis, script: AsyncScript, load: Callable[[], Awaitable[None]]
+        self,
+        redis: aioredis.Redis,
+        command: tuple[str, str],
+        load: Callable[[], Awaitable[None]],
     ) -> None:
         self._redis = redis
-        self._script = script
+        self._command = command
+        """What calls the script, before its keys (``wire.scripts.Script.command``)."""
         self._load = load
-        """Loads the script (a pipeline only reports NOSCRIPT: Redis restarted)."""
+        """Loads the script (a pipeline only reports its loss: Redis restarted)."""
         self._under_way = False
         self._gathered: list[_Call] = []
         self._sending: set[asyncio.Task[None]] = set()
@@ -89,21 +94,20 @@ class BatchedCalls:
         """Each call's reply, or the error Redis answered it with; a Redis without the
         script (restarted, flushed) gets it loaded and the calls sent once more."""
         answers = await self._round_trip(calls)
-        if any(isinstance(answer, NoScriptError) for answer in answers):
+        if any(isinstance(answer, Exception) and lost_scripts(answer) for answer in answers):
             await self._load()
             answers = await self._round_trip(calls)
         return answers
 
     async def _round_trip(self, calls: list[_Args]) -> list[object]:
-        sha = self._script.sha
         if len(calls) == 1:  # no pipeline for one (redis-py's costs about 20 us a call)
             [(keys, args)] = calls
-            command = ("EVALSHA", sha, len(keys), *keys, *args)
+            command = (*self._command, len(keys), *keys, *args)
             try:
                 return [await self._redis.execute_command(*command)]  # type: ignore[no-untyped-call]
             except ResponseError as exc:  # its reply, as a pipeline would give it
                 return [exc]
         async with self._redis.pipeline(transaction=False) as pipe:
             for keys, args in calls:
-                pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
+                pipe.execute_command(*self._command, len(keys), *keys, *args)
             return list(await pipe.execute(raise_on_error=False))

@@ -14,7 +14,7 @@ from redis.asyncio.client import Pipeline
 
 from wire.keys import CONSUMER_GROUP
 from wire.replies import text
-from wire.scripts import EMIT_CORE, EMIT_EVENT, HOLD_CORE, Script, lua_source
+from wire.scripts import EMIT_CORE, EMIT_EVENT, HOLD_CORE, Script
 
 
 class EmitTarget(NamedTuple):
@@ -115,7 +115,8 @@ class EmitStep(Script):
     checks and writes per event as ``Emit``. Every key of a call must share one hash slot
     on a cluster (the publisher groups a step's events so)."""
 
-    source = EMIT_CORE + EMIT_EVENT + HOLD_CORE + lua_source("emit_step")
+    name = "emit_step"
+    cores = (EMIT_CORE, EMIT_EVENT, HOLD_CORE)
 
     def target(
         self, session_id: str, generation_id: str, *, epoch: int, maxlen: int, ttl_s: int
@@ -133,9 +134,9 @@ class EmitStep(Script):
         )
 
     def queue_in(self, pipe: Pipeline, call: StepCall) -> None:
-        """Queue ``call`` in ``pipe`` as a bare EVALSHA: on NoScriptError, ``load`` and send
+        """Queue ``call`` in ``pipe``, its bare call: on ``lost_scripts``, ``load`` and send
         the whole pipeline again (EMIT's seq makes that safe)."""
-        self.queue_evalsha(pipe, call.all_keys, call.args)
+        self.queue_call(pipe, call.all_keys, call.args)
 
     async def send(self, call: StepCall) -> list[str | None]:
         """``call`` alone, outside a pipeline (redis-py's costs about 20 us of CPU a call):

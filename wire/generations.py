@@ -24,11 +24,12 @@ from typing import Literal
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from wire.emit_step import EmitStep, EmitTarget, StepCall
 from wire.handoff import Streamed, continuation, streamed_so_far
 from wire.keys import SHARED_KEY_TTL_S, Keys
+from wire.library import lost_scripts
 from wire.messages import (
     Cancelled,
     CancelReason,
@@ -171,9 +172,11 @@ class Generations:
         again, so they must not mind."""
         try:
             return await self.topology.in_order(fills, proceed)
-        except NoScriptError:
-            await load()
-            return await self.topology.in_order(fills, proceed)
+        except ResponseError as exc:
+            if not lost_scripts(exc):
+                raise
+        await load()
+        return await self.topology.in_order(fills, proceed)
 
     # --- cancel ---------------------------------------------------------------------------
 
@@ -382,8 +385,9 @@ class Generations:
                 )
             try:
                 replies: list[object] = await pipe.execute()
-            except NoScriptError:  # a shard new since (a failover): the next try sends it
-                await self._end_queued.load()
+            except ResponseError as exc:  # lost_scripts: a shard new since (a failover)
+                if lost_scripts(exc):  # the next try sends it
+                    await self._end_queued.load()
                 raise
         ended = [EndQueued.reply(reply) is not None for reply in replies]
         await self._counted(

@@ -24,10 +24,11 @@ from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from wire.connect import is_cluster, on_key_node
 from wire.keys import CONSUMER_GROUP, SHARED_KEY_TTL_S, FairNames, Keys, tenant_slot
+from wire.library import lost_scripts
 from wire.messages import GenerationRequest
 from wire.prefixes import Prefix
 from wire.replies import StreamEntry, entries_of, text
@@ -217,7 +218,7 @@ class RequestQueue:
     def submit_in(self, pipe: Pipeline, waiting: WaitingRequest) -> None:
         """``submit`` queued in ``pipe``: after what the caller queued there first on one
         Redis; on a cluster each node's part runs at once, so not after anything there.
-        A bare EVALSHA: on NoScriptError the caller calls ``load_scripts`` and sends the
+        Its bare call: on ``lost_scripts`` the caller calls ``load_scripts`` and sends the
         pipeline again."""
         self._enqueue.enqueue_in(pipe, waiting)
 
@@ -431,7 +432,7 @@ class RequestQueue:
             pipe.blpop(bells, wait_ms / 1000)
             await self._take_charged(taking, pipe)
             _, reply = await pipe.execute(raise_on_error=False)
-        if isinstance(reply, NoScriptError):  # Redis restarted: its scripts are gone
+        if isinstance(reply, ResponseError) and lost_scripts(reply):  # Redis restarted
             await self._take.load()
             return await self._take_charged(taking)
         if isinstance(reply, Exception):

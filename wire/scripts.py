@@ -22,16 +22,16 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from importlib.resources import files
 from typing import Any, ClassVar, Literal, NamedTuple, cast
 
 import msgspec
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
-from redis.commands.core import AsyncScript
+from redis.exceptions import ResponseError
 
 from wire.batched import Arg, BatchedCalls
 from wire.keys import ANONYMOUS, CONSUMER_GROUP, SHARED_KEY_TTL_S, Keys
+from wire.library import lost_scripts, lua_source
 from wire.limits import RUNNING_HOLD_S, Counts, LimitName, Limits, usage_counts
 from wire.messages import (
     Cancelled,
@@ -77,13 +77,6 @@ from wire.prefixes import Prefix
 from wire.replies import text
 from wire.topology import Topology, topology_of
 
-_LUA = files("wire") / "lua"
-
-
-def lua_source(name: str) -> str:
-    return (_LUA / f"{name}.lua").read_text(encoding="utf-8")
-
-
 USAGE_CORE = lua_source("usage_core")
 """Lua functions ``add_usage`` (count a generation's usage to its tenant) and
 ``count_usage`` (the same, from its final event, where one Redis holds every key)."""
@@ -107,21 +100,35 @@ nothing (tokenize, detokenize)."""
 
 
 class Script:
+    """A script of wire/lua/ as its topology calls it (``wire.topology``): a function of
+    the library on one Redis, EVALSHA of its text behind its shared functions on a
+    cluster."""
+
+    name: ClassVar[str]
+    """Its file in wire/lua/."""
+    cores: ClassVar[tuple[str, ...]] = ()
+    """The shared functions it calls, in the order its text is loaded behind."""
     source: ClassVar[str]
+    """Its whole text as EVAL runs it (the cores, then its file)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.source = "".join(cls.cores) + lua_source(cls.name)
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, topology: Topology | None = None) -> None:
         self.keys = keys
         self.topology = topology or topology_of(redis)
         self._redis = redis
         self._loaded = False
-        self.registered: AsyncScript = redis.register_script(self.topology.source(self.source))
-        """The script as redis-py runs it (loaded where the server lacks it)."""
+        self.command = self.topology.script_command(self)
+        """What calls it, before its keys: ``FCALL <function>`` or ``EVALSHA <sha>``."""
 
     async def load(self) -> None:
-        """Load the script into every primary. A call outside a pipeline loads it where
-        it is missing by itself; a pipeline only reports NOSCRIPT (a replica promoted in a
-        failover starts with no scripts): its caller loads and sends it again."""
-        await self._redis.script_load(self.registered.script)
+        """Load it where the topology keeps scripts (every primary of a cluster). A call
+        outside a pipeline loads it where it is missing by itself; a pipeline only reports
+        the loss (``wire.library.lost_scripts``: a restarted Redis, a replica promoted in
+        a failover): its caller loads and sends it again."""
+        await self.topology.load_script(self)
         self._loaded = True
 
     async def load_once(self) -> None:
@@ -132,20 +139,25 @@ class Script:
     async def _run(
         self, keys: Sequence[str | bytes], args: Sequence[Arg], pipe: Pipeline | None
     ) -> object:
-        if pipe is None:
-            return await self.registered(keys=keys, args=args)
-        await self.topology.queue_script(pipe, self, keys, args)
-        return None
+        if pipe is not None:
+            await self.load_once()
+            self.queue_call(pipe, keys, args)
+            return None
+        command = (*self.command, len(keys), *keys, *args)
+        try:
+            return await self._redis.execute_command(*command)  # type: ignore[no-untyped-call]
+        except ResponseError as exc:
+            if not lost_scripts(exc):
+                raise
+        await self.load()
+        return await self._redis.execute_command(*command)  # type: ignore[no-untyped-call]
 
-    def queue_evalsha(
-        self, pipe: Pipeline, keys: Sequence[str | bytes], args: Sequence[Arg]
-    ) -> None:
-        """A bare EVALSHA in ``pipe`` (no SCRIPT EXISTS round trip per pipeline, as a
-        registered script costs): on NoScriptError its caller calls ``load`` and sends the
-        pipeline again. The command, not ``pipe.evalsha``: redis-py's cluster pipeline
-        refuses that by name (it cannot load a script on its own) but routes the command
-        by its keys' one slot."""
-        pipe.execute_command("EVALSHA", self.registered.sha, len(keys), *keys, *args)
+    def queue_call(self, pipe: Pipeline, keys: Sequence[str | bytes], args: Sequence[Arg]) -> None:
+        """Its call in ``pipe``, the script loaded or not: on ``lost_scripts`` its caller
+        calls ``load`` and sends the pipeline again. The command, not ``pipe.evalsha``:
+        redis-py's cluster pipeline refuses that by name (it cannot load a script on its
+        own) but routes the command by its keys' one slot."""
+        pipe.execute_command(*self.command, len(keys), *keys, *args)
 
     @staticmethod
     def reply(reply: object) -> str | None:
@@ -242,7 +254,8 @@ def cancel_reply(reply: object) -> CancelReply:
 class Emit(Script):
     """Append one event of a generation to its session (wire/lua/emit.lua)."""
 
-    source = EMIT_CORE + EMIT_EVENT + lua_source("emit")
+    name = "emit"
+    cores = (EMIT_CORE, EMIT_EVENT)
 
     async def __call__(
         self,
@@ -294,7 +307,7 @@ class Emit(Script):
 class Takeover(Script):
     """Take a running generation from its worker, atomically (wire/lua/takeover.lua)."""
 
-    source = lua_source("takeover")
+    name = "takeover"
 
     async def __call__(
         self,
@@ -390,7 +403,8 @@ def _admitting(admission: AdmitInSubmit) -> tuple[list[str], list[Arg]]:
 class Submit(Script):
     """Queue a generation in a session: message, limits, queued event (wire/lua/submit.lua)."""
 
-    source = EMIT_CORE + FAIR_CORE + ADMIT_CORE + lua_source("submit")
+    name = "submit"
+    cores = (EMIT_CORE, FAIR_CORE, ADMIT_CORE)
     _admitted: BatchedCalls | None = None
     """``create_admitted``'s calls (one Redis only: admitting in the script needs it)."""
 
@@ -443,14 +457,14 @@ class Submit(Script):
         return submit_reply(await self._run(keys, args, None))
 
     def submit_in(self, pipe: Pipeline, **submit: Any) -> None:
-        """``__call__`` queued in ``pipe`` (a bare EVALSHA: on NoScriptError, ``load`` and
+        """``__call__`` queued in ``pipe`` (its bare call: on ``lost_scripts``, ``load`` and
         send it again); ``replied`` reads its reply."""
-        self.queue_evalsha(pipe, *self._keys_args(**submit))
+        self.queue_call(pipe, *self._keys_args(**submit))
 
     def create_in(self, pipe: Pipeline, new: NewSession) -> None:
-        """Queue in ``pipe`` the making of ``new`` (a bare EVALSHA: on NoScriptError,
+        """Queue in ``pipe`` the making of ``new`` (its bare call: on ``lost_scripts``,
         ``load`` and send it again); ``replied`` reads its reply."""
-        self.queue_evalsha(pipe, *self._new_session(new, None))
+        self.queue_call(pipe, *self._new_session(new, None))
 
     async def create_admitted(self, new: NewSession, admission: AdmitInSubmit) -> SubmitReply:
         """Admit a request (or answer ``OverCapacity``), make ``new`` and queue the request
@@ -459,7 +473,7 @@ class Submit(Script):
         is under way (a burst) go together in one pipeline when it is back
         (wire/batched.py)."""
         if self._admitted is None:
-            self._admitted = BatchedCalls(self._redis, self.registered, self.load)
+            self._admitted = BatchedCalls(self._redis, self.command, self.load)
         return submit_reply(await self._admitted(*self._new_session(new, admission)))
 
     def _new_session(
@@ -545,7 +559,8 @@ class Submit(Script):
 class Cancel(Script):
     """Cancel a generation: end a queued one here, flag a running one (wire/lua/cancel.lua)."""
 
-    source = EMIT_CORE + lua_source("cancel")
+    name = "cancel"
+    cores = (EMIT_CORE,)
 
     async def __call__(
         self,
@@ -580,7 +595,8 @@ class Cancel(Script):
 class EndQueued(Script):
     """End a generation no worker has started (wire/lua/end_queued.lua)."""
 
-    source = EMIT_CORE + lua_source("end_queued")
+    name = "end_queued"
+    cores = (EMIT_CORE,)
 
     async def __call__(
         self,
@@ -606,7 +622,7 @@ class HoldReaperLock(Script):
     """Take the reaper's lock, or keep it while this owner holds it
     (wire/lua/hold_lock.lua)."""
 
-    source = lua_source("hold_lock")
+    name = "hold_lock"
 
     async def __call__(self, *, owner: str, ttl_ms: int) -> bool:
         """Whether ``owner`` holds the lock now (for ``ttl_ms`` more)."""
@@ -617,18 +633,18 @@ class Touch(Script):
     """A queued turn noted on its session's meta, if Redis still holds it
     (wire/lua/touch.lua)."""
 
-    source = lua_source("touch")
+    name = "touch"
 
     async def __call__(
         self, *, session_id: str, now: float, title: str, follows: bool, pipe: Pipeline
     ) -> None:
-        """Queue it in ``pipe``, a bare EVALSHA (on NoScriptError, ``load`` and send
+        """Queue it in ``pipe``, its bare call (on ``lost_scripts``, ``load`` and send
         again). ``title``: what the conversation is named if it has no title ("":
         nothing); ``follows``: it is named so even if it has one, unless a person named
         it."""
         await self.load_once()
         args: list[Arg] = [now, title, "1" if follows else ""]
-        self.queue_evalsha(pipe, [self.keys.meta(session_id)], args)
+        self.queue_call(pipe, [self.keys.meta(session_id)], args)
 
 
 # --- a model's queue shared between tenants (wire/queue.py) ---------------------------------
@@ -678,15 +694,16 @@ class WaitingRequest:
 class FairEnqueue(Script):
     """A request into its tenant's list of a model's queue (wire/lua/fair_enqueue.lua)."""
 
-    source = FAIR_CORE + lua_source("fair_enqueue")
+    name = "fair_enqueue"
+    cores = (FAIR_CORE,)
 
     async def __call__(self, waiting: WaitingRequest) -> None:
         await self._run(*waiting.keys_args(), None)
 
     def enqueue_in(self, pipe: Pipeline, waiting: WaitingRequest) -> None:
-        """``__call__`` queued in ``pipe`` (a bare EVALSHA: on NoScriptError, ``load`` and
+        """``__call__`` queued in ``pipe`` (its bare call: on ``lost_scripts``, ``load`` and
         send it again)."""
-        self.queue_evalsha(pipe, *waiting.keys_args())
+        self.queue_call(pipe, *waiting.keys_args())
 
 
 @dataclass(frozen=True, slots=True)
@@ -722,7 +739,8 @@ class FairTake(Script):
     first, then the tenants' by their counters, those whose prefix it holds first when
     ``affinity`` has a wait (wire/lua/fair_take.lua)."""
 
-    source = FAIR_CORE + lua_source("fair_take")
+    name = "fair_take"
+    cores = (FAIR_CORE,)
 
     async def __call__(
         self,
@@ -738,14 +756,14 @@ class FairTake(Script):
         pipe: Pipeline | None = None,
     ) -> Taken:
         """``offers_free``: its free slots are offered to new requests (a preempting
-        worker offers none). With ``pipe``, queued there as a bare EVALSHA (``taken``
-        reads its reply; on NoScriptError its caller calls ``load``), and nothing yet."""
+        worker offers none). With ``pipe``, queued there as its bare call (``taken``
+        reads its reply; on ``lost_scripts`` its caller calls ``load``), and nothing yet."""
         charges = [item for pair in served for item in pair]
         offers = "1" if offers_free else "0"
         args: list[Arg] = [CONSUMER_GROUP, consumer, count, maxlen, SHARED_KEY_TTL_S, offers]
         args += [affinity.most_ms, round(affinity.prefill_tokens_per_s), *charges]
         if pipe is not None:
-            self.queue_evalsha(pipe, [stream, base], args)
+            self.queue_call(pipe, [stream, base], args)
             return Taken([], 0, 0)
         return self.taken(await self._run([stream, base], args, None))
 
@@ -766,7 +784,8 @@ class FairHold(Script):
     """A worker among the holders of the prefixes a request it ran left in its engine's
     cache (wire/lua/fair_hold.lua)."""
 
-    source = HOLD_CORE + lua_source("fair_hold")
+    name = "fair_hold"
+    cores = (HOLD_CORE,)
 
     async def __call__(self, *, base: str, worker: str, names: Sequence[str], ttl_s: int) -> None:
         await self._run([base], [ttl_s, worker, *names], None)
@@ -776,7 +795,8 @@ class FairPreempt(Script):
     """Whether a reply here gives way to a waiting tenant served far less lately: that
     tenant's request, taken, and the tenant that gives way (wire/lua/fair_preempt.lua)."""
 
-    source = FAIR_CORE + lua_source("fair_preempt")
+    name = "fair_preempt"
+    cores = (FAIR_CORE,)
 
     async def __call__(
         self,
@@ -803,7 +823,8 @@ class FairPreempt(Script):
 class FairCharge(Script):
     """Tokens served to tenants, charged to their counters (wire/lua/fair_charge.lua)."""
 
-    source = FAIR_CORE + lua_source("fair_charge")
+    name = "fair_charge"
+    cores = (FAIR_CORE,)
 
     async def __call__(self, *, base: str, served: Sequence[tuple[str, int]]) -> None:
         charges = [item for pair in served for item in pair]
@@ -814,7 +835,8 @@ class FairExpire(Script):
     """The requests of the tenants' lists queued before a deadline, taken out for the
     reaper to end (wire/lua/fair_expire.lua)."""
 
-    source = FAIR_CORE + lua_source("fair_expire")
+    name = "fair_expire"
+    cores = (FAIR_CORE,)
 
     async def __call__(self, *, base: str, deadline_s: float, most: int) -> list[bytes]:
         reply = await self._run([base], [deadline_s, most], None)

@@ -32,7 +32,6 @@ from wire.scripts import (
     Script,
     counts_of,
     limits_args,
-    lua_source,
 )
 from wire.topology import Topology, topology_of
 
@@ -51,7 +50,8 @@ def _tenant_keys(keys: Keys, tenant_id: str) -> list[str]:
 class Admit(Script):
     """Admit generations against a tenant's limits (wire/lua/admit.lua)."""
 
-    source = ADMIT_CORE + lua_source("admit")
+    name = "admit"
+    cores = (ADMIT_CORE,)
 
     async def __call__(
         self,
@@ -79,7 +79,7 @@ class Admit(Script):
 class Release(Script):
     """Give back what ``Admit`` took for generations never queued (wire/lua/release.lua)."""
 
-    source = lua_source("release")
+    name = "release"
 
     async def __call__(
         self, *, tenant_id: str, generation_ids: Sequence[str], count_request: bool
@@ -95,7 +95,7 @@ class OldAdmissions(Script):
     """The generations ``Admit`` admitted at least ``after_s`` ago that still count as
     running, with their sessions (wire/lua/admitted.lua), oldest first."""
 
-    source = lua_source("admitted")
+    name = "admitted"
 
     async def __call__(self, *, tenant_id: str, after_s: float, most: int) -> list[tuple[str, str]]:
         """(generation id, session id) pairs."""
@@ -113,7 +113,8 @@ class OldAdmissions(Script):
 class CountUsage(Script):
     """Count a generation's usage to its tenant, once (wire/lua/count_usage.lua)."""
 
-    source = USAGE_CORE + lua_source("count_usage")
+    name = "count_usage"
+    cores = (USAGE_CORE,)
 
     async def __call__(
         self,

@@ -9,8 +9,10 @@ one ``Topology`` (``topology_of``), never a test of the client's class in a call
   on the same node); a cluster publishes with SPUBLISH (sharded pub/sub: only the shard of
   the session's slot carries them) and leaves the count to the writer, right after
   (``counts_in_script``: ``wire.tenancy.UsageCounter`` then counts once per generation).
-- ``queue_script``: a script call queued in a pipeline: redis-py's registered script on one
-  Redis; a bare EVALSHA on a cluster, whose pipeline cannot load a script by itself.
+- ``script_command``, ``load_script``: how a script is called and loaded. One Redis keeps
+  every script in one Functions library (``FCALL``, wire/library.py: its shared functions
+  made once, not at every call); a cluster runs each script's text with EVALSHA (redis-py
+  routes an FCALL there through a round trip that asks a node for its keys).
 - ``in_order``: commands that must land in order (a generation before its request, a note
   before its submit): one pipeline on one Redis, which runs it in order; one round trip
   after another on a cluster, which runs each node's part of a pipeline at once.
@@ -23,15 +25,15 @@ one ``Topology`` (``topology_of``), never a test of the client's class in a call
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Hashable, Sequence
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
-from redis.commands.core import AsyncScript
 
-from wire.batched import Arg
 from wire.connect import is_cluster, slot_of
+from wire.library import LIBRARY
 
 Fill = Callable[[Pipeline], object]
 """Queues commands in a pipeline (its return value is not used)."""
@@ -44,16 +46,13 @@ _COUNT_HERE = "local count_here = true\n"
 _COUNT_AFTER = "local count_here = false\n"
 
 
-class QueuedScript(Protocol):
-    """A Lua script as ``wire.scripts.Script`` wraps it: what a topology queues."""
+class CalledScript(Protocol):
+    """A Lua script as ``wire.scripts.Script`` wraps it: what a topology calls and loads."""
 
-    registered: AsyncScript
-
-    async def load_once(self) -> None: ...
-
-    def queue_evalsha(
-        self, pipe: Pipeline, keys: Sequence[str | bytes], args: Sequence[Arg]
-    ) -> None: ...
+    name: ClassVar[str]
+    """Its file in wire/lua/."""
+    source: ClassVar[str]
+    """Its whole text as EVAL runs it."""
 
 
 class Topology:
@@ -73,11 +72,13 @@ class Topology:
         """Every session's events in one call."""
         return None
 
-    async def queue_script(
-        self, pipe: Pipeline, script: QueuedScript, keys: Sequence[str | bytes], args: Sequence[Arg]
-    ) -> None:
-        """Queue a call of ``script`` in ``pipe``: redis-py loads what the server lacks."""
-        await script.registered(keys=keys, args=args, client=pipe)
+    def script_command(self, script: CalledScript) -> tuple[str, str]:
+        """The command that calls ``script``, before its keys."""
+        return "FCALL", LIBRARY.function(script.name)
+
+    async def load_script(self, script: CalledScript) -> None:
+        """Load ``script``: here the library, with every script in it."""
+        await self.redis.function_load(LIBRARY.code, replace=True)
 
     async def in_order(self, fills: Sequence[Fill], proceed: Proceed | None = None) -> list[object]:
         """Run what each of ``fills`` queues, in order: here in one pipeline, so
@@ -101,14 +102,13 @@ class ClusterTopology(Topology):
         """One hash slot's sessions per call: every script keeps to one slot."""
         return slot_of(session_id)
 
-    async def queue_script(
-        self, pipe: Pipeline, script: QueuedScript, keys: Sequence[str | bytes], args: Sequence[Arg]
-    ) -> None:
-        """A bare EVALSHA (its caller loads the script and sends again on NoScriptError),
-        loaded first once per process. The command, not ``pipe.evalsha``: redis-py's
-        cluster pipeline refuses that by name but routes the command by its keys' slot."""
-        await script.load_once()
-        script.queue_evalsha(pipe, keys, args)
+    def script_command(self, script: CalledScript) -> tuple[str, str]:
+        text = self.source(script.source).encode()
+        return "EVALSHA", hashlib.sha1(text, usedforsecurity=False).hexdigest()
+
+    async def load_script(self, script: CalledScript) -> None:
+        """Load ``script`` into every primary."""
+        await self.redis.script_load(self.source(script.source))
 
     async def in_order(self, fills: Sequence[Fill], proceed: Proceed | None = None) -> list[object]:
         """One round trip after another: the next goes once the one before is back, and

@@ -27,12 +27,13 @@ from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError
+from redis.exceptions import ResponseError
 
 import wire
 from gateway.core.errors import BadRequest
 from gateway.core.settings import Settings
 from wire import ChatMessage, FinalEvent, Keys, entry_ms
+from wire.library import lost_scripts
 from wire.scripts import Touch
 
 TITLE_MAX_CHARS = 120
@@ -233,8 +234,8 @@ class Conversations:
                 try:
                     await pipe.execute()
                     return
-                except NoScriptError:  # Redis lost its scripts (a restart): load, send again
-                    if last_try:
+                except ResponseError as exc:  # Redis lost its scripts (a restart): load, again
+                    if last_try or not lost_scripts(exc):
                         raise
                     await self._touch.load()
 

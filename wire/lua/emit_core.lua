@@ -10,6 +10,10 @@ local publish = 'PUBLISH'
 -- is held, never a table per channel: a step of a thousand sessions' one token each costs
 -- what a publish each does.
 local holding, held_channel, held = false, nil, nil
+-- A call starts here (wire/library.py: a library's locals outlive the call that set them).
+local function begin_call()
+  holding, held_channel, held = false, nil, nil
+end
 local function publish_held()
   if held_channel then
     redis.call(publish, held_channel, type(held) == 'table' and table.concat(held, '\n') or held)
