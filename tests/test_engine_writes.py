@@ -32,6 +32,7 @@ from tests.support.http import create_session, follow, send
 from tests.support.redis_probes import async_client
 from tests.support.stack import Stack
 from wire import Done, Keys, Started, Token, Usage
+from wire.emit_step import EmitStep, StepCall
 from wire.generations import Generations
 from wire.outcomes import NotStarted, TakenOver, TakeoverReply
 from wire.queue import RequestQueue
@@ -46,6 +47,39 @@ async def queued_generation(redis: aioredis.Redis, keys: Keys) -> tuple[str, str
     await redis.hset(keys.generation(sid, gid), mapping={"state": "queued"})
     await redis.expire(keys.generation(sid, gid), 600)
     return sid, gid
+
+
+async def test_an_event_after_a_step_goes_out_live_at_once(redis: aioredis.Redis) -> None:
+    """A step's call holds its session's events to publish them as one message; the next
+    call (here an event of its own, as a gateway's cancel writes it) publishes at once.
+    Redis keeps a library's state between calls (wire/library.py): this fails if a call
+    does not start afresh (begin_call)."""
+    keys = Keys(f"t-{secrets.token_hex(4)}")
+    sid, gid = await queued_generation(redis, keys)
+    other_sid, other_gid = await queued_generation(redis, keys)
+    step, emit = EmitStep(redis, keys), Emit(redis, keys)
+    listener = redis.pubsub()
+    await listener.subscribe(keys.live_channel(sid), keys.live_channel(other_sid))
+    try:
+        call = StepCall("w1")
+        target = step.target(sid, gid, epoch=0, maxlen=100, ttl_s=600)
+        call.add(target, 1, "started", wire.encode(Started(gid, "m", 1)))
+        call.add(target, 2, "token", wire.encode(Token(gid, "a", 1)))
+        assert all(await step.send(call))
+        written = await emit(
+            session_id=other_sid, event=Started(other_gid, "m", 1), maxlen=100, ttl_s=600
+        )
+        assert written is not None
+        lines: list[str] = []
+        async with asyncio.timeout(5):
+            while len(lines) < 3:
+                message = await listener.get_message(ignore_subscribe_messages=True, timeout=1)
+                if message is not None:
+                    lines += wire.text(message["data"]).split("\n")
+    finally:
+        await listener.aclose()
+    kinds = [line.split(" ", 3)[1:3] for line in lines]
+    assert kinds == [["started", gid], ["token", gid], ["started", other_gid]], lines
 
 
 async def test_emit_writes_each_sequence_number_once(redis: aioredis.Redis) -> None:

@@ -57,15 +57,16 @@ class ScriptLibrary:
             f"local function script_{name}(KEYS, ARGV)\n{lua_source(name)}\nend\n"
             for name in scripts
         )
-        digest = hashlib.sha1((shared + bodies).encode()).hexdigest()[:12]
-        self.name = f"tokenspout_{digest}"
         # Every call starts from a call's state (``begin_call``, emit_core.lua): a library's
         # locals outlive the call that set them.
         registers = "".join(
-            f"redis.register_function('{self.function(name)}', "
+            f"redis.register_function('{{library}}_{name}', "
             f"function(keys, args) begin_call() return script_{name}(keys, args) end)\n"
             for name in scripts
         )
+        digest = hashlib.sha1((shared + bodies + registers).encode()).hexdigest()[:12]
+        self.name = f"tokenspout_{digest}"
+        registers = registers.replace("{library}", self.name)
         self.code = f"#!lua name={self.name}\n{shared}{bodies}{registers}"
 
     def function(self, script: str) -> str:
