@@ -58,7 +58,7 @@ from engine.policies import (
 from engine.publisher import Publisher
 from engine.tools import ToolCallWriter
 from engine.tracing import WorkerTracing, exemplar, follow
-from wire import Done, Error, Keys, Started, Token, WorkerInfo
+from wire import Done, Error, FinalEvent, Keys, Started, Token, WorkerInfo
 from wire.connect import when_redis_answers
 from wire.generations import Generations
 from wire.queue import RequestQueue, ServedTokens
@@ -243,37 +243,22 @@ class Worker:
     # --- one job's engine stream ---------------------------------------------------------
 
     async def run_job(self, job: Job) -> None:
-        """Run one job the table started, to its end, then hand it back (``ended``)."""
+        """Run one job the table started, to its end, then hand it back: its final event
+        (``finish``, from here only), and the job (``ended``)."""
         gid = job.generation_id
         if job.request.traceparent:  # the gateway traces it: so does this run
             job.trace = follow(job.request, job.started_at, self.tracing)
         resume = job.request.resume
         try:
-            if resume is not None and resume.from_worker == self.worker_id:
-                await self._alive_before_going_on(job)
-            await self.turns.take()
-            if job.request.task != "generate":
-                await self._run_tokenizer_task(job)
-                return
             try:
-                prepared = await self._prepare(job)
+                if resume is not None and resume.from_worker == self.worker_id:
+                    await self._alive_before_going_on(job)
+                await self.turns.take()
+                end = await self._run(job)
             except BackendError as exc:
-                await self.jobs.finish(job, Error(gid, exc.code, exc.message, job.usage()))
-                return
-            if job.request.resume is None:
-                job.prompt_tokens = len(prepared.prompt_token_ids)
-                # Its queue charged an estimate when it left the tenant's list; a
-                # continuation's prompt was served (and charged) by its first run.
-                self.served.add(job.request.tenant, job.prompt_tokens - job.estimated_tokens)
-            job.tool_calls = self._tool_call_writer(job)
-            # The engine starts while the claim is on its way, so the first token does not
-            # wait for the claim's round trip (it even shares its write when the engine is
-            # that quick).
-            self.jobs.claim(job, job.claim_event(self.backend.model, self.worker_id))
-            if not job.stopped:
-                await self._stream(job, prepared)
-        except BackendError as exc:
-            await self.jobs.finish(job, Error(gid, exc.code, exc.message, job.usage()))
+                end = Error(gid, exc.code, exc.message, job.usage())
+            if end is not None:
+                await self.jobs.finish(job, end)
         except Exception as exc:
             if self.backend.failed:
                 await self._engine_lost(job, exc)
@@ -284,6 +269,26 @@ class Worker:
             await self.jobs.finish(job, Error(gid, "engine_error", message, job.usage()))
         finally:
             await self.jobs.ended(job)
+
+    async def _run(self, job: Job) -> FinalEvent | None:
+        """The job's run in the engine: its final event (None: it has none of its own to
+        write, it was stopped or dropped)."""
+        if job.request.task != "generate":
+            return await self._run_tokenizer_task(job)
+        prepared = await self._prepare(job)
+        if job.request.resume is None:
+            job.prompt_tokens = len(prepared.prompt_token_ids)
+            # Its queue charged an estimate when it left the tenant's list; a
+            # continuation's prompt was served (and charged) by its first run.
+            self.served.add(job.request.tenant, job.prompt_tokens - job.estimated_tokens)
+        job.tool_calls = self._tool_call_writer(job)
+        # The engine starts while the claim is on its way, so the first token does not
+        # wait for the claim's round trip (it even shares its write when the engine is
+        # that quick).
+        self.jobs.claim(job, job.claim_event(self.backend.model, self.worker_id))
+        if job.stopped:
+            return None
+        return await self._stream(job, prepared)
 
     async def _engine_lost(self, job: Job, exc: Exception) -> None:
         """The engine died under ``job``: this worker stops (``engine_failed``), and the
@@ -312,7 +317,9 @@ class Worker:
             return self.tracing.prepared(prepared, job.request, job.trace, job.prepare_s)
         return prepared
 
-    async def _stream(self, job: Job, prepared: Prepared) -> None:
+    async def _stream(self, job: Job, prepared: Prepared) -> Done | None:
+        """The engine's outputs, emitted; its ``done`` event when it ends (None: it was
+        stopped)."""
         gid = job.generation_id
         first, engine_began = True, time.monotonic()
         deltas = job.own_outputs(self.backend.generate(prepared))
@@ -324,7 +331,7 @@ class Worker:
                 # claim's, or a cancel's) can come first.
                 self.metrics.tokens_after_cancel.inc(len(delta.token_ids))
                 await deltas.aclose()
-                return
+                return None
             if delta.cached_tokens is not None:  # the first output after its prefill
                 computed = len(prepared.prompt_token_ids) - delta.cached_tokens
                 self.placement.prefilled(computed, time.monotonic() - engine_began)
@@ -357,10 +364,9 @@ class Worker:
             if delta.finish_reason is not None:
                 if delta.finish_reason == "abort":
                     job.stop("shutdown")  # unless a cancel stopped it first
-                    return
-                reason = self._finish_reason(job, delta)
-                await self.jobs.finish(job, Done(gid, reason, job.usage()))
-                return
+                    return None
+                return Done(gid, self._finish_reason(job, delta), job.usage())
+        return None
 
     def _first_token(self, job: Job, engine_s: float) -> None:
         """A run's first token is out, ``engine_s`` of it the engine's own; a reply's
@@ -374,28 +380,24 @@ class Worker:
         model, trace_id = self.backend.model, exemplar(job.trace)
         self.metrics.first_token(job.first_token_s, engine_s, model, request.tenant, trace_id)
 
-    async def _run_tokenizer_task(self, job: Job) -> None:
+    async def _run_tokenizer_task(self, job: Job) -> Done | None:
         """``/tokenize`` and ``/detokenize``: the model's tokenizer lives here, with vLLM,
-        so they go the way a generation goes and come back as its events."""
+        so they go the way a generation goes and come back as its events (a
+        ``BackendError``: the caller's ``error`` event)."""
         request, gid, model = job.request, job.generation_id, self.backend.model
-        try:
-            if request.task == "tokenize":
-                ids = (await self.backend.prepare(request)).prompt_token_ids
-                job.prompt_tokens = len(ids)
-                claim, text = Started(gid, model, len(ids), list(ids)), None
-            else:
-                text = self.backend.detokenize(request.token_ids)
-                job.prompt_tokens = len(request.token_ids)
-                claim = Started(gid, model, job.prompt_tokens)
-        except BackendError as exc:
-            await self.jobs.finish(job, Error(gid, exc.code, exc.message, job.usage()))
-            return
+        if request.task == "tokenize":
+            ids = (await self.backend.prepare(request)).prompt_token_ids
+            job.prompt_tokens = len(ids)
+            claim, text = Started(gid, model, len(ids), list(ids)), None
+        else:
+            text = self.backend.detokenize(request.token_ids)
+            job.prompt_tokens = len(request.token_ids)
+            claim = Started(gid, model, job.prompt_tokens)
         if await self.jobs.claim(job, claim) is None:
-            return  # dropped (nothing runs in the engine: no abort)
+            return None  # dropped (nothing runs in the engine: no abort)
         if text is not None:
             job.events = self.publisher.emit(job.target, Token(gid, text, 0), job.events + 1)
-        ended = "tokenized" if request.task == "tokenize" else "detokenized"
-        await self.jobs.finish(job, Done(gid, ended, job.usage()))
+        return Done(gid, "tokenized" if request.task == "tokenize" else "detokenized", job.usage())
 
     def _tool_call_writer(self, job: Job) -> ToolCallWriter | None:
         tools = job.request.tools
