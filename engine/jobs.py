@@ -26,11 +26,11 @@ its run stands) and makes their transitions; the worker runs each job's engine s
 
 A request queued twice (the second copy): the gateway's submit of a stored response sends
 its session's SUBMIT and the queue's request in one pipeline; after a Redis restart the
-script fails with NOSCRIPT but the request goes in, naming a generation that does not exist
-yet (its claim is refused), and the gateway sends both again. Dropped as a duplicate while
-the first copy's claim is on its way, it would leave the generation never run once that
-claim is refused, so the second copy is held until the claim is answered: dropped if the
-claim holds, run if it was refused.
+script is missing (NOSCRIPT, or no library) but the request goes in, naming a generation
+that does not exist yet (its claim is refused), and the gateway sends both again. Dropped
+as a duplicate while the first copy's claim is on its way, it would leave the generation
+never run once that claim is refused, so the second copy is held until the claim is
+answered: dropped if the claim holds, run if it was refused.
 """
 
 from __future__ import annotations

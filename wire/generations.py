@@ -140,9 +140,9 @@ class Generations:
         by ``keep``), then queue its request (``waiting``) in ``queue``: after the
         generation exists, so no worker takes a request whose generation is not there (one
         pipeline on one Redis, where a fresh session cannot refuse it; after the reply on a
-        cluster, and only if it was accepted). Sent twice after a restarted Redis's
-        NOSCRIPT: the first copy, with no generation to claim, is skipped by the worker
-        that takes it."""
+        cluster, and only if it was accepted). Sent twice after a restarted Redis lost its
+        scripts (``lost_scripts``): the first copy, with no generation to claim, is skipped
+        by the worker that takes it."""
 
         def create(pipe: Pipeline) -> None:
             self._submit.create_in(pipe, new)
