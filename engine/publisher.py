@@ -32,7 +32,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Hashable, Sequence
 
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
 import wire
 from wire import SessionEvent, Token
@@ -238,7 +238,7 @@ class Publisher:
                     backoff = 0.05
                     break
                 except (RedisError, OSError) as exc:
-                    if isinstance(exc, ResponseError) and lost_scripts(exc):
+                    if lost_scripts(exc):
                         # A restarted Redis, or a replica promoted in a failover, has no
                         # scripts: load it and send the step again (seq makes that safe);
                         # if loading fails too, the warning below says why.

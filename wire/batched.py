@@ -94,7 +94,7 @@ class BatchedCalls:
         """Each call's reply, or the error Redis answered it with; a Redis without the
         script (restarted, flushed) gets it loaded and the calls sent once more."""
         answers = await self._round_trip(calls)
-        if any(isinstance(answer, Exception) and lost_scripts(answer) for answer in answers):
+        if any(lost_scripts(answer) for answer in answers):
             await self._load()
             answers = await self._round_trip(calls)
         return answers

@@ -39,12 +39,13 @@ def script_names() -> list[str]:
     return sorted(name for name in names if name not in SHARED and not name.startswith("."))
 
 
-def lost_scripts(error: BaseException) -> bool:
-    """``error`` says the Redis lacks the script or library called (it restarted with no
-    data, or a replica with none was promoted): load it and call again."""
-    if isinstance(error, NoScriptError):
+def lost_scripts(answer: object) -> bool:
+    """``answer`` (an error raised, or a pipeline's reply) says the Redis lacks the script
+    or library called (it restarted with no data, or a replica with none was promoted):
+    load it and call again."""
+    if isinstance(answer, NoScriptError):
         return True
-    return isinstance(error, ResponseError) and str(error).startswith("Function not found")
+    return isinstance(answer, ResponseError) and str(answer).startswith("Function not found")
 
 
 class ScriptLibrary:

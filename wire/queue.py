@@ -432,7 +432,7 @@ class RequestQueue:
             pipe.blpop(bells, wait_ms / 1000)
             await self._take_charged(taking, pipe)
             _, reply = await pipe.execute(raise_on_error=False)
-        if isinstance(reply, ResponseError) and lost_scripts(reply):  # Redis restarted
+        if lost_scripts(reply):  # Redis restarted
             await self._take.load()
             return await self._take_charged(taking)
         if isinstance(reply, Exception):
