@@ -20,8 +20,13 @@ the sides in turns, each meeting the same requests at the same times; the load g
 the last point a side kept up with is its saturation load. Per point: TTFT p50
 and p99 of the requests sent in the window, turns and tokens a second, and from each worker's
 ``/metrics`` (the engine's own counts) the prompt tokens it prefilled and the share of its
-prompt tokens its cache held. Points accumulate in ``--out``.json (``--fresh``: start over),
-and the report and plot are made from all of them: a run may do one workload at a time.
+prompt tokens its cache held; and ``whole``, the same counts over every request the point
+sent (scraped before it starts and once it drained) beside ``findable_tokens``, what those
+requests would have found had each gone to the worker that held the most of it (a turn
+lands in a window or not by how fast the turns before it ran, so two sides' windows may
+differ by a turn; the whole point is one side's own measure). Points accumulate in
+``--out``.json (``--fresh``: start over), and the report and plot are made from all of them:
+a run may do one workload at a time.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from bench.affinity_oracle import Warmest, oracle_models
 from bench.affinity_report import markdown, plot
 from bench.options import parse_options
 from bench.stats import machine, metrics_of, pct, summed
+from engine.backends.prefill import Prefill
 from stack.redis_server import free_port
 from stack.rig import HOST, on_embedded_redis
 
@@ -153,11 +159,14 @@ async def run_point(
     side: Side, workload: str, rate: float, options: Options, seed: int
 ) -> dict[str, Any]:
     """One point of one side: ``rate`` requests a second of ``workload``."""
+    first = await scrape(side)
+    oracle_first = side.oracle.expected if side.oracle else 0
     start = time.perf_counter()
     begin = start + options.warmup_s
     end = begin + options.seconds
     shape, decode = options.shape(), options.tokens_per_s
-    load = Load(side.send, shape, rate, end, seed, decode_tokens_per_s=decode)
+    everywhere = Prefill(0.0, options.kv_cache_tokens * len(side.worker_metrics))
+    load = Load(side.send, shape, rate, end, seed, decode, everywhere)
     running = asyncio.create_task(load.run(workload), name=f"load {workload}")
     await asyncio.sleep(options.warmup_s)
     before, expected = await scrape(side), side.oracle.expected if side.oracle else 0
@@ -165,16 +174,34 @@ async def run_point(
     after = await scrape(side)
     if side.oracle is not None:
         expected = side.oracle.expected - expected
+    drained = True
     try:
         async with asyncio.timeout(DRAIN_S):
             await asyncio.shield(running)
     except TimeoutError:
+        drained = False
         running.cancel()  # its streams close: the gateway cancels what they asked
         await asyncio.gather(running, return_exceptions=True)
     point = figures(load.sent, before, after, begin, end) | {"rate": rate}
     if side.oracle is not None:  # how well its copies of the caches kept up
         point["oracle_expected_cached"] = expected
+    whole = sum_workers(first, await scrape(side))
+    point["whole"] = whole | {
+        "requests": len(load.sent),
+        "drained": drained,
+        "findable_tokens": load.findable,
+        "oracle_expected_cached": side.oracle.expected - oracle_first if side.oracle else None,
+    }
     return point
+
+
+def sum_workers(before: list[dict[str, float]], after: list[dict[str, float]]) -> dict[str, int]:
+    """The side's workers' counts between two scrapes, summed."""
+    workers = [worker_figures(was, now) for was, now in zip(before, after, strict=True)]
+    return {
+        name: sum(worker[name] for worker in workers)
+        for name in ("prompt_tokens", "cached_tokens", "affinity_hits", "affinity_misses")
+    }
 
 
 def figures(

@@ -25,7 +25,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from bench.loadgen import OpenAIStream, StreamRecord, http_request, open_stream
-from engine.backends.synthetic import scripted_reply
+from engine.backends.prefill import Prefill
+from engine.backends.synthetic import prompt_token_ids, scripted_reply
 from stack.rig import HOST
 
 WORKLOADS = ("a", "b", "c")
@@ -98,6 +99,12 @@ def reply_to(message: str, tokens: int) -> str:
     return "".join(token.text for token in scripted_reply(message, tokens))
 
 
+def ended_ids(prompt: list[int], messages: list[dict[str, str]], tokens: int) -> list[int]:
+    """What a synthetic engine's cache holds of a request once its reply of ``tokens``
+    ended: the prompt's tokens (``prompt``, of ``messages``), then its reply's."""
+    return [*prompt, *(token.id for token in scripted_reply(messages[-1]["content"], tokens))]
+
+
 @dataclass
 class Load:
     """One point's clients: what they sent, sent until ``until`` (perf_counter)."""
@@ -108,6 +115,11 @@ class Load:
     until: float
     seed: int
     decode_tokens_per_s: float = 50.0
+    everywhere: Prefill | None = None
+    """Every worker's prefix cache as one: what a request would find were it sent to the
+    worker that holds the most of it (exactly that while no worker's cache evicts)."""
+    findable: int = 0
+    """The prompt tokens of the requests sent that ``everywhere`` held when each was sent."""
     sent: list[Sent] = field(default_factory=list)
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
     _conversations: int = 0
@@ -188,8 +200,12 @@ class Load:
         await self._request(messages, number)
 
     async def _request(self, messages: list[dict[str, str]], conversation: int) -> Sent:
-        prompt = sum(len(m["content"].split()) for m in messages)
-        sent = Sent(StreamRecord(), prompt, conversation, 1)
+        prompt = prompt_token_ids(m["content"] for m in messages)
+        sent = Sent(StreamRecord(), len(prompt), conversation, 1)
         self.sent.append(sent)
+        if self.everywhere is not None:
+            self.findable += self.everywhere.admit(prompt, 0.0).cached_tokens
         await self.send(messages, sent)
+        if self.everywhere is not None and sent.record.final == "done":
+            self.everywhere.ended(ended_ids(prompt, messages, self.shape.reply_tokens))
         return sent

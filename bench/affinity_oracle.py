@@ -18,9 +18,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from bench.affinity_load import Send, Sent, chat_sender
+from bench.affinity_load import Send, Sent, chat_sender, ended_ids
 from engine.backends.prefill import Prefill
-from engine.backends.synthetic import prompt_token_ids, scripted_reply
+from engine.backends.synthetic import prompt_token_ids
 
 
 def oracle_models(model: str, workers: int) -> list[str]:
@@ -69,5 +69,4 @@ class Warmest:
         finally:
             worker.running -= 1
         if sent.record.final == "done":
-            reply = [t.id for t in scripted_reply(messages[-1]["content"], self.reply_tokens)]
-            worker.cache.ended([*prompt, *reply])
+            worker.cache.ended(ended_ids(prompt, messages, self.reply_tokens))
