@@ -1,6 +1,7 @@
 """A TCP proxy in front of a server, whose client connections a test can reset (RST), as a
-restarting server or a network does to a connection nobody is reading, or silence from a
-given moment on (``hold_after``), as a client that dies then does."""
+restarting server or a network does to a connection nobody is reading, silence from a
+given moment on (``hold_after``), as a client that dies then does, or cut both ways for a
+while (``cut``, ``mend``), as a network that drops then comes back does."""
 
 from __future__ import annotations
 
@@ -22,13 +23,23 @@ class ResettingProxy:
         self._pipes: set[asyncio.Task[None]] = set()
         self._hold_marker: bytes | None = None
         self._holding = False
+        self._mended = asyncio.Event()
+        self._mended.set()
         self.refusing = False
         """New connections are reset at once, as by a server that is down."""
 
     @property
     def url(self) -> str:
+        return f"redis://{HOST}:{self.listening_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{HOST}:{self.listening_port}"
+
+    @property
+    def listening_port(self) -> int:
         assert self._server is not None
-        return f"redis://{HOST}:{self._server.sockets[0].getsockname()[1]}"
+        return int(self._server.sockets[0].getsockname()[1])
 
     async def __aenter__(self) -> ResettingProxy:
         self._server = await asyncio.start_server(self._accept, HOST, 0)
@@ -64,6 +75,15 @@ class ResettingProxy:
         any client writes after it (the server's replies still come back)."""
         self._hold_marker = marker
 
+    def cut(self) -> None:
+        """From now on no byte gets through either way: each waits (as TCP retransmits it)
+        until ``mend``. The connections stay open."""
+        self._mended.clear()
+
+    def mend(self) -> None:
+        """What waited goes through, in order, and so does what follows."""
+        self._mended.set()
+
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self.refusing:
             _reset(writer)
@@ -84,6 +104,7 @@ class ResettingProxy:
     ) -> None:
         with contextlib.suppress(ConnectionError):
             while data := await source.read(65536):
+                await self._mended.wait()
                 if upstream and self._holding:
                     continue
                 if sink.transport.is_closing():
