@@ -155,7 +155,14 @@ def test_a_bench_past_its_time_says_where_it_waits_and_leaves_no_process(tmp_pat
         )
     said = str(failed.value)
     assert "bench.e2e ran past 15 s" in said
-    assert "Current thread" in said and 'bench/e2e.py", line' in said, said
+    # The threads' stacks (faulthandler's): the main one's names the line. It is "Current
+    # thread" only when the signal landed on it, which the kernel does not promise while an
+    # executor's threads live (once in a full run, none was).
+    stacks = re.findall(
+        r"(?:Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):\n((?:  File .*\n)+)",
+        said,
+    )
+    assert any('bench/e2e.py", line' in stack for stack in stacks), said
     tasks = said.partition("[stuck] ")[2]
     assert re.match(r"\d+ pending asyncio task\(s\):", tasks) and ", in suite" in tasks, said
     logs = Path(said.split("process logs in ", 1)[1].split(";", 1)[0])
