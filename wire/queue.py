@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
@@ -41,6 +41,7 @@ from wire.scripts import (
     FairHold,
     FairPreempt,
     FairTake,
+    Locate,
     Taken,
     WaitingRequest,
 )
@@ -173,6 +174,7 @@ class RequestQueue:
         self._preempt = FairPreempt(redis, keys)
         self._charge = FairCharge(redis, keys)
         self._expire = FairExpire(redis, keys)
+        self._locate = Locate(redis, keys)
         self._hold = FairHold(redis, keys)
         self._drained = False
         """This worker's last take found fewer requests than it asked for: its next waits
@@ -297,26 +299,18 @@ class RequestQueue:
             return []
         return [text(consumer["name"]) for consumer in summary["consumers"]]
 
-    async def holds_taken(self, generation_id: str) -> bool:
-        """Whether a worker holds a request of ``generation_id`` taken and not yet
-        acknowledged (preparing it, or stopped before its claim): its pending entries read
-        in one round trip besides the pending list."""
-        try:
-            pending = await self.redis.xpending_range(
-                self.key, CONSUMER_GROUP, min="-", max="+", count=PENDING_LOOK
-            )
-        except RedisError as exc:
-            if _missing(exc):
-                return False
-            raise
-        if not pending:
-            return False
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for entry in pending:
-                pipe.xrange(self.key, min=entry["message_id"], max=entry["message_id"])
-            found = await pipe.execute()
-        needle = generation_id.encode()
-        return any(needle in fields.get(b"r", b"") for entry in found for _, fields in entry)
+    async def locate(self, generation_id: str) -> Literal["noted", "waiting", "taken"] | None:
+        """Where a request of ``generation_id`` may be, read at one moment: ``noted`` on its
+        way here, ``waiting`` (some request waits in the stream or the tenants' lists: it
+        may be one of them), ``taken`` by a worker and not acknowledged; None: none of
+        these (wire/lua/locate.lua)."""
+        return await self._locate(
+            stream=self.key,
+            base=self.fair.base,
+            submitting=self.submitting_key,
+            generation_id=generation_id,
+            most_pending=PENDING_LOOK,
+        )
 
     async def pending_of(self, consumer: str, idle_ms: int | None = None) -> list[tuple[str, int]]:
         """(entry id, ms since delivered) of what ``consumer`` holds (idle that long, if

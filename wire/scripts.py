@@ -831,6 +831,21 @@ class FairCharge(Script):
         await self._run([base], [SHARED_KEY_TTL_S, *charges], None)
 
 
+class Locate(Script):
+    """Where a request of a generation may be in its queue, read at one moment: noted on
+    its way, waiting (some request waits: it may be one), taken, or nowhere
+    (wire/lua/locate.lua)."""
+
+    name = "locate"
+
+    async def __call__(
+        self, *, stream: str, base: str, submitting: str, generation_id: str, most_pending: int
+    ) -> Literal["noted", "waiting", "taken"] | None:
+        args: list[Arg] = [CONSUMER_GROUP, generation_id, most_pending]
+        reply = await self._run([stream, base, submitting], args, None)
+        return cast(Literal["noted", "waiting", "taken"], text(reply)) if reply else None
+
+
 class FairExpire(Script):
     """The requests of the tenants' lists queued before a deadline, taken out for the
     reaper to end (wire/lua/fair_expire.lua)."""

@@ -115,8 +115,9 @@ class StrandedTurns:
     ) -> Literal["requeued"] | NothingKept | None:
         """Repair a generation still ``queued`` whose request seems lost: none waits in its
         queue (none after its consumer group's last delivered one, nor in the tenants'
-        lists). A session turn is queued again from the note the submit kept with the
-        generation; a reply taken over, as the continuation its taker kept beside it
+        lists) and no note of it is on its way there (the reaper queues a noted one). A
+        session turn is queued again from the note the submit kept with the generation; a
+        reply taken over, as the continuation its taker kept beside it
         (``Generations.keep_continuation``: at the takeover's epoch, from what it streamed;
         queued again as its first request every worker would refuse it, its epoch past), or,
         where the taker kept none, one made here the same way from the note.
@@ -132,9 +133,10 @@ class StrandedTurns:
         if state is None or wire.text(state) != "queued" or not model:
             return None
         queue = self.queue.of(wire.text(model))
-        after = await queue.waiting_after()  # its group's lag is nil after a deletion: read
-        if (after is not None and await queue.read_after(after, 1)) or await queue.fair_waiting():
-            return None  # requests wait there: it may be one of them (the deadline decides)
+        # One look at the whole queue: looks in turns could miss a request as it moves.
+        where = await queue.locate(generation_id)
+        if where in ("noted", "waiting"):
+            return None  # on its way, or it may be among those waiting (the deadline decides)
         epoch = int(takeovers or 0)
         if resumed and epoch > 0:
             await queue.add({"r": cast(bytes, resumed)})  # as its taker queued it
@@ -151,7 +153,7 @@ class StrandedTurns:
                 return "requeued"
             await self.queue.enqueue(queue.model, request)
             return "requeued"
-        if await queue.holds_taken(generation_id):
+        if where == "taken":
             return None
         return NothingKept(_usage_decoder.decode(usage) if usage else None)
 

@@ -17,11 +17,11 @@ import redis.asyncio as aioredis
 import wire
 from gateway.core.ids import new_id
 from gateway.core.settings import Settings
-from gateway.recovery.stranded import UNSUBMITTED_GRACE_S, StrandedTurns
+from gateway.recovery.stranded import UNSUBMITTED_GRACE_S, NothingKept, StrandedTurns
 from gateway.server.app import Services
 from stack.redis_server import EmbeddedRedis
 from wire import GenerationRequest, Keys, SamplingParams
-from wire.queue import RequestQueue
+from wire.queue import RequestQueue, ServedTokens
 
 pytestmark = [
     pytest.mark.timeout(60),
@@ -99,3 +99,47 @@ async def test_a_note_whose_generation_never_came_is_crossed_off_after_the_grace
     assert await stranded.queue_stranded(queue, older_than_s=0) == 0
     assert await notes(redis, queue) == []
     assert await queue.fair_waiting() == 0
+
+
+async def test_a_noted_one_shot_request_is_not_lost_to_the_readers_deadline(
+    services: Services,
+) -> None:
+    """The readers' deadline asks whether a one-shot request still ``queued`` is anywhere:
+    one whose note is there (its gateway slow between the two round trips, the reaper yet
+    to queue it) is on its way, not lost; nor once the reaper queued it, nor once a worker
+    took it. Only with none of these is there nothing kept to queue again. In a chaos run
+    on a Redis Cluster the deadline ended a noted request as lost 5 ms before the reaper
+    queued it (its looks, in turns, saw no note and then no request)."""
+    redis, keys, stranded = (
+        services.redis,
+        Keys(services.settings.key_prefix),
+        stranded_of(services),
+    )
+    queue = services.service.queue.of(MODEL)
+    await queue.ensure_group()
+    request, note = await noted(queue)
+    generation = keys.generation(request.session_id, request.generation_id)
+    await redis.hset(generation, mapping={"state": "queued", "queue": MODEL})
+
+    assert await queue.locate(request.generation_id) == "noted"
+    assert await stranded.requeue_lost(request.session_id, request.generation_id) is None
+
+    assert await stranded.queue_stranded(queue, older_than_s=0) == 1
+    assert await queue.locate(request.generation_id) == "waiting"
+    assert await stranded.requeue_lost(request.session_id, request.generation_id) is None
+
+    [(entry_id, fields)] = await queue.take("w1", 1, 10, ServedTokens())
+    assert request.generation_id.encode() in fields[b"r"]
+    assert await queue.locate(request.generation_id) == "taken"
+    assert await stranded.requeue_lost(request.session_id, request.generation_id) is None
+
+    # Given back by a worker that drains: in the stream again, for any worker.
+    await queue.requeue([(entry_id, fields)])
+    assert await queue.locate(request.generation_id) == "waiting"
+    assert await stranded.requeue_lost(request.session_id, request.generation_id) is None
+
+    [(entry_id, _)] = await queue.take("w1", 1, 10, ServedTokens())
+    await queue.ack(entry_id)
+    assert await queue.locate(request.generation_id) is None
+    lost = await stranded.requeue_lost(request.session_id, request.generation_id)
+    assert isinstance(lost, NothingKept), lost
