@@ -117,7 +117,7 @@ async def test_a_noted_one_shot_request_is_not_lost_to_the_readers_deadline(
     )
     queue = services.service.queue.of(MODEL)
     await queue.ensure_group()
-    request, note = await noted(queue)
+    request, _ = await noted(queue)
     generation = keys.generation(request.session_id, request.generation_id)
     await redis.hset(generation, mapping={"state": "queued", "queue": MODEL})
 
