@@ -10,6 +10,13 @@
 # SmolLM2's shape (the tokenizer and config that pack.sh carries in .gpu/c2/tok), both vLLM
 # modes (CUDA graphs, then eager, while time is left), every result and log into $OUT.
 # BENCH_GPU_ARGS adds flags (they override the defaults: --streams 1 64 --tokens 64 ...).
+#
+# Two things the device's limits ask of the calls (learnt on the first lent H200):
+# - `vllm serve` imports more than the worker does: pack.sh's c2 needs
+#   EXTRA_WHEELS="watchfiles==1.3.0 model-hosting-container-standards==0.1.16
+#   supervisor==4.3.0 jmespath==1.1.0" (checked below, before the first vLLM starts).
+# - Each call carries the working tree beside .gpu/c1 or c2, 64 MiB in all: c1 is 61 MB,
+#   so move docs/ and tests/ (6.5 MB, neither is needed there) aside for the two calls.
 set -euo pipefail
 out=${OUT:?OUT: the folder whose files come back (the device tool sets it)}
 shape=${SHAPE:-.gpu/c2/tok}
@@ -26,6 +33,8 @@ mkdir -p "$out/logs"
 # no CUDA before vLLM does (engine/backends/vllm_api.py), and this run is the GPU's
 # check of that. VLLM_WORKER_MULTIPROC_METHOD=spawn in the environment still goes through.
 python3 -m bench.gpu --preflight --out "$out" --logs "$out/logs"
+python3 -c "import vllm.entrypoints.openai.api_server" ||
+  { echo "[gpu_device] vllm serve does not import: pack c2 with EXTRA_WHEELS (above)"; exit 1; }
 left=$((left - SECONDS))  # SECONDS: this script's own time so far
 # No mode starts unless the last one's time still fits; SIGTERM at the end stops every
 # process and keeps what was measured (results are written after each side).

@@ -12,6 +12,13 @@ set -euo pipefail
 venv=${1:?a Python 3.12 virtualenv}; out=${2:?an output folder}
 root=$(git rev-parse --show-toplevel)
 [ -d "$root/.gpu/c1" ] && [ -d "$root/.gpu/c2" ] || { echo "no .gpu: run pack.sh first"; exit 1; }
+# What a device call carries: the working tree and one of .gpu/c1, .gpu/c2, 64 MiB in all.
+tree_b=$(cd "$root" && git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+for part in c1 c2; do
+  b=$((tree_b + $(du -sb "$root/.gpu/$part" | cut -f1)))
+  [ "$b" -le 67108864 ] || echo "[rehearsal] the tree and .gpu/$part: $b bytes, over the 64 MiB" \
+    "a device call carries: move docs/ and tests/ aside for the calls (bench/gpu_device.sh)"
+done
 tree=$(mktemp -d /var/tmp/gpu-rehearsal.XXXXXX)
 (cd "$root" && git ls-files -z | xargs -0 cp --parents -t "$tree" && cp -r .gpu "$tree/")
 rm -rf "$out" && mkdir -p "$out"
