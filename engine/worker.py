@@ -322,6 +322,7 @@ class Worker:
         stopped)."""
         gid = job.generation_id
         first, engine_began = True, time.monotonic()
+        end: Done | None = None
         deltas = job.own_outputs(self.backend.generate(prepared))
         async for delta in deltas:
             if job.stopped:
@@ -365,8 +366,10 @@ class Worker:
                 if delta.finish_reason == "abort":
                     job.stop("shutdown")  # unless a cancel stopped it first
                     return None
-                return Done(gid, self._finish_reason(job, delta), job.usage())
-        return None
+                # The run ends by itself right after its last output: leaving the loop
+                # here would leave it to the loop's finalizer (a task and a wake-up each).
+                end = Done(gid, self._finish_reason(job, delta), job.usage())
+        return end
 
     def _first_token(self, job: Job, engine_s: float) -> None:
         """A run's first token is out, ``engine_s`` of it the engine's own; a reply's
