@@ -225,8 +225,8 @@ async def test_storage_refusals_and_unreadable_events_are_shown_not_fatal(
     await chat.page.click("#open-settings")
     await chat.page.check("#set-for-new-chats")
     await chat.page.click("#settings-save")
-    banner = await chat.banner()
-    assert banner and "refused to save" in banner and "settings for new chats" in banner
+    banner = await chat.wait_banner()  # shown by the dialog's close event, a task later
+    assert "refused to save" in banner and "settings for new chats" in banner
     await chat.page.click("#banner-close")
 
     # An event whose data is not JSON (as a broken proxy might deliver it): a visible note.
@@ -234,8 +234,8 @@ async def test_storage_refusals_and_unreadable_events_are_shown_not_fatal(
         """window.__sources.at(-1).dispatchEvent(
             new MessageEvent("token", { data: "{not json", lastEventId: "" }))"""
     )
-    banner = await chat.banner()
-    assert banner and "could not read" in banner and "token" in banner
+    banner = await chat.wait_banner()
+    assert "could not read" in banner and "token" in banner
     assert await chat.replies.count() == 1
     assert chat.errors == []
 

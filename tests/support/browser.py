@@ -176,6 +176,12 @@ class ChatPage:
             return None
         return await self.page.text_content("#banner-text")
 
+    async def wait_banner(self, timeout_s: float = 10) -> str:
+        """The banner's text once it is shown (what shows it may run a task later: a
+        dialog's ``close`` event is queued after the dialog closes)."""
+        await self.page.wait_for_selector("#banner", state="visible", timeout=timeout_s * 1000)
+        return await self.page.text_content("#banner-text") or ""
+
     async def user_texts(self) -> list[str]:
         return await self.page.locator("li.msg.user .bubble").all_text_contents()
 
