@@ -71,37 +71,56 @@ log = logging.getLogger("tokenspout.worker")
 ABANDON_CHECK_S = 1.0
 
 
-class PrepareTurns:
-    """One request prepares per turn of the event loop, in the order they asked."""
+PREPARE_TURN_S = 0.001
+"""About how much prepare CPU one turn of the event loop takes (``PrepareTurns``)."""
 
-    def __init__(self) -> None:
-        self._taken = False
-        """A request prepares in this turn of the event loop: the others wait for theirs."""
+
+class PrepareTurns:
+    """Requests prepare in the order they asked, about ``PREPARE_TURN_S`` of it per turn of
+    the event loop: a burst's first claims, steps and tokens go out while the rest prepare
+    (a chat template and a tokenizer are CPU on this loop), and cheap prepares go many to a
+    turn, so their claims share the publisher's write as they were taken together."""
+
+    def __init__(self, turn_s: float = PREPARE_TURN_S) -> None:
+        self.turn_s = turn_s
+        self.mean_s = 0.0
+        """A prepare's time, a moving mean (0: none measured yet: one per turn)."""
+        self._given = 0
+        """Prepares given this turn of the loop."""
         self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
 
+    @property
+    def per_turn(self) -> int:
+        return max(1, int(self.turn_s / self.mean_s)) if self.mean_s > 0 else 1
+
     async def take(self) -> None:
-        """Until this request may prepare (at once when none waits)."""
-        if self._taken or self._waiting:
+        """Until this request may prepare (at once while this turn has room and none waits)."""
+        if self._waiting or self._given >= self.per_turn:
             turn = asyncio.get_running_loop().create_future()
             self._waiting.append(turn)
-            await turn  # given by ``_next``, which took the turn for it
+            await turn  # given by ``_next``
         else:
-            self._take()
+            self._give()
 
-    def _take(self) -> None:
-        self._taken = True
-        asyncio.get_running_loop().call_soon(self._next)
+    def prepared(self, seconds: float) -> None:
+        """A prepare took ``seconds``."""
+        mean = self.mean_s
+        self.mean_s = seconds if mean == 0 else mean + 0.1 * (seconds - mean)
+
+    def _give(self) -> None:
+        if self._given == 0:
+            asyncio.get_running_loop().call_soon(self._next)
+        self._given += 1
 
     def _next(self) -> None:
-        """The loop has turned: the next waiting request's turn (one whose task was
+        """The loop has turned: the next waiting requests' turn (one whose task was
         cancelled meanwhile is skipped)."""
-        self._taken = False
-        while self._waiting:
+        self._given = 0
+        while self._waiting and self._given < self.per_turn:
             turn = self._waiting.popleft()
             if not turn.done():
                 turn.set_result(None)
-                self._take()
-                return
+                self._give()
 
 
 class Worker:
@@ -313,6 +332,7 @@ class Worker:
         began = time.monotonic()
         prepared = await self.backend.prepare(job.request)
         job.prepare_s = time.monotonic() - began
+        self.turns.prepared(job.prepare_s)
         if self.tracing is not None:  # its span, and the trace vLLM's spans join
             return self.tracing.prepared(prepared, job.request, job.trace, job.prepare_s)
         return prepared

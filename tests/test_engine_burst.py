@@ -1,4 +1,4 @@
-"""A burst of requests taken at once (engine/worker.py ``PrepareTurns``): they prepare
+"""A burst of requests taken at once (engine/worker.py ``PrepareTurns``): slow prepares go
 one per turn of the event loop, so the first ones' claims and tokens reach Redis while the
 rest are still being prepared. A real worker (synthetic engine, whose prepare spends CPU as
 vLLM's chat template and tokenizer do) on a real Redis."""
