@@ -25,6 +25,7 @@ from typing import NamedTuple
 from engine.job import Job
 from engine.publisher import Publisher
 from wire import ChatMessage, FinalEvent
+from wire.emit_step import EmitTarget
 
 log = logging.getLogger("tokenspout.worker")
 
@@ -34,7 +35,9 @@ RECENT_S = 10.0
 
 class _End(NamedTuple):  # a tuple: made for every reply (a frozen dataclass costs 3x)
     at: float
-    job: Job
+    target: EmitTarget
+    entry_id: bytes
+    """Its request's queue entry (the write acknowledges it again)."""
     event: FinalEvent
     seq: int
     assistant: ChatMessage | None
@@ -60,9 +63,10 @@ class RecentEnds:
         seq: int,
         assistant: ChatMessage | None,
     ) -> None:
-        """A final event written (``seq``: its number in its generation)."""
+        """A final event written (``seq``: its number in its generation). Not the job:
+        ``RECENT_S`` of them are kept, and a job holds its request and every token."""
         now = time.monotonic()
-        self._ends.append(_End(now, job, event, seq, assistant))
+        self._ends.append(_End(now, job.target, job.entry_id, event, seq, assistant))
         while self._ends and now - self._ends[0].at > RECENT_S:
             self._ends.popleft()
 
@@ -72,12 +76,12 @@ class RecentEnds:
         ends = [end for end in self._ends if now - end.at <= RECENT_S]
         written = [
             self.publisher.emit_waited(
-                end.job.target,
+                end.target,
                 end.event,
                 end.seq,
                 final=True,
                 assistant=end.assistant,
-                ack=end.job.entry_id,
+                ack=end.entry_id,
             )
             for end in ends
         ]
