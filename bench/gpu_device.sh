@@ -11,7 +11,7 @@
 # modes (CUDA graphs, then eager, while time is left), every result and log into $OUT.
 # BENCH_GPU_ARGS adds flags (they override the defaults: --streams 1 64 --tokens 64 ...).
 #
-# Two things the device's limits ask of the calls (learnt on the first lent H200):
+# Two things the lent machine's limits ask of the calls:
 # - `vllm serve` imports more than the worker does: pack.sh's c2 needs
 #   EXTRA_WHEELS="watchfiles==1.3.0 model-hosting-container-standards==0.1.16
 #   supervisor==4.3.0 jmespath==1.1.0" (checked below, before the first vLLM starts).

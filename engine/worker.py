@@ -81,6 +81,9 @@ class PrepareTurns:
     (a chat template and a tokenizer are CPU on this loop), and cheap prepares go many to a
     turn, so their claims share the publisher's write as they were taken together."""
 
+    WEIGHT = 0.1
+    """Of the latest prepare in the moving mean."""
+
     def __init__(self, turn_s: float = PREPARE_TURN_S) -> None:
         self.turn_s = turn_s
         self.mean_s = 0.0
@@ -105,7 +108,7 @@ class PrepareTurns:
     def prepared(self, seconds: float) -> None:
         """A prepare took ``seconds``."""
         mean = self.mean_s
-        self.mean_s = seconds if mean == 0 else mean + 0.1 * (seconds - mean)
+        self.mean_s = seconds if mean == 0 else mean + self.WEIGHT * (seconds - mean)
 
     def _give(self) -> None:
         if self._given == 0:
