@@ -348,6 +348,8 @@ class Worker:
         end: Done | None = None
         deltas = job.own_outputs(self.backend.generate(prepared))
         async for delta in deltas:
+            if end is not None:  # its last output was read: the run only ends now
+                continue
             if job.stopped:
                 # Cancelled: the final event is out; what the engine made since is waste.
                 # Closing the run stops it even where the abort found nothing to stop:
