@@ -120,7 +120,9 @@ async def test_the_reaper_hands_a_killed_workers_reply_to_another(cluster_stack:
     stack = cluster_stack
     doomed = stack.synthetic(20)
     gateway = stack.gateway()
-    content, max_tokens = "carry on over the shards", 60
+    # Long enough to outlast the other worker's start after the 10th token (3.3 s in a
+    # loaded fresh-clone run, where 60 tokens at 20/s had ended before the kill).
+    content, max_tokens = "carry on over the shards", 200
     async with httpx.AsyncClient(timeout=60) as client:
         session = await create_session(client, gateway.url)
         gid = await send(client, session, content, max_tokens=max_tokens)
