@@ -130,8 +130,12 @@ class PlainLive:
     async def close(self) -> None:
         if self._leave_timer is not None:
             self._leave_timer.cancel()
-        for sender in list(self._senders):
+        senders = list(self._senders)
+        for sender in senders:
             sender.cancel()
+        # Awaited: one cancelled before its first step would otherwise be left pending
+        # when the loop closes right after (its coroutine never run).
+        await asyncio.gather(*senders, return_exceptions=True)
         if self._reader is not None:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
