@@ -16,6 +16,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from engine.backends.base import Delta
 from engine.tools import ToolCallWriter
 from engine.tracing import JobTrace
 from wire import (
@@ -23,6 +24,7 @@ from wire import (
     GenerationRequest,
     Resumed,
     Started,
+    ToolCallDelta,
     Usage,
 )
 from wire.emit_step import EmitTarget
@@ -244,6 +246,30 @@ class Job:
                     yield earlier
         finally:
             await outputs.aclose()
+
+    def step(self, delta: Delta) -> tuple[str | None, list[ToolCallDelta] | None, str | None]:
+        """What an engine output makes of the reply: its content and tool calls (with
+        tools), and its finish reason when it is the reply's last (None: not the last, or
+        aborted): ``tool_calls`` for a reply that made calls, as vLLM's server says it (a
+        named function's call ends ``stop``, as OpenAI's does)."""
+        writer, reason = self.tool_calls, delta.finish_reason
+        ending = reason not in (None, "abort")
+        if writer is None:
+            return None, None, reason if ending else None
+        content, calls = writer.step(delta.text, final=ending)
+        if ending and writer.made_calls() and writer.tools.choice != "named":
+            reason = "tool_calls"
+        return content, calls, reason if ending else None
+
+    def first_token_out(self) -> float | None:
+        """Its run's first token goes out (its trace's prefill ends): the reply's time to
+        first token, from the gateway's enqueue (None: a continuation's run)."""
+        if self.trace is not None:
+            self.trace.first_token()
+        if self.request.resume is not None:
+            return None
+        self.first_token_s = time.time() - self.request.enqueued_at
+        return self.first_token_s
 
     def streamed(self, text: str, token_ids: list[int]) -> None:
         """An engine step's output went out (``emitted_tokens`` counts its tokens)."""

@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import contextvars
 import logging
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -54,7 +55,7 @@ from engine.lease import Lease
 from engine.metrics import WorkerMetrics
 from engine.policies import PreemptPolicy, TakePolicy
 from engine.publisher import Publisher
-from engine.tracing import exemplar
+from engine.tracing import WorkerTracing, exemplar, follow
 from wire import CancelReason, ChatMessage, Error, GenerationRequest, Resumed, Started
 from wire.handoff import Streamed, continuation
 from wire.keys import tenant_slot
@@ -66,7 +67,7 @@ log = logging.getLogger("tokenspout.worker")
 _request_decoder = msgspec.json.Decoder(GenerationRequest)
 
 RunJob = Callable[[Job], Coroutine[Any, Any, None]]
-"""Runs one job's engine stream to its end (``Worker.run_job``), then ``JobTable.ended``."""
+"""Runs one job's engine stream to its end (``Worker.run_job``), then ``JobTable.run_over``."""
 FILL_WAIT_S = 1.0
 RETRY_S = 0.5
 
@@ -83,6 +84,7 @@ class JobTable:
         worker_id: str,
         max_takeovers: int,
         run: RunJob,
+        tracing: WorkerTracing | None = None,
         before_taking: Callable[[], Coroutine[Any, Any, None]],
         take: TakePolicy,
         preempt: PreemptPolicy | None = None,
@@ -100,6 +102,8 @@ class JobTable:
         """How often one generation may be handed on (TOKENSPOUT_MAX_TAKEOVERS)."""
         self.run = run
         """Runs a job's engine stream (the worker's)."""
+        self.tracing = tracing
+        """Each job's trace goes on here (None: tracing is off; engine/tracing.py)."""
         self.before_taking = before_taking
         """Called before each take: the worker makes sure the others see it alive first."""
         self.take = take
@@ -226,7 +230,10 @@ class JobTable:
         self._jobs[job.generation_id] = job
         if self.full:
             self._filled.set()
-        self._spawn(self.run(job), name=job.generation_id)
+        context = contextvars.copy_context()
+        if job.request.traceparent:  # the gateway traces it: so does its run, from its take
+            job.trace = context.run(follow, job.request, job.started_at, self.tracing)
+        self._spawn(self.run(job), name=job.generation_id, context=context)
 
     def _settle_second_copy(self, job: Job, claimed: bool) -> None:
         """``job``'s claim is answered (``claimed``: it holds, or the first copy ended the
@@ -243,11 +250,14 @@ class JobTable:
 
     # --- start ------------------------------------------------------------------------------
 
-    def claim(self, job: Job, claim: Started | Resumed) -> asyncio.Future[str | None]:
-        """Send ``job``'s claim; the run goes on while it is on its way. Redis takes no
-        event of this run unless the claim holds (EMIT's owner check): a refused claim
-        stops the run."""
-        answer = self._emit_waited(job, claim)
+    def claim(self, job: Job, claim: Started | Resumed | None = None) -> asyncio.Future[str | None]:
+        """Send ``job``'s claim (None: ``started``, or ``resumed`` for a takeover); the run
+        goes on while it is on its way. Redis takes no event of this run unless the claim
+        holds (EMIT's owner check): a refused claim stops the run."""
+        if claim is None:
+            claim = job.claim_event(self.backend.model, self.worker_id)
+        job.events += 1
+        answer = self.publisher.emit_waited(job.target, claim, job.events)
         answer.add_done_callback(lambda done: self._claim_answered(job, claim, done))
         return answer
 
@@ -280,6 +290,52 @@ class JobTable:
 
     # --- finish and acknowledge ----------------------------------------------------------------
 
+    async def run_over(
+        self,
+        job: Job,
+        end: wire.FinalEvent | None,
+        failure: Exception | None,
+        *,
+        engine_lost: bool,
+    ) -> None:
+        """``job``'s run in the engine is over: its final event ``end`` written (None: it
+        has none of its own, it was stopped or dropped), or, its run having raised
+        ``failure``, the reply handed on (the engine failed under it: ``engine_lost``) or
+        ended with an ``engine_error``; then the job ends (``ended``)."""
+        try:
+            if failure is not None:
+                end = await self._after_failure(job, failure, engine_lost=engine_lost)
+            if end is not None:
+                await self.finish(job, end)
+        except Exception:
+            log.exception("generation %s: writing its end failed", job.generation_id)
+        finally:
+            await self.ended(job)
+
+    async def _after_failure(
+        self, job: Job, failure: Exception, *, engine_lost: bool
+    ) -> wire.FinalEvent | None:
+        """What a run that raised ``failure`` ends with: nothing once it is handed on (to
+        another worker while one serves, when the engine failed under it; or to the reaper,
+        a hand-over begun that Redis failed left pending), else an ``engine_error``."""
+        gid = job.generation_id
+        if engine_lost:
+            try:
+                handed = job.can_hand_over and await self.lease.others_serving()
+                if handed and await self._hand_over(job):
+                    log.warning(
+                        "the engine failed under %s (%s: %s); handed it to another worker",
+                        gid,
+                        type(failure).__name__,
+                        failure,
+                    )
+            except (RedisError, OSError) as exc:
+                log.warning("handing %s over failed (%s)", gid, exc)
+        if job.handed_on:
+            return None
+        log.error("generation %s failed", gid, exc_info=failure)
+        return Error(gid, "engine_error", f"{type(failure).__name__}: {failure}", job.usage())
+
     async def finish(self, job: Job, event: wire.FinalEvent) -> None:
         """Write ``job``'s final event (once), acknowledging its request with it."""
         if not job.end():
@@ -292,16 +348,24 @@ class JobTable:
         held: Sequence[str] = ()
         if not isinstance(event, Error) and request.task == "generate":
             held = self.take.held(request, "".join(job.text))
-        written = await self._emit_waited(job, event, final=True, assistant=assistant, held=held)
+        job.events += 1
+        written = await self.publisher.emit_waited(
+            job.target,
+            event,
+            job.events,
+            final=True,
+            assistant=assistant,
+            ack=job.entry_id,
+            held=held,
+        )
         state = wire.final_state(event)
         if written is None:  # it ended elsewhere, or is not this worker's: not counted here
             job.final_refused()
-            log.info(
-                "%s: its %s event was refused (%s)",
-                job.generation_id,
-                state,
-                await self._standing(job),
-            )
+            try:
+                standing = await self.generations.standing(job.session_id, job.generation_id)
+            except (RedisError, OSError) as exc:
+                standing = f"unread: {exc}"
+            log.info("%s: its %s event was refused (%s)", job.generation_id, state, standing)
             return
         self.ends.add(job, event, job.events, assistant)
         self.metrics.child(self.metrics.generations, state).inc()
@@ -312,36 +376,6 @@ class JobTable:
         if job.trace is not None:
             job.trace.ended(state, reason, job.prompt_tokens, job.emitted_tokens)
         log.info("generation ended", extra=job.end_line(self.backend.model, state, reason))
-
-    async def _standing(self, job: Job) -> str:
-        """Where ``job``'s generation stands in Redis, for the log of a refused event."""
-        try:
-            return await self.generations.standing(job.session_id, job.generation_id)
-        except (RedisError, OSError) as exc:
-            return f"unread: {exc}"
-
-    def _emit_waited(
-        self,
-        job: Job,
-        event: wire.SessionEvent,
-        *,
-        final: bool = False,
-        assistant: ChatMessage | None = None,
-        held: Sequence[str] = (),
-    ) -> asyncio.Future[str | None]:
-        """Queue an event the table waits on (a claim, a final event): its stream id, or
-        None when Redis refused it. A final event acknowledges the job's request and holds
-        the prefixes ``held`` here (``Publisher.emit_waited``)."""
-        job.events += 1
-        return self.publisher.emit_waited(
-            job.target,
-            event,
-            job.events,
-            final=final,
-            assistant=assistant,
-            ack=job.entry_id if final else None,
-            held=held,
-        )
 
     async def ended(self, job: Job) -> None:
         """``job``'s run is over: a second copy held meanwhile settled, a stopped run's
@@ -590,13 +624,6 @@ class JobTable:
                     result,
                 )
 
-    async def hand_over_failed_run(self, job: Job) -> bool:
-        """``job``'s run ended with its engine (``Backend.failed``): hand it to the other
-        workers while one serves; True when it was handed on. Raises what Redis raised."""
-        if not job.can_hand_over or not await self.lease.others_serving():
-            return False
-        return await self._hand_over(job)
-
     async def _hand_over(self, job: Job) -> bool:
         """Put ``job`` back on the queue for another worker; True when it was handed on (a
         generation taken over ``max_takeovers`` times already stays here and drains)."""
@@ -664,10 +691,13 @@ class JobTable:
             self._kept.clear()
 
     def _spawn(
-        self, work: Coroutine[Any, Any, None], name: str | None = None
+        self,
+        work: Coroutine[Any, Any, None],
+        name: str | None = None,
+        context: contextvars.Context | None = None,
     ) -> asyncio.Task[None]:
-        """Run ``work`` in a task the drain waits for."""
-        task = asyncio.create_task(work, name=name)
+        """Run ``work`` in a task the drain waits for (in ``context``: a copy of this one)."""
+        task = asyncio.create_task(work, name=name, context=context)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task

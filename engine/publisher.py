@@ -143,16 +143,16 @@ class Publisher:
         and takes its number (see the module's doc)."""
         batch = self._batch
         open_token = batch.open_tokens.get(target) if batch.open_tokens else None
-        if open_token is not None:
-            open_token.token = joined(open_token.token, token)
-            data = wire.encode(open_token.token)
-            open_token.call.rewrite(open_token.position, target, open_token.seq, "token", data)
-            return open_token.seq
-        call = self._call(target.session_id)
-        position = call.add(target, seq, "token", wire.encode(token))
-        if self.join_tokens and self.writing:
-            batch.open_tokens[target] = _OpenToken(call, position, seq, token)
-        return seq
+        if open_token is None:
+            call = self._call(target.session_id)
+            position = call.add(target, seq, "token", wire.encode(token))
+            if self.join_tokens and self.writing:
+                batch.open_tokens[target] = _OpenToken(call, position, seq, token)
+            return seq
+        open_token.token = joined(open_token.token, token)
+        data = wire.encode(open_token.token)
+        open_token.call.rewrite(open_token.position, target, open_token.seq, "token", data)
+        return open_token.seq
 
     @property
     def writing(self) -> bool:

@@ -115,9 +115,10 @@ class WorkerTracing:
 
     def begin(self, request: GenerationRequest, taken_ns: int) -> JobTrace | None:
         """The spans of a run taken at ``taken_ns``: its wait in the queue (ended), and its
-        generation's (begun); None unless its caller records its trace."""
+        generation's (begun); None unless its caller records its trace (a valid
+        ``traceparent``, sampled)."""
         parent = request.traceparent
-        if not sampled(parent):
+        if not valid_traceparent(parent) or not sampled(parent):
             return None
         from opentelemetry.trace import SpanKind
 
@@ -171,13 +172,12 @@ def follow(
     """A run, taken at ``taken_at`` (``time.monotonic``), of a request that carries a
     trace: the log lines of its task carry the trace's id, and with tracing on here its
     spans begin (None: not recorded, or tracing off)."""
-    if not valid_traceparent(request.traceparent):
-        return None
-    LOG_TRACE_ID.set(trace_id_of(request.traceparent))
-    if tracing is None:
-        return None
-    taken_ns = time.time_ns() - int((time.monotonic() - taken_at) * 1e9)
-    return tracing.begin(request, taken_ns)
+    trace = None
+    if tracing is not None:
+        trace = tracing.begin(request, time.time_ns() - int((time.monotonic() - taken_at) * 1e9))
+    if valid_traceparent(request.traceparent):
+        LOG_TRACE_ID.set(trace_id_of(request.traceparent))
+    return trace
 
 
 def exemplar(trace: JobTrace | None) -> str:

@@ -42,7 +42,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 import wire
-from engine.backends.base import Backend, BackendError, Delta, Prepared
+from engine.backends.base import Backend, BackendError, Prepared
 from engine.cancels import cancel_signals
 from engine.job import Job
 from engine.jobs import JobTable
@@ -57,7 +57,7 @@ from engine.policies import (
 )
 from engine.publisher import Publisher
 from engine.tools import ToolCallWriter
-from engine.tracing import WorkerTracing, exemplar, follow
+from engine.tracing import WorkerTracing, exemplar
 from wire import Done, Error, FinalEvent, Keys, Started, Token, WorkerInfo
 from wire.connect import when_redis_answers
 from wire.generations import Generations
@@ -164,6 +164,7 @@ class Worker:
         )
         self.placement = self._take_policy(affinity_wait_ms)
         """Which queued requests this worker takes (told each run's prefill)."""
+        self.tracing = WorkerTracing.of(tracer, self.worker_id, backend)  # None: tracing off
         self.jobs = JobTable(
             publisher=self.publisher,
             queue=self.queue,
@@ -173,6 +174,7 @@ class Worker:
             worker_id=self.worker_id,
             max_takeovers=max_takeovers,
             run=self.run_job,
+            tracing=self.tracing,
             before_taking=self.announce_if_silent,
             take=self.placement,
             preempt=FairPreemption(self.queue, self.worker_id) if preempt else None,
@@ -181,7 +183,6 @@ class Worker:
         self.turns = PrepareTurns()
         self.engine_failed = asyncio.Event()
         """Set when the engine died under a run: the worker drains and stops."""
-        self.tracing = WorkerTracing.of(tracer, self.worker_id, backend)  # None: tracing off
         self._started_at = time.time()
         self.metrics.generations_running.set_function(lambda: len(self.jobs))
         self.metrics.capacity.set_function(lambda: self.backend.capacity)
@@ -265,70 +266,58 @@ class Worker:
     # --- one job's engine stream ---------------------------------------------------------
 
     async def run_job(self, job: Job) -> None:
-        """Run one job the table started, to its end, then hand it back: its final event
-        (``finish``, from here only), and the job (``ended``)."""
-        gid = job.generation_id
-        if job.request.traceparent:  # the gateway traces it: so does this run
-            job.trace = follow(job.request, job.started_at, self.tracing)
-        resume = job.request.resume
+        """Run one job the table started to its end, then hand it back to the table with
+        its final event, or with what failed it (``JobTable.run_over``)."""
+        end: FinalEvent | None = None
+        failure: Exception | None = None
         try:
-            try:
-                if resume is not None and resume.from_worker == self.worker_id:
-                    await self._alive_before_going_on(job)
-                await self.turns.take()
-                end = await self._run(job)
-            except BackendError as exc:
-                end = Error(gid, exc.code, exc.message, job.usage())
-            if end is not None:
-                await self.jobs.finish(job, end)
+            resume = job.request.resume
+            if resume is not None and resume.from_worker == self.worker_id:
+                await self._alive_before_going_on(job)
+            await self.turns.take()
+            end = await self._run(job)
+        except BackendError as exc:
+            end = Error(job.generation_id, exc.code, exc.message, job.usage())
         except Exception as exc:
-            if self.backend.failed:
-                await self._engine_lost(job, exc)
-            if job.handed_on:  # another worker goes on with it (or the reaper hands it on)
-                return
-            log.exception("generation %s failed", gid)
-            message = f"{type(exc).__name__}: {exc}"
-            await self.jobs.finish(job, Error(gid, "engine_error", message, job.usage()))
+            failure = exc
+            if self.backend.failed:  # this worker stops; the reply goes on elsewhere
+                self.engine_failed.set()
         finally:
-            await self.jobs.ended(job)
+            await self.jobs.run_over(job, end, failure, engine_lost=self.backend.failed)
 
     async def _run(self, job: Job) -> FinalEvent | None:
         """The job's run in the engine: its final event (None: it has none of its own to
-        write, it was stopped or dropped)."""
-        if job.request.task != "generate":
-            return await self._run_tokenizer_task(job)
-        prepared = await self._prepare(job)
-        if job.request.resume is None:
-            job.prompt_tokens = len(prepared.prompt_token_ids)
-            # Its queue charged an estimate when it left the tenant's list; a
-            # continuation's prompt was served (and charged) by its first run.
-            self.served.add(job.request.tenant, job.prompt_tokens - job.estimated_tokens)
-        job.tool_calls = self._tool_call_writer(job)
-        # The engine starts while the claim is on its way, so the first token does not
-        # wait for the claim's round trip (it even shares its write when the engine is
-        # that quick).
-        self.jobs.claim(job, job.claim_event(self.backend.model, self.worker_id))
-        if job.stopped:
-            return None
-        return await self._stream(job, prepared)
-
-    async def _engine_lost(self, job: Job, exc: Exception) -> None:
-        """The engine died under ``job``: this worker stops (``engine_failed``), and the
-        reply goes on at another worker when one serves. A hand-over begun that Redis
-        failed leaves it pending: the reaper hands it on once this worker is gone."""
-        self.engine_failed.set()
-        try:
-            handed = await self.jobs.hand_over_failed_run(job)
-        except (RedisError, OSError) as redis_exc:
-            log.warning("handing %s over failed (%s)", job.generation_id, redis_exc)
-            return
-        if handed:
-            log.warning(
-                "the engine failed under %s (%s: %s); handed it to another worker",
-                job.generation_id,
-                type(exc).__name__,
-                exc,
-            )
+        write, it was stopped or dropped). ``/tokenize`` and ``/detokenize`` run here too:
+        the model's tokenizer lives here, with vLLM, so they go the way a generation goes
+        and come back as its events (a ``BackendError``: the caller's ``error`` event)."""
+        request, gid, model = job.request, job.generation_id, self.backend.model
+        if request.task == "generate":
+            prepared = await self._prepare(job)
+            if request.resume is None:
+                job.prompt_tokens = len(prepared.prompt_token_ids)
+                # Its queue charged an estimate when it left the tenant's list; a
+                # continuation's prompt was served (and charged) by its first run.
+                self.served.add(request.tenant, job.prompt_tokens - job.estimated_tokens)
+            # The engine starts while the claim is on its way, so the first token does not
+            # wait for the claim's round trip (it even shares its write when the engine is
+            # that quick).
+            self.jobs.claim(job)
+            if job.stopped:
+                return None
+            return await self._stream(job, prepared)
+        if request.task == "tokenize":
+            ids = (await self.backend.prepare(request)).prompt_token_ids
+            job.prompt_tokens = len(ids)
+            claim, text = Started(gid, model, len(ids), list(ids)), None
+        else:
+            text = self.backend.detokenize(request.token_ids)
+            job.prompt_tokens = len(request.token_ids)
+            claim = Started(gid, model, job.prompt_tokens)
+        if await self.jobs.claim(job, claim) is None:
+            return None  # dropped (nothing runs in the engine: no abort)
+        if text is not None:
+            job.events = self.publisher.emit(job.target, Token(gid, text, 0), job.events + 1)
+        return Done(gid, "tokenized" if request.task == "tokenize" else "detokenized", job.usage())
 
     async def _prepare(self, job: Job) -> Prepared:
         """The engine's input for ``job`` (the chat template, the tokenizer), timed."""
@@ -344,6 +333,7 @@ class Worker:
         """The engine's outputs, emitted; its ``done`` event when it ends (None: it was
         stopped)."""
         gid = job.generation_id
+        job.tool_calls = self._tool_call_writer(job)
         first, engine_began = True, time.monotonic()
         end: Done | None = None
         deltas = job.own_outputs(self.backend.generate(prepared))
@@ -361,13 +351,17 @@ class Worker:
             if delta.cached_tokens is not None:  # the first output after its prefill
                 computed = len(prepared.prompt_token_ids) - delta.cached_tokens
                 self.placement.prefilled(computed, time.monotonic() - engine_began)
-            content, calls = None, None
-            if job.tool_calls is not None:
-                ending = delta.finish_reason not in (None, "abort")
-                content, calls = job.tool_calls.step(delta.text, final=ending)
+            content, calls, reason = job.step(delta)
             if delta.text or delta.token_ids or content or calls:
                 job.streamed(delta.text, delta.token_ids)
                 self.served.add(job.request.tenant, len(delta.token_ids))
+                if first:  # its prefill is over: a reply's time to first token
+                    first, first_token_s = False, job.first_token_out()
+                    if first_token_s is not None:
+                        engine_s = job.prepare_s + time.monotonic() - engine_began
+                        model, tenant = self.backend.model, job.request.tenant
+                        trace_id = exemplar(job.trace)
+                        self.metrics.first_token(first_token_s, engine_s, model, tenant, trace_id)
                 token = Token(
                     gid,
                     delta.text,
@@ -383,49 +377,15 @@ class Worker:
                 if seq == job.events:  # joined the token before: Redis is behind
                     self.metrics.tokens_joined.inc(len(delta.token_ids))
                 job.events = seq
-                if first:
-                    self._first_token(job, job.prepare_s + time.monotonic() - engine_began)
-                    first = False
                 self.metrics.tokens.inc(len(delta.token_ids))
-            if delta.finish_reason is not None:
-                if delta.finish_reason == "abort":
-                    job.stop("shutdown")  # unless a cancel stopped it first
-                    return None
+            if delta.finish_reason == "abort":
+                job.stop("shutdown")  # unless a cancel stopped it first
+                return None
+            if reason is not None:
                 # The run ends by itself right after its last output: leaving the loop
                 # here would leave it to the loop's finalizer (a task and a wake-up each).
-                end = Done(gid, self._finish_reason(job, delta), job.usage())
+                end = Done(gid, reason, job.usage())
         return end
-
-    def _first_token(self, job: Job, engine_s: float) -> None:
-        """A run's first token is out, ``engine_s`` of it the engine's own; a reply's
-        first (not a continuation's) is its time to first token."""
-        if job.trace is not None:
-            job.trace.first_token()
-        request = job.request
-        if request.resume is not None:
-            return
-        job.first_token_s = time.time() - request.enqueued_at
-        model, trace_id = self.backend.model, exemplar(job.trace)
-        self.metrics.first_token(job.first_token_s, engine_s, model, request.tenant, trace_id)
-
-    async def _run_tokenizer_task(self, job: Job) -> Done | None:
-        """``/tokenize`` and ``/detokenize``: the model's tokenizer lives here, with vLLM,
-        so they go the way a generation goes and come back as its events (a
-        ``BackendError``: the caller's ``error`` event)."""
-        request, gid, model = job.request, job.generation_id, self.backend.model
-        if request.task == "tokenize":
-            ids = (await self.backend.prepare(request)).prompt_token_ids
-            job.prompt_tokens = len(ids)
-            claim, text = Started(gid, model, len(ids), list(ids)), None
-        else:
-            text = self.backend.detokenize(request.token_ids)
-            job.prompt_tokens = len(request.token_ids)
-            claim = Started(gid, model, job.prompt_tokens)
-        if await self.jobs.claim(job, claim) is None:
-            return None  # dropped (nothing runs in the engine: no abort)
-        if text is not None:
-            job.events = self.publisher.emit(job.target, Token(gid, text, 0), job.events + 1)
-        return Done(gid, "tokenized" if request.task == "tokenize" else "detokenized", job.usage())
 
     def _tool_call_writer(self, job: Job) -> ToolCallWriter | None:
         tools = job.request.tools
@@ -434,15 +394,6 @@ class Worker:
         parser = self.backend.auto_parser(tools) if tools.choice == "auto" else None
         written = job.request.resume.text if job.request.resume is not None else ""
         return ToolCallWriter(tools, job.generation_id, parser, written)
-
-    @staticmethod
-    def _finish_reason(job: Job, delta: Delta) -> str:
-        """``tool_calls`` for a reply that made calls, as vLLM's server says it (a named
-        function's call ends ``stop``, as OpenAI's does)."""
-        writer, reason = job.tool_calls, delta.finish_reason or "stop"
-        if writer is not None and writer.made_calls() and writer.tools.choice != "named":
-            return "tool_calls"
-        return reason
 
     # --- cancel and abandonment ---------------------------------------------------------------
 
