@@ -70,13 +70,6 @@ class GenerationAsk(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("a session turn asks with exactly one message")
         return self.messages[0]
 
-    def for_choice(self, choice: int) -> GenerationAsk:
-        """The ask of one of the ``n`` choices: its own seed (``SamplingParams.for_choice``)."""
-        sampling = self.sampling.for_choice(choice)
-        if sampling is self.sampling:
-            return self
-        return msgspec.structs.replace(self, sampling=sampling)
-
 
 class KeptSession(msgspec.Struct, frozen=True):
     """A one-generation session kept past its request (a stored ``/v1/responses`` one)."""

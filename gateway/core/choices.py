@@ -7,7 +7,7 @@ all of them). Workers may run the choices side by side. A request with a ``seed`
 choice ``i`` the seed ``seed + i``: the choices differ, and the same request gives the same
 choices again. A request of one choice (most) is one generation, with nothing added.
 
-    choices = await Choices.submit(open_choice, n=2)  # open_choice(i): choice i, queued
+    choices = await Choices.open(submitter, hub, ask, model, heartbeat_s)  # ask.n queued
     async for batch in choices.batches():             # [(choice index, GenerationItem), ...]
         ...
 """
@@ -15,11 +15,14 @@ choices again. A request of one choice (most) is one generation, with nothing ad
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 from litestar.background_tasks import BackgroundTask
 
+from gateway.core.ask import GenerationAsk
 from gateway.core.generation_stream import Collected, GenerationStream
+from gateway.core.relay.hub import RelayHub
+from gateway.core.store.submitter import Submitter
 from gateway.core.walk import IndexedItem
 
 _END = object()
@@ -31,12 +34,24 @@ class Choices:
         self.streams = streams
 
     @classmethod
-    async def submit(
-        cls, open_choice: Callable[[int], Awaitable[GenerationStream]], n: int
+    async def open(
+        cls,
+        submitter: Submitter,
+        hub: RelayHub,
+        ask: GenerationAsk,
+        model: str,
+        heartbeat_s: float,
     ) -> Choices:
-        """Queue ``n`` generations at once (``open_choice(i)`` queues choice ``i``); if one
+        """Queue the ask's ``n`` generations for ``model`` at once, each in a throwaway
+        session whose feed opens before it is queued (``GenerationStream.submit``); if one
         cannot be queued, those that were are cancelled and its error is raised."""
-        results = await asyncio.gather(*map(open_choice, range(n)), return_exceptions=True)
+        opening = [
+            GenerationStream.submit(submitter, hub, ask, model, heartbeat_s, choice)
+            for choice in range(ask.n)
+        ]
+        if ask.n == 1:  # the common case: one generation, nothing to gather
+            return cls([await opening[0]])
+        results = await asyncio.gather(*opening, return_exceptions=True)
         streams = [result for result in results if isinstance(result, GenerationStream)]
         failed = [result for result in results if isinstance(result, BaseException)]
         if failed:

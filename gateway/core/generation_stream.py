@@ -201,11 +201,12 @@ class GenerationStream:
         submitter: Submitter,
         hub: RelayHub,
         ask: GenerationAsk,
+        model: str,
         heartbeat_s: float,
         choice: int = 0,
     ) -> GenerationStream:
-        """Queue it (``ask.model``: a name or alias; None: the default model); ``choice``:
-        which of a request's choices it is (``Submitter.submit_stateless``).
+        """Queue it for ``model`` (``ask.model`` resolved); ``choice``: which of a
+        request's choices it is (``Submitter.submit_stateless``).
 
         The new session's feed opens first, so its events come live from the first one,
         with no read of the session's stream (``RelayHub.open_new_session``)."""
@@ -213,7 +214,7 @@ class GenerationStream:
         try:
             feed = await feed_open.enter_async_context(hub.open_new_session())
             submitted = await submitter.submit_stateless(
-                ask, session_id=feed.session_id, choice=choice
+                ask, model, session_id=feed.session_id, choice=choice
             )
         except BaseException:
             await feed_open.aclose()

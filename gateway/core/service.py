@@ -19,7 +19,7 @@ is the ``tokenspout.admission`` span of the API call's trace (gateway/core/traci
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Mapping
 
 import redis.asyncio as aioredis
 
@@ -28,7 +28,6 @@ from gateway.core.ask import GenerationAsk, KeptSession
 from gateway.core.auth import tenant_directory
 from gateway.core.choices import Choices
 from gateway.core.conversations import Conversation, ConversationRecord, ConversationSettings
-from gateway.core.generation_stream import GenerationStream
 from gateway.core.readiness import Readiness, check_readiness
 from gateway.core.relay.feed import Feed, RelayEvent
 from gateway.core.relay.hub import RelayHub
@@ -109,25 +108,18 @@ class GatewayService:
         """Queue the ask's ``n`` generations, each in a throwaway session whose feed opens
         before it is queued; the caller walks them, then closes them (``Choices.close``)."""
         self.admission.check(ask)
-        heartbeat_s = self.settings.sse_heartbeat_s
-
-        def open_choice(choice: int) -> Awaitable[GenerationStream]:
-            chosen = ask.for_choice(choice)
-            return GenerationStream.submit(self.submitter, self.hub, chosen, heartbeat_s, choice)
-
         with _admission(ask):
-            if ask.n == 1:  # the common case: one generation, nothing to gather
-                return Choices(
-                    [await GenerationStream.submit(self.submitter, self.hub, ask, heartbeat_s)]
-                )
-            return await Choices.submit(open_choice, ask.n)
+            model = await self.models.resolve(ask.model)
+            heartbeat_s = self.settings.sse_heartbeat_s
+            return await Choices.open(self.submitter, self.hub, ask, model, heartbeat_s)
 
     async def generate_kept(self, ask: GenerationAsk, kept: KeptSession) -> Submitted:
         """Queue one generation in a session that outlives its request (a stored
         ``/v1/responses`` response), read later by its id: no feed is opened for it."""
         self.admission.check(ask)
         with _admission(ask):
-            return await self.submitter.submit_stateless(ask, kept=kept)
+            model = await self.models.resolve(ask.model)
+            return await self.submitter.submit_stateless(ask, model, kept=kept)
 
     # --- sessions --------------------------------------------------------------------------
 

@@ -15,8 +15,7 @@ ticket leaves them on the request's ``Caller`` (gateway/tenants/caller.py), whos
 the outermost layer writes.
 
     admission.check(ask)                                            # 400
-    admission.check_model(ask.caller.tenant, ask.model, model)      # 403
-    ticket = await admission.one_shot(ask.caller, model, request, kept=False)
+    ticket = await admission.one_shot(ask.caller, ask.model, model, request, kept=False)  # 403
     try:
         reply = ticket.settled(await submit(ticket.in_submit))      # 429, the quota
     except BaseException:
@@ -208,23 +207,25 @@ class Admission:
     # --- what a submit takes ------------------------------------------------------------------
 
     async def one_shot(
-        self, caller: Caller, model: str, request: GenerationRequest, *, kept: bool
+        self, caller: Caller, asked: str, model: str, request: GenerationRequest, *, kept: bool
     ) -> Ticket:
-        """A one-shot request's admission (its generation to ``model``'s queue; a kept
-        session's is made by commands that follow SUBMIT, which would run on a refusal
-        too: admitted first). Where SUBMIT can, it admits the request itself
-        (``Ticket.in_submit``); elsewhere the capacity and the key's limits are checked
-        now (429)."""
+        """A one-shot request's admission: its generation to ``model``'s queue (asked for
+        as ``asked``: 403 unless the key may use it; a kept session's is made by commands
+        that follow SUBMIT, which would run on a refusal too: admitted first). Where SUBMIT
+        can, it admits the request itself (``Ticket.in_submit``); elsewhere the capacity
+        and the key's limits are checked now (429)."""
         tenant, gids, count_request = caller.tenant, [request.generation_id], not request.choice
+        self.check_model(tenant, asked, model)
+        ticket = Ticket(self, caller, tenant, model, gids, count_request=count_request)
         if self.one_node and not kept:
             limits = tenant.limits if tenant.limits.any else None
-            in_submit = await self._in_submit(model, request, limits, count_request)
-            return Ticket(
-                self, caller, tenant, model, gids, count_request=count_request, in_submit=in_submit
-            )
+            ticket.in_submit = await self._in_submit(model, request, limits, count_request)
+            return ticket
         await self.guard_capacity(model)
-        taken = await self._admit_key(caller, tenant, gids, request.session_id, count_request)
-        return Ticket(self, caller, tenant, model, gids, count_request=count_request, taken=taken)
+        ticket.taken = await self._admit_key(
+            caller, tenant, gids, request.session_id, count_request
+        )
+        return ticket
 
     async def turn(
         self,

@@ -167,28 +167,35 @@ class Submitter:
     async def submit_stateless(
         self,
         ask: GenerationAsk,
+        model: str,
         session_id: str | None = None,
         kept: KeptSession | None = None,
         choice: int = 0,
     ) -> Submitted:
         """Queue one generation in a throwaway session (the OpenAI/TGI/OIP adapters) for
-        ``ask.model`` (a name or alias; None: the default model), serving ``ask.caller``'s
-        key, admitted as ``Admission.one_shot`` says (in SUBMIT itself where it can).
-        ``session_id``: the new session's id, when the caller subscribed to it first.
-        ``kept``: a session that outlives its request (a stored response): its TTL, meta
-        fields and whether it runs on with no reader. ``choice``: which of a request's
-        ``n`` choices it is (only the first counts as a request and bills the prompt)."""
-        model = await self.models.resolve(ask.model)
-        self.admission.check_model(ask.caller.tenant, ask.model or model, model)
+        ``model`` (``ask.model`` resolved: ``ModelDirectory.resolve``), serving
+        ``ask.caller``'s key, admitted as ``Admission.one_shot`` says (in SUBMIT itself
+        where it can). ``session_id``: the new session's id, when the caller subscribed to
+        it first. ``kept``: a session that outlives its request (a stored response): its
+        TTL, meta fields and whether it runs on with no reader. ``choice``: which of a
+        request's ``n`` choices it is (only the first counts as a request and bills the
+        prompt)."""
         for message in ask.messages or []:
             self._check_content(message.content, allow_empty=True)
         if ask.prompt is not None:
             self._check_content(ask.prompt)
         ttl_s = kept.ttl_s if kept is not None else self.settings.stateless_ttl_s
         request = self._one_shot(ask, session_id or new_id("s"), ttl_s, choice)
-        ticket = await self.admission.one_shot(ask.caller, model, request, kept=kept is not None)
+        new = self._new_session(model, request, ask.caller.tenant)
+        ticket = await self.admission.one_shot(
+            ask.caller, ask.model or model, model, request, kept=kept is not None
+        )
         try:
-            reply = ticket.settled(await self._create(model, request, ticket, kept))
+            if ticket.in_submit is not None:
+                created = await self.generations.create_admitted(new, ticket.in_submit)
+            else:
+                created = await self._create_queued(model, request, new, kept)
+            reply = ticket.settled(created)
         except BaseException:
             await ticket.give_back()
             raise
@@ -197,18 +204,21 @@ class Submitter:
         if not isinstance(reply, script.Accepted):
             raise Unavailable(f"queueing a stateless generation failed: {reply!r}")
         await self.durable.confirm(self.keys.events(request.session_id), self.queue.of(model).key)
-        self._submitted(request, reply.queued_id, model)
+        if self.observer is not None:
+            self.observer.submitted(
+                request.session_id, request.generation_id, reply.queued_id, model, request.tenant
+            )
         return Submitted(request.generation_id, request.session_id, reply.queued_id)
 
     def _one_shot(
         self, ask: GenerationAsk, session_id: str, ttl_s: int, choice: int
     ) -> GenerationRequest:
-        """What the engine gets of a one-shot ask: its conversation (or prompt), how to
-        continue it, and whom it serves."""
+        """What the engine gets of a one-shot ask's ``choice``: its conversation (or
+        prompt), how to continue it (the choice's own seed), and whom it serves."""
         return GenerationRequest(
             generation_id=new_id("g"),
             session_id=session_id,
-            params=ask.sampling,
+            params=ask.sampling.for_choice(choice),
             messages=ask.messages or [],
             prompt=ask.prompt,
             enqueued_at=time.time(),
@@ -222,14 +232,11 @@ class Submitter:
             traceparent=tracing.traceparent(),
         )
 
-    async def _create(
-        self, model: str, request: GenerationRequest, ticket: Ticket, kept: KeptSession | None
+    async def _create_queued(
+        self, model: str, request: GenerationRequest, new: NewSession, kept: KeptSession | None
     ) -> script.SubmitReply:
-        """Make the throwaway session with its generation and queue its request: admitted
-        by SUBMIT itself (``ticket.in_submit``), or admitted before."""
-        new = self._new_session(model, request, ticket.tenant)
-        if ticket.in_submit is not None:
-            return await self.generations.create_admitted(new, ticket.in_submit)
+        """Make the throwaway session ``new`` with its generation, admitted before, and
+        queue its request (``kept``: its session outlives it)."""
         keep = None
         if kept is not None:
             keep = functools.partial(
