@@ -60,6 +60,11 @@ class Choices:
         return cls(streams)
 
     @property
+    def n(self) -> int:
+        """How many choices: the ask's ``n``."""
+        return len(self.streams)
+
+    @property
     def generation_id(self) -> str:
         """The first choice's generation id: the one the response's id is made from."""
         return self.streams[0].generation_id

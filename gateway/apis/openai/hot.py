@@ -5,9 +5,8 @@ Most of a gateway's requests are those, and Litestar's part of one (routing, dep
 resolution, the handler's signature model, the response objects) was a large share of the
 gateway's CPU per request (docs/bench.md). Here a request takes none of it: its
 body is decoded into the same request struct, it is submitted and answered by the same
-functions as the Litestar route's (``open_stream`` and ``send_stream`` for a stream,
-``whole_answer`` for a whole one, with the same ``Endpoint``), and an error answers in the
-same format (``error_answer``).
+function as the Litestar route's (``answer``, with the same ``Endpoint``; ``send_stream``
+sends a stream), and an error answers in the same format (``error_answer``).
 
 Only a request this handler can take whole is taken; every other one goes on to Litestar
 as it came (its body, already read, handed on unchanged), so every error the app answers
@@ -42,8 +41,8 @@ from gateway.apis.openai.routes import (
     COMPLETIONS,
     PREFIX,
     Endpoint,
-    open_stream,
-    whole_answer,
+    Streamed,
+    answer,
 )
 from gateway.apis.openai.schema import ChatCompletionRequest, CompletionRequest
 from gateway.core.auth import ApiKeys, bearer
@@ -129,17 +128,15 @@ class HotRoutes:
         scope["path_template"] = scope["path"]  # what Litestar sets: the metric's label
         try:
             async with self.unanswered.waiting():  # a shutdown's cut: 503 shutting_down
-                if not data.stream:
-                    answer = await whole_answer(route.endpoint, self.service, data, caller)
-                else:
-                    chunks, choices = await open_stream(route.endpoint, self.service, data, caller)
+                answered = await answer(route.endpoint, self.service, data, caller)
         except Exception as exc:  # answered as Litestar's exception handler answers it
             status, error, headers = error_answer(exc)
             await _send_json(send, status, msgspec.json.encode(error), headers)
             return
-        if not data.stream:
-            await _send_json(send, 200, msgspec.json.encode(answer))
+        if not isinstance(answered, Streamed):
+            await _send_json(send, 200, msgspec.json.encode(answered))
             return
+        chunks, choices = answered
         try:
             start: HTTPResponseStartEvent = {
                 "type": "http.response.start",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import msgspec
 from litestar import Response, Router, get, post
@@ -88,45 +88,44 @@ def _include_usage(body: SamplingFields) -> tuple[bool, bool]:
     return usage, usage and options is not None and options.continuous_usage_stats
 
 
-async def open_stream(
+class Streamed(NamedTuple):
+    """A streamed answer: its body, and its choices, to close when the response ends (the
+    Litestar route's background task; the hot route closes them)."""
+
+    chunks: AsyncIterator[bytes]
+    choices: Choices
+
+
+async def answer(
     endpoint: Endpoint[Body], service: GatewayService, body: Body, caller: Caller
-) -> tuple[AsyncIterator[bytes], Choices]:
-    """A streamed answer's body, its generations queued for ``caller``; and its choices,
-    to close when the response ends (the Litestar route's background task; the hot route
-    closes them)."""
-    ask = endpoint.ask(service, body, caller)
-    choices = await service.generate(ask)
-    completion_id = endpoint.id_prefix + choices.generation_id
-    chunks = endpoint.chunks(completion_id, int(time.time()), endpoint.wants_logprobs(body))
+) -> msgspec.Struct | Streamed:
+    """The answer to ``body``, its generations queued for ``caller``: streamed (its chunks
+    as they come), or whole once every choice has ended."""
     include_usage, continuous_usage = _include_usage(body)
+    choices = await service.generate(endpoint.ask(service, body, caller))
+    completion_id, created = endpoint.id_prefix + choices.generation_id, int(time.time())
+    logprobs = endpoint.wants_logprobs(body)
+    if not body.stream:
+        wholes = await choices.collect()
+        return endpoint.whole(completion_id, created, body.model, wholes, logprobs)
     stream = ChunkStream(
-        chunks,
+        endpoint.chunks(completion_id, created, logprobs),
         body.model,
-        ask.n,
+        choices.n,
         include_usage=include_usage,
         continuous_usage=continuous_usage,
     )
-    return ending_with_error(walk(choices.batches(), stream, ask.n), failure_frames), choices
-
-
-async def whole_answer(
-    endpoint: Endpoint[Body], service: GatewayService, body: Body, caller: Caller
-) -> msgspec.Struct:
-    """The answer of a request that does not stream, once every choice has ended."""
-    choices = await service.generate(endpoint.ask(service, body, caller))
-    completion_id, created = endpoint.id_prefix + choices.generation_id, int(time.time())
-    wholes = await choices.collect()
-    return endpoint.whole(completion_id, created, body.model, wholes, endpoint.wants_logprobs(body))
+    chunks = ending_with_error(walk(choices.batches(), stream, choices.n), failure_frames)
+    return Streamed(chunks, choices)
 
 
 async def _answer(
     endpoint: Endpoint[Body], service: GatewayService, body: Body, request: AnyRequest
 ) -> Response[Any] | Stream:
-    caller = caller_of(request.scope)
-    if not body.stream:
-        return Response(await whole_answer(endpoint, service, body, caller))
-    chunks, choices = await open_stream(endpoint, service, body, caller)
-    return sse.response(chunks, background=choices.on_response_end())
+    answered = await answer(endpoint, service, body, caller_of(request.scope))
+    if isinstance(answered, Streamed):
+        return sse.response(answered.chunks, background=answered.choices.on_response_end())
+    return Response(answered)
 
 
 @post(CHAT_COMPLETIONS, summary="OpenAI chat completions", status_code=200)
