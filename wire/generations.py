@@ -140,9 +140,14 @@ class Generations:
         by ``keep``), then queue its request (``waiting``) in ``queue``: after the
         generation exists, so no worker takes a request whose generation is not there (one
         pipeline on one Redis, where a fresh session cannot refuse it; after the reply on a
-        cluster, and only if it was accepted). Sent twice after a restarted Redis lost its
-        scripts (``lost_scripts``): the first copy, with no generation to claim, is skipped
-        by the worker that takes it."""
+        cluster, and only if it was accepted). A request with a note (``waiting.note``: on a
+        cluster, where it is queued a round trip after its session is made) is noted beside
+        its queue first, whole, so that the reaper queues it should this process die
+        between the two (gateway/recovery/stranded.py). Sent twice after a restarted Redis
+        lost its scripts (``lost_scripts``): the first copy, with no generation to claim,
+        is skipped by the worker that takes it."""
+        if waiting.note:
+            await queue.note_submitting(waiting.note)
 
         def create(pipe: Pipeline) -> None:
             self._submit.create_in(pipe, new)

@@ -187,6 +187,14 @@ class Submitter:
         ttl_s = kept.ttl_s if kept is not None else self.settings.stateless_ttl_s
         request = self._one_shot(ask, session_id or new_id("s"), ttl_s, choice)
         new = self._new_session(model, request, ask.caller.tenant)
+        keep = None
+        if kept is not None:
+            keep = functools.partial(
+                keep_in, keys=self.keys, session_id=request.session_id, kept=kept
+            )
+        # Queued after its session on a cluster: noted first, whole (no session history
+        # holds its conversation; Generations.create_queued).
+        note = None if self.generations.topology.one_node else wire.encode(request)
         ticket = await self.admission.one_shot(
             ask.caller, ask.model or model, model, request, kept=kept is not None
         )
@@ -194,7 +202,9 @@ class Submitter:
             if ticket.in_submit is not None:
                 created = await self.generations.create_admitted(new, ticket.in_submit)
             else:
-                created = await self._create_queued(model, request, new, kept)
+                waiting = self.queue.waiting(model, request, note)
+                queue = self.queue.of(model)
+                created = await self.generations.create_queued(new, queue, waiting, keep)
             reply = ticket.settled(created)
         except BaseException:
             await ticket.give_back()
@@ -231,26 +241,6 @@ class Submitter:
             choice=choice,
             traceparent=tracing.traceparent(),
         )
-
-    async def _create_queued(
-        self, model: str, request: GenerationRequest, new: NewSession, kept: KeptSession | None
-    ) -> script.SubmitReply:
-        """Make the throwaway session ``new`` with its generation, admitted before, and
-        queue its request (``kept``: its session outlives it)."""
-        keep = None
-        if kept is not None:
-            keep = functools.partial(
-                keep_in, keys=self.keys, session_id=request.session_id, kept=kept
-            )
-        note = None
-        if not self.generations.topology.one_node:
-            # Queued a round trip after its session is made: noted first, whole (no session
-            # history holds its conversation), so that the reaper queues it should this
-            # process die between the two (gateway/recovery/stranded.py).
-            note = wire.encode(request)
-            await self.queue.of(model).note_submitting(note)
-        waiting = self.queue.waiting(model, request, note)
-        return await self.generations.create_queued(new, self.queue.of(model), waiting, keep)
 
     def _new_session(self, model: str, request: GenerationRequest, tenant: Tenant) -> NewSession:
         """The stateless session SUBMIT makes for ``request`` to ``model``'s queue: its
