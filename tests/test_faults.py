@@ -136,7 +136,9 @@ async def test_a_reader_come_back_through_another_gateway_marks_its_session_read
     """A generation is abandoned no sooner than the grace after its last reader left: a
     reader that comes back through another gateway counts from the moment it does, not
     from that gateway's next refresh of its watch marks (up to a third of the grace later,
-    by when the mark of the gateway it left may be gone). Here that mark is gone."""
+    by when the mark of the gateway it left may be gone). Here that mark has 1.5 s left as
+    the reader comes back (gone, a worker's check in between would abandon the reply at once:
+    its grace is over), and the second gateway's mark must be fresh at once."""
     stack.synthetic(tokens_per_s=20)
     first, second = stack.gateway(), stack.gateway()
     redis = aioredis.Redis.from_url(stack.redis_url)
@@ -146,10 +148,11 @@ async def test_a_reader_come_back_through_another_gateway_marks_its_session_read
             gid = await send(client, session, "come back", max_tokens=60)
             before = await read_events(client, session, limit=4, timeout_s=20)
             watch = Keys(stack.prefix).watch(session.session_id)
-            await redis.delete(watch)  # the first gateway's mark ran out
+            await redis.pexpire(watch, 1500)  # the first gateway's mark runs out
             moved = Session(second.url, session.session_id, session.token)
             reader, after = await resume_until_an_event(client, moved, gid, before)
-            assert await redis.exists(watch), "the reader on the second gateway went unmarked"
+            # Marked anew: its TTL is the grace again, not what was left of the first mark.
+            assert await redis.pttl(watch) > 1500, "the reader on the second gateway went unmarked"
             await reader
         assert after.final(gid).event == "done", after.final(gid)
         assert before.text(gid) + after.text(gid) == synthetic_text("come back", 60)
