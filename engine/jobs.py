@@ -409,15 +409,22 @@ class JobTable:
             await self._acknowledge(job.entry_id, job.session_id, job.generation_id)
 
     async def _hand_on_if_left_here(self, job: Job) -> bool:
-        """Redis says ``job``'s generation runs here at an epoch before the job's: a crash
-        or failover lost a takeover this worker made (a stop for another tenant, a
-        hand-over) and the claim after it. No reaper hands on a live worker's reply, so
-        this worker does, as the reaper does a lost one's: taken to its next epoch and
-        continued from what its events hold, its request requeued (True); or ended
-        (cancelled, worker_lost), its request then acknowledged as any dropped one."""
+        """True when ``job``'s request is not this worker's to acknowledge. Redis says its
+        generation is past the job's epoch and not here: another took it over (the reaper,
+        taking this worker for lost), and its request is the taker's: acknowledged once its
+        continuation is queued, or left pending for the next pass to do it again should the
+        queueing fail. Redis says it runs here at an epoch before the job's: a crash or
+        failover lost a takeover this worker made (a stop for another tenant, a hand-over)
+        and the claim after it. No reaper hands on a live worker's reply, so this worker
+        does, as the reaper does a lost one's: taken to its next epoch and continued from
+        what its events hold, its request requeued (True); or ended (cancelled,
+        worker_lost), its request then acknowledged as any dropped one."""
         sid, gid = job.session_id, job.generation_id
         try:
-            owner = await self.generations.runs_on(sid, gid)
+            owner = await self.generations.placed(sid, gid)
+            if owner is not None and owner[1] > job.epoch and owner[0] != self.worker_id:
+                log.info("%s was taken over past this run: its request is the taker's", gid)
+                return True
             if owner is None or owner[0] != self.worker_id or owner[1] >= job.epoch:
                 return False
             log.warning(

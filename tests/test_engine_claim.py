@@ -19,6 +19,7 @@ from engine.backends.synthetic import SyntheticBackend
 from engine.worker import Worker
 from wire import GenerationRequest, Keys, SamplingParams, Started
 from wire.emit_step import EmitTarget
+from wire.outcomes import TakenOver
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -176,3 +177,29 @@ async def test_a_reply_that_ends_in_its_refused_claims_write_is_not_counted(
         "tokenspout_engine_generations_total", {"state": "done"}
     )
     assert ended is None, ended
+
+
+async def test_a_run_taken_over_by_the_reaper_leaves_its_request_to_the_reaper(
+    publishing: Rig,
+) -> None:
+    """The reaper took this worker for lost (its heartbeats held up) and its reply over: the
+    request claimed for the reaper, the generation queued at the next epoch. The reaper
+    queues the continuation and acknowledges the request itself; its queueing refused
+    (Redis at its maxmemory), it leaves the request pending for its next pass to do again.
+    The worker's next event is refused and its run dropped, and the request is not its to
+    acknowledge: acknowledged, the reply was lost for good (the chaos run, seed 11)."""
+    rig = publishing
+    await rig.generation(state="queued")
+    entry = await rig.take(max_tokens=400)
+    async with asyncio.timeout(10):
+        while b"token" not in await rig.kinds():
+            await asyncio.sleep(0.01)
+    queue = rig.worker.requests_key
+    await rig.redis.xclaim(queue, wire.CONSUMER_GROUP, "reaper-test", 0, [entry])
+    taken = await rig.worker.publisher.generations.take_over(
+        rig.sid, rig.gid, worker="w-claim", max_takeovers=3, lost=True
+    )
+    assert isinstance(taken, TakenOver), taken
+    async with asyncio.timeout(10):
+        await rig.idle()
+    assert await rig.pending() == 1, "the worker acknowledged the request the reaper holds"

@@ -404,14 +404,15 @@ class Generations:
         )
         return ended
 
-    async def runs_on(self, session_id: str, generation_id: str) -> tuple[str, int] | None:
-        """The worker a running generation runs on and its epoch, as its hash says (None:
-        not running, or gone)."""
+    async def placed(self, session_id: str, generation_id: str) -> tuple[str, int] | None:
+        """The worker a generation runs on ("" while it does not run) and its epoch (its
+        takeovers), as its hash says (None: gone)."""
         key = self.keys.generation(session_id, generation_id)
         state, worker, takeovers = await self.redis.hmget(key, ("state", "worker", "takeovers"))
-        if state != b"running" or not worker:
+        if state is None:
             return None
-        return text(worker), int(takeovers or 0)
+        running = state == b"running" and worker
+        return text(worker) if running else "", int(takeovers or 0)
 
     async def standing(self, session_id: str, generation_id: str) -> str:
         """Where a generation stands, as its hash says (state, owner, epoch, a cancel asked,
