@@ -87,7 +87,9 @@ local function emit_event(events, gen, active, history, channel, maxlen, ttl, et
     redis.call('HSET', gen, unpack(fields))
   else
     finish(gen, active, gid, final_state, id, data, ttl, read, fields)
-    if assistant ~= '' then
+    -- Only a session turn's reply has a place in a history (SUBMIT gave it its 'at'): a
+    -- one-shot request's session keeps none (SUBMIT), so its reply makes none either.
+    if assistant ~= '' and read[5] then
       -- A continued reply (SUBMIT marked its turn) makes the history's last message, the
       -- one it extends, longer: the session was busy meanwhile, so that is still the one.
       if seen[7] and redis.call('LLEN', history) > 0 then
