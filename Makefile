@@ -7,13 +7,13 @@ STAMP  := $(VENV)/.installed
 LOCK   := constraints.txt
 PORT   ?= 8000
 
-.PHONY: run test check setup lock model browser prometheus lint typecheck pytest bench soak \
+.PHONY: run test check setup lock model browser prometheus valgrind lint typecheck pytest bench soak \
 	soak-vllm clean check-vllm
 
 run: setup
 	$(PY) -m stack --port $(PORT)
 
-test: setup model browser prometheus lint typecheck pytest
+test: setup model browser prometheus valgrind lint typecheck pytest
 
 # Lint, types and the in-process tests (tests/inprocess: no gateway or engine process, no
 # vLLM, the embedded Redis only), in well under a minute. `make test` runs these tests too.
@@ -63,6 +63,14 @@ prometheus:
 	  (apt-get -o DPkg::Lock::Timeout=600 update -qq && \
 	   apt-get -o DPkg::Lock::Timeout=600 install -y -qq prometheus >/dev/null) || \
 	  echo "[setup] could not install prometheus: the alert tests will fail"; }
+
+# Valgrind: bench.redis_cost counts the instructions Redis runs per request under callgrind
+# (tests/test_bench_redis_cost.py runs it).
+valgrind:
+	@command -v valgrind >/dev/null || { echo "[setup] installing Debian's valgrind"; \
+	  (apt-get -o DPkg::Lock::Timeout=600 update -qq && \
+	   apt-get -o DPkg::Lock::Timeout=600 install -y -qq valgrind >/dev/null) || \
+	  echo "[setup] could not install valgrind: the Redis cost bench's test will fail"; }
 
 lint: setup
 	$(PY) -m ruff check wire gateway engine stack tests bench
