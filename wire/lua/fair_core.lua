@@ -191,6 +191,8 @@ end
 -- (fair_submit). A worker charges its prompt and tokens as it serves it (fair_charge); its
 -- tenant's weight is kept for that (fair_weigh). Its entry is as a reply taken over has
 -- it, the request alone, and `affinity` ('hit') in its 'a' field if given (it waited 0 ms).
+-- The stream's TTL is a live worker's to renew (a worker offered it a slot: its heartbeat
+-- renews the stream it reads, engine/lease.py).
 local function fair_straight(base, stream, maxlen, tenant, weight, request, ttl, affinity)
   if fair_weigh(base, tenant, weight) then redis.call('EXPIRE', base .. ':weights', ttl) end
   if affinity then
@@ -198,7 +200,6 @@ local function fair_straight(base, stream, maxlen, tenant, weight, request, ttl,
   else
     redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'r', request)
   end
-  redis.call('EXPIRE', stream, ttl)
   fair_ring(base, ttl)
 end
 

@@ -67,7 +67,8 @@ end
 
 local got = read(count)
 local ready, moved = base .. ':ready', 0
-while got + moved < count do
+local waiting = redis.call('ZCARD', ready)
+while waiting > 0 and got + moved < count do
   local one
   if wait > 0 then one = move_affine() else one = fair_move_lowest(base, stream, ARGV[4], now) end
   if not one or one == 0 then break end
@@ -76,8 +77,8 @@ end
 if moved > 0 then
   read(moved)
   redis.call('EXPIRE', stream, ARGV[5])
+  waiting = redis.call('ZCARD', ready)
 end
-local waiting = redis.call('ZCARD', ready)
 if got + moved == count and (got == count or waiting > 0) then fair_ring(base, ARGV[5]) end
 local until_s = tonumber(redis.call('TIME')[1]) + FAIR_FREE_S
 local record = (count - got - moved) .. ' ' .. until_s .. ' ' .. ARGV[6]
