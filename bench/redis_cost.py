@@ -85,7 +85,12 @@ class Capture:
     """The bodies of the scripts it called with EVALSHA."""
 
 
+FILES = {"submit": "submit", "take": "fair_take", "step": "emit_step"}
+"""Role -> the file of wire/lua/ a library's function of it runs."""
+
+
 def role_of(words: list[bytes]) -> str | None:
+    """Which of one request's calls ``words`` is (None: none of them)."""
     command = words[0].upper()
     if command == b"XREADGROUP":
         return "take"
@@ -101,10 +106,8 @@ def role_of(words: list[bytes]) -> str | None:
     return None
 
 
-FILES = {"submit": "submit", "take": "fair_take", "step": "emit_step"}
-
-
 async def capture(checkout: checkouts.Checkout, logs: Path) -> Capture:
+    """``checkout``'s processes serve one request while ``MONITOR`` watches."""
     async with rig(0, logs, root=checkout.root) as the_rig:
         server = next(iter(the_rig.servers.values()))
         body = chat_body(the_rig, 1)
