@@ -36,7 +36,7 @@ from bench import checkouts, report, requests
 from bench.loadgen import sse_request
 from bench.rig import rig
 from bench.runner import chat_body
-from stack.redis_server import free_port, server_binary
+from stack.redis_server import server_binary
 from stack.rig import HOST
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -137,11 +137,16 @@ async def capture(checkout: checkouts.Checkout, logs: Path) -> Capture:
 
 
 class Callgrind:
-    """A ``valkey-server`` under callgrind, counting only between ``on`` and ``off``."""
+    """A ``valkey-server`` under callgrind, counting only between ``on`` and ``off``. It
+    listens on a Unix socket of its own folder only: a TCP port free when chosen may be
+    taken by another process's server while valgrind starts this one (seconds), and the
+    calls would go there."""
+
+    START_S = 60.0
 
     def __init__(self, out: Path) -> None:
         self.out = out
-        self.port = free_port()
+        socket = out.parent / "valkey.sock"
         self.process = subprocess.Popen(
             [
                 "valgrind",
@@ -149,19 +154,27 @@ class Callgrind:
                 "--instr-atstart=no",
                 f"--callgrind-out-file={out}",
                 str(server_binary()),
-                *("--port", str(self.port), "--dir", str(out.parent)),
-                *("--save", "", "--appendonly", "no"),
+                *("--port", "0", "--unixsocket", str(socket), "--unixsocketperm", "700"),
+                *("--dir", str(out.parent), "--save", "", "--appendonly", "no"),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        self.client = redis.Redis(port=self.port)
-        for _ in range(300):
-            try:
-                self.client.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.1)
+        self.client = redis.Redis(unix_socket_path=str(socket))
+        deadline = time.monotonic() + self.START_S
+        while not self._answers(socket):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"valkey-server under callgrind did not start ({socket})")
+            time.sleep(0.1)
+
+    def _answers(self, socket: Path) -> bool:
+        if not socket.exists():
+            return False
+        try:
+            return bool(self.client.ping())
+        except redis.ConnectionError:  # the socket is made a moment before it accepts
+            return False
 
     def control(self, *args: str) -> None:
         subprocess.run(
@@ -214,8 +227,13 @@ class Replay:
         for role in ROLES:
             words = [self.renamed(word, fresh) for word in self.calls[role]]
             reply = around(role, words) if around else command(self.client, words)
+            if role == "submit" and not (isinstance(reply, list) and reply[:1] == [b"ok"]):
+                raise RuntimeError(f"SUBMIT queued nothing: it answered {reply!r}")
             if role == "take":
-                fresh[self.entry] = first_entry_id(reply)
+                try:
+                    fresh[self.entry] = first_entry_id(reply)
+                except LookupError:
+                    raise RuntimeError(f"the take read no request: it answered {reply!r}") from None
 
     @staticmethod
     def renamed(word: bytes, fresh: dict[bytes, bytes]) -> bytes:
