@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from bench import checkouts, report, requests
 from bench.loadgen import sse_request
@@ -137,10 +139,8 @@ async def capture(checkout: checkouts.Checkout, logs: Path) -> Capture:
 
 
 class Callgrind:
-    """A ``valkey-server`` under callgrind, counting only between ``on`` and ``off``. It
-    listens on a Unix socket of its own folder only: a TCP port free when chosen may be
-    taken by another process's server while valgrind starts this one (seconds), and the
-    calls would go there."""
+    """A ``valkey-server`` under callgrind, counting only between ``on`` and ``off``, on a
+    Unix socket of its own folder (no port to share with another process's server)."""
 
     START_S = 60.0
 
@@ -160,7 +160,11 @@ class Callgrind:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        self.client = redis.Redis(unix_socket_path=str(socket))
+        # A call sent twice would not be the request replayed: under callgrind on a busy
+        # machine one may take longer than redis-py's 5 s, which it would then send again.
+        self.client = redis.Redis(
+            unix_socket_path=str(socket), socket_timeout=None, retry=Retry(NoBackoff(), 0)
+        )
         deadline = time.monotonic() + self.START_S
         while not self._answers(socket):
             if self.process.poll() is not None or time.monotonic() > deadline:
